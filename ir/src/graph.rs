@@ -1,0 +1,582 @@
+//! The graph: nodes (ops) and values (tensors), behind typed ids.
+//!
+//! Nodes live in a petgraph `StableDiGraph` whose edges are explicit ports (value, consumer slot)
+//! from producer to consumer; values live in a side table with their definition and their uses.
+//! All mutation goes through this API, which keeps the two in step; petgraph's indices never leak.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::fmt;
+
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::{EdgeRef, NodeIndexable};
+use petgraph::Direction;
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, Op, Shape, Tensor};
+
+/// A node in a [`Graph`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(u32);
+
+/// A value (tensor) in a [`Graph`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ValueId(u32);
+
+impl NodeId {
+    fn ix(self) -> NodeIndex {
+        NodeIndex::new(self.0 as usize)
+    }
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl ValueId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "n{}", self.0)
+    }
+}
+
+impl fmt::Display for ValueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.0)
+    }
+}
+
+/// Dtype and shape of a value, each possibly unknown.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TypeInfo {
+    pub dtype: Option<DType>,
+    pub shape: Option<Shape>,
+}
+
+impl TypeInfo {
+    pub fn new(dtype: DType, shape: Shape) -> TypeInfo {
+        TypeInfo { dtype: Some(dtype), shape: Some(shape) }
+    }
+}
+
+impl fmt::Display for TypeInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.dtype {
+            Some(d) => write!(f, "{d}")?,
+            None => f.write_str("?")?,
+        }
+        match &self.shape {
+            Some(s) => write!(f, "{s}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Where a value comes from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Def {
+    /// Declared but not (yet) defined: an error once the graph is built.
+    None,
+    /// A graph input.
+    Input,
+    /// An initializer: a tensor with data.
+    Init(Tensor),
+    /// Output `slot` of a node.
+    Node(NodeId, usize),
+}
+
+/// A use of a value: input `slot` of `node`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Use {
+    pub node: NodeId,
+    pub slot: usize,
+}
+
+/// A value: its name (unique in the graph), its type and its definition.
+#[derive(Clone, Debug)]
+pub struct Value {
+    pub name: String,
+    pub ty: TypeInfo,
+    def: Def,
+    uses: Vec<Use>,
+    /// Set when a second definition was attempted (import reports it as an error).
+    redefined: bool,
+}
+
+impl Value {
+    pub fn def(&self) -> &Def {
+        &self.def
+    }
+    pub fn uses(&self) -> &[Use] {
+        &self.uses
+    }
+    pub fn producer(&self) -> Option<(NodeId, usize)> {
+        match self.def {
+            Def::Node(n, s) => Some((n, s)),
+            _ => None,
+        }
+    }
+    pub fn initializer(&self) -> Option<&Tensor> {
+        match &self.def {
+            Def::Init(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// An operation node.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The node's name (may be empty, as in ONNX).
+    pub name: String,
+    pub op: Op,
+    inputs: Vec<Option<ValueId>>,
+    outputs: Vec<ValueId>,
+}
+
+impl Node {
+    /// Inputs by slot; `None` for an omitted optional input.
+    pub fn inputs(&self) -> &[Option<ValueId>] {
+        &self.inputs
+    }
+    pub fn input(&self, slot: usize) -> Option<ValueId> {
+        self.inputs.get(slot).copied().flatten()
+    }
+    pub fn outputs(&self) -> &[ValueId] {
+        &self.outputs
+    }
+}
+
+/// Model-level information carried from import to export.
+#[derive(Clone, Debug, Default)]
+pub struct ModelMeta {
+    pub ir_version: i64,
+    pub producer_name: String,
+    pub producer_version: String,
+    pub domain: String,
+    pub model_version: i64,
+    pub doc_string: String,
+    /// Opset imports by domain ("" is ai.onnx).
+    pub opsets: Vec<(String, i64)>,
+    pub metadata_props: Vec<(String, String)>,
+    /// Model-local functions, encoded `FunctionProto`s kept as they came.
+    pub functions: Vec<bytes::Bytes>,
+}
+
+impl ModelMeta {
+    /// The ai.onnx opset version, 0 when the model imports none.
+    pub fn onnx_opset(&self) -> i64 {
+        self.opsets
+            .iter()
+            .find(|(d, _)| d.is_empty() || d == "ai.onnx")
+            .map_or(0, |(_, v)| *v)
+    }
+
+    pub fn set_opset(&mut self, domain: &str, version: i64) {
+        match self.opsets.iter_mut().find(|(d, _)| d == domain || (domain.is_empty() && d == "ai.onnx")) {
+            Some(e) => e.1 = version,
+            None => self.opsets.push((domain.to_string(), version)),
+        }
+    }
+}
+
+/// Structural errors that the graph itself detects.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GraphError {
+    #[error("the graph has a cycle through node {0}")]
+    Cycle(String),
+    #[error("node {node} reads `{value}`, which nothing defines")]
+    Undefined { node: String, value: String },
+    #[error("value `{0}` is defined more than once")]
+    Redefined(String),
+    #[error("graph output `{0}` is not defined")]
+    UndefinedOutput(String),
+}
+
+/// A computation graph.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub name: String,
+    pub meta: ModelMeta,
+    nodes: StableDiGraph<Node, Port>,
+    values: Vec<Value>,
+    by_name: HashMap<String, ValueId>,
+    inputs: Vec<ValueId>,
+    outputs: Vec<ValueId>,
+}
+
+/// Edge weight: the consumer's input slot (the value is the node's input at that slot).
+#[derive(Clone, Copy, Debug)]
+struct Port {
+    slot: usize,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Graph {
+        Graph { name: name.into(), ..Graph::default() }
+    }
+
+    // ---- values ----
+
+    /// A new value with no definition yet. Its name is made unique if it is taken; an empty
+    /// name makes an anonymous value (an omitted optional output, or a temporary).
+    pub fn new_value(&mut self, name: &str, ty: TypeInfo) -> ValueId {
+        let id = ValueId(self.values.len() as u32);
+        let name = if name.is_empty() { String::new() } else { self.unique_name(name) };
+        if !name.is_empty() {
+            self.by_name.insert(name.clone(), id);
+        }
+        self.values.push(Value { name, ty, def: Def::None, uses: Vec::new(), redefined: false });
+        id
+    }
+
+    /// `name` if no value has it, else `name.1`, `name.2`, ...
+    pub fn unique_name(&self, name: &str) -> String {
+        let base = if name.is_empty() { "v" } else { name };
+        if !name.is_empty() && !self.by_name.contains_key(base) {
+            return base.to_string();
+        }
+        (1..).map(|i| format!("{base}.{i}")).find(|n| !self.by_name.contains_key(n)).unwrap_or_default()
+    }
+
+    pub fn add_input(&mut self, name: &str, ty: TypeInfo) -> ValueId {
+        let v = self.new_value(name, ty);
+        self.values[v.index()].def = Def::Input;
+        self.inputs.push(v);
+        v
+    }
+
+    pub fn add_initializer(&mut self, name: &str, tensor: Tensor) -> ValueId {
+        let ty = TypeInfo::new(tensor.dtype(), Shape::fixed(tensor.shape()));
+        let v = self.new_value(name, ty);
+        self.values[v.index()].def = Def::Init(tensor);
+        v
+    }
+
+    /// Turns a declared value into an initializer (or replaces an initializer's data).
+    pub fn set_initializer(&mut self, v: ValueId, tensor: Tensor) {
+        let val = &mut self.values[v.index()];
+        val.ty = TypeInfo::new(tensor.dtype(), Shape::fixed(tensor.shape()));
+        if !matches!(val.def, Def::None | Def::Init(_)) {
+            val.redefined = true;
+        }
+        val.def = Def::Init(tensor);
+    }
+
+    pub fn value(&self, v: ValueId) -> &Value {
+        &self.values[v.index()]
+    }
+
+    pub fn ty(&self, v: ValueId) -> &TypeInfo {
+        &self.values[v.index()].ty
+    }
+
+    pub fn set_ty(&mut self, v: ValueId, ty: TypeInfo) {
+        self.values[v.index()].ty = ty;
+    }
+
+    pub fn name(&self, v: ValueId) -> &str {
+        &self.values[v.index()].name
+    }
+
+    pub fn find(&self, name: &str) -> Option<ValueId> {
+        self.by_name.get(name).copied()
+    }
+
+    /// The value's data, when it is an initializer or the output of a `Constant` node.
+    pub fn constant(&self, v: ValueId) -> Option<&Tensor> {
+        match &self.values[v.index()].def {
+            Def::Init(t) => Some(t),
+            Def::Node(n, 0) => match &self.node(*n).op {
+                Op::Constant(c) => Some(&c.value),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Every value ever created (including dead ones), by id.
+    pub fn value_ids(&self) -> impl Iterator<Item = ValueId> + '_ {
+        (0..self.values.len() as u32).map(ValueId)
+    }
+
+    /// Initializers in creation order.
+    pub fn initializers(&self) -> impl Iterator<Item = ValueId> + '_ {
+        self.value_ids().filter(|&v| matches!(self.values[v.index()].def, Def::Init(_)))
+    }
+
+    /// Drops an initializer or input that nothing uses any more.
+    pub fn remove_value(&mut self, v: ValueId) {
+        let val = &mut self.values[v.index()];
+        debug_assert!(val.uses.is_empty(), "removing a used value");
+        if matches!(val.def, Def::Input) {
+            self.inputs.retain(|&i| i != v);
+        }
+        val.def = Def::None;
+        self.outputs.retain(|&o| o != v);
+        let name = std::mem::take(&mut self.values[v.index()].name);
+        self.by_name.remove(&name);
+    }
+
+    // ---- graph inputs/outputs ----
+
+    pub fn inputs(&self) -> &[ValueId] {
+        &self.inputs
+    }
+    pub fn outputs(&self) -> &[ValueId] {
+        &self.outputs
+    }
+    pub fn add_output(&mut self, v: ValueId) {
+        self.outputs.push(v);
+    }
+    pub fn set_outputs(&mut self, outs: Vec<ValueId>) {
+        self.outputs = outs;
+    }
+    pub fn is_output(&self, v: ValueId) -> bool {
+        self.outputs.contains(&v)
+    }
+
+    // ---- nodes ----
+
+    /// Adds a node that defines `outputs` (values made with [`Graph::new_value`]).
+    pub fn add_node(
+        &mut self,
+        name: impl Into<String>,
+        op: Op,
+        inputs: Vec<Option<ValueId>>,
+        outputs: Vec<ValueId>,
+    ) -> NodeId {
+        let node = Node { name: name.into(), op, inputs: Vec::new(), outputs: outputs.clone() };
+        let id = NodeId(self.nodes.add_node(node).index() as u32);
+        for (slot, &o) in outputs.iter().enumerate() {
+            let val = &mut self.values[o.index()];
+            if !matches!(val.def, Def::None) {
+                val.redefined = true;
+            }
+            val.def = Def::Node(id, slot);
+        }
+        for (slot, v) in inputs.into_iter().enumerate() {
+            self.nodes[id.ix()].inputs.push(None);
+            self.set_input(id, slot, v);
+        }
+        id
+    }
+
+    /// Adds a node with fresh output values named `{name}` (one output) or `{name}.{i}`.
+    pub fn add_op(&mut self, name: &str, op: Op, inputs: &[Option<ValueId>], n_outputs: usize) -> (NodeId, Vec<ValueId>) {
+        let outs: Vec<ValueId> = (0..n_outputs)
+            .map(|i| {
+                let vname = if n_outputs == 1 { name.to_string() } else { format!("{name}.{i}") };
+                self.new_value(&vname, TypeInfo::default())
+            })
+            .collect();
+        (self.add_node(name, op, inputs.to_vec(), outs.clone()), outs)
+    }
+
+    pub fn node(&self, n: NodeId) -> &Node {
+        &self.nodes[n.ix()]
+    }
+
+    /// The node's op and name may change freely; its inputs change through [`Graph::set_input`].
+    pub fn node_op_mut(&mut self, n: NodeId) -> &mut Op {
+        &mut self.nodes[n.ix()].op
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.nodes.node_count()
+    }
+
+    /// Node ids in creation order (not necessarily topological).
+    pub fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.node_indices().map(|i| NodeId(i.index() as u32))
+    }
+
+    /// Points input `slot` of `node` at `v` (or at nothing).
+    pub fn set_input(&mut self, node: NodeId, slot: usize, v: Option<ValueId>) {
+        let ix = node.ix();
+        if self.nodes[ix].inputs.len() <= slot {
+            self.nodes[ix].inputs.resize(slot + 1, None);
+        }
+        if let Some(old) = self.nodes[ix].inputs[slot] {
+            self.values[old.index()].uses.retain(|u| !(u.node == node && u.slot == slot));
+            let edge = self
+                .nodes
+                .edges_directed(ix, Direction::Incoming)
+                .find(|e| e.weight().slot == slot)
+                .map(|e| e.id());
+            if let Some(e) = edge {
+                self.nodes.remove_edge(e);
+            }
+        }
+        self.nodes[ix].inputs[slot] = v;
+        if let Some(v) = v {
+            self.values[v.index()].uses.push(Use { node, slot });
+            self.connect(v, node, slot);
+        }
+    }
+
+    /// Adds the producer → consumer edge for a value whose producer is known.
+    fn connect(&mut self, v: ValueId, node: NodeId, slot: usize) {
+        if let Def::Node(p, _) = self.values[v.index()].def {
+            self.nodes.add_edge(p.ix(), node.ix(), Port { slot });
+        }
+    }
+
+    /// Re-creates the edges of values whose producers were added after their consumers
+    /// (import of a graph listed out of order).
+    pub fn relink(&mut self) {
+        self.nodes.clear_edges();
+        let ports: Vec<(ValueId, Use)> = self
+            .values
+            .iter()
+            .enumerate()
+            .flat_map(|(i, v)| v.uses.iter().map(move |u| (ValueId(i as u32), *u)))
+            .collect();
+        for (v, u) in ports {
+            self.connect(v, u.node, u.slot);
+        }
+    }
+
+    /// Makes every reader of `old` (and the graph outputs) read `new` instead.
+    pub fn replace_uses(&mut self, old: ValueId, new: ValueId) {
+        for u in self.values[old.index()].uses.clone() {
+            self.set_input(u.node, u.slot, Some(new));
+        }
+        for o in &mut self.outputs {
+            if *o == old {
+                *o = new;
+            }
+        }
+    }
+
+    /// Removes a node; its outputs must be unused. They become undefined and nameless.
+    pub fn remove_node(&mut self, n: NodeId) {
+        let slots = self.nodes[n.ix()].inputs.len();
+        for slot in 0..slots {
+            self.set_input(n, slot, None);
+        }
+        if let Some(node) = self.nodes.remove_node(n.ix()) {
+            for o in node.outputs {
+                debug_assert!(self.values[o.index()].uses.is_empty(), "removing a node whose output is used");
+                self.values[o.index()].def = Def::None;
+                let name = std::mem::take(&mut self.values[o.index()].name);
+                self.by_name.remove(&name);
+            }
+        }
+    }
+
+    /// Nodes in a deterministic topological order: among ready nodes the oldest goes first, so
+    /// a graph that was already sorted keeps its order. A cycle is an error naming a node on it.
+    pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
+        let mut indeg = vec![0usize; self.nodes.node_bound()];
+        let mut ready = BinaryHeap::new();
+        for ix in self.nodes.node_indices() {
+            let d = self.nodes.edges_directed(ix, Direction::Incoming).count();
+            indeg[ix.index()] = d;
+            if d == 0 {
+                ready.push(std::cmp::Reverse(ix.index()));
+            }
+        }
+        let mut order = Vec::with_capacity(self.nodes.node_count());
+        while let Some(std::cmp::Reverse(i)) = ready.pop() {
+            order.push(NodeId(i as u32));
+            for e in self.nodes.edges_directed(NodeIndex::new(i), Direction::Outgoing) {
+                let t = e.target().index();
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    ready.push(std::cmp::Reverse(t));
+                }
+            }
+        }
+        if order.len() < self.nodes.node_count() {
+            let stuck = self.nodes.node_indices().find(|ix| indeg[ix.index()] > 0).map_or(0, |ix| ix.index());
+            return Err(GraphError::Cycle(self.node_label(NodeId(stuck as u32))));
+        }
+        Ok(order)
+    }
+
+    /// `"name" (Op)` for messages.
+    pub fn node_label(&self, n: NodeId) -> String {
+        let node = self.node(n);
+        if node.name.is_empty() {
+            format!("#{} ({})", n.0, node.op.op_type())
+        } else {
+            format!("`{}` ({})", node.name, node.op.op_type())
+        }
+    }
+
+    /// Structural checks: every value read is defined exactly once, outputs are defined, no
+    /// cycle. Returns the topological order.
+    pub fn check_structure(&self) -> Result<Vec<NodeId>, GraphError> {
+        for v in &self.values {
+            if v.redefined {
+                return Err(GraphError::Redefined(v.name.clone()));
+            }
+        }
+        for n in self.node_ids() {
+            for v in self.node(n).inputs.iter().flatten() {
+                if matches!(self.values[v.index()].def, Def::None) {
+                    return Err(GraphError::Undefined {
+                        node: self.node_label(n),
+                        value: self.values[v.index()].name.clone(),
+                    });
+                }
+            }
+        }
+        for &o in &self.outputs {
+            if matches!(self.values[o.index()].def, Def::None) {
+                return Err(GraphError::UndefinedOutput(self.values[o.index()].name.clone()));
+            }
+        }
+        self.topo_order()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain() -> (Graph, ValueId, NodeId, NodeId) {
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[2])));
+        let (a, ao) = g.add_op("a", Op::Relu, &[Some(x)], 1);
+        let (b, _) = g.add_op("b", Op::Neg, &[Some(ao[0])], 1);
+        (g, x, a, b)
+    }
+
+    #[test]
+    fn topo_order_and_uses() {
+        let (g, x, a, b) = chain();
+        assert_eq!(g.topo_order().unwrap(), vec![a, b]);
+        assert_eq!(g.value(x).uses(), &[Use { node: a, slot: 0 }]);
+    }
+
+    #[test]
+    fn cycle_is_reported() {
+        let (mut g, _, a, b) = chain();
+        let bo = g.node(b).outputs()[0];
+        g.set_input(a, 0, Some(bo));
+        let err = g.topo_order().unwrap_err();
+        assert!(matches!(err, GraphError::Cycle(_)), "{err}");
+    }
+
+    #[test]
+    fn remove_and_rewire() {
+        let (mut g, x, a, b) = chain();
+        g.set_input(b, 0, Some(x));
+        g.remove_node(a);
+        assert_eq!(g.node_count(), 1);
+        assert_eq!(g.check_structure().unwrap(), vec![b]);
+        assert_eq!(g.value(x).uses(), &[Use { node: b, slot: 0 }]);
+    }
+
+    #[test]
+    fn names_stay_unique() {
+        let (mut g, ..) = chain();
+        let v = g.new_value("a", TypeInfo::default());
+        assert_eq!(g.name(v), "a.1");
+    }
+}

@@ -1,0 +1,21 @@
+//! mpc-ir: the graph, ops, dtypes, shapes and tensors of mpc, with ONNX import/export and the text IR.
+//!
+//! Passes and the runtime both depend on this crate; it depends on neither.
+
+pub mod attr;
+mod dtype;
+mod error;
+pub mod graph;
+pub mod onnx;
+pub mod ops;
+mod shape;
+mod tensor;
+pub mod text;
+
+pub use attr::{Attr, Attrs};
+pub use dtype::DType;
+pub use error::{IrError, Result};
+pub use graph::{Def, Graph, GraphError, ModelMeta, Node, NodeId, TypeInfo, Use, Value, ValueId};
+pub use ops::{Op, Opaque};
+pub use shape::{normalize_axis, Dim, Shape};
+pub use tensor::Tensor;

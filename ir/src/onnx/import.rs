@@ -1,0 +1,339 @@
+//! ONNX → IR.
+//!
+//! The model is decoded from one shared buffer (initializer data is not copied). Every value a node
+//! defines is declared before any node is built, so a graph listed out of order still imports and
+//! a cycle, an undefined read or a double definition is reported by name. Each standard-domain node
+//! is then brought to its internal (newest) form by [`super::legacy`]; anything else is kept as an
+//! [`Opaque`] op.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use bytes::Bytes;
+use prost::Message;
+
+use super::legacy;
+use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
+use crate::error::{invalid, IrError, Result};
+use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
+use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
+
+/// Reads an ONNX model file. External tensor data is looked up next to the file.
+pub fn read_onnx(path: &Path) -> Result<Graph> {
+    if path.is_dir() {
+        return Err(invalid("is a directory, not an ONNX model"));
+    }
+    let data = std::fs::read(path)?;
+    decode_onnx(Bytes::from(data), path.parent())
+}
+
+/// Decodes an ONNX model from bytes. `dir` is where external data files live, if any.
+pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
+    if data.is_empty() {
+        return Err(IrError::Decode("the file is empty".into()));
+    }
+    let model = proto::ModelProto::decode(data).map_err(|e| IrError::Decode(e.to_string()))?;
+    let graph = model.graph.ok_or_else(|| IrError::Decode("the model has no graph".into()))?;
+    if model.opset_import.is_empty() && model.ir_version == 0 {
+        return Err(IrError::Decode("no ir_version and no opset_import: not an ONNX model".into()));
+    }
+    let meta = ModelMeta {
+        ir_version: model.ir_version,
+        producer_name: model.producer_name,
+        producer_version: model.producer_version,
+        domain: model.domain,
+        model_version: model.model_version,
+        doc_string: model.doc_string,
+        opsets: model.opset_import.into_iter().map(|o| (o.domain, o.version)).collect(),
+        metadata_props: model.metadata_props.into_iter().map(|e| (e.key, e.value)).collect(),
+        functions: model.functions,
+    };
+    Importer { g: Graph::new(graph.name.clone()), dir, opset: 0 }.run(graph, meta)
+}
+
+struct Importer<'a> {
+    g: Graph,
+    dir: Option<&'a Path>,
+    opset: i64,
+}
+
+impl Importer<'_> {
+    fn run(mut self, graph: proto::GraphProto, meta: ModelMeta) -> Result<Graph> {
+        self.opset = match meta.onnx_opset() {
+            0 => 1,
+            v => v,
+        };
+        self.g.meta = meta;
+        if !graph.sparse_initializer.is_empty() {
+            return Err(invalid("sparse initializers are not supported"));
+        }
+        let mut declared: HashSet<String> = HashSet::new();
+        for t in graph.initializer {
+            let name = t.name.clone();
+            if !declared.insert(name.clone()) {
+                return Err(crate::GraphError::Redefined(name).into());
+            }
+            let tensor = self.tensor(t).map_err(|e| invalid(format!("initializer `{name}`: {e}")))?;
+            self.g.add_initializer(&name, tensor);
+        }
+        for vi in &graph.input {
+            // Older exporters list initializers as inputs too; they are initializers here.
+            if self.g.find(&vi.name).is_some() && declared.contains(&vi.name) {
+                continue;
+            }
+            let ty = value_type(vi, true)?;
+            if !declared.insert(vi.name.clone()) {
+                return Err(crate::GraphError::Redefined(vi.name.clone()).into());
+            }
+            self.g.add_input(&vi.name, ty);
+        }
+        let mut known: HashMap<&str, &ValueInfoProto> = HashMap::new();
+        for vi in graph.value_info.iter().chain(&graph.output) {
+            known.insert(&vi.name, vi);
+        }
+
+        // Declare every node output first (forward references, cycles and duplicates).
+        let mut outs: Vec<Vec<ValueId>> = Vec::with_capacity(graph.node.len());
+        for n in &graph.node {
+            let mut vs = Vec::with_capacity(n.output.len());
+            for o in &n.output {
+                if !o.is_empty() && !declared.insert(o.clone()) {
+                    return Err(crate::GraphError::Redefined(o.clone()).into());
+                }
+                let ty = match known.get(o.as_str()) {
+                    Some(vi) => value_type(vi, false)?,
+                    None => TypeInfo::default(),
+                };
+                vs.push(self.g.new_value(o, ty));
+            }
+            outs.push(vs);
+        }
+
+        let mut forward = false;
+        for (n, outputs) in graph.node.into_iter().zip(outs) {
+            let node_label = label(&n);
+            let mut inputs = Vec::with_capacity(n.input.len());
+            for i in &n.input {
+                if i.is_empty() {
+                    inputs.push(None);
+                    continue;
+                }
+                let v = self.g.find(i).ok_or_else(|| crate::GraphError::Undefined {
+                    node: node_label.clone(),
+                    value: i.clone(),
+                })?;
+                forward |= matches!(self.g.value(v).def(), crate::Def::None);
+                inputs.push(Some(v));
+            }
+            let attrs = n.attribute.into_iter().map(attr).collect::<Result<Attrs>>();
+            let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
+                .map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+        }
+        if forward {
+            self.g.relink();
+        }
+        for vi in &graph.output {
+            let v = self.g.find(&vi.name).ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;
+            let declared_ty = value_type(vi, true)?;
+            if self.g.ty(v).dtype.is_none() || self.g.ty(v).shape.is_none() {
+                self.g.set_ty(v, declared_ty);
+            }
+            self.g.add_output(v);
+        }
+        self.g.check_structure()?;
+        Ok(self.g)
+    }
+
+    /// Builds one node in its internal form.
+    fn node(
+        &mut self,
+        name: String,
+        op_type: String,
+        domain: String,
+        attrs: Attrs,
+        mut inputs: Vec<Option<ValueId>>,
+        mut outputs: Vec<ValueId>,
+    ) -> Result<(), String> {
+        let standard = domain.is_empty() || domain == "ai.onnx";
+        let opaque = |attrs: Attrs, g: &Graph, inputs: &mut Vec<Option<ValueId>>| {
+            let explicit_inputs = inputs.len();
+            inputs.extend(captures(&attrs, g).into_iter().map(Some));
+            Op::Opaque(Opaque { domain: domain.clone(), op_type: op_type.clone(), attrs, explicit_inputs })
+        };
+        let op = if standard && Op::KNOWN.contains(&op_type.as_str()) || op_type == "Upsample" && standard {
+            let mut cx = legacy::Cx { g: &mut self.g, opset: self.opset, node: &name, inputs: &mut inputs, outputs: &mut outputs };
+            match legacy::normalize(&mut cx, &op_type, attrs.clone())? {
+                Some(op) => op,
+                None => opaque(attrs, &self.g, &mut inputs),
+            }
+        } else {
+            opaque(attrs, &self.g, &mut inputs)
+        };
+        self.g.add_node(name, op, inputs, outputs);
+        Ok(())
+    }
+
+    fn tensor(&self, t: TensorProto) -> Result<Tensor, String> {
+        tensor_from_proto(t, self.dir)
+    }
+}
+
+fn label(n: &proto::NodeProto) -> String {
+    if n.name.is_empty() {
+        format!("({}) defining `{}`", n.op_type, n.output.first().map_or("", |s| s))
+    } else {
+        format!("`{}` ({})", n.name, n.op_type)
+    }
+}
+
+/// A tensor from its proto: raw data (shared, not copied), typed fields, or an external file.
+pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Tensor, String> {
+    let dtype = DType::from_onnx_code(t.data_type)?;
+    let mut shape = Vec::with_capacity(t.dims.len());
+    for &d in &t.dims {
+        shape.push(u64::try_from(d).map_err(|_| format!("negative dimension {d}"))?);
+    }
+    if t.segment.is_some() {
+        return Err("segmented tensors are not supported".into());
+    }
+    let data = if t.data_location == tensor_proto::EXTERNAL {
+        external_data(&t, dir)?
+    } else if !t.raw_data.is_empty() {
+        t.raw_data
+    } else {
+        let mut out = Vec::new();
+        let put = |v: f64, out: &mut Vec<u8>| crate::tensor::encode_f64(dtype, v, out);
+        match dtype {
+            DType::F32 => t.float_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::F64 => t.double_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::I64 => t.int64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::U64 => t.uint64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::U32 => t.uint64_data.iter().for_each(|&v| out.extend_from_slice(&(v as u32).to_le_bytes())),
+            // Half types keep their bit patterns in int32_data.
+            DType::F16 | DType::BF16 => t.int32_data.iter().for_each(|&v| out.extend_from_slice(&(v as u16).to_le_bytes())),
+            DType::I32 | DType::I16 | DType::I8 | DType::U16 | DType::U8 | DType::Bool => {
+                t.int32_data.iter().for_each(|&v| put(v as f64, &mut out))
+            }
+        }
+        Bytes::from(out)
+    };
+    Tensor::from_bytes(dtype, shape, data)
+}
+
+fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Bytes, String> {
+    let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
+    let location = get("location").ok_or("external data without a location")?;
+    let rel = Path::new(location);
+    if rel.is_absolute() || rel.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        return Err(format!("external data location `{location}` leaves the model's folder"));
+    }
+    let path = dir.unwrap_or(Path::new(".")).join(rel);
+    let parse = |k: &str| get(k).map(|v| v.parse::<u64>().map_err(|_| format!("bad external data {k} `{v}`"))).transpose();
+    let offset = parse("offset")?.unwrap_or(0);
+    let length = parse("length")?;
+    let file = std::fs::read(&path).map_err(|e| format!("external data `{location}`: {e}"))?;
+    let start = usize::try_from(offset).map_err(|_| "offset too large")?;
+    let end = match length {
+        Some(l) => start.checked_add(l as usize).ok_or("length too large")?,
+        None => file.len(),
+    };
+    if end > file.len() || start > end {
+        return Err(format!("external data `{location}` is {} bytes, shorter than offset+length {end}", file.len()));
+    }
+    Ok(Bytes::from(file).slice(start..end))
+}
+
+/// The type of a value from its `ValueInfoProto`. `interface` values (graph inputs and outputs)
+/// must be tensors; other non-tensor types are simply not modelled.
+fn value_type(vi: &ValueInfoProto, interface: bool) -> Result<TypeInfo> {
+    let tensor = match vi.r#type.as_ref().and_then(|t| t.value.as_ref()) {
+        Some(type_proto::Value::TensorType(t)) => t,
+        Some(_) if interface => {
+            return Err(invalid(format!("`{}` is not a tensor (sequence, map and optional types are not supported)", vi.name)))
+        }
+        _ => return Ok(TypeInfo::default()),
+    };
+    let dtype = match tensor.elem_type {
+        0 => None,
+        code => Some(DType::from_onnx_code(code).map_err(|e| invalid(format!("value `{}`: {e}", vi.name)))?),
+    };
+    let shape = tensor.shape.as_ref().map(|s| {
+        Shape(
+            s.dim
+                .iter()
+                .map(|d| match &d.value {
+                    Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => Dim::Fixed(*v as u64),
+                    Some(proto::tensor_shape_proto::dimension::Value::DimParam(p)) if !p.is_empty() => Dim::sym(p),
+                    _ => Dim::Unknown,
+                })
+                .collect(),
+        )
+    });
+    Ok(TypeInfo { dtype, shape })
+}
+
+/// An attribute from its proto. Kinds mpc does not model are kept as the encoded proto.
+fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
+    let utf8 = |b: &Bytes| String::from_utf8(b.to_vec()).map_err(|_| invalid(format!("attribute `{}` is not UTF-8", a.name)));
+    let value = match a.r#type {
+        at::INT => Attr::Int(a.i),
+        at::FLOAT => Attr::Float(a.f),
+        at::STRING => Attr::String(utf8(&a.s)?),
+        at::INTS => Attr::Ints(a.ints.clone()),
+        at::FLOATS => Attr::Floats(a.floats.clone()),
+        at::STRINGS => Attr::Strings(a.strings.iter().map(utf8).collect::<Result<_>>()?),
+        at::TENSOR if a.t.is_some() => {
+            let t = a.t.clone().unwrap_or_default();
+            Attr::Tensor(tensor_from_proto(t, None).map_err(|e| invalid(format!("attribute `{}`: {e}", a.name)))?)
+        }
+        // Graphs, sparse tensors, type protos, attribute references: kept encoded.
+        _ => Attr::Raw(Bytes::from(a.encode_to_vec())),
+    };
+    Ok((a.name, value))
+}
+
+/// Outer-scope values read by the subgraphs in `attrs` (If/Loop/Scan bodies).
+fn captures(attrs: &Attrs, g: &Graph) -> Vec<ValueId> {
+    let mut names = Vec::new();
+    for (_, a) in attrs {
+        if let Attr::Raw(bytes) = a {
+            if let Ok(p) = proto::AttributeProto::decode(bytes.clone()) {
+                for body in p.g.iter().chain(&p.graphs) {
+                    if let Ok(sub) = proto::GraphProto::decode(body.clone()) {
+                        free_names(&sub, &mut HashSet::new(), &mut names);
+                    }
+                }
+            }
+        }
+    }
+    let mut seen = HashSet::new();
+    names.into_iter().filter_map(|n| g.find(&n)).filter(|v| seen.insert(*v)).collect()
+}
+
+/// Names a subgraph reads but does not define (recursively through nested subgraphs).
+fn free_names(g: &proto::GraphProto, outer_defined: &mut HashSet<String>, out: &mut Vec<String>) {
+    let mut defined: HashSet<String> = outer_defined.clone();
+    defined.extend(g.input.iter().map(|v| v.name.clone()));
+    defined.extend(g.initializer.iter().map(|t| t.name.clone()));
+    for n in &g.node {
+        for i in &n.input {
+            if !i.is_empty() && !defined.contains(i) {
+                out.push(i.clone());
+            }
+        }
+        for a in &n.attribute {
+            for body in a.g.iter().chain(&a.graphs) {
+                if let Ok(sub) = proto::GraphProto::decode(body.clone()) {
+                    free_names(&sub, &mut defined, out);
+                }
+            }
+        }
+        defined.extend(n.output.iter().cloned());
+    }
+    for o in &g.output {
+        if !defined.contains(&o.name) {
+            out.push(o.name.clone());
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Older opset forms → the internal (newest) form.
+//!
+//! The ops whose form changed between opset 9 and 21: attributes that became inputs
+//! (Squeeze/Unsqueeze/Reduce*/Split/Slice/Clip/Pad/Dropout), Softmax/LogSoftmax's 2-D coercion before
+//! opset 13, BatchNormalization's training outputs before 14, Upsample and opset-10 Resize, and
+//! Constant's `value_*` shorthands. Inputs made from attributes become initializers named
+//! `{node}.{attribute}`.
+
+use crate::attr::Attrs;
+use crate::graph::{Graph, ValueId};
+use crate::ops::{ResizeAttrs, SoftmaxAttrs};
+use crate::{Attr, DType, Op, Tensor};
+
+pub(crate) struct Cx<'a> {
+    pub g: &'a mut Graph,
+    pub opset: i64,
+    pub node: &'a str,
+    pub inputs: &'a mut Vec<Option<ValueId>>,
+    pub outputs: &'a mut Vec<ValueId>,
+}
+
+impl Cx<'_> {
+    /// A name for things made on behalf of this node.
+    fn base(&self) -> String {
+        if !self.node.is_empty() {
+            self.node.to_string()
+        } else {
+            self.outputs.first().map(|&o| self.g.name(o).to_string()).unwrap_or_default()
+        }
+    }
+
+    /// Sets input `slot` to a new initializer holding `t`.
+    fn const_input(&mut self, slot: usize, what: &str, t: Tensor) {
+        let name = format!("{}.{what}", self.base());
+        let v = self.g.add_initializer(&name, t);
+        if self.inputs.len() <= slot {
+            self.inputs.resize(slot + 1, None);
+        }
+        self.inputs[slot] = Some(v);
+    }
+
+    /// Moves an ints attribute to input `slot` as an i64 tensor.
+    fn ints_to_input(&mut self, attrs: &mut Attrs, name: &str, slot: usize) -> Result<(), String> {
+        if let Some(a) = take(attrs, name) {
+            let Attr::Ints(v) = a else { return Err(format!("attribute `{name}` must be ints")) };
+            self.const_input(slot, name, Tensor::from_i64(vec![v.len() as u64], &v));
+        }
+        Ok(())
+    }
+
+    /// Moves a float attribute to input `slot` as a scalar of the first input's dtype.
+    fn float_to_input(&mut self, attrs: &mut Attrs, name: &str, slot: usize, skip_if: Option<f32>) -> Result<(), String> {
+        if let Some(a) = take(attrs, name) {
+            let Attr::Float(v) = a else { return Err(format!("attribute `{name}` must be a float")) };
+            if Some(v) == skip_if {
+                return Ok(());
+            }
+            let dtype = self.input_dtype().unwrap_or(DType::F32);
+            self.const_input(slot, name, Tensor::from_f64_as(dtype, vec![], &[v as f64]));
+        }
+        Ok(())
+    }
+
+    fn input_dtype(&self) -> Option<DType> {
+        self.inputs.first().copied().flatten().and_then(|v| self.g.ty(v).dtype)
+    }
+
+    fn input_rank(&self) -> Option<usize> {
+        let v = self.inputs.first().copied().flatten()?;
+        self.g.ty(v).shape.as_ref().map(|s| s.rank())
+    }
+}
+
+fn take(attrs: &mut Attrs, name: &str) -> Option<Attr> {
+    let pos = attrs.iter().position(|(n, _)| n == name)?;
+    Some(attrs.remove(pos).1)
+}
+
+/// Brings a standard-domain node to its internal form. `Ok(None)`: keep it opaque (a form mpc
+/// does not model); `Err`: the node is invalid.
+pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<Option<Op>, String> {
+    let v = cx.opset;
+    let op_type = match op_type {
+        "Squeeze" | "Unsqueeze" if v < 13 => {
+            cx.ints_to_input(&mut attrs, "axes", 1)?;
+            op_type
+        }
+        "ReduceSum" if v < 13 => {
+            cx.ints_to_input(&mut attrs, "axes", 1)?;
+            op_type
+        }
+        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL2" | "ReduceLogSumExp" if v < 18 => {
+            cx.ints_to_input(&mut attrs, "axes", 1)?;
+            op_type
+        }
+        "Split" if v < 13 => {
+            cx.ints_to_input(&mut attrs, "split", 1)?;
+            op_type
+        }
+        "Slice" if v < 10 => {
+            for (slot, name) in [(1, "starts"), (2, "ends"), (3, "axes")] {
+                cx.ints_to_input(&mut attrs, name, slot)?;
+            }
+            op_type
+        }
+        "Clip" if v < 11 => {
+            cx.float_to_input(&mut attrs, "min", 1, None)?;
+            cx.float_to_input(&mut attrs, "max", 2, None)?;
+            op_type
+        }
+        "Pad" if v < 11 => {
+            cx.ints_to_input(&mut attrs, "pads", 1)?;
+            cx.float_to_input(&mut attrs, "value", 2, Some(0.0))?;
+            op_type
+        }
+        "Dropout" if v < 12 => {
+            if let Some(Attr::Float(r)) = take(&mut attrs, "ratio") {
+                if r != 0.5 {
+                    cx.const_input(1, "ratio", Tensor::from_f32(vec![], &[r]));
+                }
+            }
+            op_type
+        }
+        "Softmax" | "LogSoftmax" if v < 13 => return softmax_2d(cx, op_type, attrs).map(Some),
+        "BatchNormalization" if v < 14 => {
+            take(&mut attrs, "spatial");
+            take(&mut attrs, "is_test");
+            let used = cx.outputs.iter().skip(3).any(|&o| !cx.g.name(o).is_empty());
+            if used {
+                return Ok(None); // saved mean / inverse std outputs: not in the internal form
+            }
+            cx.outputs.truncate(3);
+            if cx.outputs.len() > 1 {
+                attrs.push(("training_mode".into(), Attr::Int(1)));
+            }
+            op_type
+        }
+        "Upsample" => return upsample(cx, attrs, true),
+        "Resize" if v < 11 => return upsample(cx, attrs, false),
+        "Constant" => {
+            let shorthand = ["value_float", "value_floats", "value_int", "value_ints"];
+            if let Some(i) = attrs.iter().position(|(n, _)| shorthand.contains(&n.as_str())) {
+                let t = match attrs.remove(i).1 {
+                    Attr::Float(f) => Tensor::from_f32(vec![], &[f]),
+                    Attr::Floats(f) => Tensor::from_f32(vec![f.len() as u64], &f),
+                    Attr::Int(n) => Tensor::scalar_i64(n),
+                    Attr::Ints(n) => Tensor::from_i64(vec![n.len() as u64], &n),
+                    _ => return Err("Constant shorthand attribute of the wrong kind".into()),
+                };
+                attrs.push(("value".into(), Attr::Tensor(t)));
+            }
+            op_type
+        }
+        // Opset 18-20 GroupNormalization has per-group scale/bias; opset 21 per-channel.
+        "GroupNormalization" if v < 21 => return Ok(None),
+        _ => op_type,
+    };
+    match Op::from_attrs(op_type, attrs) {
+        Some(Ok(op)) => Ok(Some(op)),
+        _ => Ok(None),
+    }
+}
+
+/// Softmax before opset 13 flattens the input to 2-D at `axis` (default 1). When `axis` is the
+/// last dim that is today's Softmax; otherwise: Reshape(Softmax(Flatten(x, axis)), Shape(x)).
+fn softmax_2d(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<Op, String> {
+    let axis = match take(&mut attrs, "axis") {
+        Some(Attr::Int(a)) => a,
+        None => 1,
+        Some(_) => return Err("attribute `axis` must be an int".into()),
+    };
+    crate::attr::no_more_attrs(&attrs)?;
+    let make = |a: i64| match op_type {
+        "Softmax" => Op::Softmax(SoftmaxAttrs { axis: a }),
+        _ => Op::LogSoftmax(SoftmaxAttrs { axis: a }),
+    };
+    let last = axis == -1 || cx.input_rank().is_some_and(|r| r as i64 - 1 == axis);
+    if last {
+        return Ok(make(-1));
+    }
+    let x = cx.inputs.first().copied().flatten().ok_or("missing input")?;
+    let base = cx.base();
+    let flatten = Op::Flatten(crate::ops::FlattenAttrs { axis });
+    let (_, f) = cx.g.add_op(&format!("{base}.flatten"), flatten, &[Some(x)], 1);
+    let (_, s) = cx.g.add_op(&format!("{base}.shape"), Op::Shape(Default::default()), &[Some(x)], 1);
+    let (_, y) = cx.g.add_op(&format!("{base}.{}2d", op_type.to_lowercase()), make(-1), &[Some(f[0])], 1);
+    *cx.inputs = vec![Some(y[0]), Some(s[0])];
+    Ok(Op::Reshape(Default::default()))
+}
+
+/// Upsample (opset 9) and Resize-10 → Resize: inputs (X, roi, scales), asymmetric coordinates.
+/// Their "nearest" rounds down when upsampling and up when downsampling, so with constant scales
+/// it becomes `nearest_mode` floor or ceil; mixed or unknown scales stay opaque.
+fn upsample(cx: &mut Cx, mut attrs: Attrs, is_upsample: bool) -> Result<Option<Op>, String> {
+    let mode = match take(&mut attrs, "mode") {
+        Some(Attr::String(m)) => m,
+        None => "nearest".into(),
+        Some(_) => return Err("attribute `mode` must be a string".into()),
+    };
+    if !attrs.is_empty() || cx.inputs.len() != 2 {
+        return Ok(None);
+    }
+    let mut nearest_mode = "floor".to_string();
+    if mode == "nearest" && !is_upsample {
+        let scales = cx.inputs[1].and_then(|s| cx.g.constant(s)).map(|t| t.to_f64_vec());
+        match scales {
+            Some(s) if s.iter().all(|&x| x >= 1.0) => {}
+            Some(s) if s.iter().all(|&x| x <= 1.0) => nearest_mode = "ceil".into(),
+            _ => return Ok(None),
+        }
+    }
+    let scales = cx.inputs[1];
+    *cx.inputs = vec![cx.inputs[0], None, scales];
+    let mode = if mode == "bilinear" { "linear".into() } else { mode };
+    Ok(Some(Op::Resize(ResizeAttrs {
+        coordinate_transformation_mode: "asymmetric".into(),
+        nearest_mode,
+        mode,
+        ..Default::default()
+    })))
+}

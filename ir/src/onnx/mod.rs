@@ -1,0 +1,9 @@
+//! ONNX import and export through in-tree protobuf messages.
+
+mod export;
+mod import;
+mod legacy;
+pub mod proto;
+
+pub use export::{encode_onnx, export_opset, to_proto};
+pub use import::{decode_onnx, read_onnx};

@@ -1,0 +1,276 @@
+//! The closed op set.
+//!
+//! One variant per supported op, named exactly as its ONNX `op_type`, with a typed attribute struct
+//! where the op has attributes. The internal form of each op is its newest ONNX form (inputs that
+//! older opsets had as attributes are inputs here); the importer normalises older forms and the
+//! exporter writes the form of the target opset. Everything else is [`Op::Opaque`], which keeps the
+//! node losslessly and which passes leave at its original dtypes.
+//!
+//! Adding an op: add it to the `define_ops!` list (and an attribute struct if it has attributes);
+//! the compiler then points at every exhaustive `match` that must learn it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::attr::{attr_struct, Attr, Attrs};
+use crate::{DType, Tensor};
+
+attr_struct!(ModAttrs { fmod: i64 [default = 0] });
+attr_struct!(AlphaAttrs { alpha: f32 [default = 0.01f32] });
+attr_struct!(EluAttrs { alpha: f32 [default = 1.0f32] });
+attr_struct!(GeluAttrs { approximate: String [default = "none"] });
+attr_struct!(HardSigmoidAttrs { alpha: f32 [default = 0.2f32], beta: f32 [default = 0.5f32] });
+attr_struct!(GemmAttrs {
+    alpha: f32 [default = 1.0f32],
+    beta: f32 [default = 1.0f32],
+    transA: i64 [default = 0],
+    transB: i64 [default = 0],
+});
+attr_struct!(
+    /// Conv and ConvTranspose (the last two fields are ConvTranspose's only).
+    ConvAttrs {
+    auto_pad: String [default = "NOTSET"],
+    dilations: Vec<i64> [default = Vec::new()],
+    group: i64 [default = 1],
+    kernel_shape: Vec<i64> [default = Vec::new()],
+    output_padding: Vec<i64> [default = Vec::new()],
+    output_shape: Vec<i64> [default = Vec::new()],
+    pads: Vec<i64> [default = Vec::new()],
+    strides: Vec<i64> [default = Vec::new()],
+});
+attr_struct!(BatchNormAttrs {
+    epsilon: f32 [default = 1e-5f32],
+    momentum: f32 [default = 0.9f32],
+    training_mode: i64 [default = 0],
+});
+attr_struct!(LayerNormAttrs {
+    axis: i64 [default = -1],
+    epsilon: f32 [default = 1e-5f32],
+    stash_type: i64 [default = 1],
+});
+attr_struct!(EpsilonAttrs { epsilon: f32 [default = 1e-5f32] });
+attr_struct!(GroupNormAttrs {
+    epsilon: f32 [default = 1e-5f32],
+    num_groups: i64 [required],
+    stash_type: i64 [default = 1],
+});
+attr_struct!(LrnAttrs {
+    alpha: f32 [default = 1e-4f32],
+    beta: f32 [default = 0.75f32],
+    bias: f32 [default = 1.0f32],
+    size: i64 [required],
+});
+attr_struct!(
+    /// Softmax, LogSoftmax (opset 13 semantics: one axis).
+    SoftmaxAttrs { axis: i64 [default = -1] });
+attr_struct!(
+    /// MaxPool and AveragePool (`storage_order` is MaxPool's, `count_include_pad` AveragePool's).
+    PoolAttrs {
+    auto_pad: String [default = "NOTSET"],
+    ceil_mode: i64 [default = 0],
+    count_include_pad: i64 [default = 0],
+    dilations: Vec<i64> [default = Vec::new()],
+    kernel_shape: Vec<i64> [required],
+    pads: Vec<i64> [default = Vec::new()],
+    storage_order: i64 [default = 0],
+    strides: Vec<i64> [default = Vec::new()],
+});
+attr_struct!(
+    /// Reduce* ops; axes are input 1 (opset 18 form).
+    ReduceAttrs {
+    keepdims: i64 [default = 1],
+    noop_with_empty_axes: i64 [default = 0],
+});
+attr_struct!(CumSumAttrs { exclusive: i64 [default = 0], reverse: i64 [default = 0] });
+attr_struct!(ArgAttrs {
+    axis: i64 [default = 0],
+    keepdims: i64 [default = 1],
+    select_last_index: i64 [default = 0],
+});
+attr_struct!(ReshapeAttrs { allowzero: i64 [default = 0] });
+attr_struct!(TransposeAttrs { perm: Vec<i64> [optional] });
+attr_struct!(FlattenAttrs { axis: i64 [default = 1] });
+attr_struct!(
+    /// Concat (axis required), Gather, GatherElements (axis default 0) share the shape of this
+    /// struct but not the requiredness, hence two structs.
+    ConcatAttrs { axis: i64 [required] });
+attr_struct!(AxisAttrs { axis: i64 [default = 0] });
+attr_struct!(SplitAttrs { axis: i64 [default = 0], num_outputs: i64 [optional] });
+attr_struct!(PadAttrs { mode: String [default = "constant"] });
+attr_struct!(DropoutAttrs { seed: i64 [optional] });
+attr_struct!(CastAttrs { saturate: i64 [default = 1], to: DType [required] });
+attr_struct!(ConstantAttrs { value: Tensor [required] });
+attr_struct!(ConstantOfShapeAttrs { value: Tensor [optional] });
+attr_struct!(ShapeAttrs { end: i64 [optional], start: i64 [default = 0] });
+attr_struct!(EinsumAttrs { equation: String [required] });
+attr_struct!(
+    /// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss.
+    LossAttrs { ignore_index: i64 [optional], reduction: String [default = "mean"] });
+attr_struct!(ResizeAttrs {
+    antialias: i64 [default = 0],
+    axes: Vec<i64> [default = Vec::new()],
+    coordinate_transformation_mode: String [default = "half_pixel"],
+    cubic_coeff_a: f32 [default = -0.75f32],
+    exclude_outside: i64 [default = 0],
+    extrapolation_value: f32 [default = 0.0f32],
+    keep_aspect_ratio_policy: String [default = "stretch"],
+    mode: String [default = "nearest"],
+    nearest_mode: String [default = "round_prefer_floor"],
+});
+
+/// An op mpc does not understand, kept so that import → export never loses a node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Opaque {
+    pub domain: String,
+    pub op_type: String,
+    pub attrs: Attrs,
+    /// Inputs past this count are outer-scope values that the op's subgraph attributes read
+    /// (If/Loop/Scan bodies): kept as inputs so that ordering and dead-code elimination see them,
+    /// not written as inputs on export.
+    pub explicit_inputs: usize,
+}
+
+macro_rules! define_ops {
+    (plain { $($p:ident),* $(,)? } typed { $($t:ident($a:ty)),* $(,)? }) => {
+        /// An operation: one variant per supported op, plus [`Op::Opaque`].
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        pub enum Op {
+            $($p,)*
+            $($t($a),)*
+            Opaque(Opaque),
+        }
+
+        impl Op {
+            /// The ONNX `op_type`.
+            pub fn op_type(&self) -> &str {
+                match self {
+                    $(Op::$p => stringify!($p),)*
+                    $(Op::$t(_) => stringify!($t),)*
+                    Op::Opaque(o) => &o.op_type,
+                }
+            }
+
+            /// The op's domain: empty for the standard ONNX domain.
+            pub fn domain(&self) -> &str {
+                match self {
+                    Op::Opaque(o) => &o.domain,
+                    _ => "",
+                }
+            }
+
+            /// Builds a standard-domain op in its internal form from its attributes, or `None`
+            /// when `op_type` is not in the closed set.
+            pub fn from_attrs(op_type: &str, attrs: Attrs) -> Option<Result<Op, String>> {
+                Some(match op_type {
+                    $(stringify!($p) => crate::attr::no_more_attrs(&attrs).map(|()| Op::$p),)*
+                    $(stringify!($t) => <$a>::from_attrs(attrs).map(Op::$t),)*
+                    _ => return None,
+                })
+            }
+
+            /// The attributes that differ from their defaults (for an opaque op: all of them).
+            pub fn attrs(&self) -> Attrs {
+                match self {
+                    $(Op::$p => Vec::new(),)*
+                    $(Op::$t(a) => a.to_attrs(),)*
+                    Op::Opaque(o) => o.attrs.clone(),
+                }
+            }
+
+            /// Every op type of the closed set, for docs and tests.
+            pub const KNOWN: &'static [&'static str] = &[$(stringify!($p),)* $(stringify!($t),)*];
+        }
+    };
+}
+
+define_ops! {
+    plain {
+        Add, Sub, Mul, Div, Pow, Sqrt, Exp, Log, Neg, Abs, Reciprocal, Erf, Tanh, Sigmoid, Relu,
+        PRelu, HardSwish, Softplus, Clip, Max, Min, Sum, Mean, MatMul, GlobalAveragePool,
+        GlobalMaxPool, Squeeze, Unsqueeze, Slice, Expand, Tile, Identity, Size, Range, Where, Equal,
+        Less, Greater, Not, And, Or,
+    }
+    typed {
+        Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Gelu(GeluAttrs),
+        HardSigmoid(HardSigmoidAttrs), Gemm(GemmAttrs), Conv(ConvAttrs), ConvTranspose(ConvAttrs),
+        BatchNormalization(BatchNormAttrs), LayerNormalization(LayerNormAttrs),
+        InstanceNormalization(EpsilonAttrs), GroupNormalization(GroupNormAttrs), LRN(LrnAttrs),
+        Softmax(SoftmaxAttrs), LogSoftmax(SoftmaxAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
+        ReduceSum(ReduceAttrs), ReduceMean(ReduceAttrs), ReduceMax(ReduceAttrs),
+        ReduceMin(ReduceAttrs), ReduceSumSquare(ReduceAttrs), ReduceL2(ReduceAttrs),
+        ReduceLogSumExp(ReduceAttrs), CumSum(CumSumAttrs), ArgMax(ArgAttrs), Reshape(ReshapeAttrs),
+        Transpose(TransposeAttrs), Flatten(FlattenAttrs), Concat(ConcatAttrs), Split(SplitAttrs),
+        Gather(AxisAttrs), GatherElements(AxisAttrs), Pad(PadAttrs), Dropout(DropoutAttrs),
+        Cast(CastAttrs), Constant(ConstantAttrs), ConstantOfShape(ConstantOfShapeAttrs),
+        Shape(ShapeAttrs), Einsum(EinsumAttrs), SoftmaxCrossEntropyLoss(LossAttrs),
+        NegativeLogLikelihoodLoss(LossAttrs), Resize(ResizeAttrs),
+    }
+}
+
+impl Op {
+    pub fn is_opaque(&self) -> bool {
+        matches!(self, Op::Opaque(_))
+    }
+
+    /// The lowest ai.onnx opset in which this op's internal form (inputs and attributes) exists;
+    /// export raises the model's opset to at least this.
+    pub fn min_opset(&self) -> i64 {
+        match self {
+            Op::Gelu(_) => 20,
+            Op::GroupNormalization(_) => 21,
+            Op::Reshape(a) if a.allowzero != 0 => 14,
+            Op::Split(a) if a.num_outputs.is_some() => 18,
+            Op::LayerNormalization(_) => 17,
+            Op::BatchNormalization(_) => 15,
+            Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
+            Op::Cast(a) if a.saturate != 1 => 19,
+            Op::Resize(a) if a.antialias != 0 || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
+            Op::Pad(a) if a.mode == "wrap" => 19,
+            Op::AveragePool(a) if !a.dilations.is_empty() => 19,
+            _ => 13,
+        }
+    }
+
+    /// A reduction whose `axes` moved from attribute to input in opset 18 (ReduceSum moved in 13).
+    pub fn axes_input_since(&self) -> Option<i64> {
+        match self {
+            Op::ReduceSum(_) => Some(13),
+            Op::ReduceMean(_)
+            | Op::ReduceMax(_)
+            | Op::ReduceMin(_)
+            | Op::ReduceSumSquare(_)
+            | Op::ReduceL2(_)
+            | Op::ReduceLogSumExp(_) => Some(18),
+            _ => None,
+        }
+    }
+
+    /// The attribute value named `name`, if set to a non-default value.
+    pub fn attr(&self, name: &str) -> Option<Attr> {
+        self.attrs().into_iter().find(|(n, _)| n == name).map(|(_, a)| a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_attrs_round_trip_and_reject_unknown() {
+        let attrs = vec![("group".to_string(), Attr::Int(2)), ("strides".into(), Attr::Ints(vec![2, 2]))];
+        let op = Op::from_attrs("Conv", attrs.clone()).unwrap().unwrap();
+        assert_eq!(op.attrs(), attrs);
+        let err = Op::from_attrs("Conv", vec![("bogus".into(), Attr::Int(1))]).unwrap().unwrap_err();
+        assert!(err.contains("bogus"), "{err}");
+        let err = Op::from_attrs("Cast", vec![]).unwrap().unwrap_err();
+        assert!(err.contains("`to` is required"), "{err}");
+        let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
+        assert!(err.contains("int where float"), "{err}");
+        assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
+    }
+
+    #[test]
+    fn defaults_are_not_printed() {
+        let op = Op::from_attrs("Gemm", vec![("transB".into(), Attr::Int(1)), ("alpha".into(), Attr::Float(1.0))]);
+        assert_eq!(op.unwrap().unwrap().attrs(), vec![("transB".to_string(), Attr::Int(1))]);
+    }
+}
