@@ -1,1 +1,215 @@
+//! mpc: a mixed-precision graph compiler. This crate ties the IR and the passes together into
+//! the library calls behind the CLI: [`load`] a model, [`compile`] it with a policy, [`save`] it
+//! in any of the output formats, and [`summary::summarize`] it for `mpc inspect`.
 
+pub mod dot;
+pub mod summary;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use mpc_ir::text::{self, TensorMode};
+use mpc_ir::{Graph, IrError};
+use mpc_passes::{Context, PassError, PassManager, Pipeline};
+
+/// Everything that can go wrong, each naming the file it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Input { path: PathBuf, source: IrError },
+    #[error("{path}: {source}")]
+    Pass { path: PathBuf, source: PassError },
+    #[error("{path}: cannot write: {source}")]
+    Output {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl Error {
+    /// 2 for bad input or usage, 1 for mpc's own failures.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Pass {
+                source: PassError::Verify { .. },
+                ..
+            } => 1,
+            _ => 2,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Output formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Onnx,
+    Ir,
+    Dot,
+    Json,
+}
+
+impl Format {
+    pub fn from_name(s: &str) -> Option<Format> {
+        Some(match s {
+            "onnx" => Format::Onnx,
+            "ir" | "mpcir" => Format::Ir,
+            "dot" => Format::Dot,
+            "json" => Format::Json,
+            _ => return None,
+        })
+    }
+
+    pub fn from_path(p: &Path) -> Option<Format> {
+        Format::from_name(p.extension()?.to_str()?)
+    }
+}
+
+/// The sidecar file holding a text IR file's large tensors.
+pub fn sidecar_path(p: &Path) -> PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(".bin");
+    PathBuf::from(s)
+}
+
+/// Loads an ONNX model or a text IR file (by extension, else by content).
+pub fn load(path: &Path) -> Result<Graph> {
+    let err = |source| Error::Input {
+        path: path.to_owned(),
+        source,
+    };
+    if path.is_dir() {
+        return Err(err(IrError::Invalid("is a directory, not a model".into())));
+    }
+    let bytes = std::fs::read(path).map_err(|e| err(e.into()))?;
+    let is_text = Format::from_path(path) == Some(Format::Ir) || bytes.starts_with(b"mpcir");
+    if is_text {
+        let text = String::from_utf8(bytes).map_err(|_| {
+            err(IrError::Parse {
+                line: 0,
+                msg: "not UTF-8 text".into(),
+            })
+        })?;
+        let side = std::fs::read(sidecar_path(path)).ok();
+        text::parse(&text, side.as_deref()).map_err(err)
+    } else {
+        mpc_ir::onnx::decode_onnx(bytes.into(), path.parent()).map_err(err)
+    }
+}
+
+/// Compilation options.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    pub policy: String,
+    pub dims: HashMap<String, u64>,
+    pub dump_after: Vec<String>,
+    pub stop_after: Option<String>,
+}
+
+/// The policies that exist, and the ones this build can apply.
+pub const POLICIES: [&str; 4] = ["fp32", "mixed", "mixed-bf16", "fp16"];
+
+/// Runs the pipeline of `opts.policy` on `g`; `dump` receives the graph after each pass asked for.
+pub fn compile(
+    g: &mut Graph,
+    path: &Path,
+    opts: &Options,
+    dump: &mut dyn FnMut(&str, &Graph),
+) -> Result<()> {
+    match opts.policy.as_str() {
+        "" | "fp32" => {}
+        p if POLICIES.contains(&p) => {
+            return Err(Error::Usage(format!(
+                "policy `{p}` is not implemented yet; available: fp32"
+            )))
+        }
+        p => {
+            return Err(Error::Usage(format!(
+                "unknown policy `{p}` (policies: {})",
+                POLICIES.join(", ")
+            )))
+        }
+    }
+    let perr = |source| Error::Pass {
+        path: path.to_owned(),
+        source,
+    };
+    let mut pm = PassManager::pipeline(Pipeline::Inference);
+    for d in &opts.dump_after {
+        pm = pm.dump_after(d).map_err(perr)?;
+    }
+    if let Some(s) = &opts.stop_after {
+        pm = pm.stop_after(s).map_err(perr)?;
+    }
+    let cx = Context {
+        dims: opts.dims.clone(),
+    };
+    pm.run(g, &cx, dump).map_err(perr)
+}
+
+/// Renders `g` in `format`. Text IR comes with its sidecar bytes (empty when all is inline).
+pub fn render(g: &Graph, format: Format, path: &Path) -> Result<(Vec<u8>, Vec<u8>)> {
+    let err = |source| Error::Input {
+        path: path.to_owned(),
+        source,
+    };
+    Ok(match format {
+        Format::Onnx => (mpc_ir::onnx::encode_onnx(g).map_err(err)?, Vec::new()),
+        Format::Ir => {
+            let p = text::print(g, TensorMode::FILE).map_err(err)?;
+            (p.text.into_bytes(), p.sidecar)
+        }
+        Format::Dot => (dot::to_dot(g).map_err(err)?.into_bytes(), Vec::new()),
+        Format::Json => (summary::to_json(g).map_err(err)?.into_bytes(), Vec::new()),
+    })
+}
+
+/// Writes `g` to `out` atomically (temporary file + rename): on any error nothing is left behind.
+pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
+    let (main, side) = render(g, format, out)?;
+    let side_path = sidecar_path(out);
+    if format == Format::Ir && !side.is_empty() {
+        write_atomic(&side_path, &side)?;
+    } else if format == Format::Ir && side_path.is_file() {
+        // A stale sidecar from an earlier run would be misleading next to an all-inline file.
+        std::fs::remove_file(&side_path).map_err(|source| Error::Output {
+            path: side_path,
+            source,
+        })?;
+    }
+    write_atomic(out, &main)
+}
+
+/// Writes `data` to a temporary file beside `path`, then renames it into place.
+pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    let err = |source| Error::Output {
+        path: path.to_owned(),
+        source,
+    };
+    if path.is_dir() {
+        return Err(err(std::io::Error::other("is a directory")));
+    }
+    let name = path
+        .file_name()
+        .ok_or_else(|| err(std::io::Error::other("no file name")))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".tmp{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let result = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(err)
+}
+
+/// The process's peak resident memory in bytes (Linux), for `--stats`.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

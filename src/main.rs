@@ -1,1 +1,191 @@
-fn main() {}
+//! The `mpc` command line.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use mpc::{Error, Format, Options};
+use mpc_ir::text;
+
+#[derive(Parser)]
+#[command(
+    name = "mpc",
+    version,
+    about = "A mixed-precision graph compiler for ONNX models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args)]
+struct Common {
+    /// The model: an .onnx file or mpc text IR (.mpcir).
+    model: PathBuf,
+    /// Precision policy: fp32 (no rewrite), mixed, mixed-bf16, fp16.
+    #[arg(long, default_value = "fp32")]
+    policy: String,
+    /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.
+    #[arg(long = "dim", value_name = "NAME=N")]
+    dims: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Rewrite a model and write it as ONNX, text IR, Graphviz or JSON.
+    Compile {
+        #[command(flatten)]
+        common: Common,
+        /// Output file; the format follows its extension (.onnx, .mpcir, .dot, .json).
+        /// Without it, the text IR goes to stdout.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Output format, overriding the extension: onnx, ir, dot, json.
+        #[arg(long)]
+        emit: Option<String>,
+        /// Print the text IR after this pass to stderr (repeatable).
+        #[arg(long, value_name = "PASS")]
+        dump_after: Vec<String>,
+        /// Stop the pipeline after this pass.
+        #[arg(long, value_name = "PASS")]
+        stop_after: Option<String>,
+        /// Print timings and peak memory to stderr.
+        #[arg(long)]
+        stats: bool,
+    },
+    /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
+    Inspect {
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+fn parse_dims(dims: &[String]) -> Result<HashMap<String, u64>, Error> {
+    dims.iter()
+        .map(|d| {
+            let (k, v) = d
+                .split_once('=')
+                .ok_or_else(|| Error::Usage(format!("--dim `{d}`: expected NAME=N")))?;
+            let n = v
+                .parse()
+                .map_err(|_| Error::Usage(format!("--dim `{d}`: `{v}` is not a size")))?;
+            Ok((k.to_string(), n))
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mpc: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), Error> {
+    match cli.command {
+        Command::Compile {
+            common,
+            output,
+            emit,
+            dump_after,
+            stop_after,
+            stats,
+        } => {
+            let format = match (&emit, &output) {
+                (Some(e), _) => Some(Format::from_name(e).ok_or_else(|| Error::Usage(format!("unknown --emit format `{e}` (onnx, ir, dot, json)")))?),
+                (None, Some(o)) => Some(Format::from_path(o).ok_or_else(|| {
+                    Error::Usage(format!("{}: cannot tell the format from the extension; use .onnx, .mpcir, .dot, .json or --emit", o.display()))
+                })?),
+                (None, None) => None,
+            };
+            let opts = Options {
+                policy: common.policy,
+                dims: parse_dims(&common.dims)?,
+                dump_after,
+                stop_after,
+            };
+            let t0 = Instant::now();
+            let mut g = mpc::load(&common.model)?;
+            let t1 = Instant::now();
+            let mut dump = |pass: &str, g: &mpc_ir::Graph| {
+                let text = text::to_summary(g).unwrap_or_else(|e| format!("(cannot print: {e})\n"));
+                eprint!("# after {pass}\n{text}");
+            };
+            mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
+            let t2 = Instant::now();
+            match (output, format) {
+                (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
+                (None, f) => {
+                    let bytes = match f {
+                        None | Some(Format::Ir) => text::to_summary(&g)
+                            .map_err(|source| Error::Input {
+                                path: common.model.clone(),
+                                source,
+                            })?
+                            .into_bytes(),
+                        Some(Format::Onnx) => {
+                            return Err(Error::Usage("ONNX output needs -o FILE".into()))
+                        }
+                        Some(f) => mpc::render(&g, f, Path::new("-"))?.0,
+                    };
+                    std::io::stdout()
+                        .write_all(&bytes)
+                        .map_err(|source| Error::Output {
+                            path: "stdout".into(),
+                            source,
+                        })?;
+                }
+                (Some(_), None) => {
+                    unreachable!("a format is known whenever there is an output path")
+                }
+            }
+            if stats {
+                let t3 = Instant::now();
+                let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+                let peak = mpc::peak_rss().map_or("unknown".into(), |b| {
+                    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+                });
+                eprintln!(
+                    "mpc: load {:.1} ms, passes {:.1} ms, write {:.1} ms, total {:.1} ms, peak memory {peak}",
+                    ms(t0, t1),
+                    ms(t1, t2),
+                    ms(t2, t3),
+                    ms(t0, t3)
+                );
+            }
+            Ok(())
+        }
+        Command::Inspect { common } => {
+            let opts = Options {
+                policy: common.policy,
+                dims: parse_dims(&common.dims)?,
+                ..Default::default()
+            };
+            let mut g = mpc::load(&common.model)?;
+            mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+            let perr = |source| Error::Pass {
+                path: common.model.clone(),
+                source,
+            };
+            let ierr = |source| Error::Input {
+                path: common.model.clone(),
+                source,
+            };
+            let mut out = text::to_summary(&g).map_err(ierr)?;
+            out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
+            std::io::stdout()
+                .write_all(out.as_bytes())
+                .map_err(|source| Error::Output {
+                    path: "stdout".into(),
+                    source,
+                })
+        }
+    }
+}

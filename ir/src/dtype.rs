@@ -105,8 +105,18 @@ impl DType {
             0 => return Err("undefined dtype (code 0)".into()),
             8 => return Err("string tensors are not supported".into()),
             14 | 15 => return Err(format!("complex dtype (code {code}) is not supported")),
-            17..=20 | 23..=25 => return Err(format!("FP8/FP4 dtype (code {code}) is not supported")),
-            21 | 22 => return Err(format!("4-bit integer dtype (code {code}) is not supported")),
+            17..=20 | 24 => return Err(format!("FP8 dtype (code {code}) is not supported")),
+            23 => return Err("FP4 dtype (code 23) is not supported".into()),
+            21 | 22 => {
+                return Err(format!(
+                    "4-bit integer dtype (code {code}) is not supported"
+                ))
+            }
+            25 | 26 => {
+                return Err(format!(
+                    "2-bit integer dtype (code {code}) is not supported"
+                ))
+            }
             _ => return Err(format!("unknown dtype code {code}")),
         })
     }

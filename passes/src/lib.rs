@@ -1,1 +1,57 @@
+//! mpc-passes: graph rewrites and analyses, run by a pass manager that verifies after each one.
+//!
+//! A [`Pass`] mutates a [`Graph`] and says whether it changed it. [`PassManager`] runs an explicit
+//! list, verifies the graph after every pass (structure, and types re-inferred from scratch must
+//! agree), and can hand out the graph after a named pass (`--dump-after`) or stop there
+//! (`--stop-after`).
 
+mod dce;
+mod infer;
+mod manager;
+
+pub use dce::Dce;
+pub use infer::{infer_types, InferTypes};
+pub use manager::{PassManager, Pipeline};
+
+use std::collections::HashMap;
+
+use mpc_ir::{Graph, GraphError, IrError};
+
+/// Did a pass change the graph?
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Changed {
+    Yes,
+    No,
+}
+
+/// Options every pass can read.
+#[derive(Clone, Debug, Default)]
+pub struct Context {
+    /// Sizes bound to symbolic dims (`batch=64`), used where a pass needs concrete sizes.
+    pub dims: HashMap<String, u64>,
+}
+
+/// A graph-to-graph transformation or analysis.
+pub trait Pass {
+    fn name(&self) -> &'static str;
+    fn run(&self, graph: &mut Graph, cx: &Context) -> Result<Changed>;
+}
+
+/// A pass failure, naming the node or value at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    /// The input graph is invalid (a shape mismatch, an impossible reshape): the user's problem.
+    #[error("node {node}: {msg}")]
+    Node { node: String, msg: String },
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error(transparent)]
+    Ir(#[from] IrError),
+    /// A pass left the graph invalid: mpc's problem.
+    #[error("internal error: the graph is invalid after pass `{pass}`: {msg}")]
+    Verify { pass: &'static str, msg: String },
+    #[error("unknown pass `{0}` (passes: {1})")]
+    UnknownPass(String, String),
+}
+
+pub type Result<T, E = PassError> = std::result::Result<T, E>;

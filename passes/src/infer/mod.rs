@@ -1,0 +1,88 @@
+//! Type and shape inference.
+//!
+//! Walks the graph in topological order and computes every typed op's output dtypes and shapes
+//! from its inputs (one exhaustive `match` in [`rules`]). Shapes carry symbolic dims (`batch`):
+//! broadcasting a symbol against a fixed size > 1 takes the size, two different symbols give an
+//! unknown dim. Small integer tensors are also tracked as values whose elements may be symbolic
+//! ([`Known`]), so the `Shape → Gather → Unsqueeze → Concat → Reshape` chains that exporters emit
+//! for a dynamic batch still give `Reshape` a precise output shape.
+//!
+//! Inferred types replace what the graph said, except that a declared fixed size or symbol fills an
+//! inferred unknown dim. Opaque ops keep their declared output types. A typed op whose inputs make
+//! no sense (a Reshape whose element count cannot match, mismatched dtypes, a bad axis) is an
+//! error naming the node.
+
+mod known;
+mod rules;
+
+use mpc_ir::{Dim, Graph, Shape, TypeInfo};
+
+pub(crate) use known::Elem;
+
+use crate::{Changed, Context, Pass, PassError, Result};
+
+pub struct InferTypes;
+
+impl Pass for InferTypes {
+    fn name(&self) -> &'static str {
+        "infer-types"
+    }
+
+    fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
+        let before: Vec<TypeInfo> = g.value_ids().map(|v| g.ty(v).clone()).collect();
+        infer_types(g)?;
+        let changed = g.value_ids().any(|v| *g.ty(v) != before[v.index()]);
+        Ok(if changed { Changed::Yes } else { Changed::No })
+    }
+}
+
+/// Infers the types of every node output in place.
+pub fn infer_types(g: &mut Graph) -> Result<()> {
+    let order = g.topo_order()?;
+    let mut known = known::KnownValues::new(g);
+    for n in order {
+        if g.node(n).op.is_opaque() {
+            continue;
+        }
+        let outs = {
+            let cx = rules::NodeCx {
+                g,
+                n,
+                known: &known,
+            };
+            rules::infer_node(&cx).map_err(|msg| PassError::Node {
+                node: g.node_label(n),
+                msg,
+            })?
+        };
+        let outputs = g.node(n).outputs().to_vec();
+        for (slot, (&v, ty)) in outputs.iter().zip(outs).enumerate() {
+            let merged = merge(g.ty(v), ty);
+            g.set_ty(v, merged);
+            if let Some(k) = known::propagate(g, n, slot, &known) {
+                known.set(v, k);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The inferred type, with unknown dims filled from what was declared.
+fn merge(declared: &TypeInfo, inferred: TypeInfo) -> TypeInfo {
+    let dtype = inferred.dtype.or(declared.dtype);
+    let shape = match (inferred.shape, &declared.shape) {
+        (Some(i), Some(d)) if i.rank() == d.rank() => Some(Shape(
+            i.0.into_iter()
+                .zip(&d.0)
+                .map(|(i, d)| match (&i, d) {
+                    (Dim::Unknown, _) => d.clone(),
+                    (Dim::Sym(_), Dim::Fixed(_)) => d.clone(),
+                    _ => i,
+                })
+                .collect(),
+        )),
+        (Some(i), _) => Some(i),
+        (None, d) => d.clone(),
+    };
+    TypeInfo { dtype, shape }
+}

@@ -1,0 +1,1052 @@
+//! Per-op type rules. One exhaustive `match`: a new op does not compile until it has a rule.
+
+use mpc_ir::ops::{ConvAttrs, PoolAttrs};
+use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, Shape, TypeInfo};
+
+use super::known::{Known, KnownValues};
+
+pub(crate) struct NodeCx<'a> {
+    pub g: &'a Graph,
+    pub n: NodeId,
+    pub known: &'a KnownValues,
+}
+
+type R = Result<Vec<TypeInfo>, String>;
+
+impl NodeCx<'_> {
+    fn ty(&self, i: usize) -> Option<&TypeInfo> {
+        self.g.node(self.n).input(i).map(|v| self.g.ty(v))
+    }
+    fn dt(&self, i: usize) -> Option<DType> {
+        self.ty(i).and_then(|t| t.dtype)
+    }
+    fn sh(&self, i: usize) -> Option<&Shape> {
+        self.ty(i).and_then(|t| t.shape.as_ref())
+    }
+    fn known(&self, i: usize) -> Option<&Known> {
+        self.g.node(self.n).input(i).and_then(|v| self.known.get(v))
+    }
+    fn ints(&self, i: usize) -> Option<Vec<i64>> {
+        self.known(i)?.ints()
+    }
+    fn has(&self, i: usize) -> bool {
+        self.g.node(self.n).input(i).is_some()
+    }
+    fn n_inputs(&self) -> usize {
+        self.g.node(self.n).inputs().len()
+    }
+    fn n_outputs(&self) -> usize {
+        self.g.node(self.n).outputs().len()
+    }
+    /// All present inputs in `range` share one dtype.
+    fn same_dtype(&self, range: std::ops::Range<usize>) -> Result<Option<DType>, String> {
+        let mut seen: Option<DType> = None;
+        for i in range {
+            if let (Some(d), Some(s)) = (self.dt(i), seen) {
+                if d != s {
+                    return Err(format!("input dtypes differ: {s} and {d}"));
+                }
+            }
+            seen = seen.or(self.dt(i));
+        }
+        Ok(seen)
+    }
+}
+
+fn t(dtype: Option<DType>, shape: Option<Shape>) -> TypeInfo {
+    TypeInfo { dtype, shape }
+}
+
+fn same(cx: &NodeCx, i: usize) -> TypeInfo {
+    cx.ty(i).cloned().unwrap_or_default()
+}
+
+pub(crate) fn infer_node(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
+        Op::Sqrt
+        | Op::Exp
+        | Op::Log
+        | Op::Neg
+        | Op::Abs
+        | Op::Reciprocal
+        | Op::Erf
+        | Op::Tanh
+        | Op::Sigmoid
+        | Op::Relu => {
+            vec![same(cx, 0)]
+        }
+        Op::LeakyRelu(_)
+        | Op::Elu(_)
+        | Op::Gelu(_)
+        | Op::HardSigmoid(_)
+        | Op::HardSwish
+        | Op::Softplus
+        | Op::Identity => {
+            vec![same(cx, 0)]
+        }
+        Op::Softmax(_)
+        | Op::LogSoftmax(_)
+        | Op::LRN(_)
+        | Op::InstanceNormalization(_)
+        | Op::GroupNormalization(_) => {
+            vec![same(cx, 0)]
+        }
+        Op::Clip => {
+            cx.same_dtype(0..cx.n_inputs())?;
+            vec![same(cx, 0)]
+        }
+        Op::CumSum(_) => vec![same(cx, 0)],
+        Op::Not => vec![same(cx, 0)],
+        Op::Dropout(_) => {
+            let mut out = vec![same(cx, 0)];
+            if cx.n_outputs() > 1 {
+                out.push(t(Some(DType::Bool), cx.sh(0).cloned()));
+            }
+            out
+        }
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Mod(_)
+        | Op::Max
+        | Op::Min
+        | Op::Sum
+        | Op::Mean
+        | Op::PRelu => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
+        }
+        Op::Pow => vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)],
+        Op::Equal | Op::Less | Op::Greater | Op::And | Op::Or => {
+            cx.same_dtype(0..2)?;
+            vec![t(Some(DType::Bool), broadcast_all(cx, 0..2)?)]
+        }
+        Op::Where => {
+            let d = cx.same_dtype(1..3)?;
+            vec![t(d, broadcast_all(cx, 0..3)?)]
+        }
+        Op::MatMul => {
+            let d = cx.same_dtype(0..2)?;
+            vec![t(d, matmul(cx.sh(0), cx.sh(1))?)]
+        }
+        Op::Gemm(a) => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            let shape = match (cx.sh(0), cx.sh(1)) {
+                (Some(x), Some(w)) if x.rank() == 2 && w.rank() == 2 => {
+                    let (m, k1) = if a.transA != 0 {
+                        (&x.0[1], &x.0[0])
+                    } else {
+                        (&x.0[0], &x.0[1])
+                    };
+                    let (k2, n) = if a.transB != 0 {
+                        (&w.0[1], &w.0[0])
+                    } else {
+                        (&w.0[0], &w.0[1])
+                    };
+                    check_eq(k1, k2, "Gemm inner dimensions")?;
+                    Some(Shape(vec![m.clone(), n.clone()]))
+                }
+                (Some(x), _) if x.rank() != 2 => {
+                    return Err(format!("Gemm needs 2-D inputs, A is {x}"))
+                }
+                _ => None,
+            };
+            vec![t(d, shape)]
+        }
+        Op::Conv(a) => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            vec![t(d, conv(cx, a)?)]
+        }
+        Op::ConvTranspose(a) => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            vec![t(d, conv_transpose(cx, a)?)]
+        }
+        Op::BatchNormalization(_) => {
+            let mut out = vec![same(cx, 0)];
+            for i in 1..cx.n_outputs() {
+                out.push(t(cx.dt(3 + (i - 1).min(1)), cx.sh(3).cloned()));
+            }
+            out
+        }
+        Op::LayerNormalization(a) => {
+            let x = same(cx, 0);
+            let stats_shape = x.shape.as_ref().and_then(|s| {
+                let axis = normalize_axis(a.axis, s.rank())?;
+                Some(Shape(
+                    s.0.iter()
+                        .enumerate()
+                        .map(|(i, d)| if i < axis { d.clone() } else { Dim::Fixed(1) })
+                        .collect(),
+                ))
+            });
+            let stash = if a.stash_type == 1 {
+                Some(DType::F32)
+            } else {
+                x.dtype
+            };
+            let mut out = vec![x];
+            for _ in 1..cx.n_outputs() {
+                out.push(t(stash, stats_shape.clone()));
+            }
+            out
+        }
+        Op::MaxPool(a) | Op::AveragePool(a) => {
+            let shape = pool(cx, a)?;
+            let mut out = vec![t(cx.dt(0), shape.clone())];
+            if cx.n_outputs() > 1 {
+                out.push(t(Some(DType::I64), shape));
+            }
+            out
+        }
+        Op::GlobalAveragePool | Op::GlobalMaxPool => {
+            let shape = cx.sh(0).map(|s| {
+                Shape(
+                    s.0.iter()
+                        .enumerate()
+                        .map(|(i, d)| if i < 2 { d.clone() } else { Dim::Fixed(1) })
+                        .collect(),
+                )
+            });
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::ReduceSum(a)
+        | Op::ReduceMean(a)
+        | Op::ReduceMax(a)
+        | Op::ReduceMin(a)
+        | Op::ReduceSumSquare(a)
+        | Op::ReduceL2(a)
+        | Op::ReduceLogSumExp(a) => {
+            let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
+            let shape = match (cx.sh(0), axes) {
+                (Some(s), None) if a.noop_with_empty_axes != 0 => Some(s.clone()),
+                (Some(s), None) => Some(reduce(
+                    s,
+                    &(0..s.rank() as i64).collect::<Vec<_>>(),
+                    a.keepdims != 0,
+                )?),
+                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes != 0 => {
+                    Some(s.clone())
+                }
+                (Some(s), Some(Some(ax))) if ax.is_empty() => Some(reduce(
+                    s,
+                    &(0..s.rank() as i64).collect::<Vec<_>>(),
+                    a.keepdims != 0,
+                )?),
+                (Some(s), Some(Some(ax))) => Some(reduce(s, &ax, a.keepdims != 0)?),
+                (Some(s), Some(None)) if a.keepdims != 0 => {
+                    Some(Shape(vec![Dim::Unknown; s.rank()]))
+                }
+                _ => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::ArgMax(a) => {
+            let shape = cx
+                .sh(0)
+                .map(|s| reduce(s, &[a.axis], a.keepdims != 0))
+                .transpose()?;
+            vec![t(Some(DType::I64), shape)]
+        }
+        Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero != 0)?)],
+        Op::Transpose(a) => {
+            let shape = match cx.sh(0) {
+                Some(s) => {
+                    let perm: Vec<i64> = a
+                        .perm
+                        .clone()
+                        .unwrap_or_else(|| (0..s.rank() as i64).rev().collect());
+                    if perm.len() != s.rank() {
+                        return Err(format!("perm {perm:?} does not match rank {}", s.rank()));
+                    }
+                    let dims = perm.iter().map(|&p| {
+                        s.0.get(p as usize)
+                            .cloned()
+                            .ok_or(format!("bad perm {perm:?}"))
+                    });
+                    Some(Shape(dims.collect::<Result<_, _>>()?))
+                }
+                None => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::Flatten(a) => {
+            let shape = match cx.sh(0) {
+                Some(s) => {
+                    let r = s.rank() as i64;
+                    let axis = if a.axis < 0 { a.axis + r } else { a.axis };
+                    if !(0..=r).contains(&axis) {
+                        return Err(format!("axis {} out of range for rank {r}", a.axis));
+                    }
+                    let (l, rt) = s.0.split_at(axis as usize);
+                    Some(Shape(vec![product(l), product(rt)]))
+                }
+                None => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::Squeeze => vec![t(cx.dt(0), squeeze(cx)?)],
+        Op::Unsqueeze => vec![t(cx.dt(0), unsqueeze(cx)?)],
+        Op::Concat(a) => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            vec![t(d, concat(cx, a.axis)?)]
+        }
+        Op::Split(a) => split(cx, a.axis, a.num_outputs)?,
+        Op::Slice => vec![t(cx.dt(0), slice(cx)?)],
+        Op::Gather(a) => {
+            let shape = match (cx.sh(0), cx.sh(1)) {
+                (Some(d), Some(i)) => {
+                    let axis = normalize_axis(a.axis, d.rank())
+                        .ok_or(format!("axis {} out of range", a.axis))?;
+                    let mut s = d.0[..axis].to_vec();
+                    s.extend(i.0.iter().cloned());
+                    s.extend(d.0[axis + 1..].iter().cloned());
+                    Some(Shape(s))
+                }
+                _ => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::Expand => {
+            let target = cx
+                .known(1)
+                .map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            let shape = match (cx.sh(0), target) {
+                (Some(x), Some(tg)) => broadcast(&[x, &tg])?,
+                _ => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::Tile => {
+            let shape = match (cx.sh(0), cx.ints(1)) {
+                (Some(s), Some(r)) if r.len() == s.rank() => Some(Shape(
+                    s.0.iter()
+                        .zip(&r)
+                        .map(|(d, &k)| d.fixed().map_or(Dim::Unknown, |d| Dim::Fixed(d * k as u64)))
+                        .collect(),
+                )),
+                (Some(s), _) => Some(Shape(vec![Dim::Unknown; s.rank()])),
+                _ => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::Pad(_) => vec![t(cx.dt(0), pad(cx)?)],
+        Op::Cast(a) => vec![t(Some(a.to), cx.sh(0).cloned())],
+        Op::Constant(a) => vec![t(
+            Some(a.value.dtype()),
+            Some(Shape::fixed(a.value.shape())),
+        )],
+        Op::ConstantOfShape(a) => {
+            let dtype = a.value.as_ref().map_or(DType::F32, |v| v.dtype());
+            let shape = cx
+                .known(0)
+                .map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            vec![t(Some(dtype), shape)]
+        }
+        Op::Shape(a) => {
+            let shape = cx.sh(0).map(|s| {
+                let r = s.rank() as i64;
+                let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r);
+                let n = (clamp(a.end.unwrap_or(r)) - clamp(a.start)).max(0);
+                Shape::fixed(&[n as u64])
+            });
+            vec![t(
+                Some(DType::I64),
+                shape.or(Some(Shape(vec![Dim::Unknown]))),
+            )]
+        }
+        Op::Size => vec![t(Some(DType::I64), Some(Shape::scalar()))],
+        Op::Range => {
+            let d = cx.same_dtype(0..3)?;
+            let n = match (cx.ints(0), cx.ints(1), cx.ints(2)) {
+                (Some(s), Some(l), Some(dl))
+                    if s.len() == 1 && l.len() == 1 && dl.len() == 1 && dl[0] != 0 =>
+                {
+                    let n = (l[0] - s[0] + dl[0] - dl[0].signum()) / dl[0];
+                    Dim::Fixed(n.max(0) as u64)
+                }
+                _ => Dim::Unknown,
+            };
+            vec![t(d, Some(Shape(vec![n])))]
+        }
+        Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation))],
+        Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
+            let loss_shape = if a.reduction == "none" {
+                cx.sh(1).cloned()
+            } else {
+                Some(Shape::scalar())
+            };
+            let mut out = vec![t(cx.dt(0), loss_shape)];
+            if cx.n_outputs() > 1 {
+                out.push(same(cx, 0));
+            }
+            out
+        }
+        Op::Resize(_) => vec![t(cx.dt(0), resize(cx))],
+        Op::Opaque(_) => return Err("opaque ops keep their declared types".into()),
+    })
+}
+
+fn check_eq(a: &Dim, b: &Dim, what: &str) -> Result<(), String> {
+    match (a, b) {
+        (Dim::Fixed(x), Dim::Fixed(y)) if x != y => Err(format!("{what} differ: {x} and {y}")),
+        _ => Ok(()),
+    }
+}
+
+fn broadcast_all(cx: &NodeCx, range: std::ops::Range<usize>) -> Result<Option<Shape>, String> {
+    let mut shapes = Vec::new();
+    for i in range {
+        if !cx.has(i) {
+            continue;
+        }
+        match cx.sh(i) {
+            Some(s) => shapes.push(s),
+            None => return Ok(None),
+        }
+    }
+    broadcast(&shapes)
+}
+
+/// Numpy broadcasting with symbolic dims.
+pub(crate) fn broadcast(shapes: &[&Shape]) -> Result<Option<Shape>, String> {
+    let rank = shapes.iter().map(|s| s.rank()).max().unwrap_or(0);
+    let mut out = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let mut d = Dim::Fixed(1);
+        for s in shapes {
+            let Some(pos) = (i + s.rank()).checked_sub(rank) else {
+                continue;
+            };
+            let e = &s.0[pos];
+            d = match (&d, e) {
+                (Dim::Fixed(1), _) => e.clone(),
+                (_, Dim::Fixed(1)) => d,
+                (Dim::Fixed(a), Dim::Fixed(b)) if a != b => {
+                    let list: Vec<String> = shapes.iter().map(|s| s.to_string()).collect();
+                    return Err(format!("shapes {} cannot be broadcast", list.join(" and ")));
+                }
+                (Dim::Fixed(_), _) => d,
+                (_, Dim::Fixed(_)) => e.clone(),
+                (Dim::Sym(a), Dim::Sym(b)) if a == b => d,
+                _ => Dim::Unknown,
+            };
+        }
+        out.push(d);
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn matmul(a: Option<&Shape>, b: Option<&Shape>) -> Result<Option<Shape>, String> {
+    let (Some(a), Some(b)) = (a, b) else {
+        return Ok(None);
+    };
+    if a.rank() == 0 || b.rank() == 0 {
+        return Err("MatMul inputs must have rank ≥ 1".into());
+    }
+    let a2 = if a.rank() == 1 {
+        Shape(vec![Dim::Fixed(1), a.0[0].clone()])
+    } else {
+        a.clone()
+    };
+    let b2 = if b.rank() == 1 {
+        Shape(vec![b.0[0].clone(), Dim::Fixed(1)])
+    } else {
+        b.clone()
+    };
+    let (ar, br) = (a2.rank(), b2.rank());
+    check_eq(&a2.0[ar - 1], &b2.0[br - 2], "MatMul inner dimensions")?;
+    let batch = broadcast(&[
+        &Shape(a2.0[..ar - 2].to_vec()),
+        &Shape(b2.0[..br - 2].to_vec()),
+    ])?
+    .unwrap_or_default();
+    let mut out = batch.0;
+    if a.rank() > 1 {
+        out.push(a2.0[ar - 2].clone());
+    }
+    if b.rank() > 1 {
+        out.push(b2.0[br - 1].clone());
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn product(dims: &[Dim]) -> Dim {
+    let mut n = 1u64;
+    let mut sym: Option<&Dim> = None;
+    for d in dims {
+        match d {
+            Dim::Fixed(k) => n *= k,
+            Dim::Sym(_) if sym.is_none() => sym = Some(d),
+            _ => return Dim::Unknown,
+        }
+    }
+    match sym {
+        None => Dim::Fixed(n),
+        Some(s) if n == 1 => s.clone(),
+        Some(_) => Dim::Unknown,
+    }
+}
+
+/// Output size of one spatial dim of a convolution or pooling window.
+fn window(
+    input: &Dim,
+    k: i64,
+    stride: i64,
+    pad: i64,
+    dil: i64,
+    ceil: bool,
+    auto_pad: &str,
+) -> Result<Dim, String> {
+    let Some(n) = input.fixed() else {
+        return Ok(Dim::Unknown);
+    };
+    let (n, ek) = (n as i64, (k - 1) * dil + 1);
+    let out = match auto_pad {
+        "SAME_UPPER" | "SAME_LOWER" => (n + stride - 1) / stride,
+        "VALID" => (n - ek + stride) / stride,
+        _ => {
+            let span = n + pad - ek;
+            if span < 0 {
+                return Err(format!(
+                    "window of {ek} does not fit input size {n} with padding {pad}"
+                ));
+            }
+            let mut o = if ceil {
+                (span + stride - 1) / stride + 1
+            } else {
+                span / stride + 1
+            };
+            // ceil_mode: the last window must start inside the input or left padding.
+            if ceil && (o - 1) * stride >= n + pad / 2 {
+                o -= 1;
+            }
+            o
+        }
+    };
+    if out <= 0 {
+        return Err(format!("output size {out} for input size {n}"));
+    }
+    Ok(Dim::Fixed(out as u64))
+}
+
+fn spatial(
+    x: &Shape,
+    kernel: &[i64],
+    strides: &[i64],
+    pads: &[i64],
+    dils: &[i64],
+    ceil: bool,
+    auto_pad: &str,
+) -> Result<Vec<Dim>, String> {
+    let sp = kernel.len();
+    if x.rank() != sp + 2 {
+        return Err(format!("input {x} does not match a {sp}-D kernel"));
+    }
+    (0..sp)
+        .map(|i| {
+            let pad = pads.get(i).copied().unwrap_or(0) + pads.get(i + sp).copied().unwrap_or(0);
+            window(
+                &x.0[i + 2],
+                kernel[i],
+                *strides.get(i).unwrap_or(&1),
+                pad,
+                *dils.get(i).unwrap_or(&1),
+                ceil,
+                auto_pad,
+            )
+        })
+        .collect()
+}
+
+fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
+    let (Some(x), Some(w)) = (cx.sh(0), cx.sh(1)) else {
+        return Ok(None);
+    };
+    if w.rank() != x.rank() {
+        return Err(format!("weight {w} and input {x} ranks differ"));
+    }
+    if let (Some(c), Some(wc)) = (x.0[1].fixed(), w.0[1].fixed()) {
+        if c != wc * a.group as u64 {
+            return Err(format!(
+                "input has {c} channels but the weight expects {} (group {})",
+                wc * a.group as u64,
+                a.group
+            ));
+        }
+    }
+    let kernel: Vec<i64> = if a.kernel_shape.is_empty() {
+        w.0[2..]
+            .iter()
+            .map(|d| d.fixed().map_or(1, |k| k as i64))
+            .collect()
+    } else {
+        a.kernel_shape.clone()
+    };
+    if w.0[2..].iter().any(|d| d.fixed().is_none()) && a.kernel_shape.is_empty() {
+        return Ok(Some(Shape(
+            vec![x.0[0].clone(), w.0[0].clone()]
+                .into_iter()
+                .chain(vec![Dim::Unknown; x.rank() - 2])
+                .collect(),
+        )));
+    }
+    let mut out = vec![x.0[0].clone(), w.0[0].clone()];
+    out.extend(spatial(
+        x,
+        &kernel,
+        &a.strides,
+        &a.pads,
+        &a.dilations,
+        false,
+        &a.auto_pad,
+    )?);
+    Ok(Some(Shape(out)))
+}
+
+fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
+    let (Some(x), Some(w)) = (cx.sh(0), cx.sh(1)) else {
+        return Ok(None);
+    };
+    let sp = x.rank().saturating_sub(2);
+    let cout =
+        w.0.get(1)
+            .and_then(|d| d.fixed())
+            .map_or(Dim::Unknown, |c| Dim::Fixed(c * a.group as u64));
+    let mut out = vec![x.0[0].clone(), cout];
+    if !a.output_shape.is_empty() {
+        out.extend(
+            a.output_shape
+                .iter()
+                .rev()
+                .take(sp)
+                .rev()
+                .map(|&d| Dim::Fixed(d as u64)),
+        );
+        return Ok(Some(Shape(out)));
+    }
+    for i in 0..sp {
+        let k = a
+            .kernel_shape
+            .get(i)
+            .copied()
+            .or_else(|| w.0.get(i + 2)?.fixed().map(|k| k as i64));
+        let (Some(n), Some(k)) = (x.0[i + 2].fixed(), k) else {
+            out.push(Dim::Unknown);
+            continue;
+        };
+        let s = *a.strides.get(i).unwrap_or(&1);
+        let d = *a.dilations.get(i).unwrap_or(&1);
+        let op = *a.output_padding.get(i).unwrap_or(&0);
+        let pad = a.pads.get(i).copied().unwrap_or(0) + a.pads.get(i + sp).copied().unwrap_or(0);
+        let o = match a.auto_pad.as_str() {
+            "SAME_UPPER" | "SAME_LOWER" => n as i64 * s,
+            _ => s * (n as i64 - 1) + op + (k - 1) * d + 1 - pad,
+        };
+        out.push(Dim::Fixed(o.max(0) as u64));
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let mut out = vec![x.0[0].clone(), x.0.get(1).cloned().unwrap_or(Dim::Unknown)];
+    out.extend(spatial(
+        x,
+        &a.kernel_shape,
+        &a.strides,
+        &a.pads,
+        &a.dilations,
+        a.ceil_mode != 0,
+        &a.auto_pad,
+    )?);
+    Ok(Some(Shape(out)))
+}
+
+fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
+    let axes: Vec<usize> = axes
+        .iter()
+        .map(|&a| {
+            normalize_axis(a, s.rank())
+                .ok_or(format!("axis {a} out of range for rank {}", s.rank()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Shape(
+        s.0.iter()
+            .enumerate()
+            .filter_map(|(i, d)| match (axes.contains(&i), keepdims) {
+                (true, true) => Some(Dim::Fixed(1)),
+                (true, false) => None,
+                _ => Some(d.clone()),
+            })
+            .collect(),
+    ))
+}
+
+/// Reshape, including `0` (copy) and `-1` (infer), with symbolic dims cancelled where the same
+/// symbol appears in the input and the target.
+fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
+    let Some(target) = cx.known(1) else {
+        return Ok(cx
+            .sh(1)
+            .and_then(|s| s.0.first()?.fixed())
+            .map(|r| Shape(vec![Dim::Unknown; r as usize])));
+    };
+    let x = cx.sh(0);
+    let mut out: Vec<Dim> = Vec::with_capacity(target.elems.len());
+    let mut infer_at = None;
+    for (i, e) in target.elems.iter().enumerate() {
+        out.push(match e.int() {
+            Some(0) if !allowzero => x.and_then(|x| x.0.get(i).cloned()).unwrap_or(Dim::Unknown),
+            Some(-1) => {
+                if infer_at.replace(i).is_some() {
+                    return Err("more than one -1 in the target shape".into());
+                }
+                Dim::Unknown
+            }
+            Some(n) if n < -1 => return Err(format!("invalid target dimension {n}")),
+            _ => e.dim(),
+        });
+    }
+    let Some(x) = x else {
+        return Ok(Some(Shape(out)));
+    };
+    // Element counts as (fixed product, symbols), ignoring the -1 slot.
+    let count = |dims: &[Dim], skip: Option<usize>| -> Option<(u64, Vec<String>)> {
+        let mut n = 1u64;
+        let mut syms = Vec::new();
+        for (i, d) in dims.iter().enumerate() {
+            if Some(i) == skip {
+                continue;
+            }
+            match d {
+                Dim::Fixed(k) => n = n.checked_mul(*k)?,
+                Dim::Sym(s) => syms.push(s.to_string()),
+                Dim::Unknown => return None,
+            }
+        }
+        syms.sort();
+        Some((n, syms))
+    };
+    if let (Some((xn, xs)), Some((tn, ts))) = (count(&x.0, None), count(&out, infer_at)) {
+        let mut rest = xs.clone();
+        let cancels = ts.iter().all(|s| {
+            rest.iter()
+                .position(|r| r == s)
+                .map(|p| rest.remove(p))
+                .is_some()
+        });
+        match infer_at {
+            Some(i) if cancels => {
+                if tn == 0 || xn % tn != 0 {
+                    return Err(format!("cannot reshape {x} into {}", show(&target.elems)));
+                }
+                out[i] = match rest.as_slice() {
+                    [] => Dim::Fixed(xn / tn),
+                    [s] if xn / tn == 1 => Dim::sym(s),
+                    _ => Dim::Unknown,
+                };
+            }
+            None if cancels && rest.is_empty() && xn != tn => {
+                return Err(format!(
+                    "cannot reshape {x} ({xn} elements) into {} ({tn} elements)",
+                    show(&target.elems)
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn show(elems: &[super::Elem]) -> String {
+    let s: Vec<String> = elems
+        .iter()
+        .map(|e| match e {
+            super::Elem::Int(i) => i.to_string(),
+            super::Elem::Sym(s) => s.to_string(),
+            super::Elem::Unknown => "?".into(),
+        })
+        .collect();
+    format!("[{}]", s.join(","))
+}
+
+fn squeeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let axes = match (cx.has(1), cx.ints(1)) {
+        (true, Some(a)) => a,
+        (true, None) => return Ok(None),
+        (false, _) => {
+            if x.0.iter().any(|d| d.fixed().is_none()) {
+                return Ok(None);
+            }
+            return Ok(Some(Shape(
+                x.0.iter()
+                    .filter(|d| d.fixed() != Some(1))
+                    .cloned()
+                    .collect(),
+            )));
+        }
+    };
+    let axes: Vec<usize> = axes
+        .iter()
+        .map(|&a| normalize_axis(a, x.rank()).ok_or(format!("axis {a} out of range")))
+        .collect::<Result<_, _>>()?;
+    for &a in &axes {
+        if let Some(n) = x.0[a].fixed().filter(|&n| n != 1) {
+            return Err(format!("cannot squeeze axis {a} of size {n}"));
+        }
+    }
+    Ok(Some(Shape(
+        x.0.iter()
+            .enumerate()
+            .filter(|(i, _)| !axes.contains(i))
+            .map(|(_, d)| d.clone())
+            .collect(),
+    )))
+}
+
+fn unsqueeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let (Some(x), Some(axes)) = (cx.sh(0), cx.ints(1)) else {
+        return Ok(None);
+    };
+    let r = x.rank() + axes.len();
+    let mut axes: Vec<usize> = axes
+        .iter()
+        .map(|&a| normalize_axis(a, r).ok_or(format!("axis {a} out of range")))
+        .collect::<Result<_, _>>()?;
+    axes.sort();
+    let mut src = x.0.iter();
+    Ok(Some(Shape(
+        (0..r)
+            .map(|i| {
+                if axes.contains(&i) {
+                    Dim::Fixed(1)
+                } else {
+                    src.next().cloned().unwrap_or(Dim::Unknown)
+                }
+            })
+            .collect(),
+    )))
+}
+
+fn concat(cx: &NodeCx, axis: i64) -> Result<Option<Shape>, String> {
+    let mut shapes = Vec::new();
+    for i in 0..cx.n_inputs() {
+        match cx.sh(i) {
+            Some(s) => shapes.push(s),
+            None => return Ok(None),
+        }
+    }
+    let Some(first) = shapes.first() else {
+        return Ok(None);
+    };
+    let a = normalize_axis(axis, first.rank()).ok_or(format!(
+        "axis {axis} out of range for rank {}",
+        first.rank()
+    ))?;
+    let mut out = first.0.clone();
+    let mut total = Some(0u64);
+    for s in &shapes {
+        if s.rank() != first.rank() {
+            return Err(format!("inputs have different ranks: {first} and {s}"));
+        }
+        total = total.and_then(|t| Some(t + s.0[a].fixed()?));
+        for (i, d) in s.0.iter().enumerate() {
+            if i != a {
+                check_eq(&out[i], d, "concatenated dims")?;
+                if out[i].fixed().is_none() && d.fixed().is_some() {
+                    out[i] = d.clone();
+                }
+            }
+        }
+    }
+    out[a] = total.map_or(Dim::Unknown, Dim::Fixed);
+    if shapes.len() == 1 {
+        out[a] = first.0[a].clone();
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
+    let n = cx.n_outputs();
+    let d = cx.dt(0);
+    let Some(x) = cx.sh(0) else {
+        return Ok(vec![t(d, None); n]);
+    };
+    let a = normalize_axis(axis, x.rank()).ok_or(format!("axis {axis} out of range"))?;
+    let sizes: Option<Vec<u64>> = if cx.has(1) {
+        cx.ints(1)
+            .map(|v| v.into_iter().map(|s| s.max(0) as u64).collect())
+    } else {
+        x.0[a].fixed().map(|len| {
+            let parts = num_outputs.unwrap_or(n as i64).max(1) as u64;
+            let chunk = len.div_ceil(parts);
+            (0..n as u64)
+                .map(|i| chunk.min(len.saturating_sub(i * chunk)))
+                .collect()
+        })
+    };
+    if let (Some(s), Some(len)) = (&sizes, x.0[a].fixed()) {
+        if s.iter().sum::<u64>() != len || s.len() != n {
+            return Err(format!(
+                "split sizes {s:?} do not add up to {len} over {n} outputs"
+            ));
+        }
+    }
+    Ok((0..n)
+        .map(|i| {
+            let mut s = x.clone();
+            s.0[a] = sizes.as_ref().map_or(Dim::Unknown, |v| Dim::Fixed(v[i]));
+            t(d, Some(s))
+        })
+        .collect())
+}
+
+fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let (Some(starts), Some(ends)) = (cx.ints(1), cx.ints(2)) else {
+        return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+    };
+    let axes: Vec<i64> = if cx.has(3) {
+        cx.ints(3).ok_or("")?
+    } else {
+        (0..starts.len() as i64).collect()
+    };
+    let steps: Vec<i64> = if cx.has(4) {
+        cx.ints(4).ok_or("")?
+    } else {
+        vec![1; starts.len()]
+    };
+    if axes.len() != starts.len() || ends.len() != starts.len() || steps.len() != starts.len() {
+        return Err("starts, ends, axes and steps have different lengths".into());
+    }
+    let mut out = x.0.clone();
+    for i in 0..starts.len() {
+        let a =
+            normalize_axis(axes[i], x.rank()).ok_or(format!("axis {} out of range", axes[i]))?;
+        let step = steps[i];
+        if step == 0 {
+            return Err("slice step is 0".into());
+        }
+        out[a] = match x.0[a].fixed() {
+            Some(len) => {
+                let len = len as i64;
+                let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
+                let (s, e) = if step > 0 {
+                    (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
+                } else {
+                    (
+                        norm(starts[i]).clamp(-1, len - 1),
+                        norm(ends[i]).clamp(-1, len - 1),
+                    )
+                };
+                let n = if step > 0 {
+                    (e - s + step - 1) / step
+                } else {
+                    (s - e - step - 1) / -step
+                };
+                Dim::Fixed(n.max(0) as u64)
+            }
+            None if starts[i] == 0 && ends[i] >= i32::MAX as i64 && step == 1 => x.0[a].clone(),
+            None => Dim::Unknown,
+        };
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let Some(pads) = cx.ints(1) else {
+        return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+    };
+    let axes: Vec<usize> = match cx.has(3) {
+        true => match cx.ints(3) {
+            Some(a) => a
+                .iter()
+                .map(|&a| normalize_axis(a, x.rank()).ok_or(format!("axis {a} out of range")))
+                .collect::<Result<_, _>>()?,
+            None => return Ok(Some(Shape(vec![Dim::Unknown; x.rank()]))),
+        },
+        false => (0..x.rank()).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        return Err(format!("{} pads for {} axes", pads.len(), axes.len()));
+    }
+    let mut out = x.0.clone();
+    for (i, &a) in axes.iter().enumerate() {
+        out[a] = match x.0[a].fixed() {
+            Some(n) => Dim::Fixed((n as i64 + pads[i] + pads[i + axes.len()]).max(0) as u64),
+            None if pads[i] == 0 && pads[i + axes.len()] == 0 => x.0[a].clone(),
+            None => Dim::Unknown,
+        };
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn resize(cx: &NodeCx) -> Option<Shape> {
+    let x = cx.sh(0)?;
+    if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten() {
+        return Some(Shape(
+            sizes.iter().map(|&s| Dim::Fixed(s.max(0) as u64)).collect(),
+        ));
+    }
+    let scales =
+        cx.g.node(cx.n)
+            .input(2)
+            .and_then(|v| cx.g.constant(v))
+            .map(|t| t.to_f64_vec());
+    match scales {
+        Some(sc) if sc.len() == x.rank() => Some(Shape(
+            x.0.iter()
+                .zip(&sc)
+                .map(|(d, &s)| {
+                    d.fixed()
+                        .map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64))
+                })
+                .collect(),
+        )),
+        _ => Some(Shape(vec![Dim::Unknown; x.rank()])),
+    }
+}
+
+/// Einsum without ellipsis: output dims looked up by letter.
+fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
+    let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.contains("...") {
+        return None;
+    }
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), r.to_string()),
+        None => {
+            let l = eq.clone();
+            let mut letters: Vec<char> = l.chars().filter(|c| c.is_ascii_alphabetic()).collect();
+            letters.sort();
+            let once: String = letters
+                .iter()
+                .filter(|c| letters.iter().filter(|d| d == c).count() == 1)
+                .collect();
+            (l, once)
+        }
+    };
+    let mut dims: std::collections::HashMap<char, Dim> = Default::default();
+    for (i, term) in lhs.split(',').enumerate() {
+        let s = cx.sh(i)?;
+        if s.rank() != term.len() {
+            return None;
+        }
+        for (c, d) in term.chars().zip(&s.0) {
+            let e = dims.entry(c).or_insert(d.clone());
+            if e.fixed().is_none() || e.fixed() == Some(1) {
+                *e = d.clone();
+            }
+        }
+    }
+    Some(Shape(
+        rhs.chars()
+            .map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown))
+            .collect(),
+    ))
+}

@@ -1,0 +1,124 @@
+//! The pass manager: an explicit pipeline, verification after every pass, dump-after, stop-after.
+
+use mpc_ir::Graph;
+
+use crate::{infer, Changed, Context, Dce, InferTypes, Pass, PassError, Result};
+
+/// A named list of passes.
+pub struct PassManager {
+    passes: Vec<Box<dyn Pass>>,
+    verify: bool,
+    dump_after: Vec<String>,
+    stop_after: Option<String>,
+}
+
+/// The standard pipelines.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pipeline {
+    /// infer types → dead-code elimination (the precision passes join with their issue).
+    Inference,
+}
+
+impl PassManager {
+    pub fn new(passes: Vec<Box<dyn Pass>>) -> PassManager {
+        PassManager {
+            passes,
+            verify: true,
+            dump_after: Vec::new(),
+            stop_after: None,
+        }
+    }
+
+    pub fn pipeline(p: Pipeline) -> PassManager {
+        match p {
+            Pipeline::Inference => PassManager::new(vec![Box::new(InferTypes), Box::new(Dce)]),
+        }
+    }
+
+    pub fn pass_names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
+    fn check_name(&self, name: &str) -> Result<()> {
+        if self.passes.iter().any(|p| p.name() == name) {
+            Ok(())
+        } else {
+            Err(PassError::UnknownPass(
+                name.to_string(),
+                self.pass_names().join(", "),
+            ))
+        }
+    }
+
+    /// Hands a copy of the graph to the caller after the named pass.
+    pub fn dump_after(mut self, name: &str) -> Result<Self> {
+        self.check_name(name)?;
+        self.dump_after.push(name.to_string());
+        Ok(self)
+    }
+
+    /// Stops the pipeline after the named pass.
+    pub fn stop_after(mut self, name: &str) -> Result<Self> {
+        self.check_name(name)?;
+        self.stop_after = Some(name.to_string());
+        Ok(self)
+    }
+
+    /// Skips verification (benchmarks of a single pass).
+    pub fn without_verify(mut self) -> Self {
+        self.verify = false;
+        self
+    }
+
+    /// Runs the pipeline. `dump` receives `(pass name, graph)` after each pass asked for.
+    pub fn run(
+        &self,
+        g: &mut Graph,
+        cx: &Context,
+        dump: &mut dyn FnMut(&str, &Graph),
+    ) -> Result<()> {
+        for pass in &self.passes {
+            let changed = pass.run(g, cx)?;
+            if self.verify && changed == Changed::Yes {
+                verify(g).map_err(|msg| PassError::Verify {
+                    pass: pass.name(),
+                    msg,
+                })?;
+            }
+            if self.dump_after.iter().any(|d| d == pass.name()) {
+                dump(pass.name(), g);
+            }
+            if self.stop_after.as_deref() == Some(pass.name()) {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a graph: structure (every value read is defined once, no cycle, outputs defined) and
+/// types (inferring them again from scratch must give what the graph says).
+pub fn verify(g: &Graph) -> Result<(), String> {
+    g.check_structure().map_err(|e| e.to_string())?;
+    let mut fresh = g.clone();
+    for n in fresh.node_ids().collect::<Vec<_>>() {
+        if !fresh.node(n).op.is_opaque() {
+            for o in fresh.node(n).outputs().to_vec() {
+                fresh.set_ty(o, Default::default());
+            }
+        }
+    }
+    infer::infer_types(&mut fresh).map_err(|e| e.to_string())?;
+    for v in g.value_ids() {
+        let (was, now) = (g.ty(v), fresh.ty(v));
+        if was.dtype.is_some() && was.dtype != now.dtype {
+            return Err(format!(
+                "value `{}` is typed {} but its producer gives {}",
+                g.name(v),
+                was,
+                now
+            ));
+        }
+    }
+    Ok(())
+}

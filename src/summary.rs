@@ -1,0 +1,240 @@
+//! `mpc inspect`'s summary (op counts, parameters per dtype, estimated FLOPs) and `--emit json`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+use mpc_ir::{DType, Dim, Graph, Op, Shape};
+use mpc_passes::{infer_types, PassError};
+use serde_json::json;
+
+/// Estimated floating-point operations of the matrix products (a multiply-add counts 2).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flops {
+    pub matmul: u64,
+    pub conv: u64,
+    /// Products whose shapes stayed unknown after binding the input dims.
+    pub unknown: usize,
+}
+
+impl Flops {
+    pub fn total(&self) -> u64 {
+        self.matmul + self.conv
+    }
+}
+
+/// Binds every symbolic or unknown input dim (`dims`, else 1) and re-infers shapes.
+/// Returns the bound graph and the bindings used.
+pub fn bind_inputs(
+    g: &Graph,
+    dims: &HashMap<String, u64>,
+) -> Result<(Graph, BTreeMap<String, u64>), PassError> {
+    let mut b = g.clone();
+    let mut used = BTreeMap::new();
+    for &v in g.inputs() {
+        let Some(shape) = g.ty(v).shape.clone() else {
+            continue;
+        };
+        let bound = Shape(
+            shape
+                .0
+                .iter()
+                .map(|d| match d {
+                    Dim::Sym(s) => {
+                        let n = dims.get(s.as_ref()).copied().unwrap_or(1);
+                        used.insert(s.to_string(), n);
+                        Dim::Fixed(n)
+                    }
+                    Dim::Unknown => Dim::Fixed(1),
+                    d => d.clone(),
+                })
+                .collect(),
+        );
+        let mut ty = g.ty(v).clone();
+        ty.shape = Some(bound);
+        b.set_ty(v, ty);
+    }
+    for n in b.node_ids().collect::<Vec<_>>() {
+        if !b.node(n).op.is_opaque() {
+            for o in b.node(n).outputs().to_vec() {
+                b.set_ty(o, Default::default());
+            }
+        }
+    }
+    infer_types(&mut b)?;
+    Ok((b, used))
+}
+
+/// FLOPs of MatMul, Gemm, Conv and ConvTranspose from the graph's current shapes.
+pub fn flops(g: &Graph) -> Flops {
+    let mut f = Flops::default();
+    let fixed = |v: Option<mpc_ir::ValueId>| v.and_then(|v| g.ty(v).shape.as_ref()?.as_fixed());
+    for n in g.node_ids() {
+        let node = g.node(n);
+        let out = fixed(node.outputs().first().copied());
+        match &node.op {
+            Op::MatMul | Op::Gemm(_) => {
+                let (Some(a), Some(o)) = (fixed(node.input(0)), out) else {
+                    f.unknown += 1;
+                    continue;
+                };
+                let k = match &node.op {
+                    Op::Gemm(at) if at.transA != 0 => a.first().copied().unwrap_or(1),
+                    _ => a.last().copied().unwrap_or(1),
+                };
+                f.matmul += 2 * k * o.iter().product::<u64>();
+            }
+            Op::Conv(_) | Op::ConvTranspose(_) => {
+                let (Some(x), Some(w), Some(o)) = (fixed(node.input(0)), fixed(node.input(1)), out)
+                else {
+                    f.unknown += 1;
+                    continue;
+                };
+                let kernel: u64 = w.iter().skip(2).product();
+                f.conv += if matches!(node.op, Op::Conv(_)) {
+                    // each output element: (C_in / group) · kernel multiply-adds
+                    2 * o.iter().product::<u64>() * w.get(1).copied().unwrap_or(1) * kernel
+                } else {
+                    // each input element scatters into C_out / group · kernel outputs
+                    2 * x.iter().product::<u64>() * w.get(1).copied().unwrap_or(1) * kernel
+                };
+            }
+            _ => {}
+        }
+    }
+    f
+}
+
+fn human(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{:.2} MiB", n as f64 / (1u64 << 20) as f64),
+        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+/// The summary printed after the text IR by `mpc inspect`, as `#` comment lines.
+pub fn summarize(g: &Graph, dims: &HashMap<String, u64>) -> Result<String, PassError> {
+    let mut s = String::new();
+    let mut ops: BTreeMap<String, usize> = BTreeMap::new();
+    for n in g.node_ids() {
+        let op = &g.node(n).op;
+        let key = match op {
+            Op::Opaque(o) if !o.domain.is_empty() => format!("{}::{}", o.domain, o.op_type),
+            Op::Opaque(o) => format!("::{} (opaque)", o.op_type),
+            _ => op.op_type().to_string(),
+        };
+        *ops.entry(key).or_default() += 1;
+    }
+    let inits: Vec<_> = g.initializers().collect();
+    writeln!(
+        s,
+        "# {} nodes, {} initializers, {} inputs, {} outputs; ai.onnx opset {}",
+        g.node_count(),
+        inits.len(),
+        g.inputs().len(),
+        g.outputs().len(),
+        g.meta.onnx_opset()
+    )
+    .ok();
+    let ops: Vec<String> = ops.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    writeln!(s, "# ops: {}", ops.join(", ")).ok();
+    let mut per: BTreeMap<DType, (u64, u64)> = BTreeMap::new();
+    for &v in &inits {
+        if let Some(t) = g.value(v).initializer() {
+            let e = per.entry(t.dtype()).or_default();
+            e.0 += t.numel();
+            e.1 += t.bytes().len() as u64;
+        }
+    }
+    let params: Vec<String> = per
+        .iter()
+        .map(|(d, (n, b))| format!("{d} {} ({})", human(*n), bytes(*b)))
+        .collect();
+    writeln!(
+        s,
+        "# initializers: {}",
+        if params.is_empty() {
+            "none".into()
+        } else {
+            params.join(", ")
+        }
+    )
+    .ok();
+    let (bound, used) = bind_inputs(g, dims)?;
+    let f = flops(&bound);
+    let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let at = if at.is_empty() {
+        "the model's own input shapes".to_string()
+    } else {
+        at.join(", ")
+    };
+    let mut line = format!(
+        "# FLOPs at {at}: {} (MatMul/Gemm {}, Conv {})",
+        human(f.total()),
+        human(f.matmul),
+        human(f.conv)
+    );
+    if f.unknown > 0 {
+        write!(
+            line,
+            "; {} products of unknown shape not counted",
+            f.unknown
+        )
+        .ok();
+    }
+    writeln!(s, "{line}").ok();
+    Ok(s)
+}
+
+/// The graph as JSON: interface, initializers by dtype and shape, nodes with attributes.
+pub fn to_json(g: &Graph) -> mpc_ir::Result<String> {
+    let order = g.topo_order()?;
+    let ty = |v: mpc_ir::ValueId| {
+        let t = g.ty(v);
+        json!({
+            "name": g.name(v),
+            "dtype": t.dtype.map(|d| d.to_string()),
+            "shape": t.shape.as_ref().map(|s| s.dims().iter().map(|d| match d {
+                Dim::Fixed(n) => json!(n),
+                Dim::Sym(s) => json!(s.as_ref()),
+                Dim::Unknown => serde_json::Value::Null,
+            }).collect::<Vec<_>>()),
+        })
+    };
+    let nodes: Vec<_> = order
+        .iter()
+        .map(|&n| {
+            let node = g.node(n);
+            json!({
+                "name": node.name,
+                "op_type": node.op.op_type(),
+                "domain": node.op.domain(),
+                "attributes": serde_json::to_value(node.op.attrs()).unwrap_or_default(),
+                "inputs": node.inputs().iter().map(|i| i.map(|v| g.name(v).to_string())).collect::<Vec<_>>(),
+                "outputs": node.outputs().iter().map(|&o| ty(o)).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let doc = json!({
+        "name": g.name,
+        "opsets": g.meta.opsets.iter().map(|(d, v)| json!({"domain": d, "version": v})).collect::<Vec<_>>(),
+        "inputs": g.inputs().iter().map(|&v| ty(v)).collect::<Vec<_>>(),
+        "initializers": g.initializers().map(ty).collect::<Vec<_>>(),
+        "nodes": nodes,
+        "outputs": g.outputs().iter().map(|&v| ty(v)).collect::<Vec<_>>(),
+    });
+    Ok(serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n")
+}

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Interop check: what mpc writes is valid ONNX and computes what the original computes.
+
+    python3 tests/interop/check_onnx.py --mpc target/release/mpc fixtures
+    python3 tests/interop/check_onnx.py --mpc target/release/mpc conformance DIR
+
+`fixtures`: every tests/models/*.onnx is compiled with `--policy fp32`; the output must pass
+onnx.checker.check_model(full_check=True) and give the original's outputs in onnxruntime on random
+inputs (relative L2 error <= 1e-6).
+
+`conformance`: every case of ONNX's operator conformance suite in DIR (NAME/model.onnx with
+test_data_set_*/input_*.pb, output_*.pb) is compiled the same way and run on its own inputs; the
+outputs must equal the original's in onnxruntime (same tolerance) and the suite's expected outputs
+(rtol 1e-3, atol 1e-5 for floats, exact otherwise). Cases mpc rejects as unsupported (dtypes such as
+strings or float8) and cases onnxruntime cannot run even in their original form are skipped, with
+the reason. Prints passed / skipped / failed counts; exits 1 on any failure.
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        same = np.array_equal(np.isnan(a), np.isnan(b)) and np.array_equal(a[~np.isnan(a)], b[~np.isnan(b)])
+        return 0.0 if same else float("inf")
+    denom = np.linalg.norm(b)
+    diff = np.linalg.norm(a - b)
+    return diff / denom if denom > 0 else diff
+
+
+def session(path):
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    # Graph optimisations off: compare the models as written, not onnxruntime's rewrites of them.
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def compile_model(mpc, src, out):
+    r = subprocess.run([mpc, "compile", src, "--policy", "fp32", "-o", out], capture_output=True, text=True)
+    return r.returncode, r.stderr.strip()
+
+
+def random_inputs(sess, ranges, rng, batch=3):
+    feeds = {}
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else batch for d in i.shape]
+        dt = ORT_TYPES[i.type]
+        if np.issubdtype(dt, np.integer):
+            lo, hi = ranges.get(i.name, [0, 4])
+            feeds[i.name] = rng.integers(lo, hi, size=shape).astype(dt)
+        elif dt == np.bool_:
+            feeds[i.name] = rng.random(shape) > 0.5
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
+
+
+def check_fixtures(mpc):
+    meta = json.load(open(os.path.join(ROOT, "tests", "models", "fixtures.json")))
+    rng = np.random.default_rng(0)
+    failed = 0
+    models = sorted(glob.glob(os.path.join(ROOT, "tests", "models", "*.onnx")))
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in models:
+            name = os.path.splitext(os.path.basename(src))[0]
+            out = os.path.join(tmp, name + ".onnx")
+            rc, err = compile_model(mpc, src, out)
+            if rc != 0:
+                print(f"FAIL {name}: mpc exited {rc}: {err}")
+                failed += 1
+                continue
+            try:
+                onnx.checker.check_model(onnx.load(out), full_check=True)
+                a, b = session(src), session(out)
+                feeds = random_inputs(a, meta["int_input_ranges"].get(name, {}), rng)
+                names = [o.name for o in a.get_outputs()]
+                if names != [o.name for o in b.get_outputs()]:
+                    raise AssertionError(f"outputs differ: {names} vs {[o.name for o in b.get_outputs()]}")
+                ra, rb = a.run(None, feeds), b.run(None, feeds)
+                errs = [rel_l2(y, x) for x, y in zip(ra, rb)]
+                worst = max(errs)
+                if worst > 1e-6:
+                    raise AssertionError(f"relative L2 error {worst:.3g} > 1e-6")
+                print(f"ok   {name}: checker passed, {len(names)} outputs, max relative L2 error {worst:.3g}")
+            except Exception as e:  # noqa: BLE001 - report every failure the same way
+                print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                failed += 1
+    print(f"fixtures: {len(models) - failed} passed, {failed} failed")
+    return failed == 0
+
+
+def load_case(case_dir):
+    sets = []
+    for d in sorted(glob.glob(os.path.join(case_dir, "test_data_set_*"))):
+        ins = [numpy_helper.to_array(onnx.load_tensor(p)) for p in sorted(glob.glob(os.path.join(d, "input_*.pb")), key=lambda p: int(p.rsplit("_", 1)[1][:-3]))]
+        outs = [numpy_helper.to_array(onnx.load_tensor(p)) for p in sorted(glob.glob(os.path.join(d, "output_*.pb")), key=lambda p: int(p.rsplit("_", 1)[1][:-3]))]
+        sets.append((ins, outs))
+    return sets
+
+
+def close(actual, expected):
+    if expected.dtype.kind in "fc":
+        a = np.asarray(actual, dtype=np.float64)
+        e = np.asarray(expected, dtype=np.float64)
+        return a.shape == e.shape and np.allclose(a, e, rtol=1e-3, atol=1e-5, equal_nan=True)
+    return np.array_equal(actual, expected)
+
+
+def check_conformance(mpc, root):
+    counts = Counter()
+    skipped = Counter()
+    failures = []
+    cases = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "model.onnx")))
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            src = os.path.join(root, case, "model.onnx")
+            out = os.path.join(tmp, case + ".onnx")
+            rc, err = compile_model(mpc, src, out)
+            if rc != 0:
+                if "not supported" in err:
+                    counts["skipped"] += 1
+                    # "mpc: PATH: value `x`: REASON" -> REASON
+                    skipped["mpc: " + err.rsplit(": ", 1)[-1]] += 1
+                else:
+                    counts["failed"] += 1
+                    failures.append(f"{case}: mpc exited {rc}: {err}")
+                continue
+            try:
+                a = session(src)
+            except Exception as e:  # noqa: BLE001
+                counts["skipped"] += 1
+                skipped["onnxruntime cannot load the original"] += 1
+                continue
+            try:
+                onnx.checker.check_model(onnx.load(out), full_check=True)
+                b = session(out)
+                for ins, expected in load_case(os.path.join(root, case)):
+                    feeds = {i.name: x for i, x in zip(a.get_inputs(), ins)}
+                    try:
+                        ra = a.run(None, feeds)
+                    except Exception:  # noqa: BLE001
+                        raise LookupError("onnxruntime cannot run the original")
+                    rb = b.run(None, {i.name: x for i, x in zip(b.get_inputs(), ins)})
+                    for x, y, e in zip(ra, rb, expected):
+                        if x.dtype.kind in "fc":
+                            if rel_l2(y, x) > 1e-6:
+                                raise AssertionError(f"differs from the original by relative L2 {rel_l2(y, x):.3g}")
+                        elif not np.array_equal(x, y):
+                            raise AssertionError("differs from the original")
+                        if close(x, e) and not close(y, e):
+                            raise AssertionError("differs from the expected output")
+                counts["passed"] += 1
+            except LookupError as e:
+                counts["skipped"] += 1
+                skipped[str(e)] += 1
+            except Exception as e:  # noqa: BLE001
+                counts["failed"] += 1
+                failures.append(f"{case}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for f in failures:
+        print("FAIL", f)
+    for reason, n in skipped.most_common():
+        print(f"skipped {n:4d}: {reason}")
+    print(f"conformance: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    return counts["failed"] == 0
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
+    p.add_argument("what", choices=["fixtures", "conformance"])
+    p.add_argument("dir", nargs="?")
+    a = p.parse_args()
+    ok = check_fixtures(a.mpc) if a.what == "fixtures" else check_conformance(a.mpc, a.dir)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
