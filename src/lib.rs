@@ -20,10 +20,7 @@ pub enum Error {
     #[error("{path}: {source}")]
     Pass { path: PathBuf, source: PassError },
     #[error("{path}: cannot write: {source}")]
-    Output {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Output { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Usage(String),
 }
@@ -32,10 +29,7 @@ impl Error {
     /// 2 for bad input or usage, 1 for mpc's own failures.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Pass {
-                source: PassError::Verify { .. },
-                ..
-            } => 1,
+            Error::Pass { source: PassError::Verify { .. }, .. } => 1,
             _ => 2,
         }
     }
@@ -77,22 +71,15 @@ pub fn sidecar_path(p: &Path) -> PathBuf {
 
 /// Loads an ONNX model or a text IR file (by extension, else by content).
 pub fn load(path: &Path) -> Result<Graph> {
-    let err = |source| Error::Input {
-        path: path.to_owned(),
-        source,
-    };
+    let err = |source| Error::Input { path: path.to_owned(), source };
     if path.is_dir() {
         return Err(err(IrError::Invalid("is a directory, not a model".into())));
     }
     let bytes = std::fs::read(path).map_err(|e| err(e.into()))?;
     let is_text = Format::from_path(path) == Some(Format::Ir) || bytes.starts_with(b"mpcir");
     if is_text {
-        let text = String::from_utf8(bytes).map_err(|_| {
-            err(IrError::Parse {
-                line: 0,
-                msg: "not UTF-8 text".into(),
-            })
-        })?;
+        let text =
+            String::from_utf8(bytes).map_err(|_| err(IrError::Parse { line: 0, msg: "not UTF-8 text".into() }))?;
         let side = std::fs::read(sidecar_path(path)).ok();
         text::parse(&text, side.as_deref()).map_err(err)
     } else {
@@ -113,30 +100,15 @@ pub struct Options {
 pub const POLICIES: [&str; 4] = ["fp32", "mixed", "mixed-bf16", "fp16"];
 
 /// Runs the pipeline of `opts.policy` on `g`; `dump` receives the graph after each pass asked for.
-pub fn compile(
-    g: &mut Graph,
-    path: &Path,
-    opts: &Options,
-    dump: &mut dyn FnMut(&str, &Graph),
-) -> Result<()> {
+pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(&str, &Graph)) -> Result<()> {
     match opts.policy.as_str() {
         "" | "fp32" => {}
         p if POLICIES.contains(&p) => {
-            return Err(Error::Usage(format!(
-                "policy `{p}` is not implemented yet; available: fp32"
-            )))
+            return Err(Error::Usage(format!("policy `{p}` is not implemented yet; available: fp32")))
         }
-        p => {
-            return Err(Error::Usage(format!(
-                "unknown policy `{p}` (policies: {})",
-                POLICIES.join(", ")
-            )))
-        }
+        p => return Err(Error::Usage(format!("unknown policy `{p}` (policies: {})", POLICIES.join(", ")))),
     }
-    let perr = |source| Error::Pass {
-        path: path.to_owned(),
-        source,
-    };
+    let perr = |source| Error::Pass { path: path.to_owned(), source };
     let mut pm = PassManager::pipeline(Pipeline::Inference);
     for d in &opts.dump_after {
         pm = pm.dump_after(d).map_err(perr)?;
@@ -144,18 +116,13 @@ pub fn compile(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context {
-        dims: opts.dims.clone(),
-    };
+    let cx = Context { dims: opts.dims.clone() };
     pm.run(g, &cx, dump).map_err(perr)
 }
 
 /// Renders `g` in `format`. Text IR comes with its sidecar bytes (empty when all is inline).
 pub fn render(g: &Graph, format: Format, path: &Path) -> Result<(Vec<u8>, Vec<u8>)> {
-    let err = |source| Error::Input {
-        path: path.to_owned(),
-        source,
-    };
+    let err = |source| Error::Input { path: path.to_owned(), source };
     Ok(match format {
         Format::Onnx => (mpc_ir::onnx::encode_onnx(g).map_err(err)?, Vec::new()),
         Format::Ir => {
@@ -175,26 +142,18 @@ pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
         write_atomic(&side_path, &side)?;
     } else if format == Format::Ir && side_path.is_file() {
         // A stale sidecar from an earlier run would be misleading next to an all-inline file.
-        std::fs::remove_file(&side_path).map_err(|source| Error::Output {
-            path: side_path,
-            source,
-        })?;
+        std::fs::remove_file(&side_path).map_err(|source| Error::Output { path: side_path, source })?;
     }
     write_atomic(out, &main)
 }
 
 /// Writes `data` to a temporary file beside `path`, then renames it into place.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    let err = |source| Error::Output {
-        path: path.to_owned(),
-        source,
-    };
+    let err = |source| Error::Output { path: path.to_owned(), source };
     if path.is_dir() {
         return Err(err(std::io::Error::other("is a directory")));
     }
-    let name = path
-        .file_name()
-        .ok_or_else(|| err(std::io::Error::other("no file name")))?;
+    let name = path.file_name().ok_or_else(|| err(std::io::Error::other("no file name")))?;
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(name);
     tmp_name.push(format!(".tmp{}", std::process::id()));

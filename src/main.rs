@@ -11,11 +11,7 @@ use mpc::{Error, Format, Options};
 use mpc_ir::text;
 
 #[derive(Parser)]
-#[command(
-    name = "mpc",
-    version,
-    about = "A mixed-precision graph compiler for ONNX models"
-)]
+#[command(name = "mpc", version, about = "A mixed-precision graph compiler for ONNX models")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -66,12 +62,8 @@ enum Command {
 fn parse_dims(dims: &[String]) -> Result<HashMap<String, u64>, Error> {
     dims.iter()
         .map(|d| {
-            let (k, v) = d
-                .split_once('=')
-                .ok_or_else(|| Error::Usage(format!("--dim `{d}`: expected NAME=N")))?;
-            let n = v
-                .parse()
-                .map_err(|_| Error::Usage(format!("--dim `{d}`: `{v}` is not a size")))?;
+            let (k, v) = d.split_once('=').ok_or_else(|| Error::Usage(format!("--dim `{d}`: expected NAME=N")))?;
+            let n = v.parse().map_err(|_| Error::Usage(format!("--dim `{d}`: `{v}` is not a size")))?;
             Ok((k.to_string(), n))
         })
         .collect()
@@ -90,27 +82,21 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
-        Command::Compile {
-            common,
-            output,
-            emit,
-            dump_after,
-            stop_after,
-            stats,
-        } => {
+        Command::Compile { common, output, emit, dump_after, stop_after, stats } => {
             let format = match (&emit, &output) {
-                (Some(e), _) => Some(Format::from_name(e).ok_or_else(|| Error::Usage(format!("unknown --emit format `{e}` (onnx, ir, dot, json)")))?),
+                (Some(e), _) => Some(
+                    Format::from_name(e)
+                        .ok_or_else(|| Error::Usage(format!("unknown --emit format `{e}` (onnx, ir, dot, json)")))?,
+                ),
                 (None, Some(o)) => Some(Format::from_path(o).ok_or_else(|| {
-                    Error::Usage(format!("{}: cannot tell the format from the extension; use .onnx, .mpcir, .dot, .json or --emit", o.display()))
+                    Error::Usage(format!(
+                        "{}: cannot tell the format from the extension; use .onnx, .mpcir, .dot, .json or --emit",
+                        o.display()
+                    ))
                 })?),
                 (None, None) => None,
             };
-            let opts = Options {
-                policy: common.policy,
-                dims: parse_dims(&common.dims)?,
-                dump_after,
-                stop_after,
-            };
+            let opts = Options { policy: common.policy, dims: parse_dims(&common.dims)?, dump_after, stop_after };
             let t0 = Instant::now();
             let mut g = mpc::load(&common.model)?;
             let t1 = Instant::now();
@@ -125,22 +111,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                 (None, f) => {
                     let bytes = match f {
                         None | Some(Format::Ir) => text::to_summary(&g)
-                            .map_err(|source| Error::Input {
-                                path: common.model.clone(),
-                                source,
-                            })?
+                            .map_err(|source| Error::Input { path: common.model.clone(), source })?
                             .into_bytes(),
-                        Some(Format::Onnx) => {
-                            return Err(Error::Usage("ONNX output needs -o FILE".into()))
-                        }
+                        Some(Format::Onnx) => return Err(Error::Usage("ONNX output needs -o FILE".into())),
                         Some(f) => mpc::render(&g, f, Path::new("-"))?.0,
                     };
                     std::io::stdout()
                         .write_all(&bytes)
-                        .map_err(|source| Error::Output {
-                            path: "stdout".into(),
-                            source,
-                        })?;
+                        .map_err(|source| Error::Output { path: "stdout".into(), source })?;
                 }
                 (Some(_), None) => {
                     unreachable!("a format is known whenever there is an output path")
@@ -149,9 +127,8 @@ fn run(cli: Cli) -> Result<(), Error> {
             if stats {
                 let t3 = Instant::now();
                 let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                let peak = mpc::peak_rss().map_or("unknown".into(), |b| {
-                    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
-                });
+                let peak =
+                    mpc::peak_rss().map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64));
                 eprintln!(
                     "mpc: load {:.1} ms, passes {:.1} ms, write {:.1} ms, total {:.1} ms, peak memory {peak}",
                     ms(t0, t1),
@@ -163,29 +140,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Inspect { common } => {
-            let opts = Options {
-                policy: common.policy,
-                dims: parse_dims(&common.dims)?,
-                ..Default::default()
-            };
+            let opts = Options { policy: common.policy, dims: parse_dims(&common.dims)?, ..Default::default() };
             let mut g = mpc::load(&common.model)?;
             mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
-            let perr = |source| Error::Pass {
-                path: common.model.clone(),
-                source,
-            };
-            let ierr = |source| Error::Input {
-                path: common.model.clone(),
-                source,
-            };
+            let perr = |source| Error::Pass { path: common.model.clone(), source };
+            let ierr = |source| Error::Input { path: common.model.clone(), source };
             let mut out = text::to_summary(&g).map_err(ierr)?;
             out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
             std::io::stdout()
                 .write_all(out.as_bytes())
-                .map_err(|source| Error::Output {
-                    path: "stdout".into(),
-                    source,
-                })
+                .map_err(|source| Error::Output { path: "stdout".into(), source })
         }
     }
 }

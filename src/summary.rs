@@ -24,10 +24,7 @@ impl Flops {
 
 /// Binds every symbolic or unknown input dim (`dims`, else 1) and re-infers shapes.
 /// Returns the bound graph and the bindings used.
-pub fn bind_inputs(
-    g: &Graph,
-    dims: &HashMap<String, u64>,
-) -> Result<(Graph, BTreeMap<String, u64>), PassError> {
+pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTreeMap<String, u64>), PassError> {
     let mut b = g.clone();
     let mut used = BTreeMap::new();
     for &v in g.inputs() {
@@ -84,8 +81,7 @@ pub fn flops(g: &Graph) -> Flops {
                 f.matmul += 2 * k * o.iter().product::<u64>();
             }
             Op::Conv(_) | Op::ConvTranspose(_) => {
-                let (Some(x), Some(w), Some(o)) = (fixed(node.input(0)), fixed(node.input(1)), out)
-                else {
+                let (Some(x), Some(w), Some(o)) = (fixed(node.input(0)), fixed(node.input(1)), out) else {
                     f.unknown += 1;
                     continue;
                 };
@@ -159,41 +155,16 @@ pub fn summarize(g: &Graph, dims: &HashMap<String, u64>) -> Result<String, PassE
             e.1 += t.bytes().len() as u64;
         }
     }
-    let params: Vec<String> = per
-        .iter()
-        .map(|(d, (n, b))| format!("{d} {} ({})", human(*n), bytes(*b)))
-        .collect();
-    writeln!(
-        s,
-        "# initializers: {}",
-        if params.is_empty() {
-            "none".into()
-        } else {
-            params.join(", ")
-        }
-    )
-    .ok();
+    let params: Vec<String> = per.iter().map(|(d, (n, b))| format!("{d} {} ({})", human(*n), bytes(*b))).collect();
+    writeln!(s, "# initializers: {}", if params.is_empty() { "none".into() } else { params.join(", ") }).ok();
     let (bound, used) = bind_inputs(g, dims)?;
     let f = flops(&bound);
     let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    let at = if at.is_empty() {
-        "the model's own input shapes".to_string()
-    } else {
-        at.join(", ")
-    };
-    let mut line = format!(
-        "# FLOPs at {at}: {} (MatMul/Gemm {}, Conv {})",
-        human(f.total()),
-        human(f.matmul),
-        human(f.conv)
-    );
+    let at = if at.is_empty() { "the model's own input shapes".to_string() } else { at.join(", ") };
+    let mut line =
+        format!("# FLOPs at {at}: {} (MatMul/Gemm {}, Conv {})", human(f.total()), human(f.matmul), human(f.conv));
     if f.unknown > 0 {
-        write!(
-            line,
-            "; {} products of unknown shape not counted",
-            f.unknown
-        )
-        .ok();
+        write!(line, "; {} products of unknown shape not counted", f.unknown).ok();
     }
     writeln!(s, "{line}").ok();
     Ok(s)

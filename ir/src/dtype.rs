@@ -107,16 +107,8 @@ impl DType {
             14 | 15 => return Err(format!("complex dtype (code {code}) is not supported")),
             17..=20 | 24 => return Err(format!("FP8 dtype (code {code}) is not supported")),
             23 => return Err("FP4 dtype (code 23) is not supported".into()),
-            21 | 22 => {
-                return Err(format!(
-                    "4-bit integer dtype (code {code}) is not supported"
-                ))
-            }
-            25 | 26 => {
-                return Err(format!(
-                    "2-bit integer dtype (code {code}) is not supported"
-                ))
-            }
+            21 | 22 => return Err(format!("4-bit integer dtype (code {code}) is not supported")),
+            25 | 26 => return Err(format!("2-bit integer dtype (code {code}) is not supported")),
             _ => return Err(format!("unknown dtype code {code}")),
         })
     }
@@ -149,10 +141,7 @@ impl fmt::Display for DType {
 impl FromStr for DType {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dtype `{s}`"))
+        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("unknown dtype `{s}`"))
     }
 }
 

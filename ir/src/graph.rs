@@ -58,10 +58,7 @@ pub struct TypeInfo {
 
 impl TypeInfo {
     pub fn new(dtype: DType, shape: Shape) -> TypeInfo {
-        TypeInfo {
-            dtype: Some(dtype),
-            shape: Some(shape),
-        }
+        TypeInfo { dtype: Some(dtype), shape: Some(shape) }
     }
 }
 
@@ -172,18 +169,11 @@ pub struct ModelMeta {
 impl ModelMeta {
     /// The ai.onnx opset version, 0 when the model imports none.
     pub fn onnx_opset(&self) -> i64 {
-        self.opsets
-            .iter()
-            .find(|(d, _)| d.is_empty() || d == "ai.onnx")
-            .map_or(0, |(_, v)| *v)
+        self.opsets.iter().find(|(d, _)| d.is_empty() || d == "ai.onnx").map_or(0, |(_, v)| *v)
     }
 
     pub fn set_opset(&mut self, domain: &str, version: i64) {
-        match self
-            .opsets
-            .iter_mut()
-            .find(|(d, _)| d == domain || (domain.is_empty() && d == "ai.onnx"))
-        {
+        match self.opsets.iter_mut().find(|(d, _)| d == domain || (domain.is_empty() && d == "ai.onnx")) {
             Some(e) => e.1 = version,
             None => self.opsets.push((domain.to_string(), version)),
         }
@@ -223,10 +213,7 @@ struct Port {
 
 impl Graph {
     pub fn new(name: impl Into<String>) -> Graph {
-        Graph {
-            name: name.into(),
-            ..Graph::default()
-        }
+        Graph { name: name.into(), ..Graph::default() }
     }
 
     // ---- values ----
@@ -235,21 +222,11 @@ impl Graph {
     /// name makes an anonymous value (an omitted optional output, or a temporary).
     pub fn new_value(&mut self, name: &str, ty: TypeInfo) -> ValueId {
         let id = ValueId(self.values.len() as u32);
-        let name = if name.is_empty() {
-            String::new()
-        } else {
-            self.unique_name(name)
-        };
+        let name = if name.is_empty() { String::new() } else { self.unique_name(name) };
         if !name.is_empty() {
             self.by_name.insert(name.clone(), id);
         }
-        self.values.push(Value {
-            name,
-            ty,
-            def: Def::None,
-            uses: Vec::new(),
-            redefined: false,
-        });
+        self.values.push(Value { name, ty, def: Def::None, uses: Vec::new(), redefined: false });
         id
     }
 
@@ -259,10 +236,7 @@ impl Graph {
         if !name.is_empty() && !self.by_name.contains_key(base) {
             return base.to_string();
         }
-        (1..)
-            .map(|i| format!("{base}.{i}"))
-            .find(|n| !self.by_name.contains_key(n))
-            .unwrap_or_default()
+        (1..).map(|i| format!("{base}.{i}")).find(|n| !self.by_name.contains_key(n)).unwrap_or_default()
     }
 
     pub fn add_input(&mut self, name: &str, ty: TypeInfo) -> ValueId {
@@ -328,8 +302,7 @@ impl Graph {
 
     /// Initializers in creation order.
     pub fn initializers(&self) -> impl Iterator<Item = ValueId> + '_ {
-        self.value_ids()
-            .filter(|&v| matches!(self.values[v.index()].def, Def::Init(_)))
+        self.value_ids().filter(|&v| matches!(self.values[v.index()].def, Def::Init(_)))
     }
 
     /// Drops an initializer or input that nothing uses any more.
@@ -373,12 +346,7 @@ impl Graph {
         inputs: Vec<Option<ValueId>>,
         outputs: Vec<ValueId>,
     ) -> NodeId {
-        let node = Node {
-            name: name.into(),
-            op,
-            inputs: Vec::new(),
-            outputs: outputs.clone(),
-        };
+        let node = Node { name: name.into(), op, inputs: Vec::new(), outputs: outputs.clone() };
         let id = NodeId(self.nodes.add_node(node).index() as u32);
         for (slot, &o) in outputs.iter().enumerate() {
             let val = &mut self.values[o.index()];
@@ -404,11 +372,7 @@ impl Graph {
     ) -> (NodeId, Vec<ValueId>) {
         let outs: Vec<ValueId> = (0..n_outputs)
             .map(|i| {
-                let vname = if n_outputs == 1 {
-                    name.to_string()
-                } else {
-                    format!("{name}.{i}")
-                };
+                let vname = if n_outputs == 1 { name.to_string() } else { format!("{name}.{i}") };
                 self.new_value(&vname, TypeInfo::default())
             })
             .collect();
@@ -440,14 +404,9 @@ impl Graph {
             self.nodes[ix].inputs.resize(slot + 1, None);
         }
         if let Some(old) = self.nodes[ix].inputs[slot] {
-            self.values[old.index()]
-                .uses
-                .retain(|u| !(u.node == node && u.slot == slot));
-            let edge = self
-                .nodes
-                .edges_directed(ix, Direction::Incoming)
-                .find(|e| e.weight().slot == slot)
-                .map(|e| e.id());
+            self.values[old.index()].uses.retain(|u| !(u.node == node && u.slot == slot));
+            let edge =
+                self.nodes.edges_directed(ix, Direction::Incoming).find(|e| e.weight().slot == slot).map(|e| e.id());
             if let Some(e) = edge {
                 self.nodes.remove_edge(e);
             }
@@ -501,10 +460,7 @@ impl Graph {
         }
         if let Some(node) = self.nodes.remove_node(n.ix()) {
             for o in node.outputs {
-                debug_assert!(
-                    self.values[o.index()].uses.is_empty(),
-                    "removing a node whose output is used"
-                );
+                debug_assert!(self.values[o.index()].uses.is_empty(), "removing a node whose output is used");
                 self.values[o.index()].def = Def::None;
                 let name = std::mem::take(&mut self.values[o.index()].name);
                 self.by_name.remove(&name);
@@ -527,10 +483,7 @@ impl Graph {
         let mut order = Vec::with_capacity(self.nodes.node_count());
         while let Some(std::cmp::Reverse(i)) = ready.pop() {
             order.push(NodeId(i as u32));
-            for e in self
-                .nodes
-                .edges_directed(NodeIndex::new(i), Direction::Outgoing)
-            {
+            for e in self.nodes.edges_directed(NodeIndex::new(i), Direction::Outgoing) {
                 let t = e.target().index();
                 indeg[t] -= 1;
                 if indeg[t] == 0 {
@@ -539,11 +492,7 @@ impl Graph {
             }
         }
         if order.len() < self.nodes.node_count() {
-            let stuck = self
-                .nodes
-                .node_indices()
-                .find(|ix| indeg[ix.index()] > 0)
-                .map_or(0, |ix| ix.index());
+            let stuck = self.nodes.node_indices().find(|ix| indeg[ix.index()] > 0).map_or(0, |ix| ix.index());
             return Err(GraphError::Cycle(self.node_label(NodeId(stuck as u32))));
         }
         Ok(order)
@@ -579,9 +528,7 @@ impl Graph {
         }
         for &o in &self.outputs {
             if matches!(self.values[o.index()].def, Def::None) {
-                return Err(GraphError::UndefinedOutput(
-                    self.values[o.index()].name.clone(),
-                ));
+                return Err(GraphError::UndefinedOutput(self.values[o.index()].name.clone()));
             }
         }
         self.topo_order()

@@ -14,22 +14,11 @@ use serde::{Deserialize, Serialize};
 use crate::attr::{attr_struct, Attr, Attrs};
 use crate::{DType, Tensor};
 
-attr_struct!(ModAttrs {
-    fmod: i64[default = 0]
-});
-attr_struct!(AlphaAttrs {
-    alpha: f32[default = 0.01f32]
-});
-attr_struct!(EluAttrs {
-    alpha: f32[default = 1.0f32]
-});
-attr_struct!(GeluAttrs {
-    approximate: String[default = "none"]
-});
-attr_struct!(HardSigmoidAttrs {
-    alpha: f32[default = 0.2f32],
-    beta: f32[default = 0.5f32]
-});
+attr_struct!(ModAttrs { fmod: i64[default = 0] });
+attr_struct!(AlphaAttrs { alpha: f32[default = 0.01f32] });
+attr_struct!(EluAttrs { alpha: f32[default = 1.0f32] });
+attr_struct!(GeluAttrs { approximate: String[default = "none"] });
+attr_struct!(HardSigmoidAttrs { alpha: f32[default = 0.2f32], beta: f32[default = 0.5f32] });
 attr_struct!(GemmAttrs {
     alpha: f32[default = 1.0f32],
     beta: f32[default = 1.0f32],
@@ -53,14 +42,8 @@ attr_struct!(BatchNormAttrs {
     momentum: f32[default = 0.9f32],
     training_mode: i64[default = 0],
 });
-attr_struct!(LayerNormAttrs {
-    axis: i64[default = -1],
-    epsilon: f32[default = 1e-5f32],
-    stash_type: i64[default = 1],
-});
-attr_struct!(EpsilonAttrs {
-    epsilon: f32[default = 1e-5f32]
-});
+attr_struct!(LayerNormAttrs { axis: i64[default = -1], epsilon: f32[default = 1e-5f32], stash_type: i64[default = 1] });
+attr_struct!(EpsilonAttrs { epsilon: f32[default = 1e-5f32] });
 attr_struct!(GroupNormAttrs {
     epsilon: f32[default = 1e-5f32],
     num_groups: i64[required],
@@ -93,56 +76,24 @@ attr_struct!(
     keepdims: i64 [default = 1],
     noop_with_empty_axes: i64 [default = 0],
 });
-attr_struct!(CumSumAttrs {
-    exclusive: i64[default = 0],
-    reverse: i64[default = 0]
-});
-attr_struct!(ArgAttrs {
-    axis: i64[default = 0],
-    keepdims: i64[default = 1],
-    select_last_index: i64[default = 0],
-});
-attr_struct!(ReshapeAttrs {
-    allowzero: i64[default = 0]
-});
+attr_struct!(CumSumAttrs { exclusive: i64[default = 0], reverse: i64[default = 0] });
+attr_struct!(ArgAttrs { axis: i64[default = 0], keepdims: i64[default = 1], select_last_index: i64[default = 0] });
+attr_struct!(ReshapeAttrs { allowzero: i64[default = 0] });
 attr_struct!(TransposeAttrs { perm: Vec<i64> [optional] });
-attr_struct!(FlattenAttrs {
-    axis: i64[default = 1]
-});
+attr_struct!(FlattenAttrs { axis: i64[default = 1] });
 attr_struct!(
     /// Concat (axis required), Gather, GatherElements (axis default 0) share the shape of this
     /// struct but not the requiredness, hence two structs.
     ConcatAttrs { axis: i64 [required] });
-attr_struct!(AxisAttrs {
-    axis: i64[default = 0]
-});
-attr_struct!(SplitAttrs {
-    axis: i64[default = 0],
-    num_outputs: i64[optional]
-});
-attr_struct!(PadAttrs {
-    mode: String[default = "constant"]
-});
-attr_struct!(DropoutAttrs {
-    seed: i64[optional]
-});
-attr_struct!(CastAttrs {
-    saturate: i64[default = 1],
-    to: DType[required]
-});
-attr_struct!(ConstantAttrs {
-    value: Tensor[required]
-});
-attr_struct!(ConstantOfShapeAttrs {
-    value: Tensor[optional]
-});
-attr_struct!(ShapeAttrs {
-    end: i64[optional],
-    start: i64[default = 0]
-});
-attr_struct!(EinsumAttrs {
-    equation: String[required]
-});
+attr_struct!(AxisAttrs { axis: i64[default = 0] });
+attr_struct!(SplitAttrs { axis: i64[default = 0], num_outputs: i64[optional] });
+attr_struct!(PadAttrs { mode: String[default = "constant"] });
+attr_struct!(DropoutAttrs { seed: i64[optional] });
+attr_struct!(CastAttrs { saturate: i64[default = 1], to: DType[required] });
+attr_struct!(ConstantAttrs { value: Tensor[required] });
+attr_struct!(ConstantOfShapeAttrs { value: Tensor[optional] });
+attr_struct!(ShapeAttrs { end: i64[optional], start: i64[default = 0] });
+attr_struct!(EinsumAttrs { equation: String[required] });
 attr_struct!(
     /// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss.
     LossAttrs { ignore_index: i64 [optional], reduction: String [default = "mean"] });
@@ -264,13 +215,7 @@ impl Op {
             Op::BatchNormalization(_) => 15,
             Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
             Op::Cast(a) if a.saturate != 1 => 19,
-            Op::Resize(a)
-                if a.antialias != 0
-                    || !a.axes.is_empty()
-                    || a.keep_aspect_ratio_policy != "stretch" =>
-            {
-                18
-            }
+            Op::Resize(a) if a.antialias != 0 || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
             Op::Pad(a) if a.mode == "wrap" => 19,
             Op::AveragePool(a) if !a.dilations.is_empty() => 19,
             _ => 13,
@@ -293,10 +238,7 @@ impl Op {
 
     /// The attribute value named `name`, if set to a non-default value.
     pub fn attr(&self, name: &str) -> Option<Attr> {
-        self.attrs()
-            .into_iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, a)| a)
+        self.attrs().into_iter().find(|(n, _)| n == name).map(|(_, a)| a)
     }
 }
 
@@ -306,37 +248,21 @@ mod tests {
 
     #[test]
     fn typed_attrs_round_trip_and_reject_unknown() {
-        let attrs = vec![
-            ("group".to_string(), Attr::Int(2)),
-            ("strides".into(), Attr::Ints(vec![2, 2])),
-        ];
+        let attrs = vec![("group".to_string(), Attr::Int(2)), ("strides".into(), Attr::Ints(vec![2, 2]))];
         let op = Op::from_attrs("Conv", attrs.clone()).unwrap().unwrap();
         assert_eq!(op.attrs(), attrs);
-        let err = Op::from_attrs("Conv", vec![("bogus".into(), Attr::Int(1))])
-            .unwrap()
-            .unwrap_err();
+        let err = Op::from_attrs("Conv", vec![("bogus".into(), Attr::Int(1))]).unwrap().unwrap_err();
         assert!(err.contains("bogus"), "{err}");
         let err = Op::from_attrs("Cast", vec![]).unwrap().unwrap_err();
         assert!(err.contains("`to` is required"), "{err}");
-        let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))])
-            .unwrap()
-            .unwrap_err();
+        let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
         assert!(err.contains("int where float"), "{err}");
         assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
     }
 
     #[test]
     fn defaults_are_not_printed() {
-        let op = Op::from_attrs(
-            "Gemm",
-            vec![
-                ("transB".into(), Attr::Int(1)),
-                ("alpha".into(), Attr::Float(1.0)),
-            ],
-        );
-        assert_eq!(
-            op.unwrap().unwrap().attrs(),
-            vec![("transB".to_string(), Attr::Int(1))]
-        );
+        let op = Op::from_attrs("Gemm", vec![("transB".into(), Attr::Int(1)), ("alpha".into(), Attr::Float(1.0))]);
+        assert_eq!(op.unwrap().unwrap().attrs(), vec![("transB".to_string(), Attr::Int(1))]);
     }
 }

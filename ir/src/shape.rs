@@ -73,9 +73,7 @@ impl Shape {
 
     /// Element count, if every dim is fixed.
     pub fn numel(&self) -> Option<u64> {
-        self.0
-            .iter()
-            .try_fold(1u64, |acc, d| acc.checked_mul(d.fixed()?))
+        self.0.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.fixed()?))
     }
 
     /// Replaces symbolic dims by the sizes bound in `bind` (unbound ones stay symbolic).

@@ -25,29 +25,19 @@ impl Tensor {
     /// A tensor over `data`; errors when the byte length disagrees with the shape.
     pub fn from_bytes(dtype: DType, shape: Vec<u64>, data: Bytes) -> Result<Tensor, String> {
         let numel = numel(&shape).ok_or("element count overflows")?;
-        let want = numel
-            .checked_mul(dtype.size() as u64)
-            .ok_or("byte count overflows")?;
+        let want = numel.checked_mul(dtype.size() as u64).ok_or("byte count overflows")?;
         if data.len() as u64 != want {
-            return Err(format!(
-                "{} bytes of data for {dtype}{:?} ({want} bytes expected)",
-                data.len(),
-                shape
-            ));
+            return Err(format!("{} bytes of data for {dtype}{:?} ({want} bytes expected)", data.len(), shape));
         }
         Ok(Tensor { dtype, shape, data })
     }
 
     pub fn from_f32(shape: Vec<u64>, values: &[f32]) -> Tensor {
-        Self::from_le(DType::F32, shape, values, |v, out| {
-            out.extend_from_slice(&v.to_le_bytes())
-        })
+        Self::from_le(DType::F32, shape, values, |v, out| out.extend_from_slice(&v.to_le_bytes()))
     }
 
     pub fn from_i64(shape: Vec<u64>, values: &[i64]) -> Tensor {
-        Self::from_le(DType::I64, shape, values, |v, out| {
-            out.extend_from_slice(&v.to_le_bytes())
-        })
+        Self::from_le(DType::I64, shape, values, |v, out| out.extend_from_slice(&v.to_le_bytes()))
     }
 
     /// A tensor of `dtype` holding `values` converted from f64 (saturating for integers).
@@ -59,24 +49,11 @@ impl Tensor {
         Self::from_i64(vec![], &[v])
     }
 
-    fn from_le<T>(
-        dtype: DType,
-        shape: Vec<u64>,
-        values: &[T],
-        put: impl Fn(&T, &mut Vec<u8>),
-    ) -> Tensor {
-        assert_eq!(
-            numel(&shape),
-            Some(values.len() as u64),
-            "values disagree with shape"
-        );
+    fn from_le<T>(dtype: DType, shape: Vec<u64>, values: &[T], put: impl Fn(&T, &mut Vec<u8>)) -> Tensor {
+        assert_eq!(numel(&shape), Some(values.len() as u64), "values disagree with shape");
         let mut out = Vec::with_capacity(values.len() * dtype.size());
         values.iter().for_each(|v| put(v, &mut out));
-        Tensor {
-            dtype,
-            shape,
-            data: Bytes::from(out),
-        }
+        Tensor { dtype, shape, data: Bytes::from(out) }
     }
 
     pub fn dtype(&self) -> DType {
@@ -110,9 +87,7 @@ impl Tensor {
 
     fn elements(&self) -> impl Iterator<Item = f64> + '_ {
         let dtype = self.dtype;
-        self.data
-            .chunks_exact(dtype.size())
-            .map(move |c| decode_f64(dtype, c))
+        self.data.chunks_exact(dtype.size()).map(move |c| decode_f64(dtype, c))
     }
 }
 
@@ -163,13 +138,7 @@ pub(crate) fn encode_f64(dtype: DType, v: f64, out: &mut Vec<u8>) {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "Tensor({}{:?}, {} bytes)",
-            self.dtype,
-            self.shape,
-            self.data.len()
-        )
+        write!(f, "Tensor({}{:?}, {} bytes)", self.dtype, self.shape, self.data.len())
     }
 }
 
@@ -184,11 +153,7 @@ struct TensorRepr {
 impl From<Tensor> for TensorRepr {
     fn from(t: Tensor) -> TensorRepr {
         let hex = t.data.iter().map(|b| format!("{b:02x}")).collect();
-        TensorRepr {
-            dtype: t.dtype,
-            shape: t.shape,
-            hex,
-        }
+        TensorRepr { dtype: t.dtype, shape: t.shape, hex }
     }
 }
 
@@ -206,8 +171,7 @@ mod tests {
 
     #[test]
     fn length_must_match_shape() {
-        let err =
-            Tensor::from_bytes(DType::F32, vec![2, 3], Bytes::from(vec![0u8; 20])).unwrap_err();
+        let err = Tensor::from_bytes(DType::F32, vec![2, 3], Bytes::from(vec![0u8; 20])).unwrap_err();
         assert!(err.contains("24 bytes expected"), "{err}");
         assert!(Tensor::from_bytes(DType::F16, vec![2, 3], Bytes::from(vec![0u8; 12])).is_ok());
     }

@@ -33,10 +33,7 @@ impl Pass for Dce {
         for n in order.into_iter().rev().filter(|n| !live_nodes[n.index()]) {
             g.remove_node(n);
         }
-        let unused: Vec<_> = g
-            .initializers()
-            .filter(|&v| g.value(v).uses().is_empty() && !g.is_output(v))
-            .collect();
+        let unused: Vec<_> = g.initializers().filter(|&v| g.value(v).uses().is_empty() && !g.is_output(v)).collect();
         changed |= !unused.is_empty();
         for v in unused {
             debug_assert!(matches!(g.value(v).def(), Def::Init(_)));

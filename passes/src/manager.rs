@@ -21,12 +21,7 @@ pub enum Pipeline {
 
 impl PassManager {
     pub fn new(passes: Vec<Box<dyn Pass>>) -> PassManager {
-        PassManager {
-            passes,
-            verify: true,
-            dump_after: Vec::new(),
-            stop_after: None,
-        }
+        PassManager { passes, verify: true, dump_after: Vec::new(), stop_after: None }
     }
 
     pub fn pipeline(p: Pipeline) -> PassManager {
@@ -43,10 +38,7 @@ impl PassManager {
         if self.passes.iter().any(|p| p.name() == name) {
             Ok(())
         } else {
-            Err(PassError::UnknownPass(
-                name.to_string(),
-                self.pass_names().join(", "),
-            ))
+            Err(PassError::UnknownPass(name.to_string(), self.pass_names().join(", ")))
         }
     }
 
@@ -71,19 +63,11 @@ impl PassManager {
     }
 
     /// Runs the pipeline. `dump` receives `(pass name, graph)` after each pass asked for.
-    pub fn run(
-        &self,
-        g: &mut Graph,
-        cx: &Context,
-        dump: &mut dyn FnMut(&str, &Graph),
-    ) -> Result<()> {
+    pub fn run(&self, g: &mut Graph, cx: &Context, dump: &mut dyn FnMut(&str, &Graph)) -> Result<()> {
         for pass in &self.passes {
             let changed = pass.run(g, cx)?;
             if self.verify && changed == Changed::Yes {
-                verify(g).map_err(|msg| PassError::Verify {
-                    pass: pass.name(),
-                    msg,
-                })?;
+                verify(g).map_err(|msg| PassError::Verify { pass: pass.name(), msg })?;
             }
             if self.dump_after.iter().any(|d| d == pass.name()) {
                 dump(pass.name(), g);
@@ -112,12 +96,7 @@ pub fn verify(g: &Graph) -> Result<(), String> {
     for v in g.value_ids() {
         let (was, now) = (g.ty(v), fresh.ty(v));
         if was.dtype.is_some() && was.dtype != now.dtype {
-            return Err(format!(
-                "value `{}` is typed {} but its producer gives {}",
-                g.name(v),
-                was,
-                now
-            ));
+            return Err(format!("value `{}` is typed {} but its producer gives {}", g.name(v), was, now));
         }
     }
     Ok(())

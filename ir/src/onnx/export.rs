@@ -9,9 +9,7 @@ use std::collections::HashSet;
 
 use prost::Message;
 
-use super::proto::{
-    self, attribute_type as at, type_proto, AttributeProto, TensorProto, ValueInfoProto,
-};
+use super::proto::{self, attribute_type as at, type_proto, AttributeProto, TensorProto, ValueInfoProto};
 use crate::error::{invalid, Result};
 use crate::graph::{Def, Graph, TypeInfo, ValueId};
 use crate::{Attr, Dim, Op, Tensor};
@@ -47,9 +45,7 @@ pub fn export_opset(g: &Graph) -> i64 {
 pub fn encode_onnx(g: &Graph) -> Result<Vec<u8>> {
     let model = to_proto(g)?;
     let mut buf = Vec::with_capacity(model.encoded_len());
-    model
-        .encode(&mut buf)
-        .map_err(|e| invalid(format!("encoding failed: {e}")))?;
+    model.encode(&mut buf).map_err(|e| invalid(format!("encoding failed: {e}")))?;
     Ok(buf)
 }
 
@@ -69,16 +65,8 @@ pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
         }
         if nd.op.axes_input_since().is_some_and(|since| opset < since) {
             if let Some(axes) = nd.input(1) {
-                let t = g
-                    .constant(axes)
-                    .ok_or_else(|| invalid("reduction axes must be constant"))?;
-                attrs.insert(
-                    0,
-                    (
-                        "axes".into(),
-                        Attr::Ints(t.to_i64_vec().unwrap_or_default()),
-                    ),
-                );
+                let t = g.constant(axes).ok_or_else(|| invalid("reduction axes must be constant"))?;
+                attrs.insert(0, ("axes".into(), Attr::Ints(t.to_i64_vec().unwrap_or_default())));
             }
             inputs.truncate(1);
         }
@@ -91,67 +79,44 @@ pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
             }
         }
         node.push(proto::NodeProto {
-            input: inputs
-                .iter()
-                .map(|i| i.map(|v| names.get(g, v)).unwrap_or_default())
-                .collect(),
+            input: inputs.iter().map(|i| i.map(|v| names.get(g, v)).unwrap_or_default()).collect(),
             output: nd.outputs().iter().map(|&o| names.get(g, o)).collect(),
             name: nd.name.clone(),
             op_type: nd.op.op_type().to_string(),
             domain: nd.op.domain().to_string(),
-            attribute: attrs
-                .into_iter()
-                .map(|(k, a)| attribute(k, a))
-                .collect::<Result<_>>()?,
+            attribute: attrs.into_iter().map(|(k, a)| attribute(k, a)).collect::<Result<_>>()?,
             ..Default::default()
         });
     }
 
+    // Axes written back into attributes leave their initializers unread.
+    let as_attribute = |v: ValueId| {
+        let uses = g.value(v).uses();
+        !uses.is_empty()
+            && !g.is_output(v)
+            && uses.iter().all(|u| u.slot == 1 && g.node(u.node).op.axes_input_since().is_some_and(|s| opset < s))
+    };
     let initializer = g
         .initializers()
-        .filter_map(|v| {
-            g.value(v)
-                .initializer()
-                .map(|t| tensor_proto(&names.get(g, v), t))
-        })
+        .filter(|&v| !as_attribute(v))
+        .filter_map(|v| g.value(v).initializer().map(|t| tensor_proto(&names.get(g, v), t)))
         .collect();
-    let input = g
-        .inputs()
-        .iter()
-        .map(|&v| value_info_proto(&names.get(g, v), g.ty(v)))
-        .collect();
-    let output = g
-        .outputs()
-        .iter()
-        .map(|&v| value_info_proto(&names.get(g, v), g.ty(v)))
-        .collect();
+    let input = g.inputs().iter().map(|&v| value_info_proto(&names.get(g, v), g.ty(v))).collect();
+    let output = g.outputs().iter().map(|&v| value_info_proto(&names.get(g, v), g.ty(v))).collect();
 
     let meta = &g.meta;
     let mut opset_import: Vec<proto::OperatorSetIdProto> = meta
         .opsets
         .iter()
         .filter(|(d, _)| !d.is_empty() && d != "ai.onnx")
-        .map(|(domain, version)| proto::OperatorSetIdProto {
-            domain: domain.clone(),
-            version: *version,
-        })
+        .map(|(domain, version)| proto::OperatorSetIdProto { domain: domain.clone(), version: *version })
         .collect();
-    opset_import.insert(
-        0,
-        proto::OperatorSetIdProto {
-            domain: String::new(),
-            version: opset,
-        },
-    );
+    opset_import.insert(0, proto::OperatorSetIdProto { domain: String::new(), version: opset });
 
     Ok(proto::ModelProto {
         ir_version: meta.ir_version.max(ir_version_for(opset)),
         opset_import,
-        producer_name: if meta.producer_name.is_empty() {
-            "mpc".into()
-        } else {
-            meta.producer_name.clone()
-        },
+        producer_name: if meta.producer_name.is_empty() { "mpc".into() } else { meta.producer_name.clone() },
         producer_version: meta.producer_version.clone(),
         domain: meta.domain.clone(),
         model_version: meta.model_version,
@@ -168,10 +133,7 @@ pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
         metadata_props: meta
             .metadata_props
             .iter()
-            .map(|(k, v)| proto::StringStringEntryProto {
-                key: k.clone(),
-                value: v.clone(),
-            })
+            .map(|(k, v)| proto::StringStringEntryProto { key: k.clone(), value: v.clone() })
             .collect(),
         functions: meta.functions.clone(),
     })
@@ -190,13 +152,10 @@ impl Names {
             let val = g.value(v);
             let needs = val.name.is_empty()
                 && !matches!(val.def(), Def::None)
-                && (!val.uses().is_empty()
-                    || g.is_output(v)
-                    || !matches!(val.def(), Def::Node(..)));
+                && (!val.uses().is_empty() || g.is_output(v) || !matches!(val.def(), Def::Node(..)));
             made_up.push(needs.then(|| {
-                let name = (0..)
-                    .map(|i| format!("_v{}_{i}", v.index()))
-                    .find(|n| g.find(n).is_none() && !taken.contains(n));
+                let name =
+                    (0..).map(|i| format!("_v{}_{i}", v.index())).find(|n| g.find(n).is_none() && !taken.contains(n));
                 let name = name.unwrap_or_default();
                 taken.insert(name.clone());
                 name
@@ -239,10 +198,7 @@ fn value_info_proto(name: &str, ty: &TypeInfo) -> ValueInfoProto {
             })
             .collect(),
     });
-    let tensor = type_proto::Tensor {
-        elem_type: ty.dtype.map_or(0, |d| d.onnx_code()),
-        shape,
-    };
+    let tensor = type_proto::Tensor { elem_type: ty.dtype.map_or(0, |d| d.onnx_code()), shape };
     ValueInfoProto {
         name: name.to_string(),
         r#type: Some(proto::TypeProto {
@@ -254,10 +210,7 @@ fn value_info_proto(name: &str, ty: &TypeInfo) -> ValueInfoProto {
 }
 
 fn attribute(name: String, a: Attr) -> Result<AttributeProto> {
-    let mut p = AttributeProto {
-        name,
-        ..Default::default()
-    };
+    let mut p = AttributeProto { name, ..Default::default() };
     match a {
         Attr::Int(i) => (p.r#type, p.i) = (at::INT, i),
         Attr::Float(f) => (p.r#type, p.f) = (at::FLOAT, f),
@@ -265,15 +218,11 @@ fn attribute(name: String, a: Attr) -> Result<AttributeProto> {
         Attr::Ints(v) => (p.r#type, p.ints) = (at::INTS, v),
         Attr::Floats(v) => (p.r#type, p.floats) = (at::FLOATS, v),
         Attr::Strings(v) => {
-            (p.r#type, p.strings) = (
-                at::STRINGS,
-                v.into_iter().map(|s| s.into_bytes().into()).collect(),
-            )
+            (p.r#type, p.strings) = (at::STRINGS, v.into_iter().map(|s| s.into_bytes().into()).collect())
         }
         Attr::Tensor(t) => (p.r#type, p.t) = (at::TENSOR, Some(tensor_proto("", &t))),
         Attr::Raw(bytes) => {
-            let mut raw = AttributeProto::decode(bytes)
-                .map_err(|e| invalid(format!("attribute `{}`: {e}", p.name)))?;
+            let mut raw = AttributeProto::decode(bytes).map_err(|e| invalid(format!("attribute `{}`: {e}", p.name)))?;
             raw.name = p.name;
             return Ok(raw);
         }

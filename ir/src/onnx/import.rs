@@ -13,9 +13,7 @@ use bytes::Bytes;
 use prost::Message;
 
 use super::legacy;
-use super::proto::{
-    self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto,
-};
+use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
 use crate::error::{invalid, IrError, Result};
 use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
 use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
@@ -35,13 +33,9 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
         return Err(IrError::Decode("the file is empty".into()));
     }
     let model = proto::ModelProto::decode(data).map_err(|e| IrError::Decode(e.to_string()))?;
-    let graph = model
-        .graph
-        .ok_or_else(|| IrError::Decode("the model has no graph".into()))?;
+    let graph = model.graph.ok_or_else(|| IrError::Decode("the model has no graph".into()))?;
     if model.opset_import.is_empty() && model.ir_version == 0 {
-        return Err(IrError::Decode(
-            "no ir_version and no opset_import: not an ONNX model".into(),
-        ));
+        return Err(IrError::Decode("no ir_version and no opset_import: not an ONNX model".into()));
     }
     let meta = ModelMeta {
         ir_version: model.ir_version,
@@ -50,24 +44,11 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
         domain: model.domain,
         model_version: model.model_version,
         doc_string: model.doc_string,
-        opsets: model
-            .opset_import
-            .into_iter()
-            .map(|o| (o.domain, o.version))
-            .collect(),
-        metadata_props: model
-            .metadata_props
-            .into_iter()
-            .map(|e| (e.key, e.value))
-            .collect(),
+        opsets: model.opset_import.into_iter().map(|o| (o.domain, o.version)).collect(),
+        metadata_props: model.metadata_props.into_iter().map(|e| (e.key, e.value)).collect(),
         functions: model.functions,
     };
-    Importer {
-        g: Graph::new(graph.name.clone()),
-        dir,
-        opset: 0,
-    }
-    .run(graph, meta)
+    Importer { g: Graph::new(graph.name.clone()), dir, opset: 0 }.run(graph, meta)
 }
 
 struct Importer<'a> {
@@ -92,9 +73,7 @@ impl Importer<'_> {
             if !declared.insert(name.clone()) {
                 return Err(crate::GraphError::Redefined(name).into());
             }
-            let tensor = self
-                .tensor(t)
-                .map_err(|e| invalid(format!("initializer `{name}`: {e}")))?;
+            let tensor = self.tensor(t).map_err(|e| invalid(format!("initializer `{name}`: {e}")))?;
             self.g.add_initializer(&name, tensor);
         }
         for vi in &graph.input {
@@ -139,10 +118,10 @@ impl Importer<'_> {
                     inputs.push(None);
                     continue;
                 }
-                let v = self.g.find(i).ok_or_else(|| crate::GraphError::Undefined {
-                    node: node_label.clone(),
-                    value: i.clone(),
-                })?;
+                let v = self
+                    .g
+                    .find(i)
+                    .ok_or_else(|| crate::GraphError::Undefined { node: node_label.clone(), value: i.clone() })?;
                 forward |= matches!(self.g.value(v).def(), crate::Def::None);
                 inputs.push(Some(v));
             }
@@ -155,10 +134,7 @@ impl Importer<'_> {
             self.g.relink();
         }
         for vi in &graph.output {
-            let v = self
-                .g
-                .find(&vi.name)
-                .ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;
+            let v = self.g.find(&vi.name).ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;
             let declared_ty = value_type(vi, true)?;
             if self.g.ty(v).dtype.is_none() || self.g.ty(v).shape.is_none() {
                 self.g.set_ty(v, declared_ty);
@@ -183,16 +159,9 @@ impl Importer<'_> {
         let opaque = |attrs: Attrs, g: &Graph, inputs: &mut Vec<Option<ValueId>>| {
             let explicit_inputs = inputs.len();
             inputs.extend(captures(&attrs, g).into_iter().map(Some));
-            Op::Opaque(Opaque {
-                domain: domain.clone(),
-                op_type: op_type.clone(),
-                attrs,
-                explicit_inputs,
-            })
+            Op::Opaque(Opaque { domain: domain.clone(), op_type: op_type.clone(), attrs, explicit_inputs })
         };
-        let op = if standard && Op::KNOWN.contains(&op_type.as_str())
-            || op_type == "Upsample" && standard
-        {
+        let op = if standard && Op::KNOWN.contains(&op_type.as_str()) || op_type == "Upsample" && standard {
             let mut cx = legacy::Cx {
                 g: &mut self.g,
                 opset: self.opset,
@@ -218,11 +187,7 @@ impl Importer<'_> {
 
 fn label(n: &proto::NodeProto) -> String {
     if n.name.is_empty() {
-        format!(
-            "({}) defining `{}`",
-            n.op_type,
-            n.output.first().map_or("", |s| s)
-        )
+        format!("({}) defining `{}`", n.op_type, n.output.first().map_or("", |s| s))
     } else {
         format!("`{}` ({})", n.name, n.op_type)
     }
@@ -246,31 +211,15 @@ pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Te
         let mut out = Vec::new();
         let put = |v: f64, out: &mut Vec<u8>| crate::tensor::encode_f64(dtype, v, out);
         match dtype {
-            DType::F32 => t
-                .float_data
-                .iter()
-                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::F64 => t
-                .double_data
-                .iter()
-                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::I64 => t
-                .int64_data
-                .iter()
-                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::U64 => t
-                .uint64_data
-                .iter()
-                .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::U32 => t
-                .uint64_data
-                .iter()
-                .for_each(|&v| out.extend_from_slice(&(v as u32).to_le_bytes())),
+            DType::F32 => t.float_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::F64 => t.double_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::I64 => t.int64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::U64 => t.uint64_data.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::U32 => t.uint64_data.iter().for_each(|&v| out.extend_from_slice(&(v as u32).to_le_bytes())),
             // Half types keep their bit patterns in int32_data.
-            DType::F16 | DType::BF16 => t
-                .int32_data
-                .iter()
-                .for_each(|&v| out.extend_from_slice(&(v as u16).to_le_bytes())),
+            DType::F16 | DType::BF16 => {
+                t.int32_data.iter().for_each(|&v| out.extend_from_slice(&(v as u16).to_le_bytes()))
+            }
             DType::I32 | DType::I16 | DType::I8 | DType::U16 | DType::U8 | DType::Bool => {
                 t.int32_data.iter().for_each(|&v| put(v as f64, &mut out))
             }
@@ -281,32 +230,15 @@ pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Te
 }
 
 fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Bytes, String> {
-    let get = |k: &str| {
-        t.external_data
-            .iter()
-            .find(|e| e.key == k)
-            .map(|e| e.value.as_str())
-    };
+    let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
     let location = get("location").ok_or("external data without a location")?;
     let rel = Path::new(location);
-    if rel.is_absolute()
-        || rel
-            .components()
-            .any(|c| matches!(c, std::path::Component::ParentDir))
-    {
-        return Err(format!(
-            "external data location `{location}` leaves the model's folder"
-        ));
+    if rel.is_absolute() || rel.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        return Err(format!("external data location `{location}` leaves the model's folder"));
     }
     let path = dir.unwrap_or(Path::new(".")).join(rel);
-    let parse = |k: &str| {
-        get(k)
-            .map(|v| {
-                v.parse::<u64>()
-                    .map_err(|_| format!("bad external data {k} `{v}`"))
-            })
-            .transpose()
-    };
+    let parse =
+        |k: &str| get(k).map(|v| v.parse::<u64>().map_err(|_| format!("bad external data {k} `{v}`"))).transpose();
     let offset = parse("offset")?.unwrap_or(0);
     let length = parse("length")?;
     let file = std::fs::read(&path).map_err(|e| format!("external data `{location}`: {e}"))?;
@@ -316,10 +248,7 @@ fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Bytes, String> {
         None => file.len(),
     };
     if end > file.len() || start > end {
-        return Err(format!(
-            "external data `{location}` is {} bytes, shorter than offset+length {end}",
-            file.len()
-        ));
+        return Err(format!("external data `{location}` is {} bytes, shorter than offset+length {end}", file.len()));
     }
     Ok(Bytes::from(file).slice(start..end))
 }
@@ -339,24 +268,15 @@ fn value_type(vi: &ValueInfoProto, interface: bool) -> Result<TypeInfo> {
     };
     let dtype = match tensor.elem_type {
         0 => None,
-        code => Some(
-            DType::from_onnx_code(code)
-                .map_err(|e| invalid(format!("value `{}`: {e}", vi.name)))?,
-        ),
+        code => Some(DType::from_onnx_code(code).map_err(|e| invalid(format!("value `{}`: {e}", vi.name)))?),
     };
     let shape = tensor.shape.as_ref().map(|s| {
         Shape(
             s.dim
                 .iter()
                 .map(|d| match &d.value {
-                    Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => {
-                        Dim::Fixed(*v as u64)
-                    }
-                    Some(proto::tensor_shape_proto::dimension::Value::DimParam(p))
-                        if !p.is_empty() =>
-                    {
-                        Dim::sym(p)
-                    }
+                    Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => Dim::Fixed(*v as u64),
+                    Some(proto::tensor_shape_proto::dimension::Value::DimParam(p)) if !p.is_empty() => Dim::sym(p),
                     _ => Dim::Unknown,
                 })
                 .collect(),
@@ -367,10 +287,8 @@ fn value_type(vi: &ValueInfoProto, interface: bool) -> Result<TypeInfo> {
 
 /// An attribute from its proto. Kinds mpc does not model are kept as the encoded proto.
 fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
-    let utf8 = |b: &Bytes| {
-        String::from_utf8(b.to_vec())
-            .map_err(|_| invalid(format!("attribute `{}` is not UTF-8", a.name)))
-    };
+    let utf8 =
+        |b: &Bytes| String::from_utf8(b.to_vec()).map_err(|_| invalid(format!("attribute `{}` is not UTF-8", a.name)));
     let value = match a.r#type {
         at::INT => Attr::Int(a.i),
         at::FLOAT => Attr::Float(a.f),
@@ -380,10 +298,7 @@ fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
         at::STRINGS => Attr::Strings(a.strings.iter().map(utf8).collect::<Result<_>>()?),
         at::TENSOR if a.t.is_some() => {
             let t = a.t.clone().unwrap_or_default();
-            Attr::Tensor(
-                tensor_from_proto(t, None)
-                    .map_err(|e| invalid(format!("attribute `{}`: {e}", a.name)))?,
-            )
+            Attr::Tensor(tensor_from_proto(t, None).map_err(|e| invalid(format!("attribute `{}`: {e}", a.name)))?)
         }
         // Graphs, sparse tensors, type protos, attribute references: kept encoded.
         _ => Attr::Raw(Bytes::from(a.encode_to_vec())),
@@ -406,11 +321,7 @@ fn captures(attrs: &Attrs, g: &Graph) -> Vec<ValueId> {
         }
     }
     let mut seen = HashSet::new();
-    names
-        .into_iter()
-        .filter_map(|n| g.find(&n))
-        .filter(|v| seen.insert(*v))
-        .collect()
+    names.into_iter().filter_map(|n| g.find(&n)).filter(|v| seen.insert(*v)).collect()
 }
 
 /// Names a subgraph reads but does not define (recursively through nested subgraphs).

@@ -25,10 +25,7 @@ impl Cx<'_> {
         if !self.node.is_empty() {
             self.node.to_string()
         } else {
-            self.outputs
-                .first()
-                .map(|&o| self.g.name(o).to_string())
-                .unwrap_or_default()
+            self.outputs.first().map(|&o| self.g.name(o).to_string()).unwrap_or_default()
         }
     }
 
@@ -75,11 +72,7 @@ impl Cx<'_> {
     }
 
     fn input_dtype(&self) -> Option<DType> {
-        self.inputs
-            .first()
-            .copied()
-            .flatten()
-            .and_then(|v| self.g.ty(v).dtype)
+        self.inputs.first().copied().flatten().and_then(|v| self.g.ty(v).dtype)
     }
 
     fn input_rank(&self) -> Option<usize> {
@@ -95,11 +88,7 @@ fn take(attrs: &mut Attrs, name: &str) -> Option<Attr> {
 
 /// Brings a standard-domain node to its internal form. `Ok(None)`: keep it opaque (a form mpc
 /// does not model); `Err`: the node is invalid.
-pub(crate) fn normalize(
-    cx: &mut Cx,
-    op_type: &str,
-    mut attrs: Attrs,
-) -> Result<Option<Op>, String> {
+pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<Option<Op>, String> {
     let v = cx.opset;
     let op_type = match op_type {
         "Squeeze" | "Unsqueeze" if v < 13 => {
@@ -110,10 +99,7 @@ pub(crate) fn normalize(
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }
-        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL2"
-        | "ReduceLogSumExp"
-            if v < 18 =>
-        {
+        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL2" | "ReduceLogSumExp" if v < 18 => {
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }
@@ -163,10 +149,7 @@ pub(crate) fn normalize(
         "Resize" if v < 11 => return upsample(cx, attrs, false),
         "Constant" => {
             let shorthand = ["value_float", "value_floats", "value_int", "value_ints"];
-            if let Some(i) = attrs
-                .iter()
-                .position(|(n, _)| shorthand.contains(&n.as_str()))
-            {
+            if let Some(i) = attrs.iter().position(|(n, _)| shorthand.contains(&n.as_str())) {
                 let t = match attrs.remove(i).1 {
                     Attr::Float(f) => Tensor::from_f32(vec![], &[f]),
                     Attr::Floats(f) => Tensor::from_f32(vec![f.len() as u64], &f),
@@ -205,28 +188,12 @@ fn softmax_2d(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<Op, String
     if last {
         return Ok(make(-1));
     }
-    let x = cx
-        .inputs
-        .first()
-        .copied()
-        .flatten()
-        .ok_or("missing input")?;
+    let x = cx.inputs.first().copied().flatten().ok_or("missing input")?;
     let base = cx.base();
     let flatten = Op::Flatten(crate::ops::FlattenAttrs { axis });
-    let (_, f) =
-        cx.g.add_op(&format!("{base}.flatten"), flatten, &[Some(x)], 1);
-    let (_, s) = cx.g.add_op(
-        &format!("{base}.shape"),
-        Op::Shape(Default::default()),
-        &[Some(x)],
-        1,
-    );
-    let (_, y) = cx.g.add_op(
-        &format!("{base}.{}2d", op_type.to_lowercase()),
-        make(-1),
-        &[Some(f[0])],
-        1,
-    );
+    let (_, f) = cx.g.add_op(&format!("{base}.flatten"), flatten, &[Some(x)], 1);
+    let (_, s) = cx.g.add_op(&format!("{base}.shape"), Op::Shape(Default::default()), &[Some(x)], 1);
+    let (_, y) = cx.g.add_op(&format!("{base}.{}2d", op_type.to_lowercase()), make(-1), &[Some(f[0])], 1);
     *cx.inputs = vec![Some(y[0]), Some(s[0])];
     Ok(Op::Reshape(Default::default()))
 }
@@ -245,9 +212,7 @@ fn upsample(cx: &mut Cx, mut attrs: Attrs, is_upsample: bool) -> Result<Option<O
     }
     let mut nearest_mode = "floor".to_string();
     if mode == "nearest" && !is_upsample {
-        let scales = cx.inputs[1]
-            .and_then(|s| cx.g.constant(s))
-            .map(|t| t.to_f64_vec());
+        let scales = cx.inputs[1].and_then(|s| cx.g.constant(s)).map(|t| t.to_f64_vec());
         match scales {
             Some(s) if s.iter().all(|&x| x >= 1.0) => {}
             Some(s) if s.iter().all(|&x| x <= 1.0) => nearest_mode = "ceil".into(),
@@ -256,11 +221,7 @@ fn upsample(cx: &mut Cx, mut attrs: Attrs, is_upsample: bool) -> Result<Option<O
     }
     let scales = cx.inputs[1];
     *cx.inputs = vec![cx.inputs[0], None, scales];
-    let mode = if mode == "bilinear" {
-        "linear".into()
-    } else {
-        mode
-    };
+    let mode = if mode == "bilinear" { "linear".into() } else { mode };
     Ok(Some(Op::Resize(ResizeAttrs {
         coordinate_transformation_mode: "asymmetric".into(),
         nearest_mode,

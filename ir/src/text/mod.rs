@@ -7,7 +7,7 @@
 //! graph "mlp"
 //!   input %0 "x": f32[batch,64]
 //!   init %1 "fc.weight" = f32[10,64]@sidecar(0, 2560)
-//!   init %2 "fc.bias" = f32[10]{0.1, ...}
+//!   init %2 "fc.bias" = f32[10]{...}
 //!   %3 "logits": f32[batch,10] = Gemm[transB=1](%0, %1, %2) @"/fc/Gemm"
 //!   output %3
 //! end
@@ -34,7 +34,8 @@ pub enum TensorMode {
     Inline,
     /// Tensors of more than `max_inline` elements go to the sidecar.
     Sidecar { max_inline: usize },
-    /// Tensors of more than `max_inline` elements are elided: readable, not parseable.
+    /// Float tensors of more than one element, and any tensor of more than `max_inline`
+    /// elements, are elided: readable, not parseable.
     Summary { max_inline: usize },
 }
 
@@ -72,8 +73,6 @@ pub(crate) fn decode_hex(s: &str) -> Result<Vec<u8>, String> {
     }
     (0..s.len())
         .step_by(2)
-        .map(|i| {
-            u8::from_str_radix(&s[i..i + 2], 16).map_err(|_| format!("bad hex `{}`", &s[i..i + 2]))
-        })
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|_| format!("bad hex `{}`", &s[i..i + 2])))
         .collect()
 }

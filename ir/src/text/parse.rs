@@ -35,9 +35,7 @@ fn lex(line: &str) -> Result<Vec<Tok>, String> {
                 i += 1;
             }
             let s: String = b[start..i].iter().collect();
-            out.push(Tok::Value(
-                s.parse().map_err(|_| format!("bad value id `%{s}`"))?,
-            ));
+            out.push(Tok::Value(s.parse().map_err(|_| format!("bad value id `%{s}`"))?));
         } else if c == '"' {
             let (s, next) = unquote(&b, i)?;
             out.push(Tok::Str(s));
@@ -45,9 +43,7 @@ fn lex(line: &str) -> Result<Vec<Tok>, String> {
         } else if c == ':' && b.get(i + 1) == Some(&':') {
             out.push(Tok::ColonColon);
             i += 2;
-        } else if c.is_ascii_digit()
-            || (c == '-' && b.get(i + 1).is_some_and(|n| n.is_ascii_alphanumeric()))
-        {
+        } else if c.is_ascii_digit() || (c == '-' && b.get(i + 1).is_some_and(|n| n.is_ascii_alphanumeric())) {
             let start = i;
             i += 1;
             while i < b.len()
@@ -89,14 +85,9 @@ fn unquote(b: &[char], start: usize) -> Result<(String, usize), String> {
                     Some('"') => s.push('"'),
                     Some('\\') => s.push('\\'),
                     Some('u') if b.get(i + 1) == Some(&'{') => {
-                        let end = (i..b.len())
-                            .find(|&j| b[j] == '}')
-                            .ok_or("unterminated \\u{...}")?;
+                        let end = (i..b.len()).find(|&j| b[j] == '}').ok_or("unterminated \\u{...}")?;
                         let hex: String = b[i + 2..end].iter().collect();
-                        let c = u32::from_str_radix(&hex, 16)
-                            .ok()
-                            .and_then(char::from_u32)
-                            .ok_or("bad \\u escape")?;
+                        let c = u32::from_str_radix(&hex, 16).ok().and_then(char::from_u32).ok_or("bad \\u escape")?;
                         s.push(c);
                         i = end;
                     }
@@ -124,11 +115,7 @@ impl Line {
         self.toks.get(self.pos)
     }
     fn next(&mut self) -> Result<Tok, String> {
-        let t = self
-            .toks
-            .get(self.pos)
-            .cloned()
-            .ok_or("unexpected end of line")?;
+        let t = self.toks.get(self.pos).cloned().ok_or("unexpected end of line")?;
         self.pos += 1;
         Ok(t)
     }
@@ -209,13 +196,7 @@ pub(super) struct Parser<'a> {
 
 impl<'a> Parser<'a> {
     pub(super) fn new(sidecar: Option<&'a [u8]>) -> Self {
-        Parser {
-            g: Graph::default(),
-            ids: HashMap::new(),
-            sidecar,
-            seen_graph: false,
-            seen_end: false,
-        }
+        Parser { g: Graph::default(), ids: HashMap::new(), sidecar, seen_graph: false, seen_end: false }
     }
 
     pub(super) fn parse(mut self, text: &str) -> Result<Graph> {
@@ -231,24 +212,17 @@ impl<'a> Parser<'a> {
                 first = false;
                 let magic = (l.ident(), l.int());
                 if !matches!(magic, (Ok(ref m), Ok(FORMAT_VERSION)) if m == "mpcir") {
-                    return Err(err(format!(
-                        "not an mpc text IR file (expected `mpcir {FORMAT_VERSION}`)"
-                    )));
+                    return Err(err(format!("not an mpc text IR file (expected `mpcir {FORMAT_VERSION}`)")));
                 }
                 continue;
             }
             if self.seen_end {
                 return Err(err("text after `end`".into()));
             }
-            self.statement(&mut l)
-                .and_then(|()| l.done())
-                .map_err(err)?;
+            self.statement(&mut l).and_then(|()| l.done()).map_err(err)?;
         }
         if !self.seen_end {
-            return Err(IrError::Parse {
-                line: text.lines().count(),
-                msg: "missing `end`".into(),
-            });
+            return Err(IrError::Parse { line: text.lines().count(), msg: "missing `end`".into() });
         }
         self.g.check_structure()?;
         Ok(self.g)
@@ -310,11 +284,7 @@ impl<'a> Parser<'a> {
                     l.pos += 1;
                     self.need_graph()?;
                     let id = value_tok(l)?;
-                    let name = if let Some(Tok::Str(_)) = l.peek() {
-                        l.string()?
-                    } else {
-                        String::new()
-                    };
+                    let name = if let Some(Tok::Str(_)) = l.peek() { l.string()? } else { String::new() };
                     l.expect('=')?;
                     let t = self.tensor(l)?;
                     let v = self.g.add_initializer(&name, t);
@@ -337,9 +307,7 @@ impl<'a> Parser<'a> {
                 }
                 _ => Err(format!("unknown statement `{k}`")),
             },
-            Some(Tok::Value(_)) | Some(Tok::Punct('=')) => {
-                self.need_graph().and_then(|()| self.node(l))
-            }
+            Some(Tok::Value(_)) | Some(Tok::Punct('=')) => self.need_graph().and_then(|()| self.node(l)),
             _ => Err(format!("unexpected {}", l.describe())),
         }
     }
@@ -363,31 +331,16 @@ impl<'a> Parser<'a> {
     }
 
     fn use_value(&self, id: u32) -> Result<ValueId, String> {
-        self.ids
-            .get(&id)
-            .copied()
-            .ok_or_else(|| format!("%{id} is not defined before this line"))
+        self.ids.get(&id).copied().ok_or_else(|| format!("%{id} is not defined before this line"))
     }
 
     /// `%N ["name"]: type`
     fn decl(&mut self, l: &mut Line) -> Result<(u32, String, TypeInfo), String> {
         let id = value_tok(l)?;
-        let name = if let Some(Tok::Str(_)) = l.peek() {
-            l.string()?
-        } else {
-            String::new()
-        };
+        let name = if let Some(Tok::Str(_)) = l.peek() { l.string()? } else { String::new() };
         l.expect(':')?;
-        let dtype = if l.eat('?') {
-            None
-        } else {
-            Some(dtype(&l.ident()?)?)
-        };
-        let shape = if l.peek() == Some(&Tok::Punct('[')) {
-            Some(dims(l)?)
-        } else {
-            None
-        };
+        let dtype = if l.eat('?') { None } else { Some(dtype(&l.ident()?)?) };
+        let shape = if l.peek() == Some(&Tok::Punct('[')) { Some(dims(l)?) } else { None };
         Ok((id, name, TypeInfo { dtype, shape }))
     }
 
@@ -415,11 +368,7 @@ impl<'a> Parser<'a> {
                 return Err(format!("expected an op, found {}", l.describe()));
             }
         };
-        let attrs = if l.eat('[') {
-            self.attrs(l)?
-        } else {
-            Vec::new()
-        };
+        let attrs = if l.eat('[') { self.attrs(l)? } else { Vec::new() };
         l.expect('(')?;
         let mut inputs = Vec::new();
         let mut explicit = None;
@@ -442,28 +391,15 @@ impl<'a> Parser<'a> {
                 l.expect(',')?;
             }
         }
-        let name = if l.eat('@') {
-            l.string()?
-        } else {
-            String::new()
-        };
+        let name = if l.eat('@') { l.string()? } else { String::new() };
         let op = match domain {
             Some(domain) => {
                 let explicit_inputs = explicit.unwrap_or(inputs.len());
-                Op::Opaque(Opaque {
-                    domain,
-                    op_type,
-                    attrs,
-                    explicit_inputs,
-                })
+                Op::Opaque(Opaque { domain, op_type, attrs, explicit_inputs })
             }
             None => match Op::from_attrs(&op_type, attrs) {
                 Some(r) => r.map_err(|e| format!("{op_type}: {e}"))?,
-                None => {
-                    return Err(format!(
-                        "unknown op `{op_type}` (opaque ops are written `domain::{op_type}`)"
-                    ))
-                }
+                None => return Err(format!("unknown op `{op_type}` (opaque ops are written `domain::{op_type}`)")),
             },
         };
         let mut out_ids = Vec::with_capacity(outs.len());
@@ -529,10 +465,7 @@ impl<'a> Parser<'a> {
             }
             _ => {
                 l.pos -= 1;
-                Err(format!(
-                    "expected an attribute value, found {}",
-                    l.describe()
-                ))
+                Err(format!("expected an attribute value, found {}", l.describe()))
             }
         }
     }
@@ -550,12 +483,9 @@ impl<'a> Parser<'a> {
             l.expect(',')?;
             let len = l.int()? as usize;
             l.expect(')')?;
-            let side = self
-                .sidecar
-                .ok_or("tensor data is in a sidecar file that was not found")?;
-            let data = side
-                .get(off..off.saturating_add(len))
-                .ok_or("tensor data lies past the end of the sidecar file")?;
+            let side = self.sidecar.ok_or("tensor data is in a sidecar file that was not found")?;
+            let data =
+                side.get(off..off.saturating_add(len)).ok_or("tensor data lies past the end of the sidecar file")?;
             return Tensor::from_bytes(dt, shape, Bytes::copy_from_slice(data));
         }
         l.expect('{')?;
@@ -566,9 +496,7 @@ impl<'a> Parser<'a> {
         loop {
             match l.next()? {
                 Tok::Num(s) | Tok::Ident(s) => element(dt, &s, &mut data)?,
-                Tok::Punct('.') => {
-                    return Err("tensor data was elided (`{...}`): this text is a summary".into())
-                }
+                Tok::Punct('.') => return Err("tensor data was elided (`{...}`): this text is a summary".into()),
                 _ => return Err("expected a tensor element".into()),
             }
             if l.eat('}') {
@@ -620,43 +548,22 @@ fn is_float_text(s: &str) -> bool {
 
 fn scalar(s: &str) -> Result<Attr, String> {
     if is_float_text(s) {
-        s.parse::<f32>()
-            .map(Attr::Float)
-            .map_err(|_| format!("bad float `{s}`"))
+        s.parse::<f32>().map(Attr::Float).map_err(|_| format!("bad float `{s}`"))
     } else {
-        s.parse::<i64>()
-            .map(Attr::Int)
-            .map_err(|_| format!("bad integer `{s}`"))
+        s.parse::<i64>().map(Attr::Int).map_err(|_| format!("bad integer `{s}`"))
     }
 }
 
 fn list(items: Vec<Attr>) -> Result<Attr, String> {
     fn all<T>(items: Vec<Attr>, f: impl Fn(Attr) -> Option<T>) -> Result<Vec<T>, String> {
-        items
-            .into_iter()
-            .map(|a| f(a).ok_or_else(|| "a list mixes kinds of values".to_string()))
-            .collect()
+        items.into_iter().map(|a| f(a).ok_or_else(|| "a list mixes kinds of values".to_string())).collect()
     }
     match items.first() {
-        Some(Attr::Int(_)) => {
-            all(items, |a| if let Attr::Int(i) = a { Some(i) } else { None }).map(Attr::Ints)
+        Some(Attr::Int(_)) => all(items, |a| if let Attr::Int(i) = a { Some(i) } else { None }).map(Attr::Ints),
+        Some(Attr::Float(_)) => all(items, |a| if let Attr::Float(f) = a { Some(f) } else { None }).map(Attr::Floats),
+        Some(Attr::String(_)) => {
+            all(items, |a| if let Attr::String(s) = a { Some(s) } else { None }).map(Attr::Strings)
         }
-        Some(Attr::Float(_)) => all(items, |a| {
-            if let Attr::Float(f) = a {
-                Some(f)
-            } else {
-                None
-            }
-        })
-        .map(Attr::Floats),
-        Some(Attr::String(_)) => all(items, |a| {
-            if let Attr::String(s) = a {
-                Some(s)
-            } else {
-                None
-            }
-        })
-        .map(Attr::Strings),
         _ => Err("lists hold ints, floats or strings".into()),
     }
 }
@@ -679,26 +586,20 @@ fn element(dtype: DType, s: &str, out: &mut Vec<u8>) -> Result<(), String> {
         }
     };
     match dtype {
-        DType::I64 => fits(i64::MIN as i128, i64::MAX as i128)
-            .map(|()| out.extend_from_slice(&(v as i64).to_le_bytes())),
-        DType::U64 => {
-            fits(0, u64::MAX as i128).map(|()| out.extend_from_slice(&(v as u64).to_le_bytes()))
+        DType::I64 => {
+            fits(i64::MIN as i128, i64::MAX as i128).map(|()| out.extend_from_slice(&(v as i64).to_le_bytes()))
         }
-        DType::I32 => fits(i32::MIN as i128, i32::MAX as i128)
-            .map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
-        DType::U32 => {
-            fits(0, u32::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out))
+        DType::U64 => fits(0, u64::MAX as i128).map(|()| out.extend_from_slice(&(v as u64).to_le_bytes())),
+        DType::I32 => {
+            fits(i32::MIN as i128, i32::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out))
         }
-        DType::I16 => fits(i16::MIN as i128, i16::MAX as i128)
-            .map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
-        DType::U16 => {
-            fits(0, u16::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out))
+        DType::U32 => fits(0, u32::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
+        DType::I16 => {
+            fits(i16::MIN as i128, i16::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out))
         }
-        DType::I8 => fits(i8::MIN as i128, i8::MAX as i128)
-            .map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
-        DType::U8 => {
-            fits(0, u8::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out))
-        }
+        DType::U16 => fits(0, u16::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
+        DType::I8 => fits(i8::MIN as i128, i8::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
+        DType::U8 => fits(0, u8::MAX as i128).map(|()| crate::tensor::encode_f64(dtype, v as f64, out)),
         DType::Bool => fits(0, 1).map(|()| out.push(v as u8)),
         _ => Err(bad()),
     }

@@ -21,14 +21,7 @@ pub(super) struct Printer<'a> {
 impl<'a> Printer<'a> {
     pub(super) fn new(g: &'a Graph, mode: TensorMode) -> Self {
         let ids = vec![None; g.value_ids().count()];
-        Printer {
-            g,
-            mode,
-            ids,
-            next: 0,
-            out: String::new(),
-            sidecar: Vec::new(),
-        }
+        Printer { g, mode, ids, next: 0, out: String::new(), sidecar: Vec::new() }
     }
 
     fn number(&mut self, v: ValueId) -> u32 {
@@ -121,10 +114,7 @@ impl<'a> Printer<'a> {
         let outs: Vec<String> = g.outputs().iter().map(|&v| self.id(v)).collect();
         writeln!(self.out, "  output {}", outs.join(", ")).ok();
         writeln!(self.out, "end").ok();
-        Ok(Printed {
-            text: self.out,
-            sidecar: self.sidecar,
-        })
+        Ok(Printed { text: self.out, sidecar: self.sidecar })
     }
 
     /// `%N "name": type` (name omitted for anonymous values).
@@ -135,15 +125,7 @@ impl<'a> Printer<'a> {
         if !val.name.is_empty() {
             write!(s, " {}", quote(&val.name)).ok();
         }
-        write!(
-            s,
-            ": {}",
-            type_str(
-                &val.ty.dtype.map(|d| d.to_string()),
-                val.ty.shape.as_ref().map(|s| s.dims())
-            )
-        )
-        .ok();
+        write!(s, ": {}", type_str(&val.ty.dtype.map(|d| d.to_string()), val.ty.shape.as_ref().map(|s| s.dims()))).ok();
         s
     }
 
@@ -176,12 +158,7 @@ impl<'a> Printer<'a> {
             Attr::Floats(v) if v.is_empty() => write!(line, "floats[]").ok(),
             Attr::Strings(v) if v.is_empty() => write!(line, "strings[]").ok(),
             Attr::Ints(v) => write!(line, "[{}]", join(v.iter().map(|i| i.to_string()))).ok(),
-            Attr::Floats(v) => write!(
-                line,
-                "[{}]",
-                join(v.iter().map(|&f| float(f as f64, DType::F32)))
-            )
-            .ok(),
+            Attr::Floats(v) => write!(line, "[{}]", join(v.iter().map(|&f| float(f as f64, DType::F32)))).ok(),
             Attr::Strings(v) => write!(line, "[{}]", join(v.iter().map(|s| quote(s)))).ok(),
             Attr::Tensor(t) => {
                 self.tensor(line, t);
@@ -205,7 +182,10 @@ impl<'a> Printer<'a> {
                 self.sidecar.extend_from_slice(t.bytes());
                 write!(line, "@sidecar({offset}, {})", t.bytes().len()).ok();
             }
-            TensorMode::Summary { max_inline } if n > max_inline => line.push_str("{...}"),
+            // Summaries show structure: small integer tensors (axes, shapes) and float scalars.
+            TensorMode::Summary { max_inline } if n > max_inline || (t.dtype().is_float() && n > 1) => {
+                line.push_str("{...}")
+            }
             _ => {
                 line.push('{');
                 line.push_str(&join(elements(t)));

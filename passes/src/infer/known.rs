@@ -85,10 +85,7 @@ fn from_tensor(t: &mpc_ir::Tensor) -> Option<Known> {
         return None;
     }
     let v = t.to_i64_vec()?;
-    Some(Known {
-        scalar: t.shape().is_empty(),
-        elems: v.into_iter().map(Elem::Int).collect(),
-    })
+    Some(Known { scalar: t.shape().is_empty(), elems: v.into_iter().map(Elem::Int).collect() })
 }
 
 /// The known value of output `slot` of node `n`, where the op and its inputs allow one.
@@ -105,23 +102,12 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let r = shape.rank() as i64;
             let clamp = |x: i64| (if x < 0 { x + r } else { x }).clamp(0, r) as usize;
             let (s, e) = (clamp(a.start), clamp(a.end.unwrap_or(r)));
-            let elems = shape
-                .dims()
-                .get(s..e.max(s))?
-                .iter()
-                .map(Elem::from_dim)
-                .collect();
-            Some(Known {
-                scalar: false,
-                elems,
-            })
+            let elems = shape.dims().get(s..e.max(s))?.iter().map(Elem::from_dim).collect();
+            Some(Known { scalar: false, elems })
         }
         Op::Size => {
             let n = g.ty(node.input(0)?).shape.as_ref()?.numel()?;
-            Some(Known {
-                scalar: true,
-                elems: vec![Elem::Int(n as i64)],
-            })
+            Some(Known { scalar: true, elems: vec![Elem::Int(n as i64)] })
         }
         Op::Identity => input(0).cloned(),
         Op::Cast(c) if !c.to.is_float() => input(0).cloned(),
@@ -134,30 +120,17 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let len = data.elems.len() as i64;
             let elems = idx
                 .iter()
-                .map(|&i| {
-                    data.elems
-                        .get(if i < 0 { i + len } else { i } as usize)
-                        .cloned()
-                })
+                .map(|&i| data.elems.get(if i < 0 { i + len } else { i } as usize).cloned())
                 .collect::<Option<Vec<_>>>()?;
-            Some(Known {
-                scalar: input(1)?.scalar,
-                elems,
-            })
+            Some(Known { scalar: input(1)?.scalar, elems })
         }
         Op::Unsqueeze => {
             let x = input(0)?;
-            x.scalar.then(|| Known {
-                scalar: false,
-                elems: x.elems.clone(),
-            })
+            x.scalar.then(|| Known { scalar: false, elems: x.elems.clone() })
         }
         Op::Squeeze => {
             let x = input(0)?;
-            (!x.scalar && x.elems.len() == 1).then(|| Known {
-                scalar: true,
-                elems: x.elems.clone(),
-            })
+            (!x.scalar && x.elems.len() == 1).then(|| Known { scalar: true, elems: x.elems.clone() })
         }
         Op::Concat(_) => {
             let mut elems = Vec::new();
@@ -165,10 +138,7 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
                 let k = input(i)?;
                 elems.extend(k.elems.iter().cloned());
             }
-            Some(Known {
-                scalar: false,
-                elems,
-            })
+            Some(Known { scalar: false, elems })
         }
         Op::Slice => {
             let x = input(0)?;
@@ -183,17 +153,12 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let len = x.elems.len() as i64;
             let clamp = |v: i64| (if v < 0 { v + len } else { v }).clamp(0, len) as usize;
             let (s, e) = (clamp(starts[0]), clamp(ends[0]));
-            Some(Known {
-                scalar: false,
-                elems: x.elems.get(s..e.max(s))?.to_vec(),
-            })
+            Some(Known { scalar: false, elems: x.elems.get(s..e.max(s))?.to_vec() })
         }
         Op::Add | Op::Sub | Op::Mul | Op::Div => {
             let (a, b) = (input(0)?, input(1)?);
             let len = a.elems.len().max(b.elems.len());
-            if !(a.elems.len() == len || a.elems.len() == 1)
-                || !(b.elems.len() == len || b.elems.len() == 1)
-            {
+            if !(a.elems.len() == len || a.elems.len() == 1) || !(b.elems.len() == len || b.elems.len() == 1) {
                 return None;
             }
             let at = |k: &Known, i: usize| k.elems[if k.elems.len() == 1 { 0 } else { i }].clone();
@@ -208,10 +173,7 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
                     _ => Elem::Unknown,
                 })
                 .collect();
-            Some(Known {
-                scalar: a.scalar && b.scalar,
-                elems,
-            })
+            Some(Known { scalar: a.scalar && b.scalar, elems })
         }
         _ => None,
     }

@@ -45,15 +45,8 @@ pub fn infer_types(g: &mut Graph) -> Result<()> {
             continue;
         }
         let outs = {
-            let cx = rules::NodeCx {
-                g,
-                n,
-                known: &known,
-            };
-            rules::infer_node(&cx).map_err(|msg| PassError::Node {
-                node: g.node_label(n),
-                msg,
-            })?
+            let cx = rules::NodeCx { g, n, known: &known };
+            rules::infer_node(&cx).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?
         };
         let outputs = g.node(n).outputs().to_vec();
         for (slot, (&v, ty)) in outputs.iter().zip(outs).enumerate() {

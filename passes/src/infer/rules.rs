@@ -85,11 +85,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::Identity => {
             vec![same(cx, 0)]
         }
-        Op::Softmax(_)
-        | Op::LogSoftmax(_)
-        | Op::LRN(_)
-        | Op::InstanceNormalization(_)
-        | Op::GroupNormalization(_) => {
+        Op::Softmax(_) | Op::LogSoftmax(_) | Op::LRN(_) | Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
             vec![same(cx, 0)]
         }
         Op::Clip => {
@@ -105,16 +101,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             }
             out
         }
-        Op::Add
-        | Op::Sub
-        | Op::Mul
-        | Op::Div
-        | Op::Mod(_)
-        | Op::Max
-        | Op::Min
-        | Op::Sum
-        | Op::Mean
-        | Op::PRelu => {
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Sum | Op::Mean | Op::PRelu => {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
         }
@@ -135,22 +122,12 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             let shape = match (cx.sh(0), cx.sh(1)) {
                 (Some(x), Some(w)) if x.rank() == 2 && w.rank() == 2 => {
-                    let (m, k1) = if a.transA != 0 {
-                        (&x.0[1], &x.0[0])
-                    } else {
-                        (&x.0[0], &x.0[1])
-                    };
-                    let (k2, n) = if a.transB != 0 {
-                        (&w.0[1], &w.0[0])
-                    } else {
-                        (&w.0[0], &w.0[1])
-                    };
+                    let (m, k1) = if a.transA != 0 { (&x.0[1], &x.0[0]) } else { (&x.0[0], &x.0[1]) };
+                    let (k2, n) = if a.transB != 0 { (&w.0[1], &w.0[0]) } else { (&w.0[0], &w.0[1]) };
                     check_eq(k1, k2, "Gemm inner dimensions")?;
                     Some(Shape(vec![m.clone(), n.clone()]))
                 }
-                (Some(x), _) if x.rank() != 2 => {
-                    return Err(format!("Gemm needs 2-D inputs, A is {x}"))
-                }
+                (Some(x), _) if x.rank() != 2 => return Err(format!("Gemm needs 2-D inputs, A is {x}")),
                 _ => None,
             };
             vec![t(d, shape)]
@@ -175,17 +152,10 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let stats_shape = x.shape.as_ref().and_then(|s| {
                 let axis = normalize_axis(a.axis, s.rank())?;
                 Some(Shape(
-                    s.0.iter()
-                        .enumerate()
-                        .map(|(i, d)| if i < axis { d.clone() } else { Dim::Fixed(1) })
-                        .collect(),
+                    s.0.iter().enumerate().map(|(i, d)| if i < axis { d.clone() } else { Dim::Fixed(1) }).collect(),
                 ))
             });
-            let stash = if a.stash_type == 1 {
-                Some(DType::F32)
-            } else {
-                x.dtype
-            };
+            let stash = if a.stash_type == 1 { Some(DType::F32) } else { x.dtype };
             let mut out = vec![x];
             for _ in 1..cx.n_outputs() {
                 out.push(t(stash, stats_shape.clone()));
@@ -202,12 +172,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::GlobalAveragePool | Op::GlobalMaxPool => {
             let shape = cx.sh(0).map(|s| {
-                Shape(
-                    s.0.iter()
-                        .enumerate()
-                        .map(|(i, d)| if i < 2 { d.clone() } else { Dim::Fixed(1) })
-                        .collect(),
-                )
+                Shape(s.0.iter().enumerate().map(|(i, d)| if i < 2 { d.clone() } else { Dim::Fixed(1) }).collect())
             });
             vec![t(cx.dt(0), shape)]
         }
@@ -221,50 +186,30 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
             let shape = match (cx.sh(0), axes) {
                 (Some(s), None) if a.noop_with_empty_axes != 0 => Some(s.clone()),
-                (Some(s), None) => Some(reduce(
-                    s,
-                    &(0..s.rank() as i64).collect::<Vec<_>>(),
-                    a.keepdims != 0,
-                )?),
-                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes != 0 => {
-                    Some(s.clone())
+                (Some(s), None) => Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims != 0)?),
+                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes != 0 => Some(s.clone()),
+                (Some(s), Some(Some(ax))) if ax.is_empty() => {
+                    Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims != 0)?)
                 }
-                (Some(s), Some(Some(ax))) if ax.is_empty() => Some(reduce(
-                    s,
-                    &(0..s.rank() as i64).collect::<Vec<_>>(),
-                    a.keepdims != 0,
-                )?),
                 (Some(s), Some(Some(ax))) => Some(reduce(s, &ax, a.keepdims != 0)?),
-                (Some(s), Some(None)) if a.keepdims != 0 => {
-                    Some(Shape(vec![Dim::Unknown; s.rank()]))
-                }
+                (Some(s), Some(None)) if a.keepdims != 0 => Some(Shape(vec![Dim::Unknown; s.rank()])),
                 _ => None,
             };
             vec![t(cx.dt(0), shape)]
         }
         Op::ArgMax(a) => {
-            let shape = cx
-                .sh(0)
-                .map(|s| reduce(s, &[a.axis], a.keepdims != 0))
-                .transpose()?;
+            let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims != 0)).transpose()?;
             vec![t(Some(DType::I64), shape)]
         }
         Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero != 0)?)],
         Op::Transpose(a) => {
             let shape = match cx.sh(0) {
                 Some(s) => {
-                    let perm: Vec<i64> = a
-                        .perm
-                        .clone()
-                        .unwrap_or_else(|| (0..s.rank() as i64).rev().collect());
+                    let perm: Vec<i64> = a.perm.clone().unwrap_or_else(|| (0..s.rank() as i64).rev().collect());
                     if perm.len() != s.rank() {
                         return Err(format!("perm {perm:?} does not match rank {}", s.rank()));
                     }
-                    let dims = perm.iter().map(|&p| {
-                        s.0.get(p as usize)
-                            .cloned()
-                            .ok_or(format!("bad perm {perm:?}"))
-                    });
+                    let dims = perm.iter().map(|&p| s.0.get(p as usize).cloned().ok_or(format!("bad perm {perm:?}")));
                     Some(Shape(dims.collect::<Result<_, _>>()?))
                 }
                 None => None,
@@ -297,8 +242,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         Op::Gather(a) => {
             let shape = match (cx.sh(0), cx.sh(1)) {
                 (Some(d), Some(i)) => {
-                    let axis = normalize_axis(a.axis, d.rank())
-                        .ok_or(format!("axis {} out of range", a.axis))?;
+                    let axis = normalize_axis(a.axis, d.rank()).ok_or(format!("axis {} out of range", a.axis))?;
                     let mut s = d.0[..axis].to_vec();
                     s.extend(i.0.iter().cloned());
                     s.extend(d.0[axis + 1..].iter().cloned());
@@ -310,9 +254,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
         Op::Expand => {
-            let target = cx
-                .known(1)
-                .map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            let target = cx.known(1).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
             let shape = match (cx.sh(0), target) {
                 (Some(x), Some(tg)) => broadcast(&[x, &tg])?,
                 _ => None,
@@ -334,15 +276,10 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Pad(_) => vec![t(cx.dt(0), pad(cx)?)],
         Op::Cast(a) => vec![t(Some(a.to), cx.sh(0).cloned())],
-        Op::Constant(a) => vec![t(
-            Some(a.value.dtype()),
-            Some(Shape::fixed(a.value.shape())),
-        )],
+        Op::Constant(a) => vec![t(Some(a.value.dtype()), Some(Shape::fixed(a.value.shape())))],
         Op::ConstantOfShape(a) => {
             let dtype = a.value.as_ref().map_or(DType::F32, |v| v.dtype());
-            let shape = cx
-                .known(0)
-                .map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            let shape = cx.known(0).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
             vec![t(Some(dtype), shape)]
         }
         Op::Shape(a) => {
@@ -352,18 +289,13 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
                 let n = (clamp(a.end.unwrap_or(r)) - clamp(a.start)).max(0);
                 Shape::fixed(&[n as u64])
             });
-            vec![t(
-                Some(DType::I64),
-                shape.or(Some(Shape(vec![Dim::Unknown]))),
-            )]
+            vec![t(Some(DType::I64), shape.or(Some(Shape(vec![Dim::Unknown]))))]
         }
         Op::Size => vec![t(Some(DType::I64), Some(Shape::scalar()))],
         Op::Range => {
             let d = cx.same_dtype(0..3)?;
             let n = match (cx.ints(0), cx.ints(1), cx.ints(2)) {
-                (Some(s), Some(l), Some(dl))
-                    if s.len() == 1 && l.len() == 1 && dl.len() == 1 && dl[0] != 0 =>
-                {
+                (Some(s), Some(l), Some(dl)) if s.len() == 1 && l.len() == 1 && dl.len() == 1 && dl[0] != 0 => {
                     let n = (l[0] - s[0] + dl[0] - dl[0].signum()) / dl[0];
                     Dim::Fixed(n.max(0) as u64)
                 }
@@ -373,11 +305,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation))],
         Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
-            let loss_shape = if a.reduction == "none" {
-                cx.sh(1).cloned()
-            } else {
-                Some(Shape::scalar())
-            };
+            let loss_shape = if a.reduction == "none" { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
             let mut out = vec![t(cx.dt(0), loss_shape)];
             if cx.n_outputs() > 1 {
                 out.push(same(cx, 0));
@@ -446,23 +374,11 @@ fn matmul(a: Option<&Shape>, b: Option<&Shape>) -> Result<Option<Shape>, String>
     if a.rank() == 0 || b.rank() == 0 {
         return Err("MatMul inputs must have rank ≥ 1".into());
     }
-    let a2 = if a.rank() == 1 {
-        Shape(vec![Dim::Fixed(1), a.0[0].clone()])
-    } else {
-        a.clone()
-    };
-    let b2 = if b.rank() == 1 {
-        Shape(vec![b.0[0].clone(), Dim::Fixed(1)])
-    } else {
-        b.clone()
-    };
+    let a2 = if a.rank() == 1 { Shape(vec![Dim::Fixed(1), a.0[0].clone()]) } else { a.clone() };
+    let b2 = if b.rank() == 1 { Shape(vec![b.0[0].clone(), Dim::Fixed(1)]) } else { b.clone() };
     let (ar, br) = (a2.rank(), b2.rank());
     check_eq(&a2.0[ar - 1], &b2.0[br - 2], "MatMul inner dimensions")?;
-    let batch = broadcast(&[
-        &Shape(a2.0[..ar - 2].to_vec()),
-        &Shape(b2.0[..br - 2].to_vec()),
-    ])?
-    .unwrap_or_default();
+    let batch = broadcast(&[&Shape(a2.0[..ar - 2].to_vec()), &Shape(b2.0[..br - 2].to_vec())])?.unwrap_or_default();
     let mut out = batch.0;
     if a.rank() > 1 {
         out.push(a2.0[ar - 2].clone());
@@ -491,15 +407,7 @@ fn product(dims: &[Dim]) -> Dim {
 }
 
 /// Output size of one spatial dim of a convolution or pooling window.
-fn window(
-    input: &Dim,
-    k: i64,
-    stride: i64,
-    pad: i64,
-    dil: i64,
-    ceil: bool,
-    auto_pad: &str,
-) -> Result<Dim, String> {
+fn window(input: &Dim, k: i64, stride: i64, pad: i64, dil: i64, ceil: bool, auto_pad: &str) -> Result<Dim, String> {
     let Some(n) = input.fixed() else {
         return Ok(Dim::Unknown);
     };
@@ -510,15 +418,9 @@ fn window(
         _ => {
             let span = n + pad - ek;
             if span < 0 {
-                return Err(format!(
-                    "window of {ek} does not fit input size {n} with padding {pad}"
-                ));
+                return Err(format!("window of {ek} does not fit input size {n} with padding {pad}"));
             }
-            let mut o = if ceil {
-                (span + stride - 1) / stride + 1
-            } else {
-                span / stride + 1
-            };
+            let mut o = if ceil { (span + stride - 1) / stride + 1 } else { span / stride + 1 };
             // ceil_mode: the last window must start inside the input or left padding.
             if ceil && (o - 1) * stride >= n + pad / 2 {
                 o -= 1;
@@ -578,31 +480,17 @@ fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         }
     }
     let kernel: Vec<i64> = if a.kernel_shape.is_empty() {
-        w.0[2..]
-            .iter()
-            .map(|d| d.fixed().map_or(1, |k| k as i64))
-            .collect()
+        w.0[2..].iter().map(|d| d.fixed().map_or(1, |k| k as i64)).collect()
     } else {
         a.kernel_shape.clone()
     };
     if w.0[2..].iter().any(|d| d.fixed().is_none()) && a.kernel_shape.is_empty() {
         return Ok(Some(Shape(
-            vec![x.0[0].clone(), w.0[0].clone()]
-                .into_iter()
-                .chain(vec![Dim::Unknown; x.rank() - 2])
-                .collect(),
+            vec![x.0[0].clone(), w.0[0].clone()].into_iter().chain(vec![Dim::Unknown; x.rank() - 2]).collect(),
         )));
     }
     let mut out = vec![x.0[0].clone(), w.0[0].clone()];
-    out.extend(spatial(
-        x,
-        &kernel,
-        &a.strides,
-        &a.pads,
-        &a.dilations,
-        false,
-        &a.auto_pad,
-    )?);
+    out.extend(spatial(x, &kernel, &a.strides, &a.pads, &a.dilations, false, &a.auto_pad)?);
     Ok(Some(Shape(out)))
 }
 
@@ -611,28 +499,14 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         return Ok(None);
     };
     let sp = x.rank().saturating_sub(2);
-    let cout =
-        w.0.get(1)
-            .and_then(|d| d.fixed())
-            .map_or(Dim::Unknown, |c| Dim::Fixed(c * a.group as u64));
+    let cout = w.0.get(1).and_then(|d| d.fixed()).map_or(Dim::Unknown, |c| Dim::Fixed(c * a.group as u64));
     let mut out = vec![x.0[0].clone(), cout];
     if !a.output_shape.is_empty() {
-        out.extend(
-            a.output_shape
-                .iter()
-                .rev()
-                .take(sp)
-                .rev()
-                .map(|&d| Dim::Fixed(d as u64)),
-        );
+        out.extend(a.output_shape.iter().rev().take(sp).rev().map(|&d| Dim::Fixed(d as u64)));
         return Ok(Some(Shape(out)));
     }
     for i in 0..sp {
-        let k = a
-            .kernel_shape
-            .get(i)
-            .copied()
-            .or_else(|| w.0.get(i + 2)?.fixed().map(|k| k as i64));
+        let k = a.kernel_shape.get(i).copied().or_else(|| w.0.get(i + 2)?.fixed().map(|k| k as i64));
         let (Some(n), Some(k)) = (x.0[i + 2].fixed(), k) else {
             out.push(Dim::Unknown);
             continue;
@@ -653,25 +527,14 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
 fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
     let Some(x) = cx.sh(0) else { return Ok(None) };
     let mut out = vec![x.0[0].clone(), x.0.get(1).cloned().unwrap_or(Dim::Unknown)];
-    out.extend(spatial(
-        x,
-        &a.kernel_shape,
-        &a.strides,
-        &a.pads,
-        &a.dilations,
-        a.ceil_mode != 0,
-        &a.auto_pad,
-    )?);
+    out.extend(spatial(x, &a.kernel_shape, &a.strides, &a.pads, &a.dilations, a.ceil_mode != 0, &a.auto_pad)?);
     Ok(Some(Shape(out)))
 }
 
 fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
     let axes: Vec<usize> = axes
         .iter()
-        .map(|&a| {
-            normalize_axis(a, s.rank())
-                .ok_or(format!("axis {a} out of range for rank {}", s.rank()))
-        })
+        .map(|&a| normalize_axis(a, s.rank()).ok_or(format!("axis {a} out of range for rank {}", s.rank())))
         .collect::<Result<_, _>>()?;
     Ok(Shape(
         s.0.iter()
@@ -689,10 +552,7 @@ fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
 /// symbol appears in the input and the target.
 fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
     let Some(target) = cx.known(1) else {
-        return Ok(cx
-            .sh(1)
-            .and_then(|s| s.0.first()?.fixed())
-            .map(|r| Shape(vec![Dim::Unknown; r as usize])));
+        return Ok(cx.sh(1).and_then(|s| s.0.first()?.fixed()).map(|r| Shape(vec![Dim::Unknown; r as usize])));
     };
     let x = cx.sh(0);
     let mut out: Vec<Dim> = Vec::with_capacity(target.elems.len());
@@ -732,12 +592,7 @@ fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
     };
     if let (Some((xn, xs)), Some((tn, ts))) = (count(&x.0, None), count(&out, infer_at)) {
         let mut rest = xs.clone();
-        let cancels = ts.iter().all(|s| {
-            rest.iter()
-                .position(|r| r == s)
-                .map(|p| rest.remove(p))
-                .is_some()
-        });
+        let cancels = ts.iter().all(|s| rest.iter().position(|r| r == s).map(|p| rest.remove(p)).is_some());
         match infer_at {
             Some(i) if cancels => {
                 if tn == 0 || xn % tn != 0 {
@@ -750,10 +605,7 @@ fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
                 };
             }
             None if cancels && rest.is_empty() && xn != tn => {
-                return Err(format!(
-                    "cannot reshape {x} ({xn} elements) into {} ({tn} elements)",
-                    show(&target.elems)
-                ));
+                return Err(format!("cannot reshape {x} ({xn} elements) into {} ({tn} elements)", show(&target.elems)));
             }
             _ => {}
         }
@@ -782,12 +634,7 @@ fn squeeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
             if x.0.iter().any(|d| d.fixed().is_none()) {
                 return Ok(None);
             }
-            return Ok(Some(Shape(
-                x.0.iter()
-                    .filter(|d| d.fixed() != Some(1))
-                    .cloned()
-                    .collect(),
-            )));
+            return Ok(Some(Shape(x.0.iter().filter(|d| d.fixed() != Some(1)).cloned().collect())));
         }
     };
     let axes: Vec<usize> = axes
@@ -799,13 +646,7 @@ fn squeeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
             return Err(format!("cannot squeeze axis {a} of size {n}"));
         }
     }
-    Ok(Some(Shape(
-        x.0.iter()
-            .enumerate()
-            .filter(|(i, _)| !axes.contains(i))
-            .map(|(_, d)| d.clone())
-            .collect(),
-    )))
+    Ok(Some(Shape(x.0.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d.clone()).collect())))
 }
 
 fn unsqueeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
@@ -813,21 +654,13 @@ fn unsqueeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
         return Ok(None);
     };
     let r = x.rank() + axes.len();
-    let mut axes: Vec<usize> = axes
-        .iter()
-        .map(|&a| normalize_axis(a, r).ok_or(format!("axis {a} out of range")))
-        .collect::<Result<_, _>>()?;
+    let mut axes: Vec<usize> =
+        axes.iter().map(|&a| normalize_axis(a, r).ok_or(format!("axis {a} out of range"))).collect::<Result<_, _>>()?;
     axes.sort();
     let mut src = x.0.iter();
     Ok(Some(Shape(
         (0..r)
-            .map(|i| {
-                if axes.contains(&i) {
-                    Dim::Fixed(1)
-                } else {
-                    src.next().cloned().unwrap_or(Dim::Unknown)
-                }
-            })
+            .map(|i| if axes.contains(&i) { Dim::Fixed(1) } else { src.next().cloned().unwrap_or(Dim::Unknown) })
             .collect(),
     )))
 }
@@ -843,10 +676,7 @@ fn concat(cx: &NodeCx, axis: i64) -> Result<Option<Shape>, String> {
     let Some(first) = shapes.first() else {
         return Ok(None);
     };
-    let a = normalize_axis(axis, first.rank()).ok_or(format!(
-        "axis {axis} out of range for rank {}",
-        first.rank()
-    ))?;
+    let a = normalize_axis(axis, first.rank()).ok_or(format!("axis {axis} out of range for rank {}", first.rank()))?;
     let mut out = first.0.clone();
     let mut total = Some(0u64);
     for s in &shapes {
@@ -878,22 +708,17 @@ fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
     };
     let a = normalize_axis(axis, x.rank()).ok_or(format!("axis {axis} out of range"))?;
     let sizes: Option<Vec<u64>> = if cx.has(1) {
-        cx.ints(1)
-            .map(|v| v.into_iter().map(|s| s.max(0) as u64).collect())
+        cx.ints(1).map(|v| v.into_iter().map(|s| s.max(0) as u64).collect())
     } else {
         x.0[a].fixed().map(|len| {
             let parts = num_outputs.unwrap_or(n as i64).max(1) as u64;
             let chunk = len.div_ceil(parts);
-            (0..n as u64)
-                .map(|i| chunk.min(len.saturating_sub(i * chunk)))
-                .collect()
+            (0..n as u64).map(|i| chunk.min(len.saturating_sub(i * chunk))).collect()
         })
     };
     if let (Some(s), Some(len)) = (&sizes, x.0[a].fixed()) {
         if s.iter().sum::<u64>() != len || s.len() != n {
-            return Err(format!(
-                "split sizes {s:?} do not add up to {len} over {n} outputs"
-            ));
+            return Err(format!("split sizes {s:?} do not add up to {len} over {n} outputs"));
         }
     }
     Ok((0..n)
@@ -910,23 +735,14 @@ fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let (Some(starts), Some(ends)) = (cx.ints(1), cx.ints(2)) else {
         return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
     };
-    let axes: Vec<i64> = if cx.has(3) {
-        cx.ints(3).ok_or("")?
-    } else {
-        (0..starts.len() as i64).collect()
-    };
-    let steps: Vec<i64> = if cx.has(4) {
-        cx.ints(4).ok_or("")?
-    } else {
-        vec![1; starts.len()]
-    };
+    let axes: Vec<i64> = if cx.has(3) { cx.ints(3).ok_or("")? } else { (0..starts.len() as i64).collect() };
+    let steps: Vec<i64> = if cx.has(4) { cx.ints(4).ok_or("")? } else { vec![1; starts.len()] };
     if axes.len() != starts.len() || ends.len() != starts.len() || steps.len() != starts.len() {
         return Err("starts, ends, axes and steps have different lengths".into());
     }
     let mut out = x.0.clone();
     for i in 0..starts.len() {
-        let a =
-            normalize_axis(axes[i], x.rank()).ok_or(format!("axis {} out of range", axes[i]))?;
+        let a = normalize_axis(axes[i], x.rank()).ok_or(format!("axis {} out of range", axes[i]))?;
         let step = steps[i];
         if step == 0 {
             return Err("slice step is 0".into());
@@ -938,16 +754,9 @@ fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
                 let (s, e) = if step > 0 {
                     (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
                 } else {
-                    (
-                        norm(starts[i]).clamp(-1, len - 1),
-                        norm(ends[i]).clamp(-1, len - 1),
-                    )
+                    (norm(starts[i]).clamp(-1, len - 1), norm(ends[i]).clamp(-1, len - 1))
                 };
-                let n = if step > 0 {
-                    (e - s + step - 1) / step
-                } else {
-                    (s - e - step - 1) / -step
-                };
+                let n = if step > 0 { (e - s + step - 1) / step } else { (s - e - step - 1) / -step };
                 Dim::Fixed(n.max(0) as u64)
             }
             None if starts[i] == 0 && ends[i] >= i32::MAX as i64 && step == 1 => x.0[a].clone(),
@@ -989,23 +798,14 @@ fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
 fn resize(cx: &NodeCx) -> Option<Shape> {
     let x = cx.sh(0)?;
     if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten() {
-        return Some(Shape(
-            sizes.iter().map(|&s| Dim::Fixed(s.max(0) as u64)).collect(),
-        ));
+        return Some(Shape(sizes.iter().map(|&s| Dim::Fixed(s.max(0) as u64)).collect()));
     }
-    let scales =
-        cx.g.node(cx.n)
-            .input(2)
-            .and_then(|v| cx.g.constant(v))
-            .map(|t| t.to_f64_vec());
+    let scales = cx.g.node(cx.n).input(2).and_then(|v| cx.g.constant(v)).map(|t| t.to_f64_vec());
     match scales {
         Some(sc) if sc.len() == x.rank() => Some(Shape(
             x.0.iter()
                 .zip(&sc)
-                .map(|(d, &s)| {
-                    d.fixed()
-                        .map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64))
-                })
+                .map(|(d, &s)| d.fixed().map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64)))
                 .collect(),
         )),
         _ => Some(Shape(vec![Dim::Unknown; x.rank()])),
@@ -1024,10 +824,7 @@ fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
             let l = eq.clone();
             let mut letters: Vec<char> = l.chars().filter(|c| c.is_ascii_alphabetic()).collect();
             letters.sort();
-            let once: String = letters
-                .iter()
-                .filter(|c| letters.iter().filter(|d| d == c).count() == 1)
-                .collect();
+            let once: String = letters.iter().filter(|c| letters.iter().filter(|d| d == c).count() == 1).collect();
             (l, once)
         }
     };
@@ -1044,9 +841,5 @@ fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
             }
         }
     }
-    Some(Shape(
-        rhs.chars()
-            .map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown))
-            .collect(),
-    ))
+    Some(Shape(rhs.chars().map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
 }

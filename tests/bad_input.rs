@@ -1,0 +1,215 @@
+//! Bad input gets one line on stderr naming the file and the problem, exit code 2, and no output.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{fixture, mpc, scratch};
+use mpc_ir::onnx::proto::{self, tensor_shape_proto::dimension, type_proto, ModelProto, NodeProto, TensorProto};
+use prost::Message;
+
+fn tensor_vi(name: &str, elem_type: i32, dims: &[i64]) -> proto::ValueInfoProto {
+    let dim = dims
+        .iter()
+        .map(|&d| proto::tensor_shape_proto::Dimension {
+            value: Some(dimension::Value::DimValue(d)),
+            ..Default::default()
+        })
+        .collect();
+    proto::ValueInfoProto {
+        name: name.into(),
+        r#type: Some(proto::TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type,
+                shape: Some(proto::TensorShapeProto { dim }),
+            })),
+            denotation: String::new(),
+        }),
+        doc_string: String::new(),
+    }
+}
+
+fn node(op: &str, inputs: &[&str], outputs: &[&str]) -> NodeProto {
+    NodeProto {
+        op_type: op.into(),
+        name: format!("{op}_{}", outputs[0]),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// x: f32[2,3] → nodes → y
+fn model(nodes: Vec<NodeProto>, inits: Vec<TensorProto>) -> Vec<u8> {
+    ModelProto {
+        ir_version: 8,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 17 }],
+        graph: Some(proto::GraphProto {
+            name: "bad".into(),
+            node: nodes,
+            initializer: inits,
+            input: vec![tensor_vi("x", 1, &[2, 3])],
+            output: vec![tensor_vi("y", 1, &[])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+fn i64_tensor(name: &str, v: &[i64]) -> TensorProto {
+    TensorProto {
+        name: name.into(),
+        data_type: 7,
+        dims: vec![v.len() as i64],
+        int64_data: v.to_vec(),
+        ..Default::default()
+    }
+}
+
+/// Runs `mpc compile IN -o OUT` and checks the failure contract; returns stderr.
+fn rejects(dir: &Path, input: &Path, expect: &str) -> String {
+    let out = dir.join("out.onnx");
+    let r = mpc(&["compile", input.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&r.stderr).to_string();
+    assert_eq!(r.status.code(), Some(2), "exit code for {expect}: stderr {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    assert!(stderr.contains(input.file_name().unwrap().to_str().unwrap()), "file not named: {stderr}");
+    assert!(stderr.contains(expect), "expected `{expect}` in: {stderr}");
+    assert!(!out.exists(), "an output file was written");
+    let leftovers: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    stderr
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn empty_file() {
+    let d = scratch("bad_empty");
+    rejects(&d, &write(&d, "empty.onnx", b""), "empty");
+}
+
+#[test]
+fn truncated_protobuf() {
+    let d = scratch("bad_truncated");
+    let full = std::fs::read(fixture("mlp")).unwrap();
+    rejects(&d, &write(&d, "truncated.onnx", &full[..full.len() / 2]), "not a valid ONNX model");
+}
+
+#[test]
+fn random_bytes() {
+    let d = scratch("bad_random");
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    let bytes: Vec<u8> = (0..4096)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    rejects(&d, &write(&d, "random.onnx", &bytes), "not a valid ONNX model");
+}
+
+#[test]
+fn a_directory() {
+    let d = scratch("bad_dir");
+    let sub = d.join("model.onnx");
+    std::fs::create_dir(&sub).unwrap();
+    rejects(&d, &sub, "directory");
+}
+
+#[test]
+fn cycle() {
+    let d = scratch("bad_cycle");
+    let m = model(
+        vec![node("Add", &["x", "b"], &["a"]), node("Relu", &["a"], &["b"]), node("Relu", &["a"], &["y"])],
+        vec![],
+    );
+    rejects(&d, &write(&d, "cycle.onnx", &m), "cycle");
+}
+
+#[test]
+fn undefined_value() {
+    let d = scratch("bad_undefined");
+    let m = model(vec![node("Add", &["x", "ghost"], &["y"])], vec![]);
+    let e = rejects(&d, &write(&d, "undefined.onnx", &m), "`ghost`");
+    assert!(e.contains("Add_y"), "node not named: {e}");
+}
+
+#[test]
+fn value_defined_twice() {
+    let d = scratch("bad_twice");
+    let m = model(vec![node("Relu", &["x"], &["y"]), node("Neg", &["x"], &["y"])], vec![]);
+    rejects(&d, &write(&d, "twice.onnx", &m), "`y` is defined more than once");
+}
+
+#[test]
+fn reshape_element_count() {
+    let d = scratch("bad_reshape");
+    let m = model(vec![node("Reshape", &["x", "shape"], &["y"])], vec![i64_tensor("shape", &[4, 2])]);
+    let e = rejects(&d, &write(&d, "reshape.onnx", &m), "cannot reshape");
+    assert!(e.contains("Reshape_y"), "node not named: {e}");
+}
+
+#[test]
+fn initializer_length() {
+    let d = scratch("bad_init_len");
+    let bad = TensorProto {
+        name: "w".into(),
+        data_type: 1,
+        dims: vec![2, 3],
+        raw_data: vec![0u8; 20].into(),
+        ..Default::default()
+    };
+    let m = model(vec![node("Add", &["x", "w"], &["y"])], vec![bad]);
+    rejects(&d, &write(&d, "init_len.onnx", &m), "initializer `w`: 20 bytes");
+}
+
+#[test]
+fn unknown_dtype_code() {
+    let d = scratch("bad_dtype");
+    let bad = TensorProto { name: "w".into(), data_type: 99, dims: vec![1], ..Default::default() };
+    let m = model(vec![node("Add", &["x", "w"], &["y"])], vec![bad]);
+    rejects(&d, &write(&d, "dtype.onnx", &m), "unknown dtype code 99");
+}
+
+#[test]
+fn unwritable_output() {
+    let d = scratch("bad_output");
+    let blocker = write(&d, "not_a_dir", b"");
+    let out = blocker.join("out.onnx");
+    let r = mpc(&["compile", fixture("mlp").to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("out.onnx") && stderr.contains("cannot write"), "{stderr}");
+}
+
+#[test]
+fn unknown_policy_and_pass() {
+    let m = fixture("mlp");
+    let r = mpc(&["compile", m.to_str().unwrap(), "--policy", "bogus"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("unknown policy `bogus`"));
+    let r = mpc(&["compile", m.to_str().unwrap(), "--stop-after", "nope"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("unknown pass `nope`"));
+}
+
+#[test]
+fn text_ir_errors_name_the_line() {
+    let d = scratch("bad_text");
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"x\": f32[2]\n  %1 \"y\": f32[2] = Relu(%7)\n  output %1\nend\n";
+    let e = rejects(&d, &write(&d, "bad.mpcir", text.as_bytes()), "line 6: %7 is not defined");
+    assert!(e.contains("bad.mpcir"));
+}
