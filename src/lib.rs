@@ -4,6 +4,7 @@
 
 pub mod dot;
 pub mod summary;
+pub mod synthetic;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -129,7 +129,9 @@ macro_rules! attr_struct {
         #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
         pub struct $name { $(pub $field: attr_struct!(@ty $ty; $($mode)+),)* }
 
-        #[allow(non_snake_case)]
+        // Generated per field: comparing with an owned default and pushing into a fresh Vec
+        // are what the macro expands to, not hand-written choices.
+        #[allow(non_snake_case, clippy::cmp_owned, clippy::vec_init_then_push)]
         impl $name {
             /// Parses the struct from ONNX attributes; unknown or mistyped attributes are errors.
             pub fn from_attrs(mut attrs: $crate::attr::Attrs) -> Result<Self, String> {

@@ -1,0 +1,106 @@
+//! Type and shape inference rules on small graphs written in text IR.
+
+use mpc_ir::text;
+use mpc_passes::infer_types;
+
+/// Infers a graph given as text-IR body lines and returns the type of the value named `name`.
+fn infer(body: &str, name: &str) -> Result<String, String> {
+    let src = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 18\ngraph \"t\"\n{body}\nend\n");
+    let mut g = text::parse(&src, None).map_err(|e| e.to_string())?;
+    infer_types(&mut g).map_err(|e| e.to_string())?;
+    let printed = text::print(&g, text::TensorMode::Inline).unwrap().text;
+    // Declarations read `%N "name": type`; a type has no spaces, and a comma may follow it.
+    let decl = format!(" \"{name}\": ");
+    let at = printed.find(&decl).ok_or_else(|| format!("no `{name}` in\n{printed}"))?;
+    let rest = &printed[at..];
+    let ty = rest.split(": ").nth(1).unwrap_or("").split_whitespace().next().unwrap_or("");
+    Ok(ty.trim_end_matches(',').to_string())
+}
+
+#[test]
+fn broadcasting_keeps_symbols_and_rejects_mismatches() {
+    let g = "  input %0 \"a\": f32[batch,1,4]\n  input %1 \"b\": f32[3,1]\n  %2 \"c\": ? = Add(%0, %1)\n  output %2";
+    assert_eq!(infer(g, "c").unwrap(), "f32[batch,3,4]");
+    let bad = "  input %0 \"a\": f32[2,4]\n  input %1 \"b\": f32[3,4]\n  %2 \"c\": ? = Add(%0, %1)\n  output %2";
+    assert!(infer(bad, "c").unwrap_err().contains("cannot be broadcast"));
+    let dtypes = "  input %0 \"a\": f32[2]\n  input %1 \"b\": f16[2]\n  %2 \"c\": ? = Mul(%0, %1)\n  output %2";
+    assert!(infer(dtypes, "c").unwrap_err().contains("input dtypes differ: f32 and f16"));
+}
+
+#[test]
+fn reshape_resolves_dynamic_batch_through_shape_arithmetic() {
+    // x: [batch, 8, 16] → Reshape(x, Concat(Shape(x)[0:1], [-1])) → [batch, 128]
+    let g = "  input %0 \"x\": f32[batch,8,16]
+  init %1 \"zero\" = i64[1]{0}
+  init %2 \"one\" = i64[1]{1}
+  init %3 \"minus1\" = i64[1]{-1}
+  %4 \"s\": ? = Shape(%0)
+  %5 \"b\": ? = Slice(%4, %1, %2)
+  %6 \"t\": ? = Concat[axis=0](%5, %3)
+  %7 \"y\": ? = Reshape(%0, %6)
+  output %7";
+    assert_eq!(infer(g, "y").unwrap(), "f32[batch,128]");
+}
+
+#[test]
+fn reshape_zero_copies_and_minus_one_infers() {
+    let g = "  input %0 \"x\": f32[batch,8,32]\n  init %1 \"s\" = i64[4]{0, 0, 4, -1}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
+    assert_eq!(infer(g, "y").unwrap(), "f32[batch,8,4,8]");
+    let bad =
+        "  input %0 \"x\": f32[2,3]\n  init %1 \"s\" = i64[2]{4, -1}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
+    assert!(infer(bad, "y").unwrap_err().contains("cannot reshape"));
+}
+
+#[test]
+fn matmul_gemm_conv_pool() {
+    let mm = "  input %0 \"a\": f32[b,4,2,3]\n  input %1 \"w\": f32[3,5]\n  %2 \"y\": ? = MatMul(%0, %1)\n  output %2";
+    assert_eq!(infer(mm, "y").unwrap(), "f32[b,4,2,5]");
+    let mm_bad = "  input %0 \"a\": f32[2,3]\n  input %1 \"w\": f32[4,5]\n  %2 \"y\": ? = MatMul(%0, %1)\n  output %2";
+    assert!(infer(mm_bad, "y").unwrap_err().contains("inner dimensions differ: 3 and 4"));
+    let gemm = "  input %0 \"a\": f32[n,64]\n  input %1 \"w\": f32[10,64]\n  %2 \"y\": ? = Gemm[transB=1](%0, %1)\n  output %2";
+    assert_eq!(infer(gemm, "y").unwrap(), "f32[n,10]");
+    let conv = "  input %0 \"x\": f32[n,3,224,224]\n  input %1 \"w\": f32[64,3,7,7]
+  %2 \"y\": ? = Conv[pads=[3, 3, 3, 3], strides=[2, 2]](%0, %1)
+  %3 \"p\": ? = MaxPool[kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2]](%2)
+  output %3";
+    assert_eq!(infer(conv, "y").unwrap(), "f32[n,64,112,112]");
+    assert_eq!(infer(conv, "p").unwrap(), "f32[n,64,56,56]");
+    let groups = "  input %0 \"x\": f32[1,4,8,8]\n  input %1 \"w\": f32[8,3,3,3]\n  %2 \"y\": ? = Conv[group=2](%0, %1)\n  output %2";
+    assert!(infer(groups, "y").unwrap_err().contains("4 channels but the weight expects 6"));
+    let ceil = "  input %0 \"x\": f32[1,1,5,5]\n  %1 \"y\": ? = MaxPool[ceil_mode=1, kernel_shape=[2, 2], strides=[2, 2]](%0)\n  output %1";
+    assert_eq!(infer(ceil, "y").unwrap(), "f32[1,1,3,3]");
+}
+
+#[test]
+fn reductions_squeeze_unsqueeze_split_slice() {
+    let g = "  input %0 \"x\": f32[2,3,4]
+  init %1 \"ax\" = i64[1]{-1}
+  %2 \"r\": ? = ReduceMean[keepdims=0](%0, %1)
+  %3 \"u\": ? = Unsqueeze(%2, %1)
+  %4 \"q\": ? = Squeeze(%3, %1)
+  init %5 \"sp\" = i64[2]{1, 2}
+  %6 \"a\": ?, %7 \"b\": ? = Split[axis=1](%0, %5)
+  init %8 \"st\" = i64[1]{-3}
+  init %9 \"en\" = i64[1]{100}
+  %10 \"s\": ? = Slice(%0, %8, %9, %1)
+  output %4, %6, %7, %10";
+    assert_eq!(infer(g, "q").unwrap(), "f32[2,3]");
+    assert_eq!(infer(g, "u").unwrap(), "f32[2,3,1]");
+    assert_eq!(infer(g, "q").unwrap(), "f32[2,3]");
+    assert_eq!(infer(g, "a").unwrap(), "f32[2,1,4]");
+    assert_eq!(infer(g, "b").unwrap(), "f32[2,2,4]");
+    assert_eq!(infer(g, "s").unwrap(), "f32[2,3,3]");
+    let bad = "  input %0 \"x\": f32[2,3]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"q\": ? = Squeeze(%0, %1)\n  output %2";
+    assert!(infer(bad, "q").unwrap_err().contains("cannot squeeze axis 1 of size 3"));
+}
+
+#[test]
+fn layer_norm_outputs_and_casts() {
+    let g = "  input %0 \"x\": f16[b,s,32]\n  input %1 \"g\": f16[32]
+  %2 \"y\": ?, %3 \"mean\": ?, %4 \"rstd\": ? = LayerNormalization(%0, %1)
+  %5 \"c\": ? = Cast[to=1](%2)
+  output %2, %3, %4, %5";
+    assert_eq!(infer(g, "y").unwrap(), "f16[b,s,32]");
+    assert_eq!(infer(g, "mean").unwrap(), "f32[b,s,1]");
+    assert_eq!(infer(g, "c").unwrap(), "f32[b,s,32]");
+}
