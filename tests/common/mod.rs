@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-pub const FIXTURES: [&str; 7] = ["mlp", "mlp_loss", "cnn_bn", "resblock", "transformer", "opset9", "custom_op"];
+pub const FIXTURES: [&str; 8] =
+    ["mlp", "mlp_loss", "cnn_bn", "resblock", "transformer", "opset9", "custom_op", "control_flow"];
 
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models").join(format!("{name}.onnx"))

@@ -74,7 +74,7 @@ def random_inputs(sess, ranges, rng, batch=3):
             lo, hi = ranges.get(i.name, [0, 4])
             feeds[i.name] = rng.integers(lo, hi, size=shape).astype(dt)
         elif dt == np.bool_:
-            feeds[i.name] = rng.random(shape) > 0.5
+            feeds[i.name] = np.asarray(rng.random(shape) > 0.5)
         else:
             feeds[i.name] = rng.standard_normal(shape).astype(dt)
     return feeds

@@ -267,8 +267,30 @@ def custom_op():
     save("custom_op", g, 17, extra_opsets=[("com.microsoft", 1)])
 
 
+def control_flow():
+    """An If whose branches read a main-graph initializer (`scale`) from the outer scope: opaque to
+    mpc, which must keep `scale` alive and the node's outer-scope reads in order."""
+    N = helper.make_node
+    then_g = helper.make_graph([N("Mul", ["h", "scale"], ["t_out"], name="then_mul")], "then", [],
+                               [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, ["batch", 4])])
+    else_g = helper.make_graph([N("Sub", ["h", "scale"], ["e_out"], name="else_sub")], "else", [],
+                               [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, ["batch", 4])])
+    inits = [init("w", [4, 4]), numpy_helper.from_array(np.array([2.0], np.float32), "scale")]
+    n = [
+        N("MatMul", ["x", "w"], ["h"], name="matmul"),
+        N("If", ["cond"], ["y"], name="branch", then_branch=then_g, else_branch=else_g),
+    ]
+    g = helper.make_graph(
+        n, "control_flow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        inits)
+    save("control_flow", g, 17)
+
+
 if __name__ == "__main__":
-    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op]:
+    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op, control_flow]:
         make()
     with open(os.path.join(HERE, "fixtures.json"), "w") as f:
         json.dump({"int_input_ranges": ranges}, f, indent=2, sort_keys=True)

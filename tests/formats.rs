@@ -1,0 +1,68 @@
+//! External tensor data on import, and the .dot / .json outputs.
+
+mod common;
+
+use common::{fixture, mpc, scratch};
+use mpc_ir::onnx::proto::{tensor_proto, ModelProto, StringStringEntryProto};
+use prost::Message;
+
+/// The MLP with `fc2.weight` moved to `weights.bin` at `offset`, with `location` as written.
+fn external_mlp(dir: &std::path::Path, location: &str) -> (std::path::PathBuf, Vec<u8>) {
+    let mut m = ModelProto::decode(std::fs::read(fixture("mlp")).unwrap().as_slice()).unwrap();
+    let t = m.graph.as_mut().unwrap().initializer.iter_mut().find(|t| t.name == "fc2.weight").unwrap();
+    let data = t.raw_data.to_vec();
+    let mut file = vec![7u8; 128];
+    file.extend_from_slice(&data);
+    std::fs::write(dir.join("weights.bin"), &file).unwrap();
+    t.raw_data = Default::default();
+    t.data_location = tensor_proto::EXTERNAL;
+    let kv = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
+    t.external_data = vec![kv("location", location), kv("offset", "128"), kv("length", &data.len().to_string())];
+    let path = dir.join("external.onnx");
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    (path, data)
+}
+
+#[test]
+fn external_data_is_read_next_to_the_model() {
+    let dir = scratch("external_data");
+    let (path, data) = external_mlp(&dir, "weights.bin");
+    let g = mpc::load(&path).unwrap();
+    let w = g.find("fc2.weight").and_then(|v| g.value(v).initializer().cloned()).unwrap();
+    assert_eq!(w.bytes().as_ref(), data.as_slice());
+    // Export writes the data inline: the output stands alone.
+    let out = dir.join("inline.onnx");
+    let r = mpc(&["compile", path.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let direct = dir.join("direct.onnx");
+    assert!(mpc(&["compile", fixture("mlp").to_str().unwrap(), "-o", direct.to_str().unwrap()]).status.success());
+    assert!(std::fs::read(out).unwrap() == std::fs::read(direct).unwrap());
+}
+
+#[test]
+fn external_data_may_not_leave_the_model_folder() {
+    let dir = scratch("external_escape");
+    let (path, _) = external_mlp(&dir, "../weights.bin");
+    let e = mpc::load(&path).unwrap_err().to_string();
+    assert!(e.contains("leaves the model's folder"), "{e}");
+}
+
+#[test]
+fn dot_and_json_outputs() {
+    let dir = scratch("dot_json");
+    let src = fixture("transformer");
+    let (dot, json) = (dir.join("t.dot"), dir.join("t.json"));
+    for out in [&dot, &json] {
+        let r = mpc(&["compile", src.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    }
+    let dot = std::fs::read_to_string(dot).unwrap();
+    assert!(dot.starts_with("digraph \"transformer\""));
+    assert_eq!(dot.matches("[label=\"Softmax\\n").count(), 1);
+    assert_eq!(dot.matches("[label=\"MatMul\\n").count(), 8);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert_eq!(v["nodes"].as_array().unwrap().len(), 36);
+    assert_eq!(v["inputs"][0]["shape"], serde_json::json!(["batch", 8]));
+    let softmax = v["nodes"].as_array().unwrap().iter().find(|n| n["op_type"] == "Softmax").unwrap();
+    assert_eq!(softmax["outputs"][0]["shape"], serde_json::json!(["batch", 4, 8, 8]));
+}
