@@ -2,7 +2,9 @@
 //! the library calls behind the CLI: [`load`] a model, [`compile`] it with a policy, [`save`] it
 //! in any of the output formats, and [`summary::summarize`] it for `mpc inspect`.
 
+pub mod config;
 pub mod dot;
+pub mod explain;
 pub mod summary;
 pub mod synthetic;
 
@@ -11,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use mpc_ir::text::{self, TensorMode};
 use mpc_ir::{Graph, IrError};
+use mpc_passes::precision::{Class, Policy};
 use mpc_passes::{Context, PassError, PassManager, Pipeline};
 
 /// Everything that can go wrong, each naming the file it concerns.
@@ -91,24 +94,66 @@ pub fn load(path: &Path) -> Result<Graph> {
 /// Compilation options.
 #[derive(Clone, Debug, Default)]
 pub struct Options {
-    pub policy: String,
+    /// `fp32`, `mixed`, `mixed-bf16` or `fp16`; `None`: the config file's, else `fp32`.
+    pub policy: Option<String>,
+    /// A TOML policy file ([`config::PolicyFile`]).
+    pub config: Option<PathBuf>,
+    pub allow: Vec<String>,
+    pub deny: Vec<String>,
+    pub pin_fp32: Vec<String>,
+    /// `--io-types low`: graph inputs and outputs in the low dtype.
+    pub io_low: bool,
     pub dims: HashMap<String, u64>,
     pub dump_after: Vec<String>,
     pub stop_after: Option<String>,
 }
 
-/// The policies that exist, and the ones this build can apply.
+/// The policy names.
 pub const POLICIES: [&str; 4] = ["fp32", "mixed", "mixed-bf16", "fp16"];
 
-/// Runs the pipeline of `opts.policy` on `g`; `dump` receives the graph after each pass asked for.
-pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(&str, &Graph)) -> Result<()> {
-    match opts.policy.as_str() {
-        "" | "fp32" => {}
-        p if POLICIES.contains(&p) => {
-            return Err(Error::Usage(format!("policy `{p}` is not implemented yet; available: fp32")))
+/// Resolves the options into a policy (`None` for fp32): `--policy` over the config file's,
+/// then the file's edits, then `--allow`, `--deny`, `--pin-fp32`.
+pub fn policy(opts: &Options) -> Result<Option<Policy>> {
+    let file = match &opts.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?;
+            Some(config::PolicyFile::parse(&text).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?)
         }
-        p => return Err(Error::Usage(format!("unknown policy `{p}` (policies: {})", POLICIES.join(", ")))),
+        None => None,
+    };
+    let name =
+        opts.policy.clone().or_else(|| file.as_ref().and_then(|f| f.policy.clone())).unwrap_or_else(|| "fp32".into());
+    let mut policy = match Policy::named(&name).map_err(Error::Usage)? {
+        Some(p) => p,
+        None if file.is_some()
+            || !opts.allow.is_empty()
+            || !opts.deny.is_empty()
+            || !opts.pin_fp32.is_empty()
+            || opts.io_low =>
+        {
+            return Err(Error::Usage(
+                "policy fp32 rewrites nothing: list edits need --policy mixed, mixed-bf16 or fp16".into(),
+            ))
+        }
+        None => return Ok(None),
+    };
+    if let (Some(f), Some(p)) = (&file, &opts.config) {
+        f.apply(&mut policy).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?;
     }
+    for (ops, class, flag) in [(&opts.allow, Class::Low, "--allow"), (&opts.deny, Class::F32, "--deny")] {
+        for op in ops {
+            policy.set_class(op, class).map_err(|e| Error::Usage(format!("{flag}: {e}")))?;
+        }
+    }
+    policy.pin_fp32.extend(opts.pin_fp32.iter().cloned());
+    policy.io_low |= opts.io_low;
+    Ok(Some(policy))
+}
+
+/// Runs the pipeline of the options' policy on `g`; `dump` receives the graph after each pass
+/// asked for. Returns the context, which holds the precision pass's report.
+pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(&str, &Graph)) -> Result<Context> {
+    let policy = policy(opts)?;
     let perr = |source| Error::Pass { path: path.to_owned(), source };
     let mut pm = PassManager::pipeline(Pipeline::Inference);
     for d in &opts.dump_after {
@@ -117,8 +162,9 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone() };
-    pm.run(g, &cx, dump).map_err(perr)
+    let cx = Context { dims: opts.dims.clone(), policy, ..Default::default() };
+    pm.run(g, &cx, dump).map_err(perr)?;
+    Ok(cx)
 }
 
 /// Renders `g` in `format`. Text IR comes with its sidecar bytes (empty when all is inline).

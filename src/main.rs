@@ -21,12 +21,48 @@ struct Cli {
 struct Common {
     /// The model: an .onnx file or mpc text IR (.mpcir).
     model: PathBuf,
-    /// Precision policy: fp32 (no rewrite), mixed, mixed-bf16, fp16.
-    #[arg(long, default_value = "fp32")]
-    policy: String,
+    /// Precision policy: fp32 (no rewrite; the default), mixed (FP16), mixed-bf16, fp16 (everything FP16).
+    #[arg(long)]
+    policy: Option<String>,
+    /// A TOML policy file: base policy, low dtype, list edits, pinned nodes.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Run this op type in low precision (repeatable).
+    #[arg(long, value_name = "OP")]
+    allow: Vec<String>,
+    /// Keep this op type in FP32 (repeatable).
+    #[arg(long, value_name = "OP")]
+    deny: Vec<String>,
+    /// Keep the node with this name in FP32 (repeatable).
+    #[arg(long, value_name = "NODE")]
+    pin_fp32: Vec<String>,
+    /// Graph input and output dtypes: keep (default) or low.
+    #[arg(long, value_name = "keep|low", default_value = "keep")]
+    io_types: String,
     /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.
     #[arg(long = "dim", value_name = "NAME=N")]
     dims: Vec<String>,
+}
+
+impl Common {
+    fn options(&self, dump_after: Vec<String>, stop_after: Option<String>) -> Result<Options, Error> {
+        let io_low = match self.io_types.as_str() {
+            "keep" => false,
+            "low" => true,
+            other => return Err(Error::Usage(format!("--io-types `{other}`: expected keep or low"))),
+        };
+        Ok(Options {
+            policy: self.policy.clone(),
+            config: self.config.clone(),
+            allow: self.allow.clone(),
+            deny: self.deny.clone(),
+            pin_fp32: self.pin_fp32.clone(),
+            io_low,
+            dims: parse_dims(&self.dims)?,
+            dump_after,
+            stop_after,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -56,6 +92,12 @@ enum Command {
     Inspect {
         #[command(flatten)]
         common: Common,
+        /// Say, for every node, which precision it got and which rule or neighbour decided it.
+        #[arg(long)]
+        explain: bool,
+        /// Print the graph as Graphviz, coloured by precision, instead of text.
+        #[arg(long)]
+        dot: bool,
     },
 }
 
@@ -96,7 +138,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 })?),
                 (None, None) => None,
             };
-            let opts = Options { policy: common.policy, dims: parse_dims(&common.dims)?, dump_after, stop_after };
+            let opts = common.options(dump_after, stop_after)?;
             let t0 = Instant::now();
             let mut g = mpc::load(&common.model)?;
             let t1 = Instant::now();
@@ -139,14 +181,24 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Inspect { common } => {
-            let opts = Options { policy: common.policy, dims: parse_dims(&common.dims)?, ..Default::default() };
-            let mut g = mpc::load(&common.model)?;
-            mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+        Command::Inspect { common, explain, dot } => {
+            let opts = common.options(Vec::new(), None)?;
+            let before = mpc::load(&common.model)?;
+            let mut g = before.clone();
+            let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let perr = |source| Error::Pass { path: common.model.clone(), source };
             let ierr = |source| Error::Input { path: common.model.clone(), source };
-            let mut out = text::to_summary(&g).map_err(ierr)?;
-            out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
+            let out = if dot {
+                mpc::dot::to_dot(&g).map_err(ierr)?
+            } else {
+                let mut out = text::to_summary(&g).map_err(ierr)?;
+                out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
+                if explain {
+                    let report = cx.report.borrow();
+                    out.push_str(&mpc::explain::explain(&before, &g, report.as_ref(), &opts.dims).map_err(perr)?);
+                }
+                out
+            };
             std::io::stdout()
                 .write_all(out.as_bytes())
                 .map_err(|source| Error::Output { path: "stdout".into(), source })

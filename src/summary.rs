@@ -61,40 +61,49 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
     Ok((b, used))
 }
 
-/// FLOPs of MatMul, Gemm, Conv and ConvTranspose from the graph's current shapes.
-pub fn flops(g: &Graph) -> Flops {
-    let mut f = Flops::default();
+/// FLOPs of one MatMul, Gemm, Conv or ConvTranspose node: `Some((flops, is_conv))`, with
+/// `flops` `None` when its shapes are unknown; `None` for other ops.
+pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
     let fixed = |v: Option<mpc_ir::ValueId>| v.and_then(|v| g.ty(v).shape.as_ref()?.as_fixed());
-    for n in g.node_ids() {
-        let node = g.node(n);
-        let out = fixed(node.outputs().first().copied());
-        match &node.op {
-            Op::MatMul | Op::Gemm(_) => {
-                let (Some(a), Some(o)) = (fixed(node.input(0)), out) else {
-                    f.unknown += 1;
-                    continue;
-                };
+    let node = g.node(n);
+    let out = fixed(node.outputs().first().copied());
+    match &node.op {
+        Op::MatMul | Op::Gemm(_) => {
+            let f = (|| {
+                let (a, o) = (fixed(node.input(0))?, out?);
                 let k = match &node.op {
                     Op::Gemm(at) if at.transA != 0 => a.first().copied().unwrap_or(1),
                     _ => a.last().copied().unwrap_or(1),
                 };
-                f.matmul += 2 * k * o.iter().product::<u64>();
-            }
-            Op::Conv(_) | Op::ConvTranspose(_) => {
-                let (Some(x), Some(w), Some(o)) = (fixed(node.input(0)), fixed(node.input(1)), out) else {
-                    f.unknown += 1;
-                    continue;
-                };
+                Some(2 * k * o.iter().product::<u64>())
+            })();
+            Some((f, false))
+        }
+        Op::Conv(_) | Op::ConvTranspose(_) => {
+            let f = (|| {
+                let (x, w, o) = (fixed(node.input(0))?, fixed(node.input(1))?, out?);
                 let kernel: u64 = w.iter().skip(2).product();
-                f.conv += if matches!(node.op, Op::Conv(_)) {
-                    // each output element: (C_in / group) · kernel multiply-adds
-                    2 * o.iter().product::<u64>() * w.get(1).copied().unwrap_or(1) * kernel
-                } else {
-                    // each input element scatters into C_out / group · kernel outputs
-                    2 * x.iter().product::<u64>() * w.get(1).copied().unwrap_or(1) * kernel
-                };
-            }
-            _ => {}
+                let per = w.get(1).copied().unwrap_or(1) * kernel;
+                // Conv: each output element takes (C_in / group) · kernel multiply-adds;
+                // ConvTranspose: each input element scatters into (C_out / group) · kernel outputs.
+                let elems: u64 = if matches!(node.op, Op::Conv(_)) { o.iter().product() } else { x.iter().product() };
+                Some(2 * elems * per)
+            })();
+            Some((f, true))
+        }
+        _ => None,
+    }
+}
+
+/// FLOPs of MatMul, Gemm, Conv and ConvTranspose from the graph's current shapes.
+pub fn flops(g: &Graph) -> Flops {
+    let mut f = Flops::default();
+    for n in g.node_ids() {
+        match node_flops(g, n) {
+            Some((None, _)) => f.unknown += 1,
+            Some((Some(x), true)) => f.conv += x,
+            Some((Some(x), false)) => f.matmul += x,
+            None => {}
         }
     }
     f

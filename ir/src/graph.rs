@@ -29,6 +29,10 @@ impl NodeId {
     pub fn index(self) -> usize {
         self.0 as usize
     }
+    /// The id whose [`NodeId::index`] is `i` (for tables indexed by node).
+    pub fn from_index(i: usize) -> NodeId {
+        NodeId(i as u32)
+    }
 }
 
 impl ValueId {
@@ -279,6 +283,20 @@ impl Graph {
         &self.values[v.index()].name
     }
 
+    /// Renames a value; the new name is made unique if taken. Returns the name given.
+    pub fn rename(&mut self, v: ValueId, name: &str) -> String {
+        let old = std::mem::take(&mut self.values[v.index()].name);
+        if self.by_name.get(&old) == Some(&v) {
+            self.by_name.remove(&old);
+        }
+        let name = if name.is_empty() { String::new() } else { self.unique_name(name) };
+        if !name.is_empty() {
+            self.by_name.insert(name.clone(), v);
+        }
+        self.values[v.index()].name = name.clone();
+        name
+    }
+
     pub fn find(&self, name: &str) -> Option<ValueId> {
         self.by_name.get(name).copied()
     }
@@ -334,6 +352,17 @@ impl Graph {
     }
     pub fn is_output(&self, v: ValueId) -> bool {
         self.outputs.contains(&v)
+    }
+
+    /// Whether something refers to `v` by name: a graph output, or an outer-scope read of an
+    /// opaque op's subgraph. Such a value must keep its name (and dtype).
+    pub fn name_is_referenced(&self, v: ValueId) -> bool {
+        self.is_output(v) || self.values[v.index()].uses.iter().any(|u| self.is_capture(u.node, u.slot))
+    }
+
+    /// Whether input `slot` of `n` is an outer-scope read of a subgraph, not an explicit input.
+    pub fn is_capture(&self, n: NodeId, slot: usize) -> bool {
+        matches!(&self.node(n).op, Op::Opaque(o) if slot >= o.explicit_inputs)
     }
 
     // ---- nodes ----

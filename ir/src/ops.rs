@@ -212,7 +212,7 @@ impl Op {
             Op::Reshape(a) if a.allowzero != 0 => 14,
             Op::Split(a) if a.num_outputs.is_some() => 18,
             Op::LayerNormalization(_) => 17,
-            Op::BatchNormalization(_) => 15,
+            Op::BatchNormalization(a) if a.training_mode != 0 => 14,
             Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
             Op::Cast(a) if a.saturate != 1 => 19,
             Op::Resize(a) if a.antialias != 0 || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,

@@ -85,6 +85,18 @@ impl Tensor {
         self.elements().collect()
     }
 
+    /// The tensor converted to `to` (rounding to nearest even; saturating for integers).
+    pub fn to_dtype(&self, to: DType) -> Tensor {
+        let mut out = Vec::with_capacity(self.numel() as usize * to.size());
+        self.elements().for_each(|v| encode_f64(to, v, &mut out));
+        Tensor { dtype: to, shape: self.shape.clone(), data: Bytes::from(out) }
+    }
+
+    /// Every element as f64, without allocating.
+    pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
+        self.elements()
+    }
+
     fn elements(&self) -> impl Iterator<Item = f64> + '_ {
         let dtype = self.dtype;
         self.data.chunks_exact(dtype.size()).map(move |c| decode_f64(dtype, c))

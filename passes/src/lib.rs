@@ -5,14 +5,19 @@
 //! agree), and can hand out the graph after a named pass (`--dump-after`) or stop there
 //! (`--stop-after`).
 
+mod cast_cleanup;
 mod dce;
 mod infer;
 mod manager;
+pub mod precision;
 
+pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
 pub use infer::{infer_types, InferTypes};
-pub use manager::{PassManager, Pipeline};
+pub use manager::{verify, PassManager, Pipeline};
+pub use precision::{Policy, Precision};
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 use mpc_ir::{Graph, GraphError, IrError};
@@ -29,6 +34,10 @@ pub enum Changed {
 pub struct Context {
     /// Sizes bound to symbolic dims (`batch=64`), used where a pass needs concrete sizes.
     pub dims: HashMap<String, u64>,
+    /// The precision policy; `None` is `fp32`: no precision rewrite.
+    pub policy: Option<Policy>,
+    /// What the precision pass decided, for explanations.
+    pub report: RefCell<Option<precision::Report>>,
 }
 
 /// A graph-to-graph transformation or analysis.
@@ -52,6 +61,9 @@ pub enum PassError {
     Verify { pass: &'static str, msg: String },
     #[error("unknown pass `{0}` (passes: {1})")]
     UnknownPass(String, String),
+    /// A bad option (an unknown op or node name in a policy).
+    #[error("{0}")]
+    Usage(String),
 }
 
 pub type Result<T, E = PassError> = std::result::Result<T, E>;

@@ -28,9 +28,19 @@ fn ir_version_for(opset: i64) -> i64 {
 /// The ai.onnx opset the graph will be written with.
 pub fn export_opset(g: &Graph) -> i64 {
     let mut opset = g.meta.onnx_opset().max(13);
+    let dtype = |v: Option<ValueId>| v.and_then(|v| g.ty(v).dtype);
     for n in g.node_ids() {
-        let op = &g.node(n).op;
+        let node = g.node(n);
+        let op = &node.op;
         opset = opset.max(op.min_opset());
+        // BatchNormalization takes parameters of another dtype than X from opset 15.
+        if matches!(op, Op::BatchNormalization(_)) && (1..5).any(|i| dtype(node.input(i)) != dtype(node.input(0))) {
+            opset = opset.max(15);
+        }
+        // Most ops accept bf16 from opset 13-16; activations such as Elu or Softplus only from 22.
+        if node.outputs().iter().any(|&o| g.ty(o).dtype == Some(crate::DType::BF16)) && !op.is_opaque() {
+            opset = opset.max(22);
+        }
         if let Some(since) = op.axes_input_since() {
             let axes = g.node(n).input(1);
             if opset < since && axes.is_some_and(|a| g.constant(a).is_none()) {

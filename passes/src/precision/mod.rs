@@ -1,0 +1,386 @@
+//! The precision pass: decides which ops run in the low dtype and rewrites the graph to match.
+//!
+//! 1. Every op with a class ([`table`]) whose float tensors are all FP32 is a candidate; integer,
+//!    bool and index tensors, f64, and anything already in a low dtype are left alone, and so are
+//!    opaque ops.
+//! 2. Candidates are forced to F32 when pinned by name, or when they read a constant that the low
+//!    dtype cannot hold: a value beyond its range (the -1e9 of attention masks), or more than 1% of
+//!    the non-zero values flushing to zero (an epsilon of 1e-12).
+//! 3. [`colour`] colours the candidates.
+//! 4. Low nodes' outputs become the low dtype. A constant whose every reader wants it low is stored
+//!    converted (no run-time cast); other mismatches get one shared `Cast` per (value, dtype), named
+//!    `{value}.cast_{dtype}`. Graph inputs and outputs keep their dtypes (a low output is cast
+//!    back and keeps its name) unless the policy asks for low interfaces.
+
+pub mod colour;
+pub mod table;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use mpc_ir::ops::{CastAttrs, ConstantAttrs, ConstantOfShapeAttrs};
+use mpc_ir::{DType, Def, Graph, NodeId, Op, Tensor, TypeInfo, ValueId};
+
+pub use colour::{Colour, Reason};
+pub use table::{default_class, input_role, output_follows, Class, Role};
+
+use crate::{Changed, Context, Pass, PassError, Result};
+
+/// A precision policy: the low dtype and the edits to the default lists.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    /// f16 or bf16.
+    pub low: DType,
+    /// The naive `fp16` policy: every op low.
+    pub everything_low: bool,
+    /// Class overrides by op type (`--allow`, `--deny`, config lists).
+    pub overrides: BTreeMap<String, Class>,
+    /// Node names pinned to F32.
+    pub pin_fp32: BTreeSet<String>,
+    /// Graph inputs and outputs in the low dtype too.
+    pub io_low: bool,
+}
+
+impl Policy {
+    /// The named policies; `fp32` (no rewrite) is `Ok(None)`.
+    pub fn named(name: &str) -> Result<Option<Policy>, String> {
+        let base = |low| Policy {
+            low,
+            everything_low: false,
+            overrides: BTreeMap::new(),
+            pin_fp32: BTreeSet::new(),
+            io_low: false,
+        };
+        Ok(match name {
+            "fp32" => None,
+            "mixed" => Some(base(DType::F16)),
+            "mixed-bf16" => Some(base(DType::BF16)),
+            "fp16" => Some(Policy { everything_low: true, ..base(DType::F16) }),
+            _ => return Err(format!("unknown policy `{name}` (policies: fp32, mixed, mixed-bf16, fp16)")),
+        })
+    }
+
+    /// Puts `op_type` in `class`; an op type mpc does not know is an error.
+    pub fn set_class(&mut self, op_type: &str, class: Class) -> Result<(), String> {
+        if !Op::KNOWN.contains(&op_type) {
+            return Err(format!("unknown op `{op_type}` (see the supported-op table)"));
+        }
+        self.overrides.insert(op_type.to_string(), class);
+        Ok(())
+    }
+
+    /// The class of `op` under this policy (`None`: never recoloured).
+    pub fn class(&self, op: &Op) -> Option<Class> {
+        let default = default_class(op, self.low)?;
+        Some(self.overrides.get(op.op_type()).copied().unwrap_or(default))
+    }
+}
+
+/// What the pass decided, for `mpc inspect --explain`.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Colour and reason of every candidate node.
+    pub nodes: BTreeMap<NodeId, (Colour, Reason)>,
+    /// Constants stored in the low dtype.
+    pub converted: Vec<String>,
+    /// Notes on constants: kept in F32, or with values flushed to zero.
+    pub notes: Vec<String>,
+}
+
+pub struct Precision;
+
+impl Pass for Precision {
+    fn name(&self) -> &'static str {
+        "precision"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let Some(policy) = &cx.policy else { return Ok(Changed::No) };
+        let report = rewrite(g, policy)?;
+        let changed = !report.nodes.values().all(|(c, _)| *c == Colour::F32) || policy.io_low;
+        *cx.report.borrow_mut() = Some(report);
+        Ok(if changed { Changed::Yes } else { Changed::No })
+    }
+}
+
+fn is_f32(g: &Graph, v: ValueId) -> bool {
+    g.ty(v).dtype == Some(DType::F32)
+}
+
+/// The node's float tensors that follow its precision: (inputs, outputs).
+fn t_values(g: &Graph, n: NodeId) -> (Vec<ValueId>, Vec<ValueId>) {
+    let node = g.node(n);
+    let float = |v: &ValueId| g.ty(*v).dtype.is_some_and(|d| d.is_float());
+    let ins = node
+        .inputs()
+        .iter()
+        .enumerate()
+        .filter_map(|(s, v)| v.filter(|v| input_role(&node.op, s) == Role::T && float(v)))
+        .collect();
+    let outs = node
+        .outputs()
+        .iter()
+        .enumerate()
+        .filter(|(s, v)| output_follows(&node.op, *s) && float(v))
+        .map(|(_, v)| *v)
+        .collect();
+    (ins, outs)
+}
+
+/// Why the low dtype cannot hold `t`, if it cannot.
+fn unsafe_constant(t: &Tensor, low: DType) -> (Option<String>, usize) {
+    let (mut nonzero, mut flushed, mut example) = (0usize, 0usize, None);
+    for x in t.values() {
+        let y = match low {
+            DType::BF16 => half::bf16::from_f64(x).to_f64(),
+            _ => half::f16::from_f64(x).to_f64(),
+        };
+        if x.is_finite() && y.is_infinite() {
+            return (Some(format!("{x:e} overflows {low}")), 0);
+        }
+        if x != 0.0 {
+            nonzero += 1;
+            if y == 0.0 && x.is_finite() {
+                flushed += 1;
+                example.get_or_insert(x);
+            }
+        }
+    }
+    if flushed * 100 > nonzero {
+        let e = example.unwrap_or_default();
+        return (Some(format!("{flushed} of {nonzero} non-zero values (e.g. {e:e}) become 0 in {low}")), flushed);
+    }
+    (None, flushed)
+}
+
+fn constant_tensor(g: &Graph, v: ValueId) -> Option<Tensor> {
+    match g.value(v).def() {
+        Def::Init(t) => Some(t.clone()),
+        Def::Node(n, 0) => match &g.node(*n).op {
+            Op::Constant(c) => Some(c.value.clone()),
+            Op::ConstantOfShape(c) => Some(c.value.clone().unwrap_or_else(|| Tensor::from_f32(vec![1], &[0.0]))),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
+    let order = g.topo_order()?;
+    let bound = g.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
+    let mut report = Report::default();
+
+    // 1-2. Candidates, pins and unsafe constants.
+    let mut cg = colour::ColourGraph {
+        class: vec![None; bound],
+        succ: vec![Vec::new(); bound],
+        pred: vec![Vec::new(); bound],
+        forced: vec![None; bound],
+    };
+    let mut pins_found = BTreeSet::new();
+    let mut checked: HashMap<ValueId, Option<String>> = HashMap::new();
+    for &n in &order {
+        let Some(class) = policy.class(&g.node(n).op) else { continue };
+        let (ins, outs) = t_values(g, n);
+        if ins.is_empty() && outs.is_empty() || !ins.iter().chain(&outs).all(|&v| is_f32(g, v)) {
+            continue;
+        }
+        cg.class[n.index()] = Some(class);
+        if policy.pin_fp32.contains(&g.node(n).name) {
+            pins_found.insert(g.node(n).name.clone());
+            cg.forced[n.index()] = Some(Reason::Pinned);
+            continue;
+        }
+        for v in ins {
+            let why = checked.entry(v).or_insert_with(|| {
+                let t = constant_tensor(g, v)?;
+                let (why, flushed) = unsafe_constant(&t, policy.low);
+                if why.is_none() && flushed > 0 {
+                    report.notes.push(format!(
+                        "`{}`: {flushed} tiny non-zero values become 0 in {}",
+                        g.name(v),
+                        policy.low
+                    ));
+                }
+                why
+            });
+            if let Some(why) = why {
+                cg.forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
+            }
+        }
+    }
+    if let Some(missing) =
+        policy.pin_fp32.iter().find(|p| !pins_found.contains(*p) && !g.node_ids().any(|n| &g.node(n).name == *p))
+    {
+        return Err(PassError::Usage(format!("--pin-fp32 `{missing}`: no node has that name")));
+    }
+    for &n in &order {
+        if cg.class[n.index()].is_none() {
+            continue;
+        }
+        let node = g.node(n);
+        for (s, v) in node.inputs().iter().enumerate() {
+            let Some(v) = *v else { continue };
+            if input_role(&node.op, s) != Role::T || !is_f32(g, v) {
+                continue;
+            }
+            if let Some((p, o)) = g.value(v).producer() {
+                if cg.class[p.index()].is_some() && output_follows(&g.node(p).op, o) {
+                    cg.succ[p.index()].push(n.index());
+                    cg.pred[n.index()].push(p.index());
+                }
+            }
+        }
+    }
+
+    // 3. Colour.
+    let colours = colour::colour(&cg, policy.everything_low);
+    for &n in &order {
+        if let Some(c) = &colours[n.index()] {
+            report.nodes.insert(n, c.clone());
+        }
+    }
+    let is_low = |n: NodeId| matches!(colours.get(n.index()), Some(Some((Colour::Low, _))));
+
+    // 4. Retype, convert constants, insert casts.
+    let original: Vec<Option<DType>> = g.value_ids().map(|v| g.ty(v).dtype).collect();
+    let low = policy.low;
+    for &n in &order {
+        if is_low(n) {
+            for v in t_values(g, n).1 {
+                set_dtype(g, v, low);
+            }
+        }
+    }
+    if policy.io_low {
+        for v in g.inputs().to_vec() {
+            if is_f32(g, v) {
+                set_dtype(g, v, low);
+            }
+        }
+    }
+    // What each reader wants of each float value it reads.
+    let mut wants: Vec<(NodeId, usize, ValueId, DType)> = Vec::new();
+    for &n in &order {
+        let node = g.node(n);
+        for (s, v) in node.inputs().iter().enumerate() {
+            let Some(v) = *v else { continue };
+            let Some(orig) = original[v.index()].filter(|d| d.is_float()) else { continue };
+            if g.is_capture(n, s) {
+                continue; // read by name inside a subgraph: handled with the interfaces below
+            }
+            let want = match input_role(&node.op, s) {
+                Role::T if cg.class[n.index()].is_some() => {
+                    if is_low(n) {
+                        low
+                    } else {
+                        orig
+                    }
+                }
+                Role::Any => continue,
+                _ => orig,
+            };
+            wants.push((n, s, v, want));
+        }
+    }
+    // Constants every reader wants low are stored low.
+    let mut by_value: HashMap<ValueId, Vec<DType>> = HashMap::new();
+    for &(_, _, v, want) in &wants {
+        by_value.entry(v).or_default().push(want);
+    }
+    let mut constants: Vec<ValueId> = by_value
+        .iter()
+        .filter(|(v, ws)| ws.iter().all(|&w| w == low) && !g.is_output(**v) && original[v.index()] == Some(DType::F32))
+        .map(|(v, _)| *v)
+        .collect();
+    constants.sort();
+    for v in constants {
+        let Some(t) = constant_tensor(g, v) else { continue };
+        if checked.get(&v).is_some_and(|why| why.is_some()) || unsafe_constant(&t, low).0.is_some() {
+            continue;
+        }
+        let converted = t.to_dtype(low);
+        match g.value(v).def().clone() {
+            Def::Init(_) => g.set_initializer(v, converted),
+            Def::Node(p, _) => {
+                *g.node_op_mut(p) = match g.node(p).op.clone() {
+                    Op::Constant(_) => Op::Constant(ConstantAttrs { value: converted }),
+                    _ => Op::ConstantOfShape(ConstantOfShapeAttrs { value: Some(converted) }),
+                };
+                set_dtype(g, v, low);
+            }
+            _ => continue,
+        }
+        report.converted.push(g.name(v).to_string());
+    }
+    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::new();
+    for (n, s, v, want) in wants {
+        if g.ty(v).dtype == Some(want) {
+            continue;
+        }
+        let c = cast(g, &mut casts, v, want);
+        g.set_input(n, s, Some(c));
+    }
+    // Interfaces (graph outputs, values that subgraphs read by name) keep their dtypes and
+    // their names: the rewritten value takes a suffix and a cast back takes the name.
+    let mut interfaces: Vec<ValueId> = g.outputs().to_vec();
+    for &n in &order {
+        for (s, v) in g.node(n).inputs().iter().enumerate() {
+            if let Some(v) = v.filter(|_| g.is_capture(n, s)) {
+                interfaces.push(v);
+            }
+        }
+    }
+    let mut renamed: HashMap<ValueId, ValueId> = HashMap::new();
+    for v in interfaces {
+        if renamed.contains_key(&v) {
+            continue;
+        }
+        let want = match original[v.index()] {
+            Some(DType::F32) if policy.io_low && g.is_output(v) => low,
+            Some(d) => d,
+            None => continue,
+        };
+        if g.ty(v).dtype == Some(want) {
+            continue;
+        }
+        let name = g.name(v).to_string();
+        let inner = format!("{name}.{}", g.ty(v).dtype.map_or("v".into(), |d| d.to_string()));
+        g.rename(v, &inner);
+        let c = cast(g, &mut casts, v, want);
+        g.rename(c, &name);
+        renamed.insert(v, c);
+    }
+    let outputs: Vec<ValueId> = g.outputs().iter().map(|v| renamed.get(v).copied().unwrap_or(*v)).collect();
+    g.set_outputs(outputs);
+    for &n in &order {
+        for s in 0..g.node(n).inputs().len() {
+            if let Some(&c) = g.node(n).input(s).and_then(|v| renamed.get(&v)).filter(|_| g.is_capture(n, s)) {
+                g.set_input(n, s, Some(c));
+            }
+        }
+    }
+    Ok(report)
+}
+
+fn set_dtype(g: &mut Graph, v: ValueId, d: DType) {
+    let ty = g.ty(v).clone();
+    g.set_ty(v, TypeInfo { dtype: Some(d), ..ty });
+}
+
+/// The shared cast of `v` to `to`, made on first use.
+fn cast(g: &mut Graph, casts: &mut HashMap<(ValueId, DType), ValueId>, v: ValueId, to: DType) -> ValueId {
+    if let Some(&c) = casts.get(&(v, to)) {
+        return c;
+    }
+    let base = match g.name(v) {
+        "" => "v".to_string(),
+        n => n.to_string(),
+    };
+    let name = format!("{base}.cast_{to}");
+    let op = Op::Cast(CastAttrs { to, ..Default::default() });
+    let (_, out) = g.add_op(&name, op, &[Some(v)], 1);
+    let shape = g.ty(v).shape.clone();
+    g.set_ty(out[0], TypeInfo { dtype: Some(to), shape });
+    casts.insert((v, to), out[0]);
+    out[0]
+}

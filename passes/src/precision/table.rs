@@ -1,0 +1,164 @@
+//! The default precision lists and the role of each input slot.
+//!
+//! One exhaustive `match`: a new op does not compile until it is classified. The classes follow
+//! TF grappler's auto_mixed_precision lists (allow / deny / infer / clear), named after what they
+//! do here.
+
+use std::fmt;
+
+use mpc_ir::{DType, Op};
+use serde::{Deserialize, Serialize};
+
+/// What a node's float activations should be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    /// Run in the low dtype (matrix products): TF's allow list.
+    Low,
+    /// Run in FP32 (reductions, normalisations, exp/log, losses): TF's deny list.
+    F32,
+    /// Take the precision of the neighbours, F32 unless between low ops: TF's infer list.
+    Follow,
+    /// Data movement; follows low neighbours both ways: TF's clear list.
+    Clear,
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Class::Low => "low",
+            Class::F32 => "f32",
+            Class::Follow => "follow",
+            Class::Clear => "clear",
+        })
+    }
+}
+
+/// How an input slot's float tensor relates to the node's precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The node's precision (the op's type variable `T`).
+    T,
+    /// Always FP32 (BatchNormalization's scale, bias and statistics).
+    F32,
+    /// Must keep its original dtype (opaque ops, Resize scales, Dropout ratio).
+    Orig,
+    /// Any dtype is fine (Shape, Size, the input of a Cast).
+    Any,
+}
+
+/// The default class of `op` for the low dtype `low`, or `None` for ops that are never recoloured
+/// (opaque ops, casts, constants, shape and integer ops).
+pub fn default_class(op: &Op, low: DType) -> Option<Class> {
+    use Class::*;
+    Some(match op {
+        Op::MatMul | Op::Gemm(_) | Op::Conv(_) | Op::ConvTranspose(_) | Op::Einsum(_) => Low,
+        Op::Softmax(_)
+        | Op::LogSoftmax(_)
+        | Op::LayerNormalization(_)
+        | Op::GroupNormalization(_)
+        | Op::InstanceNormalization(_)
+        | Op::LRN(_)
+        | Op::ReduceSumSquare(_)
+        | Op::ReduceL2(_)
+        | Op::ReduceLogSumExp(_)
+        | Op::CumSum(_)
+        | Op::Exp
+        | Op::Log
+        | Op::Pow
+        | Op::Reciprocal
+        | Op::SoftmaxCrossEntropyLoss(_)
+        | Op::NegativeLogLikelihoodLoss(_) => F32,
+        // BF16 keeps FP32's exponent range, so sums and means cannot overflow in it.
+        Op::ReduceSum(_) | Op::ReduceMean(_) => {
+            if low == DType::BF16 {
+                Follow
+            } else {
+                F32
+            }
+        }
+        Op::Add
+        | Op::Sub
+        | Op::Mul
+        | Op::Div
+        | Op::Sigmoid
+        | Op::Tanh
+        | Op::Gelu(_)
+        | Op::Erf
+        | Op::Sqrt
+        | Op::Elu(_)
+        | Op::LeakyRelu(_)
+        | Op::PRelu
+        | Op::Softplus
+        | Op::HardSigmoid(_)
+        | Op::HardSwish
+        | Op::AveragePool(_)
+        | Op::GlobalAveragePool
+        | Op::Sum
+        | Op::Mean
+        | Op::BatchNormalization(_)
+        | Op::Resize(_) => Follow,
+        Op::Relu
+        | Op::Clip
+        | Op::Abs
+        | Op::Neg
+        | Op::Max
+        | Op::Min
+        | Op::MaxPool(_)
+        | Op::GlobalMaxPool
+        | Op::ReduceMax(_)
+        | Op::ReduceMin(_)
+        | Op::ArgMax(_)
+        | Op::Reshape(_)
+        | Op::Transpose(_)
+        | Op::Squeeze
+        | Op::Unsqueeze
+        | Op::Flatten(_)
+        | Op::Concat(_)
+        | Op::Split(_)
+        | Op::Slice
+        | Op::Gather(_)
+        | Op::GatherElements(_)
+        | Op::Pad(_)
+        | Op::Tile
+        | Op::Expand
+        | Op::Identity
+        | Op::Dropout(_)
+        | Op::Where
+        | Op::Equal
+        | Op::Less
+        | Op::Greater => Clear,
+        Op::Cast(_)
+        | Op::Constant(_)
+        | Op::ConstantOfShape(_)
+        | Op::Shape(_)
+        | Op::Size
+        | Op::Range
+        | Op::Mod(_)
+        | Op::Not
+        | Op::And
+        | Op::Or
+        | Op::Opaque(_) => return None,
+    })
+}
+
+/// The role of input `slot` of `op`.
+pub fn input_role(op: &Op, slot: usize) -> Role {
+    match (op, slot) {
+        (Op::Opaque(_), _) => Role::Orig,
+        (Op::Shape(_) | Op::Size | Op::Cast(_), _) => Role::Any,
+        (Op::BatchNormalization(_), 1..=4) => Role::F32,
+        (Op::Resize(_), 1 | 2) | (Op::Dropout(_), 1) => Role::Orig,
+        (op, _) if default_class(op, DType::F16).is_none() => Role::Orig,
+        _ => Role::T,
+    }
+}
+
+/// Whether output `slot` of `op` carries the node's precision (else it keeps its dtype).
+pub fn output_follows(op: &Op, slot: usize) -> bool {
+    match (op, slot) {
+        // Running statistics, and LayerNormalization's stashed mean and inverse deviation.
+        (Op::BatchNormalization(_) | Op::LayerNormalization(_), 1 | 2) => false,
+        (op, _) => default_class(op, DType::F16).is_some(),
+    }
+}
