@@ -37,7 +37,11 @@ pub struct PolicyFile {
 
 impl PolicyFile {
     pub fn parse(text: &str) -> Result<PolicyFile, String> {
-        toml::from_str(text).map_err(|e| e.to_string().trim_end().replace('\n', " "))
+        // "TOML parse error at line L, column C: message", without the multi-line excerpt.
+        toml::from_str(text).map_err(|e| {
+            let at = e.to_string().lines().next().unwrap_or("TOML parse error").to_string();
+            format!("{at}: {}", e.message())
+        })
     }
 
     /// Applies the file's edits to `policy`.

@@ -1,8 +1,9 @@
-//! Graphviz output: one box per node, one edge per value read, labelled with its type.
+//! Graphviz output: one box per node, filled by the precision it computes in (f16 blue, bf16 green,
+//! f32 orange, casts grey, opaque ops dashed), one edge per value read, labelled with its type.
 
 use std::fmt::Write;
 
-use mpc_ir::{Def, Graph};
+use mpc_ir::{DType, Def, Graph, Op};
 
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
@@ -15,10 +16,27 @@ pub fn to_dot(g: &Graph) -> mpc_ir::Result<String> {
     for &v in g.inputs() {
         writeln!(s, "  v{} [shape=ellipse, label=\"{}\\n{}\"];", v.index(), esc(g.name(v)), g.ty(v)).ok();
     }
+    let legend = "  legend [shape=plaintext, label=\"f16: blue   bf16: green   f32: orange   cast: grey\"];";
+    writeln!(s, "{legend}").ok();
     for &n in &order {
         let node = g.node(n);
-        let style = if node.op.is_opaque() { ", style=dashed" } else { "" };
-        writeln!(s, "  n{} [label=\"{}\\n{}\"{style}];", n.index(), esc(node.op.op_type()), esc(&node.name)).ok();
+        let dtype = node.outputs().iter().find_map(|&o| g.ty(o).dtype.filter(|d| d.is_float()));
+        let fill = match (&node.op, dtype) {
+            (Op::Cast(_), _) => "#d9d9d9",
+            (_, Some(DType::F16)) => "#9ecae1",
+            (_, Some(DType::BF16)) => "#a1d99b",
+            (_, Some(DType::F32)) => "#fdd0a2",
+            _ => "#ffffff",
+        };
+        let style = if node.op.is_opaque() { "filled,dashed" } else { "filled" };
+        writeln!(
+            s,
+            "  n{} [label=\"{}\\n{}\", style=\"{style}\", fillcolor=\"{fill}\"];",
+            n.index(),
+            esc(node.op.op_type()),
+            esc(&node.name)
+        )
+        .ok();
         for v in node.inputs().iter().flatten() {
             let from = match g.value(*v).def() {
                 Def::Node(p, _) => format!("n{}", p.index()),

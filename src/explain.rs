@@ -194,3 +194,44 @@ fn gemm_dims(g: &Graph, n: NodeId) -> Option<Vec<(&'static str, u64)>> {
         _ => None,
     }
 }
+
+/// The README's precision table: the default class of every op, for FP16 and BF16.
+pub fn precision_table() -> String {
+    use mpc_passes::precision::{default_class, Class};
+    let mut rows = String::from("| class | what it means | ops (FP16 default) |\n|---|---|---|\n");
+    let meaning = |c: Class| match c {
+        Class::Low => "runs in the low dtype (FP32 accumulation)",
+        Class::F32 => "runs in FP32",
+        Class::Follow => "low between low ops, else FP32",
+        Class::Clear => "data movement: low next to low ops, else FP32",
+    };
+    let mut ops: Vec<&str> = mpc_ir::Op::KNOWN.to_vec();
+    ops.sort_unstable();
+    for class in [Class::Low, Class::F32, Class::Follow, Class::Clear] {
+        let names: Vec<&str> = ops
+            .iter()
+            .copied()
+            .filter(|n| mpc_ir::Op::default_of(n).and_then(|op| default_class(&op, DType::F16)) == Some(class))
+            .collect();
+        rows.push_str(&format!("| {class} | {} | {} |\n", meaning(class), names.join(", ")));
+    }
+    let never: Vec<&str> = ops
+        .iter()
+        .copied()
+        .filter(|n| mpc_ir::Op::default_of(n).and_then(|op| default_class(&op, DType::F16)).is_none())
+        .collect();
+    rows.push_str(&format!(
+        "| — | never recoloured (keeps its dtypes) | {}, and every opaque op |\n",
+        never.join(", ")
+    ));
+    let moved: Vec<String> = ops
+        .iter()
+        .filter_map(|n| {
+            let op = mpc_ir::Op::default_of(n)?;
+            let (a, b) = (default_class(&op, DType::F16)?, default_class(&op, DType::BF16)?);
+            (a != b).then(|| format!("{n} ({a} → {b})"))
+        })
+        .collect();
+    rows.push_str(&format!("\nBF16 (`mixed-bf16`) differs only in: {}.\n", moved.join(", ")));
+    rows
+}

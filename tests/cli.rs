@@ -44,3 +44,52 @@ fn inspect_summarizes_ops_parameters_and_flops() {
     let bad = mpc(&["inspect", fixture("mlp").to_str().unwrap(), "--dim", "batch"]);
     assert_eq!(bad.status.code(), Some(2));
 }
+
+fn fails_with(args: &[&str], expect: &str) {
+    let r = mpc(args);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.contains(expect), "expected `{expect}` in: {err}");
+}
+
+#[test]
+fn policy_errors_name_what_is_wrong() {
+    let dir = scratch("cli_policy_errors");
+    let m = fixture("mlp");
+    let m = m.to_str().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    fails_with(&["compile", m, "--policy", "mixed", "--deny", "Frobnicate"], "--deny: unknown op `Frobnicate`");
+    fails_with(
+        &["compile", m, "--policy", "mixed", "--pin-fp32", "/nope"],
+        "--pin-fp32 `/nope`: no node has that name",
+    );
+    fails_with(&["compile", m, "--allow", "Relu"], "policy fp32 rewrites nothing");
+    let bad_line = write("bad_line.toml", "policy = \"mixed\"\nallow = [\"MatMul\"\ndeny = 3\n");
+    fails_with(
+        &["compile", m, "--config", &bad_line],
+        "bad_line.toml: TOML parse error at line 3, column 1: missing comma between array elements",
+    );
+    let bad_key = write("bad_key.toml", "policy = \"mixed\"\nalow = [\"MatMul\"]\n");
+    fails_with(&["compile", m, "--config", &bad_key], "unknown field `alow`");
+    let bad_op = write("bad_op.toml", "policy = \"mixed\"\nfollow = [\"Softmaxx\"]\n");
+    fails_with(&["compile", m, "--config", &bad_op], "bad_op.toml: unknown op `Softmaxx`");
+    let bad_dtype = write("bad_dtype.toml", "policy = \"mixed\"\nlow_dtype = \"fp8\"\n");
+    fails_with(&["compile", m, "--config", &bad_dtype], "low_dtype `fp8`: expected f16 or bf16");
+}
+
+#[test]
+fn config_file_sets_the_policy() {
+    let dir = scratch("cli_config");
+    let cfg = dir.join("p.toml");
+    std::fs::write(&cfg, "policy = \"mixed\"\nlow_dtype = \"bf16\"\npin_fp32 = [\"/fc3/Gemm\"]\n").unwrap();
+    let r = mpc(&["compile", fixture("mlp").to_str().unwrap(), "--config", cfg.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.contains("\"fc1\": bf16[batch,256] = Gemm"), "{out}");
+    assert!(out.contains("\"logits\": f32[batch,10] = Gemm"), "pinned node stays f32:\n{out}");
+}

@@ -66,3 +66,16 @@ fn dot_and_json_outputs() {
     let softmax = v["nodes"].as_array().unwrap().iter().find(|n| n["op_type"] == "Softmax").unwrap();
     assert_eq!(softmax["outputs"][0]["shape"], serde_json::json!(["batch", 4, 8, 8]));
 }
+
+#[test]
+fn dot_is_coloured_by_precision() {
+    let r = mpc(&["inspect", fixture("transformer").to_str().unwrap(), "--policy", "mixed", "--dot"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let dot = String::from_utf8_lossy(&r.stdout);
+    let lines = |op: &str| {
+        dot.lines().filter(|l| l.contains(&format!("[label=\"{op}\\n"))).map(str::to_string).collect::<Vec<_>>()
+    };
+    assert!(lines("MatMul").iter().all(|l| l.contains("#9ecae1")), "MatMuls are f16-blue");
+    assert!(lines("Softmax").iter().all(|l| l.contains("#fdd0a2")), "Softmax is f32-orange");
+    assert_eq!(lines("Cast").len(), 6);
+}

@@ -34,3 +34,15 @@ fn text_ir_example_is_what_mpc_writes() {
     let printed = mpc_ir::text::print(&g, mpc_ir::text::TensorMode::FILE).unwrap().text;
     assert_eq!(format!("mpcir 1{example}"), printed);
 }
+
+#[test]
+fn precision_table_is_the_code_table() {
+    let text = readme();
+    let table = text
+        .split("<!-- precision:begin -->\n")
+        .nth(1)
+        .and_then(|t| t.split("<!-- precision:end -->").next())
+        .expect("precision table markers");
+    let expected = mpc::explain::precision_table();
+    assert!(table == expected, "README precision table is stale; replace it with:\n{expected}");
+}

@@ -168,6 +168,16 @@ macro_rules! define_ops {
                 }
             }
 
+            /// The op named `op_type` with default attributes (required ones at placeholder values),
+            /// for tables and tests that need one instance of every op.
+            pub fn default_of(op_type: &str) -> Option<Op> {
+                Some(match op_type {
+                    $(stringify!($p) => Op::$p,)*
+                    $(stringify!($t) => Op::$t(<$a>::default()),)*
+                    _ => return None,
+                })
+            }
+
             /// Every op type of the closed set, for docs and tests.
             pub const KNOWN: &'static [&'static str] = &[$(stringify!($p),)* $(stringify!($t),)*];
         }
