@@ -183,6 +183,11 @@ pub fn render(g: &Graph, format: Format, path: &Path) -> Result<(Vec<u8>, Vec<u8
 
 /// Writes `g` to `out` atomically (temporary file + rename): on any error nothing is left behind.
 pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
+    if format == Format::Onnx {
+        let parts =
+            mpc_ir::onnx::encode_onnx_parts(g).map_err(|source| Error::Input { path: out.to_owned(), source })?;
+        return write_atomic_parts(out, parts.iter().map(|p| p.as_ref()));
+    }
     let (main, side) = render(g, format, out)?;
     let side_path = sidecar_path(out);
     if format == Format::Ir && !side.is_empty() {
@@ -196,6 +201,12 @@ pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
 
 /// Writes `data` to a temporary file beside `path`, then renames it into place.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    write_atomic_parts(path, std::iter::once(data))
+}
+
+/// Writes the concatenation of `parts` to a temporary file beside `path`, then renames it.
+pub fn write_atomic_parts<'a>(path: &Path, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
+    use std::io::Write;
     let err = |source| Error::Output { path: path.to_owned(), source };
     if path.is_dir() {
         return Err(err(std::io::Error::other("is a directory")));
@@ -205,7 +216,13 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     tmp_name.push(name);
     tmp_name.push(format!(".tmp{}", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
-    let result = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
+    let result = std::fs::File::create(&tmp).and_then(|mut f| {
+        for p in parts {
+            f.write_all(p)?;
+        }
+        f.flush()
+    });
+    let result = result.and_then(|()| std::fs::rename(&tmp, path));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }

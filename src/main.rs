@@ -1,5 +1,10 @@
 //! The `mpc` command line.
 
+// A graph is millions of small allocations; mimalloc handles them about twice as fast as the
+// system allocator (measured on a 100k-node compile).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -142,11 +147,12 @@ fn run(cli: Cli) -> Result<(), Error> {
             let t0 = Instant::now();
             let mut g = mpc::load(&common.model)?;
             let t1 = Instant::now();
+            let peak_after_load = mpc::peak_rss();
             let mut dump = |pass: &str, g: &mpc_ir::Graph| {
                 let text = text::to_summary(g).unwrap_or_else(|e| format!("(cannot print: {e})\n"));
                 eprint!("# after {pass}\n{text}");
             };
-            mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
+            let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
             let t2 = Instant::now();
             match (output, format) {
                 (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
@@ -169,8 +175,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             if stats {
                 let t3 = Instant::now();
                 let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                let peak =
-                    mpc::peak_rss().map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64));
+                let mib = |b: Option<u64>| {
+                    b.map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64))
+                };
+                let peak = mib(mpc::peak_rss());
+                eprintln!("mpc:   peak memory after loading: {}", mib(peak_after_load));
+                for (pass, run, verify) in cx.timings.borrow().iter() {
+                    let ms = |d: &std::time::Duration| d.as_secs_f64() * 1e3;
+                    eprintln!("mpc:   pass {pass}: {:.1} ms (+ {:.1} ms verifying)", ms(run), ms(verify));
+                }
                 eprintln!(
                     "mpc: load {:.1} ms, passes {:.1} ms, write {:.1} ms, total {:.1} ms, peak memory {peak}",
                     ms(t0, t1),
@@ -179,6 +192,9 @@ fn run(cli: Cli) -> Result<(), Error> {
                     ms(t0, t3)
                 );
             }
+            // The process ends here: handing the memory back to the system is faster than
+            // freeing every node (a large graph has millions of small allocations).
+            std::mem::forget(g);
             Ok(())
         }
         Command::Inspect { common, explain, dot } => {

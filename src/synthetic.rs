@@ -37,7 +37,7 @@ impl Builder {
             strides: vec![stride; 2],
             ..Default::default()
         };
-        let (_, out) = self.g.add_op(name, Op::Conv(attrs), &[Some(x), Some(w)], 1);
+        let (_, out) = self.g.add_op(name, Op::Conv(Box::new(attrs)), &[Some(x), Some(w)], 1);
         out[0]
     }
 
@@ -90,7 +90,7 @@ pub fn resnet18() -> Graph {
     h = b.bn("bn1", h, 64);
     h = b.relu("relu", h);
     let pool = PoolAttrs { kernel_shape: vec![3, 3], pads: vec![1; 4], strides: vec![2, 2], ..Default::default() };
-    h = b.g.add_op("maxpool", Op::MaxPool(pool), &[Some(h)], 1).1[0];
+    h = b.g.add_op("maxpool", Op::MaxPool(Box::new(pool)), &[Some(h)], 1).1[0];
     let mut cin = 64;
     for (stage, cout) in [64u64, 128, 256, 512].into_iter().enumerate() {
         for i in 0..2 {

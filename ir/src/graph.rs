@@ -86,8 +86,8 @@ pub enum Def {
     None,
     /// A graph input.
     Input,
-    /// An initializer: a tensor with data.
-    Init(Tensor),
+    /// An initializer: a tensor with data (boxed: most values are not initializers).
+    Init(Box<Tensor>),
     /// Output `slot` of a node.
     Node(NodeId, usize),
 }
@@ -253,7 +253,7 @@ impl Graph {
     pub fn add_initializer(&mut self, name: &str, tensor: Tensor) -> ValueId {
         let ty = TypeInfo::new(tensor.dtype(), Shape::fixed(tensor.shape()));
         let v = self.new_value(name, ty);
-        self.values[v.index()].def = Def::Init(tensor);
+        self.values[v.index()].def = Def::Init(Box::new(tensor));
         v
     }
 
@@ -264,7 +264,7 @@ impl Graph {
         if !matches!(val.def, Def::None | Def::Init(_)) {
             val.redefined = true;
         }
-        val.def = Def::Init(tensor);
+        val.def = Def::Init(Box::new(tensor));
     }
 
     pub fn value(&self, v: ValueId) -> &Value {

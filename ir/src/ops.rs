@@ -122,13 +122,15 @@ pub struct Opaque {
 }
 
 macro_rules! define_ops {
-    (plain { $($p:ident),* $(,)? } typed { $($t:ident($a:ty)),* $(,)? }) => {
-        /// An operation: one variant per supported op, plus [`Op::Opaque`].
+    (plain { $($p:ident),* $(,)? } typed { $($t:ident($a:ty)),* $(,)? } boxed { $($b:ident($ba:ty)),* $(,)? }) => {
+        /// An operation: one variant per supported op, plus [`Op::Opaque`]. Variants with large
+        /// attribute structs box them, keeping an op (and so a node) small.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
         pub enum Op {
             $($p,)*
             $($t($a),)*
-            Opaque(Opaque),
+            $($b(Box<$ba>),)*
+            Opaque(Box<Opaque>),
         }
 
         impl Op {
@@ -137,6 +139,7 @@ macro_rules! define_ops {
                 match self {
                     $(Op::$p => stringify!($p),)*
                     $(Op::$t(_) => stringify!($t),)*
+                    $(Op::$b(_) => stringify!($b),)*
                     Op::Opaque(o) => &o.op_type,
                 }
             }
@@ -155,6 +158,7 @@ macro_rules! define_ops {
                 Some(match op_type {
                     $(stringify!($p) => crate::attr::no_more_attrs(&attrs).map(|()| Op::$p),)*
                     $(stringify!($t) => <$a>::from_attrs(attrs).map(Op::$t),)*
+                    $(stringify!($b) => <$ba>::from_attrs(attrs).map(|a| Op::$b(Box::new(a))),)*
                     _ => return None,
                 })
             }
@@ -164,6 +168,7 @@ macro_rules! define_ops {
                 match self {
                     $(Op::$p => Vec::new(),)*
                     $(Op::$t(a) => a.to_attrs(),)*
+                    $(Op::$b(a) => a.to_attrs(),)*
                     Op::Opaque(o) => o.attrs.clone(),
                 }
             }
@@ -174,12 +179,13 @@ macro_rules! define_ops {
                 Some(match op_type {
                     $(stringify!($p) => Op::$p,)*
                     $(stringify!($t) => Op::$t(<$a>::default()),)*
+                    $(stringify!($b) => Op::$b(Box::default()),)*
                     _ => return None,
                 })
             }
 
             /// Every op type of the closed set, for docs and tests.
-            pub const KNOWN: &'static [&'static str] = &[$(stringify!($p),)* $(stringify!($t),)*];
+            pub const KNOWN: &'static [&'static str] = &[$(stringify!($p),)* $(stringify!($t),)* $(stringify!($b),)*];
         }
     };
 }
@@ -193,18 +199,20 @@ define_ops! {
     }
     typed {
         Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Gelu(GeluAttrs),
-        HardSigmoid(HardSigmoidAttrs), Gemm(GemmAttrs), Conv(ConvAttrs), ConvTranspose(ConvAttrs),
-        BatchNormalization(BatchNormAttrs), LayerNormalization(LayerNormAttrs),
-        InstanceNormalization(EpsilonAttrs), GroupNormalization(GroupNormAttrs), LRN(LrnAttrs),
-        Softmax(SoftmaxAttrs), LogSoftmax(SoftmaxAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
-        ReduceSum(ReduceAttrs), ReduceMean(ReduceAttrs), ReduceMax(ReduceAttrs),
-        ReduceMin(ReduceAttrs), ReduceSumSquare(ReduceAttrs), ReduceL2(ReduceAttrs),
-        ReduceLogSumExp(ReduceAttrs), CumSum(CumSumAttrs), ArgMax(ArgAttrs), Reshape(ReshapeAttrs),
-        Transpose(TransposeAttrs), Flatten(FlattenAttrs), Concat(ConcatAttrs), Split(SplitAttrs),
-        Gather(AxisAttrs), GatherElements(AxisAttrs), Pad(PadAttrs), Dropout(DropoutAttrs),
-        Cast(CastAttrs), Constant(ConstantAttrs), ConstantOfShape(ConstantOfShapeAttrs),
-        Shape(ShapeAttrs), Einsum(EinsumAttrs), SoftmaxCrossEntropyLoss(LossAttrs),
-        NegativeLogLikelihoodLoss(LossAttrs), Resize(ResizeAttrs),
+        HardSigmoid(HardSigmoidAttrs), Gemm(GemmAttrs), BatchNormalization(BatchNormAttrs),
+        LayerNormalization(LayerNormAttrs), InstanceNormalization(EpsilonAttrs),
+        GroupNormalization(GroupNormAttrs), LRN(LrnAttrs), Softmax(SoftmaxAttrs),
+        LogSoftmax(SoftmaxAttrs), ReduceSum(ReduceAttrs), ReduceMean(ReduceAttrs),
+        ReduceMax(ReduceAttrs), ReduceMin(ReduceAttrs), ReduceSumSquare(ReduceAttrs),
+        ReduceL2(ReduceAttrs), ReduceLogSumExp(ReduceAttrs), CumSum(CumSumAttrs), ArgMax(ArgAttrs),
+        Reshape(ReshapeAttrs), Transpose(TransposeAttrs), Flatten(FlattenAttrs), Concat(ConcatAttrs),
+        Split(SplitAttrs), Gather(AxisAttrs), GatherElements(AxisAttrs), Pad(PadAttrs),
+        Dropout(DropoutAttrs), Cast(CastAttrs), Shape(ShapeAttrs), Einsum(EinsumAttrs),
+        SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
+    }
+    boxed {
+        Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
+        Resize(ResizeAttrs), Constant(ConstantAttrs), ConstantOfShape(ConstantOfShapeAttrs),
     }
 }
 

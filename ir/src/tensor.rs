@@ -92,6 +92,43 @@ impl Tensor {
         Tensor { dtype: to, shape: self.shape.clone(), data: Bytes::from(out) }
     }
 
+    /// An f32 tensor converted to f16 or bf16 (round to nearest even), with what the conversion lost.
+    /// Works in blocks with the hardware conversion where the CPU has one: this is the hot loop of
+    /// converting a model's weights.
+    pub fn narrow(&self, to: DType) -> Option<(Tensor, Narrowing)> {
+        if self.dtype != DType::F32 || !matches!(to, DType::F16 | DType::BF16) {
+            return None;
+        }
+        let n = self.data.len() / 4;
+        let mut out: Vec<u16> = vec![0; n];
+        // Large weights are split across threads (each part is independent).
+        const PER_THREAD: usize = 1 << 20;
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n / PER_THREAD).max(1);
+        let part = n.div_ceil(threads);
+        let reports: Vec<Narrowing> = std::thread::scope(|s| {
+            let jobs: Vec<_> = self
+                .data
+                .chunks(part * 4)
+                .zip(out.chunks_mut(part))
+                .map(|(src, dst)| s.spawn(move || narrow_part(src, dst, to)))
+                .collect();
+            jobs.into_iter().map(|j| j.join().unwrap_or_default()).collect()
+        });
+        let mut report = Narrowing::default();
+        for r in reports {
+            report.overflow = report.overflow.or(r.overflow);
+            report.example_flushed = report.example_flushed.or(r.example_flushed);
+            report.flushed += r.flushed;
+            report.nonzero += r.nonzero;
+        }
+        let data = if cfg!(target_endian = "little") {
+            Bytes::from_owner(U16Bytes(out))
+        } else {
+            Bytes::from(out.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>())
+        };
+        Some((Tensor { dtype: to, shape: self.shape.clone(), data }, report))
+    }
+
     /// Every element as f64, without allocating.
     pub fn values(&self) -> impl Iterator<Item = f64> + '_ {
         self.elements()
@@ -101,6 +138,68 @@ impl Tensor {
         let dtype = self.dtype;
         self.data.chunks_exact(dtype.size()).map(move |c| decode_f64(dtype, c))
     }
+}
+
+/// Converts little-endian f32 bytes in `src` to f16/bf16 bits in `dst`, block by block.
+fn narrow_part(src: &[u8], dst: &mut [u16], to: DType) -> Narrowing {
+    use half::slice::HalfFloatSliceExt;
+    const BLOCK: usize = 4096;
+    let mut report = Narrowing::default();
+    let mut buf = [0f32; BLOCK];
+    let inf = if to == DType::F16 { 0x7c00u16 } else { 0x7f80 };
+    for (block, dst) in src.chunks(BLOCK * 4).zip(dst.chunks_mut(BLOCK)) {
+        let n = dst.len();
+        for (x, c) in buf.iter_mut().zip(block.chunks_exact(4)) {
+            *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+        let src = &buf[..n];
+        // SAFETY: f16 and bf16 are `repr(transparent)` over u16, so the slice may be viewed as either.
+        if to == DType::F16 {
+            let d: &mut [f16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
+            d.convert_from_f32_slice(src);
+        } else {
+            let d: &mut [bf16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
+            d.convert_from_f32_slice(src);
+        }
+        report.nonzero += src.iter().filter(|&&x| x != 0.0).count();
+        // Only blocks that produced a zero or an infinity need a closer look.
+        if dst.iter().any(|&b| b & 0x7fff == 0 || b & 0x7fff == inf) {
+            for (&x, &b) in src.iter().zip(dst.iter()) {
+                let mag = b & 0x7fff;
+                if x != 0.0 && mag == 0 && x.is_finite() {
+                    report.flushed += 1;
+                    report.example_flushed.get_or_insert(x);
+                }
+                if mag == inf && x.is_finite() {
+                    report.overflow.get_or_insert(x);
+                }
+            }
+        }
+    }
+    report
+}
+
+/// A `Vec<u16>` seen as its little-endian bytes, so that converted data becomes a [`Bytes`]
+/// without a copy.
+struct U16Bytes(Vec<u16>);
+
+impl AsRef<[u8]> for U16Bytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: any u16 slice is a valid u8 slice of twice the length (u8 has alignment 1), and
+        // the caller only uses this on little-endian targets, where the byte order is the file's.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 2) }
+    }
+}
+
+/// What converting a tensor to a narrower float type lost.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Narrowing {
+    /// The first finite value that became infinite.
+    pub overflow: Option<f32>,
+    /// Non-zero values that became zero, and one of them.
+    pub flushed: usize,
+    pub example_flushed: Option<f32>,
+    pub nonzero: usize,
 }
 
 fn numel(shape: &[u64]) -> Option<u64> {
@@ -195,6 +294,22 @@ mod tests {
         assert_eq!(t.to_i64_vec(), None);
         let i = Tensor::from_i64(vec![2], &[-1, 7]);
         assert_eq!(i.to_i64_vec(), Some(vec![-1, 7]));
+    }
+
+    #[test]
+    fn narrowing_reports_overflow_and_flushed_values() {
+        let t = Tensor::from_f32(vec![5], &[1.0, -1e9, 1e-12, 0.0, 65504.0]);
+        let (n, r) = t.narrow(DType::F16).unwrap();
+        assert_eq!(n.to_f64_vec()[0], 1.0);
+        assert_eq!(n.to_f64_vec()[4], 65504.0);
+        assert_eq!(r.overflow, Some(-1e9));
+        assert_eq!((r.flushed, r.nonzero), (1, 4));
+        let (_, r) = t.narrow(DType::BF16).unwrap();
+        assert_eq!((r.overflow, r.flushed), (None, 0));
+        // Many blocks: the result equals element-wise conversion.
+        let v: Vec<f32> = (0..10_000).map(|i| (i as f32 - 5000.0) * 0.37).collect();
+        let (n, _) = Tensor::from_f32(vec![10_000], &v).narrow(DType::F16).unwrap();
+        assert_eq!(n, Tensor::from_f32(vec![10_000], &v).to_dtype(DType::F16));
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct Context {
     pub policy: Option<Policy>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
+    /// Wall time of each pass and of the verification after it, for `--stats`.
+    pub timings: RefCell<Vec<(&'static str, std::time::Duration, std::time::Duration)>>,
 }
 
 /// A graph-to-graph transformation or analysis.

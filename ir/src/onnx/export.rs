@@ -7,11 +7,12 @@
 
 use std::collections::HashSet;
 
+use bytes::Bytes;
 use prost::Message;
 
 use super::proto::{self, attribute_type as at, type_proto, AttributeProto, TensorProto, ValueInfoProto};
 use crate::error::{invalid, Result};
-use crate::graph::{Def, Graph, TypeInfo, ValueId};
+use crate::graph::{Def, Graph, NodeId, TypeInfo, ValueId};
 use crate::{Attr, Dim, Op, Tensor};
 
 /// The lowest IR version that may carry `opset`.
@@ -53,67 +54,73 @@ pub fn export_opset(g: &Graph) -> i64 {
 
 /// Encodes the graph as an ONNX model.
 pub fn encode_onnx(g: &Graph) -> Result<Vec<u8>> {
-    let model = to_proto(g)?;
-    let mut buf = Vec::with_capacity(model.encoded_len());
-    model.encode(&mut buf).map_err(|e| invalid(format!("encoding failed: {e}")))?;
-    Ok(buf)
+    Ok(encode_onnx_parts(g)?.concat())
 }
 
-pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
+/// Tensors at least this large are written from their own buffers, not copied into the output.
+const SHARED_TENSOR_BYTES: usize = 1 << 16;
+
+/// Encodes the graph as an ONNX model in parts whose concatenation is the file: small protobuf
+/// framing interleaved with the large tensors' own buffers, so no copy of the weights is made.
+///
+/// Streams: each node's message is built, encoded and dropped in turn (protobuf lets the elements
+/// of a repeated field interleave, so a node's value_info entries follow it); the model's own
+/// fields and the graph's length prefix come first, as a part made last.
+pub fn encode_onnx_parts(g: &Graph) -> Result<Vec<Bytes>> {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, message, string, WireType};
+
     let opset = export_opset(g);
     let names = Names::new(g);
     let order = g.topo_order()?;
+    let mut parts: Vec<Bytes> = Vec::new();
+    let mut buf = Vec::with_capacity(order.len() * 96 + 1024);
 
-    let mut node = Vec::with_capacity(order.len());
-    let mut value_info = Vec::new();
-    for &n in &order {
-        let nd = g.node(n);
-        let mut inputs: Vec<Option<ValueId>> = nd.inputs().to_vec();
-        let mut attrs = nd.op.attrs();
-        if let Op::Opaque(o) = &nd.op {
-            inputs.truncate(o.explicit_inputs);
-        }
-        if nd.op.axes_input_since().is_some_and(|since| opset < since) {
-            if let Some(axes) = nd.input(1) {
-                let t = g.constant(axes).ok_or_else(|| invalid("reduction axes must be constant"))?;
-                attrs.insert(0, ("axes".into(), Attr::Ints(t.to_i64_vec().unwrap_or_default())));
-            }
-            inputs.truncate(1);
-        }
-        while inputs.last() == Some(&None) {
-            inputs.pop();
-        }
-        for &o in nd.outputs() {
-            if !names.get(g, o).is_empty() && !g.is_output(o) && g.ty(o).dtype.is_some() {
-                value_info.push(value_info_proto(&names.get(g, o), g.ty(o)));
-            }
-        }
-        node.push(proto::NodeProto {
-            input: inputs.iter().map(|i| i.map(|v| names.get(g, v)).unwrap_or_default()).collect(),
-            output: nd.outputs().iter().map(|&o| names.get(g, o)).collect(),
-            name: nd.name.clone(),
-            op_type: nd.op.op_type().to_string(),
-            domain: nd.op.domain().to_string(),
-            attribute: attrs.into_iter().map(|(k, a)| attribute(k, a)).collect::<Result<_>>()?,
-            ..Default::default()
-        });
+    if !g.name.is_empty() {
+        string::encode(2, &g.name, &mut buf);
     }
+    for &n in &order {
+        let (node, infos) = node_proto(g, n, opset, &names)?;
+        message::encode(1, &node, &mut buf);
+        for vi in infos {
+            message::encode(13, &vi, &mut buf);
+        }
+    }
+    for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, opset)) {
+        let Some(t) = g.value(v).initializer() else { continue };
+        let mut p = tensor_proto(&names.get(g, v), t);
+        if p.raw_data.len() < SHARED_TENSOR_BYTES {
+            message::encode(5, &p, &mut buf);
+            continue;
+        }
+        // The tensor's fields, then raw_data's key and length here; its bytes as their own part.
+        let raw = std::mem::take(&mut p.raw_data);
+        let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw.len() as u64) + raw.len();
+        encode_key(5, WireType::LengthDelimited, &mut buf);
+        encode_varint(len as u64, &mut buf);
+        p.encode(&mut buf).map_err(|e| invalid(format!("encoding failed: {e}")))?;
+        encode_key(9, WireType::LengthDelimited, &mut buf);
+        encode_varint(raw.len() as u64, &mut buf);
+        parts.push(Bytes::from(std::mem::take(&mut buf)));
+        parts.push(raw);
+    }
+    for &v in g.inputs() {
+        message::encode(11, &value_info_proto(&names.get(g, v), g.ty(v)), &mut buf);
+    }
+    for &v in g.outputs() {
+        message::encode(12, &value_info_proto(&names.get(g, v), g.ty(v)), &mut buf);
+    }
+    parts.push(Bytes::from(buf));
 
-    // Axes written back into attributes leave their initializers unread.
-    let as_attribute = |v: ValueId| {
-        let uses = g.value(v).uses();
-        !uses.is_empty()
-            && !g.is_output(v)
-            && uses.iter().all(|u| u.slot == 1 && g.node(u.node).op.axes_input_since().is_some_and(|s| opset < s))
-    };
-    let initializer = g
-        .initializers()
-        .filter(|&v| !as_attribute(v))
-        .filter_map(|v| g.value(v).initializer().map(|t| tensor_proto(&names.get(g, v), t)))
-        .collect();
-    let input = g.inputs().iter().map(|&v| value_info_proto(&names.get(g, v), g.ty(v))).collect();
-    let output = g.outputs().iter().map(|&v| value_info_proto(&names.get(g, v), g.ty(v))).collect();
+    let graph_len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut prefix = model_head(g, opset).encode_to_vec();
+    encode_key(7, WireType::LengthDelimited, &mut prefix);
+    encode_varint(graph_len as u64, &mut prefix);
+    parts.insert(0, Bytes::from(prefix));
+    Ok(parts)
+}
 
+/// The model's own fields (everything but the graph).
+fn model_head(g: &Graph, opset: i64) -> proto::ModelProto {
     let meta = &g.meta;
     let mut opset_import: Vec<proto::OperatorSetIdProto> = meta
         .opsets
@@ -122,8 +129,7 @@ pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
         .map(|(domain, version)| proto::OperatorSetIdProto { domain: domain.clone(), version: *version })
         .collect();
     opset_import.insert(0, proto::OperatorSetIdProto { domain: String::new(), version: opset });
-
-    Ok(proto::ModelProto {
+    proto::ModelProto {
         ir_version: meta.ir_version.max(ir_version_for(opset)),
         opset_import,
         producer_name: if meta.producer_name.is_empty() { "mpc".into() } else { meta.producer_name.clone() },
@@ -131,22 +137,59 @@ pub fn to_proto(g: &Graph) -> Result<proto::ModelProto> {
         domain: meta.domain.clone(),
         model_version: meta.model_version,
         doc_string: meta.doc_string.clone(),
-        graph: Some(proto::GraphProto {
-            node,
-            name: g.name.clone(),
-            initializer,
-            input,
-            output,
-            value_info,
-            ..Default::default()
-        }),
+        graph: None,
         metadata_props: meta
             .metadata_props
             .iter()
             .map(|(k, v)| proto::StringStringEntryProto { key: k.clone(), value: v.clone() })
             .collect(),
         functions: meta.functions.clone(),
-    })
+    }
+}
+
+/// An initializer that only feeds reduction axes written back as attributes (below opset 18).
+fn axes_as_attribute(g: &Graph, v: ValueId, opset: i64) -> bool {
+    let uses = g.value(v).uses();
+    !uses.is_empty()
+        && !g.is_output(v)
+        && uses.iter().all(|u| u.slot == 1 && g.node(u.node).op.axes_input_since().is_some_and(|s| opset < s))
+}
+
+/// One node in the target opset's form, with the value_info entries of its outputs.
+fn node_proto(g: &Graph, n: NodeId, opset: i64, names: &Names) -> Result<(proto::NodeProto, Vec<ValueInfoProto>)> {
+    let nd = g.node(n);
+    let mut inputs: Vec<Option<ValueId>> = nd.inputs().to_vec();
+    let mut attrs = nd.op.attrs();
+    if let Op::Opaque(o) = &nd.op {
+        inputs.truncate(o.explicit_inputs);
+    }
+    if nd.op.axes_input_since().is_some_and(|since| opset < since) {
+        if let Some(axes) = nd.input(1) {
+            let t = g.constant(axes).ok_or_else(|| invalid("reduction axes must be constant"))?;
+            attrs.insert(0, ("axes".into(), Attr::Ints(t.to_i64_vec().unwrap_or_default())));
+        }
+        inputs.truncate(1);
+    }
+    while inputs.last() == Some(&None) {
+        inputs.pop();
+    }
+    let mut infos = Vec::new();
+    let output: Vec<String> = nd.outputs().iter().map(|&o| names.get(g, o)).collect();
+    for (&o, name) in nd.outputs().iter().zip(&output) {
+        if !name.is_empty() && !g.is_output(o) && g.ty(o).dtype.is_some() {
+            infos.push(value_info_proto(name, g.ty(o)));
+        }
+    }
+    let node = proto::NodeProto {
+        input: inputs.iter().map(|i| i.map(|v| names.get(g, v)).unwrap_or_default()).collect(),
+        output,
+        name: nd.name.clone(),
+        op_type: nd.op.op_type().to_string(),
+        domain: nd.op.domain().to_string(),
+        attribute: attrs.into_iter().map(|(k, a)| attribute(k, a)).collect::<Result<_>>()?,
+        ..Default::default()
+    };
+    Ok((node, infos))
 }
 
 /// Value names for export: the graph's own, with names made up for anonymous values that are read.

@@ -159,7 +159,7 @@ impl Importer<'_> {
         let opaque = |attrs: Attrs, g: &Graph, inputs: &mut Vec<Option<ValueId>>| {
             let explicit_inputs = inputs.len();
             inputs.extend(captures(&attrs, g).into_iter().map(Some));
-            Op::Opaque(Opaque { domain: domain.clone(), op_type: op_type.clone(), attrs, explicit_inputs })
+            Op::Opaque(Box::new(Opaque { domain: domain.clone(), op_type: op_type.clone(), attrs, explicit_inputs }))
         };
         let op = if standard && (Op::KNOWN.contains(&op_type.as_str()) || op_type == "Upsample") {
             let mut cx = legacy::Cx {

@@ -222,10 +222,10 @@ fn upsample(cx: &mut Cx, mut attrs: Attrs, is_upsample: bool) -> Result<Option<O
     let scales = cx.inputs[1];
     *cx.inputs = vec![cx.inputs[0], None, scales];
     let mode = if mode == "bilinear" { "linear".into() } else { mode };
-    Ok(Some(Op::Resize(ResizeAttrs {
+    Ok(Some(Op::Resize(Box::new(ResizeAttrs {
         coordinate_transformation_mode: "asymmetric".into(),
         nearest_mode,
         mode,
         ..Default::default()
-    })))
+    }))))
 }

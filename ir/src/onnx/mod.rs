@@ -5,5 +5,5 @@ mod import;
 mod legacy;
 pub mod proto;
 
-pub use export::{encode_onnx, export_opset, to_proto};
+pub use export::{encode_onnx, encode_onnx_parts, export_opset};
 pub use import::{decode_onnx, read_onnx};

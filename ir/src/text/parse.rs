@@ -395,7 +395,7 @@ impl<'a> Parser<'a> {
         let op = match domain {
             Some(domain) => {
                 let explicit_inputs = explicit.unwrap_or(inputs.len());
-                Op::Opaque(Opaque { domain, op_type, attrs, explicit_inputs })
+                Op::Opaque(Box::new(Opaque { domain, op_type, attrs, explicit_inputs }))
             }
             None => match Op::from_attrs(&op_type, attrs) {
                 Some(r) => r.map_err(|e| format!("{op_type}: {e}"))?,

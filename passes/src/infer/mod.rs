@@ -60,6 +60,36 @@ pub fn infer_types(g: &mut Graph) -> Result<()> {
     Ok(())
 }
 
+/// Checks every typed node's output dtypes against its rule applied to its current input types.
+/// Node by node in topological order this is the same as inferring from scratch, without a copy
+/// of the graph.
+pub fn check_types(g: &Graph, order: &[mpc_ir::NodeId]) -> Result<(), String> {
+    let mut known = known::KnownValues::new(g);
+    for &n in order {
+        if g.node(n).op.is_opaque() {
+            continue;
+        }
+        let cx = rules::NodeCx { g, n, known: &known };
+        let inferred = rules::infer_node(&cx).map_err(|msg| format!("node {}: {msg}", g.node_label(n)))?;
+        for (slot, (&v, ty)) in g.node(n).outputs().iter().zip(inferred).enumerate() {
+            let have = g.ty(v).dtype;
+            if have.is_some() && ty.dtype.is_some() && have != ty.dtype {
+                return Err(format!(
+                    "value `{}` is typed {} but its producer {} gives {}",
+                    g.name(v),
+                    g.ty(v),
+                    g.node_label(n),
+                    ty
+                ));
+            }
+            if let Some(k) = known::propagate(g, n, slot, &known) {
+                known.set(v, k);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The inferred type, with unknown dims filled from what was declared.
 fn merge(declared: &TypeInfo, inferred: TypeInfo) -> TypeInfo {
     let dtype = inferred.dtype.or(declared.dtype);

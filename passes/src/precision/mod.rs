@@ -126,35 +126,33 @@ fn t_values(g: &Graph, n: NodeId) -> (Vec<ValueId>, Vec<ValueId>) {
     (ins, outs)
 }
 
-/// Why the low dtype cannot hold `t`, if it cannot.
-fn unsafe_constant(t: &Tensor, low: DType) -> (Option<String>, usize) {
-    let (mut nonzero, mut flushed, mut example) = (0usize, 0usize, None);
-    for x in t.values() {
-        let y = match low {
-            DType::BF16 => half::bf16::from_f64(x).to_f64(),
-            _ => half::f16::from_f64(x).to_f64(),
-        };
-        if x.is_finite() && y.is_infinite() {
-            return (Some(format!("{x:e} overflows {low}")), 0);
+/// A constant converted to the low dtype, and why it must not be (if so).
+struct Narrowed {
+    tensor: Option<Tensor>,
+    why: Option<String>,
+}
+
+/// Converts `t` to `low` once, judging the result: unsafe when a finite value overflows, or when
+/// more than 1% of the non-zero values flush to zero.
+fn narrow(t: &Tensor, low: DType, name: &str, notes: &mut Vec<String>) -> Narrowed {
+    let Some((converted, r)) = t.narrow(low) else { return Narrowed { tensor: None, why: None } };
+    let why = if let Some(x) = r.overflow {
+        Some(format!("{x:e} overflows {low}"))
+    } else if r.flushed * 100 > r.nonzero {
+        let e = r.example_flushed.unwrap_or_default();
+        Some(format!("{} of {} non-zero values (e.g. {e:e}) become 0 in {low}", r.flushed, r.nonzero))
+    } else {
+        if r.flushed > 0 {
+            notes.push(format!("`{name}`: {} tiny non-zero values become 0 in {low}", r.flushed));
         }
-        if x != 0.0 {
-            nonzero += 1;
-            if y == 0.0 && x.is_finite() {
-                flushed += 1;
-                example.get_or_insert(x);
-            }
-        }
-    }
-    if flushed * 100 > nonzero {
-        let e = example.unwrap_or_default();
-        return (Some(format!("{flushed} of {nonzero} non-zero values (e.g. {e:e}) become 0 in {low}")), flushed);
-    }
-    (None, flushed)
+        None
+    };
+    Narrowed { tensor: Some(converted), why }
 }
 
 fn constant_tensor(g: &Graph, v: ValueId) -> Option<Tensor> {
     match g.value(v).def() {
-        Def::Init(t) => Some(t.clone()),
+        Def::Init(t) => Some(Tensor::clone(t)),
         Def::Node(n, 0) => match &g.node(*n).op {
             Op::Constant(c) => Some(c.value.clone()),
             Op::ConstantOfShape(c) => Some(c.value.clone().unwrap_or_else(|| Tensor::from_f32(vec![1], &[0.0]))),
@@ -177,7 +175,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         forced: vec![None; bound],
     };
     let mut pins_found = BTreeSet::new();
-    let mut checked: HashMap<ValueId, Option<String>> = HashMap::new();
+    let mut checked: HashMap<ValueId, Narrowed> = HashMap::new();
     for &n in &order {
         let Some(class) = policy.class(&g.node(n).op) else { continue };
         let (ins, outs) = t_values(g, n);
@@ -191,19 +189,9 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             continue;
         }
         for v in ins {
-            let why = checked.entry(v).or_insert_with(|| {
-                let t = constant_tensor(g, v)?;
-                let (why, flushed) = unsafe_constant(&t, policy.low);
-                if why.is_none() && flushed > 0 {
-                    report.notes.push(format!(
-                        "`{}`: {flushed} tiny non-zero values become 0 in {}",
-                        g.name(v),
-                        policy.low
-                    ));
-                }
-                why
-            });
-            if let Some(why) = why {
+            let Some(t) = constant_tensor(g, v) else { continue };
+            let nw = checked.entry(v).or_insert_with(|| narrow(&t, policy.low, g.name(v), &mut report.notes));
+            if let Some(why) = &nw.why {
                 cg.forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
             }
         }
@@ -283,28 +271,28 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         }
     }
     // Constants every reader wants low are stored low.
-    let mut by_value: HashMap<ValueId, Vec<DType>> = HashMap::new();
+    // Per value: read by anyone (bit 0), read by someone who wants it high (bit 1).
+    let mut readers = vec![0u8; original.len()];
     for &(_, _, v, want) in &wants {
-        by_value.entry(v).or_default().push(want);
+        readers[v.index()] |= if want == low { 1 } else { 3 };
     }
-    let mut constants: Vec<ValueId> = by_value
-        .iter()
-        .filter(|(v, ws)| ws.iter().all(|&w| w == low) && !g.is_output(**v) && original[v.index()] == Some(DType::F32))
-        .map(|(v, _)| *v)
+    let constants: Vec<ValueId> = g
+        .value_ids()
+        .filter(|v| readers[v.index()] == 1 && !g.is_output(*v) && original[v.index()] == Some(DType::F32))
         .collect();
-    constants.sort();
     for v in constants {
         let Some(t) = constant_tensor(g, v) else { continue };
-        if checked.get(&v).is_some_and(|why| why.is_some()) || unsafe_constant(&t, low).0.is_some() {
-            continue;
-        }
-        let converted = t.to_dtype(low);
+        let nw = match checked.remove(&v) {
+            Some(nw) => nw,
+            None => narrow(&t, low, g.name(v), &mut report.notes),
+        };
+        let (Some(converted), None) = (nw.tensor, nw.why) else { continue };
         match g.value(v).def().clone() {
             Def::Init(_) => g.set_initializer(v, converted),
             Def::Node(p, _) => {
                 *g.node_op_mut(p) = match g.node(p).op.clone() {
-                    Op::Constant(_) => Op::Constant(ConstantAttrs { value: converted }),
-                    _ => Op::ConstantOfShape(ConstantOfShapeAttrs { value: Some(converted) }),
+                    Op::Constant(_) => Op::Constant(Box::new(ConstantAttrs { value: converted })),
+                    _ => Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(converted) })),
                 };
                 set_dtype(g, v, low);
             }
