@@ -30,8 +30,8 @@ fn main() {
         assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
         let stats = String::from_utf8_lossy(&r.stderr).to_string();
         let peak: f64 = stats
-            .split("peak memory ")
-            .nth(1)
+            .rsplit("peak memory ")
+            .next()
             .and_then(|s| s.split_whitespace().next())
             .and_then(|s| s.parse().ok())
             .expect("peak memory in --stats");

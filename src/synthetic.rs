@@ -131,3 +131,18 @@ pub fn chain(n: usize) -> Graph {
     g.add_output(h);
     g
 }
+
+/// One input read by `n` MatMuls whose results meet in a single Sum: the shape that makes a pass
+/// quadratic if it rewires the readers of a widely read value one at a time.
+pub fn fan_out(n: usize) -> Graph {
+    let mut g = Graph::new(format!("fanout{n}"));
+    g.meta.opsets = vec![(String::new(), 17)];
+    g.meta.ir_version = 8;
+    let x = g.add_input("x", TypeInfo::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::Fixed(8)])));
+    let w = g.add_initializer("w", Tensor::from_f32(vec![8, 8], &[0.01; 64]));
+    let outs: Vec<Option<ValueId>> =
+        (0..n).map(|i| Some(g.add_op(&format!("mm{i}"), Op::MatMul, &[Some(x), Some(w)], 1).1[0])).collect();
+    let (_, sum) = g.add_op("sum", Op::Sum, &outs, 1);
+    g.add_output(sum[0]);
+    g
+}

@@ -28,11 +28,7 @@ impl Pass for Dce {
         }
         let dead: Vec<_> = g.node_ids().filter(|n| !live_nodes[n.index()]).collect();
         let mut changed = !dead.is_empty();
-        // Consumers first, so that no removed node's output is still read.
-        let order = g.topo_order()?;
-        for n in order.into_iter().rev().filter(|n| !live_nodes[n.index()]) {
-            g.remove_node(n);
-        }
+        g.remove_nodes(&dead);
         let unused: Vec<_> = g.initializers().filter(|&v| g.value(v).uses().is_empty() && !g.is_output(v)).collect();
         changed |= !unused.is_empty();
         for v in unused {

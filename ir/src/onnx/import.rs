@@ -109,7 +109,6 @@ impl Importer<'_> {
             outs.push(vs);
         }
 
-        let mut forward = false;
         for (n, outputs) in graph.node.into_iter().zip(outs) {
             let node_label = label(&n);
             let mut inputs = Vec::with_capacity(n.input.len());
@@ -122,16 +121,12 @@ impl Importer<'_> {
                     .g
                     .find(i)
                     .ok_or_else(|| crate::GraphError::Undefined { node: node_label.clone(), value: i.clone() })?;
-                forward |= matches!(self.g.value(v).def(), crate::Def::None);
                 inputs.push(Some(v));
             }
             let attrs = n.attribute.into_iter().map(attr).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
                 .map_err(|e| invalid(format!("node {node_label}: {e}")))?;
-        }
-        if forward {
-            self.g.relink();
         }
         for vi in &graph.output {
             let v = self.g.find(&vi.name).ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;

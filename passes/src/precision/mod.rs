@@ -300,13 +300,17 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         }
         report.converted.push(g.name(v).to_string());
     }
-    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::new();
+    // Readers to redirect, grouped by (value, dtype) so that each value's use list is rewritten once.
+    let mut moves: BTreeMap<(ValueId, DType), Vec<mpc_ir::Use>> = BTreeMap::new();
     for (n, s, v, want) in wants {
-        if g.ty(v).dtype == Some(want) {
-            continue;
+        if g.ty(v).dtype != Some(want) {
+            moves.entry((v, want)).or_default().push(mpc_ir::Use { node: n, slot: s });
         }
+    }
+    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::new();
+    for ((v, want), uses) in moves {
         let c = cast(g, &mut casts, v, want);
-        g.set_input(n, s, Some(c));
+        g.move_uses(v, c, &uses);
     }
     // Interfaces (graph outputs, values that subgraphs read by name) keep their dtypes and
     // their names: the rewritten value takes a suffix and a cast back takes the name.
