@@ -79,16 +79,32 @@ pub fn load(path: &Path) -> Result<Graph> {
     if path.is_dir() {
         return Err(err(IrError::Invalid("is a directory, not a model".into())));
     }
-    let bytes = std::fs::read(path).map_err(|e| err(e.into()))?;
+    let bytes = read_shared(path).map_err(|e| err(e.into()))?;
     let is_text = Format::from_path(path) == Some(Format::Ir) || bytes.starts_with(b"mpcir");
     if is_text {
         let text =
-            String::from_utf8(bytes).map_err(|_| err(IrError::Parse { line: 0, msg: "not UTF-8 text".into() }))?;
+            std::str::from_utf8(&bytes).map_err(|_| err(IrError::Parse { line: 0, msg: "not UTF-8 text".into() }))?;
         let side = std::fs::read(sidecar_path(path)).ok();
-        text::parse(&text, side.as_deref()).map_err(err)
+        text::parse(text, side.as_deref()).map_err(err)
     } else {
-        mpc_ir::onnx::decode_onnx(bytes.into(), path.parent()).map_err(err)
+        mpc_ir::onnx::decode_onnx(bytes, path.parent()).map_err(err)
     }
+}
+
+/// A file's contents as shared bytes. Large files are mapped rather than read: their pages are the
+/// file cache's own, so the weights are neither copied nor backed by fresh memory (on a ResNet-18,
+/// zeroing fresh pages for a read buffer was most of the time of a whole compile).
+fn read_shared(path: &Path) -> std::io::Result<bytes::Bytes> {
+    let file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    if len < 1 << 20 {
+        return std::fs::read(path).map(bytes::Bytes::from);
+    }
+    // SAFETY: the map is read-only and lives as long as the tensors that share it. Changing or
+    // truncating the model file while mpc runs would change what it reads (or fault), as with any
+    // tool that maps its inputs.
+    let map = unsafe { memmap2::Mmap::map(&file)? };
+    Ok(bytes::Bytes::from_owner(map))
 }
 
 /// Compilation options.

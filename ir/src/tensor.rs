@@ -161,9 +161,14 @@ fn narrow_part(src: &[u8], dst: &mut [u16], to: DType) -> Narrowing {
             let d: &mut [bf16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
             d.convert_from_f32_slice(src);
         }
-        report.nonzero += src.iter().filter(|&&x| x != 0.0).count();
-        // Only blocks that produced a zero or an infinity need a closer look.
-        if dst.iter().any(|&b| b & 0x7fff == 0 || b & 0x7fff == inf) {
+        // Counts vectorise; the element-wise look happens only in a block where conversion made a
+        // zero or an infinity that the input did not have.
+        let zeros_in = src.iter().filter(|&&x| x == 0.0).count();
+        let infs_in = src.iter().filter(|&&x| x.is_infinite()).count();
+        let zeros_out = dst.iter().filter(|&&b| b & 0x7fff == 0).count();
+        let infs_out = dst.iter().filter(|&&b| b & 0x7fff == inf).count();
+        report.nonzero += n - zeros_in;
+        if zeros_out != zeros_in || infs_out != infs_in {
             for (&x, &b) in src.iter().zip(dst.iter()) {
                 let mag = b & 0x7fff;
                 if x != 0.0 && mag == 0 && x.is_finite() {
