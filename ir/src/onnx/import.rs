@@ -188,6 +188,12 @@ fn label(n: &proto::NodeProto) -> String {
     }
 }
 
+/// Decodes a serialized `TensorProto` (the `.pb` files of ONNX's test data).
+pub fn decode_tensor(data: Bytes) -> Result<Tensor> {
+    let t = TensorProto::decode(data).map_err(|e| IrError::Decode(e.to_string()))?;
+    tensor_from_proto(t, None).map_err(invalid)
+}
+
 /// A tensor from its proto: raw data (shared, not copied), typed fields, or an external file.
 pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Tensor, String> {
     let dtype = DType::from_onnx_code(t.data_type)?;

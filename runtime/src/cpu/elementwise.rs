@@ -1,0 +1,382 @@
+//! Element-wise ops with numpy broadcasting. Floats compute in f32 (f32, f16, bf16: rounded on
+//! store) or f64; integer arithmetic in i64, stored back in the input's dtype.
+
+use mpc_ir::Op;
+
+use crate::value::{Data, HostTensor};
+
+/// The arithmetic the float kernels need, for f32 and f64.
+pub trait Real:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+{
+    fn of(x: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn abs(self) -> Self;
+    fn is_nan(self) -> bool;
+    fn ln_1p(self) -> Self;
+    /// Remainder with the dividend's sign (C fmod).
+    fn fmod(self, b: Self) -> Self;
+}
+
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
+            }
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+            fn ln_1p(self) -> Self {
+                <$t>::ln_1p(self)
+            }
+            fn fmod(self, b: Self) -> Self {
+                self % b
+            }
+        }
+    };
+}
+real!(f32, libm::erff);
+real!(f64, libm::erf);
+
+fn max<R: Real>(a: R, b: R) -> R {
+    if a.is_nan() || b.is_nan() {
+        R::of(f64::NAN)
+    } else if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+fn min<R: Real>(a: R, b: R) -> R {
+    if a.is_nan() || b.is_nan() {
+        R::of(f64::NAN)
+    } else if a < b {
+        a
+    } else {
+        b
+    }
+}
+
+/// One unary op, written once for f32 and f64.
+pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
+    let zero = R::of(0.0);
+    let one = R::of(1.0);
+    Some(match op {
+        Op::Sqrt => x.sqrt(),
+        Op::Exp => x.exp(),
+        Op::Log => x.ln(),
+        Op::Neg => -x,
+        Op::Abs => x.abs(),
+        Op::Reciprocal => one / x,
+        Op::Erf => x.erf(),
+        Op::Tanh => x.tanh(),
+        Op::Sigmoid => {
+            // Stable for large |x|.
+            if x >= zero {
+                one / (one + (-x).exp())
+            } else {
+                let e = x.exp();
+                e / (one + e)
+            }
+        }
+        Op::Relu => max(x, zero),
+        Op::LeakyRelu(a) => {
+            if x < zero {
+                R::of(a.alpha as f64) * x
+            } else {
+                x
+            }
+        }
+        Op::Elu(a) => {
+            if x < zero {
+                R::of(a.alpha as f64) * (x.exp() - one)
+            } else {
+                x
+            }
+        }
+        Op::Gelu(a) if a.approximate == "tanh" => {
+            let c = R::of((2.0 / std::f64::consts::PI).sqrt());
+            R::of(0.5) * x * (one + (c * (x + R::of(0.044715) * x * x * x)).tanh())
+        }
+        Op::Gelu(_) => R::of(0.5) * x * (one + (x / R::of(std::f64::consts::SQRT_2)).erf()),
+        Op::HardSigmoid(a) => max(zero, min(one, R::of(a.alpha as f64) * x + R::of(a.beta as f64))),
+        Op::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
+        Op::Softplus => {
+            // log(1 + e^x) without overflow.
+            if x > zero {
+                x + (-x).exp().ln_1p()
+            } else {
+                x.exp().ln_1p()
+            }
+        }
+        Op::Identity | Op::Dropout(_) => x,
+        _ => return None,
+    })
+}
+
+/// Applies a float unary op, computing in f32 (or f64) and storing in the input's dtype.
+pub(crate) fn unary(op: &Op, x: &HostTensor) -> Option<HostTensor> {
+    match &x.data {
+        Data::F64(v) => {
+            let out: Option<Vec<f64>> = v.iter().map(|&a| unary_fn(op, a)).collect();
+            Some(HostTensor { shape: x.shape.clone(), data: Data::F64(out?) })
+        }
+        _ => {
+            let v = x.f32s()?;
+            let out: Option<Vec<f32>> = v.into_iter().map(|a| unary_fn(op, a)).collect();
+            Some(HostTensor::from_f32(x.dtype(), x.shape.clone(), out?))
+        }
+    }
+}
+
+/// Integer unary ops (Neg, Abs, Relu and the pass-throughs).
+pub(crate) fn unary_int(op: &Op, x: &HostTensor) -> Option<HostTensor> {
+    let v = x.i64s()?;
+    let out: Vec<i64> = match op {
+        Op::Neg => v.iter().map(|&a| a.wrapping_neg()).collect(),
+        Op::Abs => v.iter().map(|&a| a.wrapping_abs()).collect(),
+        Op::Relu => v.iter().map(|&a| a.max(0)).collect(),
+        Op::Identity | Op::Dropout(_) => v,
+        _ => return None,
+    };
+    Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
+}
+
+/// The broadcast shape of several shapes; `None` if they do not broadcast.
+pub(crate) fn broadcast_shape(shapes: &[&[usize]]) -> Option<Vec<usize>> {
+    let rank = shapes.iter().map(|s| s.len()).max().unwrap_or(0);
+    let mut out = vec![1usize; rank];
+    for s in shapes {
+        for (i, &d) in s.iter().enumerate() {
+            let o = &mut out[rank - s.len() + i];
+            if *o == 1 {
+                *o = d;
+            } else if d != 1 && d != *o {
+                return None;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// For every output position, the flat index into an input of shape `shape` broadcast to `out`.
+pub(crate) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let n: usize = out.iter().product();
+    if shape == out {
+        return (0..n).collect();
+    }
+    let rank = out.len();
+    let mut strides = vec![0usize; rank];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        let o = rank - shape.len() + i;
+        strides[o] = if shape[i] == 1 { 0 } else { acc };
+        acc *= shape[i];
+    }
+    let mut idx = Vec::with_capacity(n);
+    let mut counter = vec![0usize; rank];
+    let mut pos = 0usize;
+    for _ in 0..n {
+        idx.push(pos);
+        for d in (0..rank).rev() {
+            counter[d] += 1;
+            pos += strides[d];
+            if counter[d] < out[d] {
+                break;
+            }
+            pos -= strides[d] * counter[d];
+            counter[d] = 0;
+        }
+    }
+    idx
+}
+
+fn float_bin<R: Real>(op: &Op, a: R, b: R) -> Option<R> {
+    Some(match op {
+        Op::Add | Op::Sum => a + b,
+        Op::Sub => a - b,
+        Op::Mul => a * b,
+        Op::Div => a / b,
+        Op::Pow => a.powf(b),
+        Op::Max => max(a, b),
+        Op::Min => min(a, b),
+        Op::PRelu => {
+            if a < R::of(0.0) {
+                a * b
+            } else {
+                a
+            }
+        }
+        Op::Mod(m) if m.fmod != 0 => a.fmod(b),
+        // numpy's mod: the remainder takes the divisor's sign (also right for infinite divisors).
+        Op::Mod(_) => {
+            let r = a.fmod(b);
+            if r != R::of(0.0) && (r < R::of(0.0)) != (b < R::of(0.0)) {
+                r + b
+            } else {
+                r
+            }
+        }
+        _ => return None,
+    })
+}
+
+fn int_bin(op: &Op, a: i64, b: i64) -> Option<i64> {
+    Some(match op {
+        Op::Add | Op::Sum => a.wrapping_add(b),
+        Op::Sub => a.wrapping_sub(b),
+        Op::Mul => a.wrapping_mul(b),
+        Op::Div => {
+            if b == 0 {
+                0
+            } else {
+                a.wrapping_div(b)
+            }
+        }
+        Op::Max => a.max(b),
+        Op::Min => a.min(b),
+        Op::Pow => (a as f64).powf(b as f64) as i64,
+        Op::Mod(m) if b != 0 && m.fmod != 0 => a.wrapping_rem(b),
+        Op::Mod(_) if b != 0 => {
+            let r = a.wrapping_rem(b);
+            if r != 0 && (r < 0) != (b < 0) {
+                r + b
+            } else {
+                r
+            }
+        }
+        Op::Mod(_) => 0,
+        _ => return None,
+    })
+}
+
+/// A binary arithmetic op with broadcasting; the output has `a`'s dtype.
+pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
+    let shape = broadcast_shape(&[&a.shape, &b.shape])?;
+    let (ia, ib) = (broadcast_index(&a.shape, &shape), broadcast_index(&b.shape, &shape));
+    match (&a.data, a.dtype()) {
+        (Data::F64(_), _) => {
+            let (x, y) = (a.f64s(), b.f64s());
+            let out: Option<Vec<f64>> = ia.iter().zip(&ib).map(|(&i, &j)| float_bin(op, x[i], y[j])).collect();
+            Some(HostTensor { shape, data: Data::F64(out?) })
+        }
+        (_, d) if d.is_float() => {
+            let x = a.f32s()?;
+            // Pow's exponent may be of another type; read it through f64.
+            let y: Vec<f32> = b.f32s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as f32).collect());
+            let out: Option<Vec<f32>> = ia.iter().zip(&ib).map(|(&i, &j)| float_bin(op, x[i], y[j])).collect();
+            Some(HostTensor::from_f32(d, shape, out?))
+        }
+        (_, d) => {
+            let (x, y) = (a.i64s()?, b.i64s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as i64).collect()));
+            let out: Option<Vec<i64>> = ia.iter().zip(&ib).map(|(&i, &j)| int_bin(op, x[i], y[j])).collect();
+            Some(HostTensor::from_i64(d, shape, out?))
+        }
+    }
+}
+
+/// Equal, Less, Greater, And, Or: bool output.
+pub(crate) fn compare(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
+    let shape = broadcast_shape(&[&a.shape, &b.shape])?;
+    let (ia, ib) = (broadcast_index(&a.shape, &shape), broadcast_index(&b.shape, &shape));
+    let out: Vec<bool> = match (a.i64s(), b.i64s()) {
+        (Some(x), Some(y)) if !a.dtype().is_float() => ia
+            .iter()
+            .zip(&ib)
+            .map(|(&i, &j)| match op {
+                Op::Equal => x[i] == y[j],
+                Op::Less => x[i] < y[j],
+                Op::Greater => x[i] > y[j],
+                Op::And => x[i] != 0 && y[j] != 0,
+                Op::Or => x[i] != 0 || y[j] != 0,
+                _ => false,
+            })
+            .collect(),
+        _ => {
+            let (x, y) = (a.f64s(), b.f64s());
+            ia.iter()
+                .zip(&ib)
+                .map(|(&i, &j)| match op {
+                    Op::Equal => x[i] == y[j],
+                    Op::Less => x[i] < y[j],
+                    Op::Greater => x[i] > y[j],
+                    _ => false,
+                })
+                .collect()
+        }
+    };
+    Some(HostTensor { shape, data: Data::Bool(out) })
+}
+
+/// Where(cond, x, y).
+pub(crate) fn where_(c: &HostTensor, x: &HostTensor, y: &HostTensor) -> Option<HostTensor> {
+    let shape = broadcast_shape(&[&c.shape, &x.shape, &y.shape])?;
+    let cond = c.i64s()?;
+    let (ic, ix, iy) =
+        (broadcast_index(&c.shape, &shape), broadcast_index(&x.shape, &shape), broadcast_index(&y.shape, &shape));
+    // Pick from x or y by building a joint index into [x ++ y].
+    let joined = crate::value::gather_runs(&[x, y], vec![x.len() + y.len()], &[(0, 0, x.len()), (1, 0, y.len())]);
+    let idx: Vec<usize> = (0..ic.len()).map(|k| if cond[ic[k]] != 0 { ix[k] } else { x.len() + iy[k] }).collect();
+    Some(joined.pick(shape, &idx))
+}
+
+/// Clip(x, min, max), either bound optional.
+pub(crate) fn clip(x: &HostTensor, lo: Option<&HostTensor>, hi: Option<&HostTensor>) -> Option<HostTensor> {
+    let bound = |t: Option<&HostTensor>| t.map(|t| t.f64s()[0]);
+    let (lo, hi) = (bound(lo), bound(hi));
+    if x.dtype().is_float() {
+        let v = x.f64s();
+        let out: Vec<f64> =
+            v.into_iter().map(|a| a.max(lo.unwrap_or(f64::NEG_INFINITY)).min(hi.unwrap_or(f64::INFINITY))).collect();
+        Some(HostTensor::from_f64(x.dtype(), x.shape.clone(), out))
+    } else {
+        let v = x.i64s()?;
+        let out = v
+            .into_iter()
+            .map(|a| a.max(lo.map_or(i64::MIN, |l| l as i64)).min(hi.map_or(i64::MAX, |h| h as i64)))
+            .collect();
+        Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
+    }
+}
+
+/// Not (bool).
+pub(crate) fn not(x: &HostTensor) -> Option<HostTensor> {
+    match &x.data {
+        Data::Bool(v) => Some(HostTensor { shape: x.shape.clone(), data: Data::Bool(v.iter().map(|b| !b).collect()) }),
+        _ => None,
+    }
+}

@@ -1,0 +1,309 @@
+//! Matrix products through matrixmultiply (f32 accumulation for f32/f16/bf16, f64 for f64;
+//! multi-threaded), integer products in i64.
+
+use super::{err, Res};
+use crate::value::{Data, HostTensor};
+
+/// C[m×n] = A[m×k] · B[k×n] with arbitrary strides, accumulated into `c` (row-major, beta 0).
+#[allow(clippy::too_many_arguments)]
+fn gemm_f32(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    rsa: isize,
+    csa: isize,
+    b: &[f32],
+    rsb: isize,
+    csb: isize,
+    c: &mut [f32],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the strides and dimensions describe matrices inside `a`, `b` and `c`, which the
+    // callers size as m×k, k×n and m×n.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_f64(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f64],
+    rsa: isize,
+    csa: isize,
+    b: &[f64],
+    rsb: isize,
+    csb: isize,
+    c: &mut [f64],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: as in `gemm_f32`.
+    unsafe {
+        matrixmultiply::dgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+/// Float or integer matrix data, widened to the compute type.
+enum Mat {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+}
+
+fn widen(t: &HostTensor) -> Mat {
+    match &t.data {
+        Data::F64(v) => Mat::F64(v.clone()),
+        _ => match t.f32s() {
+            Some(v) => Mat::F32(v),
+            None => Mat::I64(t.i64s().unwrap_or_default()),
+        },
+    }
+}
+
+/// The shape of one product: m×k · k×n, either operand possibly transposed.
+#[derive(Clone, Copy)]
+struct Dims {
+    m: usize,
+    k: usize,
+    n: usize,
+    ta: bool,
+    tb: bool,
+}
+
+/// Batched products: pairs of (offset into a, offset into b), each m×k · k×n.
+fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat {
+    let Dims { m, k, n, ta, tb } = d;
+    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    match (a, b) {
+        (Mat::F32(a), Mat::F32(b)) => {
+            let mut c = vec![0f32; pairs.len() * m * n];
+            for (i, &(oa, ob)) in pairs.iter().enumerate() {
+                gemm_f32(m, k, n, &a[oa..], rsa, csa, &b[ob..], rsb, csb, &mut c[i * m * n..(i + 1) * m * n]);
+            }
+            Mat::F32(c)
+        }
+        (Mat::F64(a), Mat::F64(b)) => {
+            let mut c = vec![0f64; pairs.len() * m * n];
+            for (i, &(oa, ob)) in pairs.iter().enumerate() {
+                gemm_f64(m, k, n, &a[oa..], rsa, csa, &b[ob..], rsb, csb, &mut c[i * m * n..(i + 1) * m * n]);
+            }
+            Mat::F64(c)
+        }
+        (a, b) => {
+            let geti = |m: &Mat, i: usize| match m {
+                Mat::I64(v) => v[i],
+                Mat::F32(v) => v[i] as i64,
+                Mat::F64(v) => v[i] as i64,
+            };
+            let mut c = vec![0i64; pairs.len() * m * n];
+            for (p, &(oa, ob)) in pairs.iter().enumerate() {
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut s = 0i64;
+                        for l in 0..k {
+                            let ai = oa + (i as isize * rsa + l as isize * csa) as usize;
+                            let bi = ob + (l as isize * rsb + j as isize * csb) as usize;
+                            s = s.wrapping_add(geti(a, ai).wrapping_mul(geti(b, bi)));
+                        }
+                        c[p * m * n + i * n + j] = s;
+                    }
+                }
+            }
+            Mat::I64(c)
+        }
+    }
+}
+
+fn store(m: Mat, like: &HostTensor, shape: Vec<usize>) -> HostTensor {
+    match m {
+        Mat::F32(v) => HostTensor::from_f32(like.dtype(), shape, v),
+        Mat::F64(v) => HostTensor { shape, data: Data::F64(v) },
+        Mat::I64(v) => HostTensor::from_i64(like.dtype(), shape, v),
+    }
+}
+
+/// numpy matmul: 1-D operands are promoted and the added dim removed; batch dims broadcast.
+pub(crate) fn matmul(a: &HostTensor, b: &HostTensor) -> Res<HostTensor> {
+    let a_shape = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.clone() };
+    let b_shape = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.clone() };
+    let (ar, br) = (a_shape.len(), b_shape.len());
+    let (m, k, k2, n) = (a_shape[ar - 2], a_shape[ar - 1], b_shape[br - 2], b_shape[br - 1]);
+    if k != k2 {
+        return Err(err(format!("MatMul inner dimensions differ: {:?} and {:?}", a.shape, b.shape)));
+    }
+    let batch = super::elementwise::broadcast_shape(&[&a_shape[..ar - 2], &b_shape[..br - 2]])
+        .ok_or_else(|| err(format!("MatMul batch dims do not broadcast: {:?} and {:?}", a.shape, b.shape)))?;
+    let ia = super::elementwise::broadcast_index(&a_shape[..ar - 2], &batch);
+    let ib = super::elementwise::broadcast_index(&b_shape[..br - 2], &batch);
+    let pairs: Vec<(usize, usize)> = ia.iter().zip(&ib).map(|(&i, &j)| (i * m * k, j * k * n)).collect();
+    let c = products(&widen(a), &widen(b), &pairs, Dims { m, k, n, ta: false, tb: false });
+    let mut shape = batch;
+    if a.shape.len() > 1 {
+        shape.push(m);
+    }
+    if b.shape.len() > 1 {
+        shape.push(n);
+    }
+    Ok(store(c, a, shape))
+}
+
+/// Gemm: alpha · op(A) · op(B) + beta · C, with C broadcast to [M, N].
+pub(crate) fn gemm(
+    a: &HostTensor,
+    b: &HostTensor,
+    c: Option<&HostTensor>,
+    alpha: f32,
+    beta: f32,
+    ta: bool,
+    tb: bool,
+) -> Res<HostTensor> {
+    if a.shape.len() != 2 || b.shape.len() != 2 {
+        return Err(err("Gemm needs 2-D inputs"));
+    }
+    let (m, k) = if ta { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
+    let (k2, n) = if tb { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+    if k != k2 {
+        return Err(err(format!("Gemm inner dimensions differ: {k} and {k2}")));
+    }
+    let prod = products(&widen(a), &widen(b), &[(0, 0)], Dims { m, k, n, ta, tb });
+    let bias = c.map(|c| {
+        let idx = super::elementwise::broadcast_index(&c.shape, &[m, n]);
+        let v = c.f64s();
+        idx.into_iter().map(|i| v[i]).collect::<Vec<f64>>()
+    });
+    let out = match prod {
+        Mat::F32(v) => Mat::F32(
+            v.into_iter()
+                .enumerate()
+                .map(|(i, x)| alpha * x + bias.as_ref().map_or(0.0, |b| beta * b[i] as f32))
+                .collect(),
+        ),
+        Mat::F64(v) => Mat::F64(
+            v.into_iter()
+                .enumerate()
+                .map(|(i, x)| alpha as f64 * x + bias.as_ref().map_or(0.0, |b| beta as f64 * b[i]))
+                .collect(),
+        ),
+        Mat::I64(v) => Mat::I64(
+            v.into_iter()
+                .enumerate()
+                .map(|(i, x)| (alpha as i64) * x + bias.as_ref().map_or(0, |b| (beta as f64 * b[i]) as i64))
+                .collect(),
+        ),
+    };
+    Ok(store(out, a, vec![m, n]))
+}
+
+/// Conv as im2col + GEMM per image and group, accumulating in f32 (f64 for f64 inputs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv(
+    x: &HostTensor,
+    w: &HostTensor,
+    bias: Option<&HostTensor>,
+    pads: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    group: usize,
+    out_spatial: &[usize],
+) -> Res<HostTensor> {
+    let sp = x.shape.len() - 2;
+    let (nb, cin) = (x.shape[0], x.shape[1]);
+    let cout = w.shape[0];
+    let cg = cin / group;
+    let og = cout / group;
+    let kernel: Vec<usize> = w.shape[2..].to_vec();
+    let kvol: usize = kernel.iter().product();
+    let ovol: usize = out_spatial.iter().product();
+    let in_spatial = &x.shape[2..];
+    let ivol: usize = in_spatial.iter().product();
+    let (Some(xv), Some(wv)) = (x.f32s(), w.f32s()) else {
+        return Err(err(format!("Conv on {} is not supported (f32, f16, bf16)", x.dtype())));
+    };
+    // Precompute, for every (kernel position, output position), the input offset or none (padding).
+    let mut src: Vec<Option<usize>> = Vec::with_capacity(kvol * ovol);
+    let kst = super::shape::strides(&kernel);
+    let ost = super::shape::strides(out_spatial);
+    let ist = super::shape::strides(in_spatial);
+    for kp in 0..kvol {
+        for op in 0..ovol {
+            let mut off = 0usize;
+            let mut inside = true;
+            for d in 0..sp {
+                let kc = (kp / kst[d]) % kernel[d];
+                let oc = (op / ost[d]) % out_spatial[d];
+                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
+                if ic < 0 || ic >= in_spatial[d] as i64 {
+                    inside = false;
+                    break;
+                }
+                off += ic as usize * ist[d];
+            }
+            src.push(inside.then_some(off));
+        }
+    }
+    let bias_v = bias.map(|b| b.f64s());
+    let mut out = vec![0f32; nb * cout * ovol];
+    let mut cols = vec![0f32; cg * kvol * ovol];
+    for b in 0..nb {
+        for g in 0..group {
+            for c in 0..cg {
+                let base = (b * cin + g * cg + c) * ivol;
+                for kp in 0..kvol {
+                    let row = &mut cols[(c * kvol + kp) * ovol..(c * kvol + kp + 1) * ovol];
+                    for (op, slot) in row.iter_mut().enumerate() {
+                        *slot = src[kp * ovol + op].map_or(0.0, |o| xv[base + o]);
+                    }
+                }
+            }
+            let wg = &wv[g * og * cg * kvol..(g + 1) * og * cg * kvol];
+            let dst = &mut out[(b * cout + g * og) * ovol..(b * cout + (g + 1) * og) * ovol];
+            gemm_f32(og, cg * kvol, ovol, wg, (cg * kvol) as isize, 1, &cols, ovol as isize, 1, dst);
+        }
+    }
+    if let Some(bv) = bias_v {
+        for (i, v) in out.iter_mut().enumerate() {
+            *v += bv[(i / ovol) % cout] as f32;
+        }
+    }
+    let mut shape = vec![nb, cout];
+    shape.extend(out_spatial);
+    Ok(HostTensor::from_f32(x.dtype(), shape, out))
+}

@@ -1,0 +1,368 @@
+//! The CPU reference backend: every op on host tensors, FP16/BF16 stored as half with f32
+//! arithmetic, deterministic. Ops (or forms) not implemented yet are a typed `Unsupported` error,
+//! never a guess.
+
+mod elementwise;
+mod linalg;
+mod nn;
+mod shape;
+
+use mpc_ir::ops::{ConvAttrs, PoolAttrs};
+use mpc_ir::{normalize_axis, DType, Op, Tensor};
+
+use crate::value::{Data, HostTensor};
+
+/// Why a kernel did not produce outputs.
+#[derive(Debug)]
+pub enum KernelError {
+    /// The inputs are invalid for the op (a shape mismatch, an index out of range).
+    Invalid(String),
+    /// mpc's CPU backend does not implement this op or form yet.
+    Unsupported(String),
+}
+
+pub(crate) type Res<T> = Result<T, KernelError>;
+
+pub(crate) fn err(msg: impl Into<String>) -> KernelError {
+    KernelError::Invalid(msg.into())
+}
+
+fn unsupported(msg: impl Into<String>) -> KernelError {
+    KernelError::Unsupported(msg.into())
+}
+
+fn ints(t: Option<&HostTensor>, what: &str) -> Res<Vec<i64>> {
+    t.ok_or_else(|| err(format!("missing {what}")))?.i64s().ok_or_else(|| err(format!("{what} must be integers")))
+}
+
+fn axis(a: i64, rank: usize) -> Res<usize> {
+    normalize_axis(a, rank).ok_or_else(|| err(format!("axis {a} out of range for rank {rank}")))
+}
+
+/// Output spatial sizes and begin/end pads of a convolution or pooling window.
+fn window(
+    in_sp: &[usize],
+    kernel: &[usize],
+    strides: &[i64],
+    dilations: &[i64],
+    pads: &[i64],
+    auto_pad: &str,
+    ceil: bool,
+) -> Res<(Vec<usize>, Vec<usize>)> {
+    let sp = kernel.len();
+    let at = |v: &[i64], i: usize, d: i64| v.get(i).copied().unwrap_or(d);
+    let mut out = Vec::with_capacity(sp);
+    let mut p = vec![0usize; 2 * sp];
+    for d in 0..sp {
+        let (n, s, dl) = (in_sp[d] as i64, at(strides, d, 1), at(dilations, d, 1));
+        let ek = (kernel[d] as i64 - 1) * dl + 1;
+        let o = match auto_pad {
+            "SAME_UPPER" | "SAME_LOWER" => {
+                let o = (n + s - 1) / s;
+                let total = ((o - 1) * s + ek - n).max(0);
+                let small = total / 2;
+                let (b, e) = if auto_pad == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
+                p[d] = b as usize;
+                p[d + sp] = e as usize;
+                o
+            }
+            "VALID" => (n - ek) / s + 1,
+            _ => {
+                let (b, e) = (at(pads, d, 0), at(pads, d + sp, 0));
+                p[d] = b as usize;
+                p[d + sp] = e as usize;
+                let span = n + b + e - ek;
+                if span < 0 {
+                    return Err(err(format!("window of {ek} does not fit input size {n}")));
+                }
+                let mut o = if ceil { (span + s - 1) / s + 1 } else { span / s + 1 };
+                if ceil && (o - 1) * s >= n + b {
+                    o -= 1;
+                }
+                o
+            }
+        };
+        out.push(o.max(0) as usize);
+    }
+    Ok((out, p))
+}
+
+fn conv(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -> Res<HostTensor> {
+    let kernel: Vec<usize> = w.shape[2..].to_vec();
+    let (out, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let us = |v: &[i64], n: usize| (0..n).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
+    let sp = kernel.len();
+    linalg::conv(x, w, b, &pads[..sp], &us(&a.strides, sp), &us(&a.dilations, sp), a.group as usize, &out)
+}
+
+fn pool(x: &HostTensor, a: &PoolAttrs, max: bool) -> Res<HostTensor> {
+    let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
+    let (out, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+    let sp = kernel.len();
+    let us = |v: &[i64]| (0..sp).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
+    nn::pool(x, &kernel, &pads, &us(&a.strides), &us(&a.dilations), &out, max, a.count_include_pad != 0)
+}
+
+fn reduce_axes(x: &HostTensor, axes: Option<&HostTensor>, noop: bool) -> Res<Option<Vec<usize>>> {
+    let rank = x.shape.len();
+    match axes.map(|a| a.i64s()) {
+        Some(Some(v)) if !v.is_empty() => v.iter().map(|&a| axis(a, rank)).collect::<Res<_>>().map(Some),
+        Some(None) => Err(err("axes must be integers")),
+        _ if noop => Ok(None),
+        _ => Ok(Some((0..rank).collect())),
+    }
+}
+
+/// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.
+pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec<HostTensor>> {
+    let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
+    let one = |t: HostTensor| Ok(vec![t]);
+    match op {
+        Op::Sqrt
+        | Op::Exp
+        | Op::Log
+        | Op::Reciprocal
+        | Op::Erf
+        | Op::Tanh
+        | Op::Sigmoid
+        | Op::LeakyRelu(_)
+        | Op::Elu(_)
+        | Op::Gelu(_)
+        | Op::HardSigmoid(_)
+        | Op::HardSwish
+        | Op::Softplus
+        | Op::Neg
+        | Op::Abs
+        | Op::Relu
+        | Op::Identity => {
+            let a = x(0)?;
+            let r = if a.dtype().is_float() { elementwise::unary(op, a) } else { elementwise::unary_int(op, a) };
+            one(r.ok_or_else(|| unsupported(format!("{} on {}", op.op_type(), a.dtype())))?)
+        }
+        Op::Dropout(_) => {
+            if let Some(t) = ins.get(2).copied().flatten() {
+                if t.i64s().is_some_and(|v| v.first() == Some(&1)) {
+                    return Err(unsupported("Dropout in training mode"));
+                }
+            }
+            let a = x(0)?.clone();
+            let mut out = vec![a.clone()];
+            if n_outputs > 1 {
+                out.push(HostTensor { shape: a.shape.clone(), data: Data::Bool(vec![true; a.len()]) });
+            }
+            Ok(out)
+        }
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Pow | Op::PRelu | Op::Mod(_) => {
+            one(elementwise::binary(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
+        }
+        Op::Sum | Op::Max | Op::Min | Op::Mean => {
+            let fold = if matches!(op, Op::Mean) { Op::Sum } else { op.clone() };
+            let mut acc = x(0)?.clone();
+            for i in 1..ins.len() {
+                acc = elementwise::binary(&fold, &acc, x(i)?).ok_or_else(|| err("inputs do not broadcast"))?;
+            }
+            if matches!(op, Op::Mean) {
+                let n = HostTensor::from_f64(acc.dtype(), vec![], vec![ins.len() as f64]);
+                acc = elementwise::binary(&Op::Div, &acc, &n).ok_or_else(|| err("Mean"))?;
+            }
+            one(acc)
+        }
+        Op::Equal | Op::Less | Op::Greater | Op::And | Op::Or => {
+            one(elementwise::compare(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
+        }
+        Op::Not => one(elementwise::not(x(0)?).ok_or_else(|| err("Not needs bool input"))?),
+        Op::Where => one(elementwise::where_(x(0)?, x(1)?, x(2)?).ok_or_else(|| err("inputs do not broadcast"))?),
+        Op::Clip => one(elementwise::clip(x(0)?, ins.get(1).copied().flatten(), ins.get(2).copied().flatten())
+            .ok_or_else(|| err("Clip"))?),
+        Op::Cast(a) => one(x(0)?.cast(a.to)),
+        Op::Constant(a) => one(HostTensor::from(&a.value)),
+        Op::ConstantOfShape(a) => {
+            let shape: Vec<usize> =
+                ints(ins.first().copied().flatten(), "shape")?.iter().map(|&d| d.max(0) as usize).collect();
+            let value = a
+                .value
+                .as_ref()
+                .map(HostTensor::from)
+                .unwrap_or_else(|| HostTensor::from(&Tensor::from_f32(vec![1], &[0.0])));
+            let n = shape.iter().product();
+            one(value.pick(shape, &vec![0; n]))
+        }
+        Op::Shape(a) => {
+            let r = x(0)?.shape.len() as i64;
+            let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+            let (s, e) = (clamp(a.start), clamp(a.end.unwrap_or(r)));
+            let dims: Vec<i64> = x(0)?.shape[s..e.max(s)].iter().map(|&d| d as i64).collect();
+            one(HostTensor::from_i64(DType::I64, vec![dims.len()], dims))
+        }
+        Op::Size => one(HostTensor::from_i64(DType::I64, vec![], vec![x(0)?.len() as i64])),
+        Op::Reshape(a) => one(shape::reshape(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?, a.allowzero != 0)?),
+        Op::Transpose(a) => {
+            let t = x(0)?;
+            let perm: Vec<usize> = match &a.perm {
+                Some(p) => p.iter().map(|&d| axis(d, t.shape.len())).collect::<Res<_>>()?,
+                None => (0..t.shape.len()).rev().collect(),
+            };
+            one(shape::transpose(t, &perm))
+        }
+        Op::Flatten(a) => {
+            let t = x(0)?;
+            let r = t.shape.len() as i64;
+            let ax = if a.axis < 0 { a.axis + r } else { a.axis } as usize;
+            let outer: usize = t.shape[..ax.min(t.shape.len())].iter().product();
+            one(t.clone().with_shape(vec![outer, t.len() / outer.max(1)]))
+        }
+        Op::Squeeze => {
+            let t = x(0)?;
+            let shape: Vec<usize> = match ins.get(1).copied().flatten() {
+                Some(a) => {
+                    let axes: Vec<usize> =
+                        a.i64s().unwrap_or_default().iter().map(|&v| axis(v, t.shape.len())).collect::<Res<_>>()?;
+                    t.shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect()
+                }
+                None => t.shape.iter().copied().filter(|&d| d != 1).collect(),
+            };
+            one(t.clone().with_shape(shape))
+        }
+        Op::Unsqueeze => {
+            let t = x(0)?;
+            let r = t.shape.len() + ints(ins.get(1).copied().flatten(), "axes")?.len();
+            let mut axes: Vec<usize> =
+                ints(ins.get(1).copied().flatten(), "axes")?.iter().map(|&v| axis(v, r)).collect::<Res<_>>()?;
+            axes.sort_unstable();
+            let mut dims = t.shape.iter();
+            let shape = (0..r).map(|i| if axes.contains(&i) { 1 } else { *dims.next().unwrap_or(&1) }).collect();
+            one(t.clone().with_shape(shape))
+        }
+        Op::Concat(a) => {
+            let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
+            one(shape::concat(&parts, a.axis)?)
+        }
+        Op::Split(a) => {
+            let t = x(0)?;
+            let ax = axis(a.axis, t.shape.len())?;
+            let len = t.shape[ax];
+            let sizes: Vec<usize> = match ins.get(1).copied().flatten() {
+                Some(s) => s.i64s().unwrap_or_default().iter().map(|&v| v.max(0) as usize).collect(),
+                None => {
+                    let parts = a.num_outputs.map_or(n_outputs, |n| n as usize).max(1);
+                    let chunk = len.div_ceil(parts);
+                    (0..parts).map(|i| chunk.min(len.saturating_sub(i * chunk))).collect()
+                }
+            };
+            let mut start = 0i64;
+            sizes
+                .iter()
+                .map(|&s| {
+                    let r = shape::slice(t, &[start], &[start + s as i64], &[ax as i64], &[1]);
+                    start += s as i64;
+                    r
+                })
+                .collect()
+        }
+        Op::Slice => {
+            let t = x(0)?;
+            let starts = ints(ins.get(1).copied().flatten(), "starts")?;
+            let ends = ints(ins.get(2).copied().flatten(), "ends")?;
+            let axes = match ins.get(3).copied().flatten() {
+                Some(a) => a.i64s().unwrap_or_default(),
+                None => (0..starts.len() as i64).collect(),
+            };
+            let steps = match ins.get(4).copied().flatten() {
+                Some(s) => s.i64s().unwrap_or_default(),
+                None => vec![1; starts.len()],
+            };
+            one(shape::slice(t, &starts, &ends, &axes, &steps)?)
+        }
+        Op::Gather(a) => one(shape::gather(x(0)?, x(1)?, a.axis)?),
+        Op::GatherElements(a) => one(shape::gather_elements(x(0)?, x(1)?, a.axis)?),
+        Op::Expand => one(shape::expand(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?)?),
+        Op::Tile => one(shape::tile(x(0)?, &ints(ins.get(1).copied().flatten(), "repeats")?)?),
+        Op::Pad(a) => {
+            let t = x(0)?;
+            let pads = ints(ins.get(1).copied().flatten(), "pads")?;
+            let axes: Vec<usize> = match ins.get(3).copied().flatten() {
+                Some(ax) => {
+                    ax.i64s().unwrap_or_default().iter().map(|&v| axis(v, t.shape.len())).collect::<Res<_>>()?
+                }
+                None => (0..t.shape.len()).collect(),
+            };
+            one(shape::pad(t, &pads, ins.get(2).copied().flatten(), &axes, &a.mode)?)
+        }
+        Op::Range => one(shape::range(x(0)?, x(1)?, x(2)?)?),
+        Op::MatMul => one(linalg::matmul(x(0)?, x(1)?)?),
+        Op::Gemm(a) => one(linalg::gemm(
+            x(0)?,
+            x(1)?,
+            ins.get(2).copied().flatten(),
+            a.alpha,
+            a.beta,
+            a.transA != 0,
+            a.transB != 0,
+        )?),
+        Op::Conv(a) => one(conv(x(0)?, x(1)?, ins.get(2).copied().flatten(), a)?),
+        Op::MaxPool(a) if n_outputs == 1 => one(pool(x(0)?, a, true)?),
+        Op::AveragePool(a) => one(pool(x(0)?, a, false)?),
+        Op::GlobalAveragePool | Op::GlobalMaxPool => {
+            let t = x(0)?;
+            let axes: Vec<usize> = (2..t.shape.len()).collect();
+            let kind = if matches!(op, Op::GlobalMaxPool) { "max" } else { "mean" };
+            one(nn::reduce(t, &axes, true, kind)?)
+        }
+        Op::Softmax(a) | Op::LogSoftmax(a) => {
+            let t = x(0)?;
+            one(nn::softmax(t, axis(a.axis, t.shape.len())?, matches!(op, Op::LogSoftmax(_)))?)
+        }
+        Op::LayerNormalization(a) => {
+            let t = x(0)?;
+            let out = nn::layer_norm(t, x(1)?, ins.get(2).copied().flatten(), axis(a.axis, t.shape.len())?, a.epsilon)?;
+            Ok(out.into_iter().take(n_outputs.max(1)).collect())
+        }
+        Op::BatchNormalization(a) => {
+            let out = nn::batch_norm(x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, a.epsilon, a.momentum, a.training_mode != 0)?;
+            Ok(out.into_iter().take(n_outputs.max(1)).collect())
+        }
+        Op::InstanceNormalization(a) => one(nn::instance_norm(x(0)?, x(1)?, x(2)?, a.epsilon)?),
+        Op::ReduceSum(a)
+        | Op::ReduceMean(a)
+        | Op::ReduceMax(a)
+        | Op::ReduceMin(a)
+        | Op::ReduceSumSquare(a)
+        | Op::ReduceL2(a)
+        | Op::ReduceLogSumExp(a) => {
+            let t = x(0)?;
+            let kind = match op {
+                Op::ReduceSum(_) => "sum",
+                Op::ReduceMean(_) => "mean",
+                Op::ReduceMax(_) => "max",
+                Op::ReduceMin(_) => "min",
+                Op::ReduceSumSquare(_) => "sumsquare",
+                Op::ReduceL2(_) => "l2",
+                _ => "logsumexp",
+            };
+            match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes != 0)? {
+                None => one(t.clone()),
+                Some(axes) => one(nn::reduce(t, &axes, a.keepdims != 0, kind)?),
+            }
+        }
+        Op::ArgMax(a) => {
+            let t = x(0)?;
+            one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims != 0, a.select_last_index != 0)?)
+        }
+        Op::CumSum(a) => {
+            let t = x(0)?;
+            let ax = ints(ins.get(1).copied().flatten(), "axis")?;
+            one(nn::cumsum(t, axis(ax[0], t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
+        }
+        Op::MaxPool(_)
+        | Op::ConvTranspose(_)
+        | Op::GroupNormalization(_)
+        | Op::LRN(_)
+        | Op::Einsum(_)
+        | Op::Resize(_)
+        | Op::SoftmaxCrossEntropyLoss(_)
+        | Op::NegativeLogLikelihoodLoss(_) => {
+            Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type())))
+        }
+        Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
+    }
+}

@@ -1,0 +1,355 @@
+//! Normalisations, softmax, pooling, reductions: all accumulate in f32 (f64 for f64 inputs) and
+//! round on store, as GPU kernels do.
+
+use super::{err, Res};
+use crate::value::{Data, HostTensor};
+
+/// Values in their compute type: f64 for f64 tensors, else f32 widened to f64 for the arithmetic
+/// below only where it is exact to do so. Kernels here compute in f32 unless the input is f64.
+fn vals(x: &HostTensor) -> Res<Vec<f64>> {
+    if !x.dtype().is_float() {
+        return Err(err(format!("{} input where a float was expected", x.dtype())));
+    }
+    Ok(x.f64s())
+}
+
+/// Rounds f64 results through f32 (the compute type of f32/f16/bf16) into the storage dtype.
+fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
+    if like.dtype() == mpc_ir::DType::F64 {
+        HostTensor { shape, data: Data::F64(v) }
+    } else {
+        HostTensor::from_f32(like.dtype(), shape, v.into_iter().map(|x| x as f32).collect())
+    }
+}
+
+/// (outer, axis length, inner) around `axis`.
+fn split_at(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
+}
+
+pub(crate) fn softmax(x: &HostTensor, axis: usize, log: bool) -> Res<HostTensor> {
+    let v = vals(x)?;
+    let (outer, n, inner) = split_at(&x.shape, axis);
+    let f32c = x.dtype() != mpc_ir::DType::F64;
+    let mut out = vec![0f64; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |k: usize| (o * n + k) * inner + i;
+            let m = (0..n).map(|k| v[at(k)]).fold(f64::NEG_INFINITY, f64::max);
+            if f32c {
+                let m = m as f32;
+                let s: f32 = (0..n).map(|k| (v[at(k)] as f32 - m).exp()).sum();
+                for k in 0..n {
+                    let e = v[at(k)] as f32 - m;
+                    out[at(k)] = if log { (e - s.ln()) as f64 } else { (e.exp() / s) as f64 };
+                }
+            } else {
+                let s: f64 = (0..n).map(|k| (v[at(k)] - m).exp()).sum();
+                for k in 0..n {
+                    let e = v[at(k)] - m;
+                    out[at(k)] = if log { e - s.ln() } else { e.exp() / s };
+                }
+            }
+        }
+    }
+    Ok(store(x, x.shape.clone(), out))
+}
+
+/// LayerNormalization over the dims from `axis`: Y, Mean, InvStdDev (the last two in f32).
+pub(crate) fn layer_norm(
+    x: &HostTensor,
+    scale: &HostTensor,
+    bias: Option<&HostTensor>,
+    axis: usize,
+    eps: f32,
+) -> Res<Vec<HostTensor>> {
+    let v = vals(x)?;
+    let outer: usize = x.shape[..axis].iter().product();
+    let n: usize = x.shape[axis..].iter().product();
+    let (sc, bi) = (scale.f64s(), bias.map(|b| b.f64s()));
+    let si = super::elementwise::broadcast_index(&scale.shape, &x.shape[axis..]);
+    let bidx = bias.map(|b| super::elementwise::broadcast_index(&b.shape, &x.shape[axis..]));
+    let mut y = vec![0f64; v.len()];
+    let mut means = Vec::with_capacity(outer);
+    let mut inv = Vec::with_capacity(outer);
+    for o in 0..outer {
+        let row = &v[o * n..(o + 1) * n];
+        let mean = row.iter().map(|&a| a as f32).sum::<f32>() / n as f32;
+        let var = row.iter().map(|&a| (a as f32 - mean) * (a as f32 - mean)).sum::<f32>() / n as f32;
+        let r = 1.0 / (var + eps).sqrt();
+        for k in 0..n {
+            let mut t = (row[k] as f32 - mean) * r * sc[si[k]] as f32;
+            if let (Some(b), Some(bx)) = (&bi, &bidx) {
+                t += b[bx[k]] as f32;
+            }
+            y[o * n + k] = t as f64;
+        }
+        means.push(mean);
+        inv.push(r);
+    }
+    let mut stat_shape = x.shape[..axis].to_vec();
+    stat_shape.extend(std::iter::repeat_n(1, x.shape.len() - axis));
+    Ok(vec![
+        store(x, x.shape.clone(), y),
+        HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
+        HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
+    ])
+}
+
+/// BatchNormalization. Inference: running statistics. Training: batch statistics (biased
+/// variance), and the updated running statistics as outputs 1 and 2.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn batch_norm(
+    x: &HostTensor,
+    scale: &HostTensor,
+    bias: &HostTensor,
+    mean: &HostTensor,
+    var: &HostTensor,
+    eps: f32,
+    momentum: f32,
+    training: bool,
+) -> Res<Vec<HostTensor>> {
+    let v = vals(x)?;
+    let (nb, c) = (x.shape[0], *x.shape.get(1).unwrap_or(&1));
+    let inner: usize = x.shape.iter().skip(2).product();
+    let (sc, bi, rm, rv) = (scale.f64s(), bias.f64s(), mean.f64s(), var.f64s());
+    let (bm, bv): (Vec<f64>, Vec<f64>) = if training {
+        (0..c)
+            .map(|ch| {
+                let vals = (0..nb).flat_map(|b| (0..inner).map(move |i| (b * c + ch) * inner + i));
+                let cnt = (nb * inner) as f64;
+                let m = vals.clone().map(|i| v[i]).sum::<f64>() / cnt;
+                let s = vals.map(|i| (v[i] - m) * (v[i] - m)).sum::<f64>() / cnt;
+                (m, s)
+            })
+            .unzip()
+    } else {
+        (rm.clone(), rv.clone())
+    };
+    let y: Vec<f64> = (0..v.len())
+        .map(|i| {
+            let ch = (i / inner) % c;
+            (((v[i] - bm[ch]) as f32 / ((bv[ch] as f32) + eps).sqrt()) * sc[ch] as f32 + bi[ch] as f32) as f64
+        })
+        .collect();
+    let mut out = vec![store(x, x.shape.clone(), y)];
+    if training {
+        let mo = momentum as f64;
+        let nm: Vec<f64> = (0..c).map(|ch| rm[ch] * mo + bm[ch] * (1.0 - mo)).collect();
+        let nv: Vec<f64> = (0..c).map(|ch| rv[ch] * mo + bv[ch] * (1.0 - mo)).collect();
+        out.push(store(mean, mean.shape.clone(), nm));
+        out.push(store(var, var.shape.clone(), nv));
+    }
+    Ok(out)
+}
+
+/// Max or average pooling over N-D windows (pads, strides, dilations; output size given).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pool(
+    x: &HostTensor,
+    kernel: &[usize],
+    pads: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    out_spatial: &[usize],
+    max: bool,
+    count_include_pad: bool,
+) -> Res<HostTensor> {
+    if !max && !x.dtype().is_float() {
+        return Err(err(format!("AveragePool on {}", x.dtype())));
+    }
+    let v = x.f64s();
+    let sp = kernel.len();
+    let (nb, c) = (x.shape[0], x.shape[1]);
+    let in_sp = &x.shape[2..];
+    let ivol: usize = in_sp.iter().product();
+    let ovol: usize = out_spatial.iter().product();
+    let kvol: usize = kernel.iter().product();
+    let (ist, ost, kst) =
+        (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
+    let mut out = Vec::with_capacity(nb * c * ovol);
+    for plane in 0..nb * c {
+        let base = plane * ivol;
+        for op in 0..ovol {
+            let (mut acc, mut cnt, mut padded) = (if max { f64::NEG_INFINITY } else { 0.0 }, 0usize, 0usize);
+            for kp in 0..kvol {
+                let mut off = 0;
+                let mut inside = true;
+                let mut in_padded_area = true;
+                for d in 0..sp {
+                    let oc = (op / ost[d]) % out_spatial[d];
+                    let kc = (kp / kst[d]) % kernel[d];
+                    let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
+                    if ic < 0 || ic >= in_sp[d] as i64 {
+                        inside = false;
+                        // Past the right padding (ceil mode) does not count even with count_include_pad.
+                        if ic >= (in_sp[d] + pads[d + sp]) as i64 {
+                            in_padded_area = false;
+                        }
+                    } else {
+                        off += ic as usize * ist[d];
+                    }
+                }
+                if inside {
+                    let a = v[base + off];
+                    if max {
+                        acc = if a.is_nan() || a > acc { a } else { acc };
+                    } else {
+                        acc += a;
+                    }
+                    cnt += 1;
+                } else if in_padded_area {
+                    padded += 1;
+                }
+            }
+            out.push(if max {
+                acc
+            } else {
+                let n = if count_include_pad { cnt + padded } else { cnt };
+                acc / n.max(1) as f64
+            });
+        }
+    }
+    let mut shape = vec![nb, c];
+    shape.extend(out_spatial);
+    Ok(if x.dtype().is_float() { store(x, shape, out) } else { HostTensor::from_f64(x.dtype(), shape, out) })
+}
+
+/// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
+pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str) -> Res<HostTensor> {
+    let v = x.f64s();
+    let rank = x.shape.len();
+    let reduced = |d: usize| axes.contains(&d);
+    let out_shape_keep: Vec<usize> = (0..rank).map(|d| if reduced(d) { 1 } else { x.shape[d] }).collect();
+    let ost = super::shape::strides(&out_shape_keep);
+    let ist = super::shape::strides(&x.shape);
+    let n_out: usize = out_shape_keep.iter().product();
+    let init = match kind {
+        "max" => f64::NEG_INFINITY,
+        "min" => f64::INFINITY,
+        _ => 0.0,
+    };
+    let mut acc = vec![init; n_out];
+    let mut count = vec![0usize; n_out];
+    let lse_max: Option<Vec<f64>> = (kind == "logsumexp").then(|| {
+        let mut m = vec![f64::NEG_INFINITY; n_out];
+        for (i, &a) in v.iter().enumerate() {
+            let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
+            m[o] = m[o].max(a);
+        }
+        m
+    });
+    for (i, &a) in v.iter().enumerate() {
+        let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
+        count[o] += 1;
+        acc[o] = match kind {
+            "max" => {
+                if a.is_nan() || a > acc[o] {
+                    a
+                } else {
+                    acc[o]
+                }
+            }
+            "min" => {
+                if a.is_nan() || a < acc[o] {
+                    a
+                } else {
+                    acc[o]
+                }
+            }
+            "sumsquare" | "l2" => acc[o] + a * a,
+            "logsumexp" => acc[o] + (a - lse_max.as_ref().map_or(0.0, |m| m[o])).exp(),
+            _ => acc[o] + a,
+        };
+    }
+    for (o, a) in acc.iter_mut().enumerate() {
+        *a = match kind {
+            "mean" => *a / count[o].max(1) as f64,
+            "l2" => a.sqrt(),
+            "logsumexp" => a.ln() + lse_max.as_ref().map_or(0.0, |m| m[o]),
+            _ => *a,
+        };
+    }
+    // An empty bool max is false and an empty bool min true (the identities of Or and And).
+    if x.dtype() == mpc_ir::DType::Bool {
+        for (o, a) in acc.iter_mut().enumerate() {
+            if count[o] == 0 && (kind == "max" || kind == "min") {
+                *a = if kind == "max" { 0.0 } else { 1.0 };
+            }
+        }
+    }
+    let shape =
+        if keepdims { out_shape_keep } else { (0..rank).filter(|&d| !reduced(d)).map(|d| x.shape[d]).collect() };
+    Ok(if x.dtype().is_float() { store(x, shape, acc) } else { HostTensor::from_f64(x.dtype(), shape, acc) })
+}
+
+pub(crate) fn argmax(x: &HostTensor, axis: usize, keepdims: bool, last: bool) -> Res<HostTensor> {
+    let v = x.f64s();
+    let (outer, n, inner) = split_at(&x.shape, axis);
+    let mut out = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut best = 0usize;
+            for k in 1..n {
+                let (a, b) = (v[(o * n + k) * inner + i], v[(o * n + best) * inner + i]);
+                if a > b || (last && a == b) {
+                    best = k;
+                }
+            }
+            out.push(best as i64);
+        }
+    }
+    let mut shape = x.shape.clone();
+    if keepdims {
+        shape[axis] = 1;
+    } else {
+        shape.remove(axis);
+    }
+    Ok(HostTensor::from_i64(mpc_ir::DType::I64, shape, out))
+}
+
+pub(crate) fn cumsum(x: &HostTensor, axis: usize, exclusive: bool, reverse: bool) -> Res<HostTensor> {
+    let v = x.f64s();
+    let (outer, n, inner) = split_at(&x.shape, axis);
+    let mut out = vec![0f64; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut s = 0.0;
+            for step in 0..n {
+                let k = if reverse { n - 1 - step } else { step };
+                let at = (o * n + k) * inner + i;
+                if exclusive {
+                    out[at] = s;
+                    s += v[at];
+                } else {
+                    s += v[at];
+                    out[at] = s;
+                }
+            }
+        }
+    }
+    Ok(if x.dtype().is_float() {
+        store(x, x.shape.clone(), out)
+    } else {
+        HostTensor::from_f64(x.dtype(), x.shape.clone(), out)
+    })
+}
+
+/// InstanceNormalization: per (image, channel) over the spatial dims.
+pub(crate) fn instance_norm(x: &HostTensor, scale: &HostTensor, bias: &HostTensor, eps: f32) -> Res<HostTensor> {
+    let v = vals(x)?;
+    let c = x.shape[1];
+    let inner: usize = x.shape.iter().skip(2).product();
+    let (sc, bi) = (scale.f64s(), bias.f64s());
+    let mut out = vec![0f64; v.len()];
+    for plane in 0..v.len() / inner.max(1) {
+        let row = &v[plane * inner..(plane + 1) * inner];
+        let m = row.iter().sum::<f64>() / inner as f64;
+        let var = row.iter().map(|a| (a - m) * (a - m)).sum::<f64>() / inner as f64;
+        let ch = plane % c;
+        for k in 0..inner {
+            out[plane * inner + k] = ((row[k] - m) / (var + eps as f64).sqrt()) * sc[ch] + bi[ch];
+        }
+    }
+    Ok(store(x, x.shape.clone(), out))
+}

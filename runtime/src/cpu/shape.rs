@@ -1,0 +1,269 @@
+//! Data movement: reshapes, transposes, slicing, gathering, concatenation, padding. Each builds the
+//! flat input index of every output element and picks them (dtype kept, values exact).
+
+use mpc_ir::normalize_axis;
+
+use super::{err, Res};
+use crate::value::{gather_runs, Data, HostTensor};
+
+pub(crate) fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        s[i] = s[i + 1] * shape[i + 1];
+    }
+    s
+}
+
+fn axis(a: i64, rank: usize) -> Res<usize> {
+    normalize_axis(a, rank).ok_or_else(|| err(format!("axis {a} out of range for rank {rank}")))
+}
+
+/// Reshape with ONNX's 0 (copy, unless `allowzero`) and -1 (infer).
+pub(crate) fn reshape(x: &HostTensor, target: &[i64], allowzero: bool) -> Res<HostTensor> {
+    let mut shape = Vec::with_capacity(target.len());
+    let mut infer = None;
+    for (i, &t) in target.iter().enumerate() {
+        shape.push(match t {
+            0 if !allowzero => *x.shape.get(i).ok_or_else(|| err("0 in the target shape beyond the input's rank"))?,
+            -1 => {
+                infer = Some(i);
+                1
+            }
+            t if t < 0 => return Err(err(format!("invalid target dimension {t}"))),
+            t => t as usize,
+        });
+    }
+    let known: usize = shape.iter().product();
+    if let Some(i) = infer {
+        if known == 0 || x.len() % known != 0 {
+            return Err(err(format!("cannot reshape {:?} into {target:?}", x.shape)));
+        }
+        shape[i] = x.len() / known;
+    }
+    if shape.iter().product::<usize>() != x.len() {
+        return Err(err(format!("cannot reshape {:?} ({} elements) into {target:?}", x.shape, x.len())));
+    }
+    Ok(x.clone().with_shape(shape))
+}
+
+pub(crate) fn transpose(x: &HostTensor, perm: &[usize]) -> HostTensor {
+    let out: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
+    let st = strides(&x.shape);
+    let n: usize = out.iter().product();
+    let mut idx = Vec::with_capacity(n);
+    let mut counter = vec![0usize; out.len()];
+    for _ in 0..n {
+        idx.push(counter.iter().zip(perm).map(|(&c, &p)| c * st[p]).sum());
+        for d in (0..out.len()).rev() {
+            counter[d] += 1;
+            if counter[d] < out[d] {
+                break;
+            }
+            counter[d] = 0;
+        }
+    }
+    x.pick(out, &idx)
+}
+
+pub(crate) fn concat(parts: &[&HostTensor], ax: i64) -> Res<HostTensor> {
+    let rank = parts[0].shape.len();
+    let a = axis(ax, rank)?;
+    let outer: usize = parts[0].shape[..a].iter().product();
+    let mut shape = parts[0].shape.clone();
+    shape[a] = parts.iter().map(|p| p.shape[a]).sum();
+    let mut runs = Vec::new();
+    for o in 0..outer {
+        for (pi, p) in parts.iter().enumerate() {
+            let inner: usize = p.shape[a..].iter().product();
+            if inner > 0 {
+                runs.push((pi, o * inner, inner));
+            }
+        }
+    }
+    Ok(gather_runs(parts, shape, &runs))
+}
+
+/// Slice with per-axis start/end/step (ONNX clamping rules).
+pub(crate) fn slice(x: &HostTensor, starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64]) -> Res<HostTensor> {
+    let rank = x.shape.len();
+    let mut begin = vec![0i64; rank];
+    let mut step = vec![1i64; rank];
+    let mut count: Vec<usize> = x.shape.clone();
+    for i in 0..starts.len() {
+        let a = axis(axes[i], rank)?;
+        let len = x.shape[a] as i64;
+        let s = steps[i];
+        if s == 0 {
+            return Err(err("slice step is 0"));
+        }
+        let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
+        let (b, e) = if s > 0 {
+            (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
+        } else {
+            (norm(starts[i]).clamp(-1, len - 1), norm(ends[i]).clamp(-1, len - 1))
+        };
+        let n = if s > 0 { (e - b + s - 1) / s } else { (b - e - s - 1) / -s };
+        begin[a] = b;
+        step[a] = s;
+        count[a] = n.max(0) as usize;
+    }
+    let st = strides(&x.shape);
+    let total: usize = count.iter().product();
+    let mut idx = Vec::with_capacity(total);
+    let mut counter = vec![0usize; rank];
+    for _ in 0..total {
+        let p: i64 = (0..rank).map(|d| (begin[d] + step[d] * counter[d] as i64) * st[d] as i64).sum();
+        idx.push(p as usize);
+        for d in (0..rank).rev() {
+            counter[d] += 1;
+            if counter[d] < count[d] {
+                break;
+            }
+            counter[d] = 0;
+        }
+    }
+    Ok(x.pick(count, &idx))
+}
+
+pub(crate) fn gather(x: &HostTensor, indices: &HostTensor, ax: i64) -> Res<HostTensor> {
+    let a = axis(ax, x.shape.len())?;
+    let ind = indices.i64s().ok_or_else(|| err("indices must be integers"))?;
+    let n = x.shape[a] as i64;
+    let outer: usize = x.shape[..a].iter().product();
+    let inner: usize = x.shape[a + 1..].iter().product();
+    let mut shape = x.shape[..a].to_vec();
+    shape.extend(&indices.shape);
+    shape.extend(&x.shape[a + 1..]);
+    let mut runs = Vec::with_capacity(outer * ind.len());
+    for o in 0..outer {
+        for &i in &ind {
+            let i = if i < 0 { i + n } else { i };
+            if !(0..n).contains(&i) {
+                return Err(err(format!("index {i} out of range for a dimension of {n}")));
+            }
+            runs.push((0, (o * n as usize + i as usize) * inner, inner));
+        }
+    }
+    Ok(gather_runs(&[x], shape, &runs))
+}
+
+pub(crate) fn gather_elements(x: &HostTensor, indices: &HostTensor, ax: i64) -> Res<HostTensor> {
+    let a = axis(ax, x.shape.len())?;
+    let ind = indices.i64s().ok_or_else(|| err("indices must be integers"))?;
+    let (xs, is) = (strides(&x.shape), strides(&indices.shape));
+    let n = x.shape[a] as i64;
+    let idx: Vec<usize> = (0..ind.len())
+        .map(|k| {
+            let mut p = 0;
+            for d in 0..indices.shape.len() {
+                let c = (k / is[d]) % indices.shape[d];
+                let c = if d == a {
+                    let i = ind[k];
+                    (if i < 0 { i + n } else { i }) as usize
+                } else {
+                    c
+                };
+                p += c * xs[d];
+            }
+            p
+        })
+        .collect();
+    Ok(x.pick(indices.shape.clone(), &idx))
+}
+
+pub(crate) fn expand(x: &HostTensor, target: &[i64]) -> Res<HostTensor> {
+    let t: Vec<usize> = target.iter().map(|&d| d.max(0) as usize).collect();
+    let shape = super::elementwise::broadcast_shape(&[&x.shape, &t])
+        .ok_or_else(|| err(format!("cannot expand {:?} to {target:?}", x.shape)))?;
+    let idx = super::elementwise::broadcast_index(&x.shape, &shape);
+    Ok(x.pick(shape, &idx))
+}
+
+pub(crate) fn tile(x: &HostTensor, reps: &[i64]) -> Res<HostTensor> {
+    let shape: Vec<usize> = x.shape.iter().zip(reps).map(|(&d, &r)| d * r.max(0) as usize).collect();
+    let st = strides(&x.shape);
+    let total: usize = shape.iter().product();
+    let ost = strides(&shape);
+    let idx: Vec<usize> =
+        (0..total).map(|k| (0..shape.len()).map(|d| ((k / ost[d]) % shape[d] % x.shape[d]) * st[d]).sum()).collect();
+    Ok(x.pick(shape, &idx))
+}
+
+/// Pad: constant, reflect, edge and wrap modes over the given axes.
+pub(crate) fn pad(
+    x: &HostTensor,
+    pads: &[i64],
+    value: Option<&HostTensor>,
+    axes: &[usize],
+    mode: &str,
+) -> Res<HostTensor> {
+    let rank = x.shape.len();
+    let mut before = vec![0i64; rank];
+    let mut after = vec![0i64; rank];
+    for (i, &a) in axes.iter().enumerate() {
+        before[a] = pads[i];
+        after[a] = pads[i + axes.len()];
+    }
+    let shape: Vec<usize> = (0..rank).map(|d| (x.shape[d] as i64 + before[d] + after[d]).max(0) as usize).collect();
+    let st = strides(&x.shape);
+    let ost = strides(&shape);
+    let total: usize = shape.iter().product();
+    // Index len (one past the data) stands for the constant.
+    let fill = x.len();
+    let idx: Vec<usize> = (0..total)
+        .map(|k| {
+            let mut p = 0usize;
+            for d in 0..rank {
+                let n = x.shape[d] as i64;
+                let mut c = ((k / ost[d]) % shape[d]) as i64 - before[d];
+                if c < 0 || c >= n {
+                    c = match mode {
+                        "reflect" if n > 1 => {
+                            let period = 2 * (n - 1);
+                            let m = c.rem_euclid(period);
+                            if m >= n {
+                                period - m
+                            } else {
+                                m
+                            }
+                        }
+                        "edge" | "reflect" => c.clamp(0, n - 1),
+                        "wrap" => c.rem_euclid(n),
+                        _ => return fill,
+                    };
+                }
+                p += c as usize * st[d];
+            }
+            p
+        })
+        .collect();
+    let constant = match value {
+        Some(v) => v.cast(x.dtype()).pick(vec![1], &[0]),
+        None => HostTensor::from_f64(x.dtype(), vec![1], vec![0.0]),
+    };
+    let joined = gather_runs(&[x, &constant], vec![x.len() + 1], &[(0, 0, x.len()), (1, 0, 1)]);
+    Ok(joined.pick(shape, &idx))
+}
+
+pub(crate) fn range(start: &HostTensor, limit: &HostTensor, delta: &HostTensor) -> Res<HostTensor> {
+    let (s, l, d) = (start.f64s()[0], limit.f64s()[0], delta.f64s()[0]);
+    if d == 0.0 {
+        return Err(err("Range delta is 0"));
+    }
+    let n = ((l - s) / d).ceil().max(0.0) as usize;
+    let v: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
+    Ok(match &start.data {
+        Data::F32(_) => HostTensor::from_f32(
+            start.dtype(),
+            vec![n],
+            (0..n)
+                .map(|i| start.f32s().unwrap_or_default()[0] + i as f32 * delta.f32s().unwrap_or_default()[0])
+                .collect(),
+        ),
+        _ if !start.dtype().is_float() => {
+            let (s, d) = (start.i64s().unwrap_or_default()[0], delta.i64s().unwrap_or_default()[0]);
+            HostTensor::from_i64(start.dtype(), vec![n], (0..n as i64).map(|i| s + i * d).collect())
+        }
+        _ => HostTensor::from_f64(start.dtype(), vec![n], v),
+    })
+}

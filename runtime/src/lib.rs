@@ -1,0 +1,155 @@
+//! mpc-runtime: lowering (schedule + memory plan) and the backends that execute a graph.
+//!
+//! [`Backend`] is what a device implements: buffers it owns, uploads and downloads, and one call
+//! per node. [`Cpu`] is the reference: every op on host memory, FP16/BF16 stored as half with f32
+//! arithmetic and accumulation (the GPU conventions), deterministic. [`run`] checks the inputs
+//! against the graph, executes in schedule order and frees each value after its last reader.
+
+pub mod cpu;
+pub mod plan;
+pub mod value;
+
+use std::collections::HashMap;
+
+use mpc_ir::{Def, Dim, Graph, Op, ValueId};
+
+pub use cpu::KernelError;
+pub use plan::{plan, Plan};
+pub use value::{Data, HostTensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("input `{0}` is missing")]
+    MissingInput(String),
+    #[error("`{0}` is not an input of the model (inputs: {1})")]
+    UnexpectedInput(String, String),
+    #[error("input `{name}` is {got}, the model expects {expected}")]
+    WrongDtype { name: String, expected: String, got: String },
+    #[error("input `{name}` has shape {got:?}, the model expects {expected}")]
+    WrongShape { name: String, expected: String, got: Vec<usize> },
+    #[error("node {node}: {msg}")]
+    Unsupported { node: String, msg: String },
+    #[error("node {node}: {msg}")]
+    Node { node: String, msg: String },
+    #[error("the size of `{0}` is unknown: bind its symbolic dims first")]
+    UnknownShape(String),
+    #[error("{0}")]
+    Graph(String),
+}
+
+/// A device that executes ops on buffers it owns.
+pub trait Backend {
+    type Buffer;
+    fn name(&self) -> &'static str;
+    fn upload(&self, t: &HostTensor) -> Result<Self::Buffer, RuntimeError>;
+    fn download(&self, b: &Self::Buffer) -> Result<HostTensor, RuntimeError>;
+    /// Runs one op; `n_outputs` is the number of outputs the node declares.
+    fn execute(
+        &self,
+        op: &Op,
+        inputs: &[Option<&Self::Buffer>],
+        n_outputs: usize,
+    ) -> Result<Vec<Self::Buffer>, KernelError>;
+}
+
+/// The CPU reference backend.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl Backend for Cpu {
+    type Buffer = HostTensor;
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn upload(&self, t: &HostTensor) -> Result<HostTensor, RuntimeError> {
+        Ok(t.clone())
+    }
+    fn download(&self, b: &HostTensor) -> Result<HostTensor, RuntimeError> {
+        Ok(b.clone())
+    }
+    fn execute(
+        &self,
+        op: &Op,
+        inputs: &[Option<&HostTensor>],
+        n_outputs: usize,
+    ) -> Result<Vec<HostTensor>, KernelError> {
+        cpu::run_op(op, inputs, n_outputs)
+    }
+}
+
+fn check_input(g: &Graph, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
+    let name = g.name(v).to_string();
+    let ty = g.ty(v);
+    if let Some(d) = ty.dtype {
+        if d != t.dtype() {
+            return Err(RuntimeError::WrongDtype { name, expected: d.to_string(), got: t.dtype().to_string() });
+        }
+    }
+    if let Some(shape) = &ty.shape {
+        let fits = shape.rank() == t.shape.len()
+            && shape.dims().iter().zip(&t.shape).all(|(d, &n)| !matches!(d, Dim::Fixed(f) if *f as usize != n));
+        if !fits {
+            return Err(RuntimeError::WrongShape { name, expected: shape.to_string(), got: t.shape.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// Runs `g` on `backend` with named inputs; returns the graph outputs by name, in order.
+pub fn run<B: Backend>(
+    backend: &B,
+    g: &Graph,
+    inputs: &HashMap<String, HostTensor>,
+) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+    for name in inputs.keys() {
+        if !g.inputs().iter().any(|&v| g.name(v) == name) {
+            let all: Vec<&str> = g.inputs().iter().map(|&v| g.name(v)).collect();
+            return Err(RuntimeError::UnexpectedInput(name.clone(), all.join(", ")));
+        }
+    }
+    let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
+    let mut last_use: HashMap<ValueId, usize> = HashMap::new();
+    for (step, &n) in order.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            last_use.insert(*v, step);
+        }
+    }
+    let mut env: HashMap<ValueId, B::Buffer> = HashMap::new();
+    for &v in g.inputs() {
+        let t = inputs.get(g.name(v)).ok_or_else(|| RuntimeError::MissingInput(g.name(v).to_string()))?;
+        check_input(g, v, t)?;
+        env.insert(v, backend.upload(t)?);
+    }
+    for v in g.initializers() {
+        if let Some(t) = g.value(v).initializer() {
+            env.insert(v, backend.upload(&HostTensor::from(t))?);
+        }
+    }
+    for (step, &n) in order.iter().enumerate() {
+        let node = g.node(n);
+        let outs = {
+            let ins: Vec<Option<&B::Buffer>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
+            backend.execute(&node.op, &ins, node.outputs().len()).map_err(|e| match e {
+                KernelError::Invalid(msg) => RuntimeError::Node { node: g.node_label(n), msg },
+                KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: g.node_label(n), msg },
+            })?
+        };
+        for (&o, t) in node.outputs().iter().zip(outs) {
+            env.insert(o, t);
+        }
+        for v in node.inputs().iter().flatten() {
+            let keep = g.is_output(*v) || matches!(g.value(*v).def(), Def::Init(_)) || last_use.get(v) != Some(&step);
+            if !keep {
+                env.remove(v);
+            }
+        }
+    }
+    g.outputs()
+        .iter()
+        .map(|&v| {
+            let b =
+                env.get(&v).ok_or_else(|| RuntimeError::Graph(format!("output `{}` was not computed", g.name(v))))?;
+            Ok((g.name(v).to_string(), backend.download(b)?))
+        })
+        .collect()
+}

@@ -1,0 +1,184 @@
+//! Lowering: a schedule (topological order) and a memory plan.
+//!
+//! Every intermediate value lives from the step that defines it to its last reader (graph outputs
+//! to the end). The plan gives each one an offset in a single arena, best fit into the gaps that
+//! freed values leave; an element-wise op whose input dies at that step and has the output's size
+//! writes in place. The arena's size is the peak activation memory. Weights are counted apart.
+//! The CPU backend follows the same lifetimes with one buffer per value; device backends use the
+//! offsets.
+
+use std::collections::HashMap;
+
+use mpc_ir::{Def, Graph, NodeId, Op, ValueId};
+
+use crate::RuntimeError;
+
+/// Where a value lives in the arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub offset: u64,
+    pub size: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub order: Vec<NodeId>,
+    /// Step after which each value is no longer read (graph outputs: never freed).
+    pub last_use: HashMap<ValueId, usize>,
+    pub slots: HashMap<ValueId, Slot>,
+    /// Arena size: the peak bytes of activations (graph inputs included).
+    pub peak_activation_bytes: u64,
+    pub weight_bytes: u64,
+    /// Outputs written over one of their inputs.
+    pub in_place: usize,
+}
+
+fn bytes_of(g: &Graph, v: ValueId) -> Option<u64> {
+    let ty = g.ty(v);
+    Some(ty.shape.as_ref()?.numel()? * ty.dtype?.size() as u64)
+}
+
+/// Ops whose output may overwrite an input of the same size that dies with them.
+fn elementwise(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Add
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Relu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Exp
+            | Op::Log
+            | Op::Sqrt
+            | Op::Neg
+            | Op::Abs
+            | Op::Erf
+            | Op::Reciprocal
+            | Op::LeakyRelu(_)
+            | Op::Elu(_)
+            | Op::Gelu(_)
+            | Op::HardSigmoid(_)
+            | Op::HardSwish
+            | Op::Softplus
+            | Op::Clip
+    )
+}
+
+/// Plans a graph whose shapes are all known (bind symbolic dims first).
+pub fn plan(g: &Graph) -> Result<Plan, RuntimeError> {
+    let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
+    let end = order.len();
+    let mut last_use: HashMap<ValueId, usize> = HashMap::new();
+    for (step, &n) in order.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            last_use.insert(*v, step);
+        }
+    }
+    for &o in g.outputs() {
+        last_use.insert(o, end);
+    }
+    let weight_bytes = g.initializers().filter_map(|v| g.value(v).initializer()).map(|t| t.bytes().len() as u64).sum();
+
+    let mut arena = Arena::default();
+    let mut slots = HashMap::new();
+    let mut in_place = 0;
+    let mut dying: Vec<Vec<ValueId>> = vec![Vec::new(); end + 1];
+    let size_of = |v: ValueId| bytes_of(g, v).ok_or_else(|| RuntimeError::UnknownShape(g.name(v).to_string()));
+    for &v in g.inputs() {
+        let s = arena.alloc(size_of(v)?);
+        slots.insert(v, s);
+        dying[*last_use.get(&v).unwrap_or(&0)].push(v);
+    }
+    for (step, &n) in order.iter().enumerate() {
+        let node = g.node(n);
+        for (i, &o) in node.outputs().iter().enumerate() {
+            let size = size_of(o)?;
+            // In place over an input that dies here, has the same size, and is not a weight.
+            let reuse = (i == 0 && elementwise(&node.op))
+                .then(|| {
+                    node.inputs().iter().flatten().find(|&&v| {
+                        last_use.get(&v) == Some(&step)
+                            && matches!(g.value(v).def(), Def::Node(..) | Def::Input)
+                            && slots.get(&v).is_some_and(|s: &Slot| s.size == size)
+                            && !g.is_output(v)
+                    })
+                })
+                .flatten()
+                .copied();
+            let slot = match reuse {
+                Some(v) => {
+                    in_place += 1;
+                    dying[step].retain(|&d| d != v);
+                    slots[&v]
+                }
+                None => arena.alloc(size),
+            };
+            slots.insert(o, slot);
+            dying[*last_use.get(&o).unwrap_or(&step)].push(o);
+        }
+        for v in std::mem::take(&mut dying[step]) {
+            if let Some(s) = slots.get(&v) {
+                arena.free(*s);
+            }
+        }
+    }
+    Ok(Plan { order, last_use, slots, peak_activation_bytes: arena.high_water, weight_bytes, in_place })
+}
+
+/// Best-fit allocation over a list of free gaps.
+#[derive(Default)]
+struct Arena {
+    free: Vec<Slot>,
+    top: u64,
+    high_water: u64,
+}
+
+const ALIGN: u64 = 64;
+
+impl Arena {
+    fn alloc(&mut self, size: u64) -> Slot {
+        let size = size.div_ceil(ALIGN) * ALIGN;
+        let best =
+            self.free.iter().enumerate().filter(|(_, f)| f.size >= size).min_by_key(|(_, f)| f.size).map(|(i, _)| i);
+        let slot = match best {
+            Some(i) => {
+                let f = self.free[i];
+                if f.size == size {
+                    self.free.remove(i);
+                } else {
+                    self.free[i] = Slot { offset: f.offset + size, size: f.size - size };
+                }
+                Slot { offset: f.offset, size }
+            }
+            None => {
+                let s = Slot { offset: self.top, size };
+                self.top += size;
+                s
+            }
+        };
+        self.high_water = self.high_water.max(self.top);
+        slot
+    }
+
+    fn free(&mut self, s: Slot) {
+        self.free.push(s);
+        // Merge neighbouring gaps so large values can reuse them.
+        self.free.sort_by_key(|f| f.offset);
+        let mut merged: Vec<Slot> = Vec::with_capacity(self.free.len());
+        for f in self.free.drain(..) {
+            match merged.last_mut() {
+                Some(m) if m.offset + m.size == f.offset => m.size += f.size,
+                _ => merged.push(f),
+            }
+        }
+        if let Some(last) = merged.last() {
+            if last.offset + last.size == self.top {
+                self.top = last.offset;
+                merged.pop();
+            }
+        }
+        self.free = merged;
+    }
+}

@@ -1,0 +1,304 @@
+//! Host tensors: typed storage, FP16/BF16 kept as half.
+
+use half::{bf16, f16};
+use mpc_ir::{DType, Tensor};
+
+/// Element storage, one variant per dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Data {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    I32(Vec<i32>),
+    I16(Vec<i16>),
+    I8(Vec<i8>),
+    U64(Vec<u64>),
+    U32(Vec<u32>),
+    U16(Vec<u16>),
+    U8(Vec<u8>),
+    Bool(Vec<bool>),
+}
+
+/// A tensor in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Data,
+}
+
+/// Runs `$e` on the storage Vec whatever its element type.
+macro_rules! each {
+    ($data:expr, $v:ident => $e:expr) => {
+        match $data {
+            Data::F32($v) => $e,
+            Data::F16($v) => $e,
+            Data::BF16($v) => $e,
+            Data::F64($v) => $e,
+            Data::I64($v) => $e,
+            Data::I32($v) => $e,
+            Data::I16($v) => $e,
+            Data::I8($v) => $e,
+            Data::U64($v) => $e,
+            Data::U32($v) => $e,
+            Data::U16($v) => $e,
+            Data::U8($v) => $e,
+            Data::Bool($v) => $e,
+        }
+    };
+}
+
+impl HostTensor {
+    pub fn dtype(&self) -> DType {
+        match &self.data {
+            Data::F32(_) => DType::F32,
+            Data::F16(_) => DType::F16,
+            Data::BF16(_) => DType::BF16,
+            Data::F64(_) => DType::F64,
+            Data::I64(_) => DType::I64,
+            Data::I32(_) => DType::I32,
+            Data::I16(_) => DType::I16,
+            Data::I8(_) => DType::I8,
+            Data::U64(_) => DType::U64,
+            Data::U32(_) => DType::U32,
+            Data::U16(_) => DType::U16,
+            Data::U8(_) => DType::U8,
+            Data::Bool(_) => DType::Bool,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        each!(&self.data, v => v.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+
+    /// Float values widened to f32 (the compute type of f32, f16 and bf16); `None` for other dtypes.
+    pub fn f32s(&self) -> Option<Vec<f32>> {
+        match &self.data {
+            Data::F32(v) => Some(v.clone()),
+            Data::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            Data::BF16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            _ => None,
+        }
+    }
+
+    /// Every value as f64 (exact for all but the largest 64-bit integers).
+    pub fn f64s(&self) -> Vec<f64> {
+        match &self.data {
+            Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::F64(v) => v.clone(),
+            Data::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
+            Data::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U64(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U32(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::I16(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U16(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::I8(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::U8(v) => v.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    /// Integer and bool values as i64 (shapes, indices, axes); `None` for floats.
+    pub fn i64s(&self) -> Option<Vec<i64>> {
+        Some(match &self.data {
+            Data::I64(v) => v.clone(),
+            Data::I32(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::I16(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::I8(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::U64(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::U32(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::U16(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::U8(v) => v.iter().map(|&x| x as i64).collect(),
+            Data::Bool(v) => v.iter().map(|&x| x as i64).collect(),
+            _ => return None,
+        })
+    }
+
+    /// A tensor of `dtype` from f32 values, rounding on store (f16/bf16) as a GPU does.
+    pub fn from_f32(dtype: DType, shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
+        let data = match dtype {
+            DType::F32 => Data::F32(v),
+            DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+            DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            _ => return HostTensor::from_f64(dtype, shape, v.into_iter().map(|x| x as f64).collect()),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// A tensor of `dtype` from f64 values (ONNX Cast semantics: floats round to nearest even,
+    /// float → int truncates toward zero and saturates, anything → bool is `!= 0`).
+    pub fn from_f64(dtype: DType, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
+        let data = match dtype {
+            DType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
+            DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
+            DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            DType::F64 => Data::F64(v),
+            DType::I64 => Data::I64(v.iter().map(|&x| x as i64).collect()),
+            DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
+            DType::I16 => Data::I16(v.iter().map(|&x| x as i16).collect()),
+            DType::I8 => Data::I8(v.iter().map(|&x| x as i8).collect()),
+            DType::U64 => Data::U64(v.iter().map(|&x| x as u64).collect()),
+            DType::U32 => Data::U32(v.iter().map(|&x| x as u32).collect()),
+            DType::U16 => Data::U16(v.iter().map(|&x| x as u16).collect()),
+            DType::U8 => Data::U8(v.iter().map(|&x| x as u8).collect()),
+            DType::Bool => Data::Bool(v.iter().map(|&x| x != 0.0).collect()),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// A tensor of `dtype` from i64 values (exact for integer dtypes).
+    pub fn from_i64(dtype: DType, shape: Vec<usize>, v: Vec<i64>) -> HostTensor {
+        let data = match dtype {
+            DType::I64 => Data::I64(v),
+            DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
+            DType::I16 => Data::I16(v.iter().map(|&x| x as i16).collect()),
+            DType::I8 => Data::I8(v.iter().map(|&x| x as i8).collect()),
+            DType::U64 => Data::U64(v.iter().map(|&x| x as u64).collect()),
+            DType::U32 => Data::U32(v.iter().map(|&x| x as u32).collect()),
+            DType::U16 => Data::U16(v.iter().map(|&x| x as u16).collect()),
+            DType::U8 => Data::U8(v.iter().map(|&x| x as u8).collect()),
+            DType::Bool => Data::Bool(v.iter().map(|&x| x != 0).collect()),
+            _ => return HostTensor::from_f64(dtype, shape, v.into_iter().map(|x| x as f64).collect()),
+        };
+        HostTensor { shape, data }
+    }
+
+    /// Converts to `dtype` (ONNX Cast), exactly between integer types.
+    pub fn cast(&self, dtype: DType) -> HostTensor {
+        if dtype == self.dtype() {
+            return self.clone();
+        }
+        match (self.i64s(), dtype.is_float()) {
+            (Some(v), false) => HostTensor::from_i64(dtype, self.shape.clone(), v),
+            _ => HostTensor::from_f64(dtype, self.shape.clone(), self.f64s()),
+        }
+    }
+
+    /// Elements picked by `index` (positions in the flat data), keeping the dtype.
+    pub fn pick(&self, shape: Vec<usize>, index: &[usize]) -> HostTensor {
+        HostTensor { shape, data: map_same!(&self.data, v => index.iter().map(|&i| v[i]).collect()) }
+    }
+
+    pub fn with_shape(mut self, shape: Vec<usize>) -> HostTensor {
+        self.shape = shape;
+        self
+    }
+}
+
+/// Applies `$e` (which builds a `Vec` of the same element type from `$v`) to every variant.
+macro_rules! map_same {
+    ($data:expr, $v:ident => $e:expr) => {
+        match $data {
+            Data::F32($v) => Data::F32($e),
+            Data::F16($v) => Data::F16($e),
+            Data::BF16($v) => Data::BF16($e),
+            Data::F64($v) => Data::F64($e),
+            Data::I64($v) => Data::I64($e),
+            Data::I32($v) => Data::I32($e),
+            Data::I16($v) => Data::I16($e),
+            Data::I8($v) => Data::I8($e),
+            Data::U64($v) => Data::U64($e),
+            Data::U32($v) => Data::U32($e),
+            Data::U16($v) => Data::U16($e),
+            Data::U8($v) => Data::U8($e),
+            Data::Bool($v) => Data::Bool($e),
+        }
+    };
+}
+pub(crate) use map_same;
+
+/// Concatenates runs `(part, start, len)` of same-dtype tensors, in order.
+pub fn gather_runs(parts: &[&HostTensor], shape: Vec<usize>, runs: &[(usize, usize, usize)]) -> HostTensor {
+    let data = map_same!(&parts[0].data, first => {
+        let mut out = Vec::with_capacity(runs.iter().map(|r| r.2).sum());
+        for &(p, s, n) in runs {
+            // Every part has the first part's dtype (checked by type inference).
+            let v = if p == 0 { first } else { part_vec(first, &parts[p].data) };
+            out.extend_from_slice(&v[s..s + n]);
+        }
+        out
+    });
+    HostTensor { shape, data }
+}
+
+/// The same-typed Vec of another tensor (the caller guarantees matching dtypes).
+fn part_vec<'a, T: 'static>(_like: &'a Vec<T>, data: &'a Data) -> &'a Vec<T> {
+    let any: &dyn std::any::Any = match data {
+        Data::F32(v) => v,
+        Data::F16(v) => v,
+        Data::BF16(v) => v,
+        Data::F64(v) => v,
+        Data::I64(v) => v,
+        Data::I32(v) => v,
+        Data::I16(v) => v,
+        Data::I8(v) => v,
+        Data::U64(v) => v,
+        Data::U32(v) => v,
+        Data::U16(v) => v,
+        Data::U8(v) => v,
+        Data::Bool(v) => v,
+    };
+    any.downcast_ref().expect("parts share one dtype")
+}
+
+impl From<&Tensor> for HostTensor {
+    fn from(t: &Tensor) -> HostTensor {
+        let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
+        let b = t.bytes();
+        macro_rules! le {
+            ($ty:ty, $n:literal) => {
+                b.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size"))).collect()
+            };
+        }
+        let data = match t.dtype() {
+            DType::F32 => Data::F32(le!(f32, 4)),
+            DType::F16 => Data::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+            DType::BF16 => Data::BF16(b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
+            DType::F64 => Data::F64(le!(f64, 8)),
+            DType::I64 => Data::I64(le!(i64, 8)),
+            DType::I32 => Data::I32(le!(i32, 4)),
+            DType::I16 => Data::I16(le!(i16, 2)),
+            DType::I8 => Data::I8(b.iter().map(|&x| x as i8).collect()),
+            DType::U64 => Data::U64(le!(u64, 8)),
+            DType::U32 => Data::U32(le!(u32, 4)),
+            DType::U16 => Data::U16(le!(u16, 2)),
+            DType::U8 => Data::U8(b.to_vec()),
+            DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
+        };
+        HostTensor { shape, data }
+    }
+}
+
+impl From<&HostTensor> for Tensor {
+    fn from(h: &HostTensor) -> Tensor {
+        let mut out = Vec::with_capacity(h.bytes());
+        match &h.data {
+            Data::F16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::BF16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::Bool(v) => v.iter().for_each(|&x| out.push(x as u8)),
+            Data::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::F64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::I64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::I32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::I16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::I8(v) => v.iter().for_each(|&x| out.push(x as u8)),
+            Data::U64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::U32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::U16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            Data::U8(v) => out.extend_from_slice(v),
+        }
+        let shape = h.shape.iter().map(|&d| d as u64).collect();
+        Tensor::from_bytes(h.dtype(), shape, out.into()).expect("host tensor bytes match its shape")
+    }
+}

@@ -1,0 +1,148 @@
+//! ONNX conformance cases on the CPU runtime.
+//!
+//! Every case of `MPC_ONNX_NODE_TESTS` (set by `.ci/run`; skipped with a message when absent) is
+//! imported, compiled with `--policy fp32` and run on the CPU backend with its own inputs; outputs
+//! must match the expected ones at rtol 1e-3 / atol 1e-5 (floats) or exactly. Cases that use an op or
+//! dtype mpc does not run yet are skipped with the reason. While kernels are being completed,
+//! `tests/runtime_known_failures.txt` lists the cases that fail today: the test fails on any failure
+//! not listed there (a regression) and on any listed case that now passes (the list must shrink).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
+
+use mpc_runtime::{Cpu, HostTensor, RuntimeError};
+
+enum Outcome {
+    Pass,
+    Skip(String),
+    Fail(String),
+}
+
+fn read_pb(p: &Path) -> Result<HostTensor, String> {
+    let bytes = std::fs::read(p).map_err(|e| e.to_string())?;
+    let t = mpc_ir::onnx::decode_tensor(bytes.into()).map_err(|e| e.to_string())?;
+    Ok(HostTensor::from(&t))
+}
+
+fn numbered(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<(usize, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let n = name.strip_prefix(prefix)?.strip_suffix(".pb")?.parse().ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, p)| p).collect()
+}
+
+fn close(got: &HostTensor, want: &HostTensor) -> Result<(), String> {
+    if got.shape != want.shape {
+        return Err(format!("shape {:?}, expected {:?}", got.shape, want.shape));
+    }
+    if got.dtype() != want.dtype() {
+        return Err(format!("dtype {}, expected {}", got.dtype(), want.dtype()));
+    }
+    let (g, w) = (got.f64s(), want.f64s());
+    for (i, (&a, &e)) in g.iter().zip(&w).enumerate() {
+        let ok = if want.dtype().is_float() {
+            (a.is_nan() && e.is_nan()) || a == e || (a - e).abs() <= 1e-5 + 1e-3 * e.abs()
+        } else {
+            a == e
+        };
+        if !ok {
+            return Err(format!("element {i}: {a} where {e} was expected"));
+        }
+    }
+    Ok(())
+}
+
+fn run_case(dir: &Path) -> Outcome {
+    let model = dir.join("model.onnx");
+    let mut g = match mpc::load(&model) {
+        Ok(g) => g,
+        Err(e) if e.to_string().contains("not supported") => return Outcome::Skip("import: unsupported dtype".into()),
+        Err(e) => return Outcome::Fail(format!("import: {e}")),
+    };
+    if let Err(e) = mpc::compile(&mut g, &model, &mpc::Options::default(), &mut |_, _| {}) {
+        return Outcome::Fail(format!("compile: {e}"));
+    }
+    let mut sets: Vec<_> =
+        std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect();
+    sets.sort();
+    for set in sets {
+        let ins: Result<Vec<HostTensor>, String> = numbered(&set, "input_").iter().map(|p| read_pb(p)).collect();
+        let outs: Result<Vec<HostTensor>, String> = numbered(&set, "output_").iter().map(|p| read_pb(p)).collect();
+        let (ins, outs) = match (ins, outs) {
+            (Ok(i), Ok(o)) => (i, o),
+            (Err(e), _) | (_, Err(e)) if e.contains("not supported") => {
+                return Outcome::Skip("test data: unsupported dtype".into())
+            }
+            (Err(e), _) | (_, Err(e)) => return Outcome::Fail(format!("test data: {e}")),
+        };
+        let feeds: HashMap<String, HostTensor> =
+            g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
+        let got = match mpc_runtime::run(&Cpu, &g, &feeds) {
+            Ok(o) => o,
+            Err(RuntimeError::Unsupported { msg, .. }) => return Outcome::Skip(msg),
+            Err(e) => return Outcome::Fail(e.to_string()),
+        };
+        for ((name, got), want) in got.iter().zip(&outs) {
+            if let Err(e) = close(got, want) {
+                return Outcome::Fail(format!("output `{name}`: {e}"));
+            }
+        }
+    }
+    Outcome::Pass
+}
+
+#[test]
+fn conformance_cases_on_the_cpu_runtime() {
+    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
+        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
+        return;
+    };
+    let known: BTreeSet<String> = include_str!("runtime_known_failures.txt")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    let mut cases: Vec<_> =
+        std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
+    cases.sort();
+    let (mut passed, mut skipped) = (Vec::new(), BTreeMap::<String, usize>::new());
+    let mut failed: BTreeMap<String, String> = BTreeMap::new();
+    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
+        let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
+        match run_case(case) {
+            Outcome::Pass => passed.push(name),
+            Outcome::Skip(why) => *skipped.entry(why).or_default() += 1,
+            Outcome::Fail(why) => {
+                failed.insert(name, why);
+            }
+        }
+    }
+    let mut reasons: Vec<_> = skipped.iter().collect();
+    reasons.sort_by(|a, b| b.1.cmp(a.1));
+    for (why, n) in reasons {
+        eprintln!("skipped {n:4}: {why}");
+    }
+    let new: Vec<_> = failed.iter().filter(|(n, _)| !known.contains(*n)).collect();
+    for (n, why) in &new {
+        eprintln!("FAIL {n}: {why}");
+    }
+    let fixed: Vec<_> = passed.iter().filter(|n| known.contains(*n)).collect();
+    eprintln!(
+        "runtime conformance: {} passed, {} failed ({} known), {} skipped",
+        passed.len(),
+        failed.len(),
+        failed.len() - new.len(),
+        skipped.values().sum::<usize>()
+    );
+    assert!(new.is_empty(), "{} conformance cases fail that are not in tests/runtime_known_failures.txt", new.len());
+    assert!(fixed.is_empty(), "these now pass; remove them from tests/runtime_known_failures.txt: {fixed:?}");
+}
