@@ -5,6 +5,7 @@
 pub mod config;
 pub mod dot;
 pub mod explain;
+pub mod run;
 pub mod summary;
 pub mod synthetic;
 
@@ -25,6 +26,8 @@ pub enum Error {
     Pass { path: PathBuf, source: PassError },
     #[error("{path}: cannot write: {source}")]
     Output { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Run { path: PathBuf, source: mpc_runtime::RuntimeError },
     #[error("{0}")]
     Usage(String),
 }

@@ -103,6 +103,29 @@ enum Command {
         /// Print the graph as Graphviz, coloured by precision, instead of text.
         #[arg(long)]
         dot: bool,
+        /// Print the memory plan's peak bytes (weights, activations) for the policy.
+        #[arg(long)]
+        memory: bool,
+        /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
+        #[arg(long)]
+        batch: Option<u64>,
+    },
+    /// Compile with a policy and run on a backend; print a summary of each output.
+    Run {
+        #[command(flatten)]
+        common: Common,
+        /// Inputs as a safetensors file, tensors named after the graph inputs.
+        #[arg(long, value_name = "FILE", conflicts_with = "random_inputs")]
+        inputs: Option<PathBuf>,
+        /// Random inputs from this seed (floats N(0,1), integers in [0,2)); --dim sizes symbolic dims.
+        #[arg(long, value_name = "SEED")]
+        random_inputs: Option<u64>,
+        /// Where to write the outputs (safetensors, keyed by graph output name).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// The backend: cpu.
+        #[arg(long, default_value = "cpu")]
+        device: String,
     },
 }
 
@@ -197,14 +220,61 @@ fn run(cli: Cli) -> Result<(), Error> {
             std::mem::forget(g);
             Ok(())
         }
-        Command::Inspect { common, explain, dot } => {
+        Command::Run { common, inputs, random_inputs, output, device } => {
+            if device != "cpu" {
+                return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
+            }
             let opts = common.options(Vec::new(), None)?;
+            let mut g = mpc::load(&common.model)?;
+            mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+            let feeds = match (inputs, random_inputs) {
+                (Some(p), _) => mpc::run::read_safetensors(&p)?,
+                (None, Some(seed)) => mpc::run::random_inputs(&g, seed, &opts.dims)?,
+                (None, None) => {
+                    return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()))
+                }
+            };
+            let outs = mpc::run::run_cpu(&g, &common.model, &feeds)?;
+            for (name, t) in &outs {
+                println!("{}", mpc::run::summary(name, t));
+            }
+            if let Some(o) = output {
+                mpc::run::write_safetensors(&o, &outs)?;
+            }
+            Ok(())
+        }
+        Command::Inspect { common, explain, dot, memory, batch } => {
+            let mut opts = common.options(Vec::new(), None)?;
             let before = mpc::load(&common.model)?;
             let mut g = before.clone();
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let perr = |source| Error::Pass { path: common.model.clone(), source };
             let ierr = |source| Error::Input { path: common.model.clone(), source };
-            let out = if dot {
+            if let Some(b) = batch {
+                for &v in g.inputs() {
+                    let first_sym = g.ty(v).shape.as_ref().and_then(|s| {
+                        s.dims().iter().find_map(|d| match d {
+                            mpc_ir::Dim::Sym(s) => Some(s.to_string()),
+                            _ => None,
+                        })
+                    });
+                    if let Some(s) = first_sym {
+                        opts.dims.entry(s).or_insert(b);
+                    }
+                }
+            }
+            let out = if memory {
+                let (plan, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
+                let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!(
+                    "memory plan at {}: weights {} bytes, peak activations {} bytes ({} outputs written in place), total {} bytes\n",
+                    if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
+                    plan.weight_bytes,
+                    plan.peak_activation_bytes,
+                    plan.in_place,
+                    plan.weight_bytes + plan.peak_activation_bytes
+                )
+            } else if dot {
                 mpc::dot::to_dot(&g).map_err(ierr)?
             } else {
                 let mut out = text::to_summary(&g).map_err(ierr)?;

@@ -353,16 +353,21 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let ax = ints(ins.get(1).copied().flatten(), "axis")?;
             one(nn::cumsum(t, axis(ax[0], t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
         }
+        Op::NegativeLogLikelihoodLoss(a) => {
+            one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, &a.reduction)?)
+        }
+        Op::SoftmaxCrossEntropyLoss(a) => {
+            // log_prob = LogSoftmax over the class axis, then NLL.
+            let log_prob = nn::softmax(x(0)?, 1, true)?;
+            let loss = nn::nll_loss(&log_prob, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, &a.reduction)?;
+            Ok(if n_outputs > 1 { vec![loss, log_prob] } else { vec![loss] })
+        }
         Op::MaxPool(_)
         | Op::ConvTranspose(_)
         | Op::GroupNormalization(_)
         | Op::LRN(_)
         | Op::Einsum(_)
-        | Op::Resize(_)
-        | Op::SoftmaxCrossEntropyLoss(_)
-        | Op::NegativeLogLikelihoodLoss(_) => {
-            Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type())))
-        }
+        | Op::Resize(_) => Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type()))),
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
     }
 }

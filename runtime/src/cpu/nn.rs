@@ -353,3 +353,41 @@ pub(crate) fn instance_norm(x: &HostTensor, scale: &HostTensor, bias: &HostTenso
     }
     Ok(store(x, x.shape.clone(), out))
 }
+
+/// NegativeLogLikelihoodLoss on log-probabilities `x` [N, C, d...] and integer `target` [N, d...],
+/// optional per-class `weight`, `ignore_index`; reduction none, sum or mean (weighted).
+pub(crate) fn nll_loss(
+    x: &HostTensor,
+    target: &HostTensor,
+    weight: Option<&HostTensor>,
+    ignore: Option<i64>,
+    reduction: &str,
+) -> Res<HostTensor> {
+    let v = vals(x)?;
+    let t = target.i64s().ok_or_else(|| err("target must be integers"))?;
+    let (n, c) = (x.shape[0], *x.shape.get(1).ok_or_else(|| err("input needs a class dimension"))?);
+    let inner: usize = x.shape.iter().skip(2).product();
+    let w = weight.map(|w| w.f64s());
+    let mut losses = Vec::with_capacity(n * inner);
+    let mut wsum = 0f64;
+    for b in 0..n {
+        for i in 0..inner {
+            let cls = t[b * inner + i];
+            if Some(cls) == ignore {
+                losses.push(0.0);
+                continue;
+            }
+            if !(0..c as i64).contains(&cls) {
+                return Err(err(format!("target {cls} out of range for {c} classes")));
+            }
+            let wc = w.as_ref().map_or(1.0, |w| w[cls as usize]);
+            wsum += wc;
+            losses.push(-v[(b * c + cls as usize) * inner + i] * wc);
+        }
+    }
+    Ok(match reduction {
+        "none" => store(x, target.shape.clone(), losses),
+        "sum" => store(x, vec![], vec![losses.iter().sum()]),
+        _ => store(x, vec![], vec![losses.iter().sum::<f64>() / wsum]),
+    })
+}
