@@ -3,6 +3,7 @@
 
     python3 tests/interop/check_onnx.py --mpc target/release/mpc fixtures
     python3 tests/interop/check_onnx.py --mpc target/release/mpc conformance DIR
+    python3 tests/interop/check_onnx.py --mpc target/release/mpc runtime
 
 `fixtures`: every tests/models/*.onnx is compiled with each policy. The output must pass
 onnx.checker.check_model(full_check=True). With `--policy fp32` it must give the original's outputs
@@ -17,6 +18,11 @@ outputs must equal the original's in onnxruntime (same tolerance) and the suite'
 (rtol 1e-3, atol 1e-5 for floats, exact otherwise). Cases mpc rejects as unsupported (dtypes such as
 strings or float8) and cases onnxruntime cannot run even in their original form are skipped, with
 the reason. Prints passed / skipped / failed counts; exits 1 on any failure.
+
+`runtime`: every fixture is run by `mpc run` (mpc's CPU runtime) on random inputs: `fp32` must match
+onnxruntime on the original model (relative L2 <= 1e-4), `mixed` must match onnxruntime running mpc's
+own exported mixed model (<= 5e-3: same casts, same numbers), `mixed-bf16` must match fp32 (<= 3e-2).
+Fixtures with an op the runtime cannot run yet are skipped with the reason.
 """
 
 import argparse
@@ -131,6 +137,64 @@ def check_fixtures(mpc):
     return failed == 0
 
 
+def mpc_run(mpc, model, inputs, out, policy):
+    r = subprocess.run([mpc, "run", model, "--policy", policy, "--inputs", inputs, "-o", out], capture_output=True, text=True)
+    return r.returncode, r.stderr.strip()
+
+
+def check_runtime(mpc):
+    from safetensors.numpy import load_file, save_file
+
+    meta = json.load(open(os.path.join(ROOT, "tests", "models", "fixtures.json")))
+    rng = np.random.default_rng(1)
+    passed = failed = skipped = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sorted(glob.glob(os.path.join(ROOT, "tests", "models", "*.onnx"))):
+            name = os.path.splitext(os.path.basename(src))[0]
+            a = session(src)
+            feeds = random_inputs(a, meta["int_input_ranges"].get(name, {}), rng, batch=4)
+            inputs = os.path.join(tmp, name + ".in.safetensors")
+            save_file({k: np.array(v, order="C") for k, v in feeds.items()}, inputs)  # keeps 0-d arrays 0-d
+            names = [o.name for o in a.get_outputs()]
+            reference = dict(zip(names, a.run(None, feeds)))
+            mixed_onnx = os.path.join(tmp, name + ".mixed.onnx")
+            results = {}
+            try:
+                for policy in ["fp32", "mixed", "mixed-bf16"]:
+                    out = os.path.join(tmp, f"{name}.{policy}.out.safetensors")
+                    rc, err = mpc_run(mpc, src, inputs, out, policy)
+                    if rc != 0 and ("cannot run" in err or "not implemented" in err):
+                        raise LookupError(err.split(": ", 2)[-1])
+                    if rc != 0:
+                        raise AssertionError(f"mpc run --policy {policy} exited {rc}: {err}")
+                    results[policy] = load_file(out)
+                rc, err = compile_model(mpc, src, mixed_onnx, "mixed")
+                if rc != 0:
+                    raise AssertionError(err)
+                ort_mixed = dict(zip(names, session(mixed_onnx).run(None, feeds)))
+                checks = [
+                    ("fp32 vs onnxruntime", results["fp32"], reference, 1e-4),
+                    ("mixed vs onnxruntime on mpc's mixed model", results["mixed"], ort_mixed, 5e-3),
+                    ("mixed-bf16 vs fp32", results["mixed-bf16"], results["fp32"], 3e-2),
+                ]
+                worst = []
+                for label, got, want, tol in checks:
+                    err = max(rel_l2(got[k], want[k]) for k in names)
+                    if err > tol:
+                        raise AssertionError(f"{label}: relative L2 error {err:.3g} > {tol:g}")
+                    worst.append(f"{label} {err:.2g}")
+                print(f"ok   {name}: " + "; ".join(worst))
+                passed += 1
+            except LookupError as e:
+                print(f"skip {name}: {e}")
+                skipped += 1
+            except Exception as e:  # noqa: BLE001
+                print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                failed += 1
+    print(f"runtime: {passed} passed, {failed} failed, {skipped} skipped")
+    return failed == 0
+
+
 def load_case(case_dir):
     sets = []
     for d in sorted(glob.glob(os.path.join(case_dir, "test_data_set_*"))):
@@ -209,10 +273,15 @@ def check_conformance(mpc, root):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
-    p.add_argument("what", choices=["fixtures", "conformance"])
+    p.add_argument("what", choices=["fixtures", "conformance", "runtime"])
     p.add_argument("dir", nargs="?")
     a = p.parse_args()
-    ok = check_fixtures(a.mpc) if a.what == "fixtures" else check_conformance(a.mpc, a.dir)
+    if a.what == "fixtures":
+        ok = check_fixtures(a.mpc)
+    elif a.what == "runtime":
+        ok = check_runtime(a.mpc)
+    else:
+        ok = check_conformance(a.mpc, a.dir)
     sys.exit(0 if ok else 1)
 
 
