@@ -5,6 +5,7 @@
 mod elementwise;
 mod linalg;
 mod nn;
+mod resize;
 mod shape;
 
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
@@ -27,7 +28,7 @@ pub(crate) fn err(msg: impl Into<String>) -> KernelError {
     KernelError::Invalid(msg.into())
 }
 
-fn unsupported(msg: impl Into<String>) -> KernelError {
+pub(crate) fn unsupported(msg: impl Into<String>) -> KernelError {
     KernelError::Unsupported(msg.into())
 }
 
@@ -362,12 +363,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let loss = nn::nll_loss(&log_prob, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, &a.reduction)?;
             Ok(if n_outputs > 1 { vec![loss, log_prob] } else { vec![loss] })
         }
-        Op::MaxPool(_)
-        | Op::ConvTranspose(_)
-        | Op::GroupNormalization(_)
-        | Op::LRN(_)
-        | Op::Einsum(_)
-        | Op::Resize(_) => Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type()))),
+        Op::Resize(a) => one(resize::resize(x(0)?, ins.get(2).copied().flatten(), ins.get(3).copied().flatten(), a)?),
+        Op::MaxPool(_) | Op::ConvTranspose(_) | Op::GroupNormalization(_) | Op::LRN(_) | Op::Einsum(_) => {
+            Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type())))
+        }
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
     }
 }
