@@ -126,6 +126,9 @@ enum Command {
         /// The backend: cpu.
         #[arg(long, default_value = "cpu")]
         device: String,
+        /// Run this many more times after a warm-up run and print the median time per run.
+        #[arg(long, value_name = "N")]
+        repeat: Option<usize>,
     },
 }
 
@@ -220,7 +223,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             std::mem::forget(g);
             Ok(())
         }
-        Command::Run { common, inputs, random_inputs, output, device } => {
+        Command::Run { common, inputs, random_inputs, output, device, repeat } => {
             if device != "cpu" {
                 return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
             }
@@ -234,7 +237,19 @@ fn run(cli: Cli) -> Result<(), Error> {
                     return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()))
                 }
             };
-            let outs = mpc::run::run_cpu(&g, &common.model, &feeds)?;
+            let rerr = |source| Error::Run { path: common.model.clone(), source };
+            let session = mpc_runtime::Session::new(mpc_runtime::Cpu, &g).map_err(rerr)?;
+            let outs = session.run(&feeds).map_err(rerr)?;
+            if let Some(n) = repeat.filter(|&n| n > 0) {
+                let mut times = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let t = Instant::now();
+                    session.run(&feeds).map_err(rerr)?;
+                    times.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                times.sort_by(f64::total_cmp);
+                eprintln!("mpc: median run {:.3} ms over {n} runs (min {:.3} ms)", times[n / 2], times[0]);
+            }
             for (name, t) in &outs {
                 println!("{}", mpc::run::summary(name, t));
             }

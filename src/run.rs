@@ -139,11 +139,6 @@ pub fn summary(name: &str, t: &HostTensor) -> String {
     s
 }
 
-/// Runs `g` on the CPU backend.
-pub fn run_cpu(g: &Graph, model: &Path, inputs: &HashMap<String, HostTensor>) -> Result<Vec<(String, HostTensor)>> {
-    mpc_runtime::run(&mpc_runtime::Cpu, g, inputs).map_err(|e| Error::Run { path: model.to_owned(), source: e })
-}
-
 /// The memory plan of `g` with its symbolic dims bound.
 pub fn memory_plan(
     g: &Graph,

@@ -11,7 +11,7 @@ pub mod value;
 
 use std::collections::HashMap;
 
-use mpc_ir::{Def, Dim, Graph, Op, ValueId};
+use mpc_ir::{Dim, Graph, Op, ValueId};
 
 pub use cpu::KernelError;
 pub use plan::{plan, Plan};
@@ -95,61 +95,83 @@ fn check_input(g: &Graph, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError
     Ok(())
 }
 
-/// Runs `g` on `backend` with named inputs; returns the graph outputs by name, in order.
-pub fn run<B: Backend>(
+/// A graph ready to run on a backend: schedule computed and weights uploaded once.
+pub struct Session<'g, B: Backend> {
+    backend: B,
+    g: &'g Graph,
+    order: Vec<mpc_ir::NodeId>,
+    last_use: HashMap<ValueId, usize>,
+    weights: HashMap<ValueId, B::Buffer>,
+}
+
+impl<'g, B: Backend> Session<'g, B> {
+    pub fn new(backend: B, g: &'g Graph) -> Result<Self, RuntimeError> {
+        let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
+        let mut last_use: HashMap<ValueId, usize> = HashMap::new();
+        for (step, &n) in order.iter().enumerate() {
+            for v in g.node(n).inputs().iter().flatten() {
+                last_use.insert(*v, step);
+            }
+        }
+        let mut weights = HashMap::new();
+        for v in g.initializers() {
+            if let Some(t) = g.value(v).initializer() {
+                weights.insert(v, backend.upload(&HostTensor::from(t))?);
+            }
+        }
+        Ok(Session { backend, g, order, last_use, weights })
+    }
+
+    /// Runs once with named inputs; returns the graph outputs by name, in order.
+    pub fn run(&self, inputs: &HashMap<String, HostTensor>) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+        let g = self.g;
+        for name in inputs.keys() {
+            if !g.inputs().iter().any(|&v| g.name(v) == name) {
+                let all: Vec<&str> = g.inputs().iter().map(|&v| g.name(v)).collect();
+                return Err(RuntimeError::UnexpectedInput(name.clone(), all.join(", ")));
+            }
+        }
+        let mut env: HashMap<ValueId, B::Buffer> = HashMap::new();
+        for &v in g.inputs() {
+            let t = inputs.get(g.name(v)).ok_or_else(|| RuntimeError::MissingInput(g.name(v).to_string()))?;
+            check_input(g, v, t)?;
+            env.insert(v, self.backend.upload(t)?);
+        }
+        for (step, &n) in self.order.iter().enumerate() {
+            let node = g.node(n);
+            let outs = {
+                let get = |v: ValueId| env.get(&v).or_else(|| self.weights.get(&v));
+                let ins: Vec<Option<&B::Buffer>> = node.inputs().iter().map(|i| i.and_then(get)).collect();
+                self.backend.execute(&node.op, &ins, node.outputs().len()).map_err(|e| match e {
+                    KernelError::Invalid(msg) => RuntimeError::Node { node: g.node_label(n), msg },
+                    KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: g.node_label(n), msg },
+                })?
+            };
+            for (&o, t) in node.outputs().iter().zip(outs) {
+                env.insert(o, t);
+            }
+            for v in node.inputs().iter().flatten() {
+                if !g.is_output(*v) && self.last_use.get(v) == Some(&step) {
+                    env.remove(v);
+                }
+            }
+        }
+        g.outputs()
+            .iter()
+            .map(|&v| {
+                let b = env.get(&v).or_else(|| self.weights.get(&v));
+                let b = b.ok_or_else(|| RuntimeError::Graph(format!("output `{}` was not computed", g.name(v))))?;
+                Ok((g.name(v).to_string(), self.backend.download(b)?))
+            })
+            .collect()
+    }
+}
+
+/// Runs `g` once on `backend` (see [`Session`] to run repeatedly).
+pub fn run<B: Backend + Clone>(
     backend: &B,
     g: &Graph,
     inputs: &HashMap<String, HostTensor>,
 ) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
-    for name in inputs.keys() {
-        if !g.inputs().iter().any(|&v| g.name(v) == name) {
-            let all: Vec<&str> = g.inputs().iter().map(|&v| g.name(v)).collect();
-            return Err(RuntimeError::UnexpectedInput(name.clone(), all.join(", ")));
-        }
-    }
-    let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
-    let mut last_use: HashMap<ValueId, usize> = HashMap::new();
-    for (step, &n) in order.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten() {
-            last_use.insert(*v, step);
-        }
-    }
-    let mut env: HashMap<ValueId, B::Buffer> = HashMap::new();
-    for &v in g.inputs() {
-        let t = inputs.get(g.name(v)).ok_or_else(|| RuntimeError::MissingInput(g.name(v).to_string()))?;
-        check_input(g, v, t)?;
-        env.insert(v, backend.upload(t)?);
-    }
-    for v in g.initializers() {
-        if let Some(t) = g.value(v).initializer() {
-            env.insert(v, backend.upload(&HostTensor::from(t))?);
-        }
-    }
-    for (step, &n) in order.iter().enumerate() {
-        let node = g.node(n);
-        let outs = {
-            let ins: Vec<Option<&B::Buffer>> = node.inputs().iter().map(|i| i.and_then(|v| env.get(&v))).collect();
-            backend.execute(&node.op, &ins, node.outputs().len()).map_err(|e| match e {
-                KernelError::Invalid(msg) => RuntimeError::Node { node: g.node_label(n), msg },
-                KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: g.node_label(n), msg },
-            })?
-        };
-        for (&o, t) in node.outputs().iter().zip(outs) {
-            env.insert(o, t);
-        }
-        for v in node.inputs().iter().flatten() {
-            let keep = g.is_output(*v) || matches!(g.value(*v).def(), Def::Init(_)) || last_use.get(v) != Some(&step);
-            if !keep {
-                env.remove(v);
-            }
-        }
-    }
-    g.outputs()
-        .iter()
-        .map(|&v| {
-            let b =
-                env.get(&v).ok_or_else(|| RuntimeError::Graph(format!("output `{}` was not computed", g.name(v))))?;
-            Ok((g.name(v).to_string(), backend.download(b)?))
-        })
-        .collect()
+    Session::new(backend.clone(), g)?.run(inputs)
 }

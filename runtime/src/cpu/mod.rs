@@ -3,6 +3,7 @@
 //! never a guess.
 
 mod elementwise;
+mod extra;
 mod linalg;
 mod nn;
 mod resize;
@@ -364,8 +365,19 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             Ok(if n_outputs > 1 { vec![loss, log_prob] } else { vec![loss] })
         }
         Op::Resize(a) => one(resize::resize(x(0)?, ins.get(2).copied().flatten(), ins.get(3).copied().flatten(), a)?),
-        Op::MaxPool(_) | Op::ConvTranspose(_) | Op::GroupNormalization(_) | Op::LRN(_) | Op::Einsum(_) => {
-            Err(unsupported(format!("{} is not implemented on the CPU backend yet", op.op_type())))
+        Op::MaxPool(a) => {
+            let t = x(0)?;
+            let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
+            let (out, pads) =
+                window(&t.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+            extra::max_pool_with_indices(t, a, &out, &pads)
+        }
+        Op::ConvTranspose(a) => one(extra::conv_transpose(x(0)?, x(1)?, ins.get(2).copied().flatten(), a)?),
+        Op::GroupNormalization(a) => one(extra::group_norm(x(0)?, x(1)?, x(2)?, a.num_groups as usize, a.epsilon)?),
+        Op::LRN(a) => one(extra::lrn(x(0)?, a.size as usize, a.alpha, a.beta, a.bias)?),
+        Op::Einsum(a) => {
+            let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
+            one(extra::einsum(&a.equation, &parts)?)
         }
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
     }

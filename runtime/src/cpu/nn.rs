@@ -113,25 +113,30 @@ pub(crate) fn batch_norm(
     let (nb, c) = (x.shape[0], *x.shape.get(1).unwrap_or(&1));
     let inner: usize = x.shape.iter().skip(2).product();
     let (sc, bi, rm, rv) = (scale.f64s(), bias.f64s(), mean.f64s(), var.f64s());
+    let plane = |b: usize, ch: usize| &v[(b * c + ch) * inner..(b * c + ch + 1) * inner];
     let (bm, bv): (Vec<f64>, Vec<f64>) = if training {
         (0..c)
             .map(|ch| {
-                let vals = (0..nb).flat_map(|b| (0..inner).map(move |i| (b * c + ch) * inner + i));
                 let cnt = (nb * inner) as f64;
-                let m = vals.clone().map(|i| v[i]).sum::<f64>() / cnt;
-                let s = vals.map(|i| (v[i] - m) * (v[i] - m)).sum::<f64>() / cnt;
+                let m = (0..nb).map(|b| plane(b, ch).iter().sum::<f64>()).sum::<f64>() / cnt;
+                let s = (0..nb).map(|b| plane(b, ch).iter().map(|a| (a - m) * (a - m)).sum::<f64>()).sum::<f64>() / cnt;
                 (m, s)
             })
             .unzip()
     } else {
         (rm.clone(), rv.clone())
     };
-    let y: Vec<f64> = (0..v.len())
-        .map(|i| {
-            let ch = (i / inner) % c;
-            (((v[i] - bm[ch]) as f32 / ((bv[ch] as f32) + eps).sqrt()) * sc[ch] as f32 + bi[ch] as f32) as f64
-        })
-        .collect();
+    let mut y = vec![0f64; v.len()];
+    for b in 0..nb {
+        for ch in 0..c {
+            let k = sc[ch] as f32 / ((bv[ch] as f32) + eps).sqrt();
+            let (m, bias) = (bm[ch] as f32, bi[ch] as f32);
+            let dst = &mut y[(b * c + ch) * inner..(b * c + ch + 1) * inner];
+            for (d, &a) in dst.iter_mut().zip(plane(b, ch)) {
+                *d = ((a as f32 - m) * k + bias) as f64;
+            }
+        }
+    }
     let mut out = vec![store(x, x.shape.clone(), y)];
     if training {
         let mo = momentum as f64;
@@ -167,46 +172,47 @@ pub(crate) fn pool(
     let kvol: usize = kernel.iter().product();
     let (ist, ost, kst) =
         (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
-    let mut out = Vec::with_capacity(nb * c * ovol);
-    for plane in 0..nb * c {
-        let base = plane * ivol;
-        for op in 0..ovol {
-            let (mut acc, mut cnt, mut padded) = (if max { f64::NEG_INFINITY } else { 0.0 }, 0usize, 0usize);
-            for kp in 0..kvol {
-                let mut off = 0;
-                let mut inside = true;
-                let mut in_padded_area = true;
-                for d in 0..sp {
-                    let oc = (op / ost[d]) % out_spatial[d];
-                    let kc = (kp / kst[d]) % kernel[d];
-                    let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
-                    if ic < 0 || ic >= in_sp[d] as i64 {
-                        inside = false;
-                        // Past the right padding (ceil mode) does not count even with count_include_pad.
-                        if ic >= (in_sp[d] + pads[d + sp]) as i64 {
-                            in_padded_area = false;
-                        }
-                    } else {
-                        off += ic as usize * ist[d];
+    // Once per call: each window's input offsets, and how many of its positions are padding
+    // (past the right padding, in ceil mode, does not count even with count_include_pad).
+    let mut taps: Vec<Vec<usize>> = Vec::with_capacity(ovol);
+    let mut padded = Vec::with_capacity(ovol);
+    for op in 0..ovol {
+        let mut offs = Vec::with_capacity(kvol);
+        let mut pad_count = 0usize;
+        for kp in 0..kvol {
+            let mut off = 0;
+            let (mut inside, mut in_padded_area) = (true, true);
+            for d in 0..sp {
+                let oc = (op / ost[d]) % out_spatial[d];
+                let kc = (kp / kst[d]) % kernel[d];
+                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
+                if ic < 0 || ic >= in_sp[d] as i64 {
+                    inside = false;
+                    if ic >= (in_sp[d] + pads[d + sp]) as i64 {
+                        in_padded_area = false;
                     }
-                }
-                if inside {
-                    let a = v[base + off];
-                    if max {
-                        acc = if a.is_nan() || a > acc { a } else { acc };
-                    } else {
-                        acc += a;
-                    }
-                    cnt += 1;
-                } else if in_padded_area {
-                    padded += 1;
+                } else {
+                    off += ic as usize * ist[d];
                 }
             }
+            if inside {
+                offs.push(off);
+            } else if in_padded_area {
+                pad_count += 1;
+            }
+        }
+        taps.push(offs);
+        padded.push(pad_count);
+    }
+    let mut out = Vec::with_capacity(nb * c * ovol);
+    for plane in 0..nb * c {
+        let row = &v[plane * ivol..(plane + 1) * ivol];
+        for (offs, &pad_count) in taps.iter().zip(&padded) {
             out.push(if max {
-                acc
+                offs.iter().map(|&o| row[o]).fold(f64::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m })
             } else {
-                let n = if count_include_pad { cnt + padded } else { cnt };
-                acc / n.max(1) as f64
+                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
+                offs.iter().map(|&o| row[o]).sum::<f64>() / n.max(1) as f64
             });
         }
     }
@@ -219,6 +225,33 @@ pub(crate) fn pool(
 pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str) -> Res<HostTensor> {
     let v = x.f64s();
     let rank = x.shape.len();
+    // Fast path: the reduced axes are the trailing dims (global pooling, row sums), so each output
+    // is one contiguous run of the input.
+    let k = axes.len();
+    let trailing = k > 0 && axes.iter().copied().eq(rank - k..rank) && matches!(kind, "sum" | "mean" | "max" | "min");
+    if trailing && x.dtype() != mpc_ir::DType::Bool {
+        let run: usize = x.shape[rank - k..].iter().product();
+        let out: Vec<f64> = v
+            .chunks(run.max(1))
+            .map(|r| match kind {
+                "max" => r.iter().copied().fold(f64::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m }),
+                "min" => r.iter().copied().fold(f64::INFINITY, |m, a| if a.is_nan() || a < m { a } else { m }),
+                "mean" => r.iter().sum::<f64>() / run as f64,
+                _ => r.iter().sum(),
+            })
+            .collect();
+        let mut shape: Vec<usize> = x.shape[..rank - k].to_vec();
+        if keepdims {
+            shape.extend(std::iter::repeat_n(1, k));
+        }
+        if run > 0 {
+            return Ok(if x.dtype().is_float() {
+                store(x, shape, out)
+            } else {
+                HostTensor::from_f64(x.dtype(), shape, out)
+            });
+        }
+    }
     let reduced = |d: usize| axes.contains(&d);
     let out_shape_keep: Vec<usize> = (0..rank).map(|d| if reduced(d) { 1 } else { x.shape[d] }).collect();
     let ost = super::shape::strides(&out_shape_keep);
