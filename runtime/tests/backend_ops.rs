@@ -11,7 +11,7 @@ fn graph(body: &str) -> mpc_ir::Graph {
     text::parse(&src, None).expect("test graph parses")
 }
 
-fn run<B: Backend>(b: &B, body: &str, inputs: Vec<(&str, HostTensor)>) -> Vec<HostTensor> {
+fn run<B: Backend + Clone>(b: &B, body: &str, inputs: Vec<(&str, HostTensor)>) -> Vec<HostTensor> {
     let g = graph(body);
     let feeds: HashMap<String, HostTensor> = inputs.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
     mpc_runtime::run(b, &g, &feeds).expect("runs").into_iter().map(|(_, t)| t).collect()
@@ -23,7 +23,7 @@ fn ones(dtype: DType, shape: Vec<usize>) -> HostTensor {
 }
 
 /// 4096 f16 ones sum to 4096 with f32 accumulation; f16 accumulation would stall at 2048.
-pub fn f16_reduction_accumulates_in_f32<B: Backend>(b: &B) {
+pub fn f16_reduction_accumulates_in_f32<B: Backend + Clone>(b: &B) {
     let out = run(
         b,
         "  input %0 \"x\": f16[4096]\n  %1 \"s\": f16[] = ReduceSum[keepdims=0](%0)\n  output %1",
@@ -33,7 +33,7 @@ pub fn f16_reduction_accumulates_in_f32<B: Backend>(b: &B) {
 }
 
 /// The same for a matrix product's inner dimension.
-pub fn f16_matmul_accumulates_in_f32<B: Backend>(b: &B) {
+pub fn f16_matmul_accumulates_in_f32<B: Backend + Clone>(b: &B) {
     let out = run(
         b,
         "  input %0 \"a\": f16[1,4096]\n  input %1 \"b\": f16[4096,1]\n  %2 \"c\": f16[1,1] = MatMul(%0, %1)\n  output %2",
@@ -43,14 +43,14 @@ pub fn f16_matmul_accumulates_in_f32<B: Backend>(b: &B) {
 }
 
 /// f16 results round on store: 1 + 2^-11 is not representable and rounds to 1.
-pub fn f16_rounds_on_store<B: Backend>(b: &B) {
+pub fn f16_rounds_on_store<B: Backend + Clone>(b: &B) {
     let x = HostTensor::from_f64(DType::F16, vec![1], vec![1.0]);
     let e = HostTensor::from_f32(DType::F32, vec![1], vec![1.0 / 2048.0]);
     let body = "  input %0 \"x\": f16[1]\n  input %1 \"e\": f32[1]\n  %2 \"ec\": f16[1] = Cast[to=10](%1)\n  %3 \"y\": f16[1] = Add(%0, %2)\n  output %3";
     assert_eq!(run(b, body, vec![("x", x), ("e", e)])[0].f64s(), vec![1.0]);
 }
 
-pub fn broadcasting_and_softmax<B: Backend>(b: &B) {
+pub fn broadcasting_and_softmax<B: Backend + Clone>(b: &B) {
     let x = HostTensor::from_f32(DType::F32, vec![2, 3], vec![1.0, 2.0, 3.0, 1.0, 1.0, 1.0]);
     let bias = HostTensor::from_f32(DType::F32, vec![3], vec![0.0, 0.0, 1000.0]);
     let body = "  input %0 \"x\": f32[2,3]\n  input %1 \"b\": f32[3]\n  %2 \"s\": f32[2,3] = Add(%0, %1)\n  %3 \"p\": f32[2,3] = Softmax(%2)\n  output %3";
@@ -60,7 +60,7 @@ pub fn broadcasting_and_softmax<B: Backend>(b: &B) {
     assert!((p.iter().sum::<f64>() - 2.0).abs() < 1e-6);
 }
 
-pub fn conv_with_padding_and_stride<B: Backend>(b: &B) {
+pub fn conv_with_padding_and_stride<B: Backend + Clone>(b: &B) {
     // A 3x3 box filter over a 4x4 image of ones, padding 1, stride 2: corners see 4 ones, edges 6.
     let body = "  input %0 \"x\": f32[1,1,4,4]\n  input %1 \"w\": f32[1,1,3,3]\n  %2 \"y\": f32[1,1,2,2] = Conv[pads=[1, 1, 1, 1], strides=[2, 2]](%0, %1)\n  output %2";
     let y = run(b, body, vec![("x", ones(DType::F32, vec![1, 1, 4, 4])), ("w", ones(DType::F32, vec![1, 1, 3, 3]))]);
@@ -68,7 +68,7 @@ pub fn conv_with_padding_and_stride<B: Backend>(b: &B) {
     assert_eq!(y[0].f64s(), vec![4.0, 6.0, 6.0, 9.0]);
 }
 
-pub fn runs_are_deterministic<B: Backend>(b: &B) {
+pub fn runs_are_deterministic<B: Backend + Clone>(b: &B) {
     let x = HostTensor::from_f32(
         DType::F32,
         vec![64, 64],
@@ -81,7 +81,7 @@ pub fn runs_are_deterministic<B: Backend>(b: &B) {
 }
 
 /// The ONNX spec's examples: linear (half_pixel) and nearest upsampling of [[1, 2], [3, 4]].
-pub fn resize_linear_and_nearest<B: Backend>(b: &B) {
+pub fn resize_linear_and_nearest<B: Backend + Clone>(b: &B) {
     let x = HostTensor::from_f32(DType::F32, vec![1, 1, 2, 2], vec![1.0, 2.0, 3.0, 4.0]);
     let linear = "  input %0 \"x\": f32[1,1,2,2]\n  init %1 \"s\" = f32[4]{1.0, 1.0, 2.0, 2.0}\n  %2 \"y\": ? = Resize[mode=\"linear\"](%0, _, %1)\n  output %2";
     let y = run(b, linear, vec![("x", x.clone())]);
