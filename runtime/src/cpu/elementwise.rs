@@ -148,18 +148,31 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
     })
 }
 
+/// `unary_fn` over a slice, with the op resolved once (the common ones get their own loops).
+fn map_unary<R: Real>(op: &Op, v: &[R]) -> Option<Vec<R>> {
+    let zero = R::of(0.0);
+    Some(match op {
+        Op::Relu => v.iter().map(|&a| max(a, zero)).collect(),
+        Op::Identity | Op::Dropout(_) => v.to_vec(),
+        Op::Neg => v.iter().map(|&a| -a).collect(),
+        Op::Exp => v.iter().map(|&a| a.exp()).collect(),
+        Op::Sqrt => v.iter().map(|&a| a.sqrt()).collect(),
+        Op::Tanh => v.iter().map(|&a| a.tanh()).collect(),
+        Op::Erf => v.iter().map(|&a| a.erf()).collect(),
+        _ => {
+            unary_fn(op, zero)?;
+            v.iter().map(|&a| unary_fn(op, a).unwrap_or(a)).collect()
+        }
+    })
+}
+
 /// Applies a float unary op, computing in f32 (or f64) and storing in the input's dtype.
 pub(crate) fn unary(op: &Op, x: &HostTensor) -> Option<HostTensor> {
+    let shape = x.shape.clone();
     match &x.data {
-        Data::F64(v) => {
-            let out: Option<Vec<f64>> = v.iter().map(|&a| unary_fn(op, a)).collect();
-            Some(HostTensor { shape: x.shape.clone(), data: Data::F64(out?) })
-        }
-        _ => {
-            let v = x.f32s()?;
-            let out: Option<Vec<f32>> = v.into_iter().map(|a| unary_fn(op, a)).collect();
-            Some(HostTensor::from_f32(x.dtype(), x.shape.clone(), out?))
-        }
+        Data::F32(v) => Some(HostTensor { shape, data: Data::F32(map_unary(op, v)?) }),
+        Data::F64(v) => Some(HostTensor { shape, data: Data::F64(map_unary(op, v)?) }),
+        _ => Some(HostTensor::from_f32(x.dtype(), shape, map_unary(op, &x.f32s()?)?)),
     }
 }
 
@@ -225,36 +238,6 @@ pub(crate) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
     idx
 }
 
-fn float_bin<R: Real>(op: &Op, a: R, b: R) -> Option<R> {
-    Some(match op {
-        Op::Add | Op::Sum => a + b,
-        Op::Sub => a - b,
-        Op::Mul => a * b,
-        Op::Div => a / b,
-        Op::Pow => a.powf(b),
-        Op::Max => max(a, b),
-        Op::Min => min(a, b),
-        Op::PRelu => {
-            if a < R::of(0.0) {
-                a * b
-            } else {
-                a
-            }
-        }
-        Op::Mod(m) if m.fmod != 0 => a.fmod(b),
-        // numpy's mod: the remainder takes the divisor's sign (also right for infinite divisors).
-        Op::Mod(_) => {
-            let r = a.fmod(b);
-            if r != R::of(0.0) && (r < R::of(0.0)) != (b < R::of(0.0)) {
-                r + b
-            } else {
-                r
-            }
-        }
-        _ => return None,
-    })
-}
-
 fn int_bin(op: &Op, a: i64, b: i64) -> Option<i64> {
     Some(match op {
         Op::Add | Op::Sum => a.wrapping_add(b),
@@ -284,27 +267,90 @@ fn int_bin(op: &Op, a: i64, b: i64) -> Option<i64> {
     })
 }
 
+/// The float function of a binary op, resolved once per call rather than per element.
+fn float_fn<R: Real>(op: &Op) -> Option<fn(R, R) -> R> {
+    Some(match op {
+        Op::Add | Op::Sum => |a, b| a + b,
+        Op::Sub => |a, b| a - b,
+        Op::Mul => |a, b| a * b,
+        Op::Div => |a, b| a / b,
+        Op::Pow => |a: R, b| a.powf(b),
+        Op::Max => max,
+        Op::Min => min,
+        Op::PRelu => |a: R, b| if a < R::of(0.0) { a * b } else { a },
+        Op::Mod(m) if m.fmod != 0 => |a: R, b| a.fmod(b),
+        // numpy's mod: the remainder takes the divisor's sign (also right for infinite divisors).
+        Op::Mod(_) => |a: R, b: R| {
+            let r = a.fmod(b);
+            if r != R::of(0.0) && (r < R::of(0.0)) != (b < R::of(0.0)) {
+                r + b
+            } else {
+                r
+            }
+        },
+        _ => return None,
+    })
+}
+
+/// `f` over two operands broadcast to `out`, with fast paths for the common layouts.
+fn zip_broadcast<T: Copy, U: Copy, V>(
+    a: &[T],
+    ash: &[usize],
+    b: &[U],
+    bsh: &[usize],
+    out: &[usize],
+    f: impl Fn(T, U) -> V,
+) -> Vec<V> {
+    let n: usize = out.iter().product();
+    let suffix = |sh: &[usize]| sh.len() <= out.len() && sh == &out[out.len() - sh.len()..];
+    if ash == out && bsh == out {
+        a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
+    } else if ash == out && (b.len() == 1 || suffix(bsh)) && !b.is_empty() {
+        a.iter().enumerate().map(|(i, &x)| f(x, b[i % b.len()])).collect()
+    } else if bsh == out && (a.len() == 1 || suffix(ash)) && !a.is_empty() {
+        b.iter().enumerate().map(|(i, &y)| f(a[i % a.len()], y)).collect()
+    } else {
+        let (ia, ib) = (broadcast_index(ash, out), broadcast_index(bsh, out));
+        (0..n).map(|k| f(a[ia[k]], b[ib[k]])).collect()
+    }
+}
+
 /// A binary arithmetic op with broadcasting; the output has `a`'s dtype.
 pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
     let shape = broadcast_shape(&[&a.shape, &b.shape])?;
-    let (ia, ib) = (broadcast_index(&a.shape, &shape), broadcast_index(&b.shape, &shape));
     match (&a.data, a.dtype()) {
-        (Data::F64(_), _) => {
-            let (x, y) = (a.f64s(), b.f64s());
-            let out: Option<Vec<f64>> = ia.iter().zip(&ib).map(|(&i, &j)| float_bin(op, x[i], y[j])).collect();
-            Some(HostTensor { shape, data: Data::F64(out?) })
+        (Data::F64(x), _) => {
+            let f = float_fn::<f64>(op)?;
+            let y = b.f64s();
+            Some(HostTensor { data: Data::F64(zip_broadcast(x, &a.shape, &y, &b.shape, &shape, f)), shape })
+        }
+        (Data::F32(x), _) => {
+            let f = float_fn::<f32>(op)?;
+            let out = match &b.data {
+                Data::F32(y) => zip_broadcast(x, &a.shape, y, &b.shape, &shape, f),
+                // Pow's exponent may be of another type; read it through f64.
+                _ => zip_broadcast(
+                    x,
+                    &a.shape,
+                    &b.f64s().into_iter().map(|v| v as f32).collect::<Vec<_>>(),
+                    &b.shape,
+                    &shape,
+                    f,
+                ),
+            };
+            Some(HostTensor { data: Data::F32(out), shape })
         }
         (_, d) if d.is_float() => {
+            let f = float_fn::<f32>(op)?;
             let x = a.f32s()?;
-            // Pow's exponent may be of another type; read it through f64.
             let y: Vec<f32> = b.f32s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as f32).collect());
-            let out: Option<Vec<f32>> = ia.iter().zip(&ib).map(|(&i, &j)| float_bin(op, x[i], y[j])).collect();
-            Some(HostTensor::from_f32(d, shape, out?))
+            Some(HostTensor::from_f32(d, shape.clone(), zip_broadcast(&x, &a.shape, &y, &b.shape, &shape, f)))
         }
         (_, d) => {
             let (x, y) = (a.i64s()?, b.i64s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as i64).collect()));
-            let out: Option<Vec<i64>> = ia.iter().zip(&ib).map(|(&i, &j)| int_bin(op, x[i], y[j])).collect();
-            Some(HostTensor::from_i64(d, shape, out?))
+            int_bin(op, 0, 1)?;
+            let out = zip_broadcast(&x, &a.shape, &y, &b.shape, &shape, |p, q| int_bin(op, p, q).unwrap_or(0));
+            Some(HostTensor::from_i64(d, shape, out))
         }
     }
 }

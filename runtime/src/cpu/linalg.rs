@@ -80,18 +80,20 @@ fn gemm_f64(
     }
 }
 
-/// Float or integer matrix data, widened to the compute type.
-enum Mat {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
+/// Float or integer matrix data in the compute type, borrowed when it already is.
+enum Mat<'a> {
+    F32(std::borrow::Cow<'a, [f32]>),
+    F64(std::borrow::Cow<'a, [f64]>),
     I64(Vec<i64>),
 }
 
-fn widen(t: &HostTensor) -> Mat {
+fn widen(t: &HostTensor) -> Mat<'_> {
+    use std::borrow::Cow;
     match &t.data {
-        Data::F64(v) => Mat::F64(v.clone()),
+        Data::F32(v) => Mat::F32(Cow::Borrowed(v)),
+        Data::F64(v) => Mat::F64(Cow::Borrowed(v)),
         _ => match t.f32s() {
-            Some(v) => Mat::F32(v),
+            Some(v) => Mat::F32(Cow::Owned(v)),
             None => Mat::I64(t.i64s().unwrap_or_default()),
         },
     }
@@ -108,7 +110,7 @@ struct Dims {
 }
 
 /// Batched products: pairs of (offset into a, offset into b), each m×k · k×n.
-fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat {
+fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat<'static> {
     let Dims { m, k, n, ta, tb } = d;
     let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
     let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
@@ -118,14 +120,14 @@ fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat {
             for (i, &(oa, ob)) in pairs.iter().enumerate() {
                 gemm_f32(m, k, n, &a[oa..], rsa, csa, &b[ob..], rsb, csb, &mut c[i * m * n..(i + 1) * m * n]);
             }
-            Mat::F32(c)
+            Mat::F32(c.into())
         }
         (Mat::F64(a), Mat::F64(b)) => {
             let mut c = vec![0f64; pairs.len() * m * n];
             for (i, &(oa, ob)) in pairs.iter().enumerate() {
                 gemm_f64(m, k, n, &a[oa..], rsa, csa, &b[ob..], rsb, csb, &mut c[i * m * n..(i + 1) * m * n]);
             }
-            Mat::F64(c)
+            Mat::F64(c.into())
         }
         (a, b) => {
             let geti = |m: &Mat, i: usize| match m {
@@ -154,8 +156,8 @@ fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat {
 
 fn store(m: Mat, like: &HostTensor, shape: Vec<usize>) -> HostTensor {
     match m {
-        Mat::F32(v) => HostTensor::from_f32(like.dtype(), shape, v),
-        Mat::F64(v) => HostTensor { shape, data: Data::F64(v) },
+        Mat::F32(v) => HostTensor::from_f32(like.dtype(), shape, v.into_owned()),
+        Mat::F64(v) => HostTensor { shape, data: Data::F64(v.into_owned()) },
         Mat::I64(v) => HostTensor::from_i64(like.dtype(), shape, v),
     }
 }
@@ -204,20 +206,25 @@ pub(crate) fn gemm(
         return Err(err(format!("Gemm inner dimensions differ: {k} and {k2}")));
     }
     let prod = products(&widen(a), &widen(b), &[(0, 0)], Dims { m, k, n, ta, tb });
-    let bias = c.map(|c| {
-        let idx = super::elementwise::broadcast_index(&c.shape, &[m, n]);
+    // The bias broadcast to [m, n]: a row vector (the usual case) indexes by column.
+    let bias: Option<Vec<f64>> = c.map(|c| {
         let v = c.f64s();
-        idx.into_iter().map(|i| v[i]).collect::<Vec<f64>>()
+        if c.shape.iter().product::<usize>() == n && c.shape.last() == Some(&n) {
+            (0..m * n).map(|i| v[i % n]).collect()
+        } else {
+            super::elementwise::broadcast_index(&c.shape, &[m, n]).into_iter().map(|i| v[i]).collect()
+        }
     });
     let out = match prod {
-        Mat::F32(v) => Mat::F32(
-            v.into_iter()
-                .enumerate()
-                .map(|(i, x)| alpha * x + bias.as_ref().map_or(0.0, |b| beta * b[i] as f32))
-                .collect(),
-        ),
+        Mat::F32(v) => {
+            let mut v = v.into_owned();
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = alpha * *x + bias.as_ref().map_or(0.0, |b| beta * b[i] as f32);
+            }
+            Mat::F32(v.into())
+        }
         Mat::F64(v) => Mat::F64(
-            v.into_iter()
+            v.iter()
                 .enumerate()
                 .map(|(i, x)| alpha as f64 * x + bias.as_ref().map_or(0.0, |b| beta as f64 * b[i]))
                 .collect(),
