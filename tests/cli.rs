@@ -93,3 +93,36 @@ fn config_file_sets_the_policy() {
     assert!(out.contains("\"fc1\": bf16[batch,256] = Gemm"), "{out}");
     assert!(out.contains("\"logits\": f32[batch,10] = Gemm"), "pinned node stays f32:\n{out}");
 }
+
+#[test]
+fn run_checks_its_inputs_and_writes_outputs() {
+    let dir = scratch("cli_run");
+    let m = fixture("mlp");
+    let m = m.to_str().unwrap();
+    let ok = |name: &str, shape: Vec<usize>, dtype: mpc_ir::DType| {
+        let n = shape.iter().product();
+        let t = mpc_runtime::HostTensor::from_f64(dtype, shape, vec![0.5; n]);
+        let p = dir.join(format!("{name}.safetensors"));
+        mpc::run::write_safetensors(&p, &[("x".to_string(), t)]).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let good = ok("good", vec![3, 64], mpc_ir::DType::F32);
+    let out = dir.join("out.safetensors");
+    let r = mpc(&["run", m, "--inputs", &good, "-o", out.to_str().unwrap(), "--policy", "mixed"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(String::from_utf8_lossy(&r.stdout).starts_with("logits: f32[3, 10] mean"));
+    let back = mpc::run::read_safetensors(&out).unwrap();
+    assert_eq!(back["logits"].shape, vec![3, 10]);
+
+    fails_with(
+        &["run", m, "--inputs", &ok("dtype", vec![3, 64], mpc_ir::DType::F16)],
+        "input `x` is f16, the model expects f32",
+    );
+    fails_with(
+        &["run", m, "--inputs", &ok("shape", vec![3, 65], mpc_ir::DType::F32)],
+        "input `x` has shape [3, 65], the model expects [batch,64]",
+    );
+    let loss = fixture("mlp_loss");
+    fails_with(&["run", loss.to_str().unwrap(), "--inputs", &good], "input `labels` is missing");
+    fails_with(&["run", m], "give --inputs FILE.safetensors or --random-inputs SEED");
+}
