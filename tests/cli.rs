@@ -126,3 +126,25 @@ fn run_checks_its_inputs_and_writes_outputs() {
     fails_with(&["run", loss.to_str().unwrap(), "--inputs", &good], "input `labels` is missing");
     fails_with(&["run", m], "give --inputs FILE.safetensors or --random-inputs SEED");
 }
+
+#[test]
+fn if_runs_the_branch_its_condition_picks() {
+    // then: h * 2, else: h - 2 (tests/models/make_fixtures.py), so then = 2 * (else + 2).
+    let path = fixture("control_flow");
+    let mut g = mpc::load(&path).unwrap();
+    mpc::compile(&mut g, &path, &mpc::Options::default(), &mut |_, _| {}).unwrap();
+    let x = mpc_runtime::HostTensor::from_f32(
+        mpc_ir::DType::F32,
+        vec![2, 4],
+        (0..8).map(|i| i as f32 * 0.25 - 1.0).collect(),
+    );
+    let run = |c: bool| {
+        let cond = mpc_runtime::HostTensor::from_i64(mpc_ir::DType::Bool, vec![], vec![c as i64]);
+        let feeds = [("x".to_string(), x.clone()), ("cond".to_string(), cond)].into_iter().collect();
+        mpc_runtime::run(&mpc_runtime::Cpu, &g, &feeds).unwrap()[0].1.f64s()
+    };
+    let (t, e) = (run(true), run(false));
+    for (a, b) in t.iter().zip(&e) {
+        assert!((a - 2.0 * (b + 2.0)).abs() < 1e-5, "then {a}, else {b}");
+    }
+}

@@ -95,16 +95,39 @@ fn check_input(g: &Graph, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError
     Ok(())
 }
 
-/// A graph ready to run on a backend: schedule computed and weights uploaded once.
-pub struct Session<'g, B: Backend> {
+/// A graph ready to run on a backend: schedule computed and weights uploaded once. If nodes (kept
+/// opaque by the compiler) run here: their branches are decoded into graphs of their own, whose
+/// extra inputs are the outer values the branch reads, and the taken branch runs as a sub-session.
+pub struct Session<'g, B: Backend + Clone> {
     backend: B,
     g: &'g Graph,
     order: Vec<mpc_ir::NodeId>,
     last_use: HashMap<ValueId, usize>,
     weights: HashMap<ValueId, B::Buffer>,
+    branches: HashMap<mpc_ir::NodeId, [Graph; 2]>,
 }
 
-impl<'g, B: Backend> Session<'g, B> {
+/// The then/else graphs of an `If` node.
+fn if_branches(g: &Graph, n: mpc_ir::NodeId) -> Result<Option<[Graph; 2]>, RuntimeError> {
+    let node = g.node(n);
+    let Op::Opaque(o) = &node.op else { return Ok(None) };
+    if !(o.domain.is_empty() && o.op_type == "If") {
+        return Ok(None);
+    }
+    let captures: Vec<ValueId> = node.inputs()[o.explicit_inputs..].iter().flatten().copied().collect();
+    let branch = |name: &str| -> Result<Graph, RuntimeError> {
+        let raw = o.attrs.iter().find_map(|(k, a)| match a {
+            mpc_ir::Attr::Raw(b) if k == name => Some(b),
+            _ => None,
+        });
+        let raw = raw.ok_or_else(|| RuntimeError::Graph(format!("node {}: no `{name}`", g.node_label(n))))?;
+        mpc_ir::onnx::decode_subgraph(raw, g, &captures)
+            .map_err(|e| RuntimeError::Graph(format!("node {}: {name}: {e}", g.node_label(n))))
+    };
+    Ok(Some([branch("then_branch")?, branch("else_branch")?]))
+}
+
+impl<'g, B: Backend + Clone> Session<'g, B> {
     pub fn new(backend: B, g: &'g Graph) -> Result<Self, RuntimeError> {
         let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
         let mut last_use: HashMap<ValueId, usize> = HashMap::new();
@@ -119,7 +142,33 @@ impl<'g, B: Backend> Session<'g, B> {
                 weights.insert(v, backend.upload(&HostTensor::from(t))?);
             }
         }
-        Ok(Session { backend, g, order, last_use, weights })
+        let mut branches = HashMap::new();
+        for &n in &order {
+            if let Some(b) = if_branches(g, n)? {
+                branches.insert(n, b);
+            }
+        }
+        Ok(Session { backend, g, order, last_use, weights, branches })
+    }
+
+    /// Runs an `If`: evaluates the condition and runs the branch it picks.
+    fn run_if(&self, n: mpc_ir::NodeId, env: &HashMap<ValueId, B::Buffer>) -> Result<Vec<B::Buffer>, RuntimeError> {
+        let g = self.g;
+        let node = g.node(n);
+        let fetch = |v: ValueId| -> Result<HostTensor, RuntimeError> {
+            let b = env.get(&v).or_else(|| self.weights.get(&v));
+            self.backend.download(b.ok_or_else(|| RuntimeError::Graph(format!("`{}` was not computed", g.name(v))))?)
+        };
+        let cond = fetch(node.input(0).ok_or_else(|| RuntimeError::Graph("If without a condition".into()))?)?;
+        let taken = cond.f64s().first().is_some_and(|&c| c != 0.0);
+        let branch = &self.branches[&n][if taken { 0 } else { 1 }];
+        let Op::Opaque(o) = &node.op else { unreachable!("branches exist only for If nodes") };
+        let mut feeds = HashMap::new();
+        for v in node.inputs()[o.explicit_inputs..].iter().flatten() {
+            feeds.insert(g.name(*v).to_string(), fetch(*v)?);
+        }
+        let outs = Session::new(self.backend.clone(), branch)?.run(&feeds)?;
+        outs.iter().map(|(_, t)| self.backend.upload(t)).collect()
     }
 
     /// Runs once with named inputs; returns the graph outputs by name, in order.
@@ -139,7 +188,9 @@ impl<'g, B: Backend> Session<'g, B> {
         }
         for (step, &n) in self.order.iter().enumerate() {
             let node = g.node(n);
-            let outs = {
+            let outs = if self.branches.contains_key(&n) {
+                self.run_if(n, &env)?
+            } else {
                 let get = |v: ValueId| env.get(&v).or_else(|| self.weights.get(&v));
                 let ins: Vec<Option<&B::Buffer>> = node.inputs().iter().map(|i| i.and_then(get)).collect();
                 self.backend.execute(&node.op, &ins, node.outputs().len()).map_err(|e| match e {

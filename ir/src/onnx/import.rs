@@ -351,3 +351,39 @@ fn free_names(g: &proto::GraphProto, outer_defined: &mut HashSet<String>, out: &
         }
     }
 }
+
+/// The graph of a subgraph attribute (an If branch, a Loop body) as a graph of its own: the outer
+/// values it reads (`captures`) become extra inputs, typed as in `outer`; opsets come from `outer`.
+pub fn decode_subgraph(attr: &Bytes, outer: &Graph, captures: &[ValueId]) -> Result<Graph> {
+    let a = proto::AttributeProto::decode(attr.clone()).map_err(|e| IrError::Decode(e.to_string()))?;
+    let body = a.g.ok_or_else(|| invalid(format!("attribute `{}` is not a graph", a.name)))?;
+    let mut sub = proto::GraphProto::decode(body).map_err(|e| IrError::Decode(e.to_string()))?;
+    for &v in captures {
+        let ty = outer.ty(v);
+        let shape = ty.shape.as_ref().map(|s| proto::TensorShapeProto {
+            dim: s
+                .dims()
+                .iter()
+                .map(|d| proto::tensor_shape_proto::Dimension {
+                    value: match d {
+                        Dim::Fixed(n) => Some(proto::tensor_shape_proto::dimension::Value::DimValue(*n as i64)),
+                        Dim::Sym(p) => Some(proto::tensor_shape_proto::dimension::Value::DimParam(p.to_string())),
+                        Dim::Unknown => None,
+                    },
+                    denotation: String::new(),
+                })
+                .collect(),
+        });
+        let tensor = type_proto::Tensor { elem_type: ty.dtype.map_or(0, |d| d.onnx_code()), shape };
+        sub.input.push(ValueInfoProto {
+            name: outer.name(v).to_string(),
+            r#type: Some(proto::TypeProto {
+                value: Some(type_proto::Value::TensorType(tensor)),
+                denotation: String::new(),
+            }),
+            doc_string: String::new(),
+        });
+    }
+    let meta = ModelMeta { ir_version: outer.meta.ir_version, opsets: outer.meta.opsets.clone(), ..Default::default() };
+    Importer { g: Graph::new(sub.name.clone()), dir: None, opset: 0 }.run(sub, meta)
+}

@@ -6,4 +6,4 @@ mod legacy;
 pub mod proto;
 
 pub use export::{encode_onnx, encode_onnx_parts, export_opset};
-pub use import::{decode_onnx, decode_tensor, read_onnx};
+pub use import::{decode_onnx, decode_subgraph, decode_tensor, read_onnx};

@@ -379,6 +379,13 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(extra::einsum(&a.equation, &parts)?)
         }
+        // onnxruntime's contrib Gelu (com.microsoft) is the standard erf Gelu.
+        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" && o.attrs.is_empty() => {
+            let gelu = Op::Gelu(Default::default());
+            one(elementwise::unary(&gelu, x(0)?).ok_or_else(|| {
+                unsupported(format!("Gelu on {}", x(0).map(|t| t.dtype().to_string()).unwrap_or_default()))
+            })?)
+        }
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
     }
 }
