@@ -190,6 +190,44 @@ impl HostTensor {
         HostTensor { shape, data: map_same!(&self.data, v => index.iter().map(|&i| v[i]).collect()) }
     }
 
+    /// Elements read with `strides` (one per output dim, in elements) into a tensor of `shape`:
+    /// transposes and broadcasts without an index table, the offset updated incrementally.
+    pub fn strided(&self, shape: Vec<usize>, strides: &[usize]) -> HostTensor {
+        let n: usize = shape.iter().product();
+        let rank = shape.len();
+        let data = map_same!(&self.data, v => {
+            let mut out = Vec::with_capacity(n);
+            let mut counter = vec![0usize; rank];
+            let mut pos = 0usize;
+            let inner = if rank > 0 { shape[rank - 1] } else { 1 };
+            let inner_stride = if rank > 0 { strides[rank - 1] } else { 0 };
+            let mut done = 0;
+            while done < n {
+                // The innermost dim as a tight loop.
+                if inner_stride == 1 {
+                    out.extend_from_slice(&v[pos..pos + inner]);
+                } else {
+                    out.extend((0..inner).map(|i| v[pos + i * inner_stride]));
+                }
+                done += inner;
+                for d in (0..rank.saturating_sub(1)).rev() {
+                    counter[d] += 1;
+                    pos += strides[d];
+                    if counter[d] < shape[d] {
+                        break;
+                    }
+                    pos -= strides[d] * counter[d];
+                    counter[d] = 0;
+                }
+                if rank == 0 {
+                    break;
+                }
+            }
+            out
+        });
+        HostTensor { shape, data }
+    }
+
     pub fn with_shape(mut self, shape: Vec<usize>) -> HostTensor {
         self.shape = shape;
         self

@@ -315,36 +315,62 @@ fn zip_broadcast<T: Copy, U: Copy, V>(
     }
 }
 
+/// Runs `zip_broadcast` with the op's function written inline in each arm, so that every op gets
+/// its own loop (a function pointer per element would block inlining and vectorisation).
+macro_rules! float_arms {
+    ($op:expr, $R:ty, |$f:ident| $call:expr) => {
+        match $op {
+            Op::Add | Op::Sum => {
+                let $f = |a: $R, b: $R| a + b;
+                Some($call)
+            }
+            Op::Sub => {
+                let $f = |a: $R, b: $R| a - b;
+                Some($call)
+            }
+            Op::Mul => {
+                let $f = |a: $R, b: $R| a * b;
+                Some($call)
+            }
+            Op::Div => {
+                let $f = |a: $R, b: $R| a / b;
+                Some($call)
+            }
+            op => float_fn::<$R>(op).map(|g| {
+                let $f = g;
+                $call
+            }),
+        }
+    };
+}
+
 /// A binary arithmetic op with broadcasting; the output has `a`'s dtype.
 pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTensor> {
     let shape = broadcast_shape(&[&a.shape, &b.shape])?;
     match (&a.data, a.dtype()) {
         (Data::F64(x), _) => {
-            let f = float_fn::<f64>(op)?;
             let y = b.f64s();
-            Some(HostTensor { data: Data::F64(zip_broadcast(x, &a.shape, &y, &b.shape, &shape, f)), shape })
+            let out = float_arms!(op, f64, |f| zip_broadcast(x, &a.shape, &y, &b.shape, &shape, f))?;
+            Some(HostTensor { data: Data::F64(out), shape })
         }
         (Data::F32(x), _) => {
-            let f = float_fn::<f32>(op)?;
-            let out = match &b.data {
-                Data::F32(y) => zip_broadcast(x, &a.shape, y, &b.shape, &shape, f),
+            let owned;
+            let y: &[f32] = match &b.data {
+                Data::F32(y) => y,
                 // Pow's exponent may be of another type; read it through f64.
-                _ => zip_broadcast(
-                    x,
-                    &a.shape,
-                    &b.f64s().into_iter().map(|v| v as f32).collect::<Vec<_>>(),
-                    &b.shape,
-                    &shape,
-                    f,
-                ),
+                _ => {
+                    owned = b.f64s().into_iter().map(|v| v as f32).collect::<Vec<_>>();
+                    &owned
+                }
             };
+            let out = float_arms!(op, f32, |f| zip_broadcast(x, &a.shape, y, &b.shape, &shape, f))?;
             Some(HostTensor { data: Data::F32(out), shape })
         }
         (_, d) if d.is_float() => {
-            let f = float_fn::<f32>(op)?;
             let x = a.f32s()?;
             let y: Vec<f32> = b.f32s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as f32).collect());
-            Some(HostTensor::from_f32(d, shape.clone(), zip_broadcast(&x, &a.shape, &y, &b.shape, &shape, f)))
+            let out = float_arms!(op, f32, |f| zip_broadcast(&x, &a.shape, &y, &b.shape, &shape, f))?;
+            Some(HostTensor::from_f32(d, shape, out))
         }
         (_, d) => {
             let (x, y) = (a.i64s()?, b.i64s().unwrap_or_else(|| b.f64s().into_iter().map(|v| v as i64).collect()));

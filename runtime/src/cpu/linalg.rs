@@ -205,6 +205,45 @@ pub(crate) fn gemm(
     if k != k2 {
         return Err(err(format!("Gemm inner dimensions differ: {k} and {k2}")));
     }
+    // f32 (and f16/bf16): C starts as the broadcast bias and sgemm applies alpha and beta itself.
+    if let (Mat::F32(av), Mat::F32(bv)) = (widen(a), widen(b)) {
+        let mut out = vec![0f32; m * n];
+        let mut cbeta = 0.0;
+        if let Some(c) = c {
+            let v = c.f32s().unwrap_or_else(|| c.f64s().into_iter().map(|x| x as f32).collect());
+            if c.shape.last() == Some(&n) && v.len() == n {
+                out.chunks_mut(n).for_each(|row| row.copy_from_slice(&v));
+            } else {
+                let idx = super::elementwise::broadcast_index(&c.shape, &[m, n]);
+                out.iter_mut().zip(idx).for_each(|(o, i)| *o = v[i]);
+            }
+            cbeta = beta;
+        }
+        let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+        if m > 0 && n > 0 {
+            // SAFETY: `av` is k×m or m×k, `bv` k×n or n×k, `out` m×n, as the strides say.
+            unsafe {
+                matrixmultiply::sgemm(
+                    m,
+                    k,
+                    n,
+                    alpha,
+                    av.as_ptr(),
+                    rsa,
+                    csa,
+                    bv.as_ptr(),
+                    rsb,
+                    csb,
+                    cbeta,
+                    out.as_mut_ptr(),
+                    n as isize,
+                    1,
+                );
+            }
+        }
+        return Ok(HostTensor::from_f32(a.dtype(), vec![m, n], out));
+    }
     let prod = products(&widen(a), &widen(b), &[(0, 0)], Dims { m, k, n, ta, tb });
     // The bias broadcast to [m, n]: a row vector (the usual case) indexes by column.
     let bias: Option<Vec<f64>> = c.map(|c| {

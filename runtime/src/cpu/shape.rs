@@ -48,21 +48,12 @@ pub(crate) fn reshape(x: &HostTensor, target: &[i64], allowzero: bool) -> Res<Ho
 
 pub(crate) fn transpose(x: &HostTensor, perm: &[usize]) -> HostTensor {
     let out: Vec<usize> = perm.iter().map(|&p| x.shape[p]).collect();
-    let st = strides(&x.shape);
-    let n: usize = out.iter().product();
-    let mut idx = Vec::with_capacity(n);
-    let mut counter = vec![0usize; out.len()];
-    for _ in 0..n {
-        idx.push(counter.iter().zip(perm).map(|(&c, &p)| c * st[p]).sum());
-        for d in (0..out.len()).rev() {
-            counter[d] += 1;
-            if counter[d] < out[d] {
-                break;
-            }
-            counter[d] = 0;
-        }
+    if out.iter().product::<usize>() == 0 {
+        return x.pick(out, &[]);
     }
-    x.pick(out, &idx)
+    let st = strides(&x.shape);
+    let ps: Vec<usize> = perm.iter().map(|&p| st[p]).collect();
+    x.strided(out, &ps)
 }
 
 pub(crate) fn concat(parts: &[&HostTensor], ax: i64) -> Res<HostTensor> {
