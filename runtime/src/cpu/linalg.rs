@@ -327,26 +327,54 @@ pub(crate) fn conv(
     }
     let bias_v = bias.map(|b| b.f64s());
     let mut out = vec![0f32; nb * cout * ovol];
-    let mut cols = vec![0f32; cg * kvol * ovol];
-    for b in 0..nb {
+    // Images side by side in one column matrix [cg·kvol, images·ovol], one GEMM per chunk of
+    // images and group; chunks keep the column matrix to about 8M floats.
+    let rows = cg * kvol;
+    let chunk = (8usize << 20).checked_div(rows * ovol).unwrap_or(1).clamp(1, nb.max(1));
+    let mut cols = vec![0f32; rows * chunk * ovol];
+    let mut tmp = vec![0f32; og * chunk * ovol];
+    for b0 in (0..nb).step_by(chunk) {
+        let imgs = chunk.min(nb - b0);
+        let width = imgs * ovol;
         for g in 0..group {
             for c in 0..cg {
-                let base = (b * cin + g * cg + c) * ivol;
                 for kp in 0..kvol {
-                    let row = &mut cols[(c * kvol + kp) * ovol..(c * kvol + kp + 1) * ovol];
-                    for (op, slot) in row.iter_mut().enumerate() {
-                        *slot = src[kp * ovol + op].map_or(0.0, |o| xv[base + o]);
+                    let row = &mut cols[(c * kvol + kp) * width..(c * kvol + kp + 1) * width];
+                    let taps = &src[kp * ovol..(kp + 1) * ovol];
+                    for i in 0..imgs {
+                        let base = ((b0 + i) * cin + g * cg + c) * ivol;
+                        for (slot, tap) in row[i * ovol..(i + 1) * ovol].iter_mut().zip(taps) {
+                            *slot = tap.map_or(0.0, |o| xv[base + o]);
+                        }
                     }
                 }
             }
-            let wg = &wv[g * og * cg * kvol..(g + 1) * og * cg * kvol];
-            let dst = &mut out[(b * cout + g * og) * ovol..(b * cout + (g + 1) * og) * ovol];
-            gemm_f32(og, cg * kvol, ovol, wg, (cg * kvol) as isize, 1, &cols, ovol as isize, 1, dst);
+            let wg = &wv[g * og * rows..(g + 1) * og * rows];
+            gemm_f32(
+                og,
+                rows,
+                width,
+                wg,
+                rows as isize,
+                1,
+                &cols[..rows * width],
+                width as isize,
+                1,
+                &mut tmp[..og * width],
+            );
+            for o in 0..og {
+                for i in 0..imgs {
+                    let dst = ((b0 + i) * cout + g * og + o) * ovol;
+                    out[dst..dst + ovol].copy_from_slice(&tmp[o * width + i * ovol..o * width + (i + 1) * ovol]);
+                }
+            }
         }
     }
     if let Some(bv) = bias_v {
-        for (i, v) in out.iter_mut().enumerate() {
-            *v += bv[(i / ovol) % cout] as f32;
+        // One constant per (image, channel) plane.
+        for (p, plane) in out.chunks_mut(ovol.max(1)).enumerate() {
+            let b = bv[p % cout] as f32;
+            plane.iter_mut().for_each(|v| *v += b);
         }
     }
     let mut shape = vec![nb, cout];
