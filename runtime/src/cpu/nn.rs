@@ -22,12 +22,42 @@ fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
     }
 }
 
+/// f32, f16 and bf16 data as f32, borrowed when already f32; `None` for f64 and non-floats.
+fn f32_view(x: &HostTensor) -> Option<std::borrow::Cow<'_, [f32]>> {
+    match &x.data {
+        Data::F32(v) => Some(std::borrow::Cow::Borrowed(v)),
+        Data::F16(_) | Data::BF16(_) => x.f32s().map(std::borrow::Cow::Owned),
+        _ => None,
+    }
+}
+
 /// (outer, axis length, inner) around `axis`.
 fn split_at(shape: &[usize], axis: usize) -> (usize, usize, usize) {
     (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
 }
 
 pub(crate) fn softmax(x: &HostTensor, axis: usize, log: bool) -> Res<HostTensor> {
+    if let Some(v) = f32_view(x) {
+        let (outer, n, inner) = split_at(&x.shape, axis);
+        let mut out = vec![0f32; v.len()];
+        let mut e = vec![0f32; n];
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |k: usize| (o * n + k) * inner + i;
+                let m = (0..n).map(|k| v[at(k)]).fold(f32::NEG_INFINITY, f32::max);
+                let mut s = 0f32;
+                for (k, ek) in e.iter_mut().enumerate() {
+                    *ek = v[at(k)] - m;
+                    s += ek.exp();
+                }
+                let ls = s.ln();
+                for (k, &ek) in e.iter().enumerate() {
+                    out[at(k)] = if log { ek - ls } else { ek.exp() / s };
+                }
+            }
+        }
+        return Ok(HostTensor::from_f32(x.dtype(), x.shape.clone(), out));
+    }
     let v = vals(x)?;
     let (outer, n, inner) = split_at(&x.shape, axis);
     let f32c = x.dtype() != mpc_ir::DType::F64;
@@ -63,9 +93,33 @@ pub(crate) fn layer_norm(
     axis: usize,
     eps: f32,
 ) -> Res<Vec<HostTensor>> {
-    let v = vals(x)?;
     let outer: usize = x.shape[..axis].iter().product();
     let n: usize = x.shape[axis..].iter().product();
+    let mut stat_shape = x.shape[..axis].to_vec();
+    stat_shape.extend(std::iter::repeat_n(1, x.shape.len() - axis));
+    // The common case: f32-family data with scale and bias over exactly the normalised dims.
+    let (sv, bv) = (f32_view(scale), bias.map(f32_view));
+    if let (Some(v), Some(sv), true) = (f32_view(x), sv, scale.len() == n && bias.is_none_or(|b| b.len() == n)) {
+        let bv: Option<std::borrow::Cow<[f32]>> = bv.flatten();
+        let mut y = vec![0f32; v.len()];
+        let (mut means, mut inv) = (Vec::with_capacity(outer), Vec::with_capacity(outer));
+        for (row, dst) in v.chunks(n.max(1)).zip(y.chunks_mut(n.max(1))) {
+            let mean = row.iter().sum::<f32>() / n as f32;
+            let var = row.iter().map(|&a| (a - mean) * (a - mean)).sum::<f32>() / n as f32;
+            let r = 1.0 / (var + eps).sqrt();
+            for k in 0..row.len() {
+                dst[k] = (row[k] - mean) * r * sv[k] + bv.as_ref().map_or(0.0, |b| b[k]);
+            }
+            means.push(mean);
+            inv.push(r);
+        }
+        return Ok(vec![
+            HostTensor::from_f32(x.dtype(), x.shape.clone(), y),
+            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
+            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
+        ]);
+    }
+    let v = vals(x)?;
     let (sc, bi) = (scale.f64s(), bias.map(|b| b.f64s()));
     let si = super::elementwise::broadcast_index(&scale.shape, &x.shape[axis..]);
     let bidx = bias.map(|b| super::elementwise::broadcast_index(&b.shape, &x.shape[axis..]));
@@ -87,8 +141,6 @@ pub(crate) fn layer_norm(
         means.push(mean);
         inv.push(r);
     }
-    let mut stat_shape = x.shape[..axis].to_vec();
-    stat_shape.extend(std::iter::repeat_n(1, x.shape.len() - axis));
     Ok(vec![
         store(x, x.shape.clone(), y),
         HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
