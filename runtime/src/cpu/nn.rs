@@ -161,6 +161,22 @@ pub(crate) fn batch_norm(
     momentum: f32,
     training: bool,
 ) -> Res<Vec<HostTensor>> {
+    if let (Some(v), false) = (f32_view(x), training) {
+        // Inference: one multiply-add per element with per-channel constants.
+        let c = *x.shape.get(1).unwrap_or(&1);
+        let inner: usize = x.shape.iter().skip(2).product();
+        let (sc, bi, rm, rv) = (scale.f64s(), bias.f64s(), mean.f64s(), var.f64s());
+        let mut y = vec![0f32; v.len()];
+        for (p, (dst, src)) in y.chunks_mut(inner.max(1)).zip(v.chunks(inner.max(1))).enumerate() {
+            let ch = p % c;
+            let k = sc[ch] as f32 / ((rv[ch] as f32) + eps).sqrt();
+            let (m, b) = (rm[ch] as f32, bi[ch] as f32);
+            for (d, &a) in dst.iter_mut().zip(src) {
+                *d = (a - m) * k + b;
+            }
+        }
+        return Ok(vec![HostTensor::from_f32(x.dtype(), x.shape.clone(), y)]);
+    }
     let v = vals(x)?;
     let (nb, c) = (x.shape[0], *x.shape.get(1).unwrap_or(&1));
     let inner: usize = x.shape.iter().skip(2).product();
@@ -215,7 +231,11 @@ pub(crate) fn pool(
     if !max && !x.dtype().is_float() {
         return Err(err(format!("AveragePool on {}", x.dtype())));
     }
-    let v = x.f64s();
+    let v: Vec<f64> = match f32_view(x) {
+        // Windows read f32 values widened one at a time below; a whole f64 copy is not needed.
+        Some(f) => return pool_f32(x, &f, kernel, pads, strides, dilations, out_spatial, max, count_include_pad),
+        None => x.f64s(),
+    };
     let sp = kernel.len();
     let (nb, c) = (x.shape[0], x.shape[1]);
     let in_sp = &x.shape[2..];
@@ -271,6 +291,73 @@ pub(crate) fn pool(
     let mut shape = vec![nb, c];
     shape.extend(out_spatial);
     Ok(if x.dtype().is_float() { store(x, shape, out) } else { HostTensor::from_f64(x.dtype(), shape, out) })
+}
+
+/// Pooling on f32-family data: the same windows as `pool`, accumulated in f32.
+#[allow(clippy::too_many_arguments)]
+fn pool_f32(
+    x: &HostTensor,
+    v: &[f32],
+    kernel: &[usize],
+    pads: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    out_spatial: &[usize],
+    max: bool,
+    count_include_pad: bool,
+) -> Res<HostTensor> {
+    let sp = kernel.len();
+    let (nb, c) = (x.shape[0], x.shape[1]);
+    let in_sp = &x.shape[2..];
+    let ivol: usize = in_sp.iter().product();
+    let ovol: usize = out_spatial.iter().product();
+    let kvol: usize = kernel.iter().product();
+    let (ist, ost, kst) =
+        (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
+    let mut taps: Vec<Vec<usize>> = Vec::with_capacity(ovol);
+    let mut padded = Vec::with_capacity(ovol);
+    for op in 0..ovol {
+        let mut offs = Vec::with_capacity(kvol);
+        let mut pad_count = 0usize;
+        for kp in 0..kvol {
+            let mut off = 0;
+            let (mut inside, mut in_padded_area) = (true, true);
+            for d in 0..sp {
+                let oc = (op / ost[d]) % out_spatial[d];
+                let kc = (kp / kst[d]) % kernel[d];
+                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
+                if ic < 0 || ic >= in_sp[d] as i64 {
+                    inside = false;
+                    if ic >= (in_sp[d] + pads[d + sp]) as i64 {
+                        in_padded_area = false;
+                    }
+                } else {
+                    off += ic as usize * ist[d];
+                }
+            }
+            if inside {
+                offs.push(off);
+            } else if in_padded_area {
+                pad_count += 1;
+            }
+        }
+        taps.push(offs);
+        padded.push(pad_count);
+    }
+    let mut out = Vec::with_capacity(nb * c * ovol);
+    for row in v.chunks(ivol.max(1)).take(nb * c) {
+        for (offs, &pad_count) in taps.iter().zip(&padded) {
+            out.push(if max {
+                offs.iter().map(|&o| row[o]).fold(f32::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m })
+            } else {
+                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
+                offs.iter().map(|&o| row[o]).sum::<f32>() / n.max(1) as f32
+            });
+        }
+    }
+    let mut shape = vec![nb, c];
+    shape.extend(out_spatial);
+    Ok(HostTensor::from_f32(x.dtype(), shape, out))
 }
 
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
