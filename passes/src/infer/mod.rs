@@ -13,6 +13,7 @@
 //! error naming the node.
 
 mod known;
+mod movement;
 mod rules;
 
 use mpc_ir::{Dim, Graph, Shape, TypeInfo};

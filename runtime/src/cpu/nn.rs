@@ -236,46 +236,11 @@ pub(crate) fn pool(
         Some(f) => return pool_f32(x, &f, kernel, pads, strides, dilations, out_spatial, max, count_include_pad),
         None => x.f64s(),
     };
-    let sp = kernel.len();
     let (nb, c) = (x.shape[0], x.shape[1]);
     let in_sp = &x.shape[2..];
     let ivol: usize = in_sp.iter().product();
     let ovol: usize = out_spatial.iter().product();
-    let kvol: usize = kernel.iter().product();
-    let (ist, ost, kst) =
-        (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
-    // Once per call: each window's input offsets, and how many of its positions are padding
-    // (past the right padding, in ceil mode, does not count even with count_include_pad).
-    let mut taps: Vec<Vec<usize>> = Vec::with_capacity(ovol);
-    let mut padded = Vec::with_capacity(ovol);
-    for op in 0..ovol {
-        let mut offs = Vec::with_capacity(kvol);
-        let mut pad_count = 0usize;
-        for kp in 0..kvol {
-            let mut off = 0;
-            let (mut inside, mut in_padded_area) = (true, true);
-            for d in 0..sp {
-                let oc = (op / ost[d]) % out_spatial[d];
-                let kc = (kp / kst[d]) % kernel[d];
-                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
-                if ic < 0 || ic >= in_sp[d] as i64 {
-                    inside = false;
-                    if ic >= (in_sp[d] + pads[d + sp]) as i64 {
-                        in_padded_area = false;
-                    }
-                } else {
-                    off += ic as usize * ist[d];
-                }
-            }
-            if inside {
-                offs.push(off);
-            } else if in_padded_area {
-                pad_count += 1;
-            }
-        }
-        taps.push(offs);
-        padded.push(pad_count);
-    }
+    let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
     let mut out = Vec::with_capacity(nb * c * ovol);
     for plane in 0..nb * c {
         let row = &v[plane * ivol..(plane + 1) * ivol];
@@ -293,28 +258,23 @@ pub(crate) fn pool(
     Ok(if x.dtype().is_float() { store(x, shape, out) } else { HostTensor::from_f64(x.dtype(), shape, out) })
 }
 
-/// Pooling on f32-family data: the same windows as `pool`, accumulated in f32.
-#[allow(clippy::too_many_arguments)]
-fn pool_f32(
-    x: &HostTensor,
-    v: &[f32],
+/// For every output position of a pooling window: the input offsets it reads, and how many of its
+/// positions fall in the padding (past the right padding, in ceil mode, does not count even with
+/// count_include_pad). Computed once per call and shared by every (image, channel) plane.
+fn window_taps(
+    in_sp: &[usize],
     kernel: &[usize],
     pads: &[usize],
     strides: &[usize],
     dilations: &[usize],
     out_spatial: &[usize],
-    max: bool,
-    count_include_pad: bool,
-) -> Res<HostTensor> {
+) -> (Vec<Vec<usize>>, Vec<usize>) {
     let sp = kernel.len();
-    let (nb, c) = (x.shape[0], x.shape[1]);
-    let in_sp = &x.shape[2..];
-    let ivol: usize = in_sp.iter().product();
     let ovol: usize = out_spatial.iter().product();
     let kvol: usize = kernel.iter().product();
     let (ist, ost, kst) =
         (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
-    let mut taps: Vec<Vec<usize>> = Vec::with_capacity(ovol);
+    let mut taps = Vec::with_capacity(ovol);
     let mut padded = Vec::with_capacity(ovol);
     for op in 0..ovol {
         let mut offs = Vec::with_capacity(kvol);
@@ -344,6 +304,27 @@ fn pool_f32(
         taps.push(offs);
         padded.push(pad_count);
     }
+    (taps, padded)
+}
+
+/// Pooling on f32-family data: the same windows as `pool`, accumulated in f32.
+#[allow(clippy::too_many_arguments)]
+fn pool_f32(
+    x: &HostTensor,
+    v: &[f32],
+    kernel: &[usize],
+    pads: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    out_spatial: &[usize],
+    max: bool,
+    count_include_pad: bool,
+) -> Res<HostTensor> {
+    let (nb, c) = (x.shape[0], x.shape[1]);
+    let in_sp = &x.shape[2..];
+    let ivol: usize = in_sp.iter().product();
+    let ovol: usize = out_spatial.iter().product();
+    let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
     let mut out = Vec::with_capacity(nb * c * ovol);
     for row in v.chunks(ivol.max(1)).take(nb * c) {
         for (offs, &pad_count) in taps.iter().zip(&padded) {

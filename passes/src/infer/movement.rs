@@ -1,0 +1,302 @@
+//! Type rules of the data-movement ops: reshapes, squeezes, concatenation, splitting, slicing,
+//! padding, resizing, einsum.
+
+use mpc_ir::{normalize_axis, Dim, Shape};
+
+use super::rules::{check_eq, t, NodeCx, R};
+
+/// Reshape, including `0` (copy) and `-1` (infer), with symbolic dims cancelled where the same
+/// symbol appears in the input and the target.
+pub(super) fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
+    let Some(target) = cx.known(1) else {
+        return Ok(cx.sh(1).and_then(|s| s.0.first()?.fixed()).map(|r| Shape(vec![Dim::Unknown; r as usize])));
+    };
+    let x = cx.sh(0);
+    let mut out: Vec<Dim> = Vec::with_capacity(target.elems.len());
+    let mut infer_at = None;
+    for (i, e) in target.elems.iter().enumerate() {
+        out.push(match e.int() {
+            Some(0) if !allowzero => x.and_then(|x| x.0.get(i).cloned()).unwrap_or(Dim::Unknown),
+            Some(-1) => {
+                if infer_at.replace(i).is_some() {
+                    return Err("more than one -1 in the target shape".into());
+                }
+                Dim::Unknown
+            }
+            Some(n) if n < -1 => return Err(format!("invalid target dimension {n}")),
+            _ => e.dim(),
+        });
+    }
+    let Some(x) = x else {
+        return Ok(Some(Shape(out)));
+    };
+    // Element counts as (fixed product, symbols), ignoring the -1 slot.
+    let count = |dims: &[Dim], skip: Option<usize>| -> Option<(u64, Vec<String>)> {
+        let mut n = 1u64;
+        let mut syms = Vec::new();
+        for (i, d) in dims.iter().enumerate() {
+            if Some(i) == skip {
+                continue;
+            }
+            match d {
+                Dim::Fixed(k) => n = n.checked_mul(*k)?,
+                Dim::Sym(s) => syms.push(s.to_string()),
+                Dim::Unknown => return None,
+            }
+        }
+        syms.sort();
+        Some((n, syms))
+    };
+    if let (Some((xn, xs)), Some((tn, ts))) = (count(&x.0, None), count(&out, infer_at)) {
+        let mut rest = xs.clone();
+        let cancels = ts.iter().all(|s| rest.iter().position(|r| r == s).map(|p| rest.remove(p)).is_some());
+        match infer_at {
+            Some(i) if cancels => {
+                if tn == 0 || xn % tn != 0 {
+                    return Err(format!("cannot reshape {x} into {}", show(&target.elems)));
+                }
+                out[i] = match rest.as_slice() {
+                    [] => Dim::Fixed(xn / tn),
+                    [s] if xn / tn == 1 => Dim::sym(s),
+                    _ => Dim::Unknown,
+                };
+            }
+            None if cancels && rest.is_empty() && xn != tn => {
+                return Err(format!("cannot reshape {x} ({xn} elements) into {} ({tn} elements)", show(&target.elems)));
+            }
+            _ => {}
+        }
+    }
+    Ok(Some(Shape(out)))
+}
+
+fn show(elems: &[super::Elem]) -> String {
+    let s: Vec<String> = elems
+        .iter()
+        .map(|e| match e {
+            super::Elem::Int(i) => i.to_string(),
+            super::Elem::Sym(s) => s.to_string(),
+            super::Elem::Unknown => "?".into(),
+        })
+        .collect();
+    format!("[{}]", s.join(","))
+}
+
+pub(super) fn squeeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let axes = match (cx.has(1), cx.ints(1)) {
+        (true, Some(a)) => a,
+        (true, None) => return Ok(None),
+        (false, _) => {
+            if x.0.iter().any(|d| d.fixed().is_none()) {
+                return Ok(None);
+            }
+            return Ok(Some(Shape(x.0.iter().filter(|d| d.fixed() != Some(1)).cloned().collect())));
+        }
+    };
+    let axes: Vec<usize> = axes
+        .iter()
+        .map(|&a| normalize_axis(a, x.rank()).ok_or(format!("axis {a} out of range")))
+        .collect::<Result<_, _>>()?;
+    for &a in &axes {
+        if let Some(n) = x.0[a].fixed().filter(|&n| n != 1) {
+            return Err(format!("cannot squeeze axis {a} of size {n}"));
+        }
+    }
+    Ok(Some(Shape(x.0.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d.clone()).collect())))
+}
+
+pub(super) fn unsqueeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let (Some(x), Some(axes)) = (cx.sh(0), cx.ints(1)) else {
+        return Ok(None);
+    };
+    let r = x.rank() + axes.len();
+    let mut axes: Vec<usize> =
+        axes.iter().map(|&a| normalize_axis(a, r).ok_or(format!("axis {a} out of range"))).collect::<Result<_, _>>()?;
+    axes.sort();
+    let mut src = x.0.iter();
+    Ok(Some(Shape(
+        (0..r)
+            .map(|i| if axes.contains(&i) { Dim::Fixed(1) } else { src.next().cloned().unwrap_or(Dim::Unknown) })
+            .collect(),
+    )))
+}
+
+pub(super) fn concat(cx: &NodeCx, axis: i64) -> Result<Option<Shape>, String> {
+    let mut shapes = Vec::new();
+    for i in 0..cx.n_inputs() {
+        match cx.sh(i) {
+            Some(s) => shapes.push(s),
+            None => return Ok(None),
+        }
+    }
+    let Some(first) = shapes.first() else {
+        return Ok(None);
+    };
+    let a = normalize_axis(axis, first.rank()).ok_or(format!("axis {axis} out of range for rank {}", first.rank()))?;
+    let mut out = first.0.clone();
+    let mut total = Some(0u64);
+    for s in &shapes {
+        if s.rank() != first.rank() {
+            return Err(format!("inputs have different ranks: {first} and {s}"));
+        }
+        total = total.and_then(|t| Some(t + s.0[a].fixed()?));
+        for (i, d) in s.0.iter().enumerate() {
+            if i != a {
+                check_eq(&out[i], d, "concatenated dims")?;
+                if out[i].fixed().is_none() && d.fixed().is_some() {
+                    out[i] = d.clone();
+                }
+            }
+        }
+    }
+    out[a] = total.map_or(Dim::Unknown, Dim::Fixed);
+    if shapes.len() == 1 {
+        out[a] = first.0[a].clone();
+    }
+    Ok(Some(Shape(out)))
+}
+
+pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
+    let n = cx.n_outputs();
+    let d = cx.dt(0);
+    let Some(x) = cx.sh(0) else {
+        return Ok(vec![t(d, None); n]);
+    };
+    let a = normalize_axis(axis, x.rank()).ok_or(format!("axis {axis} out of range"))?;
+    let sizes: Option<Vec<u64>> = if cx.has(1) {
+        cx.ints(1).map(|v| v.into_iter().map(|s| s.max(0) as u64).collect())
+    } else {
+        x.0[a].fixed().map(|len| {
+            let parts = num_outputs.unwrap_or(n as i64).max(1) as u64;
+            let chunk = len.div_ceil(parts);
+            (0..n as u64).map(|i| chunk.min(len.saturating_sub(i * chunk))).collect()
+        })
+    };
+    if let (Some(s), Some(len)) = (&sizes, x.0[a].fixed()) {
+        if s.iter().sum::<u64>() != len || s.len() != n {
+            return Err(format!("split sizes {s:?} do not add up to {len} over {n} outputs"));
+        }
+    }
+    Ok((0..n)
+        .map(|i| {
+            let mut s = x.clone();
+            s.0[a] = sizes.as_ref().map_or(Dim::Unknown, |v| Dim::Fixed(v[i]));
+            t(d, Some(s))
+        })
+        .collect())
+}
+
+pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let (Some(starts), Some(ends)) = (cx.ints(1), cx.ints(2)) else {
+        return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+    };
+    let axes: Vec<i64> = if cx.has(3) { cx.ints(3).ok_or("")? } else { (0..starts.len() as i64).collect() };
+    let steps: Vec<i64> = if cx.has(4) { cx.ints(4).ok_or("")? } else { vec![1; starts.len()] };
+    if axes.len() != starts.len() || ends.len() != starts.len() || steps.len() != starts.len() {
+        return Err("starts, ends, axes and steps have different lengths".into());
+    }
+    let mut out = x.0.clone();
+    for i in 0..starts.len() {
+        let a = normalize_axis(axes[i], x.rank()).ok_or(format!("axis {} out of range", axes[i]))?;
+        let step = steps[i];
+        if step == 0 {
+            return Err("slice step is 0".into());
+        }
+        out[a] = match x.0[a].fixed() {
+            Some(len) => {
+                let len = len as i64;
+                let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
+                let (s, e) = if step > 0 {
+                    (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
+                } else {
+                    (norm(starts[i]).clamp(-1, len - 1), norm(ends[i]).clamp(-1, len - 1))
+                };
+                let n = if step > 0 { (e - s + step - 1) / step } else { (s - e - step - 1) / -step };
+                Dim::Fixed(n.max(0) as u64)
+            }
+            None if starts[i] == 0 && ends[i] >= i32::MAX as i64 && step == 1 => x.0[a].clone(),
+            None => Dim::Unknown,
+        };
+    }
+    Ok(Some(Shape(out)))
+}
+
+pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
+    let Some(pads) = cx.ints(1) else {
+        return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+    };
+    let axes: Vec<usize> = match cx.has(3) {
+        true => match cx.ints(3) {
+            Some(a) => a
+                .iter()
+                .map(|&a| normalize_axis(a, x.rank()).ok_or(format!("axis {a} out of range")))
+                .collect::<Result<_, _>>()?,
+            None => return Ok(Some(Shape(vec![Dim::Unknown; x.rank()]))),
+        },
+        false => (0..x.rank()).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        return Err(format!("{} pads for {} axes", pads.len(), axes.len()));
+    }
+    let mut out = x.0.clone();
+    for (i, &a) in axes.iter().enumerate() {
+        out[a] = match x.0[a].fixed() {
+            Some(n) => Dim::Fixed((n as i64 + pads[i] + pads[i + axes.len()]).max(0) as u64),
+            None if pads[i] == 0 && pads[i + axes.len()] == 0 => x.0[a].clone(),
+            None => Dim::Unknown,
+        };
+    }
+    Ok(Some(Shape(out)))
+}
+
+pub(super) fn resize(cx: &NodeCx) -> Option<Shape> {
+    let x = cx.sh(0)?;
+    if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten() {
+        return Some(Shape(sizes.iter().map(|&s| Dim::Fixed(s.max(0) as u64)).collect()));
+    }
+    let scales = cx.g.node(cx.n).input(2).and_then(|v| cx.g.constant(v)).map(|t| t.to_f64_vec());
+    match scales {
+        Some(sc) if sc.len() == x.rank() => Some(Shape(
+            x.0.iter()
+                .zip(&sc)
+                .map(|(d, &s)| d.fixed().map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64)))
+                .collect(),
+        )),
+        _ => Some(Shape(vec![Dim::Unknown; x.rank()])),
+    }
+}
+
+/// Einsum without ellipsis: output dims looked up by letter.
+pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
+    let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.contains("...") {
+        return None;
+    }
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), r.to_string()),
+        None => {
+            let l = eq.clone();
+            let mut letters: Vec<char> = l.chars().filter(|c| c.is_ascii_alphabetic()).collect();
+            letters.sort();
+            let once: String = letters.iter().filter(|c| letters.iter().filter(|d| d == c).count() == 1).collect();
+            (l, once)
+        }
+    };
+    let mut dims: std::collections::HashMap<char, Dim> = Default::default();
+    for (i, term) in lhs.split(',').enumerate() {
+        let s = cx.sh(i)?;
+        if s.rank() != term.len() {
+            return None;
+        }
+        for (c, d) in term.chars().zip(&s.0) {
+            let e = dims.entry(c).or_insert(d.clone());
+            if e.fixed().is_none() || e.fixed() == Some(1) {
+                *e = d.clone();
+            }
+        }
+    }
+    Some(Shape(rhs.chars().map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
+}
