@@ -76,6 +76,9 @@ attr_struct!(
     keepdims: i64 [default = 1],
     noop_with_empty_axes: i64 [default = 0],
 });
+attr_struct!(SeluAttrs { alpha: f32[default = 1.6732632f32], gamma: f32[default = 1.050701f32] });
+attr_struct!(IsInfAttrs { detect_negative: i64[default = 1], detect_positive: i64[default = 1] });
+attr_struct!(TriluAttrs { upper: i64[default = 1] });
 attr_struct!(CumSumAttrs { exclusive: i64[default = 0], reverse: i64[default = 0] });
 attr_struct!(ArgAttrs { axis: i64[default = 0], keepdims: i64[default = 1], select_last_index: i64[default = 0] });
 attr_struct!(ReshapeAttrs { allowzero: i64[default = 0] });
@@ -195,7 +198,8 @@ define_ops! {
         Add, Sub, Mul, Div, Pow, Sqrt, Exp, Log, Neg, Abs, Reciprocal, Erf, Tanh, Sigmoid, Relu,
         PRelu, HardSwish, Softplus, Clip, Max, Min, Sum, Mean, MatMul, GlobalAveragePool,
         GlobalMaxPool, Squeeze, Unsqueeze, Slice, Expand, Tile, Identity, Size, Range, Where, Equal,
-        Less, Greater, Not, And, Or,
+        Less, Greater, Not, And, Or, Floor, Ceil, Round, Sign, Sin, Cos, Softsign, IsNaN,
+        GreaterOrEqual, LessOrEqual, Xor,
     }
     typed {
         Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Gelu(GeluAttrs),
@@ -209,6 +213,8 @@ define_ops! {
         Split(SplitAttrs), Gather(AxisAttrs), GatherElements(AxisAttrs), Pad(PadAttrs),
         Dropout(DropoutAttrs), Cast(CastAttrs), Shape(ShapeAttrs), Einsum(EinsumAttrs),
         SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
+        Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
+        ReduceProd(ReduceAttrs), Trilu(TriluAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -249,7 +255,9 @@ impl Op {
             | Op::ReduceMin(_)
             | Op::ReduceSumSquare(_)
             | Op::ReduceL2(_)
-            | Op::ReduceLogSumExp(_) => Some(18),
+            | Op::ReduceLogSumExp(_)
+            | Op::ReduceL1(_)
+            | Op::ReduceProd(_) => Some(18),
             _ => None,
         }
     }

@@ -99,7 +99,10 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }
-        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL2" | "ReduceLogSumExp" if v < 18 => {
+        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2" | "ReduceLogSumExp"
+        | "ReduceProd"
+            if v < 18 =>
+        {
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }

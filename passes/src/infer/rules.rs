@@ -86,6 +86,10 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::Identity => {
             vec![same(cx, 0)]
         }
+        Op::Floor | Op::Ceil | Op::Round | Op::Sign | Op::Sin | Op::Cos | Op::Softsign | Op::Selu(_) | Op::Trilu(_) => {
+            vec![same(cx, 0)]
+        }
+        Op::IsNaN | Op::IsInf(_) => vec![t(Some(DType::Bool), cx.sh(0).cloned())],
         Op::Softmax(_) | Op::LogSoftmax(_) | Op::LRN(_) | Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
             vec![same(cx, 0)]
         }
@@ -107,7 +111,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
         }
         Op::Pow => vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)],
-        Op::Equal | Op::Less | Op::Greater | Op::And | Op::Or => {
+        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
             cx.same_dtype(0..2)?;
             vec![t(Some(DType::Bool), broadcast_all(cx, 0..2)?)]
         }
@@ -183,7 +187,9 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::ReduceMin(a)
         | Op::ReduceSumSquare(a)
         | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a) => {
+        | Op::ReduceLogSumExp(a)
+        | Op::ReduceL1(a)
+        | Op::ReduceProd(a) => {
             let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
             let shape = match (cx.sh(0), axes) {
                 (Some(s), None) if a.noop_with_empty_axes != 0 => Some(s.clone()),
@@ -198,7 +204,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             };
             vec![t(cx.dt(0), shape)]
         }
-        Op::ArgMax(a) => {
+        Op::ArgMax(a) | Op::ArgMin(a) => {
             let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims != 0)).transpose()?;
             vec![t(Some(DType::I64), shape)]
         }

@@ -63,6 +63,10 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::ReduceL2(_)
         | Op::ReduceLogSumExp(_)
         | Op::CumSum(_)
+        | Op::Sin
+        | Op::Cos
+        | Op::ReduceL1(_)
+        | Op::ReduceProd(_)
         | Op::Exp
         | Op::Log
         | Op::Pow
@@ -97,7 +101,13 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Sum
         | Op::Mean
         | Op::BatchNormalization(_)
-        | Op::Resize(_) => Follow,
+        | Op::Resize(_)
+        | Op::Floor
+        | Op::Ceil
+        | Op::Round
+        | Op::Sign
+        | Op::Selu(_)
+        | Op::Softsign => Follow,
         Op::Relu
         | Op::Clip
         | Op::Abs
@@ -127,7 +137,13 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Where
         | Op::Equal
         | Op::Less
-        | Op::Greater => Clear,
+        | Op::Greater
+        | Op::GreaterOrEqual
+        | Op::LessOrEqual
+        | Op::IsNaN
+        | Op::IsInf(_)
+        | Op::ArgMin(_)
+        | Op::Trilu(_) => Clear,
         Op::Cast(_)
         | Op::Constant(_)
         | Op::ConstantOfShape(_)
@@ -138,6 +154,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Not
         | Op::And
         | Op::Or
+        | Op::Xor
         | Op::Opaque(_) => return None,
     })
 }

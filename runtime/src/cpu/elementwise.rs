@@ -27,6 +27,12 @@ pub trait Real:
     fn ln_1p(self) -> Self;
     /// Remainder with the dividend's sign (C fmod).
     fn fmod(self, b: Self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn floor(self) -> Self;
+    fn ceil(self) -> Self;
+    /// Round half to even (ONNX Round).
+    fn round_even(self) -> Self;
 }
 
 macro_rules! real {
@@ -64,6 +70,21 @@ macro_rules! real {
             }
             fn fmod(self, b: Self) -> Self {
                 self % b
+            }
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            fn floor(self) -> Self {
+                <$t>::floor(self)
+            }
+            fn ceil(self) -> Self {
+                <$t>::ceil(self)
+            }
+            fn round_even(self) -> Self {
+                <$t>::round_ties_even(self)
             }
         }
     };
@@ -143,6 +164,29 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x.exp().ln_1p()
             }
         }
+        Op::Floor => x.floor(),
+        Op::Ceil => x.ceil(),
+        Op::Round => x.round_even(),
+        Op::Sign => {
+            if x > zero {
+                one
+            } else if x < zero {
+                -one
+            } else {
+                x
+            }
+        }
+        Op::Sin => x.sin(),
+        Op::Cos => x.cos(),
+        Op::Softsign => x / (one + x.abs()),
+        Op::Selu(a) => {
+            let g = R::of(a.gamma as f64);
+            if x > zero {
+                g * x
+            } else {
+                g * R::of(a.alpha as f64) * (x.exp() - one)
+            }
+        }
         Op::Identity | Op::Dropout(_) => x,
         _ => return None,
     })
@@ -183,7 +227,8 @@ pub(crate) fn unary_int(op: &Op, x: &HostTensor) -> Option<HostTensor> {
         Op::Neg => v.iter().map(|&a| a.wrapping_neg()).collect(),
         Op::Abs => v.iter().map(|&a| a.wrapping_abs()).collect(),
         Op::Relu => v.iter().map(|&a| a.max(0)).collect(),
-        Op::Identity | Op::Dropout(_) => v,
+        Op::Sign => v.iter().map(|&a| a.signum()).collect(),
+        Op::Identity | Op::Dropout(_) | Op::Floor | Op::Ceil | Op::Round => v,
         _ => return None,
     };
     Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
@@ -393,8 +438,11 @@ pub(crate) fn compare(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTen
                 Op::Equal => x[i] == y[j],
                 Op::Less => x[i] < y[j],
                 Op::Greater => x[i] > y[j],
+                Op::GreaterOrEqual => x[i] >= y[j],
+                Op::LessOrEqual => x[i] <= y[j],
                 Op::And => x[i] != 0 && y[j] != 0,
                 Op::Or => x[i] != 0 || y[j] != 0,
+                Op::Xor => (x[i] != 0) != (y[j] != 0),
                 _ => false,
             })
             .collect(),
@@ -406,6 +454,8 @@ pub(crate) fn compare(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTen
                     Op::Equal => x[i] == y[j],
                     Op::Less => x[i] < y[j],
                     Op::Greater => x[i] > y[j],
+                    Op::GreaterOrEqual => x[i] >= y[j],
+                    Op::LessOrEqual => x[i] <= y[j],
                     _ => false,
                 })
                 .collect()
@@ -443,6 +493,22 @@ pub(crate) fn clip(x: &HostTensor, lo: Option<&HostTensor>, hi: Option<&HostTens
             .collect();
         Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
     }
+}
+
+/// IsNaN, IsInf (with its sign filters): bool output.
+pub(crate) fn is_special(op: &Op, x: &HostTensor) -> Option<HostTensor> {
+    let v = x.f64s();
+    let out = match op {
+        Op::IsNaN => v.iter().map(|a| a.is_nan()).collect(),
+        Op::IsInf(a) => v
+            .iter()
+            .map(|&x| {
+                (x == f64::INFINITY && a.detect_positive != 0) || (x == f64::NEG_INFINITY && a.detect_negative != 0)
+            })
+            .collect(),
+        _ => return None,
+    };
+    Some(HostTensor { shape: x.shape.clone(), data: Data::Bool(out) })
 }
 
 /// Not (bool).

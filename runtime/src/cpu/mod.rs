@@ -136,7 +136,15 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         | Op::Neg
         | Op::Abs
         | Op::Relu
-        | Op::Identity => {
+        | Op::Identity
+        | Op::Floor
+        | Op::Ceil
+        | Op::Round
+        | Op::Sign
+        | Op::Sin
+        | Op::Cos
+        | Op::Softsign
+        | Op::Selu(_) => {
             let a = x(0)?;
             let r = if a.dtype().is_float() { elementwise::unary(op, a) } else { elementwise::unary_int(op, a) };
             one(r.ok_or_else(|| unsupported(format!("{} on {}", op.op_type(), a.dtype())))?)
@@ -169,7 +177,15 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             }
             one(acc)
         }
-        Op::Equal | Op::Less | Op::Greater | Op::And | Op::Or => {
+        Op::IsNaN | Op::IsInf(_) => one(elementwise::is_special(op, x(0)?).ok_or_else(|| err("IsNaN/IsInf"))?),
+        Op::Trilu(a) => {
+            let k = match ins.get(1).copied().flatten() {
+                Some(t) => t.i64s().and_then(|v| v.first().copied()).unwrap_or(0),
+                None => 0,
+            };
+            one(shape::trilu(x(0)?, k, a.upper != 0)?)
+        }
+        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
             one(elementwise::compare(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
         }
         Op::Not => one(elementwise::not(x(0)?).ok_or_else(|| err("Not needs bool input"))?),
@@ -330,9 +346,13 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         | Op::ReduceMin(a)
         | Op::ReduceSumSquare(a)
         | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a) => {
+        | Op::ReduceLogSumExp(a)
+        | Op::ReduceL1(a)
+        | Op::ReduceProd(a) => {
             let t = x(0)?;
             let kind = match op {
+                Op::ReduceL1(_) => "l1",
+                Op::ReduceProd(_) => "prod",
                 Op::ReduceSum(_) => "sum",
                 Op::ReduceMean(_) => "mean",
                 Op::ReduceMax(_) => "max",
@@ -346,9 +366,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 Some(axes) => one(nn::reduce(t, &axes, a.keepdims != 0, kind)?),
             }
         }
-        Op::ArgMax(a) => {
+        Op::ArgMax(a) | Op::ArgMin(a) => {
             let t = x(0)?;
-            one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims != 0, a.select_last_index != 0)?)
+            let min = matches!(op, Op::ArgMin(_));
+            one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims != 0, a.select_last_index != 0, min)?)
         }
         Op::CumSum(a) => {
             let t = x(0)?;

@@ -380,6 +380,7 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
     let init = match kind {
         "max" => f64::NEG_INFINITY,
         "min" => f64::INFINITY,
+        "prod" => 1.0,
         _ => 0.0,
     };
     let mut acc = vec![init; n_out];
@@ -411,6 +412,8 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
                 }
             }
             "sumsquare" | "l2" => acc[o] + a * a,
+            "l1" => acc[o] + a.abs(),
+            "prod" => acc[o] * a,
             "logsumexp" => acc[o] + (a - lse_max.as_ref().map_or(0.0, |m| m[o])).exp(),
             _ => acc[o] + a,
         };
@@ -436,7 +439,7 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
     Ok(if x.dtype().is_float() { store(x, shape, acc) } else { HostTensor::from_f64(x.dtype(), shape, acc) })
 }
 
-pub(crate) fn argmax(x: &HostTensor, axis: usize, keepdims: bool, last: bool) -> Res<HostTensor> {
+pub(crate) fn argmax(x: &HostTensor, axis: usize, keepdims: bool, last: bool, min: bool) -> Res<HostTensor> {
     let v = x.f64s();
     let (outer, n, inner) = split_at(&x.shape, axis);
     let mut out = Vec::with_capacity(outer * inner);
@@ -444,7 +447,10 @@ pub(crate) fn argmax(x: &HostTensor, axis: usize, keepdims: bool, last: bool) ->
         for i in 0..inner {
             let mut best = 0usize;
             for k in 1..n {
-                let (a, b) = (v[(o * n + k) * inner + i], v[(o * n + best) * inner + i]);
+                let (mut a, mut b) = (v[(o * n + k) * inner + i], v[(o * n + best) * inner + i]);
+                if min {
+                    (a, b) = (-a, -b);
+                }
                 if a > b || (last && a == b) {
                     best = k;
                 }

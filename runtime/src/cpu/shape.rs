@@ -258,3 +258,27 @@ pub(crate) fn range(start: &HostTensor, limit: &HostTensor, delta: &HostTensor) 
         _ => HostTensor::from_f64(start.dtype(), vec![n], v),
     })
 }
+
+/// Trilu: keeps the upper (j - i >= k) or lower (j - i <= k) triangle of the last two dims.
+pub(crate) fn trilu(x: &HostTensor, k: i64, upper: bool) -> Res<HostTensor> {
+    let r = x.shape.len();
+    if r < 2 {
+        return Err(err("Trilu needs rank >= 2"));
+    }
+    let (n, m) = (x.shape[r - 2], x.shape[r - 1]);
+    // Index len (one past the data) stands for zero.
+    let zero = HostTensor::from_f64(x.dtype(), vec![1], vec![0.0]);
+    let joined = gather_runs(&[x, &zero], vec![x.len() + 1], &[(0, 0, x.len()), (1, 0, 1)]);
+    let idx: Vec<usize> = (0..x.len())
+        .map(|p| {
+            let (i, j) = (((p / m) % n) as i64, (p % m) as i64);
+            let keep = if upper { j - i >= k } else { j - i <= k };
+            if keep {
+                p
+            } else {
+                x.len()
+            }
+        })
+        .collect();
+    Ok(joined.pick(x.shape.clone(), &idx))
+}
