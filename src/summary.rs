@@ -58,6 +58,17 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
         }
     }
     infer_types(&mut b)?;
+    // Opaque ops keep their declared types; bind the same symbols there too.
+    for v in b.value_ids().collect::<Vec<_>>() {
+        if let Some(shape) = b.ty(v).shape.clone() {
+            if shape.dims().iter().any(|d| matches!(d, Dim::Sym(s) if used.contains_key(s.as_ref()))) {
+                let bound = shape.bind(&|s| used.get(s).copied());
+                let mut ty = b.ty(v).clone();
+                ty.shape = Some(bound);
+                b.set_ty(v, ty);
+            }
+        }
+    }
     Ok((b, used))
 }
 
