@@ -438,6 +438,14 @@ impl Graph {
         }
     }
 
+    /// Drops the inputs of `node` from slot `len` on (an op that takes fewer inputs now).
+    pub fn truncate_inputs(&mut self, node: NodeId, len: usize) {
+        for slot in len..self.nodes[node.ix()].inputs.len() {
+            self.set_input(node, slot, None);
+        }
+        self.nodes[node.ix()].inputs.truncate(len);
+    }
+
     /// Makes every reader of `old` (and the graph outputs) read `new` instead.
     pub fn replace_uses(&mut self, old: ValueId, new: ValueId) {
         let uses = self.values[old.index()].uses.clone();

@@ -10,12 +10,14 @@ mod dce;
 mod infer;
 mod manager;
 pub mod precision;
+mod simplify;
 
 pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
 pub use infer::{infer_types, InferTypes};
 pub use manager::{verify, PassManager, Pipeline};
 pub use precision::{Policy, Precision};
+pub use simplify::Simplify;
 
 use std::cell::RefCell;
 use std::collections::HashMap;

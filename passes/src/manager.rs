@@ -2,7 +2,7 @@
 
 use mpc_ir::Graph;
 
-use crate::{infer, CastCleanup, Changed, Context, Dce, InferTypes, Pass, PassError, Precision, Result};
+use crate::{infer, CastCleanup, Changed, Context, Dce, InferTypes, Pass, PassError, Precision, Result, Simplify};
 
 /// A named list of passes.
 pub struct PassManager {
@@ -15,7 +15,7 @@ pub struct PassManager {
 /// The standard pipelines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pipeline {
-    /// infer types → precision → cast cleanup → dead-code elimination.
+    /// infer types → simplify → precision → cast cleanup → dead-code elimination.
     Inference,
 }
 
@@ -26,9 +26,13 @@ impl PassManager {
 
     pub fn pipeline(p: Pipeline) -> PassManager {
         match p {
-            Pipeline::Inference => {
-                PassManager::new(vec![Box::new(InferTypes), Box::new(Precision), Box::new(CastCleanup), Box::new(Dce)])
-            }
+            Pipeline::Inference => PassManager::new(vec![
+                Box::new(InferTypes),
+                Box::new(Simplify),
+                Box::new(Precision),
+                Box::new(CastCleanup),
+                Box::new(Dce),
+            ]),
         }
     }
 

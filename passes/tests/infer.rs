@@ -104,3 +104,21 @@ fn layer_norm_outputs_and_casts() {
     assert_eq!(infer(g, "mean").unwrap(), "f32[b,s,1]");
     assert_eq!(infer(g, "c").unwrap(), "f32[b,s,32]");
 }
+
+#[test]
+fn legacy_softmax_folds_only_when_its_axis_is_the_last_dim() {
+    use mpc_passes::{Context, PassManager, Pipeline};
+    let body = |axis: i64| {
+        format!(
+            "  input %0 \"x\": f32[2,3,4]\n  %1 \"f\": ? = Flatten[axis={axis}](%0)\n  %2 \"s\": ? = Softmax(%1)\n  %3 \"shape\": ? = Shape(%0)\n  %4 \"y\": ? = Reshape(%2, %3)\n  output %4"
+        )
+    };
+    let run = |axis: i64| {
+        let src = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n{}\nend\n", body(axis));
+        let mut g = text::parse(&src, None).unwrap();
+        PassManager::pipeline(Pipeline::Inference).run(&mut g, &Context::default(), &mut |_, _| {}).unwrap();
+        g.node_ids().map(|n| g.node(n).op.op_type().to_string()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(2), vec!["Softmax"], "axis 2 of rank 3 is the last dim");
+    assert_eq!(run(1).len(), 4, "axis 1 of rank 3 must keep the 2-D coercion");
+}

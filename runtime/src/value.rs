@@ -256,38 +256,26 @@ macro_rules! map_same {
 }
 pub(crate) use map_same;
 
-/// Concatenates runs `(part, start, len)` of same-dtype tensors, in order.
+/// Concatenates runs `(part, start, len)` of same-dtype tensors, in order. Every part must have
+/// the first part's dtype (type inference guarantees it for the ops that call this).
 pub fn gather_runs(parts: &[&HostTensor], shape: Vec<usize>, runs: &[(usize, usize, usize)]) -> HostTensor {
-    let data = map_same!(&parts[0].data, first => {
-        let mut out = Vec::with_capacity(runs.iter().map(|r| r.2).sum());
-        for &(p, s, n) in runs {
-            // Every part has the first part's dtype (checked by type inference).
-            let v = if p == 0 { first } else { part_vec(first, &parts[p].data) };
-            out.extend_from_slice(&v[s..s + n]);
-        }
-        out
-    });
-    HostTensor { shape, data }
-}
-
-/// The same-typed Vec of another tensor (the caller guarantees matching dtypes).
-fn part_vec<'a, T: 'static>(_like: &'a Vec<T>, data: &'a Data) -> &'a Vec<T> {
-    let any: &dyn std::any::Any = match data {
-        Data::F32(v) => v,
-        Data::F16(v) => v,
-        Data::BF16(v) => v,
-        Data::F64(v) => v,
-        Data::I64(v) => v,
-        Data::I32(v) => v,
-        Data::I16(v) => v,
-        Data::I8(v) => v,
-        Data::U64(v) => v,
-        Data::U32(v) => v,
-        Data::U16(v) => v,
-        Data::U8(v) => v,
-        Data::Bool(v) => v,
-    };
-    any.downcast_ref().expect("parts share one dtype")
+    macro_rules! cat {
+        ($($var:ident),*) => {
+            match &parts[0].data {
+                $(Data::$var(_) => {
+                    let mut out = Vec::with_capacity(runs.iter().map(|r| r.2).sum());
+                    for &(p, s, n) in runs {
+                        match &parts[p].data {
+                            Data::$var(v) => out.extend_from_slice(&v[s..s + n]),
+                            other => panic!("gather_runs: parts of different dtypes ({:?} and {:?})", parts[0].dtype(), HostTensor { shape: vec![], data: other.clone() }.dtype()),
+                        }
+                    }
+                    Data::$var(out)
+                })*
+            }
+        };
+    }
+    HostTensor { shape, data: cat!(F32, F16, BF16, F64, I64, I32, I16, I8, U64, U32, U16, U8, Bool) }
 }
 
 impl From<&Tensor> for HostTensor {
