@@ -1,6 +1,7 @@
 //! Normalisations, softmax, pooling, reductions: all accumulate in f32 (f64 for f64 inputs) and
 //! round on store, as GPU kernels do.
 
+use super::elementwise::Real;
 use super::{err, Res};
 use crate::value::{Data, HostTensor};
 
@@ -239,20 +240,8 @@ pub(crate) fn pool(
     let (nb, c) = (x.shape[0], x.shape[1]);
     let in_sp = &x.shape[2..];
     let ivol: usize = in_sp.iter().product();
-    let ovol: usize = out_spatial.iter().product();
     let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
-    let mut out = Vec::with_capacity(nb * c * ovol);
-    for plane in 0..nb * c {
-        let row = &v[plane * ivol..(plane + 1) * ivol];
-        for (offs, &pad_count) in taps.iter().zip(&padded) {
-            out.push(if max {
-                offs.iter().map(|&o| row[o]).fold(f64::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m })
-            } else {
-                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
-                offs.iter().map(|&o| row[o]).sum::<f64>() / n.max(1) as f64
-            });
-        }
-    }
+    let out = pool_planes(&v, nb * c, ivol, &taps, &padded, max, count_include_pad);
     let mut shape = vec![nb, c];
     shape.extend(out_spatial);
     Ok(if x.dtype().is_float() { store(x, shape, out) } else { HostTensor::from_f64(x.dtype(), shape, out) })
@@ -307,6 +296,32 @@ fn window_taps(
     (taps, padded)
 }
 
+/// Max or average over each window of each (image, channel) plane, in the data's own float type.
+fn pool_planes<R: Real>(
+    v: &[R],
+    planes: usize,
+    ivol: usize,
+    taps: &[Vec<usize>],
+    padded: &[usize],
+    max: bool,
+    count_include_pad: bool,
+) -> Vec<R> {
+    let mut out = Vec::with_capacity(planes * taps.len());
+    for row in v.chunks(ivol.max(1)).take(planes) {
+        for (offs, &pad_count) in taps.iter().zip(padded) {
+            out.push(if max {
+                offs.iter()
+                    .map(|&o| row[o])
+                    .fold(R::of(f64::NEG_INFINITY), |m, a| if a.is_nan() || a > m { a } else { m })
+            } else {
+                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
+                offs.iter().fold(R::of(0.0), |acc, &o| acc + row[o]) / R::of(n.max(1) as f64)
+            });
+        }
+    }
+    out
+}
+
 /// Pooling on f32-family data: the same windows as `pool`, accumulated in f32.
 #[allow(clippy::too_many_arguments)]
 fn pool_f32(
@@ -323,19 +338,8 @@ fn pool_f32(
     let (nb, c) = (x.shape[0], x.shape[1]);
     let in_sp = &x.shape[2..];
     let ivol: usize = in_sp.iter().product();
-    let ovol: usize = out_spatial.iter().product();
     let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
-    let mut out = Vec::with_capacity(nb * c * ovol);
-    for row in v.chunks(ivol.max(1)).take(nb * c) {
-        for (offs, &pad_count) in taps.iter().zip(&padded) {
-            out.push(if max {
-                offs.iter().map(|&o| row[o]).fold(f32::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m })
-            } else {
-                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
-                offs.iter().map(|&o| row[o]).sum::<f32>() / n.max(1) as f32
-            });
-        }
-    }
+    let out = pool_planes(v, nb * c, ivol, &taps, &padded, max, count_include_pad);
     let mut shape = vec![nb, c];
     shape.extend(out_spatial);
     Ok(HostTensor::from_f32(x.dtype(), shape, out))
