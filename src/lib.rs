@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use mpc_ir::text::{self, TensorMode};
 use mpc_ir::{Graph, IrError};
 use mpc_passes::precision::{Class, Policy};
+use mpc_passes::train::{self, LossScale, TrainOptions};
 use mpc_passes::{Context, PassError, PassManager, Pipeline};
 
 /// Everything that can go wrong, each naming the file it concerns.
@@ -125,6 +126,10 @@ pub struct Options {
     pub dims: HashMap<String, u64>,
     pub dump_after: Vec<String>,
     pub stop_after: Option<String>,
+    /// Build the training step (`--train`) with these options.
+    pub train: Option<TrainOptions>,
+    /// `--loss-scale`; `None`: dynamic for `mixed`, none otherwise.
+    pub loss_scale: Option<LossScale>,
 }
 
 /// The policy names.
@@ -172,16 +177,30 @@ pub fn policy(opts: &Options) -> Result<Option<Policy>> {
 /// Runs the pipeline of the options' policy on `g`; `dump` receives the graph after each pass
 /// asked for. Returns the context, which holds the precision pass's report.
 pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(&str, &Graph)) -> Result<Context> {
-    let policy = policy(opts)?;
+    let mut policy = policy(opts)?;
     let perr = |source| Error::Pass { path: path.to_owned(), source };
-    let mut pm = PassManager::pipeline(Pipeline::Inference);
+    let train = opts.train.clone().map(|mut t| {
+        t.loss_scale = opts.loss_scale.clone().unwrap_or(match &policy {
+            Some(p) if p.low == mpc_ir::DType::F16 && !p.everything_low => LossScale::dynamic(),
+            _ => LossScale::None,
+        });
+        t
+    });
+    if let (Some(t), Some(p)) = (&train, policy.as_mut()) {
+        // Mixed precision keeps FP32 masters; the naive fp16 policy stores the weights in FP16.
+        if !p.everything_low {
+            p.masters = train::trainable(g, &t.freeze).into_iter().map(|v| g.name(v).to_string()).collect();
+        }
+    }
+    let pipeline = if train.is_some() { Pipeline::Training } else { Pipeline::Inference };
+    let mut pm = PassManager::pipeline(pipeline);
     for d in &opts.dump_after {
         pm = pm.dump_after(d).map_err(perr)?;
     }
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone(), policy, ..Default::default() };
+    let cx = Context { dims: opts.dims.clone(), policy, train, ..Default::default() };
     pm.run(g, &cx, dump).map_err(perr)?;
     Ok(cx)
 }

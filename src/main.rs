@@ -66,6 +66,8 @@ impl Common {
             dims: parse_dims(&self.dims)?,
             dump_after,
             stop_after,
+            train: None,
+            loss_scale: None,
         })
     }
 }

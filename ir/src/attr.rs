@@ -223,3 +223,8 @@ impl Placeholder for Vec<i64> {
         Vec::new()
     }
 }
+impl Placeholder for f32 {
+    fn placeholder() -> Self {
+        0.0
+    }
+}

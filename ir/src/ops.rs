@@ -100,6 +100,34 @@ attr_struct!(EinsumAttrs { equation: String[required] });
 attr_struct!(
     /// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss.
     LossAttrs { ignore_index: i64 [optional], reduction: String [default = "mean"] });
+attr_struct!(
+    /// `ai.mpc::SgdUpdate`: plain SGD (`momentum` 0) or SGD with momentum (Nesterov optional).
+    SgdAttrs {
+    lr: f32 [required],
+    momentum: f32 [default = 0.0f32],
+    nesterov: i64 [default = 0],
+    weight_decay: f32 [default = 0.0f32],
+});
+attr_struct!(
+    /// `ai.mpc::AdamUpdate`: Adam, or AdamW when `decoupled` is 1 (weight decay applied to the
+    /// weight, not added to the gradient).
+    AdamAttrs {
+    beta1: f32 [default = 0.9f32],
+    beta2: f32 [default = 0.999f32],
+    decoupled: i64 [default = 0],
+    epsilon: f32 [default = 1e-8f32],
+    lr: f32 [required],
+    weight_decay: f32 [default = 0.0f32],
+});
+attr_struct!(
+    /// `ai.mpc::LossScaleUpdate`: dynamic loss scaling.
+    LossScaleAttrs {
+    backoff_factor: f32 [default = 0.5f32],
+    growth_factor: f32 [default = 2.0f32],
+    growth_interval: i64 [default = 2000],
+    max_scale: f32 [default = 16777216.0f32],
+    min_scale: f32 [default = 1.0f32],
+});
 attr_struct!(ResizeAttrs {
     antialias: i64 [default = 0],
     axes: Vec<i64> [default = Vec::new()],
@@ -125,7 +153,8 @@ pub struct Opaque {
 }
 
 macro_rules! define_ops {
-    (plain { $($p:ident),* $(,)? } typed { $($t:ident($a:ty)),* $(,)? } boxed { $($b:ident($ba:ty)),* $(,)? }) => {
+    (plain { $($p:ident),* $(,)? } typed { $($t:ident($a:ty)),* $(,)? } boxed { $($b:ident($ba:ty)),* $(,)? }
+     mpc_plain { $($mp:ident),* $(,)? } mpc { $($m:ident($ma:ty)),* $(,)? }) => {
         /// An operation: one variant per supported op, plus [`Op::Opaque`]. Variants with large
         /// attribute structs box them, keeping an op (and so a node) small.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +162,8 @@ macro_rules! define_ops {
             $($p,)*
             $($t($a),)*
             $($b(Box<$ba>),)*
+            $($mp,)*
+            $($m(Box<$ma>),)*
             Opaque(Box<Opaque>),
         }
 
@@ -143,6 +174,8 @@ macro_rules! define_ops {
                     $(Op::$p => stringify!($p),)*
                     $(Op::$t(_) => stringify!($t),)*
                     $(Op::$b(_) => stringify!($b),)*
+                    $(Op::$mp => stringify!($mp),)*
+                    $(Op::$m(_) => stringify!($m),)*
                     Op::Opaque(o) => &o.op_type,
                 }
             }
@@ -151,6 +184,8 @@ macro_rules! define_ops {
             pub fn domain(&self) -> &str {
                 match self {
                     Op::Opaque(o) => &o.domain,
+                    $(Op::$mp => MPC_DOMAIN,)*
+                    $(Op::$m(_) => MPC_DOMAIN,)*
                     _ => "",
                 }
             }
@@ -166,12 +201,24 @@ macro_rules! define_ops {
                 })
             }
 
+            /// Builds an `ai.mpc` op (training graphs) from its attributes, or `None` when
+            /// `op_type` is not one.
+            pub fn from_mpc_attrs(op_type: &str, attrs: Attrs) -> Option<Result<Op, String>> {
+                Some(match op_type {
+                    $(stringify!($mp) => crate::attr::no_more_attrs(&attrs).map(|()| Op::$mp),)*
+                    $(stringify!($m) => <$ma>::from_attrs(attrs).map(|a| Op::$m(Box::new(a))),)*
+                    _ => return None,
+                })
+            }
+
             /// The attributes that differ from their defaults (for an opaque op: all of them).
             pub fn attrs(&self) -> Attrs {
                 match self {
                     $(Op::$p => Vec::new(),)*
                     $(Op::$t(a) => a.to_attrs(),)*
                     $(Op::$b(a) => a.to_attrs(),)*
+                    $(Op::$mp => Vec::new(),)*
+                    $(Op::$m(a) => a.to_attrs(),)*
                     Op::Opaque(o) => o.attrs.clone(),
                 }
             }
@@ -189,6 +236,9 @@ macro_rules! define_ops {
 
             /// Every op type of the closed set, for docs and tests.
             pub const KNOWN: &'static [&'static str] = &[$(stringify!($p),)* $(stringify!($t),)* $(stringify!($b),)*];
+
+            /// Every op of the `ai.mpc` domain (gradient and optimizer ops of training graphs).
+            pub const MPC_KNOWN: &'static [&'static str] = &[$(stringify!($mp),)* $(stringify!($m),)*];
         }
     };
 }
@@ -220,11 +270,37 @@ define_ops! {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
         Resize(ResizeAttrs), Constant(ConstantAttrs), ConstantOfShape(ConstantOfShapeAttrs),
     }
+    // The `ai.mpc` domain: what training graphs need beyond the standard set. Each op's meaning as
+    // a decomposition into standard ops is written in docs/ai-mpc-ops.md.
+    mpc_plain { AllFinite }
+    mpc {
+        ConvGrad(ConvAttrs), MaxPoolGrad(PoolAttrs), AveragePoolGrad(PoolAttrs),
+        BatchNormalizationGrad(EpsilonAttrs), LayerNormalizationGrad(LayerNormAttrs), GeluGrad(GeluAttrs),
+        SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
+        SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs),
+    }
 }
+
+/// The domain of mpc's own ops.
+pub const MPC_DOMAIN: &str = "ai.mpc";
 
 impl Op {
     pub fn is_opaque(&self) -> bool {
         matches!(self, Op::Opaque(_))
+    }
+
+    /// An op of the `ai.mpc` domain.
+    pub fn is_mpc(&self) -> bool {
+        self.domain() == MPC_DOMAIN
+    }
+
+    /// Builds a known op of `domain` (standard or `ai.mpc`), or `None`.
+    pub fn from_domain_attrs(domain: &str, op_type: &str, attrs: Attrs) -> Option<Result<Op, String>> {
+        match domain {
+            "" | "ai.onnx" => Op::from_attrs(op_type, attrs),
+            MPC_DOMAIN => Op::from_mpc_attrs(op_type, attrs),
+            _ => None,
+        }
     }
 
     /// The lowest ai.onnx opset in which this op's internal form (inputs and attributes) exists;

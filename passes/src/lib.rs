@@ -11,6 +11,7 @@ mod infer;
 mod manager;
 pub mod precision;
 mod simplify;
+pub mod train;
 
 pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
@@ -38,6 +39,8 @@ pub struct Context {
     pub dims: HashMap<String, u64>,
     /// The precision policy; `None` is `fp32`: no precision rewrite.
     pub policy: Option<Policy>,
+    /// Training options: set for the training pipeline.
+    pub train: Option<train::TrainOptions>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
     /// Wall time of each pass and of the verification after it, for `--stats`.

@@ -2,7 +2,9 @@
 
 use mpc_ir::Graph;
 
-use crate::{infer, CastCleanup, Changed, Context, Dce, InferTypes, Pass, PassError, Precision, Result, Simplify};
+use crate::{
+    infer, train, CastCleanup, Changed, Context, Dce, InferTypes, Pass, PassError, Precision, Result, Simplify,
+};
 
 /// A named list of passes.
 pub struct PassManager {
@@ -17,6 +19,9 @@ pub struct PassManager {
 pub enum Pipeline {
     /// infer types → simplify → precision → cast cleanup → dead-code elimination.
     Inference,
+    /// infer types → simplify → add loss → precision → loss scale → autodiff → optimizer → cast
+    /// cleanup → dead-code elimination.
+    Training,
 }
 
 impl PassManager {
@@ -30,6 +35,17 @@ impl PassManager {
                 Box::new(InferTypes),
                 Box::new(Simplify),
                 Box::new(Precision),
+                Box::new(CastCleanup),
+                Box::new(Dce),
+            ]),
+            Pipeline::Training => PassManager::new(vec![
+                Box::new(InferTypes),
+                Box::new(Simplify),
+                Box::new(train::AddLoss),
+                Box::new(Precision),
+                Box::new(train::LossScalePass),
+                Box::new(train::Autodiff),
+                Box::new(train::OptimizerPass),
                 Box::new(CastCleanup),
                 Box::new(Dce),
             ]),

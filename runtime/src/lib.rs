@@ -173,6 +173,71 @@ impl<'g, B: Backend + Clone> Session<'g, B> {
 
     /// Runs once with named inputs; returns the graph outputs by name, in order.
     pub fn run(&self, inputs: &HashMap<String, HostTensor>) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
+        let env = self.execute(inputs)?;
+        let g = self.g;
+        g.outputs()
+            .iter()
+            .map(|&v| {
+                let b = env.get(&v).or_else(|| self.weights.get(&v));
+                let b = b.ok_or_else(|| RuntimeError::Graph(format!("output `{}` was not computed", g.name(v))))?;
+                Ok((g.name(v).to_string(), self.backend.download(b)?))
+            })
+            .collect()
+    }
+
+    /// One training step: runs once, then each state value takes its next value (moved, not
+    /// copied: the state stays resident on the backend). Returns the values named in `fetch`.
+    pub fn step(
+        &mut self,
+        inputs: &HashMap<String, HostTensor>,
+        state: &[(ValueId, ValueId)],
+        fetch: &[ValueId],
+    ) -> Result<Vec<HostTensor>, RuntimeError> {
+        let mut env = self.execute(inputs)?;
+        let g = self.g;
+        let fetched = fetch
+            .iter()
+            .map(|v| {
+                let b = env.get(v).or_else(|| self.weights.get(v));
+                self.backend
+                    .download(b.ok_or_else(|| RuntimeError::Graph(format!("`{}` was not computed", g.name(*v))))?)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for &(s, next) in state {
+            let b =
+                env.remove(&next).ok_or_else(|| RuntimeError::Graph(format!("`{}` was not computed", g.name(next))))?;
+            self.weights.insert(s, b);
+        }
+        Ok(fetched)
+    }
+
+    /// The current value of an initializer (for state: after the last step).
+    pub fn weight(&self, v: ValueId) -> Result<Option<HostTensor>, RuntimeError> {
+        self.weights.get(&v).map(|b| self.backend.download(b)).transpose()
+    }
+
+    /// Replaces an initializer's value (a checkpoint's state, trained weights).
+    pub fn set_weight(&mut self, v: ValueId, t: &HostTensor) -> Result<(), RuntimeError> {
+        let want = self
+            .g
+            .value(v)
+            .initializer()
+            .map(|i| (i.dtype(), i.shape().iter().map(|&d| d as usize).collect::<Vec<_>>()));
+        if let Some((dt, shape)) = want {
+            if dt != t.dtype() || shape != t.shape {
+                return Err(RuntimeError::WrongShape {
+                    name: self.g.name(v).to_string(),
+                    expected: format!("{dt}{shape:?}"),
+                    got: t.shape.clone(),
+                });
+            }
+        }
+        self.weights.insert(v, self.backend.upload(t)?);
+        Ok(())
+    }
+
+    /// Runs the schedule; the environment keeps the graph outputs.
+    fn execute(&self, inputs: &HashMap<String, HostTensor>) -> Result<HashMap<ValueId, B::Buffer>, RuntimeError> {
         let g = self.g;
         for name in inputs.keys() {
             if !g.inputs().iter().any(|&v| g.name(v) == name) {
@@ -207,14 +272,7 @@ impl<'g, B: Backend + Clone> Session<'g, B> {
                 }
             }
         }
-        g.outputs()
-            .iter()
-            .map(|&v| {
-                let b = env.get(&v).or_else(|| self.weights.get(&v));
-                let b = b.ok_or_else(|| RuntimeError::Graph(format!("output `{}` was not computed", g.name(v))))?;
-                Ok((g.name(v).to_string(), self.backend.download(b)?))
-            })
-            .collect()
+        Ok(env)
     }
 }
 

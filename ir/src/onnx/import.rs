@@ -168,6 +168,11 @@ impl Importer<'_> {
                 Some(op) => op,
                 None => opaque(attrs, &self.g, &mut inputs),
             }
+        } else if domain == crate::ops::MPC_DOMAIN {
+            match Op::from_mpc_attrs(&op_type, attrs.clone()) {
+                Some(r) => r.map_err(|e| format!("ai.mpc::{op_type}: {e}"))?,
+                None => opaque(attrs, &self.g, &mut inputs),
+            }
         } else {
             opaque(attrs, &self.g, &mut inputs)
         };

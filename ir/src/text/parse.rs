@@ -393,6 +393,12 @@ impl<'a> Parser<'a> {
         }
         let name = if l.eat('@') { l.string()? } else { String::new() };
         let op = match domain {
+            Some(domain) if domain == crate::ops::MPC_DOMAIN && Op::MPC_KNOWN.contains(&op_type.as_str()) => {
+                match Op::from_mpc_attrs(&op_type, attrs) {
+                    Some(r) => r.map_err(|e| format!("{domain}::{op_type}: {e}"))?,
+                    None => unreachable!("MPC_KNOWN lists the ai.mpc ops"),
+                }
+            }
             Some(domain) => {
                 let explicit_inputs = explicit.unwrap_or(inputs.len());
                 Op::Opaque(Box::new(Opaque { domain, op_type, attrs, explicit_inputs }))

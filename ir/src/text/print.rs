@@ -132,6 +132,7 @@ impl<'a> Printer<'a> {
     fn op(&mut self, line: &mut String, op: &Op) {
         match op {
             Op::Opaque(o) => write!(line, "{}::{}", quote_domain(&o.domain), o.op_type).ok(),
+            _ if op.is_mpc() => write!(line, "{}::{}", op.domain(), op.op_type()).ok(),
             _ => write!(line, "{}", op.op_type()).ok(),
         };
         let attrs = op.attrs();

@@ -321,6 +321,30 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Resize(_) => vec![t(cx.dt(0), resize(cx))],
         Op::Opaque(_) => return Err("opaque ops keep their declared types".into()),
+        // ---- ai.mpc (training graphs): gradients take dY's dtype and their operand's shape ----
+        Op::ConvGrad(_) => {
+            let cout = cx.sh(2).and_then(|s| s.dims().first().cloned()).unwrap_or(Dim::Unknown);
+            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), Some(Shape(vec![cout])))]
+        }
+        Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) | Op::GeluGrad(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::BatchNormalizationGrad(_) | Op::LayerNormalizationGrad(_) => {
+            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), cx.sh(2).cloned())]
+        }
+        Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => vec![same(cx, 1)],
+        Op::GatherGrad(_) => {
+            let shape = cx.known(2).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
+        Op::SgdUpdate(_) => {
+            let mut out = vec![same(cx, 0)];
+            if cx.n_outputs() > 1 {
+                out.push(same(cx, 3));
+            }
+            out
+        }
+        Op::AdamUpdate(_) => vec![same(cx, 0), same(cx, 2), same(cx, 3)],
+        Op::LossScaleUpdate(_) => vec![same(cx, 0), same(cx, 1)],
     })
 }
 

@@ -38,6 +38,9 @@ pub struct Policy {
     pub pin_fp32: BTreeSet<String>,
     /// Graph inputs and outputs in the low dtype too.
     pub io_low: bool,
+    /// Initializers that stay FP32 whatever reads them: the master weights of a training graph,
+    /// which low readers see through one shared Cast.
+    pub masters: BTreeSet<String>,
 }
 
 impl Policy {
@@ -49,6 +52,7 @@ impl Policy {
             overrides: BTreeMap::new(),
             pin_fp32: BTreeSet::new(),
             io_low: false,
+            masters: BTreeSet::new(),
         };
         Ok(match name {
             "fp32" => None,
@@ -279,6 +283,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     let constants: Vec<ValueId> = g
         .value_ids()
         .filter(|v| readers[v.index()] == 1 && !g.is_output(*v) && original[v.index()] == Some(DType::F32))
+        .filter(|v| !policy.masters.contains(g.name(*v)))
         .collect();
     for v in constants {
         let Some(t) = constant_tensor(g, v) else { continue };

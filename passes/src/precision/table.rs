@@ -155,7 +155,20 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::And
         | Op::Or
         | Op::Xor
-        | Op::Opaque(_) => return None,
+        | Op::Opaque(_)
+        | Op::ConvGrad(_)
+        | Op::MaxPoolGrad(_)
+        | Op::AveragePoolGrad(_)
+        | Op::BatchNormalizationGrad(_)
+        | Op::LayerNormalizationGrad(_)
+        | Op::GeluGrad(_)
+        | Op::SoftmaxCrossEntropyLossGrad(_)
+        | Op::NegativeLogLikelihoodLossGrad(_)
+        | Op::GatherGrad(_)
+        | Op::AllFinite
+        | Op::SgdUpdate(_)
+        | Op::AdamUpdate(_)
+        | Op::LossScaleUpdate(_) => return None,
     })
 }
 

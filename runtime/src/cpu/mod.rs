@@ -8,6 +8,7 @@ mod linalg;
 mod nn;
 mod resize;
 mod shape;
+mod train;
 
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
 use mpc_ir::{normalize_axis, DType, Op, Tensor};
@@ -90,6 +91,9 @@ fn window(
 }
 
 fn conv(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -> Res<HostTensor> {
+    if x.dtype() == DType::F64 {
+        return train::conv_f64(x, w, b, a);
+    }
     let kernel: Vec<usize> = w.shape[2..].to_vec();
     let (out, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
     let us = |v: &[i64], n: usize| (0..n).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
@@ -408,5 +412,34 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             })?)
         }
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
+        // ---- ai.mpc: training graphs ----
+        Op::ConvGrad(a) => train::conv_grad(x(0)?, x(1)?, x(2)?, a),
+        Op::MaxPoolGrad(a) => one(train::pool_grad(x(0)?, x(1)?, a, true)?),
+        Op::AveragePoolGrad(a) => one(train::pool_grad(x(0)?, x(1)?, a, false)?),
+        Op::BatchNormalizationGrad(a) => train::batch_norm_grad(x(0)?, x(1)?, x(2)?, a.epsilon),
+        Op::LayerNormalizationGrad(a) => {
+            let t = x(1)?;
+            train::layer_norm_grad(x(0)?, t, x(2)?, axis(a.axis, t.shape.len())?, a.epsilon)
+        }
+        Op::GeluGrad(a) => one(train::gelu_grad(x(0)?, x(1)?, &a.approximate)?),
+        Op::SoftmaxCrossEntropyLossGrad(a) => one(train::softmax_cross_entropy_grad(
+            x(0)?,
+            x(1)?,
+            x(2)?,
+            ins.get(3).copied().flatten(),
+            a.ignore_index,
+            &a.reduction,
+        )?),
+        Op::NegativeLogLikelihoodLossGrad(a) => {
+            one(train::nll_grad(x(0)?, x(1)?, x(2)?, ins.get(3).copied().flatten(), a.ignore_index, &a.reduction)?)
+        }
+        Op::GatherGrad(a) => one(train::gather_grad(x(0)?, x(1)?, x(2)?, a.axis)?),
+        Op::AllFinite => {
+            let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
+            one(train::all_finite(&parts)?)
+        }
+        Op::SgdUpdate(a) => train::sgd_update(&[x(0)?, x(1)?, x(2)?], ins.get(3).copied().flatten(), a),
+        Op::AdamUpdate(a) => train::adam_update(&[x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?], a),
+        Op::LossScaleUpdate(a) => train::loss_scale_update(x(0)?, x(1)?, x(2)?, a),
     }
 }

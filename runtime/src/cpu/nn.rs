@@ -127,6 +127,29 @@ pub(crate) fn layer_norm(
     let mut y = vec![0f64; v.len()];
     let mut means = Vec::with_capacity(outer);
     let mut inv = Vec::with_capacity(outer);
+    if x.dtype() == mpc_ir::DType::F64 {
+        // f64 data: f64 arithmetic throughout (the reference for gradient checks).
+        for o in 0..outer {
+            let row = &v[o * n..(o + 1) * n];
+            let mean = row.iter().sum::<f64>() / n as f64;
+            let var = row.iter().map(|&a| (a - mean) * (a - mean)).sum::<f64>() / n as f64;
+            let r = 1.0 / (var + eps as f64).sqrt();
+            for k in 0..n {
+                let b = match (&bi, &bidx) {
+                    (Some(b), Some(bx)) => b[bx[k]],
+                    _ => 0.0,
+                };
+                y[o * n + k] = (row[k] - mean) * r * sc[si[k]] + b;
+            }
+            means.push(mean as f32);
+            inv.push(r as f32);
+        }
+        return Ok(vec![
+            store(x, x.shape.clone(), y),
+            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
+            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
+        ]);
+    }
     for o in 0..outer {
         let row = &v[o * n..(o + 1) * n];
         let mean = row.iter().map(|&a| a as f32).sum::<f32>() / n as f32;
@@ -196,8 +219,17 @@ pub(crate) fn batch_norm(
         (rm.clone(), rv.clone())
     };
     let mut y = vec![0f64; v.len()];
+    let wide = x.dtype() == mpc_ir::DType::F64;
     for b in 0..nb {
         for ch in 0..c {
+            if wide {
+                let k = sc[ch] / (bv[ch] + eps as f64).sqrt();
+                let dst = &mut y[(b * c + ch) * inner..(b * c + ch + 1) * inner];
+                for (d, &a) in dst.iter_mut().zip(plane(b, ch)) {
+                    *d = (a - bm[ch]) * k + bi[ch];
+                }
+                continue;
+            }
             let k = sc[ch] as f32 / ((bv[ch] as f32) + eps).sqrt();
             let (m, bias) = (bm[ch] as f32, bi[ch] as f32);
             let dst = &mut y[(b * c + ch) * inner..(b * c + ch + 1) * inner];

@@ -1,0 +1,471 @@
+//! The training passes: from a forward model to one whole mixed-precision training step.
+//!
+//! In pipeline order (after type inference): [`AddLoss`] (an FP32 loss on the model's output, or
+//! the model's own scalar), then the precision pass (parameters stay FP32 masters, read through
+//! one shared Cast each), [`LossScale`] (the loss times the scale, which is training state),
+//! [`Autodiff`], and [`Optimizer`]: unscale in FP32, one all-finite check over every gradient,
+//! optional global-norm clipping, the update of the masters (moments FP32) that leaves everything
+//! unchanged on a non-finite step, the dynamic loss-scale update and the step counter.
+//!
+//! Training state is carried as initializers that the step reads and outputs that hold their next
+//! values; the pairs are listed in the model's metadata under [`STATE_KEY`] (one `state -> next`
+//! per line) so that a runtime keeps them resident and swaps them after each step, and so that the
+//! exported ONNX says which output feeds which initializer.
+
+mod autodiff;
+mod build;
+
+use std::collections::BTreeSet;
+
+use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SgdAttrs};
+use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
+
+pub use autodiff::{differentiable, differentiate};
+use build::Builder;
+
+use crate::{Changed, Context, Pass, PassError, Result};
+
+/// Metadata key listing the state pairs of a training graph.
+pub const STATE_KEY: &str = "mpc.train.state";
+/// Metadata key naming the loss output of a training graph.
+pub const LOSS_KEY: &str = "mpc.train.loss";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Loss {
+    /// SoftmaxCrossEntropyLoss (mean) of the model's first output against integer labels.
+    CrossEntropy,
+    /// Mean squared error of the model's first output against targets of its shape.
+    Mse,
+    /// The model computes its own scalar loss: this output.
+    Output(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Optimizer {
+    Sgd,
+    Momentum,
+    Adam,
+    AdamW,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum LossScale {
+    /// Dynamic scaling from `init`, updated by the rules in `attrs`.
+    Dynamic {
+        init: f32,
+        attrs: LossScaleAttrs,
+    },
+    Static(f32),
+    None,
+}
+
+/// Everything `--train` configures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainOptions {
+    pub loss: Loss,
+    /// Name of the labels (or targets) input the loss adds.
+    pub labels: String,
+    pub optimizer: Optimizer,
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub epsilon: f32,
+    pub clip_norm: Option<f32>,
+    pub loss_scale: LossScale,
+    /// Initializers that are not trained.
+    pub freeze: BTreeSet<String>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            loss: Loss::CrossEntropy,
+            labels: "labels".into(),
+            optimizer: Optimizer::Adam,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            momentum: 0.9,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            clip_norm: None,
+            loss_scale: LossScale::None,
+            freeze: BTreeSet::new(),
+        }
+    }
+}
+
+impl LossScale {
+    /// The paper's dynamic scaling: start 2^16, ×2 after 2000 finite steps, ×½ on overflow.
+    pub fn dynamic() -> LossScale {
+        LossScale::Dynamic { init: 65536.0, attrs: LossScaleAttrs::default() }
+    }
+}
+
+/// The parameters: float initializers read through a differentiable input, minus frozen names.
+/// (Batch-norm running statistics, shapes, indices and masks are read through other inputs.)
+pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
+    let mut out = BTreeSet::new();
+    // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
+    let freeze =
+        |v: ValueId| freeze.contains(g.name(v)) || g.name(v).starts_with("mpc.") || g.name(v).starts_with("grad.");
+    for n in g.node_ids() {
+        let node = g.node(n);
+        for (s, v) in node.inputs().iter().enumerate() {
+            let Some(v) = *v else { continue };
+            let is_param = matches!(g.value(v).def(), Def::Init(t) if t.dtype().is_float())
+                && differentiable(&node.op, s)
+                && !matches!(node.op, Op::Cast(_))
+                && !freeze(v);
+            if is_param {
+                out.insert(v);
+            }
+            // A master read through a Cast (after the precision pass) is still a parameter.
+            if let (Op::Cast(_), Def::Init(t)) = (&node.op, g.value(v).def()) {
+                if t.dtype().is_float() && !freeze(v) && node.outputs().iter().any(|&o| read_differentiably(g, o)) {
+                    out.insert(v);
+                }
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
+fn read_differentiably(g: &Graph, v: ValueId) -> bool {
+    g.value(v).uses().iter().any(|u| differentiable(&g.node(u.node).op, u.slot))
+}
+
+/// The state pairs (`state`, `next`) recorded in the graph's metadata.
+pub fn state_pairs(g: &Graph) -> Vec<(String, String)> {
+    g.meta
+        .metadata_props
+        .iter()
+        .filter(|(k, _)| k == STATE_KEY)
+        .flat_map(|(_, v)| v.lines().filter_map(|l| l.split_once(" -> ")).map(|(a, b)| (a.to_string(), b.to_string())))
+        .collect()
+}
+
+fn set_meta(g: &mut Graph, key: &str, value: String) {
+    g.meta.metadata_props.retain(|(k, _)| k != key);
+    g.meta.metadata_props.push((key.to_string(), value));
+}
+
+fn meta(g: &Graph, key: &str) -> Option<String> {
+    g.meta.metadata_props.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+}
+
+/// The loss value of a graph that [`AddLoss`] ran on.
+pub fn loss_value(g: &Graph) -> Option<ValueId> {
+    meta(g, LOSS_KEY).and_then(|n| g.find(&n))
+}
+
+fn opts(cx: &Context) -> Result<&TrainOptions> {
+    cx.train.as_ref().ok_or_else(|| PassError::Usage("the training passes need training options".into()))
+}
+
+/// Adds the FP32 loss (or adopts the model's own) and makes it the first output.
+pub struct AddLoss;
+
+impl Pass for AddLoss {
+    fn name(&self) -> &'static str {
+        "add-loss"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let o = opts(cx)?;
+        let first_float = || {
+            g.outputs()
+                .iter()
+                .copied()
+                .find(|&v| g.ty(v).dtype.is_some_and(|d| d.is_float()))
+                .ok_or_else(|| PassError::Usage("the model has no float output to put a loss on".into()))
+        };
+        let loss = match &o.loss {
+            Loss::Output(name) => {
+                let v = g.outputs().iter().copied().find(|&v| g.name(v) == name).ok_or_else(|| {
+                    let all: Vec<&str> = g.outputs().iter().map(|&v| g.name(v)).collect();
+                    PassError::Usage(format!(
+                        "--loss output:{name}: no output has that name (outputs: {})",
+                        all.join(", ")
+                    ))
+                })?;
+                let ty = g.ty(v);
+                if ty.dtype != Some(DType::F32) || ty.shape.as_ref().is_some_and(|s| s.rank() != 0) {
+                    return Err(PassError::Usage(format!(
+                        "--loss output:{name}: the loss must be an f32 scalar, not {ty}"
+                    )));
+                }
+                v
+            }
+            Loss::CrossEntropy => {
+                let logits = first_float()?;
+                let shape = g
+                    .ty(logits)
+                    .shape
+                    .clone()
+                    .ok_or_else(|| PassError::Usage(format!("the shape of `{}` is unknown", g.name(logits))))?;
+                if shape.rank() < 2 {
+                    return Err(PassError::Usage(format!(
+                        "cross-entropy needs [batch, classes, ...] scores; `{}` is {shape}",
+                        g.name(logits)
+                    )));
+                }
+                let mut dims: Vec<Dim> = shape.dims().to_vec();
+                dims.remove(1);
+                let labels = g.add_input(&o.labels, TypeInfo::new(DType::I64, Shape(dims)));
+                let name = g.unique_name("loss");
+                let op = Op::SoftmaxCrossEntropyLoss(LossAttrs { ignore_index: None, reduction: "mean".into() });
+                g.add_op(&name, op, &[Some(logits), Some(labels)], 1).1[0]
+            }
+            Loss::Mse => {
+                let out = first_float()?;
+                let ty = g.ty(out).clone();
+                let targets = g.add_input(&o.labels, ty);
+                let mut b = Builder::new(g);
+                b.at("loss.mse");
+                let d = b.op("sub", Op::Sub, &[out, targets]);
+                let sq = b.op("square", Op::Mul, &[d, d]);
+                let name = b.g.unique_name("loss");
+                let attrs = ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+                b.g.add_op(&name, Op::ReduceMean(attrs), &[Some(sq)], 1).1[0]
+            }
+        };
+        let mut outs: Vec<ValueId> = vec![loss];
+        outs.extend(g.outputs().iter().copied().filter(|&v| v != loss));
+        g.set_outputs(outs);
+        let name = g.name(loss).to_string();
+        set_meta(g, LOSS_KEY, name);
+        crate::infer_types(g)?;
+        Ok(Changed::Yes)
+    }
+}
+
+/// Multiplies the loss by the loss scale (training state `mpc.loss_scale`) when scaling is on.
+pub struct LossScalePass;
+
+impl Pass for LossScalePass {
+    fn name(&self) -> &'static str {
+        "loss-scale"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let o = opts(cx)?;
+        let init = match o.loss_scale {
+            LossScale::Dynamic { init, .. } => init,
+            LossScale::Static(s) => s,
+            LossScale::None => return Ok(Changed::No),
+        };
+        let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
+        let mut b = Builder::new(g);
+        let scale = b.init("mpc.loss_scale", Tensor::from_f32(vec![], &[init]));
+        let name = b.g.unique_name("loss.scaled");
+        let scaled = b.g.add_op(&name, Op::Mul, &[Some(loss), Some(scale)], 1).1[0];
+        set_meta(g, "mpc.train.scaled_loss", g.name(scaled).to_string());
+        crate::infer_types(g)?;
+        Ok(Changed::Yes)
+    }
+}
+
+/// Generates the backward graph; parameter gradients are named `{param}.grad`.
+pub struct Autodiff;
+
+impl Pass for Autodiff {
+    fn name(&self) -> &'static str {
+        "autodiff"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let o = opts(cx)?;
+        let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
+        let target = meta(g, "mpc.train.scaled_loss").and_then(|n| g.find(&n)).unwrap_or(loss);
+        let params = trainable(g, &o.freeze);
+        if params.is_empty() {
+            return Err(PassError::Usage(
+                "nothing to train: the model has no float initializer the loss depends on".into(),
+            ));
+        }
+        let seed = {
+            let mut b = Builder::new(g);
+            b.init("grad.seed", Tensor::from_f32(vec![], &[1.0]))
+        };
+        let grads = differentiate(g, &params, target, seed)?;
+        let pairs: Vec<String> = grads.iter().map(|(p, d)| format!("{} -> {}", g.name(*p), g.name(*d))).collect();
+        set_meta(g, "mpc.train.grads", pairs.join("\n"));
+        crate::infer_types(g)?;
+        Ok(Changed::Yes)
+    }
+}
+
+/// The parameter → gradient pairs that [`Autodiff`] recorded.
+fn grads(g: &Graph) -> Vec<(ValueId, ValueId)> {
+    meta(g, "mpc.train.grads")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once(" -> "))
+        .filter_map(|(p, d)| Some((g.find(p)?, g.find(d)?)))
+        .collect()
+}
+
+/// Unscale, all-finite check, clipping, the optimizer update of the masters, the loss-scale
+/// update and the step counter; the state pairs are recorded and the next values made outputs.
+pub struct OptimizerPass;
+
+impl Pass for OptimizerPass {
+    fn name(&self) -> &'static str {
+        "optimizer"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let o = opts(cx)?.clone();
+        let pg = grads(g);
+        let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
+        let mut state: Vec<(ValueId, ValueId)> = Vec::new();
+        // Batch-norm running statistics computed in training mode are state too.
+        for n in g.node_ids().collect::<Vec<_>>() {
+            let node = g.node(n);
+            if let Op::BatchNormalization(a) = &node.op {
+                if a.training_mode != 0 {
+                    for slot in 1..=2 {
+                        if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
+                            if g.value(s).initializer().is_some() {
+                                state.push((s, next));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut b = Builder::new(g);
+        b.at("optimizer");
+        let scale = b.g.find("mpc.loss_scale");
+        // 1. Unscale in FP32: g / S (a gradient computed low is widened first).
+        let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
+        let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
+        for &(p, d) in &pg {
+            let pname = b.g.name(p).to_string();
+            b.at(&format!("{pname}.update"));
+            let pdt = b.dtype(p).map_err(PassError::Usage)?;
+            let mut d = d;
+            if b.dtype(d).map_err(PassError::Usage)? != pdt {
+                d = b.cast(d, pdt);
+            }
+            if let Some(inv) = inv {
+                let inv = if pdt == DType::F32 { inv } else { b.cast(inv, pdt) };
+                d = b.op("unscale", Op::Mul, &[d, inv]);
+            }
+            gs.push((p, d));
+        }
+        // 2. One finite flag for the whole step.
+        b.at("optimizer");
+        let all: Vec<Option<ValueId>> = gs.iter().map(|&(_, d)| Some(d)).collect();
+        let finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
+        // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
+        if let Some(c) = o.clip_norm {
+            let attrs = ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+            let mut sq = Vec::new();
+            for &(_, d) in &gs {
+                let d32 = if b.dtype(d).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
+                sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
+            }
+            let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
+            let norm = b.op("grad_norm", Op::Sqrt, &[total]);
+            let eps = b.scalar(1e-6, DType::F32);
+            let den = b.op("add", Op::Add, &[norm, eps]);
+            let cv = b.scalar(c as f64, DType::F32);
+            let ratio = b.op("div", Op::Div, &[cv, den]);
+            let one = b.scalar(1.0, DType::F32);
+            let factor = b.op("clip_factor", Op::Min, &[ratio, one]);
+            for (p, d) in gs.iter_mut() {
+                let pdt = b.dtype(*p).map_err(PassError::Usage)?;
+                let f = if pdt == DType::F32 { factor } else { b.cast(factor, pdt) };
+                *d = b.op("clip", Op::Mul, &[*d, f]);
+            }
+        }
+        // 4. The step counter advances on applied steps only.
+        let step = b.init("mpc.step", Tensor::from_i64(vec![], &[0]));
+        let inc = b.cast(finite, DType::I64);
+        let step_next = b.op("step_next", Op::Add, &[step, inc]);
+        state.push((step, step_next));
+        // 5. The updates.
+        for &(p, d) in &gs {
+            let pname = b.g.name(p).to_string();
+            b.at(&format!("{pname}.update"));
+            let tensor =
+                b.g.value(p)
+                    .initializer()
+                    .cloned()
+                    .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
+            let zeros =
+                || Tensor::from_f64_as(tensor.dtype(), tensor.shape().to_vec(), &vec![0.0; tensor.numel() as usize]);
+            match o.optimizer {
+                Optimizer::Sgd | Optimizer::Momentum => {
+                    let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
+                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: 0, weight_decay: o.weight_decay };
+                    let mut ins = vec![Some(p), Some(d), Some(finite)];
+                    let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
+                    ins.extend(vel.map(Some));
+                    let outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, 1 + vel.is_some() as usize);
+                    state.push((p, outs[0]));
+                    if let Some(v) = vel {
+                        state.push((v, outs[1]));
+                    }
+                }
+                Optimizer::Adam | Optimizer::AdamW => {
+                    let attrs = AdamAttrs {
+                        beta1: o.beta1,
+                        beta2: o.beta2,
+                        decoupled: (o.optimizer == Optimizer::AdamW) as i64,
+                        epsilon: o.epsilon,
+                        lr: o.lr,
+                        weight_decay: o.weight_decay,
+                    };
+                    let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
+                    let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
+                    let ins = [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite)];
+                    let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3);
+                    state.push((p, outs[0]));
+                    state.push((m, outs[1]));
+                    state.push((v, outs[2]));
+                }
+            }
+        }
+        // 6. Dynamic loss scaling.
+        b.at("optimizer");
+        if let (LossScale::Dynamic { attrs, .. }, Some(s)) = (&o.loss_scale, scale) {
+            let good = b.init("mpc.good_steps", Tensor::from_i64(vec![], &[0]));
+            let outs = b.ops(
+                "loss_scale",
+                Op::LossScaleUpdate(Box::new(attrs.clone())),
+                &[Some(s), Some(good), Some(finite)],
+                2,
+            );
+            state.push((s, outs[0]));
+            state.push((good, outs[1]));
+        }
+        let skipped = b.op("skipped", Op::Not, &[finite]);
+        // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.
+        let mut outs = vec![loss];
+        let sname = b.g.unique_name("mpc.step_skipped");
+        b.g.rename(skipped, &sname);
+        outs.push(skipped);
+        outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
+        let mut lines = Vec::new();
+        for &(s, next) in &state {
+            let want = format!("{}.next", b.g.name(s));
+            if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
+                b.g.rename(next, &want);
+            }
+            if !outs.contains(&next) {
+                outs.push(next);
+            }
+            lines.push(format!("{} -> {}", b.g.name(s), b.g.name(next)));
+        }
+        b.g.set_outputs(outs);
+        set_meta(g, STATE_KEY, lines.join("\n"));
+        g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
+        crate::infer_types(g)?;
+        Ok(Changed::Yes)
+    }
+}

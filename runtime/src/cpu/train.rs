@@ -1,0 +1,555 @@
+//! The `ai.mpc` ops of training graphs: gradient kernels that need more than standard ops, and the
+//! optimizer and loss-scale updates. Arithmetic in f64, rounded on store through f32 into the
+//! storage dtype (f64 stays f64), so FP16/BF16 results are what an f32-computing GPU kernel
+//! stores. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
+
+use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
+use mpc_ir::DType;
+
+use super::elementwise::Real;
+use super::shape::strides;
+use super::{err, window, Res};
+use crate::value::{Data, HostTensor};
+
+/// Rounds f64 results through f32 (the compute type of f32/f16/bf16) into `dtype`.
+fn store(dtype: DType, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
+    if dtype == DType::F64 {
+        HostTensor { shape, data: Data::F64(v) }
+    } else {
+        HostTensor::from_f32(dtype, shape, v.into_iter().map(|x| x as f32).collect())
+    }
+}
+
+fn float(x: &HostTensor, what: &str) -> Res<Vec<f64>> {
+    if !x.dtype().is_float() {
+        return Err(err(format!("{what} must be a float tensor, not {}", x.dtype())));
+    }
+    Ok(x.f64s())
+}
+
+fn same_shape(a: &HostTensor, b: &HostTensor, what: &str) -> Res<()> {
+    if a.shape != b.shape {
+        return Err(err(format!("{what}: shapes {:?} and {:?} differ", a.shape, b.shape)));
+    }
+    Ok(())
+}
+
+/// For every (kernel position, output position) of a window: the input offset, or `None` in the
+/// padding.
+fn taps(
+    in_sp: &[usize],
+    kernel: &[usize],
+    pads: &[usize],
+    st: &[usize],
+    dl: &[usize],
+    out: &[usize],
+) -> Vec<Option<usize>> {
+    let (kvol, ovol): (usize, usize) = (kernel.iter().product(), out.iter().product());
+    let (kst, ost, ist) = (strides(kernel), strides(out), strides(in_sp));
+    let mut src = Vec::with_capacity(kvol * ovol);
+    for kp in 0..kvol {
+        for op in 0..ovol {
+            let mut off = 0usize;
+            let mut inside = true;
+            for d in 0..kernel.len() {
+                let kc = (kp / kst[d]) % kernel[d];
+                let oc = (op / ost[d]) % out[d];
+                let ic = (oc * st[d] + kc * dl[d]) as i64 - pads[d] as i64;
+                if ic < 0 || ic >= in_sp[d] as i64 {
+                    inside = false;
+                    break;
+                }
+                off += ic as usize * ist[d];
+            }
+            src.push(inside.then_some(off));
+        }
+    }
+    src
+}
+
+fn ones(v: &[i64], n: usize) -> Vec<usize> {
+    (0..n).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect()
+}
+
+/// Direct convolution in f64 (the f64 forward; the f32 family goes through im2col + GEMM).
+pub(crate) fn conv_f64(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -> Res<HostTensor> {
+    let kernel: Vec<usize> = w.shape[2..].to_vec();
+    let sp = kernel.len();
+    let (out_sp, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let src = taps(&x.shape[2..], &kernel, &pads, &ones(&a.strides, sp), &ones(&a.dilations, sp), &out_sp);
+    let (nb, cin, cout) = (x.shape[0], x.shape[1], w.shape[0]);
+    let group = a.group.max(1) as usize;
+    let (cg, og) = (cin / group, cout / group);
+    let (kvol, ovol, ivol): (usize, usize, usize) =
+        (kernel.iter().product(), out_sp.iter().product(), x.shape[2..].iter().product());
+    let (xv, wv) = (x.f64s(), w.f64s());
+    let bv = b.map(|b| b.f64s());
+    let mut y = vec![0f64; nb * cout * ovol];
+    for n in 0..nb {
+        for oc in 0..cout {
+            let g = oc / og;
+            let dst = &mut y[(n * cout + oc) * ovol..(n * cout + oc + 1) * ovol];
+            for ic in 0..cg {
+                let xp = &xv[(n * cin + g * cg + ic) * ivol..];
+                for kp in 0..kvol {
+                    let wk = wv[(oc * cg + ic) * kvol + kp];
+                    for (op, d) in dst.iter_mut().enumerate() {
+                        if let Some(o) = src[kp * ovol + op] {
+                            *d += wk * xp[o];
+                        }
+                    }
+                }
+            }
+            if let Some(bv) = &bv {
+                dst.iter_mut().for_each(|d| *d += bv[oc]);
+            }
+        }
+    }
+    let mut shape = vec![nb, cout];
+    shape.extend(out_sp);
+    Ok(store(x.dtype(), shape, y))
+}
+
+/// ConvGrad(dY, X, W) → (dX, dW, dB) of `Y = Conv(X, W, B)`.
+pub(crate) fn conv_grad(dy: &HostTensor, x: &HostTensor, w: &HostTensor, a: &ConvAttrs) -> Res<Vec<HostTensor>> {
+    let kernel: Vec<usize> = w.shape[2..].to_vec();
+    let sp = kernel.len();
+    let (out_sp, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let (nb, cin, cout) = (x.shape[0], x.shape[1], w.shape[0]);
+    let mut want = vec![nb, cout];
+    want.extend(&out_sp);
+    if dy.shape != want {
+        return Err(err(format!("ConvGrad: dY has shape {:?}, the convolution gives {want:?}", dy.shape)));
+    }
+    let src = taps(&x.shape[2..], &kernel, &pads, &ones(&a.strides, sp), &ones(&a.dilations, sp), &out_sp);
+    let group = a.group.max(1) as usize;
+    let (cg, og) = (cin / group, cout / group);
+    let (kvol, ovol, ivol): (usize, usize, usize) =
+        (kernel.iter().product(), out_sp.iter().product(), x.shape[2..].iter().product());
+    let (dyv, xv, wv) = (float(dy, "dY")?, float(x, "X")?, float(w, "W")?);
+    let mut dx = vec![0f64; xv.len()];
+    let mut dw = vec![0f64; wv.len()];
+    let mut db = vec![0f64; cout];
+    for n in 0..nb {
+        for oc in 0..cout {
+            let g = oc / og;
+            let dyp = &dyv[(n * cout + oc) * ovol..(n * cout + oc + 1) * ovol];
+            db[oc] += dyp.iter().sum::<f64>();
+            for ic in 0..cg {
+                let xo = (n * cin + g * cg + ic) * ivol;
+                for kp in 0..kvol {
+                    let wi = (oc * cg + ic) * kvol + kp;
+                    let wk = wv[wi];
+                    let mut acc = 0.0;
+                    for (op, &d) in dyp.iter().enumerate() {
+                        if let Some(o) = src[kp * ovol + op] {
+                            acc += d * xv[xo + o];
+                            dx[xo + o] += d * wk;
+                        }
+                    }
+                    dw[wi] += acc;
+                }
+            }
+        }
+    }
+    Ok(vec![
+        store(dy.dtype(), x.shape.clone(), dx),
+        store(dy.dtype(), w.shape.clone(), dw),
+        store(dy.dtype(), vec![cout], db),
+    ])
+}
+
+/// MaxPoolGrad / AveragePoolGrad(dY, X) → dX: each output's gradient goes to the first maximum of
+/// its window, or is spread evenly over the window's divisor.
+pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: bool) -> Res<HostTensor> {
+    let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
+    let sp = kernel.len();
+    let in_sp = &x.shape[2..];
+    let (out_sp, pads) = window(in_sp, &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+    let (st, dl) = (ones(&a.strides, sp), ones(&a.dilations, sp));
+    let src = taps(in_sp, &kernel, &pads, &st, &dl, &out_sp);
+    let (kvol, ovol, ivol): (usize, usize, usize) =
+        (kernel.iter().product(), out_sp.iter().product(), in_sp.iter().product());
+    let planes = x.shape[0] * x.shape[1];
+    if dy.len() != planes * ovol {
+        return Err(err(format!("pool gradient: dY has {} values, the pooling gives {}", dy.len(), planes * ovol)));
+    }
+    // Divisor of each window for average pooling: taps inside the input, plus the explicit padding
+    // when count_include_pad (never the ceil-mode overhang).
+    let divisor: Vec<f64> = (0..ovol)
+        .map(|op| {
+            let inside = (0..kvol).filter(|kp| src[kp * ovol + op].is_some()).count();
+            if a.count_include_pad == 0 {
+                return inside.max(1) as f64;
+            }
+            let ost = strides(&out_sp);
+            let mut n = 1usize;
+            for d in 0..sp {
+                let oc = (op / ost[d]) % out_sp[d];
+                let lo = (oc * st[d]) as i64;
+                let hi = lo + ((kernel[d] - 1) * dl[d]) as i64;
+                let limit = (in_sp[d] + pads[d] + pads[d + sp]) as i64 - 1;
+                n *= ((hi.min(limit) - lo) / dl[d] as i64 + 1).max(0) as usize;
+            }
+            n.max(1) as f64
+        })
+        .collect();
+    let (dyv, xv) = (float(dy, "dY")?, float(x, "X")?);
+    let mut dx = vec![0f64; xv.len()];
+    for p in 0..planes {
+        let (xp, g) = (&xv[p * ivol..(p + 1) * ivol], &dyv[p * ovol..(p + 1) * ovol]);
+        let dxp = &mut dx[p * ivol..(p + 1) * ivol];
+        for op in 0..ovol {
+            if max {
+                let mut best: Option<usize> = None;
+                for kp in 0..kvol {
+                    if let Some(o) = src[kp * ovol + op] {
+                        if best.is_none_or(|b| xp[o] > xp[b] || (xp[o].is_nan() && !xp[b].is_nan())) {
+                            best = Some(o);
+                        }
+                    }
+                }
+                if let Some(b) = best {
+                    dxp[b] += g[op];
+                }
+            } else {
+                for kp in 0..kvol {
+                    if let Some(o) = src[kp * ovol + op] {
+                        dxp[o] += g[op] / divisor[op];
+                    }
+                }
+            }
+        }
+    }
+    Ok(store(dy.dtype(), x.shape.clone(), dx))
+}
+
+/// BatchNormalizationGrad(dY, X, scale) → (dX, dScale, dBias) of training-mode batch norm
+/// (batch statistics, biased variance).
+pub(crate) fn batch_norm_grad(dy: &HostTensor, x: &HostTensor, scale: &HostTensor, eps: f32) -> Res<Vec<HostTensor>> {
+    same_shape(dy, x, "BatchNormalizationGrad")?;
+    let (nb, c) = (x.shape[0], *x.shape.get(1).unwrap_or(&1));
+    let inner: usize = x.shape.iter().skip(2).product();
+    let (dyv, xv, sc) = (float(dy, "dY")?, float(x, "X")?, float(scale, "scale")?);
+    let cnt = (nb * inner) as f64;
+    let mut dx = vec![0f64; xv.len()];
+    let (mut ds, mut dbias) = (vec![0f64; c], vec![0f64; c]);
+    let idx = |b: usize, ch: usize| (b * c + ch) * inner..(b * c + ch + 1) * inner;
+    for ch in 0..c {
+        let mean = (0..nb).map(|b| xv[idx(b, ch)].iter().sum::<f64>()).sum::<f64>() / cnt;
+        let var =
+            (0..nb).map(|b| xv[idx(b, ch)].iter().map(|a| (a - mean) * (a - mean)).sum::<f64>()).sum::<f64>() / cnt;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        let (mut sg, mut sgx) = (0.0, 0.0);
+        for b in 0..nb {
+            for (g, a) in dyv[idx(b, ch)].iter().zip(&xv[idx(b, ch)]) {
+                sg += g;
+                sgx += g * (a - mean) * inv;
+            }
+        }
+        dbias[ch] = sg;
+        ds[ch] = sgx;
+        let k = sc[ch] * inv / cnt;
+        for b in 0..nb {
+            for i in idx(b, ch) {
+                let xhat = (xv[i] - mean) * inv;
+                dx[i] = k * (cnt * dyv[i] - sg - xhat * sgx);
+            }
+        }
+    }
+    let dt = dy.dtype();
+    Ok(vec![store(dt, x.shape.clone(), dx), store(dt, scale.shape.clone(), ds), store(dt, scale.shape.clone(), dbias)])
+}
+
+/// LayerNormalizationGrad(dY, X, scale) → (dX, dScale, dBias): statistics over the dims from `axis`.
+pub(crate) fn layer_norm_grad(
+    dy: &HostTensor,
+    x: &HostTensor,
+    scale: &HostTensor,
+    axis: usize,
+    eps: f32,
+) -> Res<Vec<HostTensor>> {
+    same_shape(dy, x, "LayerNormalizationGrad")?;
+    let outer: usize = x.shape[..axis].iter().product();
+    let n: usize = x.shape[axis..].iter().product();
+    let si = super::elementwise::broadcast_index(&scale.shape, &x.shape[axis..]);
+    let (dyv, xv, sc) = (float(dy, "dY")?, float(x, "X")?, float(scale, "scale")?);
+    let mut dx = vec![0f64; xv.len()];
+    let (mut ds, mut dbias) = (vec![0f64; scale.len()], vec![0f64; scale.len()]);
+    let nf = n as f64;
+    for o in 0..outer {
+        let r = o * n..(o + 1) * n;
+        let (row, g) = (&xv[r.clone()], &dyv[r.clone()]);
+        let mean = row.iter().sum::<f64>() / nf;
+        let var = row.iter().map(|a| (a - mean) * (a - mean)).sum::<f64>() / nf;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        let (mut s1, mut s2) = (0.0, 0.0);
+        for k in 0..n {
+            let xhat = (row[k] - mean) * inv;
+            let gh = g[k] * sc[si[k]];
+            s1 += gh;
+            s2 += gh * xhat;
+            ds[si[k]] += g[k] * xhat;
+            dbias[si[k]] += g[k];
+        }
+        for k in 0..n {
+            let xhat = (row[k] - mean) * inv;
+            dx[o * n + k] = inv / nf * (nf * g[k] * sc[si[k]] - s1 - xhat * s2);
+        }
+    }
+    let dt = dy.dtype();
+    Ok(vec![store(dt, x.shape.clone(), dx), store(dt, scale.shape.clone(), ds), store(dt, scale.shape.clone(), dbias)])
+}
+
+/// GeluGrad(dY, X) → dY · Gelu'(X), for the exact (erf) and tanh forms.
+pub(crate) fn gelu_grad(dy: &HostTensor, x: &HostTensor, approximate: &str) -> Res<HostTensor> {
+    same_shape(dy, x, "GeluGrad")?;
+    let (dyv, xv) = (float(dy, "dY")?, float(x, "X")?);
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let d: Vec<f64> = dyv
+        .iter()
+        .zip(&xv)
+        .map(|(&g, &x)| {
+            let slope = if approximate == "tanh" {
+                let t = (c * (x + 0.044715 * x * x * x)).tanh();
+                0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+            } else {
+                let cdf = 0.5 * (1.0 + Real::erf(x / std::f64::consts::SQRT_2));
+                let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                cdf + x * pdf
+            };
+            g * slope
+        })
+        .collect();
+    Ok(store(dy.dtype(), x.shape.clone(), d))
+}
+
+/// The class and weight of each position of a loss input, `None` where ignored.
+type Positions = Vec<Option<(usize, f64)>>;
+
+/// The weight and the class of every position of a [N, C, d...] loss input, `None` where ignored.
+fn loss_positions(
+    input: &HostTensor,
+    target: &HostTensor,
+    weights: Option<&HostTensor>,
+    ignore: Option<i64>,
+) -> Res<(usize, usize, Positions)> {
+    let (nb, c) = (input.shape[0], *input.shape.get(1).ok_or_else(|| err("loss input needs a class axis"))?);
+    let inner: usize = input.shape.iter().skip(2).product();
+    let t = target.i64s().ok_or_else(|| err("loss target must be integers"))?;
+    if t.len() != nb * inner {
+        return Err(err(format!("loss target has {} values, the input has {} positions", t.len(), nb * inner)));
+    }
+    let w = weights.map(|w| w.f64s());
+    let pos = t
+        .iter()
+        .map(|&k| {
+            if Some(k) == ignore {
+                return Ok(None);
+            }
+            if k < 0 || k as usize >= c {
+                return Err(err(format!("class {k} out of range for {c} classes")));
+            }
+            Ok(Some((k as usize, w.as_ref().map_or(1.0, |w| w[k as usize]))))
+        })
+        .collect::<Res<Vec<_>>>()?;
+    Ok((c, inner, pos))
+}
+
+/// Gradient of an NLL-style loss with respect to its [N, C, d...] input, given the per-position
+/// derivative `row(n, i, class, weight, scale) → values over C`.
+fn loss_grad(
+    dloss: &HostTensor,
+    input: &HostTensor,
+    target: &HostTensor,
+    weights: Option<&HostTensor>,
+    ignore: Option<i64>,
+    reduction: &str,
+    softmax: bool,
+) -> Res<HostTensor> {
+    let (c, inner, pos) = loss_positions(input, target, weights, ignore)?;
+    let xv = float(input, "loss input")?;
+    let dl = dloss.f64s();
+    let total_w: f64 = pos.iter().flatten().map(|(_, w)| w).sum();
+    let mut dx = vec![0f64; xv.len()];
+    for (p, at) in pos.iter().enumerate() {
+        let Some((k, w)) = *at else { continue };
+        let g = match reduction {
+            "none" => *dl.get(p).ok_or_else(|| err("dLoss has fewer values than positions"))?,
+            "sum" => dl[0],
+            "mean" => dl[0] / total_w,
+            r => return Err(err(format!("unknown reduction `{r}`"))),
+        };
+        let (n, i) = (p / inner, p % inner);
+        let at = |cls: usize| (n * c + cls) * inner + i;
+        if softmax {
+            let m = (0..c).map(|cls| xv[at(cls)]).fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = (0..c).map(|cls| (xv[at(cls)] - m).exp()).sum();
+            for cls in 0..c {
+                let prob = (xv[at(cls)] - m).exp() / z;
+                dx[at(cls)] = g * w * (prob - if cls == k { 1.0 } else { 0.0 });
+            }
+        } else {
+            dx[at(k)] = -g * w;
+        }
+    }
+    Ok(store(input.dtype(), input.shape.clone(), dx))
+}
+
+pub(crate) fn softmax_cross_entropy_grad(
+    dloss: &HostTensor,
+    scores: &HostTensor,
+    labels: &HostTensor,
+    weights: Option<&HostTensor>,
+    ignore: Option<i64>,
+    reduction: &str,
+) -> Res<HostTensor> {
+    loss_grad(dloss, scores, labels, weights, ignore, reduction, true)
+}
+
+pub(crate) fn nll_grad(
+    dloss: &HostTensor,
+    input: &HostTensor,
+    target: &HostTensor,
+    weights: Option<&HostTensor>,
+    ignore: Option<i64>,
+    reduction: &str,
+) -> Res<HostTensor> {
+    loss_grad(dloss, input, target, weights, ignore, reduction, false)
+}
+
+/// GatherGrad(dY, indices, shape) → zeros(shape) with dY's slices added at `indices` along `axis`
+/// (repeated indices accumulate: the embedding gradient).
+pub(crate) fn gather_grad(dy: &HostTensor, indices: &HostTensor, shape: &HostTensor, axis: i64) -> Res<HostTensor> {
+    let shape: Vec<usize> =
+        shape.i64s().ok_or_else(|| err("shape must be integers"))?.iter().map(|&d| d as usize).collect();
+    let ax = super::axis(axis, shape.len())?;
+    let idx = indices.i64s().ok_or_else(|| err("indices must be integers"))?;
+    let (outer, len, inner): (usize, usize, usize) =
+        (shape[..ax].iter().product(), shape[ax], shape[ax + 1..].iter().product());
+    if dy.len() != outer * idx.len() * inner {
+        return Err(err(format!("GatherGrad: dY has {} values, expected {}", dy.len(), outer * idx.len() * inner)));
+    }
+    let g = float(dy, "dY")?;
+    let mut out = vec![0f64; outer * len * inner];
+    for o in 0..outer {
+        for (j, &i) in idx.iter().enumerate() {
+            let i = if i < 0 { i + len as i64 } else { i };
+            if i < 0 || i as usize >= len {
+                return Err(err(format!("index {i} out of range for axis of {len}")));
+            }
+            let src = &g[(o * idx.len() + j) * inner..(o * idx.len() + j + 1) * inner];
+            let dst = &mut out[(o * len + i as usize) * inner..(o * len + i as usize + 1) * inner];
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        }
+    }
+    Ok(store(dy.dtype(), shape, out))
+}
+
+/// AllFinite(x...) → true when no input holds an Inf or NaN.
+pub(crate) fn all_finite(xs: &[&HostTensor]) -> Res<HostTensor> {
+    let finite = xs.iter().all(|x| match &x.data {
+        Data::F32(v) => v.iter().all(|a| a.is_finite()),
+        Data::F16(v) => v.iter().all(|a| a.is_finite()),
+        Data::BF16(v) => v.iter().all(|a| a.is_finite()),
+        Data::F64(v) => v.iter().all(|a| a.is_finite()),
+        _ => true,
+    });
+    Ok(HostTensor { shape: vec![], data: Data::Bool(vec![finite]) })
+}
+
+fn flag(t: &HostTensor) -> Res<bool> {
+    match &t.data {
+        Data::Bool(v) if v.len() == 1 => Ok(v[0]),
+        _ => Err(err("the finite flag must be one bool")),
+    }
+}
+
+/// SgdUpdate(param, grad, finite[, velocity]) → (param'[, velocity']); unchanged when not finite.
+pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: &SgdAttrs) -> Res<Vec<HostTensor>> {
+    let (p, g, finite) = (ins[0], ins[1], flag(ins[2])?);
+    same_shape(p, g, "SgdUpdate")?;
+    if !finite {
+        return Ok(std::iter::once(p.clone()).chain(velocity.cloned()).collect());
+    }
+    let (pv, gv) = (float(p, "param")?, float(g, "grad")?);
+    let mut vel = velocity.map(|v| v.f64s());
+    let (lr, mu, wd) = (a.lr as f64, a.momentum as f64, a.weight_decay as f64);
+    let mut out = Vec::with_capacity(pv.len());
+    for i in 0..pv.len() {
+        let d = gv[i] + wd * pv[i];
+        let step = match vel.as_mut() {
+            Some(v) => {
+                v[i] = mu * v[i] + d;
+                if a.nesterov != 0 {
+                    d + mu * v[i]
+                } else {
+                    v[i]
+                }
+            }
+            None => d,
+        };
+        out.push(pv[i] - lr * step);
+    }
+    let mut res = vec![store(p.dtype(), p.shape.clone(), out)];
+    if let (Some(v), Some(vv)) = (velocity, vel) {
+        res.push(store(v.dtype(), v.shape.clone(), vv));
+    }
+    Ok(res)
+}
+
+/// AdamUpdate(param, grad, m, v, step, finite) → (param', m', v'), `step` being the count after
+/// this update (bias correction); unchanged when not finite.
+pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTensor>> {
+    let (p, g, m, v, step, finite) = (ins[0], ins[1], ins[2], ins[3], ins[4], flag(ins[5])?);
+    same_shape(p, g, "AdamUpdate")?;
+    if !finite {
+        return Ok(vec![p.clone(), m.clone(), v.clone()]);
+    }
+    let t = step.i64s().and_then(|s| s.first().copied()).ok_or_else(|| err("step must be an integer"))?.max(1);
+    let (pv, gv, mut mv, mut vv) = (float(p, "param")?, float(g, "grad")?, m.f64s(), v.f64s());
+    let (b1, b2, eps, lr, wd) = (a.beta1 as f64, a.beta2 as f64, a.epsilon as f64, a.lr as f64, a.weight_decay as f64);
+    let (c1, c2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
+    let mut out = Vec::with_capacity(pv.len());
+    for i in 0..pv.len() {
+        let mut w = pv[i];
+        let mut d = gv[i];
+        if a.decoupled != 0 {
+            w -= lr * wd * w;
+        } else {
+            d += wd * w;
+        }
+        mv[i] = b1 * mv[i] + (1.0 - b1) * d;
+        vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
+        out.push(w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps));
+    }
+    Ok(vec![
+        store(p.dtype(), p.shape.clone(), out),
+        store(m.dtype(), m.shape.clone(), mv),
+        store(v.dtype(), v.shape.clone(), vv),
+    ])
+}
+
+/// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').
+pub(crate) fn loss_scale_update(
+    scale: &HostTensor,
+    good: &HostTensor,
+    finite: &HostTensor,
+    a: &LossScaleAttrs,
+) -> Res<Vec<HostTensor>> {
+    let s = scale.f64s().first().copied().ok_or_else(|| err("empty loss scale"))?;
+    let n = good.i64s().and_then(|v| v.first().copied()).ok_or_else(|| err("good-step count must be an integer"))?;
+    let (s, n) = if flag(finite)? {
+        if n + 1 >= a.growth_interval {
+            ((s * a.growth_factor as f64).min(a.max_scale as f64), 0)
+        } else {
+            (s, n + 1)
+        }
+    } else {
+        ((s * a.backoff_factor as f64).max(a.min_scale as f64), 0)
+    };
+    Ok(vec![
+        store(scale.dtype(), scale.shape.clone(), vec![s]),
+        HostTensor::from_i64(good.dtype(), good.shape.clone(), vec![n]),
+    ])
+}

@@ -1,0 +1,420 @@
+//! Every gradient rule against central finite differences, in f64.
+//!
+//! Each case builds a one-op (or few-op) graph whose float inputs are f64 parameters, reduces its
+//! output to a scalar with a fixed random projection (`loss = Σ y ⊙ R`), generates the backward
+//! graph with mpc's autodiff and runs it on the CPU backend. Each parameter element (up to 16 per
+//! parameter, spread over the tensor) is then nudged by ±h and the loss re-run: the analytic
+//! gradient must match (L(p+h) − L(p−h)) / 2h.
+
+use std::collections::HashMap;
+
+use mpc_ir::attr::Attr;
+use mpc_ir::{DType, Graph, Op, Tensor, ValueId};
+use mpc_runtime::{Cpu, HostTensor, Session};
+
+struct Case {
+    g: Graph,
+    seed: u64,
+    params: Vec<ValueId>,
+    /// The finite-difference step.
+    h: f64,
+}
+
+impl Case {
+    fn new(name: &str) -> Case {
+        let seed = name.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+        Case { g: Graph::new(name), seed, params: Vec::new(), h: 1e-6 }
+    }
+
+    fn uniform(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+        (0..n)
+            .map(|_| {
+                self.seed ^= self.seed << 13;
+                self.seed ^= self.seed >> 7;
+                self.seed ^= self.seed << 17;
+                lo + (hi - lo) * ((self.seed >> 11) as f64 / (1u64 << 53) as f64)
+            })
+            .collect()
+    }
+
+    fn tensor(&mut self, name: &str, shape: &[u64], lo: f64, hi: f64) -> ValueId {
+        let n = shape.iter().product::<u64>() as usize;
+        let v = self.uniform(n, lo, hi);
+        self.g.add_initializer(name, Tensor::from_f64_as(DType::F64, shape.to_vec(), &v))
+    }
+
+    /// A trained f64 input with values in [-1, 1).
+    fn param(&mut self, name: &str, shape: &[u64]) -> ValueId {
+        self.param_in(name, shape, -1.0, 1.0)
+    }
+
+    fn param_in(&mut self, name: &str, shape: &[u64], lo: f64, hi: f64) -> ValueId {
+        let v = self.tensor(name, shape, lo, hi);
+        self.params.push(v);
+        v
+    }
+
+    fn ints(&mut self, name: &str, shape: &[u64], values: &[i64]) -> ValueId {
+        self.g.add_initializer(name, Tensor::from_i64(shape.to_vec(), values))
+    }
+
+    fn op(&mut self, op_type: &str, attrs: &[(&str, Attr)], inputs: &[Option<ValueId>], n_out: usize) -> Vec<ValueId> {
+        let attrs = attrs.iter().map(|(k, a)| (k.to_string(), a.clone())).collect();
+        let op = Op::from_attrs(op_type, attrs).expect("known op").expect("valid attributes");
+        let name = format!("n{}", self.g.node_count());
+        self.g.add_op(&name, op, inputs, n_out).1
+    }
+
+    fn op1(&mut self, op_type: &str, attrs: &[(&str, Attr)], inputs: &[ValueId]) -> ValueId {
+        let ins: Vec<Option<ValueId>> = inputs.iter().map(|&v| Some(v)).collect();
+        self.op(op_type, attrs, &ins, 1)[0]
+    }
+
+    /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences.
+    fn check(mut self, y: ValueId, rtol: f64) {
+        mpc_passes::infer_types(&mut self.g).unwrap();
+        let loss = if self.g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
+            y
+        } else {
+            let shape = self.g.ty(y).shape.as_ref().and_then(|s| s.as_fixed()).expect("a fixed output shape");
+            let r = self.tensor("projection", &shape, -1.0, 1.0);
+            let yd = if self.g.ty(y).dtype == Some(DType::F64) {
+                y
+            } else {
+                self.op1("Cast", &[("to", Attr::Int(DType::F64.onnx_code() as i64))], &[y])
+            };
+            let p = self.op1("Mul", &[], &[yd, r]);
+            self.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[p])
+        };
+        mpc_passes::infer_types(&mut self.g).unwrap();
+        let seed = self.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+        let name = self.g.name.clone();
+        let grads = mpc_passes::train::differentiate(&mut self.g, &self.params, loss, seed)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut outs = vec![loss];
+        for p in &self.params {
+            outs.push(*grads.get(p).unwrap_or_else(|| panic!("{name}: no gradient for `{}`", self.g.name(*p))));
+        }
+        self.g.set_outputs(outs);
+        mpc_passes::infer_types(&mut self.g).unwrap();
+        mpc_passes::verify(&self.g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut s = Session::new(Cpu, &self.g).unwrap();
+        let none = HashMap::new();
+        let out = s.run(&none).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let loss_at = |s: &Session<Cpu>| s.run(&none).unwrap()[0].1.f64s()[0];
+        let h = self.h;
+        let mut worst = 0f64;
+        for (i, &p) in self.params.iter().enumerate() {
+            let analytic = out[i + 1].1.f64s();
+            let base = s.weight(p).unwrap().unwrap();
+            let n = base.len();
+            let picks: Vec<usize> =
+                if n <= 16 { (0..n).collect() } else { (0..16).map(|k| k * n / 16 + k % 3).collect() };
+            for k in picks {
+                let mut v = base.f64s();
+                v[k] += h;
+                s.set_weight(p, &HostTensor::from_f64(DType::F64, base.shape.clone(), v.clone())).unwrap();
+                let up = loss_at(&s);
+                v[k] -= 2.0 * h;
+                s.set_weight(p, &HostTensor::from_f64(DType::F64, base.shape.clone(), v)).unwrap();
+                let down = loss_at(&s);
+                s.set_weight(p, &base).unwrap();
+                let numeric = (up - down) / (2.0 * h);
+                let err = (analytic[k] - numeric).abs() / (numeric.abs().max(analytic[k].abs()).max(1e-3));
+                worst = worst.max(err);
+                assert!(
+                    err <= rtol,
+                    "{name}: d/d {}[{k}]: autodiff {} vs finite differences {numeric} (rel err {err:.2e})",
+                    self.g.name(p),
+                    analytic[k]
+                );
+            }
+        }
+        println!("{name}: max relative error {worst:.2e} over {} parameters", self.params.len());
+    }
+}
+
+fn ints(v: &[i64]) -> Attr {
+    Attr::Ints(v.to_vec())
+}
+
+const TOL: f64 = 1e-6;
+
+macro_rules! unary {
+    ($($test:ident: $op:literal [$($k:literal = $v:expr),*] in $lo:literal..$hi:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            let mut c = Case::new(stringify!($test));
+            let x = c.param_in("x", &[3, 5], $lo, $hi);
+            let y = c.op1($op, &[$(($k, $v)),*], &[x]);
+            c.check(y, TOL);
+        }
+    )*};
+}
+
+unary! {
+    relu: "Relu" [] in -1.0..1.0;
+    leaky_relu: "LeakyRelu" ["alpha" = Attr::Float(0.1)] in -1.0..1.0;
+    sigmoid: "Sigmoid" [] in -3.0..3.0;
+    tanh: "Tanh" [] in -2.0..2.0;
+    erf: "Erf" [] in -2.0..2.0;
+    gelu: "Gelu" [] in -3.0..3.0;
+    gelu_tanh: "Gelu" ["approximate" = Attr::String("tanh".into())] in -3.0..3.0;
+    sqrt: "Sqrt" [] in 0.5..2.0;
+    exp: "Exp" [] in -1.0..1.0;
+    log: "Log" [] in 0.5..2.0;
+    neg: "Neg" [] in -1.0..1.0;
+    identity: "Identity" [] in -1.0..1.0;
+    dropout_inference: "Dropout" [] in -1.0..1.0;
+    softmax: "Softmax" ["axis" = Attr::Int(-1)] in -2.0..2.0;
+    softmax_axis0: "Softmax" ["axis" = Attr::Int(0)] in -2.0..2.0;
+    log_softmax: "LogSoftmax" ["axis" = Attr::Int(1)] in -2.0..2.0;
+    transpose: "Transpose" ["perm" = ints(&[1, 0])] in -1.0..1.0;
+    flatten: "Flatten" ["axis" = Attr::Int(0)] in -1.0..1.0;
+}
+
+macro_rules! binary {
+    ($($test:ident: $op:literal $a:expr, $b:expr, in $lo:literal..$hi:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            let mut c = Case::new(stringify!($test));
+            let a = c.param_in("a", &$a, $lo, $hi);
+            let b = c.param_in("b", &$b, $lo, $hi);
+            let y = c.op1($op, &[], &[a, b]);
+            c.check(y, TOL);
+        }
+    )*};
+}
+
+binary! {
+    add_broadcast: "Add" [2, 3, 4], [3, 1], in -1.0..1.0;
+    sub_broadcast: "Sub" [4], [2, 3, 4], in -1.0..1.0;
+    mul_broadcast: "Mul" [2, 1, 4], [3, 1], in -1.0..1.0;
+    div_broadcast: "Div" [2, 3], [3], in 0.5..2.0;
+    pow: "Pow" [2, 3], [3], in 0.5..2.0;
+    matmul_2d: "MatMul" [3, 4], [4, 5], in -1.0..1.0;
+    matmul_batched: "MatMul" [2, 3, 4], [2, 4, 5], in -1.0..1.0;
+    matmul_shared_weight: "MatMul" [2, 3, 4], [4, 5], in -1.0..1.0;
+    matmul_broadcast_batch: "MatMul" [2, 1, 3, 4], [3, 4, 2], in -1.0..1.0;
+}
+
+#[test]
+fn gemm_all_transposes() {
+    for (ta, tb) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        let mut c = Case::new(&format!("gemm_{ta}{tb}"));
+        let a = c.param(if ta == 1 { "at" } else { "a" }, if ta == 1 { &[4, 3] } else { &[3, 4] });
+        let b = c.param(if tb == 1 { "bt" } else { "b" }, if tb == 1 { &[5, 4] } else { &[4, 5] });
+        let bias = c.param("c", &[5]);
+        let attrs = [
+            ("transA", Attr::Int(ta)),
+            ("transB", Attr::Int(tb)),
+            ("alpha", Attr::Float(0.5)),
+            ("beta", Attr::Float(2.0)),
+        ];
+        let y = c.op("Gemm", &attrs, &[Some(a), Some(b), Some(bias)], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn conv_strided_padded_grouped() {
+    let mut c = Case::new("conv");
+    let x = c.param("x", &[2, 4, 5, 5]);
+    let w = c.param("w", &[6, 2, 3, 3]);
+    let b = c.param("b", &[6]);
+    let attrs = [("pads", ints(&[1, 0, 1, 1])), ("strides", ints(&[2, 1])), ("group", Attr::Int(2))];
+    let y = c.op("Conv", &attrs, &[Some(x), Some(w), Some(b)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn conv_dilated() {
+    let mut c = Case::new("conv_dilated");
+    let x = c.param("x", &[1, 2, 6, 6]);
+    let w = c.param("w", &[3, 2, 2, 2]);
+    let y = c.op1("Conv", &[("dilations", ints(&[2, 2]))], &[x, w]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn batch_norm_training() {
+    let mut c = Case::new("batch_norm");
+    let x = c.param("x", &[3, 2, 2, 2]);
+    let s = c.param("scale", &[2]);
+    let b = c.param("bias", &[2]);
+    let m = c.tensor("mean", &[2], 0.0, 0.1);
+    let v = c.tensor("var", &[2], 1.0, 1.1);
+    let attrs = [("training_mode", Attr::Int(1)), ("epsilon", Attr::Float(1e-3))];
+    let y = c.op("BatchNormalization", &attrs, &[Some(x), Some(s), Some(b), Some(m), Some(v)], 3)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn layer_norm() {
+    let mut c = Case::new("layer_norm");
+    let x = c.param("x", &[2, 3, 4]);
+    let s = c.param("scale", &[4]);
+    let b = c.param("bias", &[4]);
+    let y = c.op("LayerNormalization", &[("epsilon", Attr::Float(1e-3))], &[Some(x), Some(s), Some(b)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn layer_norm_two_axes() {
+    let mut c = Case::new("layer_norm_two_axes");
+    let x = c.param("x", &[2, 3, 4]);
+    let s = c.param("scale", &[3, 4]);
+    let y = c.op("LayerNormalization", &[("axis", Attr::Int(1))], &[Some(x), Some(s)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn shape_ops() {
+    let mut c = Case::new("shape_ops");
+    let x = c.param("x", &[2, 3, 4]);
+    let s = c.ints("shape", &[2], &[6, 4]);
+    let r = c.op1("Reshape", &[], &[x, s]);
+    let ax = c.ints("axes", &[1], &[0]);
+    let u = c.op1("Unsqueeze", &[], &[r, ax]);
+    let q = c.op1("Squeeze", &[], &[u, ax]);
+    let e = c.ints("expand", &[3], &[2, 6, 4]);
+    let y = c.op1("Expand", &[], &[q, e]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn concat_split_slice() {
+    let mut c = Case::new("concat_split_slice");
+    let a = c.param("a", &[2, 3]);
+    let b = c.param("b", &[2, 2]);
+    let cat = c.op1("Concat", &[("axis", Attr::Int(1))], &[a, b]);
+    let sizes = c.ints("sizes", &[2], &[1, 4]);
+    let parts = c.op("Split", &[("axis", Attr::Int(1))], &[Some(cat), Some(sizes)], 2);
+    // Only the second part is read: the first gets a zero gradient.
+    let (st, en, ax) = (c.ints("starts", &[1], &[1]), c.ints("ends", &[1], &[-1]), c.ints("sl_axes", &[1], &[1]));
+    let y = c.op("Slice", &[], &[Some(parts[1]), Some(st), Some(en), Some(ax)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn gather_embedding_with_repeats() {
+    let mut c = Case::new("gather");
+    let table = c.param("table", &[5, 3]);
+    let idx = c.ints("idx", &[2, 3], &[0, 4, 4, 1, 0, 4]);
+    let y = c.op1("Gather", &[], &[table, idx]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn where_select() {
+    let mut c = Case::new("where");
+    let a = c.param("a", &[2, 3]);
+    let b = c.param("b", &[3]);
+    let zero = c.tensor("zero", &[], 0.0, 0.0);
+    let cond = c.op1("Greater", &[], &[a, zero]);
+    let y = c.op1("Where", &[], &[cond, a, b]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn pooling() {
+    for (op, attrs) in [
+        ("MaxPool", vec![("kernel_shape", ints(&[2, 2])), ("strides", ints(&[2, 2]))]),
+        ("MaxPool", vec![("kernel_shape", ints(&[3, 3])), ("pads", ints(&[1, 1, 1, 1]))]),
+        (
+            "AveragePool",
+            vec![("kernel_shape", ints(&[3, 3])), ("strides", ints(&[2, 2])), ("pads", ints(&[1, 1, 1, 1]))],
+        ),
+        (
+            "AveragePool",
+            vec![("kernel_shape", ints(&[2, 2])), ("pads", ints(&[1, 1, 0, 0])), ("count_include_pad", Attr::Int(1))],
+        ),
+    ] {
+        let mut c = Case::new(&format!("{op}{attrs:?}"));
+        let x = c.param("x", &[2, 2, 5, 5]);
+        let y = c.op1(op, &attrs, &[x]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn global_average_pool_and_reductions() {
+    let mut c = Case::new("reductions");
+    let x = c.param("x", &[2, 3, 2, 2]);
+    let gap = c.op1("GlobalAveragePool", &[], &[x]);
+    let ax = c.ints("axes", &[1], &[1]);
+    let m = c.op1("ReduceMean", &[("keepdims", Attr::Int(0))], &[gap, ax]);
+    let ax2 = c.ints("axes2", &[1], &[-1]);
+    let s = c.op1("ReduceSum", &[], &[x, ax2]);
+    let t = c.op1("ReduceMean", &[], &[s]);
+    let y = c.op1("Add", &[], &[m, t]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn cast_round_trip() {
+    // Through f32: a large step (exact for this quadratic) keeps f32 rounding out of the
+    // differences; the tolerance is f32's.
+    let mut c = Case::new("cast");
+    c.h = 1e-2;
+    let x = c.param("x", &[3, 4]);
+    let down = c.op1("Cast", &[("to", Attr::Int(DType::F32.onnx_code() as i64))], &[x]);
+    let sq = c.op1("Mul", &[], &[down, down]);
+    let y = c.op1("Cast", &[("to", Attr::Int(DType::F64.onnx_code() as i64))], &[sq]);
+    c.check(y, 2e-3);
+}
+
+#[test]
+fn softmax_cross_entropy_loss() {
+    for reduction in ["mean", "sum"] {
+        let mut c = Case::new(&format!("sce_{reduction}"));
+        let x = c.param("scores", &[4, 5]);
+        let labels = c.ints("labels", &[4], &[0, 3, 4, 3]);
+        let attrs = [("reduction", Attr::String(reduction.into()))];
+        let y = c.op1("SoftmaxCrossEntropyLoss", &attrs, &[x, labels]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn softmax_cross_entropy_loss_spatial_ignore_index() {
+    let mut c = Case::new("sce_spatial");
+    let x = c.param("scores", &[2, 3, 4]);
+    let labels = c.ints("labels", &[2, 4], &[0, 1, 2, -1, 2, 2, -1, 0]);
+    let attrs = [("ignore_index", Attr::Int(-1))];
+    let y = c.op1("SoftmaxCrossEntropyLoss", &attrs, &[x, labels]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn negative_log_likelihood_loss() {
+    let mut c = Case::new("nll");
+    let x = c.param("scores", &[4, 5]);
+    let ls = c.op1("LogSoftmax", &[("axis", Attr::Int(1))], &[x]);
+    let labels = c.ints("labels", &[4], &[1, 1, 4, 0]);
+    let y = c.op1("NegativeLogLikelihoodLoss", &[], &[ls, labels]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn fan_out_gradients_are_summed() {
+    let mut c = Case::new("fan_out");
+    let x = c.param("x", &[3, 3]);
+    let a = c.op1("Tanh", &[], &[x]);
+    let b = c.op1("MatMul", &[], &[x, a]);
+    let y = c.op1("Add", &[], &[b, x]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn an_op_without_a_rule_is_an_error_naming_it() {
+    let mut c = Case::new("no_rule");
+    let x = c.param("x", &[3, 4]);
+    let y = c.op1("Softplus", &[], &[x]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Softplus") && err.contains("n0"), "{err}");
+}
