@@ -6,6 +6,7 @@ pub mod config;
 pub mod dot;
 pub mod explain;
 pub mod run;
+pub mod train;
 pub mod summary;
 pub mod synthetic;
 
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use mpc_ir::text::{self, TensorMode};
 use mpc_ir::{Graph, IrError};
 use mpc_passes::precision::{Class, Policy};
-use mpc_passes::train::{self, LossScale, TrainOptions};
+use mpc_passes::train::{LossScale, TrainOptions};
 use mpc_passes::{Context, PassError, PassManager, Pipeline};
 
 /// Everything that can go wrong, each naming the file it concerns.
@@ -189,7 +190,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let (Some(t), Some(p)) = (&train, policy.as_mut()) {
         // Mixed precision keeps FP32 masters; the naive fp16 policy stores the weights in FP16.
         if !p.everything_low {
-            p.masters = train::trainable(g, &t.freeze).into_iter().map(|v| g.name(v).to_string()).collect();
+            p.masters = mpc_passes::train::trainable(g, &t.freeze).into_iter().map(|v| g.name(v).to_string()).collect();
         }
     }
     let pipeline = if train.is_some() { Pipeline::Training } else { Pipeline::Inference };

@@ -72,6 +72,82 @@ impl Common {
     }
 }
 
+/// Training options (`compile --train` and `train`).
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// The loss: cross-entropy (on the first output, against integer labels), mse, or output:NAME
+    /// (the model computes its own scalar loss).
+    #[arg(long, default_value = "cross-entropy")]
+    loss: String,
+    /// Name of the labels (or targets) input the loss adds.
+    #[arg(long, default_value = "labels")]
+    labels: String,
+    /// sgd, momentum, adam or adamw.
+    #[arg(long, default_value = "adam")]
+    optimizer: String,
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f32,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Momentum of the momentum optimizer.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f32,
+    /// Clip the gradients' global norm (after unscaling) to this.
+    #[arg(long, value_name = "NORM")]
+    clip_norm: Option<f32>,
+    /// dynamic, static:S or none (default: dynamic for mixed, none otherwise).
+    #[arg(long, value_name = "MODE")]
+    loss_scale: Option<String>,
+    /// Do not train this initializer (repeatable).
+    #[arg(long, value_name = "NAME")]
+    freeze: Vec<String>,
+}
+
+impl TrainArgs {
+    fn options(&self) -> Result<(mpc_passes::train::TrainOptions, Option<mpc_passes::train::LossScale>), Error> {
+        use mpc_passes::train::{Loss, LossScale, Optimizer, TrainOptions};
+        let loss = match self.loss.as_str() {
+            "cross-entropy" => Loss::CrossEntropy,
+            "mse" => Loss::Mse,
+            l => match l.strip_prefix("output:") {
+                Some(name) if !name.is_empty() => Loss::Output(name.to_string()),
+                _ => return Err(Error::Usage(format!("--loss `{l}`: expected cross-entropy, mse or output:NAME"))),
+            },
+        };
+        let optimizer = match self.optimizer.as_str() {
+            "sgd" => Optimizer::Sgd,
+            "momentum" => Optimizer::Momentum,
+            "adam" => Optimizer::Adam,
+            "adamw" => Optimizer::AdamW,
+            o => return Err(Error::Usage(format!("--optimizer `{o}`: expected sgd, momentum, adam or adamw"))),
+        };
+        let scale = match self.loss_scale.as_deref() {
+            None => None,
+            Some("dynamic") => Some(LossScale::dynamic()),
+            Some("none") => Some(LossScale::None),
+            Some(s) => match s.strip_prefix("static:").and_then(|v| v.parse::<f32>().ok()) {
+                Some(v) if v > 0.0 && v.is_finite() => Some(LossScale::Static(v)),
+                _ => return Err(Error::Usage(format!("--loss-scale `{s}`: expected dynamic, static:S or none"))),
+            },
+        };
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return Err(Error::Usage(format!("--lr {}: expected a positive number", self.lr)));
+        }
+        let opts = TrainOptions {
+            loss,
+            labels: self.labels.clone(),
+            optimizer,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
+            clip_norm: self.clip_norm,
+            freeze: self.freeze.iter().cloned().collect(),
+            ..TrainOptions::default()
+        };
+        Ok((opts, scale))
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Rewrite a model and write it as ONNX, text IR, Graphviz or JSON.
@@ -94,6 +170,47 @@ enum Command {
         /// Print timings and peak memory to stderr.
         #[arg(long)]
         stats: bool,
+        /// Build the whole training step: loss, backward graph, optimizer, loss scaling.
+        #[arg(long)]
+        train: bool,
+        #[command(flatten)]
+        train_args: TrainArgs,
+    },
+    /// Compile the training step and train on a data file; print per-epoch loss and accuracy.
+    Train {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        train_args: TrainArgs,
+        /// Training data (safetensors): tensors named after the graph inputs and the labels,
+        /// the first dimension being the sample.
+        #[arg(long, value_name = "FILE")]
+        data: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        epochs: usize,
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Hold out this share of the samples (the last ones) for evaluation after each epoch.
+        #[arg(long, value_name = "F", default_value_t = 0.0)]
+        eval_split: f64,
+        /// Seed of the sample order.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write DIR/checkpoint.safetensors after each epoch.
+        #[arg(long, value_name = "DIR")]
+        checkpoint: Option<PathBuf>,
+        /// Continue from the checkpoint in --checkpoint DIR.
+        #[arg(long)]
+        resume: bool,
+        /// Stop after this many steps in all (a run can be resumed later).
+        #[arg(long, value_name = "N")]
+        max_steps: Option<usize>,
+        /// The backend: cpu.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Write the model with the trained weights (ONNX, ready for inference).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
     /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
     Inspect {
@@ -157,7 +274,63 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Error> {
     match cli.command {
-        Command::Compile { common, output, emit, dump_after, stop_after, stats } => {
+        Command::Train {
+            common,
+            train_args,
+            data,
+            epochs,
+            batch,
+            eval_split,
+            seed,
+            checkpoint,
+            resume,
+            max_steps,
+            device,
+            output,
+        } => {
+            if device != "cpu" {
+                return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
+            }
+            if !(0.0..1.0).contains(&eval_split) {
+                return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1)")));
+            }
+            let mut opts = common.options(Vec::new(), None)?;
+            let (t, scale) = train_args.options()?;
+            opts.train = Some(t);
+            opts.loss_scale = scale;
+            let model = mpc::load(&common.model)?;
+            let cfg = mpc::train::TrainConfig {
+                data,
+                epochs,
+                batch,
+                eval_split,
+                seed,
+                checkpoint,
+                resume,
+                max_steps,
+                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            };
+            let trained = mpc::train::train(&model, &common.model, &opts, &cfg, &mut |r| {
+                let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
+                if let Some((acc, l)) = r.eval {
+                    line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
+                }
+                if let Some(s) = r.loss_scale {
+                    line.push_str(&format!(", loss scale {s}"));
+                }
+                line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
+                println!("{line}");
+            })?;
+            if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
+                println!("test accuracy: {:.2}%", acc * 100.0);
+            }
+            if let Some(o) = output {
+                let g = mpc::train::with_trained_weights(&model, &trained.state);
+                mpc::save(&g, &o, Format::Onnx)?;
+            }
+            Ok(())
+        }
+        Command::Compile { common, output, emit, dump_after, stop_after, stats, train, train_args } => {
             let format = match (&emit, &output) {
                 (Some(e), _) => Some(
                     Format::from_name(e)
@@ -171,7 +344,12 @@ fn run(cli: Cli) -> Result<(), Error> {
                 })?),
                 (None, None) => None,
             };
-            let opts = common.options(dump_after, stop_after)?;
+            let mut opts = common.options(dump_after, stop_after)?;
+            if train {
+                let (t, scale) = train_args.options()?;
+                opts.train = Some(t);
+                opts.loss_scale = scale;
+            }
             let t0 = Instant::now();
             let mut g = mpc::load(&common.model)?;
             let t1 = Instant::now();

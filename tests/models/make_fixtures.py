@@ -289,8 +289,31 @@ def control_flow():
     save("control_flow", g, 17)
 
 
+def digits_mlp():
+    """The README's demo: an MLP 64-256-256-10 for the digits data (input `images`, as the data
+    file names it), initialised as torch.nn.Linear is: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    dims = [64, 256, 256, 10]
+    nodes, inits, h = [], [], "images"
+    for i in range(3):
+        bound = 1.0 / np.sqrt(dims[i])
+        w, b = f"fc{i + 1}.weight", f"fc{i + 1}.bias"
+        inits += [numpy_helper.from_array(rng.uniform(-bound, bound, (dims[i + 1], dims[i])).astype(np.float32), w),
+                  numpy_helper.from_array(rng.uniform(-bound, bound, dims[i + 1]).astype(np.float32), b)]
+        out = f"fc{i + 1}" if i < 2 else "logits"
+        nodes.append(helper.make_node("Gemm", [h, w, b], [out], name=f"/fc{i + 1}/Gemm", transB=1))
+        if i < 2:
+            nodes.append(helper.make_node("Relu", [out], [f"relu{i + 1}"], name=f"/relu{i + 1}/Relu"))
+            h = f"relu{i + 1}"
+    g = helper.make_graph(
+        nodes, "digits_mlp",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        inits)
+    save("digits_mlp", g, 17)
+
+
 if __name__ == "__main__":
-    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op, control_flow]:
+    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op, control_flow, digits_mlp]:
         make()
     with open(os.path.join(HERE, "fixtures.json"), "w") as f:
         json.dump({"int_input_ranges": ranges}, f, indent=2, sort_keys=True)

@@ -1,0 +1,368 @@
+//! `mpc train`: compile the training step, feed it batches, keep its state resident, evaluate,
+//! checkpoint and resume.
+//!
+//! The data file's tensors are named after the graph inputs (and the labels); the first dimension
+//! is the sample. The last `eval_split` share of the samples is held out for evaluation. Each
+//! epoch visits the training samples in an order drawn from `(seed, epoch)`, so a resumed run sees
+//! exactly the batches the uninterrupted run would have seen. Checkpoints hold every state value
+//! under its graph name (the masters under their initializer names, the rest under `mpc.`) and
+//! `mpc.iteration`, the number of batches done.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mpc_ir::{DType, Dim, Graph, Op, Shape, TypeInfo, ValueId};
+use mpc_runtime::{Cpu, HostTensor, Session};
+
+use crate::{Error, Options, Result};
+
+/// How to train.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    pub data: PathBuf,
+    pub epochs: usize,
+    pub batch: usize,
+    /// Share of the samples (the last ones) held out for evaluation.
+    pub eval_split: f64,
+    /// Seed of the sample order.
+    pub seed: u64,
+    pub checkpoint: Option<PathBuf>,
+    pub resume: bool,
+    /// Stop after this many batches in all (tests of resuming).
+    pub max_steps: Option<usize>,
+    /// Draw a progress bar on a terminal.
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            data: PathBuf::new(),
+            epochs: 1,
+            batch: 64,
+            eval_split: 0.0,
+            seed: 0,
+            checkpoint: None,
+            resume: false,
+            max_steps: None,
+            progress: false,
+        }
+    }
+}
+
+/// One epoch's numbers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpochReport {
+    pub epoch: usize,
+    pub mean_loss: f64,
+    pub loss_scale: Option<f64>,
+    pub skipped: usize,
+    pub samples_per_s: f64,
+    /// Accuracy and mean loss on the held-out samples.
+    pub eval: Option<(f64, f64)>,
+}
+
+/// What a run leaves: per-epoch reports, the loss of every step, and the final state by name.
+pub struct Trained {
+    pub epochs: Vec<EpochReport>,
+    pub losses: Vec<f32>,
+    pub skipped: Vec<bool>,
+    pub state: Vec<(String, HostTensor)>,
+}
+
+/// Gives every graph input a symbolic leading dim, so that a model exported with a fixed batch
+/// trains with any batch size.
+pub fn free_batch(g: &mut Graph) {
+    for v in g.inputs().to_vec() {
+        let ty = g.ty(v).clone();
+        if let (Some(d), Some(s)) = (ty.dtype, &ty.shape) {
+            if s.rank() > 0 && matches!(s.dims()[0], Dim::Fixed(_)) {
+                let mut dims = s.dims().to_vec();
+                dims[0] = Dim::sym("batch");
+                g.set_ty(v, TypeInfo::new(d, Shape(dims)));
+            }
+        }
+    }
+}
+
+/// Rows `idx` of `t` (first dim), reshaped to `shape` per sample when given.
+fn take_rows(t: &HostTensor, idx: &[usize], sample: Option<&[usize]>) -> HostTensor {
+    let row: usize = t.shape[1..].iter().product();
+    let flat: Vec<usize> = idx.iter().flat_map(|&r| r * row..(r + 1) * row).collect();
+    let mut shape = vec![idx.len()];
+    match sample {
+        Some(s) => shape.extend(s),
+        None => shape.extend(&t.shape[1..]),
+    }
+    t.pick(shape, &flat)
+}
+
+/// A permutation of `0..n` drawn from `seed` (Fisher-Yates over xorshift).
+fn permutation(n: usize, seed: u64) -> Vec<usize> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) ^ 0x2545f4914f6cdd1d;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut p: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        p.swap(i, j);
+    }
+    p
+}
+
+/// The data tensors the graph reads, checked against its inputs: (name, tensor, per-sample shape).
+fn feeds_for(g: &Graph, data: &HashMap<String, HostTensor>, path: &Path) -> Result<Vec<(String, HostTensor, Vec<usize>)>> {
+    let usage = |m: String| Error::Usage(format!("{}: {m}", path.display()));
+    let mut out = Vec::new();
+    let mut samples = None;
+    for &v in g.inputs() {
+        let name = g.name(v);
+        let t = data.get(name).ok_or_else(|| {
+            let mut have: Vec<&str> = data.keys().map(|k| k.as_str()).collect();
+            have.sort();
+            usage(format!("no tensor `{name}` for the graph input of that name (the file has: {})", have.join(", ")))
+        })?;
+        let want = g.ty(v).dtype.unwrap_or(t.dtype());
+        if t.dtype() != want {
+            return Err(usage(format!("tensor `{name}` is {}, the graph input is {want}", t.dtype())));
+        }
+        if t.shape.is_empty() {
+            return Err(usage(format!("tensor `{name}` has no sample dimension")));
+        }
+        let n = t.shape[0];
+        if *samples.get_or_insert(n) != n {
+            return Err(usage(format!("tensor `{name}` has {n} samples, others have {}", samples.unwrap_or(0))));
+        }
+        // Per-sample shape: the graph's when fixed and of the same size (images stored flat).
+        let row: usize = t.shape[1..].iter().product();
+        let sample = g
+            .ty(v)
+            .shape
+            .as_ref()
+            .and_then(|s| s.dims()[1..].iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+            .filter(|s| s.iter().product::<usize>() == row)
+            .unwrap_or_else(|| t.shape[1..].to_vec());
+        out.push((name.to_string(), t.clone(), sample));
+    }
+    Ok(out)
+}
+
+fn batch_feeds(feeds: &[(String, HostTensor, Vec<usize>)], idx: &[usize]) -> HashMap<String, HostTensor> {
+    feeds.iter().map(|(n, t, s)| (n.clone(), take_rows(t, idx, Some(s)))).collect()
+}
+
+/// The forward graph for evaluation: the training pipeline up to the precision pass (loss and
+/// masters included), with batch normalisation back on its running statistics.
+fn eval_graph(model: &Graph, path: &Path, opts: &Options) -> Result<Graph> {
+    let mut g = model.clone();
+    let o = Options { stop_after: Some("precision".into()), dump_after: Vec::new(), ..opts.clone() };
+    crate::compile(&mut g, path, &o, &mut |_, _| {})?;
+    let mut drop = Vec::new();
+    for n in g.node_ids().collect::<Vec<_>>() {
+        if let Op::BatchNormalization(a) = g.node_op_mut(n) {
+            a.training_mode = 0;
+            drop.extend(g.node(n).outputs()[1..].iter().copied());
+        }
+    }
+    let outs: Vec<ValueId> = g.outputs().iter().copied().filter(|v| !drop.contains(v)).collect();
+    g.set_outputs(outs);
+    Ok(g)
+}
+
+fn checkpoint_file(dir: &Path) -> PathBuf {
+    dir.join("checkpoint.safetensors")
+}
+
+/// Trains `model` (loaded from `path`) as `opts` and `cfg` say; `report` receives each epoch.
+pub fn train(
+    model: &Graph,
+    path: &Path,
+    opts: &Options,
+    cfg: &TrainConfig,
+    report: &mut dyn FnMut(&EpochReport),
+) -> Result<Trained> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
+    let mut fwd = model.clone();
+    free_batch(&mut fwd);
+    let mut g = fwd.clone();
+    crate::compile(&mut g, path, opts, &mut |_, _| {})?;
+    let eval_g = eval_graph(&fwd, path, opts)?;
+    let state: Vec<(ValueId, ValueId)> = mpc_passes::train::state_pairs(&g)
+        .iter()
+        .filter_map(|(s, n)| Some((g.find(s)?, g.find(n)?)))
+        .collect();
+    let loss = mpc_passes::train::loss_value(&g).ok_or_else(|| Error::Usage("no loss in the training graph".into()))?;
+    let skipped = g.find("mpc.step_skipped").ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
+    let scale = g.find("mpc.loss_scale");
+
+    let data = crate::run::read_safetensors(&cfg.data)?;
+    let feeds = feeds_for(&g, &data, &cfg.data)?;
+    let n = feeds.first().map_or(0, |f| f.1.shape[0]);
+    let n_eval = ((n as f64) * cfg.eval_split).round() as usize;
+    let n_train = n - n_eval.min(n);
+    if n_train == 0 || cfg.batch == 0 {
+        return Err(Error::Usage(format!("{}: no training samples (batch {}, {n} samples)", cfg.data.display(), cfg.batch)));
+    }
+    let per_epoch = n_train.div_ceil(cfg.batch);
+
+    let mut session = Session::new(Cpu, &g).map_err(rerr)?;
+    let mut iteration = 0usize;
+    if cfg.resume {
+        let dir = cfg.checkpoint.as_ref().ok_or_else(|| Error::Usage("--resume needs --checkpoint DIR".into()))?;
+        let file = checkpoint_file(dir);
+        let saved = crate::run::read_safetensors(&file)?;
+        for &(s, _) in &state {
+            let t = saved.get(g.name(s)).ok_or_else(|| {
+                Error::Usage(format!("{}: no tensor `{}` (a checkpoint of another model?)", file.display(), g.name(s)))
+            })?;
+            session.set_weight(s, t).map_err(rerr)?;
+        }
+        iteration = saved.get("mpc.iteration").and_then(|t| t.i64s()).and_then(|v| v.first().copied()).unwrap_or(0) as usize;
+    }
+    let total = (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX));
+    let bar = if cfg.progress {
+        let b = indicatif::ProgressBar::new(total as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_position(iteration as u64);
+        b
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut out = Trained { epochs: Vec::new(), losses: Vec::new(), skipped: Vec::new(), state: Vec::new() };
+    let mut skipped_total = 0usize;
+    while iteration < total {
+        let epoch = iteration / per_epoch;
+        let order = permutation(n_train, cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
+        let t0 = Instant::now();
+        let (mut sum, mut count, mut samples, mut skipped_epoch) = (0f64, 0usize, 0usize, 0usize);
+        while iteration < total && iteration / per_epoch == epoch {
+            let k = iteration % per_epoch;
+            let idx = &order[k * cfg.batch..((k + 1) * cfg.batch).min(n_train)];
+            let fetched = session.step(&batch_feeds(&feeds, idx), &state, &[loss, skipped]).map_err(rerr)?;
+            let l = fetched[0].f64s()[0];
+            let was_skipped = fetched[1].f64s()[0] != 0.0;
+            out.losses.push(l as f32);
+            out.skipped.push(was_skipped);
+            if was_skipped {
+                skipped_epoch += 1;
+                skipped_total += 1;
+            } else {
+                sum += l;
+                count += 1;
+            }
+            samples += idx.len();
+            iteration += 1;
+            let s = scale.and_then(|s| session.weight(s).ok().flatten()).map(|t| t.f64s()[0]);
+            bar.set_position(iteration as u64);
+            bar.set_message(format!(
+                "loss {l:.4}{} skipped {skipped_total} {:.0} samples/s",
+                s.map_or(String::new(), |s| format!(" scale {s}")),
+                samples as f64 / t0.elapsed().as_secs_f64().max(1e-9)
+            ));
+        }
+        let secs = t0.elapsed().as_secs_f64().max(1e-9);
+        let eval = if n_eval > 0 && (iteration % per_epoch == 0 || iteration == total) {
+            Some(evaluate(&session, &g, &state, &eval_g, &feeds, n_train..n, cfg.batch).map_err(rerr)?)
+        } else {
+            None
+        };
+        let rep = EpochReport {
+            epoch: epoch + 1,
+            mean_loss: sum / count.max(1) as f64,
+            loss_scale: scale.and_then(|s| session.weight(s).ok().flatten()).map(|t| t.f64s()[0]),
+            skipped: skipped_epoch,
+            samples_per_s: samples as f64 / secs,
+            eval,
+        };
+        bar.suspend(|| report(&rep));
+        out.epochs.push(rep);
+        if let Some(dir) = &cfg.checkpoint {
+            save_checkpoint(dir, &session, &g, &state, iteration)?;
+        }
+    }
+    bar.finish_and_clear();
+    for &(s, _) in &state {
+        if let Some(t) = session.weight(s).map_err(rerr)? {
+            out.state.push((g.name(s).to_string(), t));
+        }
+    }
+    Ok(out)
+}
+
+/// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`.
+fn evaluate(
+    train: &Session<Cpu>,
+    g: &Graph,
+    state: &[(ValueId, ValueId)],
+    eval_g: &Graph,
+    feeds: &[(String, HostTensor, Vec<usize>)],
+    rows: std::ops::Range<usize>,
+    batch: usize,
+) -> std::result::Result<(f64, f64), mpc_runtime::RuntimeError> {
+    let mut s = Session::new(Cpu, eval_g)?;
+    for &(v, _) in state {
+        if let (Some(e), Some(t)) = (eval_g.find(g.name(v)), train.weight(v)?) {
+            if eval_g.value(e).initializer().is_some() {
+                s.set_weight(e, &t)?;
+            }
+        }
+    }
+    let loss = mpc_passes::train::loss_value(eval_g);
+    let scores = eval_g.outputs().iter().copied().find(|&v| Some(v) != loss && eval_g.ty(v).dtype.is_some_and(|d| d.is_float()));
+    let labels = eval_g.inputs().iter().copied().find(|&v| eval_g.ty(v).dtype == Some(DType::I64));
+    let idx: Vec<usize> = rows.collect();
+    let (mut correct, mut total, mut loss_sum, mut batches) = (0usize, 0usize, 0f64, 0usize);
+    for chunk in idx.chunks(batch.max(1)) {
+        let feed = batch_feeds(feeds, chunk);
+        let outs = s.run(&feed)?;
+        let get = |v: ValueId| outs.iter().find(|(n, _)| n == eval_g.name(v)).map(|(_, t)| t);
+        if let Some(l) = loss.and_then(get) {
+            loss_sum += l.f64s()[0];
+            batches += 1;
+        }
+        if let (Some(sc), Some(lb)) = (scores.and_then(get), labels.and_then(|l| feed.get(eval_g.name(l)))) {
+            let (v, y) = (sc.f64s(), lb.i64s().unwrap_or_default());
+            let c = sc.shape.get(1).copied().unwrap_or(1);
+            for (i, &label) in y.iter().enumerate() {
+                let row = &v[i * c..(i + 1) * c];
+                let best = (0..c).fold(0, |b, k| if row[k] > row[b] { k } else { b });
+                correct += (best as i64 == label) as usize;
+                total += 1;
+            }
+        }
+    }
+    Ok((correct as f64 / total.max(1) as f64, loss_sum / batches.max(1) as f64))
+}
+
+/// Writes every state value and the iteration count, atomically.
+fn save_checkpoint(dir: &Path, s: &Session<Cpu>, g: &Graph, state: &[(ValueId, ValueId)], iteration: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
+    let mut tensors = Vec::new();
+    for &(v, _) in state {
+        if let Some(t) = s.weight(v).map_err(|source| Error::Run { path: dir.to_owned(), source })? {
+            tensors.push((g.name(v).to_string(), t));
+        }
+    }
+    tensors.push(("mpc.iteration".into(), HostTensor::from_i64(DType::I64, vec![], vec![iteration as i64])));
+    crate::run::write_safetensors(&checkpoint_file(dir), &tensors)
+}
+
+/// The original model with its initializers replaced by the trained values of the same name.
+pub fn with_trained_weights(model: &Graph, state: &[(String, HostTensor)]) -> Graph {
+    let mut g = model.clone();
+    for (name, t) in state {
+        if let Some(v) = g.find(name) {
+            let Some(dt) = g.value(v).initializer().map(|i| i.dtype()) else { continue };
+            g.set_initializer(v, mpc_ir::Tensor::from(t).to_dtype(dt));
+        }
+    }
+    g
+}
