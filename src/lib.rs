@@ -6,9 +6,9 @@ pub mod config;
 pub mod dot;
 pub mod explain;
 pub mod run;
-pub mod train;
 pub mod summary;
 pub mod synthetic;
+pub mod train;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -190,8 +190,8 @@ enum Command {
         epochs: usize,
         #[arg(long, default_value_t = 64)]
         batch: usize,
-        /// Hold out this share of the samples (the last ones) for evaluation after each epoch.
-        #[arg(long, value_name = "F", default_value_t = 0.0)]
+        /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
+        #[arg(long, value_name = "F|N", default_value_t = 0.0)]
         eval_split: f64,
         /// Seed of the sample order.
         #[arg(long, default_value_t = 0)]
@@ -291,8 +291,8 @@ fn run(cli: Cli) -> Result<(), Error> {
             if device != "cpu" {
                 return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
             }
-            if !(0.0..1.0).contains(&eval_split) {
-                return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1)")));
+            if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
+                return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
             }
             let mut opts = common.options(Vec::new(), None)?;
             let (t, scale) = train_args.options()?;

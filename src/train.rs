@@ -23,7 +23,7 @@ pub struct TrainConfig {
     pub data: PathBuf,
     pub epochs: usize,
     pub batch: usize,
-    /// Share of the samples (the last ones) held out for evaluation.
+    /// The samples (the last ones) held out for evaluation: a share when below 1, else a count.
     pub eval_split: f64,
     /// Seed of the sample order.
     pub seed: u64,
@@ -116,7 +116,11 @@ fn permutation(n: usize, seed: u64) -> Vec<usize> {
 }
 
 /// The data tensors the graph reads, checked against its inputs: (name, tensor, per-sample shape).
-fn feeds_for(g: &Graph, data: &HashMap<String, HostTensor>, path: &Path) -> Result<Vec<(String, HostTensor, Vec<usize>)>> {
+fn feeds_for(
+    g: &Graph,
+    data: &HashMap<String, HostTensor>,
+    path: &Path,
+) -> Result<Vec<(String, HostTensor, Vec<usize>)>> {
     let usage = |m: String| Error::Usage(format!("{}: {m}", path.display()));
     let mut out = Vec::new();
     let mut samples = None;
@@ -192,21 +196,25 @@ pub fn train(
     let mut g = fwd.clone();
     crate::compile(&mut g, path, opts, &mut |_, _| {})?;
     let eval_g = eval_graph(&fwd, path, opts)?;
-    let state: Vec<(ValueId, ValueId)> = mpc_passes::train::state_pairs(&g)
-        .iter()
-        .filter_map(|(s, n)| Some((g.find(s)?, g.find(n)?)))
-        .collect();
+    let state: Vec<(ValueId, ValueId)> =
+        mpc_passes::train::state_pairs(&g).iter().filter_map(|(s, n)| Some((g.find(s)?, g.find(n)?))).collect();
     let loss = mpc_passes::train::loss_value(&g).ok_or_else(|| Error::Usage("no loss in the training graph".into()))?;
-    let skipped = g.find("mpc.step_skipped").ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
+    let skipped =
+        g.find("mpc.step_skipped").ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
     let scale = g.find("mpc.loss_scale");
 
     let data = crate::run::read_safetensors(&cfg.data)?;
     let feeds = feeds_for(&g, &data, &cfg.data)?;
     let n = feeds.first().map_or(0, |f| f.1.shape[0]);
-    let n_eval = ((n as f64) * cfg.eval_split).round() as usize;
+    let n_eval =
+        if cfg.eval_split < 1.0 { ((n as f64) * cfg.eval_split).round() as usize } else { cfg.eval_split as usize };
     let n_train = n - n_eval.min(n);
     if n_train == 0 || cfg.batch == 0 {
-        return Err(Error::Usage(format!("{}: no training samples (batch {}, {n} samples)", cfg.data.display(), cfg.batch)));
+        return Err(Error::Usage(format!(
+            "{}: no training samples (batch {}, {n} samples)",
+            cfg.data.display(),
+            cfg.batch
+        )));
     }
     let per_epoch = n_train.div_ceil(cfg.batch);
 
@@ -222,7 +230,8 @@ pub fn train(
             })?;
             session.set_weight(s, t).map_err(rerr)?;
         }
-        iteration = saved.get("mpc.iteration").and_then(|t| t.i64s()).and_then(|v| v.first().copied()).unwrap_or(0) as usize;
+        iteration =
+            saved.get("mpc.iteration").and_then(|t| t.i64s()).and_then(|v| v.first().copied()).unwrap_or(0) as usize;
     }
     let total = (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX));
     let bar = if cfg.progress {
@@ -316,7 +325,8 @@ fn evaluate(
         }
     }
     let loss = mpc_passes::train::loss_value(eval_g);
-    let scores = eval_g.outputs().iter().copied().find(|&v| Some(v) != loss && eval_g.ty(v).dtype.is_some_and(|d| d.is_float()));
+    let scores =
+        eval_g.outputs().iter().copied().find(|&v| Some(v) != loss && eval_g.ty(v).dtype.is_some_and(|d| d.is_float()));
     let labels = eval_g.inputs().iter().copied().find(|&v| eval_g.ty(v).dtype == Some(DType::I64));
     let idx: Vec<usize> = rows.collect();
     let (mut correct, mut total, mut loss_sum, mut batches) = (0usize, 0usize, 0f64, 0usize);
@@ -343,7 +353,13 @@ fn evaluate(
 }
 
 /// Writes every state value and the iteration count, atomically.
-fn save_checkpoint(dir: &Path, s: &Session<Cpu>, g: &Graph, state: &[(ValueId, ValueId)], iteration: usize) -> Result<()> {
+fn save_checkpoint(
+    dir: &Path,
+    s: &Session<Cpu>,
+    g: &Graph,
+    state: &[(ValueId, ValueId)],
+    iteration: usize,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
     let mut tensors = Vec::new();
     for &(v, _) in state {

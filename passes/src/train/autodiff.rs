@@ -547,11 +547,16 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 t = b.op("unsqueeze", Op::Unsqueeze, &[t, axv]);
             }
             if matches!(op, Op::ReduceMean(_)) {
-                let mut count = 1i64;
-                for &ax in &axes {
-                    count *= fixed(&xs.dims()[ax], "the reduced axes")?;
-                }
-                let k = b.scalar(count as f64, dt);
+                let count: Option<i64> = axes.iter().map(|&ax| xs.dims()[ax].fixed().map(|d| d as i64)).product();
+                let k = match count {
+                    Some(c) => b.scalar(c as f64, dt),
+                    // A symbolic dim (the batch): the count is size(x) / size(y) at run time.
+                    None => {
+                        let (nx, ny) = (b.op("size", Op::Size, &[x0]), b.op("size", Op::Size, &[y]));
+                        let c = b.op("count", Op::Div, &[nx, ny]);
+                        b.cast(c, dt)
+                    }
+                };
                 t = b.op("div", Op::Div, &[t, k]);
             }
             let s = b.shape_of(x0);

@@ -104,8 +104,9 @@ impl LossScale {
     }
 }
 
-/// The parameters: float initializers read through a differentiable input, minus frozen names.
-/// (Batch-norm running statistics, shapes, indices and masks are read through other inputs.)
+/// The parameters: float initializers read through a differentiable input, minus frozen names
+/// and scalars (exporters write constants such as 1/√d or GELU's √2 as rank-0 initializers).
+/// Batch-norm running statistics, shapes, indices and masks are read through other inputs.
 pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
     let mut out = BTreeSet::new();
     // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
@@ -115,7 +116,7 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
         let node = g.node(n);
         for (s, v) in node.inputs().iter().enumerate() {
             let Some(v) = *v else { continue };
-            let is_param = matches!(g.value(v).def(), Def::Init(t) if t.dtype().is_float())
+            let is_param = matches!(g.value(v).def(), Def::Init(t) if t.dtype().is_float() && !t.shape().is_empty())
                 && differentiable(&node.op, s)
                 && !matches!(node.op, Op::Cast(_))
                 && !freeze(v);
@@ -124,7 +125,11 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
             }
             // A master read through a Cast (after the precision pass) is still a parameter.
             if let (Op::Cast(_), Def::Init(t)) = (&node.op, g.value(v).def()) {
-                if t.dtype().is_float() && !freeze(v) && node.outputs().iter().any(|&o| read_differentiably(g, o)) {
+                if t.dtype().is_float()
+                    && !t.shape().is_empty()
+                    && !freeze(v)
+                    && node.outputs().iter().any(|&o| read_differentiably(g, o))
+                {
                     out.insert(v);
                 }
             }
