@@ -341,3 +341,38 @@ fn masters_stay_f32_and_each_is_cast_once() {
         assert_eq!(g.ty(grad).dtype, Some(DType::F32), "{name}.grad");
     }
 }
+
+#[test]
+fn ops_without_gradients_and_bad_options_are_one_line_errors() {
+    let dir = scratch("train_errors");
+    let out = dir.join("out.onnx");
+    for (args, want) in [
+        (
+            vec!["compile", "tests/models/custom_op.onnx", "--train", "-o"],
+            "node `/act/Gelu` (Gelu): op com.microsoft::Gelu has no gradient rule",
+        ),
+        (
+            vec!["compile", "tests/models/control_flow.onnx", "--train", "-o"],
+            "node `branch` (If): op If has no gradient rule",
+        ),
+        (vec!["compile", "tests/models/mlp.onnx", "--train", "--optimizer", "lamb", "-o"], "--optimizer `lamb`"),
+        (vec!["compile", "tests/models/mlp.onnx", "--train", "--loss", "output:nope", "-o"], "no output has that name"),
+        (
+            vec!["compile", "tests/models/mlp.onnx", "--train", "--loss-scale", "static:-1", "-o"],
+            "--loss-scale `static:-1`",
+        ),
+    ] {
+        let mut args: Vec<&str> = args;
+        args.push(out.to_str().unwrap());
+        let o = common::mpc(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(!out.exists(), "{args:?} left an output file");
+    }
+    let o = common::mpc(&["train", "tests/models/mlp.onnx", "--data", digits().to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no tensor `x`") && stderr.contains("images, labels"), "{stderr}");
+}

@@ -47,7 +47,8 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         Op::Where => slot > 0,
         Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
         Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
-        Op::Opaque(_) => false,
+        // On the path, so that a parameter behind an op mpc cannot differentiate is an error.
+        Op::Opaque(_) => true,
         _ => !op.is_mpc(),
     }
 }
@@ -573,6 +574,9 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let mut ins = vec![Some(dy), Some(x(0)?), Some(x(1)?)];
             ins.extend(node.input(2).map(Some));
             vec![Some(b.ops("nll", Op::NegativeLogLikelihoodLossGrad(Box::new(a.clone())), &ins, 1)[0])]
+        }
+        Op::Opaque(o) if !o.domain.is_empty() => {
+            return Err(format!("op {}::{} has no gradient rule", o.domain, o.op_type))
         }
         other => return Err(format!("op {} has no gradient rule", other.op_type())),
     })
