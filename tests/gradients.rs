@@ -418,3 +418,17 @@ fn an_op_without_a_rule_is_an_error_naming_it() {
     let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
     assert!(err.contains("Softplus") && err.contains("n0"), "{err}");
 }
+
+#[test]
+fn training_mode_dropout_is_refused_not_treated_as_identity() {
+    let mut c = Case::new("dropout_training");
+    let x = c.param("x", &[3, 4]);
+    let ratio = c.tensor("ratio", &[], 0.5, 0.5);
+    let on = c.g.add_initializer("on", Tensor::from_i64(vec![], &[1]).to_dtype(DType::Bool));
+    let y = c.op("Dropout", &[], &[Some(x), Some(ratio), Some(on)], 1)[0];
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Dropout in training mode"), "{err}");
+}

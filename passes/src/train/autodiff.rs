@@ -172,8 +172,18 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
     }
     let dt = b.dtype(y).unwrap_or(DType::F32);
     Ok(match &op {
-        // d/dx x = 1.
-        Op::Identity | Op::Dropout(_) => vec![Some(dy)],
+        // d/dx x = 1 (Dropout in inference mode is the identity).
+        Op::Identity => vec![Some(dy)],
+        Op::Dropout(_) => {
+            let training = match node.input(2) {
+                None => false,
+                Some(t) => b.g.constant(t).and_then(|t| t.to_i64_vec()).is_none_or(|v| v.first() != Some(&0)),
+            };
+            if training {
+                return Err("Dropout in training mode cannot be differentiated yet (it needs a seeded mask)".into());
+            }
+            vec![Some(dy)]
+        }
         // d/dx cast(x) = cast back to x's dtype.
         Op::Cast(_) => {
             let to = b.dtype(x(0)?)?;
