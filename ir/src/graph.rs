@@ -217,6 +217,14 @@ impl Graph {
         Graph { name: name.into(), ..Graph::default() }
     }
 
+    /// Makes room for `nodes` more nodes and `values` more values, so that a pass that grows the
+    /// graph several times over (autodiff) does not copy it at every doubling.
+    pub fn reserve(&mut self, nodes: usize, values: usize) {
+        self.nodes.reserve_nodes(nodes);
+        self.values.reserve(values);
+        self.by_name.reserve(values);
+    }
+
     // ---- values ----
 
     /// A new value with no definition yet. Its name is made unique if it is taken; an empty
