@@ -110,28 +110,24 @@ impl LossScale {
 pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
     let mut out = BTreeSet::new();
     // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
-    let freeze =
-        |v: ValueId| freeze.contains(g.name(v)) || g.name(v).starts_with("mpc.") || g.name(v).starts_with("grad.");
+    let candidate = |v: ValueId| {
+        let name = g.name(v);
+        matches!(g.value(v).def(), Def::Init(t) if t.dtype().is_float() && !t.shape().is_empty())
+            && !freeze.contains(name)
+            && !name.starts_with("mpc.")
+            && !name.starts_with("grad.")
+    };
     for n in g.node_ids() {
         let node = g.node(n);
         for (s, v) in node.inputs().iter().enumerate() {
             let Some(v) = *v else { continue };
-            let is_param = matches!(g.value(v).def(), Def::Init(t) if t.dtype().is_float() && !t.shape().is_empty())
-                && differentiable(&node.op, s)
-                && !matches!(node.op, Op::Cast(_))
-                && !freeze(v);
-            if is_param {
-                out.insert(v);
-            }
             // A master read through a Cast (after the precision pass) is still a parameter.
-            if let (Op::Cast(_), Def::Init(t)) = (&node.op, g.value(v).def()) {
-                if t.dtype().is_float()
-                    && !t.shape().is_empty()
-                    && !freeze(v)
-                    && node.outputs().iter().any(|&o| read_differentiably(g, o))
-                {
-                    out.insert(v);
-                }
+            let read = match node.op {
+                Op::Cast(_) => node.outputs().iter().any(|&o| read_differentiably(g, o)),
+                _ => differentiable(&node.op, s),
+            };
+            if read && candidate(v) {
+                out.insert(v);
             }
         }
     }

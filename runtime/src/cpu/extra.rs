@@ -5,16 +5,8 @@ use std::collections::HashMap;
 
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
 
-use super::{err, unsupported, Res};
-use crate::value::{Data, HostTensor};
-
-fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
-    if like.dtype() == mpc_ir::DType::F64 {
-        HostTensor { shape, data: Data::F64(v) }
-    } else {
-        HostTensor::from_f32(like.dtype(), shape, v.into_iter().map(|x| x as f32).collect())
-    }
-}
+use super::{err, store, unsupported, Res};
+use crate::value::HostTensor;
 
 pub(crate) fn conv_transpose(
     x: &HostTensor,

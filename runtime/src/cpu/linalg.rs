@@ -290,7 +290,6 @@ pub(crate) fn conv(
     group: usize,
     out_spatial: &[usize],
 ) -> Res<HostTensor> {
-    let sp = x.shape.len() - 2;
     let (nb, cin) = (x.shape[0], x.shape[1]);
     let cout = w.shape[0];
     let cg = cin / group;
@@ -303,28 +302,7 @@ pub(crate) fn conv(
     let (Some(xv), Some(wv)) = (x.f32s(), w.f32s()) else {
         return Err(err(format!("Conv on {} is not supported (f32, f16, bf16)", x.dtype())));
     };
-    // Precompute, for every (kernel position, output position), the input offset or none (padding).
-    let mut src: Vec<Option<usize>> = Vec::with_capacity(kvol * ovol);
-    let kst = super::shape::strides(&kernel);
-    let ost = super::shape::strides(out_spatial);
-    let ist = super::shape::strides(in_spatial);
-    for kp in 0..kvol {
-        for op in 0..ovol {
-            let mut off = 0usize;
-            let mut inside = true;
-            for d in 0..sp {
-                let kc = (kp / kst[d]) % kernel[d];
-                let oc = (op / ost[d]) % out_spatial[d];
-                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
-                if ic < 0 || ic >= in_spatial[d] as i64 {
-                    inside = false;
-                    break;
-                }
-                off += ic as usize * ist[d];
-            }
-            src.push(inside.then_some(off));
-        }
-    }
+    let src = super::window_offsets(in_spatial, &kernel, pads, strides, dilations, out_spatial);
     let bias_v = bias.map(|b| b.f64s());
     let mut out = vec![0f32; nb * cout * ovol];
     // Images side by side in one column matrix [cg·kvol, images·ovol], one GEMM per chunk of

@@ -34,6 +34,57 @@ pub(crate) fn unsupported(msg: impl Into<String>) -> KernelError {
     KernelError::Unsupported(msg.into())
 }
 
+/// Rounds f64 results through f32 (the compute type of f32/f16/bf16) into `like`'s dtype; f64
+/// stays f64.
+pub(crate) fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
+    if like.dtype() == DType::F64 {
+        HostTensor { shape, data: Data::F64(v) }
+    } else {
+        HostTensor::from_f32(like.dtype(), shape, v.into_iter().map(|x| x as f32).collect())
+    }
+}
+
+/// A float tensor's values as f64; another dtype is an error naming `what`.
+pub(crate) fn floats(x: &HostTensor, what: &str) -> Res<Vec<f64>> {
+    if !x.dtype().is_float() {
+        return Err(err(format!("{what}: {} where a float tensor was expected", x.dtype())));
+    }
+    Ok(x.f64s())
+}
+
+/// For every (kernel position, output position) of a convolution or pooling window, in that
+/// order: the input offset it reads, or `None` in the padding.
+pub(crate) fn window_offsets(
+    in_sp: &[usize],
+    kernel: &[usize],
+    pads: &[usize],
+    strides: &[usize],
+    dilations: &[usize],
+    out: &[usize],
+) -> Vec<Option<usize>> {
+    let (kvol, ovol): (usize, usize) = (kernel.iter().product(), out.iter().product());
+    let (kst, ost, ist) = (shape::strides(kernel), shape::strides(out), shape::strides(in_sp));
+    let mut src = Vec::with_capacity(kvol * ovol);
+    for kp in 0..kvol {
+        for op in 0..ovol {
+            let mut off = 0usize;
+            let mut inside = true;
+            for d in 0..kernel.len() {
+                let kc = (kp / kst[d]) % kernel[d];
+                let oc = (op / ost[d]) % out[d];
+                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
+                if ic < 0 || ic >= in_sp[d] as i64 {
+                    inside = false;
+                    break;
+                }
+                off += ic as usize * ist[d];
+            }
+            src.push(inside.then_some(off));
+        }
+    }
+    src
+}
+
 fn ints(t: Option<&HostTensor>, what: &str) -> Res<Vec<i64>> {
     t.ok_or_else(|| err(format!("missing {what}")))?.i64s().ok_or_else(|| err(format!("{what} must be integers")))
 }
@@ -422,16 +473,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             train::layer_norm_grad(x(0)?, t, x(2)?, axis(a.axis, t.shape.len())?, a.epsilon)
         }
         Op::GeluGrad(a) => one(train::gelu_grad(x(0)?, x(1)?, &a.approximate)?),
-        Op::SoftmaxCrossEntropyLossGrad(a) => one(train::softmax_cross_entropy_grad(
-            x(0)?,
-            x(1)?,
-            x(2)?,
-            ins.get(3).copied().flatten(),
-            a.ignore_index,
-            &a.reduction,
-        )?),
-        Op::NegativeLogLikelihoodLossGrad(a) => {
-            one(train::nll_grad(x(0)?, x(1)?, x(2)?, ins.get(3).copied().flatten(), a.ignore_index, &a.reduction)?)
+        Op::SoftmaxCrossEntropyLossGrad(a) | Op::NegativeLogLikelihoodLossGrad(a) => {
+            let softmax = matches!(op, Op::SoftmaxCrossEntropyLossGrad(_));
+            let w = ins.get(3).copied().flatten();
+            one(train::loss_grad(x(0)?, x(1)?, x(2)?, w, a.ignore_index, &a.reduction, softmax)?)
         }
         Op::GatherGrad(a) => one(train::gather_grad(x(0)?, x(1)?, x(2)?, a.axis)?),
         Op::AllFinite => {

@@ -2,26 +2,8 @@
 //! round on store, as GPU kernels do.
 
 use super::elementwise::Real;
-use super::{err, Res};
+use super::{err, floats, store, Res};
 use crate::value::{Data, HostTensor};
-
-/// Values in their compute type: f64 for f64 tensors, else f32 widened to f64 for the arithmetic
-/// below only where it is exact to do so. Kernels here compute in f32 unless the input is f64.
-fn vals(x: &HostTensor) -> Res<Vec<f64>> {
-    if !x.dtype().is_float() {
-        return Err(err(format!("{} input where a float was expected", x.dtype())));
-    }
-    Ok(x.f64s())
-}
-
-/// Rounds f64 results through f32 (the compute type of f32/f16/bf16) into the storage dtype.
-fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
-    if like.dtype() == mpc_ir::DType::F64 {
-        HostTensor { shape, data: Data::F64(v) }
-    } else {
-        HostTensor::from_f32(like.dtype(), shape, v.into_iter().map(|x| x as f32).collect())
-    }
-}
 
 /// f32, f16 and bf16 data as f32, borrowed when already f32; `None` for f64 and non-floats.
 fn f32_view(x: &HostTensor) -> Option<std::borrow::Cow<'_, [f32]>> {
@@ -59,7 +41,7 @@ pub(crate) fn softmax(x: &HostTensor, axis: usize, log: bool) -> Res<HostTensor>
         }
         return Ok(HostTensor::from_f32(x.dtype(), x.shape.clone(), out));
     }
-    let v = vals(x)?;
+    let v = floats(x, "input")?;
     let (outer, n, inner) = split_at(&x.shape, axis);
     let f32c = x.dtype() != mpc_ir::DType::F64;
     let mut out = vec![0f64; v.len()];
@@ -120,7 +102,7 @@ pub(crate) fn layer_norm(
             HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
         ]);
     }
-    let v = vals(x)?;
+    let v = floats(x, "input")?;
     let (sc, bi) = (scale.f64s(), bias.map(|b| b.f64s()));
     let si = super::elementwise::broadcast_index(&scale.shape, &x.shape[axis..]);
     let bidx = bias.map(|b| super::elementwise::broadcast_index(&b.shape, &x.shape[axis..]));
@@ -201,7 +183,7 @@ pub(crate) fn batch_norm(
         }
         return Ok(vec![HostTensor::from_f32(x.dtype(), x.shape.clone(), y)]);
     }
-    let v = vals(x)?;
+    let v = floats(x, "input")?;
     let (nb, c) = (x.shape[0], *x.shape.get(1).unwrap_or(&1));
     let inner: usize = x.shape.iter().skip(2).product();
     let (sc, bi, rm, rv) = (scale.f64s(), bias.f64s(), mean.f64s(), var.f64s());
@@ -532,7 +514,7 @@ pub(crate) fn cumsum(x: &HostTensor, axis: usize, exclusive: bool, reverse: bool
 
 /// InstanceNormalization: per (image, channel) over the spatial dims.
 pub(crate) fn instance_norm(x: &HostTensor, scale: &HostTensor, bias: &HostTensor, eps: f32) -> Res<HostTensor> {
-    let v = vals(x)?;
+    let v = floats(x, "input")?;
     let c = x.shape[1];
     let inner: usize = x.shape.iter().skip(2).product();
     let (sc, bi) = (scale.f64s(), bias.f64s());
@@ -558,7 +540,7 @@ pub(crate) fn nll_loss(
     ignore: Option<i64>,
     reduction: &str,
 ) -> Res<HostTensor> {
-    let v = vals(x)?;
+    let v = floats(x, "input")?;
     let t = target.i64s().ok_or_else(|| err("target must be integers"))?;
     let (n, c) = (x.shape[0], *x.shape.get(1).ok_or_else(|| err("input needs a class dimension"))?);
     let inner: usize = x.shape.iter().skip(2).product();

@@ -4,67 +4,17 @@
 //! stores. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
 
 use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
-use mpc_ir::DType;
 
 use super::elementwise::Real;
 use super::shape::strides;
-use super::{err, window, Res};
+use super::{err, floats as float, store, window, window_offsets as taps, Res};
 use crate::value::{Data, HostTensor};
-
-/// Rounds f64 results through f32 (the compute type of f32/f16/bf16) into `dtype`.
-fn store(dtype: DType, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
-    if dtype == DType::F64 {
-        HostTensor { shape, data: Data::F64(v) }
-    } else {
-        HostTensor::from_f32(dtype, shape, v.into_iter().map(|x| x as f32).collect())
-    }
-}
-
-fn float(x: &HostTensor, what: &str) -> Res<Vec<f64>> {
-    if !x.dtype().is_float() {
-        return Err(err(format!("{what} must be a float tensor, not {}", x.dtype())));
-    }
-    Ok(x.f64s())
-}
 
 fn same_shape(a: &HostTensor, b: &HostTensor, what: &str) -> Res<()> {
     if a.shape != b.shape {
         return Err(err(format!("{what}: shapes {:?} and {:?} differ", a.shape, b.shape)));
     }
     Ok(())
-}
-
-/// For every (kernel position, output position) of a window: the input offset, or `None` in the
-/// padding.
-fn taps(
-    in_sp: &[usize],
-    kernel: &[usize],
-    pads: &[usize],
-    st: &[usize],
-    dl: &[usize],
-    out: &[usize],
-) -> Vec<Option<usize>> {
-    let (kvol, ovol): (usize, usize) = (kernel.iter().product(), out.iter().product());
-    let (kst, ost, ist) = (strides(kernel), strides(out), strides(in_sp));
-    let mut src = Vec::with_capacity(kvol * ovol);
-    for kp in 0..kvol {
-        for op in 0..ovol {
-            let mut off = 0usize;
-            let mut inside = true;
-            for d in 0..kernel.len() {
-                let kc = (kp / kst[d]) % kernel[d];
-                let oc = (op / ost[d]) % out[d];
-                let ic = (oc * st[d] + kc * dl[d]) as i64 - pads[d] as i64;
-                if ic < 0 || ic >= in_sp[d] as i64 {
-                    inside = false;
-                    break;
-                }
-                off += ic as usize * ist[d];
-            }
-            src.push(inside.then_some(off));
-        }
-    }
-    src
 }
 
 fn ones(v: &[i64], n: usize) -> Vec<usize> {
@@ -107,7 +57,7 @@ pub(crate) fn conv_f64(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a
     }
     let mut shape = vec![nb, cout];
     shape.extend(out_sp);
-    Ok(store(x.dtype(), shape, y))
+    Ok(store(x, shape, y))
 }
 
 /// ConvGrad(dY, X, W) → (dX, dW, dB) of `Y = Conv(X, W, B)`.
@@ -152,11 +102,7 @@ pub(crate) fn conv_grad(dy: &HostTensor, x: &HostTensor, w: &HostTensor, a: &Con
             }
         }
     }
-    Ok(vec![
-        store(dy.dtype(), x.shape.clone(), dx),
-        store(dy.dtype(), w.shape.clone(), dw),
-        store(dy.dtype(), vec![cout], db),
-    ])
+    Ok(vec![store(dy, x.shape.clone(), dx), store(dy, w.shape.clone(), dw), store(dy, vec![cout], db)])
 }
 
 /// MaxPoolGrad / AveragePoolGrad(dY, X) → dX: each output's gradient goes to the first maximum of
@@ -221,7 +167,7 @@ pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: boo
             }
         }
     }
-    Ok(store(dy.dtype(), x.shape.clone(), dx))
+    Ok(store(dy, x.shape.clone(), dx))
 }
 
 /// BatchNormalizationGrad(dY, X, scale) → (dX, dScale, dBias) of training-mode batch norm
@@ -257,8 +203,7 @@ pub(crate) fn batch_norm_grad(dy: &HostTensor, x: &HostTensor, scale: &HostTenso
             }
         }
     }
-    let dt = dy.dtype();
-    Ok(vec![store(dt, x.shape.clone(), dx), store(dt, scale.shape.clone(), ds), store(dt, scale.shape.clone(), dbias)])
+    Ok(vec![store(dy, x.shape.clone(), dx), store(dy, scale.shape.clone(), ds), store(dy, scale.shape.clone(), dbias)])
 }
 
 /// LayerNormalizationGrad(dY, X, scale) → (dX, dScale, dBias): statistics over the dims from `axis`.
@@ -297,8 +242,7 @@ pub(crate) fn layer_norm_grad(
             dx[o * n + k] = inv / nf * (nf * g[k] * sc[si[k]] - s1 - xhat * s2);
         }
     }
-    let dt = dy.dtype();
-    Ok(vec![store(dt, x.shape.clone(), dx), store(dt, scale.shape.clone(), ds), store(dt, scale.shape.clone(), dbias)])
+    Ok(vec![store(dy, x.shape.clone(), dx), store(dy, scale.shape.clone(), ds), store(dy, scale.shape.clone(), dbias)])
 }
 
 /// GeluGrad(dY, X) → dY · Gelu'(X), for the exact (erf) and tanh forms.
@@ -321,7 +265,7 @@ pub(crate) fn gelu_grad(dy: &HostTensor, x: &HostTensor, approximate: &str) -> R
             g * slope
         })
         .collect();
-    Ok(store(dy.dtype(), x.shape.clone(), d))
+    Ok(store(dy, x.shape.clone(), d))
 }
 
 /// The class and weight of each position of a loss input, `None` where ignored.
@@ -356,9 +300,9 @@ fn loss_positions(
     Ok((c, inner, pos))
 }
 
-/// Gradient of an NLL-style loss with respect to its [N, C, d...] input, given the per-position
-/// derivative `row(n, i, class, weight, scale) → values over C`.
-fn loss_grad(
+/// SoftmaxCrossEntropyLossGrad (`softmax`: the input is scores) or NegativeLogLikelihoodLossGrad
+/// (the input is log-probabilities): the gradient with respect to the [N, C, d...] input.
+pub(crate) fn loss_grad(
     dloss: &HostTensor,
     input: &HostTensor,
     target: &HostTensor,
@@ -393,29 +337,7 @@ fn loss_grad(
             dx[at(k)] = -g * w;
         }
     }
-    Ok(store(input.dtype(), input.shape.clone(), dx))
-}
-
-pub(crate) fn softmax_cross_entropy_grad(
-    dloss: &HostTensor,
-    scores: &HostTensor,
-    labels: &HostTensor,
-    weights: Option<&HostTensor>,
-    ignore: Option<i64>,
-    reduction: &str,
-) -> Res<HostTensor> {
-    loss_grad(dloss, scores, labels, weights, ignore, reduction, true)
-}
-
-pub(crate) fn nll_grad(
-    dloss: &HostTensor,
-    input: &HostTensor,
-    target: &HostTensor,
-    weights: Option<&HostTensor>,
-    ignore: Option<i64>,
-    reduction: &str,
-) -> Res<HostTensor> {
-    loss_grad(dloss, input, target, weights, ignore, reduction, false)
+    Ok(store(input, input.shape.clone(), dx))
 }
 
 /// GatherGrad(dY, indices, shape) → zeros(shape) with dY's slices added at `indices` along `axis`
@@ -443,7 +365,7 @@ pub(crate) fn gather_grad(dy: &HostTensor, indices: &HostTensor, shape: &HostTen
             dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
         }
     }
-    Ok(store(dy.dtype(), shape, out))
+    Ok(store(dy, shape, out))
 }
 
 /// AllFinite(x...) → true when no input holds an Inf or NaN.
@@ -491,9 +413,9 @@ pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: 
         };
         out.push(pv[i] - lr * step);
     }
-    let mut res = vec![store(p.dtype(), p.shape.clone(), out)];
+    let mut res = vec![store(p, p.shape.clone(), out)];
     if let (Some(v), Some(vv)) = (velocity, vel) {
-        res.push(store(v.dtype(), v.shape.clone(), vv));
+        res.push(store(v, v.shape.clone(), vv));
     }
     Ok(res)
 }
@@ -523,11 +445,7 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
         vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
         out.push(w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps));
     }
-    Ok(vec![
-        store(p.dtype(), p.shape.clone(), out),
-        store(m.dtype(), m.shape.clone(), mv),
-        store(v.dtype(), v.shape.clone(), vv),
-    ])
+    Ok(vec![store(p, p.shape.clone(), out), store(m, m.shape.clone(), mv), store(v, v.shape.clone(), vv)])
 }
 
 /// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').
@@ -549,7 +467,7 @@ pub(crate) fn loss_scale_update(
         ((s * a.backoff_factor as f64).max(a.min_scale as f64), 0)
     };
     Ok(vec![
-        store(scale.dtype(), scale.shape.clone(), vec![s]),
+        store(scale, scale.shape.clone(), vec![s]),
         HostTensor::from_i64(good.dtype(), good.shape.clone(), vec![n]),
     ])
 }
