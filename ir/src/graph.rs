@@ -9,6 +9,7 @@
 
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
+use std::sync::Arc;
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::NodeIndexable;
@@ -104,7 +105,8 @@ pub struct Use {
 /// A value: its name (unique in the graph), its type and its definition.
 #[derive(Clone, Debug)]
 pub struct Value {
-    pub name: String,
+    /// Shared with the graph's name index, so a value's name is allocated once.
+    pub name: Arc<str>,
     pub ty: TypeInfo,
     def: Def,
     uses: Vec<Use>,
@@ -207,7 +209,7 @@ pub struct Graph {
     /// Node storage only: the edges are the ports (inputs and uses).
     nodes: StableDiGraph<Node, ()>,
     values: Vec<Value>,
-    by_name: HashMap<String, ValueId>,
+    by_name: HashMap<Arc<str>, ValueId, foldhash::fast::FixedState>,
     inputs: Vec<ValueId>,
     outputs: Vec<ValueId>,
 }
@@ -230,8 +232,12 @@ impl Graph {
     /// A new value with no definition yet. Its name is made unique if it is taken; an empty
     /// name makes an anonymous value (an omitted optional output, or a temporary).
     pub fn new_value(&mut self, name: &str, ty: TypeInfo) -> ValueId {
+        let name: Arc<str> = if name.is_empty() { Arc::from("") } else { self.claim(name) };
+        self.push_value(name, ty)
+    }
+
+    fn push_value(&mut self, name: Arc<str>, ty: TypeInfo) -> ValueId {
         let id = ValueId(self.values.len() as u32);
-        let name = if name.is_empty() { String::new() } else { self.unique_name(name) };
         if !name.is_empty() {
             self.by_name.insert(name.clone(), id);
         }
@@ -241,11 +247,17 @@ impl Graph {
 
     /// `name` if no value has it, else `name.1`, `name.2`, ...
     pub fn unique_name(&self, name: &str) -> String {
+        self.claim(name).to_string()
+    }
+
+    /// [`Graph::unique_name`], allocated once as the shared form a value keeps.
+    fn claim(&self, name: &str) -> Arc<str> {
         let base = if name.is_empty() { "v" } else { name };
         if !name.is_empty() && !self.by_name.contains_key(base) {
-            return base.to_string();
+            return Arc::from(base);
         }
-        (1..).map(|i| format!("{base}.{i}")).find(|n| !self.by_name.contains_key(n)).unwrap_or_default()
+        let free = (1..).map(|i| format!("{base}.{i}")).find(|n| !self.by_name.contains_key(n.as_str()));
+        Arc::from(free.unwrap_or_default())
     }
 
     pub fn add_input(&mut self, name: &str, ty: TypeInfo) -> ValueId {
@@ -290,16 +302,16 @@ impl Graph {
 
     /// Renames a value; the new name is made unique if taken. Returns the name given.
     pub fn rename(&mut self, v: ValueId, name: &str) -> String {
-        let old = std::mem::take(&mut self.values[v.index()].name);
+        let old = std::mem::replace(&mut self.values[v.index()].name, Arc::from(""));
         if self.by_name.get(&old) == Some(&v) {
             self.by_name.remove(&old);
         }
-        let name = if name.is_empty() { String::new() } else { self.unique_name(name) };
+        let name: Arc<str> = if name.is_empty() { Arc::from("") } else { self.claim(name) };
         if !name.is_empty() {
             self.by_name.insert(name.clone(), v);
         }
         self.values[v.index()].name = name.clone();
-        name
+        name.to_string()
     }
 
     pub fn find(&self, name: &str) -> Option<ValueId> {
@@ -323,6 +335,11 @@ impl Graph {
         (0..self.values.len() as u32).map(ValueId)
     }
 
+    /// How many values were ever created: one past the largest value id (ids are never reused).
+    pub fn value_bound(&self) -> usize {
+        self.values.len()
+    }
+
     /// Initializers in creation order.
     pub fn initializers(&self) -> impl Iterator<Item = ValueId> + '_ {
         self.value_ids().filter(|&v| matches!(self.values[v.index()].def, Def::Init(_)))
@@ -337,7 +354,7 @@ impl Graph {
         }
         val.def = Def::None;
         self.outputs.retain(|&o| o != v);
-        let name = std::mem::take(&mut self.values[v.index()].name);
+        let name = std::mem::replace(&mut self.values[v.index()].name, Arc::from(""));
         self.by_name.remove(&name);
     }
 
@@ -380,9 +397,10 @@ impl Graph {
         inputs: Vec<Option<ValueId>>,
         outputs: Vec<ValueId>,
     ) -> NodeId {
-        let node = Node { name: name.into(), op, inputs: Vec::new(), outputs: outputs.clone() };
+        let node = Node { name: name.into(), op, inputs: Vec::with_capacity(inputs.len()), outputs };
         let id = NodeId(self.nodes.add_node(node).index() as u32);
-        for (slot, &o) in outputs.iter().enumerate() {
+        for slot in 0..self.nodes[id.ix()].outputs.len() {
+            let o = self.nodes[id.ix()].outputs[slot];
             let val = &mut self.values[o.index()];
             if !matches!(val.def, Def::None) {
                 val.redefined = true;
@@ -405,9 +423,9 @@ impl Graph {
         n_outputs: usize,
     ) -> (NodeId, Vec<ValueId>) {
         let outs: Vec<ValueId> = (0..n_outputs)
-            .map(|i| {
-                let vname = if n_outputs == 1 { name.to_string() } else { format!("{name}.{i}") };
-                self.new_value(&vname, TypeInfo::default())
+            .map(|i| match n_outputs {
+                1 => self.new_value(name, TypeInfo::default()),
+                _ => self.new_value(&format!("{name}.{i}"), TypeInfo::default()),
             })
             .collect();
         (self.add_node(name, op, inputs.to_vec(), outs.clone()), outs)
@@ -504,7 +522,7 @@ impl Graph {
                         "removing a node whose output is used"
                     );
                     self.values[o.index()].def = Def::None;
-                    let name = std::mem::take(&mut self.values[o.index()].name);
+                    let name = std::mem::replace(&mut self.values[o.index()].name, Arc::from(""));
                     self.by_name.remove(&name);
                 }
             }
@@ -513,32 +531,55 @@ impl Graph {
 
     /// Nodes in a deterministic topological order: among ready nodes the oldest goes first, so
     /// a graph that was already sorted keeps its order. A cycle is an error naming a node on it.
+    ///
+    /// A cursor walks the node indices in order and takes each node that is ready when it gets
+    /// there; only a node that becomes ready after the cursor has passed it waits in a heap. A
+    /// graph built in order never uses the heap, so sorting it is linear.
     pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
-        let mut indeg = vec![0usize; self.nodes.node_bound()];
-        let mut ready = BinaryHeap::new();
+        const DONE: u32 = u32::MAX;
+        let bound = self.nodes.node_bound();
+        // Unready inputs per node; DONE for emitted nodes and vacant indices.
+        let mut indeg = vec![DONE; bound];
         for ix in self.nodes.node_indices() {
-            let d =
-                self.nodes[ix].inputs.iter().flatten().filter(|v| self.values[v.index()].producer().is_some()).count();
-            indeg[ix.index()] = d;
-            if d == 0 {
-                ready.push(std::cmp::Reverse(ix.index()));
+            indeg[ix.index()] = 0;
+        }
+        // Counted from the values' side: one sequential walk instead of a lookup per input.
+        for val in &self.values {
+            if matches!(val.def, Def::Node(..)) {
+                for u in &val.uses {
+                    indeg[u.node.index()] += 1;
+                }
             }
         }
+        let mut late = BinaryHeap::new();
+        let mut cursor = 0;
         let mut order = Vec::with_capacity(self.nodes.node_count());
-        while let Some(std::cmp::Reverse(i)) = ready.pop() {
+        loop {
+            while cursor < bound && indeg[cursor] != 0 {
+                cursor += 1;
+            }
+            let i = match late.peek() {
+                Some(&std::cmp::Reverse(h)) if h < cursor => {
+                    late.pop();
+                    h
+                }
+                _ if cursor < bound => cursor,
+                _ => break,
+            };
+            indeg[i] = DONE;
             order.push(NodeId(i as u32));
             for &o in &self.nodes[NodeIndex::new(i)].outputs {
                 for u in &self.values[o.index()].uses {
                     let t = u.node.index();
                     indeg[t] -= 1;
-                    if indeg[t] == 0 {
-                        ready.push(std::cmp::Reverse(t));
+                    if indeg[t] == 0 && t < cursor {
+                        late.push(std::cmp::Reverse(t));
                     }
                 }
             }
         }
         if order.len() < self.nodes.node_count() {
-            let stuck = self.nodes.node_indices().find(|ix| indeg[ix.index()] > 0).map_or(0, |ix| ix.index());
+            let stuck = (0..bound).find(|&i| indeg[i] != DONE && indeg[i] > 0).unwrap_or(0);
             return Err(GraphError::Cycle(self.node_label(NodeId(stuck as u32))));
         }
         Ok(order)
@@ -559,7 +600,7 @@ impl Graph {
     pub fn check_structure(&self) -> Result<Vec<NodeId>, GraphError> {
         for v in &self.values {
             if v.redefined {
-                return Err(GraphError::Redefined(v.name.clone()));
+                return Err(GraphError::Redefined(v.name.to_string()));
             }
         }
         for n in self.node_ids() {
@@ -567,14 +608,14 @@ impl Graph {
                 if matches!(self.values[v.index()].def, Def::None) {
                     return Err(GraphError::Undefined {
                         node: self.node_label(n),
-                        value: self.values[v.index()].name.clone(),
+                        value: self.values[v.index()].name.to_string(),
                     });
                 }
             }
         }
         for &o in &self.outputs {
             if matches!(self.values[o.index()].def, Def::None) {
-                return Err(GraphError::UndefinedOutput(self.values[o.index()].name.clone()));
+                return Err(GraphError::UndefinedOutput(self.values[o.index()].name.to_string()));
             }
         }
         self.topo_order()

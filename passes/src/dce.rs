@@ -2,13 +2,17 @@
 
 use mpc_ir::{Def, Graph};
 
-use crate::{Changed, Context, Pass, Result};
+use crate::{Changed, Context, Effect, Pass, Result};
 
 pub struct Dce;
 
 impl Pass for Dce {
     fn name(&self) -> &'static str {
         "dce"
+    }
+
+    fn effect(&self) -> Effect {
+        Effect::Removes
     }
 
     fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {

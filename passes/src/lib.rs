@@ -47,10 +47,32 @@ pub struct Context {
     pub timings: RefCell<Vec<(&'static str, std::time::Duration, std::time::Duration)>>,
 }
 
+/// What a pass may do to the graph. The manager verifies the whole graph (structure and types)
+/// after a pass that rewrites; after the narrower kinds, the parts of that check that cannot fail
+/// are skipped in release builds and still run in debug builds (the tests), so a pass that does
+/// more than it declares is caught.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Anything.
+    Rewrites,
+    /// Only adds nodes (it may also add values, rename them, and set the outputs and metadata),
+    /// leaving the nodes that were there as they were, and leaves the added nodes' types to the
+    /// manager. The manager infers them, which gives them what the type check would demand.
+    Adds,
+    /// Only removes nodes and values that nothing reads: the nodes left keep their inputs, so
+    /// their types stay right and only the structure is checked.
+    Removes,
+}
+
 /// A graph-to-graph transformation or analysis.
 pub trait Pass {
     fn name(&self) -> &'static str;
     fn run(&self, graph: &mut Graph, cx: &Context) -> Result<Changed>;
+
+    /// What the pass may do to the graph, which decides how the manager checks it afterwards.
+    fn effect(&self) -> Effect {
+        Effect::Rewrites
+    }
 }
 
 /// A pass failure, naming the node or value at fault.

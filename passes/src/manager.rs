@@ -1,9 +1,9 @@
 //! The pass manager: an explicit pipeline, verification after every pass, dump-after, stop-after.
 
-use mpc_ir::Graph;
+use mpc_ir::{Graph, NodeId};
 
 use crate::{
-    infer, train, CastCleanup, Changed, Context, Dce, InferTypes, Pass, PassError, Precision, Result, Simplify,
+    infer, train, CastCleanup, Changed, Context, Dce, Effect, InferTypes, Pass, PassError, Precision, Result, Simplify,
 };
 
 /// A named list of passes.
@@ -88,10 +88,23 @@ impl PassManager {
     pub fn run(&self, g: &mut Graph, cx: &Context, dump: &mut dyn FnMut(&str, &Graph)) -> Result<()> {
         for pass in &self.passes {
             let t0 = std::time::Instant::now();
+            let effect = pass.effect();
+            // The nodes there before a pass that adds some.
+            let before: Vec<bool> = if effect == Effect::Adds { existing_nodes(g) } else { Vec::new() };
             let changed = pass.run(g, cx)?;
+            let failed = |msg: String| PassError::Verify { pass: pass.name(), msg };
+            if changed == Changed::Yes && effect == Effect::Adds {
+                let order = g.check_structure().map_err(|e| failed(e.to_string()))?;
+                let added = |n: NodeId| !before.get(n.index()).copied().unwrap_or(false);
+                infer::infer_types_in(g, &order, Some(&added))?;
+            }
             let t1 = std::time::Instant::now();
             if self.verify && changed == Changed::Yes {
-                verify(g).map_err(|msg| PassError::Verify { pass: pass.name(), msg })?;
+                if effect == Effect::Rewrites || cfg!(debug_assertions) {
+                    verify(g).map_err(failed)?;
+                } else if effect == Effect::Removes {
+                    g.check_structure().map_err(|e| failed(e.to_string()))?;
+                }
             }
             cx.timings.borrow_mut().push((pass.name(), t1 - t0, t1.elapsed()));
             if self.dump_after.iter().any(|d| d == pass.name()) {
@@ -103,6 +116,18 @@ impl PassManager {
         }
         Ok(())
     }
+}
+
+/// A flag per node index: whether a node has that index now.
+fn existing_nodes(g: &Graph) -> Vec<bool> {
+    let mut present = Vec::with_capacity(g.node_count());
+    for n in g.node_ids() {
+        if present.len() <= n.index() {
+            present.resize(n.index() + 1, false);
+        }
+        present[n.index()] = true;
+    }
+    present
 }
 
 /// Checks a graph: structure (every value read is defined once, no cycle, outputs defined) and

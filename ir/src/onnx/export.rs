@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use bytes::Bytes;
 use prost::Message;
 
-use super::proto::{self, attribute_type as at, type_proto, AttributeProto, TensorProto, ValueInfoProto};
+use super::proto::{self, attribute_type as at, AttributeProto, TensorProto};
 use crate::error::{invalid, Result};
 use crate::graph::{Def, Graph, NodeId, TypeInfo, ValueId};
 use crate::{Attr, Dim, Op, Tensor};
@@ -57,6 +57,9 @@ pub fn encode_onnx(g: &Graph) -> Result<Vec<u8>> {
     Ok(encode_onnx_parts(g)?.concat())
 }
 
+/// The size of the parts the nodes are encoded into.
+const CHUNK_BYTES: usize = 1 << 20;
+
 /// Tensors at least this large are written from their own buffers, not copied into the output.
 const SHARED_TENSOR_BYTES: usize = 1 << 16;
 
@@ -73,21 +76,23 @@ pub fn encode_onnx_parts(g: &Graph) -> Result<Vec<Bytes>> {
     let names = Names::new(g);
     let order = g.topo_order()?;
     let mut parts: Vec<Bytes> = Vec::new();
-    let mut buf = Vec::with_capacity(order.len() * 96 + 1024);
+    let mut buf = Vec::with_capacity(CHUNK_BYTES + (1 << 16));
 
     if !g.name.is_empty() {
         string::encode(2, &g.name, &mut buf);
     }
+    let outputs: HashSet<ValueId> = g.outputs().iter().copied().collect();
+    let mut scratch = Vec::new();
     for &n in &order {
-        let (node, infos) = node_proto(g, n, opset, &names)?;
-        message::encode(1, &node, &mut buf);
-        for vi in infos {
-            message::encode(13, &vi, &mut buf);
+        write_node(g, n, opset, &names, &outputs, &mut scratch, &mut buf)?;
+        // Full chunks become parts, so a large graph is never copied to grow one buffer.
+        if buf.len() >= CHUNK_BYTES {
+            parts.push(Bytes::from(std::mem::replace(&mut buf, Vec::with_capacity(CHUNK_BYTES + (1 << 16)))));
         }
     }
     for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, opset)) {
         let Some(t) = g.value(v).initializer() else { continue };
-        let mut p = tensor_proto(&names.get(g, v), t);
+        let mut p = tensor_proto(names.get(g, v), t);
         if p.raw_data.len() < SHARED_TENSOR_BYTES {
             message::encode(5, &p, &mut buf);
             continue;
@@ -104,10 +109,10 @@ pub fn encode_onnx_parts(g: &Graph) -> Result<Vec<Bytes>> {
         parts.push(raw);
     }
     for &v in g.inputs() {
-        message::encode(11, &value_info_proto(&names.get(g, v), g.ty(v)), &mut buf);
+        write_value_info(11, names.get(g, v), g.ty(v), &mut buf);
     }
     for &v in g.outputs() {
-        message::encode(12, &value_info_proto(&names.get(g, v), g.ty(v)), &mut buf);
+        write_value_info(12, names.get(g, v), g.ty(v), &mut buf);
     }
     parts.push(Bytes::from(buf));
 
@@ -155,41 +160,120 @@ fn axes_as_attribute(g: &Graph, v: ValueId, opset: i64) -> bool {
         && uses.iter().all(|u| u.slot == 1 && g.node(u.node).op.axes_input_since().is_some_and(|s| opset < s))
 }
 
-/// One node in the target opset's form, with the value_info entries of its outputs.
-fn node_proto(g: &Graph, n: NodeId, opset: i64, names: &Names) -> Result<(proto::NodeProto, Vec<ValueInfoProto>)> {
+/// Writes one node in the target opset's form (a `graph.node` entry), then the value_info entries
+/// of its outputs. Encoded field by field from the graph's own strings: a training graph has
+/// hundreds of thousands of nodes, and building a `NodeProto` of owned strings for each costs more
+/// than encoding it.
+fn write_node(
+    g: &Graph,
+    n: NodeId,
+    opset: i64,
+    names: &Names,
+    outputs: &HashSet<ValueId>,
+    scratch: &mut Vec<u8>,
+    buf: &mut Vec<u8>,
+) -> Result<()> {
+    use prost::encoding::message;
     let nd = g.node(n);
-    let mut inputs: Vec<Option<ValueId>> = nd.inputs().to_vec();
+    let mut inputs: &[Option<ValueId>] = nd.inputs();
     let mut attrs = nd.op.attrs();
     if let Op::Opaque(o) = &nd.op {
-        inputs.truncate(o.explicit_inputs);
+        inputs = &inputs[..o.explicit_inputs.min(inputs.len())];
     }
     if nd.op.axes_input_since().is_some_and(|since| opset < since) {
         if let Some(axes) = nd.input(1) {
             let t = g.constant(axes).ok_or_else(|| invalid("reduction axes must be constant"))?;
             attrs.insert(0, ("axes".into(), Attr::Ints(t.to_i64_vec().unwrap_or_default())));
         }
-        inputs.truncate(1);
+        inputs = &inputs[..inputs.len().min(1)];
     }
-    while inputs.last() == Some(&None) {
-        inputs.pop();
+    while let Some((None, rest)) = inputs.split_last() {
+        inputs = rest;
     }
-    let mut infos = Vec::new();
-    let output: Vec<String> = nd.outputs().iter().map(|&o| names.get(g, o)).collect();
-    for (&o, name) in nd.outputs().iter().zip(&output) {
-        if !name.is_empty() && !g.is_output(o) && g.ty(o).dtype.is_some() {
-            infos.push(value_info_proto(name, g.ty(o)));
+    // NodeProto: input = 1, output = 2, name = 3, op_type = 4, attribute = 5, domain = 7.
+    scratch.clear();
+    for i in inputs {
+        put_bytes(1, i.map_or("", |v| names.get(g, v)).as_bytes(), scratch);
+    }
+    for &o in nd.outputs() {
+        put_bytes(2, names.get(g, o).as_bytes(), scratch);
+    }
+    put_str(3, &nd.name, scratch);
+    put_str(4, nd.op.op_type(), scratch);
+    for (k, a) in attrs {
+        message::encode(5, &attribute(k, a)?, scratch);
+    }
+    put_str(7, nd.op.domain(), scratch);
+    put_bytes(1, scratch, buf);
+    for &o in nd.outputs() {
+        let name = names.get(g, o);
+        if !name.is_empty() && !outputs.contains(&o) && g.ty(o).dtype.is_some() {
+            write_value_info(13, name, g.ty(o), buf);
         }
     }
-    let node = proto::NodeProto {
-        input: inputs.iter().map(|i| i.map(|v| names.get(g, v)).unwrap_or_default()).collect(),
-        output,
-        name: nd.name.clone(),
-        op_type: nd.op.op_type().to_string(),
-        domain: nd.op.domain().to_string(),
-        attribute: attrs.into_iter().map(|(k, a)| attribute(k, a)).collect::<Result<_>>()?,
-        ..Default::default()
+    Ok(())
+}
+
+/// A length-delimited field (strings, bytes, embedded messages), written even when empty.
+fn put_bytes(tag: u32, bytes: &[u8], buf: &mut Vec<u8>) {
+    use prost::encoding::{encode_key, encode_varint, WireType};
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint(bytes.len() as u64, buf);
+    buf.extend_from_slice(bytes);
+}
+
+/// A singular string field, left out when empty (proto3's default).
+fn put_str(tag: u32, s: &str, buf: &mut Vec<u8>) {
+    if !s.is_empty() {
+        put_bytes(tag, s.as_bytes(), buf);
+    }
+}
+
+/// Writes a ValueInfoProto field `tag` for a tensor of type `ty`, sizes computed bottom-up so
+/// nothing is encoded twice.
+fn write_value_info(tag: u32, name: &str, ty: &TypeInfo, buf: &mut Vec<u8>) {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint as vlen, WireType};
+    let delimited = |len: usize| 1 + vlen(len as u64) + len;
+    // TensorShapeProto.Dimension: dim_value = 1, dim_param = 2.
+    let dim_len = |d: &Dim| match d {
+        Dim::Fixed(n) => 1 + vlen(*n),
+        Dim::Sym(p) => delimited(p.len()),
+        Dim::Unknown => 0,
     };
-    Ok((node, infos))
+    let shape_len = ty.shape.as_ref().map(|s| s.dims().iter().map(|d| delimited(dim_len(d))).sum::<usize>());
+    // TypeProto.Tensor: elem_type = 1, shape = 2.
+    let elem = ty.dtype.map_or(0, |d| d.onnx_code()) as u64;
+    let tensor_len = if elem != 0 { 1 + vlen(elem) } else { 0 } + shape_len.map_or(0, delimited);
+    // TypeProto: tensor_type = 1. ValueInfoProto: name = 1, type = 2.
+    let type_len = delimited(tensor_len);
+    let info_len = if name.is_empty() { 0 } else { delimited(name.len()) } + delimited(type_len);
+    encode_key(tag, WireType::LengthDelimited, buf);
+    encode_varint(info_len as u64, buf);
+    put_str(1, name, buf);
+    encode_key(2, WireType::LengthDelimited, buf);
+    encode_varint(type_len as u64, buf);
+    encode_key(1, WireType::LengthDelimited, buf);
+    encode_varint(tensor_len as u64, buf);
+    if elem != 0 {
+        encode_key(1, WireType::Varint, buf);
+        encode_varint(elem, buf);
+    }
+    if let (Some(shape), Some(len)) = (&ty.shape, shape_len) {
+        encode_key(2, WireType::LengthDelimited, buf);
+        encode_varint(len as u64, buf);
+        for d in shape.dims() {
+            encode_key(1, WireType::LengthDelimited, buf);
+            encode_varint(dim_len(d) as u64, buf);
+            match d {
+                Dim::Fixed(n) => {
+                    encode_key(1, WireType::Varint, buf);
+                    encode_varint(*n, buf);
+                }
+                Dim::Sym(p) => put_bytes(2, p.as_bytes(), buf),
+                Dim::Unknown => {}
+            }
+        }
+    }
 }
 
 /// Value names for export: the graph's own, with names made up for anonymous values that are read.
@@ -217,10 +301,10 @@ impl Names {
         Names { made_up }
     }
 
-    fn get(&self, g: &Graph, v: ValueId) -> String {
+    fn get<'a>(&'a self, g: &'a Graph, v: ValueId) -> &'a str {
         match &self.made_up[v.index()] {
-            Some(n) => n.clone(),
-            None => g.name(v).to_string(),
+            Some(n) => n,
+            None => g.name(v),
         }
     }
 }
@@ -232,33 +316,6 @@ pub(crate) fn tensor_proto(name: &str, t: &Tensor) -> TensorProto {
         name: name.to_string(),
         raw_data: t.bytes().clone(),
         ..Default::default()
-    }
-}
-
-fn value_info_proto(name: &str, ty: &TypeInfo) -> ValueInfoProto {
-    use proto::tensor_shape_proto::{dimension, Dimension};
-    let shape = ty.shape.as_ref().map(|s| proto::TensorShapeProto {
-        dim: s
-            .dims()
-            .iter()
-            .map(|d| Dimension {
-                value: match d {
-                    Dim::Fixed(n) => Some(dimension::Value::DimValue(*n as i64)),
-                    Dim::Sym(p) => Some(dimension::Value::DimParam(p.to_string())),
-                    Dim::Unknown => None,
-                },
-                denotation: String::new(),
-            })
-            .collect(),
-    });
-    let tensor = type_proto::Tensor { elem_type: ty.dtype.map_or(0, |d| d.onnx_code()), shape };
-    ValueInfoProto {
-        name: name.to_string(),
-        r#type: Some(proto::TypeProto {
-            value: Some(type_proto::Value::TensorType(tensor)),
-            denotation: String::new(),
-        }),
-        doc_string: String::new(),
     }
 }
 

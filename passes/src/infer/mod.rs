@@ -40,9 +40,29 @@ impl Pass for InferTypes {
 /// Infers the types of every node output in place.
 pub fn infer_types(g: &mut Graph) -> Result<()> {
     let order = g.topo_order()?;
+    infer_types_in(g, &order, None)
+}
+
+/// Infers the types of the outputs of the nodes that `retype` selects (every node when `None`),
+/// visiting the nodes in `order` (a topological order). The known values of the nodes left as
+/// they are still flow into the ones retyped, so retyping only the nodes a pass added gives the
+/// same types as inferring the whole graph again.
+pub(crate) fn infer_types_in(
+    g: &mut Graph,
+    order: &[mpc_ir::NodeId],
+    retype: Option<&dyn Fn(mpc_ir::NodeId) -> bool>,
+) -> Result<()> {
     let mut known = known::KnownValues::new(g);
-    for n in order {
+    for &n in order {
         if g.node(n).op.is_opaque() {
+            continue;
+        }
+        if retype.is_some_and(|r| !r(n)) {
+            for (slot, &v) in g.node(n).outputs().iter().enumerate() {
+                if let Some(k) = known::propagate(g, n, slot, &known) {
+                    known.set(v, k);
+                }
+            }
             continue;
         }
         let outs = {

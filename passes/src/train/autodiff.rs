@@ -7,7 +7,7 @@
 //! the sum of its readers' gradients. Index, shape and mask inputs are never differentiated. A node
 //! on the path from a parameter to the loss whose op has no rule is an error naming node and op.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 
 use mpc_ir::ops::{AxisAttrs, CastAttrs, GemmAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs};
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
@@ -53,30 +53,39 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
     }
 }
 
-/// The values that need a gradient: those on a path from a parameter to `loss` through
-/// differentiable float inputs.
-fn needed(g: &Graph, order: &[NodeId], params: &[ValueId], loss: ValueId) -> HashSet<ValueId> {
+/// The values that need a gradient, by value index: those on a path from a parameter to `loss`
+/// through differentiable float inputs.
+fn needed(g: &Graph, order: &[NodeId], params: &[ValueId], loss: ValueId) -> Vec<bool> {
+    let n_values = g.value_bound();
     let float = |v: ValueId| g.ty(v).dtype.is_some_and(|d| d.is_float());
-    let mut fwd: HashSet<ValueId> = params.iter().copied().collect();
+    let mut fwd = vec![false; n_values];
+    for &p in params {
+        fwd[p.index()] = true;
+    }
     for &n in order {
         let node = g.node(n);
         let hit = node
             .inputs()
             .iter()
             .enumerate()
-            .any(|(s, v)| v.is_some_and(|v| fwd.contains(&v)) && differentiable(&node.op, s));
+            .any(|(s, v)| v.is_some_and(|v| fwd[v.index()]) && differentiable(&node.op, s));
         if hit {
-            fwd.extend(node.outputs().iter().copied().filter(|&o| float(o)));
+            for &o in node.outputs() {
+                fwd[o.index()] |= float(o);
+            }
         }
     }
-    let mut back: HashSet<ValueId> = HashSet::from([loss]);
+    let mut back = vec![false; n_values];
+    back[loss.index()] = true;
     for &n in order.iter().rev() {
         let node = g.node(n);
-        if node.outputs().iter().any(|o| back.contains(o)) {
-            back.extend(node.inputs().iter().flatten().copied());
+        if node.outputs().iter().any(|o| back[o.index()]) {
+            for v in node.inputs().iter().flatten() {
+                back[v.index()] = true;
+            }
         }
     }
-    fwd.intersection(&back).copied().collect()
+    fwd.iter().zip(back).map(|(&f, b)| f && b).collect()
 }
 
 /// Adds the backward graph of `loss` (seeded with `seed`, shaped like `loss`); returns the
@@ -90,30 +99,36 @@ pub fn differentiate(
     let order = g.topo_order()?;
     let need = needed(g, &order, params, loss);
     // Most rules add three to five nodes per differentiated node.
-    g.reserve(4 * order.len(), 4 * g.value_ids().count());
-    let mut contrib: HashMap<ValueId, Vec<ValueId>> = HashMap::from([(loss, vec![seed])]);
+    g.reserve(4 * order.len(), 4 * g.value_bound());
+    // The gradient contributions of each forward value, by value index.
+    let mut contrib: Vec<Vec<ValueId>> = vec![Vec::new(); need.len()];
+    contrib[loss.index()].push(seed);
     let mut b = Builder::new(g);
+    let mut wants = Vec::new();
     for &n in order.iter().rev() {
         let node = b.g.node(n);
-        let wants: Vec<bool> = node
-            .inputs()
-            .iter()
-            .enumerate()
-            .map(|(s, v)| v.is_some_and(|v| need.contains(&v)) && differentiable(&node.op, s))
-            .collect();
-        if !wants.iter().any(|&w| w) || !node.outputs().iter().any(|o| contrib.contains_key(o)) {
+        wants.clear();
+        wants.extend(
+            node.inputs()
+                .iter()
+                .enumerate()
+                .map(|(s, v)| v.is_some_and(|v| need[v.index()]) && differentiable(&node.op, s)),
+        );
+        if !wants.iter().any(|&w| w) || !node.outputs().iter().any(|o| !contrib[o.index()].is_empty()) {
             continue;
         }
-        let label = b.g.node_label(n);
-        let base = if node.name.is_empty() { b.g.name(node.outputs()[0]).to_string() } else { node.name.clone() };
         let outs = node.outputs().to_vec();
         let dys: Vec<Option<ValueId>> = outs.iter().map(|o| total(&mut b, &mut contrib, *o)).collect();
-        b.at(&format!("{base}.grad"));
-        let grads = rule(&mut b, n, &dys, &wants).map_err(|msg| PassError::Node { node: label, msg })?;
-        let inputs = b.g.node(n).inputs().to_vec();
+        let node = b.g.node(n);
+        let base = if node.name.is_empty() { b.g.name(outs[0]) } else { &node.name };
+        let base = format!("{base}.grad");
+        b.at(&base);
+        let grads = rule(&mut b, n, &dys, &wants).map_err(|msg| PassError::Node { node: b.g.node_label(n), msg })?;
         for (slot, dx) in grads.into_iter().enumerate() {
-            if let (Some(dx), Some(Some(x)), true) = (dx, inputs.get(slot), wants.get(slot) == Some(&true)) {
-                contrib.entry(*x).or_default().push(dx);
+            if let (Some(dx), Some(Some(x)), true) =
+                (dx, b.g.node(n).inputs().get(slot), wants.get(slot) == Some(&true))
+            {
+                contrib[x.index()].push(dx);
             }
         }
     }
@@ -130,17 +145,16 @@ pub fn differentiate(
 }
 
 /// The summed gradient of `v` (its readers' contributions), `None` when nothing flows into it.
-fn total(b: &mut Builder, contrib: &mut HashMap<ValueId, Vec<ValueId>>, v: ValueId) -> Option<ValueId> {
-    let parts = contrib.remove(&v)?;
-    let d = if parts.len() == 1 {
-        parts[0]
-    } else {
+/// Values created during differentiation have no entry and no contributions.
+fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<ValueId> {
+    let parts = contrib.get_mut(v.index()).filter(|p| !p.is_empty())?;
+    if parts.len() > 1 {
         b.at(&format!("{}.grad", b.g.name(v)));
         let ins: Vec<Option<ValueId>> = parts.iter().map(|&p| Some(p)).collect();
-        b.ops("sum", Op::Sum, &ins, 1)[0]
-    };
-    contrib.insert(v, vec![d]);
-    Some(d)
+        let d = b.ops("sum", Op::Sum, &ins, 1)[0];
+        *parts = vec![d];
+    }
+    Some(parts[0])
 }
 
 fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {

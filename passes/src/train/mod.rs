@@ -23,7 +23,7 @@ use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
 pub use autodiff::{differentiable, differentiate};
 use build::Builder;
 
-use crate::{Changed, Context, Pass, PassError, Result};
+use crate::{Changed, Context, Effect, Pass, PassError, Result};
 
 /// Metadata key listing the state pairs of a training graph.
 pub const STATE_KEY: &str = "mpc.train.state";
@@ -174,6 +174,10 @@ impl Pass for AddLoss {
         "add-loss"
     }
 
+    fn effect(&self) -> Effect {
+        Effect::Adds
+    }
+
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let o = opts(cx)?;
         let first_float = || {
@@ -238,7 +242,6 @@ impl Pass for AddLoss {
         g.set_outputs(outs);
         let name = g.name(loss).to_string();
         set_meta(g, LOSS_KEY, name);
-        crate::infer_types(g)?;
         Ok(Changed::Yes)
     }
 }
@@ -249,6 +252,10 @@ pub struct LossScalePass;
 impl Pass for LossScalePass {
     fn name(&self) -> &'static str {
         "loss-scale"
+    }
+
+    fn effect(&self) -> Effect {
+        Effect::Adds
     }
 
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
@@ -264,7 +271,6 @@ impl Pass for LossScalePass {
         let name = b.g.unique_name("loss.scaled");
         let scaled = b.g.add_op(&name, Op::Mul, &[Some(loss), Some(scale)], 1).1[0];
         set_meta(g, "mpc.train.scaled_loss", g.name(scaled).to_string());
-        crate::infer_types(g)?;
         Ok(Changed::Yes)
     }
 }
@@ -275,6 +281,10 @@ pub struct Autodiff;
 impl Pass for Autodiff {
     fn name(&self) -> &'static str {
         "autodiff"
+    }
+
+    fn effect(&self) -> Effect {
+        Effect::Adds
     }
 
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
@@ -294,7 +304,6 @@ impl Pass for Autodiff {
         let grads = differentiate(g, &params, target, seed)?;
         let pairs: Vec<String> = grads.iter().map(|(p, d)| format!("{} -> {}", g.name(*p), g.name(*d))).collect();
         set_meta(g, "mpc.train.grads", pairs.join("\n"));
-        crate::infer_types(g)?;
         Ok(Changed::Yes)
     }
 }
@@ -316,6 +325,10 @@ pub struct OptimizerPass;
 impl Pass for OptimizerPass {
     fn name(&self) -> &'static str {
         "optimizer"
+    }
+
+    fn effect(&self) -> Effect {
+        Effect::Adds
     }
 
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
@@ -466,7 +479,6 @@ impl Pass for OptimizerPass {
         b.g.set_outputs(outs);
         set_meta(g, STATE_KEY, lines.join("\n"));
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
-        crate::infer_types(g)?;
         Ok(Changed::Yes)
     }
 }
