@@ -2,6 +2,7 @@
 """Compile speed, measured side by side in one run.
 
     python3 benches/compile_speed.py            # needs onnx and onnxconverter-common (.ci/bench-requirements.txt)
+    python3 benches/compile_speed.py train      # only section 4 (no Python packages needed)
 
 1. `mpc compile resnet18.onnx --policy mixed -o out.onnx` (the whole process: start, load, passes,
    write) against onnxconverter-common's `convert_float_to_float16(model, keep_io_types=True)` (the
@@ -55,64 +56,73 @@ def median_mpc(model, out, runs, extra=()):
 
 def main():
     build()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.onnx")
+        if sys.argv[1:] != ["train"]:
+            inference(tmp, out)
+        training(tmp, out)
+
+
+def inference(tmp, out):
     import onnx
     from onnxconverter_common import float16
 
-    with tempfile.TemporaryDirectory() as tmp:
-        resnet = os.path.join(tmp, "resnet18.onnx")
-        subprocess.run([SYNTH, "resnet18", resnet], check=True)
-        out = os.path.join(tmp, "out.onnx")
+    resnet = os.path.join(tmp, "resnet18.onnx")
+    subprocess.run([SYNTH, "resnet18", resnet], check=True)
 
-        print("== ResNet-18 (46.8 MB of weights), --policy mixed")
-        mpc_wall, mpc_passes, mpc_peak = median_mpc(resnet, out, 7)
-        model = onnx.load(resnet)
-        conv = []
-        for _ in range(3):
-            m = onnx.ModelProto()
-            m.CopyFrom(model)
-            t = time.perf_counter()
-            float16.convert_float_to_float16(m, keep_io_types=True)
-            conv.append(time.perf_counter() - t)
-        conv_t = statistics.median(conv)
-        print(f"mpc compile (whole process, median of 7):            {mpc_wall * 1e3:8.1f} ms  (passes {mpc_passes * 1e3:.1f} ms, peak {mpc_peak})")
-        print(f"onnxconverter-common convert_float_to_float16 (median of 3): {conv_t * 1e3:8.1f} ms")
-        ratio = conv_t / mpc_wall
-        print(f"ratio: mpc is {ratio:.1f}x faster  [target >= 20x: {'met' if ratio >= 20 else 'NOT met'}]")
+    print("== ResNet-18 (46.8 MB of weights), --policy mixed")
+    mpc_wall, mpc_passes, mpc_peak = median_mpc(resnet, out, 7)
+    model = onnx.load(resnet)
+    conv = []
+    for _ in range(3):
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        t = time.perf_counter()
+        float16.convert_float_to_float16(m, keep_io_types=True)
+        conv.append(time.perf_counter() - t)
+    conv_t = statistics.median(conv)
+    print(f"mpc compile (whole process, median of 7):            {mpc_wall * 1e3:8.1f} ms  (passes {mpc_passes * 1e3:.1f} ms, peak {mpc_peak})")
+    print(f"onnxconverter-common convert_float_to_float16 (median of 3): {conv_t * 1e3:8.1f} ms")
+    ratio = conv_t / mpc_wall
+    print(f"ratio: mpc is {ratio:.1f}x faster  [target >= 20x: {'met' if ratio >= 20 else 'NOT met'}]")
 
-        print("\n== synthetic chains, --policy mixed")
-        prev = None
-        for n, runs in [(10_000, 7), (100_000, 5), (1_000_000, 3)]:
-            path = os.path.join(tmp, f"chain{n}.onnx")
-            subprocess.run([SYNTH, "chain", str(n), path], check=True)
-            wall, passes, peak = median_mpc(path, out, runs)
-            growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
-            target = f"  [target < 1 s: {'met' if wall < 1 else 'NOT met'}]" if n == 100_000 else ""
-            print(f"{n:>9,} nodes: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}{target}")
-            prev = (wall, passes)
-            os.remove(path)
+    print("\n== synthetic chains, --policy mixed")
+    prev = None
+    for n, runs in [(10_000, 7), (100_000, 5), (1_000_000, 3)]:
+        path = os.path.join(tmp, f"chain{n}.onnx")
+        subprocess.run([SYNTH, "chain", str(n), path], check=True)
+        wall, passes, peak = median_mpc(path, out, runs)
+        growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
+        target = f"  [target < 1 s: {'met' if wall < 1 else 'NOT met'}]" if n == 100_000 else ""
+        print(f"{n:>9,} nodes: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}{target}")
+        prev = (wall, passes)
+        os.remove(path)
 
-        print("\n== fan-out: one input read by N MatMuls, --policy mixed (a quadratic pass would show here)")
-        prev = None
-        for n in [10_000, 100_000]:
-            path = os.path.join(tmp, f"fanout{n}.onnx")
-            subprocess.run([SYNTH, "fanout", str(n), path], check=True)
-            wall, passes, peak = median_mpc(path, out, 3)
-            growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
-            print(f"{n:>9,} readers: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}")
-            prev = (wall, passes)
-            os.remove(path)
+    print("\n== fan-out: one input read by N MatMuls, --policy mixed (a quadratic pass would show here)")
+    prev = None
+    for n in [10_000, 100_000]:
+        path = os.path.join(tmp, f"fanout{n}.onnx")
+        subprocess.run([SYNTH, "fanout", str(n), path], check=True)
+        wall, passes, peak = median_mpc(path, out, 3)
+        growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
+        print(f"{n:>9,} readers: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}")
+        prev = (wall, passes)
+        os.remove(path)
 
-        print("\n== synthetic chains, --policy mixed --train (forward nodes; the training graph has ~4.7x as many)")
-        prev = None
-        for n, runs in [(10_000, 5), (100_000, 3), (1_000_000, 1)]:
-            path = os.path.join(tmp, f"chain{n}.onnx")
-            subprocess.run([SYNTH, "chain", str(n), path], check=True)
-            wall, passes, peak = median_mpc(path, out, runs, ["--train"])
-            growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
-            target = f"  [target < 2 s: {'met' if wall < 2 else 'NOT met'}]" if n == 100_000 else ""
-            print(f"{n:>9,} nodes: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}{target}")
-            prev = (wall, passes)
-            os.remove(path)
+
+
+def training(tmp, out):
+    print("\n== synthetic chains, --policy mixed --train (forward nodes; the training graph has ~4.7x as many)")
+    prev = None
+    for n, runs in [(10_000, 5), (100_000, 3), (1_000_000, 1)]:
+        path = os.path.join(tmp, f"chain{n}.onnx")
+        subprocess.run([SYNTH, "chain", str(n), path], check=True)
+        wall, passes, peak = median_mpc(path, out, runs, ["--train"])
+        growth = "" if prev is None else f"  growth x{wall / prev[0]:.1f} (passes x{passes / prev[1]:.1f}) for x10 nodes"
+        target = f"  [target < 2 s: {'met' if wall < 2 else 'NOT met'}]" if n == 100_000 else ""
+        print(f"{n:>9,} nodes: whole process {wall * 1e3:8.1f} ms, passes {passes * 1e3:7.1f} ms, peak {peak}{growth}{target}")
+        prev = (wall, passes)
+        os.remove(path)
 
 
 if __name__ == "__main__":

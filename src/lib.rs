@@ -223,9 +223,12 @@ pub fn render(g: &Graph, format: Format, path: &Path) -> Result<(Vec<u8>, Vec<u8
 /// Writes `g` to `out` atomically (temporary file + rename): on any error nothing is left behind.
 pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
     if format == Format::Onnx {
-        let parts =
-            mpc_ir::onnx::encode_onnx_parts(g).map_err(|source| Error::Input { path: out.to_owned(), source })?;
-        return write_atomic_parts(out, parts.iter().map(|p| p.as_ref()));
+        return write_atomic_with(out, |f| {
+            mpc_ir::onnx::write_onnx(g, f).map_err(|e| match e {
+                IrError::Io(source) => Error::Output { path: out.to_owned(), source },
+                source => Error::Input { path: out.to_owned(), source },
+            })
+        });
     }
     let (main, side) = render(g, format, out)?;
     let side_path = sidecar_path(out);
@@ -240,11 +243,13 @@ pub fn save(g: &Graph, out: &Path, format: Format) -> Result<()> {
 
 /// Writes `data` to a temporary file beside `path`, then renames it into place.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    write_atomic_parts(path, std::iter::once(data))
+    use std::io::Write;
+    write_atomic_with(path, |f| f.write_all(data).map_err(|source| Error::Output { path: path.to_owned(), source }))
 }
 
-/// Writes the concatenation of `parts` to a temporary file beside `path`, then renames it.
-pub fn write_atomic_parts<'a>(path: &Path, parts: impl IntoIterator<Item = &'a [u8]>) -> Result<()> {
+/// Lets `write` fill a temporary file beside `path`, then renames it into place; on any error
+/// the temporary file is removed and `path` is left as it was.
+pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
     use std::io::Write;
     let err = |source| Error::Output { path: path.to_owned(), source };
     if path.is_dir() {
@@ -255,17 +260,13 @@ pub fn write_atomic_parts<'a>(path: &Path, parts: impl IntoIterator<Item = &'a [
     tmp_name.push(name);
     tmp_name.push(format!(".tmp{}", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
-    let result = std::fs::File::create(&tmp).and_then(|mut f| {
-        for p in parts {
-            f.write_all(p)?;
-        }
-        f.flush()
-    });
-    let result = result.and_then(|()| std::fs::rename(&tmp, path));
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    let result =
+        write(&mut f).and_then(|()| f.flush().map_err(err)).and_then(|()| std::fs::rename(&tmp, path).map_err(err));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    result.map_err(err)
+    result
 }
 
 /// The process's peak resident memory in bytes (Linux), for `--stats`.

@@ -397,7 +397,13 @@ impl Graph {
         inputs: Vec<Option<ValueId>>,
         outputs: Vec<ValueId>,
     ) -> NodeId {
-        let node = Node { name: name.into(), op, inputs: Vec::with_capacity(inputs.len()), outputs };
+        self.link(Node { name: name.into(), op, inputs: Vec::new(), outputs }, inputs)
+    }
+
+    /// Inserts `node` (its input list empty), defines its outputs and connects `inputs`.
+    fn link(&mut self, mut node: Node, inputs: impl IntoIterator<Item = Option<ValueId>>) -> NodeId {
+        let inputs = inputs.into_iter();
+        node.inputs.reserve_exact(inputs.size_hint().0);
         let id = NodeId(self.nodes.add_node(node).index() as u32);
         for slot in 0..self.nodes[id.ix()].outputs.len() {
             let o = self.nodes[id.ix()].outputs[slot];
@@ -407,7 +413,7 @@ impl Graph {
             }
             val.def = Def::Node(id, slot);
         }
-        for (slot, v) in inputs.into_iter().enumerate() {
+        for (slot, v) in inputs.enumerate() {
             self.nodes[id.ix()].inputs.push(None);
             self.set_input(id, slot, v);
         }
@@ -429,6 +435,27 @@ impl Graph {
             })
             .collect();
         (self.add_node(name, op, inputs.to_vec(), outs.clone()), outs)
+    }
+
+    /// [`Graph::add_op`] for passes that add many nodes: `name` is made unique first (node and
+    /// values then share it), and is moved into the node rather than copied.
+    pub fn push_op(
+        &mut self,
+        name: String,
+        op: Op,
+        inputs: impl IntoIterator<Item = Option<ValueId>>,
+        n_outputs: usize,
+    ) -> NodeId {
+        let name = if self.by_name.contains_key(name.as_str()) { self.claim(&name).to_string() } else { name };
+        let mut outputs = Vec::with_capacity(n_outputs);
+        for i in 0..n_outputs {
+            let v = match n_outputs {
+                1 => self.push_value(Arc::from(name.as_str()), TypeInfo::default()),
+                _ => self.new_value(&format!("{name}.{i}"), TypeInfo::default()),
+            };
+            outputs.push(v);
+        }
+        self.link(Node { name, op, inputs: Vec::new(), outputs }, inputs)
     }
 
     pub fn node(&self, n: NodeId) -> &Node {
@@ -536,6 +563,17 @@ impl Graph {
     /// there; only a node that becomes ready after the cursor has passed it waits in a heap. A
     /// graph built in order never uses the heap, so sorting it is linear.
     pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
+        // Most graphs are built in order: then index order is the answer (every ready node's
+        // producers have smaller indices, so the oldest ready node is always the next index).
+        let in_order = self.nodes.node_indices().all(|ix| {
+            self.nodes[ix].inputs.iter().flatten().all(|v| match self.values[v.index()].def {
+                Def::Node(p, _) => p.index() < ix.index(),
+                _ => true,
+            })
+        });
+        if in_order {
+            return Ok(self.node_ids().collect());
+        }
         const DONE: u32 = u32::MAX;
         let bound = self.nodes.node_bound();
         // Unready inputs per node; DONE for emitted nodes and vacant indices.
@@ -639,6 +677,23 @@ mod tests {
         let (g, x, a, b) = chain();
         assert_eq!(g.topo_order().unwrap(), vec![a, b]);
         assert_eq!(g.value(x).uses(), &[Use { node: a, slot: 0 }]);
+    }
+
+    #[test]
+    fn topo_order_of_a_graph_built_out_of_order() {
+        // `late` reads `b`'s output but was added before it: index order is not topological,
+        // and among ready nodes the oldest goes first.
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[2])));
+        let bv = g.new_value("b", TypeInfo::default());
+        let (late, _) = g.add_op("late", Op::Relu, &[Some(bv)], 1);
+        let (a, _) = g.add_op("a", Op::Neg, &[Some(x)], 1);
+        let b = g.add_node("b", Op::Exp, vec![Some(x)], vec![bv]);
+        let (c, _) = g.add_op("c", Op::Abs, &[Some(x)], 1);
+        assert_eq!(g.topo_order().unwrap(), vec![a, b, late, c]);
+        // Built in order, the order is the index order.
+        let (g, _, a, b) = chain();
+        assert_eq!(g.topo_order().unwrap(), vec![a, b]);
     }
 
     #[test]

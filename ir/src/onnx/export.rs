@@ -5,9 +5,8 @@
 //! only in opset 18 are written with the attribute form below it. Initializer data is shared with
 //! the graph, so the only copy of the weights made is the output buffer itself.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
-use bytes::Bytes;
 use prost::Message;
 
 use super::proto::{self, attribute_type as at, AttributeProto, TensorProto};
@@ -54,74 +53,150 @@ pub fn export_opset(g: &Graph) -> i64 {
 
 /// Encodes the graph as an ONNX model.
 pub fn encode_onnx(g: &Graph) -> Result<Vec<u8>> {
-    Ok(encode_onnx_parts(g)?.concat())
+    let mut out = Vec::new();
+    write_onnx(g, &mut out)?;
+    Ok(out)
 }
 
-/// The size of the parts the nodes are encoded into.
+/// Writes are gathered into a buffer of this size before they go out.
 const CHUNK_BYTES: usize = 1 << 20;
 
 /// Tensors at least this large are written from their own buffers, not copied into the output.
 const SHARED_TENSOR_BYTES: usize = 1 << 16;
 
-/// Encodes the graph as an ONNX model in parts whose concatenation is the file: small protobuf
-/// framing interleaved with the large tensors' own buffers, so no copy of the weights is made.
+/// Writes the graph as an ONNX model to `w`, streaming: memory stays at one buffer of
+/// [`CHUNK_BYTES`] however large the graph (a training graph's encoding runs to tens of MB), and
+/// the weights are written from their own buffers, never copied.
 ///
-/// Streams: each node's message is built, encoded and dropped in turn (protobuf lets the elements
-/// of a repeated field interleave, so a node's value_info entries follow it); the model's own
-/// fields and the graph's length prefix come first, as a part made last.
-pub fn encode_onnx_parts(g: &Graph) -> Result<Vec<Bytes>> {
-    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, message, string, WireType};
+/// Protobuf puts the graph's length before the graph, so the graph is walked twice: once
+/// counting the bytes, once writing them. Each node is encoded from the graph's own strings and
+/// dropped in turn (protobuf lets the elements of a repeated field interleave, so a node's
+/// value_info entries follow it).
+pub fn write_onnx(g: &Graph, w: &mut dyn std::io::Write) -> Result<()> {
+    use prost::encoding::{encode_key, encode_varint, WireType};
 
     let opset = export_opset(g);
     let names = Names::new(g);
     let order = g.topo_order()?;
-    let mut parts: Vec<Bytes> = Vec::new();
-    let mut buf = Vec::with_capacity(CHUNK_BYTES + (1 << 16));
+    let mut enc = GraphEncoder {
+        g,
+        opset,
+        names,
+        order,
+        outputs: g.outputs().iter().copied().collect(),
+        scratch: Vec::new(),
+        tmp: Vec::new(),
+    };
+    let mut count = Counter(0);
+    enc.graph(&mut count)?;
+    let mut head = model_head(g, opset).encode_to_vec();
+    encode_key(7, WireType::LengthDelimited, &mut head);
+    encode_varint(count.0 as u64, &mut head);
+    let mut out = Chunked { w, buf: Vec::with_capacity(CHUNK_BYTES) };
+    out.put(&head)?;
+    enc.graph(&mut out)?;
+    out.flush()
+}
 
-    if !g.name.is_empty() {
-        string::encode(2, &g.name, &mut buf);
-    }
-    let outputs: HashSet<ValueId> = g.outputs().iter().copied().collect();
-    let mut scratch = Vec::new();
-    for &n in &order {
-        write_node(g, n, opset, &names, &outputs, &mut scratch, &mut buf)?;
-        // Full chunks become parts, so a large graph is never copied to grow one buffer.
-        if buf.len() >= CHUNK_BYTES {
-            parts.push(Bytes::from(std::mem::replace(&mut buf, Vec::with_capacity(CHUNK_BYTES + (1 << 16)))));
-        }
-    }
-    for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, opset)) {
-        let Some(t) = g.value(v).initializer() else { continue };
-        let mut p = tensor_proto(names.get(g, v), t);
-        if p.raw_data.len() < SHARED_TENSOR_BYTES {
-            message::encode(5, &p, &mut buf);
-            continue;
-        }
-        // The tensor's fields, then raw_data's key and length here; its bytes as their own part.
-        let raw = std::mem::take(&mut p.raw_data);
-        let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw.len() as u64) + raw.len();
-        encode_key(5, WireType::LengthDelimited, &mut buf);
-        encode_varint(len as u64, &mut buf);
-        p.encode(&mut buf).map_err(|e| invalid(format!("encoding failed: {e}")))?;
-        encode_key(9, WireType::LengthDelimited, &mut buf);
-        encode_varint(raw.len() as u64, &mut buf);
-        parts.push(Bytes::from(std::mem::take(&mut buf)));
-        parts.push(raw);
-    }
-    for &v in g.inputs() {
-        write_value_info(11, names.get(g, v), g.ty(v), &mut buf);
-    }
-    for &v in g.outputs() {
-        write_value_info(12, names.get(g, v), g.ty(v), &mut buf);
-    }
-    parts.push(Bytes::from(buf));
+/// Where encoded bytes go: counted (the first walk) or written.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]) -> Result<()>;
+}
 
-    let graph_len: usize = parts.iter().map(|p| p.len()).sum();
-    let mut prefix = model_head(g, opset).encode_to_vec();
-    encode_key(7, WireType::LengthDelimited, &mut prefix);
-    encode_varint(graph_len as u64, &mut prefix);
-    parts.insert(0, Bytes::from(prefix));
-    Ok(parts)
+struct Counter(usize);
+
+impl Sink for Counter {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.0 += bytes.len();
+        Ok(())
+    }
+}
+
+/// A writer behind a buffer of [`CHUNK_BYTES`]; large writes (weights) go straight through.
+struct Chunked<'w> {
+    w: &'w mut dyn std::io::Write,
+    buf: Vec<u8>,
+}
+
+impl Chunked<'_> {
+    fn flush(&mut self) -> Result<()> {
+        self.w.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+impl Sink for Chunked<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        if self.buf.len() + bytes.len() > CHUNK_BYTES || bytes.len() >= SHARED_TENSOR_BYTES {
+            self.flush()?;
+        }
+        if bytes.len() >= SHARED_TENSOR_BYTES {
+            self.w.write_all(bytes)?;
+        } else {
+            self.buf.extend_from_slice(bytes);
+        }
+        Ok(())
+    }
+}
+
+/// The GraphProto's fields, written to a [`Sink`].
+struct GraphEncoder<'g> {
+    g: &'g Graph,
+    opset: i64,
+    names: Names,
+    order: Vec<NodeId>,
+    outputs: HashSet<ValueId>,
+    /// A node's fields (its length must precede it).
+    scratch: Vec<u8>,
+    /// What goes to the sink next.
+    tmp: Vec<u8>,
+}
+
+impl GraphEncoder<'_> {
+    fn graph(&mut self, sink: &mut dyn Sink) -> Result<()> {
+        use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, message, string, WireType};
+        let g = self.g;
+        self.tmp.clear();
+        if !g.name.is_empty() {
+            string::encode(2, &g.name, &mut self.tmp);
+        }
+        for i in 0..self.order.len() {
+            write_node(g, self.order[i], self.opset, &self.names, &self.outputs, &mut self.scratch, &mut self.tmp)?;
+            if self.tmp.len() >= SHARED_TENSOR_BYTES {
+                sink.put(&self.tmp)?;
+                self.tmp.clear();
+            }
+        }
+        for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, self.opset)) {
+            let Some(t) = g.value(v).initializer() else { continue };
+            let mut p = tensor_proto(self.names.get(g, v), t);
+            if p.raw_data.len() < SHARED_TENSOR_BYTES {
+                message::encode(5, &p, &mut self.tmp);
+                continue;
+            }
+            // The tensor's fields, then raw_data's key and length; its bytes from its own buffer.
+            let raw = std::mem::take(&mut p.raw_data);
+            let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw.len() as u64) + raw.len();
+            encode_key(5, WireType::LengthDelimited, &mut self.tmp);
+            encode_varint(len as u64, &mut self.tmp);
+            p.encode(&mut self.tmp).map_err(|e| invalid(format!("encoding failed: {e}")))?;
+            encode_key(9, WireType::LengthDelimited, &mut self.tmp);
+            encode_varint(raw.len() as u64, &mut self.tmp);
+            sink.put(&self.tmp)?;
+            self.tmp.clear();
+            sink.put(&raw)?;
+        }
+        for &v in g.inputs() {
+            write_value_info(11, self.names.get(g, v), g.ty(v), &mut self.tmp);
+        }
+        for &v in g.outputs() {
+            write_value_info(12, self.names.get(g, v), g.ty(v), &mut self.tmp);
+        }
+        sink.put(&self.tmp)?;
+        self.tmp.clear();
+        Ok(())
+    }
 }
 
 /// The model's own fields (everything but the graph).
@@ -278,31 +353,31 @@ fn write_value_info(tag: u32, name: &str, ty: &TypeInfo, buf: &mut Vec<u8>) {
 
 /// Value names for export: the graph's own, with names made up for anonymous values that are read.
 struct Names {
-    made_up: Vec<Option<String>>,
+    made_up: HashMap<ValueId, String>,
 }
 
 impl Names {
     fn new(g: &Graph) -> Names {
+        let mut made_up = HashMap::new();
         let mut taken: HashSet<String> = HashSet::new();
-        let mut made_up = Vec::new();
         for v in g.value_ids() {
             let val = g.value(v);
             let needs = val.name.is_empty()
                 && !matches!(val.def(), Def::None)
                 && (!val.uses().is_empty() || g.is_output(v) || !matches!(val.def(), Def::Node(..)));
-            made_up.push(needs.then(|| {
+            if needs {
                 let name =
                     (0..).map(|i| format!("_v{}_{i}", v.index())).find(|n| g.find(n).is_none() && !taken.contains(n));
                 let name = name.unwrap_or_default();
                 taken.insert(name.clone());
-                name
-            }));
+                made_up.insert(v, name);
+            }
         }
         Names { made_up }
     }
 
     fn get<'a>(&'a self, g: &'a Graph, v: ValueId) -> &'a str {
-        match &self.made_up[v.index()] {
+        match self.made_up.get(&v) {
             Some(n) => n,
             None => g.name(v),
         }
@@ -338,4 +413,60 @@ fn attribute(name: String, a: Attr) -> Result<AttributeProto> {
         }
     }
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Shape};
+
+    /// A chain of `n` Relu nodes with a 300 KB weight feeding the first.
+    fn chain(n: usize) -> Graph {
+        let mut g = Graph::new("chain");
+        let x = g.add_input("x", TypeInfo::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::Fixed(75_000)])));
+        let w = g.add_initializer("w", Tensor::from_f32(vec![75_000], &vec![0.5; 75_000]));
+        let (_, mut v) = g.add_op("add", Op::Add, &[Some(x), Some(w)], 1);
+        for i in 0..n {
+            v = g.add_op(&format!("relu_with_a_long_name_{i}"), Op::Relu, &[Some(v[0])], 1).1;
+            g.set_ty(v[0], TypeInfo::new(DType::F32, Shape(vec![Dim::sym("batch"), Dim::Fixed(75_000)])));
+        }
+        g.add_output(v[0]);
+        g
+    }
+
+    #[test]
+    fn streaming_writes_a_model_that_decodes_whole() {
+        // Well over one chunk of nodes, and a weight written from its own buffer.
+        let g = chain(30_000);
+        let bytes = encode_onnx(&g).unwrap();
+        assert!(bytes.len() > 2 * CHUNK_BYTES, "{} bytes", bytes.len());
+        // The graph's length prefix, counted in the first walk, must match what the second wrote:
+        // prost rejects a model whose graph ends early or late.
+        let model = proto::ModelProto::decode(bytes.as_slice()).unwrap();
+        let graph = model.graph.unwrap();
+        assert_eq!(graph.node.len(), 30_001);
+        assert_eq!(graph.node[30_000].name, "relu_with_a_long_name_29999");
+        assert!(graph.initializer[0].raw_data == g.value(g.find("w").unwrap()).initializer().unwrap().bytes()[..]);
+        // Every typed value but the graph output.
+        assert_eq!(graph.value_info.len(), 29_999);
+        assert_eq!((graph.input.len(), graph.output.len()), (1, 1));
+        // Writing into a file in pieces gives the same bytes.
+        let mut pieces = Pieces(Vec::new(), 0);
+        write_onnx(&g, &mut pieces).unwrap();
+        assert!(pieces.0 == bytes && pieces.1 > 2);
+    }
+
+    /// A writer that records how many writes it got.
+    struct Pieces(Vec<u8>, usize);
+
+    impl std::io::Write for Pieces {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.extend_from_slice(b);
+            self.1 += 1;
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
 }

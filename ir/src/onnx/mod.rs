@@ -5,5 +5,5 @@ mod import;
 mod legacy;
 pub mod proto;
 
-pub use export::{encode_onnx, encode_onnx_parts, export_opset};
+pub use export::{encode_onnx, export_opset, write_onnx};
 pub use import::{decode_onnx, decode_subgraph, decode_tensor, read_onnx};

@@ -174,7 +174,7 @@ fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
 /// Input gradients of node `n` given its output gradients (`None` for outputs nothing reads).
 fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> Result<Vec<Option<ValueId>>, String> {
     let node = b.g.node(n).clone();
-    let op = node.op.clone();
+    let op = &node.op;
     let x = |i: usize| node.input(i).ok_or_else(|| format!("input {i} is missing"));
     let y = node.outputs()[0];
     let want = |i: usize| wants.get(i).copied().unwrap_or(false);

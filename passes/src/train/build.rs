@@ -26,26 +26,32 @@ impl<'g> Builder<'g> {
         self.counter = 0;
     }
 
+    /// `{base}.{what}` for the first node at this base, `{base}.{what}{k}` for the k-th.
     fn next_name(&mut self, what: &str) -> String {
+        use std::fmt::Write;
         self.counter += 1;
-        let name = if self.counter == 1 {
-            format!("{}.{what}", self.base)
-        } else {
-            format!("{}.{what}{}", self.base, self.counter)
-        };
-        self.g.unique_name(&name)
+        let mut name = String::with_capacity(self.base.len() + what.len() + 4);
+        name.push_str(&self.base);
+        name.push('.');
+        name.push_str(what);
+        if self.counter > 1 {
+            write!(name, "{}", self.counter).ok();
+        }
+        name
     }
 
     /// Adds `op` with `n` outputs.
     pub fn ops(&mut self, what: &str, op: Op, inputs: &[Option<ValueId>], n: usize) -> Vec<ValueId> {
         let name = self.next_name(what);
-        self.g.add_op(&name, op, inputs, n).1
+        let id = self.g.push_op(name, op, inputs.iter().copied(), n);
+        self.g.node(id).outputs().to_vec()
     }
 
     /// Adds `op` with one output.
     pub fn op(&mut self, what: &str, op: Op, inputs: &[ValueId]) -> ValueId {
-        let ins: Vec<Option<ValueId>> = inputs.iter().map(|&v| Some(v)).collect();
-        self.ops(what, op, &ins, 1)[0]
+        let name = self.next_name(what);
+        let id = self.g.push_op(name, op, inputs.iter().map(|&v| Some(v)), 1);
+        self.g.node(id).outputs()[0]
     }
 
     /// A named value with a known type (inputs and state added by the passes).
