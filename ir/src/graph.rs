@@ -11,6 +11,8 @@ use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::NodeIndexable;
 use serde::{Deserialize, Serialize};
@@ -109,7 +111,7 @@ pub struct Value {
     pub name: Arc<str>,
     pub ty: TypeInfo,
     def: Def,
-    uses: Vec<Use>,
+    uses: SmallVec<[Use; 1]>,
     /// Set when a second definition was attempted (import reports it as an error).
     redefined: bool,
 }
@@ -141,8 +143,8 @@ pub struct Node {
     /// The node's name (may be empty, as in ONNX).
     pub name: String,
     pub op: Op,
-    inputs: Vec<Option<ValueId>>,
-    outputs: Vec<ValueId>,
+    inputs: SmallVec<[Option<ValueId>; 2]>,
+    outputs: SmallVec<[ValueId; 2]>,
 }
 
 impl Node {
@@ -241,7 +243,7 @@ impl Graph {
         if !name.is_empty() {
             self.by_name.insert(name.clone(), id);
         }
-        self.values.push(Value { name, ty, def: Def::None, uses: Vec::new(), redefined: false });
+        self.values.push(Value { name, ty, def: Def::None, uses: SmallVec::new(), redefined: false });
         id
     }
 
@@ -397,7 +399,7 @@ impl Graph {
         inputs: Vec<Option<ValueId>>,
         outputs: Vec<ValueId>,
     ) -> NodeId {
-        self.link(Node { name: name.into(), op, inputs: Vec::new(), outputs }, inputs)
+        self.link(Node { name: name.into(), op, inputs: SmallVec::new(), outputs: SmallVec::from_vec(outputs) }, inputs)
     }
 
     /// Inserts `node` (its input list empty), defines its outputs and connects `inputs`.
@@ -447,7 +449,7 @@ impl Graph {
         n_outputs: usize,
     ) -> NodeId {
         let name = if self.by_name.contains_key(name.as_str()) { self.claim(&name).to_string() } else { name };
-        let mut outputs = Vec::with_capacity(n_outputs);
+        let mut outputs = SmallVec::with_capacity(n_outputs);
         for i in 0..n_outputs {
             let v = match n_outputs {
                 1 => self.push_value(Arc::from(name.as_str()), TypeInfo::default()),
@@ -455,7 +457,7 @@ impl Graph {
             };
             outputs.push(v);
         }
-        self.link(Node { name, op, inputs: Vec::new(), outputs }, inputs)
+        self.link(Node { name, op, inputs: SmallVec::new(), outputs }, inputs)
     }
 
     pub fn node(&self, n: NodeId) -> &Node {
@@ -501,7 +503,7 @@ impl Graph {
 
     /// Makes every reader of `old` (and the graph outputs) read `new` instead.
     pub fn replace_uses(&mut self, old: ValueId, new: ValueId) {
-        let uses = self.values[old.index()].uses.clone();
+        let uses = self.values[old.index()].uses.to_vec();
         self.move_uses(old, new, &uses);
         for o in &mut self.outputs {
             if *o == old {
@@ -565,13 +567,7 @@ impl Graph {
     pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
         // Most graphs are built in order: then index order is the answer (every ready node's
         // producers have smaller indices, so the oldest ready node is always the next index).
-        let in_order = self.nodes.node_indices().all(|ix| {
-            self.nodes[ix].inputs.iter().flatten().all(|v| match self.values[v.index()].def {
-                Def::Node(p, _) => p.index() < ix.index(),
-                _ => true,
-            })
-        });
-        if in_order {
+        if self.in_index_order() {
             return Ok(self.node_ids().collect());
         }
         const DONE: u32 = u32::MAX;
@@ -621,6 +617,43 @@ impl Graph {
             return Err(GraphError::Cycle(self.node_label(NodeId(stuck as u32))));
         }
         Ok(order)
+    }
+
+    /// Whether every node's producers have smaller indices than the node.
+    fn in_index_order(&self) -> bool {
+        self.nodes.node_indices().all(|ix| {
+            self.nodes[ix].inputs.iter().flatten().all(|v| match self.values[v.index()].def {
+                Def::Node(p, _) => p.index() < ix.index(),
+                _ => true,
+            })
+        })
+    }
+
+    /// Renumbers the nodes in [`Graph::topo_order`], without gaps, so that the later sorts are a
+    /// linear check and nodes added afterwards stay in order. Node ids held by the caller become
+    /// stale: the returned table maps each old index to its new id (`None` when the graph was
+    /// already in order and nothing moved).
+    pub fn sort_nodes(&mut self) -> Result<Option<Vec<NodeId>>, GraphError> {
+        if self.in_index_order() {
+            return Ok(None);
+        }
+        let order = self.topo_order()?;
+        let mut map = vec![NodeId(u32::MAX); self.nodes.node_bound()];
+        let mut nodes = StableDiGraph::with_capacity(order.len(), 0);
+        for &old in &order {
+            let node = self.nodes.remove_node(old.ix()).expect("the order lists existing nodes");
+            map[old.index()] = NodeId(nodes.add_node(node).index() as u32);
+        }
+        self.nodes = nodes;
+        for val in &mut self.values {
+            if let Def::Node(n, slot) = val.def {
+                val.def = Def::Node(map[n.index()], slot);
+            }
+            for u in &mut val.uses {
+                u.node = map[u.node.index()];
+            }
+        }
+        Ok(Some(map))
     }
 
     /// `"name" (Op)` for messages.
@@ -694,6 +727,23 @@ mod tests {
         // Built in order, the order is the index order.
         let (g, _, a, b) = chain();
         assert_eq!(g.topo_order().unwrap(), vec![a, b]);
+    }
+
+    #[test]
+    fn sorting_renumbers_in_topological_order() {
+        let mut g = Graph::new("g");
+        let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[2])));
+        let bv = g.new_value("b", TypeInfo::default());
+        let (late, lo) = g.add_op("late", Op::Relu, &[Some(bv)], 1);
+        g.add_node("b", Op::Exp, vec![Some(x)], vec![bv]);
+        g.add_output(lo[0]);
+        let map = g.sort_nodes().unwrap().unwrap();
+        let order = g.check_structure().unwrap();
+        assert_eq!(order.iter().map(|&n| g.node(n).name.as_str()).collect::<Vec<_>>(), ["b", "late"]);
+        assert_eq!(map[late.index()], order[1]);
+        assert_eq!(g.value(bv).uses(), &[Use { node: order[1], slot: 0 }]);
+        assert_eq!(g.value(lo[0]).producer(), Some((order[1], 0)));
+        assert!(g.sort_nodes().unwrap().is_none(), "sorted graphs stay as they are");
     }
 
     #[test]

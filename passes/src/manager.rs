@@ -89,8 +89,19 @@ impl PassManager {
         for pass in &self.passes {
             let t0 = std::time::Instant::now();
             let effect = pass.effect();
-            // The nodes there before a pass that adds some.
-            let before: Vec<bool> = if effect == Effect::Adds { existing_nodes(g) } else { Vec::new() };
+            // The nodes there before a pass that adds some, numbered in order first: the passes
+            // that add nodes append them in order, so every later sort stays linear.
+            let before: Vec<bool> = if effect == Effect::Adds {
+                if let Some(map) = g.sort_nodes()? {
+                    if let Some(report) = cx.report.borrow_mut().as_mut() {
+                        report.nodes =
+                            std::mem::take(&mut report.nodes).into_iter().map(|(n, r)| (map[n.index()], r)).collect();
+                    }
+                }
+                existing_nodes(g)
+            } else {
+                Vec::new()
+            };
             let changed = pass.run(g, cx)?;
             let failed = |msg: String| PassError::Verify { pass: pass.name(), msg };
             if changed == Changed::Yes && effect == Effect::Adds {
