@@ -101,6 +101,9 @@ struct TrainArgs {
     /// Do not train this initializer (repeatable).
     #[arg(long, value_name = "NAME")]
     freeze: Vec<String>,
+    /// Seed of the random streams: the dropout masks and, for `train`, the sample order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 impl TrainArgs {
@@ -142,6 +145,7 @@ impl TrainArgs {
             momentum: self.momentum,
             clip_norm: self.clip_norm,
             freeze: self.freeze.iter().cloned().collect(),
+            seed: self.seed,
             ..TrainOptions::default()
         };
         Ok((opts, scale))
@@ -193,9 +197,6 @@ enum Command {
         /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
         #[arg(long, value_name = "F|N", default_value_t = 0.0)]
         eval_split: f64,
-        /// Seed of the sample order.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
         /// Write DIR/checkpoint.safetensors after each epoch.
         #[arg(long, value_name = "DIR")]
         checkpoint: Option<PathBuf>,
@@ -281,7 +282,6 @@ fn run(cli: Cli) -> Result<(), Error> {
             epochs,
             batch,
             eval_split,
-            seed,
             checkpoint,
             resume,
             max_steps,
@@ -304,7 +304,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 epochs,
                 batch,
                 eval_split,
-                seed,
+                seed: train_args.seed,
                 checkpoint,
                 resume,
                 max_steps,

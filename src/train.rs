@@ -161,7 +161,7 @@ fn batch_feeds(feeds: &[(String, HostTensor, Vec<usize>)], idx: &[usize]) -> Has
 }
 
 /// The forward graph for evaluation: the training pipeline up to the precision pass (loss and
-/// masters included), with batch normalisation back on its running statistics.
+/// masters included), with batch normalisation back on its running statistics and dropout off.
 fn eval_graph(model: &Graph, path: &Path, opts: &Options) -> Result<Graph> {
     let mut g = model.clone();
     let o = Options { stop_after: Some("precision".into()), dump_after: Vec::new(), ..opts.clone() };
@@ -171,6 +171,9 @@ fn eval_graph(model: &Graph, path: &Path, opts: &Options) -> Result<Graph> {
         if let Op::BatchNormalization(a) = g.node_op_mut(n) {
             a.training_mode = 0;
             drop.extend(g.node(n).outputs()[1..].iter().copied());
+        }
+        if matches!(g.node(n).op, Op::Dropout(_)) {
+            g.truncate_inputs(n, 2);
         }
     }
     let outs: Vec<ValueId> = g.outputs().iter().copied().filter(|v| !drop.contains(v)).collect();

@@ -432,3 +432,16 @@ fn training_mode_dropout_is_refused_not_treated_as_identity() {
     let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
     assert!(err.contains("Dropout in training mode"), "{err}");
 }
+
+#[test]
+fn seeded_dropout() {
+    // The mask is a function of (key, seed, element), so the step is deterministic and finite
+    // differences see the same mask the backward pass reads.
+    let mut c = Case::new("seeded_dropout");
+    let x = c.param("x", &[6, 8]);
+    let ratio = c.tensor("ratio", &[], 0.3, 0.3);
+    let key = c.g.add_initializer("key", Tensor::from_i64(vec![], &[41]));
+    let op = Op::from_mpc_attrs("SeededDropout", vec![("seed".to_string(), Attr::Int(5))]).unwrap().unwrap();
+    let (_, outs) = c.g.add_op("drop", op, &[Some(x), Some(ratio), Some(key)], 2);
+    c.check(outs[0], 1e-6);
+}

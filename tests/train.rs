@@ -138,6 +138,99 @@ fn resume_equals_a_straight_run_bit_for_bit() {
     );
 }
 
+/// The digits MLP with training-mode Dropout (ratio 0.2) after each Relu, written to `dir`.
+fn digits_with_dropout(dir: &Path) -> PathBuf {
+    let mut g = mpc::load(&fixture("digits_mlp")).unwrap();
+    let ratio = g.add_initializer("dropout.ratio", Tensor::from_f32(vec![], &[0.2]));
+    let on = g.add_initializer("dropout.training", Tensor::from_i64(vec![], &[1]).to_dtype(DType::Bool));
+    let relus: Vec<_> = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Relu)).collect();
+    for (i, n) in relus.into_iter().enumerate() {
+        let r = g.node(n).outputs()[0];
+        let readers = g.value(r).uses().to_vec();
+        let op = Op::Dropout(Default::default());
+        let (_, d) = g.add_op(&format!("dropout{i}"), op, &[Some(r), Some(ratio), Some(on)], 1);
+        g.move_uses(r, d[0], &readers);
+    }
+    let path = dir.join("digits_dropout.onnx");
+    mpc::save(&g, &path, mpc::Format::Onnx).unwrap();
+    path
+}
+
+#[test]
+fn seeded_dropout_keeps_one_minus_ratio_and_draws_per_key() {
+    let mut g = Graph::new("dropout");
+    let x = g.add_initializer("x", Tensor::from_f32(vec![1000, 100], &vec![1.0; 100_000]));
+    let ratio = g.add_initializer("ratio", Tensor::from_f32(vec![], &[0.25]));
+    let key = g.add_initializer("key", Tensor::from_i64(vec![], &[7]));
+    let mut masks = Vec::new();
+    for seed in [1, 2] {
+        let op = Op::SeededDropout(Box::new(mpc_ir::ops::SeedAttrs { seed }));
+        let (_, o) = g.add_op(&format!("drop{seed}"), op, &[Some(x), Some(ratio), Some(key)], 2);
+        g.add_output(o[0]);
+        g.add_output(o[1]);
+    }
+    mpc_passes::infer_types(&mut g).unwrap();
+    let mut s = Session::new(Cpu, &g).unwrap();
+    let none = HashMap::new();
+    for k in [7i64, 8] {
+        s.set_weight(key, &HostTensor::from_i64(DType::I64, vec![], vec![k])).unwrap();
+        let out = s.run(&none).unwrap();
+        let again = s.run(&none).unwrap();
+        assert!(out.iter().zip(&again).all(|(a, b)| a.1 == b.1), "one key, one draw");
+        for pair in out.chunks(2) {
+            let (y, mask) = (pair[0].1.f32s().unwrap(), pair[1].1.i64s().unwrap());
+            let mask: Vec<bool> = mask.iter().map(|&m| m != 0).collect();
+            let kept = mask.iter().filter(|&&m| m).count() as f64 / mask.len() as f64;
+            // 100,000 draws: the standard deviation of the kept share is 0.0014.
+            assert!((kept - 0.75).abs() < 0.01, "kept {kept}");
+            assert!(y.iter().zip(&mask).all(|(&v, &m)| v == if m { 1.0 / 0.75 } else { 0.0 }));
+            masks.push(mask);
+        }
+    }
+    // Two seeds under one key, and one seed under two keys, draw independent masks (agreeing
+    // where both keep or both drop: 0.75² + 0.25² = 62.5% of the time).
+    for (a, b) in [(0, 1), (0, 2)] {
+        let agree = masks[a].iter().zip(&masks[b]).filter(|(x, y)| x == y).count() as f64 / 100_000.0;
+        assert!((agree - 0.625).abs() < 0.01, "masks {a} and {b} agree on {agree}");
+    }
+}
+
+#[test]
+fn dropout_trains_from_the_rng_state_and_resumes_bit_for_bit() {
+    let dir = scratch("dropout");
+    let model = digits_with_dropout(&dir);
+    let g = training_graph(&model, "mixed", TrainOptions { seed: 11, ..Default::default() });
+    let seeded = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::SeededDropout(_))).count();
+    assert_eq!(seeded, 2);
+    let rng = g.find("mpc.rng").expect("the rng state");
+    assert_eq!(g.value(rng).initializer().and_then(|t| t.to_i64_vec()), Some(vec![11]));
+    assert!(state_of(&g).iter().any(|&(s, _)| s == rng), "mpc.rng is state");
+
+    // Resume: the checkpoint carries the rng, so the resumed steps draw the straight run's masks.
+    let ck = dir.join("ck");
+    let (n, m) = (20, 15);
+    let base = TrainConfig { epochs: 2, eval_split: 297.0, seed: 5, ..digits_cfg(2) };
+    let t = TrainOptions { seed: 5, ..Default::default() };
+    let straight = run(&model, "mixed", t.clone(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
+    let cfg = TrainConfig { checkpoint: Some(ck.clone()), ..base.clone() };
+    run(&model, "mixed", t.clone(), &TrainConfig { max_steps: Some(n), ..cfg.clone() });
+    let saved = mpc::run::read_safetensors(&ck.join("checkpoint.safetensors")).unwrap();
+    assert_eq!(saved["mpc.rng"].i64s(), Some(vec![5 + n as i64]), "one key per step");
+    let resumed = run(&model, "mixed", t.clone(), &TrainConfig { max_steps: Some(n + m), resume: true, ..cfg });
+    assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming differ");
+    assert!(straight.state.iter().zip(&resumed.state).all(|(a, b)| a == b), "state differs after resuming");
+
+    // Another stream draws other masks: the same data and weights give other losses.
+    let other = run(&model, "mixed", TrainOptions { seed: 6, ..t }, &TrainConfig { max_steps: Some(n), ..base });
+    assert!(other.losses[..n] != straight.losses[..n], "the masks do not depend on the rng state");
+
+    // Dropout is a regulariser, not noise that stops learning; evaluation runs without it.
+    let trained = run(&model, "mixed", TrainOptions { seed: 5, ..Default::default() }, &digits_cfg(30));
+    let (acc, loss) = trained.epochs.last().unwrap().eval.unwrap();
+    println!("digits MLP + dropout 0.2, mixed, 30 epochs: test accuracy {:.2}%, test loss {loss:.4}", acc * 100.0);
+    assert!(acc >= 0.90, "accuracy {acc}");
+}
+
 /// y = x·W against targets x·W*, W all `w0` and W* all `target_w`, the data written to `dir`.
 /// With `loss_factor` the model computes its own loss, `factor · mean((y − t)²)`, as output `loss`.
 fn regression(dir: &Path, w0: f32, target_w: f32, n: usize, loss_factor: Option<f32>) -> (PathBuf, PathBuf) {

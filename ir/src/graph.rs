@@ -493,6 +493,18 @@ impl Graph {
         }
     }
 
+    /// Gives `node` one more output, `v` (a value made with [`Graph::new_value`]): an optional
+    /// output the node did not produce before.
+    pub fn push_output(&mut self, node: NodeId, v: ValueId) {
+        let slot = self.nodes[node.ix()].outputs.len();
+        self.nodes[node.ix()].outputs.push(v);
+        let val = &mut self.values[v.index()];
+        if !matches!(val.def, Def::None) {
+            val.redefined = true;
+        }
+        val.def = Def::Node(node, slot);
+    }
+
     /// Drops the inputs of `node` from slot `len` on (an op that takes fewer inputs now).
     pub fn truncate_inputs(&mut self, node: NodeId, len: usize) {
         for slot in len..self.nodes[node.ix()].inputs.len() {

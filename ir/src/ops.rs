@@ -128,6 +128,9 @@ attr_struct!(
     max_scale: f32 [default = 16777216.0f32],
     min_scale: f32 [default = 1.0f32],
 });
+attr_struct!(
+    /// `ai.mpc::SeededDropout`: `seed` tells the node's random stream from the others'.
+    SeedAttrs { seed: i64 [default = 0] });
 attr_struct!(ResizeAttrs {
     antialias: i64 [default = 0],
     axes: Vec<i64> [default = Vec::new()],
@@ -277,7 +280,7 @@ define_ops! {
         ConvGrad(ConvAttrs), MaxPoolGrad(PoolAttrs), AveragePoolGrad(PoolAttrs),
         BatchNormalizationGrad(EpsilonAttrs), LayerNormalizationGrad(LayerNormAttrs), GeluGrad(GeluAttrs),
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
-        SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs),
+        SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
     }
 }
 

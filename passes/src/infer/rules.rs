@@ -99,7 +99,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::CumSum(_) => vec![same(cx, 0)],
         Op::Not => vec![same(cx, 0)],
-        Op::Dropout(_) => {
+        Op::Dropout(_) | Op::SeededDropout(_) => {
             let mut out = vec![same(cx, 0)];
             if cx.n_outputs() > 1 {
                 out.push(t(Some(DType::Bool), cx.sh(0).cloned()));

@@ -168,7 +168,8 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::AllFinite
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)
-        | Op::LossScaleUpdate(_) => return None,
+        | Op::LossScaleUpdate(_)
+        | Op::SeededDropout(_) => return None,
     })
 }
 

@@ -28,6 +28,7 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::Tile
         | Op::Pad(_)
         | Op::Dropout(_)
+        | Op::SeededDropout(_)
         | Op::ReduceSum(_)
         | Op::ReduceMean(_)
         | Op::ReduceMax(_)
@@ -191,14 +192,28 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         // d/dx x = 1 (Dropout in inference mode is the identity).
         Op::Identity => vec![Some(dy)],
         Op::Dropout(_) => {
-            let training = match node.input(2) {
-                None => false,
-                Some(t) => b.g.constant(t).and_then(|t| t.to_i64_vec()).is_none_or(|v| v.first() != Some(&0)),
-            };
-            if training {
-                return Err("Dropout in training mode cannot be differentiated yet (it needs a seeded mask)".into());
+            if super::dropout_trains(b.g, &node) {
+                return Err("Dropout in training mode needs its mask: the training pipeline's seed-dropout pass \
+                            makes it an ai.mpc::SeededDropout"
+                    .into());
             }
             vec![Some(dy)]
+        }
+        // d/dx (x · mask / (1 - ratio)) = mask / (1 - ratio): where(mask, dy / (1 - ratio), 0).
+        Op::SeededDropout(_) => {
+            let ratio = match node.input(1) {
+                None => 0.5,
+                Some(r) => {
+                    b.g.constant(r)
+                        .and_then(|t| t.to_f64_vec().first().copied())
+                        .ok_or("the dropout ratio must be a constant to differentiate")?
+                }
+            };
+            let mask = *node.outputs().get(1).ok_or("the mask output is missing")?;
+            let scale = b.scalar(1.0 / (1.0 - ratio), dt);
+            let zero = b.scalar(0.0, dt);
+            let scaled = b.op("scale", Op::Mul, &[dy, scale]);
+            vec![Some(b.op("where", Op::Where, &[mask, scaled, zero]))]
         }
         // d/dx cast(x) = cast back to x's dtype.
         Op::Cast(_) => {

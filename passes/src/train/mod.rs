@@ -2,8 +2,9 @@
 //!
 //! In pipeline order (after type inference): [`AddLoss`] (an FP32 loss on the model's output, or
 //! the model's own scalar), then the precision pass (parameters stay FP32 masters, read through
-//! one shared Cast each), [`LossScale`] (the loss times the scale, which is training state),
-//! [`Autodiff`], and [`Optimizer`]: unscale in FP32, one all-finite check over every gradient,
+//! one shared Cast each), [`SeedDropout`] (training-mode Dropout draws its mask from the state
+//! `mpc.rng`), [`LossScale`] (the loss times the scale, which is training state), [`Autodiff`],
+//! and [`Optimizer`]: unscale in FP32, one all-finite check over every gradient,
 //! optional global-norm clipping, the update of the masters (moments FP32) that leaves everything
 //! unchanged on a non-finite step, the dynamic loss-scale update and the step counter.
 //!
@@ -17,7 +18,7 @@ mod build;
 
 use std::collections::BTreeSet;
 
-use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SgdAttrs};
+use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
 
 pub use autodiff::{differentiable, differentiate};
@@ -76,6 +77,8 @@ pub struct TrainOptions {
     pub loss_scale: LossScale,
     /// Initializers that are not trained.
     pub freeze: BTreeSet<String>,
+    /// Where the dropout random stream starts (the state `mpc.rng`).
+    pub seed: u64,
 }
 
 impl Default for TrainOptions {
@@ -92,6 +95,7 @@ impl Default for TrainOptions {
             epsilon: 1e-8,
             clip_norm: None,
             loss_scale: LossScale::None,
+            seed: 0,
             freeze: BTreeSet::new(),
         }
     }
@@ -244,6 +248,63 @@ impl Pass for AddLoss {
         set_meta(g, LOSS_KEY, name);
         Ok(Changed::Yes)
     }
+}
+
+/// Name of the dropout random stream's state: an i64 key that every step advances.
+pub const RNG: &str = "mpc.rng";
+
+/// Whether a Dropout node runs in training mode: its `training_mode` input is true, or is not a
+/// constant (then it may be true).
+fn dropout_trains(g: &Graph, node: &mpc_ir::Node) -> bool {
+    match node.input(2) {
+        None => false,
+        Some(t) => g.constant(t).and_then(|t| t.to_i64_vec()).is_none_or(|v| v.first() != Some(&0)),
+    }
+}
+
+/// Training-mode Dropout becomes `ai.mpc::SeededDropout`: its mask is drawn from the step's key
+/// (the training state [`RNG`], which the optimizer pass advances every step) and a seed of the
+/// node's own, so a step's masks are reproducible (a resumed run draws what a straight run does)
+/// and the backward pass can read the mask the forward pass used.
+pub struct SeedDropout;
+
+impl Pass for SeedDropout {
+    fn name(&self) -> &'static str {
+        "seed-dropout"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        let o = opts(cx)?;
+        let nodes: Vec<_> =
+            g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Dropout(_)) && dropout_trains(g, g.node(n))).collect();
+        if nodes.is_empty() {
+            return Ok(Changed::No);
+        }
+        let key = match g.find(RNG) {
+            Some(v) => v,
+            None => g.add_initializer(RNG, Tensor::from_i64(vec![], &[o.seed as i64])),
+        };
+        for n in nodes {
+            let Op::Dropout(a) = &g.node(n).op else { continue };
+            // The node's seed: its own `seed` attribute, else its name's hash (stable run to run).
+            let seed = a.seed.unwrap_or_else(|| fnv1a(g.node(n).name.as_bytes()) as i64);
+            *g.node_op_mut(n) = Op::SeededDropout(Box::new(SeedAttrs { seed }));
+            g.set_input(n, 2, Some(key));
+            if g.node(n).outputs().len() < 2 {
+                let x = g.node(n).outputs()[0];
+                let shape = g.ty(x).shape.clone();
+                let name = format!("{}.mask", g.name(x));
+                let mask = g.new_value(&name, TypeInfo { dtype: Some(DType::Bool), shape });
+                g.push_output(n, mask);
+            }
+        }
+        Ok(Changed::Yes)
+    }
+}
+
+/// 64-bit FNV-1a: a stable hash of a name.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
 /// Multiplies the loss by the loss scale (training state `mpc.loss_scale`) when scaling is on.
@@ -457,6 +518,13 @@ impl Pass for OptimizerPass {
             );
             state.push((s, outs[0]));
             state.push((good, outs[1]));
+        }
+        // 7. The dropout stream moves on every step, applied or skipped: a skipped step's
+        // forward pass drew its masks all the same.
+        if let Some(key) = b.g.find(RNG).filter(|&k| matches!(b.g.value(k).def(), Def::Init(_))) {
+            let one = b.scalar(1.0, DType::I64);
+            let next = b.op("rng_next", Op::Add, &[key, one]);
+            state.push((key, next));
         }
         let skipped = b.op("skipped", Op::Not, &[finite]);
         // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.

@@ -368,6 +368,45 @@ pub(crate) fn gather_grad(dy: &HostTensor, indices: &HostTensor, shape: &HostTen
     Ok(store(dy, shape, out))
 }
 
+/// The splitmix64 finalizer: a bijective mix of 64 bits.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The uniform number in [0, 1) that SeededDropout draws for element `i` of the stream
+/// `(key, seed)`: 24 bits of `mix(mix(key ^ mix(seed)) + (i + 1) · φ)`, φ = 0x9E3779B97F4A7C15.
+/// Counter-based, so any element can be drawn on its own (one GPU thread per element).
+pub(crate) fn dropout_uniform(key: i64, seed: i64, i: u64) -> f64 {
+    let base = mix(key as u64 ^ mix(seed as u64));
+    let z = mix(base.wrapping_add((i + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    (z >> 40) as f64 / (1u64 << 24) as f64
+}
+
+/// SeededDropout(X, ratio, key) → (X · mask / (1 - ratio), mask): element `i` is kept when its
+/// [`dropout_uniform`] is at least `ratio` (0.5 when absent).
+pub(crate) fn seeded_dropout(
+    x: &HostTensor,
+    ratio: Option<&HostTensor>,
+    key: &HostTensor,
+    seed: i64,
+) -> Res<(HostTensor, HostTensor)> {
+    let ratio = match ratio {
+        None => 0.5,
+        Some(r) => float(r, "ratio")?.first().copied().ok_or_else(|| err("the ratio is empty"))?,
+    };
+    if !(0.0..1.0).contains(&ratio) {
+        return Err(err(format!("dropout ratio {ratio} is outside [0, 1)")));
+    }
+    let key = key.i64s().and_then(|k| k.first().copied()).ok_or_else(|| err("the key must be an i64 scalar"))?;
+    let scale = 1.0 / (1.0 - ratio);
+    let v = float(x, "X")?;
+    let mask: Vec<bool> = (0..v.len() as u64).map(|i| dropout_uniform(key, seed, i) >= ratio).collect();
+    let out = v.iter().zip(&mask).map(|(&a, &keep)| if keep { a * scale } else { 0.0 }).collect();
+    Ok((store(x, x.shape.clone(), out), HostTensor { shape: x.shape.clone(), data: Data::Bool(mask) }))
+}
+
 /// AllFinite(x...) → true when no input holds an Inf or NaN.
 pub(crate) fn all_finite(xs: &[&HostTensor]) -> Res<HostTensor> {
     let finite = xs.iter().all(|x| match &x.data {
