@@ -275,11 +275,12 @@ define_ops! {
     }
     // The `ai.mpc` domain: what training graphs need beyond the standard set. Each op's meaning as
     // a decomposition into standard ops is written in docs/ai-mpc-ops.md.
-    mpc_plain { AllFinite }
+    mpc_plain { AllFinite, ReluGrad }
     mpc {
         ConvGrad(ConvAttrs), MaxPoolGrad(PoolAttrs), AveragePoolGrad(PoolAttrs),
         BatchNormalizationGrad(EpsilonAttrs), LayerNormalizationGrad(LayerNormAttrs), GeluGrad(GeluAttrs),
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
+        SoftmaxGrad(SoftmaxAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
     }
 }

@@ -336,6 +336,10 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
+        Op::SoftmaxGrad(_) | Op::ReluGrad => {
+            cx.same_dtype(0..2)?;
+            vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)]
+        }
         Op::SgdUpdate(_) => {
             let mut out = vec![same(cx, 0)];
             if cx.n_outputs() > 1 {

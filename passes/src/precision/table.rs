@@ -165,6 +165,8 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::SoftmaxCrossEntropyLossGrad(_)
         | Op::NegativeLogLikelihoodLossGrad(_)
         | Op::GatherGrad(_)
+        | Op::SoftmaxGrad(_)
+        | Op::ReluGrad
         | Op::AllFinite
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)

@@ -314,12 +314,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let s = b.op("sign", Op::Sign, &[x(0)?]);
             vec![Some(b.op("mul", Op::Mul, &[dy, s]))]
         }
-        // d relu(x) = [y > 0] dx.
-        Op::Relu => {
-            let zero = b.scalar(0.0, dt);
-            let m = b.op("mask", Op::Greater, &[y, zero]);
-            vec![Some(b.op("where", Op::Where, &[m, dy, zero]))]
-        }
+        // d relu(x) = [y > 0] dx, in ai.mpc::ReluGrad.
+        Op::Relu => vec![Some(b.op("relu", Op::ReluGrad, &[dy, y]))],
         // d leaky(x) = (x > 0 ? 1 : α) dx.
         Op::LeakyRelu(a) => {
             let (zero, alpha) = (b.scalar(0.0, dt), b.scalar(a.alpha as f64, dt));
@@ -353,13 +349,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // d gelu(x) = (Φ(x) + x·φ(x)) dx (tanh form: its own derivative), in ai.mpc::GeluGrad.
         Op::Gelu(a) => vec![Some(b.op("gelu", Op::GeluGrad(Box::new(a.clone())), &[dy, x(0)?]))],
-        // d softmax: dx = y ⊙ (dy − Σ_axis dy ⊙ y).
-        Op::Softmax(a) => {
-            let t = b.op("mul", Op::Mul, &[dy, y]);
-            let s = b.reduce_sum(t, &[a.axis], true);
-            let t = b.op("sub", Op::Sub, &[dy, s]);
-            vec![Some(b.op("mul", Op::Mul, &[y, t]))]
-        }
+        // d softmax: dx = y ⊙ (dy − Σ_axis dy ⊙ y), in ai.mpc::SoftmaxGrad.
+        Op::Softmax(a) => vec![Some(b.op("softmax", Op::SoftmaxGrad(Box::new(a.clone())), &[dy, y]))],
         // d logsoftmax: dx = dy − e^y ⊙ Σ_axis dy.
         Op::LogSoftmax(a) => {
             let s = b.reduce_sum(dy, &[a.axis], true);
@@ -375,23 +366,30 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 return Err("MatMul with a 1-D operand cannot be differentiated yet".into());
             }
             let ry = b.shape(y)?.rank();
-            let da = if want(0) {
+            // Plain 2-D products take their transposes as Gemm flags, not as Transpose nodes.
+            let gemm = |ta: bool, tb: bool| {
+                Op::Gemm(GemmAttrs { alpha: 1.0, beta: 0.0, transA: ta as i64, transB: tb as i64 })
+            };
+            let da = if !want(0) {
+                None
+            } else if ra == 2 && rc == 2 {
+                Some(b.op("gemm", gemm(false, true), &[dy, c]))
+            } else {
                 let ct = b.transpose_last(c, rc);
                 let t = b.op("matmul", Op::MatMul, &[dy, ct]);
                 Some(b.unbroadcast(t, a, y)?)
-            } else {
-                None
             };
             let dc = if want(1) {
-                if rc == 2 && ra > 2 {
+                if ra == 2 && rc == 2 {
+                    Some(b.op("gemm", gemm(true, false), &[a, dy]))
+                } else if rc == 2 && ra > 2 {
                     // A weight shared by every row: flatten the batch into the rows, one GEMM.
                     let k = fixed(&b.shape(a)?.dims()[ra - 1], "the inner dimension")?;
                     let nn = fixed(&b.shape(y)?.dims()[ry - 1], "the output dimension")?;
                     let (sk, sn) = (b.ints(&[-1, k]), b.ints(&[-1, nn]));
                     let a2 = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[a, sk]);
                     let d2 = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, sn]);
-                    let at = b.transpose_last(a2, 2);
-                    Some(b.op("matmul", Op::MatMul, &[at, d2]))
+                    Some(b.op("gemm", gemm(true, false), &[a2, d2]))
                 } else {
                     let at = b.transpose_last(a, ra);
                     let t = b.op("matmul", Op::MatMul, &[at, dy]);

@@ -479,6 +479,11 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             one(train::loss_grad(x(0)?, x(1)?, x(2)?, w, a.ignore_index, &a.reduction, softmax)?)
         }
         Op::GatherGrad(a) => one(train::gather_grad(x(0)?, x(1)?, x(2)?, a.axis)?),
+        Op::ReluGrad => one(train::relu_grad(x(0)?, x(1)?)?),
+        Op::SoftmaxGrad(a) => {
+            let y = x(1)?;
+            one(train::softmax_grad(x(0)?, y, axis(a.axis, y.shape.len())?)?)
+        }
         Op::AllFinite => {
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(train::all_finite(&parts)?)

@@ -368,6 +368,33 @@ pub(crate) fn gather_grad(dy: &HostTensor, indices: &HostTensor, shape: &HostTen
     Ok(store(dy, shape, out))
 }
 
+/// ReluGrad(dY, Y) → dY where Y > 0, else 0.
+pub(crate) fn relu_grad(dy: &HostTensor, y: &HostTensor) -> Res<HostTensor> {
+    same_shape(dy, y, "ReluGrad")?;
+    let (g, v) = (float(dy, "dY")?, float(y, "Y")?);
+    let out = g.iter().zip(&v).map(|(&g, &y)| if y > 0.0 { g } else { 0.0 }).collect();
+    Ok(store(dy, dy.shape.clone(), out))
+}
+
+/// SoftmaxGrad(dY, Y) along `axis` → Y ⊙ (dY − Σ_axis dY ⊙ Y).
+pub(crate) fn softmax_grad(dy: &HostTensor, y: &HostTensor, axis: usize) -> Res<HostTensor> {
+    same_shape(dy, y, "SoftmaxGrad")?;
+    let (g, v) = (float(dy, "dY")?, float(y, "Y")?);
+    let (len, inner) = (y.shape[axis], y.shape[axis + 1..].iter().product::<usize>());
+    let outer = v.len().checked_div(len * inner).unwrap_or(0);
+    let mut out = vec![0f64; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |k: usize| (o * len + k) * inner + i;
+            let s: f64 = (0..len).map(|k| g[at(k)] * v[at(k)]).sum();
+            for k in 0..len {
+                out[at(k)] = v[at(k)] * (g[at(k)] - s);
+            }
+        }
+    }
+    Ok(store(dy, dy.shape.clone(), out))
+}
+
 /// The splitmix64 finalizer: a bijective mix of 64 bits.
 fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
