@@ -9,6 +9,27 @@
 //! follow = ["Relu"]           # ops that follow their neighbours
 //! clear = []                  # ops that are data movement
 //! pin_fp32 = ["/attn/Softmax"]  # node names that stay FP32
+//!
+//! [train]                     # compile --train and train; a flag given on the command line wins
+//! loss = "cross-entropy"      # cross-entropy, mse or output:NAME
+//! labels = "labels"
+//! optimizer = "adamw"         # sgd, momentum, adam or adamw
+//! lr = 3e-4
+//! weight_decay = 0.01
+//! momentum = 0.9              # the momentum optimizer's
+//! beta1 = 0.9                 # Adam's
+//! beta2 = 0.999
+//! epsilon = 1e-8
+//! clip_norm = 1.0
+//! loss_scale = "dynamic"      # dynamic, static:S or none (default: dynamic for mixed, else none)
+//! init_scale = 65536.0        # dynamic loss scaling: the start,
+//! growth_factor = 2.0         # ×2 after growth_interval finite steps,
+//! growth_interval = 2000
+//! backoff_factor = 0.5        # ×½ on a non-finite step,
+//! min_scale = 1.0             # within [min_scale, max_scale]
+//! max_scale = 16777216.0
+//! freeze = ["embed.weight"]
+//! seed = 7                    # dropout masks (and train's sample order)
 //! ```
 //!
 //! Unknown keys, unknown op names and unknown node names are errors that name them.
@@ -16,6 +37,7 @@
 use serde::Deserialize;
 
 use mpc_passes::precision::{Class, Policy};
+use mpc_passes::train::{Loss, LossScale, Optimizer, TrainOptions};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -33,6 +55,8 @@ pub struct PolicyFile {
     pub clear: Vec<String>,
     #[serde(default)]
     pub pin_fp32: Vec<String>,
+    #[serde(default)]
+    pub train: TrainFile,
 }
 
 impl PolicyFile {
@@ -42,6 +66,13 @@ impl PolicyFile {
             let at = e.to_string().lines().next().unwrap_or("TOML parse error").to_string();
             format!("{at}: {}", e.message())
         })
+    }
+
+    /// Whether the file changes the precision policy (beyond naming it).
+    pub fn edits_policy(&self) -> bool {
+        self.low_dtype.is_some()
+            || self.io_types.is_some()
+            || [&self.allow, &self.deny, &self.follow, &self.clear, &self.pin_fp32].iter().any(|l| !l.is_empty())
     }
 
     /// Applies the file's edits to `policy`.
@@ -70,5 +101,135 @@ impl PolicyFile {
         }
         policy.pin_fp32.extend(self.pin_fp32.iter().cloned());
         Ok(())
+    }
+}
+
+/// The training options, as the `[train]` table or the command line gives them: `None` where
+/// unset, so that a flag overrides the file and the file the defaults.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainFile {
+    pub loss: Option<String>,
+    pub labels: Option<String>,
+    pub optimizer: Option<String>,
+    pub lr: Option<f32>,
+    pub weight_decay: Option<f32>,
+    pub momentum: Option<f32>,
+    pub beta1: Option<f32>,
+    pub beta2: Option<f32>,
+    pub epsilon: Option<f32>,
+    pub clip_norm: Option<f32>,
+    pub loss_scale: Option<String>,
+    pub init_scale: Option<f32>,
+    pub growth_factor: Option<f32>,
+    pub growth_interval: Option<i64>,
+    pub backoff_factor: Option<f32>,
+    pub min_scale: Option<f32>,
+    pub max_scale: Option<f32>,
+    #[serde(default)]
+    pub freeze: Vec<String>,
+    pub seed: Option<u64>,
+}
+
+impl TrainFile {
+    /// These settings over `base`'s: each one set here wins; frozen names add up.
+    pub fn over(&self, base: &TrainFile) -> TrainFile {
+        macro_rules! pick {
+            ($($f:ident),*) => { TrainFile { $($f: self.$f.clone().or_else(|| base.$f.clone()),)* freeze: [base.freeze.clone(), self.freeze.clone()].concat() } };
+        }
+        pick!(
+            loss,
+            labels,
+            optimizer,
+            lr,
+            weight_decay,
+            momentum,
+            beta1,
+            beta2,
+            epsilon,
+            clip_norm,
+            loss_scale,
+            init_scale,
+            growth_factor,
+            growth_interval,
+            backoff_factor,
+            min_scale,
+            max_scale,
+            seed
+        )
+    }
+
+    /// The training options, and the loss scaling when one is asked for (`None`: the policy's
+    /// default). Messages name the setting (`lr`, `loss_scale`, ...).
+    pub fn resolve(&self) -> Result<(TrainOptions, Option<LossScale>), String> {
+        let d = TrainOptions::default();
+        let loss = match self.loss.as_deref() {
+            None | Some("cross-entropy") => Loss::CrossEntropy,
+            Some("mse") => Loss::Mse,
+            Some(l) => match l.strip_prefix("output:") {
+                Some(name) if !name.is_empty() => Loss::Output(name.to_string()),
+                _ => return Err(format!("loss `{l}`: expected cross-entropy, mse or output:NAME")),
+            },
+        };
+        let optimizer = match self.optimizer.as_deref() {
+            Some("sgd") => Optimizer::Sgd,
+            Some("momentum") => Optimizer::Momentum,
+            None | Some("adam") => Optimizer::Adam,
+            Some("adamw") => Optimizer::AdamW,
+            Some(o) => return Err(format!("optimizer `{o}`: expected sgd, momentum, adam or adamw")),
+        };
+        let positive = |what: &str, v: Option<f32>, default: f32| match v {
+            Some(x) if !(x > 0.0 && x.is_finite()) => Err(format!("{what} {x}: expected a positive number")),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let share = |what: &str, v: Option<f32>, default: f32| match v {
+            Some(x) if !(0.0..1.0).contains(&x) => Err(format!("{what} {x}: expected a number in [0, 1)")),
+            v => Ok(v.unwrap_or(default)),
+        };
+        let mut dynamic = d.dynamic_scale.clone();
+        dynamic.init = positive("init_scale", self.init_scale, dynamic.init)?;
+        let a = &mut dynamic.attrs;
+        a.growth_factor = positive("growth_factor", self.growth_factor, a.growth_factor)?;
+        a.backoff_factor = positive("backoff_factor", self.backoff_factor, a.backoff_factor)?;
+        a.min_scale = positive("min_scale", self.min_scale, a.min_scale)?;
+        a.max_scale = positive("max_scale", self.max_scale, a.max_scale)?;
+        a.growth_interval = match self.growth_interval {
+            Some(n) if n < 1 => return Err(format!("growth_interval {n}: expected a positive count")),
+            n => n.unwrap_or(a.growth_interval),
+        };
+        if a.min_scale > a.max_scale {
+            return Err(format!("min_scale {} is above max_scale {}", a.min_scale, a.max_scale));
+        }
+        let scale = match self.loss_scale.as_deref() {
+            None => None,
+            Some("dynamic") => Some(dynamic.loss_scale()),
+            Some("none") => Some(LossScale::None),
+            Some(s) => match s.strip_prefix("static:").and_then(|v| v.parse::<f32>().ok()) {
+                Some(v) if v > 0.0 && v.is_finite() => Some(LossScale::Static(v)),
+                _ => return Err(format!("loss_scale `{s}`: expected dynamic, static:S or none")),
+            },
+        };
+        let opts = TrainOptions {
+            loss,
+            labels: self.labels.clone().unwrap_or(d.labels),
+            optimizer,
+            lr: positive("lr", self.lr, d.lr)?,
+            weight_decay: match self.weight_decay {
+                Some(w) if !(w >= 0.0 && w.is_finite()) => {
+                    return Err(format!("weight_decay {w}: expected a number >= 0"))
+                }
+                w => w.unwrap_or(d.weight_decay),
+            },
+            momentum: share("momentum", self.momentum, d.momentum)?,
+            beta1: share("beta1", self.beta1, d.beta1)?,
+            beta2: share("beta2", self.beta2, d.beta2)?,
+            epsilon: positive("epsilon", self.epsilon, d.epsilon)?,
+            clip_norm: self.clip_norm.map(|c| positive("clip_norm", Some(c), c)).transpose()?,
+            freeze: self.freeze.iter().cloned().collect(),
+            seed: self.seed.unwrap_or(d.seed),
+            dynamic_scale: dynamic,
+            ..d
+        };
+        Ok((opts, scale))
     }
 }

@@ -136,21 +136,34 @@ pub struct Options {
 /// The policy names.
 pub const POLICIES: [&str; 4] = ["fp32", "mixed", "mixed-bf16", "fp16"];
 
+/// The training options: `flags` (the command line's) over the `[train]` table of the config
+/// file, over the defaults; and the loss scaling when one is asked for.
+pub fn train_options(flags: &config::TrainFile, config: Option<&Path>) -> Result<(TrainOptions, Option<LossScale>)> {
+    let file = match config {
+        Some(p) => read_config(p)?.train,
+        None => config::TrainFile::default(),
+    };
+    // A bad flag is named as the flag; a bad setting the flags leave to the file, as the file's.
+    flags.resolve().map_err(|e| Error::Usage(format!("--{}", e.replacen('_', "-", 1))))?;
+    flags.over(&file).resolve().map_err(|e| {
+        Error::Usage(format!("{} [train]: {e}", config.map_or_else(String::new, |p| p.display().to_string())))
+    })
+}
+
+fn read_config(p: &Path) -> Result<config::PolicyFile> {
+    let text = std::fs::read_to_string(p).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?;
+    config::PolicyFile::parse(&text).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))
+}
+
 /// Resolves the options into a policy (`None` for fp32): `--policy` over the config file's,
 /// then the file's edits, then `--allow`, `--deny`, `--pin-fp32`.
 pub fn policy(opts: &Options) -> Result<Option<Policy>> {
-    let file = match &opts.config {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?;
-            Some(config::PolicyFile::parse(&text).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?)
-        }
-        None => None,
-    };
+    let file = opts.config.as_deref().map(read_config).transpose()?;
     let name =
         opts.policy.clone().or_else(|| file.as_ref().and_then(|f| f.policy.clone())).unwrap_or_else(|| "fp32".into());
     let mut policy = match Policy::named(&name).map_err(Error::Usage)? {
         Some(p) => p,
-        None if file.is_some()
+        None if file.as_ref().is_some_and(|f| f.edits_policy())
             || !opts.allow.is_empty()
             || !opts.deny.is_empty()
             || !opts.pin_fp32.is_empty()
@@ -182,7 +195,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     let perr = |source| Error::Pass { path: path.to_owned(), source };
     let train = opts.train.clone().map(|mut t| {
         t.loss_scale = opts.loss_scale.clone().unwrap_or(match &policy {
-            Some(p) if p.low == mpc_ir::DType::F16 && !p.everything_low => LossScale::dynamic(),
+            Some(p) if p.low == mpc_ir::DType::F16 && !p.everything_low => t.dynamic_scale.loss_scale(),
             _ => LossScale::None,
         });
         t

@@ -72,26 +72,29 @@ impl Common {
     }
 }
 
-/// Training options (`compile --train` and `train`).
+/// Training options (`compile --train` and `train`); each overrides the config file's `[train]`
+/// table, which overrides the defaults.
 #[derive(clap::Args)]
 struct TrainArgs {
-    /// The loss: cross-entropy (on the first output, against integer labels), mse, or output:NAME
-    /// (the model computes its own scalar loss).
-    #[arg(long, default_value = "cross-entropy")]
-    loss: String,
-    /// Name of the labels (or targets) input the loss adds.
-    #[arg(long, default_value = "labels")]
-    labels: String,
-    /// sgd, momentum, adam or adamw.
-    #[arg(long, default_value = "adam")]
-    optimizer: String,
-    #[arg(long, default_value_t = 1e-3)]
-    lr: f32,
-    #[arg(long, default_value_t = 0.0)]
-    weight_decay: f32,
-    /// Momentum of the momentum optimizer.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f32,
+    /// The loss: cross-entropy (on the first output, against integer labels; the default), mse, or
+    /// output:NAME (the model computes its own scalar loss).
+    #[arg(long)]
+    loss: Option<String>,
+    /// Name of the labels (or targets) input the loss adds [default: labels].
+    #[arg(long)]
+    labels: Option<String>,
+    /// sgd, momentum, adam (the default) or adamw.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Learning rate [default: 0.001].
+    #[arg(long)]
+    lr: Option<f32>,
+    /// Weight decay [default: 0].
+    #[arg(long)]
+    weight_decay: Option<f32>,
+    /// Momentum of the momentum optimizer [default: 0.9].
+    #[arg(long)]
+    momentum: Option<f32>,
     /// Clip the gradients' global norm (after unscaling) to this.
     #[arg(long, value_name = "NORM")]
     clip_norm: Option<f32>,
@@ -101,54 +104,26 @@ struct TrainArgs {
     /// Do not train this initializer (repeatable).
     #[arg(long, value_name = "NAME")]
     freeze: Vec<String>,
-    /// Seed of the random streams: the dropout masks and, for `train`, the sample order.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the random streams: the dropout masks and, for `train`, the sample order [default: 0].
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 impl TrainArgs {
-    fn options(&self) -> Result<(mpc_passes::train::TrainOptions, Option<mpc_passes::train::LossScale>), Error> {
-        use mpc_passes::train::{Loss, LossScale, Optimizer, TrainOptions};
-        let loss = match self.loss.as_str() {
-            "cross-entropy" => Loss::CrossEntropy,
-            "mse" => Loss::Mse,
-            l => match l.strip_prefix("output:") {
-                Some(name) if !name.is_empty() => Loss::Output(name.to_string()),
-                _ => return Err(Error::Usage(format!("--loss `{l}`: expected cross-entropy, mse or output:NAME"))),
-            },
-        };
-        let optimizer = match self.optimizer.as_str() {
-            "sgd" => Optimizer::Sgd,
-            "momentum" => Optimizer::Momentum,
-            "adam" => Optimizer::Adam,
-            "adamw" => Optimizer::AdamW,
-            o => return Err(Error::Usage(format!("--optimizer `{o}`: expected sgd, momentum, adam or adamw"))),
-        };
-        let scale = match self.loss_scale.as_deref() {
-            None => None,
-            Some("dynamic") => Some(LossScale::dynamic()),
-            Some("none") => Some(LossScale::None),
-            Some(s) => match s.strip_prefix("static:").and_then(|v| v.parse::<f32>().ok()) {
-                Some(v) if v > 0.0 && v.is_finite() => Some(LossScale::Static(v)),
-                _ => return Err(Error::Usage(format!("--loss-scale `{s}`: expected dynamic, static:S or none"))),
-            },
-        };
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return Err(Error::Usage(format!("--lr {}: expected a positive number", self.lr)));
-        }
-        let opts = TrainOptions {
-            loss,
+    fn settings(&self) -> mpc::config::TrainFile {
+        mpc::config::TrainFile {
+            loss: self.loss.clone(),
             labels: self.labels.clone(),
-            optimizer,
+            optimizer: self.optimizer.clone(),
             lr: self.lr,
             weight_decay: self.weight_decay,
             momentum: self.momentum,
             clip_norm: self.clip_norm,
-            freeze: self.freeze.iter().cloned().collect(),
+            loss_scale: self.loss_scale.clone(),
+            freeze: self.freeze.clone(),
             seed: self.seed,
-            ..TrainOptions::default()
-        };
-        Ok((opts, scale))
+            ..Default::default()
+        }
     }
 }
 
@@ -295,7 +270,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
             }
             let mut opts = common.options(Vec::new(), None)?;
-            let (t, scale) = train_args.options()?;
+            let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+            let t_seed = t.seed;
             opts.train = Some(t);
             opts.loss_scale = scale;
             let model = mpc::load(&common.model)?;
@@ -304,7 +280,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 epochs,
                 batch,
                 eval_split,
-                seed: train_args.seed,
+                seed: t_seed,
                 checkpoint,
                 resume,
                 max_steps,
@@ -346,7 +322,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let mut opts = common.options(dump_after, stop_after)?;
             if train {
-                let (t, scale) = train_args.options()?;
+                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
                 opts.train = Some(t);
                 opts.loss_scale = scale;
             }

@@ -469,3 +469,82 @@ fn ops_without_gradients_and_bad_options_are_one_line_errors() {
     assert_eq!(o.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("no tensor `x`") && stderr.contains("images, labels"), "{stderr}");
 }
+
+#[test]
+fn the_config_file_sets_training_options_and_flags_override_it() {
+    let dir = scratch("train_config");
+    let config = dir.join("policy.toml");
+    std::fs::write(
+        &config,
+        "policy = \"mixed\"\n[train]\noptimizer = \"momentum\"\nlr = 0.05\nmomentum = 0.8\nclip_norm = 2.0\n\
+         init_scale = 1024.0\ngrowth_interval = 10\nbackoff_factor = 0.25\nmax_scale = 4096.0\nseed = 9\n",
+    )
+    .unwrap();
+    let out = dir.join("step.mpcir");
+    let compile = |extra: &[&str]| {
+        let mut args = vec!["compile", "tests/models/mlp.onnx", "--train", "--config", config.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["-o", out.to_str().unwrap()]);
+        let o = common::mpc(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(&out).unwrap()
+    };
+    let text = compile(&[]);
+    assert!(text.contains("ai.mpc::SgdUpdate[lr=0.05, momentum=0.8]"), "{text}");
+    assert!(text.contains("= Min(") && text.contains("\"optimizer.grad_norm"), "clip_norm from the file");
+    assert!(text.contains("\"mpc.loss_scale\" = f32[]{1024.0}"), "init_scale from the file");
+    assert!(
+        text.contains("ai.mpc::LossScaleUpdate[backoff_factor=0.25, growth_interval=10, max_scale=4096.0]"),
+        "{text}"
+    );
+    // A flag wins over the file; the rest of the file still applies.
+    let text = compile(&["--lr", "0.01", "--loss-scale", "static:8"]);
+    assert!(text.contains("ai.mpc::SgdUpdate[lr=0.01, momentum=0.8]"), "{text}");
+    assert!(text.contains("\"mpc.loss_scale\" = f32[]{8.0}") && !text.contains("LossScaleUpdate"), "{text}");
+
+    // A bad or unknown setting names the file and the setting; exit 2, nothing written.
+    for (body, want) in [
+        ("[train]\nlr = -1.0\n", "[train]: lr -1: expected a positive number"),
+        ("[train]\ngrowth_interval = 0\n", "growth_interval 0"),
+        ("[train]\nmin_scale = 8.0\nmax_scale = 2.0\n", "min_scale 8 is above max_scale 2"),
+        ("[train]\nlearning_rate = 0.1\n", "unknown field `learning_rate`"),
+    ] {
+        std::fs::write(&config, body).unwrap();
+        let _ = std::fs::remove_file(&out);
+        let o = common::mpc(&[
+            "compile",
+            "tests/models/mlp.onnx",
+            "--policy",
+            "mixed",
+            "--train",
+            "--config",
+            config.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{body}: {stderr}");
+        assert!(stderr.contains(want) && stderr.contains("policy.toml"), "{body}: {stderr}");
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn clipping_bounds_the_global_gradient_norm() {
+    // One SGD step with lr 1 moves the weights by exactly the (clipped) gradient: with a norm
+    // cap far below the gradient's norm, the step's length is the cap.
+    let dir = scratch("clip");
+    let (model, data) = regression(&dir, 0.0, 0.5, 64, None);
+    let cfg = TrainConfig { data, epochs: 1, batch: 64, max_steps: Some(1), ..Default::default() };
+    for (policy, cap) in [("fp32", 1e-3f32), ("mixed", 1e-3), ("fp32", 1e6)] {
+        let t = run(&model, policy, TrainOptions { clip_norm: Some(cap), ..sgd(1.0) }, &cfg);
+        let w = t.state.iter().find(|(n, _)| n == "w").unwrap().1.f64s();
+        let step = w.iter().map(|x| x * x).sum::<f64>().sqrt();
+        println!("clip {policy} cap {cap:e}: step length {step:.4e}");
+        if cap < 1.0 {
+            assert!((step - cap as f64).abs() < 1e-3 * cap as f64, "{policy}: step {step} vs cap {cap}");
+        } else {
+            assert!(step > 1e-2, "an uncapped step is the gradient itself: {step}");
+        }
+    }
+}

@@ -79,6 +79,27 @@ pub struct TrainOptions {
     pub freeze: BTreeSet<String>,
     /// Where the dropout random stream starts (the state `mpc.rng`).
     pub seed: u64,
+    /// The settings of dynamic loss scaling, whenever it is dynamic (asked for or by default).
+    pub dynamic_scale: DynamicScale,
+}
+
+/// Dynamic loss scaling: where the scale starts and how it moves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DynamicScale {
+    pub init: f32,
+    pub attrs: LossScaleAttrs,
+}
+
+impl Default for DynamicScale {
+    fn default() -> Self {
+        DynamicScale { init: 65536.0, attrs: LossScaleAttrs::default() }
+    }
+}
+
+impl DynamicScale {
+    pub fn loss_scale(&self) -> LossScale {
+        LossScale::Dynamic { init: self.init, attrs: self.attrs.clone() }
+    }
 }
 
 impl Default for TrainOptions {
@@ -96,6 +117,7 @@ impl Default for TrainOptions {
             clip_norm: None,
             loss_scale: LossScale::None,
             seed: 0,
+            dynamic_scale: DynamicScale::default(),
             freeze: BTreeSet::new(),
         }
     }
@@ -440,8 +462,10 @@ impl Pass for OptimizerPass {
         if let Some(c) = o.clip_norm {
             let attrs = ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
             let mut sq = Vec::new();
-            for &(_, d) in &gs {
-                let d32 = if b.dtype(d).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
+            for &(p, d) in &gs {
+                // The gradients have their parameters' dtypes by now (the nodes added here are
+                // typed after the pass).
+                let d32 = if b.dtype(p).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
                 sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
             }
             let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
