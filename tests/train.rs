@@ -548,3 +548,46 @@ fn clipping_bounds_the_global_gradient_norm() {
         }
     }
 }
+
+#[test]
+fn inference_mode_batch_norm_trains_as_in_training_mode() {
+    // torch.onnx exports BatchNormalization in inference mode by default. The train-mode pass
+    // switches it to batch statistics with running statistics as state, which must give the very
+    // step of the same model exported in training mode.
+    let dir = scratch("bn_mode");
+    let mut g = mpc::load(&fixture("cnn_bn")).unwrap();
+    let x = g.find("x").unwrap();
+    g.rename(x, "images");
+    let trained_mode = dir.join("cnn_train_mode.onnx");
+    mpc::save(&g, &trained_mode, mpc::Format::Onnx).unwrap();
+    let printed = mpc_ir::text::print(&g, mpc_ir::text::TensorMode::FILE).unwrap();
+    let mut text = printed.text.clone();
+    for bn in ["bn1", "bn2"] {
+        let line = text.lines().find(|l| l.contains(&format!("\"{bn}_out\""))).unwrap().to_string();
+        let (outs, rest) = line.split_once(" = ").unwrap();
+        let y = outs.split(", ").next().unwrap();
+        let inference = format!("{y} = {}", rest.replace("[training_mode=1]", ""));
+        text = text.replace(&line, &inference);
+    }
+    let out_line = text.lines().find(|l| l.trim_start().starts_with("output ")).unwrap().to_string();
+    text = text.replace(&out_line, out_line.split(", ").next().unwrap());
+    let inference = mpc_ir::text::parse(&text, Some(&printed.sidecar)).unwrap();
+    assert!(inference
+        .node_ids()
+        .any(|n| matches!(&inference.node(n).op, Op::BatchNormalization(a) if a.training_mode == 0)));
+    let inference_mode = dir.join("cnn_inference_mode.onnx");
+    mpc::save(&inference, &inference_mode, mpc::Format::Onnx).unwrap();
+
+    let cfg = TrainConfig { max_steps: Some(20), ..digits_cfg(1) };
+    let a = run(&trained_mode, "mixed", TrainOptions::default(), &cfg);
+    let b = run(&inference_mode, "mixed", TrainOptions::default(), &cfg);
+    assert_eq!(a.losses, b.losses);
+    let stats = |t: &Trained| t.state.iter().filter(|(n, _)| n.contains("running")).cloned().collect::<Vec<_>>();
+    assert_eq!(stats(&a).len(), 4);
+    assert_eq!(stats(&a), stats(&b), "running statistics");
+    assert!(
+        stats(&b).iter().any(|(_, t)| t.f64s().iter().any(|&v| v != 0.0 && v != 1.0)),
+        "the running statistics moved"
+    );
+    println!("inference-mode BN: 20 steps equal to the training-mode export's, bit for bit");
+}

@@ -19,7 +19,7 @@ pub struct PassManager {
 pub enum Pipeline {
     /// infer types → simplify → precision → cast cleanup → dead-code elimination.
     Inference,
-    /// infer types → simplify → add loss → precision → seeded dropout → loss scale → autodiff →
+    /// infer types → simplify → add loss → precision → train mode → loss scale → autodiff →
     /// optimizer → cast cleanup → dead-code elimination.
     Training,
 }
@@ -43,7 +43,7 @@ impl PassManager {
                 Box::new(Simplify),
                 Box::new(train::AddLoss),
                 Box::new(Precision),
-                Box::new(train::SeedDropout),
+                Box::new(train::TrainMode),
                 Box::new(train::LossScalePass),
                 Box::new(train::Autodiff),
                 Box::new(train::OptimizerPass),

@@ -193,7 +193,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::Identity => vec![Some(dy)],
         Op::Dropout(_) => {
             if super::dropout_trains(b.g, &node) {
-                return Err("Dropout in training mode needs its mask: the training pipeline's seed-dropout pass \
+                return Err("Dropout in training mode needs its mask: the training pipeline's train-mode pass \
                             makes it an ai.mpc::SeededDropout"
                     .into());
             }
@@ -448,8 +448,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         // Batch statistics: dX = (γ/σ)/N · (N·dY − ΣdY − x̂·Σ(dY·x̂)), dγ = Σ dY·x̂, dβ = ΣdY.
         Op::BatchNormalization(a) => {
             if a.training_mode == 0 {
-                return Err("BatchNormalization in inference mode (training_mode=0) cannot be trained; \
-                            export the model in training mode"
+                return Err("BatchNormalization in inference mode (training_mode=0) has no batch statistics to \
+                            differentiate: the training pipeline's train-mode pass switches it to training mode"
                     .into());
             }
             let eps = mpc_ir::ops::EpsilonAttrs { epsilon: a.epsilon };

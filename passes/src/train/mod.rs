@@ -2,8 +2,8 @@
 //!
 //! In pipeline order (after type inference): [`AddLoss`] (an FP32 loss on the model's output, or
 //! the model's own scalar), then the precision pass (parameters stay FP32 masters, read through
-//! one shared Cast each), [`SeedDropout`] (training-mode Dropout draws its mask from the state
-//! `mpc.rng`), [`LossScale`] (the loss times the scale, which is training state), [`Autodiff`],
+//! one shared Cast each), [`TrainMode`] (Dropout draws its mask from the state `mpc.rng`,
+//! BatchNormalization uses batch statistics), [`LossScale`] (the loss times the scale, which is training state), [`Autodiff`],
 //! and [`Optimizer`]: unscale in FP32, one all-finite check over every gradient,
 //! optional global-norm clipping, the update of the masters (moments FP32) that leaves everything
 //! unchanged on a non-finite step, the dynamic loss-scale update and the step counter.
@@ -284,29 +284,33 @@ fn dropout_trains(g: &Graph, node: &mpc_ir::Node) -> bool {
     }
 }
 
+/// The forward ops that behave differently in training run as a framework's `train()` runs them.
 /// Training-mode Dropout becomes `ai.mpc::SeededDropout`: its mask is drawn from the step's key
 /// (the training state [`RNG`], which the optimizer pass advances every step) and a seed of the
 /// node's own, so a step's masks are reproducible (a resumed run draws what a straight run does)
-/// and the backward pass can read the mask the forward pass used.
-pub struct SeedDropout;
+/// and the backward pass can read the mask the forward pass used. BatchNormalization exported in
+/// inference mode (torch.onnx's default) normalises with the batch's statistics and updates its
+/// running statistics, which become state. Dropout exported in inference mode stays the identity.
+pub struct TrainMode;
 
-impl Pass for SeedDropout {
+impl Pass for TrainMode {
     fn name(&self) -> &'static str {
-        "seed-dropout"
+        "train-mode"
     }
 
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let o = opts(cx)?;
-        let nodes: Vec<_> =
+        let dropouts: Vec<_> =
             g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Dropout(_)) && dropout_trains(g, g.node(n))).collect();
-        if nodes.is_empty() {
-            return Ok(Changed::No);
+        let norms: Vec<_> = g
+            .node_ids()
+            .filter(|&n| matches!(&g.node(n).op, Op::BatchNormalization(a) if a.training_mode == 0))
+            .collect();
+        if !dropouts.is_empty() && g.find(RNG).is_none() {
+            g.add_initializer(RNG, Tensor::from_i64(vec![], &[o.seed as i64]));
         }
-        let key = match g.find(RNG) {
-            Some(v) => v,
-            None => g.add_initializer(RNG, Tensor::from_i64(vec![], &[o.seed as i64])),
-        };
-        for n in nodes {
+        for &n in &dropouts {
+            let key = g.find(RNG).expect("added above");
             let Op::Dropout(a) = &g.node(n).op else { continue };
             // The node's seed: its own `seed` attribute, else its name's hash (stable run to run).
             let seed = a.seed.unwrap_or_else(|| fnv1a(g.node(n).name.as_bytes()) as i64);
@@ -314,14 +318,34 @@ impl Pass for SeedDropout {
             g.set_input(n, 2, Some(key));
             if g.node(n).outputs().len() < 2 {
                 let x = g.node(n).outputs()[0];
-                let shape = g.ty(x).shape.clone();
-                let name = format!("{}.mask", g.name(x));
-                let mask = g.new_value(&name, TypeInfo { dtype: Some(DType::Bool), shape });
-                g.push_output(n, mask);
+                let ty = TypeInfo { dtype: Some(DType::Bool), shape: g.ty(x).shape.clone() };
+                add_output(g, n, "mask", ty);
             }
         }
-        Ok(Changed::Yes)
+        for &n in &norms {
+            if let Op::BatchNormalization(a) = g.node_op_mut(n) {
+                a.training_mode = 1;
+            }
+            // The updated running mean and variance, typed like the running statistics.
+            for (slot, what) in [(3, "running_mean"), (4, "running_var")] {
+                if g.node(n).outputs().len() == slot - 2 {
+                    let stat = g.node(n).input(slot).ok_or_else(|| PassError::Node {
+                        node: g.node_label(n),
+                        msg: format!("BatchNormalization has no {what} input"),
+                    })?;
+                    add_output(g, n, what, g.ty(stat).clone());
+                }
+            }
+        }
+        Ok(if dropouts.is_empty() && norms.is_empty() { Changed::No } else { Changed::Yes })
     }
+}
+
+/// A new output of `n`, named after its first output.
+fn add_output(g: &mut Graph, n: mpc_ir::NodeId, what: &str, ty: TypeInfo) {
+    let name = format!("{}.{what}", g.name(g.node(n).outputs()[0]));
+    let v = g.new_value(&name, ty);
+    g.push_output(n, v);
 }
 
 /// 64-bit FNV-1a: a stable hash of a name.
