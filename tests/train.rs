@@ -591,3 +591,19 @@ fn inference_mode_batch_norm_trains_as_in_training_mode() {
     );
     println!("inference-mode BN: 20 steps equal to the training-mode export's, bit for bit");
 }
+
+#[test]
+fn additive_masks_are_buffers_not_parameters() {
+    use mpc_passes::train::is_additive_mask;
+    let mask = Tensor::from_f32(vec![2, 2], &[0.0, -1e9, 0.0, 0.0]);
+    assert!(is_additive_mask(&mask));
+    assert!(is_additive_mask(&Tensor::from_f32(vec![2], &[f32::NEG_INFINITY, 0.0])));
+    // A zero-initialised bias, or a weight with one large negative value, is a parameter.
+    assert!(!is_additive_mask(&Tensor::from_f32(vec![3], &[0.0; 3])));
+    assert!(!is_additive_mask(&Tensor::from_f32(vec![2], &[-1e9, 0.5])));
+    // The transformer fixture's causal mask is added to the attention scores, yet not trained.
+    let g = training_graph(&fixture("transformer"), "mixed", TrainOptions::default());
+    let state = mpc_passes::train::state_pairs(&g);
+    assert!(state.iter().all(|(s, _)| !s.contains("causal_mask")), "{state:?}");
+    assert!(state.iter().any(|(s, _)| s == "attn.q.weight"));
+}

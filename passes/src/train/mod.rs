@@ -130,9 +130,10 @@ impl LossScale {
     }
 }
 
-/// The parameters: float initializers read through a differentiable input, minus frozen names
-/// and scalars (exporters write constants such as 1/√d or GELU's √2 as rank-0 initializers).
-/// Batch-norm running statistics, shapes, indices and masks are read through other inputs.
+/// The parameters: float initializers read through a differentiable input, minus frozen names,
+/// scalars (exporters write constants such as 1/√d or GELU's √2 as rank-0 initializers) and
+/// additive masks (see [`is_additive_mask`]). Batch-norm running statistics, shapes, indices and
+/// boolean masks are read through other inputs.
 pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
     let mut out = BTreeSet::new();
     // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
@@ -142,6 +143,7 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
             && !freeze.contains(name)
             && !name.starts_with("mpc.")
             && !name.starts_with("grad.")
+            && !g.value(v).initializer().is_some_and(is_additive_mask)
     };
     for n in g.node_ids() {
         let node = g.node(n);
@@ -158,6 +160,22 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
         }
     }
     out.into_iter().collect()
+}
+
+/// An additive attention mask (a buffer, not a parameter, in the framework the model came from):
+/// every element 0 or a "minus infinity" (≤ -1e4, or -inf), with at least one of the latter. No
+/// weight is initialised that way, while a causal or padding mask always is.
+pub fn is_additive_mask(t: &Tensor) -> bool {
+    let masked = |x: f64| x <= -1e4;
+    let mut any = false;
+    for x in t.values() {
+        if masked(x) {
+            any = true;
+        } else if x != 0.0 {
+            return false;
+        }
+    }
+    any
 }
 
 fn read_differentiably(g: &Graph, v: ValueId) -> bool {
