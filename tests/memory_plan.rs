@@ -42,3 +42,24 @@ fn live_values_never_overlap_in_the_arena() {
         }
     }
 }
+
+/// Peak activation bytes of `name` under `policy` at batch 64.
+fn peak(name: &str, policy: &str) -> u64 {
+    let path = fixture(name);
+    let mut g = mpc::load(&path).unwrap();
+    let opts = mpc::Options { policy: Some(policy.into()), ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+    let dims: HashMap<String, u64> = [("batch".to_string(), 64)].into();
+    let (b, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
+    mpc_runtime::plan(&b).unwrap().peak_activation_bytes
+}
+
+#[test]
+fn mixed_activations_are_at_most_six_tenths_of_fp32() {
+    for name in ["cnn_bn", "transformer"] {
+        let (mixed, fp32) = (peak(name, "mixed"), peak(name, "fp32"));
+        let ratio = mixed as f64 / fp32 as f64;
+        println!("{name}: peak activations at batch 64, mixed {mixed} B, fp32 {fp32} B: {ratio:.3}x");
+        assert!(ratio <= 0.6, "{name}: mixed / fp32 = {ratio}");
+    }
+}
