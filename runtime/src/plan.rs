@@ -143,6 +143,11 @@ pub fn plan(g: &Graph) -> Result<Plan, RuntimeError> {
     Ok(Plan { order, last_use, slots, peak_activation_bytes: peak, weight_bytes, in_place })
 }
 
+/// A buffer to place: its size, first and last step, and the values that live in it.
+type Buffer = (u64, usize, usize, Vec<ValueId>);
+/// A placed buffer: offset, size, first and last step.
+type Placement = (u64, u64, usize, usize);
+
 /// Re-assigns offsets greedy by size. Values that share a slot (in place) stay one buffer whose
 /// lifetime is the union of theirs. Keeps the time-order plan when it is already as small, or
 /// when the graph is too large for the pairwise scan.
@@ -167,7 +172,7 @@ fn repack(
     }
     // A slot reused by values with disjoint lifetimes must not become one long buffer: give each
     // value its own buffer unless it was written in place over another (same slot, touching).
-    let mut items: Vec<(u64, usize, usize, Vec<ValueId>)> = Vec::new();
+    let mut items: Vec<Buffer> = Vec::new();
     for (slot, (_, _, mut vs)) in buffers {
         vs.sort_by_key(|v| g.value(*v).producer().and_then(|(n, _)| step_of.get(&n).copied()).unwrap_or(0));
         let mut cur: Option<(usize, usize, Vec<ValueId>)> = None;
@@ -198,8 +203,8 @@ fn repack(
     // over its lifetime; the smallest arena wins. Largest first and earliest first suit most
     // graphs; for small ones (up to a few thousand buffers) the orders of TFLite's planners are
     // tried too: longest-lived first and largest area (size × lifetime) first.
-    let place = |items: &[(u64, usize, usize, Vec<ValueId>)]| {
-        let mut placed: Vec<(u64, u64, usize, usize)> = Vec::with_capacity(items.len()); // offset, size, def, last
+    let place = |items: &[Buffer]| {
+        let mut placed: Vec<Placement> = Vec::with_capacity(items.len()); // offset, size, def, last
         let mut peak = 0u64;
         for (size, def, last, _) in items {
             let mut busy: Vec<(u64, u64)> =
@@ -217,17 +222,17 @@ fn repack(
         }
         (placed, peak)
     };
-    type Order = fn(&(u64, usize, usize, Vec<ValueId>), &(u64, usize, usize, Vec<ValueId>)) -> std::cmp::Ordering;
+    type Order = fn(&Buffer, &Buffer) -> std::cmp::Ordering;
     let mut orders: Vec<Order> =
         vec![|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)), |a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0))];
     if items.len() <= 4_000 {
         orders.push(|a, b| (b.2 - b.1).cmp(&(a.2 - a.1)).then(b.0.cmp(&a.0)).then(a.1.cmp(&b.1)));
         orders.push(|a, b| {
-            let area = |x: &(u64, usize, usize, Vec<ValueId>)| x.0 * (x.2 - x.1 + 1) as u64;
+            let area = |x: &Buffer| x.0 * (x.2 - x.1 + 1) as u64;
             area(b).cmp(&area(a)).then(a.1.cmp(&b.1))
         });
     }
-    let mut best: Option<(Vec<(u64, usize, usize, Vec<ValueId>)>, Vec<(u64, u64, usize, usize)>, u64)> = None;
+    let mut best: Option<(Vec<Buffer>, Vec<Placement>, u64)> = None;
     for order in orders {
         items.sort_by(order);
         let (placed, peak) = place(&items);
