@@ -10,12 +10,7 @@ use common::{fixture, FIXTURES};
 fn live_values_never_overlap_in_the_arena() {
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
-            let path = fixture(name);
-            let mut g = mpc::load(&path).unwrap();
-            let opts = mpc::Options { policy: Some(policy.into()), ..Default::default() };
-            mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
-            let dims: HashMap<String, u64> = [("batch".to_string(), 8)].into();
-            let (b, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
+            let b = compiled(name, policy, 8);
             let plan = mpc_runtime::plan(&b).unwrap();
             let step: HashMap<_, _> = plan.order.iter().enumerate().map(|(i, &n)| (n, i)).collect();
             let life = |v: mpc_ir::ValueId| {
@@ -43,15 +38,19 @@ fn live_values_never_overlap_in_the_arena() {
     }
 }
 
-/// Peak activation bytes of `name` under `policy` at batch 64.
-fn peak(name: &str, policy: &str) -> u64 {
+/// The fixture compiled under `policy`, its batch bound to `batch`.
+fn compiled(name: &str, policy: &str, batch: u64) -> mpc_ir::Graph {
     let path = fixture(name);
     let mut g = mpc::load(&path).unwrap();
     let opts = mpc::Options { policy: Some(policy.into()), ..Default::default() };
     mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
-    let dims: HashMap<String, u64> = [("batch".to_string(), 64)].into();
-    let (b, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
-    mpc_runtime::plan(&b).unwrap().peak_activation_bytes
+    let dims: HashMap<String, u64> = [("batch".to_string(), batch)].into();
+    mpc::summary::bind_inputs(&g, &dims).unwrap().0
+}
+
+/// Peak activation bytes of `name` under `policy` at batch 64.
+fn peak(name: &str, policy: &str) -> u64 {
+    mpc_runtime::plan(&compiled(name, policy, 64)).unwrap().peak_activation_bytes
 }
 
 #[test]

@@ -724,14 +724,20 @@ mod tests {
         assert_eq!(g.value(x).uses(), &[Use { node: a, slot: 0 }]);
     }
 
-    #[test]
-    fn topo_order_of_a_graph_built_out_of_order() {
-        // `late` reads `b`'s output but was added before it: index order is not topological,
-        // and among ready nodes the oldest goes first.
+    /// `late` reads the output `bv` of `b`, which was added after it: index order is not
+    /// topological.
+    fn out_of_order() -> (Graph, ValueId, ValueId, NodeId, ValueId) {
         let mut g = Graph::new("g");
         let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[2])));
         let bv = g.new_value("b", TypeInfo::default());
-        let (late, _) = g.add_op("late", Op::Relu, &[Some(bv)], 1);
+        let (late, lo) = g.add_op("late", Op::Relu, &[Some(bv)], 1);
+        (g, x, bv, late, lo[0])
+    }
+
+    #[test]
+    fn topo_order_of_a_graph_built_out_of_order() {
+        // Among ready nodes the oldest goes first.
+        let (mut g, x, bv, late, _) = out_of_order();
         let (a, _) = g.add_op("a", Op::Neg, &[Some(x)], 1);
         let b = g.add_node("b", Op::Exp, vec![Some(x)], vec![bv]);
         let (c, _) = g.add_op("c", Op::Abs, &[Some(x)], 1);
@@ -743,18 +749,15 @@ mod tests {
 
     #[test]
     fn sorting_renumbers_in_topological_order() {
-        let mut g = Graph::new("g");
-        let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[2])));
-        let bv = g.new_value("b", TypeInfo::default());
-        let (late, lo) = g.add_op("late", Op::Relu, &[Some(bv)], 1);
+        let (mut g, x, bv, late, lo) = out_of_order();
         g.add_node("b", Op::Exp, vec![Some(x)], vec![bv]);
-        g.add_output(lo[0]);
+        g.add_output(lo);
         let map = g.sort_nodes().unwrap().unwrap();
         let order = g.check_structure().unwrap();
         assert_eq!(order.iter().map(|&n| g.node(n).name.as_str()).collect::<Vec<_>>(), ["b", "late"]);
         assert_eq!(map[late.index()], order[1]);
         assert_eq!(g.value(bv).uses(), &[Use { node: order[1], slot: 0 }]);
-        assert_eq!(g.value(lo[0]).producer(), Some((order[1], 0)));
+        assert_eq!(g.value(lo).producer(), Some((order[1], 0)));
         assert!(g.sort_nodes().unwrap().is_none(), "sorted graphs stay as they are");
     }
 
