@@ -4,81 +4,36 @@
 use super::{err, Res};
 use crate::value::{Data, HostTensor};
 
-/// C[m×n] = A[m×k] · B[k×n] with arbitrary strides, accumulated into `c` (row-major, beta 0).
-#[allow(clippy::too_many_arguments)]
-fn gemm_f32(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    rsa: isize,
-    csa: isize,
-    b: &[f32],
-    rsb: isize,
-    csb: isize,
-    c: &mut [f32],
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: the strides and dimensions describe matrices inside `a`, `b` and `c`, which the
-    // callers size as m×k, k×n and m×n.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa,
-            csa,
-            b.as_ptr(),
-            rsb,
-            csb,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
+/// `$name`: C[m×n] = A[m×k] · B[k×n] with arbitrary strides, through matrixmultiply's `$kernel`
+/// (row-major C, beta 0).
+macro_rules! gemm {
+    ($name:ident, $t:ty, $kernel:path) => {
+        #[allow(clippy::too_many_arguments)]
+        fn $name(
+            m: usize,
+            k: usize,
+            n: usize,
+            a: &[$t],
+            rsa: isize,
+            csa: isize,
+            b: &[$t],
+            rsb: isize,
+            csb: isize,
+            c: &mut [$t],
+        ) {
+            if m == 0 || n == 0 {
+                return;
+            }
+            // SAFETY: the strides and dimensions describe matrices inside `a`, `b` and `c`, which
+            // the callers size as m×k, k×n and m×n.
+            unsafe {
+                $kernel(m, k, n, 1.0, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
+            }
+        }
+    };
 }
-
-#[allow(clippy::too_many_arguments)]
-fn gemm_f64(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f64],
-    rsa: isize,
-    csa: isize,
-    b: &[f64],
-    rsb: isize,
-    csb: isize,
-    c: &mut [f64],
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: as in `gemm_f32`.
-    unsafe {
-        matrixmultiply::dgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa,
-            csa,
-            b.as_ptr(),
-            rsb,
-            csb,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
-}
+gemm!(gemm_f32, f32, matrixmultiply::sgemm);
+gemm!(gemm_f64, f64, matrixmultiply::dgemm);
 
 /// Float or integer matrix data in the compute type, borrowed when it already is.
 enum Mat<'a> {

@@ -246,19 +246,27 @@ pub(crate) fn pool(
     if !max && !x.dtype().is_float() {
         return Err(err(format!("AveragePool on {}", x.dtype())));
     }
-    let v: Vec<f64> = match f32_view(x) {
-        // Windows read f32 values widened one at a time below; a whole f64 copy is not needed.
-        Some(f) => return pool_f32(x, &f, kernel, pads, strides, dilations, out_spatial, max, count_include_pad),
-        None => x.f64s(),
-    };
     let (nb, c) = (x.shape[0], x.shape[1]);
     let in_sp = &x.shape[2..];
     let ivol: usize = in_sp.iter().product();
     let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
-    let out = pool_planes(&v, nb * c, ivol, &taps, &padded, max, count_include_pad);
     let mut shape = vec![nb, c];
     shape.extend(out_spatial);
-    Ok(if x.dtype().is_float() { store(x, shape, out) } else { HostTensor::from_f64(x.dtype(), shape, out) })
+    // The f32 family is pooled in f32 (no f64 copy of the input); f64 and integers in f64.
+    Ok(match f32_view(x) {
+        Some(f) => {
+            let out = pool_planes(&f, nb * c, ivol, &taps, &padded, max, count_include_pad);
+            HostTensor::from_f32(x.dtype(), shape, out)
+        }
+        None => {
+            let out = pool_planes(&x.f64s(), nb * c, ivol, &taps, &padded, max, count_include_pad);
+            if x.dtype().is_float() {
+                store(x, shape, out)
+            } else {
+                HostTensor::from_f64(x.dtype(), shape, out)
+            }
+        }
+    })
 }
 
 /// For every output position of a pooling window: the input offsets it reads, and how many of its
@@ -334,29 +342,6 @@ fn pool_planes<R: Real>(
         }
     }
     out
-}
-
-/// Pooling on f32-family data: the same windows as `pool`, accumulated in f32.
-#[allow(clippy::too_many_arguments)]
-fn pool_f32(
-    x: &HostTensor,
-    v: &[f32],
-    kernel: &[usize],
-    pads: &[usize],
-    strides: &[usize],
-    dilations: &[usize],
-    out_spatial: &[usize],
-    max: bool,
-    count_include_pad: bool,
-) -> Res<HostTensor> {
-    let (nb, c) = (x.shape[0], x.shape[1]);
-    let in_sp = &x.shape[2..];
-    let ivol: usize = in_sp.iter().product();
-    let (taps, padded) = window_taps(in_sp, kernel, pads, strides, dilations, out_spatial);
-    let out = pool_planes(v, nb * c, ivol, &taps, &padded, max, count_include_pad);
-    let mut shape = vec![nb, c];
-    shape.extend(out_spatial);
-    Ok(HostTensor::from_f32(x.dtype(), shape, out))
 }
 
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
