@@ -572,16 +572,20 @@ impl Graph {
 
     /// Nodes in a deterministic topological order: among ready nodes the oldest goes first, so
     /// a graph that was already sorted keeps its order. A cycle is an error naming a node on it.
-    ///
-    /// A cursor walks the node indices in order and takes each node that is ready when it gets
-    /// there; only a node that becomes ready after the cursor has passed it waits in a heap. A
-    /// graph built in order never uses the heap, so sorting it is linear.
     pub fn topo_order(&self) -> Result<Vec<NodeId>, GraphError> {
         // Most graphs are built in order: then index order is the answer (every ready node's
         // producers have smaller indices, so the oldest ready node is always the next index).
         if self.in_index_order() {
             return Ok(self.node_ids().collect());
         }
+        self.sorted_order()
+    }
+
+    /// [`Graph::topo_order`] of a graph not in index order. A cursor walks the node indices in
+    /// order and takes each node that is ready when it gets there; only a node that becomes ready
+    /// after the cursor has passed it waits in a heap, so a graph mostly in order sorts in
+    /// near-linear time.
+    fn sorted_order(&self) -> Result<Vec<NodeId>, GraphError> {
         const DONE: u32 = u32::MAX;
         let bound = self.nodes.node_bound();
         // Unready inputs per node; DONE for emitted nodes and vacant indices.
@@ -649,7 +653,7 @@ impl Graph {
         if self.in_index_order() {
             return Ok(None);
         }
-        let order = self.topo_order()?;
+        let order = self.sorted_order()?;
         let mut map = vec![NodeId(u32::MAX); self.nodes.node_bound()];
         let mut nodes = StableDiGraph::with_capacity(order.len(), 0);
         for &old in &order {
