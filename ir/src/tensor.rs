@@ -233,12 +233,34 @@ pub(crate) fn decode_f64(dtype: DType, c: &[u8]) -> f64 {
     }
 }
 
+/// `v` rounded to the nearest f16 (ties to even). `half`'s own `f16::from_f64` drops the low 32
+/// bits of the mantissa before rounding, so a value just above a tie can round down.
+pub fn f16_from_f64(v: f64) -> f16 {
+    f16::from_f32(f32_rounded_to_odd(v))
+}
+
+/// `v` rounded to the nearest bf16 (ties to even); see [`f16_from_f64`].
+pub fn bf16_from_f64(v: f64) -> bf16 {
+    bf16::from_f32(f32_rounded_to_odd(v))
+}
+
+/// `v` as f32, an inexact result replaced by its odd neighbour on `v`'s side: rounding that to
+/// a narrower type then rounds as `v` itself would (the classic fix for double rounding).
+fn f32_rounded_to_odd(v: f64) -> f32 {
+    let f = v as f32;
+    if !f.is_finite() || f as f64 == v || f.to_bits() & 1 == 1 {
+        return f;
+    }
+    let b = f.to_bits();
+    f32::from_bits(if v.abs() > (f as f64).abs() { b + 1 } else { b - 1 })
+}
+
 /// Appends `v` converted to `dtype` (saturating `as` casts for integers).
 pub(crate) fn encode_f64(dtype: DType, v: f64, out: &mut Vec<u8>) {
     match dtype {
         DType::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
-        DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_le_bytes()),
-        DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_le_bytes()),
+        DType::F16 => out.extend_from_slice(&f16_from_f64(v).to_le_bytes()),
+        DType::BF16 => out.extend_from_slice(&bf16_from_f64(v).to_le_bytes()),
         DType::F64 => out.extend_from_slice(&v.to_le_bytes()),
         DType::I64 => out.extend_from_slice(&(v as i64).to_le_bytes()),
         DType::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
@@ -315,6 +337,30 @@ mod tests {
         let v: Vec<f32> = (0..10_000).map(|i| (i as f32 - 5000.0) * 0.37).collect();
         let (n, _) = Tensor::from_f32(vec![10_000], &v).narrow(DType::F16).unwrap();
         assert_eq!(n, Tensor::from_f32(vec![10_000], &v).to_dtype(DType::F16));
+    }
+
+    #[test]
+    fn rounding_from_f64_is_to_nearest_even() {
+        // Just above a tie rounds up; the tie itself goes to the even neighbour.
+        let tiny = 2f64.powi(-40);
+        assert_eq!(bf16_from_f64(1.0 + 2f64.powi(-8) + tiny).to_f64(), 1.0 + 2f64.powi(-7));
+        assert_eq!(bf16_from_f64(1.0 + 2f64.powi(-8)).to_f64(), 1.0);
+        assert_eq!(bf16_from_f64(-(1.0 + 2f64.powi(-8) + tiny)).to_f64(), -(1.0 + 2f64.powi(-7)));
+        assert_eq!(f16_from_f64(1.0 + 2f64.powi(-11) + tiny).to_f64(), 1.0 + 2f64.powi(-10));
+        assert_eq!(f16_from_f64(1.0 + 2f64.powi(-11)).to_f64(), 1.0);
+        assert_eq!(f16_from_f64(2f64.powi(-25) + tiny * 2f64.powi(-30)).to_f64(), 2f64.powi(-24));
+        assert_eq!(f16_from_f64(65520.0 - 2f64.powi(-30)).to_f64(), 65504.0);
+        assert!(f16_from_f64(65520.0).is_infinite() && bf16_from_f64(f64::MAX).is_infinite());
+        assert!(f16_from_f64(f64::NAN).is_nan() && bf16_from_f64(f64::NAN).is_nan());
+        // Every f32 converts as the f32 conversion does (which is exact in hardware).
+        let mut seed = 7u64;
+        for _ in 0..100_000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let x = f32::from_bits((seed >> 32) as u32);
+            let (h, b) = (f16_from_f64(x as f64), bf16_from_f64(x as f64));
+            assert!(h.to_bits() == f16::from_f32(x).to_bits() || x.is_nan(), "{x:e}");
+            assert!(b.to_bits() == bf16::from_f32(x).to_bits() || x.is_nan(), "{x:e}");
+        }
     }
 
     #[test]

@@ -141,8 +141,8 @@ impl HostTensor {
     pub fn from_f64(dtype: DType, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
         let data = match dtype {
             DType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
-            DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
-            DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            DType::F16 => Data::F16(v.iter().map(|&x| mpc_ir::f16_from_f64(x)).collect()),
+            DType::BF16 => Data::BF16(v.iter().map(|&x| mpc_ir::bf16_from_f64(x)).collect()),
             DType::F64 => Data::F64(v),
             DType::I64 => Data::I64(v.iter().map(|&x| x as i64).collect()),
             DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
