@@ -3,8 +3,14 @@
 //! Data is little-endian bytes in a reference-counted [`Bytes`] buffer. An initializer decoded from a
 //! model file shares the file's buffer (no copy), and cloning a tensor is cheap, which is what keeps
 //! import + export of a large model within a small multiple of its file size.
+//!
+//! A weight narrowed to f16/bf16 ([`Tensor::narrow`]) is judged at once but converted only when its
+//! data is first read; the ONNX writer converts it piece by piece on its way to the file
+//! ([`Tensor::for_each_piece`]), so compiling a model never holds a second copy of its weights.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use half::{bf16, f16};
@@ -13,12 +19,35 @@ use serde::{Deserialize, Serialize};
 use crate::DType;
 
 /// A dense tensor: dtype, static shape, little-endian data.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 #[serde(into = "TensorRepr", try_from = "TensorRepr")]
 pub struct Tensor {
     dtype: DType,
     shape: Vec<u64>,
-    data: Bytes,
+    data: Data,
+}
+
+#[derive(Clone)]
+enum Data {
+    Bytes(Bytes),
+    /// f32 data to be converted to the tensor's 16-bit dtype, and the conversion once made.
+    Narrowed(Arc<(Bytes, OnceLock<Bytes>)>),
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Tensor) -> bool {
+        self.dtype == other.dtype && self.shape == other.shape && self.bytes() == other.bytes()
+    }
+}
+
+impl Eq for Tensor {}
+
+impl Hash for Tensor {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.dtype.hash(state);
+        self.shape.hash(state);
+        self.bytes().hash(state);
+    }
 }
 
 impl Tensor {
@@ -29,7 +58,7 @@ impl Tensor {
         if data.len() as u64 != want {
             return Err(format!("{} bytes of data for {dtype}{:?} ({want} bytes expected)", data.len(), shape));
         }
-        Ok(Tensor { dtype, shape, data })
+        Ok(Tensor { dtype, shape, data: Data::Bytes(data) })
     }
 
     pub fn from_f32(shape: Vec<u64>, values: &[f32]) -> Tensor {
@@ -53,7 +82,7 @@ impl Tensor {
         assert_eq!(numel(&shape), Some(values.len() as u64), "values disagree with shape");
         let mut out = Vec::with_capacity(values.len() * dtype.size());
         values.iter().for_each(|v| put(v, &mut out));
-        Tensor { dtype, shape, data: Bytes::from(out) }
+        Tensor { dtype, shape, data: Data::Bytes(Bytes::from(out)) }
     }
 
     pub fn dtype(&self) -> DType {
@@ -68,8 +97,67 @@ impl Tensor {
         numel(&self.shape).unwrap_or(0)
     }
 
+    /// The data as little-endian bytes (a narrowed tensor is converted on the first call).
     pub fn bytes(&self) -> &Bytes {
-        &self.data
+        match &self.data {
+            Data::Bytes(b) => b,
+            Data::Narrowed(n) => n.1.get_or_init(|| convert(&n.0, self.dtype)),
+        }
+    }
+
+    #[cfg(test)]
+    fn data_is_pending(&self) -> bool {
+        matches!(&self.data, Data::Narrowed(n) if n.1.get().is_none())
+    }
+
+    /// The length of [`Tensor::bytes`], without converting a narrowed tensor.
+    pub fn byte_len(&self) -> usize {
+        match &self.data {
+            Data::Bytes(b) => b.len(),
+            Data::Narrowed(n) => n.0.len() / 4 * self.dtype.size(),
+        }
+    }
+
+    /// Hands the data to `put` in order, in pieces: a narrowed tensor that nothing has read yet is
+    /// converted a piece at a time, on a second thread while `put` takes the piece before, so
+    /// writing it out never holds it whole.
+    pub fn for_each_piece<E>(&self, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
+        const PIECE: usize = 1 << 18;
+        let src = match &self.data {
+            Data::Narrowed(n) if n.1.get().is_none() => &n.0,
+            _ => return put(self.bytes()),
+        };
+        let to = self.dtype;
+        if src.len() <= 2 * 4 * PIECE {
+            let mut buf = vec![0u16; src.len() / 4];
+            convert_part(src, &mut buf, to);
+            return put(u16_bytes(&buf));
+        }
+        std::thread::scope(|s| {
+            // Three buffers go round: one being converted, one being written, one waiting. The
+            // channels' ends close when this closure returns, so the converter stops when the
+            // writer stops, however it stops.
+            let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Vec<u16>>(1);
+            let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u16>>();
+            for _ in 0..3 {
+                empty_tx.send(vec![0u16; PIECE]).expect("the receiver is alive");
+            }
+            s.spawn(move || {
+                for piece in src.chunks(PIECE * 4) {
+                    let Ok(mut buf) = empty_rx.recv() else { return };
+                    buf.resize(piece.len() / 4, 0);
+                    convert_part(piece, &mut buf, to);
+                    if full_tx.send(buf).is_err() {
+                        return;
+                    }
+                }
+            });
+            for buf in full_rx {
+                put(u16_bytes(&buf))?;
+                let _ = empty_tx.send(buf);
+            }
+            Ok(())
+        })
     }
 
     /// Every element as i64, for integer and bool tensors (shape computations, axes, pads).
@@ -89,44 +177,46 @@ impl Tensor {
     pub fn to_dtype(&self, to: DType) -> Tensor {
         let mut out = Vec::with_capacity(self.numel() as usize * to.size());
         self.elements().for_each(|v| encode_f64(to, v, &mut out));
-        Tensor { dtype: to, shape: self.shape.clone(), data: Bytes::from(out) }
+        Tensor { dtype: to, shape: self.shape.clone(), data: Data::Bytes(Bytes::from(out)) }
     }
 
-    /// An f32 tensor converted to f16 or bf16 (round to nearest even), with what the conversion lost.
-    /// Works in blocks with the hardware conversion where the CPU has one: this is the hot loop of
-    /// converting a model's weights.
+    /// An f32 tensor converted to f16 or bf16 (round to nearest even), with what the conversion
+    /// loses. The loss is measured now; the conversion is made when the data is first read (see
+    /// the module's documentation).
     pub fn narrow(&self, to: DType) -> Option<(Tensor, Narrowing)> {
-        if self.dtype != DType::F32 || !matches!(to, DType::F16 | DType::BF16) {
-            return None;
+        Tensor::narrow_all(&[self], to).pop().flatten()
+    }
+
+    /// [`Tensor::narrow`] of each tensor, measured on all threads at once (a model's weights are
+    /// many tensors, most of them too small to split).
+    pub fn narrow_all(ts: &[&Tensor], to: DType) -> Vec<Option<(Tensor, Narrowing)>> {
+        const PART: usize = 1 << 18;
+        let ok = |t: &Tensor| t.dtype == DType::F32 && matches!(to, DType::F16 | DType::BF16);
+        // (tensor, part of its bytes), in order.
+        let parts: Vec<(usize, &[u8])> = ts
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| ok(t))
+            .flat_map(|(i, t)| t.bytes().chunks(PART * 4).map(move |p| (i, p)))
+            .collect();
+        let judged = par_map(&parts, |&(_, p)| judge_part(p, to));
+        let mut reports: Vec<Narrowing> = vec![Narrowing::default(); ts.len()];
+        for (&(i, _), r) in parts.iter().zip(judged) {
+            let a = &mut reports[i];
+            a.overflow = a.overflow.or(r.overflow);
+            a.example_flushed = a.example_flushed.or(r.example_flushed);
+            a.flushed += r.flushed;
+            a.nonzero += r.nonzero;
         }
-        let n = self.data.len() / 4;
-        let mut out: Vec<u16> = vec![0; n];
-        // Large weights are split across threads (each part is independent).
-        const PER_THREAD: usize = 1 << 20;
-        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n / PER_THREAD).max(1);
-        let part = n.div_ceil(threads);
-        let reports: Vec<Narrowing> = std::thread::scope(|s| {
-            let jobs: Vec<_> = self
-                .data
-                .chunks(part * 4)
-                .zip(out.chunks_mut(part))
-                .map(|(src, dst)| s.spawn(move || narrow_part(src, dst, to)))
-                .collect();
-            jobs.into_iter().map(|j| j.join().unwrap_or_default()).collect()
-        });
-        let mut report = Narrowing::default();
-        for r in reports {
-            report.overflow = report.overflow.or(r.overflow);
-            report.example_flushed = report.example_flushed.or(r.example_flushed);
-            report.flushed += r.flushed;
-            report.nonzero += r.nonzero;
-        }
-        let data = if cfg!(target_endian = "little") {
-            Bytes::from_owner(U16Bytes(out))
-        } else {
-            Bytes::from(out.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>())
-        };
-        Some((Tensor { dtype: to, shape: self.shape.clone(), data }, report))
+        ts.iter()
+            .zip(reports)
+            .map(|(t, report)| {
+                ok(t).then(|| {
+                    let data = Data::Narrowed(Arc::new((t.bytes().clone(), OnceLock::new())));
+                    (Tensor { dtype: to, shape: t.shape.clone(), data }, report)
+                })
+            })
+            .collect()
     }
 
     /// Every element as f64, without allocating.
@@ -136,63 +226,165 @@ impl Tensor {
 
     fn elements(&self) -> impl Iterator<Item = f64> + '_ {
         let dtype = self.dtype;
-        self.data.chunks_exact(dtype.size()).map(move |c| decode_f64(dtype, c))
+        self.bytes().chunks_exact(dtype.size()).map(move |c| decode_f64(dtype, c))
     }
 }
 
-/// Converts little-endian f32 bytes in `src` to f16/bf16 bits in `dst`, block by block.
-fn narrow_part(src: &[u8], dst: &mut [u16], to: DType) -> Narrowing {
+/// `f` of each item, on every thread when there is more than one item (the threads take the next
+/// item in turn); the results in the items' order.
+fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    let threads = *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |t| t.get()));
+    let threads = threads.min(items.len());
+    if threads <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(item) = items.get(i) else { return done };
+            done.push((i, f(item)));
+        }
+    };
+    let mut done: Vec<(usize, R)> = std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
+        let mut done = work();
+        for h in helpers {
+            done.extend(h.join().expect("a conversion thread panicked"));
+        }
+        done
+    });
+    done.sort_unstable_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
+}
+
+/// All of the f32 bytes `src` converted to `to` (f16 or bf16).
+fn convert(src: &Bytes, to: DType) -> Bytes {
+    const PART: usize = 1 << 18;
+    let mut out: Vec<u16> = vec![0; src.len() / 4];
+    // Each part's output behind a lock that no two threads ever contend for.
+    let parts: Vec<(&[u8], std::sync::Mutex<&mut [u16]>)> =
+        src.chunks(PART * 4).zip(out.chunks_mut(PART)).map(|(s, d)| (s, d.into())).collect();
+    par_map(&parts, |(src, dst)| convert_part(src, &mut dst.lock().expect("not poisoned"), to));
+    drop(parts);
+    Bytes::from_owner(U16Bytes(out))
+}
+
+const BLOCK: usize = 4096;
+
+/// Converts little-endian f32 bytes in `src` to f16/bf16 bits in `dst` (little-endian on return).
+fn convert_part(src: &[u8], dst: &mut [u16], to: DType) {
+    let mut buf = [0f32; BLOCK];
+    for (block, dst) in src.chunks(BLOCK * 4).zip(dst.chunks_mut(BLOCK)) {
+        convert_block(load_block(block, &mut buf), dst, to);
+    }
+}
+
+/// Up to [`BLOCK`] little-endian f32 values read into `buf`.
+fn load_block<'b>(block: &[u8], buf: &'b mut [f32; BLOCK]) -> &'b [f32] {
+    let n = block.len() / 4;
+    for (x, c) in buf.iter_mut().zip(block.chunks_exact(4)) {
+        *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    &buf[..n]
+}
+
+/// `src` converted to f16/bf16 bits in `dst` (little-endian).
+fn convert_block(src: &[f32], dst: &mut [u16], to: DType) {
     use half::slice::HalfFloatSliceExt;
-    const BLOCK: usize = 4096;
+    let n = dst.len();
+    // SAFETY: f16 and bf16 are `repr(transparent)` over u16, so the slice may be viewed as either.
+    if to == DType::F16 {
+        let d: &mut [f16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
+        d.convert_from_f32_slice(src);
+    } else {
+        let d: &mut [bf16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
+        d.convert_from_f32_slice(src);
+    }
+    if cfg!(target_endian = "big") {
+        dst.iter_mut().for_each(|b| *b = b.to_le());
+    }
+}
+
+/// What converting the f32 bytes `src` to `to` loses, without keeping the conversion.
+fn judge_part(src: &[u8], to: DType) -> Narrowing {
+    // What conversion loses lies at the two ends of the magnitude range (f32 bits without the
+    // sign): a non-zero magnitude at or below `tiny` may round to zero, one at or above `huge`
+    // to infinity. Only a block holding either is converted and looked at element by element.
+    let (tiny, huge, inf) = match to {
+        DType::F16 => (0x3300_0000, 0x477f_f000, 0x7c00u16), // 2^-25, 65520
+        _ => (0x0000_8000, 0x7f7f_8000, 0x7f80),
+    };
     let mut report = Narrowing::default();
     let mut buf = [0f32; BLOCK];
-    let inf = if to == DType::F16 { 0x7c00u16 } else { 0x7f80 };
-    for (block, dst) in src.chunks(BLOCK * 4).zip(dst.chunks_mut(BLOCK)) {
-        let n = dst.len();
-        for (x, c) in buf.iter_mut().zip(block.chunks_exact(4)) {
-            *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    let mut out = [0u16; BLOCK];
+    for block in src.chunks(BLOCK * 4) {
+        let xs = load_block(block, &mut buf);
+        let (nonzero, suspect) = scan(xs, tiny, huge);
+        report.nonzero += nonzero as usize;
+        if !suspect {
+            continue;
         }
-        let src = &buf[..n];
-        // SAFETY: f16 and bf16 are `repr(transparent)` over u16, so the slice may be viewed as either.
-        if to == DType::F16 {
-            let d: &mut [f16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
-            d.convert_from_f32_slice(src);
-        } else {
-            let d: &mut [bf16] = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), n) };
-            d.convert_from_f32_slice(src);
-        }
-        // Counts vectorise; the element-wise look happens only in a block where conversion made a
-        // zero or an infinity that the input did not have.
-        let zeros_in = src.iter().filter(|&&x| x == 0.0).count();
-        let infs_in = src.iter().filter(|&&x| x.is_infinite()).count();
-        let zeros_out = dst.iter().filter(|&&b| b & 0x7fff == 0).count();
-        let infs_out = dst.iter().filter(|&&b| b & 0x7fff == inf).count();
-        report.nonzero += n - zeros_in;
-        if zeros_out != zeros_in || infs_out != infs_in {
-            for (&x, &b) in src.iter().zip(dst.iter()) {
-                let mag = b & 0x7fff;
-                if x != 0.0 && mag == 0 && x.is_finite() {
-                    report.flushed += 1;
-                    report.example_flushed.get_or_insert(x);
-                }
-                if mag == inf && x.is_finite() {
-                    report.overflow.get_or_insert(x);
-                }
+        let dst = &mut out[..xs.len()];
+        convert_block(xs, dst, to);
+        for (&x, &b) in xs.iter().zip(dst.iter()) {
+            let mag = u16::from_le(b) & 0x7fff;
+            if x != 0.0 && mag == 0 && x.is_finite() {
+                report.flushed += 1;
+                report.example_flushed.get_or_insert(x);
+            }
+            if mag == inf && x.is_finite() {
+                report.overflow.get_or_insert(x);
             }
         }
     }
     report
 }
 
-/// A `Vec<u16>` seen as its little-endian bytes, so that converted data becomes a [`Bytes`]
-/// without a copy.
+/// `u16`s seen as bytes (little-endian ones, on every target, after [`convert_block`]).
+fn u16_bytes(xs: &[u16]) -> &[u8] {
+    // SAFETY: any u16 slice is a valid u8 slice of twice the length (u8 has alignment 1).
+    unsafe { std::slice::from_raw_parts(xs.as_ptr().cast(), xs.len() * 2) }
+}
+
+/// The number of non-zero values in `xs`, and whether any has a magnitude (f32 bits without the
+/// sign) at or below `tiny` or at or above `huge`. One pass of compares in 32-bit lanes, so it
+/// vectorises (in AVX2's wider lanes where the CPU has them).
+fn scan(xs: &[f32], tiny: i32, huge: i32) -> (u32, bool) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        #[target_feature(enable = "avx2")]
+        unsafe fn scan_avx2(xs: &[f32], tiny: i32, huge: i32) -> (u32, bool) {
+            scan_lanes(xs, tiny, huge)
+        }
+        // SAFETY: the CPU has AVX2.
+        return unsafe { scan_avx2(xs, tiny, huge) };
+    }
+    scan_lanes(xs, tiny, huge)
+}
+
+#[inline(always)]
+fn scan_lanes(xs: &[f32], tiny: i32, huge: i32) -> (u32, bool) {
+    let (mut nonzero, mut suspect) = (0u32, 0u32);
+    for x in xs {
+        let mag = (x.to_bits() & 0x7fff_ffff) as i32;
+        let nz = (mag > 0) as u32;
+        nonzero += nz;
+        suspect |= (mag >= huge) as u32 | (nz & (mag <= tiny) as u32);
+    }
+    (nonzero, suspect != 0)
+}
+
+/// A `Vec<u16>` (of little-endian values) seen as bytes, so that converted data becomes a
+/// [`Bytes`] without a copy.
 struct U16Bytes(Vec<u16>);
 
 impl AsRef<[u8]> for U16Bytes {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: any u16 slice is a valid u8 slice of twice the length (u8 has alignment 1), and
-        // the caller only uses this on little-endian targets, where the byte order is the file's.
-        unsafe { std::slice::from_raw_parts(self.0.as_ptr().cast(), self.0.len() * 2) }
+        u16_bytes(&self.0)
     }
 }
 
@@ -276,7 +468,7 @@ pub(crate) fn encode_f64(dtype: DType, v: f64, out: &mut Vec<u8>) {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor({}{:?}, {} bytes)", self.dtype, self.shape, self.data.len())
+        write!(f, "Tensor({}{:?}, {} bytes)", self.dtype, self.shape, self.byte_len())
     }
 }
 
@@ -290,7 +482,7 @@ struct TensorRepr {
 
 impl From<Tensor> for TensorRepr {
     fn from(t: Tensor) -> TensorRepr {
-        let hex = t.data.iter().map(|b| format!("{b:02x}")).collect();
+        let hex = t.bytes().iter().map(|b| format!("{b:02x}")).collect();
         TensorRepr { dtype: t.dtype, shape: t.shape, hex }
     }
 }
@@ -337,6 +529,82 @@ mod tests {
         let v: Vec<f32> = (0..10_000).map(|i| (i as f32 - 5000.0) * 0.37).collect();
         let (n, _) = Tensor::from_f32(vec![10_000], &v).narrow(DType::F16).unwrap();
         assert_eq!(n, Tensor::from_f32(vec![10_000], &v).to_dtype(DType::F16));
+    }
+
+    /// What narrowing loses, counted element by element from the exact conversion.
+    fn lost(v: &[f32], to: DType) -> (Option<f32>, usize, usize) {
+        let (mut overflow, mut flushed) = (None, 0);
+        for &x in v.iter().filter(|x| x.is_finite()) {
+            let y = if to == DType::F16 { f16::from_f32(x).to_f64() } else { bf16::from_f32(x).to_f64() };
+            if y.is_infinite() {
+                overflow.get_or_insert(x);
+            }
+            flushed += (x != 0.0 && y == 0.0) as usize;
+        }
+        (overflow, flushed, v.iter().filter(|&&x| x != 0.0).count())
+    }
+
+    #[test]
+    fn narrowing_judges_the_edges_of_the_range_exactly() {
+        // Values next to where f16 and bf16 overflow or flush, scattered one per 4096-element
+        // block among ordinary values (the blocks in between are judged without converting).
+        let edges: Vec<f32> = [65504.0f32, 65519.996, 65520.0, 2f32.powi(-24), 2f32.powi(-25), f32::MAX]
+            .into_iter()
+            .chain([f32::from_bits(0x3300_0001), f32::from_bits(0x7f7f_7fff), f32::from_bits(0x7f7f_8000)])
+            .chain([f32::from_bits(0x8000), f32::from_bits(0x7fff), f32::from_bits(1), f32::INFINITY, f32::NAN])
+            .flat_map(|x| [x, -x])
+            .collect();
+        let mut seed = 12345u64;
+        for (i, &edge) in edges.iter().enumerate() {
+            let mut v: Vec<f32> = (0..3 * 4096)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 100.0
+                })
+                .collect();
+            v[4096 + i * 97] = edge;
+            let t = Tensor::from_f32(vec![v.len() as u64], &v);
+            for to in [DType::F16, DType::BF16] {
+                let (n, r) = t.narrow(to).unwrap();
+                assert_eq!((r.overflow, r.flushed, r.nonzero), lost(&v, to), "{edge:e} to {to}");
+                assert_eq!(n, t.to_dtype(to), "{edge:e} to {to}");
+            }
+        }
+    }
+
+    #[test]
+    fn narrowed_data_streams_in_pieces_equal_to_the_whole() {
+        // Long enough to go through the converter thread (more than two pieces).
+        let v: Vec<f32> = (0..1_100_001).map(|i| (i as f32).sin() * 70_000.0).collect();
+        let t = Tensor::from_f32(vec![v.len() as u64], &v);
+        let (n, r) = t.narrow(DType::F16).unwrap();
+        assert!(r.overflow.is_some());
+        let mut streamed = Vec::new();
+        let keep = |p: &[u8]| {
+            streamed.extend_from_slice(p);
+            Ok::<_, ()>(())
+        };
+        n.for_each_piece(keep).unwrap();
+        assert!(n.data_is_pending(), "streaming must not convert the whole tensor");
+        assert_eq!(streamed.len(), n.byte_len());
+        assert_eq!(&streamed[..], &n.bytes()[..]);
+        assert_eq!(n, t.to_dtype(DType::F16));
+        // A failing writer stops the stream (and its converter) at once.
+        let (n, _) = t.narrow(DType::BF16).unwrap();
+        let mut calls = 0;
+        let full = |_: &[u8]| {
+            calls += 1;
+            Err("disk full")
+        };
+        assert_eq!(n.for_each_piece(full), Err("disk full"));
+        assert_eq!(calls, 1);
+        // Many tensors at once judge as one at a time.
+        let ts = [&t, &Tensor::from_f32(vec![2], &[1e-30, 1.0]), &Tensor::from_i64(vec![1], &[3])];
+        let all = Tensor::narrow_all(&ts, DType::F16);
+        assert_eq!(all.len(), 3);
+        for (t, r) in ts.iter().zip(all) {
+            assert_eq!(r.map(|r| r.1), t.narrow(DType::F16).map(|r| r.1));
+        }
     }
 
     #[test]

@@ -66,7 +66,8 @@ const SHARED_TENSOR_BYTES: usize = 1 << 16;
 
 /// Writes the graph as an ONNX model to `w`, streaming: memory stays at one buffer of
 /// [`CHUNK_BYTES`] however large the graph (a training graph's encoding runs to tens of MB), and
-/// the weights are written from their own buffers, never copied.
+/// the weights are written from their own buffers, never copied (weights narrowed to f16/bf16
+/// are converted on their way out, a piece at a time).
 ///
 /// Protobuf puts the graph's length before the graph, so the graph is walked twice: once
 /// counting the bytes, once writing them. Each node is encoded from the graph's own strings and
@@ -101,6 +102,9 @@ pub fn write_onnx(g: &Graph, w: &mut dyn std::io::Write) -> Result<()> {
 /// Where encoded bytes go: counted (the first walk) or written.
 trait Sink {
     fn put(&mut self, bytes: &[u8]) -> Result<()>;
+
+    /// A tensor's data (the bytes of its `raw_data`).
+    fn put_data(&mut self, t: &Tensor) -> Result<()>;
 }
 
 struct Counter(usize);
@@ -108,6 +112,11 @@ struct Counter(usize);
 impl Sink for Counter {
     fn put(&mut self, bytes: &[u8]) -> Result<()> {
         self.0 += bytes.len();
+        Ok(())
+    }
+
+    fn put_data(&mut self, t: &Tensor) -> Result<()> {
+        self.0 += t.byte_len();
         Ok(())
     }
 }
@@ -137,6 +146,10 @@ impl Sink for Chunked<'_> {
             self.buf.extend_from_slice(bytes);
         }
         Ok(())
+    }
+
+    fn put_data(&mut self, t: &Tensor) -> Result<()> {
+        t.for_each_piece(|piece| self.put(piece))
     }
 }
 
@@ -170,22 +183,24 @@ impl GraphEncoder<'_> {
         }
         for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, self.opset)) {
             let Some(t) = g.value(v).initializer() else { continue };
-            let mut p = tensor_proto(self.names.get(g, v), t);
-            if p.raw_data.len() < SHARED_TENSOR_BYTES {
-                message::encode(5, &p, &mut self.tmp);
+            let name = self.names.get(g, v);
+            let raw = t.byte_len();
+            if raw < SHARED_TENSOR_BYTES {
+                message::encode(5, &tensor_proto(name, t), &mut self.tmp);
                 continue;
             }
-            // The tensor's fields, then raw_data's key and length; its bytes from its own buffer.
-            let raw = std::mem::take(&mut p.raw_data);
-            let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw.len() as u64) + raw.len();
+            // The tensor's other fields, then raw_data's key and length; then its bytes from its
+            // own buffer (or converted on the way, see `Tensor::for_each_piece`).
+            let p = tensor_head(name, t);
+            let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw as u64) + raw;
             encode_key(5, WireType::LengthDelimited, &mut self.tmp);
             encode_varint(len as u64, &mut self.tmp);
             p.encode(&mut self.tmp).map_err(|e| invalid(format!("encoding failed: {e}")))?;
             encode_key(9, WireType::LengthDelimited, &mut self.tmp);
-            encode_varint(raw.len() as u64, &mut self.tmp);
+            encode_varint(raw as u64, &mut self.tmp);
             sink.put(&self.tmp)?;
             self.tmp.clear();
-            sink.put(&raw)?;
+            sink.put_data(t)?;
         }
         for &v in g.inputs() {
             write_value_info(11, self.names.get(g, v), g.ty(v), &mut self.tmp);
@@ -385,11 +400,15 @@ impl Names {
 }
 
 pub(crate) fn tensor_proto(name: &str, t: &Tensor) -> TensorProto {
+    TensorProto { raw_data: t.bytes().clone(), ..tensor_head(name, t) }
+}
+
+/// A tensor's fields but its data.
+fn tensor_head(name: &str, t: &Tensor) -> TensorProto {
     TensorProto {
         dims: t.shape().iter().map(|&d| d as i64).collect(),
         data_type: t.dtype().onnx_code(),
         name: name.to_string(),
-        raw_data: t.bytes().clone(),
         ..Default::default()
     }
 }

@@ -15,10 +15,10 @@
 pub mod colour;
 pub mod table;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use mpc_ir::ops::{CastAttrs, ConstantAttrs, ConstantOfShapeAttrs};
-use mpc_ir::{DType, Def, Graph, NodeId, Op, Tensor, TypeInfo, ValueId};
+use mpc_ir::{DType, Def, Graph, Narrowing, NodeId, Op, Tensor, TypeInfo, ValueId};
 
 pub use colour::{Colour, Reason};
 pub use table::{default_class, input_role, output_follows, Class, Role};
@@ -136,10 +136,15 @@ struct Narrowed {
     why: Option<String>,
 }
 
-/// Converts `t` to `low` once, judging the result: unsafe when a finite value overflows, or when
-/// more than 1% of the non-zero values flush to zero.
+/// Converts `t` to `low` once, judging the result: see [`judged`].
 fn narrow(t: &Tensor, low: DType, name: &str, notes: &mut Vec<String>) -> Narrowed {
-    let Some((converted, r)) = t.narrow(low) else { return Narrowed { tensor: None, why: None } };
+    judged(t.narrow(low), low, name, notes)
+}
+
+/// A conversion judged: unsafe when a finite value overflows, or when more than 1% of the
+/// non-zero values flush to zero.
+fn judged(narrowed: Option<(Tensor, Narrowing)>, low: DType, name: &str, notes: &mut Vec<String>) -> Narrowed {
+    let Some((converted, r)) = narrowed else { return Narrowed { tensor: None, why: None } };
     let why = if let Some(x) = r.overflow {
         Some(format!("{x:e} overflows {low}"))
     } else if r.flushed * 100 > r.nonzero {
@@ -179,7 +184,10 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         forced: vec![None; bound],
     };
     let mut pins_found = BTreeSet::new();
-    let mut checked: HashMap<ValueId, Narrowed> = HashMap::new();
+    // Candidates (not pinned) and the constants they read.
+    let mut candidates: Vec<(NodeId, Vec<ValueId>)> = Vec::new();
+    let mut constants: Vec<(ValueId, Tensor)> = Vec::new();
+    let mut seen = HashSet::new();
     for &n in &order {
         let Some(class) = policy.class(&g.node(n).op) else { continue };
         let (ins, outs) = t_values(g, n);
@@ -192,10 +200,22 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             cg.forced[n.index()] = Some(Reason::Pinned);
             continue;
         }
+        for &v in &ins {
+            if seen.insert(v) {
+                constants.extend(constant_tensor(g, v).map(|t| (v, t)));
+            }
+        }
+        candidates.push((n, ins));
+    }
+    // Every constant judged at once (the work is spread over the threads), in a fixed order.
+    let tensors: Vec<&Tensor> = constants.iter().map(|(_, t)| t).collect();
+    let mut checked: HashMap<ValueId, Narrowed> = HashMap::new();
+    for ((v, _), nw) in constants.iter().zip(Tensor::narrow_all(&tensors, policy.low)) {
+        checked.insert(*v, judged(nw, policy.low, g.name(*v), &mut report.notes));
+    }
+    for (n, ins) in candidates {
         for v in ins {
-            let Some(t) = constant_tensor(g, v) else { continue };
-            let nw = checked.entry(v).or_insert_with(|| narrow(&t, policy.low, g.name(v), &mut report.notes));
-            if let Some(why) = &nw.why {
+            if let Some(why) = checked.get(&v).and_then(|nw| nw.why.as_ref()) {
                 cg.forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
             }
         }
