@@ -18,4 +18,4 @@ pub use error::{IrError, Result};
 pub use graph::{Def, Graph, GraphError, ModelMeta, Node, NodeId, TypeInfo, Use, Value, ValueId};
 pub use ops::{Op, Opaque};
 pub use shape::{normalize_axis, Dim, Shape};
-pub use tensor::{bf16_from_f64, f16_from_f64, Narrowing, Tensor};
+pub use tensor::{bf16_from_f64, f16_from_f64, ConvertAhead, Narrowing, Tensor};

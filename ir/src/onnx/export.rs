@@ -12,7 +12,7 @@ use prost::Message;
 use super::proto::{self, attribute_type as at, AttributeProto, TensorProto};
 use crate::error::{invalid, Result};
 use crate::graph::{Def, Graph, NodeId, TypeInfo, ValueId};
-use crate::{Attr, Dim, Op, Tensor};
+use crate::{Attr, ConvertAhead, Dim, Op, Tensor};
 
 /// The lowest IR version that may carry `opset`.
 fn ir_version_for(opset: i64) -> i64 {
@@ -93,10 +93,15 @@ pub fn write_onnx(g: &Graph, w: &mut dyn std::io::Write) -> Result<()> {
     let mut head = model_head(g, opset).encode_to_vec();
     encode_key(7, WireType::LengthDelimited, &mut head);
     encode_varint(count.0 as u64, &mut head);
-    let mut out = Chunked { w, buf: Vec::with_capacity(CHUNK_BYTES) };
-    out.put(&head)?;
-    enc.graph(&mut out)?;
-    out.flush()
+    let large: Vec<&Tensor> =
+        written_initializers(g, opset).map(|(_, t)| t).filter(|t| t.byte_len() >= SHARED_TENSOR_BYTES).collect();
+    std::thread::scope(|s| {
+        let ahead = ConvertAhead::start(s, &large);
+        let mut out = Chunked { out: Buffered { w, buf: Vec::with_capacity(CHUNK_BYTES) }, ahead };
+        out.put(&head)?;
+        enc.graph(&mut out)?;
+        out.out.flush()
+    })
 }
 
 /// Where encoded bytes go: counted (the first walk) or written.
@@ -122,20 +127,12 @@ impl Sink for Counter {
 }
 
 /// A writer behind a buffer of [`CHUNK_BYTES`]; large writes (weights) go straight through.
-struct Chunked<'w> {
+struct Buffered<'w> {
     w: &'w mut dyn std::io::Write,
     buf: Vec<u8>,
 }
 
-impl Chunked<'_> {
-    fn flush(&mut self) -> Result<()> {
-        self.w.write_all(&self.buf)?;
-        self.buf.clear();
-        Ok(())
-    }
-}
-
-impl Sink for Chunked<'_> {
+impl Buffered<'_> {
     fn put(&mut self, bytes: &[u8]) -> Result<()> {
         if self.buf.len() + bytes.len() > CHUNK_BYTES || bytes.len() >= SHARED_TENSOR_BYTES {
             self.flush()?;
@@ -148,8 +145,27 @@ impl Sink for Chunked<'_> {
         Ok(())
     }
 
+    fn flush(&mut self) -> Result<()> {
+        self.w.write_all(&self.buf)?;
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+/// The writing walk's sink: the file, and the large initializers' data converted ahead where it
+/// is narrowed.
+struct Chunked<'w, 't> {
+    out: Buffered<'w>,
+    ahead: ConvertAhead<'t>,
+}
+
+impl Sink for Chunked<'_, '_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.out.put(bytes)
+    }
+
     fn put_data(&mut self, t: &Tensor) -> Result<()> {
-        t.for_each_piece(|piece| self.put(piece))
+        self.ahead.put_data(t, |piece| self.out.put(piece))
     }
 }
 
@@ -164,6 +180,13 @@ struct GraphEncoder<'g> {
     scratch: Vec<u8>,
     /// What goes to the sink next.
     tmp: Vec<u8>,
+}
+
+/// The initializers written to the graph (not those that become attributes), in order.
+fn written_initializers(g: &Graph, opset: i64) -> impl Iterator<Item = (ValueId, &Tensor)> {
+    g.initializers()
+        .filter(move |&v| !axes_as_attribute(g, v, opset))
+        .filter_map(move |v| Some((v, g.value(v).initializer()?)))
 }
 
 impl GraphEncoder<'_> {
@@ -181,8 +204,7 @@ impl GraphEncoder<'_> {
                 self.tmp.clear();
             }
         }
-        for v in g.initializers().filter(|&v| !axes_as_attribute(g, v, self.opset)) {
-            let Some(t) = g.value(v).initializer() else { continue };
+        for (v, t) in written_initializers(g, self.opset) {
             let name = self.names.get(g, v);
             let raw = t.byte_len();
             if raw < SHARED_TENSOR_BYTES {
