@@ -239,6 +239,9 @@ impl<'t> ConvertAhead<'t> {
             empty.send(Vec::with_capacity(PIECE)).expect("the receiver is alive");
         }
         let work: Vec<(&Bytes, DType)> = ts.iter().filter_map(|t| Some((t.pending()?, t.dtype))).collect();
+        if work.is_empty() {
+            return ConvertAhead { ts, next: 0, full, empty };
+        }
         scope.spawn(move || {
             for (src, to) in work {
                 for piece in src.chunks(PIECE * 4) {
