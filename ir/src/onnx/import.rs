@@ -32,8 +32,10 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
     if data.is_empty() {
         return Err(IrError::Decode("the file is empty".into()));
     }
-    let model = proto::ModelProto::decode(data).map_err(|e| IrError::Decode(e.to_string()))?;
+    let decode_error = |e: prost::DecodeError| IrError::Decode(e.to_string());
+    let model = proto::LazyModelProto::decode(data).map_err(decode_error)?;
     let graph = model.graph.ok_or_else(|| IrError::Decode("the model has no graph".into()))?;
+    let graph = proto::LazyGraphProto::decode(graph).map_err(decode_error)?;
     if model.opset_import.is_empty() && model.ir_version == 0 {
         return Err(IrError::Decode("no ir_version and no opset_import: not an ONNX model".into()));
     }
@@ -58,7 +60,7 @@ struct Importer<'a> {
 }
 
 impl Importer<'_> {
-    fn run(mut self, graph: proto::GraphProto, meta: ModelMeta) -> Result<Graph> {
+    fn run(mut self, graph: proto::LazyGraphProto, meta: ModelMeta) -> Result<Graph> {
         self.opset = match meta.onnx_opset() {
             0 => 1,
             v => v,
@@ -67,10 +69,13 @@ impl Importer<'_> {
         if !graph.sparse_initializer.is_empty() {
             return Err(invalid("sparse initializers are not supported"));
         }
-        let mut declared: HashSet<String> = HashSet::new();
+        // Most nodes define one value: room for that at once, not at every doubling.
+        let n = graph.node.len();
+        self.g.reserve(n, n + graph.initializer.len() + graph.input.len());
+        // A name is declared once the graph has a value of that name.
         for t in graph.initializer {
             let name = t.name.clone();
-            if !declared.insert(name.clone()) {
+            if self.g.find(&name).is_some() {
                 return Err(crate::GraphError::Redefined(name).into());
             }
             let tensor = self.tensor(t).map_err(|e| invalid(format!("initializer `{name}`: {e}")))?;
@@ -78,38 +83,39 @@ impl Importer<'_> {
         }
         for vi in &graph.input {
             // Older exporters list initializers as inputs too; they are initializers here.
-            if self.g.find(&vi.name).is_some() && declared.contains(&vi.name) {
+            if self.g.find(&vi.name).is_some() {
                 continue;
             }
             let ty = value_type(vi, true)?;
-            if !declared.insert(vi.name.clone()) {
-                return Err(crate::GraphError::Redefined(vi.name.clone()).into());
-            }
             self.g.add_input(&vi.name, ty);
         }
         let mut known: HashMap<&str, &ValueInfoProto> = HashMap::new();
         for vi in graph.value_info.iter().chain(&graph.output) {
             known.insert(&vi.name, vi);
         }
+        let decode_error = |e: prost::DecodeError| IrError::Decode(e.to_string());
 
-        // Declare every node output first (forward references, cycles and duplicates).
-        let mut outs: Vec<Vec<ValueId>> = Vec::with_capacity(graph.node.len());
+        // Declare every node output first (forward references, cycles and duplicates): node i
+        // defines `outs[ends[i - 1]..ends[i]]`.
+        let mut outs: Vec<ValueId> = Vec::with_capacity(graph.node.len());
+        let mut ends: Vec<usize> = Vec::with_capacity(graph.node.len());
         for n in &graph.node {
-            let mut vs = Vec::with_capacity(n.output.len());
-            for o in &n.output {
-                if !o.is_empty() && !declared.insert(o.clone()) {
-                    return Err(crate::GraphError::Redefined(o.clone()).into());
+            for o in proto::NodeOutputsProto::decode(n.clone()).map_err(decode_error)?.output {
+                if !o.is_empty() && self.g.find(&o).is_some() {
+                    return Err(crate::GraphError::Redefined(o).into());
                 }
                 let ty = match known.get(o.as_str()) {
                     Some(vi) => value_type(vi, false)?,
                     None => TypeInfo::default(),
                 };
-                vs.push(self.g.new_value(o, ty));
+                outs.push(self.g.new_value(&o, ty));
             }
-            outs.push(vs);
+            ends.push(outs.len());
         }
 
-        for (n, outputs) in graph.node.into_iter().zip(outs) {
+        for (i, n) in graph.node.iter().enumerate() {
+            let n = proto::NodeProto::decode(n.clone()).map_err(decode_error)?;
+            let outputs = outs[i.checked_sub(1).map_or(0, |p| ends[p])..ends[i]].to_vec();
             let node_label = label(&n);
             let mut inputs = Vec::with_capacity(n.input.len());
             for i in &n.input {
@@ -362,7 +368,7 @@ fn free_names(g: &proto::GraphProto, outer_defined: &mut HashSet<String>, out: &
 pub fn decode_subgraph(attr: &Bytes, outer: &Graph, captures: &[ValueId]) -> Result<Graph> {
     let a = proto::AttributeProto::decode(attr.clone()).map_err(|e| IrError::Decode(e.to_string()))?;
     let body = a.g.ok_or_else(|| invalid(format!("attribute `{}` is not a graph", a.name)))?;
-    let mut sub = proto::GraphProto::decode(body).map_err(|e| IrError::Decode(e.to_string()))?;
+    let mut sub = proto::LazyGraphProto::decode(body).map_err(|e| IrError::Decode(e.to_string()))?;
     for &v in captures {
         let ty = outer.ty(v);
         let shape = ty.shape.as_ref().map(|s| proto::TensorShapeProto {

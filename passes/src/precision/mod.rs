@@ -185,7 +185,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     };
     let mut pins_found = BTreeSet::new();
     // Candidates (not pinned) and the constants they read.
-    let mut candidates: Vec<(NodeId, Vec<ValueId>)> = Vec::new();
+    let mut candidates: Vec<NodeId> = Vec::new();
     let mut constants: Vec<(ValueId, Tensor)> = Vec::new();
     let mut seen = HashSet::new();
     for &n in &order {
@@ -200,12 +200,12 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             cg.forced[n.index()] = Some(Reason::Pinned);
             continue;
         }
-        for &v in &ins {
-            if seen.insert(v) {
-                constants.extend(constant_tensor(g, v).map(|t| (v, t)));
+        for v in ins {
+            if let Some(t) = constant_tensor(g, v).filter(|_| seen.insert(v)) {
+                constants.push((v, t));
             }
         }
-        candidates.push((n, ins));
+        candidates.push(n);
     }
     // Every constant judged at once (the work is spread over the threads), in a fixed order.
     let tensors: Vec<&Tensor> = constants.iter().map(|(_, t)| t).collect();
@@ -213,8 +213,8 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     for ((v, _), nw) in constants.iter().zip(Tensor::narrow_all(&tensors, policy.low)) {
         checked.insert(*v, judged(nw, policy.low, g.name(*v), &mut report.notes));
     }
-    for (n, ins) in candidates {
-        for v in ins {
+    for n in candidates {
+        for v in t_values(g, n).0 {
             if let Some(why) = checked.get(&v).and_then(|nw| nw.why.as_ref()) {
                 cg.forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
             }
