@@ -12,77 +12,79 @@
 
 use bytes::Bytes;
 
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct ModelProto {
-    #[prost(int64, tag = "1")]
-    pub ir_version: i64,
-    #[prost(message, repeated, tag = "8")]
-    pub opset_import: Vec<OperatorSetIdProto>,
-    #[prost(string, tag = "2")]
-    pub producer_name: String,
-    #[prost(string, tag = "3")]
-    pub producer_version: String,
-    #[prost(string, tag = "4")]
-    pub domain: String,
-    #[prost(int64, tag = "5")]
-    pub model_version: i64,
-    #[prost(string, tag = "6")]
-    pub doc_string: String,
-    #[prost(message, optional, tag = "7")]
-    pub graph: Option<GraphProto>,
-    #[prost(message, repeated, tag = "14")]
-    pub metadata_props: Vec<StringStringEntryProto>,
-    /// `FunctionProto`s, kept encoded.
-    #[prost(bytes = "bytes", repeated, tag = "25")]
-    pub functions: Vec<Bytes>,
+/// A model message with its graph field as `$graph` (decoded, or left encoded).
+macro_rules! model_message {
+    ($(#[$doc:meta])* $name:ident, $graph:ty, $graph_field:meta) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct $name {
+            #[prost(int64, tag = "1")]
+            pub ir_version: i64,
+            #[prost(message, repeated, tag = "8")]
+            pub opset_import: Vec<OperatorSetIdProto>,
+            #[prost(string, tag = "2")]
+            pub producer_name: String,
+            #[prost(string, tag = "3")]
+            pub producer_version: String,
+            #[prost(string, tag = "4")]
+            pub domain: String,
+            #[prost(int64, tag = "5")]
+            pub model_version: i64,
+            #[prost(string, tag = "6")]
+            pub doc_string: String,
+            #[$graph_field]
+            pub graph: Option<$graph>,
+            #[prost(message, repeated, tag = "14")]
+            pub metadata_props: Vec<StringStringEntryProto>,
+            /// `FunctionProto`s, kept encoded.
+            #[prost(bytes = "bytes", repeated, tag = "25")]
+            pub functions: Vec<Bytes>,
+        }
+    };
 }
 
-/// A [`ModelProto`] with its graph left encoded, for the importer (see [`LazyGraphProto`]).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct LazyModelProto {
-    #[prost(int64, tag = "1")]
-    pub ir_version: i64,
-    #[prost(message, repeated, tag = "8")]
-    pub opset_import: Vec<OperatorSetIdProto>,
-    #[prost(string, tag = "2")]
-    pub producer_name: String,
-    #[prost(string, tag = "3")]
-    pub producer_version: String,
-    #[prost(string, tag = "4")]
-    pub domain: String,
-    #[prost(int64, tag = "5")]
-    pub model_version: i64,
-    #[prost(string, tag = "6")]
-    pub doc_string: String,
-    #[prost(bytes = "bytes", optional, tag = "7")]
-    pub graph: Option<Bytes>,
-    #[prost(message, repeated, tag = "14")]
-    pub metadata_props: Vec<StringStringEntryProto>,
-    #[prost(bytes = "bytes", repeated, tag = "25")]
-    pub functions: Vec<Bytes>,
+model_message!(ModelProto, GraphProto, prost(message, optional, tag = "7"));
+model_message!(
+    /// A [`ModelProto`] with its graph left encoded, for the importer (see [`LazyGraphProto`]).
+    LazyModelProto,
+    Bytes,
+    prost(bytes = "bytes", optional, tag = "7")
+);
+
+/// A graph message with its nodes as `$node` (decoded, or each left encoded).
+macro_rules! graph_message {
+    ($(#[$doc:meta])* $name:ident, $node:ty, $node_field:meta) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct $name {
+            #[$node_field]
+            pub node: Vec<$node>,
+            #[prost(string, tag = "2")]
+            pub name: String,
+            #[prost(message, repeated, tag = "5")]
+            pub initializer: Vec<TensorProto>,
+            #[prost(message, repeated, tag = "15")]
+            pub sparse_initializer: Vec<SparseTensorProto>,
+            #[prost(string, tag = "10")]
+            pub doc_string: String,
+            #[prost(message, repeated, tag = "11")]
+            pub input: Vec<ValueInfoProto>,
+            #[prost(message, repeated, tag = "12")]
+            pub output: Vec<ValueInfoProto>,
+            #[prost(message, repeated, tag = "13")]
+            pub value_info: Vec<ValueInfoProto>,
+        }
+    };
 }
 
-/// A [`GraphProto`] with each node left encoded: the importer decodes one node at a time, so a
-/// large graph is never held whole as protos beside the graph being built.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct LazyGraphProto {
-    #[prost(bytes = "bytes", repeated, tag = "1")]
-    pub node: Vec<Bytes>,
-    #[prost(string, tag = "2")]
-    pub name: String,
-    #[prost(message, repeated, tag = "5")]
-    pub initializer: Vec<TensorProto>,
-    #[prost(message, repeated, tag = "15")]
-    pub sparse_initializer: Vec<SparseTensorProto>,
-    #[prost(string, tag = "10")]
-    pub doc_string: String,
-    #[prost(message, repeated, tag = "11")]
-    pub input: Vec<ValueInfoProto>,
-    #[prost(message, repeated, tag = "12")]
-    pub output: Vec<ValueInfoProto>,
-    #[prost(message, repeated, tag = "13")]
-    pub value_info: Vec<ValueInfoProto>,
-}
+graph_message!(GraphProto, NodeProto, prost(message, repeated, tag = "1"));
+graph_message!(
+    /// A [`GraphProto`] with each node left encoded: the importer decodes one node at a time, so
+    /// a large graph is never held whole as protos beside the graph being built.
+    LazyGraphProto,
+    Bytes,
+    prost(bytes = "bytes", repeated, tag = "1")
+);
 
 /// A [`NodeProto`]'s outputs alone (decoding skips the other fields).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -105,26 +107,6 @@ pub struct StringStringEntryProto {
     pub key: String,
     #[prost(string, tag = "2")]
     pub value: String,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct GraphProto {
-    #[prost(message, repeated, tag = "1")]
-    pub node: Vec<NodeProto>,
-    #[prost(string, tag = "2")]
-    pub name: String,
-    #[prost(message, repeated, tag = "5")]
-    pub initializer: Vec<TensorProto>,
-    #[prost(message, repeated, tag = "15")]
-    pub sparse_initializer: Vec<SparseTensorProto>,
-    #[prost(string, tag = "10")]
-    pub doc_string: String,
-    #[prost(message, repeated, tag = "11")]
-    pub input: Vec<ValueInfoProto>,
-    #[prost(message, repeated, tag = "12")]
-    pub output: Vec<ValueInfoProto>,
-    #[prost(message, repeated, tag = "13")]
-    pub value_info: Vec<ValueInfoProto>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
