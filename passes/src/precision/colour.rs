@@ -49,10 +49,42 @@ pub enum Reason {
 /// The graph the colouring works on, indexed by node index.
 pub(crate) struct ColourGraph {
     pub class: Vec<Option<Class>>,
-    pub succ: Vec<Vec<usize>>,
-    pub pred: Vec<Vec<usize>>,
+    pub succ: Adjacency,
+    pub pred: Adjacency,
     /// Nodes forced to F32 before colouring (pins, unsafe constants), with the reason.
     pub forced: Vec<Option<Reason>>,
+}
+
+/// Every node's neighbours in one array (compressed rows): a graph of a million nodes is two
+/// arrays, not a million small lists.
+pub(crate) struct Adjacency {
+    /// Node `i`'s neighbours are `list[start[i]..start[i + 1]]`.
+    start: Vec<u32>,
+    list: Vec<u32>,
+}
+
+impl Adjacency {
+    /// The lists of `n` nodes from `(from, to)` edges, each list in the edges' order.
+    pub fn new(n: usize, edges: &[(u32, u32)]) -> Adjacency {
+        let mut start = vec![0u32; n + 1];
+        for &(from, _) in edges {
+            start[from as usize + 1] += 1;
+        }
+        for i in 0..n {
+            start[i + 1] += start[i];
+        }
+        let mut next = start.clone();
+        let mut list = vec![0u32; edges.len()];
+        for &(from, to) in edges {
+            list[next[from as usize] as usize] = to;
+            next[from as usize] += 1;
+        }
+        Adjacency { start, list }
+    }
+
+    pub fn of(&self, i: usize) -> impl Iterator<Item = usize> + '_ {
+        self.list[self.start[i] as usize..self.start[i + 1] as usize].iter().map(|&j| j as usize)
+    }
 }
 
 fn id(i: usize) -> NodeId {
@@ -84,7 +116,7 @@ pub(crate) fn colour(cg: &ColourGraph, everything_low: bool) -> Vec<Option<(Colo
     let mut upstream = vec![false; n];
     let mut stack: Vec<usize> = (0..n).filter(|&i| is(i, Class::Follow) || f32_(&out, i)).collect();
     while let Some(i) = stack.pop() {
-        for &p in &cg.pred[i] {
+        for p in cg.pred.of(i) {
             if is(p, Class::Clear) && !upstream[p] {
                 upstream[p] = true;
                 stack.push(p);
@@ -93,7 +125,7 @@ pub(crate) fn colour(cg: &ColourGraph, everything_low: bool) -> Vec<Option<(Colo
     }
     let mut stack: Vec<usize> = (0..n).filter(|&i| f32_(&out, i)).collect();
     while let Some(i) = stack.pop() {
-        for &s in &cg.succ[i] {
+        for s in cg.succ.of(i) {
             let enter = out[s].is_none() && (is(s, Class::Follow) || (is(s, Class::Clear) && upstream[s]));
             if enter {
                 out[s] = Some((Colour::F32, Reason::AfterF32(id(i))));
@@ -108,7 +140,7 @@ pub(crate) fn colour(cg: &ColourGraph, everything_low: bool) -> Vec<Option<(Colo
     let mut downstream = vec![false; n];
     let mut stack: Vec<usize> = (0..n).filter(|&i| low(&out, i)).collect();
     while let Some(i) = stack.pop() {
-        for &s in &cg.succ[i] {
+        for s in cg.succ.of(i) {
             if free(&out, s) && !downstream[s] {
                 downstream[s] = true;
                 stack.push(s);
@@ -118,7 +150,7 @@ pub(crate) fn colour(cg: &ColourGraph, everything_low: bool) -> Vec<Option<(Colo
     // ...that are also upstream of one become low.
     let mut stack: Vec<(usize, usize)> = (0..n).filter(|&i| low(&out, i)).map(|i| (i, i)).collect();
     while let Some((i, root)) = stack.pop() {
-        for &p in &cg.pred[i] {
+        for p in cg.pred.of(i) {
             if free(&out, p) && downstream[p] {
                 out[p] = Some((Colour::Low, Reason::BetweenLow(id(root))));
                 stack.push((p, root));
@@ -129,7 +161,7 @@ pub(crate) fn colour(cg: &ColourGraph, everything_low: bool) -> Vec<Option<(Colo
     // Step 4. Low spreads both ways through clear nodes.
     let mut stack: Vec<(usize, usize)> = (0..n).filter(|&i| low(&out, i)).map(|i| (i, i)).collect();
     while let Some((i, root)) = stack.pop() {
-        for &j in cg.succ[i].iter().chain(&cg.pred[i]) {
+        for j in cg.succ.of(i).chain(cg.pred.of(i)) {
             if out[j].is_none() && is(j, Class::Clear) {
                 out[j] = Some((Colour::Low, Reason::ClearNextToLow(id(root))));
                 stack.push((j, root));

@@ -177,27 +177,23 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     let mut report = Report::default();
 
     // 1-2. Candidates, pins and unsafe constants.
-    let mut cg = colour::ColourGraph {
-        class: vec![None; bound],
-        succ: vec![Vec::new(); bound],
-        pred: vec![Vec::new(); bound],
-        forced: vec![None; bound],
-    };
+    let mut class: Vec<Option<Class>> = vec![None; bound];
+    let mut forced: Vec<Option<Reason>> = vec![None; bound];
     let mut pins_found = BTreeSet::new();
     // Candidates (not pinned) and the constants they read.
     let mut candidates: Vec<NodeId> = Vec::new();
     let mut constants: Vec<(ValueId, Tensor)> = Vec::new();
     let mut seen = HashSet::new();
     for &n in &order {
-        let Some(class) = policy.class(&g.node(n).op) else { continue };
+        let Some(c) = policy.class(&g.node(n).op) else { continue };
         let (ins, outs) = t_values(g, n);
         if ins.is_empty() && outs.is_empty() || !ins.iter().chain(&outs).all(|&v| is_f32(g, v)) {
             continue;
         }
-        cg.class[n.index()] = Some(class);
+        class[n.index()] = Some(c);
         if policy.pin_fp32.contains(&g.node(n).name) {
             pins_found.insert(g.node(n).name.clone());
-            cg.forced[n.index()] = Some(Reason::Pinned);
+            forced[n.index()] = Some(Reason::Pinned);
             continue;
         }
         for v in ins {
@@ -216,7 +212,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     for n in candidates {
         for v in t_values(g, n).0 {
             if let Some(why) = checked.get(&v).and_then(|nw| nw.why.as_ref()) {
-                cg.forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
+                forced[n.index()] = Some(Reason::UnsafeConstant(format!("`{}`: {why}", g.name(v))));
             }
         }
     }
@@ -225,8 +221,10 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     {
         return Err(PassError::Usage(format!("--pin-fp32 `{missing}`: no node has that name")));
     }
+    // Edges between candidates along the float values whose type follows the op's.
+    let mut edges: Vec<(u32, u32)> = Vec::new();
     for &n in &order {
-        if cg.class[n.index()].is_none() {
+        if class[n.index()].is_none() {
             continue;
         }
         let node = g.node(n);
@@ -236,13 +234,17 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
                 continue;
             }
             if let Some((p, o)) = g.value(v).producer() {
-                if cg.class[p.index()].is_some() && output_follows(&g.node(p).op, o) {
-                    cg.succ[p.index()].push(n.index());
-                    cg.pred[n.index()].push(p.index());
+                if class[p.index()].is_some() && output_follows(&g.node(p).op, o) {
+                    edges.push((p.index() as u32, n.index() as u32));
                 }
             }
         }
     }
+    let succ = colour::Adjacency::new(bound, &edges);
+    edges.iter_mut().for_each(|e| *e = (e.1, e.0));
+    let pred = colour::Adjacency::new(bound, &edges);
+    drop(edges);
+    let cg = colour::ColourGraph { class, succ, pred, forced };
 
     // 3. Colour.
     let colours = colour::colour(&cg, policy.everything_low);
