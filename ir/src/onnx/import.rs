@@ -1,8 +1,10 @@
 //! ONNX → IR.
 //!
-//! The model is decoded from one shared buffer (initializer data is not copied). Every value a node
-//! defines is declared before any node is built, so a graph listed out of order still imports and
-//! a cycle, an undefined read or a double definition is reported by name. Each standard-domain node
+//! The model is decoded from one shared buffer (initializer data is not copied), and its nodes one
+//! at a time (a node's encoding is read twice: for its outputs, then whole), so a large graph is
+//! never held as protos beside the graph being built. Every value a node defines is declared
+//! before any node is built, so a graph listed out of order still imports and a cycle, an
+//! undefined read or a double definition is reported by name. Each standard-domain node
 //! is then brought to its internal (newest) form by [`super::legacy`]; anything else is kept as an
 //! [`Opaque`] op.
 
