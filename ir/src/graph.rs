@@ -530,8 +530,12 @@ impl Graph {
         if uses.is_empty() || old == new {
             return;
         }
-        let moving: std::collections::HashSet<Use> = uses.iter().copied().collect();
-        self.values[old.index()].uses.retain(|u| !moving.contains(u));
+        if uses.len() <= 8 {
+            self.values[old.index()].uses.retain(|u| !uses.contains(u));
+        } else {
+            let moving: std::collections::HashSet<Use> = uses.iter().copied().collect();
+            self.values[old.index()].uses.retain(|u| !moving.contains(u));
+        }
         for &u in uses {
             let ix = u.node.ix();
             debug_assert_eq!(self.nodes[ix].inputs[u.slot], Some(old));

@@ -248,11 +248,8 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
 
     // 3. Colour.
     let colours = colour::colour(&cg, policy.everything_low);
-    for &n in &order {
-        if let Some(c) = &colours[n.index()] {
-            report.nodes.insert(n, c.clone());
-        }
-    }
+    // In index order, so the map is built in one sweep rather than by a million inserts.
+    report.nodes = colours.iter().enumerate().filter_map(|(i, c)| Some((NodeId::from_index(i), c.clone()?))).collect();
     let is_low = |n: NodeId| matches!(colours.get(n.index()), Some(Some((Colour::Low, _))));
 
     // 4. Retype, convert constants, insert casts.
@@ -334,7 +331,9 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             moves.entry((v, want)).or_default().push(mpc_ir::Use { node: n, slot: s });
         }
     }
-    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::new();
+    // One cast per (value, dtype): room for them at once, not at every doubling of a large graph.
+    g.reserve(moves.len(), moves.len());
+    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::with_capacity(moves.len());
     for ((v, want), uses) in moves {
         let c = cast(g, &mut casts, v, want);
         g.move_uses(v, c, &uses);
@@ -391,11 +390,10 @@ fn cast(g: &mut Graph, casts: &mut HashMap<(ValueId, DType), ValueId>, v: ValueI
     if let Some(&c) = casts.get(&(v, to)) {
         return c;
     }
-    let base = match g.name(v) {
-        "" => "v".to_string(),
-        n => n.to_string(),
+    let name = match g.name(v) {
+        "" => format!("v.cast_{to}"),
+        n => format!("{n}.cast_{to}"),
     };
-    let name = format!("{base}.cast_{to}");
     let op = Op::Cast(CastAttrs { to, ..Default::default() });
     let (_, out) = g.add_op(&name, op, &[Some(v)], 1);
     let shape = g.ty(v).shape.clone();
