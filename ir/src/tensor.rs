@@ -170,14 +170,13 @@ impl Tensor {
     /// [`Tensor::narrow`] of each tensor, measured on all threads at once (a model's weights are
     /// many tensors, most of them too small to split).
     pub fn narrow_all(ts: &[&Tensor], to: DType) -> Vec<Option<(Tensor, Narrowing)>> {
-        const PART: usize = 1 << 18;
         let ok = |t: &Tensor| t.dtype == DType::F32 && matches!(to, DType::F16 | DType::BF16);
         // (tensor, part of its bytes), in order.
         let parts: Vec<(usize, &[u8])> = ts
             .iter()
             .enumerate()
             .filter(|(_, t)| ok(t))
-            .flat_map(|(i, t)| t.bytes().chunks(PART * 4).map(move |p| (i, p)))
+            .flat_map(|(i, t)| t.bytes().chunks(PIECE * 4).map(move |p| (i, p)))
             .collect();
         let judged = par_map(&parts, |&(_, p)| judge_part(p, to));
         let mut reports: Vec<Narrowing> = vec![Narrowing::default(); ts.len()];
@@ -210,7 +209,8 @@ impl Tensor {
     }
 }
 
-/// Converted data goes out in pieces of this many elements.
+/// Weights are judged, converted and written in pieces of this many elements (enough to keep a
+/// thread busy; small enough to spread a model's weights over the threads).
 const PIECE: usize = 1 << 18;
 
 /// Narrowed tensors converted ahead of a writer, on a second thread of a scope, in the order the
@@ -309,11 +309,10 @@ fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> 
 
 /// All of the f32 bytes `src` converted to `to` (f16 or bf16).
 fn convert(src: &Bytes, to: DType) -> Bytes {
-    const PART: usize = 1 << 18;
     let mut out: Vec<u16> = vec![0; src.len() / 4];
-    // Each part's output behind a lock that no two threads ever contend for.
+    // Each piece's output behind a lock that no two threads ever contend for.
     let parts: Vec<(&[u8], std::sync::Mutex<&mut [u16]>)> =
-        src.chunks(PART * 4).zip(out.chunks_mut(PART)).map(|(s, d)| (s, d.into())).collect();
+        src.chunks(PIECE * 4).zip(out.chunks_mut(PIECE)).map(|(s, d)| (s, d.into())).collect();
     par_map(&parts, |(src, dst)| convert_part(src, &mut dst.lock().expect("not poisoned"), to));
     drop(parts);
     Bytes::from_owner(U16Bytes(out))
