@@ -40,14 +40,17 @@ def save(name, graph, opset, extra_opsets=(), producer="mpc-fixtures"):
     onnx.save(model, os.path.join(HERE, name + ".onnx"))
 
 
-def mlp_nodes(x):
+def mlp_nodes(x, weights=None):
+    """The MLP 64-256-256-10 reading `x`; `weights(name, shape, fan_in, is_bias)` makes each
+    initializer (default: normal, scaled by 1/sqrt(fan_in), biases by 0.01)."""
+    weights = weights or (lambda name, shape, fan_in, is_bias: init(name, shape, 0.01 if is_bias else None))
     nodes = []
     dims = [64, 256, 256, 10]
     inits = []
     h = x
     for i in range(3):
         w, b = f"fc{i + 1}.weight", f"fc{i + 1}.bias"
-        inits += [init(w, [dims[i + 1], dims[i]]), init(b, [dims[i + 1]], 0.01)]
+        inits += [weights(w, [dims[i + 1], dims[i]], dims[i], False), weights(b, [dims[i + 1]], dims[i], True)]
         out = f"fc{i + 1}" if i < 2 else "logits"
         nodes.append(helper.make_node("Gemm", [h, w, b], [out], name=f"/fc{i + 1}/Gemm", transB=1))
         if i < 2:
@@ -292,18 +295,11 @@ def control_flow():
 def digits_mlp():
     """The README's demo: an MLP 64-256-256-10 for the digits data (input `images`, as the data
     file names it), initialised as torch.nn.Linear is: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    dims = [64, 256, 256, 10]
-    nodes, inits, h = [], [], "images"
-    for i in range(3):
-        bound = 1.0 / np.sqrt(dims[i])
-        w, b = f"fc{i + 1}.weight", f"fc{i + 1}.bias"
-        inits += [numpy_helper.from_array(rng.uniform(-bound, bound, (dims[i + 1], dims[i])).astype(np.float32), w),
-                  numpy_helper.from_array(rng.uniform(-bound, bound, dims[i + 1]).astype(np.float32), b)]
-        out = f"fc{i + 1}" if i < 2 else "logits"
-        nodes.append(helper.make_node("Gemm", [h, w, b], [out], name=f"/fc{i + 1}/Gemm", transB=1))
-        if i < 2:
-            nodes.append(helper.make_node("Relu", [out], [f"relu{i + 1}"], name=f"/relu{i + 1}/Relu"))
-            h = f"relu{i + 1}"
+    def uniform(name, shape, fan_in, is_bias):
+        bound = 1.0 / np.sqrt(fan_in)
+        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(np.float32), name)
+
+    nodes, inits = mlp_nodes("images", uniform)
     g = helper.make_graph(
         nodes, "digits_mlp",
         [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 64])],
