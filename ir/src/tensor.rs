@@ -6,7 +6,7 @@
 //!
 //! A weight narrowed to f16/bf16 ([`Tensor::narrow`]) is judged at once but converted only when its
 //! data is first read; the ONNX writer converts it piece by piece on its way to the file
-//! ([`Tensor::for_each_piece`]), so compiling a model never holds a second copy of its weights.
+//! ([`ConvertAhead`]), so compiling a model never holds a second copy of its weights.
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
@@ -114,9 +114,9 @@ impl Tensor {
     }
 
     /// Hands the data to `put` in order, in pieces: a narrowed tensor that nothing has read yet is
-    /// converted a piece at a time, so writing it out never holds it whole (see also
-    /// [`ConvertAhead`]).
-    pub fn for_each_piece<E>(&self, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
+    /// converted a piece at a time, so writing it out never holds it whole ([`ConvertAhead`]'s way
+    /// for a tensor it was not given).
+    fn for_each_piece<E>(&self, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
         let Some(src) = self.pending() else { return put(self.bytes()) };
         let mut buf = vec![0u16; PIECE.min(src.len() / 4)];
         for piece in src.chunks(PIECE * 4) {

@@ -212,7 +212,7 @@ impl GraphEncoder<'_> {
                 continue;
             }
             // The tensor's other fields, then raw_data's key and length; then its bytes from its
-            // own buffer (or converted on the way, see `Tensor::for_each_piece`).
+            // own buffer (or converted on the way, see `ConvertAhead`).
             let p = tensor_head(name, t);
             let len = p.encoded_len() + key_len(9) + encoded_len_varint(raw as u64) + raw;
             encode_key(5, WireType::LengthDelimited, &mut self.tmp);
