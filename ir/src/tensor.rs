@@ -259,7 +259,7 @@ impl<'t> ConvertAhead<'t> {
     }
 
     /// Hands `t`'s data to `put` in pieces: converted ahead when `t` is the next tensor of the
-    /// list, else as [`Tensor::for_each_piece`] does.
+    /// list, else converted here a piece at a time.
     pub fn put_data<E>(&mut self, t: &Tensor, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
         if !self.ts.get(self.next).is_some_and(|n| std::ptr::eq(*n, t)) {
             return t.for_each_piece(put);
