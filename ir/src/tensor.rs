@@ -238,12 +238,12 @@ impl<'t> ConvertAhead<'t> {
         for _ in 0..4 {
             empty.send(Vec::with_capacity(PIECE)).expect("the receiver is alive");
         }
-        let work: Vec<(&Bytes, DType)> = ts.iter().filter_map(|t| Some((t.pending()?, t.dtype))).collect();
-        if work.is_empty() {
+        if ts.is_empty() {
             return ConvertAhead { ts, next: 0, full, empty };
         }
+        let work = ts.clone();
         scope.spawn(move || {
-            for (src, to) in work {
+            for (src, to) in work.iter().filter_map(|t| Some((t.narrowed_from()?, t.dtype))) {
                 for piece in src.chunks(PIECE * 4) {
                     // Either channel closes only when the writer is gone.
                     let Ok(mut buf) = empty_rx.recv() else { return };
