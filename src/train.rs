@@ -199,12 +199,11 @@ pub fn train(
     let mut g = fwd.clone();
     crate::compile(&mut g, path, opts, &mut |_, _| {})?;
     let eval_g = eval_graph(&fwd, path, opts)?;
-    let state: Vec<(ValueId, ValueId)> =
-        mpc_passes::train::state_pairs(&g).iter().filter_map(|(s, n)| Some((g.find(s)?, g.find(n)?))).collect();
-    let loss = mpc_passes::train::loss_value(&g).ok_or_else(|| Error::Usage("no loss in the training graph".into()))?;
-    let skipped =
-        g.find("mpc.step_skipped").ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
-    let scale = g.find("mpc.loss_scale");
+    let sig = g.train.clone().unwrap_or_default();
+    let state = sig.state;
+    let loss = sig.loss.ok_or_else(|| Error::Usage("no loss in the training graph".into()))?;
+    let skipped = sig.skipped.ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
+    let scale = sig.loss_scale;
 
     let data = crate::run::read_safetensors(&cfg.data)?;
     let feeds = feeds_for(&g, &data, &cfg.data)?;

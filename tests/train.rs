@@ -57,7 +57,7 @@ fn training_graph(model: &Path, policy: &str, t: TrainOptions) -> Graph {
 }
 
 fn state_of(g: &Graph) -> Vec<(mpc_ir::ValueId, mpc_ir::ValueId)> {
-    mpc_passes::train::state_pairs(g).iter().map(|(s, n)| (g.find(s).unwrap(), g.find(n).unwrap())).collect()
+    g.train.as_ref().expect("a training graph").state.clone()
 }
 
 fn digits_batch(from: usize, n: usize) -> HashMap<String, HostTensor> {
@@ -603,7 +603,44 @@ fn additive_masks_are_buffers_not_parameters() {
     assert!(!is_additive_mask(&Tensor::from_f32(vec![2], &[-1e9, 0.5])));
     // The transformer fixture's causal mask is added to the attention scores, yet not trained.
     let g = training_graph(&fixture("transformer"), "mixed", TrainOptions::default());
-    let state = mpc_passes::train::state_pairs(&g);
-    assert!(state.iter().all(|(s, _)| !s.contains("causal_mask")), "{state:?}");
-    assert!(state.iter().any(|(s, _)| s == "attn.q.weight"));
+    let state: Vec<&str> = state_of(&g).iter().map(|&(s, _)| g.name(s)).collect();
+    assert!(state.iter().all(|s| !s.contains("causal_mask")), "{state:?}");
+    assert!(state.contains(&"attn.q.weight"));
+}
+
+#[test]
+fn the_train_signature_survives_onnx_and_text_ir_and_nothing_else_leaks() {
+    let g = training_graph(&fixture("mlp"), "mixed", TrainOptions::default());
+    let sig = g.train.as_ref().expect("a training graph");
+    assert!(!sig.grads.is_empty() && sig.scaled_loss.is_some() && sig.loss_scale.is_some());
+    let names = |g: &Graph| {
+        let t = g.train.as_ref().expect("a signature");
+        let n = |v: Option<mpc_ir::ValueId>| v.map(|v| g.name(v).to_string());
+        let state: Vec<(String, String)> =
+            t.state.iter().map(|&(s, x)| (g.name(s).to_string(), g.name(x).to_string())).collect();
+        (n(t.loss), n(t.skipped), n(t.loss_scale), state)
+    };
+    let want = names(&g);
+    assert_eq!(want.1.as_deref(), Some("mpc.step_skipped"));
+    assert_eq!(want.2.as_deref(), Some("mpc.loss_scale"));
+    let onnx = mpc_ir::onnx::encode_onnx(&g).unwrap();
+    let back = mpc_ir::onnx::decode_onnx(onnx.into(), None).unwrap();
+    assert_eq!(names(&back), want);
+    // The file holds the runtime's part only, and the metadata holds no copy of it once read.
+    let keys: Vec<&str> = back.meta.metadata_props.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(keys.iter().all(|k| !k.starts_with("mpc.train")), "{keys:?}");
+    let text = mpc_ir::text::print(&g, mpc_ir::text::TensorMode::FILE).unwrap();
+    assert!(text.text.contains("mpc.train.state") && !text.text.contains("mpc.train.grads"));
+    assert!(!text.text.contains("scaled_loss"));
+    let parsed = mpc_ir::text::parse(&text.text, Some(&text.sidecar)).unwrap();
+    assert_eq!(names(&parsed), want);
+}
+
+#[test]
+fn a_signature_naming_an_undefined_value_is_refused() {
+    let g = training_graph(&fixture("mlp"), "fp32", TrainOptions::default());
+    let text = mpc_ir::text::print(&g, mpc_ir::text::TensorMode::FILE).unwrap();
+    let bad = text.text.replace("fc1.weight -> fc1.weight.next", "fc1.weight -> nowhere");
+    let e = mpc_ir::text::parse(&bad, Some(&text.sidecar)).unwrap_err().to_string();
+    assert!(e.contains("mpc.train.state") && e.contains("`nowhere`"), "{e}");
 }

@@ -214,6 +214,8 @@ pub struct Graph {
     by_name: HashMap<Arc<str>, ValueId, foldhash::fast::FixedState>,
     inputs: Vec<ValueId>,
     outputs: Vec<ValueId>,
+    /// The training contract, on graphs the training passes built.
+    pub train: Option<crate::TrainSignature>,
 }
 
 impl Graph {
@@ -521,6 +523,9 @@ impl Graph {
             if *o == old {
                 *o = new;
             }
+        }
+        if let Some(t) = &mut self.train {
+            t.replace(old, new);
         }
     }
 

@@ -11,6 +11,7 @@ pub mod ops;
 mod shape;
 mod tensor;
 pub mod text;
+pub mod train;
 
 pub use attr::{Attr, Attrs};
 pub use dtype::DType;
@@ -19,3 +20,4 @@ pub use graph::{Def, Graph, GraphError, ModelMeta, Node, NodeId, TypeInfo, Use, 
 pub use ops::{Op, Opaque};
 pub use shape::{normalize_axis, Dim, Shape};
 pub use tensor::{bf16_from_f64, f16_from_f64, ConvertAhead, Narrowing, Tensor};
+pub use train::TrainSignature;

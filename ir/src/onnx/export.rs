@@ -258,6 +258,7 @@ fn model_head(g: &Graph, opset: i64) -> proto::ModelProto {
         metadata_props: meta
             .metadata_props
             .iter()
+            .chain(&g.train.as_ref().map(|t| t.to_metadata(g)).unwrap_or_default())
             .map(|(k, v)| proto::StringStringEntryProto { key: k.clone(), value: v.clone() })
             .collect(),
         functions: meta.functions.clone(),

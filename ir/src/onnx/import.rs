@@ -145,6 +145,7 @@ impl Importer<'_> {
             self.g.add_output(v);
         }
         self.g.check_structure()?;
+        self.g.train = crate::TrainSignature::take_from_metadata(&mut self.g)?;
         Ok(self.g)
     }
 

@@ -225,6 +225,7 @@ impl<'a> Parser<'a> {
             return Err(IrError::Parse { line: text.lines().count(), msg: "missing `end`".into() });
         }
         self.g.check_structure()?;
+        self.g.train = crate::TrainSignature::take_from_metadata(&mut self.g)?;
         Ok(self.g)
     }
 

@@ -61,7 +61,8 @@ impl<'a> Printer<'a> {
         for (d, v) in &m.opsets {
             writeln!(self.out, "opset {} {v}", quote(d)).ok();
         }
-        for (k, v) in &m.metadata_props {
+        let train = g.train.as_ref().map(|t| t.to_metadata(g)).unwrap_or_default();
+        for (k, v) in m.metadata_props.iter().chain(&train) {
             writeln!(self.out, "meta {} {}", quote(k), quote(v)).ok();
         }
         for f in &m.functions {

@@ -370,6 +370,12 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     }
     let outputs: Vec<ValueId> = g.outputs().iter().map(|v| renamed.get(v).copied().unwrap_or(*v)).collect();
     g.set_outputs(outputs);
+    if let Some(t) = &mut g.train {
+        // The training contract follows its outputs to the casts that took their names.
+        for (&v, &c) in &renamed {
+            t.replace(v, c);
+        }
+    }
     for &n in &order {
         for s in 0..g.node(n).inputs().len() {
             if let Some(&c) = g.node(n).input(s).and_then(|v| renamed.get(&v)).filter(|_| g.is_capture(n, s)) {

@@ -9,9 +9,10 @@
 //! unchanged on a non-finite step, the dynamic loss-scale update and the step counter.
 //!
 //! Training state is carried as initializers that the step reads and outputs that hold their next
-//! values; the pairs are listed in the model's metadata under [`STATE_KEY`] (one `state -> next`
-//! per line) so that a runtime keeps them resident and swaps them after each step, and so that the
-//! exported ONNX says which output feeds which initializer.
+//! values. The passes record what they build in the graph's [`TrainSignature`] (the loss, the
+//! scaled loss, the gradients, the step-skipped flag, the loss scale and the `state -> next`
+//! pairs) and read it from there: a runtime keeps the state resident and writes each next value
+//! into its state's slot, and the file writers store the runtime's part as metadata.
 
 mod autodiff;
 mod build;
@@ -19,17 +20,12 @@ mod build;
 use std::collections::BTreeSet;
 
 use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs, SgdAttrs};
-use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
+use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
 
 pub use autodiff::{differentiable, differentiate};
 use build::Builder;
 
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
-
-/// Metadata key listing the state pairs of a training graph.
-pub const STATE_KEY: &str = "mpc.train.state";
-/// Metadata key naming the loss output of a training graph.
-pub const LOSS_KEY: &str = "mpc.train.loss";
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Loss {
@@ -182,28 +178,14 @@ fn read_differentiably(g: &Graph, v: ValueId) -> bool {
     g.value(v).uses().iter().any(|u| differentiable(&g.node(u.node).op, u.slot))
 }
 
-/// The state pairs (`state`, `next`) recorded in the graph's metadata.
-pub fn state_pairs(g: &Graph) -> Vec<(String, String)> {
-    g.meta
-        .metadata_props
-        .iter()
-        .filter(|(k, _)| k == STATE_KEY)
-        .flat_map(|(_, v)| v.lines().filter_map(|l| l.split_once(" -> ")).map(|(a, b)| (a.to_string(), b.to_string())))
-        .collect()
-}
-
-fn set_meta(g: &mut Graph, key: &str, value: String) {
-    g.meta.metadata_props.retain(|(k, _)| k != key);
-    g.meta.metadata_props.push((key.to_string(), value));
-}
-
-fn meta(g: &Graph, key: &str) -> Option<String> {
-    g.meta.metadata_props.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+/// The graph's training signature, begun when the first training pass records something.
+fn signature(g: &mut Graph) -> &mut TrainSignature {
+    g.train.get_or_insert_with(TrainSignature::default)
 }
 
 /// The loss value of a graph that [`AddLoss`] ran on.
 pub fn loss_value(g: &Graph) -> Option<ValueId> {
-    meta(g, LOSS_KEY).and_then(|n| g.find(&n))
+    g.train.as_ref()?.loss
 }
 
 fn opts(cx: &Context) -> Result<&TrainOptions> {
@@ -284,8 +266,7 @@ impl Pass for AddLoss {
         let mut outs: Vec<ValueId> = vec![loss];
         outs.extend(g.outputs().iter().copied().filter(|&v| v != loss));
         g.set_outputs(outs);
-        let name = g.name(loss).to_string();
-        set_meta(g, LOSS_KEY, name);
+        signature(g).loss = Some(loss);
         Ok(Changed::Yes)
     }
 }
@@ -395,7 +376,9 @@ impl Pass for LossScalePass {
         let scale = b.init("mpc.loss_scale", Tensor::from_f32(vec![], &[init]));
         let name = b.g.unique_name("loss.scaled");
         let scaled = b.g.add_op(&name, Op::Mul, &[Some(loss), Some(scale)], 1).1[0];
-        set_meta(g, "mpc.train.scaled_loss", g.name(scaled).to_string());
+        let sig = signature(g);
+        sig.scaled_loss = Some(scaled);
+        sig.loss_scale = Some(scale);
         Ok(Changed::Yes)
     }
 }
@@ -415,7 +398,7 @@ impl Pass for Autodiff {
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let o = opts(cx)?;
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
-        let target = meta(g, "mpc.train.scaled_loss").and_then(|n| g.find(&n)).unwrap_or(loss);
+        let target = g.train.as_ref().and_then(|t| t.scaled_loss).unwrap_or(loss);
         let params = trainable(g, &o.freeze);
         if params.is_empty() {
             return Err(PassError::Usage(
@@ -427,20 +410,9 @@ impl Pass for Autodiff {
             b.init("grad.seed", Tensor::from_f32(vec![], &[1.0]))
         };
         let grads = differentiate(g, &params, target, seed)?;
-        let pairs: Vec<String> = grads.iter().map(|(p, d)| format!("{} -> {}", g.name(*p), g.name(*d))).collect();
-        set_meta(g, "mpc.train.grads", pairs.join("\n"));
+        signature(g).grads = grads.into_iter().collect();
         Ok(Changed::Yes)
     }
-}
-
-/// The parameter → gradient pairs that [`Autodiff`] recorded.
-fn grads(g: &Graph) -> Vec<(ValueId, ValueId)> {
-    meta(g, "mpc.train.grads")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once(" -> "))
-        .filter_map(|(p, d)| Some((g.find(p)?, g.find(d)?)))
-        .collect()
 }
 
 /// Unscale, all-finite check, clipping, the optimizer update of the masters, the loss-scale
@@ -458,7 +430,7 @@ impl Pass for OptimizerPass {
 
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let o = opts(cx)?.clone();
-        let pg = grads(g);
+        let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
         let mut state: Vec<(ValueId, ValueId)> = Vec::new();
         // Batch-norm running statistics computed in training mode are state too.
@@ -478,7 +450,7 @@ impl Pass for OptimizerPass {
         }
         let mut b = Builder::new(g);
         b.at("optimizer");
-        let scale = b.g.find("mpc.loss_scale");
+        let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
         // 1. Unscale in FP32: g / S (a gradient computed low is widened first).
         let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
         let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
@@ -599,7 +571,6 @@ impl Pass for OptimizerPass {
         b.g.rename(skipped, &sname);
         outs.push(skipped);
         outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
-        let mut lines = Vec::new();
         for &(s, next) in &state {
             let want = format!("{}.next", b.g.name(s));
             if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
@@ -608,10 +579,11 @@ impl Pass for OptimizerPass {
             if !outs.contains(&next) {
                 outs.push(next);
             }
-            lines.push(format!("{} -> {}", b.g.name(s), b.g.name(next)));
         }
         b.g.set_outputs(outs);
-        set_meta(g, STATE_KEY, lines.join("\n"));
+        let sig = signature(g);
+        sig.skipped = Some(skipped);
+        sig.state = state;
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)
     }
