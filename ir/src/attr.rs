@@ -99,6 +99,26 @@ impl AttrValue for DType {
     }
 }
 
+/// Attributes with a closed set of string values, parsed once into their enum.
+macro_rules! string_enum_attr {
+    ($ty:ty, $kind:literal) => {
+        impl AttrValue for $ty {
+            const KIND: &'static str = $kind;
+            fn from_attr(a: &Attr) -> Option<Self> {
+                match a {
+                    Attr::String(s) => <$ty>::NAMES.iter().find(|(n, _)| n == s).map(|(_, v)| *v),
+                    _ => None,
+                }
+            }
+            fn to_attr(&self) -> Attr {
+                let name = <$ty>::NAMES.iter().find(|(_, v)| v == self).map_or("", |(n, _)| n);
+                Attr::String(name.to_string())
+            }
+        }
+    };
+}
+string_enum_attr!(crate::geometry::AutoPad, "one of NOTSET, SAME_UPPER, SAME_LOWER, VALID");
+
 /// Reads one field for [`attr_struct!`]: takes it out of `attrs` and converts it.
 #[doc(hidden)]
 pub fn take<T: AttrValue>(attrs: &mut Attrs, name: &str) -> Result<Option<T>, String> {

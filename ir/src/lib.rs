@@ -5,6 +5,7 @@
 pub mod attr;
 mod dtype;
 mod error;
+pub mod geometry;
 pub mod graph;
 pub mod onnx;
 pub mod ops;

@@ -12,6 +12,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::attr::{attr_struct, Attr, Attrs};
+use crate::geometry::AutoPad;
 use crate::{DType, Tensor};
 
 attr_struct!(ModAttrs { fmod: i64[default = 0] });
@@ -28,7 +29,7 @@ attr_struct!(GemmAttrs {
 attr_struct!(
     /// Conv and ConvTranspose (the last two fields are ConvTranspose's only).
     ConvAttrs {
-    auto_pad: String [default = "NOTSET"],
+    auto_pad: AutoPad [default = AutoPad::NotSet],
     dilations: Vec<i64> [default = Vec::new()],
     group: i64 [default = 1],
     kernel_shape: Vec<i64> [default = Vec::new()],
@@ -61,7 +62,7 @@ attr_struct!(
 attr_struct!(
     /// MaxPool and AveragePool (`storage_order` is MaxPool's, `count_include_pad` AveragePool's).
     PoolAttrs {
-    auto_pad: String [default = "NOTSET"],
+    auto_pad: AutoPad [default = AutoPad::NotSet],
     ceil_mode: i64 [default = 0],
     count_include_pad: i64 [default = 0],
     dilations: Vec<i64> [default = Vec::new()],
@@ -370,5 +371,34 @@ mod tests {
     fn defaults_are_not_printed() {
         let op = Op::from_attrs("Gemm", vec![("transB".into(), Attr::Int(1)), ("alpha".into(), Attr::Float(1.0))]);
         assert_eq!(op.unwrap().unwrap().attrs(), vec![("transB".to_string(), Attr::Int(1))]);
+    }
+}
+
+impl ConvAttrs {
+    /// The window of this Conv or ConvTranspose over `kernel` (the weight's spatial dims when the
+    /// attribute does not give them).
+    pub fn window<'a>(&'a self, kernel: &'a [i64]) -> crate::geometry::WindowSpec<'a> {
+        crate::geometry::WindowSpec {
+            kernel,
+            strides: &self.strides,
+            dilations: &self.dilations,
+            pads: &self.pads,
+            auto_pad: self.auto_pad,
+            ceil_mode: false,
+        }
+    }
+}
+
+impl PoolAttrs {
+    /// The pooling window.
+    pub fn window(&self) -> crate::geometry::WindowSpec<'_> {
+        crate::geometry::WindowSpec {
+            kernel: &self.kernel_shape,
+            strides: &self.strides,
+            dilations: &self.dilations,
+            pads: &self.pads,
+            auto_pad: self.auto_pad,
+            ceil_mode: self.ceil_mode != 0,
+        }
     }
 }

@@ -122,3 +122,18 @@ fn legacy_softmax_folds_only_when_its_axis_is_the_last_dim() {
     assert_eq!(run(2), vec!["Softmax"], "axis 2 of rank 3 is the last dim");
     assert_eq!(run(1).len(), 4, "axis 1 of rank 3 must keep the 2-D coercion");
 }
+
+#[test]
+fn windows_follow_the_one_geometry() {
+    // ceil_mode keeps a last window that starts inside the input (at index 3 here): [1,1,3], the
+    // size the CPU kernel produces (the runtime tests run the same node).
+    let pool = "  input %0 \"x\": f32[1,1,4]\n  %1 \"y\": ? = MaxPool[ceil_mode=1, kernel_shape=[2], pads=[1, 0], strides=[2]](%0)\n  output %1";
+    assert_eq!(infer(pool, "y").unwrap(), "f32[1,1,3]");
+    let same = "  input %0 \"x\": f32[1,1,5]\n  %1 \"y\": ? = AveragePool[auto_pad=\"SAME_LOWER\", kernel_shape=[4], strides=[2]](%0)\n  output %1";
+    assert_eq!(infer(same, "y").unwrap(), "f32[1,1,3]");
+    let zero = "  input %0 \"x\": f32[1,1,5]\n  %1 \"y\": ? = MaxPool[kernel_shape=[2], strides=[0]](%0)\n  output %1";
+    assert!(infer(zero, "y").unwrap_err().contains("stride 0"));
+    let bad =
+        "  input %0 \"x\": f32[1,1,5]\n  %1 \"y\": ? = MaxPool[auto_pad=\"SAME\", kernel_shape=[2]](%0)\n  output %1";
+    assert!(infer(bad, "y").unwrap_err().contains("SAME_UPPER"));
+}

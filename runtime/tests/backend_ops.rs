@@ -94,6 +94,19 @@ pub fn resize_linear_and_nearest<B: Backend + Clone>(b: &B) {
     assert_eq!(y[0].f64s(), want.to_vec());
 }
 
+/// MaxPool with ceil_mode keeps a last window that starts inside the input (the shape inference
+/// predicts, `[1,1,3]`); the padding never wins a max.
+pub fn max_pool_ceil_mode<B: Backend + Clone>(b: &B) {
+    let x = HostTensor::from_f64(DType::F32, vec![1, 1, 4], vec![-1.0, -2.0, -3.0, -4.0]);
+    let out = run(
+        b,
+        "  input %0 \"x\": f32[1,1,4]\n  %1 \"y\": f32[1,1,3] = MaxPool[ceil_mode=1, kernel_shape=[2], pads=[1, 0], strides=[2]](%0)\n  output %1",
+        vec![("x", x)],
+    );
+    assert_eq!(out[0].shape, vec![1, 1, 3]);
+    assert_eq!(out[0].f64s(), vec![-1.0, -2.0, -4.0]);
+}
+
 macro_rules! backend_tests {
     ($name:ident: $backend:expr) => {
         mod $name {
@@ -120,6 +133,10 @@ macro_rules! backend_tests {
             #[test]
             fn resize_linear_and_nearest() {
                 super::resize_linear_and_nearest(&$backend)
+            }
+            #[test]
+            fn max_pool_ceil_mode() {
+                super::max_pool_ceil_mode(&$backend)
             }
             #[test]
             fn runs_are_deterministic() {

@@ -205,17 +205,7 @@ pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
             return Err("slice step is 0".into());
         }
         out[a] = match x.0[a].fixed() {
-            Some(len) => {
-                let len = len as i64;
-                let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
-                let (s, e) = if step > 0 {
-                    (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
-                } else {
-                    (norm(starts[i]).clamp(-1, len - 1), norm(ends[i]).clamp(-1, len - 1))
-                };
-                let n = if step > 0 { (e - s + step - 1) / step } else { (s - e - step - 1) / -step };
-                Dim::Fixed(n.max(0) as u64)
-            }
+            Some(len) => Dim::Fixed(mpc_ir::geometry::slice_dim(len as i64, starts[i], ends[i], step)?.1),
             None if starts[i] == 0 && ends[i] >= i32::MAX as i64 && step == 1 => x.0[a].clone(),
             None => Dim::Unknown,
         };

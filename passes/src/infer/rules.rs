@@ -375,31 +375,7 @@ fn broadcast_all(cx: &NodeCx, range: std::ops::Range<usize>) -> Result<Option<Sh
 
 /// Numpy broadcasting with symbolic dims.
 pub(crate) fn broadcast(shapes: &[&Shape]) -> Result<Option<Shape>, String> {
-    let rank = shapes.iter().map(|s| s.rank()).max().unwrap_or(0);
-    let mut out = Vec::with_capacity(rank);
-    for i in 0..rank {
-        let mut d = Dim::Fixed(1);
-        for s in shapes {
-            let Some(pos) = (i + s.rank()).checked_sub(rank) else {
-                continue;
-            };
-            let e = &s.0[pos];
-            d = match (&d, e) {
-                (Dim::Fixed(1), _) => e.clone(),
-                (_, Dim::Fixed(1)) => d,
-                (Dim::Fixed(a), Dim::Fixed(b)) if a != b => {
-                    let list: Vec<String> = shapes.iter().map(|s| s.to_string()).collect();
-                    return Err(format!("shapes {} cannot be broadcast", list.join(" and ")));
-                }
-                (Dim::Fixed(_), _) => d,
-                (_, Dim::Fixed(_)) => e.clone(),
-                (Dim::Sym(a), Dim::Sym(b)) if a == b => d,
-                _ => Dim::Unknown,
-            };
-        }
-        out.push(d);
-    }
-    Ok(Some(Shape(out)))
+    mpc_ir::geometry::broadcast_dims(shapes).map(Some)
 }
 
 fn matmul(a: Option<&Shape>, b: Option<&Shape>) -> Result<Option<Shape>, String> {
@@ -441,61 +417,13 @@ fn product(dims: &[Dim]) -> Dim {
     }
 }
 
-/// Output size of one spatial dim of a convolution or pooling window.
-fn window(input: &Dim, k: i64, stride: i64, pad: i64, dil: i64, ceil: bool, auto_pad: &str) -> Result<Dim, String> {
-    let Some(n) = input.fixed() else {
-        return Ok(Dim::Unknown);
-    };
-    let (n, ek) = (n as i64, (k - 1) * dil + 1);
-    let out = match auto_pad {
-        "SAME_UPPER" | "SAME_LOWER" => (n + stride - 1) / stride,
-        "VALID" => (n - ek + stride) / stride,
-        _ => {
-            let span = n + pad - ek;
-            if span < 0 {
-                return Err(format!("window of {ek} does not fit input size {n} with padding {pad}"));
-            }
-            let mut o = if ceil { (span + stride - 1) / stride + 1 } else { span / stride + 1 };
-            // ceil_mode: the last window must start inside the input or left padding.
-            if ceil && (o - 1) * stride >= n + pad / 2 {
-                o -= 1;
-            }
-            o
-        }
-    };
-    if out <= 0 {
-        return Err(format!("output size {out} for input size {n}"));
-    }
-    Ok(Dim::Fixed(out as u64))
-}
-
-fn spatial(
-    x: &Shape,
-    kernel: &[i64],
-    strides: &[i64],
-    pads: &[i64],
-    dils: &[i64],
-    ceil: bool,
-    auto_pad: &str,
-) -> Result<Vec<Dim>, String> {
-    let sp = kernel.len();
+/// The spatial output dims of a window over `x` (batch and channel dims first).
+fn spatial(x: &Shape, w: &mpc_ir::geometry::WindowSpec) -> Result<Vec<Dim>, String> {
+    let sp = w.kernel.len();
     if x.rank() != sp + 2 {
         return Err(format!("input {x} does not match a {sp}-D kernel"));
     }
-    (0..sp)
-        .map(|i| {
-            let pad = pads.get(i).copied().unwrap_or(0) + pads.get(i + sp).copied().unwrap_or(0);
-            window(
-                &x.0[i + 2],
-                kernel[i],
-                *strides.get(i).unwrap_or(&1),
-                pad,
-                *dils.get(i).unwrap_or(&1),
-                ceil,
-                auto_pad,
-            )
-        })
-        .collect()
+    w.out_dims(&x.0[2..])
 }
 
 fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
@@ -525,7 +453,7 @@ fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         )));
     }
     let mut out = vec![x.0[0].clone(), w.0[0].clone()];
-    out.extend(spatial(x, &kernel, &a.strides, &a.pads, &a.dilations, false, &a.auto_pad)?);
+    out.extend(spatial(x, &a.window(&kernel))?);
     Ok(Some(Shape(out)))
 }
 
@@ -540,21 +468,21 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         out.extend(a.output_shape.iter().rev().take(sp).rev().map(|&d| Dim::Fixed(d as u64)));
         return Ok(Some(Shape(out)));
     }
+    let kernel: Option<Vec<i64>> =
+        (0..sp).map(|i| a.kernel_shape.get(i).copied().or_else(|| w.0.get(i + 2)?.fixed().map(|k| k as i64))).collect();
+    let Some(kernel) = kernel else {
+        out.extend(vec![Dim::Unknown; sp]);
+        return Ok(Some(Shape(out)));
+    };
+    let spec = a.window(&kernel);
     for i in 0..sp {
-        let k = a.kernel_shape.get(i).copied().or_else(|| w.0.get(i + 2)?.fixed().map(|k| k as i64));
-        let (Some(n), Some(k)) = (x.0[i + 2].fixed(), k) else {
-            out.push(Dim::Unknown);
-            continue;
-        };
-        let s = *a.strides.get(i).unwrap_or(&1);
-        let d = *a.dilations.get(i).unwrap_or(&1);
-        let op = *a.output_padding.get(i).unwrap_or(&0);
-        let pad = a.pads.get(i).copied().unwrap_or(0) + a.pads.get(i + sp).copied().unwrap_or(0);
-        let o = match a.auto_pad.as_str() {
-            "SAME_UPPER" | "SAME_LOWER" => n as i64 * s,
-            _ => s * (n as i64 - 1) + op + (k - 1) * d + 1 - pad,
-        };
-        out.push(Dim::Fixed(o.max(0) as u64));
+        out.push(match x.0[i + 2].fixed() {
+            Some(n) => {
+                let op = a.output_padding.get(i).copied().unwrap_or(0);
+                Dim::Fixed(mpc_ir::geometry::conv_transpose_dim(&spec, i, n, op, None)?.out)
+            }
+            None => Dim::Unknown,
+        });
     }
     Ok(Some(Shape(out)))
 }
@@ -562,7 +490,7 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
 fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
     let Some(x) = cx.sh(0) else { return Ok(None) };
     let mut out = vec![x.0[0].clone(), x.0.get(1).cloned().unwrap_or(Dim::Unknown)];
-    out.extend(spatial(x, &a.kernel_shape, &a.strides, &a.pads, &a.dilations, a.ceil_mode != 0, &a.auto_pad)?);
+    out.extend(spatial(x, &a.window())?);
     Ok(Some(Shape(out)))
 }
 

@@ -234,22 +234,7 @@ pub(crate) fn unary_int(op: &Op, x: &HostTensor) -> Option<HostTensor> {
     Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
 }
 
-/// The broadcast shape of several shapes; `None` if they do not broadcast.
-pub(crate) fn broadcast_shape(shapes: &[&[usize]]) -> Option<Vec<usize>> {
-    let rank = shapes.iter().map(|s| s.len()).max().unwrap_or(0);
-    let mut out = vec![1usize; rank];
-    for s in shapes {
-        for (i, &d) in s.iter().enumerate() {
-            let o = &mut out[rank - s.len() + i];
-            if *o == 1 {
-                *o = d;
-            } else if d != 1 && d != *o {
-                return None;
-            }
-        }
-    }
-    Some(out)
-}
+pub(crate) use mpc_ir::geometry::broadcast_shape;
 
 /// For every output position, the flat index into an input of shape `shape` broadcast to `out`.
 pub(crate) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
@@ -258,13 +243,7 @@ pub(crate) fn broadcast_index(shape: &[usize], out: &[usize]) -> Vec<usize> {
         return (0..n).collect();
     }
     let rank = out.len();
-    let mut strides = vec![0usize; rank];
-    let mut acc = 1;
-    for i in (0..shape.len()).rev() {
-        let o = rank - shape.len() + i;
-        strides[o] = if shape[i] == 1 { 0 } else { acc };
-        acc *= shape[i];
-    }
+    let strides = mpc_ir::geometry::broadcast_strides(shape, out);
     let mut idx = Vec::with_capacity(n);
     let mut counter = vec![0usize; rank];
     let mut pos = 0usize;

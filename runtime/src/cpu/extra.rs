@@ -27,36 +27,17 @@ pub(crate) fn conv_transpose(
     };
     let at = |v: &[i64], i: usize, d: i64| v.get(i).copied().unwrap_or(d);
     let in_sp = &x.shape[2..];
+    let kernel_i64: Vec<i64> = kernel.iter().map(|&k| k as i64).collect();
+    let spec = a.window(&kernel_i64);
     let mut pads = vec![0i64; 2 * sp];
     let mut out_sp = Vec::with_capacity(sp);
     for d in 0..sp {
-        let (s, dl, op) = (at(&a.strides, d, 1), at(&a.dilations, d, 1), at(&a.output_padding, d, 0));
-        let full = s * (in_sp[d] as i64 - 1) + op + (kernel[d] as i64 - 1) * dl + 1;
-        let target = if !a.output_shape.is_empty() {
-            Some(a.output_shape[a.output_shape.len() - sp + d])
-        } else if a.auto_pad == "SAME_UPPER" || a.auto_pad == "SAME_LOWER" {
-            Some(in_sp[d] as i64 * s)
-        } else {
-            None
-        };
-        match target {
-            Some(t) => {
-                let total = (full - t).max(0);
-                let (b, e) = if a.auto_pad == "SAME_UPPER" {
-                    (total / 2, total - total / 2)
-                } else {
-                    (total - total / 2, total / 2)
-                };
-                pads[d] = b;
-                pads[d + sp] = e;
-                out_sp.push(t as usize);
-            }
-            None => {
-                pads[d] = at(&a.pads, d, 0);
-                pads[d + sp] = at(&a.pads, d + sp, 0);
-                out_sp.push((full - pads[d] - pads[d + sp]).max(0) as usize);
-            }
-        }
+        let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
+        let o = mpc_ir::geometry::conv_transpose_dim(&spec, d, in_sp[d] as u64, at(&a.output_padding, d, 0), target)
+            .map_err(err)?;
+        pads[d] = o.pad_begin as i64;
+        pads[d + sp] = o.pad_end as i64;
+        out_sp.push(o.out as usize);
     }
     let (xv, wv) = (x.f64s(), w.f64s());
     let ivol: usize = in_sp.iter().product();

@@ -10,6 +10,7 @@ mod resize;
 mod shape;
 mod train;
 
+use mpc_ir::geometry::WindowSpec;
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
 use mpc_ir::{normalize_axis, DType, Op, Tensor};
 
@@ -93,52 +94,16 @@ fn axis(a: i64, rank: usize) -> Res<usize> {
     normalize_axis(a, rank).ok_or_else(|| err(format!("axis {a} out of range for rank {rank}")))
 }
 
-/// Output spatial sizes and begin/end pads of a convolution or pooling window.
-fn window(
-    in_sp: &[usize],
-    kernel: &[usize],
-    strides: &[i64],
-    dilations: &[i64],
-    pads: &[i64],
-    auto_pad: &str,
-    ceil: bool,
-) -> Res<(Vec<usize>, Vec<usize>)> {
-    let sp = kernel.len();
-    let at = |v: &[i64], i: usize, d: i64| v.get(i).copied().unwrap_or(d);
-    let mut out = Vec::with_capacity(sp);
-    let mut p = vec![0usize; 2 * sp];
-    for d in 0..sp {
-        let (n, s, dl) = (in_sp[d] as i64, at(strides, d, 1), at(dilations, d, 1));
-        let ek = (kernel[d] as i64 - 1) * dl + 1;
-        let o = match auto_pad {
-            "SAME_UPPER" | "SAME_LOWER" => {
-                let o = (n + s - 1) / s;
-                let total = ((o - 1) * s + ek - n).max(0);
-                let small = total / 2;
-                let (b, e) = if auto_pad == "SAME_UPPER" { (small, total - small) } else { (total - small, small) };
-                p[d] = b as usize;
-                p[d + sp] = e as usize;
-                o
-            }
-            "VALID" => (n - ek) / s + 1,
-            _ => {
-                let (b, e) = (at(pads, d, 0), at(pads, d + sp, 0));
-                p[d] = b as usize;
-                p[d + sp] = e as usize;
-                let span = n + b + e - ek;
-                if span < 0 {
-                    return Err(err(format!("window of {ek} does not fit input size {n}")));
-                }
-                let mut o = if ceil { (span + s - 1) / s + 1 } else { span / s + 1 };
-                if ceil && (o - 1) * s >= n + b {
-                    o -= 1;
-                }
-                o
-            }
-        };
-        out.push(o.max(0) as usize);
-    }
-    Ok((out, p))
+/// Output spatial sizes and begin/end pads (`[begin..., end...]`) of a convolution or pooling
+/// window over the spatial sizes `in_sp`.
+fn window(in_sp: &[usize], spec: &WindowSpec) -> Res<(Vec<usize>, Vec<usize>)> {
+    let w = spec.resolve(in_sp).map_err(err)?;
+    Ok((w.out, [w.pads_begin, w.pads_end].concat()))
+}
+
+/// A weight's spatial dims as a window's kernel.
+fn kernel_of(w: &HostTensor) -> Vec<i64> {
+    w.shape.get(2..).unwrap_or_default().iter().map(|&k| k as i64).collect()
 }
 
 fn conv(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -> Res<HostTensor> {
@@ -146,7 +111,7 @@ fn conv(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -
         return train::conv_f64(x, w, b, a);
     }
     let kernel: Vec<usize> = w.shape[2..].to_vec();
-    let (out, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let (out, pads) = window(&x.shape[2..], &a.window(&kernel_of(w)))?;
     let us = |v: &[i64], n: usize| (0..n).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
     let sp = kernel.len();
     linalg::conv(x, w, b, &pads[..sp], &us(&a.strides, sp), &us(&a.dilations, sp), a.group as usize, &out)
@@ -154,7 +119,7 @@ fn conv(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -
 
 fn pool(x: &HostTensor, a: &PoolAttrs, max: bool) -> Res<HostTensor> {
     let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
-    let (out, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+    let (out, pads) = window(&x.shape[2..], &a.window())?;
     let sp = kernel.len();
     let us = |v: &[i64]| (0..sp).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
     nn::pool(x, &kernel, &pads, &us(&a.strides), &us(&a.dilations), &out, max, a.count_include_pad != 0)
@@ -443,9 +408,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         Op::Resize(a) => one(resize::resize(x(0)?, ins.get(2).copied().flatten(), ins.get(3).copied().flatten(), a)?),
         Op::MaxPool(a) => {
             let t = x(0)?;
-            let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
-            let (out, pads) =
-                window(&t.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+            let (out, pads) = window(&t.shape[2..], &a.window())?;
             extra::max_pool_with_indices(t, a, &out, &pads)
         }
         Op::ConvTranspose(a) => one(extra::conv_transpose(x(0)?, x(1)?, ins.get(2).copied().flatten(), a)?),

@@ -83,20 +83,10 @@ pub(crate) fn slice(x: &HostTensor, starts: &[i64], ends: &[i64], axes: &[i64], 
     for i in 0..starts.len() {
         let a = axis(axes[i], rank)?;
         let len = x.shape[a] as i64;
-        let s = steps[i];
-        if s == 0 {
-            return Err(err("slice step is 0"));
-        }
-        let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
-        let (b, e) = if s > 0 {
-            (norm(starts[i]).clamp(0, len), norm(ends[i]).clamp(0, len))
-        } else {
-            (norm(starts[i]).clamp(-1, len - 1), norm(ends[i]).clamp(-1, len - 1))
-        };
-        let n = if s > 0 { (e - b + s - 1) / s } else { (b - e - s - 1) / -s };
+        let (b, n) = mpc_ir::geometry::slice_dim(len, starts[i], ends[i], steps[i]).map_err(err)?;
         begin[a] = b;
-        step[a] = s;
-        count[a] = n.max(0) as usize;
+        step[a] = steps[i];
+        count[a] = n as usize;
     }
     let st = strides(&x.shape);
     let total: usize = count.iter().product();

@@ -7,7 +7,7 @@ use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
 
 use super::elementwise::Real;
 use super::shape::strides;
-use super::{err, floats as float, store, window, window_offsets as taps, Res};
+use super::{err, floats as float, kernel_of, store, window, window_offsets as taps, Res};
 use crate::value::{Data, HostTensor};
 
 fn same_shape(a: &HostTensor, b: &HostTensor, what: &str) -> Res<()> {
@@ -25,7 +25,7 @@ fn ones(v: &[i64], n: usize) -> Vec<usize> {
 pub(crate) fn conv_f64(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a: &ConvAttrs) -> Res<HostTensor> {
     let kernel: Vec<usize> = w.shape[2..].to_vec();
     let sp = kernel.len();
-    let (out_sp, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let (out_sp, pads) = window(&x.shape[2..], &a.window(&kernel_of(w)))?;
     let src = taps(&x.shape[2..], &kernel, &pads, &ones(&a.strides, sp), &ones(&a.dilations, sp), &out_sp);
     let (nb, cin, cout) = (x.shape[0], x.shape[1], w.shape[0]);
     let group = a.group.max(1) as usize;
@@ -64,7 +64,7 @@ pub(crate) fn conv_f64(x: &HostTensor, w: &HostTensor, b: Option<&HostTensor>, a
 pub(crate) fn conv_grad(dy: &HostTensor, x: &HostTensor, w: &HostTensor, a: &ConvAttrs) -> Res<Vec<HostTensor>> {
     let kernel: Vec<usize> = w.shape[2..].to_vec();
     let sp = kernel.len();
-    let (out_sp, pads) = window(&x.shape[2..], &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, false)?;
+    let (out_sp, pads) = window(&x.shape[2..], &a.window(&kernel_of(w)))?;
     let (nb, cin, cout) = (x.shape[0], x.shape[1], w.shape[0]);
     let mut want = vec![nb, cout];
     want.extend(&out_sp);
@@ -111,7 +111,7 @@ pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: boo
     let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
     let sp = kernel.len();
     let in_sp = &x.shape[2..];
-    let (out_sp, pads) = window(in_sp, &kernel, &a.strides, &a.dilations, &a.pads, &a.auto_pad, a.ceil_mode != 0)?;
+    let (out_sp, pads) = window(in_sp, &a.window())?;
     let (st, dl) = (ones(&a.strides, sp), ones(&a.dilations, sp));
     let src = taps(in_sp, &kernel, &pads, &st, &dl, &out_sp);
     let (kvol, ovol, ivol): (usize, usize, usize) =

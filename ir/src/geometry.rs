@@ -1,0 +1,362 @@
+//! Geometry shared by type inference, lowering and every backend: convolution and pooling
+//! windows (pads, strides, dilations, `ceil_mode`, `auto_pad`), ConvTranspose output sizes, slice
+//! bounds, broadcasting and axes. One formula in one place: a shape that inference predicts is the
+//! shape a kernel produces.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Dim, Shape};
+
+pub use crate::shape::normalize_axis;
+
+/// ONNX `auto_pad`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum AutoPad {
+    /// Explicit `pads`.
+    #[default]
+    NotSet,
+    /// Output size `ceil(n / stride)`, the odd pad at the end.
+    SameUpper,
+    /// Output size `ceil(n / stride)`, the odd pad at the beginning.
+    SameLower,
+    /// No padding.
+    Valid,
+}
+
+impl AutoPad {
+    pub const NAMES: [(&'static str, AutoPad); 4] = [
+        ("NOTSET", AutoPad::NotSet),
+        ("SAME_UPPER", AutoPad::SameUpper),
+        ("SAME_LOWER", AutoPad::SameLower),
+        ("VALID", AutoPad::Valid),
+    ];
+
+    pub fn is_same(self) -> bool {
+        matches!(self, AutoPad::SameUpper | AutoPad::SameLower)
+    }
+
+    /// Splits a total padding between beginning and end as the mode says.
+    fn split(self, total: u64) -> (u64, u64) {
+        let small = total / 2;
+        match self {
+            AutoPad::SameLower => (total - small, small),
+            _ => (small, total - small),
+        }
+    }
+}
+
+/// One spatial dim of a window: the output size and the padding before and after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowDim {
+    pub out: u64,
+    pub pad_begin: u64,
+    pub pad_end: u64,
+}
+
+/// The attributes of a convolution or pooling window, as given (missing entries take their
+/// defaults: stride and dilation 1, pads 0).
+#[derive(Clone, Copy, Debug)]
+pub struct WindowSpec<'a> {
+    pub kernel: &'a [i64],
+    pub strides: &'a [i64],
+    pub dilations: &'a [i64],
+    /// `[begin..., end...]`.
+    pub pads: &'a [i64],
+    pub auto_pad: AutoPad,
+    pub ceil_mode: bool,
+}
+
+/// A window resolved for one input: everything a kernel needs, per spatial dim.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub dilations: Vec<usize>,
+    pub pads_begin: Vec<usize>,
+    pub pads_end: Vec<usize>,
+    pub out: Vec<usize>,
+}
+
+impl WindowSpec<'_> {
+    fn get(v: &[i64], i: usize, default: i64) -> i64 {
+        v.get(i).copied().unwrap_or(default)
+    }
+
+    /// Stride, dilation, kernel and the explicit pads of spatial dim `i`, checked.
+    fn dim(&self, i: usize) -> Result<(u64, u64, u64, (i64, i64)), String> {
+        let sp = self.kernel.len();
+        let (k, s, d) = (self.kernel[i], Self::get(self.strides, i, 1), Self::get(self.dilations, i, 1));
+        if k < 1 || s < 1 || d < 1 {
+            return Err(format!("kernel {k}, stride {s} and dilation {d} must all be at least 1"));
+        }
+        let pads = (Self::get(self.pads, i, 0), Self::get(self.pads, i + sp, 0));
+        if pads.0 < 0 || pads.1 < 0 {
+            return Err(format!("pads {pads:?} must not be negative"));
+        }
+        Ok((k as u64, s as u64, d as u64, pads))
+    }
+
+    /// The output size and pads of spatial dim `i` for an input of size `n`.
+    pub fn out_dim(&self, i: usize, n: u64) -> Result<WindowDim, String> {
+        let (k, s, d, (pb, pe)) = self.dim(i)?;
+        let ek = (k - 1) * d + 1;
+        match self.auto_pad {
+            AutoPad::SameUpper | AutoPad::SameLower => {
+                let out = n.div_ceil(s);
+                let total = ((out.saturating_sub(1)) * s + ek).saturating_sub(n);
+                let (pad_begin, pad_end) = self.auto_pad.split(total);
+                Ok(WindowDim { out, pad_begin, pad_end })
+            }
+            AutoPad::Valid | AutoPad::NotSet => {
+                let (pb, pe) = if self.auto_pad == AutoPad::Valid { (0, 0) } else { (pb as u64, pe as u64) };
+                let padded = n + pb + pe;
+                if padded < ek {
+                    return Err(format!("a window of {ek} does not fit input size {n} with pads {pb}+{pe}"));
+                }
+                let span = padded - ek;
+                let mut out = if self.ceil_mode { span.div_ceil(s) + 1 } else { span / s + 1 };
+                // ceil_mode: the last window must start inside the input or its left padding.
+                if self.ceil_mode && (out - 1) * s >= n + pb {
+                    out -= 1;
+                }
+                Ok(WindowDim { out, pad_begin: pb, pad_end: pe })
+            }
+        }
+    }
+
+    /// Resolves the window for the spatial sizes `input`.
+    pub fn resolve(&self, input: &[usize]) -> Result<Window, String> {
+        let sp = self.kernel.len();
+        if input.len() != sp {
+            return Err(format!("a {sp}-D window on {} spatial dims", input.len()));
+        }
+        let mut w = Window {
+            kernel: Vec::with_capacity(sp),
+            strides: Vec::with_capacity(sp),
+            dilations: Vec::with_capacity(sp),
+            pads_begin: Vec::with_capacity(sp),
+            pads_end: Vec::with_capacity(sp),
+            out: Vec::with_capacity(sp),
+        };
+        for (i, &n) in input.iter().enumerate() {
+            let (k, s, d, _) = self.dim(i)?;
+            let o = self.out_dim(i, n as u64)?;
+            w.kernel.push(k as usize);
+            w.strides.push(s as usize);
+            w.dilations.push(d as usize);
+            w.pads_begin.push(o.pad_begin as usize);
+            w.pads_end.push(o.pad_end as usize);
+            w.out.push(o.out as usize);
+        }
+        Ok(w)
+    }
+
+    /// The output dims of spatial dims that may be symbolic: unknown where the input is.
+    pub fn out_dims(&self, input: &[Dim]) -> Result<Vec<Dim>, String> {
+        let sp = self.kernel.len();
+        if input.len() != sp {
+            return Err(format!("a {sp}-D window on {} spatial dims", input.len()));
+        }
+        input
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match d.fixed() {
+                Some(n) => self.out_dim(i, n).map(|o| Dim::Fixed(o.out)),
+                None => self.dim(i).map(|_| Dim::Unknown),
+            })
+            .collect()
+    }
+}
+
+/// One spatial dim of a ConvTranspose: the output size and the pads cut from the full result.
+/// `target` is the `output_shape` attribute's entry for this dim, when given.
+pub fn conv_transpose_dim(
+    spec: &WindowSpec,
+    i: usize,
+    n: u64,
+    output_padding: i64,
+    target: Option<i64>,
+) -> Result<WindowDim, String> {
+    let (k, s, d, (pb, pe)) = spec.dim(i)?;
+    if output_padding < 0 {
+        return Err(format!("output_padding {output_padding} must not be negative"));
+    }
+    if n == 0 {
+        return Err("ConvTranspose on an empty spatial dim".into());
+    }
+    let full = s * (n - 1) + output_padding as u64 + (k - 1) * d + 1;
+    let target = match target {
+        Some(t) if t < 0 => return Err(format!("output_shape entry {t} is negative")),
+        Some(t) => Some(t as u64),
+        None if spec.auto_pad.is_same() => Some(n * s),
+        None => None,
+    };
+    Ok(match target {
+        Some(t) => {
+            // The cut that reaches the target; SAME_UPPER cuts the odd one at the end.
+            let total = full.saturating_sub(t);
+            let (pad_begin, pad_end) = match spec.auto_pad {
+                AutoPad::SameUpper => (total / 2, total - total / 2),
+                _ => (total - total / 2, total / 2),
+            };
+            WindowDim { out: t, pad_begin, pad_end }
+        }
+        None => {
+            let (pb, pe) = if spec.auto_pad == AutoPad::Valid { (0, 0) } else { (pb as u64, pe as u64) };
+            if pb + pe > full {
+                return Err(format!("pads {pb}+{pe} exceed the output size {full}"));
+            }
+            WindowDim { out: full - pb - pe, pad_begin: pb, pad_end: pe }
+        }
+    })
+}
+
+/// The start and element count of a slice of a dim of `len` elements (ONNX Slice clamping:
+/// negative indices count from the end; a positive step clamps to `[0, len]`, a negative one to
+/// `[-1, len-1]`).
+pub fn slice_dim(len: i64, start: i64, end: i64, step: i64) -> Result<(i64, u64), String> {
+    if step == 0 {
+        return Err("slice step is 0".into());
+    }
+    let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
+    let (b, e) = if step > 0 {
+        (norm(start).clamp(0, len), norm(end).clamp(0, len))
+    } else {
+        (norm(start).clamp(-1, len - 1), norm(end).clamp(-1, len - 1))
+    };
+    let span = if step > 0 { e - b } else { b - e };
+    Ok((b, (span.max(0) as u64).div_ceil(step.unsigned_abs())))
+}
+
+/// Numpy broadcasting of concrete shapes; `None` if they do not broadcast.
+pub fn broadcast_shape(shapes: &[&[usize]]) -> Option<Vec<usize>> {
+    let rank = shapes.iter().map(|s| s.len()).max().unwrap_or(0);
+    let mut out = vec![1usize; rank];
+    for s in shapes {
+        for (i, &d) in s.iter().enumerate() {
+            let o = &mut out[rank - s.len() + i];
+            if *o == 1 {
+                *o = d;
+            } else if d != 1 && d != *o {
+                return None;
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The element strides with which an input of `shape` is read when broadcast to `out`: one per
+/// output dim, 0 where the input repeats.
+pub fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let rank = out.len();
+    let mut strides = vec![0usize; rank];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        let o = rank - shape.len() + i;
+        strides[o] = if shape[i] == 1 { 0 } else { acc };
+        acc *= shape[i];
+    }
+    strides
+}
+
+/// Numpy broadcasting with symbolic dims: a fixed dim other than 1 wins over a symbolic one, two
+/// different symbols give an unknown dim.
+pub fn broadcast_dims(shapes: &[&Shape]) -> Result<Shape, String> {
+    let rank = shapes.iter().map(|s| s.rank()).max().unwrap_or(0);
+    let mut out = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let mut d = Dim::Fixed(1);
+        for s in shapes {
+            let Some(pos) = (i + s.rank()).checked_sub(rank) else {
+                continue;
+            };
+            let e = &s.0[pos];
+            d = match (&d, e) {
+                (Dim::Fixed(1), _) => e.clone(),
+                (_, Dim::Fixed(1)) => d,
+                (Dim::Fixed(a), Dim::Fixed(b)) if a != b => {
+                    let list: Vec<String> = shapes.iter().map(|s| s.to_string()).collect();
+                    return Err(format!("shapes {} cannot be broadcast", list.join(" and ")));
+                }
+                (Dim::Fixed(_), _) => d,
+                (_, Dim::Fixed(_)) => e.clone(),
+                (Dim::Sym(a), Dim::Sym(b)) if a == b => d,
+                _ => Dim::Unknown,
+            };
+        }
+        out.push(d);
+    }
+    Ok(Shape(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec<'a>(
+        kernel: &'a [i64],
+        strides: &'a [i64],
+        pads: &'a [i64],
+        auto_pad: AutoPad,
+        ceil: bool,
+    ) -> WindowSpec<'a> {
+        WindowSpec { kernel, strides, dilations: &[], pads, auto_pad, ceil_mode: ceil }
+    }
+
+    #[test]
+    fn ceil_mode_keeps_a_last_window_that_starts_in_the_input() {
+        // MaxPool[ceil_mode=1, kernel 2, pads [1,0], stride 2] on 4 elements: windows start at
+        // padded positions 0, 2, 4; the last starts at input index 3, inside the input.
+        let w = spec(&[2], &[2], &[1, 0], AutoPad::NotSet, true).resolve(&[4]).unwrap();
+        assert_eq!(w.out, [3]);
+        // Without the left pad the third window would start past the input.
+        let w = spec(&[2], &[2], &[0, 1], AutoPad::NotSet, true).resolve(&[4]).unwrap();
+        assert_eq!(w.out, [2]);
+        assert_eq!(spec(&[3], &[2], &[0, 0], AutoPad::NotSet, true).resolve(&[6]).unwrap().out, [3]);
+        assert_eq!(spec(&[3], &[2], &[0, 0], AutoPad::NotSet, false).resolve(&[6]).unwrap().out, [2]);
+    }
+
+    #[test]
+    fn same_padding_puts_the_odd_pad_where_the_mode_says() {
+        let up = spec(&[4], &[1], &[], AutoPad::SameUpper, false).resolve(&[5]).unwrap();
+        assert_eq!((up.out[0], up.pads_begin[0], up.pads_end[0]), (5, 1, 2));
+        let low = spec(&[4], &[1], &[], AutoPad::SameLower, false).resolve(&[5]).unwrap();
+        assert_eq!((low.out[0], low.pads_begin[0], low.pads_end[0]), (5, 2, 1));
+        assert_eq!(spec(&[3], &[2], &[], AutoPad::Valid, false).resolve(&[7]).unwrap().out, [3]);
+    }
+
+    #[test]
+    fn zero_strides_and_oversized_windows_are_errors() {
+        assert!(spec(&[2], &[0], &[], AutoPad::NotSet, false).resolve(&[4]).unwrap_err().contains("stride 0"));
+        assert!(spec(&[5], &[1], &[], AutoPad::NotSet, false).resolve(&[4]).is_err());
+        assert!(spec(&[2], &[1], &[-1, 0], AutoPad::NotSet, false).resolve(&[4]).is_err());
+    }
+
+    #[test]
+    fn conv_transpose_sizes() {
+        let s = spec(&[3], &[2], &[1, 1], AutoPad::NotSet, false);
+        assert_eq!(conv_transpose_dim(&s, 0, 3, 1, None).unwrap(), WindowDim { out: 6, pad_begin: 1, pad_end: 1 });
+        let same = spec(&[3], &[2], &[], AutoPad::SameUpper, false);
+        assert_eq!(conv_transpose_dim(&same, 0, 3, 0, None).unwrap().out, 6);
+        assert_eq!(conv_transpose_dim(&s, 0, 3, 0, Some(5)).unwrap().out, 5);
+    }
+
+    #[test]
+    fn slices_clamp_as_onnx_says() {
+        assert_eq!(slice_dim(10, 2, 5, 1).unwrap(), (2, 3));
+        assert_eq!(slice_dim(10, -3, i64::MAX, 1).unwrap(), (7, 3));
+        assert_eq!(slice_dim(10, i64::MAX, i64::MIN, -1).unwrap(), (9, 10));
+        assert_eq!(slice_dim(10, 5, 2, 1).unwrap(), (5, 0));
+        assert_eq!(slice_dim(10, 0, 10, 3).unwrap(), (0, 4));
+        assert!(slice_dim(10, 0, 10, 0).is_err());
+    }
+
+    #[test]
+    fn broadcasting() {
+        assert_eq!(broadcast_shape(&[&[3, 1, 5], &[4, 5]]), Some(vec![3, 4, 5]));
+        assert_eq!(broadcast_shape(&[&[3], &[4]]), None);
+        assert_eq!(broadcast_strides(&[3, 1, 5], &[2, 3, 4, 5]), vec![0, 5, 0, 1]);
+        let s = broadcast_dims(&[&Shape(vec![Dim::sym("b"), Dim::Fixed(1)]), &Shape(vec![Dim::Fixed(7)])]).unwrap();
+        assert_eq!(s, Shape(vec![Dim::sym("b"), Dim::Fixed(7)]));
+    }
+}
