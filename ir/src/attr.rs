@@ -117,6 +117,7 @@ macro_rules! string_enum_attr {
         }
     };
 }
+pub(crate) use string_enum_attr;
 string_enum_attr!(crate::geometry::AutoPad, "one of NOTSET, SAME_UPPER, SAME_LOWER, VALID");
 
 /// Reads one field for [`attr_struct!`]: takes it out of `attrs` and converts it.

@@ -11,14 +11,38 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::attr::{attr_struct, Attr, Attrs};
+use crate::attr::{attr_struct, string_enum_attr, Attr, AttrValue, Attrs};
+
+/// Declares an enum for a string attribute with a closed set of values, and its parsing.
+macro_rules! string_enum {
+    ($(#[$m:meta])* $name:ident, $kind:literal { $($(#[$vm:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name { $($(#[$vm])* $variant),+ }
+        impl $name {
+            pub const NAMES: &'static [(&'static str, $name)] = &[$(($text, $name::$variant)),+];
+        }
+        string_enum_attr!($name, $kind);
+    };
+}
+
+string_enum!(
+    /// Gelu's `approximate`.
+    GeluApprox, "one of none, tanh" { Erf = "none", Tanh = "tanh" });
+string_enum!(
+    /// The `reduction` of a loss.
+    Reduction, "one of none, sum, mean" { None = "none", Sum = "sum", Mean = "mean" });
+string_enum!(
+    /// Pad's `mode`.
+    PadMode, "one of constant, reflect, edge, wrap" {
+        Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
 use crate::geometry::AutoPad;
 use crate::{DType, Tensor};
 
 attr_struct!(ModAttrs { fmod: i64[default = 0] });
 attr_struct!(AlphaAttrs { alpha: f32[default = 0.01f32] });
 attr_struct!(EluAttrs { alpha: f32[default = 1.0f32] });
-attr_struct!(GeluAttrs { approximate: String[default = "none"] });
+attr_struct!(GeluAttrs { approximate: GeluApprox[default = GeluApprox::Erf] });
 attr_struct!(HardSigmoidAttrs { alpha: f32[default = 0.2f32], beta: f32[default = 0.5f32] });
 attr_struct!(GemmAttrs {
     alpha: f32[default = 1.0f32],
@@ -91,7 +115,7 @@ attr_struct!(
     ConcatAttrs { axis: i64 [required] });
 attr_struct!(AxisAttrs { axis: i64[default = 0] });
 attr_struct!(SplitAttrs { axis: i64[default = 0], num_outputs: i64[optional] });
-attr_struct!(PadAttrs { mode: String[default = "constant"] });
+attr_struct!(PadAttrs { mode: PadMode[default = PadMode::Constant] });
 attr_struct!(DropoutAttrs { seed: i64[optional] });
 attr_struct!(CastAttrs { saturate: i64[default = 1], to: DType[required] });
 attr_struct!(ConstantAttrs { value: Tensor[required] });
@@ -100,7 +124,7 @@ attr_struct!(ShapeAttrs { end: i64[optional], start: i64[default = 0] });
 attr_struct!(EinsumAttrs { equation: String[required] });
 attr_struct!(
     /// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss.
-    LossAttrs { ignore_index: i64 [optional], reduction: String [default = "mean"] });
+    LossAttrs { ignore_index: i64 [optional], reduction: Reduction [default = Reduction::Mean] });
 attr_struct!(
     /// `ai.mpc::SgdUpdate`: plain SGD (`momentum` 0) or SGD with momentum (Nesterov optional).
     SgdAttrs {
@@ -321,7 +345,7 @@ impl Op {
             Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
             Op::Cast(a) if a.saturate != 1 => 19,
             Op::Resize(a) if a.antialias != 0 || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
-            Op::Pad(a) if a.mode == "wrap" => 19,
+            Op::Pad(a) if a.mode == PadMode::Wrap => 19,
             Op::AveragePool(a) if !a.dilations.is_empty() => 19,
             _ => 13,
         }
@@ -346,31 +370,6 @@ impl Op {
     /// The attribute value named `name`, if set to a non-default value.
     pub fn attr(&self, name: &str) -> Option<Attr> {
         self.attrs().into_iter().find(|(n, _)| n == name).map(|(_, a)| a)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn typed_attrs_round_trip_and_reject_unknown() {
-        let attrs = vec![("group".to_string(), Attr::Int(2)), ("strides".into(), Attr::Ints(vec![2, 2]))];
-        let op = Op::from_attrs("Conv", attrs.clone()).unwrap().unwrap();
-        assert_eq!(op.attrs(), attrs);
-        let err = Op::from_attrs("Conv", vec![("bogus".into(), Attr::Int(1))]).unwrap().unwrap_err();
-        assert!(err.contains("bogus"), "{err}");
-        let err = Op::from_attrs("Cast", vec![]).unwrap().unwrap_err();
-        assert!(err.contains("`to` is required"), "{err}");
-        let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
-        assert!(err.contains("int where float"), "{err}");
-        assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
-    }
-
-    #[test]
-    fn defaults_are_not_printed() {
-        let op = Op::from_attrs("Gemm", vec![("transB".into(), Attr::Int(1)), ("alpha".into(), Attr::Float(1.0))]);
-        assert_eq!(op.unwrap().unwrap().attrs(), vec![("transB".to_string(), Attr::Int(1))]);
     }
 }
 
@@ -400,5 +399,30 @@ impl PoolAttrs {
             auto_pad: self.auto_pad,
             ceil_mode: self.ceil_mode != 0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_attrs_round_trip_and_reject_unknown() {
+        let attrs = vec![("group".to_string(), Attr::Int(2)), ("strides".into(), Attr::Ints(vec![2, 2]))];
+        let op = Op::from_attrs("Conv", attrs.clone()).unwrap().unwrap();
+        assert_eq!(op.attrs(), attrs);
+        let err = Op::from_attrs("Conv", vec![("bogus".into(), Attr::Int(1))]).unwrap().unwrap_err();
+        assert!(err.contains("bogus"), "{err}");
+        let err = Op::from_attrs("Cast", vec![]).unwrap().unwrap_err();
+        assert!(err.contains("`to` is required"), "{err}");
+        let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
+        assert!(err.contains("int where float"), "{err}");
+        assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
+    }
+
+    #[test]
+    fn defaults_are_not_printed() {
+        let op = Op::from_attrs("Gemm", vec![("transB".into(), Attr::Int(1)), ("alpha".into(), Attr::Float(1.0))]);
+        assert_eq!(op.unwrap().unwrap().attrs(), vec![("transB".to_string(), Attr::Int(1))]);
     }
 }

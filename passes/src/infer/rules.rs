@@ -312,7 +312,8 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation))],
         Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
-            let loss_shape = if a.reduction == "none" { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
+            let loss_shape =
+                if a.reduction == mpc_ir::ops::Reduction::None { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
             let mut out = vec![t(cx.dt(0), loss_shape)];
             if cx.n_outputs() > 1 {
                 out.push(same(cx, 0));

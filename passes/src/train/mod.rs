@@ -247,7 +247,10 @@ impl Pass for AddLoss {
                 dims.remove(1);
                 let labels = g.add_input(&o.labels, TypeInfo::new(DType::I64, Shape(dims)));
                 let name = g.unique_name("loss");
-                let op = Op::SoftmaxCrossEntropyLoss(LossAttrs { ignore_index: None, reduction: "mean".into() });
+                let op = Op::SoftmaxCrossEntropyLoss(LossAttrs {
+                    ignore_index: None,
+                    reduction: mpc_ir::ops::Reduction::Mean,
+                });
                 g.add_op(&name, op, &[Some(logits), Some(labels)], 1).1[0]
             }
             Loss::Mse => {

@@ -149,7 +149,7 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x
             }
         }
-        Op::Gelu(a) if a.approximate == "tanh" => {
+        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => {
             let c = R::of((2.0 / std::f64::consts::PI).sqrt());
             R::of(0.5) * x * (one + (c * (x + R::of(0.044715) * x * x * x)).tanh())
         }

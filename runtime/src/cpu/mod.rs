@@ -324,7 +324,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 }
                 None => (0..t.shape.len()).collect(),
             };
-            one(shape::pad(t, &pads, ins.get(2).copied().flatten(), &axes, &a.mode)?)
+            one(shape::pad(t, &pads, ins.get(2).copied().flatten(), &axes, a.mode)?)
         }
         Op::Range => one(shape::range(x(0)?, x(1)?, x(2)?)?),
         Op::MatMul => one(linalg::matmul(x(0)?, x(1)?)?),
@@ -397,12 +397,12 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             one(nn::cumsum(t, axis(ax[0], t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
         }
         Op::NegativeLogLikelihoodLoss(a) => {
-            one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, &a.reduction)?)
+            one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?)
         }
         Op::SoftmaxCrossEntropyLoss(a) => {
             // log_prob = LogSoftmax over the class axis, then NLL.
             let log_prob = nn::softmax(x(0)?, 1, true)?;
-            let loss = nn::nll_loss(&log_prob, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, &a.reduction)?;
+            let loss = nn::nll_loss(&log_prob, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?;
             Ok(if n_outputs > 1 { vec![loss, log_prob] } else { vec![loss] })
         }
         Op::Resize(a) => one(resize::resize(x(0)?, ins.get(2).copied().flatten(), ins.get(3).copied().flatten(), a)?),
@@ -435,11 +435,11 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let t = x(1)?;
             train::layer_norm_grad(x(0)?, t, x(2)?, axis(a.axis, t.shape.len())?, a.epsilon)
         }
-        Op::GeluGrad(a) => one(train::gelu_grad(x(0)?, x(1)?, &a.approximate)?),
+        Op::GeluGrad(a) => one(train::gelu_grad(x(0)?, x(1)?, a.approximate)?),
         Op::SoftmaxCrossEntropyLossGrad(a) | Op::NegativeLogLikelihoodLossGrad(a) => {
             let softmax = matches!(op, Op::SoftmaxCrossEntropyLossGrad(_));
             let w = ins.get(3).copied().flatten();
-            one(train::loss_grad(x(0)?, x(1)?, x(2)?, w, a.ignore_index, &a.reduction, softmax)?)
+            one(train::loss_grad(x(0)?, x(1)?, x(2)?, w, a.ignore_index, a.reduction, softmax)?)
         }
         Op::GatherGrad(a) => one(train::gather_grad(x(0)?, x(1)?, x(2)?, a.axis)?),
         Op::ReluGrad => one(train::relu_grad(x(0)?, x(1)?)?),

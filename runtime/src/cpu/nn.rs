@@ -4,6 +4,7 @@
 use super::elementwise::Real;
 use super::{err, floats, store, Res};
 use crate::value::{Data, HostTensor};
+use mpc_ir::ops::Reduction;
 
 /// f32, f16 and bf16 data as f32, borrowed when already f32; `None` for f64 and non-floats.
 fn f32_view(x: &HostTensor) -> Option<std::borrow::Cow<'_, [f32]>> {
@@ -523,7 +524,7 @@ pub(crate) fn nll_loss(
     target: &HostTensor,
     weight: Option<&HostTensor>,
     ignore: Option<i64>,
-    reduction: &str,
+    reduction: Reduction,
 ) -> Res<HostTensor> {
     let v = floats(x, "input")?;
     let t = target.i64s().ok_or_else(|| err("target must be integers"))?;
@@ -548,8 +549,8 @@ pub(crate) fn nll_loss(
         }
     }
     Ok(match reduction {
-        "none" => store(x, target.shape.clone(), losses),
-        "sum" => store(x, vec![], vec![losses.iter().sum()]),
-        _ => store(x, vec![], vec![losses.iter().sum::<f64>() / wsum]),
+        Reduction::None => store(x, target.shape.clone(), losses),
+        Reduction::Sum => store(x, vec![], vec![losses.iter().sum()]),
+        Reduction::Mean => store(x, vec![], vec![losses.iter().sum::<f64>() / wsum]),
     })
 }

@@ -2,6 +2,7 @@
 //! flat input index of every output element and picks them (dtype kept, values exact).
 
 use mpc_ir::normalize_axis;
+use mpc_ir::ops::PadMode;
 
 use super::{err, Res};
 use crate::value::{gather_runs, Data, HostTensor};
@@ -176,7 +177,7 @@ pub(crate) fn pad(
     pads: &[i64],
     value: Option<&HostTensor>,
     axes: &[usize],
-    mode: &str,
+    mode: PadMode,
 ) -> Res<HostTensor> {
     let rank = x.shape.len();
     let mut before = vec![0i64; rank];
@@ -199,7 +200,7 @@ pub(crate) fn pad(
                 let mut c = ((k / ost[d]) % shape[d]) as i64 - before[d];
                 if c < 0 || c >= n {
                     c = match mode {
-                        "reflect" if n > 1 => {
+                        PadMode::Reflect if n > 1 => {
                             let period = 2 * (n - 1);
                             let m = c.rem_euclid(period);
                             if m >= n {
@@ -208,9 +209,9 @@ pub(crate) fn pad(
                                 m
                             }
                         }
-                        "edge" | "reflect" => c.clamp(0, n - 1),
-                        "wrap" => c.rem_euclid(n),
-                        _ => return fill,
+                        PadMode::Edge | PadMode::Reflect => c.clamp(0, n - 1),
+                        PadMode::Wrap => c.rem_euclid(n),
+                        PadMode::Constant => return fill,
                     };
                 }
                 p += c as usize * st[d];

@@ -4,6 +4,7 @@
 //! stores. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
 
 use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
+use mpc_ir::ops::{GeluApprox, Reduction};
 
 use super::elementwise::Real;
 use super::shape::strides;
@@ -246,7 +247,7 @@ pub(crate) fn layer_norm_grad(
 }
 
 /// GeluGrad(dY, X) → dY · Gelu'(X), for the exact (erf) and tanh forms.
-pub(crate) fn gelu_grad(dy: &HostTensor, x: &HostTensor, approximate: &str) -> Res<HostTensor> {
+pub(crate) fn gelu_grad(dy: &HostTensor, x: &HostTensor, approximate: GeluApprox) -> Res<HostTensor> {
     same_shape(dy, x, "GeluGrad")?;
     let (dyv, xv) = (float(dy, "dY")?, float(x, "X")?);
     let c = (2.0 / std::f64::consts::PI).sqrt();
@@ -254,7 +255,7 @@ pub(crate) fn gelu_grad(dy: &HostTensor, x: &HostTensor, approximate: &str) -> R
         .iter()
         .zip(&xv)
         .map(|(&g, &x)| {
-            let slope = if approximate == "tanh" {
+            let slope = if approximate == GeluApprox::Tanh {
                 let t = (c * (x + 0.044715 * x * x * x)).tanh();
                 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
             } else {
@@ -308,7 +309,7 @@ pub(crate) fn loss_grad(
     target: &HostTensor,
     weights: Option<&HostTensor>,
     ignore: Option<i64>,
-    reduction: &str,
+    reduction: Reduction,
     softmax: bool,
 ) -> Res<HostTensor> {
     let (c, inner, pos) = loss_positions(input, target, weights, ignore)?;
@@ -319,10 +320,9 @@ pub(crate) fn loss_grad(
     for (p, at) in pos.iter().enumerate() {
         let Some((k, w)) = *at else { continue };
         let g = match reduction {
-            "none" => *dl.get(p).ok_or_else(|| err("dLoss has fewer values than positions"))?,
-            "sum" => dl[0],
-            "mean" => dl[0] / total_w,
-            r => return Err(err(format!("unknown reduction `{r}`"))),
+            Reduction::None => *dl.get(p).ok_or_else(|| err("dLoss has fewer values than positions"))?,
+            Reduction::Sum => dl[0],
+            Reduction::Mean => dl[0] / total_w,
         };
         let (n, i) = (p / inner, p % inner);
         let at = |cls: usize| (n * c + cls) * inner + i;
