@@ -314,6 +314,32 @@ define_ops! {
 pub const MPC_DOMAIN: &str = "ai.mpc";
 
 impl Op {
+    /// The input slots whose values decide the output's shape or are read as parameters (shapes,
+    /// axes, starts/ends, repeats, pads, scales, ratios): a runtime needs their values when it
+    /// lowers the graph, not on the device.
+    pub fn host_operands(&self) -> &'static [usize] {
+        match self {
+            Op::Reshape(_) | Op::Expand | Op::Tile | Op::Squeeze | Op::Unsqueeze | Op::Split(_) | Op::CumSum(_) => &[1],
+            Op::Trilu(_) => &[1],
+            Op::ReduceSum(_)
+            | Op::ReduceMean(_)
+            | Op::ReduceMax(_)
+            | Op::ReduceMin(_)
+            | Op::ReduceSumSquare(_)
+            | Op::ReduceL2(_)
+            | Op::ReduceLogSumExp(_)
+            | Op::ReduceL1(_)
+            | Op::ReduceProd(_) => &[1],
+            Op::Slice => &[1, 2, 3, 4],
+            Op::Pad(_) => &[1, 3],
+            Op::ConstantOfShape(_) => &[0],
+            Op::Range => &[0, 1, 2],
+            Op::Resize(_) => &[1, 2, 3],
+            Op::Dropout(_) => &[1, 2],
+            _ => &[],
+        }
+    }
+
     pub fn is_opaque(&self) -> bool {
         matches!(self, Op::Opaque(_))
     }

@@ -6,7 +6,10 @@
 //! against the graph, executes in schedule order and frees each value after its last reader.
 
 pub mod cpu;
+pub mod device;
 pub mod plan;
+pub mod program;
+pub mod session;
 pub mod value;
 
 use std::collections::HashMap;
@@ -35,6 +38,9 @@ pub enum RuntimeError {
     UnknownShape(String),
     #[error("{0}")]
     Graph(String),
+    /// An invariant of mpc itself failed.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// A device that executes ops on buffers it owns.

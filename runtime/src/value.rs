@@ -278,16 +278,15 @@ pub fn gather_runs(parts: &[&HostTensor], shape: Vec<usize>, runs: &[(usize, usi
     HostTensor { shape, data: cat!(F32, F16, BF16, F64, I64, I32, I16, I8, U64, U32, U16, U8, Bool) }
 }
 
-impl From<&Tensor> for HostTensor {
-    fn from(t: &Tensor) -> HostTensor {
-        let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
-        let b = t.bytes();
+impl HostTensor {
+    /// A tensor of `dtype` and `shape` from its little-endian bytes (`bytes` holds exactly them).
+    pub fn from_le_bytes(dtype: DType, shape: Vec<usize>, b: &[u8]) -> HostTensor {
         macro_rules! le {
             ($ty:ty, $n:literal) => {
                 b.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size"))).collect()
             };
         }
-        let data = match t.dtype() {
+        let data = match dtype {
             DType::F32 => Data::F32(le!(f32, 4)),
             DType::F16 => Data::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
             DType::BF16 => Data::BF16(b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
@@ -304,26 +303,45 @@ impl From<&Tensor> for HostTensor {
         };
         HostTensor { shape, data }
     }
+
+    /// Writes the elements' little-endian bytes into `out`, which holds exactly [`HostTensor::bytes`].
+    pub fn write_le_bytes(&self, out: &mut [u8]) {
+        macro_rules! put {
+            ($v:expr, $n:literal) => {
+                for (c, x) in out.chunks_exact_mut($n).zip($v) {
+                    c.copy_from_slice(&x.to_le_bytes());
+                }
+            };
+        }
+        match &self.data {
+            Data::F32(v) => put!(v, 4),
+            Data::F16(v) => put!(v, 2),
+            Data::BF16(v) => put!(v, 2),
+            Data::F64(v) => put!(v, 8),
+            Data::I64(v) => put!(v, 8),
+            Data::I32(v) => put!(v, 4),
+            Data::I16(v) => put!(v, 2),
+            Data::I8(v) => put!(v, 1),
+            Data::U64(v) => put!(v, 8),
+            Data::U32(v) => put!(v, 4),
+            Data::U16(v) => put!(v, 2),
+            Data::U8(v) => out.copy_from_slice(v),
+            Data::Bool(v) => out.iter_mut().zip(v).for_each(|(o, &x)| *o = x as u8),
+        }
+    }
+}
+
+impl From<&Tensor> for HostTensor {
+    fn from(t: &Tensor) -> HostTensor {
+        let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
+        HostTensor::from_le_bytes(t.dtype(), shape, t.bytes())
+    }
 }
 
 impl From<&HostTensor> for Tensor {
     fn from(h: &HostTensor) -> Tensor {
-        let mut out = Vec::with_capacity(h.bytes());
-        match &h.data {
-            Data::F16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::BF16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::Bool(v) => v.iter().for_each(|&x| out.push(x as u8)),
-            Data::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::F64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::I64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::I32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::I16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::I8(v) => v.iter().for_each(|&x| out.push(x as u8)),
-            Data::U64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::U32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::U16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            Data::U8(v) => out.extend_from_slice(v),
-        }
+        let mut out = vec![0u8; h.bytes()];
+        h.write_le_bytes(&mut out);
         let shape = h.shape.iter().map(|&d| d as u64).collect();
         Tensor::from_bytes(h.dtype(), shape, out.into()).expect("host tensor bytes match its shape")
     }

@@ -1,0 +1,223 @@
+//! The [`Device`] trait: what a backend implements to run a [`Program`](crate::program::Program).
+//!
+//! A device owns memory and a queue. It allocates regions, writes host bytes into them, reads
+//! bytes back, copies between places and enqueues launches of resolved descriptors. It only
+//! enqueues: nothing in a step waits for the device, and reading back is the one explicit
+//! synchronisation. [`CpuDevice`] is the reference: its queue runs each launch at once on host
+//! memory with the CPU kernels.
+
+use crate::program::{DeviceCaps, Launch, Operand, Region, TensorRef};
+use crate::value::HostTensor;
+use crate::{cpu, RuntimeError};
+
+/// The two regions a session holds on a device.
+pub struct Regions<M> {
+    pub arena: M,
+    pub persistent: M,
+}
+
+impl<M> Regions<M> {
+    pub fn get(&self, r: Region) -> &M {
+        match r {
+            Region::Arena => &self.arena,
+            Region::Persistent => &self.persistent,
+        }
+    }
+
+    pub fn get_mut(&mut self, r: Region) -> &mut M {
+        match r {
+            Region::Arena => &mut self.arena,
+            Region::Persistent => &mut self.persistent,
+        }
+    }
+}
+
+/// What a device counts, for `--stats` and for the tests that hold steps to their promises.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCounters {
+    pub allocations: u64,
+    pub allocated_bytes: u64,
+    pub launches: u64,
+    pub copies: u64,
+    /// Reads of device memory back to the host (each a synchronisation).
+    pub host_reads: u64,
+    pub host_writes: u64,
+}
+
+/// A backend: memory, and a queue of launches.
+pub trait Device {
+    /// One region of device memory.
+    type Memory;
+
+    fn caps(&self) -> DeviceCaps;
+    fn alloc(&mut self, bytes: u64) -> Result<Self::Memory, RuntimeError>;
+    /// Enqueues a write of host bytes at `offset`.
+    fn write(&mut self, mem: &mut Self::Memory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
+    /// Reads `len` bytes at `offset` back to the host, after everything enqueued before it.
+    fn read(&mut self, mem: &Self::Memory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError>;
+    /// Enqueues a copy of one tensor's bytes to another place of the same size.
+    fn copy(
+        &mut self,
+        regions: &mut Regions<Self::Memory>,
+        from: &TensorRef,
+        to: &TensorRef,
+    ) -> Result<(), RuntimeError>;
+    /// Enqueues one launch.
+    fn launch(&mut self, regions: &mut Regions<Self::Memory>, launch: &Launch) -> Result<(), RuntimeError>;
+    /// Fills a region with a pattern that reads as NaN in every float dtype (debug checks).
+    fn poison(&mut self, mem: &mut Self::Memory) -> Result<(), RuntimeError>;
+    fn counters(&self) -> DeviceCounters;
+}
+
+/// Host memory aligned to 64 bytes.
+pub struct CpuMemory {
+    buf: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl CpuMemory {
+    fn new(len: usize) -> CpuMemory {
+        let buf = vec![0u8; len + 64];
+        let start = buf.as_ptr().align_offset(64).min(64);
+        CpuMemory { buf, start, len }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+
+    /// The address of the region's first byte (tests check that it never moves).
+    pub fn addr(&self) -> usize {
+        self.bytes().as_ptr() as usize
+    }
+}
+
+/// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
+#[derive(Default)]
+pub struct CpuDevice {
+    counters: DeviceCounters,
+}
+
+fn range(t: &TensorRef, len: usize) -> Result<std::ops::Range<usize>, RuntimeError> {
+    let (s, e) = (t.offset as usize, (t.offset + t.bytes()) as usize);
+    if e > len {
+        return Err(RuntimeError::Internal(format!("a tensor at {s}..{e} lies outside its region of {len} bytes")));
+    }
+    Ok(s..e)
+}
+
+impl CpuDevice {
+    fn tensor(regions: &Regions<CpuMemory>, t: &TensorRef) -> Result<HostTensor, RuntimeError> {
+        let mem = regions.get(t.region);
+        let r = range(t, mem.len)?;
+        Ok(HostTensor::from_le_bytes(t.dtype, t.shape.clone(), &mem.bytes()[r]))
+    }
+}
+
+impl Device for CpuDevice {
+    type Memory = CpuMemory;
+
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps { name: "cpu", align: 64 }
+    }
+
+    fn alloc(&mut self, bytes: u64) -> Result<CpuMemory, RuntimeError> {
+        let len = usize::try_from(bytes).map_err(|_| RuntimeError::Graph(format!("{bytes} bytes do not fit")))?;
+        self.counters.allocations += 1;
+        self.counters.allocated_bytes += bytes;
+        Ok(CpuMemory::new(len))
+    }
+
+    fn write(&mut self, mem: &mut CpuMemory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let s = offset as usize;
+        if s + bytes.len() > mem.len {
+            return Err(RuntimeError::Internal(format!("a write at {s} of {} bytes overruns its region", bytes.len())));
+        }
+        mem.bytes_mut()[s..s + bytes.len()].copy_from_slice(bytes);
+        self.counters.host_writes += 1;
+        Ok(())
+    }
+
+    fn read(&mut self, mem: &CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
+        let (s, e) = (offset as usize, (offset + len) as usize);
+        if e > mem.len {
+            return Err(RuntimeError::Internal(format!("a read at {s}..{e} overruns its region")));
+        }
+        self.counters.host_reads += 1;
+        Ok(mem.bytes()[s..e].to_vec())
+    }
+
+    fn copy(&mut self, regions: &mut Regions<CpuMemory>, from: &TensorRef, to: &TensorRef) -> Result<(), RuntimeError> {
+        if from.bytes() != to.bytes() {
+            return Err(RuntimeError::Internal("a copy between places of different sizes".into()));
+        }
+        let src = range(from, regions.get(from.region).len)?;
+        let dst = range(to, regions.get(to.region).len)?;
+        if from.region == to.region {
+            regions.get_mut(to.region).bytes_mut().copy_within(src, dst.start);
+        } else {
+            let data = regions.get(from.region).bytes()[src].to_vec();
+            regions.get_mut(to.region).bytes_mut()[dst].copy_from_slice(&data);
+        }
+        self.counters.copies += 1;
+        Ok(())
+    }
+
+    fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
+        let ins: Vec<Option<HostTensor>> = l
+            .inputs
+            .iter()
+            .map(|o| match o {
+                Operand::Absent => Ok(None),
+                Operand::Host(t) => Ok(Some(t.clone())),
+                Operand::Device(t) => Self::tensor(regions, t).map(Some),
+            })
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
+        let outs = cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
+            cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: l.node.clone(), msg },
+            cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: l.node.clone(), msg },
+        })?;
+        if outs.len() > l.outputs.len() {
+            return Err(RuntimeError::Internal(format!(
+                "{}: {} outputs for {} places",
+                l.node,
+                outs.len(),
+                l.outputs.len()
+            )));
+        }
+        for (t, place) in outs.iter().zip(&l.outputs) {
+            // Each launch writes exactly what the graph declares: its dtype, shape and bytes.
+            if t.dtype() != place.dtype || t.shape != place.shape {
+                return Err(RuntimeError::Internal(format!(
+                    "{}: the kernel made {}{:?} where the graph declares {}{:?}",
+                    l.node,
+                    t.dtype(),
+                    t.shape,
+                    place.dtype,
+                    place.shape
+                )));
+            }
+            let mem = regions.get_mut(place.region);
+            let r = range(place, mem.len)?;
+            t.write_le_bytes(&mut mem.bytes_mut()[r]);
+        }
+        self.counters.launches += 1;
+        Ok(())
+    }
+
+    fn poison(&mut self, mem: &mut CpuMemory) -> Result<(), RuntimeError> {
+        // 0xFF bytes are NaN in f16, bf16, f32 and f64.
+        mem.bytes_mut().fill(0xFF);
+        Ok(())
+    }
+
+    fn counters(&self) -> DeviceCounters {
+        self.counters
+    }
+}

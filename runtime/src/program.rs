@@ -1,0 +1,378 @@
+//! Lowering: a typed graph, every shape known, becomes a [`Program`] once; a device then only
+//! replays it.
+//!
+//! [`lower`] walks the schedule and
+//! - folds every node whose inputs are all known when lowering (constants, the initializers that
+//!   no step changes, and `Shape`/`Size` of statically shaped values) by running it on the CPU
+//!   reference: the shape arithmetic of exported models (`Shape → Gather → Concat → Reshape`)
+//!   leaves no launch behind;
+//! - makes Reshape, Squeeze, Unsqueeze, Flatten and Identity views: the output is the input's
+//!   bytes under another shape, no launch;
+//! - gives every other node one [`Launch`], a resolved descriptor: the typed op, its operands'
+//!   places, dtypes and shapes, and its host operands (shapes, axes, starts/ends, pads, scales:
+//!   [`Op::host_operands`]) as values. A launch never reads device data to learn a shape;
+//! - lays out memory: one activation arena by the memory plan's placement (each buffer at the
+//!   lowest offset free over its lifetime; an element-wise output over an input that dies with
+//!   it), and one persistent region for the weights, the training state and the constants the
+//!   device reads. Each state value keeps one slot: after a step its next value is copied into it,
+//!   so no address changes between steps. Inputs and outputs have fixed places.
+//!
+//! An op no backend can run is an error here, naming its node, before any step.
+
+use std::collections::{HashMap, HashSet};
+
+use mpc_ir::{DType, Def, Graph, NodeId, Op, ValueId};
+
+use crate::value::HostTensor;
+use crate::{cpu, RuntimeError};
+
+/// Which of a session's two memory regions a tensor lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Region {
+    /// Activations, inputs and outputs: reused within a step by the memory plan.
+    Arena,
+    /// Weights, training state and constants: kept across steps.
+    Persistent,
+}
+
+/// Where a tensor lives and what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorRef {
+    pub region: Region,
+    pub offset: u64,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TensorRef {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.numel() * self.dtype.size()) as u64
+    }
+}
+
+/// One input of a launch.
+#[derive(Clone, Debug)]
+pub enum Operand {
+    /// An omitted optional input.
+    Absent,
+    /// A tensor in device memory.
+    Device(TensorRef),
+    /// A value known when lowering (a shape, axes, a parameter), carried by the descriptor.
+    Host(HostTensor),
+}
+
+/// One kernel launch, fully resolved.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    /// The node it comes from, for messages (`"name" (Op)`).
+    pub node: String,
+    pub op: Op,
+    pub inputs: Vec<Operand>,
+    pub outputs: Vec<TensorRef>,
+}
+
+/// A training state value: its slot, and where the step leaves its next value.
+#[derive(Clone, Debug)]
+pub struct StateSlot {
+    pub name: String,
+    pub slot: TensorRef,
+    pub next: TensorRef,
+}
+
+/// What a device must provide for lowering.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceCaps {
+    pub name: &'static str,
+    /// Alignment of every buffer, in bytes.
+    pub align: u64,
+}
+
+/// A lowered graph: the launches of one step over a fixed memory layout.
+#[derive(Clone, Debug)]
+pub struct Program {
+    pub align: u64,
+    pub arena_bytes: u64,
+    pub persistent_bytes: u64,
+    pub inputs: Vec<(String, TensorRef)>,
+    pub outputs: Vec<(String, TensorRef)>,
+    pub launches: Vec<Launch>,
+    /// The persistent region's initial contents.
+    pub constants: Vec<(TensorRef, HostTensor)>,
+    /// Every named value in the persistent region (weights, state), for checkpoints.
+    pub persistent: Vec<(String, TensorRef)>,
+    pub state: Vec<StateSlot>,
+    /// Nodes computed when lowering.
+    pub folded: usize,
+    /// Nodes that became views.
+    pub views: usize,
+}
+
+impl Program {
+    /// The place of a graph input, output or persistent value named `name`.
+    pub fn find(&self, name: &str) -> Option<&TensorRef> {
+        self.outputs.iter().chain(&self.inputs).chain(&self.persistent).find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+}
+
+/// Ops that are views of their first input's bytes.
+fn is_view(op: &Op) -> bool {
+    matches!(op, Op::Reshape(_) | Op::Squeeze | Op::Unsqueeze | Op::Flatten(_) | Op::Identity)
+}
+
+/// Whether the CPU reference (and so every backend) runs this op at all.
+fn runnable(op: &Op) -> Result<(), String> {
+    match op {
+        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" && o.attrs.is_empty() => Ok(()),
+        Op::Opaque(o) if o.domain.is_empty() && o.op_type == "If" => {
+            Err("If is not lowered to a program yet (it runs in the interpreter)".into())
+        }
+        Op::Opaque(o) => Err(format!("opaque op {}::{} cannot run", o.domain, o.op_type)),
+        _ => Ok(()),
+    }
+}
+
+fn align_up(n: u64, align: u64) -> u64 {
+    n.div_ceil(align) * align
+}
+
+/// Lowers `g`, whose every value has a known dtype and shape (bind the symbolic dims and infer
+/// first), for a device with `caps`. `variables` are initializers that may change between runs
+/// besides the training state (an evaluation graph's weights): they are not folded.
+pub fn lower(g: &Graph, caps: DeviceCaps, variables: &HashSet<ValueId>) -> Result<Program, RuntimeError> {
+    let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
+    let label = |n: NodeId| g.node_label(n);
+    let ty = |v: ValueId| -> Result<(DType, Vec<usize>), RuntimeError> {
+        let t = g.ty(v);
+        let unknown = || RuntimeError::UnknownShape(g.name(v).to_string());
+        let dtype = t.dtype.ok_or_else(unknown)?;
+        let shape = t.shape.as_ref().ok_or_else(unknown)?;
+        let dims = shape.dims().iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>();
+        Ok((dtype, dims.ok_or_else(unknown)?))
+    };
+    let state: Vec<(ValueId, ValueId)> = g.train.as_ref().map(|t| t.state.clone()).unwrap_or_default();
+    let changing: HashSet<ValueId> = state.iter().map(|&(s, _)| s).chain(variables.iter().copied()).collect();
+
+    // 1. What is known when lowering.
+    let mut known: HashMap<ValueId, HostTensor> = HashMap::new();
+    for v in g.initializers() {
+        if let (false, Some(t)) = (changing.contains(&v), g.value(v).initializer()) {
+            known.insert(v, HostTensor::from(t));
+        }
+    }
+    let mut steps: Vec<NodeId> = Vec::new();
+    let mut view_of: HashMap<ValueId, ValueId> = HashMap::new();
+    let mut folded = 0;
+    for &n in &order {
+        let node = g.node(n);
+        runnable(&node.op).map_err(|msg| RuntimeError::Unsupported { node: label(n), msg })?;
+        let all_known = node.inputs().iter().flatten().all(|v| known.contains_key(v));
+        let shape_of = matches!(node.op, Op::Shape(_) | Op::Size) && node.input(0).is_some_and(|v| ty(v).is_ok());
+        if (all_known && !node.inputs().is_empty()) || shape_of || matches!(node.op, Op::Constant(_)) {
+            let ins: Vec<Option<HostTensor>> = node
+                .inputs()
+                .iter()
+                .map(|i| {
+                    i.map(|v| match known.get(&v) {
+                        Some(t) => Ok(t.clone()),
+                        // Shape reads only the shape: a placeholder of the right shape.
+                        None => ty(v).map(|(d, s)| HostTensor::from_f64(d, s, Vec::new())),
+                    })
+                    .transpose()
+                })
+                .collect::<Result<_, _>>()?;
+            let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
+            let outs = match (&node.op, node.input(0)) {
+                (Op::Size, Some(x)) => {
+                    let numel = ty(x)?.1.iter().product::<usize>() as i64;
+                    vec![HostTensor::from_i64(DType::I64, vec![], vec![numel])]
+                }
+                _ => cpu::run_op(&node.op, &refs, node.outputs().len()).map_err(|e| kernel_error(g, n, e))?,
+            };
+            for (&o, t) in node.outputs().iter().zip(outs) {
+                known.insert(o, t);
+            }
+            folded += 1;
+            continue;
+        }
+        if is_view(&node.op) {
+            let (Some(x), &[o]) = (node.input(0), node.outputs()) else {
+                return Err(RuntimeError::Node { node: label(n), msg: "a view needs one input and one output".into() });
+            };
+            let (xd, xs) = ty(x)?;
+            let (od, os) = ty(o)?;
+            if xd != od || xs.iter().product::<usize>() != os.iter().product::<usize>() {
+                return Err(RuntimeError::Node {
+                    node: label(n),
+                    msg: format!("a view of {xd}{xs:?} as {od}{os:?} changes its size"),
+                });
+            }
+            if !known.contains_key(&x) {
+                view_of.insert(o, *view_of.get(&x).unwrap_or(&x));
+                continue;
+            }
+        }
+        for &slot in node.op.host_operands() {
+            if let Some(v) = node.input(slot).filter(|v| !known.contains_key(v)) {
+                return Err(RuntimeError::Node {
+                    node: label(n),
+                    msg: format!(
+                        "input {slot} (`{}`) sets a shape or parameter and must be known when lowering, \
+                         but it is computed from run-time data",
+                        g.name(v)
+                    ),
+                });
+            }
+        }
+        steps.push(n);
+    }
+    let views = view_of.len();
+    let end = steps.len();
+    let root = |v: ValueId| *view_of.get(&v).unwrap_or(&v);
+
+    // 2. The persistent region: changing initializers, and known values that a launch reads as
+    // data or that are outputs.
+    let mut persistent_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
+    let mut device_reads: HashSet<ValueId> = HashSet::new();
+    for &n in &steps {
+        let host = g.node(n).op.host_operands();
+        for (slot, v) in g.node(n).inputs().iter().enumerate() {
+            if let Some(v) = v {
+                if !host.contains(&slot) {
+                    device_reads.insert(*v);
+                }
+            }
+        }
+    }
+    let mut known_needed: Vec<ValueId> =
+        known.keys().copied().filter(|v| device_reads.contains(v) || g.is_output(*v)).collect();
+    known_needed.sort_unstable();
+    persistent_vals.extend(known_needed);
+    let mut refs: HashMap<ValueId, TensorRef> = HashMap::new();
+    let mut top = 0u64;
+    let mut constants = Vec::new();
+    for &v in &persistent_vals {
+        let (dtype, shape) = ty(v)?;
+        let r = TensorRef { region: Region::Persistent, offset: top, dtype, shape };
+        top = align_up(top + r.bytes(), caps.align);
+        let data = match known.get(&v) {
+            Some(t) => t.clone(),
+            None => HostTensor::from(g.value(v).initializer().ok_or_else(|| internal(g, v, "no initial value"))?),
+        };
+        constants.push((r.clone(), data));
+        refs.insert(v, r);
+    }
+    let persistent_bytes = top;
+
+    // 3. Arena buffers: graph inputs and launch outputs, views sharing their source's buffer;
+    // lifetimes in launch steps (graph outputs and next states live to the end).
+    let mut buffer_of: HashMap<ValueId, usize> = HashMap::new();
+    let mut buffers: Vec<(u64, usize, usize)> = Vec::new(); // size, first, last
+    for &v in g.inputs() {
+        let (d, s) = ty(v)?;
+        buffer_of.insert(v, buffers.len());
+        buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, end));
+    }
+    let mut last: HashMap<ValueId, usize> = HashMap::new();
+    for (i, &n) in steps.iter().enumerate() {
+        for v in g.node(n).inputs().iter().flatten() {
+            let e = last.entry(root(*v)).or_insert(i);
+            *e = (*e).max(i);
+        }
+    }
+    let keep: HashSet<ValueId> = g.outputs().iter().chain(state.iter().map(|(_, n)| n)).map(|&v| root(v)).collect();
+    for (i, &n) in steps.iter().enumerate() {
+        let node = g.node(n);
+        for (k, &o) in node.outputs().iter().enumerate() {
+            let (d, s) = ty(o)?;
+            let size = align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align);
+            let dies = if keep.contains(&o) { end } else { *last.get(&o).unwrap_or(&i) };
+            // In place over an input that dies here, of the same size, not an input slot.
+            let reuse = (k == 0 && crate::plan::elementwise(&node.op))
+                .then(|| {
+                    node.inputs().iter().flatten().map(|&v| root(v)).find(|v| {
+                        matches!(g.value(*v).def(), Def::Node(..))
+                            && last.get(v) == Some(&i)
+                            && !keep.contains(v)
+                            && buffer_of.get(v).is_some_and(|&b| buffers[b].0 == size && buffers[b].2 == i)
+                    })
+                })
+                .flatten();
+            match reuse {
+                Some(v) => {
+                    let b = buffer_of[&v];
+                    buffers[b].2 = dies;
+                    buffer_of.insert(o, b);
+                }
+                None => {
+                    buffer_of.insert(o, buffers.len());
+                    buffers.push((size, i, dies));
+                }
+            }
+        }
+    }
+    let (offsets, arena_bytes) = crate::plan::place_buffers(&buffers);
+    let place = |v: ValueId, refs: &HashMap<ValueId, TensorRef>| -> Result<TensorRef, RuntimeError> {
+        let (dtype, shape) = ty(v)?;
+        let r = root(v);
+        if let Some(p) = refs.get(&r) {
+            return Ok(TensorRef { dtype, shape, ..p.clone() });
+        }
+        let b = *buffer_of.get(&r).ok_or_else(|| internal(g, v, "has no place"))?;
+        Ok(TensorRef { region: Region::Arena, offset: offsets[b], dtype, shape })
+    };
+
+    // 4. Launches.
+    let mut launches = Vec::with_capacity(steps.len());
+    for &n in &steps {
+        let node = g.node(n);
+        let host = node.op.host_operands();
+        let inputs = node
+            .inputs()
+            .iter()
+            .enumerate()
+            .map(|(slot, v)| match v {
+                None => Ok(Operand::Absent),
+                Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
+                Some(v) => place(*v, &refs).map(Operand::Device),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let outputs = node.outputs().iter().map(|&o| place(o, &refs)).collect::<Result<Vec<_>, _>>()?;
+        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs });
+    }
+    let named = |vs: &[ValueId], refs: &HashMap<ValueId, TensorRef>| {
+        vs.iter().map(|&v| Ok((g.name(v).to_string(), place(v, refs)?))).collect::<Result<Vec<_>, RuntimeError>>()
+    };
+    let state = state
+        .iter()
+        .map(|&(s, n)| Ok(StateSlot { name: g.name(s).to_string(), slot: place(s, &refs)?, next: place(n, &refs)? }))
+        .collect::<Result<Vec<_>, RuntimeError>>()?;
+    let persistent: Vec<ValueId> = persistent_vals.iter().copied().filter(|v| !g.name(*v).is_empty()).collect();
+    Ok(Program {
+        align: caps.align,
+        arena_bytes,
+        persistent_bytes,
+        inputs: named(g.inputs(), &refs)?,
+        outputs: named(g.outputs(), &refs)?,
+        launches,
+        constants,
+        persistent: named(&persistent, &refs)?,
+        state,
+        folded,
+        views,
+    })
+}
+
+fn internal(g: &Graph, v: ValueId, what: &str) -> RuntimeError {
+    RuntimeError::Internal(format!("lowering: `{}` {what}", g.name(v)))
+}
+
+pub(crate) fn kernel_error(g: &Graph, n: NodeId, e: cpu::KernelError) -> RuntimeError {
+    match e {
+        cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: g.node_label(n), msg },
+        cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: g.node_label(n), msg },
+    }
+}

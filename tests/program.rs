@@ -1,0 +1,135 @@
+//! Lowered programs against the interpreter: every fixture's inference graph under each policy
+//! and the training graphs, lowered once and run on the CPU device, give the interpreter's
+//! results bit for bit; no launch reads device data for a shape; after the first step no step
+//! allocates; the state keeps its places.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+
+use common::{fixture, FIXTURES};
+use mpc::Options;
+use mpc_ir::Graph;
+use mpc_passes::train::TrainOptions;
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::program::{lower, Operand, Program};
+use mpc_runtime::session::Session;
+use mpc_runtime::{Cpu, HostTensor};
+
+const BATCH: u64 = 4;
+
+fn compiled(name: &str, policy: &str, train: bool) -> Graph {
+    let path = fixture(name);
+    let mut g = mpc::load(&path).unwrap();
+    if train {
+        mpc::train::free_batch(&mut g);
+    }
+    let opts = Options { policy: Some(policy.into()), train: train.then(TrainOptions::default), ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name} {policy}: {e}"));
+    g
+}
+
+fn dims() -> HashMap<String, u64> {
+    [("batch".to_string(), BATCH)].into()
+}
+
+fn lowered(g: &Graph) -> (Graph, Program) {
+    let (bound, _) = mpc::summary::bind_inputs(g, &dims()).unwrap();
+    let p = lower(&bound, CpuDevice::default().caps(), &HashSet::new()).unwrap_or_else(|e| panic!("lowering: {e}"));
+    (bound, p)
+}
+
+/// Every host operand of every launch is a value in the descriptor.
+fn assert_shapes_resolved(p: &Program) {
+    for l in &p.launches {
+        for &slot in l.op.host_operands() {
+            assert!(
+                !matches!(l.inputs.get(slot), Some(Operand::Device(_))),
+                "{}: operand {slot} would be read from device memory",
+                l.node
+            );
+        }
+    }
+}
+
+fn same(a: &HostTensor, b: &HostTensor, what: &str) {
+    assert_eq!(a.shape, b.shape, "{what}: shape");
+    let (x, y) = (a.f64s(), b.f64s());
+    assert!(
+        x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())),
+        "{what}: values differ"
+    );
+}
+
+#[test]
+fn inference_programs_equal_the_interpreter() {
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            let g = compiled(name, policy, false);
+            let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+            let program = match lower(&bound, CpuDevice::default().caps(), &HashSet::new()) {
+                Ok(p) => p,
+                Err(e) => {
+                    // Opaque ops (a custom domain, If) are refused when lowering, naming the node.
+                    let msg = e.to_string();
+                    assert!(matches!(name, "custom_op" | "control_flow"), "{name} {policy}: {msg}");
+                    assert!(msg.contains("node `"), "{msg}");
+                    continue;
+                }
+            };
+            assert_shapes_resolved(&program);
+            println!(
+                "{name} {policy}: {} launches, {} folded, {} views, arena {} B, persistent {} B",
+                program.launches.len(),
+                program.folded,
+                program.views,
+                program.arena_bytes,
+                program.persistent_bytes
+            );
+            let inputs = mpc::run::random_inputs(&bound, 7, &dims()).unwrap();
+            let want = mpc_runtime::run(&Cpu, &bound, &inputs).unwrap();
+            let mut s = Session::new(CpuDevice::default(), program).unwrap();
+            let got = s.run(&inputs).unwrap();
+            for ((n, a), (m, b)) in want.iter().zip(&got) {
+                assert_eq!(n, m);
+                same(a, b, &format!("{name} {policy} `{n}`"));
+            }
+            // A second run on the same session gives the same bits.
+            let again = s.run(&inputs).unwrap();
+            for ((_, a), (_, b)) in got.iter().zip(&again) {
+                same(a, b, &format!("{name} {policy} second run"));
+            }
+            assert_eq!(s.stats().allocations_in_steps, 0);
+        }
+    }
+}
+
+#[test]
+fn training_programs_step_as_the_interpreter_does() {
+    for (name, policy) in [("mlp", "mixed"), ("cnn_bn", "mixed"), ("transformer", "mixed"), ("mlp", "fp32")] {
+        let g = compiled(name, policy, true);
+        let (bound, program) = lowered(&g);
+        assert_shapes_resolved(&program);
+        let sig = bound.train.clone().unwrap();
+        let state: Vec<_> = sig.state.clone();
+        let fetch = [sig.loss.unwrap(), sig.skipped.unwrap()];
+        let mut old = mpc_runtime::Session::new(Cpu, &bound).unwrap();
+        let mut s = Session::new(CpuDevice::default(), program).unwrap();
+        let loss_name = bound.name(fetch[0]).to_string();
+        for step in 0..3 {
+            let inputs = mpc::run::random_inputs(&bound, 11 + step, &dims()).unwrap();
+            let want = old.step(&inputs, &state, &fetch).unwrap();
+            s.feed(&inputs).unwrap();
+            s.step().unwrap();
+            same(&want[0], &s.read(&loss_name).unwrap(), &format!("{name} {policy} step {step} loss"));
+            for &(v, _) in &state {
+                let n = bound.name(v);
+                same(&old.weight(v).unwrap().unwrap(), &s.read(n).unwrap(), &format!("{name} step {step} `{n}`"));
+            }
+        }
+        let st = s.stats();
+        assert_eq!(st.allocations_in_steps, 0, "{name}: allocations inside steps");
+        assert_eq!(st.host_reads_per_step, 0, "{name}: host reads inside a step");
+        assert!(st.launches_per_step > 0 && st.steps == 3);
+    }
+}
