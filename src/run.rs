@@ -150,3 +150,158 @@ pub fn memory_plan(
     let plan = mpc_runtime::plan(&bound).map_err(|e| Error::Run { path: model.to_owned(), source: e })?;
     Ok((plan, used))
 }
+
+/// The graph inputs whose values decide shapes or parameters ([`mpc_ir::Op::host_operands`]),
+/// found by walking back from those operands.
+fn host_valued_inputs(g: &Graph) -> Vec<mpc_ir::ValueId> {
+    let mut seen = std::collections::HashSet::new();
+    let mut todo: Vec<mpc_ir::ValueId> = Vec::new();
+    for n in g.node_ids() {
+        let node = g.node(n);
+        todo.extend(node.op.host_operands().iter().filter_map(|&s| node.input(s)));
+    }
+    let mut out = Vec::new();
+    while let Some(v) = todo.pop() {
+        if !seen.insert(v) {
+            continue;
+        }
+        match g.value(v).def() {
+            mpc_ir::Def::Input => out.push(v),
+            mpc_ir::Def::Node(n, _) => todo.extend(g.node(*n).inputs().iter().flatten().copied()),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Lowers `g` for the inputs about to be fed: the inputs' types become the fed tensors' (binding
+/// every symbolic dim), inputs that set shapes or parameters (Reshape's shape, Slice's starts)
+/// become constants of the fed values, every type is inferred anew, and the graph is lowered for
+/// a device with `caps`. A fed tensor of the wrong dtype or shape is an error naming the input.
+pub fn lower_for_inputs(
+    g: &Graph,
+    inputs: &HashMap<String, HostTensor>,
+    caps: mpc_runtime::program::DeviceCaps,
+    model: &Path,
+) -> Result<mpc_runtime::program::Program> {
+    let rerr = |source| Error::Run { path: model.to_owned(), source };
+    let mut b = g.clone();
+    let mut dims = HashMap::new();
+    for &v in g.inputs() {
+        let name = g.name(v);
+        let t = inputs.get(name).ok_or_else(|| rerr(mpc_runtime::RuntimeError::MissingInput(name.to_string())))?;
+        let ty = g.ty(v);
+        if ty.dtype.is_some_and(|d| d != t.dtype()) {
+            return Err(rerr(mpc_runtime::RuntimeError::WrongDtype {
+                name: name.to_string(),
+                expected: ty.dtype.map(|d| d.to_string()).unwrap_or_default(),
+                got: t.dtype().to_string(),
+            }));
+        }
+        if let Some(shape) = &ty.shape {
+            let fits = shape.rank() == t.shape.len()
+                && shape.dims().iter().zip(&t.shape).all(|(d, &n)| !matches!(d, Dim::Fixed(f) if *f as usize != n));
+            if !fits {
+                return Err(rerr(mpc_runtime::RuntimeError::WrongShape {
+                    name: name.to_string(),
+                    expected: shape.to_string(),
+                    got: t.shape.clone(),
+                }));
+            }
+            for (d, &n) in shape.dims().iter().zip(&t.shape) {
+                if let Dim::Sym(s) = d {
+                    if let Some(old) = dims.insert(s.to_string(), n as u64).filter(|&o| o != n as u64) {
+                        return Err(Error::Usage(format!(
+                            "{}: input `{name}` binds `{s}` to {n}, another input bound it to {old}",
+                            model.display()
+                        )));
+                    }
+                }
+            }
+        }
+        let fixed: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
+        b.set_ty(v, mpc_ir::TypeInfo::new(t.dtype(), mpc_ir::Shape::fixed(&fixed)));
+    }
+    for v in host_valued_inputs(&b) {
+        let t = &inputs[b.name(v)];
+        let name = b.unique_name(&format!("{}.value", b.name(v)));
+        let c = b.add_initializer(&name, Tensor::from(t));
+        b.replace_uses(v, c);
+    }
+    let bound = fold_and_infer(b, &dims, &Default::default(), model)?;
+    mpc_runtime::program::lower(&bound, caps, &Default::default()).map_err(rerr)
+}
+
+/// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded
+/// shape arithmetic (`Shape → Gather → Concat`) gives inference the values that decide the next
+/// shapes. Initializers named in `changing` (training state) are not constants.
+pub fn fold_and_infer(
+    mut g: Graph,
+    dims: &HashMap<String, u64>,
+    changing: &std::collections::HashSet<mpc_ir::ValueId>,
+    model: &Path,
+) -> Result<Graph> {
+    loop {
+        let (bound, _) =
+            crate::summary::bind_inputs(&g, dims).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
+        g = bound;
+        if fold_constants(&mut g, changing).map_err(|source| Error::Run { path: model.to_owned(), source })? == 0 {
+            return Ok(g);
+        }
+    }
+}
+
+/// Replaces every node whose inputs are all constants (or that reads only a fixed shape) by
+/// initializers of its results, computed by the CPU reference. Returns how many nodes it folded.
+fn fold_constants(
+    g: &mut Graph,
+    changing: &std::collections::HashSet<mpc_ir::ValueId>,
+) -> std::result::Result<usize, mpc_runtime::RuntimeError> {
+    use mpc_ir::Op;
+    let order = g.topo_order().map_err(|e| mpc_runtime::RuntimeError::Graph(e.to_string()))?;
+    let mut folded = 0;
+    for n in order {
+        let node = g.node(n);
+        if node.op.is_opaque() || node.outputs().is_empty() {
+            continue;
+        }
+        let konst = |v: &mpc_ir::ValueId| !changing.contains(v) && g.constant(*v).is_some();
+        let fixed = |v: mpc_ir::ValueId| g.ty(v).shape.as_ref().and_then(|s| s.as_fixed());
+        let outs = match (&node.op, node.input(0)) {
+            (Op::Shape(_) | Op::Size, Some(x)) if fixed(x).is_some() => {
+                let shape: Vec<usize> = fixed(x).unwrap_or_default().iter().map(|&d| d as usize).collect();
+                let dt = g.ty(x).dtype.unwrap_or(DType::F32);
+                let placeholder = HostTensor::from_f64(dt, shape.clone(), Vec::new());
+                match node.op {
+                    Op::Size => {
+                        vec![HostTensor::from_i64(DType::I64, vec![], vec![shape.iter().product::<usize>() as i64])]
+                    }
+                    _ => mpc_runtime::cpu::run_op(&node.op, &[Some(&placeholder)], 1).map_err(|e| {
+                        mpc_runtime::RuntimeError::Node { node: g.node_label(n), msg: format!("{e:?}") }
+                    })?,
+                }
+            }
+            _ if !node.inputs().is_empty() && node.inputs().iter().flatten().all(konst) => {
+                let ins: Vec<Option<HostTensor>> =
+                    node.inputs().iter().map(|i| i.and_then(|v| g.constant(v)).map(HostTensor::from)).collect();
+                let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
+                match mpc_runtime::cpu::run_op(&node.op, &refs, node.outputs().len()) {
+                    Ok(o) => o,
+                    // Left for the device, which reports it with its node.
+                    Err(_) => continue,
+                }
+            }
+            _ => continue,
+        };
+        let outputs = node.outputs().to_vec();
+        for (o, t) in outputs.into_iter().zip(outs) {
+            let name = g.name(o).to_string();
+            g.rename(o, "");
+            let c = g.add_initializer(&name, Tensor::from(&t));
+            g.replace_uses(o, c);
+        }
+        g.remove_node(n);
+        folded += 1;
+    }
+    Ok(folded)
+}

@@ -1,7 +1,9 @@
 //! ONNX conformance cases on the CPU runtime.
 //!
 //! Every case of `MPC_ONNX_NODE_TESTS` (set by `.ci/run`; skipped with a message when absent) is
-//! imported, compiled with `--policy fp32` and run on the CPU backend with its own inputs; outputs
+//! imported, compiled with `--policy fp32`, lowered to a program for its own inputs (their shapes
+//! bound, the inputs that set shapes taken as values, constants folded) and run on the CPU device
+//! (`MPC_INTERPRETER=1`: on the interpreter instead); outputs
 //! must match the expected ones at rtol 1e-3 / atol 1e-5 (floats) or exactly. Cases that use an op or
 //! dtype mpc does not run yet are skipped with the reason. While kernels are being completed,
 //! `tests/runtime_known_failures.txt` lists the cases that fail today: the test fails on any failure
@@ -10,6 +12,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::session::Session;
 use mpc_runtime::{Cpu, HostTensor, RuntimeError};
 
 enum Outcome {
@@ -60,6 +64,25 @@ fn close(got: &HostTensor, want: &HostTensor) -> Result<(), String> {
     Ok(())
 }
 
+/// Runs through a lowered program on the CPU device, or, with `MPC_INTERPRETER` set, through the
+/// interpreter. `Err(Ok(_))`: lowering failed with this message.
+fn run(
+    g: &mpc_ir::Graph,
+    feeds: &HashMap<String, HostTensor>,
+    model: &Path,
+) -> Result<Vec<(String, HostTensor)>, Result<String, RuntimeError>> {
+    if std::env::var_os("MPC_INTERPRETER").is_some() {
+        return mpc_runtime::run(&Cpu, g, feeds).map_err(Err);
+    }
+    let program = match mpc::run::lower_for_inputs(g, feeds, CpuDevice::default().caps(), model) {
+        Ok(p) => p,
+        Err(mpc::Error::Run { source, .. }) => return Err(Err(source)),
+        Err(e) => return Err(Ok(e.to_string())),
+    };
+    let mut s = Session::new(CpuDevice::default(), program).map_err(Err)?;
+    s.run(feeds).map_err(Err)
+}
+
 fn run_case(dir: &Path) -> Outcome {
     let model = dir.join("model.onnx");
     let mut g = match mpc::load(&model) {
@@ -85,10 +108,11 @@ fn run_case(dir: &Path) -> Outcome {
         };
         let feeds: HashMap<String, HostTensor> =
             g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
-        let got = match mpc_runtime::run(&Cpu, &g, &feeds) {
+        let got = match run(&g, &feeds, &model) {
             Ok(o) => o,
-            Err(RuntimeError::Unsupported { msg, .. }) => return Outcome::Skip(msg),
-            Err(e) => return Outcome::Fail(e.to_string()),
+            Err(Err(RuntimeError::Unsupported { msg, .. })) => return Outcome::Skip(msg),
+            Err(Err(e)) => return Outcome::Fail(e.to_string()),
+            Err(Ok(e)) => return Outcome::Fail(e),
         };
         for ((name, got), want) in got.iter().zip(&outs) {
             if let Err(e) = close(got, want) {
