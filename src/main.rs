@@ -227,6 +227,15 @@ enum Command {
     },
 }
 
+/// `--device`: cpu runs; cuda is refused with one line until the CUDA backend exists.
+fn check_device(device: &str) -> Result<(), Error> {
+    match device {
+        "cpu" => Ok(()),
+        "cuda" => Err(Error::Usage("--device cuda: this build has no CUDA backend yet; use --device cpu".into())),
+        d => Err(Error::Usage(format!("--device {d}: unknown device (cpu or cuda)"))),
+    }
+}
+
 fn parse_dims(dims: &[String]) -> Result<HashMap<String, u64>, Error> {
     dims.iter()
         .map(|d| {
@@ -263,9 +272,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             device,
             output,
         } => {
-            if device != "cpu" {
-                return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
-            }
+            check_device(&device)?;
             if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
                 return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
             }
@@ -380,9 +387,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Run { common, inputs, random_inputs, output, device, repeat } => {
-            if device != "cpu" {
-                return Err(Error::Usage(format!("--device {device}: this build runs on the cpu only")));
-            }
+            check_device(&device)?;
             let opts = common.options(Vec::new(), None)?;
             let mut g = mpc::load(&common.model)?;
             mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;

@@ -148,3 +148,22 @@ fn if_runs_the_branch_its_condition_picks() {
         assert!((a - 2.0 * (b + 2.0)).abs() < 1e-5, "then {a}, else {b}");
     }
 }
+
+#[test]
+fn a_device_that_is_not_built_is_one_line_and_exit_2() {
+    let m = fixture("mlp");
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.safetensors");
+    let d = fixture("digits_mlp");
+    for cmd in [
+        vec!["run", m.to_str().unwrap(), "--random-inputs", "1", "--device", "cuda"],
+        vec!["train", d.to_str().unwrap(), "--data", data, "--device", "cuda"],
+    ] {
+        let r = mpc(&cmd);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("--device cuda"), "{err}");
+    }
+    let r = mpc(&["run", m.to_str().unwrap(), "--random-inputs", "1", "--device", "tpu"]);
+    assert_eq!(r.status.code(), Some(2));
+}
