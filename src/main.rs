@@ -5,6 +5,7 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use mpc_runtime::device::Device;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -218,12 +219,16 @@ enum Command {
         /// Where to write the outputs (safetensors, keyed by graph output name).
         #[arg(short, long)]
         output: Option<PathBuf>,
-        /// The backend: cpu.
+        /// The backend: cpu (cuda comes with the CUDA backend).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Run this many more times after a warm-up run and print the median time per run.
         #[arg(long, value_name = "N")]
         repeat: Option<usize>,
+        /// Print what the lowered program costs: arena and persistent bytes, launches per step,
+        /// allocations inside steps after the first, host reads per step.
+        #[arg(long)]
+        stats: bool,
     },
 }
 
@@ -386,7 +391,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             std::mem::forget(g);
             Ok(())
         }
-        Command::Run { common, inputs, random_inputs, output, device, repeat } => {
+        Command::Run { common, inputs, random_inputs, output, device, repeat, stats } => {
             check_device(&device)?;
             let opts = common.options(Vec::new(), None)?;
             let mut g = mpc::load(&common.model)?;
@@ -399,7 +404,9 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             };
             let rerr = |source| Error::Run { path: common.model.clone(), source };
-            let session = mpc_runtime::Session::new(mpc_runtime::Cpu, &g).map_err(rerr)?;
+            let cpu = mpc_runtime::device::CpuDevice::default();
+            let program = mpc::run::lower_for_inputs(&g, &feeds, cpu.caps(), &common.model)?;
+            let mut session = mpc_runtime::session::Session::new(cpu, program).map_err(rerr)?;
             let outs = session.run(&feeds).map_err(rerr)?;
             if let Some(n) = repeat.filter(|&n| n > 0) {
                 let mut times = Vec::with_capacity(n);
@@ -410,6 +417,9 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
                 times.sort_by(f64::total_cmp);
                 eprintln!("mpc: median run {:.3} ms over {n} runs (min {:.3} ms)", times[n / 2], times[0]);
+            }
+            if stats {
+                eprintln!("mpc: {}", mpc::run::stats_line(session.program(), &session.stats()));
             }
             for (name, t) in &outs {
                 println!("{}", mpc::run::summary(name, t));

@@ -151,6 +151,22 @@ pub fn memory_plan(
     Ok((plan, used))
 }
 
+/// `--stats`: what a lowered program costs on its device.
+pub fn stats_line(p: &mpc_runtime::program::Program, s: &mpc_runtime::session::StepStats) -> String {
+    format!(
+        "arena {} B, persistent {} B, {} launches per step ({} nodes folded when lowering, {} views), \
+         {} allocations inside steps after the first, {} host reads per step, {} steps",
+        s.arena_bytes,
+        s.persistent_bytes,
+        s.launches_per_step,
+        p.folded,
+        p.views,
+        s.allocations_in_steps,
+        s.host_reads_per_step,
+        s.steps
+    )
+}
+
 /// The graph inputs whose values decide shapes or parameters ([`mpc_ir::Op::host_operands`]),
 /// found by walking back from those operands.
 fn host_valued_inputs(g: &Graph) -> Vec<mpc_ir::ValueId> {

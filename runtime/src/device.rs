@@ -6,7 +6,9 @@
 //! synchronisation. [`CpuDevice`] is the reference: its queue runs each launch at once on host
 //! memory with the CPU kernels.
 
-use crate::program::{DeviceCaps, Launch, Operand, Region, TensorRef};
+use std::collections::HashMap;
+
+use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
@@ -50,7 +52,12 @@ pub trait Device {
     type Memory;
 
     fn caps(&self) -> DeviceCaps;
-    fn alloc(&mut self, bytes: u64) -> Result<Self::Memory, RuntimeError>;
+    /// Called once the persistent region holds its initial contents, before any step.
+    fn prepare(&mut self, _program: &Program, _regions: &Regions<Self::Memory>) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    /// Allocates the memory of one region.
+    fn alloc(&mut self, region: Region, bytes: u64) -> Result<Self::Memory, RuntimeError>;
     /// Enqueues a write of host bytes at `offset`.
     fn write(&mut self, mem: &mut Self::Memory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
     /// Reads `len` bytes at `offset` back to the host, after everything enqueued before it.
@@ -74,13 +81,14 @@ pub struct CpuMemory {
     buf: Vec<u8>,
     start: usize,
     len: usize,
+    persistent: bool,
 }
 
 impl CpuMemory {
-    fn new(len: usize) -> CpuMemory {
+    fn new(len: usize, persistent: bool) -> CpuMemory {
         let buf = vec![0u8; len + 64];
         let start = buf.as_ptr().align_offset(64).min(64);
-        CpuMemory { buf, start, len }
+        CpuMemory { buf, start, len, persistent }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -98,9 +106,24 @@ impl CpuMemory {
 }
 
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
+///
+/// The kernels work on host tensors, so a launch reads its operands out of the regions and writes
+/// its results back. The persistent values no step writes (weights of an inference program,
+/// folded constants) are kept decoded, keyed by offset, and dropped if anything writes over them.
 #[derive(Default)]
 pub struct CpuDevice {
     counters: DeviceCounters,
+    decoded: HashMap<u64, HostTensor>,
+}
+
+impl CpuDevice {
+    /// Forgets the decoded values that a write to `offset..offset+len` of the persistent region
+    /// changes.
+    fn invalidate(&mut self, offset: u64, len: u64) {
+        if !self.decoded.is_empty() {
+            self.decoded.retain(|&o, t| o + t.bytes() as u64 <= offset || offset + len <= o);
+        }
+    }
 }
 
 fn range(t: &TensorRef, len: usize) -> Result<std::ops::Range<usize>, RuntimeError> {
@@ -126,11 +149,23 @@ impl Device for CpuDevice {
         DeviceCaps { name: "cpu", align: 64 }
     }
 
-    fn alloc(&mut self, bytes: u64) -> Result<CpuMemory, RuntimeError> {
+    fn prepare(&mut self, program: &Program, regions: &Regions<CpuMemory>) -> Result<(), RuntimeError> {
+        let written: Vec<&TensorRef> = program.state.iter().map(|s| &s.slot).collect();
+        for (place, _) in &program.constants {
+            let overlaps =
+                |w: &&TensorRef| place.offset < w.offset + w.bytes() && w.offset < place.offset + place.bytes();
+            if !written.iter().any(overlaps) {
+                self.decoded.insert(place.offset, Self::tensor(regions, place)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc(&mut self, region: Region, bytes: u64) -> Result<CpuMemory, RuntimeError> {
         let len = usize::try_from(bytes).map_err(|_| RuntimeError::Graph(format!("{bytes} bytes do not fit")))?;
         self.counters.allocations += 1;
         self.counters.allocated_bytes += bytes;
-        Ok(CpuMemory::new(len))
+        Ok(CpuMemory::new(len, region == Region::Persistent))
     }
 
     fn write(&mut self, mem: &mut CpuMemory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
@@ -140,6 +175,11 @@ impl Device for CpuDevice {
         }
         mem.bytes_mut()[s..s + bytes.len()].copy_from_slice(bytes);
         self.counters.host_writes += 1;
+        // Writes into the persistent region (a checkpoint's state, new weights) make what was
+        // decoded there stale. The arena holds nothing decoded.
+        if mem.persistent {
+            self.invalidate(offset, bytes.len() as u64);
+        }
         Ok(())
     }
 
@@ -158,6 +198,9 @@ impl Device for CpuDevice {
         }
         let src = range(from, regions.get(from.region).len)?;
         let dst = range(to, regions.get(to.region).len)?;
+        if to.region == Region::Persistent {
+            self.invalidate(to.offset, to.bytes());
+        }
         if from.region == to.region {
             regions.get_mut(to.region).bytes_mut().copy_within(src, dst.start);
         } else {
@@ -169,16 +212,30 @@ impl Device for CpuDevice {
     }
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
-        let ins: Vec<Option<HostTensor>> = l
+        let decoded = |t: &TensorRef| {
+            (t.region == Region::Persistent)
+                .then(|| self.decoded.get(&t.offset))
+                .flatten()
+                .filter(|d| d.shape == t.shape && d.dtype() == t.dtype)
+        };
+        let read: Vec<Option<HostTensor>> = l
             .inputs
             .iter()
             .map(|o| match o {
-                Operand::Absent => Ok(None),
-                Operand::Host(t) => Ok(Some(t.clone())),
-                Operand::Device(t) => Self::tensor(regions, t).map(Some),
+                Operand::Device(t) if decoded(t).is_none() => Self::tensor(regions, t).map(Some),
+                _ => Ok(None),
             })
             .collect::<Result<_, _>>()?;
-        let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
+        let refs: Vec<Option<&HostTensor>> = l
+            .inputs
+            .iter()
+            .zip(&read)
+            .map(|(o, r)| match o {
+                Operand::Absent => None,
+                Operand::Host(t) => Some(t),
+                Operand::Device(t) => r.as_ref().or_else(|| decoded(t)),
+            })
+            .collect();
         let outs = cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
             cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: l.node.clone(), msg },
             cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: l.node.clone(), msg },

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use crate::device::{Device, DeviceCounters, Regions};
-use crate::program::{Program, TensorRef};
+use crate::program::{Program, Region, TensorRef};
 use crate::value::HostTensor;
 use crate::RuntimeError;
 
@@ -37,13 +37,16 @@ pub struct Session<D: Device> {
 impl<D: Device> Session<D> {
     /// Allocates the regions and writes the persistent region's initial contents.
     pub fn new(mut device: D, program: Program) -> Result<Self, RuntimeError> {
-        let mut regions =
-            Regions { arena: device.alloc(program.arena_bytes)?, persistent: device.alloc(program.persistent_bytes)? };
+        let mut regions = Regions {
+            arena: device.alloc(Region::Arena, program.arena_bytes)?,
+            persistent: device.alloc(Region::Persistent, program.persistent_bytes)?,
+        };
         for (place, t) in &program.constants {
             let mut bytes = vec![0u8; t.bytes()];
             t.write_le_bytes(&mut bytes);
             device.write(&mut regions.persistent, place.offset, &bytes)?;
         }
+        device.prepare(&program, &regions)?;
         let stats = StepStats {
             arena_bytes: program.arena_bytes,
             persistent_bytes: program.persistent_bytes,

@@ -281,23 +281,40 @@ pub fn gather_runs(parts: &[&HostTensor], shape: Vec<usize>, runs: &[(usize, usi
 impl HostTensor {
     /// A tensor of `dtype` and `shape` from its little-endian bytes (`bytes` holds exactly them).
     pub fn from_le_bytes(dtype: DType, shape: Vec<usize>, b: &[u8]) -> HostTensor {
+        /// The elements as a Vec, by one copy of the bytes on little-endian machines.
+        fn copied<T: Copy + Pod>(b: &[u8], decode: impl Fn(&[u8]) -> T) -> Vec<T> {
+            let n = b.len() / std::mem::size_of::<T>();
+            if cfg!(target_endian = "little") {
+                let mut v: Vec<T> = Vec::with_capacity(n);
+                // SAFETY: `T` is a plain number type (`Pod`: every bit pattern is a value, no
+                // padding), the Vec has room for `n` elements, and on a little-endian machine its
+                // in-memory bytes are the file's. `b` and the Vec do not overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr() as *mut u8, n * std::mem::size_of::<T>());
+                    v.set_len(n);
+                }
+                v
+            } else {
+                b.chunks_exact(std::mem::size_of::<T>()).map(decode).collect()
+            }
+        }
         macro_rules! le {
-            ($ty:ty, $n:literal) => {
-                b.chunks_exact($n).map(|c| <$ty>::from_le_bytes(c.try_into().expect("chunk size"))).collect()
+            ($ty:ty) => {
+                copied::<$ty>(b, |c| <$ty>::from_le_bytes(c.try_into().expect("chunk size")))
             };
         }
         let data = match dtype {
-            DType::F32 => Data::F32(le!(f32, 4)),
-            DType::F16 => Data::F16(b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-            DType::BF16 => Data::BF16(b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
-            DType::F64 => Data::F64(le!(f64, 8)),
-            DType::I64 => Data::I64(le!(i64, 8)),
-            DType::I32 => Data::I32(le!(i32, 4)),
-            DType::I16 => Data::I16(le!(i16, 2)),
+            DType::F32 => Data::F32(le!(f32)),
+            DType::F16 => Data::F16(le!(f16)),
+            DType::BF16 => Data::BF16(le!(bf16)),
+            DType::F64 => Data::F64(le!(f64)),
+            DType::I64 => Data::I64(le!(i64)),
+            DType::I32 => Data::I32(le!(i32)),
+            DType::I16 => Data::I16(le!(i16)),
             DType::I8 => Data::I8(b.iter().map(|&x| x as i8).collect()),
-            DType::U64 => Data::U64(le!(u64, 8)),
-            DType::U32 => Data::U32(le!(u32, 4)),
-            DType::U16 => Data::U16(le!(u16, 2)),
+            DType::U64 => Data::U64(le!(u64)),
+            DType::U32 => Data::U32(le!(u32)),
+            DType::U16 => Data::U16(le!(u16)),
             DType::U8 => Data::U8(b.to_vec()),
             DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
         };
@@ -306,30 +323,53 @@ impl HostTensor {
 
     /// Writes the elements' little-endian bytes into `out`, which holds exactly [`HostTensor::bytes`].
     pub fn write_le_bytes(&self, out: &mut [u8]) {
+        fn put<T: Copy + Pod>(v: &[T], out: &mut [u8], encode: impl Fn(&T, &mut [u8])) {
+            let size = std::mem::size_of::<T>();
+            assert_eq!(out.len(), std::mem::size_of_val(v), "write_le_bytes: the output holds another size");
+            if cfg!(target_endian = "little") {
+                // SAFETY: `T` is a plain number type whose in-memory bytes, on a little-endian
+                // machine, are its little-endian encoding; the lengths were checked above.
+                unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, out.as_mut_ptr(), out.len()) }
+            } else {
+                out.chunks_exact_mut(size).zip(v).for_each(|(c, x)| encode(x, c));
+            }
+        }
         macro_rules! put {
-            ($v:expr, $n:literal) => {
-                for (c, x) in out.chunks_exact_mut($n).zip($v) {
-                    c.copy_from_slice(&x.to_le_bytes());
-                }
+            ($v:expr) => {
+                put($v, out, |x, c| c.copy_from_slice(&x.to_le_bytes()))
             };
         }
         match &self.data {
-            Data::F32(v) => put!(v, 4),
-            Data::F16(v) => put!(v, 2),
-            Data::BF16(v) => put!(v, 2),
-            Data::F64(v) => put!(v, 8),
-            Data::I64(v) => put!(v, 8),
-            Data::I32(v) => put!(v, 4),
-            Data::I16(v) => put!(v, 2),
-            Data::I8(v) => put!(v, 1),
-            Data::U64(v) => put!(v, 8),
-            Data::U32(v) => put!(v, 4),
-            Data::U16(v) => put!(v, 2),
+            Data::F32(v) => put!(v),
+            Data::F16(v) => put!(v),
+            Data::BF16(v) => put!(v),
+            Data::F64(v) => put!(v),
+            Data::I64(v) => put!(v),
+            Data::I32(v) => put!(v),
+            Data::I16(v) => put!(v),
+            Data::I8(v) => out.iter_mut().zip(v).for_each(|(o, &x)| *o = x as u8),
+            Data::U64(v) => put!(v),
+            Data::U32(v) => put!(v),
+            Data::U16(v) => put!(v),
             Data::U8(v) => out.copy_from_slice(v),
             Data::Bool(v) => out.iter_mut().zip(v).for_each(|(o, &x)| *o = x as u8),
         }
     }
 }
+
+/// Number types whose every bit pattern is a value and that have no padding: their bytes can be
+/// copied in and out as a block.
+trait Pod {}
+impl Pod for f32 {}
+impl Pod for f64 {}
+impl Pod for f16 {}
+impl Pod for bf16 {}
+impl Pod for i64 {}
+impl Pod for i32 {}
+impl Pod for i16 {}
+impl Pod for u64 {}
+impl Pod for u32 {}
+impl Pod for u16 {}
 
 impl From<&Tensor> for HostTensor {
     fn from(t: &Tensor) -> HostTensor {
