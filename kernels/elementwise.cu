@@ -1,0 +1,406 @@
+// kernels/elementwise.cu: element-wise unary, binary (numpy broadcasting), comparison, logical,
+// Where, Clip, IsNaN/IsInf kernels.
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
+// Launch: 1-D grid-stride loops over the output, blockDim.x = 256 (any value up to 256 works),
+// gridDim.x = min(ceil(n / 256), a few times the SM count x 8); results do not depend on it.
+// Float math is f32 for f32/f16/bf16 (rounded once on store) and f64 for f64, written as the CPU
+// reference (runtime/src/cpu/elementwise.rs) writes it.
+//
+// ---- ABIs (T is the dtype of the tag; U8 outputs are bool 0/1) ----
+// Unary float, tags f32 f16 bf16 f64:
+//   elementwise_<op>_<T>(const T* x, T* y, long long n, float alpha, float beta)
+//   ops: relu sigmoid tanh exp log sqrt neg abs erf reciprocal floor ceil round (half to even)
+//        sign sin cos softplus softsign hard_swish gelu (erf form) gelu_tanh
+//        leaky_relu (alpha) elu (alpha) selu (alpha, beta = gamma) hard_sigmoid (alpha, beta)
+//   alpha/beta are ignored by the ops that take no attribute. y may equal x (in place).
+// Unary integer, tags i64 i32:  elementwise_{neg,abs,relu,sign}_<T>(const T* x, T* y, long long n)
+//   (wrapping neg/abs like the CPU reference).
+// Binary, broadcasting over an output of rank <= 8:
+//   elementwise_<op>_<T>(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims,
+//                         Strides8 sa, Strides8 sb)
+//   n = output element count = prod(dims[0..rank)); y is contiguous row-major over dims; sa/sb
+//   are the operands' element strides per output dim (0 where broadcast). rank = 0 means both
+//   operands are contiguous with n elements (no broadcasting; dims/strides ignored).
+//   float ops (f32 f16 bf16 f64): add sub mul div pow min max prelu (a = x, b = slope)
+//        mod (fmod=1: C fmod, sign of a) mod_py (fmod=0: numpy mod, sign of b)
+//        Min/Max propagate NaN. Pow's exponent has the base's dtype (the host casts it first).
+//   integer ops (i64 i32): add sub mul (wrapping) div (toward zero; b = 0 gives 0) min max
+//        mod (C remainder) mod_py (numpy) pow ((double)a ^ (double)b, saturated); b = 0 gives 0
+//        for div, mod, mod_py.
+// Comparisons, same broadcasting ABI with `u8* y`:
+//   elementwise_{equal,less,greater,greater_equal,less_equal}_<T>, T in f32 f16 bf16 f64 i64 i32 u8
+// Logical on bool (u8, nonzero is true), same broadcasting ABI: elementwise_{and,or,xor}_u8
+//   elementwise_not_u8(const u8* x, u8* y, long long n)
+// Where, by element size (b1 b2 b4 b8 move any dtype of that size bit for bit):
+//   elementwise_where_<b>(const u8* cond, const T* a, const T* b, T* y, long long n, int rank,
+//                         Dims8 dims, Strides8 sc, Strides8 sa, Strides8 sb)
+//   y = cond ? a : b; rank = 0 means all three contiguous with n elements.
+// Clip: elementwise_clip_<T>(const T* x, T* y, long long n, const T* lo, const T* hi)
+//   T in f32 f16 bf16 f64 i64 i32; lo/hi are device scalars, nullptr = unbounded. Floats use
+//   fmax/fmin (a NaN input gives the bound, like the CPU reference's f64::max/min).
+// Tests: elementwise_isnan_<T>(const T* x, u8* y, long long n)
+//        elementwise_isinf_<T>(const T* x, u8* y, long long n, int detect_positive, int detect_negative)
+//   T in f32 f16 bf16 f64.
+
+// ---------------------------------------------------------------- unary float
+
+template <typename T, typename F>
+__device__ __forceinline__ void unary_body(const T* __restrict__ x, T* __restrict__ y, long long n, float alpha,
+                                           float beta, F f) {
+    typedef typename Acc<T>::type C;
+    MPC_GRID_STRIDE(i, n) { st(y, i, f(ld(x, i), (C)alpha, (C)beta)); }
+}
+
+#define UOP(name, expr)                                                                            \
+    struct U_##name {                                                                              \
+        template <typename C> __device__ __forceinline__ C operator()(C x, C alpha, C beta) const { \
+            (void)alpha;                                                                           \
+            (void)beta;                                                                            \
+            return (expr);                                                                         \
+        }                                                                                          \
+    };
+
+UOP(relu, m_isnan(x) ? x : (x > C(0) ? x : C(0)))
+UOP(sigmoid, x >= C(0) ? C(1) / (C(1) + m_exp(-x)) : m_exp(x) / (C(1) + m_exp(x)))
+UOP(tanh, m_tanh(x))
+UOP(exp, m_exp(x))
+UOP(log, m_log(x))
+UOP(sqrt, m_sqrt(x))
+UOP(neg, -x)
+UOP(abs, m_abs(x))
+UOP(erf, m_erf(x))
+UOP(reciprocal, C(1) / x)
+UOP(floor, m_floor(x))
+UOP(ceil, m_ceil(x))
+UOP(round, m_rint(x))
+UOP(sign, x > C(0) ? C(1) : (x < C(0) ? C(-1) : x))
+UOP(sin, m_sin(x))
+UOP(cos, m_cos(x))
+UOP(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))
+UOP(softsign, x / (C(1) + m_abs(x)))
+UOP(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))
+UOP(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))
+UOP(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))
+UOP(leaky_relu, x < C(0) ? alpha * x : x)
+UOP(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)
+UOP(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))
+UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
+
+#define UNARY_T(name, T, tag)                                                           \
+    MPC_KERNEL elementwise_##name##_##tag(const T* x, T* y, long long n, float alpha, float beta) { \
+        unary_body<T>(x, y, n, alpha, beta, U_##name());                                \
+    }
+#define UNARY(name)                 \
+    UNARY_T(name, float, f32)       \
+    UNARY_T(name, __half, f16)      \
+    UNARY_T(name, __nv_bfloat16, bf16) \
+    UNARY_T(name, double, f64)
+
+UNARY(relu)
+UNARY(sigmoid)
+UNARY(tanh)
+UNARY(exp)
+UNARY(log)
+UNARY(sqrt)
+UNARY(neg)
+UNARY(abs)
+UNARY(erf)
+UNARY(reciprocal)
+UNARY(floor)
+UNARY(ceil)
+UNARY(round)
+UNARY(sign)
+UNARY(sin)
+UNARY(cos)
+UNARY(softplus)
+UNARY(softsign)
+UNARY(hard_swish)
+UNARY(gelu)
+UNARY(gelu_tanh)
+UNARY(leaky_relu)
+UNARY(elu)
+UNARY(selu)
+UNARY(hard_sigmoid)
+
+// ---------------------------------------------------------------- unary integer
+
+template <typename T> struct Unsigned;
+template <> struct Unsigned<long long> { typedef unsigned long long type; };
+template <> struct Unsigned<int> { typedef unsigned int type; };
+
+#define IUNARY_T(name, TT, tag, expr)                                                  \
+    MPC_KERNEL elementwise_##name##_##tag(const TT* __restrict__ x, TT* __restrict__ y, long long n) { \
+        typedef TT T;                                                                  \
+        typedef Unsigned<T>::type U;                                                   \
+        MPC_GRID_STRIDE(i, n) {                                                        \
+            T v = x[i];                                                                \
+            y[i] = (expr);                                                             \
+        }                                                                              \
+    }
+#define IUNARY(name, expr)                  \
+    IUNARY_T(name, long long, i64, expr)    \
+    IUNARY_T(name, int, i32, expr)
+
+IUNARY(neg, (T)((U)0 - (U)v))
+IUNARY(abs, v < 0 ? (T)((U)0 - (U)v) : v)
+IUNARY(relu, v > 0 ? v : (T)0)
+IUNARY(sign, (T)((v > 0) - (v < 0)))
+
+// ---------------------------------------------------------------- binary with broadcasting
+
+template <typename TA, typename TY, typename F>
+__device__ __forceinline__ void binary_body(const TA* __restrict__ a, const TA* __restrict__ b, TY* __restrict__ y,
+                                            long long n, int rank, const Dims8& dims, const Strides8& sa,
+                                            const Strides8& sb, F f) {
+    MPC_GRID_STRIDE(i, n) {
+        long long oa = i, ob = i;
+        if (rank > 0) strided_offset2(i, rank, dims, sa, sb, oa, ob);
+        f(a, oa, b, ob, y, i);
+    }
+}
+
+// Float ops: load both in the compute type, store the result in T.
+#define FBOP(name, expr)                                                                         \
+    struct B_##name {                                                                            \
+        template <typename T>                                                                    \
+        __device__ __forceinline__ void operator()(const T* a, long long oa, const T* b, long long ob, T* y, \
+                                                   long long i) const {                          \
+            typedef typename Acc<T>::type C;                                                     \
+            C x = ld(a, oa), z = ld(b, ob);                                                      \
+            st(y, i, (C)(expr));                                                                 \
+        }                                                                                        \
+    };
+
+FBOP(add, x + z)
+FBOP(sub, x - z)
+FBOP(mul, x* z)
+FBOP(div, x / z)
+FBOP(pow, m_pow(x, z))
+FBOP(min, min_nan(x, z))
+FBOP(max, max_nan(x, z))
+FBOP(prelu, x < C(0) ? x * z : x)
+FBOP(mod, m_fmod(x, z))
+FBOP(mod_py, (m_fmod(x, z) != C(0) && ((m_fmod(x, z) < C(0)) != (z < C(0)))) ? m_fmod(x, z) + z : m_fmod(x, z))
+
+#define BINARY_T(name, T, tag)                                                                        \
+    MPC_KERNEL elementwise_##name##_##tag(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims, \
+                                          Strides8 sa, Strides8 sb) {                                 \
+        binary_body(a, b, y, n, rank, dims, sa, sb, B_##name());                                      \
+    }
+#define FBINARY(name)                  \
+    BINARY_T(name, float, f32)         \
+    BINARY_T(name, __half, f16)        \
+    BINARY_T(name, __nv_bfloat16, bf16) \
+    BINARY_T(name, double, f64)
+
+FBINARY(add)
+FBINARY(sub)
+FBINARY(mul)
+FBINARY(div)
+FBINARY(pow)
+FBINARY(min)
+FBINARY(max)
+FBINARY(prelu)
+FBINARY(mod)
+FBINARY(mod_py)
+
+// Integer ops: wrapping arithmetic through the unsigned type, like the CPU reference's i64 ops.
+template <typename T> __device__ __forceinline__ T int_pow(T a, T b) {
+    double r = pow((double)a, (double)b);
+    if (r != r) return 0;
+    if (sizeof(T) == 8) {
+        if (r >= 9223372036854775808.0) return (T)0x7fffffffffffffffLL;
+        if (r <= -9223372036854775808.0) return (T)(-0x7fffffffffffffffLL - 1);
+    } else {
+        if (r >= 2147483647.0) return (T)2147483647;
+        if (r <= -2147483648.0) return (T)(-2147483647 - 1);
+    }
+    return (T)r;
+}
+template <typename T> __device__ __forceinline__ T int_div(T a, T b) {
+    if (b == 0) return 0;
+    if (b == -1) return (T)((typename Unsigned<T>::type)0 - (typename Unsigned<T>::type)a);  // wrapping
+    return a / b;
+}
+template <typename T> __device__ __forceinline__ T int_rem(T a, T b) {
+    if (b == 0 || b == -1) return 0;
+    return a % b;
+}
+template <typename T> __device__ __forceinline__ T int_mod_py(T a, T b) {
+    T r = int_rem(a, b);
+    return (r != 0 && ((r < 0) != (b < 0))) ? (T)((typename Unsigned<T>::type)r + (typename Unsigned<T>::type)b) : r;
+}
+
+#define IBOP(name, expr)                                                                         \
+    struct IB_##name {                                                                           \
+        template <typename T>                                                                    \
+        __device__ __forceinline__ void operator()(const T* a, long long oa, const T* b, long long ob, T* y, \
+                                                   long long i) const {                          \
+            typedef typename Unsigned<T>::type U;                                                \
+            T x = a[oa], z = b[ob];                                                              \
+            y[i] = (expr);                                                                       \
+        }                                                                                        \
+    };
+IBOP(add, (T)((U)x + (U)z))
+IBOP(sub, (T)((U)x - (U)z))
+IBOP(mul, (T)((U)x * (U)z))
+IBOP(div, int_div(x, z))
+IBOP(min, x < z ? x : z)
+IBOP(max, x > z ? x : z)
+IBOP(mod, int_rem(x, z))
+IBOP(mod_py, int_mod_py(x, z))
+IBOP(pow, int_pow(x, z))
+
+#define IBINARY_T(name, T, tag)                                                                       \
+    MPC_KERNEL elementwise_##name##_##tag(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims, \
+                                          Strides8 sa, Strides8 sb) {                                 \
+        binary_body(a, b, y, n, rank, dims, sa, sb, IB_##name());                                     \
+    }
+#define IBINARY(name)                 \
+    IBINARY_T(name, long long, i64)   \
+    IBINARY_T(name, int, i32)
+
+IBINARY(add)
+IBINARY(sub)
+IBINARY(mul)
+IBINARY(div)
+IBINARY(min)
+IBINARY(max)
+IBINARY(mod)
+IBINARY(mod_py)
+IBINARY(pow)
+
+// ---------------------------------------------------------------- comparisons and logic → u8
+
+// Loads in a type where comparisons are exact: f32 for the float storage types, f64, integers.
+__device__ __forceinline__ long long cmp_ld(const long long* p, long long i) { return p[i]; }
+__device__ __forceinline__ int cmp_ld(const int* p, long long i) { return p[i]; }
+__device__ __forceinline__ int cmp_ld(const unsigned char* p, long long i) { return p[i]; }
+template <typename T> __device__ __forceinline__ typename Acc<T>::type cmp_ld(const T* p, long long i) {
+    return ld(p, i);
+}
+
+#define CMPOP(name, expr)                                                                        \
+    struct C_##name {                                                                            \
+        template <typename T>                                                                    \
+        __device__ __forceinline__ void operator()(const T* a, long long oa, const T* b, long long ob, u8* y, \
+                                                   long long i) const {                          \
+            auto x = cmp_ld(a, oa);                                                              \
+            auto z = cmp_ld(b, ob);                                                              \
+            y[i] = (expr) ? 1 : 0;                                                               \
+        }                                                                                        \
+    };
+CMPOP(equal, x == z)
+CMPOP(less, x < z)
+CMPOP(greater, x > z)
+CMPOP(greater_equal, x >= z)
+CMPOP(less_equal, x <= z)
+CMPOP(land, (x != 0) && (z != 0))
+CMPOP(lor, (x != 0) || (z != 0))
+CMPOP(lxor, (x != 0) != (z != 0))
+
+#define CMP_K(kname, op, T)                                                                             \
+    MPC_KERNEL kname(const T* a, const T* b, u8* y, long long n, int rank, Dims8 dims, Strides8 sa, Strides8 sb) { \
+        binary_body(a, b, y, n, rank, dims, sa, sb, C_##op());                                                \
+    }
+#define CMP_T(name, T, tag) CMP_K(elementwise_##name##_##tag, name, T)
+#define CMP(name)                      \
+    CMP_T(name, float, f32)            \
+    CMP_T(name, __half, f16)           \
+    CMP_T(name, __nv_bfloat16, bf16)   \
+    CMP_T(name, double, f64)           \
+    CMP_T(name, long long, i64)        \
+    CMP_T(name, int, i32)              \
+    CMP_T(name, unsigned char, u8)
+
+CMP(equal)
+CMP(less)
+CMP(greater)
+CMP(greater_equal)
+CMP(less_equal)
+CMP_K(elementwise_and_u8, land, unsigned char)
+CMP_K(elementwise_or_u8, lor, unsigned char)
+CMP_K(elementwise_xor_u8, lxor, unsigned char)
+
+MPC_KERNEL elementwise_not_u8(const u8* __restrict__ x, u8* __restrict__ y, long long n) {
+    MPC_GRID_STRIDE(i, n) { y[i] = x[i] == 0 ? 1 : 0; }
+}
+
+// ---------------------------------------------------------------- Where
+
+template <typename T>
+__device__ __forceinline__ void where_body(const u8* __restrict__ c, const T* __restrict__ a, const T* __restrict__ b,
+                                           T* __restrict__ y, long long n, int rank, const Dims8& dims,
+                                           const Strides8& sc, const Strides8& sa, const Strides8& sb) {
+    MPC_GRID_STRIDE(i, n) {
+        long long oc = i, oa = i, ob = i;
+        if (rank > 0) strided_offset3(i, rank, dims, sc, sa, sb, oc, oa, ob);
+        y[i] = c[oc] ? a[oa] : b[ob];
+    }
+}
+#define WHERE_T(T, tag)                                                                                \
+    MPC_KERNEL elementwise_where_##tag(const u8* c, const T* a, const T* b, T* y, long long n, int rank, \
+                                       Dims8 dims, Strides8 sc, Strides8 sa, Strides8 sb) {            \
+        where_body(c, a, b, y, n, rank, dims, sc, sa, sb);                                             \
+    }
+WHERE_T(u8, b1)
+WHERE_T(u16, b2)
+WHERE_T(u32, b4)
+WHERE_T(u64, b8)
+
+// ---------------------------------------------------------------- Clip
+
+template <typename T>
+__device__ __forceinline__ void clip_body(const T* __restrict__ x, T* __restrict__ y, long long n, const T* lo,
+                                          const T* hi) {
+    typedef typename Acc<T>::type C;
+    C l = lo ? (C)ld(lo, 0) : -m_inf(C(0));
+    C h = hi ? (C)ld(hi, 0) : m_inf(C(0));
+    MPC_GRID_STRIDE(i, n) {
+        C v = ld(x, i);
+        st(y, i, m_fmin(m_fmax(v, l), h));
+    }
+}
+#define CLIP_T(T, tag) \
+    MPC_KERNEL elementwise_clip_##tag(const T* x, T* y, long long n, const T* lo, const T* hi) { clip_body(x, y, n, lo, hi); }
+CLIP_T(float, f32)
+CLIP_T(__half, f16)
+CLIP_T(__nv_bfloat16, bf16)
+CLIP_T(double, f64)
+
+template <typename T>
+__device__ __forceinline__ void iclip_body(const T* __restrict__ x, T* __restrict__ y, long long n, const T* lo,
+                                           const T* hi) {
+    MPC_GRID_STRIDE(i, n) {
+        T v = x[i];
+        if (lo && v < *lo) v = *lo;
+        if (hi && v > *hi) v = *hi;
+        y[i] = v;
+    }
+}
+MPC_KERNEL elementwise_clip_i64(const long long* x, long long* y, long long n, const long long* lo, const long long* hi) {
+    iclip_body(x, y, n, lo, hi);
+}
+MPC_KERNEL elementwise_clip_i32(const int* x, int* y, long long n, const int* lo, const int* hi) {
+    iclip_body(x, y, n, lo, hi);
+}
+
+// ---------------------------------------------------------------- IsNaN, IsInf
+
+#define SPECIAL_T(T, tag)                                                                            \
+    MPC_KERNEL elementwise_isnan_##tag(const T* __restrict__ x, u8* __restrict__ y, long long n) {   \
+        MPC_GRID_STRIDE(i, n) { y[i] = m_isnan(ld(x, i)) ? 1 : 0; }                                  \
+    }                                                                                                \
+    MPC_KERNEL elementwise_isinf_##tag(const T* __restrict__ x, u8* __restrict__ y, long long n,     \
+                                       int detect_positive, int detect_negative) {                   \
+        MPC_GRID_STRIDE(i, n) {                                                                      \
+            auto v = ld(x, i);                                                                       \
+            auto inf = m_inf(v);                                                                     \
+            y[i] = ((v == inf && detect_positive) || (v == -inf && detect_negative)) ? 1 : 0;        \
+        }                                                                                            \
+    }
+SPECIAL_T(float, f32)
+SPECIAL_T(__half, f16)
+SPECIAL_T(__nv_bfloat16, bf16)
+SPECIAL_T(double, f64)

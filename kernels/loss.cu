@@ -1,0 +1,241 @@
+// kernels/loss.cu: SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss (ignore_index, class
+// weights, reduction none / sum / mean) and their gradients (ai.mpc
+// SoftmaxCrossEntropyLossGrad, NegativeLogLikelihoodLossGrad), deterministic.
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
+//
+// Layout: scores / log-probabilities are a contiguous (n, c, inner) array (inner = product of
+// the extra dims d...; 1 for plain classification); labels are (n, inner), i64 or i32 (suffix
+// `_i64` / `_i32`); weights, when given (else nullptr), have c entries of T. A position is
+// (b, i), p = b * inner + i; class k of it is at ((b * c + k) * inner + i). `reduction`: 0 none,
+// 1 sum, 2 mean (weighted: divided by the sum of the non-ignored positions' weights).
+// `has_ignore` != 0 enables `ignore_index`; an ignored position has loss 0, weight 0, gradient 0.
+// A label outside [0, c) that is not ignored is treated as ignored (the CPU reference rejects
+// it; kernels cannot).
+// T in f32 f16 bf16; arithmetic in f32, sums in fixed-order block reductions.
+//
+// Forward, SoftmaxCrossEntropyLoss = LogSoftmax over c, then NLL on the stored log-probabilities
+// (rounded to T, as the CPU reference reads them):
+// loss_softmax_ce_<T>_<I>(const T* scores, const I* labels, const T* weights, T* log_prob,
+//                         float* ws_loss, float* ws_weight, T* loss_none, long long n, long long c,
+//                         long long inner, int has_ignore, long long ignore_index)
+//     One block per position (grid-stride over the n * inner positions with blockIdx.x),
+//     blockDim.x a multiple of 32 in [32, 256] (32 for small c). log_prob (the op's optional
+//     second output, shaped like scores) may be nullptr. Per position: ws_loss[p] = -log_prob[p,
+//     label] * w[label], ws_weight[p] = w[label] (f32 workspaces of n * inner entries; needed for
+//     sum/mean, may be nullptr for none); loss_none[p] = the same loss in T (may be nullptr).
+// loss_nll_<T>_<I>(const T* input, const I* labels, const T* weights, float* ws_loss,
+//                  float* ws_weight, T* loss_none, long long n, long long c, long long inner,
+//                  int has_ignore, long long ignore_index)
+//     NegativeLogLikelihoodLoss on log-probabilities; one thread per position, 1-D grid stride.
+// loss_reduce_<T>(const float* ws_loss, const float* ws_weight, T* loss, long long positions,
+//                 int reduction)
+//     reduction 1 or 2: loss[0] = sum of ws_loss (divided by the sum of ws_weight for mean).
+//     Exactly one block: gridDim.x = 1, blockDim.x = 256.
+//
+// Gradients (dloss is a T scalar for sum/mean, (n, inner) for none):
+// loss_weight_total_<T>_<I>(const I* labels, const T* weights, float* total, long long positions,
+//                           long long c, int has_ignore, long long ignore_index)
+//     total[0] = the sum of w[label] over the non-ignored positions (the mean's divisor); launch
+//     it before a mean gradient. Exactly one block: gridDim.x = 1, blockDim.x = 256.
+// loss_softmax_ce_grad_<T>_<I>(const T* dloss, const T* scores, const I* labels, const T* weights,
+//                              const float* total, T* dscores, long long n, long long c,
+//                              long long inner, int has_ignore, long long ignore_index, int reduction)
+//     dscores[p, k] = g * w[label] * (softmax(scores[p])[k] - (k == label)), g = dloss[p] (none),
+//     dloss[0] (sum), dloss[0] / total[0] (mean; `total` unused otherwise); 0 at ignored
+//     positions. One block per position, as the forward.
+// loss_nll_grad_<T>_<I>(const T* dloss, const T* input, const I* labels, const T* weights,
+//                       const float* total, T* dinput, long long n, long long c, long long inner,
+//                       int has_ignore, long long ignore_index, int reduction)
+//     dinput = -g * w[label] at the label's class, 0 elsewhere. One thread per dinput element.
+
+// The label of position p normalised: -1 when ignored or out of range.
+template <typename I>
+__device__ __forceinline__ long long label_at(const I* labels, long long p, long long c, int has_ignore,
+                                              long long ignore_index) {
+    const long long k = (long long)labels[p];
+    if (has_ignore && k == ignore_index) return -1;
+    return (k < 0 || k >= c) ? -1 : k;
+}
+
+template <typename T> __device__ __forceinline__ float weight_of(const T* w, long long k) {
+    return w ? ld(w, k) : 1.f;
+}
+
+struct OpFmaxL {
+    template <typename C> __device__ __forceinline__ C operator()(C a, C b) const { return m_fmax(a, b); }
+};
+
+template <typename T, typename I>
+__device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels, const T* weights, T* log_prob,
+                                                float* ws_loss, float* ws_weight, T* loss_none, long long n,
+                                                long long c, long long inner, int has_ignore, long long ignore_index) {
+    __shared__ float smem[32];
+    for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
+        const long long b = p / inner, i = p % inner;
+        const long long base = b * c * inner + i;
+        float m = -m_inf(0.f);
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
+        m = block_reduce(m, OpFmaxL(), smem);
+        float s = 0.f;
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += expf(ld(scores, base + k * inner) - m);
+        s = block_reduce(s, OpSum(), smem);
+        const float ls = logf(s);
+        if (log_prob)
+            for (long long k = threadIdx.x; k < c; k += blockDim.x)
+                st(log_prob, base + k * inner, (ld(scores, base + k * inner) - m) - ls);
+        if (threadIdx.x == 0) {
+            const long long k = label_at(labels, p, c, has_ignore, ignore_index);
+            float loss = 0.f, w = 0.f;
+            if (k >= 0) {
+                w = weight_of(weights, k);
+                loss = -round_to<T>((ld(scores, base + k * inner) - m) - ls) * w;
+            }
+            if (ws_loss) ws_loss[p] = loss;
+            if (ws_weight) ws_weight[p] = w;
+            if (loss_none) st(loss_none, p, loss);
+        }
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void nll_body(const T* input, const I* labels, const T* weights, float* ws_loss,
+                                         float* ws_weight, T* loss_none, long long n, long long c, long long inner,
+                                         int has_ignore, long long ignore_index) {
+    MPC_GRID_STRIDE(p, n * inner) {
+        const long long b = p / inner, i = p % inner;
+        const long long k = label_at(labels, p, c, has_ignore, ignore_index);
+        float loss = 0.f, w = 0.f;
+        if (k >= 0) {
+            w = weight_of(weights, k);
+            loss = -ld(input, (b * c + k) * inner + i) * w;
+        }
+        if (ws_loss) ws_loss[p] = loss;
+        if (ws_weight) ws_weight[p] = w;
+        if (loss_none) st(loss_none, p, loss);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void loss_reduce_body(const float* ws_loss, const float* ws_weight, T* loss,
+                                                 long long positions, int reduction) {
+    __shared__ float smem[64];
+    if (blockIdx.x != 0) return;
+    float s = 0.f, w = 0.f;
+    for (long long p = threadIdx.x; p < positions; p += blockDim.x) {
+        s += ws_loss[p];
+        if (reduction == 2) w += ws_weight[p];
+    }
+    block_reduce2(s, w, OpSum(), smem);
+    if (threadIdx.x == 0) st(loss, 0, reduction == 2 ? s / w : s);
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void weight_total_body(const I* labels, const T* weights, float* total, long long positions,
+                                                  long long c, int has_ignore, long long ignore_index) {
+    __shared__ float smem[32];
+    if (blockIdx.x != 0) return;
+    float w = 0.f;
+    for (long long p = threadIdx.x; p < positions; p += blockDim.x) {
+        const long long k = label_at(labels, p, c, has_ignore, ignore_index);
+        if (k >= 0) w += weight_of(weights, k);
+    }
+    w = block_reduce(w, OpSum(), smem);
+    if (threadIdx.x == 0) total[0] = w;
+}
+
+template <typename T>
+__device__ __forceinline__ float grad_scale(const T* dloss, const float* total, long long p, int reduction) {
+    if (reduction == 0) return ld(dloss, p);
+    if (reduction == 1) return ld(dloss, 0);
+    return ld(dloss, 0) / total[0];
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void softmax_ce_grad_body(const T* dloss, const T* scores, const I* labels,
+                                                     const T* weights, const float* total, T* dscores, long long n,
+                                                     long long c, long long inner, int has_ignore,
+                                                     long long ignore_index, int reduction) {
+    __shared__ float smem[32];
+    for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
+        const long long b = p / inner, i = p % inner;
+        const long long base = b * c * inner + i;
+        const long long label = label_at(labels, p, c, has_ignore, ignore_index);
+        if (label < 0) {
+            for (long long k = threadIdx.x; k < c; k += blockDim.x) st(dscores, base + k * inner, 0.f);
+            continue;  // uniform across the block: no reduction is skipped by part of it
+        }
+        float m = -m_inf(0.f);
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
+        m = block_reduce(m, OpFmaxL(), smem);
+        float s = 0.f;
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += expf(ld(scores, base + k * inner) - m);
+        s = block_reduce(s, OpSum(), smem);
+        const float gw = grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) {
+            const float prob = expf(ld(scores, base + k * inner) - m) / s;
+            st(dscores, base + k * inner, gw * (prob - (k == label ? 1.f : 0.f)));
+        }
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, const I* labels, const T* weights,
+                                              const float* total, T* dinput, long long n, long long c,
+                                              long long inner, int has_ignore, long long ignore_index,
+                                              int reduction) {
+    (void)input;
+    MPC_GRID_STRIDE(e, n * c * inner) {
+        const long long i = e % inner, t = e / inner;
+        const long long k = t % c, b = t / c;
+        const long long p = b * inner + i;
+        const long long label = label_at(labels, p, c, has_ignore, ignore_index);
+        float v = 0.f;
+        if (label >= 0 && label == k) v = -grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
+        st(dinput, e, v);
+    }
+}
+
+#define LOSS_TI(T, tag, I, itag)                                                                           \
+    MPC_KERNEL loss_softmax_ce_##tag##_##itag(const T* scores, const I* labels, const T* weights,          \
+                                              T* log_prob, float* ws_loss, float* ws_weight, T* loss_none, \
+                                              long long n, long long c, long long inner, int has_ignore,   \
+                                              long long ignore_index) {                                    \
+        softmax_ce_body(scores, labels, weights, log_prob, ws_loss, ws_weight, loss_none, n, c, inner,     \
+                        has_ignore, ignore_index);                                                         \
+    }                                                                                                      \
+    MPC_KERNEL loss_nll_##tag##_##itag(const T* input, const I* labels, const T* weights, float* ws_loss,  \
+                                       float* ws_weight, T* loss_none, long long n, long long c,           \
+                                       long long inner, int has_ignore, long long ignore_index) {          \
+        nll_body(input, labels, weights, ws_loss, ws_weight, loss_none, n, c, inner, has_ignore,           \
+                 ignore_index);                                                                            \
+    }                                                                                                      \
+    MPC_KERNEL loss_weight_total_##tag##_##itag(const I* labels, const T* weights, float* total,           \
+                                                long long positions, long long c, int has_ignore,          \
+                                                long long ignore_index) {                                  \
+        weight_total_body(labels, weights, total, positions, c, has_ignore, ignore_index);                 \
+    }                                                                                                      \
+    MPC_KERNEL loss_softmax_ce_grad_##tag##_##itag(const T* dloss, const T* scores, const I* labels,       \
+                                                   const T* weights, const float* total, T* dscores,       \
+                                                   long long n, long long c, long long inner,              \
+                                                   int has_ignore, long long ignore_index, int reduction) { \
+        softmax_ce_grad_body(dloss, scores, labels, weights, total, dscores, n, c, inner, has_ignore,      \
+                             ignore_index, reduction);                                                     \
+    }                                                                                                      \
+    MPC_KERNEL loss_nll_grad_##tag##_##itag(const T* dloss, const T* input, const I* labels,               \
+                                            const T* weights, const float* total, T* dinput, long long n,  \
+                                            long long c, long long inner, int has_ignore,                  \
+                                            long long ignore_index, int reduction) {                       \
+        nll_grad_body(dloss, input, labels, weights, total, dinput, n, c, inner, has_ignore, ignore_index, \
+                      reduction);                                                                          \
+    }
+#define LOSS_T(T, tag)                                                                                     \
+    LOSS_TI(T, tag, long long, i64)                                                                        \
+    LOSS_TI(T, tag, int, i32)                                                                              \
+    MPC_KERNEL loss_reduce_##tag(const float* ws_loss, const float* ws_weight, T* loss, long long positions, \
+                                 int reduction) {                                                          \
+        loss_reduce_body(ws_loss, ws_weight, loss, positions, reduction);                                  \
+    }
+LOSS_T(float, f32)
+LOSS_T(__half, f16)
+LOSS_T(__nv_bfloat16, bf16)

@@ -1,0 +1,227 @@
+// kernels/movement.cu: data movement: the generic strided copy (Transpose, Expand, Slice with
+// steps, Concat parts, Split parts, any view made contiguous), Tile, Pad (constant / reflect /
+// edge / wrap), Trilu, fill (ConstantOfShape, zeroing), Range, CumSum.
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
+// Launch: 1-D grid-stride loops over the output (CumSum: over its lines), blockDim.x = 256, any
+// grid. Movement kernels are typed by element size: b1 b2 b4 b8 copy any dtype of 1, 2, 4, 8
+// bytes bit for bit (bool/i8/u8, f16/bf16, f32/i32, f64/i64).
+// Shapes and strides are in elements; pointers are element pointers the host has already offset
+// (a Slice's start, a Concat part's place in the output, a negative step's first element).
+//
+// ABI:
+// movement_copy_<b>(const T* x, T* y, long long n, int rank, Dims8 dims, Strides8 xs, Strides8 ys)
+//     For every index c over dims[0..rank) (n = prod(dims)): y[sum c_d ys_d] = x[sum c_d xs_d].
+//     Strides may be 0 (Expand) or negative (Slice with negative steps). rank = 0: both
+//     contiguous, n elements. Transpose: dims = output dims, xs = input strides permuted,
+//     ys = output's contiguous strides. Concat: one launch per input, y offset to its part,
+//     ys = the full output's strides. The destination elements must be distinct.
+// movement_tile_<b>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Dims8 in_dims, Strides8 xs)
+//     y contiguous over out_dims (out_dims[d] = in_dims[d] * repeats[d]);
+//     y[c] = x[sum (c_d % in_dims[d]) * xs_d].
+// movement_pad_<b>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Dims8 in_dims,
+//                  Strides8 xs, Dims8 before, int mode, unsigned long long value)
+//     y contiguous over out_dims; input coordinate c_d - before[d] (before may be negative: a
+//     crop). mode 0 constant (`value` holds the element's bits in its low bytes, already in x's
+//     dtype), 1 reflect (edge when the dim has one element), 2 edge, 3 wrap.
+// movement_trilu_<b>(const T* x, T* y, long long n, long long rows, long long cols, long long k, int upper)
+//     x, y contiguous (..., rows, cols), n elements; keeps j - i >= k (upper) or j - i <= k
+//     (lower), zero bits elsewhere. y may equal x.
+// movement_fill_<b>(T* y, long long n, unsigned long long value)
+//     y[0..n) = value's low bytes.
+// movement_range_<T>(const T* start, const T* delta, T* y, long long n)
+//     T in f32 f16 bf16 f64 i64 i32; start and delta are device scalars; n is the host's count.
+//     f32: start + (float)i * delta in f32; f16/bf16/f64: start + i * delta in f64, rounded once;
+//     integers: start + i * delta (wrapping). (As the CPU reference.)
+// movement_cumsum_<T>(const T* x, T* y, long long outer, long long n, long long inner,
+//                     int exclusive, int reverse)
+//     T in f32 f16 bf16 f64 i64 i32. Along the middle axis of a contiguous (outer, n, inner)
+//     array; one thread per line (outer * inner lines), sequential in the line's order, so the
+//     result is exact to the CPU reference: floats accumulate in f64 and round through f32 on
+//     store (f64 stays f64), integers in i64. y may equal x.
+
+template <int B> struct Bits;
+template <> struct Bits<1> { typedef unsigned char T; };
+template <> struct Bits<2> { typedef unsigned short T; };
+template <> struct Bits<4> { typedef unsigned int T; };
+template <> struct Bits<8> { typedef unsigned long long T; };
+
+template <typename T>
+__device__ __forceinline__ void copy_body(const T* __restrict__ x, T* __restrict__ y, long long n, int rank,
+                                          const Dims8& dims, const Strides8& xs, const Strides8& ys) {
+    MPC_GRID_STRIDE(i, n) {
+        long long ox = i, oy = i;
+        if (rank > 0) strided_offset2(i, rank, dims, xs, ys, ox, oy);
+        y[oy] = x[ox];
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void tile_body(const T* __restrict__ x, T* __restrict__ y, long long n, int rank,
+                                          const Dims8& od, const Dims8& id, const Strides8& xs) {
+    MPC_GRID_STRIDE(i, n) {
+        long long lin = i, off = 0;
+#pragma unroll
+        for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
+            if (d < rank) {
+                const long long c = lin % od.d[d];
+                lin /= od.d[d];
+                off += (c % id.d[d]) * xs.s[d];
+            }
+        }
+        y[i] = x[off];
+    }
+}
+
+__device__ __forceinline__ long long rem_euclid(long long a, long long m) {
+    const long long r = a % m;
+    return r < 0 ? r + m : r;
+}
+
+template <typename T>
+__device__ __forceinline__ void pad_body(const T* __restrict__ x, T* __restrict__ y, long long n, int rank,
+                                         const Dims8& od, const Dims8& id, const Strides8& xs, const Dims8& before,
+                                         int mode, unsigned long long value) {
+    MPC_GRID_STRIDE(i, n) {
+        long long lin = i, off = 0;
+        bool fill = false;
+#pragma unroll
+        for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
+            if (d >= rank) continue;
+            const long long len = id.d[d];
+            long long c = lin % od.d[d] - before.d[d];
+            lin /= od.d[d];
+            if (c < 0 || c >= len) {
+                if (mode == 1 && len > 1) {
+                    const long long period = 2 * (len - 1);
+                    const long long m = rem_euclid(c, period);
+                    c = m >= len ? period - m : m;
+                } else if (mode == 1 || mode == 2) {
+                    c = c < 0 ? 0 : len - 1;
+                } else if (mode == 3) {
+                    c = rem_euclid(c, len);
+                } else {
+                    fill = true;
+                    c = 0;
+                }
+            }
+            off += c * xs.s[d];
+        }
+        y[i] = fill ? (T)value : x[off];
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void trilu_body(const T* x, T* y, long long n, long long rows, long long cols, long long k,
+                                           int upper) {
+    MPC_GRID_STRIDE(p, n) {
+        const long long j = p % cols, i = (p / cols) % rows;
+        const bool keep = upper ? (j - i >= k) : (j - i <= k);
+        y[p] = keep ? x[p] : (T)0;
+    }
+}
+
+#define MOVE_B(B)                                                                                          \
+    MPC_KERNEL movement_copy_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, int rank, Dims8 dims,   \
+                                  Strides8 xs, Strides8 ys) {                                              \
+        copy_body(x, y, n, rank, dims, xs, ys);                                                            \
+    }                                                                                                      \
+    MPC_KERNEL movement_tile_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, int rank,               \
+                                  Dims8 out_dims, Dims8 in_dims, Strides8 xs) {                            \
+        tile_body(x, y, n, rank, out_dims, in_dims, xs);                                                   \
+    }                                                                                                      \
+    MPC_KERNEL movement_pad_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, int rank, Dims8 out_dims, \
+                                 Dims8 in_dims, Strides8 xs, Dims8 before, int mode,                       \
+                                 unsigned long long value) {                                               \
+        pad_body(x, y, n, rank, out_dims, in_dims, xs, before, mode, value);                               \
+    }                                                                                                      \
+    MPC_KERNEL movement_trilu_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, long long rows,        \
+                                   long long cols, long long k, int upper) {                               \
+        trilu_body(x, y, n, rows, cols, k, upper);                                                         \
+    }                                                                                                      \
+    MPC_KERNEL movement_fill_b##B(Bits<B>::T* y, long long n, unsigned long long value) {                  \
+        MPC_GRID_STRIDE(i, n) { y[i] = (Bits<B>::T)value; }                                                \
+    }
+MOVE_B(1)
+MOVE_B(2)
+MOVE_B(4)
+MOVE_B(8)
+
+// ---------------------------------------------------------------- Range
+
+MPC_KERNEL movement_range_f32(const float* start, const float* delta, float* y, long long n) {
+    const float s = *start, d = *delta;
+    MPC_GRID_STRIDE(i, n) { y[i] = s + (float)i * d; }
+}
+MPC_KERNEL movement_range_f16(const __half* start, const __half* delta, __half* y, long long n) {
+    const double s = (double)__half2float(*start), d = (double)__half2float(*delta);
+    MPC_GRID_STRIDE(i, n) { y[i] = f16_from_f64(s + (double)i * d); }
+}
+MPC_KERNEL movement_range_bf16(const __nv_bfloat16* start, const __nv_bfloat16* delta, __nv_bfloat16* y,
+                               long long n) {
+    const double s = (double)__bfloat162float(*start), d = (double)__bfloat162float(*delta);
+    MPC_GRID_STRIDE(i, n) { y[i] = bf16_from_f64(s + (double)i * d); }
+}
+MPC_KERNEL movement_range_f64(const double* start, const double* delta, double* y, long long n) {
+    const double s = *start, d = *delta;
+    MPC_GRID_STRIDE(i, n) { y[i] = s + (double)i * d; }
+}
+MPC_KERNEL movement_range_i64(const long long* start, const long long* delta, long long* y, long long n) {
+    const unsigned long long s = (unsigned long long)*start, d = (unsigned long long)*delta;
+    MPC_GRID_STRIDE(i, n) { y[i] = (long long)(s + (unsigned long long)i * d); }
+}
+MPC_KERNEL movement_range_i32(const int* start, const int* delta, int* y, long long n) {
+    const unsigned int s = (unsigned int)*start, d = (unsigned int)*delta;
+    MPC_GRID_STRIDE(i, n) { y[i] = (int)(s + (unsigned int)i * d); }
+}
+
+// ---------------------------------------------------------------- CumSum
+
+__device__ __forceinline__ double cs_ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ double cs_ld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ double cs_ld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ double cs_ld(const double* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long cs_ld(const long long* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long cs_ld(const int* p, long long i) { return p[i]; }
+// Floats round through f32 on store (the CPU reference's `store`); f64 stays f64.
+__device__ __forceinline__ void cs_st(float* p, long long i, double v) { p[i] = __double2float_rn(v); }
+__device__ __forceinline__ void cs_st(__half* p, long long i, double v) { p[i] = __float2half_rn(__double2float_rn(v)); }
+__device__ __forceinline__ void cs_st(__nv_bfloat16* p, long long i, double v) {
+    p[i] = __float2bfloat16_rn(__double2float_rn(v));
+}
+__device__ __forceinline__ void cs_st(double* p, long long i, double v) { p[i] = v; }
+__device__ __forceinline__ void cs_st(long long* p, long long i, long long v) { p[i] = v; }
+__device__ __forceinline__ void cs_st(int* p, long long i, long long v) { p[i] = (int)(unsigned int)(unsigned long long)v; }
+
+template <typename T>
+__device__ __forceinline__ void cumsum_body(const T* x, T* y, long long outer, long long n, long long inner,
+                                            int exclusive, int reverse) {
+    MPC_GRID_STRIDE(line, outer * inner) {
+        const long long o = line / inner, i = line % inner;
+        const long long base = o * n * inner + i;
+        decltype(cs_ld(x, 0)) s = 0;
+        for (long long step = 0; step < n; ++step) {
+            const long long k = reverse ? n - 1 - step : step;
+            const long long at = base + k * inner;
+            const auto v = cs_ld(x, at);
+            if (exclusive) {
+                cs_st(y, at, s);
+                s += v;
+            } else {
+                s += v;
+                cs_st(y, at, s);
+            }
+        }
+    }
+}
+#define CUMSUM_T(T, tag)                                                                                   \
+    MPC_KERNEL movement_cumsum_##tag(const T* x, T* y, long long outer, long long n, long long inner,      \
+                                     int exclusive, int reverse) {                                         \
+        cumsum_body(x, y, outer, n, inner, exclusive, reverse);                                            \
+    }
+CUMSUM_T(float, f32)
+CUMSUM_T(__half, f16)
+CUMSUM_T(__nv_bfloat16, bf16)
+CUMSUM_T(double, f64)
+CUMSUM_T(long long, i64)
+CUMSUM_T(int, i32)

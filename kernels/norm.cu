@@ -1,0 +1,339 @@
+// kernels/norm.cu: LayerNormalization (forward with Mean/InvStdDev, and its gradient),
+// BatchNormalization (inference, training-mode statistics, gradient), InstanceNormalization,
+// GroupNormalization.
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
+//
+// dtypes: every kernel is instantiated for (T, P) = (data, parameter) dtype pairs, named
+// `norm_<op>_<T>_<P>`: f32_f32, f16_f16, bf16_bf16, f16_f32, bf16_f32. P is the dtype of
+// scale / bias / running statistics. Gradient outputs (dX, dScale, dBias) have dY's dtype T, as
+// the type rules of the ai.mpc gradient ops give them. Statistics outputs and workspaces are f32.
+// Arithmetic in f32; statistics are two-pass (mean, then mean of squared deviations: the biased
+// variance), accumulated with fixed-order block reductions.
+// Launch: the row/channel/plane kernels run one block per row (channel, plane, group),
+// grid-stride over them with blockIdx.x: gridDim.x = min(count, 65535), blockDim.x = 256 (a
+// multiple of 32 in [32, 256]; the sums' rounding depends on it). Element-wise kernels: 1-D grid
+// stride, blockDim.x = 256, any grid.
+//
+// ---- LayerNormalization over the trailing dims from `axis`: rows = prod(dims before axis),
+//      n = prod(dims from axis); scale/bias have scale_n elements broadcast as a suffix of the
+//      normalised dims (scale_n divides n; element k of a row uses scale[k % scale_n]).
+// norm_layer_norm_<T>_<P>(const T* x, const P* scale, const P* bias, T* y, float* mean,
+//                         float* inv_std, long long rows, long long n, long long scale_n, float eps)
+//     bias, mean, inv_std may be nullptr. y = (x - mean) * inv_std * scale + bias,
+//     inv_std = 1 / sqrt(var + eps). One block per row.
+// norm_layer_norm_grad_<T>_<P>(const T* dy, const T* x, const P* scale, T* dx, float* ws_mean,
+//                              float* ws_inv_std, long long rows, long long n, long long scale_n, float eps)
+//     LayerNormalizationGrad's dX: g = dy * scale, dx = inv_std / n * (n g - sum(g) - xhat sum(g xhat)).
+//     Also writes each row's mean and inv_std to the f32 workspaces (rows entries each, required),
+//     which the params kernel then reads. One block per row.
+// norm_layer_norm_grad_params_<T>_<P>(const T* dy, const T* x, const float* ws_mean,
+//                              const float* ws_inv_std, T* dscale, T* dbias, long long rows,
+//                              long long n, long long scale_n)
+//     dScale[j] = sum of dy * xhat and dBias[j] = sum of dy over every row and every k with
+//     k % scale_n == j (dbias may be nullptr). Launch after the grad kernel, blockDim = (32, 8),
+//     gridDim.x = ceil(scale_n / 32), gridDim.y = 1: threadIdx.x walks j, threadIdx.y the
+//     (row, k / scale_n) pairs modulo 8; the 8 partials are added in order.
+//
+// ---- BatchNormalization over x = (N, C, inner) (inner = prod of the spatial dims)
+// norm_batch_norm_infer_<T>_<P>(const T* x, const P* scale, const P* bias, const P* mean,
+//                               const P* var, T* y, long long n, long long c, long long inner, float eps)
+//     y = (x - mean) * k + bias, k = scale / sqrt(var + eps) (per channel, f32). Element-wise.
+// norm_batch_norm_train_<T>_<P>(const T* x, const P* scale, const P* bias, const P* running_mean,
+//                               const P* running_var, T* y, P* running_mean_out, P* running_var_out,
+//                               float* save_mean, float* save_var, long long n, long long c,
+//                               long long inner, float eps, float momentum)
+//     Batch statistics (biased variance) per channel; y as above with them; running_*_out =
+//     running * momentum + batch * (1 - momentum) (may alias running_*); save_mean / save_var
+//     (f32, c entries) may be nullptr. One block per channel.
+// norm_batch_norm_grad_<T>_<P>(const T* dy, const T* x, const P* scale, T* dx, T* dscale,
+//                              T* dbias, long long n, long long c, long long inner, float eps)
+//     BatchNormalizationGrad: dBias = sum dy, dScale = sum dy xhat, dx = scale / (sigma M) *
+//     (M dy - dBias - xhat dScale), M = n * inner. One block per channel.
+//
+// ---- InstanceNormalization and GroupNormalization over x = (N, C, inner)
+// norm_instance_norm_<T>_<P>(const T* x, const P* scale, const P* bias, T* y, long long n,
+//                            long long c, long long inner, float eps)
+//     per (image, channel) plane: y = (x - mean) / sqrt(var + eps) * scale[c] + bias[c].
+//     One block per plane (n * c blocks).
+// norm_group_norm_<T>_<P>(const T* x, const P* scale, const P* bias, T* y, long long n,
+//                         long long c, long long groups, long long inner, float eps)
+//     per (image, group) of c / groups channels: y = (x - mean) / sqrt(var + eps) * scale[ch]
+//     + bias[ch] (scale and bias per channel). One block per (image, group) (n * groups blocks).
+
+__device__ __forceinline__ float pld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float pld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float pld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+
+// Mean and biased variance of `count` elements at(base, k), two passes, every thread of the block.
+template <typename T, typename At>
+__device__ __forceinline__ void block_stats(const T* x, long long count, At at, float* smem, float& mean,
+                                            float& var) {
+    float s = 0.f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) s += ld(x, at(k));
+    s = block_reduce(s, OpSum(), smem);
+    mean = s / (float)count;
+    float q = 0.f;
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) {
+        const float d = ld(x, at(k)) - mean;
+        q += d * d;
+    }
+    q = block_reduce(q, OpSum(), smem);
+    var = q / (float)count;
+}
+
+struct Contig {
+    long long base;
+    __device__ __forceinline__ long long operator()(long long k) const { return base + k; }
+};
+// Channel ch of (N, C, inner): the k-th element over (image, position).
+struct Channel {
+    long long c, inner, ch;
+    __device__ __forceinline__ long long operator()(long long k) const {
+        return ((k / inner) * c + ch) * inner + k % inner;
+    }
+};
+
+// ---------------------------------------------------------------- LayerNormalization
+
+template <typename T, typename P>
+__device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, const P* bias, T* y, float* mean_out,
+                                                float* inv_out, long long rows, long long n, long long scale_n,
+                                                float eps) {
+    __shared__ float smem[32];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const Contig at{row * n};
+        float mean, var;
+        block_stats(x, n, at, smem, mean, var);
+        const float r = 1.f / sqrtf(var + eps);
+        for (long long k = threadIdx.x; k < n; k += blockDim.x) {
+            const long long j = k % scale_n;
+            float v = (ld(x, at(k)) - mean) * r * pld(scale, j);
+            if (bias) v += pld(bias, j);
+            st(y, at(k), v);
+        }
+        if (threadIdx.x == 0) {
+            if (mean_out) mean_out[row] = mean;
+            if (inv_out) inv_out[row] = r;
+        }
+    }
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, float* ws_mean,
+                                                     float* ws_inv, long long rows, long long n, long long scale_n,
+                                                     float eps) {
+    __shared__ float smem[64];
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const Contig at{row * n};
+        float mean, var;
+        block_stats(x, n, at, smem, mean, var);
+        const float r = 1.f / sqrtf(var + eps);
+        float s1 = 0.f, s2 = 0.f;
+        for (long long k = threadIdx.x; k < n; k += blockDim.x) {
+            const float g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            s1 += g;
+            s2 += g * ((ld(x, at(k)) - mean) * r);
+        }
+        block_reduce2(s1, s2, OpSum(), smem);
+        const float nf = (float)n;
+        for (long long k = threadIdx.x; k < n; k += blockDim.x) {
+            const float xhat = (ld(x, at(k)) - mean) * r;
+            const float g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            st(dx, at(k), r / nf * (nf * g - s1 - xhat * s2));
+        }
+        if (threadIdx.x == 0) {
+            ws_mean[row] = mean;
+            ws_inv[row] = r;
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const float* ws_mean,
+                                                            const float* ws_inv, T* dscale, T* dbias, long long rows,
+                                                            long long n, long long scale_n) {
+    __shared__ float sa[8][33];
+    __shared__ float sb[8][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const long long j = (long long)blockIdx.x * 32 + tx;
+    const long long per_row = n / scale_n;          // scale repeats per row
+    const long long total = rows * per_row;         // (row, repeat) pairs
+    float a = 0.f, b = 0.f;
+    if (j < scale_n) {
+        for (long long t = ty; t < total; t += 8) {
+            const long long row = t / per_row;
+            const long long at = t * scale_n + j;   // = row * n + (t % per_row) * scale_n + j
+            const float g = ld(dy, at);
+            a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);
+            b += g;
+        }
+    }
+    sa[ty][tx] = a;
+    sb[ty][tx] = b;
+    __syncthreads();
+    if (ty == 0 && j < scale_n) {
+        float s = sa[0][tx], u = sb[0][tx];
+#pragma unroll
+        for (int k = 1; k < 8; ++k) {
+            s += sa[k][tx];
+            u += sb[k][tx];
+        }
+        st(dscale, j, s);
+        if (dbias) st(dbias, j, u);
+    }
+}
+
+// ---------------------------------------------------------------- BatchNormalization
+
+template <typename T, typename P>
+__device__ __forceinline__ void batch_norm_infer_body(const T* x, const P* scale, const P* bias, const P* mean,
+                                                      const P* var, T* y, long long n, long long c, long long inner,
+                                                      float eps) {
+    const long long total = n * c * inner;
+    MPC_GRID_STRIDE(i, total) {
+        const long long ch = (i / inner) % c;
+        const float k = pld(scale, ch) / sqrtf(pld(var, ch) + eps);
+        st(y, i, (ld(x, i) - pld(mean, ch)) * k + pld(bias, ch));
+    }
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale, const P* bias, const P* rmean,
+                                                      const P* rvar, T* y, P* rmean_out, P* rvar_out, float* save_mean,
+                                                      float* save_var, long long n, long long c, long long inner,
+                                                      float eps, float momentum) {
+    __shared__ float smem[32];
+    const long long count = n * inner;
+    for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        const Channel at{c, inner, ch};
+        float mean, var;
+        block_stats(x, count, at, smem, mean, var);
+        const float k = pld(scale, ch) / sqrtf(var + eps);
+        const float b = pld(bias, ch);
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) st(y, at(e), (ld(x, at(e)) - mean) * k + b);
+        if (threadIdx.x == 0) {
+            const float rm = pld(rmean, ch), rv = pld(rvar, ch);
+            st(rmean_out, ch, rm * momentum + mean * (1.f - momentum));
+            st(rvar_out, ch, rv * momentum + var * (1.f - momentum));
+            if (save_mean) save_mean[ch] = mean;
+            if (save_var) save_var[ch] = var;
+        }
+    }
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, T* dscale,
+                                                     T* dbias, long long n, long long c, long long inner, float eps) {
+    __shared__ float smem[64];
+    const long long count = n * inner;
+    const float cnt = (float)count;
+    for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
+        const Channel at{c, inner, ch};
+        float mean, var;
+        block_stats(x, count, at, smem, mean, var);
+        const float inv = 1.f / sqrtf(var + eps);
+        float sg = 0.f, sgx = 0.f;
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) {
+            const float g = ld(dy, at(e));
+            sg += g;
+            sgx += g * ((ld(x, at(e)) - mean) * inv);
+        }
+        block_reduce2(sg, sgx, OpSum(), smem);
+        const float k = pld(scale, ch) * inv / cnt;
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) {
+            const float xhat = (ld(x, at(e)) - mean) * inv;
+            st(dx, at(e), k * (cnt * ld(dy, at(e)) - sg - xhat * sgx));
+        }
+        if (threadIdx.x == 0) {
+            st(dscale, ch, sgx);
+            st(dbias, ch, sg);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- Instance / Group
+
+template <typename T, typename P>
+__device__ __forceinline__ void instance_norm_body(const T* x, const P* scale, const P* bias, T* y, long long n,
+                                                   long long c, long long inner, float eps) {
+    __shared__ float smem[32];
+    for (long long plane = blockIdx.x; plane < n * c; plane += gridDim.x) {
+        const Contig at{plane * inner};
+        float mean, var;
+        block_stats(x, inner, at, smem, mean, var);
+        const float sd = sqrtf(var + eps);
+        const long long ch = plane % c;
+        const float sc = pld(scale, ch), b = pld(bias, ch);
+        for (long long k = threadIdx.x; k < inner; k += blockDim.x) st(y, at(k), (ld(x, at(k)) - mean) / sd * sc + b);
+    }
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void group_norm_body(const T* x, const P* scale, const P* bias, T* y, long long n,
+                                                long long c, long long groups, long long inner, float eps) {
+    __shared__ float smem[32];
+    const long long cg = c / groups, per = cg * inner;
+    for (long long blk = blockIdx.x; blk < n * groups; blk += gridDim.x) {
+        const long long g = blk % groups;
+        const Contig at{blk * per};
+        float mean, var;
+        block_stats(x, per, at, smem, mean, var);
+        const float sd = sqrtf(var + eps);
+        for (long long k = threadIdx.x; k < per; k += blockDim.x) {
+            const long long ch = g * cg + k / inner;
+            st(y, at(k), (ld(x, at(k)) - mean) / sd * pld(scale, ch) + pld(bias, ch));
+        }
+    }
+}
+
+// ---------------------------------------------------------------- instantiations
+
+#define NORM_PAIR(T, t, P, p)                                                                              \
+    MPC_KERNEL norm_layer_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, float* mean,     \
+                                         float* inv_std, long long rows, long long n, long long scale_n,   \
+                                         float eps) {                                                      \
+        layer_norm_body(x, scale, bias, y, mean, inv_std, rows, n, scale_n, eps);                          \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_##t##_##p(const T* dy, const T* x, const P* scale, T* dx,              \
+                                              float* ws_mean, float* ws_inv_std, long long rows,           \
+                                              long long n, long long scale_n, float eps) {                 \
+        layer_norm_grad_body(dy, x, scale, dx, ws_mean, ws_inv_std, rows, n, scale_n, eps);                \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_params_##t##_##p(const T* dy, const T* x, const float* ws_mean,        \
+                                                     const float* ws_inv_std, T* dscale, T* dbias,         \
+                                                     long long rows, long long n, long long scale_n) {     \
+        layer_norm_grad_params_body(dy, x, ws_mean, ws_inv_std, dscale, dbias, rows, n, scale_n);          \
+    }                                                                                                      \
+    MPC_KERNEL norm_batch_norm_infer_##t##_##p(const T* x, const P* scale, const P* bias, const P* mean,   \
+                                               const P* var, T* y, long long n, long long c,               \
+                                               long long inner, float eps) {                               \
+        batch_norm_infer_body(x, scale, bias, mean, var, y, n, c, inner, eps);                             \
+    }                                                                                                      \
+    MPC_KERNEL norm_batch_norm_train_##t##_##p(const T* x, const P* scale, const P* bias,                  \
+                                               const P* running_mean, const P* running_var, T* y,          \
+                                               P* running_mean_out, P* running_var_out, float* save_mean,  \
+                                               float* save_var, long long n, long long c, long long inner, \
+                                               float eps, float momentum) {                                \
+        batch_norm_train_body(x, scale, bias, running_mean, running_var, y, running_mean_out,              \
+                              running_var_out, save_mean, save_var, n, c, inner, eps, momentum);           \
+    }                                                                                                      \
+    MPC_KERNEL norm_batch_norm_grad_##t##_##p(const T* dy, const T* x, const P* scale, T* dx, T* dscale,   \
+                                              T* dbias, long long n, long long c, long long inner,         \
+                                              float eps) {                                                 \
+        batch_norm_grad_body(dy, x, scale, dx, dscale, dbias, n, c, inner, eps);                           \
+    }                                                                                                      \
+    MPC_KERNEL norm_instance_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, long long n,  \
+                                            long long c, long long inner, float eps) {                     \
+        instance_norm_body(x, scale, bias, y, n, c, inner, eps);                                           \
+    }                                                                                                      \
+    MPC_KERNEL norm_group_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, long long n,     \
+                                         long long c, long long groups, long long inner, float eps) {      \
+        group_norm_body(x, scale, bias, y, n, c, groups, inner, eps);                                      \
+    }
+
+NORM_PAIR(float, f32, float, f32)
+NORM_PAIR(__half, f16, __half, f16)
+NORM_PAIR(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
+NORM_PAIR(__half, f16, float, f32)
+NORM_PAIR(__nv_bfloat16, bf16, float, f32)

@@ -1,0 +1,336 @@
+// kernels/train.cu: the ai.mpc training ops (docs/ai-mpc-ops.md, runtime/src/cpu/train.rs):
+// AllFinite (one tensor, or many at once), loss-scale unscaling, SgdUpdate, AdamUpdate,
+// LossScaleUpdate, SeededDropout, ReluGrad, GeluGrad.
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
+// Launch: 1-D grid-stride loops, blockDim.x = 256, any grid, except where a kernel says
+// otherwise. Every flag, counter, scale and key is read from device memory, so a captured
+// training step replays without the host looking at any value.
+// The finite flag is a bool (one byte, 0 or 1). Arithmetic is f32 for f32/f16/bf16 (f64 for
+// f64), rounded once on store, except SeededDropout, which computes in f64 exactly as the CPU
+// reference does so that masks and values match it bit for bit.
+//
+// ---- AllFinite: `finite` = no NaN or Inf in any input. No atomics: the flag is set to 1 first,
+// then every thread that sees a non-finite value stores 0 (identical plain stores, so the result
+// does not depend on order or timing).
+// train_all_finite_init(unsigned char* finite)
+//     *finite = 1. Any launch (one thread does it). (A 1-byte memset of 1 does the same.)
+// train_all_finite_<T>(const T* x, long long n, unsigned char* finite)
+//     One tensor; T in f32 f16 bf16 f64. Launch after the init, once per tensor.
+// train_all_finite_multi(const unsigned long long* ptrs, const long long* sizes, const int* dtypes,
+//                        int count, unsigned char* finite)
+//     Many tensors in one launch: ptrs/sizes/dtypes are device arrays of `count` entries (device
+//     addresses, element counts, dtype codes 0 = f32, 1 = f16, 2 = bf16, 3 = f64; any other code
+//     is an integer tensor, always finite). Grid: blockIdx.y walks the tensors (grid-stride with
+//     gridDim.y), blockIdx.x/threadIdx.x the elements (grid-stride), e.g. gridDim = (64, count).
+// train_unscale_<T>(const T* grad, const float* scale, T* out, long long n)
+//     out = grad * inv, inv = 1 / *scale in f32, rounded to T first when T is not f32 (the
+//     graph's Reciprocal, Cast, Mul). out may equal grad.
+// train_unscale_all_finite_<T>(const T* grad, const float* scale, T* out, long long n,
+//                              unsigned char* finite)
+//     The same, and stores 0 to *finite when a result is not finite (after train_all_finite_init).
+//
+// ---- Updates. "Unchanged when not finite": when *finite == 0 every output equals its input bit
+// for bit (copied when the output is another buffer; nothing is written when it is the same).
+// Outputs may alias their inputs (the state's next value written into its own slot).
+// train_sgd_<T>(const T* param, const T* grad, const unsigned char* finite, const T* velocity,
+//               T* param_out, T* velocity_out, long long n, float lr, float momentum,
+//               float weight_decay, int nesterov)
+//     d = grad + wd * param; with velocity (non-null): v' = momentum * v + d, step = nesterov ?
+//     d + momentum * v' : v'; without: step = d. param' = param - lr * step. T in f32 f16 bf16 f64.
+// train_adam_<T>(const T* param, const T* grad, const T* m, const T* v, const long long* step,
+//                const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n,
+//                float lr, float beta1, float beta2, float epsilon, float weight_decay, int decoupled)
+//     t = max(*step, 1) (the count after this update); Adam: d = grad + wd * param; AdamW
+//     (decoupled != 0): param <- param - lr * wd * param, d = grad. m' = b1 m + (1 - b1) d,
+//     v' = b2 v + (1 - b2) d^2, param' = param - lr * (m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t))
+//     + eps); the bias corrections 1 - b^t are computed in f64 once per thread. T in f32 f16 bf16 f64.
+// train_loss_scale_update(const float* scale, const long long* good_steps,
+//                         const unsigned char* finite, float* scale_out, long long* good_steps_out,
+//                         float growth_factor, float backoff_factor, long long growth_interval,
+//                         float min_scale, float max_scale)
+//     One thread (launch <<<1, 1>>>; extra threads do nothing). finite: good + 1, and when that
+//     reaches growth_interval scale' = min(scale * growth, max_scale), good' = 0; not finite:
+//     scale' = max(scale * backoff, min_scale), good' = 0. Outputs may alias inputs. The scale is
+//     f32 (mpc.loss_scale), the count i64 (mpc.good_steps).
+//
+// ---- SeededDropout (training-mode Dropout with a counter-based mask)
+// train_seeded_dropout_<T>(const T* x, const long long* key, const double* ratio_ptr, T* y,
+//                          unsigned char* mask, long long n, long long seed, double ratio)
+//     Element i (row-major) draws u_i = (mix(mix(key ^ mix(seed)) + (i + 1) * phi) >> 40) / 2^24
+//     (splitmix64 finalizer, phi = 0x9E3779B97F4A7C15, 64-bit wrapping), is kept when
+//     u_i >= ratio, and y = keep ? x * (1 / (1 - ratio)) : 0 computed in f64 and rounded through
+//     f32 into T (f64 stays f64). `key` is the i64 state mpc.rng on the device; ratio is read
+//     from ratio_ptr (a device f64 scalar: the op's ratio input cast to f64) when not nullptr,
+//     else the `ratio` argument (0.5 when the op has no ratio input). mask (bool) may be
+//     nullptr. The host validates 0 <= ratio < 1. T in f32 f16 bf16 f64.
+//
+// ---- Element-wise gradients (same-shape operands, n elements; T in f32 f16 bf16 f64)
+// train_relu_grad_<T>(const T* dy, const T* y, T* dx, long long n)      dx = y > 0 ? dy : 0
+// train_gelu_grad_<T>(const T* dy, const T* x, T* dx, long long n, int approximate_tanh)
+//     dx = dy * (Phi(x) + x phi(x)), or for tanh: dy * (0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi)
+//     (1 + 3 * 0.044715 x^2)), t = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
+
+// ---------------------------------------------------------------- AllFinite
+
+__device__ __forceinline__ bool finite_bits(const float* p, long long i) {
+    return (__float_as_uint(p[i]) & 0x7f800000u) != 0x7f800000u;
+}
+__device__ __forceinline__ bool finite_bits(const __half* p, long long i) {
+    return (__half_as_ushort(p[i]) & 0x7c00u) != 0x7c00u;
+}
+__device__ __forceinline__ bool finite_bits(const __nv_bfloat16* p, long long i) {
+    return (__bfloat16_as_ushort(p[i]) & 0x7f80u) != 0x7f80u;
+}
+__device__ __forceinline__ bool finite_bits(const double* p, long long i) {
+    return (__double_as_longlong(p[i]) & 0x7ff0000000000000LL) != 0x7ff0000000000000LL;
+}
+
+MPC_KERNEL train_all_finite_init(unsigned char* finite) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *finite = 1;
+}
+
+template <typename T>
+__device__ __forceinline__ void all_finite_range(const T* x, long long n, long long first, long long step,
+                                                 unsigned char* finite) {
+    bool ok = true;
+    for (long long i = first; i < n; i += step) ok &= finite_bits(x, i);
+    if (!ok) *finite = 0;
+}
+
+#define ALL_FINITE_T(T, tag)                                                                          \
+    MPC_KERNEL train_all_finite_##tag(const T* x, long long n, unsigned char* finite) {               \
+        all_finite_range(x, n, (long long)blockIdx.x * blockDim.x + threadIdx.x,                      \
+                         (long long)blockDim.x * gridDim.x, finite);                                  \
+    }
+ALL_FINITE_T(float, f32)
+ALL_FINITE_T(__half, f16)
+ALL_FINITE_T(__nv_bfloat16, bf16)
+ALL_FINITE_T(double, f64)
+
+MPC_KERNEL train_all_finite_multi(const unsigned long long* ptrs, const long long* sizes, const int* dtypes,
+                                  int count, unsigned char* finite) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long step = (long long)blockDim.x * gridDim.x;
+    for (int t = blockIdx.y; t < count; t += gridDim.y) {
+        const long long n = sizes[t];
+        switch (dtypes[t]) {
+        case 0: all_finite_range((const float*)ptrs[t], n, first, step, finite); break;
+        case 1: all_finite_range((const __half*)ptrs[t], n, first, step, finite); break;
+        case 2: all_finite_range((const __nv_bfloat16*)ptrs[t], n, first, step, finite); break;
+        case 3: all_finite_range((const double*)ptrs[t], n, first, step, finite); break;
+        default: break;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- unscale
+
+template <typename T> __device__ __forceinline__ void unscale_body(const T* g, const float* scale, T* out, long long n,
+                                                                   unsigned char* finite) {
+    const float inv = round_to<T>(1.f / *scale);
+    bool ok = true;
+    MPC_GRID_STRIDE(i, n) {
+        const float r = ld(g, i) * inv;
+        st(out, i, r);
+        if (finite) ok &= (bool)isfinite(round_to<T>(r));
+    }
+    if (finite && !ok) *finite = 0;
+}
+#define UNSCALE_T(T, tag)                                                                             \
+    MPC_KERNEL train_unscale_##tag(const T* grad, const float* scale, T* out, long long n) {          \
+        unscale_body(grad, scale, out, n, nullptr);                                                   \
+    }                                                                                                 \
+    MPC_KERNEL train_unscale_all_finite_##tag(const T* grad, const float* scale, T* out, long long n, \
+                                              unsigned char* finite) {                                \
+        unscale_body(grad, scale, out, n, finite);                                                    \
+    }
+UNSCALE_T(float, f32)
+UNSCALE_T(__half, f16)
+UNSCALE_T(__nv_bfloat16, bf16)
+
+// ---------------------------------------------------------------- SGD
+
+template <typename T>
+__device__ __forceinline__ void copy_if_moved(const T* src, T* dst, long long n) {
+    if (dst == nullptr || src == nullptr || (const void*)dst == (const void*)src) return;
+    MPC_GRID_STRIDE(i, n) { dst[i] = src[i]; }
+}
+
+template <typename T>
+__device__ __forceinline__ void sgd_body(const T* param, const T* grad, const unsigned char* finite, const T* vel,
+                                         T* param_out, T* vel_out, long long n, float lr, float mu, float wd,
+                                         int nesterov) {
+    typedef typename Acc<T>::type C;
+    if (!*finite) {
+        copy_if_moved(param, param_out, n);
+        if (vel) copy_if_moved(vel, vel_out, n);
+        return;
+    }
+    MPC_GRID_STRIDE(i, n) {
+        const C p = ld(param, i);
+        const C d = ld(grad, i) + (C)wd * p;
+        C step = d;
+        if (vel) {
+            const C v = (C)mu * ld(vel, i) + d;
+            st(vel_out, i, v);
+            step = nesterov ? d + (C)mu * v : v;
+        }
+        st(param_out, i, p - (C)lr * step);
+    }
+}
+
+// ---------------------------------------------------------------- Adam / AdamW
+
+template <typename T>
+__device__ __forceinline__ void adam_body(const T* param, const T* grad, const T* m, const T* v, const long long* step,
+                                          const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n,
+                                          float lr, float b1, float b2, float eps, float wd, int decoupled) {
+    typedef typename Acc<T>::type C;
+    if (!*finite) {
+        copy_if_moved(param, param_out, n);
+        copy_if_moved(m, m_out, n);
+        copy_if_moved(v, v_out, n);
+        return;
+    }
+    const long long t = *step > 1 ? *step : 1;
+    const C c1 = (C)(1.0 - pow((double)b1, (double)t));
+    const C c2 = (C)(1.0 - pow((double)b2, (double)t));
+    const C one = C(1);
+    MPC_GRID_STRIDE(i, n) {
+        C w = ld(param, i);
+        C d = ld(grad, i);
+        if (decoupled)
+            w -= (C)lr * (C)wd * w;
+        else
+            d += (C)wd * w;
+        const C mn = (C)b1 * ld(m, i) + (one - (C)b1) * d;
+        const C vn = (C)b2 * ld(v, i) + (one - (C)b2) * d * d;
+        st(m_out, i, mn);
+        st(v_out, i, vn);
+        st(param_out, i, w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
+    }
+}
+
+#define UPDATE_T(T, tag)                                                                              \
+    MPC_KERNEL train_sgd_##tag(const T* param, const T* grad, const unsigned char* finite, const T* velocity, \
+                               T* param_out, T* velocity_out, long long n, float lr, float momentum,  \
+                               float weight_decay, int nesterov) {                                    \
+        sgd_body(param, grad, finite, velocity, param_out, velocity_out, n, lr, momentum, weight_decay, \
+                 nesterov);                                                                           \
+    }                                                                                                 \
+    MPC_KERNEL train_adam_##tag(const T* param, const T* grad, const T* m, const T* v, const long long* step, \
+                                const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n, \
+                                float lr, float beta1, float beta2, float epsilon, float weight_decay, \
+                                int decoupled) {                                                      \
+        adam_body(param, grad, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, epsilon, \
+                  weight_decay, decoupled);                                                           \
+    }
+UPDATE_T(float, f32)
+UPDATE_T(__half, f16)
+UPDATE_T(__nv_bfloat16, bf16)
+UPDATE_T(double, f64)
+
+// ---------------------------------------------------------------- LossScaleUpdate
+
+MPC_KERNEL train_loss_scale_update(const float* scale, const long long* good_steps, const unsigned char* finite,
+                                   float* scale_out, long long* good_steps_out, float growth_factor,
+                                   float backoff_factor, long long growth_interval, float min_scale,
+                                   float max_scale) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double s = (double)*scale;
+    long long g = *good_steps;
+    if (*finite) {
+        if (g + 1 >= growth_interval) {
+            s = fmin(s * (double)growth_factor, (double)max_scale);
+            g = 0;
+        } else {
+            g = g + 1;
+        }
+    } else {
+        s = fmax(s * (double)backoff_factor, (double)min_scale);
+        g = 0;
+    }
+    *scale_out = __double2float_rn(s);
+    *good_steps_out = g;
+}
+
+// ---------------------------------------------------------------- SeededDropout
+
+__device__ __forceinline__ unsigned long long splitmix_mix(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ void dropout_store(float* p, long long i, double v) { p[i] = __double2float_rn(v); }
+__device__ __forceinline__ void dropout_store(__half* p, long long i, double v) {
+    p[i] = __float2half_rn(__double2float_rn(v));
+}
+__device__ __forceinline__ void dropout_store(__nv_bfloat16* p, long long i, double v) {
+    p[i] = __float2bfloat16_rn(__double2float_rn(v));
+}
+__device__ __forceinline__ void dropout_store(double* p, long long i, double v) { p[i] = v; }
+
+template <typename T>
+__device__ __forceinline__ void dropout_body(const T* x, const long long* key, const double* ratio_ptr, T* y,
+                                             unsigned char* mask, long long n, long long seed, double ratio) {
+    const double r = ratio_ptr ? *ratio_ptr : ratio;
+    const double scale = 1.0 / (1.0 - r);
+    const unsigned long long base = splitmix_mix((unsigned long long)*key ^ splitmix_mix((unsigned long long)seed));
+    MPC_GRID_STRIDE(i, n) {
+        const unsigned long long z =
+            splitmix_mix(base + ((unsigned long long)i + 1ull) * 0x9e3779b97f4a7c15ull);
+        const double u = (double)(z >> 40) / 16777216.0;
+        const bool keep = u >= r;
+        dropout_store(y, i, keep ? (double)ld(x, i) * scale : 0.0);
+        if (mask) mask[i] = keep ? 1 : 0;
+    }
+}
+#define DROPOUT_T(T, tag)                                                                             \
+    MPC_KERNEL train_seeded_dropout_##tag(const T* x, const long long* key, const double* ratio_ptr, T* y, \
+                                          unsigned char* mask, long long n, long long seed, double ratio) { \
+        dropout_body(x, key, ratio_ptr, y, mask, n, seed, ratio);                                     \
+    }
+DROPOUT_T(float, f32)
+DROPOUT_T(__half, f16)
+DROPOUT_T(__nv_bfloat16, bf16)
+DROPOUT_T(double, f64)
+
+// ---------------------------------------------------------------- ReluGrad, GeluGrad
+
+template <typename T>
+__device__ __forceinline__ void relu_grad_body(const T* dy, const T* y, T* dx, long long n) {
+    typedef typename Acc<T>::type C;
+    MPC_GRID_STRIDE(i, n) { st(dx, i, ld(y, i) > C(0) ? ld(dy, i) : C(0)); }
+}
+
+template <typename T>
+__device__ __forceinline__ void gelu_grad_body(const T* dy, const T* x, T* dx, long long n, int approximate_tanh) {
+    typedef typename Acc<T>::type C;
+    const C c = C(0.7978845608028654);   // sqrt(2 / pi)
+    const C root_2pi = C(2.5066282746310002);
+    MPC_GRID_STRIDE(i, n) {
+        const C v = ld(x, i);
+        C slope;
+        if (approximate_tanh) {
+            const C t = m_tanh(c * (v + C(0.044715) * v * v * v));
+            slope = C(0.5) * (C(1) + t) + C(0.5) * v * (C(1) - t * t) * c * (C(1) + C(3) * C(0.044715) * v * v);
+        } else {
+            const C cdf = C(0.5) * (C(1) + m_erf(v / C(1.4142135623730951)));
+            const C pdf = m_exp(C(-0.5) * v * v) / root_2pi;
+            slope = cdf + v * pdf;
+        }
+        st(dx, i, ld(dy, i) * slope);
+    }
+}
+
+#define GRADS_T(T, tag)                                                                               \
+    MPC_KERNEL train_relu_grad_##tag(const T* dy, const T* y, T* dx, long long n) { relu_grad_body(dy, y, dx, n); } \
+    MPC_KERNEL train_gelu_grad_##tag(const T* dy, const T* x, T* dx, long long n, int approximate_tanh) { \
+        gelu_grad_body(dy, x, dx, n, approximate_tanh);                                               \
+    }
+GRADS_T(float, f32)
+GRADS_T(__half, f16)
+GRADS_T(__nv_bfloat16, bf16)
+GRADS_T(double, f64)
