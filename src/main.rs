@@ -419,7 +419,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 eprintln!("mpc: median run {:.3} ms over {n} runs (min {:.3} ms)", times[n / 2], times[0]);
             }
             if stats {
-                eprintln!("mpc: {}", mpc::run::stats_line(session.program(), &session.stats()));
+                let program = session.program(0).map_err(rerr)?;
+                eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats()));
             }
             for (name, t) in &outs {
                 println!("{}", mpc::run::summary(name, t));

@@ -153,11 +153,13 @@ pub fn memory_plan(
 
 /// `--stats`: what a lowered program costs on its device.
 pub fn stats_line(p: &mpc_runtime::program::Program, s: &mpc_runtime::session::StepStats) -> String {
+    // The counts of the program that ran; the bytes of every program the session holds.
     format!(
-        "arena {} B, persistent {} B, {} launches per step ({} nodes folded when lowering, {} views), \
-         {} allocations inside steps after the first, {} host reads per step, {} steps",
+        "arena {} B, state {} B, constants {} B, {} launches per step ({} nodes folded when lowering, \
+         {} views), {} allocations inside steps after the first, {} host reads per step, {} steps",
         s.arena_bytes,
-        s.persistent_bytes,
+        s.state_bytes,
+        s.constants_bytes,
         s.launches_per_step,
         p.folded,
         p.views,
@@ -245,7 +247,7 @@ pub fn lower_for_inputs(
         b.replace_uses(v, c);
     }
     let bound = fold_and_infer(b, &dims, &Default::default(), model)?;
-    mpc_runtime::program::lower(&bound, caps, &Default::default()).map_err(rerr)
+    mpc_runtime::program::lower(&bound, caps, None, &Default::default()).map_err(rerr)
 }
 
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded

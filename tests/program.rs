@@ -35,7 +35,8 @@ fn dims() -> HashMap<String, u64> {
 
 fn lowered(g: &Graph) -> (Graph, Program) {
     let (bound, _) = mpc::summary::bind_inputs(g, &dims()).unwrap();
-    let p = lower(&bound, CpuDevice::default().caps(), &HashSet::new()).unwrap_or_else(|e| panic!("lowering: {e}"));
+    let p =
+        lower(&bound, CpuDevice::default().caps(), None, &HashSet::new()).unwrap_or_else(|e| panic!("lowering: {e}"));
     (bound, p)
 }
 
@@ -67,7 +68,7 @@ fn inference_programs_equal_the_interpreter() {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             let g = compiled(name, policy, false);
             let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-            let program = match lower(&bound, CpuDevice::default().caps(), &HashSet::new()) {
+            let program = match lower(&bound, CpuDevice::default().caps(), None, &HashSet::new()) {
                 Ok(p) => p,
                 Err(e) => {
                     // Opaque ops (a custom domain, If) are refused when lowering, naming the node.
@@ -79,12 +80,12 @@ fn inference_programs_equal_the_interpreter() {
             };
             assert_shapes_resolved(&program);
             println!(
-                "{name} {policy}: {} launches, {} folded, {} views, arena {} B, persistent {} B",
+                "{name} {policy}: {} launches, {} folded, {} views, arena {} B, constants {} B",
                 program.launches.len(),
                 program.folded,
                 program.views,
                 program.arena_bytes,
-                program.persistent_bytes
+                program.constants_bytes
             );
             let inputs = mpc::run::random_inputs(&bound, 7, &dims()).unwrap();
             let want = mpc_runtime::run(&Cpu, &bound, &inputs).unwrap();
@@ -119,12 +120,12 @@ fn training_programs_step_as_the_interpreter_does() {
         for step in 0..3 {
             let inputs = mpc::run::random_inputs(&bound, 11 + step, &dims()).unwrap();
             let want = old.step(&inputs, &state, &fetch).unwrap();
-            s.feed(&inputs).unwrap();
-            s.step().unwrap();
-            same(&want[0], &s.read(&loss_name).unwrap(), &format!("{name} {policy} step {step} loss"));
+            s.feed(0, &inputs).unwrap();
+            s.step(0).unwrap();
+            same(&want[0], &s.read(0, &loss_name).unwrap(), &format!("{name} {policy} step {step} loss"));
             for &(v, _) in &state {
                 let n = bound.name(v);
-                same(&old.weight(v).unwrap().unwrap(), &s.read(n).unwrap(), &format!("{name} step {step} `{n}`"));
+                same(&old.weight(v).unwrap().unwrap(), &s.read_state(n).unwrap(), &format!("{name} step {step} `{n}`"));
             }
         }
         let st = s.stats();

@@ -12,24 +12,27 @@ use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
-/// The two regions a session holds on a device.
-pub struct Regions<M> {
-    pub arena: M,
-    pub persistent: M,
+/// The regions one program runs over: its arena and constants, and the session's state.
+pub struct Regions<'a, M> {
+    pub arena: &'a mut M,
+    pub state: &'a mut M,
+    pub constants: &'a mut M,
 }
 
-impl<M> Regions<M> {
+impl<M> Regions<'_, M> {
     pub fn get(&self, r: Region) -> &M {
         match r {
-            Region::Arena => &self.arena,
-            Region::Persistent => &self.persistent,
+            Region::Arena => self.arena,
+            Region::State => self.state,
+            Region::Constants => self.constants,
         }
     }
 
     pub fn get_mut(&mut self, r: Region) -> &mut M {
         match r {
-            Region::Arena => &mut self.arena,
-            Region::Persistent => &mut self.persistent,
+            Region::Arena => self.arena,
+            Region::State => self.state,
+            Region::Constants => self.constants,
         }
     }
 }
@@ -52,7 +55,7 @@ pub trait Device {
     type Memory;
 
     fn caps(&self) -> DeviceCaps;
-    /// Called once the persistent region holds its initial contents, before any step.
+    /// Called once a program's constants region holds its contents, before any step.
     fn prepare(&mut self, _program: &Program, _regions: &Regions<Self::Memory>) -> Result<(), RuntimeError> {
         Ok(())
     }
@@ -81,14 +84,13 @@ pub struct CpuMemory {
     buf: Vec<u8>,
     start: usize,
     len: usize,
-    persistent: bool,
 }
 
 impl CpuMemory {
-    fn new(len: usize, persistent: bool) -> CpuMemory {
+    fn new(len: usize) -> CpuMemory {
         let buf = vec![0u8; len + 64];
         let start = buf.as_ptr().align_offset(64).min(64);
-        CpuMemory { buf, start, len, persistent }
+        CpuMemory { buf, start, len }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -108,20 +110,20 @@ impl CpuMemory {
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
 ///
 /// The kernels work on host tensors, so a launch reads its operands out of the regions and writes
-/// its results back. The persistent values no step writes (weights of an inference program,
-/// folded constants) are kept decoded, keyed by offset, and dropped if anything writes over them.
+/// its results back. The constants (an inference program's weights, folded values) are kept
+/// decoded, keyed by their region's address and offset, and dropped if anything writes there.
 #[derive(Default)]
 pub struct CpuDevice {
     counters: DeviceCounters,
-    decoded: HashMap<u64, HostTensor>,
+    decoded: HashMap<(usize, u64), HostTensor>,
 }
 
 impl CpuDevice {
-    /// Forgets the decoded values that a write to `offset..offset+len` of the persistent region
-    /// changes.
-    fn invalidate(&mut self, offset: u64, len: u64) {
+    /// Forgets the decoded values that a write to `offset..offset+len` of `mem` changes.
+    fn invalidate(&mut self, mem: &CpuMemory, offset: u64, len: u64) {
+        let addr = mem.addr();
         if !self.decoded.is_empty() {
-            self.decoded.retain(|&o, t| o + t.bytes() as u64 <= offset || offset + len <= o);
+            self.decoded.retain(|&(a, o), t| a != addr || o + t.bytes() as u64 <= offset || offset + len <= o);
         }
     }
 }
@@ -150,22 +152,18 @@ impl Device for CpuDevice {
     }
 
     fn prepare(&mut self, program: &Program, regions: &Regions<CpuMemory>) -> Result<(), RuntimeError> {
-        let written: Vec<&TensorRef> = program.state.iter().map(|s| &s.slot).collect();
+        let addr = regions.constants.addr();
         for (place, _) in &program.constants {
-            let overlaps =
-                |w: &&TensorRef| place.offset < w.offset + w.bytes() && w.offset < place.offset + place.bytes();
-            if !written.iter().any(overlaps) {
-                self.decoded.insert(place.offset, Self::tensor(regions, place)?);
-            }
+            self.decoded.insert((addr, place.offset), Self::tensor(regions, place)?);
         }
         Ok(())
     }
 
-    fn alloc(&mut self, region: Region, bytes: u64) -> Result<CpuMemory, RuntimeError> {
+    fn alloc(&mut self, _region: Region, bytes: u64) -> Result<CpuMemory, RuntimeError> {
         let len = usize::try_from(bytes).map_err(|_| RuntimeError::Graph(format!("{bytes} bytes do not fit")))?;
         self.counters.allocations += 1;
         self.counters.allocated_bytes += bytes;
-        Ok(CpuMemory::new(len, region == Region::Persistent))
+        Ok(CpuMemory::new(len))
     }
 
     fn write(&mut self, mem: &mut CpuMemory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
@@ -175,11 +173,7 @@ impl Device for CpuDevice {
         }
         mem.bytes_mut()[s..s + bytes.len()].copy_from_slice(bytes);
         self.counters.host_writes += 1;
-        // Writes into the persistent region (a checkpoint's state, new weights) make what was
-        // decoded there stale. The arena holds nothing decoded.
-        if mem.persistent {
-            self.invalidate(offset, bytes.len() as u64);
-        }
+        self.invalidate(mem, offset, bytes.len() as u64);
         Ok(())
     }
 
@@ -198,9 +192,7 @@ impl Device for CpuDevice {
         }
         let src = range(from, regions.get(from.region).len)?;
         let dst = range(to, regions.get(to.region).len)?;
-        if to.region == Region::Persistent {
-            self.invalidate(to.offset, to.bytes());
-        }
+        self.invalidate(regions.get(to.region), to.offset, to.bytes());
         if from.region == to.region {
             regions.get_mut(to.region).bytes_mut().copy_within(src, dst.start);
         } else {
@@ -212,9 +204,10 @@ impl Device for CpuDevice {
     }
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
+        let addr = regions.constants.addr();
         let decoded = |t: &TensorRef| {
-            (t.region == Region::Persistent)
-                .then(|| self.decoded.get(&t.offset))
+            (t.region == Region::Constants)
+                .then(|| self.decoded.get(&(addr, t.offset)))
                 .flatten()
                 .filter(|d| d.shape == t.shape && d.dtype() == t.dtype)
         };

@@ -11,11 +11,13 @@
 //! - gives every other node one [`Launch`], a resolved descriptor: the typed op, its operands'
 //!   places, dtypes and shapes, and its host operands (shapes, axes, starts/ends, pads, scales:
 //!   [`Op::host_operands`]) as values. A launch never reads device data to learn a shape;
-//! - lays out memory: one activation arena by the memory plan's placement (each buffer at the
-//!   lowest offset free over its lifetime; an element-wise output over an input that dies with
-//!   it), and one persistent region for the weights, the training state and the constants the
-//!   device reads. Each state value keeps one slot: after a step its next value is copied into it,
-//!   so no address changes between steps. Inputs and outputs have fixed places.
+//! - lays out memory in three regions: the activation arena by the memory plan's placement (each
+//!   buffer at the lowest offset free over its lifetime; an element-wise output over an input that
+//!   dies with it; inputs and outputs at fixed places); the state region, laid out by a
+//!   [`StateLayout`] that several programs can share (the training step at two batch sizes and
+//!   the evaluation forward read the same weights), where each state value keeps one slot and its
+//!   next value is copied into it after a step, so no address changes between steps; and the
+//!   constants region of the program's own weights and folded values.
 //!
 //! An op no backend can run is an error here, naming its node, before any step.
 
@@ -26,13 +28,16 @@ use mpc_ir::{DType, Def, Graph, NodeId, Op, ValueId};
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
-/// Which of a session's two memory regions a tensor lives in.
+/// Which memory region a tensor lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Region {
     /// Activations, inputs and outputs: reused within a step by the memory plan.
     Arena,
-    /// Weights, training state and constants: kept across steps.
-    Persistent,
+    /// Training state and the weights a step may change: kept across steps, shared by the
+    /// programs of one session.
+    State,
+    /// The program's weights and folded values: written once.
+    Constants,
 }
 
 /// Where a tensor lives and what it holds.
@@ -83,6 +88,19 @@ pub struct StateSlot {
     pub next: TensorRef,
 }
 
+/// The places of the state values, by name: one layout for every program of a session.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateLayout {
+    pub values: Vec<(String, TensorRef)>,
+    pub bytes: u64,
+}
+
+impl StateLayout {
+    pub fn find(&self, name: &str) -> Option<&TensorRef> {
+        self.values.iter().find(|(n, _)| n == name).map(|(_, t)| t)
+    }
+}
+
 /// What a device must provide for lowering.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceCaps {
@@ -96,14 +114,16 @@ pub struct DeviceCaps {
 pub struct Program {
     pub align: u64,
     pub arena_bytes: u64,
-    pub persistent_bytes: u64,
+    pub constants_bytes: u64,
     pub inputs: Vec<(String, TensorRef)>,
     pub outputs: Vec<(String, TensorRef)>,
     pub launches: Vec<Launch>,
-    /// The persistent region's initial contents.
+    /// The constants region's contents.
     pub constants: Vec<(TensorRef, HostTensor)>,
-    /// Every named value in the persistent region (weights, state), for checkpoints.
-    pub persistent: Vec<(String, TensorRef)>,
+    /// The state region's layout, and the initial values the graph gives its state.
+    pub state_layout: StateLayout,
+    pub state_init: Vec<(TensorRef, HostTensor)>,
+    /// The state the step advances: each next value is copied into its slot after the step.
     pub state: Vec<StateSlot>,
     /// Nodes computed when lowering.
     pub folded: usize,
@@ -112,9 +132,14 @@ pub struct Program {
 }
 
 impl Program {
-    /// The place of a graph input, output or persistent value named `name`.
+    /// The place of a graph output, input or state value named `name`.
     pub fn find(&self, name: &str) -> Option<&TensorRef> {
-        self.outputs.iter().chain(&self.inputs).chain(&self.persistent).find(|(n, _)| n == name).map(|(_, t)| t)
+        self.outputs
+            .iter()
+            .chain(&self.inputs)
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .or_else(|| self.state_layout.find(name))
     }
 }
 
@@ -142,8 +167,15 @@ fn align_up(n: u64, align: u64) -> u64 {
 
 /// Lowers `g`, whose every value has a known dtype and shape (bind the symbolic dims and infer
 /// first), for a device with `caps`. `variables` are initializers that may change between runs
-/// besides the training state (an evaluation graph's weights): they are not folded.
-pub fn lower(g: &Graph, caps: DeviceCaps, variables: &HashSet<ValueId>) -> Result<Program, RuntimeError> {
+/// besides the training state (an evaluation graph's weights): they are not folded, and live in
+/// the state region. With `layout`, they take the places it gives them by name (a program that
+/// shares another's state); without, the program lays its state out itself.
+pub fn lower(
+    g: &Graph,
+    caps: DeviceCaps,
+    layout: Option<&StateLayout>,
+    variables: &HashSet<ValueId>,
+) -> Result<Program, RuntimeError> {
     let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
     let label = |n: NodeId| g.node_label(n);
     let ty = |v: ValueId| -> Result<(DType, Vec<usize>), RuntimeError> {
@@ -234,9 +266,47 @@ pub fn lower(g: &Graph, caps: DeviceCaps, variables: &HashSet<ValueId>) -> Resul
     let end = steps.len();
     let root = |v: ValueId| *view_of.get(&v).unwrap_or(&v);
 
-    // 2. The persistent region: changing initializers, and known values that a launch reads as
-    // data or that are outputs.
-    let mut persistent_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
+    // 2. The state region: the changing initializers, at the layout's places or laid out here.
+    let changing_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
+    let mut refs: HashMap<ValueId, TensorRef> = HashMap::new();
+    let state_layout = match layout {
+        Some(l) => {
+            for &v in &changing_vals {
+                let (dtype, shape) = ty(v)?;
+                let r = l.find(g.name(v)).ok_or_else(|| internal(g, v, "is not in the shared state layout"))?;
+                if r.dtype != dtype || r.shape != shape {
+                    return Err(RuntimeError::Graph(format!(
+                        "`{}` is {dtype}{shape:?} here but {}{:?} in the shared state",
+                        g.name(v),
+                        r.dtype,
+                        r.shape
+                    )));
+                }
+                refs.insert(v, r.clone());
+            }
+            l.clone()
+        }
+        None => {
+            let mut l = StateLayout::default();
+            for &v in &changing_vals {
+                let (dtype, shape) = ty(v)?;
+                let r = TensorRef { region: Region::State, offset: l.bytes, dtype, shape };
+                l.bytes = align_up(l.bytes + r.bytes(), caps.align);
+                l.values.push((g.name(v).to_string(), r.clone()));
+                refs.insert(v, r);
+            }
+            l
+        }
+    };
+    let state_init = changing_vals
+        .iter()
+        .map(|&v| {
+            let t = g.value(v).initializer().ok_or_else(|| internal(g, v, "has no initial value"))?;
+            Ok((refs[&v].clone(), HostTensor::from(t)))
+        })
+        .collect::<Result<Vec<_>, RuntimeError>>()?;
+
+    // The constants region: known values that a launch reads as data or that are outputs.
     let mut device_reads: HashSet<ValueId> = HashSet::new();
     for &n in &steps {
         let host = g.node(n).op.host_operands();
@@ -251,22 +321,16 @@ pub fn lower(g: &Graph, caps: DeviceCaps, variables: &HashSet<ValueId>) -> Resul
     let mut known_needed: Vec<ValueId> =
         known.keys().copied().filter(|v| device_reads.contains(v) || g.is_output(*v)).collect();
     known_needed.sort_unstable();
-    persistent_vals.extend(known_needed);
-    let mut refs: HashMap<ValueId, TensorRef> = HashMap::new();
     let mut top = 0u64;
     let mut constants = Vec::new();
-    for &v in &persistent_vals {
+    for v in known_needed {
         let (dtype, shape) = ty(v)?;
-        let r = TensorRef { region: Region::Persistent, offset: top, dtype, shape };
+        let r = TensorRef { region: Region::Constants, offset: top, dtype, shape };
         top = align_up(top + r.bytes(), caps.align);
-        let data = match known.get(&v) {
-            Some(t) => t.clone(),
-            None => HostTensor::from(g.value(v).initializer().ok_or_else(|| internal(g, v, "no initial value"))?),
-        };
-        constants.push((r.clone(), data));
+        constants.push((r.clone(), known[&v].clone()));
         refs.insert(v, r);
     }
-    let persistent_bytes = top;
+    let constants_bytes = top;
 
     // 3. Arena buffers: graph inputs and launch outputs, views sharing their source's buffer;
     // lifetimes in launch steps (graph outputs and next states live to the end).
@@ -351,16 +415,16 @@ pub fn lower(g: &Graph, caps: DeviceCaps, variables: &HashSet<ValueId>) -> Resul
         .iter()
         .map(|&(s, n)| Ok(StateSlot { name: g.name(s).to_string(), slot: place(s, &refs)?, next: place(n, &refs)? }))
         .collect::<Result<Vec<_>, RuntimeError>>()?;
-    let persistent: Vec<ValueId> = persistent_vals.iter().copied().filter(|v| !g.name(*v).is_empty()).collect();
     Ok(Program {
         align: caps.align,
         arena_bytes,
-        persistent_bytes,
+        constants_bytes,
         inputs: named(g.inputs(), &refs)?,
         outputs: named(g.outputs(), &refs)?,
         launches,
         constants,
-        persistent: named(&persistent, &refs)?,
+        state_layout,
+        state_init,
         state,
         folded,
         views,

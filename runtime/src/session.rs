@@ -1,21 +1,28 @@
-//! [`Session`]: a [`Program`] on a [`Device`], its regions allocated once.
+//! [`Session`]: programs on a [`Device`], sharing one state region.
 //!
-//! `feed` writes a batch into the input places, `step` enqueues the step's launches and the
-//! copies of each next state into its slot and never waits, and results are read when asked for
-//! (`read`), each read an explicit synchronisation that the session counts.
+//! A session holds the state region (laid out by the [`StateLayout`] of its programs) and, for
+//! each program it loaded, an arena and a constants region, all allocated when the program is
+//! loaded. `feed` writes a batch into a program's input places, `step` enqueues its launches and
+//! the copies of each next state into its slot and never waits, and results are read when asked
+//! for (`read`), each read an explicit synchronisation that the device counts. Programs that share
+//! the state (a training step at two batch sizes, the evaluation forward) see each other's
+//! updates without anything passing through the host.
 
 use std::collections::HashMap;
 
 use crate::device::{Device, DeviceCounters, Regions};
-use crate::program::{Program, Region, TensorRef};
+use crate::program::{Program, Region, StateLayout, TensorRef};
 use crate::value::HostTensor;
 use crate::RuntimeError;
 
-/// What a step cost, for `--stats`.
+/// What steps cost, for `--stats`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepStats {
+    /// The largest arena of the loaded programs, and the state and constants bytes of all.
     pub arena_bytes: u64,
-    pub persistent_bytes: u64,
+    pub state_bytes: u64,
+    pub constants_bytes: u64,
+    /// Launches of the last step.
     pub launches_per_step: u64,
     /// Device allocations made by steps after the first.
     pub allocations_in_steps: u64,
@@ -24,39 +31,83 @@ pub struct StepStats {
     pub steps: u64,
 }
 
+/// Which loaded program.
+pub type ProgramId = usize;
+
+struct Loaded<M> {
+    program: Program,
+    arena: M,
+    constants: M,
+}
+
 pub struct Session<D: Device> {
     device: D,
-    program: Program,
-    regions: Regions<D::Memory>,
+    layout: StateLayout,
+    state: D::Memory,
+    programs: Vec<Loaded<D::Memory>>,
     stats: StepStats,
     /// Poison the arena before each step (debug builds: a launch that reads what nobody wrote
     /// reads NaN).
     poison: bool,
 }
 
+fn bytes_of(t: &HostTensor) -> Vec<u8> {
+    let mut bytes = vec![0u8; t.bytes()];
+    t.write_le_bytes(&mut bytes);
+    bytes
+}
+
 impl<D: Device> Session<D> {
-    /// Allocates the regions and writes the persistent region's initial contents.
+    /// A session whose state is `program`'s, initialised from its graph; the program is loaded
+    /// as program 0.
     pub fn new(mut device: D, program: Program) -> Result<Self, RuntimeError> {
-        let mut regions = Regions {
-            arena: device.alloc(Region::Arena, program.arena_bytes)?,
-            persistent: device.alloc(Region::Persistent, program.persistent_bytes)?,
-        };
-        for (place, t) in &program.constants {
-            let mut bytes = vec![0u8; t.bytes()];
-            t.write_le_bytes(&mut bytes);
-            device.write(&mut regions.persistent, place.offset, &bytes)?;
+        let layout = program.state_layout.clone();
+        let mut state = device.alloc(Region::State, layout.bytes)?;
+        for (place, t) in &program.state_init {
+            device.write(&mut state, place.offset, &bytes_of(t))?;
         }
-        device.prepare(&program, &regions)?;
-        let stats = StepStats {
-            arena_bytes: program.arena_bytes,
-            persistent_bytes: program.persistent_bytes,
-            ..StepStats::default()
+        let mut s = Session {
+            device,
+            layout,
+            state,
+            programs: Vec::new(),
+            stats: StepStats::default(),
+            poison: cfg!(debug_assertions),
         };
-        Ok(Session { device, program, regions, stats, poison: cfg!(debug_assertions) })
+        s.load(program)?;
+        Ok(s)
     }
 
-    pub fn program(&self) -> &Program {
-        &self.program
+    /// Loads another program over the same state (lowered with this session's layout).
+    pub fn load(&mut self, program: Program) -> Result<ProgramId, RuntimeError> {
+        if program.state_layout != self.layout {
+            return Err(RuntimeError::Internal("a program lowered for another state layout".into()));
+        }
+        let arena = self.device.alloc(Region::Arena, program.arena_bytes)?;
+        let mut constants = self.device.alloc(Region::Constants, program.constants_bytes)?;
+        for (place, t) in &program.constants {
+            self.device.write(&mut constants, place.offset, &bytes_of(t))?;
+        }
+        let mut loaded = Loaded { program, arena, constants };
+        let regions = Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
+        self.device.prepare(&loaded.program, &regions)?;
+        self.stats.arena_bytes = self.stats.arena_bytes.max(loaded.program.arena_bytes);
+        self.stats.state_bytes = self.layout.bytes;
+        self.stats.constants_bytes += loaded.program.constants_bytes;
+        self.programs.push(loaded);
+        Ok(self.programs.len() - 1)
+    }
+
+    fn loaded(&self, id: ProgramId) -> Result<&Loaded<D::Memory>, RuntimeError> {
+        self.programs.get(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))
+    }
+
+    pub fn program(&self, id: ProgramId) -> Result<&Program, RuntimeError> {
+        Ok(&self.loaded(id)?.program)
+    }
+
+    pub fn layout(&self) -> &StateLayout {
+        &self.layout
     }
 
     pub fn counters(&self) -> DeviceCounters {
@@ -85,51 +136,48 @@ impl<D: Device> Session<D> {
         Ok(())
     }
 
-    fn write_at(&mut self, place: &TensorRef, t: &HostTensor) -> Result<(), RuntimeError> {
-        let mut bytes = vec![0u8; t.bytes()];
-        t.write_le_bytes(&mut bytes);
-        self.device.write(self.regions.get_mut(place.region), place.offset, &bytes)
-    }
-
-    /// Writes a batch into the input places; every input must be fed before the first step.
-    pub fn feed(&mut self, inputs: &HashMap<String, HostTensor>) -> Result<(), RuntimeError> {
+    /// Writes a batch into program `id`'s input places; every input must be fed before a step.
+    pub fn feed(&mut self, id: ProgramId, inputs: &HashMap<String, HostTensor>) -> Result<(), RuntimeError> {
+        let places = self.loaded(id)?.program.inputs.clone();
         for name in inputs.keys() {
-            if !self.program.inputs.iter().any(|(n, _)| n == name) {
-                let all: Vec<&str> = self.program.inputs.iter().map(|(n, _)| n.as_str()).collect();
+            if !places.iter().any(|(n, _)| n == name) {
+                let all: Vec<&str> = places.iter().map(|(n, _)| n.as_str()).collect();
                 return Err(RuntimeError::UnexpectedInput(name.clone(), all.join(", ")));
             }
         }
-        for (name, place) in self.program.inputs.clone() {
+        for (name, place) in places {
             let t = inputs.get(&name).ok_or_else(|| RuntimeError::MissingInput(name.clone()))?;
             Self::check(&name, &place, t)?;
-            self.write_at(&place, t)?;
+            let arena = &mut self.programs[id].arena;
+            self.device.write(arena, place.offset, &bytes_of(t))?;
         }
         Ok(())
     }
 
-    /// Enqueues one step: every launch, then each next state into its state's slot.
-    pub fn step(&mut self) -> Result<(), RuntimeError> {
+    /// Enqueues one step of program `id`: every launch, then each next state into its slot.
+    pub fn step(&mut self, id: ProgramId) -> Result<(), RuntimeError> {
         let before = self.device.counters();
+        let loaded = self.programs.get_mut(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
         if self.poison {
             // Inputs are fed before the step: poison only what the step must write itself.
-            let inputs: Vec<(TensorRef, Vec<u8>)> = self
-                .program
-                .inputs
-                .iter()
-                .map(|(_, p)| Ok((p.clone(), self.device.read(&self.regions.arena, p.offset, p.bytes())?)))
-                .collect::<Result<_, RuntimeError>>()?;
-            self.device.poison(&mut self.regions.arena)?;
-            for (p, bytes) in inputs {
-                self.device.write(&mut self.regions.arena, p.offset, &bytes)?;
+            let mut inputs = Vec::new();
+            for (_, p) in &loaded.program.inputs {
+                inputs.push((p.offset, self.device.read(&loaded.arena, p.offset, p.bytes())?));
+            }
+            self.device.poison(&mut loaded.arena)?;
+            for (offset, bytes) in inputs {
+                self.device.write(&mut loaded.arena, offset, &bytes)?;
             }
         }
         let after_poison = self.device.counters();
-        for l in &self.program.launches {
-            self.device.launch(&mut self.regions, l)?;
+        let mut regions =
+            Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
+        for l in &loaded.program.launches {
+            self.device.launch(&mut regions, l)?;
         }
-        for s in &self.program.state {
+        for s in &loaded.program.state {
             if s.next != s.slot {
-                self.device.copy(&mut self.regions, &s.next, &s.slot)?;
+                self.device.copy(&mut regions, &s.next, &s.slot)?;
             }
         }
         let after = self.device.counters();
@@ -142,32 +190,43 @@ impl<D: Device> Session<D> {
         Ok(())
     }
 
-    /// Reads a graph output, input or persistent value (a weight, a state) by name.
-    pub fn read(&mut self, name: &str) -> Result<HostTensor, RuntimeError> {
+    /// Reads an output or input of program `id`, or a state value, by name.
+    pub fn read(&mut self, id: ProgramId, name: &str) -> Result<HostTensor, RuntimeError> {
+        let loaded = self.programs.get(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
         let place =
-            self.program.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no value `{name}`")))?;
-        let bytes = self.device.read(self.regions.get(place.region), place.offset, place.bytes())?;
+            loaded.program.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no value `{name}`")))?;
+        let mem = match place.region {
+            Region::Arena => &loaded.arena,
+            Region::State => &self.state,
+            Region::Constants => &loaded.constants,
+        };
+        let bytes = self.device.read(mem, place.offset, place.bytes())?;
         Ok(HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &bytes))
     }
 
-    /// Replaces a persistent value (a checkpoint's state, trained weights).
-    pub fn write(&mut self, name: &str, t: &HostTensor) -> Result<(), RuntimeError> {
-        let place = self
-            .program
-            .persistent
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, p)| p.clone())
-            .ok_or_else(|| RuntimeError::Graph(format!("`{name}` is not a weight or state of the program")))?;
-        Self::check(name, &place, t)?;
-        self.write_at(&place, t)
+    /// Reads a state value by name.
+    pub fn read_state(&mut self, name: &str) -> Result<HostTensor, RuntimeError> {
+        let place = self.layout.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no state `{name}`")))?;
+        let bytes = self.device.read(&self.state, place.offset, place.bytes())?;
+        Ok(HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &bytes))
     }
 
-    /// Feeds `inputs`, steps once and reads every output, in order.
+    /// Replaces a state value (a checkpoint's, trained weights).
+    pub fn write_state(&mut self, name: &str, t: &HostTensor) -> Result<(), RuntimeError> {
+        let place = self
+            .layout
+            .find(name)
+            .cloned()
+            .ok_or_else(|| RuntimeError::Graph(format!("`{name}` is not a state value of the program")))?;
+        Self::check(name, &place, t)?;
+        self.device.write(&mut self.state, place.offset, &bytes_of(t))
+    }
+
+    /// Feeds program 0, steps once and reads every output, in order.
     pub fn run(&mut self, inputs: &HashMap<String, HostTensor>) -> Result<Vec<(String, HostTensor)>, RuntimeError> {
-        self.feed(inputs)?;
-        self.step()?;
-        let names: Vec<String> = self.program.outputs.iter().map(|(n, _)| n.clone()).collect();
-        names.into_iter().map(|n| Ok((n.clone(), self.read(&n)?))).collect()
+        self.feed(0, inputs)?;
+        self.step(0)?;
+        let names: Vec<String> = self.programs[0].program.outputs.iter().map(|(n, _)| n.clone()).collect();
+        names.into_iter().map(|n| Ok((n.clone(), self.read(0, &n)?))).collect()
     }
 }
