@@ -8,12 +8,15 @@
 //! under its graph name (the masters under their initializer names, the rest under `mpc.`) and
 //! `mpc.iteration`, the number of batches done.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mpc_ir::{DType, Dim, Graph, Op, Shape, TypeInfo, ValueId};
-use mpc_runtime::{Cpu, HostTensor, Session};
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::program::{lower, Program, StateLayout};
+use mpc_runtime::session::{ProgramId, Session};
+use mpc_runtime::HostTensor;
 
 use crate::{Error, Options, Result};
 
@@ -220,7 +223,26 @@ pub fn train(
     }
     let per_epoch = n_train.div_ceil(cfg.batch);
 
-    let mut session = Session::new(Cpu, &g).map_err(rerr)?;
+    // One program per batch size (the last batch of an epoch may be smaller), all over one state.
+    let state_ids: HashSet<ValueId> = state.iter().map(|&(s, _)| s).collect();
+    let caps = CpuDevice::default().caps();
+    let lower_at = |g: &Graph, batch: usize, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
+        let dims = HashMap::from([("batch".to_string(), batch as u64)]);
+        let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
+        let bound = crate::run::fold_and_infer(g.clone(), &dims, &changing, path)?;
+        lower(&bound, caps, layout, variables).map_err(rerr)
+    };
+    let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;
+    let layout = main.state_layout.clone();
+    let mut session = Session::new(CpuDevice::default(), main).map_err(rerr)?;
+    let mut train_programs: HashMap<usize, ProgramId> = HashMap::from([(cfg.batch, 0)]);
+    // Evaluation reads the training state in place: its weights are variables at the same slots.
+    let eval_vars: HashSet<ValueId> =
+        eval_g.initializers().filter(|&v| layout.find(eval_g.name(v)).is_some()).collect();
+    let mut eval_programs: HashMap<usize, ProgramId> = HashMap::new();
+    let loss_name = g.name(loss).to_string();
+    let skipped_name = g.name(skipped).to_string();
+    let scale_name = scale.map(|s| g.name(s).to_string());
     let mut iteration = 0usize;
     if cfg.resume {
         let dir = cfg.checkpoint.as_ref().ok_or_else(|| Error::Usage("--resume needs --checkpoint DIR".into()))?;
@@ -230,7 +252,7 @@ pub fn train(
             let t = saved.get(g.name(s)).ok_or_else(|| {
                 Error::Usage(format!("{}: no tensor `{}` (a checkpoint of another model?)", file.display(), g.name(s)))
             })?;
-            session.set_weight(s, t).map_err(rerr)?;
+            session.write_state(g.name(s), t).map_err(rerr)?;
         }
         iteration =
             saved.get("mpc.iteration").and_then(|t| t.i64s()).and_then(|v| v.first().copied()).unwrap_or(0) as usize;
@@ -257,9 +279,19 @@ pub fn train(
         while iteration < total && iteration / per_epoch == epoch {
             let k = iteration % per_epoch;
             let idx = &order[k * cfg.batch..((k + 1) * cfg.batch).min(n_train)];
-            let fetched = session.step(&batch_feeds(&feeds, idx), &state, &[loss, skipped]).map_err(rerr)?;
-            let l = fetched[0].f64s()[0];
-            let was_skipped = fetched[1].f64s()[0] != 0.0;
+            let id = match train_programs.get(&idx.len()) {
+                Some(&id) => id,
+                None => {
+                    let p = lower_at(&g, idx.len(), Some(&layout), &HashSet::new())?;
+                    let id = session.load(p).map_err(rerr)?;
+                    train_programs.insert(idx.len(), id);
+                    id
+                }
+            };
+            session.feed(id, &batch_feeds(&feeds, idx)).map_err(rerr)?;
+            session.step(id).map_err(rerr)?;
+            let l = session.read(id, &loss_name).map_err(rerr)?.f64s()[0];
+            let was_skipped = session.read(id, &skipped_name).map_err(rerr)?.f64s()[0] != 0.0;
             out.losses.push(l as f32);
             out.skipped.push(was_skipped);
             if was_skipped {
@@ -271,7 +303,10 @@ pub fn train(
             }
             samples += idx.len();
             iteration += 1;
-            let s = scale.and_then(|s| session.weight(s).ok().flatten()).map(|t| t.f64s()[0]);
+            let s = match &scale_name {
+                Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
+                None => None,
+            };
             bar.set_position(iteration as u64);
             bar.set_message(format!(
                 "loss {l:.4}{} skipped {skipped_total} {:.0} samples/s",
@@ -281,14 +316,27 @@ pub fn train(
         }
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
         let eval = if n_eval > 0 && (iteration % per_epoch == 0 || iteration == total) {
-            Some(evaluate(&session, &g, &state, &eval_g, &feeds, n_train..n, cfg.batch).map_err(rerr)?)
+            let rows: Vec<usize> = (n_train..n).collect();
+            let mut programs = |size: usize, session: &mut Session<CpuDevice>| -> Result<ProgramId> {
+                if let Some(&id) = eval_programs.get(&size) {
+                    return Ok(id);
+                }
+                let id = session.load(lower_at(&eval_g, size, Some(&layout), &eval_vars)?).map_err(rerr)?;
+                eval_programs.insert(size, id);
+                Ok(id)
+            };
+            Some(evaluate(&mut session, &mut programs, &eval_g, &feeds, &rows, cfg.batch, path)?)
         } else {
             None
+        };
+        let loss_scale = match &scale_name {
+            Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
+            None => None,
         };
         let rep = EpochReport {
             epoch: epoch + 1,
             mean_loss: sum / count.max(1) as f64,
-            loss_scale: scale.and_then(|s| session.weight(s).ok().flatten()).map(|t| t.f64s()[0]),
+            loss_scale,
             skipped: skipped_epoch,
             samples_per_s: samples as f64 / secs,
             eval,
@@ -296,51 +344,44 @@ pub fn train(
         bar.suspend(|| report(&rep));
         out.epochs.push(rep);
         if let Some(dir) = &cfg.checkpoint {
-            save_checkpoint(dir, &session, &g, &state, iteration)?;
+            save_checkpoint(dir, &mut session, &g, &state, iteration)?;
         }
     }
     bar.finish_and_clear();
     for &(s, _) in &state {
-        if let Some(t) = session.weight(s).map_err(rerr)? {
-            out.state.push((g.name(s).to_string(), t));
-        }
+        out.state.push((g.name(s).to_string(), session.read_state(g.name(s)).map_err(rerr)?));
     }
     Ok(out)
 }
 
-/// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`.
+/// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`, by
+/// the evaluation programs (`program` gives the one for a batch size) over the training state.
 fn evaluate(
-    train: &Session<Cpu>,
-    g: &Graph,
-    state: &[(ValueId, ValueId)],
+    session: &mut Session<CpuDevice>,
+    program: &mut dyn FnMut(usize, &mut Session<CpuDevice>) -> Result<ProgramId>,
     eval_g: &Graph,
     feeds: &[(String, HostTensor, Vec<usize>)],
-    rows: std::ops::Range<usize>,
+    rows: &[usize],
     batch: usize,
-) -> std::result::Result<(f64, f64), mpc_runtime::RuntimeError> {
-    let mut s = Session::new(Cpu, eval_g)?;
-    for &(v, _) in state {
-        if let (Some(e), Some(t)) = (eval_g.find(g.name(v)), train.weight(v)?) {
-            if eval_g.value(e).initializer().is_some() {
-                s.set_weight(e, &t)?;
-            }
-        }
-    }
+    path: &Path,
+) -> Result<(f64, f64)> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
     let loss = mpc_passes::train::loss_value(eval_g);
     let scores =
         eval_g.outputs().iter().copied().find(|&v| Some(v) != loss && eval_g.ty(v).dtype.is_some_and(|d| d.is_float()));
     let labels = eval_g.inputs().iter().copied().find(|&v| eval_g.ty(v).dtype == Some(DType::I64));
-    let idx: Vec<usize> = rows.collect();
     let (mut correct, mut total, mut loss_sum, mut batches) = (0usize, 0usize, 0f64, 0usize);
-    for chunk in idx.chunks(batch.max(1)) {
+    for chunk in rows.chunks(batch.max(1)) {
+        let id = program(chunk.len(), session)?;
         let feed = batch_feeds(feeds, chunk);
-        let outs = s.run(&feed)?;
-        let get = |v: ValueId| outs.iter().find(|(n, _)| n == eval_g.name(v)).map(|(_, t)| t);
-        if let Some(l) = loss.and_then(get) {
-            loss_sum += l.f64s()[0];
+        session.feed(id, &feed).map_err(rerr)?;
+        session.step(id).map_err(rerr)?;
+        if let Some(l) = loss {
+            loss_sum += session.read(id, eval_g.name(l)).map_err(rerr)?.f64s()[0];
             batches += 1;
         }
-        if let (Some(sc), Some(lb)) = (scores.and_then(get), labels.and_then(|l| feed.get(eval_g.name(l)))) {
+        if let (Some(sc), Some(lb)) = (scores, labels.and_then(|l| feed.get(eval_g.name(l)))) {
+            let sc = session.read(id, eval_g.name(sc)).map_err(rerr)?;
             let (v, y) = (sc.f64s(), lb.i64s().unwrap_or_default());
             let c = sc.shape.get(1).copied().unwrap_or(1);
             for (i, &label) in y.iter().enumerate() {
@@ -357,7 +398,7 @@ fn evaluate(
 /// Writes every state value and the iteration count, atomically.
 fn save_checkpoint(
     dir: &Path,
-    s: &Session<Cpu>,
+    s: &mut Session<CpuDevice>,
     g: &Graph,
     state: &[(ValueId, ValueId)],
     iteration: usize,
@@ -365,9 +406,8 @@ fn save_checkpoint(
     std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
     let mut tensors = Vec::new();
     for &(v, _) in state {
-        if let Some(t) = s.weight(v).map_err(|source| Error::Run { path: dir.to_owned(), source })? {
-            tensors.push((g.name(v).to_string(), t));
-        }
+        let t = s.read_state(g.name(v)).map_err(|source| Error::Run { path: dir.to_owned(), source })?;
+        tensors.push((g.name(v).to_string(), t));
     }
     tensors.push(("mpc.iteration".into(), HostTensor::from_i64(DType::I64, vec![], vec![iteration as i64])));
     crate::run::write_safetensors(&checkpoint_file(dir), &tensors)

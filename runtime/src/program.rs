@@ -349,9 +349,26 @@ pub fn lower(
         }
     }
     let keep: HashSet<ValueId> = g.outputs().iter().chain(state.iter().map(|(_, n)| n)).map(|&v| root(v)).collect();
+    // A next state that a launch computes after the last read of its state is written straight
+    // into the state's slot (the optimizer updates the masters and moments in place): no arena
+    // buffer, no copy after the step.
+    let def_step: HashMap<ValueId, usize> =
+        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, i))).collect();
+    for &(st, next) in &state {
+        let (Some(&d), Some(slot)) = (def_step.get(&next), refs.get(&st).cloned()) else { continue };
+        if view_of.contains_key(&next) || g.is_output(st) || last.get(&st).is_some_and(|&l| l > d) {
+            continue;
+        }
+        if ty(next)? == (slot.dtype, slot.shape.clone()) {
+            refs.insert(next, slot);
+        }
+    }
     for (i, &n) in steps.iter().enumerate() {
         let node = g.node(n);
         for (k, &o) in node.outputs().iter().enumerate() {
+            if refs.contains_key(&o) {
+                continue;
+            }
             let (d, s) = ty(o)?;
             let size = align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align);
             let dies = if keep.contains(&o) { end } else { *last.get(&o).unwrap_or(&i) };
