@@ -247,7 +247,50 @@ pub fn lower_for_inputs(
         b.replace_uses(v, c);
     }
     let bound = fold_and_infer(b, &dims, &Default::default(), model)?;
-    mpc_runtime::program::lower(&bound, caps, None, &Default::default()).map_err(rerr)
+    lower_bound(&bound, caps, None, None, model)
+}
+
+/// Lowers a bound, typed graph: its `If` branches are decoded and typed first.
+pub fn lower_bound(
+    g: &Graph,
+    caps: mpc_runtime::program::DeviceCaps,
+    layout: Option<&mpc_runtime::program::StateLayout>,
+    variables: Option<&std::collections::HashSet<mpc_ir::ValueId>>,
+    model: &Path,
+) -> Result<mpc_runtime::program::Program> {
+    let branches = if_branches(g, model)?;
+    let opts = mpc_runtime::program::LowerOptions { layout, variables, branches: Some(&branches) };
+    mpc_runtime::program::lower(g, caps, opts).map_err(|source| Error::Run { path: model.to_owned(), source })
+}
+
+/// The branches of every `If` of `g` as typed graphs of their own (the outer values they read
+/// are their inputs), and theirs, recursively.
+fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_runtime::program::Branches>> {
+    let mut out = HashMap::new();
+    for n in g.node_ids() {
+        let node = g.node(n);
+        let mpc_ir::Op::Opaque(o) = &node.op else { continue };
+        if !(o.domain.is_empty() && o.op_type == "If") {
+            continue;
+        }
+        let captures: Vec<mpc_ir::ValueId> = node.inputs()[o.explicit_inputs..].iter().flatten().copied().collect();
+        let branch = |name: &str| -> Result<(Graph, HashMap<mpc_ir::NodeId, mpc_runtime::program::Branches>)> {
+            let err = |msg: String| Error::Usage(format!("{}: node {}: {name}: {msg}", model.display(), g.node_label(n)));
+            let raw = o.attrs.iter().find_map(|(k, a)| match a {
+                mpc_ir::Attr::Raw(b) if k == name => Some(b),
+                _ => None,
+            });
+            let raw = raw.ok_or_else(|| err("missing".into()))?;
+            let sub = mpc_ir::onnx::decode_subgraph(raw, g, &captures).map_err(|e| err(e.to_string()))?;
+            let typed = fold_and_infer(sub, &HashMap::new(), &Default::default(), model)?;
+            let nested = if_branches(&typed, model)?;
+            Ok((typed, nested))
+        };
+        let (then_graph, then_nested) = branch("then_branch")?;
+        let (else_graph, else_nested) = branch("else_branch")?;
+        out.insert(n, mpc_runtime::program::Branches { then_graph, else_graph, then_nested, else_nested });
+    }
+    Ok(out)
 }
 
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded

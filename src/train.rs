@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use mpc_ir::{DType, Dim, Graph, Op, Shape, TypeInfo, ValueId};
 use mpc_runtime::device::{CpuDevice, Device};
-use mpc_runtime::program::{lower, Program, StateLayout};
+use mpc_runtime::program::{Program, StateLayout};
 use mpc_runtime::session::{ProgramId, Session};
 use mpc_runtime::HostTensor;
 
@@ -230,7 +230,7 @@ pub fn train(
         let dims = HashMap::from([("batch".to_string(), batch as u64)]);
         let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
         let bound = crate::run::fold_and_infer(g.clone(), &dims, &changing, path)?;
-        lower(&bound, caps, layout, variables).map_err(rerr)
+        crate::run::lower_bound(&bound, caps, layout, Some(variables), path)
     };
     let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;
     let layout = main.state_layout.clone();

@@ -5,14 +5,14 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
 use mpc::Options;
 use mpc_ir::Graph;
 use mpc_passes::train::TrainOptions;
 use mpc_runtime::device::{CpuDevice, Device};
-use mpc_runtime::program::{lower, Operand, Program};
+use mpc_runtime::program::{Operand, Program};
 use mpc_runtime::session::Session;
 use mpc_runtime::{Cpu, HostTensor};
 
@@ -36,7 +36,8 @@ fn dims() -> HashMap<String, u64> {
 fn lowered(g: &Graph) -> (Graph, Program) {
     let (bound, _) = mpc::summary::bind_inputs(g, &dims()).unwrap();
     let p =
-        lower(&bound, CpuDevice::default().caps(), None, &HashSet::new()).unwrap_or_else(|e| panic!("lowering: {e}"));
+        mpc::run::lower_bound(&bound, CpuDevice::default().caps(), None, None, &fixture("mlp"))
+            .unwrap_or_else(|e| panic!("lowering: {e}"));
     (bound, p)
 }
 
@@ -68,16 +69,8 @@ fn inference_programs_equal_the_interpreter() {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             let g = compiled(name, policy, false);
             let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-            let program = match lower(&bound, CpuDevice::default().caps(), None, &HashSet::new()) {
-                Ok(p) => p,
-                Err(e) => {
-                    // Opaque ops (a custom domain, If) are refused when lowering, naming the node.
-                    let msg = e.to_string();
-                    assert!(matches!(name, "custom_op" | "control_flow"), "{name} {policy}: {msg}");
-                    assert!(msg.contains("node `"), "{msg}");
-                    continue;
-                }
-            };
+            let program = mpc::run::lower_bound(&bound, CpuDevice::default().caps(), None, None, &fixture(name))
+                .unwrap_or_else(|e| panic!("{name} {policy}: {e}"));
             assert_shapes_resolved(&program);
             println!(
                 "{name} {policy}: {} launches, {} folded, {} views, arena {} B, constants {} B",
@@ -87,13 +80,21 @@ fn inference_programs_equal_the_interpreter() {
                 program.arena_bytes,
                 program.constants_bytes
             );
-            let inputs = mpc::run::random_inputs(&bound, 7, &dims()).unwrap();
-            let want = mpc_runtime::run(&Cpu, &bound, &inputs).unwrap();
+            let mut inputs = mpc::run::random_inputs(&bound, 7, &dims()).unwrap();
             let mut s = Session::new(CpuDevice::default(), program).unwrap();
-            let got = s.run(&inputs).unwrap();
-            for ((n, a), (m, b)) in want.iter().zip(&got) {
-                assert_eq!(n, m);
-                same(a, b, &format!("{name} {policy} `{n}`"));
+            // An If's condition is an input: both branches, on one session.
+            let conds: &[bool] = if inputs.contains_key("cond") { &[true, false] } else { &[true] };
+            let mut got = Vec::new();
+            for &c in conds {
+                if inputs.contains_key("cond") {
+                    inputs.insert("cond".into(), HostTensor::from_i64(mpc_ir::DType::Bool, vec![], vec![c as i64]));
+                }
+                let want = mpc_runtime::run(&Cpu, &bound, &inputs).unwrap();
+                got = s.run(&inputs).unwrap();
+                for ((n, a), (m, b)) in want.iter().zip(&got) {
+                    assert_eq!(n, m);
+                    same(a, b, &format!("{name} {policy} `{n}`"));
+                }
             }
             // A second run on the same session gives the same bits.
             let again = s.run(&inputs).unwrap();
@@ -101,6 +102,7 @@ fn inference_programs_equal_the_interpreter() {
                 same(a, b, &format!("{name} {policy} second run"));
             }
             assert_eq!(s.stats().allocations_in_steps, 0);
+            assert_eq!(s.stats().host_reads_per_step as usize, s.program(0).unwrap().host_reads, "{name}");
         }
     }
 }

@@ -78,6 +78,49 @@ pub struct Launch {
     pub op: Op,
     pub inputs: Vec<Operand>,
     pub outputs: Vec<TensorRef>,
+    /// An `If`: both branches, lowered into the same regions; the step reads the condition.
+    pub branches: Option<Box<IfLaunch>>,
+}
+
+/// The two branches of an `If`, each a list of launches over the program's regions (their
+/// buffers past the program's own, their constants in its constants region), and where each
+/// leaves its results; the taken branch's results are copied into the launch's outputs.
+#[derive(Clone, Debug)]
+pub struct IfLaunch {
+    pub cond: TensorRef,
+    pub then_launches: Vec<Launch>,
+    pub then_outputs: Vec<TensorRef>,
+    pub else_launches: Vec<Launch>,
+    pub else_outputs: Vec<TensorRef>,
+}
+
+/// The branches of an `If` node, decoded and typed (the caller decodes them: lowering does not
+/// read ONNX), and the branches of the `If` nodes inside them.
+#[derive(Clone, Debug)]
+pub struct Branches {
+    pub then_graph: Graph,
+    pub else_graph: Graph,
+    pub then_nested: HashMap<NodeId, Branches>,
+    pub else_nested: HashMap<NodeId, Branches>,
+}
+
+/// What lowering needs besides the graph.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LowerOptions<'a> {
+    /// The state layout to share (a program over another's state); `None`: lay it out here.
+    pub layout: Option<&'a StateLayout>,
+    /// Initializers that may change between runs besides the training state (an evaluation
+    /// graph's weights): not folded, kept in the state region.
+    pub variables: Option<&'a HashSet<ValueId>>,
+    /// The decoded branches of the graph's `If` nodes.
+    pub branches: Option<&'a HashMap<NodeId, Branches>>,
+}
+
+/// Where a branch's buffers start, and the outer places of its inputs.
+struct Nested {
+    arena_base: u64,
+    constants_base: u64,
+    inputs: Vec<TensorRef>,
 }
 
 /// A training state value: its slot, and where the step leaves its next value.
@@ -125,6 +168,8 @@ pub struct Program {
     pub state_init: Vec<(TensorRef, HostTensor)>,
     /// The state the step advances: each next value is copied into its slot after the step.
     pub state: Vec<StateSlot>,
+    /// Host reads a step makes to choose `If` branches.
+    pub host_reads: usize,
     /// Nodes computed when lowering.
     pub folded: usize,
     /// Nodes that became views.
@@ -152,9 +197,7 @@ fn is_view(op: &Op) -> bool {
 fn runnable(op: &Op) -> Result<(), String> {
     match op {
         Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" && o.attrs.is_empty() => Ok(()),
-        Op::Opaque(o) if o.domain.is_empty() && o.op_type == "If" => {
-            Err("If is not lowered to a program yet (it runs in the interpreter)".into())
-        }
+        Op::Opaque(o) if o.domain.is_empty() && o.op_type == "If" => Ok(()),
         Op::Opaque(o) => Err(format!("opaque op {}::{} cannot run", o.domain, o.op_type)),
         Op::Einsum(a) if a.equation.contains("...") => Err("Einsum with an ellipsis".into()),
         _ => Ok(()),
@@ -166,16 +209,21 @@ fn align_up(n: u64, align: u64) -> u64 {
 }
 
 /// Lowers `g`, whose every value has a known dtype and shape (bind the symbolic dims and infer
-/// first), for a device with `caps`. `variables` are initializers that may change between runs
-/// besides the training state (an evaluation graph's weights): they are not folded, and live in
-/// the state region. With `layout`, they take the places it gives them by name (a program that
-/// shares another's state); without, the program lays its state out itself.
-pub fn lower(
-    g: &Graph,
-    caps: DeviceCaps,
-    layout: Option<&StateLayout>,
-    variables: &HashSet<ValueId>,
-) -> Result<Program, RuntimeError> {
+/// first), for a device with `caps`. The options' variables are initializers that may change
+/// between runs besides the training state (an evaluation graph's weights): they are not folded,
+/// and live in the state region. With a layout, they take the places it gives them by name (a
+/// program that shares another's state); without, the program lays its state out itself.
+pub fn lower(g: &Graph, caps: DeviceCaps, opts: LowerOptions) -> Result<Program, RuntimeError> {
+    lower_in(g, caps, opts, None)
+}
+
+fn is_if(op: &Op) -> bool {
+    matches!(op, Op::Opaque(o) if o.domain.is_empty() && o.op_type == "If")
+}
+
+fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nested>) -> Result<Program, RuntimeError> {
+    let (layout, no_vars) = (opts.layout, HashSet::new());
+    let variables = opts.variables.unwrap_or(&no_vars);
     let order = g.topo_order().map_err(|e| RuntimeError::Graph(e.to_string()))?;
     let label = |n: NodeId| g.node_label(n);
     let ty = |v: ValueId| -> Result<(DType, Vec<usize>), RuntimeError> {
@@ -202,7 +250,7 @@ pub fn lower(
     for &n in &order {
         let node = g.node(n);
         runnable(&node.op).map_err(|msg| RuntimeError::Unsupported { node: label(n), msg })?;
-        let all_known = node.inputs().iter().flatten().all(|v| known.contains_key(v));
+        let all_known = !is_if(&node.op) && node.inputs().iter().flatten().all(|v| known.contains_key(v));
         let shape_of = matches!(node.op, Op::Shape(_) | Op::Size) && node.input(0).is_some_and(|v| ty(v).is_ok());
         if (all_known && !node.inputs().is_empty()) || shape_of || matches!(node.op, Op::Constant(_)) {
             let ins: Vec<Option<HostTensor>> = node
@@ -321,7 +369,7 @@ pub fn lower(
     let mut known_needed: Vec<ValueId> =
         known.keys().copied().filter(|v| device_reads.contains(v) || g.is_output(*v)).collect();
     known_needed.sort_unstable();
-    let mut top = 0u64;
+    let mut top = nested.as_ref().map_or(0, |n| n.constants_base);
     let mut constants = Vec::new();
     for v in known_needed {
         let (dtype, shape) = ty(v)?;
@@ -330,16 +378,26 @@ pub fn lower(
         constants.push((r.clone(), known[&v].clone()));
         refs.insert(v, r);
     }
-    let constants_bytes = top;
+    let mut constants_bytes = top;
 
     // 3. Arena buffers: graph inputs and launch outputs, views sharing their source's buffer;
     // lifetimes in launch steps (graph outputs and next states live to the end).
     let mut buffer_of: HashMap<ValueId, usize> = HashMap::new();
     let mut buffers: Vec<(u64, usize, usize)> = Vec::new(); // size, first, last
-    for &v in g.inputs() {
-        let (d, s) = ty(v)?;
-        buffer_of.insert(v, buffers.len());
-        buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, end));
+    match &nested {
+        // A branch reads its inputs where the outer program keeps them.
+        Some(n) => {
+            for (&v, r) in g.inputs().iter().zip(&n.inputs) {
+                refs.insert(v, TensorRef { dtype: r.dtype, shape: r.shape.clone(), ..r.clone() });
+            }
+        }
+        None => {
+            for &v in g.inputs() {
+                let (d, s) = ty(v)?;
+                buffer_of.insert(v, buffers.len());
+                buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, end));
+            }
+        }
     }
     let mut last: HashMap<ValueId, usize> = HashMap::new();
     for (i, &n) in steps.iter().enumerate() {
@@ -396,7 +454,11 @@ pub fn lower(
             }
         }
     }
-    let (offsets, arena_bytes) = crate::plan::place_buffers(&buffers);
+    let (mut offsets, mut arena_bytes) = crate::plan::place_buffers(&buffers);
+    if let Some(n) = &nested {
+        offsets.iter_mut().for_each(|o| *o += n.arena_base);
+        arena_bytes += n.arena_base;
+    }
     let place = |v: ValueId, refs: &HashMap<ValueId, TensorRef>| -> Result<TensorRef, RuntimeError> {
         let (dtype, shape) = ty(v)?;
         let r = root(v);
@@ -423,8 +485,65 @@ pub fn lower(
             })
             .collect::<Result<Vec<_>, _>>()?;
         let outputs = node.outputs().iter().map(|&o| place(o, &refs)).collect::<Result<Vec<_>, _>>()?;
-        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs });
+        let branches = if is_if(&node.op) {
+            let b = opts.branches.and_then(|b| b.get(&n)).ok_or_else(|| RuntimeError::Unsupported {
+                node: label(n),
+                msg: "its branches were not decoded for lowering".into(),
+            })?;
+            let Some(Operand::Device(cond)) = inputs.first().cloned() else {
+                return Err(RuntimeError::Node { node: label(n), msg: "If without a condition".into() });
+            };
+            // Both branches start past everything the program itself uses (only one runs).
+            let captures: Vec<TensorRef> = inputs[1..]
+                .iter()
+                .filter_map(|o| match o {
+                    Operand::Device(t) => Some(t.clone()),
+                    _ => None,
+                })
+                .collect();
+            let base = align_up(arena_bytes, caps.align);
+            let mut lower_branch = |bg: &Graph, nested_b: &HashMap<NodeId, Branches>| {
+                let sub = LowerOptions { layout: Some(&state_layout), variables: None, branches: Some(nested_b) };
+                let nest = Nested { arena_base: base, constants_base: constants_bytes, inputs: captures.clone() };
+                let p = lower_in(bg, caps, sub, Some(nest))?;
+                if p.outputs.len() != outputs.len() {
+                    return Err(RuntimeError::Node {
+                        node: label(n),
+                        msg: format!("a branch has {} outputs, the If {}", p.outputs.len(), outputs.len()),
+                    });
+                }
+                for ((_, o), want) in p.outputs.iter().zip(&outputs) {
+                    if o.dtype != want.dtype || o.shape != want.shape {
+                        return Err(RuntimeError::Node {
+                            node: label(n),
+                            msg: format!(
+                                "a branch gives {}{:?} where the If declares {}{:?}",
+                                o.dtype, o.shape, want.dtype, want.shape
+                            ),
+                        });
+                    }
+                }
+                constants_bytes = p.constants_bytes;
+                constants.extend(p.constants.iter().cloned());
+                folded += p.folded;
+                arena_bytes = arena_bytes.max(p.arena_bytes);
+                Ok::<_, RuntimeError>(p)
+            };
+            let t = lower_branch(&b.then_graph, &b.then_nested)?;
+            let e = lower_branch(&b.else_graph, &b.else_nested)?;
+            Some(Box::new(IfLaunch {
+                cond,
+                then_launches: t.launches,
+                then_outputs: t.outputs.into_iter().map(|(_, r)| r).collect(),
+                else_launches: e.launches,
+                else_outputs: e.outputs.into_iter().map(|(_, r)| r).collect(),
+            }))
+        } else {
+            None
+        };
+        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs, branches });
     }
+    let host_reads = launches.iter().filter(|l| l.branches.is_some()).count();
     let named = |vs: &[ValueId], refs: &HashMap<ValueId, TensorRef>| {
         vs.iter().map(|&v| Ok((g.name(v).to_string(), place(v, refs)?))).collect::<Result<Vec<_>, RuntimeError>>()
     };
@@ -443,6 +562,7 @@ pub fn lower(
         state_layout,
         state_init,
         state,
+        host_reads,
         folded,
         views,
     })

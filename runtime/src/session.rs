@@ -31,6 +31,31 @@ pub struct StepStats {
     pub steps: u64,
 }
 
+/// Enqueues `launches`; an `If` reads its condition (the one host read a step may make, declared
+/// by the program) and enqueues the branch it picks, then copies its results into place.
+fn run_launches<D: Device>(
+    device: &mut D,
+    regions: &mut Regions<D::Memory>,
+    launches: &[crate::program::Launch],
+) -> Result<(), RuntimeError> {
+    for l in launches {
+        let Some(b) = &l.branches else {
+            device.launch(regions, l)?;
+            continue;
+        };
+        let cond = device.read(regions.get(b.cond.region), b.cond.offset, b.cond.bytes())?;
+        let taken = HostTensor::from_le_bytes(b.cond.dtype, b.cond.shape.clone(), &cond).f64s().first() != Some(&0.0);
+        let (body, results) = if taken { (&b.then_launches, &b.then_outputs) } else { (&b.else_launches, &b.else_outputs) };
+        run_launches(device, regions, body)?;
+        for (from, to) in results.iter().zip(&l.outputs) {
+            if from != to {
+                device.copy(regions, from, to)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Which loaded program.
 pub type ProgramId = usize;
 
@@ -172,9 +197,7 @@ impl<D: Device> Session<D> {
         let after_poison = self.device.counters();
         let mut regions =
             Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
-        for l in &loaded.program.launches {
-            self.device.launch(&mut regions, l)?;
-        }
+        run_launches(&mut self.device, &mut regions, &loaded.program.launches)?;
         for s in &loaded.program.state {
             if s.next != s.slot {
                 self.device.copy(&mut regions, &s.next, &s.slot)?;
