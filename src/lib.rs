@@ -39,6 +39,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Error::Pass { source: PassError::Verify { .. }, .. } => 1,
+            Error::Run { source: mpc_runtime::RuntimeError::Internal(_), .. } => 1,
             _ => 2,
         }
     }

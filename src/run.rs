@@ -237,8 +237,21 @@ pub fn lower_for_inputs(
                 }
             }
         }
-        let fixed: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
-        b.set_ty(v, mpc_ir::TypeInfo::new(t.dtype(), mpc_ir::Shape::fixed(&fixed)));
+        // Symbolic dims stay symbolic (bound below, with the values that carry them), unknown and
+        // missing ones take the fed size.
+        let dims_now: Vec<Dim> = match &ty.shape {
+            Some(shape) => shape
+                .dims()
+                .iter()
+                .zip(&t.shape)
+                .map(|(d, &n)| match d {
+                    Dim::Unknown => Dim::Fixed(n as u64),
+                    d => d.clone(),
+                })
+                .collect(),
+            None => t.shape.iter().map(|&n| Dim::Fixed(n as u64)).collect(),
+        };
+        b.set_ty(v, mpc_ir::TypeInfo::new(t.dtype(), mpc_ir::Shape(dims_now)));
     }
     for v in host_valued_inputs(&b) {
         let t = &inputs[b.name(v)];
@@ -246,8 +259,19 @@ pub fn lower_for_inputs(
         let c = b.add_initializer(&name, Tensor::from(t));
         b.replace_uses(v, c);
     }
-    let bound = fold_and_infer(b, &dims, &Default::default(), model)?;
+    let state: std::collections::HashSet<mpc_ir::ValueId> =
+        b.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
+    let bound = fold_and_infer(b, &dims, &state, model)?;
     lower_bound(&bound, caps, None, None, model)
+}
+
+/// Lowers `g` for `inputs` and runs it once on the CPU device; the outputs by name, in order.
+pub fn run_once(g: &Graph, inputs: &HashMap<String, HostTensor>, model: &Path) -> Result<Vec<(String, HostTensor)>> {
+    use mpc_runtime::device::Device;
+    let cpu = mpc_runtime::device::CpuDevice::default();
+    let program = lower_for_inputs(g, inputs, cpu.caps(), model)?;
+    let rerr = |source| Error::Run { path: model.to_owned(), source };
+    mpc_runtime::session::Session::new(cpu, program).map_err(rerr)?.run(inputs).map_err(rerr)
 }
 
 /// Lowers a bound, typed graph: its `If` branches are decoded and typed first.
@@ -275,7 +299,8 @@ fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_ru
         }
         let captures: Vec<mpc_ir::ValueId> = node.inputs()[o.explicit_inputs..].iter().flatten().copied().collect();
         let branch = |name: &str| -> Result<(Graph, HashMap<mpc_ir::NodeId, mpc_runtime::program::Branches>)> {
-            let err = |msg: String| Error::Usage(format!("{}: node {}: {name}: {msg}", model.display(), g.node_label(n)));
+            let err =
+                |msg: String| Error::Usage(format!("{}: node {}: {name}: {msg}", model.display(), g.node_label(n)));
             let raw = o.attrs.iter().find_map(|(k, a)| match a {
                 mpc_ir::Attr::Raw(b) if k == name => Some(b),
                 _ => None,

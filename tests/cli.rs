@@ -141,7 +141,7 @@ fn if_runs_the_branch_its_condition_picks() {
     let run = |c: bool| {
         let cond = mpc_runtime::HostTensor::from_i64(mpc_ir::DType::Bool, vec![], vec![c as i64]);
         let feeds = [("x".to_string(), x.clone()), ("cond".to_string(), cond)].into_iter().collect();
-        mpc_runtime::run(&mpc_runtime::Cpu, &g, &feeds).unwrap()[0].1.f64s()
+        mpc::run::run_once(&g, &feeds, &path).unwrap()[0].1.f64s()
     };
     let (t, e) = (run(true), run(false));
     for (a, b) in t.iter().zip(&e) {

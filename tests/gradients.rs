@@ -10,7 +10,9 @@ use std::collections::HashMap;
 
 use mpc_ir::attr::Attr;
 use mpc_ir::{DType, Graph, Op, Tensor, ValueId};
-use mpc_runtime::{Cpu, HostTensor, Session};
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::session::Session;
+use mpc_runtime::HostTensor;
 
 struct Case {
     g: Graph,
@@ -98,27 +100,34 @@ impl Case {
         self.g.set_outputs(outs);
         mpc_passes::infer_types(&mut self.g).unwrap();
         mpc_passes::verify(&self.g).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut s = Session::new(Cpu, &self.g).unwrap();
+        // The parameters are variables of the program: each finite-difference probe writes one.
+        let params: std::collections::HashSet<_> = self.params.iter().copied().collect();
+        let path = std::path::Path::new(&name);
+        let cpu = CpuDevice::default();
+        let program = mpc::run::lower_bound(&self.g, cpu.caps(), None, Some(&params), path)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut s = Session::new(cpu, program).unwrap();
         let none = HashMap::new();
         let out = s.run(&none).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let loss_at = |s: &Session<Cpu>| s.run(&none).unwrap()[0].1.f64s()[0];
+        let loss_at = |s: &mut Session<CpuDevice>| s.run(&none).unwrap()[0].1.f64s()[0];
         let h = self.h;
         let mut worst = 0f64;
         for (i, &p) in self.params.iter().enumerate() {
             let analytic = out[i + 1].1.f64s();
-            let base = s.weight(p).unwrap().unwrap();
+            let pname = self.g.name(p).to_string();
+            let base = s.read_state(&pname).unwrap();
             let n = base.len();
             let picks: Vec<usize> =
                 if n <= 16 { (0..n).collect() } else { (0..16).map(|k| k * n / 16 + k % 3).collect() };
             for k in picks {
                 let mut v = base.f64s();
                 v[k] += h;
-                s.set_weight(p, &HostTensor::from_f64(DType::F64, base.shape.clone(), v.clone())).unwrap();
-                let up = loss_at(&s);
+                s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v.clone())).unwrap();
+                let up = loss_at(&mut s);
                 v[k] -= 2.0 * h;
-                s.set_weight(p, &HostTensor::from_f64(DType::F64, base.shape.clone(), v)).unwrap();
-                let down = loss_at(&s);
-                s.set_weight(p, &base).unwrap();
+                s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v)).unwrap();
+                let down = loss_at(&mut s);
+                s.write_state(&pname, &base).unwrap();
                 let numeric = (up - down) / (2.0 * h);
                 let err = (analytic[k] - numeric).abs() / (numeric.abs().max(analytic[k].abs()).max(1e-3));
                 worst = worst.max(err);

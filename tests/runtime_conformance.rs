@@ -2,8 +2,8 @@
 //!
 //! Every case of `MPC_ONNX_NODE_TESTS` (set by `.ci/run`; skipped with a message when absent) is
 //! imported, compiled with `--policy fp32`, lowered to a program for its own inputs (their shapes
-//! bound, the inputs that set shapes taken as values, constants folded) and run on the CPU device
-//! (`MPC_INTERPRETER=1`: on the interpreter instead); outputs
+//! bound, the inputs that set shapes taken as values, constants folded) and run on the CPU device;
+//! outputs
 //! must match the expected ones at rtol 1e-3 / atol 1e-5 (floats) or exactly. Cases that use an op or
 //! dtype mpc does not run yet are skipped with the reason. While kernels are being completed,
 //! `tests/runtime_known_failures.txt` lists the cases that fail today: the test fails on any failure
@@ -14,7 +14,7 @@ use std::path::Path;
 
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::session::Session;
-use mpc_runtime::{Cpu, HostTensor, RuntimeError};
+use mpc_runtime::{HostTensor, RuntimeError};
 
 enum Outcome {
     Pass,
@@ -64,16 +64,13 @@ fn close(got: &HostTensor, want: &HostTensor) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs through a lowered program on the CPU device, or, with `MPC_INTERPRETER` set, through the
-/// interpreter. `Err(Ok(_))`: lowering failed with this message.
+/// Runs through a lowered program on the CPU device. `Err(Ok(_))`: lowering failed with this
+/// message.
 fn run(
     g: &mpc_ir::Graph,
     feeds: &HashMap<String, HostTensor>,
     model: &Path,
 ) -> Result<Vec<(String, HostTensor)>, Result<String, RuntimeError>> {
-    if std::env::var_os("MPC_INTERPRETER").is_some() {
-        return mpc_runtime::run(&Cpu, g, feeds).map_err(Err);
-    }
     let program = match mpc::run::lower_for_inputs(g, feeds, CpuDevice::default().caps(), model) {
         Ok(p) => p,
         Err(mpc::Error::Run { source, .. }) => return Err(Err(source)),

@@ -12,7 +12,9 @@ use mpc::train::{train, TrainConfig, Trained};
 use mpc::Options;
 use mpc_ir::{DType, Dim, Graph, Op, Shape, Tensor, TypeInfo};
 use mpc_passes::train::{Optimizer, TrainOptions};
-use mpc_runtime::{Cpu, HostTensor, Session};
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::session::Session;
+use mpc_runtime::HostTensor;
 
 fn digits() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/digits.safetensors")
@@ -56,6 +58,13 @@ fn training_graph(model: &Path, policy: &str, t: TrainOptions) -> Graph {
     g
 }
 
+/// A session of `g` lowered for the shapes of `feeds`.
+fn program_session(g: &Graph, feeds: &HashMap<String, HostTensor>) -> Session<CpuDevice> {
+    let cpu = CpuDevice::default();
+    let program = mpc::run::lower_for_inputs(g, feeds, cpu.caps(), Path::new("train")).unwrap();
+    Session::new(cpu, program).unwrap()
+}
+
 fn state_of(g: &Graph) -> Vec<(mpc_ir::ValueId, mpc_ir::ValueId)> {
     g.train.as_ref().expect("a training graph").state.clone()
 }
@@ -75,28 +84,29 @@ fn digits_batch(from: usize, n: usize) -> HashMap<String, HostTensor> {
 fn a_non_finite_gradient_skips_the_step() {
     let g = training_graph(&fixture("digits_mlp"), "mixed", TrainOptions::default());
     let state = state_of(&g);
-    let fetch = [g.find("loss").unwrap(), g.find("mpc.step_skipped").unwrap()];
-    let mut s = Session::new(Cpu, &g).unwrap();
+    let mut s = program_session(&g, &digits_batch(0, 32));
+    let step = |s: &mut Session<CpuDevice>, feeds: &HashMap<String, HostTensor>| {
+        s.feed(0, feeds).unwrap();
+        s.step(0).unwrap();
+        s.read(0, "mpc.step_skipped").unwrap().f64s()[0]
+    };
     for k in 0..3 {
-        let out = s.step(&digits_batch(k * 32, 32), &state, &fetch).unwrap();
-        assert_eq!(out[1].f64s()[0], 0.0, "step {k} skipped");
+        assert_eq!(step(&mut s, &digits_batch(k * 32, 32)), 0.0, "step {k} skipped");
     }
-    let weight = |s: &Session<Cpu>, n: &str| s.weight(g.find(n).unwrap()).unwrap().unwrap();
-    let before: Vec<HostTensor> = state.iter().map(|&(v, _)| s.weight(v).unwrap().unwrap()).collect();
-    assert_eq!(weight(&s, "mpc.good_steps").i64s().unwrap(), vec![3]);
-    assert_eq!(weight(&s, "mpc.step").i64s().unwrap(), vec![3]);
+    let before: Vec<HostTensor> = state.iter().map(|&(v, _)| s.read_state(g.name(v)).unwrap()).collect();
+    assert_eq!(s.read_state("mpc.good_steps").unwrap().i64s().unwrap(), vec![3]);
+    assert_eq!(s.read_state("mpc.step").unwrap().i64s().unwrap(), vec![3]);
 
     let mut bad = digits_batch(96, 32);
     let img = bad.get_mut("images").unwrap();
     let mut v = img.f64s();
     v[5] = f64::INFINITY;
     *img = HostTensor::from_f64(DType::F32, img.shape.clone(), v);
-    let out = s.step(&bad, &state, &fetch).unwrap();
-    assert_eq!(out[1].f64s()[0], 1.0, "the step was not skipped");
+    assert_eq!(step(&mut s, &bad), 1.0, "the step was not skipped");
     let mut unchanged = 0;
     for (&(v, _), b) in state.iter().zip(&before) {
         let name = g.name(v);
-        let now = s.weight(v).unwrap().unwrap();
+        let now = s.read_state(name).unwrap();
         match name {
             "mpc.loss_scale" => assert_eq!(now.f64s()[0], b.f64s()[0] / 2.0, "scale not halved"),
             "mpc.good_steps" => assert_eq!(now.i64s().unwrap(), vec![0], "good-step counter not reset"),
@@ -170,10 +180,13 @@ fn seeded_dropout_keeps_one_minus_ratio_and_draws_per_key() {
         g.add_output(o[1]);
     }
     mpc_passes::infer_types(&mut g).unwrap();
-    let mut s = Session::new(Cpu, &g).unwrap();
+    // The key is a variable of the program, as the training step's `mpc.rng` state is.
+    let cpu = CpuDevice::default();
+    let program = mpc::run::lower_bound(&g, cpu.caps(), None, Some(&[key].into()), Path::new("dropout")).unwrap();
+    let mut s = Session::new(cpu, program).unwrap();
     let none = HashMap::new();
     for k in [7i64, 8] {
-        s.set_weight(key, &HostTensor::from_i64(DType::I64, vec![], vec![k])).unwrap();
+        s.write_state(g.name(key), &HostTensor::from_i64(DType::I64, vec![], vec![k])).unwrap();
         let out = s.run(&none).unwrap();
         let again = s.run(&none).unwrap();
         assert!(out.iter().zip(&again).all(|(a, b)| a.1 == b.1), "one key, one draw");
@@ -334,11 +347,10 @@ fn failure_mode_b_underflow_without_loss_scaling() {
         let gv = g.find("w.grad").unwrap();
         let scale = g.find("mpc.loss_scale");
         g.add_output(gv);
-        let s = Session::new(Cpu, &g).unwrap();
         let feeds = mpc::run::read_safetensors(&data).unwrap();
         let feeds: HashMap<String, HostTensor> =
             feeds.into_iter().map(|(k, t)| (k, t.pick(vec![64, 16], &(0..64 * 16).collect::<Vec<_>>()))).collect();
-        let out = s.run(&feeds).unwrap();
+        let out = mpc::run::run_once(&g, &feeds, &model).unwrap();
         let v = out.iter().find(|(n, _)| n == "w.grad").unwrap().1.f64s();
         let k = scale.map_or(1.0, |sv| g.value(sv).initializer().unwrap().to_f64_vec()[0]);
         v.into_iter().map(|x| x / k).collect::<Vec<f64>>()
@@ -403,7 +415,7 @@ fn failure_mode_c_fp16_sum_overflows_f32_accumulation_does_not() {
         let mut g = g.clone();
         let opts = Options { policy: Some(policy.into()), ..Default::default() };
         mpc::compile(&mut g, Path::new("sum"), &opts, &mut |_, _| {}).unwrap();
-        mpc_runtime::run(&Cpu, &g, &feeds).unwrap()[0].1.f64s()[0]
+        mpc::run::run_once(&g, &feeds, Path::new("sum")).unwrap()[0].1.f64s()[0]
     };
     // The naive way: an FP16 accumulator.
     let naive = (0..4096).fold(f16::ZERO, |acc, _| acc + f16::from_f32(16.0)).to_f64();

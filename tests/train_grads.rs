@@ -9,7 +9,6 @@ use std::path::Path;
 
 use common::fixture;
 use mpc_passes::train::{Loss, TrainOptions};
-use mpc_runtime::{Cpu, Session};
 
 fn check(name: &str, loss: Loss, labels: &str) {
     let path = fixture(name);
@@ -27,8 +26,7 @@ fn check(name: &str, loss: Loss, labels: &str) {
         g.add_output(v);
         wanted.push((k.to_string(), v));
     }
-    let s = Session::new(Cpu, &g).unwrap();
-    let out: HashMap<String, _> = s.run(&inputs).unwrap().into_iter().collect();
+    let out: HashMap<String, _> = mpc::run::run_once(&g, &inputs, &path).unwrap().into_iter().collect();
     let loss = out["loss"].f64s()[0];
     let want_loss = expected["loss"].f64s()[0];
     assert!((loss - want_loss).abs() <= 1e-5 * want_loss.abs(), "{name}: loss {loss} vs torch {want_loss}");

@@ -45,7 +45,8 @@ fn run_launches<D: Device>(
         };
         let cond = device.read(regions.get(b.cond.region), b.cond.offset, b.cond.bytes())?;
         let taken = HostTensor::from_le_bytes(b.cond.dtype, b.cond.shape.clone(), &cond).f64s().first() != Some(&0.0);
-        let (body, results) = if taken { (&b.then_launches, &b.then_outputs) } else { (&b.else_launches, &b.else_outputs) };
+        let (body, results) =
+            if taken { (&b.then_launches, &b.then_outputs) } else { (&b.else_launches, &b.else_outputs) };
         run_launches(device, regions, body)?;
         for (from, to) in results.iter().zip(&l.outputs) {
             if from != to {
