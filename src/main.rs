@@ -451,15 +451,20 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             }
             let out = if memory {
-                let (plan, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
+                let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
                 let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                let weights = p.state_layout.bytes + p.constants_bytes;
                 format!(
-                    "memory plan at {}: weights {} bytes, peak activations {} bytes ({} outputs written in place), total {} bytes\n",
+                    "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
+                     (the arena: {} launches, {} views, {} nodes folded), total {} bytes\n",
                     if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
-                    plan.weight_bytes,
-                    plan.peak_activation_bytes,
-                    plan.in_place,
-                    plan.weight_bytes + plan.peak_activation_bytes
+                    p.state_layout.bytes,
+                    p.constants_bytes,
+                    p.arena_bytes,
+                    p.launches.len(),
+                    p.views,
+                    p.folded,
+                    weights + p.arena_bytes
                 )
             } else if dot {
                 mpc::dot::to_dot(&g).map_err(ierr)?

@@ -139,16 +139,21 @@ pub fn summary(name: &str, t: &HostTensor) -> String {
     s
 }
 
-/// The memory plan of `g` with its symbolic dims bound.
+/// The program of `g` for the CPU device with its symbolic dims bound (`inspect --memory`): its
+/// arena is the peak activation memory, its state and constants the weights.
 pub fn memory_plan(
     g: &Graph,
     model: &Path,
     dims: &HashMap<String, u64>,
-) -> Result<(mpc_runtime::Plan, BTreeMap<String, u64>)> {
-    let (bound, used) =
+) -> Result<(mpc_runtime::program::Program, BTreeMap<String, u64>)> {
+    use mpc_runtime::device::Device;
+    let (_, used) =
         crate::summary::bind_inputs(g, dims).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
-    let plan = mpc_runtime::plan(&bound).map_err(|e| Error::Run { path: model.to_owned(), source: e })?;
-    Ok((plan, used))
+    let state: std::collections::HashSet<mpc_ir::ValueId> =
+        g.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
+    let bound = fold_and_infer(g.clone(), dims, &state, model)?;
+    let program = lower_bound(&bound, mpc_runtime::device::CpuDevice::default().caps(), None, None, model)?;
+    Ok((program, used))
 }
 
 /// `--stats`: what a lowered program costs on its device.

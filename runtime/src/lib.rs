@@ -24,8 +24,8 @@
 //!   constants region, all allocated when the program is loaded: a step allocates nothing.
 //!   `feed` writes a batch into the input places, `step` enqueues the launches and state copies,
 //!   `read` reads an output or a state value back; `--stats` prints its [`session::StepStats`].
-//! - [`plan`] holds the placement search the arena uses, and the whole-graph memory plan behind
-//!   `inspect --memory`.
+//! - [`plan`] holds the placement search the arena uses (`inspect --memory` prints the arena of
+//!   the program it lowers).
 
 pub mod cpu;
 pub mod device;
@@ -35,7 +35,6 @@ pub mod session;
 pub mod value;
 
 pub use cpu::KernelError;
-pub use plan::{plan, Plan};
 pub use value::{Data, HostTensor};
 
 #[derive(Debug, thiserror::Error)]

@@ -384,19 +384,10 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
     // lifetimes in launch steps (graph outputs and next states live to the end).
     let mut buffer_of: HashMap<ValueId, usize> = HashMap::new();
     let mut buffers: Vec<(u64, usize, usize)> = Vec::new(); // size, first, last
-    match &nested {
-        // A branch reads its inputs where the outer program keeps them.
-        Some(n) => {
-            for (&v, r) in g.inputs().iter().zip(&n.inputs) {
-                refs.insert(v, TensorRef { dtype: r.dtype, shape: r.shape.clone(), ..r.clone() });
-            }
-        }
-        None => {
-            for &v in g.inputs() {
-                let (d, s) = ty(v)?;
-                buffer_of.insert(v, buffers.len());
-                buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, end));
-            }
+                                                            // A branch reads its inputs where the outer program keeps them.
+    if let Some(n) = &nested {
+        for (&v, r) in g.inputs().iter().zip(&n.inputs) {
+            refs.insert(v, r.clone());
         }
     }
     let mut last: HashMap<ValueId, usize> = HashMap::new();
@@ -407,6 +398,15 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         }
     }
     let keep: HashSet<ValueId> = g.outputs().iter().chain(state.iter().map(|(_, n)| n)).map(|&v| root(v)).collect();
+    if nested.is_none() {
+        // An input lives from the feed to its last reader: a step needs a feed before it.
+        for &v in g.inputs() {
+            let (d, s) = ty(v)?;
+            let dies = if keep.contains(&v) { end } else { last.get(&v).copied().unwrap_or(0) };
+            buffer_of.insert(v, buffers.len());
+            buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, dies));
+        }
+    }
     // A next state that a launch computes after the last read of its state is written straight
     // into the state's slot (the optimizer updates the masters and moments in place): no arena
     // buffer, no copy after the step.
