@@ -213,3 +213,57 @@ fn text_ir_errors_name_the_line() {
     let e = rejects(&d, &write(&d, "bad.mpcir", text.as_bytes()), "line 6: %7 is not defined");
     assert!(e.contains("bad.mpcir"));
 }
+
+/// Inputs that once panicked: each is one line naming the node, exit 2, nothing written.
+#[test]
+fn former_panics_are_one_line_errors() {
+    let dir = scratch("former_panics");
+    let header = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n";
+    let x4 = dir.join("x4.safetensors");
+    let x: Vec<(String, mpc_runtime::HostTensor)> =
+        vec![("x".into(), mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![4], vec![1.0; 4]))];
+    mpc::run::write_safetensors(&x4, &x).unwrap();
+    let cases: [(&str, &str, &[&str], &str); 4] = [
+        // A Conv or MaxPool whose input has no shape, fed a tensor of the wrong rank.
+        (
+            "conv",
+            "  input %0 \"x\": f32\n  init %1 \"w\" = f32[1,1,1,1]{1.0}\n  %2 \"y\": ? = Conv(%0, %1) @\"conv\"\n  output %2\n",
+            &["--inputs"],
+            "`conv` (Conv)",
+        ),
+        (
+            "pool",
+            "  input %0 \"x\": f32\n  %1 \"y\": ? = MaxPool[kernel_shape=[2, 2]](%0) @\"pool\"\n  output %1\n",
+            &["--inputs"],
+            "`pool` (MaxPool)",
+        ),
+        // Concat of an f32 value and an f16 initializer.
+        (
+            "concat",
+            "  input %0 \"x\": f32[4]\n  init %1 \"h\" = f16[2]{1.0, 2.0}\n  %2 \"y\": ? = Concat[axis=0](%0, %1) @\"cat\"\n  output %2\n",
+            &["--inputs"],
+            "`cat` (Concat)",
+        ),
+        // CumSum with an empty axis tensor on a fully typed input.
+        (
+            "cumsum",
+            "  input %0 \"x\": f32[4]\n  init %1 \"a\" = i64[0]{}\n  %2 \"y\": f32[4] = CumSum(%0, %1) @\"cumsum\"\n  output %2\n",
+            &["--inputs"],
+            "`cumsum` (CumSum)",
+        ),
+    ];
+    for (name, body, flags, node) in cases {
+        let model = dir.join(format!("{name}.mpcir"));
+        std::fs::write(&model, format!("{header}{body}end\n")).unwrap();
+        let out = dir.join(format!("{name}.out.safetensors"));
+        let mut args = vec!["run", model.to_str().unwrap()];
+        args.extend(flags);
+        args.extend([x4.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+        let r = mpc(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{name}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{name}: {err}");
+        assert!(err.contains(node), "{name}: {err}");
+        assert!(!out.exists(), "{name}: an output was written");
+    }
+}

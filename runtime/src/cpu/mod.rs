@@ -393,8 +393,11 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::CumSum(a) => {
             let t = x(0)?;
-            let ax = ints(ins.get(1).copied().flatten(), "axis")?;
-            one(nn::cumsum(t, axis(ax[0], t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
+            let ax = match ints(ins.get(1).copied().flatten(), "axis")?[..] {
+                [a] => a,
+                ref v => return Err(err(format!("the axis must hold one value, not {}", v.len()))),
+            };
+            one(nn::cumsum(t, axis(ax, t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
         }
         Op::NegativeLogLikelihoodLoss(a) => {
             one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?)
