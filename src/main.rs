@@ -182,12 +182,16 @@ enum Command {
         /// Stop after this many steps in all (a run can be resumed later).
         #[arg(long, value_name = "N")]
         max_steps: Option<usize>,
-        /// The backend: cpu.
+        /// The backend: cpu (cuda comes with the CUDA backend).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Write the model with the trained weights (ONNX, ready for inference).
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Print what the training step costs: arena, state and constants bytes, launches per
+        /// step, allocations inside steps after the first, host reads per step.
+        #[arg(long)]
+        stats: bool,
     },
     /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
     Inspect {
@@ -276,6 +280,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             max_steps,
             device,
             output,
+            stats,
         } => {
             check_device(&device)?;
             if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
@@ -311,6 +316,9 @@ fn run(cli: Cli) -> Result<(), Error> {
             })?;
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
                 println!("test accuracy: {:.2}%", acc * 100.0);
+            }
+            if stats {
+                eprintln!("mpc: training step: {}", trained.stats);
             }
             if let Some(o) = output {
                 let g = mpc::train::with_trained_weights(&model, &trained.state);
@@ -420,7 +428,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             if stats {
                 let program = session.program(0).map_err(rerr)?;
-                eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats()));
+                eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats(0)));
             }
             for (name, t) in &outs {
                 println!("{}", mpc::run::summary(name, t));

@@ -20,6 +20,9 @@ use mpc_runtime::HostTensor;
 
 use crate::{Error, Options, Result};
 
+/// Steps between two reads of the losses (and updates of the progress bar).
+const PRINT_EVERY: usize = 16;
+
 /// How to train.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
@@ -72,6 +75,8 @@ pub struct Trained {
     pub losses: Vec<f32>,
     pub skipped: Vec<bool>,
     pub state: Vec<(String, HostTensor)>,
+    /// What the training step cost (`--stats`).
+    pub stats: String,
 }
 
 /// Gives every graph input a symbolic leading dim, so that a model exported with a fixed batch
@@ -269,8 +274,15 @@ pub fn train(
     } else {
         indicatif::ProgressBar::hidden()
     };
-    let mut out = Trained { epochs: Vec::new(), losses: Vec::new(), skipped: Vec::new(), state: Vec::new() };
+    let mut out = Trained {
+        epochs: Vec::new(),
+        losses: Vec::new(),
+        skipped: Vec::new(),
+        state: Vec::new(),
+        stats: String::new(),
+    };
     let mut skipped_total = 0usize;
+    let mut pending = Vec::with_capacity(PRINT_EVERY);
     while iteration < total {
         let epoch = iteration / per_epoch;
         let order = permutation(n_train, cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
@@ -290,29 +302,41 @@ pub fn train(
             };
             session.feed(id, &batch_feeds(&feeds, idx)).map_err(rerr)?;
             session.step(id).map_err(rerr)?;
-            let l = session.read(id, &loss_name).map_err(rerr)?.f64s()[0];
-            let was_skipped = session.read(id, &skipped_name).map_err(rerr)?.f64s()[0] != 0.0;
-            out.losses.push(l as f32);
-            out.skipped.push(was_skipped);
-            if was_skipped {
-                skipped_epoch += 1;
-                skipped_total += 1;
-            } else {
-                sum += l;
-                count += 1;
-            }
+            // The loss and the flag go to the host without a wait; they are read when printed.
+            pending.push((
+                session.read_later(id, &loss_name).map_err(rerr)?,
+                session.read_later(id, &skipped_name).map_err(rerr)?,
+            ));
             samples += idx.len();
             iteration += 1;
-            let s = match &scale_name {
-                Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
-                None => None,
-            };
-            bar.set_position(iteration as u64);
-            bar.set_message(format!(
-                "loss {l:.4}{} skipped {skipped_total} {:.0} samples/s",
-                s.map_or(String::new(), |s| format!(" scale {s}")),
-                samples as f64 / t0.elapsed().as_secs_f64().max(1e-9)
-            ));
+            let epoch_ends = iteration == total || iteration / per_epoch != epoch;
+            if pending.len() >= PRINT_EVERY || epoch_ends {
+                let mut last = 0.0;
+                for (l, f) in pending.drain(..) {
+                    let l = session.wait(l).map_err(rerr)?.f64s()[0];
+                    let was_skipped = session.wait(f).map_err(rerr)?.f64s()[0] != 0.0;
+                    out.losses.push(l as f32);
+                    out.skipped.push(was_skipped);
+                    if was_skipped {
+                        skipped_epoch += 1;
+                        skipped_total += 1;
+                    } else {
+                        sum += l;
+                        count += 1;
+                    }
+                    last = l;
+                }
+                let s = match &scale_name {
+                    Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
+                    None => None,
+                };
+                bar.set_position(iteration as u64);
+                bar.set_message(format!(
+                    "loss {last:.4}{} skipped {skipped_total} {:.0} samples/s",
+                    s.map_or(String::new(), |s| format!(" scale {s}")),
+                    samples as f64 / t0.elapsed().as_secs_f64().max(1e-9)
+                ));
+            }
         }
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
         let eval = if n_eval > 0 && (iteration % per_epoch == 0 || iteration == total) {
@@ -351,6 +375,7 @@ pub fn train(
     for &(s, _) in &state {
         out.state.push((g.name(s).to_string(), session.read_state(g.name(s)).map_err(rerr)?));
     }
+    out.stats = crate::run::stats_line(session.program(0).map_err(rerr)?, &session.stats(0));
     Ok(out)
 }
 

@@ -167,3 +167,21 @@ fn a_device_that_is_not_built_is_one_line_and_exit_2() {
     let r = mpc(&["run", m.to_str().unwrap(), "--random-inputs", "1", "--device", "tpu"]);
     assert_eq!(r.status.code(), Some(2));
 }
+
+#[test]
+fn stats_say_what_a_step_costs() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.safetensors");
+    let d = fixture("digits_mlp");
+    let r = mpc(&["train", d.to_str().unwrap(), "--data", data, "--epochs", "1", "--eval-split", "297", "--stats"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{err}");
+    let line = err.lines().find(|l| l.contains("training step:")).unwrap_or_else(|| panic!("{err}"));
+    for want in ["arena", "launches per step", "0 allocations inside steps after the first", "0 host reads per step"] {
+        assert!(line.contains(want), "{line}");
+    }
+    let m = fixture("control_flow");
+    let r = mpc(&["run", m.to_str().unwrap(), "--random-inputs", "1", "--stats"]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    // Choosing the If's branch is the step's one host read.
+    assert!(err.contains("1 host reads per step"), "{err}");
+}

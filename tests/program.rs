@@ -96,8 +96,8 @@ fn inference_programs_equal_the_interpreter() {
             for ((_, a), (_, b)) in got.iter().zip(&again) {
                 same(a, b, &format!("{name} {policy} second run"));
             }
-            assert_eq!(s.stats().allocations_in_steps, 0);
-            assert_eq!(s.stats().host_reads_per_step as usize, s.program(0).unwrap().host_reads, "{name}");
+            assert_eq!(s.stats(0).allocations_in_steps, 0);
+            assert_eq!(s.stats(0).host_reads_per_step as usize, s.program(0).unwrap().host_reads, "{name}");
         }
     }
 }
@@ -126,7 +126,7 @@ fn training_programs_step_as_the_interpreter_does() {
         }
         let moved = names.iter().zip(&start).filter(|(n, t)| &s.read_state(n).unwrap() != *t).count();
         assert!(moved * 2 > names.len(), "{name} {policy}: only {moved} of {} state values moved", names.len());
-        let st = s.stats();
+        let st = s.stats(0);
         assert_eq!(st.allocations_in_steps, 0, "{name}: allocations inside steps");
         assert_eq!(st.host_reads_per_step, 0, "{name}: host reads inside a step");
         assert!(st.launches_per_step > 0 && st.steps == 3);

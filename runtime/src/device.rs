@@ -46,6 +46,9 @@ pub struct DeviceCounters {
     pub copies: u64,
     /// Reads of device memory back to the host (each a synchronisation).
     pub host_reads: u64,
+    /// Copies to the host enqueued without waiting, and the waits for them.
+    pub staged: u64,
+    pub fetches: u64,
     pub host_writes: u64,
 }
 
@@ -63,8 +66,16 @@ pub trait Device {
     fn alloc(&mut self, region: Region, bytes: u64) -> Result<Self::Memory, RuntimeError>;
     /// Enqueues a write of host bytes at `offset`.
     fn write(&mut self, mem: &mut Self::Memory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
-    /// Reads `len` bytes at `offset` back to the host, after everything enqueued before it.
+    /// Reads `len` bytes at `offset` back to the host, after everything enqueued before it: a
+    /// synchronisation.
     fn read(&mut self, mem: &Self::Memory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError>;
+    /// Bytes on their way to the host.
+    type Staged;
+    /// Enqueues a copy of `len` bytes at `offset` to host memory, without waiting for it (a
+    /// training loop stages each step's loss and reads them all when it prints).
+    fn stage(&mut self, mem: &Self::Memory, offset: u64, len: u64) -> Result<Self::Staged, RuntimeError>;
+    /// Waits for staged bytes.
+    fn fetch(&mut self, staged: Self::Staged) -> Result<Vec<u8>, RuntimeError>;
     /// Enqueues a copy of one tensor's bytes to another place of the same size.
     fn copy(
         &mut self,
@@ -184,6 +195,22 @@ impl Device for CpuDevice {
         }
         self.counters.host_reads += 1;
         Ok(mem.bytes()[s..e].to_vec())
+    }
+
+    type Staged = Vec<u8>;
+
+    fn stage(&mut self, mem: &CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
+        let (s, e) = (offset as usize, (offset + len) as usize);
+        if e > mem.len {
+            return Err(RuntimeError::Internal(format!("a staged read at {s}..{e} overruns its region")));
+        }
+        self.counters.staged += 1;
+        Ok(mem.bytes()[s..e].to_vec())
+    }
+
+    fn fetch(&mut self, staged: Vec<u8>) -> Result<Vec<u8>, RuntimeError> {
+        self.counters.fetches += 1;
+        Ok(staged)
     }
 
     fn copy(&mut self, regions: &mut Regions<CpuMemory>, from: &TensorRef, to: &TensorRef) -> Result<(), RuntimeError> {

@@ -22,12 +22,14 @@ pub struct StepStats {
     pub arena_bytes: u64,
     pub state_bytes: u64,
     pub constants_bytes: u64,
-    /// Launches of the last step.
+    /// Launches of the program's last step.
     pub launches_per_step: u64,
-    /// Device allocations made by steps after the first.
+    /// Device allocations made by steps after the session's first (of any program).
     pub allocations_in_steps: u64,
-    /// Host reads inside the last step (reads between steps, for results, are not counted).
+    /// Host reads inside the program's last step (reads between steps, for results, are not
+    /// counted).
     pub host_reads_per_step: u64,
+    /// The program's steps.
     pub steps: u64,
 }
 
@@ -57,6 +59,12 @@ fn run_launches<D: Device>(
     Ok(())
 }
 
+/// A value on its way to the host (see [`Session::read_later`]).
+pub struct Pending<S> {
+    place: TensorRef,
+    staged: S,
+}
+
 /// Which loaded program.
 pub type ProgramId = usize;
 
@@ -64,6 +72,10 @@ struct Loaded<M> {
     program: Program,
     arena: M,
     constants: M,
+    /// Launches and host reads of this program's last step, and its steps.
+    launches: u64,
+    host_reads: u64,
+    steps: u64,
 }
 
 pub struct Session<D: Device> {
@@ -114,7 +126,7 @@ impl<D: Device> Session<D> {
         for (place, t) in &program.constants {
             self.device.write(&mut constants, place.offset, &bytes_of(t))?;
         }
-        let mut loaded = Loaded { program, arena, constants };
+        let mut loaded = Loaded { program, arena, constants, launches: 0, host_reads: 0, steps: 0 };
         let regions = Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
         self.device.prepare(&loaded.program, &regions)?;
         self.stats.arena_bytes = self.stats.arena_bytes.max(loaded.program.arena_bytes);
@@ -140,8 +152,15 @@ impl<D: Device> Session<D> {
         self.device.counters()
     }
 
-    pub fn stats(&self) -> StepStats {
-        self.stats
+    /// What the session holds, and what the last step of program `id` did.
+    pub fn stats(&self, id: ProgramId) -> StepStats {
+        let mut s = self.stats;
+        if let Some(l) = self.programs.get(id) {
+            s.launches_per_step = l.launches;
+            s.host_reads_per_step = l.host_reads;
+            s.steps = l.steps;
+        }
+        s
     }
 
     fn check(name: &str, place: &TensorRef, t: &HostTensor) -> Result<(), RuntimeError> {
@@ -208,8 +227,10 @@ impl<D: Device> Session<D> {
         if self.stats.steps > 0 {
             self.stats.allocations_in_steps += after.allocations - before.allocations;
         }
-        self.stats.launches_per_step = after.launches - after_poison.launches;
-        self.stats.host_reads_per_step = after.host_reads - after_poison.host_reads;
+        let loaded = &mut self.programs[id];
+        loaded.launches = after.launches - after_poison.launches;
+        loaded.host_reads = after.host_reads - after_poison.host_reads;
+        loaded.steps += 1;
         self.stats.steps += 1;
         Ok(())
     }
@@ -226,6 +247,27 @@ impl<D: Device> Session<D> {
         };
         let bytes = self.device.read(mem, place.offset, place.bytes())?;
         Ok(HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &bytes))
+    }
+
+    /// Enqueues a copy of an output (or input, or state value) of program `id` to the host, to be
+    /// read with [`Session::wait`] later: no synchronisation now.
+    pub fn read_later(&mut self, id: ProgramId, name: &str) -> Result<Pending<D::Staged>, RuntimeError> {
+        let loaded = self.programs.get(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
+        let place =
+            loaded.program.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no value `{name}`")))?;
+        let mem = match place.region {
+            Region::Arena => &loaded.arena,
+            Region::State => &self.state,
+            Region::Constants => &loaded.constants,
+        };
+        let staged = self.device.stage(mem, place.offset, place.bytes())?;
+        Ok(Pending { place, staged })
+    }
+
+    /// Waits for a value staged by [`Session::read_later`].
+    pub fn wait(&mut self, p: Pending<D::Staged>) -> Result<HostTensor, RuntimeError> {
+        let bytes = self.device.fetch(p.staged)?;
+        Ok(HostTensor::from_le_bytes(p.place.dtype, p.place.shape, &bytes))
     }
 
     /// Reads a state value by name.
