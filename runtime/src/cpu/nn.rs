@@ -376,6 +376,60 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
             });
         }
     }
+    // Contiguous reduced axes (leading ones: bias gradients, batch statistics): the input is
+    // (outer, reduced, inner) and each output folds its `reduced` values in input order, as the
+    // general loop below does.
+    let mut sorted = axes.to_vec();
+    sorted.sort_unstable();
+    let contiguous = k > 0 && sorted.windows(2).all(|w| w[1] == w[0] + 1);
+    if contiguous && matches!(kind, "sum" | "mean" | "max" | "min") && x.dtype() != mpc_ir::DType::Bool {
+        let (first, last) = (sorted[0], sorted[k - 1]);
+        let outer: usize = x.shape[..first].iter().product();
+        let red: usize = x.shape[first..=last].iter().product();
+        let inner: usize = x.shape[last + 1..].iter().product();
+        if red > 0 {
+            let init = match kind {
+                "max" => f64::NEG_INFINITY,
+                "min" => f64::INFINITY,
+                _ => 0.0,
+            };
+            let mut out = vec![init; outer * inner];
+            for o in 0..outer {
+                let acc = &mut out[o * inner..(o + 1) * inner];
+                for r in 0..red {
+                    let row = &v[(o * red + r) * inner..(o * red + r + 1) * inner];
+                    match kind {
+                        "max" => acc.iter_mut().zip(row).for_each(|(m, &a)| {
+                            if a.is_nan() || a > *m {
+                                *m = a
+                            }
+                        }),
+                        "min" => acc.iter_mut().zip(row).for_each(|(m, &a)| {
+                            if a.is_nan() || a < *m {
+                                *m = a
+                            }
+                        }),
+                        _ => acc.iter_mut().zip(row).for_each(|(m, &a)| *m += a),
+                    }
+                }
+            }
+            if kind == "mean" {
+                out.iter_mut().for_each(|m| *m /= red as f64);
+            }
+            let shape: Vec<usize> = (0..rank)
+                .filter_map(|d| match (sorted.contains(&d), keepdims) {
+                    (true, true) => Some(1),
+                    (true, false) => None,
+                    _ => Some(x.shape[d]),
+                })
+                .collect();
+            return Ok(if x.dtype().is_float() {
+                store(x, shape, out)
+            } else {
+                HostTensor::from_f64(x.dtype(), shape, out)
+            });
+        }
+    }
     let reduced = |d: usize| axes.contains(&d);
     let out_shape_keep: Vec<usize> = (0..rank).map(|d| if reduced(d) { 1 } else { x.shape[d] }).collect();
     let ost = super::shape::strides(&out_shape_keep);

@@ -5,6 +5,7 @@
 
 use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
 use mpc_ir::ops::{GeluApprox, Reduction};
+use mpc_ir::DType;
 
 use super::elementwise::Real;
 use super::shape::strides;
@@ -495,13 +496,38 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
         return Ok(vec![p.clone(), m.clone(), v.clone()]);
     }
     let t = step.i64s().and_then(|s| s.first().copied()).ok_or_else(|| err("step must be an integer"))?.max(1);
-    let (pv, gv, mut mv, mut vv) = (float(p, "param")?, float(g, "grad")?, m.f64s(), v.f64s());
-    let (b1, b2, eps, lr, wd) = (a.beta1 as f64, a.beta2 as f64, a.epsilon as f64, a.lr as f64, a.weight_decay as f64);
-    let (c1, c2) = (1.0 - b1.powi(t as i32), 1.0 - b2.powi(t as i32));
-    let mut out = Vec::with_capacity(pv.len());
+    // The bias corrections once, in f64 (as the CUDA kernel does).
+    let (c1, c2) = (1.0 - (a.beta1 as f64).powf(t as f64), 1.0 - (a.beta2 as f64).powf(t as f64));
+    if p.dtype() == DType::F64 {
+        let (pv, gv, mut mv, mut vv) = (float(p, "param")?, float(g, "grad")?, m.f64s(), v.f64s());
+        let (b1, b2, eps, lr, wd) =
+            (a.beta1 as f64, a.beta2 as f64, a.epsilon as f64, a.lr as f64, a.weight_decay as f64);
+        let mut out = Vec::with_capacity(pv.len());
+        for i in 0..pv.len() {
+            let (mut w, mut d) = (pv[i], gv[i]);
+            if a.decoupled != 0 {
+                w -= lr * wd * w;
+            } else {
+                d += wd * w;
+            }
+            mv[i] = b1 * mv[i] + (1.0 - b1) * d;
+            vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
+            out.push(w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps));
+        }
+        return Ok(vec![store(p, p.shape.clone(), out), store(m, m.shape.clone(), mv), store(v, v.shape.clone(), vv)]);
+    }
+    // The f32 family: f32 arithmetic, as PyTorch's Adam and the CUDA kernel (kernels/train.cu).
+    let f32s = |x: &HostTensor, what: &str| {
+        x.f32s().ok_or_else(|| err(format!("{what}: {} where a float tensor was expected", x.dtype())))
+    };
+    let (mut pv, gv, mut mv, mut vv) = (f32s(p, "param")?, f32s(g, "grad")?, f32s(m, "m")?, f32s(v, "v")?);
+    if gv.len() != pv.len() || mv.len() != pv.len() || vv.len() != pv.len() {
+        return Err(err("AdamUpdate: the parameter, gradient and moments differ in size"));
+    }
+    let (b1, b2, eps, lr, wd) = (a.beta1, a.beta2, a.epsilon, a.lr, a.weight_decay);
+    let (c1, c2) = (c1 as f32, c2 as f32);
     for i in 0..pv.len() {
-        let mut w = pv[i];
-        let mut d = gv[i];
+        let (mut w, mut d) = (pv[i], gv[i]);
         if a.decoupled != 0 {
             w -= lr * wd * w;
         } else {
@@ -509,9 +535,13 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
         }
         mv[i] = b1 * mv[i] + (1.0 - b1) * d;
         vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
-        out.push(w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps));
+        pv[i] = w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps);
     }
-    Ok(vec![store(p, p.shape.clone(), out), store(m, m.shape.clone(), mv), store(v, v.shape.clone(), vv)])
+    Ok(vec![
+        HostTensor::from_f32(p.dtype(), p.shape.clone(), pv),
+        HostTensor::from_f32(m.dtype(), m.shape.clone(), mv),
+        HostTensor::from_f32(v.dtype(), v.shape.clone(), vv),
+    ])
 }
 
 /// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').
