@@ -54,12 +54,9 @@ fn assert_shapes_resolved(p: &Program) {
 }
 
 fn same(a: &HostTensor, b: &HostTensor, what: &str) {
-    assert_eq!(a.shape, b.shape, "{what}: shape");
-    let (x, y) = (a.f64s(), b.f64s());
-    assert!(
-        x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan())),
-        "{what}: values differ"
-    );
+    if let Err(e) = mpc_runtime::Tolerance::EXACT.check(a, b) {
+        panic!("{what}: {e}");
+    }
 }
 
 #[test]

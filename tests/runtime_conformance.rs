@@ -4,7 +4,7 @@
 //! imported, compiled with `--policy fp32`, lowered to a program for its own inputs (their shapes
 //! bound, the inputs that set shapes taken as values, constants folded) and run on the CPU device;
 //! outputs
-//! must match the expected ones at rtol 1e-3 / atol 1e-5 (floats) or exactly. Cases that use an op or
+//! must match the expected ones within `Tolerance::ONNX` (floats: rtol 1e-3 / atol 1e-5) or exactly. Cases that use an op or
 //! dtype mpc does not run yet are skipped with the reason. While kernels are being completed,
 //! `tests/runtime_known_failures.txt` lists the cases that fail today: the test fails on any failure
 //! not listed there (a regression) and on any listed case that now passes (the list must shrink).
@@ -14,7 +14,7 @@ use std::path::Path;
 
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::session::Session;
-use mpc_runtime::{HostTensor, RuntimeError};
+use mpc_runtime::{HostTensor, RuntimeError, Tolerance};
 
 enum Outcome {
     Pass,
@@ -43,25 +43,10 @@ fn numbered(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
     v.into_iter().map(|(_, p)| p).collect()
 }
 
+/// Floats within the ONNX backend tests' bounds, everything else exactly.
 fn close(got: &HostTensor, want: &HostTensor) -> Result<(), String> {
-    if got.shape != want.shape {
-        return Err(format!("shape {:?}, expected {:?}", got.shape, want.shape));
-    }
-    if got.dtype() != want.dtype() {
-        return Err(format!("dtype {}, expected {}", got.dtype(), want.dtype()));
-    }
-    let (g, w) = (got.f64s(), want.f64s());
-    for (i, (&a, &e)) in g.iter().zip(&w).enumerate() {
-        let ok = if want.dtype().is_float() {
-            (a.is_nan() && e.is_nan()) || a == e || (a - e).abs() <= 1e-5 + 1e-3 * e.abs()
-        } else {
-            a == e
-        };
-        if !ok {
-            return Err(format!("element {i}: {a} where {e} was expected"));
-        }
-    }
-    Ok(())
+    let tol = if want.dtype().is_float() { Tolerance::ONNX } else { Tolerance::EXACT };
+    tol.check(got, want).map(|_| ())
 }
 
 /// Runs through a lowered program on the CPU device. `Err(Ok(_))`: lowering failed with this

@@ -32,9 +32,11 @@ pub mod device;
 pub mod plan;
 pub mod program;
 pub mod session;
+pub mod tolerance;
 pub mod value;
 
 pub use cpu::KernelError;
+pub use tolerance::Tolerance;
 pub use value::{Data, HostTensor};
 
 #[derive(Debug, thiserror::Error)]
