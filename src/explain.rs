@@ -189,7 +189,7 @@ fn gemm_dims(g: &Graph, n: NodeId) -> Option<Vec<(&'static str, u64)>> {
     let out = shape(node.outputs().first().copied())?;
     match &node.op {
         Op::MatMul => Some(vec![("K", *a.last()?), ("N", *out.last()?)]),
-        Op::Gemm(at) => Some(vec![("K", if at.transA != 0 { a[0] } else { *a.last()? }), ("N", *out.last()?)]),
+        Op::Gemm(at) => Some(vec![("K", if at.transA { a[0] } else { *a.last()? }), ("N", *out.last()?)]),
         Op::Conv(_) | Op::ConvTranspose(_) => Some(vec![("C_in", *a.get(1)?), ("C_out", *out.get(1)?)]),
         _ => None,
     }

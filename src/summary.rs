@@ -83,7 +83,7 @@ pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
             let f = (|| {
                 let (a, o) = (fixed(node.input(0))?, out?);
                 let k = match &node.op {
-                    Op::Gemm(at) if at.transA != 0 => a.first().copied().unwrap_or(1),
+                    Op::Gemm(at) if at.transA => a.first().copied().unwrap_or(1),
                     _ => a.last().copied().unwrap_or(1),
                 };
                 Some(2 * k * o.iter().product::<u64>())

@@ -103,7 +103,7 @@ pub fn resnet18() -> Graph {
     h = b.g.add_op("flatten", Op::Flatten(FlattenAttrs { axis: 1 }), &[Some(h)], 1).1[0];
     let w = b.g.add_initializer("fc.weight", b.w.tensor(&[1000, 512], (1.0f32 / 512.0).sqrt()));
     let bias = b.g.add_initializer("fc.bias", b.w.tensor(&[1000], 0.01));
-    let gemm = GemmAttrs { transB: 1, ..Default::default() };
+    let gemm = GemmAttrs { transB: true, ..Default::default() };
     let (_, out) = b.g.add_op("fc", Op::Gemm(gemm), &[Some(h), Some(w), Some(bias)], 1);
     b.g.add_output(out[0]);
     b.g

@@ -177,7 +177,7 @@ fn eval_graph(model: &Graph, path: &Path, opts: &Options) -> Result<Graph> {
     let mut drop = Vec::new();
     for n in g.node_ids().collect::<Vec<_>>() {
         if let Op::BatchNormalization(a) = g.node_op_mut(n) {
-            a.training_mode = 0;
+            a.training_mode = false;
             drop.extend(g.node(n).outputs()[1..].iter().copied());
         }
         if matches!(g.node(n).op, Op::Dropout(_)) {

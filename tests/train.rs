@@ -259,7 +259,7 @@ fn regression(dir: &Path, w0: f32, target_w: f32, n: usize, loss_factor: Option<
             let k = g.add_initializer("factor", Tensor::from_f32(vec![], &[c]));
             let (_, d) = g.add_op("sub", Op::Sub, &[Some(y[0]), Some(t)], 1);
             let (_, sq) = g.add_op("square", Op::Mul, &[Some(d[0]), Some(d[0])], 1);
-            let attrs = mpc_ir::ops::ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+            let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
             let (_, m) = g.add_op("mean", Op::ReduceMean(attrs), &[Some(sq[0])], 1);
             let (_, l) = g.add_op("loss", Op::Mul, &[Some(m[0]), Some(k)], 1);
             g.add_output(l[0]);
@@ -406,7 +406,7 @@ fn failure_mode_b_underflow_without_loss_scaling() {
 fn failure_mode_c_fp16_sum_overflows_f32_accumulation_does_not() {
     let mut g = Graph::new("sum");
     let x = g.add_input("x", TypeInfo::new(DType::F32, Shape::fixed(&[4096])));
-    let attrs = mpc_ir::ops::ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+    let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
     let (_, y) = g.add_op("sum", Op::ReduceSum(attrs), &[Some(x)], 1);
     g.add_output(y[0]);
     let feeds: HashMap<String, HostTensor> =
@@ -586,7 +586,7 @@ fn inference_mode_batch_norm_trains_as_in_training_mode() {
     let inference = mpc_ir::text::parse(&text, Some(&printed.sidecar)).unwrap();
     assert!(inference
         .node_ids()
-        .any(|n| matches!(&inference.node(n).op, Op::BatchNormalization(a) if a.training_mode == 0)));
+        .any(|n| matches!(&inference.node(n).op, Op::BatchNormalization(a) if !a.training_mode)));
     let inference_mode = dir.join("cnn_inference_mode.onnx");
     mpc::save(&inference, &inference_mode, mpc::Format::Onnx).unwrap();
 

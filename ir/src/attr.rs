@@ -86,6 +86,21 @@ impl AttrValue for f32 {
     }
 }
 
+/// ONNX writes booleans as ints 0 and 1; anything else is an error.
+impl AttrValue for bool {
+    const KIND: &'static str = "int 0 or 1";
+    fn from_attr(a: &Attr) -> Option<Self> {
+        match a {
+            Attr::Int(0) => Some(false),
+            Attr::Int(1) => Some(true),
+            _ => None,
+        }
+    }
+    fn to_attr(&self) -> Attr {
+        Attr::Int(*self as i64)
+    }
+}
+
 impl AttrValue for DType {
     const KIND: &'static str = "int (dtype code)";
     fn from_attr(a: &Attr) -> Option<Self> {

@@ -39,7 +39,7 @@ string_enum!(
 use crate::geometry::AutoPad;
 use crate::{DType, Tensor};
 
-attr_struct!(ModAttrs { fmod: i64[default = 0] });
+attr_struct!(ModAttrs { fmod: bool[default = false] });
 attr_struct!(AlphaAttrs { alpha: f32[default = 0.01f32] });
 attr_struct!(EluAttrs { alpha: f32[default = 1.0f32] });
 attr_struct!(GeluAttrs { approximate: GeluApprox[default = GeluApprox::Erf] });
@@ -47,8 +47,8 @@ attr_struct!(HardSigmoidAttrs { alpha: f32[default = 0.2f32], beta: f32[default 
 attr_struct!(GemmAttrs {
     alpha: f32[default = 1.0f32],
     beta: f32[default = 1.0f32],
-    transA: i64[default = 0],
-    transB: i64[default = 0],
+    transA: bool[default = false],
+    transB: bool[default = false],
 });
 attr_struct!(
     /// Conv and ConvTranspose (the last two fields are ConvTranspose's only).
@@ -65,7 +65,7 @@ attr_struct!(
 attr_struct!(BatchNormAttrs {
     epsilon: f32[default = 1e-5f32],
     momentum: f32[default = 0.9f32],
-    training_mode: i64[default = 0],
+    training_mode: bool[default = false],
 });
 attr_struct!(LayerNormAttrs { axis: i64[default = -1], epsilon: f32[default = 1e-5f32], stash_type: i64[default = 1] });
 attr_struct!(EpsilonAttrs { epsilon: f32[default = 1e-5f32] });
@@ -87,8 +87,8 @@ attr_struct!(
     /// MaxPool and AveragePool (`storage_order` is MaxPool's, `count_include_pad` AveragePool's).
     PoolAttrs {
     auto_pad: AutoPad [default = AutoPad::NotSet],
-    ceil_mode: i64 [default = 0],
-    count_include_pad: i64 [default = 0],
+    ceil_mode: bool[default = false],
+    count_include_pad: bool[default = false],
     dilations: Vec<i64> [default = Vec::new()],
     kernel_shape: Vec<i64> [required],
     pads: Vec<i64> [default = Vec::new()],
@@ -98,15 +98,19 @@ attr_struct!(
 attr_struct!(
     /// Reduce* ops; axes are input 1 (opset 18 form).
     ReduceAttrs {
-    keepdims: i64 [default = 1],
-    noop_with_empty_axes: i64 [default = 0],
+    keepdims: bool[default = true],
+    noop_with_empty_axes: bool[default = false],
 });
 attr_struct!(SeluAttrs { alpha: f32[default = 1.6732632f32], gamma: f32[default = 1.050701f32] });
-attr_struct!(IsInfAttrs { detect_negative: i64[default = 1], detect_positive: i64[default = 1] });
-attr_struct!(TriluAttrs { upper: i64[default = 1] });
-attr_struct!(CumSumAttrs { exclusive: i64[default = 0], reverse: i64[default = 0] });
-attr_struct!(ArgAttrs { axis: i64[default = 0], keepdims: i64[default = 1], select_last_index: i64[default = 0] });
-attr_struct!(ReshapeAttrs { allowzero: i64[default = 0] });
+attr_struct!(IsInfAttrs { detect_negative: bool[default = true], detect_positive: bool[default = true] });
+attr_struct!(TriluAttrs { upper: bool[default = true] });
+attr_struct!(CumSumAttrs { exclusive: bool[default = false], reverse: bool[default = false] });
+attr_struct!(ArgAttrs {
+    axis: i64[default = 0],
+    keepdims: bool[default = true],
+    select_last_index: bool[default = false]
+});
+attr_struct!(ReshapeAttrs { allowzero: bool[default = false] });
 attr_struct!(TransposeAttrs { perm: Vec<i64> [optional] });
 attr_struct!(FlattenAttrs { axis: i64[default = 1] });
 attr_struct!(
@@ -117,7 +121,7 @@ attr_struct!(AxisAttrs { axis: i64[default = 0] });
 attr_struct!(SplitAttrs { axis: i64[default = 0], num_outputs: i64[optional] });
 attr_struct!(PadAttrs { mode: PadMode[default = PadMode::Constant] });
 attr_struct!(DropoutAttrs { seed: i64[optional] });
-attr_struct!(CastAttrs { saturate: i64[default = 1], to: DType[required] });
+attr_struct!(CastAttrs { saturate: bool[default = true], to: DType[required] });
 attr_struct!(ConstantAttrs { value: Tensor[required] });
 attr_struct!(ConstantOfShapeAttrs { value: Tensor[optional] });
 attr_struct!(ShapeAttrs { end: i64[optional], start: i64[default = 0] });
@@ -130,7 +134,7 @@ attr_struct!(
     SgdAttrs {
     lr: f32 [required],
     momentum: f32 [default = 0.0f32],
-    nesterov: i64 [default = 0],
+    nesterov: bool[default = false],
     weight_decay: f32 [default = 0.0f32],
 });
 attr_struct!(
@@ -139,7 +143,7 @@ attr_struct!(
     AdamAttrs {
     beta1: f32 [default = 0.9f32],
     beta2: f32 [default = 0.999f32],
-    decoupled: i64 [default = 0],
+    decoupled: bool[default = false],
     epsilon: f32 [default = 1e-8f32],
     lr: f32 [required],
     weight_decay: f32 [default = 0.0f32],
@@ -157,11 +161,11 @@ attr_struct!(
     /// `ai.mpc::SeededDropout`: `seed` tells the node's random stream from the others'.
     SeedAttrs { seed: i64 [default = 0] });
 attr_struct!(ResizeAttrs {
-    antialias: i64 [default = 0],
+    antialias: bool[default = false],
     axes: Vec<i64> [default = Vec::new()],
     coordinate_transformation_mode: String [default = "half_pixel"],
     cubic_coeff_a: f32 [default = -0.75f32],
-    exclude_outside: i64 [default = 0],
+    exclude_outside: bool[default = false],
     extrapolation_value: f32 [default = 0.0f32],
     keep_aspect_ratio_policy: String [default = "stretch"],
     mode: String [default = "nearest"],
@@ -364,13 +368,13 @@ impl Op {
         match self {
             Op::Gelu(_) => 20,
             Op::GroupNormalization(_) => 21,
-            Op::Reshape(a) if a.allowzero != 0 => 14,
+            Op::Reshape(a) if a.allowzero => 14,
             Op::Split(a) if a.num_outputs.is_some() => 18,
             Op::LayerNormalization(_) => 17,
-            Op::BatchNormalization(a) if a.training_mode != 0 => 14,
+            Op::BatchNormalization(a) if a.training_mode => 14,
             Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
-            Op::Cast(a) if a.saturate != 1 => 19,
-            Op::Resize(a) if a.antialias != 0 || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
+            Op::Cast(a) if !a.saturate => 19,
+            Op::Resize(a) if a.antialias || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
             Op::Pad(a) if a.mode == PadMode::Wrap => 19,
             Op::AveragePool(a) if !a.dilations.is_empty() => 19,
             _ => 13,
@@ -423,7 +427,7 @@ impl PoolAttrs {
             dilations: &self.dilations,
             pads: &self.pads,
             auto_pad: self.auto_pad,
-            ceil_mode: self.ceil_mode != 0,
+            ceil_mode: self.ceil_mode,
         }
     }
 }

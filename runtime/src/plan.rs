@@ -43,7 +43,7 @@ pub(crate) fn elementwise(op: &Op) -> bool {
             | Op::HardSwish
             | Op::Softplus
             | Op::Clip
-    ) || matches!(op, Op::BatchNormalization(a) if a.training_mode == 0)
+    ) || matches!(op, Op::BatchNormalization(a) if !a.training_mode)
 }
 
 /// Places buffers, each `(size, first step, last step)`, in one arena: each at the lowest offset

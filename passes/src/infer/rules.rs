@@ -127,8 +127,8 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             let shape = match (cx.sh(0), cx.sh(1)) {
                 (Some(x), Some(w)) if x.rank() == 2 && w.rank() == 2 => {
-                    let (m, k1) = if a.transA != 0 { (&x.0[1], &x.0[0]) } else { (&x.0[0], &x.0[1]) };
-                    let (k2, n) = if a.transB != 0 { (&w.0[1], &w.0[0]) } else { (&w.0[0], &w.0[1]) };
+                    let (m, k1) = if a.transA { (&x.0[1], &x.0[0]) } else { (&x.0[0], &x.0[1]) };
+                    let (k2, n) = if a.transB { (&w.0[1], &w.0[0]) } else { (&w.0[0], &w.0[1]) };
                     check_eq(k1, k2, "Gemm inner dimensions")?;
                     Some(Shape(vec![m.clone(), n.clone()]))
                 }
@@ -192,23 +192,23 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::ReduceProd(a) => {
             let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
             let shape = match (cx.sh(0), axes) {
-                (Some(s), None) if a.noop_with_empty_axes != 0 => Some(s.clone()),
-                (Some(s), None) => Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims != 0)?),
-                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes != 0 => Some(s.clone()),
+                (Some(s), None) if a.noop_with_empty_axes => Some(s.clone()),
+                (Some(s), None) => Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims)?),
+                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes => Some(s.clone()),
                 (Some(s), Some(Some(ax))) if ax.is_empty() => {
-                    Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims != 0)?)
+                    Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims)?)
                 }
-                (Some(s), Some(Some(ax))) => Some(reduce(s, &ax, a.keepdims != 0)?),
-                (Some(s), Some(None)) if a.keepdims != 0 => Some(Shape(vec![Dim::Unknown; s.rank()])),
+                (Some(s), Some(Some(ax))) => Some(reduce(s, &ax, a.keepdims)?),
+                (Some(s), Some(None)) if a.keepdims => Some(Shape(vec![Dim::Unknown; s.rank()])),
                 _ => None,
             };
             vec![t(cx.dt(0), shape)]
         }
         Op::ArgMax(a) | Op::ArgMin(a) => {
-            let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims != 0)).transpose()?;
+            let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims)).transpose()?;
             vec![t(Some(DType::I64), shape)]
         }
-        Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero != 0)?)],
+        Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero)?)],
         Op::Transpose(a) => {
             let shape = match cx.sh(0) {
                 Some(s) => {

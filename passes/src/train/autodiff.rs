@@ -367,9 +367,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             }
             let ry = b.shape(y)?.rank();
             // Plain 2-D products take their transposes as Gemm flags, not as Transpose nodes.
-            let gemm = |ta: bool, tb: bool| {
-                Op::Gemm(GemmAttrs { alpha: 1.0, beta: 0.0, transA: ta as i64, transB: tb as i64 })
-            };
+            let gemm = |ta: bool, tb: bool| Op::Gemm(GemmAttrs { alpha: 1.0, beta: 0.0, transA: ta, transB: tb });
             let da = if !want(0) {
                 None
             } else if ra == 2 && rc == 2 {
@@ -402,10 +400,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // Y = α·op(A)·op(B) + β·C: dA, dB are Gemms of dY with the other operand, dC = β·ΣdY.
         Op::Gemm(a) => {
-            let (ta, tb) = (a.transA != 0, a.transB != 0);
-            let gemm = |ta: bool, tb: bool| {
-                Op::Gemm(GemmAttrs { alpha: a.alpha, beta: 0.0, transA: ta as i64, transB: tb as i64 })
-            };
+            let (ta, tb) = (a.transA, a.transB);
+            let gemm = |ta: bool, tb: bool| Op::Gemm(GemmAttrs { alpha: a.alpha, beta: 0.0, transA: ta, transB: tb });
             let da = if want(0) {
                 let v = if ta {
                     b.op("gemm", gemm(tb, true), &[x(1)?, dy])
@@ -447,7 +443,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // Batch statistics: dX = (γ/σ)/N · (N·dY − ΣdY − x̂·Σ(dY·x̂)), dγ = Σ dY·x̂, dβ = ΣdY.
         Op::BatchNormalization(a) => {
-            if a.training_mode == 0 {
+            if !a.training_mode {
                 return Err("BatchNormalization in inference mode (training_mode=0) has no batch statistics to \
                             differentiate: the training pipeline's train-mode pass switches it to training mode"
                     .into());
@@ -577,11 +573,11 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 Some(ax) if !ax.is_empty() => {
                     ax.iter().map(|&v| normalize_axis(v, r).ok_or("bad axis")).collect::<Result<_, _>>()?
                 }
-                _ if a.noop_with_empty_axes != 0 => return Ok(vec![Some(dy)]),
+                _ if a.noop_with_empty_axes => return Ok(vec![Some(dy)]),
                 _ => (0..r).collect(),
             };
             let mut t = dy;
-            if a.keepdims == 0 {
+            if !a.keepdims {
                 let ax: Vec<i64> = axes.iter().map(|&v| v as i64).collect();
                 let axv = b.ints(&ax);
                 t = b.op("unsqueeze", Op::Unsqueeze, &[t, axv]);

@@ -104,7 +104,7 @@ impl<'g> Builder<'g> {
 
     pub fn reduce_sum(&mut self, x: ValueId, axes: &[i64], keepdims: bool) -> ValueId {
         let ax = self.ints(axes);
-        let attrs = ReduceAttrs { keepdims: keepdims as i64, noop_with_empty_axes: 0 };
+        let attrs = ReduceAttrs { keepdims, noop_with_empty_axes: false };
         self.op("sum", Op::ReduceSum(attrs), &[x, ax])
     }
 

@@ -262,7 +262,7 @@ impl Pass for AddLoss {
                 let d = b.op("sub", Op::Sub, &[out, targets]);
                 let sq = b.op("square", Op::Mul, &[d, d]);
                 let name = b.g.unique_name("loss");
-                let attrs = ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+                let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
                 b.g.add_op(&name, Op::ReduceMean(attrs), &[Some(sq)], 1).1[0]
             }
         };
@@ -304,10 +304,8 @@ impl Pass for TrainMode {
         let o = opts(cx)?;
         let dropouts: Vec<_> =
             g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Dropout(_)) && dropout_trains(g, g.node(n))).collect();
-        let norms: Vec<_> = g
-            .node_ids()
-            .filter(|&n| matches!(&g.node(n).op, Op::BatchNormalization(a) if a.training_mode == 0))
-            .collect();
+        let norms: Vec<_> =
+            g.node_ids().filter(|&n| matches!(&g.node(n).op, Op::BatchNormalization(a) if !a.training_mode)).collect();
         if !dropouts.is_empty() && g.find(RNG).is_none() {
             g.add_initializer(RNG, Tensor::from_i64(vec![], &[o.seed as i64]));
         }
@@ -326,7 +324,7 @@ impl Pass for TrainMode {
         }
         for &n in &norms {
             if let Op::BatchNormalization(a) = g.node_op_mut(n) {
-                a.training_mode = 1;
+                a.training_mode = true;
             }
             // The updated running mean and variance, typed like the running statistics.
             for (slot, what) in [(3, "running_mean"), (4, "running_var")] {
@@ -440,7 +438,7 @@ impl Pass for OptimizerPass {
         for n in g.node_ids().collect::<Vec<_>>() {
             let node = g.node(n);
             if let Op::BatchNormalization(a) = &node.op {
-                if a.training_mode != 0 {
+                if a.training_mode {
                     for slot in 1..=2 {
                         if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
                             if g.value(s).initializer().is_some() {
@@ -477,7 +475,7 @@ impl Pass for OptimizerPass {
         let finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
         // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
         if let Some(c) = o.clip_norm {
-            let attrs = ReduceAttrs { keepdims: 0, noop_with_empty_axes: 0 };
+            let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
             let mut sq = Vec::new();
             for &(p, d) in &gs {
                 // The gradients have their parameters' dtypes by now (the nodes added here are
@@ -518,7 +516,7 @@ impl Pass for OptimizerPass {
             match o.optimizer {
                 Optimizer::Sgd | Optimizer::Momentum => {
                     let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
-                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: 0, weight_decay: o.weight_decay };
+                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
                     let mut ins = vec![Some(p), Some(d), Some(finite)];
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
                     ins.extend(vel.map(Some));
@@ -532,7 +530,7 @@ impl Pass for OptimizerPass {
                     let attrs = AdamAttrs {
                         beta1: o.beta1,
                         beta2: o.beta2,
-                        decoupled: (o.optimizer == Optimizer::AdamW) as i64,
+                        decoupled: o.optimizer == Optimizer::AdamW,
                         epsilon: o.epsilon,
                         lr: o.lr,
                         weight_decay: o.weight_decay,

@@ -277,7 +277,7 @@ fn int_bin(op: &Op, a: i64, b: i64) -> Option<i64> {
         Op::Max => a.max(b),
         Op::Min => a.min(b),
         Op::Pow => (a as f64).powf(b as f64) as i64,
-        Op::Mod(m) if b != 0 && m.fmod != 0 => a.wrapping_rem(b),
+        Op::Mod(m) if b != 0 && m.fmod => a.wrapping_rem(b),
         Op::Mod(_) if b != 0 => {
             let r = a.wrapping_rem(b);
             if r != 0 && (r < 0) != (b < 0) {
@@ -302,7 +302,7 @@ fn float_fn<R: Real>(op: &Op) -> Option<fn(R, R) -> R> {
         Op::Max => max,
         Op::Min => min,
         Op::PRelu => |a: R, b| if a < R::of(0.0) { a * b } else { a },
-        Op::Mod(m) if m.fmod != 0 => |a: R, b| a.fmod(b),
+        Op::Mod(m) if m.fmod => |a: R, b| a.fmod(b),
         // numpy's mod: the remainder takes the divisor's sign (also right for infinite divisors).
         Op::Mod(_) => |a: R, b: R| {
             let r = a.fmod(b);
@@ -481,9 +481,7 @@ pub(crate) fn is_special(op: &Op, x: &HostTensor) -> Option<HostTensor> {
         Op::IsNaN => v.iter().map(|a| a.is_nan()).collect(),
         Op::IsInf(a) => v
             .iter()
-            .map(|&x| {
-                (x == f64::INFINITY && a.detect_positive != 0) || (x == f64::NEG_INFINITY && a.detect_negative != 0)
-            })
+            .map(|&x| (x == f64::INFINITY && a.detect_positive) || (x == f64::NEG_INFINITY && a.detect_negative))
             .collect(),
         _ => return None,
     };

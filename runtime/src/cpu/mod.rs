@@ -122,7 +122,7 @@ fn pool(x: &HostTensor, a: &PoolAttrs, max: bool) -> Res<HostTensor> {
     let (out, pads) = window(&x.shape[2..], &a.window())?;
     let sp = kernel.len();
     let us = |v: &[i64]| (0..sp).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
-    nn::pool(x, &kernel, &pads, &us(&a.strides), &us(&a.dilations), &out, max, a.count_include_pad != 0)
+    nn::pool(x, &kernel, &pads, &us(&a.strides), &us(&a.dilations), &out, max, a.count_include_pad)
 }
 
 fn reduce_axes(x: &HostTensor, axes: Option<&HostTensor>, noop: bool) -> Res<Option<Vec<usize>>> {
@@ -203,7 +203,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 Some(t) => t.i64s().and_then(|v| v.first().copied()).unwrap_or(0),
                 None => 0,
             };
-            one(shape::trilu(x(0)?, k, a.upper != 0)?)
+            one(shape::trilu(x(0)?, k, a.upper)?)
         }
         Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
             one(elementwise::compare(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
@@ -233,7 +233,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             one(HostTensor::from_i64(DType::I64, vec![dims.len()], dims))
         }
         Op::Size => one(HostTensor::from_i64(DType::I64, vec![], vec![x(0)?.len() as i64])),
-        Op::Reshape(a) => one(shape::reshape(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?, a.allowzero != 0)?),
+        Op::Reshape(a) => one(shape::reshape(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?, a.allowzero)?),
         Op::Transpose(a) => {
             let t = x(0)?;
             let perm: Vec<usize> = match &a.perm {
@@ -328,15 +328,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::Range => one(shape::range(x(0)?, x(1)?, x(2)?)?),
         Op::MatMul => one(linalg::matmul(x(0)?, x(1)?)?),
-        Op::Gemm(a) => one(linalg::gemm(
-            x(0)?,
-            x(1)?,
-            ins.get(2).copied().flatten(),
-            a.alpha,
-            a.beta,
-            a.transA != 0,
-            a.transB != 0,
-        )?),
+        Op::Gemm(a) => {
+            one(linalg::gemm(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.alpha, a.beta, a.transA, a.transB)?)
+        }
         Op::Conv(a) => one(conv(x(0)?, x(1)?, ins.get(2).copied().flatten(), a)?),
         Op::MaxPool(a) if n_outputs == 1 => one(pool(x(0)?, a, true)?),
         Op::AveragePool(a) => one(pool(x(0)?, a, false)?),
@@ -356,7 +350,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             Ok(out.into_iter().take(n_outputs.max(1)).collect())
         }
         Op::BatchNormalization(a) => {
-            let out = nn::batch_norm(x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, a.epsilon, a.momentum, a.training_mode != 0)?;
+            let out = nn::batch_norm(x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, a.epsilon, a.momentum, a.training_mode)?;
             Ok(out.into_iter().take(n_outputs.max(1)).collect())
         }
         Op::InstanceNormalization(a) => one(nn::instance_norm(x(0)?, x(1)?, x(2)?, a.epsilon)?),
@@ -381,15 +375,15 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 Op::ReduceL2(_) => "l2",
                 _ => "logsumexp",
             };
-            match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes != 0)? {
+            match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
                 None => one(t.clone()),
-                Some(axes) => one(nn::reduce(t, &axes, a.keepdims != 0, kind)?),
+                Some(axes) => one(nn::reduce(t, &axes, a.keepdims, kind)?),
             }
         }
         Op::ArgMax(a) | Op::ArgMin(a) => {
             let t = x(0)?;
             let min = matches!(op, Op::ArgMin(_));
-            one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims != 0, a.select_last_index != 0, min)?)
+            one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims, a.select_last_index, min)?)
         }
         Op::CumSum(a) => {
             let t = x(0)?;
@@ -397,7 +391,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 [a] => a,
                 ref v => return Err(err(format!("the axis must hold one value, not {}", v.len()))),
             };
-            one(nn::cumsum(t, axis(ax, t.shape.len())?, a.exclusive != 0, a.reverse != 0)?)
+            one(nn::cumsum(t, axis(ax, t.shape.len())?, a.exclusive, a.reverse)?)
         }
         Op::NegativeLogLikelihoodLoss(a) => {
             one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?)

@@ -57,7 +57,7 @@ pub(crate) fn resize(
     sizes: Option<&HostTensor>,
     a: &ResizeAttrs,
 ) -> Res<HostTensor> {
-    if a.antialias != 0 || a.keep_aspect_ratio_policy != "stretch" || a.mode == "cubic" {
+    if a.antialias || a.keep_aspect_ratio_policy != "stretch" || a.mode == "cubic" {
         return Err(unsupported("Resize with cubic mode, antialias or an aspect-ratio policy"));
     }
     let rank = x.shape.len();

@@ -127,7 +127,7 @@ pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: boo
     let divisor: Vec<f64> = (0..ovol)
         .map(|op| {
             let inside = (0..kvol).filter(|kp| src[kp * ovol + op].is_some()).count();
-            if a.count_include_pad == 0 {
+            if !a.count_include_pad {
                 return inside.max(1) as f64;
             }
             let ost = strides(&out_sp);
@@ -470,7 +470,7 @@ pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: 
         let step = match vel.as_mut() {
             Some(v) => {
                 v[i] = mu * v[i] + d;
-                if a.nesterov != 0 {
+                if a.nesterov {
                     d + mu * v[i]
                 } else {
                     v[i]
@@ -505,7 +505,7 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
         let mut out = Vec::with_capacity(pv.len());
         for i in 0..pv.len() {
             let (mut w, mut d) = (pv[i], gv[i]);
-            if a.decoupled != 0 {
+            if a.decoupled {
                 w -= lr * wd * w;
             } else {
                 d += wd * w;
@@ -528,7 +528,7 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
     let (c1, c2) = (c1 as f32, c2 as f32);
     for i in 0..pv.len() {
         let (mut w, mut d) = (pv[i], gv[i]);
-        if a.decoupled != 0 {
+        if a.decoupled {
             w -= lr * wd * w;
         } else {
             d += wd * w;
