@@ -272,11 +272,19 @@ pub fn lower_for_inputs(
 
 /// Lowers `g` for `inputs` and runs it once on the CPU device; the outputs by name, in order.
 pub fn run_once(g: &Graph, inputs: &HashMap<String, HostTensor>, model: &Path) -> Result<Vec<(String, HostTensor)>> {
-    use mpc_runtime::device::Device;
-    let cpu = mpc_runtime::device::CpuDevice::default();
-    let program = lower_for_inputs(g, inputs, cpu.caps(), model)?;
+    run_once_on(mpc_runtime::device::CpuDevice::default(), g, inputs, model)
+}
+
+/// [`run_once`] on `device`.
+pub fn run_once_on<D: mpc_runtime::device::Device>(
+    device: D,
+    g: &Graph,
+    inputs: &HashMap<String, HostTensor>,
+    model: &Path,
+) -> Result<Vec<(String, HostTensor)>> {
+    let program = lower_for_inputs(g, inputs, device.caps(), model)?;
     let rerr = |source| Error::Run { path: model.to_owned(), source };
-    mpc_runtime::session::Session::new(cpu, program).map_err(rerr)?.run(inputs).map_err(rerr)
+    mpc_runtime::session::Session::new(device, program).map_err(rerr)?.run(inputs).map_err(rerr)
 }
 
 /// Lowers a bound, typed graph: its `If` branches are decoded and typed first.

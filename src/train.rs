@@ -201,6 +201,18 @@ pub fn train(
     cfg: &TrainConfig,
     report: &mut dyn FnMut(&EpochReport),
 ) -> Result<Trained> {
+    train_on(CpuDevice::default(), model, path, opts, cfg, report)
+}
+
+/// [`train`] on `device`.
+pub fn train_on<D: Device>(
+    device: D,
+    model: &Graph,
+    path: &Path,
+    opts: &Options,
+    cfg: &TrainConfig,
+    report: &mut dyn FnMut(&EpochReport),
+) -> Result<Trained> {
     let rerr = |source| Error::Run { path: path.to_owned(), source };
     let mut fwd = model.clone();
     free_batch(&mut fwd);
@@ -230,7 +242,7 @@ pub fn train(
 
     // One program per batch size (the last batch of an epoch may be smaller), all over one state.
     let state_ids: HashSet<ValueId> = state.iter().map(|&(s, _)| s).collect();
-    let caps = CpuDevice::default().caps();
+    let caps = device.caps();
     let lower_at = |g: &Graph, batch: usize, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
         let dims = HashMap::from([("batch".to_string(), batch as u64)]);
         let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
@@ -239,7 +251,7 @@ pub fn train(
     };
     let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;
     let layout = main.state_layout.clone();
-    let mut session = Session::new(CpuDevice::default(), main).map_err(rerr)?;
+    let mut session = Session::new(device, main).map_err(rerr)?;
     let mut train_programs: HashMap<usize, ProgramId> = HashMap::from([(cfg.batch, 0)]);
     // Evaluation reads the training state in place: its weights are variables at the same slots.
     let eval_vars: HashSet<ValueId> =
@@ -341,7 +353,7 @@ pub fn train(
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
         let eval = if n_eval > 0 && (iteration % per_epoch == 0 || iteration == total) {
             let rows: Vec<usize> = (n_train..n).collect();
-            let mut programs = |size: usize, session: &mut Session<CpuDevice>| -> Result<ProgramId> {
+            let mut programs = |size: usize, session: &mut Session<D>| -> Result<ProgramId> {
                 if let Some(&id) = eval_programs.get(&size) {
                     return Ok(id);
                 }
@@ -381,9 +393,9 @@ pub fn train(
 
 /// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`, by
 /// the evaluation programs (`program` gives the one for a batch size) over the training state.
-fn evaluate(
-    session: &mut Session<CpuDevice>,
-    program: &mut dyn FnMut(usize, &mut Session<CpuDevice>) -> Result<ProgramId>,
+fn evaluate<D: Device>(
+    session: &mut Session<D>,
+    program: &mut dyn FnMut(usize, &mut Session<D>) -> Result<ProgramId>,
     eval_g: &Graph,
     feeds: &[(String, HostTensor, Vec<usize>)],
     rows: &[usize],
@@ -421,9 +433,9 @@ fn evaluate(
 }
 
 /// Writes every state value and the iteration count, atomically.
-fn save_checkpoint(
+fn save_checkpoint<D: Device>(
     dir: &Path,
-    s: &mut Session<CpuDevice>,
+    s: &mut Session<D>,
     g: &Graph,
     state: &[(ValueId, ValueId)],
     iteration: usize,

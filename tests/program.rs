@@ -11,7 +11,7 @@ use common::{fixture, FIXTURES};
 use mpc::Options;
 use mpc_ir::Graph;
 use mpc_passes::train::TrainOptions;
-use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::device::Device;
 use mpc_runtime::program::{Operand, Program};
 use mpc_runtime::session::Session;
 use mpc_runtime::HostTensor;
@@ -33,10 +33,10 @@ fn dims() -> HashMap<String, u64> {
     [("batch".to_string(), BATCH)].into()
 }
 
-fn lowered(g: &Graph) -> (Graph, Program) {
+fn lowered(g: &Graph, caps: mpc_runtime::program::DeviceCaps) -> (Graph, Program) {
     let (bound, _) = mpc::summary::bind_inputs(g, &dims()).unwrap();
-    let p = mpc::run::lower_bound(&bound, CpuDevice::default().caps(), None, None, &fixture("mlp"))
-        .unwrap_or_else(|e| panic!("lowering: {e}"));
+    let p =
+        mpc::run::lower_bound(&bound, caps, None, None, &fixture("mlp")).unwrap_or_else(|e| panic!("lowering: {e}"));
     (bound, p)
 }
 
@@ -59,13 +59,17 @@ fn same(a: &HostTensor, b: &HostTensor, what: &str) {
     }
 }
 
-#[test]
-fn inference_programs_equal_the_interpreter() {
+common::per_device!(
+    inference_programs_keep_their_promises => inference_programs_keep_their_promises,
+    training_programs_update_their_state_in_place => training_programs_update_their_state_in_place,
+);
+
+fn inference_programs_keep_their_promises<D: Device>(device: impl Fn() -> D) {
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             let g = compiled(name, policy, false);
             let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-            let program = mpc::run::lower_bound(&bound, CpuDevice::default().caps(), None, None, &fixture(name))
+            let program = mpc::run::lower_bound(&bound, device().caps(), None, None, &fixture(name))
                 .unwrap_or_else(|e| panic!("{name} {policy}: {e}"));
             assert_shapes_resolved(&program);
             println!(
@@ -77,7 +81,7 @@ fn inference_programs_equal_the_interpreter() {
                 program.constants_bytes
             );
             let mut inputs = mpc::run::random_inputs(&bound, 7, &dims()).unwrap();
-            let mut s = Session::new(CpuDevice::default(), program).unwrap();
+            let mut s = Session::new(device(), program).unwrap();
             // An If's condition is an input: both branches, on one session.
             let conds: &[bool] = if inputs.contains_key("cond") { &[true, false] } else { &[true] };
             let mut got = Vec::new();
@@ -99,18 +103,17 @@ fn inference_programs_equal_the_interpreter() {
     }
 }
 
-#[test]
-fn training_programs_step_as_the_interpreter_does() {
+fn training_programs_update_their_state_in_place<D: Device>(device: impl Fn() -> D) {
     for (name, policy) in [("mlp", "mixed"), ("cnn_bn", "mixed"), ("transformer", "mixed"), ("mlp", "fp32")] {
         let g = compiled(name, policy, true);
-        let (bound, program) = lowered(&g);
+        let (bound, program) = lowered(&g, device().caps());
         assert_shapes_resolved(&program);
         let sig = bound.train.clone().unwrap();
         // The optimizer writes masters and moments into their own slots: no copy after the step.
         let in_place = program.state.iter().filter(|st| st.next == st.slot).count();
         println!("{name} {policy}: {in_place} of {} state values updated in place", program.state.len());
         assert!(in_place * 2 > program.state.len(), "{name} {policy}: {in_place} in place");
-        let mut s = Session::new(CpuDevice::default(), program).unwrap();
+        let mut s = Session::new(device(), program).unwrap();
         let loss_name = bound.name(sig.loss.unwrap()).to_string();
         let names: Vec<String> = sig.state.iter().map(|&(v, _)| bound.name(v).to_string()).collect();
         let start: Vec<HostTensor> = names.iter().map(|n| s.read_state(n).unwrap()).collect();

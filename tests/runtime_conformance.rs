@@ -9,11 +9,12 @@
 //! `tests/runtime_known_failures.txt` lists the cases that fail today: the test fails on any failure
 //! not listed there (a regression) and on any listed case that now passes (the list must shrink).
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
-use mpc_runtime::device::{CpuDevice, Device};
-use mpc_runtime::session::Session;
+use mpc_runtime::device::Device;
 use mpc_runtime::{HostTensor, RuntimeError, Tolerance};
 
 enum Outcome {
@@ -51,21 +52,20 @@ fn close(got: &HostTensor, want: &HostTensor) -> Result<(), String> {
 
 /// Runs through a lowered program on the CPU device. `Err(Ok(_))`: lowering failed with this
 /// message.
-fn run(
+fn run<D: Device>(
+    device: D,
     g: &mpc_ir::Graph,
     feeds: &HashMap<String, HostTensor>,
     model: &Path,
 ) -> Result<Vec<(String, HostTensor)>, Result<String, RuntimeError>> {
-    let program = match mpc::run::lower_for_inputs(g, feeds, CpuDevice::default().caps(), model) {
-        Ok(p) => p,
-        Err(mpc::Error::Run { source, .. }) => return Err(Err(source)),
-        Err(e) => return Err(Ok(e.to_string())),
-    };
-    let mut s = Session::new(CpuDevice::default(), program).map_err(Err)?;
-    s.run(feeds).map_err(Err)
+    match mpc::run::run_once_on(device, g, feeds, model) {
+        Ok(o) => Ok(o),
+        Err(mpc::Error::Run { source, .. }) => Err(Err(source)),
+        Err(e) => Err(Ok(e.to_string())),
+    }
 }
 
-fn run_case(dir: &Path) -> Outcome {
+fn run_case<D: Device>(dir: &Path, device: &impl Fn() -> D) -> Outcome {
     let model = dir.join("model.onnx");
     let mut g = match mpc::load(&model) {
         Ok(g) => g,
@@ -90,7 +90,7 @@ fn run_case(dir: &Path) -> Outcome {
         };
         let feeds: HashMap<String, HostTensor> =
             g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
-        let got = match run(&g, &feeds, &model) {
+        let got = match run(device(), &g, &feeds, &model) {
             Ok(o) => o,
             Err(Err(RuntimeError::Unsupported { msg, .. })) => return Outcome::Skip(msg),
             Err(Err(e)) => return Outcome::Fail(e.to_string()),
@@ -105,8 +105,9 @@ fn run_case(dir: &Path) -> Outcome {
     Outcome::Pass
 }
 
-#[test]
-fn conformance_cases_on_the_cpu_runtime() {
+common::per_device!(conformance_cases => conformance_cases_on);
+
+fn conformance_cases_on<D: Device>(device: impl Fn() -> D) {
     let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
         eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
         return;
@@ -124,7 +125,7 @@ fn conformance_cases_on_the_cpu_runtime() {
     let mut failed: BTreeMap<String, String> = BTreeMap::new();
     for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
         let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
-        match run_case(case) {
+        match run_case(case, &device) {
             Outcome::Pass => passed.push(name),
             Outcome::Skip(why) => *skipped.entry(why).or_default() += 1,
             Outcome::Fail(why) => {

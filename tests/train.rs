@@ -29,17 +29,29 @@ fn run(model: &Path, policy: &str, t: TrainOptions, cfg: &TrainConfig) -> Traine
     train(&g, model, &options(policy, t), cfg, &mut |_| {}).unwrap_or_else(|e| panic!("{policy}: {e}"))
 }
 
+fn run_on<D: Device>(device: D, model: &Path, policy: &str, t: TrainOptions, cfg: &TrainConfig) -> Trained {
+    let g = mpc::load(model).unwrap();
+    mpc::train::train_on(device, &g, model, &options(policy, t), cfg, &mut |_| {})
+        .unwrap_or_else(|e| panic!("{policy}: {e}"))
+}
+
+// The training tests every device must pass (the CUDA device adds its line in `per_device!`).
+common::per_device!(
+    digits_mixed_accuracy_tracks_fp32 => digits_mixed_accuracy_tracks_fp32,
+    resume_equals_a_straight_run_bit_for_bit => resume_equals_a_straight_run_bit_for_bit,
+    a_non_finite_gradient_skips_the_step => a_non_finite_gradient_skips_the_step,
+);
+
 /// The split of the data's README: the first 1500 samples train, the last 297 test.
 fn digits_cfg(epochs: usize) -> TrainConfig {
     TrainConfig { data: digits(), epochs, batch: 64, eval_split: 297.0, seed: 7, ..Default::default() }
 }
 
-#[test]
-fn digits_mixed_accuracy_tracks_fp32() {
+fn digits_mixed_accuracy_tracks_fp32<D: Device>(device: impl Fn() -> D) {
     let model = fixture("digits_mlp");
     let mut acc = HashMap::new();
     for policy in ["fp32", "mixed", "mixed-bf16"] {
-        let t = run(&model, policy, TrainOptions::default(), &digits_cfg(30));
+        let t = run_on(device(), &model, policy, TrainOptions::default(), &digits_cfg(30));
         let (a, l) = t.epochs.last().unwrap().eval.unwrap();
         let skipped: usize = t.epochs.iter().map(|e| e.skipped).sum();
         println!("digits MLP, Adam lr 1e-3, batch 64, 30 epochs, {policy}: test accuracy {:.2}%, test loss {l:.4}, {skipped} steps skipped", a * 100.0);
@@ -58,11 +70,10 @@ fn training_graph(model: &Path, policy: &str, t: TrainOptions) -> Graph {
     g
 }
 
-/// A session of `g` lowered for the shapes of `feeds`.
-fn program_session(g: &Graph, feeds: &HashMap<String, HostTensor>) -> Session<CpuDevice> {
-    let cpu = CpuDevice::default();
-    let program = mpc::run::lower_for_inputs(g, feeds, cpu.caps(), Path::new("train")).unwrap();
-    Session::new(cpu, program).unwrap()
+/// A session of `g` on `device`, lowered for the shapes of `feeds`.
+fn program_session<D: Device>(device: D, g: &Graph, feeds: &HashMap<String, HostTensor>) -> Session<D> {
+    let program = mpc::run::lower_for_inputs(g, feeds, device.caps(), Path::new("train")).unwrap();
+    Session::new(device, program).unwrap()
 }
 
 fn state_of(g: &Graph) -> Vec<(mpc_ir::ValueId, mpc_ir::ValueId)> {
@@ -80,12 +91,11 @@ fn digits_batch(from: usize, n: usize) -> HashMap<String, HostTensor> {
     [("images".to_string(), pick(&data["images"])), ("labels".to_string(), pick(&data["labels"]))].into()
 }
 
-#[test]
-fn a_non_finite_gradient_skips_the_step() {
+fn a_non_finite_gradient_skips_the_step<D: Device>(device: impl Fn() -> D) {
     let g = training_graph(&fixture("digits_mlp"), "mixed", TrainOptions::default());
     let state = state_of(&g);
-    let mut s = program_session(&g, &digits_batch(0, 32));
-    let step = |s: &mut Session<CpuDevice>, feeds: &HashMap<String, HostTensor>| {
+    let mut s = program_session(device(), &g, &digits_batch(0, 32));
+    let step = |s: &mut Session<D>, feeds: &HashMap<String, HostTensor>| {
         s.feed(0, feeds).unwrap();
         s.step(0).unwrap();
         s.read(0, "mpc.step_skipped").unwrap().f64s()[0]
@@ -120,21 +130,39 @@ fn a_non_finite_gradient_skips_the_step() {
     assert!(unchanged >= 19, "masters, moments and the step counter: {unchanged}");
 }
 
-#[test]
-fn resume_equals_a_straight_run_bit_for_bit() {
+fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
     let model = fixture("digits_mlp");
-    let dir = scratch("resume");
+    let dir = scratch(&format!("resume_{}", device().caps().name));
     let (n, m) = (30, 25);
     let base = TrainConfig { epochs: 3, eval_split: 297.0, seed: 3, ..digits_cfg(3) };
-    let straight =
-        run(&model, "mixed", TrainOptions::default(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
+    let straight = run_on(
+        device(),
+        &model,
+        "mixed",
+        TrainOptions::default(),
+        &TrainConfig { max_steps: Some(n + m), ..base.clone() },
+    );
     let ck = TrainConfig { checkpoint: Some(dir.clone()), ..base.clone() };
-    run(&model, "mixed", TrainOptions::default(), &TrainConfig { max_steps: Some(n), ..ck.clone() });
+    run_on(device(), &model, "mixed", TrainOptions::default(), &TrainConfig { max_steps: Some(n), ..ck.clone() });
     assert!(dir.join("checkpoint.safetensors").is_file());
     let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
     assert!(saved.contains_key("fc1.weight") && saved.contains_key("mpc.adam_m.fc1.weight"), "{:?}", saved.keys());
-    let resumed =
-        run(&model, "mixed", TrainOptions::default(), &TrainConfig { max_steps: Some(n + m), resume: true, ..ck });
+    let resumed = run_on(
+        device(),
+        &model,
+        "mixed",
+        TrainOptions::default(),
+        &TrainConfig { max_steps: Some(n + m), resume: true, ..ck },
+    );
+    // Two runs give the same bits.
+    let again = run_on(
+        device(),
+        &model,
+        "mixed",
+        TrainOptions::default(),
+        &TrainConfig { max_steps: Some(n + m), ..base.clone() },
+    );
+    assert_eq!(straight.losses, again.losses, "two runs differ");
     assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming differ");
     assert_eq!(straight.state.len(), resumed.state.len());
     for ((a, x), (b, y)) in straight.state.iter().zip(&resumed.state) {

@@ -30,3 +30,22 @@ pub fn settings() -> insta::Settings {
     s.set_omit_expression(true);
     s
 }
+
+/// Instantiates each `name => generic test function` once per device, the function receiving a
+/// factory of fresh devices. The CUDA device adds its line here, and every test written this way
+/// holds it to the CPU's results.
+#[allow(unused_macros)]
+macro_rules! per_device {
+    ($($name:ident => $f:ident),* $(,)?) => {
+        mod cpu {
+            $(
+                #[test]
+                fn $name() {
+                    super::$f(mpc_runtime::device::CpuDevice::default)
+                }
+            )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use per_device;
