@@ -142,9 +142,11 @@ pub fn take<T: AttrValue>(attrs: &mut Attrs, name: &str) -> Result<Option<T>, St
         return Ok(None);
     };
     let (_, a) = attrs.remove(pos);
-    T::from_attr(&a)
-        .map(Some)
-        .ok_or_else(|| format!("attribute `{name}` is {} where {} was expected", a.kind(), T::KIND))
+    T::from_attr(&a).map(Some).ok_or_else(|| match &a {
+        Attr::Int(v) => format!("attribute `{name}` is {v} where {} was expected", T::KIND),
+        Attr::String(v) => format!("attribute `{name}` is \"{v}\" where {} was expected", T::KIND),
+        _ => format!("attribute `{name}` is {} where {} was expected", a.kind(), T::KIND),
+    })
 }
 
 /// Errors when attributes are left over after a typed struct took its own.

@@ -33,6 +33,24 @@ string_enum!(
     /// The `reduction` of a loss.
     Reduction, "one of none, sum, mean" { None = "none", Sum = "sum", Mean = "mean" });
 string_enum!(
+    /// Resize's `mode`.
+    ResizeMode, "one of nearest, linear, cubic" { Nearest = "nearest", Linear = "linear", Cubic = "cubic" });
+string_enum!(
+    /// Resize's `coordinate_transformation_mode`.
+    CoordinateMode, "one of half_pixel, half_pixel_symmetric, pytorch_half_pixel, align_corners, asymmetric, tf_crop_and_resize" {
+        HalfPixel = "half_pixel", HalfPixelSymmetric = "half_pixel_symmetric",
+        PytorchHalfPixel = "pytorch_half_pixel", AlignCorners = "align_corners",
+        Asymmetric = "asymmetric", TfCropAndResize = "tf_crop_and_resize" });
+string_enum!(
+    /// Resize's `nearest_mode`.
+    NearestMode, "one of round_prefer_floor, round_prefer_ceil, floor, ceil" {
+        RoundPreferFloor = "round_prefer_floor", RoundPreferCeil = "round_prefer_ceil",
+        Floor = "floor", Ceil = "ceil" });
+string_enum!(
+    /// Resize's `keep_aspect_ratio_policy`.
+    AspectPolicy, "one of stretch, not_larger, not_smaller" {
+        Stretch = "stretch", NotLarger = "not_larger", NotSmaller = "not_smaller" });
+string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
@@ -163,13 +181,13 @@ attr_struct!(
 attr_struct!(ResizeAttrs {
     antialias: bool[default = false],
     axes: Vec<i64> [default = Vec::new()],
-    coordinate_transformation_mode: String [default = "half_pixel"],
+    coordinate_transformation_mode: CoordinateMode [default = CoordinateMode::HalfPixel],
     cubic_coeff_a: f32 [default = -0.75f32],
     exclude_outside: bool[default = false],
     extrapolation_value: f32 [default = 0.0f32],
-    keep_aspect_ratio_policy: String [default = "stretch"],
-    mode: String [default = "nearest"],
-    nearest_mode: String [default = "round_prefer_floor"],
+    keep_aspect_ratio_policy: AspectPolicy [default = AspectPolicy::Stretch],
+    mode: ResizeMode [default = ResizeMode::Nearest],
+    nearest_mode: NearestMode [default = NearestMode::RoundPreferFloor],
 });
 
 /// An op mpc does not understand, kept so that import → export never loses a node.
@@ -374,7 +392,11 @@ impl Op {
             Op::BatchNormalization(a) if a.training_mode => 14,
             Op::Shape(a) if a.start != 0 || a.end.is_some() => 15,
             Op::Cast(a) if !a.saturate => 19,
-            Op::Resize(a) if a.antialias || !a.axes.is_empty() || a.keep_aspect_ratio_policy != "stretch" => 18,
+            Op::Resize(a)
+                if a.antialias || !a.axes.is_empty() || a.keep_aspect_ratio_policy != AspectPolicy::Stretch =>
+            {
+                18
+            }
             Op::Pad(a) if a.mode == PadMode::Wrap => 19,
             Op::AveragePool(a) if !a.dilations.is_empty() => 19,
             _ => 13,

@@ -137,3 +137,11 @@ fn windows_follow_the_one_geometry() {
         "  input %0 \"x\": f32[1,1,5]\n  %1 \"y\": ? = MaxPool[auto_pad=\"SAME\", kernel_shape=[2]](%0)\n  output %1";
     assert!(infer(bad, "y").unwrap_err().contains("SAME_UPPER"));
 }
+
+#[test]
+fn closed_attributes_are_checked_when_parsed() {
+    let two = "  input %0 \"x\": f32[2,3]\n  %1 \"y\": ? = ReduceMax[keepdims=2](%0)\n  output %1";
+    assert!(infer(two, "y").unwrap_err().contains("`keepdims` is 2 where int 0 or 1 was expected"));
+    let mode = "  input %0 \"x\": f32[1,1,2,2]\n  %1 \"y\": ? = Resize[mode=\"bicubic\"](%0)\n  output %1";
+    assert!(infer(mode, "y").unwrap_err().contains("`mode` is \"bicubic\" where one of nearest, linear, cubic"));
+}

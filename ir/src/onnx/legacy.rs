@@ -8,7 +8,7 @@
 
 use crate::attr::Attrs;
 use crate::graph::{Graph, ValueId};
-use crate::ops::{ResizeAttrs, SoftmaxAttrs};
+use crate::ops::{CoordinateMode, NearestMode, ResizeAttrs, ResizeMode, SoftmaxAttrs};
 use crate::{Attr, DType, Op, Tensor};
 
 pub(crate) struct Cx<'a> {
@@ -213,20 +213,24 @@ fn upsample(cx: &mut Cx, mut attrs: Attrs, is_upsample: bool) -> Result<Option<O
     if !attrs.is_empty() || cx.inputs.len() != 2 {
         return Ok(None);
     }
-    let mut nearest_mode = "floor".to_string();
+    let mut nearest_mode = NearestMode::Floor;
     if mode == "nearest" && !is_upsample {
         let scales = cx.inputs[1].and_then(|s| cx.g.constant(s)).map(|t| t.to_f64_vec());
         match scales {
             Some(s) if s.iter().all(|&x| x >= 1.0) => {}
-            Some(s) if s.iter().all(|&x| x <= 1.0) => nearest_mode = "ceil".into(),
+            Some(s) if s.iter().all(|&x| x <= 1.0) => nearest_mode = NearestMode::Ceil,
             _ => return Ok(None),
         }
     }
+    let mode = match mode.as_str() {
+        "nearest" => ResizeMode::Nearest,
+        "linear" | "bilinear" => ResizeMode::Linear,
+        _ => return Ok(None),
+    };
     let scales = cx.inputs[1];
     *cx.inputs = vec![cx.inputs[0], None, scales];
-    let mode = if mode == "bilinear" { "linear".into() } else { mode };
     Ok(Some(Op::Resize(Box::new(ResizeAttrs {
-        coordinate_transformation_mode: "asymmetric".into(),
+        coordinate_transformation_mode: CoordinateMode::Asymmetric,
         nearest_mode,
         mode,
         ..Default::default()

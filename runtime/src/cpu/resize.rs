@@ -1,46 +1,48 @@
 //! Resize: nearest and (multi)linear, separable per axis, with ONNX's coordinate transformations.
 //! Cubic, antialiasing, aspect-ratio policies and tf_crop_and_resize are reported as unsupported.
 
-use mpc_ir::ops::ResizeAttrs;
+use mpc_ir::ops::{AspectPolicy, CoordinateMode, NearestMode, ResizeAttrs, ResizeMode};
 
 use super::{err, unsupported, Res};
 use crate::value::HostTensor;
 
 /// The input coordinate of output coordinate `x` along one axis.
-fn source(mode: &str, x: f64, scale: f64, in_len: usize, out_len: usize) -> Res<f64> {
+fn source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_len: usize) -> Res<f64> {
     Ok(match mode {
-        "half_pixel" => (x + 0.5) / scale - 0.5,
-        "half_pixel_symmetric" => {
+        CoordinateMode::HalfPixel => (x + 0.5) / scale - 0.5,
+        CoordinateMode::HalfPixelSymmetric => {
             let adj = out_len as f64 / (scale * in_len as f64);
             let center = in_len as f64 / 2.0;
             let offset = center * (1.0 - adj);
             offset + (x + 0.5) / scale - 0.5
         }
-        "pytorch_half_pixel" => {
+        CoordinateMode::PytorchHalfPixel => {
             if out_len > 1 {
                 (x + 0.5) / scale - 0.5
             } else {
                 0.0
             }
         }
-        "align_corners" => {
+        CoordinateMode::AlignCorners => {
             if out_len > 1 {
                 x * (in_len as f64 - 1.0) / (out_len as f64 - 1.0)
             } else {
                 0.0
             }
         }
-        "asymmetric" => x / scale,
-        m => return Err(unsupported(format!("Resize coordinate_transformation_mode {m}"))),
+        CoordinateMode::Asymmetric => x / scale,
+        CoordinateMode::TfCropAndResize => {
+            return Err(unsupported("Resize coordinate_transformation_mode tf_crop_and_resize"))
+        }
     })
 }
 
-fn nearest(mode: &str, v: f64) -> f64 {
+fn nearest(mode: NearestMode, v: f64) -> f64 {
     match mode {
-        "floor" => v.floor(),
-        "ceil" => v.ceil(),
-        "round_prefer_ceil" => (v + 0.5).floor(),
-        _ => {
+        NearestMode::Floor => v.floor(),
+        NearestMode::Ceil => v.ceil(),
+        NearestMode::RoundPreferCeil => (v + 0.5).floor(),
+        NearestMode::RoundPreferFloor => {
             // round_prefer_floor: halves go down.
             if v.fract() == 0.5 {
                 v.floor()
@@ -57,7 +59,7 @@ pub(crate) fn resize(
     sizes: Option<&HostTensor>,
     a: &ResizeAttrs,
 ) -> Res<HostTensor> {
-    if a.antialias || a.keep_aspect_ratio_policy != "stretch" || a.mode == "cubic" {
+    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch || a.mode == ResizeMode::Cubic {
         return Err(unsupported("Resize with cubic mode, antialias or an aspect-ratio policy"));
     }
     let rank = x.shape.len();
@@ -96,9 +98,9 @@ pub(crate) fn resize(
                 per.push(vec![(o, 1.0)]);
                 continue;
             }
-            let s = source(&a.coordinate_transformation_mode, o as f64, scale[d], n, m)?;
-            per.push(if a.mode == "nearest" {
-                vec![(nearest(&a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
+            let s = source(a.coordinate_transformation_mode, o as f64, scale[d], n, m)?;
+            per.push(if a.mode == ResizeMode::Nearest {
+                vec![(nearest(a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
             } else {
                 let s = s.clamp(0.0, n as f64 - 1.0);
                 let i0 = s.floor() as usize;
