@@ -468,7 +468,7 @@ mod tests {
         let err = Op::from_attrs("Cast", vec![]).unwrap().unwrap_err();
         assert!(err.contains("`to` is required"), "{err}");
         let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
-        assert!(err.contains("int where float"), "{err}");
+        assert!(err.contains("`alpha` is 1 where float was expected"), "{err}");
         assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
     }
 
