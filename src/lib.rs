@@ -3,6 +3,7 @@
 //! in any of the output formats, and [`summary::summarize`] it for `mpc inspect`.
 
 pub mod config;
+pub mod devices;
 pub mod dot;
 pub mod explain;
 pub mod run;

@@ -234,13 +234,16 @@ enum Command {
         #[arg(long)]
         stats: bool,
     },
+    /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
+    Devices,
 }
 
-/// `--device`: cpu runs; cuda is refused with one line until the CUDA backend exists.
+/// `--device`: cpu runs; cuda says what it found (the CUDA device that runs programs comes with
+/// the CUDA backend).
 fn check_device(device: &str) -> Result<(), Error> {
     match device {
         "cpu" => Ok(()),
-        "cuda" => Err(Error::Usage("--device cuda: this build has no CUDA backend yet; use --device cpu".into())),
+        "cuda" => Err(Error::Usage(format!("--device cuda: {}", mpc::devices::cuda_refusal()))),
         d => Err(Error::Usage(format!("--device {d}: unknown device (cpu or cuda)"))),
     }
 }
@@ -398,6 +401,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             // freeing every node (a large graph has millions of small allocations).
             std::mem::forget(g);
             Ok(())
+        }
+        Command::Devices => {
+            let (lines, problem) = mpc::devices::report();
+            for l in lines {
+                println!("{l}");
+            }
+            match problem {
+                Some(p) => Err(Error::Usage(p)),
+                None => Ok(()),
+            }
         }
         Command::Run { common, inputs, random_inputs, output, device, repeat, stats } => {
             check_device(&device)?;

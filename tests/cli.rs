@@ -185,3 +185,19 @@ fn stats_say_what_a_step_costs() {
     // Choosing the If's branch is the step's one host read.
     assert!(err.contains("1 host reads per step"), "{err}");
 }
+
+#[test]
+fn devices_lists_the_cpu_and_each_gpu_or_says_why_none() {
+    let r = mpc(&["devices"]);
+    let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+    assert!(out.starts_with("cpu: "), "{out}");
+    assert!(out.contains("\ncuda: driver "), "{out}");
+    if err.contains("no GPU to use") {
+        // A machine without a GPU (CI): one line naming what is missing, exit 2.
+        assert_eq!(r.status.code(), Some(2));
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    } else {
+        assert!(r.status.success(), "{err}");
+        assert!(out.contains("\ngpu 0: ") && out.contains("compute capability"), "{out}");
+    }
+}

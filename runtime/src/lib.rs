@@ -28,6 +28,8 @@
 //!   the program it lowers).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod plan;
 pub mod program;
