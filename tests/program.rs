@@ -132,3 +132,47 @@ fn training_programs_update_their_state_in_place<D: Device>(device: impl Fn() ->
         assert!(st.launches_per_step > 0 && st.steps == 3);
     }
 }
+
+/// The CPU device's in-place launches (f32 matrix products on the regions) give exactly the
+/// bits of the reference kernels on copies: inference under every policy, and training steps.
+#[test]
+fn in_place_launches_give_the_reference_bits() {
+    use mpc_runtime::device::CpuDevice;
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            let g = compiled(name, policy, false);
+            let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+            let inputs = mpc::run::random_inputs(&bound, 3, &dims()).unwrap();
+            let path = fixture(name);
+            let a = mpc::run::run_once_on(CpuDevice::default(), &bound, &inputs, &path).unwrap();
+            let b = mpc::run::run_once_on(CpuDevice::on_copies(), &bound, &inputs, &path).unwrap();
+            for ((n, x), (_, y)) in a.iter().zip(&b) {
+                same(x, y, &format!("{name} {policy} `{n}`"));
+            }
+        }
+    }
+    for (name, policy) in [("mlp", "mixed"), ("cnn_bn", "mixed"), ("transformer", "mixed"), ("mlp", "fp32")] {
+        let g = compiled(name, policy, true);
+        let (bound, program) = lowered(&g, CpuDevice::default().caps());
+        let names: Vec<String> =
+            bound.train.as_ref().unwrap().state.iter().map(|&(v, _)| bound.name(v).to_string()).collect();
+        let mut s = [
+            Session::new(CpuDevice::default(), program.clone()).unwrap(),
+            Session::new(CpuDevice::on_copies(), program).unwrap(),
+        ];
+        for step in 0..3 {
+            let inputs = mpc::run::random_inputs(&bound, 21 + step, &dims()).unwrap();
+            for x in s.iter_mut() {
+                x.feed(0, &inputs).unwrap();
+                x.step(0).unwrap();
+            }
+        }
+        // fp32 matrix products (forward and gradients) run in place; f16 ones on copies.
+        assert_eq!(s[1].counters().in_place, 0);
+        assert!(policy != "fp32" || s[0].counters().in_place > 0, "{name}: no launch ran in place");
+        for n in &names {
+            let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
+            same(&x, &y, &format!("{name} {policy} `{n}` after 3 steps"));
+        }
+    }
+}

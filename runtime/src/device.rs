@@ -46,6 +46,8 @@ pub struct DeviceCounters {
     pub copies: u64,
     /// Reads of device memory back to the host (each a synchronisation).
     pub host_reads: u64,
+    /// Launches run in place on the regions (the rest ran on copies of their operands).
+    pub in_place: u64,
     /// Copies to the host enqueued without waiting, and the waits for them.
     pub staged: u64,
     pub fetches: u64,
@@ -116,6 +118,11 @@ impl CpuMemory {
     pub fn addr(&self) -> usize {
         self.bytes().as_ptr() as usize
     }
+
+    /// The region's first byte, for launches that work in place ([`crate::cpu`]'s views).
+    pub(crate) fn base_mut(&mut self) -> *mut u8 {
+        self.bytes_mut().as_mut_ptr()
+    }
 }
 
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
@@ -123,13 +130,26 @@ impl CpuMemory {
 /// The kernels work on host tensors, so a launch reads its operands out of the regions and writes
 /// its results back. The constants (an inference program's weights, folded values) are kept
 /// decoded, keyed by their region's address and offset, and dropped if anything writes there.
-#[derive(Default)]
 pub struct CpuDevice {
     counters: DeviceCounters,
     decoded: HashMap<(usize, u64), HostTensor>,
+    /// Run the launches that can work in place on the regions so (f32 matrix products).
+    in_place: bool,
+}
+
+impl Default for CpuDevice {
+    fn default() -> Self {
+        CpuDevice { counters: DeviceCounters::default(), decoded: HashMap::new(), in_place: true }
+    }
 }
 
 impl CpuDevice {
+    /// A device that runs every launch through the reference kernels on copies of its operands
+    /// (tests compare it with the default, which works in place where it can).
+    pub fn on_copies() -> CpuDevice {
+        CpuDevice { in_place: false, ..CpuDevice::default() }
+    }
+
     /// Forgets the decoded values that a write to `offset..offset+len` of `mem` changes.
     fn invalidate(&mut self, mem: &CpuMemory, offset: u64, len: u64) {
         let addr = mem.addr();
@@ -231,6 +251,11 @@ impl Device for CpuDevice {
     }
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
+        if self.in_place && cpu::views::try_launch(regions, l) {
+            self.counters.launches += 1;
+            self.counters.in_place += 1;
+            return Ok(());
+        }
         let addr = regions.constants.addr();
         let decoded = |t: &TensorRef| {
             (t.region == Region::Constants)

@@ -142,6 +142,98 @@ pub(crate) fn matmul(a: &HostTensor, b: &HostTensor) -> Res<HostTensor> {
     Ok(store(c, a, shape))
 }
 
+/// The f32 Gemm into `out` (m×n, row-major): C starts as the bias broadcast to [m, n] (or zeros)
+/// and sgemm applies alpha and beta itself. The reference kernel and the in-place launch
+/// ([`super::views`]) both come here.
+pub(crate) fn gemm_f32_into(
+    out: &mut [f32],
+    av: &[f32],
+    bv: &[f32],
+    bias: Option<(&[f32], &[usize])>,
+    (m, k, n): (usize, usize, usize),
+    (ta, tb): (bool, bool),
+    (alpha, beta): (f32, f32),
+) {
+    let mut cbeta = 0.0;
+    match bias {
+        Some((v, shape)) => {
+            if shape.last() == Some(&n) && v.len() == n {
+                out.chunks_mut(n.max(1)).for_each(|row| row.copy_from_slice(v));
+            } else {
+                let idx = super::elementwise::broadcast_index(shape, &[m, n]);
+                out.iter_mut().zip(idx).for_each(|(o, i)| *o = v[i]);
+            }
+            cbeta = beta;
+        }
+        None => out.fill(0.0),
+    }
+    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    if m > 0 && n > 0 {
+        // SAFETY: `av` is k×m or m×k, `bv` k×n or n×k, `out` m×n, as the strides say.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                alpha,
+                av.as_ptr(),
+                rsa,
+                csa,
+                bv.as_ptr(),
+                rsb,
+                csb,
+                cbeta,
+                out.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    }
+}
+
+/// The f32 MatMul of operands of rank 2 or more into `out` (of `out_shape`), batch dims
+/// broadcast, one product per batch as [`matmul`] computes it; `false` when the shapes do not
+/// fit (the caller reports it through the reference kernel).
+pub(crate) fn matmul_f32_into(
+    out: &mut [f32],
+    out_shape: &[usize],
+    av: &[f32],
+    a_shape: &[usize],
+    bv: &[f32],
+    b_shape: &[usize],
+) -> bool {
+    let (ar, br) = (a_shape.len(), b_shape.len());
+    let (m, k, k2, n) = (a_shape[ar - 2], a_shape[ar - 1], b_shape[br - 2], b_shape[br - 1]);
+    let Some(batch) = super::elementwise::broadcast_shape(&[&a_shape[..ar - 2], &b_shape[..br - 2]]) else {
+        return false;
+    };
+    if k != k2 || out_shape.len() != batch.len() + 2 || out_shape[..batch.len()] != batch[..] {
+        return false;
+    }
+    if out_shape[batch.len()..] != [m, n] {
+        return false;
+    }
+    let ia = super::elementwise::broadcast_index(&a_shape[..ar - 2], &batch);
+    let ib = super::elementwise::broadcast_index(&b_shape[..br - 2], &batch);
+    out.fill(0.0);
+    for (i, (&x, &y)) in ia.iter().zip(&ib).enumerate() {
+        gemm_f32(
+            m,
+            k,
+            n,
+            &av[x * m * k..],
+            k as isize,
+            1,
+            &bv[y * k * n..],
+            n as isize,
+            1,
+            &mut out[i * m * n..(i + 1) * m * n],
+        );
+    }
+    true
+}
+
 /// Gemm: alpha · op(A) · op(B) + beta · C, with C broadcast to [M, N].
 pub(crate) fn gemm(
     a: &HostTensor,
@@ -163,40 +255,9 @@ pub(crate) fn gemm(
     // f32 (and f16/bf16): C starts as the broadcast bias and sgemm applies alpha and beta itself.
     if let (Mat::F32(av), Mat::F32(bv)) = (widen(a), widen(b)) {
         let mut out = vec![0f32; m * n];
-        let mut cbeta = 0.0;
-        if let Some(c) = c {
-            let v = c.f32s().unwrap_or_else(|| c.f64s().into_iter().map(|x| x as f32).collect());
-            if c.shape.last() == Some(&n) && v.len() == n {
-                out.chunks_mut(n).for_each(|row| row.copy_from_slice(&v));
-            } else {
-                let idx = super::elementwise::broadcast_index(&c.shape, &[m, n]);
-                out.iter_mut().zip(idx).for_each(|(o, i)| *o = v[i]);
-            }
-            cbeta = beta;
-        }
-        let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
-        let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-        if m > 0 && n > 0 {
-            // SAFETY: `av` is k×m or m×k, `bv` k×n or n×k, `out` m×n, as the strides say.
-            unsafe {
-                matrixmultiply::sgemm(
-                    m,
-                    k,
-                    n,
-                    alpha,
-                    av.as_ptr(),
-                    rsa,
-                    csa,
-                    bv.as_ptr(),
-                    rsb,
-                    csb,
-                    cbeta,
-                    out.as_mut_ptr(),
-                    n as isize,
-                    1,
-                );
-            }
-        }
+        let cv = c.map(|c| c.f32s().unwrap_or_else(|| c.f64s().into_iter().map(|x| x as f32).collect()));
+        let bias = c.zip(cv.as_deref()).map(|(c, v)| (v, c.shape.as_slice()));
+        gemm_f32_into(&mut out, &av, &bv, bias, (m, k, n), (ta, tb), (alpha, beta));
         return Ok(HostTensor::from_f32(a.dtype(), vec![m, n], out));
     }
     let prod = products(&widen(a), &widen(b), &[(0, 0)], Dims { m, k, n, ta, tb });

@@ -9,6 +9,7 @@ mod nn;
 mod resize;
 mod shape;
 mod train;
+pub(crate) mod views;
 
 use mpc_ir::geometry::WindowSpec;
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
