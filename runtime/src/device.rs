@@ -6,7 +6,7 @@
 //! synchronisation. [`CpuDevice`] is the reference: its queue runs each launch at once on host
 //! memory with the CPU kernels.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 use crate::value::HostTensor;
@@ -127,19 +127,21 @@ impl CpuMemory {
 
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
 ///
-/// The kernels work on host tensors, so a launch reads its operands out of the regions and writes
-/// its results back. The constants (an inference program's weights, folded values) are kept
-/// decoded, keyed by their region's address and offset, and dropped if anything writes there.
+/// The reference kernels work on host tensors, so a launch reads its operands out of the regions
+/// and writes its results back. What a launch wrote, and the constants, are also kept decoded
+/// (keyed by their region's address and offset) until something writes over their bytes, so the
+/// next launch that reads them takes them as they are; f32 matrix products run in place on the
+/// regions ([`cpu::views`]).
 pub struct CpuDevice {
     counters: DeviceCounters,
-    decoded: HashMap<(usize, u64), HostTensor>,
+    decoded: BTreeMap<(usize, u64), HostTensor>,
     /// Run the launches that can work in place on the regions so (f32 matrix products).
     in_place: bool,
 }
 
 impl Default for CpuDevice {
     fn default() -> Self {
-        CpuDevice { counters: DeviceCounters::default(), decoded: HashMap::new(), in_place: true }
+        CpuDevice { counters: DeviceCounters::default(), decoded: BTreeMap::new(), in_place: true }
     }
 }
 
@@ -150,12 +152,29 @@ impl CpuDevice {
         CpuDevice { in_place: false, ..CpuDevice::default() }
     }
 
-    /// Forgets the decoded values that a write to `offset..offset+len` of `mem` changes.
+    /// Forgets the decoded values that a write to `offset..offset+len` of `mem` changes. The
+    /// decoded values of one region never overlap (each is dropped before another is kept over
+    /// its bytes), so a backwards scan from the end of the write stops at the first one that ends
+    /// before it.
     fn invalidate(&mut self, mem: &CpuMemory, offset: u64, len: u64) {
         let addr = mem.addr();
-        if !self.decoded.is_empty() {
-            self.decoded.retain(|&(a, o), t| a != addr || o + t.bytes() as u64 <= offset || offset + len <= o);
+        let mut gone = Vec::new();
+        for (&(a, o), t) in self.decoded.range((addr, 0)..(addr, offset + len)).rev() {
+            debug_assert_eq!(a, addr);
+            if o + t.bytes() as u64 <= offset {
+                break;
+            }
+            gone.push((a, o));
         }
+        for k in gone {
+            self.decoded.remove(&k);
+        }
+    }
+
+    /// The decoded value at `t`'s place, if it is what `t` says.
+    fn decoded_at(&self, regions: &Regions<CpuMemory>, t: &TensorRef) -> Option<&HostTensor> {
+        let d = self.decoded.get(&(regions.get(t.region).addr(), t.offset))?;
+        (d.shape == t.shape && d.dtype() == t.dtype).then_some(d)
     }
 }
 
@@ -252,17 +271,14 @@ impl Device for CpuDevice {
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
         if self.in_place && cpu::views::try_launch(regions, l) {
+            for t in &l.outputs {
+                self.invalidate(regions.get(t.region), t.offset, t.bytes());
+            }
             self.counters.launches += 1;
             self.counters.in_place += 1;
             return Ok(());
         }
-        let addr = regions.constants.addr();
-        let decoded = |t: &TensorRef| {
-            (t.region == Region::Constants)
-                .then(|| self.decoded.get(&(addr, t.offset)))
-                .flatten()
-                .filter(|d| d.shape == t.shape && d.dtype() == t.dtype)
-        };
+        let decoded = |t: &TensorRef| self.decoded_at(regions, t);
         let read: Vec<Option<HostTensor>> = l
             .inputs
             .iter()
@@ -293,7 +309,7 @@ impl Device for CpuDevice {
                 l.outputs.len()
             )));
         }
-        for (t, place) in outs.iter().zip(&l.outputs) {
+        for (t, place) in outs.into_iter().zip(&l.outputs) {
             // Each launch writes exactly what the graph declares: its dtype, shape and bytes.
             if t.dtype() != place.dtype || t.shape != place.shape {
                 return Err(RuntimeError::Internal(format!(
@@ -308,6 +324,10 @@ impl Device for CpuDevice {
             let mem = regions.get_mut(place.region);
             let r = range(place, mem.len)?;
             t.write_le_bytes(&mut mem.bytes_mut()[r]);
+            // The next reader takes the result as it is, until something writes over it.
+            let mem = regions.get(place.region);
+            self.invalidate(mem, place.offset, place.bytes());
+            self.decoded.insert((mem.addr(), place.offset), t);
         }
         self.counters.launches += 1;
         Ok(())
@@ -316,6 +336,7 @@ impl Device for CpuDevice {
     fn poison(&mut self, mem: &mut CpuMemory) -> Result<(), RuntimeError> {
         // 0xFF bytes are NaN in f16, bf16, f32 and f64.
         mem.bytes_mut().fill(0xFF);
+        self.invalidate(mem, 0, mem.len as u64);
         Ok(())
     }
 
