@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
-use crate::value::HostTensor;
+use crate::value::{Data, HostTensor};
 use crate::{cpu, RuntimeError};
 
 /// The regions one program runs over: its arena and constants, and the session's state.
@@ -61,7 +61,7 @@ pub trait Device {
 
     fn caps(&self) -> DeviceCaps;
     /// Called once a program's constants region holds its contents, before any step.
-    fn prepare(&mut self, _program: &Program, _regions: &Regions<Self::Memory>) -> Result<(), RuntimeError> {
+    fn prepare(&mut self, _program: &Program, _regions: &mut Regions<Self::Memory>) -> Result<(), RuntimeError> {
         Ok(())
     }
     /// Allocates the memory of one region.
@@ -70,12 +70,12 @@ pub trait Device {
     fn write(&mut self, mem: &mut Self::Memory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError>;
     /// Reads `len` bytes at `offset` back to the host, after everything enqueued before it: a
     /// synchronisation.
-    fn read(&mut self, mem: &Self::Memory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError>;
+    fn read(&mut self, mem: &mut Self::Memory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError>;
     /// Bytes on their way to the host.
     type Staged;
     /// Enqueues a copy of `len` bytes at `offset` to host memory, without waiting for it (a
     /// training loop stages each step's loss and reads them all when it prints).
-    fn stage(&mut self, mem: &Self::Memory, offset: u64, len: u64) -> Result<Self::Staged, RuntimeError>;
+    fn stage(&mut self, mem: &mut Self::Memory, offset: u64, len: u64) -> Result<Self::Staged, RuntimeError>;
     /// Waits for staged bytes.
     fn fetch(&mut self, staged: Self::Staged) -> Result<Vec<u8>, RuntimeError>;
     /// Enqueues a copy of one tensor's bytes to another place of the same size.
@@ -127,54 +127,29 @@ impl CpuMemory {
 
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
 ///
-/// The reference kernels work on host tensors, so a launch reads its operands out of the regions
-/// and writes its results back. What a launch wrote, and the constants, are also kept decoded
-/// (keyed by their region's address and offset) until something writes over their bytes, so the
-/// next launch that reads them takes them as they are; f32 matrix products run in place on the
-/// regions ([`cpu::views`]).
+/// The reference kernels work on host tensors. What a launch makes is kept as it is, keyed by its
+/// region's address and offset, and its bytes are written into the region only when something
+/// reads them as bytes (a read back, a copy, an in-place launch, a reader that wants another
+/// shape): the next launch that reads the value takes the tensor itself, as the interpreter this
+/// device replaced did. The constants are kept decoded the same way. f32 matrix products run in
+/// place on the regions ([`cpu::views`]).
 pub struct CpuDevice {
     counters: DeviceCounters,
-    decoded: BTreeMap<(usize, u64), HostTensor>,
+    /// Tensors standing for bytes of a region; `dirty` when the bytes are not written yet. The
+    /// tensors of one region never overlap (each is dropped before another takes its bytes).
+    decoded: BTreeMap<(usize, u64), Decoded>,
     /// Run the launches that can work in place on the regions so (f32 matrix products).
     in_place: bool,
+}
+
+struct Decoded {
+    t: HostTensor,
+    dirty: bool,
 }
 
 impl Default for CpuDevice {
     fn default() -> Self {
         CpuDevice { counters: DeviceCounters::default(), decoded: BTreeMap::new(), in_place: true }
-    }
-}
-
-impl CpuDevice {
-    /// A device that runs every launch through the reference kernels on copies of its operands
-    /// (tests compare it with the default, which works in place where it can).
-    pub fn on_copies() -> CpuDevice {
-        CpuDevice { in_place: false, ..CpuDevice::default() }
-    }
-
-    /// Forgets the decoded values that a write to `offset..offset+len` of `mem` changes. The
-    /// decoded values of one region never overlap (each is dropped before another is kept over
-    /// its bytes), so a backwards scan from the end of the write stops at the first one that ends
-    /// before it.
-    fn invalidate(&mut self, mem: &CpuMemory, offset: u64, len: u64) {
-        let addr = mem.addr();
-        let mut gone = Vec::new();
-        for (&(a, o), t) in self.decoded.range((addr, 0)..(addr, offset + len)).rev() {
-            debug_assert_eq!(a, addr);
-            if o + t.bytes() as u64 <= offset {
-                break;
-            }
-            gone.push((a, o));
-        }
-        for k in gone {
-            self.decoded.remove(&k);
-        }
-    }
-
-    /// The decoded value at `t`'s place, if it is what `t` says.
-    fn decoded_at(&self, regions: &Regions<CpuMemory>, t: &TensorRef) -> Option<&HostTensor> {
-        let d = self.decoded.get(&(regions.get(t.region).addr(), t.offset))?;
-        (d.shape == t.shape && d.dtype() == t.dtype).then_some(d)
     }
 }
 
@@ -187,10 +162,72 @@ fn range(t: &TensorRef, len: usize) -> Result<std::ops::Range<usize>, RuntimeErr
 }
 
 impl CpuDevice {
-    fn tensor(regions: &Regions<CpuMemory>, t: &TensorRef) -> Result<HostTensor, RuntimeError> {
-        let mem = regions.get(t.region);
+    /// A device that runs every launch through the reference kernels on copies of its operands
+    /// (tests compare it with the default, which works in place where it can).
+    pub fn on_copies() -> CpuDevice {
+        CpuDevice { in_place: false, ..CpuDevice::default() }
+    }
+
+    /// The keys of the tensors of `mem` that touch `offset..offset+len`: a backwards scan from
+    /// the end of the range, which stops at the first tensor that ends before it.
+    fn touching(&self, mem: &CpuMemory, offset: u64, len: u64) -> Vec<(usize, u64)> {
+        let addr = mem.addr();
+        let mut out = Vec::new();
+        for (&(a, o), d) in self.decoded.range((addr, 0)..(addr, offset + len)).rev() {
+            if o + d.t.bytes() as u64 <= offset {
+                break;
+            }
+            out.push((a, o));
+        }
+        out
+    }
+
+    /// Writes the bytes of the tensors that touch the range and are not written yet.
+    fn flush(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) {
+        for k in self.touching(mem, offset, len) {
+            if let Some(d) = self.decoded.get_mut(&k).filter(|d| d.dirty) {
+                let s = k.1 as usize;
+                d.t.write_le_bytes(&mut mem.bytes_mut()[s..s + d.t.bytes()]);
+                d.dirty = false;
+            }
+        }
+    }
+
+    /// Forgets the tensors a write to `offset..offset+len` of `mem` replaces; one that reaches
+    /// past the range has its bytes written first, so that its other bytes stay true.
+    fn invalidate(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) {
+        for k in self.touching(mem, offset, len) {
+            if let Some(d) = self.decoded.remove(&k) {
+                let inside = k.1 >= offset && k.1 + d.t.bytes() as u64 <= offset + len;
+                if d.dirty && !inside {
+                    let s = k.1 as usize;
+                    d.t.write_le_bytes(&mut mem.bytes_mut()[s..s + d.t.bytes()]);
+                }
+            }
+        }
+    }
+
+    /// The tensor at `t`'s place, if it is what `t` says.
+    fn decoded_at(&self, regions: &Regions<CpuMemory>, t: &TensorRef) -> Option<&HostTensor> {
+        let d = self.decoded.get(&(regions.get(t.region).addr(), t.offset))?;
+        (d.t.shape == t.shape && d.t.dtype() == t.dtype).then_some(&d.t)
+    }
+
+    /// `t` decoded from its bytes (written first if a tensor stands for them).
+    fn tensor(&mut self, regions: &mut Regions<CpuMemory>, t: &TensorRef) -> Result<HostTensor, RuntimeError> {
+        let mem = regions.get_mut(t.region);
         let r = range(t, mem.len)?;
+        self.flush(mem, t.offset, t.bytes());
         Ok(HostTensor::from_le_bytes(t.dtype, t.shape.clone(), &mem.bytes()[r]))
+    }
+
+    fn bytes(&mut self, mem: &mut CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
+        let (s, e) = (offset as usize, (offset + len) as usize);
+        if e > mem.len {
+            return Err(RuntimeError::Internal(format!("a {what} at {s}..{e} overruns its region")));
+        }
+        self.flush(mem, offset, len);
+        Ok(mem.bytes()[s..e].to_vec())
     }
 }
 
@@ -201,10 +238,11 @@ impl Device for CpuDevice {
         DeviceCaps { name: "cpu", align: 64 }
     }
 
-    fn prepare(&mut self, program: &Program, regions: &Regions<CpuMemory>) -> Result<(), RuntimeError> {
+    fn prepare(&mut self, program: &Program, regions: &mut Regions<CpuMemory>) -> Result<(), RuntimeError> {
         let addr = regions.constants.addr();
         for (place, _) in &program.constants {
-            self.decoded.insert((addr, place.offset), Self::tensor(regions, place)?);
+            let t = self.tensor(regions, place)?;
+            self.decoded.insert((addr, place.offset), Decoded { t, dirty: false });
         }
         Ok(())
     }
@@ -221,30 +259,22 @@ impl Device for CpuDevice {
         if s + bytes.len() > mem.len {
             return Err(RuntimeError::Internal(format!("a write at {s} of {} bytes overruns its region", bytes.len())));
         }
+        self.invalidate(mem, offset, bytes.len() as u64);
         mem.bytes_mut()[s..s + bytes.len()].copy_from_slice(bytes);
         self.counters.host_writes += 1;
-        self.invalidate(mem, offset, bytes.len() as u64);
         Ok(())
     }
 
-    fn read(&mut self, mem: &CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
-        let (s, e) = (offset as usize, (offset + len) as usize);
-        if e > mem.len {
-            return Err(RuntimeError::Internal(format!("a read at {s}..{e} overruns its region")));
-        }
+    fn read(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
         self.counters.host_reads += 1;
-        Ok(mem.bytes()[s..e].to_vec())
+        self.bytes(mem, offset, len, "read")
     }
 
     type Staged = Vec<u8>;
 
-    fn stage(&mut self, mem: &CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
-        let (s, e) = (offset as usize, (offset + len) as usize);
-        if e > mem.len {
-            return Err(RuntimeError::Internal(format!("a staged read at {s}..{e} overruns its region")));
-        }
+    fn stage(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
         self.counters.staged += 1;
-        Ok(mem.bytes()[s..e].to_vec())
+        self.bytes(mem, offset, len, "staged read")
     }
 
     fn fetch(&mut self, staged: Vec<u8>) -> Result<Vec<u8>, RuntimeError> {
@@ -258,7 +288,8 @@ impl Device for CpuDevice {
         }
         let src = range(from, regions.get(from.region).len)?;
         let dst = range(to, regions.get(to.region).len)?;
-        self.invalidate(regions.get(to.region), to.offset, to.bytes());
+        self.flush(regions.get_mut(from.region), from.offset, from.bytes());
+        self.invalidate(regions.get_mut(to.region), to.offset, to.bytes());
         if from.region == to.region {
             regions.get_mut(to.region).bytes_mut().copy_within(src, dst.start);
         } else {
@@ -270,23 +301,49 @@ impl Device for CpuDevice {
     }
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
-        if self.in_place && cpu::views::try_launch(regions, l) {
-            for t in &l.outputs {
-                self.invalidate(regions.get(t.region), t.offset, t.bytes());
+        if self.in_place && cpu::views::fits(l) {
+            // Operands that a tensor stands for are read from it, the others as bytes where they
+            // lie; the result is written into its place.
+            for o in &l.inputs {
+                if let Operand::Device(t) = o {
+                    if self.decoded_at(regions, t).is_none() {
+                        self.flush(regions.get_mut(t.region), t.offset, t.bytes());
+                    }
+                }
             }
-            self.counters.launches += 1;
-            self.counters.in_place += 1;
-            return Ok(());
+            for t in &l.outputs {
+                self.invalidate(regions.get_mut(t.region), t.offset, t.bytes());
+            }
+            let keys: Vec<Option<(usize, u64)>> = l
+                .inputs
+                .iter()
+                .map(|o| match o {
+                    Operand::Device(t) => self.decoded_at(regions, t).map(|_| (regions.get(t.region).addr(), t.offset)),
+                    _ => None,
+                })
+                .collect();
+            let decoded = &self.decoded;
+            let lookup = |t: &TensorRef| -> Option<&[f32]> {
+                let i = l.inputs.iter().position(|o| matches!(o, Operand::Device(x) if x == t))?;
+                match &decoded.get(&keys[i]?)?.t.data {
+                    Data::F32(v) => Some(v.as_slice()),
+                    _ => None,
+                }
+            };
+            if cpu::views::try_launch(regions, l, &lookup) {
+                self.counters.launches += 1;
+                self.counters.in_place += 1;
+                return Ok(());
+            }
         }
-        let decoded = |t: &TensorRef| self.decoded_at(regions, t);
-        let read: Vec<Option<HostTensor>> = l
-            .inputs
-            .iter()
-            .map(|o| match o {
-                Operand::Device(t) if decoded(t).is_none() => Self::tensor(regions, t).map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<_, _>>()?;
+        // Operands that no tensor stands for (or one of another shape: a view) are decoded.
+        let mut read: Vec<Option<HostTensor>> = Vec::with_capacity(l.inputs.len());
+        for o in &l.inputs {
+            read.push(match o {
+                Operand::Device(t) if self.decoded_at(regions, t).is_none() => Some(self.tensor(regions, t)?),
+                _ => None,
+            });
+        }
         let refs: Vec<Option<&HostTensor>> = l
             .inputs
             .iter()
@@ -294,7 +351,7 @@ impl Device for CpuDevice {
             .map(|(o, r)| match o {
                 Operand::Absent => None,
                 Operand::Host(t) => Some(t),
-                Operand::Device(t) => r.as_ref().or_else(|| decoded(t)),
+                Operand::Device(t) => r.as_ref().or_else(|| self.decoded_at(regions, t)),
             })
             .collect();
         let outs = cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
@@ -310,7 +367,7 @@ impl Device for CpuDevice {
             )));
         }
         for (t, place) in outs.into_iter().zip(&l.outputs) {
-            // Each launch writes exactly what the graph declares: its dtype, shape and bytes.
+            // Each launch makes exactly what the graph declares: its dtype and shape.
             if t.dtype() != place.dtype || t.shape != place.shape {
                 return Err(RuntimeError::Internal(format!(
                     "{}: the kernel made {}{:?} where the graph declares {}{:?}",
@@ -322,21 +379,19 @@ impl Device for CpuDevice {
                 )));
             }
             let mem = regions.get_mut(place.region);
-            let r = range(place, mem.len)?;
-            t.write_le_bytes(&mut mem.bytes_mut()[r]);
-            // The next reader takes the result as it is, until something writes over it.
-            let mem = regions.get(place.region);
+            range(place, mem.len)?;
             self.invalidate(mem, place.offset, place.bytes());
-            self.decoded.insert((mem.addr(), place.offset), t);
+            self.decoded.insert((mem.addr(), place.offset), Decoded { t, dirty: true });
         }
         self.counters.launches += 1;
         Ok(())
     }
 
     fn poison(&mut self, mem: &mut CpuMemory) -> Result<(), RuntimeError> {
-        // 0xFF bytes are NaN in f16, bf16, f32 and f64.
+        // 0xFF bytes are NaN in f16, bf16, f32 and f64; nothing decoded stands for them any more.
+        let addr = mem.addr();
+        self.decoded.retain(|&(a, _), _| a != addr);
         mem.bytes_mut().fill(0xFF);
-        self.invalidate(mem, 0, mem.len as u64);
         Ok(())
     }
 

@@ -45,7 +45,7 @@ fn run_launches<D: Device>(
             device.launch(regions, l)?;
             continue;
         };
-        let cond = device.read(regions.get(b.cond.region), b.cond.offset, b.cond.bytes())?;
+        let cond = device.read(regions.get_mut(b.cond.region), b.cond.offset, b.cond.bytes())?;
         let taken = HostTensor::from_le_bytes(b.cond.dtype, b.cond.shape.clone(), &cond).f64s().first() != Some(&0.0);
         let (body, results) =
             if taken { (&b.then_launches, &b.then_outputs) } else { (&b.else_launches, &b.else_outputs) };
@@ -127,8 +127,9 @@ impl<D: Device> Session<D> {
             self.device.write(&mut constants, place.offset, &bytes_of(t))?;
         }
         let mut loaded = Loaded { program, arena, constants, launches: 0, host_reads: 0, steps: 0 };
-        let regions = Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
-        self.device.prepare(&loaded.program, &regions)?;
+        let mut regions =
+            Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
+        self.device.prepare(&loaded.program, &mut regions)?;
         self.stats.arena_bytes = self.stats.arena_bytes.max(loaded.program.arena_bytes);
         self.stats.state_bytes = self.layout.bytes;
         self.stats.constants_bytes += loaded.program.constants_bytes;
@@ -207,7 +208,7 @@ impl<D: Device> Session<D> {
             // Inputs are fed before the step: poison only what the step must write itself.
             let mut inputs = Vec::new();
             for (_, p) in &loaded.program.inputs {
-                inputs.push((p.offset, self.device.read(&loaded.arena, p.offset, p.bytes())?));
+                inputs.push((p.offset, self.device.read(&mut loaded.arena, p.offset, p.bytes())?));
             }
             self.device.poison(&mut loaded.arena)?;
             for (offset, bytes) in inputs {
@@ -235,32 +236,33 @@ impl<D: Device> Session<D> {
         Ok(())
     }
 
-    /// Reads an output or input of program `id`, or a state value, by name.
-    pub fn read(&mut self, id: ProgramId, name: &str) -> Result<HostTensor, RuntimeError> {
-        let loaded = self.programs.get(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
+    /// The device, and the place and memory of an output or input of program `id` or a state
+    /// value (disjoint borrows of the session).
+    fn place_of(&mut self, id: ProgramId, name: &str) -> Result<(&mut D, TensorRef, &mut D::Memory), RuntimeError> {
+        let Session { device, programs, state, .. } = self;
+        let loaded = programs.get_mut(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
         let place =
             loaded.program.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no value `{name}`")))?;
         let mem = match place.region {
-            Region::Arena => &loaded.arena,
-            Region::State => &self.state,
-            Region::Constants => &loaded.constants,
+            Region::Arena => &mut loaded.arena,
+            Region::State => state,
+            Region::Constants => &mut loaded.constants,
         };
-        let bytes = self.device.read(mem, place.offset, place.bytes())?;
+        Ok((device, place, mem))
+    }
+
+    /// Reads an output or input of program `id`, or a state value, by name.
+    pub fn read(&mut self, id: ProgramId, name: &str) -> Result<HostTensor, RuntimeError> {
+        let (device, place, mem) = self.place_of(id, name)?;
+        let bytes = device.read(mem, place.offset, place.bytes())?;
         Ok(HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &bytes))
     }
 
     /// Enqueues a copy of an output (or input, or state value) of program `id` to the host, to be
     /// read with [`Session::wait`] later: no synchronisation now.
     pub fn read_later(&mut self, id: ProgramId, name: &str) -> Result<Pending<D::Staged>, RuntimeError> {
-        let loaded = self.programs.get(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
-        let place =
-            loaded.program.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no value `{name}`")))?;
-        let mem = match place.region {
-            Region::Arena => &loaded.arena,
-            Region::State => &self.state,
-            Region::Constants => &loaded.constants,
-        };
-        let staged = self.device.stage(mem, place.offset, place.bytes())?;
+        let (device, place, mem) = self.place_of(id, name)?;
+        let staged = device.stage(mem, place.offset, place.bytes())?;
         Ok(Pending { place, staged })
     }
 
@@ -273,7 +275,7 @@ impl<D: Device> Session<D> {
     /// Reads a state value by name.
     pub fn read_state(&mut self, name: &str) -> Result<HostTensor, RuntimeError> {
         let place = self.layout.find(name).cloned().ok_or_else(|| RuntimeError::Graph(format!("no state `{name}`")))?;
-        let bytes = self.device.read(&self.state, place.offset, place.bytes())?;
+        let bytes = self.device.read(&mut self.state, place.offset, place.bytes())?;
         Ok(HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &bytes))
     }
 

@@ -36,9 +36,25 @@ fn overlaps(a: &TensorRef, b: &TensorRef) -> bool {
     a.region == b.region && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
 }
 
-/// Runs `l` in place when it is an f32 Gemm or MatMul; `false` when it is not (the caller runs
-/// the reference kernel).
-pub(crate) fn try_launch(regions: &mut Regions<CpuMemory>, l: &Launch) -> bool {
+/// Whether `l` is a launch [`try_launch`] may run: an f32 Gemm or MatMul whose output overlaps
+/// none of its operands.
+pub(crate) fn fits(l: &Launch) -> bool {
+    matches!(l.op, Op::Gemm(_) | Op::MatMul)
+        && l.outputs.len() == 1
+        && l.outputs[0].dtype == DType::F32
+        && f32_operand(l.inputs.first()).is_some()
+        && f32_operand(l.inputs.get(1)).is_some()
+        && l.inputs.iter().all(|o| !matches!(o, Operand::Device(t) if overlaps(t, &l.outputs[0])))
+}
+
+/// Runs `l` in place when it is an f32 Gemm or MatMul whose shapes fit; `false` when not (the
+/// caller runs the reference kernel). An operand is read from `decoded` when a tensor stands for
+/// it, else from its bytes, which the caller has written.
+pub(crate) fn try_launch<'a>(
+    regions: &mut Regions<CpuMemory>,
+    l: &Launch,
+    decoded: &dyn Fn(&TensorRef) -> Option<&'a [f32]>,
+) -> bool {
     let Some(out) = l.outputs.first().filter(|t| t.dtype == DType::F32 && l.outputs.len() == 1) else {
         return false;
     };
@@ -64,8 +80,11 @@ pub(crate) fn try_launch(regions: &mut Regions<CpuMemory>, l: &Launch) -> bool {
     // each place it reads); the output overlaps no input (checked above); offsets are multiples
     // of 64 in 64-byte aligned regions, so the f32 pointers are aligned; nothing else touches
     // the regions while the launch runs.
-    let slice = |t: &TensorRef| unsafe {
-        std::slice::from_raw_parts(Bases::of(t, &bases).add(t.offset as usize) as *const f32, t.numel())
+    let slice = |t: &TensorRef| match decoded(t) {
+        Some(v) => v,
+        None => unsafe {
+            std::slice::from_raw_parts(Bases::of(t, &bases).add(t.offset as usize) as *const f32, t.numel())
+        },
     };
     // SAFETY: as above; `out` is the only mutable view and overlaps none of the others.
     let out_slice = unsafe {
