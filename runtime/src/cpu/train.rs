@@ -1,7 +1,7 @@
 //! The `ai.mpc` ops of training graphs: gradient kernels that need more than standard ops, and the
-//! optimizer and loss-scale updates. Arithmetic in f64, rounded on store through f32 into the
-//! storage dtype (f64 stays f64), so FP16/BF16 results are what an f32-computing GPU kernel
-//! stores. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
+//! optimizer and loss-scale updates. Most compute in f64 and round on store through f32 into the
+//! storage dtype (f64 stays f64); AdamUpdate on the f32 family computes in f32, as the docs'
+//! rule says and as PyTorch and `kernels/train.cu` do. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
 
 use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
 use mpc_ir::ops::{GeluApprox, Reduction};
