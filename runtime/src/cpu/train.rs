@@ -499,49 +499,43 @@ pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTen
     // The bias corrections once, in f64 (as the CUDA kernel does).
     let (c1, c2) = (1.0 - (a.beta1 as f64).powf(t as f64), 1.0 - (a.beta2 as f64).powf(t as f64));
     if p.dtype() == DType::F64 {
-        let (pv, gv, mut mv, mut vv) = (float(p, "param")?, float(g, "grad")?, m.f64s(), v.f64s());
-        let (b1, b2, eps, lr, wd) =
-            (a.beta1 as f64, a.beta2 as f64, a.epsilon as f64, a.lr as f64, a.weight_decay as f64);
-        let mut out = Vec::with_capacity(pv.len());
-        for i in 0..pv.len() {
-            let (mut w, mut d) = (pv[i], gv[i]);
-            if a.decoupled {
-                w -= lr * wd * w;
-            } else {
-                d += wd * w;
-            }
-            mv[i] = b1 * mv[i] + (1.0 - b1) * d;
-            vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
-            out.push(w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps));
-        }
-        return Ok(vec![store(p, p.shape.clone(), out), store(m, m.shape.clone(), mv), store(v, v.shape.clone(), vv)]);
+        let (mut pv, gv, mut mv, mut vv) = (float(p, "param")?, float(g, "grad")?, m.f64s(), v.f64s());
+        adam_in(&mut pv, &gv, &mut mv, &mut vv, a, (c1, c2))?;
+        return Ok(vec![store(p, p.shape.clone(), pv), store(m, m.shape.clone(), mv), store(v, v.shape.clone(), vv)]);
     }
     // The f32 family: f32 arithmetic, as PyTorch's Adam and the CUDA kernel (kernels/train.cu).
     let f32s = |x: &HostTensor, what: &str| {
         x.f32s().ok_or_else(|| err(format!("{what}: {} where a float tensor was expected", x.dtype())))
     };
     let (mut pv, gv, mut mv, mut vv) = (f32s(p, "param")?, f32s(g, "grad")?, f32s(m, "m")?, f32s(v, "v")?);
-    if gv.len() != pv.len() || mv.len() != pv.len() || vv.len() != pv.len() {
-        return Err(err("AdamUpdate: the parameter, gradient and moments differ in size"));
-    }
-    let (b1, b2, eps, lr, wd) = (a.beta1, a.beta2, a.epsilon, a.lr, a.weight_decay);
-    let (c1, c2) = (c1 as f32, c2 as f32);
-    for i in 0..pv.len() {
-        let (mut w, mut d) = (pv[i], gv[i]);
-        if a.decoupled {
-            w -= lr * wd * w;
-        } else {
-            d += wd * w;
-        }
-        mv[i] = b1 * mv[i] + (1.0 - b1) * d;
-        vv[i] = b2 * vv[i] + (1.0 - b2) * d * d;
-        pv[i] = w - lr * (mv[i] / c1) / ((vv[i] / c2).sqrt() + eps);
-    }
+    adam_in(&mut pv, &gv, &mut mv, &mut vv, a, (c1, c2))?;
     Ok(vec![
         HostTensor::from_f32(p.dtype(), p.shape.clone(), pv),
         HostTensor::from_f32(m.dtype(), m.shape.clone(), mv),
         HostTensor::from_f32(v.dtype(), v.shape.clone(), vv),
     ])
+}
+
+/// One Adam (or AdamW) update in the arithmetic of `T`, the bias corrections `c` given in f64.
+fn adam_in<T: Real>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], a: &AdamAttrs, c: (f64, f64)) -> Res<()> {
+    if g.len() != p.len() || m.len() != p.len() || v.len() != p.len() {
+        return Err(err("AdamUpdate: the parameter, gradient and moments differ in size"));
+    }
+    let of = |x: f32| T::of(x as f64);
+    let (b1, b2, eps, lr, wd) = (of(a.beta1), of(a.beta2), of(a.epsilon), of(a.lr), of(a.weight_decay));
+    let (c1, c2, one) = (T::of(c.0), T::of(c.1), T::of(1.0));
+    for i in 0..p.len() {
+        let (mut w, mut d) = (p[i], g[i]);
+        if a.decoupled {
+            w = w - lr * wd * w;
+        } else {
+            d = d + wd * w;
+        }
+        m[i] = b1 * m[i] + (one - b1) * d;
+        v[i] = b2 * v[i] + (one - b2) * d * d;
+        p[i] = w - lr * (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+    }
+    Ok(())
 }
 
 /// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').
