@@ -42,7 +42,8 @@ pub fn report() -> (Vec<String>, Option<String>) {
 
 #[cfg(not(feature = "cuda"))]
 pub fn report() -> (Vec<String>, Option<String>) {
-    (vec![cpu_line()], Some("no GPU to use: this build has no CUDA support (the `cuda` feature is off)".into()))
+    let lines = vec![cpu_line(), "cuda: driver not looked for (this build has no CUDA support)".to_string()];
+    (lines, Some("no GPU to use: this build has no CUDA support (the `cuda` feature is off)".into()))
 }
 
 /// Why `--device cuda` cannot run a program here, in one line.
