@@ -107,7 +107,12 @@ pub fn random_inputs(g: &Graph, seed: u64, dims: &HashMap<String, u64>) -> Resul
                 Dim::Unknown => 1,
             })
             .collect();
-        let n: usize = shape.iter().product();
+        let n = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .filter(|&b| b as u64 <= mpc_runtime::program::MAX_TENSOR_BYTES)
+            .map(|b| b / dtype.size())
+            .ok_or_else(|| Error::Usage(format!("input `{name}`: {dtype}{shape:?} is too large to fill")))?;
         let t = if dtype.is_float() {
             // Box-Muller.
             let vals: Vec<f64> = (0..n)

@@ -267,3 +267,23 @@ fn former_panics_are_one_line_errors() {
         assert!(!out.exists(), "{name}: an output was written");
     }
 }
+
+/// A tensor whose element count overflows (it once wrapped to a zero-length buffer and crashed
+/// `run`) is refused when lowering: one line naming it, exit 2.
+#[test]
+fn tensors_too_large_to_address_are_refused() {
+    let dir = scratch("too_large");
+    let model = dir.join("huge.mpcir");
+    let body = "  input %0 \"x\": f32[4611686018427387904,4]\n  init %1 \"w\" = f32[4,2]{1,2,3,4,5,6,7,8}\n  %2 \"y\": ? = MatMul(%0, %1)\n  output %2\n";
+    std::fs::write(&model, format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n{body}end\n")).unwrap();
+    for args in [
+        vec!["run", model.to_str().unwrap(), "--random-inputs", "1"],
+        vec!["inspect", model.to_str().unwrap(), "--memory"],
+    ] {
+        let r = mpc(&args);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("`x`") && err.contains("too large") || err.contains("does not address"), "{err}");
+    }
+}

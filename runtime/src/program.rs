@@ -204,6 +204,10 @@ fn runnable(op: &Op) -> Result<(), String> {
     }
 }
 
+/// The largest tensor lowering accepts (2^48 bytes: more than any device's memory, small enough
+/// that every offset and size computed from it fits in 64 bits).
+pub const MAX_TENSOR_BYTES: u64 = 1 << 48;
+
 fn align_up(n: u64, align: u64) -> u64 {
     n.div_ceil(align) * align
 }
@@ -232,7 +236,18 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         let dtype = t.dtype.ok_or_else(unknown)?;
         let shape = t.shape.as_ref().ok_or_else(unknown)?;
         let dims = shape.dims().iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>();
-        Ok((dtype, dims.ok_or_else(unknown)?))
+        let dims = dims.ok_or_else(unknown)?;
+        // Every size below is computed from these: one that does not fit in memory's addresses
+        // is refused here, not wrapped.
+        let bytes = dims.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64));
+        if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
+            return Err(RuntimeError::Graph(format!(
+                "`{}` is {dtype}{shape}: more than {} bytes, which mpc does not address",
+                g.name(v),
+                MAX_TENSOR_BYTES
+            )));
+        }
+        Ok((dtype, dims))
     };
     let state: Vec<(ValueId, ValueId)> = g.train.as_ref().map(|t| t.state.clone()).unwrap_or_default();
     let changing: HashSet<ValueId> = state.iter().map(|&(s, _)| s).chain(variables.iter().copied()).collect();
