@@ -16,10 +16,16 @@
 //!   one is the step's one host read, declared by the program. An op no device runs is an error
 //!   here, naming its node.
 //! - [`device::Device`] is what a backend implements: allocate a region, write host bytes, read
-//!   bytes back (an explicit synchronisation), copy between places, enqueue a launch, poison a
-//!   region (debug checks), count what it did. It only enqueues. [`device::CpuDevice`] is the
-//!   reference: every op on host memory with the kernels of [`cpu`], FP16/BF16 stored as half
-//!   with f32 arithmetic and accumulation, deterministic.
+//!   bytes back (an explicit synchronisation) or stage them for a later fetch (no wait), copy
+//!   between places, enqueue a launch, poison a region (debug checks), count what it did. It only
+//!   enqueues. A launch says what to compute, not how: each device derives its kernels'
+//!   parameters (GEMM m/n/k and strides, window geometry, broadcast strides) from the resolved
+//!   shapes, and a device that launches many times should do so once, in `prepare`.
+//!   [`device::CpuDevice`] is the reference: every op on host memory with the kernels of [`cpu`],
+//!   FP16/BF16 stored as half with f32 arithmetic and accumulation, deterministic; f32 matrix
+//!   products run in place on the regions, other results stay tensors until their bytes are read.
+//! - [`cuda`] (the `cuda` feature): finding GPUs and the CUDA libraries without panicking, and
+//!   compiling `kernels/*.cu` with NVRTC to cached cubins. The CUDA device is next.
 //! - [`session::Session`] holds the state region and, per loaded program, an arena and a
 //!   constants region, all allocated when the program is loaded: a step allocates nothing.
 //!   `feed` writes a batch into the input places, `step` enqueues the launches and state copies,
