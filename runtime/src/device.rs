@@ -1,4 +1,4 @@
-//! The [`Device`] trait: what a backend implements to run a [`Program`](crate::program::Program).
+//! The [`Device`] trait: what a backend implements to run a [`Program`].
 //!
 //! A device owns memory and a queue. It allocates regions, writes host bytes into them, reads
 //! bytes back, copies between places and enqueues launches of resolved descriptors. It only
@@ -132,7 +132,7 @@ impl CpuMemory {
 /// reads them as bytes (a read back, a copy, an in-place launch, a reader that wants another
 /// shape): the next launch that reads the value takes the tensor itself, as the interpreter this
 /// device replaced did. The constants are kept decoded the same way. f32 matrix products run in
-/// place on the regions ([`cpu::views`]).
+/// place on the regions (`cpu::views`).
 pub struct CpuDevice {
     counters: DeviceCounters,
     /// Tensors standing for bytes of a region; `dirty` when the bytes are not written yet. The
