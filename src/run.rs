@@ -369,33 +369,35 @@ fn fold_constants(
         if node.op.is_opaque() || node.outputs().is_empty() {
             continue;
         }
+        use mpc_runtime::program::Known;
         let konst = |v: &mpc_ir::ValueId| !changing.contains(v) && g.constant(*v).is_some();
-        let fixed = |v: mpc_ir::ValueId| g.ty(v).shape.as_ref().and_then(|s| s.as_fixed());
-        let outs = match (&node.op, node.input(0)) {
-            (Op::Shape(_) | Op::Size, Some(x)) if fixed(x).is_some() => {
-                let shape: Vec<usize> = fixed(x).unwrap_or_default().iter().map(|&d| d as usize).collect();
-                let dt = g.ty(x).dtype.unwrap_or(DType::F32);
-                let placeholder = HostTensor::from_f64(dt, shape.clone(), Vec::new());
-                match node.op {
-                    Op::Size => {
-                        vec![HostTensor::from_i64(DType::I64, vec![], vec![shape.iter().product::<usize>() as i64])]
-                    }
-                    _ => mpc_runtime::cpu::run_op(&node.op, &[Some(&placeholder)], 1).map_err(|e| {
-                        mpc_runtime::RuntimeError::Node { node: g.node_label(n), msg: format!("{e:?}") }
-                    })?,
-                }
-            }
-            _ if !node.inputs().is_empty() && node.inputs().iter().flatten().all(konst) => {
-                let ins: Vec<Option<HostTensor>> =
-                    node.inputs().iter().map(|i| i.and_then(|v| g.constant(v)).map(HostTensor::from)).collect();
-                let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
-                match mpc_runtime::cpu::run_op(&node.op, &refs, node.outputs().len()) {
-                    Ok(o) => o,
-                    // Left for the device, which reports it with its node.
-                    Err(_) => continue,
-                }
-            }
-            _ => continue,
+        let shape_of = matches!(node.op, Op::Shape(_) | Op::Size);
+        let fixed = |v: mpc_ir::ValueId| {
+            let t = g.ty(v);
+            Some((t.dtype?, t.shape.as_ref()?.as_fixed()?.iter().map(|&d| d as usize).collect::<Vec<_>>()))
+        };
+        let values: Vec<Option<HostTensor>> =
+            node.inputs().iter().map(|i| i.filter(konst).and_then(|v| g.constant(v)).map(HostTensor::from)).collect();
+        let shapes: Vec<Option<(DType, Vec<usize>)>> = node.inputs().iter().map(|i| i.and_then(fixed)).collect();
+        let ins: Vec<Option<Known>> = values
+            .iter()
+            .zip(&shapes)
+            .map(|(v, sh)| match (v, sh) {
+                (Some(t), _) => Some(Known::Value(t)),
+                (None, Some((d, s))) if shape_of => Some(Known::Shape(*d, s)),
+                _ => None,
+            })
+            .collect();
+        // Every input present must be known (Shape and Size: by its shape at least).
+        let complete =
+            !node.inputs().is_empty() && node.inputs().iter().zip(&ins).all(|(i, k)| i.is_none() || k.is_some());
+        if !complete {
+            continue;
+        }
+        let outs = match mpc_runtime::program::fold(&node.op, &ins, node.outputs().len()) {
+            Ok(o) => o,
+            // Left for lowering, which reports it with its node.
+            Err(_) => continue,
         };
         let outputs = node.outputs().to_vec();
         for (o, t) in outputs.into_iter().zip(outs) {

@@ -204,6 +204,43 @@ fn runnable(op: &Op) -> Result<(), String> {
     }
 }
 
+/// What is known of an input of a node computed when lowering: its value, or (for `Shape` and
+/// `Size`, which read nothing else) its dtype and shape.
+#[derive(Clone, Copy, Debug)]
+pub enum Known<'a> {
+    Value(&'a HostTensor),
+    Shape(DType, &'a [usize]),
+}
+
+/// Computes a node whose inputs are known, on the CPU reference: what lowering folds, and what
+/// a caller folds into a graph before inferring its shapes. An input known only by its shape
+/// reaches the kernel as an empty tensor of that shape (all `Shape` reads).
+pub fn fold(op: &Op, ins: &[Option<Known>], n_outputs: usize) -> Result<Vec<HostTensor>, cpu::KernelError> {
+    if let (Op::Size, Some(Some(x))) = (op, ins.first()) {
+        let numel = match x {
+            Known::Value(t) => t.len(),
+            Known::Shape(_, s) => s.iter().product(),
+        };
+        return Ok(vec![HostTensor::from_i64(DType::I64, vec![], vec![numel as i64])]);
+    }
+    let placeholders: Vec<Option<HostTensor>> = ins
+        .iter()
+        .map(|k| match k {
+            Some(Known::Shape(d, s)) => Some(HostTensor::from_f64(*d, s.to_vec(), Vec::new())),
+            _ => None,
+        })
+        .collect();
+    let refs: Vec<Option<&HostTensor>> = ins
+        .iter()
+        .zip(&placeholders)
+        .map(|(k, p)| match k {
+            Some(Known::Value(t)) => Some(*t),
+            _ => p.as_ref(),
+        })
+        .collect();
+    cpu::run_op(op, &refs, n_outputs)
+}
+
 /// The largest tensor lowering accepts (2^48 bytes: more than any device's memory, small enough
 /// that every offset and size computed from it fits in 64 bits).
 pub const MAX_TENSOR_BYTES: u64 = 1 << 48;
@@ -268,26 +305,19 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         let all_known = !is_if(&node.op) && node.inputs().iter().flatten().all(|v| known.contains_key(v));
         let shape_of = matches!(node.op, Op::Shape(_) | Op::Size) && node.input(0).is_some_and(|v| ty(v).is_ok());
         if (all_known && !node.inputs().is_empty()) || shape_of || matches!(node.op, Op::Constant(_)) {
-            let ins: Vec<Option<HostTensor>> = node
+            let shapes: Vec<Option<(DType, Vec<usize>)>> =
+                node.inputs().iter().map(|i| i.filter(|v| !known.contains_key(v)).and_then(|v| ty(v).ok())).collect();
+            let ins: Vec<Option<Known>> = node
                 .inputs()
                 .iter()
-                .map(|i| {
-                    i.map(|v| match known.get(&v) {
-                        Some(t) => Ok(t.clone()),
-                        // Shape reads only the shape: a placeholder of the right shape.
-                        None => ty(v).map(|(d, s)| HostTensor::from_f64(d, s, Vec::new())),
-                    })
-                    .transpose()
+                .zip(&shapes)
+                .map(|(i, sh)| match (i.and_then(|v| known.get(&v)), sh) {
+                    (Some(t), _) => Some(Known::Value(t)),
+                    (None, Some((d, s))) => Some(Known::Shape(*d, s)),
+                    (None, None) => None,
                 })
-                .collect::<Result<_, _>>()?;
-            let refs: Vec<Option<&HostTensor>> = ins.iter().map(|t| t.as_ref()).collect();
-            let outs = match (&node.op, node.input(0)) {
-                (Op::Size, Some(x)) => {
-                    let numel = ty(x)?.1.iter().product::<usize>() as i64;
-                    vec![HostTensor::from_i64(DType::I64, vec![], vec![numel])]
-                }
-                _ => cpu::run_op(&node.op, &refs, node.outputs().len()).map_err(|e| kernel_error(g, n, e))?,
-            };
+                .collect();
+            let outs = fold(&node.op, &ins, node.outputs().len()).map_err(|e| kernel_error(g, n, e))?;
             for (&o, t) in node.outputs().iter().zip(outs) {
                 known.insert(o, t);
             }
