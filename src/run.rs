@@ -152,11 +152,9 @@ pub fn memory_plan(
     dims: &HashMap<String, u64>,
 ) -> Result<(mpc_runtime::program::Program, BTreeMap<String, u64>)> {
     use mpc_runtime::device::Device;
-    let (_, used) =
-        crate::summary::bind_inputs(g, dims).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
     let state: std::collections::HashSet<mpc_ir::ValueId> =
         g.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
-    let bound = fold_and_infer(g.clone(), dims, &state, model)?;
+    let (bound, used) = fold_and_infer(g.clone(), dims, &state, model)?;
     let program = lower_bound(&bound, mpc_runtime::device::CpuDevice::default().caps(), None, None, model)?;
     Ok((program, used))
 }
@@ -271,7 +269,7 @@ pub fn lower_for_inputs(
     }
     let state: std::collections::HashSet<mpc_ir::ValueId> =
         b.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
-    let bound = fold_and_infer(b, &dims, &state, model)?;
+    let (bound, _) = fold_and_infer(b, &dims, &state, model)?;
     lower_bound(&bound, caps, None, None, model)
 }
 
@@ -325,7 +323,7 @@ fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_ru
             });
             let raw = raw.ok_or_else(|| err("missing".into()))?;
             let sub = mpc_ir::onnx::decode_subgraph(raw, g, &captures).map_err(|e| err(e.to_string()))?;
-            let typed = fold_and_infer(sub, &HashMap::new(), &Default::default(), model)?;
+            let (typed, _) = fold_and_infer(sub, &HashMap::new(), &Default::default(), model)?;
             let nested = if_branches(&typed, model)?;
             Ok((typed, nested))
         };
@@ -338,19 +336,22 @@ fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_ru
 
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded
 /// shape arithmetic (`Shape → Gather → Concat`) gives inference the values that decide the next
-/// shapes. Initializers named in `changing` (training state) are not constants.
+/// shapes. Initializers named in `changing` (training state) are not constants. Also returns the
+/// symbolic dims the inputs bound.
 pub fn fold_and_infer(
     mut g: Graph,
     dims: &HashMap<String, u64>,
     changing: &std::collections::HashSet<mpc_ir::ValueId>,
     model: &Path,
-) -> Result<Graph> {
+) -> Result<(Graph, BTreeMap<String, u64>)> {
+    let mut used = None;
     loop {
-        let (bound, _) =
+        let (bound, u) =
             crate::summary::bind_inputs(&g, dims).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
+        used.get_or_insert(u);
         g = bound;
         if fold_constants(&mut g, changing).map_err(|source| Error::Run { path: model.to_owned(), source })? == 0 {
-            return Ok(g);
+            return Ok((g, used.unwrap_or_default()));
         }
     }
 }

@@ -246,7 +246,7 @@ pub fn train_on<D: Device>(
     let lower_at = |g: &Graph, batch: usize, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
         let dims = HashMap::from([("batch".to_string(), batch as u64)]);
         let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
-        let bound = crate::run::fold_and_infer(g.clone(), &dims, &changing, path)?;
+        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, path)?;
         crate::run::lower_bound(&bound, caps, layout, Some(variables), path)
     };
     let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;
