@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Exports the architecture zoo: tiny models people train, written by both torch exporters.
+
+    python3 tests/models/zoo/make_zoo.py [NAME ...]   # needs torch, torchvision, transformers,
+                                                     # onnx, onnxscript, numpy, safetensors
+
+Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
+classifier) is built with random weights from a tiny config, then exported twice:
+`NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
+`NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
+a training step is deterministic; models are exported in eval mode, as users export them.
+
+For each family `NAME.grads.safetensors` holds fixed inputs (`input.*`), the loss mpc adds to the
+model's first output (cross-entropy, over the last axis for the language models; mean squared
+error against `input.targets` for the UNet) and PyTorch autograd's gradient of every parameter in
+training mode, keyed by the name of the ONNX initializer that holds it (`grad.NAME`; an exporter
+that stores a weight transposed, as the legacy one does for a Linear without bias, gets the
+transposed gradient under that initializer's name, `gradT.NAME`). `zoo.json` records the loss and
+the valid range of each integer input. The Rust tests read only the written files.
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from onnx import numpy_helper
+from safetensors.numpy import save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OPSET = 18
+B, T = 2, 8
+warnings.filterwarnings("ignore")
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=16, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def tiny_distilbert():
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    cfg = DistilBertConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                           max_position_embeddings=16, num_labels=3, dropout=0.0,
+                           attention_dropout=0.0, seq_classif_dropout=0.0)
+    return DistilBertForSequenceClassification(cfg)
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                      use_cache=False, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, intermediate_size=64, num_labels=3,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return ViTForImageClassification(cfg)
+
+
+def tiny_mobilenet():
+    from functools import partial
+    from torchvision.models.mobilenetv3 import InvertedResidualConfig, MobileNetV3
+    c = partial(InvertedResidualConfig, width_mult=1.0)
+    setting = [c(8, 3, 8, 8, True, "RE", 2, 1), c(8, 3, 24, 12, False, "RE", 2, 1),
+               c(12, 5, 32, 16, True, "HS", 2, 1)]
+    return MobileNetV3(setting, last_channel=32, num_classes=3, dropout=0.0)
+
+
+class TinyUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.down2 = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.fuse = nn.Sequential(nn.Conv2d(16, 8, 3, padding=1), nn.ReLU())
+        self.side = nn.Conv2d(16, 8, 1)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        a = self.down1(x)
+        b = self.down2(F.max_pool2d(a, 2))
+        u = self.up(b) + F.interpolate(self.side(b), scale_factor=2.0, mode="nearest")
+        return self.head(self.fuse(torch.cat([a, u], dim=1)))
+
+
+class GroupNormCnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.n1 = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.c2, self.n2 = nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.silu(self.n1(self.c1(x)))
+        h = F.silu(self.n2(self.c2(h)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+class LstmClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.lstm = nn.LSTM(16, 24, batch_first=True)
+        self.fc = nn.Linear(24, 3)
+
+    def forward(self, tokens):
+        h, _ = self.lstm(self.emb(tokens))
+        return self.fc(h[:, -1])
+
+
+def tokens(rng, vocab=64):
+    return torch.tensor(rng.integers(0, vocab, (B, T)), dtype=torch.int64)
+
+
+def image(rng, c, hw):
+    return torch.tensor(rng.standard_normal((B, c, hw, hw)).astype(np.float32))
+
+
+class Logits(nn.Module):
+    """A Hugging Face model's logits as its only output."""
+
+    def __init__(self, m, mask=False):
+        super().__init__()
+        self.m, self.mask = m, mask
+
+    def forward(self, x):
+        # The language models get an all-ones attention mask, as a tokenizer's batch has; without
+        # one, transformers looks for packed sequences with an op the legacy exporter lacks.
+        if self.mask:
+            return self.m(x, attention_mask=torch.ones_like(x)).logits
+        return self.m(x).logits
+
+
+# name -> (builder, input name, input maker, loss, label maker)
+FAMILIES = {
+    "bert": (lambda: Logits(tiny_bert()), "input_ids", tokens, "ce", lambda r: r.integers(0, 3, B)),
+    "distilbert": (lambda: Logits(tiny_distilbert()), "input_ids", tokens, "ce", lambda r: r.integers(0, 3, B)),
+    "gpt2": (lambda: Logits(tiny_gpt2(), mask=True), "input_ids", tokens, "lm", lambda r: r.integers(0, 64, (B, T))),
+    "llama": (lambda: Logits(tiny_llama(), mask=True), "input_ids", tokens, "lm", lambda r: r.integers(0, 64, (B, T))),
+    "vit": (lambda: Logits(tiny_vit()), "pixel_values", lambda r: image(r, 3, 16), "ce", lambda r: r.integers(0, 3, B)),
+    "mobilenet": (tiny_mobilenet, "x", lambda r: image(r, 3, 32), "ce", lambda r: r.integers(0, 3, B)),
+    "unet": (TinyUNet, "x", lambda r: image(r, 1, 16), "mse", None),
+    "groupnorm": (GroupNormCnn, "x", lambda r: image(r, 3, 8), "ce", lambda r: r.integers(0, 3, B)),
+    "lstm": (LstmClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B)),
+}
+
+
+def export(model, x, in_name, path, dynamo):
+    if dynamo:
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=OPSET, input_names=[in_name],
+                                 output_names=["logits"], dynamic_shapes=({0: batch},), verbose=False)
+        prog.optimize()
+        prog.save(path)
+    else:
+        torch.onnx.export(model, (x,), path, dynamo=False, opset_version=OPSET, input_names=[in_name],
+                          output_names=["logits"], dynamic_axes={in_name: {0: "batch"}, "logits": {0: "batch"}})
+    m = onnx.load(path)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def loss_of(kind, out, labels):
+    if kind == "ce":
+        return F.cross_entropy(out, labels)
+    if kind == "lm":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    return F.mse_loss(out, labels)
+
+
+def grads_by_initializer(model, m, named):
+    """Maps each float initializer of `m` to the gradient of the parameter it holds (equal, or
+    equal to its transpose)."""
+    out = {}
+    for init in m.graph.initializer:
+        a = numpy_helper.to_array(init)
+        if a.dtype != np.float32 or a.ndim == 0:
+            continue
+        for pname, p in named.items():
+            w = p.detach().numpy()
+            if w.shape == a.shape and np.array_equal(w, a):
+                out[f"grad.{init.name}"] = p.grad.numpy().astype(np.float32)
+                break
+            if w.ndim == 2 and w.T.shape == a.shape and np.array_equal(w.T, a):
+                out[f"grad.{init.name}"] = np.ascontiguousarray(p.grad.numpy().T).astype(np.float32)
+                break
+    return out
+
+
+def make(name, meta):
+    build, in_name, make_input, loss_kind, make_labels = FAMILIES[name]
+    torch.manual_seed(20261123)
+    rng = np.random.default_rng(20261123)
+    model = build().eval()
+    x = make_input(rng)
+    if loss_kind == "mse":
+        with torch.no_grad():
+            labels = torch.tensor(rng.standard_normal(tuple(model(x).shape)).astype(np.float32))
+    else:
+        labels = torch.tensor(make_labels(rng), dtype=torch.int64)
+        if loss_kind == "lm":
+            labels[0, :2] = -100  # ignored positions, as a padded batch has
+    models = {}
+    for dynamo in (False, True):
+        path = os.path.join(HERE, f"{name}.{'dynamo' if dynamo else 'legacy'}.onnx")
+        models[dynamo] = export(model, x, in_name, path, dynamo)
+        print(f"{os.path.basename(path)}: {os.path.getsize(path) // 1024} KB, "
+              f"{len(models[dynamo].graph.node)} nodes")
+    model.train()
+    named = dict(model.named_parameters())
+    loss = loss_of(loss_kind, model(x), labels)
+    loss.backward()
+    tensors = {f"input.{in_name}": x.numpy()}
+    tensors["input.targets" if loss_kind == "mse" else "input.labels"] = labels.numpy()
+    tensors["loss"] = np.array(loss.item(), dtype=np.float32)
+    for dynamo, m in models.items():
+        for k, v in grads_by_initializer(model, m, named).items():
+            tensors.setdefault(k, v)
+    save_file(tensors, os.path.join(HERE, f"{name}.grads.safetensors"))
+    ints = {in_name: [0, 64]} if x.dtype == torch.int64 else {}
+    meta[name] = {"input": in_name, "loss": {"ce": "cross-entropy", "lm": "cross-entropy:axis=-1",
+                                             "mse": "mse"}[loss_kind],
+                  "labels": "targets" if loss_kind == "mse" else "labels", "int_inputs": ints,
+                  "torch_loss": loss.item()}
+
+
+def main():
+    names = sys.argv[1:] or list(FAMILIES)
+    path = os.path.join(HERE, "zoo.json")
+    meta = json.load(open(path)) if os.path.exists(path) else {}
+    for name in names:
+        make(name, meta)
+    with open(path, "w") as f:
+        json.dump(dict(sorted(meta.items())), f, indent=2)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
