@@ -460,12 +460,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             let ierr = |source| Error::Input { path: common.model.clone(), source };
             if let Some(b) = batch {
                 for &v in g.inputs() {
-                    let first_sym = g.ty(v).shape.as_ref().and_then(|s| {
-                        s.dims().iter().find_map(|d| match d {
-                            mpc_ir::Dim::Sym(s) => Some(s.to_string()),
-                            _ => None,
-                        })
-                    });
+                    let first_sym = g
+                        .ty(v)
+                        .shape
+                        .as_ref()
+                        .and_then(|s| s.dims().iter().find_map(|d| d.symbol().map(str::to_string)));
                     if let Some(s) = first_sym {
                         opts.dims.entry(s).or_insert(b);
                     }

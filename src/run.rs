@@ -103,7 +103,11 @@ pub fn random_inputs(g: &Graph, seed: u64, dims: &HashMap<String, u64>) -> Resul
             .iter()
             .map(|d| match d {
                 Dim::Fixed(n) => *n as usize,
-                Dim::Sym(s) => dims.get(s.as_ref()).copied().unwrap_or(1) as usize,
+                // An expression too large (or negative) is refused below as too large to fill.
+                Dim::Sym(e) => e
+                    .eval(&|s| Some(dims.get(s).copied().unwrap_or(1)))
+                    .and_then(|n| usize::try_from(n).ok())
+                    .unwrap_or(usize::MAX),
                 Dim::Unknown => 1,
             })
             .collect();
@@ -213,6 +217,8 @@ pub fn lower_for_inputs(
     let rerr = |source| Error::Run { path: model.to_owned(), source };
     let mut b = g.clone();
     let mut dims = HashMap::new();
+    // Input dims that are expressions in named sizes, with the sizes fed.
+    let mut derived = Vec::new();
     for &v in g.inputs() {
         let name = g.name(v);
         let t = inputs.get(name).ok_or_else(|| rerr(mpc_runtime::RuntimeError::MissingInput(name.to_string())))?;
@@ -235,7 +241,11 @@ pub fn lower_for_inputs(
                 }));
             }
             for (d, &n) in shape.dims().iter().zip(&t.shape) {
-                if let Dim::Sym(s) = d {
+                if let Dim::Sym(e) = d {
+                    let Some(s) = e.as_symbol() else {
+                        derived.push((name, e.clone(), n));
+                        continue;
+                    };
                     if let Some(old) = dims.insert(s.to_string(), n as u64).filter(|&o| o != n as u64) {
                         return Err(Error::Usage(format!(
                             "{}: input `{name}` binds `{s}` to {n}, another input bound it to {old}",
@@ -245,21 +255,29 @@ pub fn lower_for_inputs(
                 }
             }
         }
-        // Symbolic dims stay symbolic (bound below, with the values that carry them), unknown and
-        // missing ones take the fed size.
+        // Named dims stay symbolic (bound below, with the values that carry them); unknown and
+        // missing ones, and expressions (`8*batch`, checked below), take the fed size.
         let dims_now: Vec<Dim> = match &ty.shape {
             Some(shape) => shape
                 .dims()
                 .iter()
                 .zip(&t.shape)
                 .map(|(d, &n)| match d {
-                    Dim::Unknown => Dim::Fixed(n as u64),
-                    d => d.clone(),
+                    Dim::Sym(e) if e.as_symbol().is_some() => d.clone(),
+                    _ => Dim::Fixed(n as u64),
                 })
                 .collect(),
             None => t.shape.iter().map(|&n| Dim::Fixed(n as u64)).collect(),
         };
         b.set_ty(v, mpc_ir::TypeInfo::new(t.dtype(), mpc_ir::Shape(dims_now)));
+    }
+    for (name, e, n) in derived {
+        if let Some(want) = e.eval(&|s| dims.get(s).copied()).filter(|&w| w != n as i64) {
+            return Err(Error::Usage(format!(
+                "{}: input `{name}` has {n} where its dim `{e}` is {want} for the sizes the inputs bound",
+                model.display()
+            )));
+        }
     }
     for v in host_valued_inputs(&b) {
         let t = &inputs[b.name(v)];

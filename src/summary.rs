@@ -36,10 +36,12 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
                 .0
                 .iter()
                 .map(|d| match d {
-                    Dim::Sym(s) => {
-                        let n = dims.get(s.as_ref()).copied().unwrap_or(1);
-                        used.insert(s.to_string(), n);
-                        Dim::Fixed(n)
+                    Dim::Sym(e) => {
+                        for s in e.symbols() {
+                            used.insert(s.to_string(), dims.get(s).copied().unwrap_or(1));
+                        }
+                        let n = e.eval(&|s| used.get(s).copied()).and_then(|n| u64::try_from(n).ok());
+                        n.map_or(Dim::Unknown, Dim::Fixed)
                     }
                     Dim::Unknown => Dim::Fixed(1),
                     d => d.clone(),
@@ -61,7 +63,11 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
     // Opaque ops keep their declared types; bind the same symbols there too.
     for v in b.value_ids().collect::<Vec<_>>() {
         if let Some(shape) = b.ty(v).shape.clone() {
-            if shape.dims().iter().any(|d| matches!(d, Dim::Sym(s) if used.contains_key(s.as_ref()))) {
+            if shape
+                .dims()
+                .iter()
+                .any(|d| matches!(d, Dim::Sym(e) if e.symbols().iter().any(|s| used.contains_key(*s))))
+            {
                 let bound = shape.bind(&|s| used.get(s).copied());
                 let mut ty = b.ty(v).clone();
                 ty.shape = Some(bound);
@@ -200,7 +206,7 @@ pub fn to_json(g: &Graph) -> mpc_ir::Result<String> {
             "dtype": t.dtype.map(|d| d.to_string()),
             "shape": t.shape.as_ref().map(|s| s.dims().iter().map(|d| match d {
                 Dim::Fixed(n) => json!(n),
-                Dim::Sym(s) => json!(s.as_ref()),
+                Dim::Sym(e) => json!(e.to_string()),
                 Dim::Unknown => serde_json::Value::Null,
             }).collect::<Vec<_>>()),
         })

@@ -1,17 +1,19 @@
-//! Shapes: static dims, named symbolic dims (`batch`) and unknown dims.
+//! Shapes: static dims, symbolic dims (`batch`, `8*batch`) and unknown dims.
 
 use std::fmt;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
+
+use crate::SymExpr;
 
 /// One dimension of a shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Dim {
     /// A known size.
     Fixed(u64),
-    /// A named size that is the same wherever the name appears (`batch`, `seq`).
-    Sym(Arc<str>),
+    /// A size given by named sizes that are the same wherever the name appears: `batch`, or an
+    /// expression in them such as `8*batch`. Never a constant (that is `Fixed`).
+    Sym(SymExpr),
     /// A size nothing is known about.
     Unknown,
 }
@@ -24,8 +26,35 @@ impl Dim {
         }
     }
 
+    /// The size named `name`.
     pub fn sym(name: &str) -> Dim {
-        Dim::Sym(Arc::from(name))
+        Dim::Sym(SymExpr::symbol(name))
+    }
+
+    /// The dim an expression gives: `Fixed` when it is a constant (`Unknown` when a negative
+    /// one), else `Sym`.
+    pub fn from_expr(e: SymExpr) -> Dim {
+        match e.as_const() {
+            Some(c) => u64::try_from(c).map_or(Dim::Unknown, Dim::Fixed),
+            None => Dim::Sym(e),
+        }
+    }
+
+    /// The dim as an expression (`None` when unknown, or too large for one).
+    pub fn expr(&self) -> Option<SymExpr> {
+        match self {
+            Dim::Fixed(n) => Some(SymExpr::constant(i64::try_from(*n).ok()?)),
+            Dim::Sym(e) => Some(e.clone()),
+            Dim::Unknown => None,
+        }
+    }
+
+    /// The name, when the dim is one plain symbol (`batch`, not `8*batch`).
+    pub fn symbol(&self) -> Option<&str> {
+        match self {
+            Dim::Sym(e) => e.as_symbol(),
+            _ => None,
+        }
     }
 }
 
@@ -39,7 +68,7 @@ impl fmt::Display for Dim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Dim::Fixed(n) => write!(f, "{n}"),
-            Dim::Sym(s) => f.write_str(s),
+            Dim::Sym(e) => write!(f, "{e}"),
             Dim::Unknown => f.write_str("?"),
         }
     }
@@ -76,13 +105,14 @@ impl Shape {
         self.0.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.fixed()?))
     }
 
-    /// Replaces symbolic dims by the sizes bound in `bind` (unbound ones stay symbolic).
+    /// Replaces the named sizes that `bind` knows by their values (symbolic dims whose every
+    /// name is bound become fixed; one whose value overflows becomes unknown).
     pub fn bind(&self, bind: &dyn Fn(&str) -> Option<u64>) -> Shape {
         Shape(
             self.0
                 .iter()
                 .map(|d| match d {
-                    Dim::Sym(s) => bind(s).map(Dim::Fixed).unwrap_or_else(|| d.clone()),
+                    Dim::Sym(e) => e.bind(bind).map_or(Dim::Unknown, Dim::from_expr),
                     _ => d.clone(),
                 })
                 .collect(),

@@ -52,6 +52,64 @@ fn reshape_zero_copies_and_minus_one_infers() {
 }
 
 #[test]
+fn symbolic_dims_are_expressions_that_divide_exactly() {
+    // The dynamo exporter's head split: [8*batch,96] into [-1,8,96].
+    let g = "  input %0 \"x\": f32[\"8*batch\",96]\n  init %1 \"s\" = i64[3]{-1, 8, 96}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
+    assert_eq!(infer(g, "y").unwrap(), "f32[batch,8,96]");
+    // And back: [batch,8,96] flattened over the first two dims.
+    let g = "  input %0 \"x\": f32[batch,8,96]\n  init %1 \"s\" = i64[2]{-1, 96}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
+    assert_eq!(infer(g, "y").unwrap(), "f32[\"8*batch\",96]");
+    // A -1 that only some batch sizes fill is left open, not refused.
+    let g =
+        "  input %0 \"x\": f32[batch,6]\n  init %1 \"s\" = i64[2]{-1, 4}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
+    assert_eq!(infer(g, "y").unwrap(), "f32[?,4]");
+}
+
+#[test]
+fn shape_arithmetic_carries_expressions_through_every_integer_op() {
+    // Shape → Gather → Mul/Sub → Unsqueeze → Concat → Reshape, Range over a size, and the
+    // legacy exporter's Where(Equal(shape, -1), 1, shape) guard in front of Expand.
+    let g = "  input %0 \"x\": f32[batch,seq,32]
+  init %1 \"i0\" = i64[]{0}
+  init %2 \"i1\" = i64[]{1}
+  init %3 \"four\" = i64[]{4}
+  init %4 \"ax0\" = i64[1]{0}
+  init %5 \"m1\" = i64[1]{-1}
+  init %6 \"eight\" = i64[1]{8}
+  init %22 \"two\" = i64[1]{2}
+  %7 \"s\": ? = Shape(%0)
+  %8 \"b\": ? = Gather(%7, %1)
+  %9 \"t\": ? = Gather(%7, %2)
+  %10 \"b4\": ? = Mul(%8, %3)
+  %11 \"t1\": ? = Sub(%9, %2)
+  %12 \"b4v\": ? = Unsqueeze(%10, %4)
+  %13 \"t1v\": ? = Unsqueeze(%11, %4)
+  %14 \"shape\": ? = Concat[axis=0](%12, %5, %6)
+  %15 \"y\": ? = Reshape(%0, %14)
+  %16 \"r\": ? = Range(%1, %9, %2)
+  %23 \"tv\": ? = Unsqueeze(%9, %4)
+  %17 \"want\": ? = Concat[axis=0](%5, %23)
+  %18 \"ones\": ? = ConstantOfShape[value=i64[1]{1}](%22)
+  %19 \"is_m1\": ? = Equal(%17, %5)
+  %20 \"fixed\": ? = Where(%19, %18, %17)
+  %21 \"e\": ? = Expand(%16, %20)
+  output %15
+  output %21
+  output %13";
+    assert_eq!(infer(g, "y").unwrap(), "f32[\"4*batch\",seq,8]");
+    assert_eq!(infer(g, "r").unwrap(), "i64[seq]");
+    assert_eq!(infer(g, "t1v").unwrap(), "i64[1]");
+    assert_eq!(infer(g, "e").unwrap(), "i64[1,seq]");
+}
+
+#[test]
+fn expand_and_constant_of_shape_keep_the_rank_of_a_computed_shape() {
+    let g = "  input %0 \"x\": f32[1,4]\n  input %1 \"s\": i64[3]\n  %2 \"y\": ? = Expand(%0, %1)\n  %3 \"z\": ? = ConstantOfShape(%1)\n  output %2\n  output %3";
+    assert_eq!(infer(g, "y").unwrap(), "f32[?,?,4]");
+    assert_eq!(infer(g, "z").unwrap(), "f32[?,?,?]");
+}
+
+#[test]
 fn matmul_gemm_conv_pool() {
     let mm = "  input %0 \"a\": f32[b,4,2,3]\n  input %1 \"w\": f32[3,5]\n  %2 \"y\": ? = MatMul(%0, %1)\n  output %2";
     assert_eq!(infer(mm, "y").unwrap(), "f32[b,4,2,5]");

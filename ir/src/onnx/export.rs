@@ -350,7 +350,7 @@ fn write_value_info(tag: u32, name: &str, ty: &TypeInfo, buf: &mut Vec<u8>) {
     // TensorShapeProto.Dimension: dim_value = 1, dim_param = 2.
     let dim_len = |d: &Dim| match d {
         Dim::Fixed(n) => 1 + vlen(*n),
-        Dim::Sym(p) => delimited(p.len()),
+        Dim::Sym(p) => delimited(p.to_string().len()),
         Dim::Unknown => 0,
     };
     let shape_len = ty.shape.as_ref().map(|s| s.dims().iter().map(|d| delimited(dim_len(d))).sum::<usize>());
@@ -382,7 +382,7 @@ fn write_value_info(tag: u32, name: &str, ty: &TypeInfo, buf: &mut Vec<u8>) {
                     encode_key(1, WireType::Varint, buf);
                     encode_varint(*n, buf);
                 }
-                Dim::Sym(p) => put_bytes(2, p.as_bytes(), buf),
+                Dim::Sym(p) => put_bytes(2, p.to_string().as_bytes(), buf),
                 Dim::Unknown => {}
             }
         }

@@ -291,7 +291,9 @@ fn value_type(vi: &ValueInfoProto, interface: bool) -> Result<TypeInfo> {
                 .iter()
                 .map(|d| match &d.value {
                     Some(proto::tensor_shape_proto::dimension::Value::DimValue(v)) if *v >= 0 => Dim::Fixed(*v as u64),
-                    Some(proto::tensor_shape_proto::dimension::Value::DimParam(p)) if !p.is_empty() => Dim::sym(p),
+                    Some(proto::tensor_shape_proto::dimension::Value::DimParam(p)) if !p.is_empty() => {
+                        Dim::from_expr(crate::SymExpr::parse(p))
+                    }
                     _ => Dim::Unknown,
                 })
                 .collect(),

@@ -538,7 +538,7 @@ fn dims(l: &mut Line) -> Result<Shape, String> {
     loop {
         out.push(match l.next()? {
             Tok::Num(n) => Dim::Fixed(n.parse().map_err(|_| format!("bad dimension `{n}`"))?),
-            Tok::Ident(s) | Tok::Str(s) => Dim::sym(&s),
+            Tok::Ident(s) | Tok::Str(s) => Dim::from_expr(crate::SymExpr::parse(&s)),
             Tok::Punct('?') => Dim::Unknown,
             _ => return Err("expected a dimension".into()),
         });

@@ -232,7 +232,7 @@ pub(super) fn type_str(dtype: &Option<String>, dims: Option<&[Dim]>) -> String {
         let ds: Vec<String> = dims
             .iter()
             .map(|d| match d {
-                Dim::Sym(name) => ident_or_quote(name),
+                Dim::Sym(e) => ident_or_quote(&e.to_string()),
                 _ => d.to_string(),
             })
             .collect();

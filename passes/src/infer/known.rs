@@ -1,15 +1,14 @@
 //! Known values of small integer tensors (shapes, axes, sizes), with symbolic elements.
 
+use mpc_ir::{normalize_axis, Dim, Graph, NodeId, Op, SymExpr, ValueId};
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use mpc_ir::{normalize_axis, Dim, Graph, NodeId, Op, ValueId};
-
-/// One element of a known integer tensor.
+/// One element of a known integer tensor: an integer, a symbolic size such as `batch` or
+/// `8*batch` (never a constant), or unknown. Booleans are the integers 0 and 1.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Elem {
     Int(i64),
-    Sym(Arc<str>),
+    Sym(SymExpr),
     Unknown,
 }
 
@@ -25,17 +24,67 @@ impl Elem {
     pub fn dim(&self) -> Dim {
         match self {
             Elem::Int(i) if *i >= 0 => Dim::Fixed(*i as u64),
-            Elem::Sym(s) => Dim::Sym(s.clone()),
+            Elem::Sym(e) => Dim::Sym(e.clone()),
             _ => Dim::Unknown,
         }
     }
 
     fn from_dim(d: &Dim) -> Elem {
-        match d {
-            Dim::Fixed(n) => Elem::Int(*n as i64),
-            Dim::Sym(s) => Elem::Sym(s.clone()),
-            Dim::Unknown => Elem::Unknown,
+        d.expr().map_or(Elem::Unknown, Elem::from_expr)
+    }
+
+    fn from_expr(e: SymExpr) -> Elem {
+        match e.as_const() {
+            Some(c) => Elem::Int(c),
+            None => Elem::Sym(e),
         }
+    }
+
+    fn expr(&self) -> Option<SymExpr> {
+        match self {
+            Elem::Int(i) => Some(SymExpr::constant(*i)),
+            Elem::Sym(e) => Some(e.clone()),
+            Elem::Unknown => None,
+        }
+    }
+
+    /// `a op b` for the integer arithmetic and comparisons of shape computations. Division is
+    /// exact on symbols and truncating on integers (as ONNX runtimes divide int64).
+    fn binary(op: &Op, a: &Elem, b: &Elem) -> Elem {
+        if let (Elem::Int(x), Elem::Int(y)) = (a, b) {
+            let (x, y) = (*x, *y);
+            let v = match op {
+                Op::Add => x.checked_add(y),
+                Op::Sub => x.checked_sub(y),
+                Op::Mul => x.checked_mul(y),
+                Op::Div => x.checked_div(y),
+                Op::Max => Some(x.max(y)),
+                Op::Min => Some(x.min(y)),
+                Op::Equal => Some(i64::from(x == y)),
+                Op::Less => Some(i64::from(x < y)),
+                Op::Greater => Some(i64::from(x > y)),
+                _ => None,
+            };
+            return v.map_or(Elem::Unknown, Elem::Int);
+        }
+        let (Some(x), Some(y)) = (a.expr(), b.expr()) else { return Elem::Unknown };
+        let v = match op {
+            Op::Add => x.add(&y),
+            Op::Sub => x.sub(&y),
+            Op::Mul => x.mul(&y),
+            Op::Div => x.div_exact(&y),
+            // A size built from sizes with no negative coefficient is never negative.
+            Op::Equal if x == y => Some(SymExpr::constant(1)),
+            Op::Equal
+                if [(&x, &y), (&y, &x)]
+                    .iter()
+                    .any(|(s, c)| s.is_nonnegative() && c.as_const().is_some_and(|c| c < 0)) =>
+            {
+                Some(SymExpr::constant(0))
+            }
+            _ => None,
+        };
+        v.map_or(Elem::Unknown, Elem::from_expr)
     }
 }
 
@@ -106,8 +155,9 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             Some(Known { scalar: false, elems })
         }
         Op::Size => {
-            let n = g.ty(node.input(0)?).shape.as_ref()?.numel()?;
-            Some(Known { scalar: true, elems: vec![Elem::Int(n as i64)] })
+            let shape = g.ty(node.input(0)?).shape.as_ref()?;
+            let n = shape.dims().iter().try_fold(SymExpr::constant(1), |acc, d| acc.mul(&d.expr()?))?;
+            Some(Known { scalar: true, elems: vec![Elem::from_expr(n)] })
         }
         Op::Identity => input(0).cloned(),
         Op::Cast(c) if !c.to.is_float() => input(0).cloned(),
@@ -155,26 +205,89 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let (s, e) = (clamp(starts[0]), clamp(ends[0]));
             Some(Known { scalar: false, elems: x.elems.get(s..e.max(s))?.to_vec() })
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div => {
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Max | Op::Min | Op::Equal | Op::Less | Op::Greater
+            if node.inputs().len() == 2 =>
+        {
             let (a, b) = (input(0)?, input(1)?);
-            let len = a.elems.len().max(b.elems.len());
-            if !(a.elems.len() == len || a.elems.len() == 1) || !(b.elems.len() == len || b.elems.len() == 1) {
+            let elems = broadcast_elems(&[a, b], |e| Elem::binary(&node.op, &e[0], &e[1]))?;
+            Some(Known { scalar: a.scalar && b.scalar, elems })
+        }
+        Op::Neg => {
+            let x = input(0)?;
+            let zero = Elem::Int(0);
+            Some(Known { scalar: x.scalar, elems: x.elems.iter().map(|e| Elem::binary(&Op::Sub, &zero, e)).collect() })
+        }
+        Op::Not => {
+            let x = input(0)?;
+            let elems =
+                x.elems.iter().map(|e| e.int().map_or(Elem::Unknown, |b| Elem::Int(i64::from(b == 0)))).collect();
+            Some(Known { scalar: x.scalar, elems })
+        }
+        Op::Where => {
+            let (c, a, b) = (input(0)?, input(1)?, input(2)?);
+            let elems = broadcast_elems(&[c, a, b], |e| match e[0].int() {
+                Some(0) => e[2].clone(),
+                Some(_) => e[1].clone(),
+                None if e[1] == e[2] => e[1].clone(),
+                None => Elem::Unknown,
+            })?;
+            Some(Known { scalar: c.scalar && a.scalar && b.scalar, elems })
+        }
+        // A reshape of a known vector or scalar to a vector or scalar keeps its elements.
+        Op::Reshape(_) | Op::Flatten(_) | Op::Expand => {
+            let x = input(0)?;
+            let out = g.ty(node.outputs()[0]).shape.as_ref()?;
+            let n = out.numel()?;
+            let elems = match (x.elems.len() as u64, out.rank()) {
+                (len, 0 | 1) if len == n => x.elems.clone(),
+                (1, 0 | 1) if n <= MAX_ELEMS => vec![x.elems[0].clone(); n as usize],
+                _ => return None,
+            };
+            Some(Known { scalar: out.rank() == 0, elems })
+        }
+        Op::ConstantOfShape(a) => {
+            let dims = input(0)?.ints()?;
+            let n = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(u64::try_from(d).ok()?))?;
+            if dims.len() > 1 || n > MAX_ELEMS {
                 return None;
             }
-            let at = |k: &Known, i: usize| k.elems[if k.elems.len() == 1 { 0 } else { i }].clone();
-            let elems = (0..len)
-                .map(|i| match (at(a, i), at(b, i), &node.op) {
-                    (Elem::Int(x), Elem::Int(y), Op::Add) => Elem::Int(x.wrapping_add(y)),
-                    (Elem::Int(x), Elem::Int(y), Op::Sub) => Elem::Int(x.wrapping_sub(y)),
-                    (Elem::Int(x), Elem::Int(y), Op::Mul) => Elem::Int(x.wrapping_mul(y)),
-                    (Elem::Int(x), Elem::Int(y), Op::Div) if y != 0 => Elem::Int(x.wrapping_div(y)),
-                    (s, Elem::Int(1), Op::Mul | Op::Div) | (Elem::Int(1), s, Op::Mul) => s,
-                    (s, Elem::Int(0), Op::Add | Op::Sub) | (Elem::Int(0), s, Op::Add) => s,
-                    _ => Elem::Unknown,
-                })
-                .collect();
-            Some(Known { scalar: a.scalar && b.scalar, elems })
+            let value = match &a.value {
+                Some(t) => t.to_i64_vec()?.first().copied()?,
+                None => return None,
+            };
+            Some(Known { scalar: dims.is_empty(), elems: vec![Elem::Int(value); n as usize] })
+        }
+        Op::Range => {
+            let (s, l, d) = (input(0)?.ints()?, input(1)?.ints()?, input(2)?.ints()?);
+            let (&[s], &[l], &[d]) = (s.as_slice(), l.as_slice(), d.as_slice()) else { return None };
+            if d == 0 {
+                return None;
+            }
+            let n = (l.checked_sub(s)?.checked_add(d - d.signum())? / d).max(0) as u64;
+            if n > MAX_ELEMS {
+                return None;
+            }
+            Some(Known { scalar: false, elems: (0..n as i64).map(|i| Elem::Int(s + i * d)).collect() })
         }
         _ => None,
     }
+}
+
+/// Applies `f` elementwise to known vectors of equal length or of one element (numpy
+/// broadcasting of rank ≤ 1).
+fn broadcast_elems(inputs: &[&Known], f: impl Fn(&[Elem]) -> Elem) -> Option<Vec<Elem>> {
+    let len = inputs.iter().map(|k| k.elems.len()).max()?;
+    if inputs.iter().any(|k| k.elems.len() != len && k.elems.len() != 1) {
+        return None;
+    }
+    let mut args = Vec::with_capacity(inputs.len());
+    Some(
+        (0..len)
+            .map(|i| {
+                args.clear();
+                args.extend(inputs.iter().map(|k| k.elems[if k.elems.len() == 1 { 0 } else { i }].clone()));
+                f(&args)
+            })
+            .collect(),
+    )
 }

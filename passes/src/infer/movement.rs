@@ -1,7 +1,7 @@
 //! Type rules of the data-movement ops: reshapes, squeezes, concatenation, splitting, slicing,
 //! padding, resizing, einsum.
 
-use mpc_ir::{normalize_axis, Dim, Shape};
+use mpc_ir::{normalize_axis, Dim, Shape, SymExpr};
 
 use super::rules::{check_eq, t, NodeCx, R};
 
@@ -30,41 +30,36 @@ pub(super) fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, Str
     let Some(x) = x else {
         return Ok(Some(Shape(out)));
     };
-    // Element counts as (fixed product, symbols), ignoring the -1 slot.
-    let count = |dims: &[Dim], skip: Option<usize>| -> Option<(u64, Vec<String>)> {
-        let mut n = 1u64;
-        let mut syms = Vec::new();
+    // Element counts as expressions in the named sizes, without the -1 slot: the -1 is their
+    // exact quotient. Counts that cannot be equal for any non-zero sizes are an error.
+    let count = |dims: &[Dim], skip: Option<usize>| -> Option<SymExpr> {
+        let mut n = SymExpr::constant(1);
         for (i, d) in dims.iter().enumerate() {
-            if Some(i) == skip {
-                continue;
-            }
-            match d {
-                Dim::Fixed(k) => n = n.checked_mul(*k)?,
-                Dim::Sym(s) => syms.push(s.to_string()),
-                Dim::Unknown => return None,
+            if Some(i) != skip {
+                n = n.mul(&d.expr()?)?;
             }
         }
-        syms.sort();
-        Some((n, syms))
+        Some(n)
     };
-    if let (Some((xn, xs)), Some((tn, ts))) = (count(&x.0, None), count(&out, infer_at)) {
-        let mut rest = xs.clone();
-        let cancels = ts.iter().all(|s| rest.iter().position(|r| r == s).map(|p| rest.remove(p)).is_some());
-        match infer_at {
-            Some(i) if cancels => {
-                if tn == 0 || xn % tn != 0 {
-                    return Err(format!("cannot reshape {x} into {}", show(&target.elems)));
-                }
-                out[i] = match rest.as_slice() {
-                    [] => Dim::Fixed(xn / tn),
-                    [s] if xn / tn == 1 => Dim::sym(s),
-                    _ => Dim::Unknown,
-                };
+    if let (Some(xn), Some(tn)) = (count(&x.0, None), count(&out, infer_at)) {
+        let ratio = xn.div_exact(&tn);
+        let mismatch = match (infer_at, ratio) {
+            (Some(i), Some(r)) => {
+                out[i] = Dim::from_expr(r);
+                false
             }
-            None if cancels && rest.is_empty() && xn != tn => {
-                return Err(format!("cannot reshape {x} ({xn} elements) into {} ({tn} elements)", show(&target.elems)));
-            }
-            _ => {}
+            // Constant counts that do not divide (or a zero count, which leaves -1 open).
+            (Some(_), None) => xn.as_const().is_some() && tn.as_const().is_some(),
+            (None, r) => match (xn.as_const(), tn.as_const()) {
+                (Some(a), Some(b)) => a != b,
+                _ => r.as_ref().and_then(SymExpr::as_const).is_some_and(|c| c != 1),
+            },
+        };
+        if mismatch {
+            let (target, x_count) =
+                (show(&target.elems), if infer_at.is_some() { String::new() } else { format!(" ({xn} elements)") });
+            let t_count = if infer_at.is_some() { String::new() } else { format!(" ({tn} elements)") };
+            return Err(format!("cannot reshape {x}{x_count} into {target}{t_count}"));
         }
     }
     Ok(Some(Shape(out)))

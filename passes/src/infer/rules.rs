@@ -261,7 +261,11 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
         Op::Expand => {
-            let target = cx.known(1).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            // With the target's values unknown, its length still gives the rank.
+            let target = match cx.known(1) {
+                Some(k) => Some(Shape(k.elems.iter().map(|e| e.dim()).collect())),
+                None => vector_len(cx, 1).map(|n| Shape(vec![Dim::Unknown; n])),
+            };
             let shape = match (cx.sh(0), target) {
                 (Some(x), Some(tg)) => broadcast(&[x, &tg])?,
                 _ => None,
@@ -286,7 +290,10 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         Op::Constant(a) => vec![t(Some(a.value.dtype()), Some(Shape::fixed(a.value.shape())))],
         Op::ConstantOfShape(a) => {
             let dtype = a.value.as_ref().map_or(DType::F32, |v| v.dtype());
-            let shape = cx.known(0).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            let shape = match cx.known(0) {
+                Some(k) => Some(Shape(k.elems.iter().map(|e| e.dim()).collect())),
+                None => vector_len(cx, 0).map(|n| Shape(vec![Dim::Unknown; n])),
+            };
             vec![t(Some(dtype), shape)]
         }
         Op::Shape(a) => {
@@ -306,7 +313,15 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
                     let n = (l[0] - s[0] + dl[0] - dl[0].signum()) / dl[0];
                     Dim::Fixed(n.max(0) as u64)
                 }
-                _ => Dim::Unknown,
+                // `Range(start, limit, 1)` up to a size: `limit - start` elements.
+                _ => match (cx.ints(0).as_deref(), cx.known(1), cx.ints(2).as_deref()) {
+                    (Some(&[s]), Some(k), Some(&[1])) if k.elems.len() == 1 => k.elems[0]
+                        .dim()
+                        .expr()
+                        .and_then(|l| l.sub(&mpc_ir::SymExpr::constant(s)))
+                        .map_or(Dim::Unknown, Dim::from_expr),
+                    _ => Dim::Unknown,
+                },
             };
             vec![t(d, Some(Shape(vec![n])))]
         }
@@ -402,20 +417,8 @@ fn matmul(a: Option<&Shape>, b: Option<&Shape>) -> Result<Option<Shape>, String>
 }
 
 fn product(dims: &[Dim]) -> Dim {
-    let mut n = 1u64;
-    let mut sym: Option<&Dim> = None;
-    for d in dims {
-        match d {
-            Dim::Fixed(k) => n *= k,
-            Dim::Sym(_) if sym.is_none() => sym = Some(d),
-            _ => return Dim::Unknown,
-        }
-    }
-    match sym {
-        None => Dim::Fixed(n),
-        Some(s) if n == 1 => s.clone(),
-        Some(_) => Dim::Unknown,
-    }
+    let n = dims.iter().try_fold(mpc_ir::SymExpr::constant(1), |acc, d| acc.mul(&d.expr()?));
+    n.map_or(Dim::Unknown, Dim::from_expr)
 }
 
 /// The spatial output dims of a window over `x` (batch and channel dims first).
@@ -510,4 +513,12 @@ fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
             })
             .collect(),
     ))
+}
+
+/// The length of input `i` when it is a vector of fixed length (a shape operand).
+fn vector_len(cx: &NodeCx, i: usize) -> Option<usize> {
+    match cx.sh(i)?.dims() {
+        [Dim::Fixed(n)] => usize::try_from(*n).ok(),
+        _ => None,
+    }
 }
