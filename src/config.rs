@@ -11,7 +11,7 @@
 //! pin_fp32 = ["/attn/Softmax"]  # node names that stay FP32
 //!
 //! [train]                     # compile --train and train; a flag given on the command line wins
-//! loss = "cross-entropy"      # cross-entropy, mse or output:NAME
+//! loss = "cross-entropy"      # cross-entropy[:axis=-1,ignore-index=-100], mse or output:NAME
 //! labels = "labels"
 //! optimizer = "adamw"         # sgd, momentum, adam or adamw
 //! lr = 3e-4
@@ -29,6 +29,7 @@
 //! min_scale = 1.0             # within [min_scale, max_scale]
 //! max_scale = 16777216.0
 //! freeze = ["embed.weight"]
+//! tie = false                 # keep exported copies of one weight (a tied LM head) apart
 //! seed = 7                    # dropout masks (and train's sample order)
 //! ```
 //!
@@ -37,7 +38,7 @@
 use serde::Deserialize;
 
 use mpc_passes::precision::{Class, Policy};
-use mpc_passes::train::{Loss, LossScale, Optimizer, TrainOptions};
+use mpc_passes::train::{CrossEntropy, Loss, LossScale, Optimizer, TrainOptions};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,6 +130,8 @@ pub struct TrainFile {
     #[serde(default)]
     pub freeze: Vec<String>,
     pub seed: Option<u64>,
+    /// Train copies and transposes of one weight as one parameter (default true).
+    pub tie: Option<bool>,
 }
 
 impl TrainFile {
@@ -155,7 +158,8 @@ impl TrainFile {
             backoff_factor,
             min_scale,
             max_scale,
-            seed
+            seed,
+            tie
         )
     }
 
@@ -164,11 +168,16 @@ impl TrainFile {
     pub fn resolve(&self) -> Result<(TrainOptions, Option<LossScale>), String> {
         let d = TrainOptions::default();
         let loss = match self.loss.as_deref() {
-            None | Some("cross-entropy") => Loss::CrossEntropy,
+            None => Loss::CrossEntropy(CrossEntropy::default()),
             Some("mse") => Loss::Mse,
-            Some(l) => match l.strip_prefix("output:") {
-                Some(name) if !name.is_empty() => Loss::Output(name.to_string()),
-                _ => return Err(format!("loss `{l}`: expected cross-entropy, mse or output:NAME")),
+            Some(l) => match (l.strip_prefix("output:"), l.strip_prefix("cross-entropy")) {
+                (Some(name), _) if !name.is_empty() => Loss::Output(name.to_string()),
+                (_, Some(rest)) => Loss::CrossEntropy(cross_entropy(rest).map_err(|e| format!("loss `{l}`: {e}"))?),
+                _ => {
+                    return Err(format!(
+                        "loss `{l}`: expected cross-entropy[:axis=N,ignore-index=N|none], mse or output:NAME"
+                    ))
+                }
             },
         };
         let optimizer = match self.optimizer.as_deref() {
@@ -227,9 +236,30 @@ impl TrainFile {
             clip_norm: self.clip_norm.map(|c| positive("clip_norm", Some(c), c)).transpose()?,
             freeze: self.freeze.iter().cloned().collect(),
             seed: self.seed.unwrap_or(d.seed),
+            tie: self.tie.unwrap_or(d.tie),
             dynamic_scale: dynamic,
             ..d
         };
         Ok((opts, scale))
     }
+}
+
+/// The settings after `cross-entropy`: nothing, or `:` and comma-separated `axis=N`,
+/// `ignore-index=N` or `ignore-index=none`.
+fn cross_entropy(rest: &str) -> Result<CrossEntropy, String> {
+    let mut ce = CrossEntropy::default();
+    let Some(list) = rest.strip_prefix(':') else {
+        return if rest.is_empty() { Ok(ce) } else { Err("expected `:` after cross-entropy".into()) };
+    };
+    for item in list.split(',') {
+        let (key, value) = item.split_once('=').ok_or_else(|| format!("`{item}` is not KEY=VALUE"))?;
+        let int = || value.trim().parse::<i64>().map_err(|_| format!("`{key}` is `{value}`, not an integer"));
+        match key.trim() {
+            "axis" => ce.axis = int()?,
+            "ignore-index" if value.trim() == "none" => ce.ignore_index = None,
+            "ignore-index" => ce.ignore_index = Some(int()?),
+            k => return Err(format!("unknown setting `{k}` (axis, ignore-index)")),
+        }
+    }
+    Ok(ce)
 }

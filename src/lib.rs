@@ -202,6 +202,11 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
         });
         t
     });
+    let mut ties = Vec::new();
+    if let Some(t) = train.as_ref().filter(|t| t.tie) {
+        let candidates = mpc_passes::train::trainable(g, &t.freeze);
+        ties = mpc_passes::train::tie_weights(g, &candidates);
+    }
     if let (Some(t), Some(p)) = (&train, policy.as_mut()) {
         // Mixed precision keeps FP32 masters; the naive fp16 policy stores the weights in FP16.
         if !p.everything_low {
@@ -216,7 +221,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone(), policy, train, ..Default::default() };
+    let cx = Context { dims: opts.dims.clone(), policy, train, ties, ..Default::default() };
     pm.run(g, &cx, dump).map_err(perr)?;
     Ok(cx)
 }

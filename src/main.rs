@@ -78,7 +78,9 @@ impl Common {
 #[derive(clap::Args)]
 struct TrainArgs {
     /// The loss: cross-entropy (on the first output, against integer labels; the default), mse, or
-    /// output:NAME (the model computes its own scalar loss).
+    /// output:NAME (the model computes its own scalar loss). Cross-entropy takes the classes on
+    /// axis 1 and skips labels of -100; `cross-entropy:axis=-1` is a language model's loss over
+    /// [batch, tokens, vocabulary] scores, `ignore-index=N|none` sets the skipped label.
     #[arg(long)]
     loss: Option<String>,
     /// Name of the labels (or targets) input the loss adds [default: labels].
@@ -108,6 +110,10 @@ struct TrainArgs {
     /// Seed of the random streams: the dropout masks and, for `train`, the sample order [default: 0].
     #[arg(long)]
     seed: Option<u64>,
+    /// Train initializers that are copies or transposes of one another (an exported tied LM head)
+    /// as separate parameters, not as one.
+    #[arg(long)]
+    no_tie: bool,
 }
 
 impl TrainArgs {
@@ -123,6 +129,7 @@ impl TrainArgs {
             loss_scale: self.loss_scale.clone(),
             freeze: self.freeze.clone(),
             seed: self.seed,
+            tie: self.no_tie.then_some(false),
             ..Default::default()
         }
     }
@@ -317,6 +324,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
                 println!("{line}");
             })?;
+            report_ties(&trained.ties);
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
                 println!("test accuracy: {:.2}%", acc * 100.0);
             }
@@ -324,7 +332,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 eprintln!("mpc: training step: {}", trained.stats);
             }
             if let Some(o) = output {
-                let g = mpc::train::with_trained_weights(&model, &trained.state);
+                let g = mpc::train::with_trained_weights(&model, &trained.state, &trained.ties);
                 mpc::save(&g, &o, Format::Onnx)?;
             }
             Ok(())
@@ -358,6 +366,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 eprint!("# after {pass}\n{text}");
             };
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
+            report_ties(&cx.ties);
             let t2 = Instant::now();
             match (output, format) {
                 (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
@@ -501,5 +510,13 @@ fn run(cli: Cli) -> Result<(), Error> {
                 .write_all(out.as_bytes())
                 .map_err(|source| Error::Output { path: "stdout".into(), source })
         }
+    }
+}
+
+/// One line per tied weight, on stderr.
+fn report_ties(ties: &[mpc_passes::train::Tie]) {
+    for t in ties {
+        let how = if t.transposed { "the transpose of" } else { "a copy of" };
+        eprintln!("mpc: `{}` is {how} `{}`: trained as that one parameter (--no-tie keeps them apart)", t.copy, t.kept);
     }
 }

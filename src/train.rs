@@ -77,6 +77,8 @@ pub struct Trained {
     pub state: Vec<(String, HostTensor)>,
     /// What the training step cost (`--stats`).
     pub stats: String,
+    /// The exported copies of one weight trained as that weight.
+    pub ties: Vec<mpc_passes::train::Tie>,
 }
 
 /// Gives every graph input a symbolic leading dim, so that a model exported with a fixed batch
@@ -217,7 +219,7 @@ pub fn train_on<D: Device>(
     let mut fwd = model.clone();
     free_batch(&mut fwd);
     let mut g = fwd.clone();
-    crate::compile(&mut g, path, opts, &mut |_, _| {})?;
+    let ties = crate::compile(&mut g, path, opts, &mut |_, _| {})?.ties;
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
     let state = sig.state;
@@ -292,6 +294,7 @@ pub fn train_on<D: Device>(
         skipped: Vec::new(),
         state: Vec::new(),
         stats: String::new(),
+        ties,
     };
     let mut skipped_total = 0usize;
     let mut pending = Vec::with_capacity(PRINT_EVERY);
@@ -361,7 +364,7 @@ pub fn train_on<D: Device>(
                 eval_programs.insert(size, id);
                 Ok(id)
             };
-            Some(evaluate(&mut session, &mut programs, &eval_g, &feeds, &rows, cfg.batch, path)?)
+            Some(evaluate(&mut session, opts, &mut programs, &eval_g, &feeds, &rows, cfg.batch, path)?)
         } else {
             None
         };
@@ -393,8 +396,10 @@ pub fn train_on<D: Device>(
 
 /// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`, by
 /// the evaluation programs (`program` gives the one for a batch size) over the training state.
+#[allow(clippy::too_many_arguments)]
 fn evaluate<D: Device>(
     session: &mut Session<D>,
+    opts: &Options,
     program: &mut dyn FnMut(usize, &mut Session<D>) -> Result<ProgramId>,
     eval_g: &Graph,
     feeds: &[(String, HostTensor, Vec<usize>)],
@@ -406,7 +411,13 @@ fn evaluate<D: Device>(
     let loss = mpc_passes::train::loss_value(eval_g);
     let scores =
         eval_g.outputs().iter().copied().find(|&v| Some(v) != loss && eval_g.ty(v).dtype.is_some_and(|d| d.is_float()));
-    let labels = eval_g.inputs().iter().copied().find(|&v| eval_g.ty(v).dtype == Some(DType::I64));
+    // Accuracy is the share of labels (not ignored) whose class scores highest, on the class axis
+    // of a cross-entropy loss; other losses have none.
+    let ce = match opts.train.as_ref().map(|t| (&t.loss, t.labels.as_str())) {
+        Some((mpc_passes::train::Loss::CrossEntropy(ce), name)) => Some((*ce, name)),
+        _ => None,
+    };
+    let labels = ce.and_then(|(_, name)| eval_g.inputs().iter().copied().find(|&v| eval_g.name(v) == name));
     let (mut correct, mut total, mut loss_sum, mut batches) = (0usize, 0usize, 0f64, 0usize);
     for chunk in rows.chunks(batch.max(1)) {
         let id = program(chunk.len(), session)?;
@@ -417,13 +428,19 @@ fn evaluate<D: Device>(
             loss_sum += session.read(id, eval_g.name(l)).map_err(rerr)?.f64s()[0];
             batches += 1;
         }
-        if let (Some(sc), Some(lb)) = (scores, labels.and_then(|l| feed.get(eval_g.name(l)))) {
+        if let (Some(sc), Some(lb), Some((ce, _))) = (scores, labels.and_then(|l| feed.get(eval_g.name(l))), ce) {
             let sc = session.read(id, eval_g.name(sc)).map_err(rerr)?;
             let (v, y) = (sc.f64s(), lb.i64s().unwrap_or_default());
-            let c = sc.shape.get(1).copied().unwrap_or(1);
+            let Some(axis) = mpc_ir::normalize_axis(ce.axis, sc.shape.len()) else { continue };
+            // Scores [outer, classes, inner]; label `o * inner + j` is scored at (o, k, j).
+            let (c, inner) = (sc.shape[axis], sc.shape[axis + 1..].iter().product::<usize>());
             for (i, &label) in y.iter().enumerate() {
-                let row = &v[i * c..(i + 1) * c];
-                let best = (0..c).fold(0, |b, k| if row[k] > row[b] { k } else { b });
+                if Some(label) == ce.ignore_index {
+                    continue;
+                }
+                let (o, j) = (i / inner.max(1), i % inner.max(1));
+                let at = |k: usize| v[(o * c + k) * inner + j];
+                let best = (0..c).fold(0, |b, k| if at(k) > at(b) { k } else { b });
                 correct += (best as i64 == label) as usize;
                 total += 1;
             }
@@ -450,9 +467,11 @@ fn save_checkpoint<D: Device>(
     crate::run::write_safetensors(&checkpoint_file(dir), &tensors)
 }
 
-/// The original model with its initializers replaced by the trained values of the same name.
-pub fn with_trained_weights(model: &Graph, state: &[(String, HostTensor)]) -> Graph {
+/// The original model with its initializers replaced by the trained values of the same name, and
+/// the copies training tied read from the weight they were tied to.
+pub fn with_trained_weights(model: &Graph, state: &[(String, HostTensor)], ties: &[mpc_passes::train::Tie]) -> Graph {
     let mut g = model.clone();
+    mpc_passes::train::apply_ties(&mut g, ties);
     for (name, t) in state {
         if let Some(v) = g.find(name) {
             let Some(dt) = g.value(v).initializer().map(|i| i.dtype()) else { continue };

@@ -30,7 +30,7 @@ fn try_compiled(name: &str, policy: &str, train: bool) -> Result<Graph, mpc::Err
     if train {
         mpc::train::free_batch(&mut g);
     }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy };
+    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
     let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
     let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
     mpc::compile(&mut g, &path, &opts, &mut |_, _| {})?;

@@ -491,6 +491,14 @@ fn ops_without_gradients_and_bad_options_are_one_line_errors() {
         (vec!["compile", "tests/models/mlp.onnx", "--train", "--optimizer", "lamb", "-o"], "--optimizer `lamb`"),
         (vec!["compile", "tests/models/mlp.onnx", "--train", "--loss", "output:nope", "-o"], "no output has that name"),
         (
+            vec!["compile", "tests/models/mlp.onnx", "--train", "--loss", "cross-entropy:axis=x", "-o"],
+            "loss `cross-entropy:axis=x`: `axis` is `x`, not an integer",
+        ),
+        (
+            vec!["compile", "tests/models/mlp.onnx", "--train", "--loss", "cross-entropy:axis=0", "-o"],
+            "cross-entropy over axis 0 needs scores with a batch axis before it",
+        ),
+        (
             vec!["compile", "tests/models/mlp.onnx", "--train", "--loss-scale", "static:-1", "-o"],
             "--loss-scale `static:-1`",
         ),

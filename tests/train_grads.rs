@@ -62,12 +62,12 @@ fn check(name: &str, loss: Loss, labels: &str) {
 
 #[test]
 fn mlp_gradients_match_torch() {
-    check("mlp", Loss::CrossEntropy, "labels");
+    check("mlp", Loss::CrossEntropy(Default::default()), "labels");
 }
 
 #[test]
 fn cnn_gradients_match_torch() {
-    check("cnn_bn", Loss::CrossEntropy, "labels");
+    check("cnn_bn", Loss::CrossEntropy(Default::default()), "labels");
 }
 
 #[test]

@@ -41,6 +41,8 @@ pub struct Context {
     pub policy: Option<Policy>,
     /// Training options: set for the training pipeline.
     pub train: Option<train::TrainOptions>,
+    /// The initializers training ties to another (copies and transposes of one parameter).
+    pub ties: Vec<train::Tie>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
     /// Wall time of each pass and of the verification after it, for `--stats`.

@@ -58,7 +58,9 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
 /// through differentiable float inputs.
 fn needed(g: &Graph, order: &[NodeId], params: &[ValueId], loss: ValueId) -> Vec<bool> {
     let n_values = g.value_bound();
-    let float = |v: ValueId| g.ty(v).dtype.is_some_and(|d| d.is_float());
+    // An output of unknown dtype (an opaque op's) may be float: it stays on the path, so that a
+    // parameter behind it is an error naming the op, never silently left out of training.
+    let float = |v: ValueId| g.ty(v).dtype.is_none_or(|d| d.is_float());
     let mut fwd = vec![false; n_values];
     for &p in params {
         fwd[p.index()] = true;
@@ -99,6 +101,20 @@ pub fn differentiate(
 ) -> Result<BTreeMap<ValueId, ValueId>, PassError> {
     let order = g.topo_order()?;
     let need = needed(g, &order, params, loss);
+    // An op mpc does not know, between a parameter and the loss, stops training before any rule
+    // reads the types it left unknown.
+    if let Some(&n) = order.iter().find(|&&n| {
+        let node = g.node(n);
+        node.op.is_opaque() && node.outputs().iter().any(|o| need[o.index()])
+    }) {
+        let op = &g.node(n).op;
+        let name = match op.domain() {
+            "" => op.op_type().to_string(),
+            d => format!("{d}::{}", op.op_type()),
+        };
+        let msg = format!("op {name} has no gradient rule, and it lies between a parameter and the loss");
+        return Err(PassError::Node { node: g.node_label(n), msg });
+    }
     // Most rules add three to five nodes per differentiated node.
     g.reserve(4 * order.len(), 4 * g.value_bound());
     // The gradient contributions of each forward value, by value index.

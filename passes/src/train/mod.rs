@@ -16,6 +16,7 @@
 
 mod autodiff;
 mod build;
+mod tie;
 
 use std::collections::BTreeSet;
 
@@ -24,17 +25,35 @@ use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo
 
 pub use autodiff::{differentiable, differentiate};
 use build::Builder;
+pub use tie::{apply_ties, tie_weights, Tie};
 
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Loss {
-    /// SoftmaxCrossEntropyLoss (mean) of the model's first output against integer labels.
-    CrossEntropy,
+    /// SoftmaxCrossEntropyLoss (mean over the labels not ignored) of the model's first output
+    /// against integer labels.
+    CrossEntropy(CrossEntropy),
     /// Mean squared error of the model's first output against targets of its shape.
     Mse,
     /// The model computes its own scalar loss: this output.
     Output(String),
+}
+
+/// Where cross-entropy finds the classes, and which label it skips.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrossEntropy {
+    /// The class axis of the scores: 1 for `[batch, classes, ...]` (the default), -1 for a
+    /// language model's `[batch, tokens, vocabulary]`. The labels have the scores' shape without it.
+    pub axis: i64,
+    /// Labels equal to this count for nothing (PyTorch's default: -100, the padding label).
+    pub ignore_index: Option<i64>,
+}
+
+impl Default for CrossEntropy {
+    fn default() -> Self {
+        CrossEntropy { axis: 1, ignore_index: Some(-100) }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +92,9 @@ pub struct TrainOptions {
     pub loss_scale: LossScale,
     /// Initializers that are not trained.
     pub freeze: BTreeSet<String>,
+    /// Train initializers that are copies or transposes of one another as one parameter
+    /// ([`tie_weights`]).
+    pub tie: bool,
     /// Where the dropout random stream starts (the state `mpc.rng`).
     pub seed: u64,
     /// The settings of dynamic loss scaling, whenever it is dynamic (asked for or by default).
@@ -101,7 +123,7 @@ impl DynamicScale {
 impl Default for TrainOptions {
     fn default() -> Self {
         TrainOptions {
-            loss: Loss::CrossEntropy,
+            loss: Loss::CrossEntropy(CrossEntropy::default()),
             labels: "labels".into(),
             optimizer: Optimizer::Adam,
             lr: 1e-3,
@@ -115,6 +137,7 @@ impl Default for TrainOptions {
             seed: 0,
             dynamic_scale: DynamicScale::default(),
             freeze: BTreeSet::new(),
+            tie: true,
         }
     }
 }
@@ -230,28 +253,51 @@ impl Pass for AddLoss {
                 }
                 v
             }
-            Loss::CrossEntropy => {
+            Loss::CrossEntropy(ce) => {
                 let logits = first_float()?;
                 let shape = g
                     .ty(logits)
                     .shape
                     .clone()
                     .ok_or_else(|| PassError::Usage(format!("the shape of `{}` is unknown", g.name(logits))))?;
-                if shape.rank() < 2 {
-                    return Err(PassError::Usage(format!(
-                        "cross-entropy needs [batch, classes, ...] scores; `{}` is {shape}",
-                        g.name(logits)
-                    )));
-                }
+                let axis = match mpc_ir::normalize_axis(ce.axis, shape.rank()) {
+                    Some(a) if shape.rank() >= 2 && a > 0 => a,
+                    _ => {
+                        return Err(PassError::Usage(format!(
+                            "cross-entropy over axis {} needs scores with a batch axis before it; `{}` is {shape}",
+                            ce.axis,
+                            g.name(logits)
+                        )))
+                    }
+                };
                 let mut dims: Vec<Dim> = shape.dims().to_vec();
-                dims.remove(1);
+                dims.remove(axis);
                 let labels = g.add_input(&o.labels, TypeInfo::new(DType::I64, Shape(dims)));
-                let name = g.unique_name("loss");
+                let mut b = Builder::new(g);
+                b.at("loss.cross_entropy");
+                let rank = shape.rank();
+                // SoftmaxCrossEntropyLoss takes the classes on axis 1. Classes last (a language
+                // model's) flatten to [positions, classes] and the labels to [positions]: views,
+                // no copy. Any other axis moves to 1.
+                let (scores, labels) = if axis == 1 {
+                    (logits, labels)
+                } else if axis == rank - 1 {
+                    let flat = b.op("scores", Op::Flatten(mpc_ir::ops::FlattenAttrs { axis: axis as i64 }), &[logits]);
+                    let minus_one = b.ints(&[-1]);
+                    let attrs = mpc_ir::ops::ReshapeAttrs { allowzero: false };
+                    (flat, b.op("labels", Op::Reshape(attrs), &[labels, minus_one]))
+                } else {
+                    let mut perm: Vec<i64> = (0..rank as i64).filter(|&d| d != axis as i64).collect();
+                    perm.insert(1, axis as i64);
+                    let t = b.op("scores", Op::Transpose(mpc_ir::ops::TransposeAttrs { perm: Some(perm) }), &[logits]);
+                    (t, labels)
+                };
+                let name = b.g.unique_name("loss");
                 let op = Op::SoftmaxCrossEntropyLoss(LossAttrs {
-                    ignore_index: None,
+                    ignore_index: ce.ignore_index,
                     reduction: mpc_ir::ops::Reduction::Mean,
                 });
-                g.add_op(&name, op, &[Some(logits), Some(labels)], 1).1[0]
+                b.g.add_op(&name, op, &[Some(scores), Some(labels)], 1).1[0]
             }
             Loss::Mse => {
                 let out = first_float()?;

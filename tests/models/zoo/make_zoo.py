@@ -188,22 +188,27 @@ def loss_of(kind, out, labels):
     return F.mse_loss(out, labels)
 
 
-def grads_by_initializer(model, m, named):
-    """Maps each float initializer of `m` to the gradient of the parameter it holds (equal, or
-    equal to its transpose)."""
+def grads_by_initializer(m, named):
+    """Maps each float initializer of `m` to the gradient of the parameter it holds: the one of
+    the same name, else the only one equal to it (or to its transpose, as the legacy exporter
+    writes a Linear without bias)."""
     out = {}
     for init in m.graph.initializer:
         a = numpy_helper.to_array(init)
         if a.dtype != np.float32 or a.ndim == 0:
             continue
-        for pname, p in named.items():
+        if init.name in named:
+            out[f"grad.{init.name}"] = named[init.name].grad.numpy().astype(np.float32)
+            continue
+        found = []
+        for p in named.values():
             w = p.detach().numpy()
             if w.shape == a.shape and np.array_equal(w, a):
-                out[f"grad.{init.name}"] = p.grad.numpy().astype(np.float32)
-                break
-            if w.ndim == 2 and w.T.shape == a.shape and np.array_equal(w.T, a):
-                out[f"grad.{init.name}"] = np.ascontiguousarray(p.grad.numpy().T).astype(np.float32)
-                break
+                found.append(p.grad.numpy())
+            elif w.ndim == 2 and w.T.shape == a.shape and np.array_equal(w.T, a):
+                found.append(p.grad.numpy().T)
+        if len(found) == 1:
+            out[f"grad.{init.name}"] = np.ascontiguousarray(found[0]).astype(np.float32)
     return out
 
 
@@ -212,6 +217,11 @@ def make(name, meta):
     torch.manual_seed(20261123)
     rng = np.random.default_rng(20261123)
     model = build().eval()
+    # Trained-looking weights: no parameter left at a constant initialisation (norm scales of 1,
+    # biases of 0), so that every gradient is checked against values of its own.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     x = make_input(rng)
     if loss_kind == "mse":
         with torch.no_grad():
@@ -234,7 +244,7 @@ def make(name, meta):
     tensors["input.targets" if loss_kind == "mse" else "input.labels"] = labels.numpy()
     tensors["loss"] = np.array(loss.item(), dtype=np.float32)
     for dynamo, m in models.items():
-        for k, v in grads_by_initializer(model, m, named).items():
+        for k, v in grads_by_initializer(m, named).items():
             tensors.setdefault(k, v)
     save_file(tensors, os.path.join(HERE, f"{name}.grads.safetensors"))
     ints = {in_name: [0, 64]} if x.dtype == torch.int64 else {}

@@ -1,0 +1,163 @@
+//! The architecture zoo: models people train, as both torch exporters write them
+//! (tests/models/zoo, made by make_zoo.py). For each export: the training step compiles (mixed),
+//! one FP32 step's gradients equal PyTorch autograd's (the expected values are committed; no
+//! Python here), and 20 mixed Adam steps on the fixed batch give a finite loss that falls.
+//!
+//! What does not train yet is listed in `KNOWN`, with the reason: an export that starts to pass
+//! fails this test until its line is removed, and one that stops passing fails it too.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use common::scratch;
+use mpc::train::{train, TrainConfig};
+use mpc_passes::train::{Optimizer, TrainOptions};
+use mpc_runtime::HostTensor;
+
+/// Exports that do not train yet, by file stem, and the first error they stop at.
+const KNOWN: &[(&str, &str)] = &[
+    ("groupnorm.legacy", "InstanceNormalization has no gradient rule"),
+    ("groupnorm.dynamo", "InstanceNormalization has no gradient rule"),
+    ("mobilenet.legacy", "HardSwish has no gradient rule"),
+    ("mobilenet.dynamo", "HardSwish has no gradient rule"),
+    ("unet.legacy", "Resize has no gradient rule"),
+    ("unet.dynamo", "Resize has no gradient rule"),
+    ("llama.legacy", "Slice starts must be a constant to differentiate"),
+    ("lstm.dynamo", "LSTM has no gradient rule"),
+    ("lstm.legacy", "LSTM has no gradient rule"),
+    ("gpt2.dynamo", "GatherND"),
+    ("llama.dynamo", "GatherND"),
+];
+
+fn zoo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo")
+}
+
+struct Family {
+    name: String,
+    loss: String,
+    labels: String,
+}
+
+fn families() -> Vec<Family> {
+    let text = std::fs::read_to_string(zoo().join("zoo.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json.as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, f)| Family {
+            name: name.clone(),
+            loss: f["loss"].as_str().unwrap().to_string(),
+            labels: f["labels"].as_str().unwrap().to_string(),
+        })
+        .collect()
+}
+
+fn train_options(f: &Family, optimizer: Optimizer, lr: f32) -> TrainOptions {
+    let cfg = mpc::config::TrainFile { loss: Some(f.loss.clone()), ..Default::default() };
+    let (t, _) = cfg.resolve().unwrap();
+    TrainOptions { labels: f.labels.clone(), optimizer, lr, ..t }
+}
+
+/// One FP32 SGD step's gradients against torch's: the worst relative L2 error over parameters.
+fn gradients(f: &Family, path: &Path, expected: &HashMap<String, HostTensor>) -> Result<f64, String> {
+    let mut g = mpc::load(path).map_err(|e| e.to_string())?;
+    let t = train_options(f, Optimizer::Sgd, 0.1);
+    let opts = mpc::Options { policy: Some("fp32".into()), train: Some(t), ..Default::default() };
+    mpc::compile(&mut g, path, &opts, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    // The expected gradients are keyed by the initializer names of both exports; a tied copy
+    // is no longer one (the weight it was tied to has the gradient of both uses, as in torch).
+    let inits: std::collections::HashSet<String> = g.initializers().map(|v| g.name(v).to_string()).collect();
+    let inputs: HashMap<_, _> =
+        expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
+    let mut wanted = Vec::new();
+    for k in expected.keys().filter_map(|k| k.strip_prefix("grad.")).filter(|k| inits.contains(*k)) {
+        let v = g.find(&format!("{k}.grad")).ok_or_else(|| format!("no gradient for `{k}`"))?;
+        g.add_output(v);
+        wanted.push((k.to_string(), v));
+    }
+    let out: HashMap<String, _> =
+        mpc::run::run_once(&g, &inputs, path).map_err(|e| e.to_string())?.into_iter().collect();
+    let (loss, want) = (out["loss"].f64s()[0], expected["loss"].f64s()[0]);
+    if (loss - want).abs() > 1e-5 * want.abs().max(1.0) {
+        return Err(format!("loss {loss} where torch has {want}"));
+    }
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let largest = wanted.iter().map(|(k, _)| norm(&expected[&format!("grad.{k}")].f64s())).fold(0.0, f64::max);
+    let mut worst = 0f64;
+    for (k, v) in &wanted {
+        let (a, b) = (out[g.name(*v)].f64s(), expected[&format!("grad.{k}")].f64s());
+        let diff: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+        // A gradient that vanishes in exact arithmetic (a bias under a softmax) must be
+        // rounding-sized in mpc too.
+        let rel = if norm(&b) < 1e-6 * largest { norm(&a) / largest } else { norm(&diff) / norm(&b) };
+        if rel > 1e-4 {
+            return Err(format!("d loss / d {k}: relative error {rel:.2e} against torch"));
+        }
+        worst = worst.max(rel);
+    }
+    Ok(worst)
+}
+
+/// 20 mixed-precision Adam steps on the fixed batch: the losses, all finite, and the last below
+/// the first.
+fn trains(f: &Family, path: &Path, expected: &HashMap<String, HostTensor>) -> Result<(f32, f32), String> {
+    let g = mpc::load(path).map_err(|e| e.to_string())?;
+    let data: Vec<(String, HostTensor)> =
+        expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
+    let file = scratch(&format!("zoo-{}", path.file_stem().unwrap().to_string_lossy())).join("data.safetensors");
+    mpc::run::write_safetensors(&file, &data).map_err(|e| e.to_string())?;
+    let t = train_options(f, Optimizer::Adam, 3e-3);
+    let opts = mpc::Options { policy: Some("mixed".into()), train: Some(t), ..Default::default() };
+    let batch = data[0].1.shape[0];
+    let cfg = TrainConfig { data: file, epochs: 20, batch, ..Default::default() };
+    let run = train(&g, path, &opts, &cfg, &mut |_| {}).map_err(|e| e.to_string())?;
+    let losses: Vec<f32> = run.losses.iter().zip(&run.skipped).filter(|(_, &s)| !s).map(|(&l, _)| l).collect();
+    let (first, last) = (losses.first().copied().unwrap_or(f32::NAN), losses.last().copied().unwrap_or(f32::NAN));
+    if losses.len() < 10 || !losses.iter().all(|l| l.is_finite()) || last >= first {
+        return Err(format!("mixed training: losses {:?}", run.losses));
+    }
+    Ok((first, last))
+}
+
+#[test]
+fn every_export_trains_and_matches_torch() {
+    let mut unexpected = Vec::new();
+    for f in families() {
+        let expected = mpc::run::read_safetensors(&zoo().join(format!("{}.grads.safetensors", f.name))).unwrap();
+        for exporter in ["legacy", "dynamo"] {
+            let stem = format!("{}.{exporter}", f.name);
+            let path = zoo().join(format!("{stem}.onnx"));
+            let result = gradients(&f, &path, &expected).and_then(|worst| Ok((worst, trains(&f, &path, &expected)?)));
+            let known = KNOWN.iter().find(|(k, _)| *k == stem);
+            match (&result, known) {
+                (Ok((worst, (first, last))), None) => {
+                    println!("{stem}: gradients match torch (worst {worst:.1e}); mixed loss {first:.4} -> {last:.4}")
+                }
+                (Err(e), Some((_, why))) if e.contains(why) => println!("{stem}: known: {e}"),
+                (Ok(_), Some(_)) => unexpected.push(format!("{stem} now trains: remove it from KNOWN")),
+                (Err(e), _) => unexpected.push(format!("{stem}: {e}")),
+            }
+        }
+    }
+    assert!(unexpected.is_empty(), "{}", unexpected.join("\n"));
+}
+
+#[test]
+fn a_tied_lm_head_trains_as_one_parameter_unless_asked_not_to() {
+    let model = zoo().join("gpt2.legacy.onnx");
+    let out = scratch("zoo-tie").join("step.onnx");
+    let args = ["compile", model.to_str().unwrap(), "--train", "--loss", "cross-entropy:axis=-1", "-o"];
+    let o = common::mpc(&[&args[..], &[out.to_str().unwrap()]].concat());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("is the transpose of `m.transformer.wte.weight`: trained as that one parameter"),
+        "{stderr}"
+    );
+    let o = common::mpc(&[&args[..], &[out.to_str().unwrap(), "--no-tie"]].concat());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !stderr.contains("transpose of"), "{stderr}");
+}
