@@ -306,6 +306,24 @@ fn concat_split_slice() {
 }
 
 #[test]
+fn slice_with_bounds_computed_from_the_shape() {
+    // Llama's rotate_half: x[..., half:] and x[..., :half] with half = shape[-1] / 2, and a
+    // negative start computed the same way.
+    let mut c = Case::new("slice_computed");
+    let x = c.param("x", &[2, 6]);
+    let shape = c.op1("Shape", &[], &[x]);
+    let (one, two, zero_ax) = (c.ints("one", &[1], &[1]), c.ints("two", &[1], &[2]), c.ints("axis0", &[1], &[0]));
+    let last = c.op1("Gather", &[("axis", Attr::Int(0))], &[shape, one]);
+    let half = c.op1("Div", &[], &[last, two]);
+    let neg = c.op1("Neg", &[], &[half]);
+    let (big, ax) = (c.ints("big", &[1], &[i64::MAX]), c.ints("ax", &[1], &[1]));
+    let hi = c.op("Slice", &[], &[Some(x), Some(half), Some(big), Some(ax)], 1)[0];
+    let lo = c.op("Slice", &[], &[Some(x), Some(zero_ax), Some(neg), Some(ax)], 1)[0];
+    let y = c.op1("Concat", &[("axis", Attr::Int(1))], &[hi, lo]);
+    c.check(y, TOL);
+}
+
+#[test]
 fn gather_embedding_with_repeats() {
     let mut c = Case::new("gather");
     let table = c.param("table", &[5, 3]);

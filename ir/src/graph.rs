@@ -172,6 +172,9 @@ pub struct ModelMeta {
     /// Opset imports by domain ("" is ai.onnx).
     pub opsets: Vec<(String, i64)>,
     pub metadata_props: Vec<(String, String)>,
+    /// The main graph's own metadata (the torch dynamo exporter writes its program's signature,
+    /// which names the parameters and buffers, here). Read, not written back.
+    pub graph_metadata_props: Vec<(String, String)>,
     /// Model-local functions, encoded `FunctionProto`s kept as they came.
     pub functions: Vec<bytes::Bytes>,
 }

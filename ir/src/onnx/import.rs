@@ -50,6 +50,7 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
         doc_string: model.doc_string,
         opsets: model.opset_import.into_iter().map(|o| (o.domain, o.version)).collect(),
         metadata_props: model.metadata_props.into_iter().map(|e| (e.key, e.value)).collect(),
+        graph_metadata_props: graph.metadata_props.iter().map(|e| (e.key.clone(), e.value.clone())).collect(),
         functions: model.functions,
     };
     Importer { g: Graph::new(graph.name.clone()), dir, opset: 0 }.run(graph, meta)

@@ -73,6 +73,8 @@ macro_rules! graph_message {
             pub output: Vec<ValueInfoProto>,
             #[prost(message, repeated, tag = "13")]
             pub value_info: Vec<ValueInfoProto>,
+            #[prost(message, repeated, tag = "16")]
+            pub metadata_props: Vec<StringStringEntryProto>,
         }
     };
 }

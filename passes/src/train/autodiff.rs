@@ -184,6 +184,42 @@ fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64
     }
 }
 
+/// The Pad amounts `[begins..., ends...]` that undo `Slice(x, starts, ends, axes)` with steps of
+/// 1, computed in the graph: per sliced axis, a start or end `v` is `v + dim` when negative,
+/// clamped to `[0, dim]`; the pad before is the start, the pad after `dim - max(end, start)`.
+fn slice_pads(b: &mut Builder, x: ValueId, starts: ValueId, ends: ValueId, axes: &[usize], r: usize) -> ValueId {
+    let shape = b.op("shape", Op::Shape(Default::default()), &[x]);
+    let zero = b.ints(&[0]);
+    // Starts and ends may be int32; the arithmetic is in int64, as the shape.
+    let (starts, ends) = match b.dtype(starts) {
+        Ok(DType::I64) => (starts, ends),
+        _ => (b.cast(starts, DType::I64), b.cast(ends, DType::I64)),
+    };
+    let (mut before, mut after) = (vec![zero; r], vec![zero; r]);
+    let resolve = |b: &mut Builder, v: ValueId, dim: ValueId| {
+        let neg = b.op("neg", Op::Less, &[v, zero]);
+        let wrapped = b.op("wrap", Op::Add, &[v, dim]);
+        let v = b.op("norm", Op::Where, &[neg, wrapped, v]);
+        let v = b.op("min", Op::Min, &[v, dim]);
+        b.op("max", Op::Max, &[v, zero])
+    };
+    for (i, &ax) in axes.iter().enumerate() {
+        let at = b.ints(&[i as i64]);
+        let next = b.ints(&[i as i64 + 1]);
+        let ax_ix = b.ints(&[ax as i64]);
+        let dim = b.op("dim", Op::Gather(Default::default()), &[shape, ax_ix]);
+        let s = b.op("start", Op::Slice, &[starts, at, next]);
+        let e = b.op("end", Op::Slice, &[ends, at, next]);
+        let s = resolve(b, s, dim);
+        let e = resolve(b, e, dim);
+        let e = b.op("end", Op::Max, &[e, s]);
+        before[ax] = s;
+        after[ax] = b.op("after", Op::Sub, &[dim, e]);
+    }
+    let parts: Vec<ValueId> = before.into_iter().chain(after).collect();
+    b.op("pads", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 }), &parts)
+}
+
 fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
     d.fixed().map(|x| x as i64).ok_or_else(|| format!("{what} must have a known size to differentiate"))
 }
@@ -516,27 +552,42 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             vec![Some(b.ops("concat", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: a.axis }), &parts, 1)[0])]
         }
         // d slice = dy padded back to the input's extent (unit steps).
+        // d slice = dy padded back to x's shape with zeros (steps of 1). Starts and ends that are
+        // not constants (computed from shapes, as in rotary embeddings) give pads computed the
+        // same way, which lowering folds once the shapes are bound.
         Op::Slice => {
             let xs = b.shape(x(0)?)?;
             let r = xs.rank();
             let g: &Graph = b.g;
-            let starts = int_const(g, node.input(1), "Slice starts")?.unwrap_or_default();
-            let ends = int_const(g, node.input(2), "Slice ends")?.unwrap_or_default();
-            let axes = int_const(g, node.input(3), "Slice axes")?.unwrap_or_else(|| (0..starts.len() as i64).collect());
-            let steps = int_const(g, node.input(4), "Slice steps")?.unwrap_or_else(|| vec![1; starts.len()]);
-            let mut pads = vec![0i64; 2 * r];
-            for i in 0..starts.len() {
-                if steps[i] != 1 {
-                    return Err("Slice with steps other than 1 cannot be differentiated yet".into());
-                }
-                let ax = normalize_axis(axes[i], r).ok_or("bad axis")?;
-                let dim = fixed(&xs.dims()[ax], "the sliced axis")?;
-                let clamp = |v: i64| (if v < 0 { v + dim } else { v }).clamp(0, dim);
-                let (s, e) = (clamp(starts[i]), clamp(ends[i]));
-                pads[ax] = s;
-                pads[ax + r] = dim - e.max(s);
+            let consts = |i| g.constant(node.input(i)?).and_then(|t| t.to_i64_vec());
+            let n_sliced = match (consts(1), b.shape(x(1)?)?.dims()) {
+                (Some(s), _) => s.len(),
+                (None, [Dim::Fixed(n)]) => *n as usize,
+                _ => return Err("Slice starts of unknown length cannot be differentiated".into()),
+            };
+            let axes = int_const(g, node.input(3), "Slice axes")?.unwrap_or_else(|| (0..n_sliced as i64).collect());
+            let steps = int_const(g, node.input(4), "Slice steps")?.unwrap_or_else(|| vec![1; n_sliced]);
+            if steps.iter().any(|&s| s != 1) {
+                return Err("Slice with steps other than 1 cannot be differentiated yet".into());
             }
-            let p = b.ints(&pads);
+            let axes: Vec<usize> = axes
+                .iter()
+                .map(|&a| normalize_axis(a, r).ok_or(format!("Slice axis {a} is out of range")))
+                .collect::<Result<_, _>>()?;
+            let fixed_dims: Option<Vec<i64>> = axes.iter().map(|&a| xs.dims()[a].fixed().map(|d| d as i64)).collect();
+            let p = match (consts(1), consts(2), fixed_dims) {
+                (Some(starts), Some(ends), Some(dims)) => {
+                    let mut pads = vec![0i64; 2 * r];
+                    for (i, (&ax, &dim)) in axes.iter().zip(&dims).enumerate() {
+                        let clamp = |v: i64| (if v < 0 { v + dim } else { v }).clamp(0, dim);
+                        let (s, e) = (clamp(starts[i]), clamp(ends[i]));
+                        pads[ax] = s;
+                        pads[ax + r] = dim - e.max(s);
+                    }
+                    b.ints(&pads)
+                }
+                _ => slice_pads(b, x(0)?, x(1)?, x(2)?, &axes, r),
+            };
             vec![Some(b.op("pad", Op::Pad(Default::default()), &[dy, p]))]
         }
         // Embedding: the rows of dy are added at their indices (ai.mpc::GatherGrad).

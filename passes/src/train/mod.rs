@@ -153,7 +153,12 @@ impl LossScale {
 /// scalars (exporters write constants such as 1/√d or GELU's √2 as rank-0 initializers) and
 /// additive masks (see [`is_additive_mask`]). Batch-norm running statistics, shapes, indices and
 /// boolean masks are read through other inputs.
+///
+/// A model from the torch dynamo exporter names its program's parameters and buffers; there,
+/// buffers (rotary tables, masks) are not trained, and a constant the exporter folded (named by
+/// no entry) is a parameter only when read as a weight (see [`ExportSignature`]).
 pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
+    let signature = ExportSignature::of(g);
     let mut out = BTreeSet::new();
     // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
     let candidate = |v: ValueId| {
@@ -163,6 +168,7 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
             && !name.starts_with("mpc.")
             && !name.starts_with("grad.")
             && !g.value(v).initializer().is_some_and(is_additive_mask)
+            && signature.as_ref().is_none_or(|s| s.is_parameter(g, v))
     };
     for n in g.node_ids() {
         let node = g.node(n);
@@ -179,6 +185,58 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
         }
     }
     out.into_iter().collect()
+}
+
+/// The parameters and buffers of a torch `ExportedProgram`, as the dynamo exporter records them in
+/// the graph metadata `pkg.torch.export.ExportedProgram.graph_signature` (lines such as
+/// `p_fc_weight: PARAMETER target='fc.weight'` and `b_rope_inv_freq: BUFFER target='rope.inv_freq'`).
+pub struct ExportSignature {
+    params: BTreeSet<String>,
+    buffers: BTreeSet<String>,
+}
+
+impl ExportSignature {
+    const KEY: &'static str = "pkg.torch.export.ExportedProgram.graph_signature";
+
+    pub fn of(g: &Graph) -> Option<ExportSignature> {
+        let (_, text) = g.meta.graph_metadata_props.iter().find(|(k, _)| k == Self::KEY)?;
+        let mut sig = ExportSignature { params: BTreeSet::new(), buffers: BTreeSet::new() };
+        for line in text.lines() {
+            let target = || Some(line.split("target='").nth(1)?.split('\'').next()?.to_string());
+            if line.contains(": PARAMETER ") {
+                sig.params.extend(target());
+            } else if line.contains(": BUFFER ") || line.contains(": CONSTANT_TENSOR ") {
+                sig.buffers.extend(target());
+            }
+        }
+        Some(sig)
+    }
+
+    /// Whether initializer `v` is a parameter: one the signature names so, or a constant the
+    /// exporter folded out of one (named by no entry) that a MatMul, Gemm, Conv, ConvTranspose or
+    /// Gather reads as its weight, directly or through a Transpose, Reshape or Cast. A folded
+    /// constant read only elementwise (a rotary table, a position-embedding lookup folded for the
+    /// export's sequence length) is a buffer.
+    pub fn is_parameter(&self, g: &Graph, v: ValueId) -> bool {
+        let name = g.name(v);
+        if self.params.contains(name) {
+            return true;
+        }
+        !self.buffers.contains(name) && read_as_weight(g, v, 2)
+    }
+}
+
+fn read_as_weight(g: &Graph, v: ValueId, depth: usize) -> bool {
+    g.value(v).uses().iter().any(|u| match &g.node(u.node).op {
+        Op::MatMul => true,
+        Op::Gemm(_) => u.slot <= 1,
+        Op::Conv(_) | Op::ConvTranspose(_) => u.slot == 1,
+        Op::Gather(_) => u.slot == 0,
+        Op::Transpose(_) | Op::Reshape(_) | Op::Cast(_) if depth > 0 => {
+            g.node(u.node).outputs().iter().any(|&o| read_as_weight(g, o, depth - 1))
+        }
+        _ => false,
+    })
 }
 
 /// An additive attention mask (a buffer, not a parameter, in the framework the model came from):
