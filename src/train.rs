@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mpc_ir::{DType, Dim, Graph, Op, Shape, TypeInfo, ValueId};
+use mpc_ir::{DType, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::program::{Program, StateLayout};
 use mpc_runtime::session::{ProgramId, Session};
@@ -81,19 +81,82 @@ pub struct Trained {
     pub ties: Vec<mpc_passes::train::Tie>,
 }
 
-/// Gives every graph input a symbolic leading dim, so that a model exported with a fixed batch
-/// trains with any batch size.
-pub fn free_batch(g: &mut Graph) {
+/// Gives every graph input a symbolic leading dim `batch`, so that a model exported with a fixed
+/// batch trains with any batch size (and a short last batch). Returns the export's batch when
+/// the inputs had one.
+///
+/// An exporter also bakes that batch into the graph: declared output shapes, the shape operands
+/// of Reshape, Expand and ConstantOfShape, and constants expanded to it (token-type ids, a class
+/// token). Declared leading dims equal to it are forgotten (inference recomputes them); a shape
+/// operand that starts with it starts with -1 (Reshape; 0 when it has a -1 already) or 1
+/// (Expand, ConstantOfShape: broadcasting restores the batch); a constant (not a parameter) whose
+/// leading dim is it and whose slices along that dim are all equal becomes its first slice. What
+/// still holds the batch fails inference, naming its node.
+pub fn free_batch(g: &mut Graph) -> Option<u64> {
+    let mut batch = None;
     for v in g.inputs().to_vec() {
         let ty = g.ty(v).clone();
         if let (Some(d), Some(s)) = (ty.dtype, &ty.shape) {
-            if s.rank() > 0 && matches!(s.dims()[0], Dim::Fixed(_)) {
+            if let Some(&Dim::Fixed(b)) = s.dims().first() {
                 let mut dims = s.dims().to_vec();
                 dims[0] = Dim::sym("batch");
                 g.set_ty(v, TypeInfo::new(d, Shape(dims)));
+                batch.get_or_insert(b);
             }
         }
     }
+    let b = batch.filter(|&b| b > 1)?;
+    for v in g.value_ids().collect::<Vec<_>>() {
+        if matches!(g.value(v).def(), mpc_ir::Def::Node(..)) {
+            if let Some(s) = g.ty(v).shape.as_ref().filter(|s| s.dims().first() == Some(&Dim::Fixed(b))) {
+                let mut ty = g.ty(v).clone();
+                ty.shape = Some(Shape([&[Dim::Unknown], &s.dims()[1..]].concat()));
+                g.set_ty(v, ty);
+            }
+        }
+    }
+    // A parameter is the model's own, whatever its shape: only constants are rewritten.
+    let params: HashSet<ValueId> = mpc_passes::train::trainable(g, &Default::default()).into_iter().collect();
+    for n in g.node_ids().collect::<Vec<_>>() {
+        for slot in 0..g.node(n).inputs().len() {
+            let input = g.node(n).input(slot).filter(|v| !params.contains(v));
+            let Some(c) = input.and_then(|v| g.constant(v)) else { continue };
+            let shape_operand =
+                matches!((&g.node(n).op, slot), (Op::Reshape(_) | Op::Expand, 1) | (Op::ConstantOfShape(_), 0));
+            let freed = if shape_operand {
+                let Some(mut dims) = c.to_i64_vec().filter(|d| d.first() == Some(&(b as i64))) else { continue };
+                dims[0] = match g.node(n).op {
+                    Op::Reshape(_) if dims.contains(&-1) => 0,
+                    Op::Reshape(_) => -1,
+                    _ => 1,
+                };
+                Tensor::from_i64(vec![dims.len() as u64], &dims)
+            } else {
+                match first_of_equal_slices(c, b) {
+                    Some(t) => t,
+                    None => continue,
+                }
+            };
+            let name = g.unique_name(&format!("{}.any_batch", g.name(g.node(n).input(slot).expect("read above"))));
+            let v = g.add_initializer(&name, freed);
+            g.set_input(n, slot, Some(v));
+        }
+    }
+    Some(b)
+}
+
+/// The first slice of `t` along its leading dim, when that dim is `b` and every slice equals it.
+fn first_of_equal_slices(t: &Tensor, b: u64) -> Option<Tensor> {
+    if t.shape().first() != Some(&b) {
+        return None;
+    }
+    let bytes = t.bytes();
+    let slice = bytes.len() / b as usize;
+    if slice == 0 || bytes.chunks(slice).any(|c| c != &bytes[..slice]) {
+        return None;
+    }
+    let shape = [&[1], &t.shape()[1..]].concat();
+    Tensor::from_bytes(t.dtype(), shape, bytes.slice(..slice)).ok()
 }
 
 /// Rows `idx` of `t` (first dim), reshaped to `shape` per sample when given.
@@ -217,9 +280,19 @@ pub fn train_on<D: Device>(
 ) -> Result<Trained> {
     let rerr = |source| Error::Run { path: path.to_owned(), source };
     let mut fwd = model.clone();
-    free_batch(&mut fwd);
+    let export_batch = free_batch(&mut fwd);
     let mut g = fwd.clone();
-    let ties = crate::compile(&mut g, path, opts, &mut |_, _| {})?.ties;
+    // A model whose batch is built into it names the node that holds it.
+    let pinned = |e: Error| {
+        match (e, export_batch) {
+        (Error::Pass { path, source }, Some(b)) => Error::Usage(format!(
+            "{}: {source} (the model was exported with a fixed batch of {b}, which its graph still holds here: export it with a dynamic batch axis)",
+            path.display()
+        )),
+        (e, _) => e,
+    }
+    };
+    let ties = crate::compile(&mut g, path, opts, &mut |_, _| {}).map_err(pinned)?.ties;
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
     let state = sig.state;
@@ -248,7 +321,7 @@ pub fn train_on<D: Device>(
     let lower_at = |g: &Graph, batch: usize, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
         let dims = HashMap::from([("batch".to_string(), batch as u64)]);
         let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
-        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, path)?;
+        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, path).map_err(pinned)?;
         crate::run::lower_bound(&bound, caps, layout, Some(variables), path)
     };
     let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;

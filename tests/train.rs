@@ -692,3 +692,55 @@ fn a_signature_naming_an_undefined_value_is_refused() {
     let e = mpc_ir::text::parse(&bad, Some(&text.sidecar)).unwrap_err().to_string();
     assert!(e.contains("mpc.train.state") && e.contains("`nowhere`"), "{e}");
 }
+
+/// A model exported with a fixed batch of 4 (its Reshape targets, a constant expanded to the
+/// batch and its output say 4) trains at batch 3 with a short last batch; one whose batch is
+/// built into a constant that differs per sample is refused in one line that says so.
+#[test]
+fn a_fixed_batch_export_trains_at_any_batch() {
+    let dir = scratch("fixed_batch");
+    let model = |bias: &str| {
+        format!(
+            "mpcir 1\nmodel ir_version=8\nopset \"\" 18\ngraph \"fixed\"
+  input %0 \"x\": f32[4,8]
+  init %1 \"w\" = f32[3,8]{{0.1, -0.2, 0.3, 0.1, 0.2, -0.1, 0.05, 0.3, -0.3, 0.1, 0.2, 0.1, -0.2, 0.3, 0.1, 0.1, 0.2, 0.1, -0.1, 0.3, 0.2, -0.2, 0.1, 0.05}}
+  init %2 \"split\" = i64[3]{{4, 2, 4}}
+  init %3 \"flat\" = i64[2]{{4, 8}}
+  %5 \"h\": f32[4,2,4] = Reshape(%0, %2)
+  %6 \"r\": f32[4,2,4] = Relu(%5)
+  %7 \"f\": f32[4,8] = Reshape(%6, %3)
+  %8 \"g\": f32[4,3] = Gemm[transB=1](%7, %1)
+  %4 \"bias\": f32[4,3] = Constant[value={bias}]()
+  %9 \"logits\": f32[4,3] = Add(%8, %4) @\"/bias/Add\"
+  output %9
+end
+"
+        )
+    };
+    let n = 10;
+    let x: Vec<f32> = (0..n * 8).map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0).collect();
+    let labels: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+    let data = dir.join("data.safetensors");
+    mpc::run::write_safetensors(
+        &data,
+        &[
+            ("x".into(), HostTensor::from_f32(DType::F32, vec![n, 8], x)),
+            ("labels".into(), HostTensor::from_i64(DType::I64, vec![n], labels)),
+        ],
+    )
+    .unwrap();
+    let cfg = TrainConfig { data, epochs: 3, batch: 3, ..Default::default() };
+    let opts = options("fp32", TrainOptions { lr: 0.1, ..Default::default() });
+    let path = dir.join("fixed.mpcir");
+    // The same bias for every sample: a constant expanded to the export's batch.
+    let g = mpc_ir::text::parse(&model("f32[4,3]{0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3}"), None)
+        .unwrap();
+    let t = train(&g, &path, &opts, &cfg, &mut |_| {}).unwrap();
+    assert_eq!(t.losses.len(), 3 * 4, "3 epochs of batches 3, 3, 3, 1");
+    assert!(t.losses.last().unwrap() < t.losses.first().unwrap(), "{:?}", t.losses);
+    let g = mpc_ir::text::parse(&model("f32[4,3]{0.1, 0.2, 0.3, 0.4, 0.2, 0.3, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3}"), None)
+        .unwrap();
+    let e = train(&g, &path, &opts, &cfg, &mut |_| {}).err().expect("a per-sample constant pins the batch").to_string();
+    assert!(e.contains("exported with a fixed batch of 4") && e.contains("`/bias/Add`"), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
+}

@@ -1,5 +1,6 @@
 //! Whole-model FP32 gradients against PyTorch autograd's, on the MLP, CNN and transformer
-//! fixtures. The expected values (inputs, loss, every parameter's gradient) were written by
+//! fixtures, and the CNN's batch-norm running statistics after the step (PyTorch updates the
+//! running variance with the unbiased batch variance). The expected values (inputs, loss, every parameter's gradient) were written by
 //! tests/models/make_grads.py; this test needs no Python.
 
 mod common;
@@ -26,7 +27,21 @@ fn check(name: &str, loss: Loss, labels: &str) {
         g.add_output(v);
         wanted.push((k.to_string(), v));
     }
+    // State after the step (batch-norm running statistics), by the state's name.
+    let sig = g.train.clone().unwrap_or_default();
+    let mut states = Vec::new();
+    for k in expected.keys().filter_map(|k| k.strip_prefix("state.")) {
+        let &(_, next) =
+            sig.state.iter().find(|(s, _)| g.name(*s) == k).unwrap_or_else(|| panic!("{name}: no state `{k}`"));
+        g.add_output(next);
+        states.push((k.to_string(), next));
+    }
     let out: HashMap<String, _> = mpc::run::run_once(&g, &inputs, &path).unwrap().into_iter().collect();
+    for (k, v) in &states {
+        let (a, b) = (out[g.name(*v)].f64s(), expected[&format!("state.{k}")].f64s());
+        let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-3)).fold(0.0, f64::max);
+        assert!(err <= 1e-5, "{name}: `{k}` after the step: {a:?} where torch has {b:?}");
+    }
     let loss = out["loss"].f64s()[0];
     let want_loss = expected["loss"].f64s()[0];
     assert!((loss - want_loss).abs() <= 1e-5 * want_loss.abs(), "{name}: loss {loss} vs torch {want_loss}");

@@ -6,8 +6,9 @@
 For the MLP, CNN and transformer fixtures: reads the ONNX weights, rebuilds the same computation
 with torch ops (node for node), draws fixed inputs, computes the loss mpc adds (cross-entropy on the
 logits; for the transformer, whose output is not logits, the mean squared error against targets)
-and writes the inputs, the loss and every parameter's gradient to grads/NAME.safetensors. The Rust
-tests read only those files.
+and writes the inputs, the loss and every parameter's gradient to grads/NAME.safetensors (for the
+CNN also the batch-norm running statistics after the step, `state.NAME`). The Rust tests read only
+those files.
 """
 
 import os
@@ -35,9 +36,11 @@ def params(w, names):
     return [w[n] for n in names]
 
 
-def save(name, inputs, loss, w, names):
+def save(name, inputs, loss, w, names, state=None):
     loss.backward()
     out = {f"input.{k}": v.detach().numpy() for k, v in inputs.items()}
+    for k, v in (state or {}).items():
+        out[f"state.{k}"] = v.detach().numpy().astype(np.float32)
     out["loss"] = np.array(loss.item(), dtype=np.float32)
     for n in names:
         out[f"grad.{n}"] = w[n].grad.detach().numpy().astype(np.float32)
@@ -66,16 +69,19 @@ def cnn_bn(rng):
     x = torch.tensor(rng.standard_normal((8, 1, 8, 8)).astype(np.float32))
     labels = torch.tensor(rng.integers(0, 10, 8), dtype=torch.int64)
     h = x
+    state = {}
     for i in (1, 2):
         h = F.conv2d(h, w[f"conv{i}.weight"], w[f"conv{i}.bias"], padding=1)
-        h = F.batch_norm(h, w[f"bn{i}.running_mean"].clone(), w[f"bn{i}.running_var"].clone(),
-                         w[f"bn{i}.weight"], w[f"bn{i}.bias"], training=True, momentum=0.1, eps=1e-5)
+        rm, rv = w[f"bn{i}.running_mean"].clone(), w[f"bn{i}.running_var"].clone()
+        h = F.batch_norm(h, rm, rv, w[f"bn{i}.weight"], w[f"bn{i}.bias"], training=True, momentum=0.1, eps=1e-5)
+        # The running statistics after the step (the variance updated with the unbiased one).
+        state[f"bn{i}.running_mean"], state[f"bn{i}.running_var"] = rm, rv
         h = F.relu(h)
         if i == 1:
             h = F.max_pool2d(h, 2, 2)
     h = F.adaptive_avg_pool2d(h, 1).flatten(1)
     h = F.linear(h, w["fc.weight"], w["fc.bias"])
-    save("cnn_bn", {"x": x, "labels": labels}, F.cross_entropy(h, labels), w, names)
+    save("cnn_bn", {"x": x, "labels": labels}, F.cross_entropy(h, labels), w, names, state)
 
 
 def transformer(rng):

@@ -538,7 +538,11 @@ impl Pass for OptimizerPass {
         let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
         let mut state: Vec<(ValueId, ValueId)> = Vec::new();
-        // Batch-norm running statistics computed in training mode are state too.
+        // Batch-norm running statistics computed in training mode are state too. ONNX updates the
+        // running variance with the batch's biased variance; PyTorch, which users compare with,
+        // with the unbiased one: rv ← m·rv + (1−m)·v·n/(n−1) for n values per channel. From ONNX's
+        // r = m·rv + (1−m)·v that is r + (r − m·rv)/(n − 1).
+        let mut variances = Vec::new();
         for n in g.node_ids().collect::<Vec<_>>() {
             let node = g.node(n);
             if let Op::BatchNormalization(a) = &node.op {
@@ -547,6 +551,13 @@ impl Pass for OptimizerPass {
                         if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
                             if g.value(s).initializer().is_some() {
                                 state.push((s, next));
+                                if slot == 2 {
+                                    variances.push((
+                                        state.len() - 1,
+                                        node.input(0).expect("BatchNormalization reads x"),
+                                        a.momentum,
+                                    ));
+                                }
                             }
                         }
                     }
@@ -555,6 +566,23 @@ impl Pass for OptimizerPass {
         }
         let mut b = Builder::new(g);
         b.at("optimizer");
+        for (i, x, momentum) in variances {
+            let (rv, next) = state[i];
+            let dt = b.dtype(rv).map_err(PassError::Usage)?;
+            let shape = b.op("bn_shape", Op::Shape(Default::default()), &[x]);
+            let size = b.op("bn_size", Op::Size, &[x]);
+            let one = b.ints(&[1]);
+            let channels = b.op("bn_channels", Op::Gather(Default::default()), &[shape, one]);
+            let per_channel = b.op("bn_count", Op::Div, &[size, channels]);
+            let less_one = b.op("bn_count", Op::Sub, &[per_channel, one]);
+            let less_one = b.op("bn_count", Op::Max, &[less_one, one]);
+            let less_one = b.cast(less_one, dt);
+            let m = b.scalar(f64::from(momentum), dt);
+            let kept = b.op("bn_var", Op::Mul, &[rv, m]);
+            let batch_part = b.op("bn_var", Op::Sub, &[next, kept]);
+            let correction = b.op("bn_var", Op::Div, &[batch_part, less_one]);
+            state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
+        }
         let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
         // 1. Unscale in FP32: g / S (a gradient computed low is widened first).
         let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
