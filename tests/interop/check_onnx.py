@@ -4,6 +4,8 @@
     python3 tests/interop/check_onnx.py --mpc target/release/mpc fixtures
     python3 tests/interop/check_onnx.py --mpc target/release/mpc conformance DIR
     python3 tests/interop/check_onnx.py --mpc target/release/mpc runtime
+    python3 tests/interop/check_onnx.py --mpc target/release/mpc training
+    python3 tests/interop/check_onnx.py --mpc target/release/mpc zoo
 
 `fixtures`: every tests/models/*.onnx is compiled with each policy. The output must pass
 onnx.checker.check_model(full_check=True). With `--policy fp32` it must give the original's outputs
@@ -23,6 +25,13 @@ the reason. Prints passed / skipped / failed counts; exits 1 on any failure.
 onnxruntime on the original model (relative L2 <= 1e-4), `mixed` must match onnxruntime running mpc's
 own exported mixed model (<= 5e-3: same casts, same numbers), `mixed-bf16` must match fp32 (<= 3e-2).
 Fixtures with an op the runtime cannot run yet are skipped with the reason.
+
+`training`: the training graphs of the fixtures (`compile --train`, each policy) pass the checker.
+
+`zoo`: every export in tests/models/zoo (BERT, GPT-2, Llama, ViT, ... by both torch exporters)
+compiled `--policy mixed` passes the checker and matches the original in onnxruntime (relative L2
+<= 1e-2, no NaN/Inf); its training step (`--train --policy mixed`, the family's loss) passes the
+checker wherever mpc builds one (the exports it cannot train yet are listed with mpc's reason).
 """
 
 import argparse
@@ -298,10 +307,52 @@ def check_training(mpc):
     return ok
 
 
+def check_zoo(mpc):
+    zoo = os.path.join(ROOT, "tests", "models", "zoo")
+    meta = json.load(open(os.path.join(zoo, "zoo.json")))
+    rng = np.random.default_rng(2)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sorted(glob.glob(os.path.join(zoo, "*.onnx"))):
+            stem = os.path.basename(src)[:-5]
+            family = meta[stem.split(".")[0]]
+            a = session(src)
+            feeds = random_inputs(a, family["int_inputs"], rng)
+            expected = a.run(None, feeds)
+            out = os.path.join(tmp, stem + ".mixed.onnx")
+            step = os.path.join(tmp, stem + ".train.onnx")
+            try:
+                rc, err = compile_model(mpc, src, out, "mixed")
+                if rc != 0:
+                    raise AssertionError(f"mpc exited {rc}: {err}")
+                onnx.checker.check_model(onnx.load(out), full_check=True)
+                got = session(out).run(None, feeds)
+                if any(y.dtype.kind == "f" and not np.isfinite(y).all() for y in got):
+                    raise AssertionError("NaN or Inf in the outputs")
+                worst = max(rel_l2(y, x) for x, y in zip(expected, got))
+                if worst > 1e-2:
+                    raise AssertionError(f"relative L2 error {worst:.3g} > 0.01")
+                cmd = [mpc, "compile", src, "--policy", "mixed", "--train", "--loss", family["loss"],
+                       "--labels", family["labels"], "-o", step]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode == 2:
+                    train = "training step: not built (" + r.stderr.strip().split(": ", 2)[-1] + ")"
+                elif r.returncode != 0:
+                    raise AssertionError(f"compile --train exited {r.returncode}: {r.stderr.strip()}")
+                else:
+                    onnx.checker.check_model(onnx.load(step), full_check=True)
+                    train = "training step: checker passed"
+                print(f"ok   {stem}: mixed checker passed, onnxruntime relative L2 {worst:.2g}; {train}")
+            except Exception as e:  # noqa: BLE001 - report every failure the same way
+                print(f"FAIL {stem}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                ok = False
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
-    p.add_argument("what", choices=["fixtures", "conformance", "runtime", "training"])
+    p.add_argument("what", choices=["fixtures", "conformance", "runtime", "training", "zoo"])
     p.add_argument("dir", nargs="?")
     a = p.parse_args()
     if a.what == "fixtures":
@@ -310,6 +361,8 @@ def main():
         ok = check_runtime(a.mpc)
     elif a.what == "training":
         ok = check_training(a.mpc)
+    elif a.what == "zoo":
+        ok = check_zoo(a.mpc)
     else:
         ok = check_conformance(a.mpc, a.dir)
     sys.exit(0 if ok else 1)

@@ -111,14 +111,18 @@ fn is_f32(g: &Graph, v: ValueId) -> bool {
 }
 
 /// The node's float tensors that follow its precision: (inputs, outputs).
+///
+/// An input of unknown dtype (an opaque op's output that declares none) is one of them: it gets
+/// a Cast to the node's dtype like any other, since what it holds is never guessed.
 fn t_values(g: &Graph, n: NodeId) -> (Vec<ValueId>, Vec<ValueId>) {
     let node = g.node(n);
     let float = |v: &ValueId| g.ty(*v).dtype.is_some_and(|d| d.is_float());
+    let float_or_unknown = |v: &ValueId| g.ty(*v).dtype.is_none_or(|d| d.is_float());
     let ins = node
         .inputs()
         .iter()
         .enumerate()
-        .filter_map(|(s, v)| v.filter(|v| input_role(&node.op, s) == Role::T && float(v)))
+        .filter_map(|(s, v)| v.filter(|v| input_role(&node.op, s) == Role::T && float_or_unknown(v)))
         .collect();
     let outs = node
         .outputs()
