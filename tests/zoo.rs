@@ -24,8 +24,6 @@ const KNOWN: &[(&str, &str)] = &[
     ("mobilenet.dynamo", "HardSwish has no gradient rule"),
     ("unet.legacy", "Resize has no gradient rule"),
     ("unet.dynamo", "Resize has no gradient rule"),
-    ("lstm.dynamo", "LSTM has no gradient rule"),
-    ("lstm.legacy", "LSTM has no gradient rule"),
     ("gpt2.dynamo", "GatherND"),
     ("llama.dynamo", "GatherND"),
 ];

@@ -10,6 +10,7 @@ mod dce;
 mod infer;
 mod manager;
 pub mod precision;
+mod rnn;
 mod simplify;
 pub mod train;
 
@@ -18,6 +19,7 @@ pub use dce::Dce;
 pub use infer::{infer_types, InferTypes};
 pub use manager::{verify, PassManager, Pipeline};
 pub use precision::{Policy, Precision};
+pub use rnn::UnrollRnn;
 pub use simplify::Simplify;
 
 use std::cell::RefCell;

@@ -4,6 +4,7 @@ use mpc_ir::{Graph, NodeId};
 
 use crate::{
     infer, train, CastCleanup, Changed, Context, Dce, Effect, InferTypes, Pass, PassError, Precision, Result, Simplify,
+    UnrollRnn,
 };
 
 /// A named list of passes.
@@ -33,6 +34,7 @@ impl PassManager {
         match p {
             Pipeline::Inference => PassManager::new(vec![
                 Box::new(InferTypes),
+                Box::new(UnrollRnn),
                 Box::new(Simplify),
                 Box::new(Precision),
                 Box::new(CastCleanup),
@@ -40,6 +42,7 @@ impl PassManager {
             ]),
             Pipeline::Training => PassManager::new(vec![
                 Box::new(InferTypes),
+                Box::new(UnrollRnn),
                 Box::new(Simplify),
                 Box::new(train::AddLoss),
                 Box::new(Precision),

@@ -15,7 +15,7 @@
 //! into its state's slot, and the file writers store the runtime's part as metadata.
 
 mod autodiff;
-mod build;
+pub(crate) mod build;
 mod tie;
 
 use std::collections::BTreeSet;

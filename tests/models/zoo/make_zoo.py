@@ -5,7 +5,7 @@
                                                      # onnx, onnxscript, numpy, safetensors
 
 Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
-classifier) is built with random weights from a tiny config, then exported twice:
+classifier, a bidirectional GRU classifier) is built with random weights from a tiny config, then exported twice:
 `NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
 `NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
 a training step is deterministic; models are exported in eval mode, as users export them.
@@ -128,6 +128,20 @@ class LstmClassifier(nn.Module):
         return self.fc(h[:, -1])
 
 
+class GruClassifier(nn.Module):
+    """A bidirectional, batch-first GRU: both directions, and torch's linear_before_reset."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.gru = nn.GRU(16, 12, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(24, 3)
+
+    def forward(self, tokens):
+        h, _ = self.gru(self.emb(tokens))
+        return self.fc(h.mean(dim=1))
+
+
 def tokens(rng, vocab=64):
     return torch.tensor(rng.integers(0, vocab, (B, T)), dtype=torch.int64)
 
@@ -162,6 +176,7 @@ FAMILIES = {
     "unet": (TinyUNet, "x", lambda r: image(r, 1, 16), "mse", None),
     "groupnorm": (GroupNormCnn, "x", lambda r: image(r, 3, 8), "ce", lambda r: r.integers(0, 3, B)),
     "lstm": (LstmClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B)),
+    "gru": (GruClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B)),
 }
 
 
@@ -209,6 +224,41 @@ def grads_by_initializer(m, named):
                 found.append(p.grad.numpy().T)
         if len(found) == 1:
             out[f"grad.{init.name}"] = np.ascontiguousarray(found[0]).astype(np.float32)
+            continue
+        for value, grad in recurrent_forms(named):
+            if value.shape == a.shape and np.array_equal(value, a):
+                out[f"grad.{init.name}"] = grad.astype(np.float32)
+    return out
+
+
+def recurrent_forms(named):
+    """The weights of an nn.LSTM or nn.GRU (one layer, either direction) as the exporters write
+    them, with their gradients: ONNX orders an LSTM's gates i, o, f, c where torch has i, f, g, o,
+    a GRU's z, r, h where torch has r, z, n; stacks the directions on a new first axis; and
+    concatenates the two biases."""
+    def onnx_order(t):
+        h = t.shape[0]
+        if h % 4 == 0 and h // 4 == hidden:
+            i, f, g, o = np.split(t, 4)
+            return np.concatenate([i, o, f, g])
+        r, z, n = np.split(t, 3)
+        return np.concatenate([z, r, n])
+
+    out = []
+    for name in named:
+        if not name.endswith(".weight_hh_l0"):
+            continue
+        prefix = name[: -len("weight_hh_l0")]
+        hidden = named[name].shape[1]
+        dirs = [""] + (["_reverse"] if prefix + "weight_hh_l0_reverse" in named else [])
+
+        def stacked(kinds, of):
+            parts = [np.concatenate([onnx_order(of(named[f"{prefix}{k}_l0{d}"])) for k in kinds]) for d in dirs]
+            return np.stack(parts)
+
+        for kinds in (["weight_ih"], ["weight_hh"], ["bias_ih", "bias_hh"]):
+            if all(f"{prefix}{k}_l0" in named for k in kinds):
+                out.append((stacked(kinds, lambda p: p.detach().numpy()), stacked(kinds, lambda p: p.grad.numpy())))
     return out
 
 
