@@ -115,6 +115,8 @@ impl Case {
         for (i, &p) in self.params.iter().enumerate() {
             let analytic = out[i + 1].1.f64s();
             let pname = self.g.name(p).to_string();
+            // A gradient that is zero everywhere would pass against any rule that also gives zero.
+            assert!(analytic.iter().any(|&d| d != 0.0), "{name}: the gradient of `{pname}` is zero everywhere");
             let base = s.read_state(&pname).unwrap();
             let n = base.len();
             let picks: Vec<usize> =
@@ -180,6 +182,15 @@ unary! {
     log_softmax: "LogSoftmax" ["axis" = Attr::Int(1)] in -2.0..2.0;
     transpose: "Transpose" ["perm" = ints(&[1, 0])] in -1.0..1.0;
     flatten: "Flatten" ["axis" = Attr::Int(0)] in -1.0..1.0;
+    // Every region: x < −3, the ramp, x > 3.
+    hard_swish: "HardSwish" [] in -5.0..5.0;
+    hard_sigmoid: "HardSigmoid" ["alpha" = Attr::Float(0.3), "beta" = Attr::Float(0.4)] in -4.0..4.0;
+    softplus: "Softplus" [] in -3.0..3.0;
+    softsign: "Softsign" [] in -3.0..3.0;
+    sin: "Sin" [] in -3.0..3.0;
+    cos: "Cos" [] in -3.0..3.0;
+    elu: "Elu" ["alpha" = Attr::Float(0.7)] in -2.0..2.0;
+    selu: "Selu" [] in -2.0..2.0;
 }
 
 macro_rules! binary {
@@ -205,6 +216,73 @@ binary! {
     matmul_batched: "MatMul" [2, 3, 4], [2, 4, 5], in -1.0..1.0;
     matmul_shared_weight: "MatMul" [2, 3, 4], [4, 5], in -1.0..1.0;
     matmul_broadcast_batch: "MatMul" [2, 1, 3, 4], [3, 4, 2], in -1.0..1.0;
+    prelu_broadcast_slope: "PRelu" [2, 3, 4], [3, 1], in -1.0..1.0;
+    max_broadcast: "Max" [3, 4], [4], in -1.0..1.0;
+    min_broadcast: "Min" [3, 1], [3, 4], in -1.0..1.0;
+}
+
+#[test]
+fn variadic_sum_mean_max_min() {
+    for op in ["Sum", "Mean", "Max", "Min"] {
+        let mut c = Case::new(op);
+        let a = c.param("a", &[3, 4]);
+        let b = c.param("b", &[4]);
+        // Shifted, so that the broadcast input is the maximum (the minimum) somewhere.
+        let d = if op == "Min" { c.param_in("d", &[3, 1], -3.0, 1.0) } else { c.param_in("d", &[3, 1], -1.0, 3.0) };
+        let y = c.op1(op, &[], &[a, b, d]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn max_min_ties_split_the_gradient() {
+    // At a tie the central difference is the mean of the one-sided slopes: each of the two equal
+    // inputs gets half of dy, as torch.maximum gives it.
+    for op in ["Max", "Min"] {
+        let mut c = Case::new(&format!("{op}_ties"));
+        let a = c.param("a", &[2, 3]);
+        let values = c.g.constant(a).unwrap().clone();
+        let b = c.g.add_initializer("b", values);
+        c.params.push(b);
+        let y = c.op1(op, &[], &[a, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn clip() {
+    let mut c = Case::new("clip");
+    let x = c.param_in("x", &[3, 5], -2.0, 2.0);
+    let lo = c.tensor("lo", &[], -0.5, -0.5);
+    let hi = c.tensor("hi", &[], 0.8, 0.8);
+    let both = c.op1("Clip", &[], &[x, lo, hi]);
+    let upper = c.op("Clip", &[], &[Some(x), None, Some(hi)], 1)[0];
+    let y = c.op1("Add", &[], &[both, upper]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn piecewise_constant_ops_pass_no_gradient() {
+    // y = f(x)·x: only the second factor carries a gradient, d/dx = f(x) away from the jumps.
+    for op in ["Floor", "Ceil", "Round", "Sign"] {
+        let mut c = Case::new(op);
+        let x = c.param_in("x", &[3, 5], -2.0, 2.0);
+        let f = c.op1(op, &[], &[x]);
+        let y = c.op1("Mul", &[], &[f, x]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn a_parameter_read_only_through_floor_gets_no_gradient_and_no_error() {
+    let mut c = Case::new("floor_only");
+    let x = c.param("x", &[3, 4]);
+    let f = c.op1("Floor", &[], &[x]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[f]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let grads = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap();
+    assert!(grads.is_empty(), "{grads:?}");
 }
 
 #[test]
@@ -419,13 +497,13 @@ fn fan_out_gradients_are_summed() {
 fn an_op_without_a_rule_is_an_error_naming_it() {
     let mut c = Case::new("no_rule");
     let x = c.param("x", &[3, 4]);
-    let y = c.op1("Softplus", &[], &[x]);
+    let y = c.op1("ReduceMax", &[], &[x]);
     mpc_passes::infer_types(&mut c.g).unwrap();
     let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
     mpc_passes::infer_types(&mut c.g).unwrap();
     let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
     let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-    assert!(err.contains("Softplus") && err.contains("n0"), "{err}");
+    assert!(err.contains("ReduceMax") && err.contains("n0"), "{err}");
 }
 
 #[test]

@@ -42,10 +42,14 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::Split(_)
         | Op::Clip
         | Op::Resize(_)
+        | Op::Trilu(_)
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
         | Op::GatherElements(_) => slot == 0,
         Op::Where => slot > 0,
+        // Piecewise constant: the gradient is zero wherever it exists (PyTorch's convention too), so
+        // their input is not differentiated and no gradient flows through them.
+        Op::Floor | Op::Ceil | Op::Round | Op::Sign => false,
         Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
         Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
         // On the path, so that a parameter behind an op mpc cannot differentiate is an error.
@@ -232,6 +236,48 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             };
             vec![da, db]
         }
+        // d Σxᵢ = dy for every input (÷ n for the mean), summed over its broadcast axes.
+        Op::Sum | Op::Mean => {
+            let n = node.inputs().len();
+            let d = if matches!(op, Op::Mean) && n > 1 {
+                let k = b.scalar(n as f64, dt);
+                b.op("div", Op::Div, &[dy, k])
+            } else {
+                dy
+            };
+            let mut grads = Vec::with_capacity(n);
+            for i in 0..n {
+                grads.push(if want(i) { Some(b.unbroadcast(d, x(i)?, y)?) } else { None });
+            }
+            grads
+        }
+        // d max(x₁, …, xₙ): dy goes to the inputs equal to the result, split equally between tied
+        // ones (torch.maximum's convention), summed over broadcast axes; likewise for min.
+        Op::Max | Op::Min => {
+            let n = node.inputs().len();
+            if n == 1 {
+                return Ok(vec![Some(dy)]);
+            }
+            let (zero, one) = (b.scalar(0.0, dt), b.scalar(1.0, dt));
+            let mut masks = Vec::with_capacity(n);
+            for i in 0..n {
+                let e = b.op("eq", Op::Equal, &[x(i)?, y]);
+                masks.push(b.op("mask", Op::Where, &[e, one, zero]));
+            }
+            let ins: Vec<Option<ValueId>> = masks.iter().map(|&m| Some(m)).collect();
+            let count = b.ops("count", Op::Sum, &ins, 1)[0];
+            let share = b.op("share", Op::Div, &[dy, count]);
+            let mut grads = Vec::with_capacity(n);
+            for (i, &m) in masks.iter().enumerate() {
+                grads.push(if want(i) {
+                    let t = b.op("mul", Op::Mul, &[share, m]);
+                    Some(b.unbroadcast(t, x(i)?, y)?)
+                } else {
+                    None
+                });
+            }
+            grads
+        }
         // d(a·b) = b·da + a·db.
         Op::Mul => {
             let (a, c) = (x(0)?, x(1)?);
@@ -322,6 +368,104 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
             let s = b.op("mul", Op::Mul, &[dy, alpha]);
             vec![Some(b.op("where", Op::Where, &[m, dy, s]))]
+        }
+        // d leaky(x, s) = (x < 0 ? s : 1) dx, ds = (x < 0 ? x : 0) dy, summed over broadcast axes.
+        Op::PRelu => {
+            let (x0, s) = (x(0)?, x(1)?);
+            let zero = b.scalar(0.0, dt);
+            let m = b.op("mask", Op::Less, &[x0, zero]);
+            let dx = if want(0) {
+                let t = b.op("mul", Op::Mul, &[dy, s]);
+                let t = b.op("where", Op::Where, &[m, t, dy]);
+                Some(b.unbroadcast(t, x0, y)?)
+            } else {
+                None
+            };
+            let ds = if want(1) {
+                let t = b.op("mul", Op::Mul, &[dy, x0]);
+                let t = b.op("where", Op::Where, &[m, t, zero]);
+                Some(b.unbroadcast(t, s, y)?)
+            } else {
+                None
+            };
+            vec![dx, ds]
+        }
+        // d elu(x) = (x > 0 ? 1 : α·eˣ = y + α) dx.
+        Op::Elu(a) => {
+            let (zero, alpha) = (b.scalar(0.0, dt), b.scalar(a.alpha as f64, dt));
+            let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
+            let t = b.op("add", Op::Add, &[y, alpha]);
+            let t = b.op("mul", Op::Mul, &[dy, t]);
+            vec![Some(b.op("where", Op::Where, &[m, dy, t]))]
+        }
+        // d selu(x) = (x > 0 ? γ : γ·α·eˣ = y + γ·α) dx.
+        Op::Selu(a) => {
+            let zero = b.scalar(0.0, dt);
+            let (g, ga) = (b.scalar(a.gamma as f64, dt), b.scalar(a.gamma as f64 * a.alpha as f64, dt));
+            let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
+            let pos = b.op("mul", Op::Mul, &[dy, g]);
+            let t = b.op("add", Op::Add, &[y, ga]);
+            let neg = b.op("mul", Op::Mul, &[dy, t]);
+            vec![Some(b.op("where", Op::Where, &[m, pos, neg]))]
+        }
+        // d hardsigmoid(x) = (0 < y < 1 ? α : 0) dx.
+        Op::HardSigmoid(a) => {
+            let (zero, one, alpha) = (b.scalar(0.0, dt), b.scalar(1.0, dt), b.scalar(a.alpha as f64, dt));
+            let lo = b.op("above", Op::Greater, &[y, zero]);
+            let hi = b.op("below", Op::Less, &[y, one]);
+            let m = b.op("mask", Op::And, &[lo, hi]);
+            let t = b.op("mul", Op::Mul, &[dy, alpha]);
+            vec![Some(b.op("where", Op::Where, &[m, t, zero]))]
+        }
+        // d hardswish(x) = (x < −3 ? 0 : x > 3 ? 1 : (2x + 3)/6) dx (PyTorch's choice at the kinks).
+        Op::HardSwish => {
+            let x0 = x(0)?;
+            let (zero, third, half) = (b.scalar(0.0, dt), b.scalar(1.0 / 3.0, dt), b.scalar(0.5, dt));
+            let (m3, p3) = (b.scalar(-3.0, dt), b.scalar(3.0, dt));
+            let lo = b.op("below", Op::Less, &[x0, m3]);
+            let hi = b.op("above", Op::Greater, &[x0, p3]);
+            let t = b.op("mul", Op::Mul, &[x0, third]);
+            let t = b.op("add", Op::Add, &[t, half]);
+            let t = b.op("mul", Op::Mul, &[dy, t]);
+            let t = b.op("where", Op::Where, &[hi, dy, t]);
+            vec![Some(b.op("where", Op::Where, &[lo, zero, t]))]
+        }
+        // d softplus(x) = σ(x) dx.
+        Op::Softplus => {
+            let s = b.op("sigmoid", Op::Sigmoid, &[x(0)?]);
+            vec![Some(b.op("mul", Op::Mul, &[dy, s]))]
+        }
+        // d softsign(x) = dx / (1 + |x|)².
+        Op::Softsign => {
+            let one = b.scalar(1.0, dt);
+            let t = b.op("abs", Op::Abs, &[x(0)?]);
+            let t = b.op("add", Op::Add, &[t, one]);
+            let t = b.op("mul", Op::Mul, &[t, t]);
+            vec![Some(b.op("div", Op::Div, &[dy, t]))]
+        }
+        // d sin x = cos x dx.
+        Op::Sin => {
+            let c = b.op("cos", Op::Cos, &[x(0)?]);
+            vec![Some(b.op("mul", Op::Mul, &[dy, c]))]
+        }
+        // d cos x = −sin x dx.
+        Op::Cos => {
+            let s = b.op("sin", Op::Sin, &[x(0)?]);
+            let t = b.op("mul", Op::Mul, &[dy, s]);
+            vec![Some(b.op("neg", Op::Neg, &[t]))]
+        }
+        // d clip(x, lo, hi) = (lo ≤ x ≤ hi ? 1 : 0) dx (PyTorch's clamp: the bounds pass the gradient).
+        Op::Clip => {
+            let x0 = x(0)?;
+            let lo = node.input(1).map(|v| b.op("above", Op::GreaterOrEqual, &[x0, v]));
+            let hi = node.input(2).map(|v| b.op("below", Op::LessOrEqual, &[x0, v]));
+            let m = match (lo, hi) {
+                (Some(l), Some(h)) => b.op("mask", Op::And, &[l, h]),
+                (Some(m), None) | (None, Some(m)) => m,
+                (None, None) => return Ok(vec![Some(dy)]),
+            };
+            let zero = b.scalar(0.0, dt);
+            vec![Some(b.op("where", Op::Where, &[m, dy, zero]))]
         }
         // d σ(x) = σ(x)(1 − σ(x)) dx.
         Op::Sigmoid => {
