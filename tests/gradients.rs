@@ -356,6 +356,48 @@ fn layer_norm_two_axes() {
 }
 
 #[test]
+fn instance_norm() {
+    let mut c = Case::new("instance_norm");
+    let x = c.param("x", &[2, 3, 2, 3]);
+    let s = c.param("scale", &[3]);
+    let b = c.param("bias", &[3]);
+    let y = c.op1("InstanceNormalization", &[("epsilon", Attr::Float(1e-3))], &[x, s, b]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn group_norm() {
+    for shape in [&[2, 4, 2, 3][..], &[3, 6]] {
+        let mut c = Case::new(&format!("group_norm{shape:?}"));
+        let x = c.param("x", shape);
+        let s = c.param("scale", &shape[1..2]);
+        let b = c.param("bias", &shape[1..2]);
+        let attrs = [("num_groups", Attr::Int(2)), ("epsilon", Attr::Float(1e-3))];
+        let y = c.op1("GroupNormalization", &attrs, &[x, s, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn group_norm_as_torch_exports_it() {
+    // Reshape to [N, G, -1], InstanceNormalization with unit scale, reshape back, then the affine.
+    let mut c = Case::new("group_norm_exported");
+    let x = c.param("x", &[2, 4, 3, 2]);
+    let groups = c.ints("groups", &[3], &[0, 2, -1]);
+    let xr = c.op1("Reshape", &[], &[x, groups]);
+    let ones = c.tensor("ones", &[2], 1.0, 1.0);
+    let zeros = c.tensor("zeros", &[2], 0.0, 0.0);
+    let n = c.op1("InstanceNormalization", &[], &[xr, ones, zeros]);
+    let back = c.ints("back", &[4], &[2, 4, 3, 2]);
+    let n = c.op1("Reshape", &[], &[n, back]);
+    let s = c.param("scale", &[4, 1, 1]);
+    let b = c.param("bias", &[4, 1, 1]);
+    let t = c.op1("Mul", &[], &[n, s]);
+    let y = c.op1("Add", &[], &[t, b]);
+    c.check(y, TOL);
+}
+
+#[test]
 fn shape_ops() {
     let mut c = Case::new("shape_ops");
     let x = c.param("x", &[2, 3, 4]);

@@ -9,8 +9,10 @@
 
 use std::collections::BTreeMap;
 
-use mpc_ir::ops::{AxisAttrs, CastAttrs, GemmAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs};
-use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
+use mpc_ir::ops::{
+    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, GemmAttrs, LayerNormAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs,
+};
+use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, NodeId, Op, ValueId};
 
 use super::build::Builder;
 use crate::PassError;
@@ -602,6 +604,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 b.ops("ln", Op::LayerNormalizationGrad(Box::new(a.clone())), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
+        Op::InstanceNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, None)?,
+        Op::GroupNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, Some(a.num_groups))?,
         // Shape-only ops: the gradient takes the input's shape back.
         Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze | Op::Unsqueeze => {
             let s = b.shape_of(x(0)?);
@@ -761,11 +765,75 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
     })
 }
 
+/// InstanceNormalization (`groups` None) and GroupNormalization: x̂ normalised per (n, c), or per
+/// (n, group), over the channels of the group and the spatial axes; Y = γ·x̂ + β, γ and β per
+/// channel. dX is LayerNormalizationGrad's over those elements with ĝ = γ·dY and a unit scale:
+/// (1/σ)/m · (m·ĝ − Σĝ − x̂·Σ(ĝ·x̂)); dγ = Σ dY·x̂ and dβ = ΣdY over N and the spatial axes, x̂
+/// being the op itself with unit scale and zero bias.
+fn channel_norm(
+    b: &mut Builder,
+    node: &Node,
+    dy: ValueId,
+    wants: &[bool],
+    epsilon: f32,
+    groups: Option<i64>,
+) -> Result<Vec<Option<ValueId>>, String> {
+    let want = |i: usize| wants.get(i).copied().unwrap_or(false);
+    let (x0, scale) = (node.input(0).ok_or("input 0 is missing")?, node.input(1).ok_or("input 1 is missing")?);
+    let (r, dt) = (b.shape(x0)?.rank(), b.dtype(x0)?);
+    if r < 3 && groups.is_none() {
+        return Err("InstanceNormalization without spatial axes cannot be differentiated".into());
+    }
+    // The axes γ and β are shared over.
+    let shared: Vec<i64> = std::iter::once(0).chain(2..r as i64).collect();
+    let dx = if want(0) {
+        let g = if r > 2 {
+            let ax: Vec<i64> = (1..r as i64 - 1).collect();
+            let ax = b.ints(&ax);
+            b.op("unsqueeze", Op::Unsqueeze, &[scale, ax])
+        } else {
+            scale
+        };
+        let gh = b.op("mul", Op::Mul, &[dy, g]);
+        let one = b.scalar(1.0, dt);
+        let ln = Op::LayerNormalizationGrad(Box::new(LayerNormAttrs { axis: 2, epsilon, stash_type: 1 }));
+        Some(match groups {
+            None => b.ops("ln", ln, &[Some(gh), Some(x0), Some(one)], 3)[0],
+            // Rows of a group: [N, G, C/G · spatial].
+            Some(gr) => {
+                let rows = b.ints(&[0, gr, -1]);
+                let gh = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[gh, rows]);
+                let xr = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[x0, rows]);
+                let d = b.ops("ln", ln, &[Some(gh), Some(xr), Some(one)], 3)[0];
+                let s = b.shape_of(x0);
+                b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[d, s])
+            }
+        })
+    } else {
+        None
+    };
+    let dscale = if want(1) {
+        let s = b.shape_of(scale);
+        let (ones, zeros) = (full(b, "ones", s, 1.0, dt), full(b, "zeros", s, 0.0, dt));
+        let xh = b.op("xhat", node.op.clone(), &[x0, ones, zeros]);
+        let t = b.op("mul", Op::Mul, &[dy, xh]);
+        Some(b.reduce_sum(t, &shared, false))
+    } else {
+        None
+    };
+    let dbias = if want(2) { Some(b.reduce_sum(dy, &shared, false)) } else { None };
+    Ok(vec![dx, dscale, dbias])
+}
+
+/// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
+fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
+    let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[x]);
+    b.op(what, Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(value) })), &[s])
+}
+
 /// Zeros shaped like `v` (the gradient of an unread output).
 fn zeros_like(b: &mut Builder, v: ValueId) -> Result<ValueId, String> {
     let dt = b.dtype(v)?;
     let s = b.shape_of(v);
-    let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[0.0]);
-    let op = Op::ConstantOfShape(Box::new(mpc_ir::ops::ConstantOfShapeAttrs { value: Some(value) }));
-    Ok(b.op("zeros", op, &[s]))
+    Ok(full(b, "zeros", s, 0.0, dt))
 }
