@@ -467,6 +467,63 @@ fn pooling() {
 }
 
 #[test]
+fn resize_nearest_integer_upscales() {
+    // torch's nearest (asymmetric, floor) by scales; nearest-exact (half_pixel, rounding) by sizes;
+    // half_pixel_symmetric rounding up; scales on named axes.
+    let cases: [(&str, Vec<(&str, Attr)>, &[f32], &[i64]); 4] = [
+        (
+            "asymmetric_floor",
+            vec![
+                ("coordinate_transformation_mode", Attr::String("asymmetric".into())),
+                ("nearest_mode", Attr::String("floor".into())),
+            ],
+            &[1.0, 1.0, 2.0, 3.0],
+            &[],
+        ),
+        ("half_pixel_sizes", vec![], &[], &[2, 2, 6, 6]),
+        (
+            "half_pixel_symmetric_ceil",
+            vec![
+                ("coordinate_transformation_mode", Attr::String("half_pixel_symmetric".into())),
+                ("nearest_mode", Attr::String("round_prefer_ceil".into())),
+            ],
+            &[1.0, 1.0, 3.0, 4.0],
+            &[],
+        ),
+        ("axes", vec![("axes", ints(&[-2, -1]))], &[3.0, 2.0], &[]),
+    ];
+    for (name, attrs, scales, sizes) in cases {
+        let mut c = Case::new(&format!("resize_{name}"));
+        let x = c.param("x", &[2, 2, 2, 3]);
+        let scales = (!scales.is_empty())
+            .then(|| c.g.add_initializer("scales", Tensor::from_f32(vec![scales.len() as u64], scales)));
+        let sizes = (!sizes.is_empty()).then(|| c.ints("sizes", &[sizes.len() as u64], sizes));
+        let y = c.op("Resize", &attrs, &[Some(x), None, scales, sizes], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn resize_that_is_not_a_block_copy_is_refused_naming_the_mode() {
+    let cases: [(Vec<(&str, Attr)>, f32, &str); 3] = [
+        (vec![("mode", Attr::String("linear".into()))], 2.0, "mode linear"),
+        (vec![("nearest_mode", Attr::String("floor".into()))], 2.0, "half_pixel and nearest_mode floor"),
+        (vec![], 1.5, "Resize by 1.5"),
+    ];
+    for (attrs, scale, want) in cases {
+        let mut c = Case::new("resize_refused");
+        let x = c.param("x", &[1, 1, 2, 2]);
+        let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, scale, scale]));
+        let y = c.op("Resize", &attrs, &[Some(x), None, Some(scales)], 1)[0];
+        let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+        mpc_passes::infer_types(&mut c.g).unwrap();
+        let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+        let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+        assert!(err.contains(want), "{err}");
+    }
+}
+
+#[test]
 fn global_average_pool_and_reductions() {
     let mut c = Case::new("reductions");
     let x = c.param("x", &[2, 3, 2, 2]);

@@ -10,7 +10,8 @@
 use std::collections::BTreeMap;
 
 use mpc_ir::ops::{
-    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, GemmAttrs, LayerNormAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs,
+    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, CoordinateMode, GemmAttrs, LayerNormAttrs, NearestMode,
+    ReshapeAttrs, ResizeAttrs, ResizeMode, SplitAttrs, TransposeAttrs,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, NodeId, Op, ValueId};
 
@@ -604,6 +605,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 b.ops("ln", Op::LayerNormalizationGrad(Box::new(a.clone())), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
+        Op::Resize(a) => vec![Some(resize_grad(b, &node, a, dy)?)],
         Op::InstanceNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, None)?,
         Op::GroupNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, Some(a.num_groups))?,
         // Shape-only ops: the gradient takes the input's shape back.
@@ -823,6 +825,102 @@ fn channel_norm(
     };
     let dbias = if want(2) { Some(b.reduce_sum(dy, &shared, false)) } else { None };
     Ok(vec![dx, dscale, dbias])
+}
+
+/// Nearest upsampling by integer factors s₁, s₂, … copies each element into an s₁×s₂×… block: dX
+/// sums each block of dY (reshaped to [.., H, s, ..] and summed over the s axes). Other modes, and
+/// coordinate rules under which the copies are not whole blocks, are refused.
+fn resize_grad(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId) -> Result<ValueId, String> {
+    fn text<T: PartialEq>(names: &[(&'static str, T)], v: &T) -> &'static str {
+        names.iter().find(|(_, x)| x == v).map_or("?", |(n, _)| n)
+    }
+    if a.mode != ResizeMode::Nearest {
+        return Err(format!(
+            "Resize in mode {} cannot be differentiated yet (nearest only)",
+            text(ResizeMode::NAMES, &a.mode)
+        ));
+    }
+    if a.keep_aspect_ratio_policy != AspectPolicy::Stretch {
+        return Err("Resize with a keep_aspect_ratio_policy cannot be differentiated".into());
+    }
+    let x0 = node.input(0).ok_or("input 0 is missing")?;
+    let xs = b.shape(x0)?;
+    let r = xs.rank();
+    let axes: Vec<usize> = if a.axes.is_empty() {
+        (0..r).collect()
+    } else {
+        a.axes.iter().map(|&d| normalize_axis(d, r).ok_or("bad axis")).collect::<Result<_, _>>()?
+    };
+    let mut factor = vec![1i64; r];
+    match int_const(b.g, node.input(3), "Resize sizes")?.filter(|v| !v.is_empty()) {
+        Some(sizes) => {
+            for (&ax, &m) in axes.iter().zip(&sizes) {
+                let n = fixed(&xs.dims()[ax], "a resized axis")?;
+                if n == 0 || m < n || m % n != 0 {
+                    return Err(format!(
+                        "Resize from {n} to {m} is not an integer upscale, the only one differentiated"
+                    ));
+                }
+                factor[ax] = m / n;
+            }
+        }
+        None => {
+            let scales = node.input(2).and_then(|v| b.g.constant(v)).map(|t| t.to_f64_vec());
+            let scales =
+                scales.filter(|v| !v.is_empty()).ok_or("Resize needs constant scales or sizes to differentiate")?;
+            for (&ax, &f) in axes.iter().zip(&scales) {
+                if f < 1.0 || f.fract() != 0.0 {
+                    return Err(format!("Resize by {f} is not an integer upscale, the only one differentiated"));
+                }
+                factor[ax] = f as i64;
+            }
+        }
+    }
+    for &s in factor.iter().filter(|&&s| s > 1) {
+        use mpc_ir::ops::{CoordinateMode as C, NearestMode as N};
+        let blocks = match a.coordinate_transformation_mode {
+            // x/s = i + j/s with 0 ≤ j < s: floor gives i, and so does rounding down the half at s = 2.
+            C::Asymmetric => a.nearest_mode == N::Floor || (s == 2 && a.nearest_mode == N::RoundPreferFloor),
+            // (x + ½)/s − ½ = i + (j + ½)/s − ½ lies strictly within ½ of i: rounding gives i, floor
+            // and ceil do not.
+            C::HalfPixel | C::HalfPixelSymmetric | C::PytorchHalfPixel => {
+                matches!(a.nearest_mode, N::RoundPreferFloor | N::RoundPreferCeil)
+            }
+            C::AlignCorners | C::TfCropAndResize => false,
+        };
+        if !blocks {
+            return Err(format!(
+                "Resize nearest with coordinate_transformation_mode {} and nearest_mode {} at scale {s} does not \
+                 copy whole blocks and cannot be differentiated",
+                text(CoordinateMode::NAMES, &a.coordinate_transformation_mode),
+                text(NearestMode::NAMES, &a.nearest_mode)
+            ));
+        }
+    }
+    let Some(first) = factor.iter().position(|&s| s > 1) else { return Ok(dy) };
+    let (mut target, mut blocks, mut inferred) = (Vec::new(), Vec::new(), false);
+    for (i, d) in xs.dims().iter().enumerate() {
+        target.push(match d.fixed() {
+            Some(n) => n as i64,
+            None if i < first => 0,
+            None if !inferred => {
+                inferred = true;
+                -1
+            }
+            None => {
+                return Err(
+                    "Resize with two unknown dims from the first resized axis on cannot be differentiated".into()
+                )
+            }
+        });
+        if factor[i] > 1 {
+            blocks.push(target.len() as i64);
+            target.push(factor[i]);
+        }
+    }
+    let t = b.ints(&target);
+    let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
+    Ok(b.reduce_sum(t, &blocks, false))
 }
 
 /// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
