@@ -324,6 +324,44 @@ fn conv_dilated() {
 }
 
 #[test]
+fn conv_transpose() {
+    let grouped = vec![
+        ("strides", ints(&[2, 2])),
+        ("pads", ints(&[1, 0, 0, 1])),
+        ("output_padding", ints(&[1, 0])),
+        ("group", Attr::Int(2)),
+    ];
+    let same = vec![("strides", ints(&[2, 2])), ("auto_pad", Attr::String("SAME_UPPER".into()))];
+    let dilated = vec![("dilations", ints(&[2, 1])), ("output_shape", ints(&[4, 4]))];
+    // The bias has the output channels: w's second dim times the groups.
+    for (name, attrs, w, bias) in [
+        ("grouped", grouped, [4, 3, 3, 3], Some(6)),
+        ("same_upper", same, [4, 2, 3, 3], None),
+        ("dilated_output_shape", dilated, [4, 2, 2, 2], Some(2)),
+    ] {
+        let mut c = Case::new(&format!("conv_transpose_{name}"));
+        let x = c.param("x", &[2, 4, 3, 4]);
+        let w = c.param("w", &w);
+        let b = bias.map(|n| c.param("b", &[n]));
+        let y = c.op("ConvTranspose", &attrs, &[Some(x), Some(w), b], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn conv_transpose_past_the_full_output_is_refused() {
+    let mut c = Case::new("conv_transpose_refused");
+    let x = c.param("x", &[1, 1, 3]);
+    let w = c.param("w", &[1, 1, 2]);
+    let y = c.op1("ConvTranspose", &[("output_shape", ints(&[6]))], &[x, w]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x, w], s, seed).unwrap_err().to_string();
+    assert!(err.contains("not the adjoint of a Conv"), "{err}");
+}
+
+#[test]
 fn batch_norm_training() {
     let mut c = Case::new("batch_norm");
     let x = c.param("x", &[3, 2, 2, 2]);
@@ -464,6 +502,56 @@ fn pooling() {
         let y = c.op1(op, &attrs, &[x]);
         c.check(y, TOL);
     }
+}
+
+#[test]
+fn global_max_pool() {
+    let mut c = Case::new("global_max_pool");
+    let x = c.param("x", &[2, 3, 3, 4]);
+    let y = c.op1("GlobalMaxPool", &[], &[x]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn trilu() {
+    for (upper, k) in [(1, Some(1)), (0, Some(-1)), (0, None)] {
+        let mut c = Case::new(&format!("trilu_{upper}_{k:?}"));
+        let x = c.param("x", &[2, 3, 4]);
+        let k = k.map(|k| c.ints("k", &[], &[k]));
+        let y = c.op("Trilu", &[("upper", Attr::Int(upper))], &[Some(x), k], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn einsum() {
+    // Batched matmul, attention scores, a label summed over one operand alone, an outer product, a
+    // one-operand transpose with a summed label, an implicit scalar output.
+    for (eq, shapes) in [
+        ("bij,bjk->bik", &[&[2, 3, 4][..], &[2, 4, 5]][..]),
+        ("bhqd,bhkd->bhqk", &[&[2, 2, 3, 4], &[2, 2, 5, 4]]),
+        ("ij,jk->k", &[&[3, 4], &[4, 5]]),
+        ("i,j->ij", &[&[3], &[4]]),
+        ("ijk->kj", &[&[2, 3, 4]]),
+        ("ij,ij", &[&[3, 4], &[3, 4]]),
+    ] {
+        let mut c = Case::new(&format!("einsum_{eq}"));
+        let xs: Vec<ValueId> = shapes.iter().enumerate().map(|(i, s)| c.param(&format!("x{i}"), s)).collect();
+        let y = c.op1("Einsum", &[("equation", Attr::String(eq.into()))], &xs);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn einsum_with_a_diagonal_is_refused() {
+    let mut c = Case::new("einsum_diagonal");
+    let x = c.param("x", &[3, 3]);
+    let y = c.op1("Einsum", &[("equation", Attr::String("ii->i".into()))], &[x]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Einsum `ii->i`") && err.contains("repeated"), "{err}");
 }
 
 #[test]

@@ -9,9 +9,10 @@
 
 use std::collections::BTreeMap;
 
+use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
-    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, CoordinateMode, GemmAttrs, LayerNormAttrs, NearestMode,
-    ReshapeAttrs, ResizeAttrs, ResizeMode, SplitAttrs, TransposeAttrs,
+    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, ConvAttrs, CoordinateMode, EinsumAttrs, GemmAttrs,
+    LayerNormAttrs, NearestMode, PoolAttrs, ReshapeAttrs, ResizeAttrs, ResizeMode, SplitAttrs, TransposeAttrs,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, NodeId, Op, ValueId};
 
@@ -588,6 +589,65 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let outs = b.ops("conv", Op::ConvGrad(a.clone()), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
+        // Y = ConvTranspose(X, W) is the adjoint of Conv(·, W) over the same window: dX = Conv(dY, W),
+        // dW = the weight gradient of that Conv with X as its output gradient (ai.mpc::ConvGrad), dB = ΣdY.
+        Op::ConvTranspose(a) => {
+            let (x0, w) = (x(0)?, x(1)?);
+            let xs = b.shape(x0)?;
+            if xs.rank() < 3 {
+                return Err("ConvTranspose needs spatial axes".into());
+            }
+            let sp = xs.rank() - 2;
+            let kernel: Vec<i64> = if a.kernel_shape.is_empty() {
+                let ws = b.shape(w)?;
+                ws.dims()[2..].iter().map(|d| fixed(d, "the kernel")).collect::<Result<_, _>>()?
+            } else {
+                a.kernel_shape.clone()
+            };
+            let mut pads = vec![0i64; 2 * sp];
+            let mut sizes = Vec::with_capacity(sp);
+            for d in 0..sp {
+                let n = fixed(&xs.dims()[2 + d], "the spatial dims")? as u64;
+                let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
+                let pad = a.output_padding.get(d).copied().unwrap_or(0);
+                let o = mpc_ir::geometry::conv_transpose_dim(&a.window(&kernel), d, n, pad, target)?;
+                (pads[d], pads[sp + d]) = (o.pad_begin as i64, o.pad_end as i64);
+                sizes.push((n, o.out));
+            }
+            let conv = ConvAttrs {
+                auto_pad: AutoPad::NotSet,
+                dilations: a.dilations.clone(),
+                group: a.group,
+                kernel_shape: a.kernel_shape.clone(),
+                output_padding: Vec::new(),
+                output_shape: Vec::new(),
+                pads,
+                strides: a.strides.clone(),
+            };
+            // The Conv must give X's sizes back: not so for an output_padding of a stride or more, or
+            // an output_shape past the full output.
+            for (d, &(n, out)) in sizes.iter().enumerate() {
+                if conv.window(&kernel).out_dim(d, out)?.out != n {
+                    return Err(format!(
+                        "ConvTranspose from {n} to {out} along spatial axis {d} is not the adjoint of a Conv \
+                         (output_padding or output_shape too large) and cannot be differentiated"
+                    ));
+                }
+            }
+            let dx = if want(0) { Some(b.op("conv", Op::Conv(Box::new(conv.clone())), &[dy, w])) } else { None };
+            let dw = if want(1) {
+                Some(b.ops("conv", Op::ConvGrad(Box::new(conv)), &[Some(x0), Some(dy), Some(w)], 3)[1])
+            } else {
+                None
+            };
+            let db = if want(2) {
+                let axes: Vec<i64> = std::iter::once(0).chain(2..2 + sp as i64).collect();
+                Some(b.reduce_sum(dy, &axes, false))
+            } else {
+                None
+            };
+            vec![dx, dw, db]
+        }
         // Batch statistics: dX = (γ/σ)/N · (N·dY − ΣdY − x̂·Σ(dY·x̂)), dγ = Σ dY·x̂, dβ = ΣdY.
         Op::BatchNormalization(a) => {
             if !a.training_mode {
@@ -678,6 +738,13 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let s = b.shape_of(x(0)?);
             vec![Some(b.op("scatter", Op::GatherGrad(Box::new(AxisAttrs { axis: a.axis })), &[dy, x(1)?, s]))]
         }
+        // d trilu(x, k) = trilu(dy, k): the kept triangle passes dy, the rest nothing.
+        Op::Trilu(a) => {
+            let mut ins = vec![Some(dy)];
+            ins.extend(node.input(1).map(Some));
+            vec![Some(b.ops("trilu", Op::Trilu(a.clone()), &ins, 1)[0])]
+        }
+        Op::Einsum(a) => einsum_grads(b, &node, &a.equation, dy, wants)?,
         // d expand = dy summed over the expanded axes.
         Op::Expand => vec![Some(b.unbroadcast(dy, x(0)?, y)?)],
         // d where(c, a, b) = (c ? dy : 0, c ? 0 : dy).
@@ -700,6 +767,14 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // The window's maximum receives dy (ai.mpc::MaxPoolGrad).
         Op::MaxPool(a) => vec![Some(b.op("maxpool", Op::MaxPoolGrad(a.clone()), &[dy, x(0)?]))],
+        // The maximum of each plane receives dy: MaxPoolGrad over a window of the whole plane (the first
+        // maximum at ties, as for MaxPool).
+        Op::GlobalMaxPool => {
+            let xs = b.shape(x(0)?)?;
+            let kernel = xs.dims()[2..].iter().map(|d| fixed(d, "the pooled dims")).collect::<Result<_, _>>()?;
+            let attrs = PoolAttrs { kernel_shape: kernel, ..Default::default() };
+            vec![Some(b.op("maxpool", Op::MaxPoolGrad(Box::new(attrs)), &[dy, x(0)?]))]
+        }
         // dy spread evenly over each window (ai.mpc::AveragePoolGrad).
         Op::AveragePool(a) => vec![Some(b.op("avgpool", Op::AveragePoolGrad(a.clone()), &[dy, x(0)?]))],
         // d mean over H·W = dy / (H·W), broadcast back.
@@ -921,6 +996,62 @@ fn resize_grad(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId) -> Re
     let t = b.ints(&target);
     let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
     Ok(b.reduce_sum(t, &blocks, false))
+}
+
+/// Einsum: the gradient of operand i of `t₁,…,tₙ->o` is `o,t_j (j ≠ i)->tᵢ'`, tᵢ' being tᵢ less the
+/// labels found in no other term (summed over Xᵢ alone), which dY is then expanded back over. An
+/// ellipsis, or a label repeated within one term (a diagonal), is refused.
+fn einsum_grads(
+    b: &mut Builder,
+    node: &Node,
+    equation: &str,
+    dy: ValueId,
+    wants: &[bool],
+) -> Result<Vec<Option<ValueId>>, String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    let (lhs, out) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), r.to_string()),
+        // Implicit output: the labels used once, in alphabetical order.
+        None => {
+            let mut once: Vec<char> =
+                eq.chars().filter(|&c| c.is_ascii_alphabetic() && eq.matches(c).count() == 1).collect();
+            once.sort_unstable();
+            (eq.clone(), once.into_iter().collect())
+        }
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    let plain = |t: &str| t.chars().all(|c| c.is_ascii_alphabetic()) && t.chars().all(|c| t.matches(c).count() == 1);
+    if !terms.iter().all(|t| plain(t)) || !plain(&out) {
+        return Err(format!("Einsum `{eq}` has an ellipsis or a label repeated within one term: not differentiated"));
+    }
+    let mut grads = Vec::with_capacity(terms.len());
+    for (i, t) in terms.iter().enumerate() {
+        if !wants.get(i).copied().unwrap_or(false) {
+            grads.push(None);
+            continue;
+        }
+        let xi = node.input(i).ok_or("an Einsum operand is missing")?;
+        let elsewhere = |c: char| out.contains(c) || terms.iter().enumerate().any(|(j, u)| j != i && u.contains(c));
+        let kept: String = t.chars().filter(|&c| elsewhere(c)).collect();
+        let mut ins = vec![Some(dy)];
+        let mut parts = vec![out.as_str()];
+        for (j, u) in terms.iter().enumerate().filter(|&(j, _)| j != i) {
+            ins.push(Some(node.input(j).ok_or("an Einsum operand is missing")?));
+            parts.push(u);
+        }
+        let equation = format!("{}->{kept}", parts.join(","));
+        let mut g = b.ops("einsum", Op::Einsum(EinsumAttrs { equation }), &ins, 1)[0];
+        if kept.len() < t.len() {
+            let summed: Vec<i64> =
+                t.chars().enumerate().filter(|&(_, c)| !elsewhere(c)).map(|(p, _)| p as i64).collect();
+            let ax = b.ints(&summed);
+            g = b.op("unsqueeze", Op::Unsqueeze, &[g, ax]);
+            let s = b.shape_of(xi);
+            g = b.op("expand", Op::Expand, &[g, s]);
+        }
+        grads.push(Some(g));
+    }
+    Ok(grads)
 }
 
 /// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
