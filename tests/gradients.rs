@@ -72,9 +72,13 @@ impl Case {
         self.op(op_type, attrs, &ins, 1)[0]
     }
 
-    /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences.
+    /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences;
+    /// first, the same graph must differentiate and run in f16 and f32.
     fn check(mut self, y: ValueId, rtol: f64) {
         mpc_passes::infer_types(&mut self.g).unwrap();
+        for dtype in [DType::F16, DType::F32] {
+            self.runs_in(y, dtype);
+        }
         let loss = if self.g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
             y
         } else {
@@ -142,6 +146,46 @@ impl Case {
             }
         }
         println!("{name}: max relative error {worst:.2e} over {} parameters", self.params.len());
+    }
+}
+
+impl Case {
+    /// Differentiates `Σ y` with every f64 initializer narrowed to `dtype` and runs the backward
+    /// graph once: each rule builds it in its values' own dtype, from ops the CPU backend runs.
+    fn runs_in(&self, y: ValueId, dtype: DType) {
+        let mut g = self.g.clone();
+        let name = format!("{} in {dtype}", g.name);
+        let wide: Vec<ValueId> =
+            g.initializers().filter(|&v| g.constant(v).is_some_and(|t| t.dtype() == DType::F64)).collect();
+        for v in wide {
+            let t = g.constant(v).unwrap().to_dtype(dtype);
+            g.set_initializer(v, t);
+        }
+        mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let loss = if g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
+            y
+        } else {
+            let sum = Op::from_attrs("ReduceSum", vec![("keepdims".into(), Attr::Int(0))]).unwrap().unwrap();
+            g.add_op("sum", sum, &[Some(y)], 1).1[0]
+        };
+        mpc_passes::infer_types(&mut g).unwrap();
+        let ldt = g.ty(loss).dtype.unwrap();
+        let seed = g.add_initializer("seed", Tensor::from_f64_as(ldt, vec![], &[1.0]));
+        let grads = mpc_passes::train::differentiate(&mut g, &self.params, loss, seed)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let outs: Vec<ValueId> = self.params.iter().map(|p| grads[p]).collect();
+        g.set_outputs(outs);
+        mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        mpc_passes::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cpu = CpuDevice::default();
+        let path = std::path::Path::new(&name);
+        let program = mpc::run::lower_bound(&g, cpu.caps(), None, None, path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut s = Session::new(cpu, program).unwrap();
+        for (k, (_, t)) in s.run(&HashMap::new()).unwrap_or_else(|e| panic!("{name}: {e}")).iter().enumerate() {
+            let p = self.g.name(self.params[k]);
+            assert_eq!(t.dtype(), dtype, "{name}: the gradient of `{p}`");
+            assert!(t.f64s().iter().all(|v| v.is_finite()), "{name}: the gradient of `{p}` is not finite");
+        }
     }
 }
 
