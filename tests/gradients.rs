@@ -599,30 +599,29 @@ fn einsum_with_a_diagonal_is_refused() {
 }
 
 #[test]
-fn resize_nearest_integer_upscales() {
-    // torch's nearest (asymmetric, floor) by scales; nearest-exact (half_pixel, rounding) by sizes;
-    // half_pixel_symmetric rounding up; scales on named axes.
-    let cases: [(&str, Vec<(&str, Attr)>, &[f32], &[i64]); 4] = [
-        (
-            "asymmetric_floor",
-            vec![
-                ("coordinate_transformation_mode", Attr::String("asymmetric".into())),
-                ("nearest_mode", Attr::String("floor".into())),
-            ],
-            &[1.0, 1.0, 2.0, 3.0],
-            &[],
-        ),
+fn resize() {
+    let text = |s: &str| Attr::String(s.into());
+    let modes = |coords: &str, nearest: &str| {
+        vec![("coordinate_transformation_mode", text(coords)), ("nearest_mode", text(nearest))]
+    };
+    let linear = |coords: &str| vec![("mode", text("linear")), ("coordinate_transformation_mode", text(coords))];
+    // Nearest whole-block copies (summed back): torch's nearest (asymmetric, floor) by scales,
+    // nearest-exact (half_pixel, rounding) by sizes, half_pixel_symmetric rounding up, scales on
+    // named axes. Then copies that are not blocks, and linear, through the taps' matrices:
+    // half_pixel with floor, a downscale, blocks along one axis but not the other, linear upscales
+    // and a linear downscale.
+    let cases: [(&str, Vec<(&str, Attr)>, &[f32], &[i64]); 11] = [
+        ("asymmetric_floor", modes("asymmetric", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
         ("half_pixel_sizes", vec![], &[], &[2, 2, 6, 6]),
-        (
-            "half_pixel_symmetric_ceil",
-            vec![
-                ("coordinate_transformation_mode", Attr::String("half_pixel_symmetric".into())),
-                ("nearest_mode", Attr::String("round_prefer_ceil".into())),
-            ],
-            &[1.0, 1.0, 3.0, 4.0],
-            &[],
-        ),
+        ("half_pixel_symmetric_ceil", modes("half_pixel_symmetric", "round_prefer_ceil"), &[1.0, 1.0, 3.0, 4.0], &[]),
         ("axes", vec![("axes", ints(&[-2, -1]))], &[3.0, 2.0], &[]),
+        ("half_pixel_floor", modes("half_pixel", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
+        ("nearest_downscale", vec![], &[], &[2, 2, 1, 2]),
+        ("nearest_block_and_not", vec![], &[1.0, 1.0, 2.0, 1.5], &[]),
+        ("linear_half_pixel", linear("half_pixel"), &[1.0, 1.0, 2.0, 2.0], &[]),
+        ("linear_pytorch_half_pixel_channels", linear("pytorch_half_pixel"), &[1.0, 2.0, 1.5, 1.0], &[]),
+        ("linear_align_corners", linear("align_corners"), &[], &[2, 2, 3, 5]),
+        ("linear_downscale", linear("asymmetric"), &[1.0, 1.0, 0.5, 0.7], &[]),
     ];
     for (name, attrs, scales, sizes) in cases {
         let mut c = Case::new(&format!("resize_{name}"));
@@ -636,23 +635,16 @@ fn resize_nearest_integer_upscales() {
 }
 
 #[test]
-fn resize_that_is_not_a_block_copy_is_refused_naming_the_mode() {
-    let cases: [(Vec<(&str, Attr)>, f32, &str); 3] = [
-        (vec![("mode", Attr::String("linear".into()))], 2.0, "mode linear"),
-        (vec![("nearest_mode", Attr::String("floor".into()))], 2.0, "half_pixel and nearest_mode floor"),
-        (vec![], 1.5, "Resize by 1.5"),
-    ];
-    for (attrs, scale, want) in cases {
-        let mut c = Case::new("resize_refused");
-        let x = c.param("x", &[1, 1, 2, 2]);
-        let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, scale, scale]));
-        let y = c.op("Resize", &attrs, &[Some(x), None, Some(scales)], 1)[0];
-        let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
-        mpc_passes::infer_types(&mut c.g).unwrap();
-        let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
-        let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-        assert!(err.contains(want), "{err}");
-    }
+fn resize_cubic_is_refused_naming_the_mode() {
+    let mut c = Case::new("resize_cubic");
+    let x = c.param("x", &[1, 1, 2, 2]);
+    let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, 2.0, 2.0]));
+    let y = c.op("Resize", &[("mode", Attr::String("cubic".into()))], &[Some(x), None, Some(scales)], 1)[0];
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Resize mode cubic cannot be differentiated"), "{err}");
 }
 
 #[test]

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
-    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, ConvAttrs, CoordinateMode, EinsumAttrs, GemmAttrs,
-    LayerNormAttrs, NearestMode, PoolAttrs, ReshapeAttrs, ResizeAttrs, ResizeMode, SplitAttrs, TransposeAttrs,
+    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, ConvAttrs, EinsumAttrs, GemmAttrs, LayerNormAttrs,
+    PoolAttrs, ReshapeAttrs, ResizeAttrs, SplitAttrs, TransposeAttrs,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, NodeId, Op, ValueId};
 
@@ -902,100 +902,92 @@ fn channel_norm(
     Ok(vec![dx, dscale, dbias])
 }
 
-/// Nearest upsampling by integer factors s₁, s₂, … copies each element into an s₁×s₂×… block: dX
-/// sums each block of dY (reshaped to [.., H, s, ..] and summed over the s axes). Other modes, and
-/// coordinate rules under which the copies are not whole blocks, are refused.
+/// Resize is linear in X and separable: along each resized axis, Y = T·X with T the [m, n] matrix of
+/// the axis's taps (the kernel's own, from `geometry::resize_taps`), so dX = Tᵀ·dY axis by axis.
+/// An axis that copies each input into a block of s outputs (nearest at an integer upscale) sums
+/// the blocks instead: dY reshaped to [.., n, s, ..] and summed over the s axes.
 fn resize_grad(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId) -> Result<ValueId, String> {
-    fn text<T: PartialEq>(names: &[(&'static str, T)], v: &T) -> &'static str {
-        names.iter().find(|(_, x)| x == v).map_or("?", |(n, _)| n)
-    }
-    if a.mode != ResizeMode::Nearest {
-        return Err(format!(
-            "Resize in mode {} cannot be differentiated yet (nearest only)",
-            text(ResizeMode::NAMES, &a.mode)
-        ));
-    }
-    if a.keep_aspect_ratio_policy != AspectPolicy::Stretch {
-        return Err("Resize with a keep_aspect_ratio_policy cannot be differentiated".into());
+    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch {
+        return Err("Resize with antialias or a keep_aspect_ratio_policy cannot be differentiated".into());
     }
     let x0 = node.input(0).ok_or("input 0 is missing")?;
-    let xs = b.shape(x0)?;
+    let (xs, dt) = (b.shape(x0)?, b.dtype(x0)?);
     let r = xs.rank();
-    let axes: Vec<usize> = if a.axes.is_empty() {
-        (0..r).collect()
-    } else {
-        a.axes.iter().map(|&d| normalize_axis(d, r).ok_or("bad axis")).collect::<Result<_, _>>()?
+    // Unknown dims as 0: they may only be kept as they are (size and scale unchanged).
+    let ns: Vec<usize> = xs.dims().iter().map(|d| d.fixed().unwrap_or(0) as usize).collect();
+    let sizes = int_const(b.g, node.input(3), "Resize sizes")?;
+    let scales = match node.input(2) {
+        Some(v) => Some(b.g.constant(v).ok_or("Resize scales must be a constant to differentiate")?.to_f64_vec()),
+        None => None,
     };
-    let mut factor = vec![1i64; r];
-    match int_const(b.g, node.input(3), "Resize sizes")?.filter(|v| !v.is_empty()) {
-        Some(sizes) => {
-            for (&ax, &m) in axes.iter().zip(&sizes) {
-                let n = fixed(&xs.dims()[ax], "a resized axis")?;
-                if n == 0 || m < n || m % n != 0 {
-                    return Err(format!(
-                        "Resize from {n} to {m} is not an integer upscale, the only one differentiated"
-                    ));
-                }
-                factor[ax] = m / n;
-            }
-        }
-        None => {
-            let scales = node.input(2).and_then(|v| b.g.constant(v)).map(|t| t.to_f64_vec());
-            let scales =
-                scales.filter(|v| !v.is_empty()).ok_or("Resize needs constant scales or sizes to differentiate")?;
-            for (&ax, &f) in axes.iter().zip(&scales) {
-                if f < 1.0 || f.fract() != 0.0 {
-                    return Err(format!("Resize by {f} is not an integer upscale, the only one differentiated"));
-                }
-                factor[ax] = f as i64;
-            }
+    let (ms, scale) = mpc_ir::geometry::resize_plan(a, &ns, scales.as_deref(), sizes.as_deref())?;
+    let (mut blocks, mut spread) = (vec![1i64; r], Vec::new());
+    for d in (0..r).filter(|&d| ms[d] != ns[d] || scale[d] != 1.0) {
+        let n = fixed(&xs.dims()[d], "a resized axis")? as usize;
+        let taps = mpc_ir::geometry::resize_taps(a, n, ms[d], scale[d])
+            .map_err(|e| format!("{e} cannot be differentiated"))?;
+        let s = ms[d] / n.max(1);
+        if ms[d] == s * n && taps.iter().enumerate().all(|(o, t)| t[..] == [(o / s, 1.0)]) {
+            blocks[d] = s as i64;
+        } else {
+            spread.push((d, n, taps));
         }
     }
-    for &s in factor.iter().filter(|&&s| s > 1) {
-        use mpc_ir::ops::{CoordinateMode as C, NearestMode as N};
-        let blocks = match a.coordinate_transformation_mode {
-            // x/s = i + j/s with 0 ≤ j < s: floor gives i, and so does rounding down the half at s = 2.
-            C::Asymmetric => a.nearest_mode == N::Floor || (s == 2 && a.nearest_mode == N::RoundPreferFloor),
-            // (x + ½)/s − ½ = i + (j + ½)/s − ½ lies strictly within ½ of i: rounding gives i, floor
-            // and ceil do not.
-            C::HalfPixel | C::HalfPixelSymmetric | C::PytorchHalfPixel => {
-                matches!(a.nearest_mode, N::RoundPreferFloor | N::RoundPreferCeil)
+    let mut dy = dy;
+    if let Some(first) = blocks.iter().position(|&s| s > 1) {
+        let (mut target, mut summed, mut inferred) = (Vec::new(), Vec::new(), false);
+        for (i, d) in xs.dims().iter().enumerate() {
+            target.push(match d.fixed() {
+                _ if spread.iter().any(|&(d, ..)| d == i) => ms[i] as i64,
+                Some(n) => n as i64,
+                None if i < first => 0,
+                None if !inferred => {
+                    inferred = true;
+                    -1
+                }
+                None => {
+                    return Err(
+                        "Resize with two unknown dims from the first resized axis on cannot be differentiated".into()
+                    )
+                }
+            });
+            if blocks[i] > 1 {
+                summed.push(target.len() as i64);
+                target.push(blocks[i]);
             }
-            C::AlignCorners | C::TfCropAndResize => false,
+        }
+        let t = b.ints(&target);
+        let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
+        dy = b.reduce_sum(t, &summed, false);
+    }
+    for (d, n, taps) in spread {
+        let m = taps.len();
+        // Along the axis before the last: Tᵀ·dY with Tᵀ as [n, m]; else dY·T with T as [m, n], the
+        // axis moved last and back for the others.
+        let left = d + 2 == r;
+        let mut t = vec![0f64; m * n];
+        for (o, tap) in taps.iter().enumerate() {
+            for &(i, w) in tap {
+                t[if left { i * m + o } else { o * n + i }] += w;
+            }
+        }
+        let shape = if left { vec![n as u64, m as u64] } else { vec![m as u64, n as u64] };
+        let name = format!("grad.{}.taps{d}", b.base);
+        let t = b.init(&name, mpc_ir::Tensor::from_f64_as(dt, shape, &t));
+        dy = if left {
+            b.op("matmul", Op::MatMul, &[t, dy])
+        } else if d + 1 == r {
+            b.op("matmul", Op::MatMul, &[dy, t])
+        } else {
+            let mut perm: Vec<i64> = (0..r as i64).collect();
+            perm.swap(d, r - 1);
+            let swap = Op::Transpose(TransposeAttrs { perm: Some(perm) });
+            let u = b.op("transpose", swap.clone(), &[dy]);
+            let u = b.op("matmul", Op::MatMul, &[u, t]);
+            b.op("transpose", swap, &[u])
         };
-        if !blocks {
-            return Err(format!(
-                "Resize nearest with coordinate_transformation_mode {} and nearest_mode {} at scale {s} does not \
-                 copy whole blocks and cannot be differentiated",
-                text(CoordinateMode::NAMES, &a.coordinate_transformation_mode),
-                text(NearestMode::NAMES, &a.nearest_mode)
-            ));
-        }
     }
-    let Some(first) = factor.iter().position(|&s| s > 1) else { return Ok(dy) };
-    let (mut target, mut blocks, mut inferred) = (Vec::new(), Vec::new(), false);
-    for (i, d) in xs.dims().iter().enumerate() {
-        target.push(match d.fixed() {
-            Some(n) => n as i64,
-            None if i < first => 0,
-            None if !inferred => {
-                inferred = true;
-                -1
-            }
-            None => {
-                return Err(
-                    "Resize with two unknown dims from the first resized axis on cannot be differentiated".into()
-                )
-            }
-        });
-        if factor[i] > 1 {
-            blocks.push(target.len() as i64);
-            target.push(factor[i]);
-        }
-    }
-    let t = b.ints(&target);
-    let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
-    Ok(b.reduce_sum(t, &blocks, false))
+    Ok(dy)
 }
 
 /// Einsum: the gradient of operand i of `t₁,…,tₙ->o` is `o,t_j (j ≠ i)->tᵢ'`, tᵢ' being tᵢ less the
