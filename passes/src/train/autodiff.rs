@@ -9,14 +9,13 @@
 
 use std::collections::BTreeMap;
 
-use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
-    AspectPolicy, AxisAttrs, CastAttrs, ConstantOfShapeAttrs, ConvAttrs, EinsumAttrs, GemmAttrs, LayerNormAttrs,
-    PoolAttrs, ReshapeAttrs, ResizeAttrs, SplitAttrs, TransposeAttrs,
+    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs,
 };
-use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, NodeId, Op, ValueId};
+use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
 
 use super::build::Builder;
+use super::rules;
 use crate::PassError;
 
 /// The inputs of `op` that gradients flow into (the others are indices, shapes, masks or
@@ -166,7 +165,7 @@ fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<Va
     Some(parts[0])
 }
 
-fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
+pub(super) fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
     match v {
         None => Ok(None),
         Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()) {
@@ -176,7 +175,7 @@ fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64
     }
 }
 
-fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
+pub(super) fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
     d.fixed().map(|x| x as i64).ok_or_else(|| format!("{what} must have a known size to differentiate"))
 }
 
@@ -589,65 +588,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let outs = b.ops("conv", Op::ConvGrad(a.clone()), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
-        // Y = ConvTranspose(X, W) is the adjoint of Conv(·, W) over the same window: dX = Conv(dY, W),
-        // dW = the weight gradient of that Conv with X as its output gradient (ai.mpc::ConvGrad), dB = ΣdY.
-        Op::ConvTranspose(a) => {
-            let (x0, w) = (x(0)?, x(1)?);
-            let xs = b.shape(x0)?;
-            if xs.rank() < 3 {
-                return Err("ConvTranspose needs spatial axes".into());
-            }
-            let sp = xs.rank() - 2;
-            let kernel: Vec<i64> = if a.kernel_shape.is_empty() {
-                let ws = b.shape(w)?;
-                ws.dims()[2..].iter().map(|d| fixed(d, "the kernel")).collect::<Result<_, _>>()?
-            } else {
-                a.kernel_shape.clone()
-            };
-            let mut pads = vec![0i64; 2 * sp];
-            let mut sizes = Vec::with_capacity(sp);
-            for d in 0..sp {
-                let n = fixed(&xs.dims()[2 + d], "the spatial dims")? as u64;
-                let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
-                let pad = a.output_padding.get(d).copied().unwrap_or(0);
-                let o = mpc_ir::geometry::conv_transpose_dim(&a.window(&kernel), d, n, pad, target)?;
-                (pads[d], pads[sp + d]) = (o.pad_begin as i64, o.pad_end as i64);
-                sizes.push((n, o.out));
-            }
-            let conv = ConvAttrs {
-                auto_pad: AutoPad::NotSet,
-                dilations: a.dilations.clone(),
-                group: a.group,
-                kernel_shape: a.kernel_shape.clone(),
-                output_padding: Vec::new(),
-                output_shape: Vec::new(),
-                pads,
-                strides: a.strides.clone(),
-            };
-            // The Conv must give X's sizes back: not so for an output_padding of a stride or more, or
-            // an output_shape past the full output.
-            for (d, &(n, out)) in sizes.iter().enumerate() {
-                if conv.window(&kernel).out_dim(d, out)?.out != n {
-                    return Err(format!(
-                        "ConvTranspose from {n} to {out} along spatial axis {d} is not the adjoint of a Conv \
-                         (output_padding or output_shape too large) and cannot be differentiated"
-                    ));
-                }
-            }
-            let dx = if want(0) { Some(b.op("conv", Op::Conv(Box::new(conv.clone())), &[dy, w])) } else { None };
-            let dw = if want(1) {
-                Some(b.ops("conv", Op::ConvGrad(Box::new(conv)), &[Some(x0), Some(dy), Some(w)], 3)[1])
-            } else {
-                None
-            };
-            let db = if want(2) {
-                let axes: Vec<i64> = std::iter::once(0).chain(2..2 + sp as i64).collect();
-                Some(b.reduce_sum(dy, &axes, false))
-            } else {
-                None
-            };
-            vec![dx, dw, db]
-        }
+        // The adjoint of Conv: dX = Conv(dY, W), dW through ai.mpc::ConvGrad, dB = ΣdY.
+        Op::ConvTranspose(a) => rules::conv_transpose(b, &node, a, dy, wants)?,
         // Batch statistics: dX = (γ/σ)/N · (N·dY − ΣdY − x̂·Σ(dY·x̂)), dγ = Σ dY·x̂, dβ = ΣdY.
         Op::BatchNormalization(a) => {
             if !a.training_mode {
@@ -665,9 +607,11 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 b.ops("ln", Op::LayerNormalizationGrad(Box::new(a.clone())), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
-        Op::Resize(a) => vec![Some(resize_grad(b, &node, a, dy)?)],
-        Op::InstanceNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, None)?,
-        Op::GroupNormalization(a) => channel_norm(b, &node, dy, wants, a.epsilon, Some(a.num_groups))?,
+        // dX = Tᵀ·dY along each resized axis, T its taps (a nearest upscale's blocks summed back).
+        Op::Resize(a) => vec![Some(rules::resize(b, &node, a, dy)?)],
+        // dX = LayerNormalizationGrad per instance or group of γ·dY, dγ = Σ dY·x̂, dβ = ΣdY.
+        Op::InstanceNormalization(a) => rules::channel_norm(b, &node, dy, wants, a.epsilon, None)?,
+        Op::GroupNormalization(a) => rules::channel_norm(b, &node, dy, wants, a.epsilon, Some(a.num_groups))?,
         // Shape-only ops: the gradient takes the input's shape back.
         Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze | Op::Unsqueeze => {
             let s = b.shape_of(x(0)?);
@@ -744,7 +688,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             ins.extend(node.input(1).map(Some));
             vec![Some(b.ops("trilu", Op::Trilu(a.clone()), &ins, 1)[0])]
         }
-        Op::Einsum(a) => einsum_grads(b, &node, &a.equation, dy, wants)?,
+        // d einsum(…, Xᵢ, …)/dXᵢ = the einsum of dY with the other operands, into Xᵢ's labels.
+        Op::Einsum(a) => rules::einsum(b, &node, &a.equation, dy, wants)?,
         // d expand = dy summed over the expanded axes.
         Op::Expand => vec![Some(b.unbroadcast(dy, x(0)?, y)?)],
         // d where(c, a, b) = (c ? dy : 0, c ? 0 : dy).
@@ -842,212 +787,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
     })
 }
 
-/// InstanceNormalization (`groups` None) and GroupNormalization: x̂ normalised per (n, c), or per
-/// (n, group), over the channels of the group and the spatial axes; Y = γ·x̂ + β, γ and β per
-/// channel. dX is LayerNormalizationGrad's over those elements with ĝ = γ·dY and a unit scale:
-/// (1/σ)/m · (m·ĝ − Σĝ − x̂·Σ(ĝ·x̂)); dγ = Σ dY·x̂ and dβ = ΣdY over N and the spatial axes, x̂
-/// being the op itself with unit scale and zero bias.
-fn channel_norm(
-    b: &mut Builder,
-    node: &Node,
-    dy: ValueId,
-    wants: &[bool],
-    epsilon: f32,
-    groups: Option<i64>,
-) -> Result<Vec<Option<ValueId>>, String> {
-    let want = |i: usize| wants.get(i).copied().unwrap_or(false);
-    let (x0, scale) = (node.input(0).ok_or("input 0 is missing")?, node.input(1).ok_or("input 1 is missing")?);
-    let (r, dt) = (b.shape(x0)?.rank(), b.dtype(x0)?);
-    if r < 3 && groups.is_none() {
-        return Err("InstanceNormalization without spatial axes cannot be differentiated".into());
-    }
-    // The axes γ and β are shared over.
-    let shared: Vec<i64> = std::iter::once(0).chain(2..r as i64).collect();
-    let dx = if want(0) {
-        let g = if r > 2 {
-            let ax: Vec<i64> = (1..r as i64 - 1).collect();
-            let ax = b.ints(&ax);
-            b.op("unsqueeze", Op::Unsqueeze, &[scale, ax])
-        } else {
-            scale
-        };
-        let gh = b.op("mul", Op::Mul, &[dy, g]);
-        let one = b.scalar(1.0, dt);
-        let ln = Op::LayerNormalizationGrad(Box::new(LayerNormAttrs { axis: 2, epsilon, stash_type: 1 }));
-        Some(match groups {
-            None => b.ops("ln", ln, &[Some(gh), Some(x0), Some(one)], 3)[0],
-            // Rows of a group: [N, G, C/G · spatial].
-            Some(gr) => {
-                let rows = b.ints(&[0, gr, -1]);
-                let gh = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[gh, rows]);
-                let xr = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[x0, rows]);
-                let d = b.ops("ln", ln, &[Some(gh), Some(xr), Some(one)], 3)[0];
-                let s = b.shape_of(x0);
-                b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[d, s])
-            }
-        })
-    } else {
-        None
-    };
-    let dscale = if want(1) {
-        let s = b.shape_of(scale);
-        let (ones, zeros) = (full(b, "ones", s, 1.0, dt), full(b, "zeros", s, 0.0, dt));
-        let xh = b.op("xhat", node.op.clone(), &[x0, ones, zeros]);
-        let t = b.op("mul", Op::Mul, &[dy, xh]);
-        Some(b.reduce_sum(t, &shared, false))
-    } else {
-        None
-    };
-    let dbias = if want(2) { Some(b.reduce_sum(dy, &shared, false)) } else { None };
-    Ok(vec![dx, dscale, dbias])
-}
-
-/// Resize is linear in X and separable: along each resized axis, Y = T·X with T the [m, n] matrix of
-/// the axis's taps (the kernel's own, from `geometry::resize_taps`), so dX = Tᵀ·dY axis by axis.
-/// An axis that copies each input into a block of s outputs (nearest at an integer upscale) sums
-/// the blocks instead: dY reshaped to [.., n, s, ..] and summed over the s axes.
-fn resize_grad(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId) -> Result<ValueId, String> {
-    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch {
-        return Err("Resize with antialias or a keep_aspect_ratio_policy cannot be differentiated".into());
-    }
-    let x0 = node.input(0).ok_or("input 0 is missing")?;
-    let (xs, dt) = (b.shape(x0)?, b.dtype(x0)?);
-    let r = xs.rank();
-    // Unknown dims as 0: they may only be kept as they are (size and scale unchanged).
-    let ns: Vec<usize> = xs.dims().iter().map(|d| d.fixed().unwrap_or(0) as usize).collect();
-    let sizes = int_const(b.g, node.input(3), "Resize sizes")?;
-    let scales = match node.input(2) {
-        Some(v) => Some(b.g.constant(v).ok_or("Resize scales must be a constant to differentiate")?.to_f64_vec()),
-        None => None,
-    };
-    let (ms, scale) = mpc_ir::geometry::resize_plan(a, &ns, scales.as_deref(), sizes.as_deref())?;
-    let (mut blocks, mut spread) = (vec![1i64; r], Vec::new());
-    for d in (0..r).filter(|&d| ms[d] != ns[d] || scale[d] != 1.0) {
-        let n = fixed(&xs.dims()[d], "a resized axis")? as usize;
-        let taps = mpc_ir::geometry::resize_taps(a, n, ms[d], scale[d])
-            .map_err(|e| format!("{e} cannot be differentiated"))?;
-        let s = ms[d] / n.max(1);
-        if ms[d] == s * n && taps.iter().enumerate().all(|(o, t)| t[..] == [(o / s, 1.0)]) {
-            blocks[d] = s as i64;
-        } else {
-            spread.push((d, n, taps));
-        }
-    }
-    let mut dy = dy;
-    if let Some(first) = blocks.iter().position(|&s| s > 1) {
-        let (mut target, mut summed, mut inferred) = (Vec::new(), Vec::new(), false);
-        for (i, d) in xs.dims().iter().enumerate() {
-            target.push(match d.fixed() {
-                _ if spread.iter().any(|&(d, ..)| d == i) => ms[i] as i64,
-                Some(n) => n as i64,
-                None if i < first => 0,
-                None if !inferred => {
-                    inferred = true;
-                    -1
-                }
-                None => {
-                    return Err(
-                        "Resize with two unknown dims from the first resized axis on cannot be differentiated".into()
-                    )
-                }
-            });
-            if blocks[i] > 1 {
-                summed.push(target.len() as i64);
-                target.push(blocks[i]);
-            }
-        }
-        let t = b.ints(&target);
-        let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
-        dy = b.reduce_sum(t, &summed, false);
-    }
-    for (d, n, taps) in spread {
-        let m = taps.len();
-        // Along the axis before the last: Tᵀ·dY with Tᵀ as [n, m]; else dY·T with T as [m, n], the
-        // axis moved last and back for the others.
-        let left = d + 2 == r;
-        let mut t = vec![0f64; m * n];
-        for (o, tap) in taps.iter().enumerate() {
-            for &(i, w) in tap {
-                t[if left { i * m + o } else { o * n + i }] += w;
-            }
-        }
-        let shape = if left { vec![n as u64, m as u64] } else { vec![m as u64, n as u64] };
-        let name = format!("grad.{}.taps{d}", b.base);
-        let t = b.init(&name, mpc_ir::Tensor::from_f64_as(dt, shape, &t));
-        dy = if left {
-            b.op("matmul", Op::MatMul, &[t, dy])
-        } else if d + 1 == r {
-            b.op("matmul", Op::MatMul, &[dy, t])
-        } else {
-            let mut perm: Vec<i64> = (0..r as i64).collect();
-            perm.swap(d, r - 1);
-            let swap = Op::Transpose(TransposeAttrs { perm: Some(perm) });
-            let u = b.op("transpose", swap.clone(), &[dy]);
-            let u = b.op("matmul", Op::MatMul, &[u, t]);
-            b.op("transpose", swap, &[u])
-        };
-    }
-    Ok(dy)
-}
-
-/// Einsum: the gradient of operand i of `t₁,…,tₙ->o` is `o,t_j (j ≠ i)->tᵢ'`, tᵢ' being tᵢ less the
-/// labels found in no other term (summed over Xᵢ alone), which dY is then expanded back over. An
-/// ellipsis, or a label repeated within one term (a diagonal), is refused.
-fn einsum_grads(
-    b: &mut Builder,
-    node: &Node,
-    equation: &str,
-    dy: ValueId,
-    wants: &[bool],
-) -> Result<Vec<Option<ValueId>>, String> {
-    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
-    let (lhs, out) = match eq.split_once("->") {
-        Some((l, r)) => (l.to_string(), r.to_string()),
-        // Implicit output: the labels used once, in alphabetical order.
-        None => {
-            let mut once: Vec<char> =
-                eq.chars().filter(|&c| c.is_ascii_alphabetic() && eq.matches(c).count() == 1).collect();
-            once.sort_unstable();
-            (eq.clone(), once.into_iter().collect())
-        }
-    };
-    let terms: Vec<&str> = lhs.split(',').collect();
-    let plain = |t: &str| t.chars().all(|c| c.is_ascii_alphabetic()) && t.chars().all(|c| t.matches(c).count() == 1);
-    if !terms.iter().all(|t| plain(t)) || !plain(&out) {
-        return Err(format!("Einsum `{eq}` has an ellipsis or a label repeated within one term: not differentiated"));
-    }
-    let mut grads = Vec::with_capacity(terms.len());
-    for (i, t) in terms.iter().enumerate() {
-        if !wants.get(i).copied().unwrap_or(false) {
-            grads.push(None);
-            continue;
-        }
-        let xi = node.input(i).ok_or("an Einsum operand is missing")?;
-        let elsewhere = |c: char| out.contains(c) || terms.iter().enumerate().any(|(j, u)| j != i && u.contains(c));
-        let kept: String = t.chars().filter(|&c| elsewhere(c)).collect();
-        let mut ins = vec![Some(dy)];
-        let mut parts = vec![out.as_str()];
-        for (j, u) in terms.iter().enumerate().filter(|&(j, _)| j != i) {
-            ins.push(Some(node.input(j).ok_or("an Einsum operand is missing")?));
-            parts.push(u);
-        }
-        let equation = format!("{}->{kept}", parts.join(","));
-        let mut g = b.ops("einsum", Op::Einsum(EinsumAttrs { equation }), &ins, 1)[0];
-        if kept.len() < t.len() {
-            let summed: Vec<i64> =
-                t.chars().enumerate().filter(|&(_, c)| !elsewhere(c)).map(|(p, _)| p as i64).collect();
-            let ax = b.ints(&summed);
-            g = b.op("unsqueeze", Op::Unsqueeze, &[g, ax]);
-            let s = b.shape_of(xi);
-            g = b.op("expand", Op::Expand, &[g, s]);
-        }
-        grads.push(Some(g));
-    }
-    Ok(grads)
-}
-
 /// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
-fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
+pub(super) fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
     let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[x]);
     b.op(what, Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(value) })), &[s])
 }

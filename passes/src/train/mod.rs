@@ -16,6 +16,7 @@
 
 mod autodiff;
 mod build;
+mod rules;
 
 use std::collections::BTreeSet;
 
