@@ -662,6 +662,114 @@ fn global_average_pool_and_reductions() {
 }
 
 #[test]
+fn other_reductions() {
+    // Over one axis without keeping it, and over all axes keeping them.
+    for op in ["ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceProd"] {
+        let mut c = Case::new(op);
+        let x = c.param_in("x", &[2, 3, 4], -1.5, 1.5);
+        let ax = c.ints("axes", &[1], &[1]);
+        let one = c.op1(op, &[("keepdims", Attr::Int(0))], &[x, ax]);
+        let all = c.op1(op, &[], &[x]);
+        let y = c.op1("Add", &[], &[one, all]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn reductions_at_ties_and_zeros() {
+    // Ties split dy (the central difference is the mean of the one-sided slopes); a product with
+    // one zero in its row gets the product of the rest there, with two zeros nothing.
+    let values = [0.5, -0.25, 0.75, 0.75, 0.0, 0.5, 2.0, -1.5, 0.0, 0.5, 0.0, 1.5];
+    for op in ["ReduceMax", "ReduceMin", "ReduceProd"] {
+        let mut c = Case::new(&format!("{op}_ties"));
+        let v = if op == "ReduceMin" { values.map(|v: f64| -v) } else { values };
+        let x = c.g.add_initializer("x", Tensor::from_f64_as(DType::F64, vec![3, 4], &v));
+        c.params.push(x);
+        let ax = c.ints("axes", &[1], &[1]);
+        let y = c.op1(op, &[], &[x, ax]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn cumsum() {
+    for (exclusive, reverse) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+        let mut c = Case::new(&format!("cumsum_{exclusive}{reverse}"));
+        let x = c.param("x", &[3, 4]);
+        let ax = c.ints("axis", &[], &[1]);
+        let y = c.op1("CumSum", &[("exclusive", Attr::Int(exclusive)), ("reverse", Attr::Int(reverse))], &[x, ax]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn tile() {
+    let mut c = Case::new("tile");
+    let x = c.param("x", &[2, 3, 2]);
+    let reps = c.ints("repeats", &[3], &[2, 1, 3]);
+    let y = c.op1("Tile", &[], &[x, reps]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn pad_and_crop() {
+    // Padded at both ends of one axis and cropped at the start of another, then on named axes.
+    let mut c = Case::new("pad");
+    let x = c.param("x", &[2, 3, 4]);
+    let pads = c.ints("pads", &[6], &[0, 1, -1, 0, 2, 0]);
+    let value = c.tensor("value", &[], 0.5, 0.5);
+    let p = c.op("Pad", &[], &[Some(x), Some(pads), Some(value)], 1)[0];
+    let (two, axes) = (c.ints("two", &[4], &[1, -2, 2, 1]), c.ints("axes", &[2], &[0, 2]));
+    let y = c.op("Pad", &[], &[Some(p), Some(two), None, Some(axes)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn pad_reflect_is_refused_naming_the_mode() {
+    let mut c = Case::new("pad_reflect");
+    let x = c.param("x", &[3, 4]);
+    let pads = c.ints("pads", &[4], &[1, 1, 1, 1]);
+    let y = c.op1("Pad", &[("mode", Attr::String("reflect".into()))], &[x, pads]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Pad in mode reflect"), "{err}");
+}
+
+#[test]
+fn modulo() {
+    for fmod in [0, 1] {
+        let mut c = Case::new(&format!("mod_{fmod}"));
+        let a = c.param_in("a", &[3, 4], -3.0, 3.0);
+        let b = c.param_in("b", &[4], 0.7, 1.3);
+        let y = c.op1("Mod", &[("fmod", Attr::Int(fmod))], &[a, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn gather_elements() {
+    // Repeated and negative indices along the middle axis; fewer rows than the data.
+    let mut c = Case::new("gather_elements");
+    let x = c.param("x", &[2, 3, 2]);
+    let idx = c.ints("idx", &[1, 4, 2], &[0, 2, -1, 1, 2, 2, 0, -3]);
+    let y = c.op1("GatherElements", &[("axis", Attr::Int(1))], &[x, idx]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn lrn() {
+    for size in [1, 3, 4] {
+        let mut c = Case::new(&format!("lrn_{size}"));
+        let x = c.param("x", &[2, 5, 2, 2]);
+        let attrs = [("size", Attr::Int(size)), ("alpha", Attr::Float(0.5)), ("beta", Attr::Float(0.75))];
+        let y = c.op1("LRN", &attrs, &[x]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
 fn cast_round_trip() {
     // Through f32: a large step (exact for this quadratic) keeps f32 rounding out of the
     // differences; the tolerance is f32's.
@@ -720,13 +828,15 @@ fn fan_out_gradients_are_summed() {
 fn an_op_without_a_rule_is_an_error_naming_it() {
     let mut c = Case::new("no_rule");
     let x = c.param("x", &[3, 4]);
-    let y = c.op1("ReduceMax", &[], &[x]);
-    mpc_passes::infer_types(&mut c.g).unwrap();
-    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    let custom =
+        mpc_ir::Opaque { domain: "com.example".into(), op_type: "Custom".into(), attrs: vec![], explicit_inputs: 1 };
+    let (_, outs) = c.g.add_op("custom", Op::Opaque(Box::new(custom)), &[Some(x)], 1);
+    c.g.set_ty(outs[0], mpc_ir::TypeInfo::new(DType::F64, mpc_ir::Shape::fixed(&[3, 4])));
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[outs[0]]);
     mpc_passes::infer_types(&mut c.g).unwrap();
     let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
     let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-    assert!(err.contains("ReduceMax") && err.contains("n0"), "{err}");
+    assert!(err.contains("com.example::Custom has no gradient rule") && err.contains("custom"), "{err}");
 }
 
 #[test]

@@ -10,7 +10,8 @@
 use std::collections::BTreeMap;
 
 use mpc_ir::ops::{
-    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs,
+    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs,
+    TransposeAttrs,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
 
@@ -256,30 +257,22 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // d max(x₁, …, xₙ): dy goes to the inputs equal to the result, split equally between tied
         // ones (torch.maximum's convention), summed over broadcast axes; likewise for min.
-        Op::Max | Op::Min => {
-            let n = node.inputs().len();
-            if n == 1 {
-                return Ok(vec![Some(dy)]);
-            }
-            let (zero, one) = (b.scalar(0.0, dt), b.scalar(1.0, dt));
-            let mut masks = Vec::with_capacity(n);
-            for i in 0..n {
-                let e = b.op("eq", Op::Equal, &[x(i)?, y]);
-                masks.push(b.op("mask", Op::Where, &[e, one, zero]));
-            }
-            let ins: Vec<Option<ValueId>> = masks.iter().map(|&m| Some(m)).collect();
-            let count = b.ops("count", Op::Sum, &ins, 1)[0];
-            let share = b.op("share", Op::Div, &[dy, count]);
-            let mut grads = Vec::with_capacity(n);
-            for (i, &m) in masks.iter().enumerate() {
-                grads.push(if want(i) {
-                    let t = b.op("mul", Op::Mul, &[share, m]);
-                    Some(b.unbroadcast(t, x(i)?, y)?)
-                } else {
-                    None
-                });
-            }
-            grads
+        Op::Max | Op::Min => rules::extremum(b, &node, dy, wants)?,
+        // d(a mod b) = da − q·db, q = (a − y)/b the whole quotient (floored, or truncated for fmod).
+        Op::Mod(_) => {
+            let (a0, c) = (x(0)?, x(1)?);
+            let da = if want(0) { Some(b.unbroadcast(dy, a0, y)?) } else { None };
+            let dc = if want(1) {
+                let q = b.op("sub", Op::Sub, &[a0, y]);
+                let q = b.op("div", Op::Div, &[q, c]);
+                let q = b.op("round", Op::Round, &[q]);
+                let t = b.op("mul", Op::Mul, &[dy, q]);
+                let t = b.op("neg", Op::Neg, &[t]);
+                Some(b.unbroadcast(t, c, y)?)
+            } else {
+                None
+            };
+            vec![da, dc]
         }
         // d(a·b) = b·da + a·db.
         Op::Mul => {
@@ -738,20 +731,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::ReduceSum(a) | Op::ReduceMean(a) => {
             let x0 = x(0)?;
             let xs = b.shape(x0)?;
-            let r = xs.rank();
-            let axes: Vec<usize> = match int_const(b.g, node.input(1), "the axes")? {
-                Some(ax) if !ax.is_empty() => {
-                    ax.iter().map(|&v| normalize_axis(v, r).ok_or("bad axis")).collect::<Result<_, _>>()?
-                }
-                _ if a.noop_with_empty_axes => return Ok(vec![Some(dy)]),
-                _ => (0..r).collect(),
-            };
-            let mut t = dy;
-            if !a.keepdims {
-                let ax: Vec<i64> = axes.iter().map(|&v| v as i64).collect();
-                let axv = b.ints(&ax);
-                t = b.op("unsqueeze", Op::Unsqueeze, &[t, axv]);
-            }
+            let Some(axes) = rules::reduced_axes(b, &node, a)? else { return Ok(vec![Some(dy)]) };
+            let mut t = rules::keep(b, dy, &axes, a.keepdims);
             if matches!(op, Op::ReduceMean(_)) {
                 let count: Option<i64> = axes.iter().map(|&ax| xs.dims()[ax].fixed().map(|d| d as i64)).product();
                 let k = match count {
@@ -768,6 +749,27 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let s = b.shape_of(x0);
             vec![Some(b.op("expand", Op::Expand, &[t, s]))]
         }
+        // d max, min, Σx², Σ|x|, √Σx², log Σeˣ, Πx: each a function of x, y and dy at x's rank.
+        Op::ReduceMax(a)
+        | Op::ReduceMin(a)
+        | Op::ReduceSumSquare(a)
+        | Op::ReduceL1(a)
+        | Op::ReduceL2(a)
+        | Op::ReduceLogSumExp(a)
+        | Op::ReduceProd(a) => vec![Some(rules::reduce(b, &node, a, dy)?)],
+        // d cumsum(x) = the cumulative sum of dy the other way (exclusive stays exclusive).
+        Op::CumSum(a) => {
+            let back = Op::CumSum(CumSumAttrs { exclusive: a.exclusive, reverse: !a.reverse });
+            vec![Some(b.op("cumsum", back, &[dy, x(1)?]))]
+        }
+        // d tile(x) = the sum of dy's copies.
+        Op::Tile => vec![Some(rules::tile(b, &node, dy)?)],
+        // d pad(x, p) = pad(dy, −p): what was added is cropped, what was cut comes back as zeros.
+        Op::Pad(a) => vec![Some(rules::pad(b, &node, a, dy)?)],
+        // dy added at each index's flat position (ai.mpc::GatherGrad over the flattened input).
+        Op::GatherElements(a) => vec![Some(rules::gather_elements(b, &node, a, dy)?)],
+        // d lrn: dy·s^(−β) less the windowed term through the normaliser s.
+        Op::LRN(a) => vec![Some(rules::lrn(b, &node, a, dy)?)],
         // d CE/d scores = (softmax(scores) − onehot(label)) · weight / N (ai.mpc::SoftmaxCrossEntropyLossGrad).
         Op::SoftmaxCrossEntropyLoss(a) => {
             let mut ins = vec![Some(dy), Some(x(0)?), Some(x(1)?)];

@@ -1,9 +1,13 @@
-//! The gradient rules that take more than a few nodes, one function per op, called from
-//! [`super::autodiff`]'s `rule`: ConvTranspose, the per-channel normalisations, Resize and Einsum.
+//! The gradient rules that take more than a few nodes, one function per op (or family), called
+//! from [`super::autodiff`]'s `rule`: Max and Min, ConvTranspose, the per-channel normalisations,
+//! LRN, Resize, Einsum, the reductions other than sum and mean, Tile, Pad and GatherElements.
 
 use mpc_ir::geometry::AutoPad;
-use mpc_ir::ops::{AspectPolicy, ConvAttrs, EinsumAttrs, LayerNormAttrs, ReshapeAttrs, ResizeAttrs, TransposeAttrs};
-use mpc_ir::{Node, Op, ValueId};
+use mpc_ir::ops::{
+    AspectPolicy, AxisAttrs, ConvAttrs, EinsumAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode, ReduceAttrs,
+    ReshapeAttrs, ResizeAttrs, TransposeAttrs,
+};
+use mpc_ir::{normalize_axis, Node, Op, Tensor, ValueId};
 
 use super::autodiff::{fixed, full, int_const};
 use super::build::Builder;
@@ -17,6 +21,51 @@ fn input(node: &Node, i: usize) -> Result<ValueId, String> {
 
 fn want(wants: &[bool], i: usize) -> bool {
     wants.get(i).copied().unwrap_or(false)
+}
+
+/// Max and Min over any number of inputs: dy goes to the inputs equal to the result, split equally
+/// between tied ones (torch.maximum's convention), summed over each input's broadcast axes.
+pub(super) fn extremum(b: &mut Builder, node: &Node, dy: ValueId, wants: &[bool]) -> Result<Grads, String> {
+    let (n, y) = (node.inputs().len(), node.outputs()[0]);
+    if n == 1 {
+        return Ok(vec![Some(dy)]);
+    }
+    let dt = b.dtype(y)?;
+    let (zero, one) = (b.scalar(0.0, dt), b.scalar(1.0, dt));
+    let mut masks = Vec::with_capacity(n);
+    for i in 0..n {
+        let e = b.op("eq", Op::Equal, &[input(node, i)?, y]);
+        masks.push(b.op("mask", Op::Where, &[e, one, zero]));
+    }
+    let ins: Vec<Option<ValueId>> = masks.iter().map(|&m| Some(m)).collect();
+    let count = b.ops("count", Op::Sum, &ins, 1)[0];
+    let share = b.op("share", Op::Div, &[dy, count]);
+    let mut grads = Vec::with_capacity(n);
+    for (i, &m) in masks.iter().enumerate() {
+        grads.push(if want(wants, i) {
+            let t = b.op("mul", Op::Mul, &[share, m]);
+            Some(b.unbroadcast(t, input(node, i)?, y)?)
+        } else {
+            None
+        });
+    }
+    Ok(grads)
+}
+
+/// Pad in constant mode: dX = Pad(dY, −pads), cropping what was added and zero-filling what was
+/// cut. The other modes fold copies back (a scatter-add) and are refused.
+pub(super) fn pad(b: &mut Builder, node: &Node, a: &PadAttrs, dy: ValueId) -> Result<ValueId, String> {
+    if a.mode != PadMode::Constant {
+        let mode = format!("{:?}", a.mode).to_lowercase();
+        return Err(format!("Pad in mode {mode} cannot be differentiated yet (constant only)"));
+    }
+    let pads = int_const(b.g, node.input(1), "Pad pads")?.ok_or("Pad pads are missing")?;
+    let back: Vec<i64> = pads.iter().map(|p| -p).collect();
+    let mut ins = vec![Some(dy), Some(b.ints(&back))];
+    if let Some(axes) = node.input(3) {
+        ins.extend([None, Some(axes)]);
+    }
+    Ok(b.ops("pad", Op::Pad(a.clone()), &ins, 1)[0])
 }
 
 /// Y = ConvTranspose(X, W) is the adjoint of Conv(·, W) over the same window: dX = Conv(dY, W),
@@ -286,4 +335,227 @@ pub(super) fn einsum(
         grads.push(Some(g));
     }
     Ok(grads)
+}
+
+/// The axes a Reduce* node reduces over, `None` when it is the identity (no axes, with
+/// `noop_with_empty_axes`).
+pub(super) fn reduced_axes(b: &Builder, node: &Node, a: &ReduceAttrs) -> Result<Option<Vec<usize>>, String> {
+    let r = b.shape(input(node, 0)?)?.rank();
+    match int_const(b.g, node.input(1), "the axes")? {
+        Some(ax) if !ax.is_empty() => ax
+            .iter()
+            .map(|&v| normalize_axis(v, r).ok_or_else(|| "bad axis".to_string()))
+            .collect::<Result<_, _>>()
+            .map(Some),
+        _ if a.noop_with_empty_axes => Ok(None),
+        _ => Ok(Some((0..r).collect())),
+    }
+}
+
+/// `v`, reduced over `axes`, at its input's rank again: unsqueezed there unless the dims were kept.
+pub(super) fn keep(b: &mut Builder, v: ValueId, axes: &[usize], keepdims: bool) -> ValueId {
+    if keepdims {
+        return v;
+    }
+    let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+    let ax = b.ints(&ax);
+    b.op("unsqueeze", Op::Unsqueeze, &[v, ax])
+}
+
+/// ReduceMax, ReduceMin, ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSumExp and ReduceProd: dX
+/// from dY and Y at X's rank, broadcast over the reduced axes.
+pub(super) fn reduce(b: &mut Builder, node: &Node, a: &ReduceAttrs, dy: ValueId) -> Result<ValueId, String> {
+    let (x0, y) = (input(node, 0)?, node.outputs()[0]);
+    let Some(axes) = reduced_axes(b, node, a)? else { return Ok(dy) };
+    let dt = b.dtype(x0)?;
+    let (g, yk) = (keep(b, dy, &axes, a.keepdims), keep(b, y, &axes, a.keepdims));
+    let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
+    let (zero, one) = (b.scalar(0.0, dt), b.scalar(1.0, dt));
+    Ok(match &node.op {
+        // dy split equally between the elements equal to the maximum (torch.amax's rule); likewise
+        // for the minimum.
+        Op::ReduceMax(_) | Op::ReduceMin(_) => {
+            let e = b.op("eq", Op::Equal, &[x0, yk]);
+            let m = b.op("mask", Op::Where, &[e, one, zero]);
+            let count = b.reduce_sum(m, &ax, true);
+            let share = b.op("share", Op::Div, &[g, count]);
+            b.op("mul", Op::Mul, &[m, share])
+        }
+        // d Σx² = 2x dy.
+        Op::ReduceSumSquare(_) => {
+            let two = b.scalar(2.0, dt);
+            let t = b.op("mul", Op::Mul, &[x0, two]);
+            b.op("mul", Op::Mul, &[t, g])
+        }
+        // d Σ|x| = sign(x) dy.
+        Op::ReduceL1(_) => {
+            let s = b.op("sign", Op::Sign, &[x0]);
+            b.op("mul", Op::Mul, &[s, g])
+        }
+        // d √Σx² = x/y dy, 0 where y = 0 (torch.norm's rule).
+        Op::ReduceL2(_) => {
+            let q = b.op("div", Op::Div, &[g, yk]);
+            let z = b.op("zero", Op::Equal, &[yk, zero]);
+            let q = b.op("where", Op::Where, &[z, zero, q]);
+            b.op("mul", Op::Mul, &[x0, q])
+        }
+        // d log Σeˣ = e^(x − y) dy.
+        Op::ReduceLogSumExp(_) => {
+            let t = b.op("sub", Op::Sub, &[x0, yk]);
+            let t = b.op("exp", Op::Exp, &[t]);
+            b.op("mul", Op::Mul, &[t, g])
+        }
+        // d Πx = the product of the others dy: y/x in a group without zeros; in a group with one
+        // zero, the product of the rest at the zero and 0 elsewhere; 0 with more zeros.
+        Op::ReduceProd(_) => {
+            let z = b.op("zero", Op::Equal, &[x0, zero]);
+            let safe = b.op("nonzero", Op::Where, &[z, one, x0]);
+            let q = b.op("div", Op::Div, &[yk, safe]);
+            let nz = b.op("mask", Op::Where, &[z, one, zero]);
+            let zeros = b.reduce_sum(nz, &ax, true);
+            let single = b.op("single", Op::Equal, &[zeros, one]);
+            let axv = b.ints(&ax);
+            let prod = Op::ReduceProd(ReduceAttrs { keepdims: true, noop_with_empty_axes: false });
+            let rest = b.op("rest", prod, &[safe, axv]);
+            let at_zero = b.op("where", Op::Where, &[single, rest, zero]);
+            let t = b.op("where", Op::Where, &[z, at_zero, q]);
+            b.op("mul", Op::Mul, &[t, g])
+        }
+        other => return Err(format!("{} is not a reduction", other.op_type())),
+    })
+}
+
+/// The sizes of `v`'s dims as a reshape target with `extra` inserted before dim i (when not 1),
+/// and the positions of the inserted entries: unknown dims are copied (0) before the first
+/// insertion and inferred (-1) once after it.
+fn split_target(b: &Builder, v: ValueId, extra: &[i64], what: &str) -> Result<(Vec<i64>, Vec<i64>), String> {
+    let first = extra.iter().position(|&e| e != 1).unwrap_or(extra.len());
+    let (mut target, mut inserted, mut inferred) = (Vec::new(), Vec::new(), false);
+    for (i, d) in b.shape(v)?.dims().iter().enumerate() {
+        if extra[i] != 1 {
+            inserted.push(target.len() as i64);
+            target.push(extra[i]);
+        }
+        target.push(match d.fixed() {
+            Some(n) => n as i64,
+            None if i < first => 0,
+            None if !inferred => {
+                inferred = true;
+                -1
+            }
+            None => {
+                return Err(format!(
+                    "{what} with two unknown dims from the first repeated axis on cannot be differentiated"
+                ))
+            }
+        });
+    }
+    Ok((target, inserted))
+}
+
+/// Tile repeats X rᵢ times along each axis: dX sums dY's copies (dY reshaped to
+/// [r₀, d₀, r₁, d₁, …] and summed over the r axes).
+pub(super) fn tile(b: &mut Builder, node: &Node, dy: ValueId) -> Result<ValueId, String> {
+    let x0 = input(node, 0)?;
+    let reps = int_const(b.g, node.input(1), "Tile repeats")?.ok_or("Tile repeats are missing")?;
+    if reps.iter().all(|&r| r == 1) {
+        return Ok(dy);
+    }
+    let (target, copies) = split_target(b, x0, &reps, "Tile")?;
+    let t = b.ints(&target);
+    let t = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, t]);
+    Ok(b.reduce_sum(t, &copies, false))
+}
+
+/// GatherElements reads X at one flat position per index: dX adds dY there (ai.mpc::GatherGrad
+/// over the flattened X), the position being Σ coordinate·stride with the index (wrapped when
+/// negative) as the coordinate along the axis.
+pub(super) fn gather_elements(b: &mut Builder, node: &Node, a: &AxisAttrs, dy: ValueId) -> Result<ValueId, String> {
+    let (x0, idx) = (input(node, 0)?, input(node, 1)?);
+    let known = |b: &Builder, v: ValueId, what: &str| -> Result<Vec<i64>, String> {
+        b.shape(v)?.dims().iter().map(|d| fixed(d, what)).collect()
+    };
+    let (xd, id) = (known(b, x0, "GatherElements' data")?, known(b, idx, "GatherElements' indices")?);
+    let r = xd.len();
+    let ax = normalize_axis(a.axis, r).ok_or("bad axis")?;
+    let mut strides = vec![1i64; r];
+    for d in (0..r.saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * xd[d + 1];
+    }
+    // The flat position of every index with its own coordinate along the axis at 0.
+    let n: i64 = id.iter().product();
+    let base: Vec<i64> = (0..n)
+        .map(|k| {
+            let (mut rem, mut off) = (k, 0);
+            for d in (0..r).rev() {
+                if d != ax {
+                    off += rem % id[d] * strides[d];
+                }
+                rem /= id[d];
+            }
+            off
+        })
+        .collect();
+    let it = b.dtype(idx)?;
+    let shape: Vec<u64> = id.iter().map(|&d| d as u64).collect();
+    let name = format!("grad.{}.offsets", b.base);
+    let base = b.init(&name, Tensor::from_i64(shape, &base).to_dtype(it));
+    let (zero, len, stride) = (b.scalar(0.0, it), b.scalar(xd[ax] as f64, it), b.scalar(strides[ax] as f64, it));
+    let neg = b.op("negative", Op::Less, &[idx, zero]);
+    let wrapped = b.op("wrap", Op::Add, &[idx, len]);
+    let i = b.op("where", Op::Where, &[neg, wrapped, idx]);
+    let off = b.op("mul", Op::Mul, &[i, stride]);
+    let flat = b.op("flat", Op::Add, &[off, base]);
+    let total = b.ints(&[xd.iter().product()]);
+    let d = b.op("scatter", Op::GatherGrad(Box::new(AxisAttrs { axis: 0 })), &[dy, flat, total]);
+    let s = b.shape_of(x0);
+    Ok(b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[d, s]))
+}
+
+/// LRN: y = x·s^(−β), s = bias + α/size · Σ x² over the channels c − ⌊(size−1)/2⌋ … c + ⌈(size−1)/2⌉.
+/// dX = dY·s^(−β) − 2αβ/size · x · Σ dY·y/s over the channels whose window holds x's (the mirrored
+/// window).
+pub(super) fn lrn(b: &mut Builder, node: &Node, a: &LrnAttrs, dy: ValueId) -> Result<ValueId, String> {
+    let (x0, y) = (input(node, 0)?, node.outputs()[0]);
+    let (r, dt) = (b.shape(x0)?.rank(), b.dtype(x0)?);
+    if a.size < 1 || r < 2 {
+        return Err("LRN needs a size of at least 1 and a channel axis".into());
+    }
+    let (lo, hi) = ((a.size - 1) / 2, a.size / 2);
+    let sq = b.op("square", Op::Mul, &[x0, x0]);
+    let s = window_sum(b, sq, lo, hi, r);
+    let (k, bias) = (b.scalar(a.alpha as f64 / a.size as f64, dt), b.scalar(a.bias as f64, dt));
+    let s = b.op("scale", Op::Mul, &[s, k]);
+    let s = b.op("bias", Op::Add, &[s, bias]);
+    let nb = b.scalar(-(a.beta as f64), dt);
+    let p = b.op("pow", Op::Pow, &[s, nb]);
+    let direct = b.op("mul", Op::Mul, &[dy, p]);
+    let q = b.op("div", Op::Div, &[y, s]);
+    let q = b.op("mul", Op::Mul, &[dy, q]);
+    let w = window_sum(b, q, hi, lo, r);
+    let c = b.scalar(2.0 * a.alpha as f64 * a.beta as f64 / a.size as f64, dt);
+    let t = b.op("mul", Op::Mul, &[x0, w]);
+    let t = b.op("mul", Op::Mul, &[t, c]);
+    Ok(b.op("sub", Op::Sub, &[direct, t]))
+}
+
+/// Σ v over the channels c − lo … c + hi (zeros past the ends): v padded along the channel axis
+/// and sliced at each of the lo + hi + 1 offsets.
+fn window_sum(b: &mut Builder, v: ValueId, lo: i64, hi: i64, r: usize) -> ValueId {
+    if lo + hi == 0 {
+        return v;
+    }
+    let mut pads = vec![0i64; 2 * r];
+    (pads[1], pads[r + 1]) = (lo, hi);
+    let pads = b.ints(&pads);
+    let padded = b.op("pad", Op::Pad(Default::default()), &[v, pads]);
+    let axis = b.ints(&[1]);
+    let mut parts = Vec::new();
+    for t in 0..=lo + hi {
+        // Ends counted from the padded end; the last slice runs to it.
+        let end = if t == lo + hi { i64::MAX } else { t - lo - hi };
+        let (st, en) = (b.ints(&[t]), b.ints(&[end]));
+        parts.push(Some(b.op("slice", Op::Slice, &[padded, st, en, axis])));
+    }
+    b.ops("sum", Op::Sum, &parts, 1)[0]
 }
