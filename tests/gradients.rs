@@ -610,7 +610,8 @@ fn resize() {
     // named axes. Then copies that are not blocks, and linear, through the taps' matrices:
     // half_pixel with floor, a downscale, blocks along one axis but not the other, linear upscales
     // and a linear downscale.
-    let cases: [(&str, Vec<(&str, Attr)>, &[f32], &[i64]); 11] = [
+    type Resize<'a> = (&'a str, Vec<(&'a str, Attr)>, &'a [f32], &'a [i64]);
+    let cases: [Resize; 11] = [
         ("asymmetric_floor", modes("asymmetric", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
         ("half_pixel_sizes", vec![], &[], &[2, 2, 6, 6]),
         ("half_pixel_symmetric_ceil", modes("half_pixel_symmetric", "round_prefer_ceil"), &[1.0, 1.0, 3.0, 4.0], &[]),
