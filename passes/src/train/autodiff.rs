@@ -365,7 +365,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let s = b.op("mul", Op::Mul, &[dy, alpha]);
             vec![Some(b.op("where", Op::Where, &[m, dy, s]))]
         }
-        // d leaky(x, s) = (x < 0 ? s : 1) dx, ds = (x < 0 ? x : 0) dy, summed over broadcast axes.
+        // d prelu(x, s) = (x < 0 ? s : 1) dx + (x < 0 ? x : 0) ds, summed over broadcast axes.
         Op::PRelu => {
             let (x0, s) = (x(0)?, x(1)?);
             let zero = b.scalar(0.0, dt);

@@ -93,7 +93,8 @@ pub(super) fn conv_transpose(
     let mut sizes = Vec::with_capacity(sp);
     for d in 0..sp {
         let n = fixed(&xs.dims()[2 + d], "the spatial dims")? as u64;
-        let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
+        // output_shape may list N and C too: its last `sp` entries are the spatial ones.
+        let target = a.output_shape.len().checked_sub(sp).map(|k| a.output_shape[k + d]);
         let pad = a.output_padding.get(d).copied().unwrap_or(0);
         let o = mpc_ir::geometry::conv_transpose_dim(&a.window(&kernel), d, n, pad, target)?;
         (pads[d], pads[sp + d]) = (o.pad_begin as i64, o.pad_end as i64);
