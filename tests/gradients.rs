@@ -72,9 +72,13 @@ impl Case {
         self.op(op_type, attrs, &ins, 1)[0]
     }
 
-    /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences.
+    /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences;
+    /// first, the same graph must differentiate and run in f16 and f32.
     fn check(mut self, y: ValueId, rtol: f64) {
         mpc_passes::infer_types(&mut self.g).unwrap();
+        for dtype in [DType::F16, DType::F32] {
+            self.runs_in(y, dtype);
+        }
         let loss = if self.g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
             y
         } else {
@@ -115,6 +119,8 @@ impl Case {
         for (i, &p) in self.params.iter().enumerate() {
             let analytic = out[i + 1].1.f64s();
             let pname = self.g.name(p).to_string();
+            // A gradient that is zero everywhere would pass against any rule that also gives zero.
+            assert!(analytic.iter().any(|&d| d != 0.0), "{name}: the gradient of `{pname}` is zero everywhere");
             let base = s.read_state(&pname).unwrap();
             let n = base.len();
             let picks: Vec<usize> =
@@ -140,6 +146,46 @@ impl Case {
             }
         }
         println!("{name}: max relative error {worst:.2e} over {} parameters", self.params.len());
+    }
+}
+
+impl Case {
+    /// Differentiates `Σ y` with every f64 initializer narrowed to `dtype` and runs the backward
+    /// graph once: each rule builds it in its values' own dtype, from ops the CPU backend runs.
+    fn runs_in(&self, y: ValueId, dtype: DType) {
+        let mut g = self.g.clone();
+        let name = format!("{} in {dtype}", g.name);
+        let wide: Vec<ValueId> =
+            g.initializers().filter(|&v| g.constant(v).is_some_and(|t| t.dtype() == DType::F64)).collect();
+        for v in wide {
+            let t = g.constant(v).unwrap().to_dtype(dtype);
+            g.set_initializer(v, t);
+        }
+        mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let loss = if g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
+            y
+        } else {
+            let sum = Op::from_attrs("ReduceSum", vec![("keepdims".into(), Attr::Int(0))]).unwrap().unwrap();
+            g.add_op("sum", sum, &[Some(y)], 1).1[0]
+        };
+        mpc_passes::infer_types(&mut g).unwrap();
+        let ldt = g.ty(loss).dtype.unwrap();
+        let seed = g.add_initializer("seed", Tensor::from_f64_as(ldt, vec![], &[1.0]));
+        let grads = mpc_passes::train::differentiate(&mut g, &self.params, loss, seed)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let outs: Vec<ValueId> = self.params.iter().map(|p| grads[p]).collect();
+        g.set_outputs(outs);
+        mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        mpc_passes::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let cpu = CpuDevice::default();
+        let path = std::path::Path::new(&name);
+        let program = mpc::run::lower_bound(&g, cpu.caps(), None, None, path).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut s = Session::new(cpu, program).unwrap();
+        for (k, (_, t)) in s.run(&HashMap::new()).unwrap_or_else(|e| panic!("{name}: {e}")).iter().enumerate() {
+            let p = self.g.name(self.params[k]);
+            assert_eq!(t.dtype(), dtype, "{name}: the gradient of `{p}`");
+            assert!(t.f64s().iter().all(|v| v.is_finite()), "{name}: the gradient of `{p}` is not finite");
+        }
     }
 }
 
@@ -180,6 +226,15 @@ unary! {
     log_softmax: "LogSoftmax" ["axis" = Attr::Int(1)] in -2.0..2.0;
     transpose: "Transpose" ["perm" = ints(&[1, 0])] in -1.0..1.0;
     flatten: "Flatten" ["axis" = Attr::Int(0)] in -1.0..1.0;
+    // Every region: x < −3, the ramp, x > 3.
+    hard_swish: "HardSwish" [] in -5.0..5.0;
+    hard_sigmoid: "HardSigmoid" ["alpha" = Attr::Float(0.3), "beta" = Attr::Float(0.4)] in -4.0..4.0;
+    softplus: "Softplus" [] in -3.0..3.0;
+    softsign: "Softsign" [] in -3.0..3.0;
+    sin: "Sin" [] in -3.0..3.0;
+    cos: "Cos" [] in -3.0..3.0;
+    elu: "Elu" ["alpha" = Attr::Float(0.7)] in -2.0..2.0;
+    selu: "Selu" [] in -2.0..2.0;
 }
 
 macro_rules! binary {
@@ -205,6 +260,73 @@ binary! {
     matmul_batched: "MatMul" [2, 3, 4], [2, 4, 5], in -1.0..1.0;
     matmul_shared_weight: "MatMul" [2, 3, 4], [4, 5], in -1.0..1.0;
     matmul_broadcast_batch: "MatMul" [2, 1, 3, 4], [3, 4, 2], in -1.0..1.0;
+    prelu_broadcast_slope: "PRelu" [2, 3, 4], [3, 1], in -1.0..1.0;
+    max_broadcast: "Max" [3, 4], [4], in -1.0..1.0;
+    min_broadcast: "Min" [3, 1], [3, 4], in -1.0..1.0;
+}
+
+#[test]
+fn variadic_sum_mean_max_min() {
+    for op in ["Sum", "Mean", "Max", "Min"] {
+        let mut c = Case::new(op);
+        let a = c.param("a", &[3, 4]);
+        let b = c.param("b", &[4]);
+        // Shifted, so that the broadcast input is the maximum (the minimum) somewhere.
+        let d = if op == "Min" { c.param_in("d", &[3, 1], -3.0, 1.0) } else { c.param_in("d", &[3, 1], -1.0, 3.0) };
+        let y = c.op1(op, &[], &[a, b, d]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn max_min_ties_split_the_gradient() {
+    // At a tie the central difference is the mean of the one-sided slopes: each of the two equal
+    // inputs gets half of dy, as torch.maximum gives it.
+    for op in ["Max", "Min"] {
+        let mut c = Case::new(&format!("{op}_ties"));
+        let a = c.param("a", &[2, 3]);
+        let values = c.g.constant(a).unwrap().clone();
+        let b = c.g.add_initializer("b", values);
+        c.params.push(b);
+        let y = c.op1(op, &[], &[a, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn clip() {
+    let mut c = Case::new("clip");
+    let x = c.param_in("x", &[3, 5], -2.0, 2.0);
+    let lo = c.tensor("lo", &[], -0.5, -0.5);
+    let hi = c.tensor("hi", &[], 0.8, 0.8);
+    let both = c.op1("Clip", &[], &[x, lo, hi]);
+    let upper = c.op("Clip", &[], &[Some(x), None, Some(hi)], 1)[0];
+    let y = c.op1("Add", &[], &[both, upper]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn piecewise_constant_ops_pass_no_gradient() {
+    // y = f(x)·x: only the second factor carries a gradient, d/dx = f(x) away from the jumps.
+    for op in ["Floor", "Ceil", "Round", "Sign"] {
+        let mut c = Case::new(op);
+        let x = c.param_in("x", &[3, 5], -2.0, 2.0);
+        let f = c.op1(op, &[], &[x]);
+        let y = c.op1("Mul", &[], &[f, x]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn a_parameter_read_only_through_floor_gets_no_gradient_and_no_error() {
+    let mut c = Case::new("floor_only");
+    let x = c.param("x", &[3, 4]);
+    let f = c.op1("Floor", &[], &[x]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[f]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let grads = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap();
+    assert!(grads.is_empty(), "{grads:?}");
 }
 
 #[test]
@@ -246,6 +368,44 @@ fn conv_dilated() {
 }
 
 #[test]
+fn conv_transpose() {
+    let grouped = vec![
+        ("strides", ints(&[2, 2])),
+        ("pads", ints(&[1, 0, 0, 1])),
+        ("output_padding", ints(&[1, 0])),
+        ("group", Attr::Int(2)),
+    ];
+    let same = vec![("strides", ints(&[2, 2])), ("auto_pad", Attr::String("SAME_UPPER".into()))];
+    let dilated = vec![("dilations", ints(&[2, 1])), ("output_shape", ints(&[4, 4]))];
+    // The bias has the output channels: w's second dim times the groups.
+    for (name, attrs, w, bias) in [
+        ("grouped", grouped, [4, 3, 3, 3], Some(6)),
+        ("same_upper", same, [4, 2, 3, 3], None),
+        ("dilated_output_shape", dilated, [4, 2, 2, 2], Some(2)),
+    ] {
+        let mut c = Case::new(&format!("conv_transpose_{name}"));
+        let x = c.param("x", &[2, 4, 3, 4]);
+        let w = c.param("w", &w);
+        let b = bias.map(|n| c.param("b", &[n]));
+        let y = c.op("ConvTranspose", &attrs, &[Some(x), Some(w), b], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn conv_transpose_past_the_full_output_is_refused() {
+    let mut c = Case::new("conv_transpose_refused");
+    let x = c.param("x", &[1, 1, 3]);
+    let w = c.param("w", &[1, 1, 2]);
+    let y = c.op1("ConvTranspose", &[("output_shape", ints(&[6]))], &[x, w]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x, w], s, seed).unwrap_err().to_string();
+    assert!(err.contains("not the adjoint of a Conv"), "{err}");
+}
+
+#[test]
 fn batch_norm_training() {
     let mut c = Case::new("batch_norm");
     let x = c.param("x", &[3, 2, 2, 2]);
@@ -274,6 +434,48 @@ fn layer_norm_two_axes() {
     let x = c.param("x", &[2, 3, 4]);
     let s = c.param("scale", &[3, 4]);
     let y = c.op("LayerNormalization", &[("axis", Attr::Int(1))], &[Some(x), Some(s)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn instance_norm() {
+    let mut c = Case::new("instance_norm");
+    let x = c.param("x", &[2, 3, 2, 3]);
+    let s = c.param("scale", &[3]);
+    let b = c.param("bias", &[3]);
+    let y = c.op1("InstanceNormalization", &[("epsilon", Attr::Float(1e-3))], &[x, s, b]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn group_norm() {
+    for shape in [&[2, 4, 2, 3][..], &[3, 6]] {
+        let mut c = Case::new(&format!("group_norm{shape:?}"));
+        let x = c.param("x", shape);
+        let s = c.param("scale", &shape[1..2]);
+        let b = c.param("bias", &shape[1..2]);
+        let attrs = [("num_groups", Attr::Int(2)), ("epsilon", Attr::Float(1e-3))];
+        let y = c.op1("GroupNormalization", &attrs, &[x, s, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn group_norm_as_torch_exports_it() {
+    // Reshape to [N, G, -1], InstanceNormalization with unit scale, reshape back, then the affine.
+    let mut c = Case::new("group_norm_exported");
+    let x = c.param("x", &[2, 4, 3, 2]);
+    let groups = c.ints("groups", &[3], &[0, 2, -1]);
+    let xr = c.op1("Reshape", &[], &[x, groups]);
+    let ones = c.tensor("ones", &[2], 1.0, 1.0);
+    let zeros = c.tensor("zeros", &[2], 0.0, 0.0);
+    let n = c.op1("InstanceNormalization", &[], &[xr, ones, zeros]);
+    let back = c.ints("back", &[4], &[2, 4, 3, 2]);
+    let n = c.op1("Reshape", &[], &[n, back]);
+    let s = c.param("scale", &[4, 1, 1]);
+    let b = c.param("bias", &[4, 1, 1]);
+    let t = c.op1("Mul", &[], &[n, s]);
+    let y = c.op1("Add", &[], &[t, b]);
     c.check(y, TOL);
 }
 
@@ -365,6 +567,106 @@ fn pooling() {
 }
 
 #[test]
+fn global_max_pool() {
+    let mut c = Case::new("global_max_pool");
+    let x = c.param("x", &[2, 3, 3, 4]);
+    let y = c.op1("GlobalMaxPool", &[], &[x]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn trilu() {
+    for (upper, k) in [(1, Some(1)), (0, Some(-1)), (0, None)] {
+        let mut c = Case::new(&format!("trilu_{upper}_{k:?}"));
+        let x = c.param("x", &[2, 3, 4]);
+        let k = k.map(|k| c.ints("k", &[], &[k]));
+        let y = c.op("Trilu", &[("upper", Attr::Int(upper))], &[Some(x), k], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn einsum() {
+    // Batched matmul, attention scores, a label summed over one operand alone, an outer product, a
+    // one-operand transpose with a summed label, an implicit scalar output.
+    for (eq, shapes) in [
+        ("bij,bjk->bik", &[&[2, 3, 4][..], &[2, 4, 5]][..]),
+        ("bhqd,bhkd->bhqk", &[&[2, 2, 3, 4], &[2, 2, 5, 4]]),
+        ("ij,jk->k", &[&[3, 4], &[4, 5]]),
+        ("i,j->ij", &[&[3], &[4]]),
+        ("ijk->kj", &[&[2, 3, 4]]),
+        ("ij,ij", &[&[3, 4], &[3, 4]]),
+    ] {
+        let mut c = Case::new(&format!("einsum_{eq}"));
+        let xs: Vec<ValueId> = shapes.iter().enumerate().map(|(i, s)| c.param(&format!("x{i}"), s)).collect();
+        let y = c.op1("Einsum", &[("equation", Attr::String(eq.into()))], &xs);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn einsum_with_a_diagonal_is_refused() {
+    let mut c = Case::new("einsum_diagonal");
+    let x = c.param("x", &[3, 3]);
+    let y = c.op1("Einsum", &[("equation", Attr::String("ii->i".into()))], &[x]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Einsum `ii->i`") && err.contains("repeated"), "{err}");
+}
+
+#[test]
+fn resize() {
+    let text = |s: &str| Attr::String(s.into());
+    let modes = |coords: &str, nearest: &str| {
+        vec![("coordinate_transformation_mode", text(coords)), ("nearest_mode", text(nearest))]
+    };
+    let linear = |coords: &str| vec![("mode", text("linear")), ("coordinate_transformation_mode", text(coords))];
+    // Nearest whole-block copies (summed back): torch's nearest (asymmetric, floor) by scales,
+    // nearest-exact (half_pixel, rounding) by sizes, half_pixel_symmetric rounding up, scales on
+    // named axes. Then copies that are not blocks, and linear, through the taps' matrices:
+    // half_pixel with floor, a downscale, blocks along one axis but not the other, linear upscales
+    // and a linear downscale.
+    type Resize<'a> = (&'a str, Vec<(&'a str, Attr)>, &'a [f32], &'a [i64]);
+    let cases: [Resize; 11] = [
+        ("asymmetric_floor", modes("asymmetric", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
+        ("half_pixel_sizes", vec![], &[], &[2, 2, 6, 6]),
+        ("half_pixel_symmetric_ceil", modes("half_pixel_symmetric", "round_prefer_ceil"), &[1.0, 1.0, 3.0, 4.0], &[]),
+        ("axes", vec![("axes", ints(&[-2, -1]))], &[3.0, 2.0], &[]),
+        ("half_pixel_floor", modes("half_pixel", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
+        ("nearest_downscale", vec![], &[], &[2, 2, 1, 2]),
+        ("nearest_block_and_not", vec![], &[1.0, 1.0, 2.0, 1.5], &[]),
+        ("linear_half_pixel", linear("half_pixel"), &[1.0, 1.0, 2.0, 2.0], &[]),
+        ("linear_pytorch_half_pixel_channels", linear("pytorch_half_pixel"), &[1.0, 2.0, 1.5, 1.0], &[]),
+        ("linear_align_corners", linear("align_corners"), &[], &[2, 2, 3, 5]),
+        ("linear_downscale", linear("asymmetric"), &[1.0, 1.0, 0.5, 0.7], &[]),
+    ];
+    for (name, attrs, scales, sizes) in cases {
+        let mut c = Case::new(&format!("resize_{name}"));
+        let x = c.param("x", &[2, 2, 2, 3]);
+        let scales = (!scales.is_empty())
+            .then(|| c.g.add_initializer("scales", Tensor::from_f32(vec![scales.len() as u64], scales)));
+        let sizes = (!sizes.is_empty()).then(|| c.ints("sizes", &[sizes.len() as u64], sizes));
+        let y = c.op("Resize", &attrs, &[Some(x), None, scales, sizes], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn resize_cubic_is_refused_naming_the_mode() {
+    let mut c = Case::new("resize_cubic");
+    let x = c.param("x", &[1, 1, 2, 2]);
+    let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, 2.0, 2.0]));
+    let y = c.op("Resize", &[("mode", Attr::String("cubic".into()))], &[Some(x), None, Some(scales)], 1)[0];
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Resize mode cubic cannot be differentiated"), "{err}");
+}
+
+#[test]
 fn global_average_pool_and_reductions() {
     let mut c = Case::new("reductions");
     let x = c.param("x", &[2, 3, 2, 2]);
@@ -376,6 +678,114 @@ fn global_average_pool_and_reductions() {
     let t = c.op1("ReduceMean", &[], &[s]);
     let y = c.op1("Add", &[], &[m, t]);
     c.check(y, TOL);
+}
+
+#[test]
+fn other_reductions() {
+    // Over one axis without keeping it, and over all axes keeping them.
+    for op in ["ReduceMax", "ReduceMin", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceProd"] {
+        let mut c = Case::new(op);
+        let x = c.param_in("x", &[2, 3, 4], -1.5, 1.5);
+        let ax = c.ints("axes", &[1], &[1]);
+        let one = c.op1(op, &[("keepdims", Attr::Int(0))], &[x, ax]);
+        let all = c.op1(op, &[], &[x]);
+        let y = c.op1("Add", &[], &[one, all]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn reductions_at_ties_and_zeros() {
+    // Ties split dy (the central difference is the mean of the one-sided slopes); a product with
+    // one zero in its row gets the product of the rest there, with two zeros nothing.
+    let values = [0.5, -0.25, 0.75, 0.75, 0.0, 0.5, 2.0, -1.5, 0.0, 0.5, 0.0, 1.5];
+    for op in ["ReduceMax", "ReduceMin", "ReduceProd"] {
+        let mut c = Case::new(&format!("{op}_ties"));
+        let v = if op == "ReduceMin" { values.map(|v: f64| -v) } else { values };
+        let x = c.g.add_initializer("x", Tensor::from_f64_as(DType::F64, vec![3, 4], &v));
+        c.params.push(x);
+        let ax = c.ints("axes", &[1], &[1]);
+        let y = c.op1(op, &[], &[x, ax]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn cumsum() {
+    for (exclusive, reverse) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+        let mut c = Case::new(&format!("cumsum_{exclusive}{reverse}"));
+        let x = c.param("x", &[3, 4]);
+        let ax = c.ints("axis", &[], &[1]);
+        let y = c.op1("CumSum", &[("exclusive", Attr::Int(exclusive)), ("reverse", Attr::Int(reverse))], &[x, ax]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn tile() {
+    let mut c = Case::new("tile");
+    let x = c.param("x", &[2, 3, 2]);
+    let reps = c.ints("repeats", &[3], &[2, 1, 3]);
+    let y = c.op1("Tile", &[], &[x, reps]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn pad_and_crop() {
+    // Padded at both ends of one axis and cropped at the start of another, then on named axes.
+    let mut c = Case::new("pad");
+    let x = c.param("x", &[2, 3, 4]);
+    let pads = c.ints("pads", &[6], &[0, 1, -1, 0, 2, 0]);
+    let value = c.tensor("value", &[], 0.5, 0.5);
+    let p = c.op("Pad", &[], &[Some(x), Some(pads), Some(value)], 1)[0];
+    let (two, axes) = (c.ints("two", &[4], &[1, -2, 2, 1]), c.ints("axes", &[2], &[0, 2]));
+    let y = c.op("Pad", &[], &[Some(p), Some(two), None, Some(axes)], 1)[0];
+    c.check(y, TOL);
+}
+
+#[test]
+fn pad_reflect_is_refused_naming_the_mode() {
+    let mut c = Case::new("pad_reflect");
+    let x = c.param("x", &[3, 4]);
+    let pads = c.ints("pads", &[4], &[1, 1, 1, 1]);
+    let y = c.op1("Pad", &[("mode", Attr::String("reflect".into()))], &[x, pads]);
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    mpc_passes::infer_types(&mut c.g).unwrap();
+    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
+    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
+    assert!(err.contains("Pad in mode reflect"), "{err}");
+}
+
+#[test]
+fn modulo() {
+    for fmod in [0, 1] {
+        let mut c = Case::new(&format!("mod_{fmod}"));
+        let a = c.param_in("a", &[3, 4], -3.0, 3.0);
+        let b = c.param_in("b", &[4], 0.7, 1.3);
+        let y = c.op1("Mod", &[("fmod", Attr::Int(fmod))], &[a, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn gather_elements() {
+    // Repeated and negative indices along the middle axis; fewer rows than the data.
+    let mut c = Case::new("gather_elements");
+    let x = c.param("x", &[2, 3, 2]);
+    let idx = c.ints("idx", &[1, 4, 2], &[0, 2, -1, 1, 2, 2, 0, -3]);
+    let y = c.op1("GatherElements", &[("axis", Attr::Int(1))], &[x, idx]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn lrn() {
+    for size in [1, 3, 4] {
+        let mut c = Case::new(&format!("lrn_{size}"));
+        let x = c.param("x", &[2, 5, 2, 2]);
+        let attrs = [("size", Attr::Int(size)), ("alpha", Attr::Float(0.5)), ("beta", Attr::Float(0.75))];
+        let y = c.op1("LRN", &attrs, &[x]);
+        c.check(y, TOL);
+    }
 }
 
 #[test]
@@ -437,13 +847,15 @@ fn fan_out_gradients_are_summed() {
 fn an_op_without_a_rule_is_an_error_naming_it() {
     let mut c = Case::new("no_rule");
     let x = c.param("x", &[3, 4]);
-    let y = c.op1("Softplus", &[], &[x]);
-    mpc_passes::infer_types(&mut c.g).unwrap();
-    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
+    let custom =
+        mpc_ir::Opaque { domain: "com.example".into(), op_type: "Custom".into(), attrs: vec![], explicit_inputs: 1 };
+    let (_, outs) = c.g.add_op("custom", Op::Opaque(Box::new(custom)), &[Some(x)], 1);
+    c.g.set_ty(outs[0], mpc_ir::TypeInfo::new(DType::F64, mpc_ir::Shape::fixed(&[3, 4])));
+    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[outs[0]]);
     mpc_passes::infer_types(&mut c.g).unwrap();
     let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
     let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-    assert!(err.contains("Softplus") && err.contains("n0"), "{err}");
+    assert!(err.contains("com.example::Custom has no gradient rule") && err.contains("custom"), "{err}");
 }
 
 #[test]

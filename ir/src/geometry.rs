@@ -1,10 +1,11 @@
 //! Geometry shared by type inference, lowering and every backend: convolution and pooling
-//! windows (pads, strides, dilations, `ceil_mode`, `auto_pad`), ConvTranspose output sizes, slice
-//! bounds, broadcasting and axes. One formula in one place: a shape that inference predicts is the
+//! windows (pads, strides, dilations, `ceil_mode`, `auto_pad`), ConvTranspose output sizes, Resize's
+//! sampling, slice bounds, broadcasting and axes. One formula in one place: a shape that inference predicts is the
 //! shape a kernel produces.
 
 use serde::{Deserialize, Serialize};
 
+use crate::ops::{CoordinateMode, NearestMode, ResizeAttrs, ResizeMode};
 use crate::{Dim, Shape};
 
 pub use crate::shape::normalize_axis;
@@ -209,6 +210,114 @@ pub fn conv_transpose_dim(
             WindowDim { out: full - pb - pe, pad_begin: pb, pad_end: pe }
         }
     })
+}
+
+/// The input coordinate of output coordinate `x` along one Resize axis.
+fn resize_source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_len: usize) -> Result<f64, String> {
+    Ok(match mode {
+        CoordinateMode::HalfPixel => (x + 0.5) / scale - 0.5,
+        CoordinateMode::HalfPixelSymmetric => {
+            let adj = out_len as f64 / (scale * in_len as f64);
+            let center = in_len as f64 / 2.0;
+            let offset = center * (1.0 - adj);
+            offset + (x + 0.5) / scale - 0.5
+        }
+        CoordinateMode::PytorchHalfPixel => {
+            if out_len > 1 {
+                (x + 0.5) / scale - 0.5
+            } else {
+                0.0
+            }
+        }
+        CoordinateMode::AlignCorners => {
+            if out_len > 1 {
+                x * (in_len as f64 - 1.0) / (out_len as f64 - 1.0)
+            } else {
+                0.0
+            }
+        }
+        CoordinateMode::Asymmetric => x / scale,
+        CoordinateMode::TfCropAndResize => {
+            return Err("Resize coordinate_transformation_mode tf_crop_and_resize".into());
+        }
+    })
+}
+
+fn resize_nearest(mode: NearestMode, v: f64) -> f64 {
+    match mode {
+        NearestMode::Floor => v.floor(),
+        NearestMode::Ceil => v.ceil(),
+        NearestMode::RoundPreferCeil => (v + 0.5).floor(),
+        NearestMode::RoundPreferFloor => {
+            // round_prefer_floor: halves go down.
+            if v.fract() == 0.5 {
+                v.floor()
+            } else {
+                v.round()
+            }
+        }
+    }
+}
+
+/// Resize's output size and scale along each axis of an input shaped `shape`: from `sizes` when
+/// given and not empty, else from `scales` (output `floor(n · scale)`), for the axes the `axes`
+/// attribute names (all by default); the other axes keep their size at scale 1.
+pub fn resize_plan(
+    a: &ResizeAttrs,
+    shape: &[usize],
+    scales: Option<&[f64]>,
+    sizes: Option<&[i64]>,
+) -> Result<(Vec<usize>, Vec<f64>), String> {
+    let rank = shape.len();
+    let axes: Vec<usize> = if a.axes.is_empty() {
+        (0..rank).collect()
+    } else {
+        a.axes.iter().map(|&d| normalize_axis(d, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?
+    };
+    let (mut out, mut scale) = (shape.to_vec(), vec![1f64; rank]);
+    match (sizes.filter(|s| !s.is_empty()), scales.filter(|s| !s.is_empty())) {
+        (Some(s), _) => {
+            for (&ax, &m) in axes.iter().zip(s) {
+                out[ax] = m.max(0) as usize;
+                scale[ax] = m as f64 / shape[ax] as f64;
+            }
+        }
+        (None, Some(s)) => {
+            for (&ax, &f) in axes.iter().zip(s) {
+                out[ax] = (shape[ax] as f64 * f).floor() as usize;
+                scale[ax] = f;
+            }
+        }
+        _ => return Err("Resize needs scales or sizes".into()),
+    }
+    Ok((out, scale))
+}
+
+/// Resize's sampling along one axis from `n` inputs to `m` outputs at `scale`: each output's
+/// (input index, weight) taps, one for nearest and two for linear. An axis kept at its size and
+/// scale 1 is the identity. Cubic and tf_crop_and_resize are not implemented.
+pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Vec<Vec<(usize, f64)>>, String> {
+    if a.mode == ResizeMode::Cubic {
+        return Err("Resize mode cubic".into());
+    }
+    let mut per = Vec::with_capacity(m);
+    for o in 0..m {
+        if n == m && scale == 1.0 {
+            per.push(vec![(o, 1.0)]);
+            continue;
+        }
+        let s = resize_source(a.coordinate_transformation_mode, o as f64, scale, n, m)?;
+        per.push(if a.mode == ResizeMode::Nearest {
+            vec![(resize_nearest(a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
+        } else {
+            let s = s.clamp(0.0, n as f64 - 1.0);
+            let i0 = s.floor() as usize;
+            let i1 = (i0 + 1).min(n - 1);
+            let w = s - i0 as f64;
+            vec![(i0, 1.0 - w), (i1, w)]
+        });
+    }
+    Ok(per)
 }
 
 /// The start and element count of a slice of a dim of `len` elements (ONNX Slice clamping:

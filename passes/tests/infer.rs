@@ -197,6 +197,16 @@ fn windows_follow_the_one_geometry() {
 }
 
 #[test]
+fn resize_sizes_and_scales_name_the_axes_attribute_gives() {
+    let sizes = "  input %0 \"x\": f32[n,3,4,5]\n  init %1 \"s\" = i64[2]{8, 15}
+  %2 \"y\": ? = Resize[axes=[2, -1]](%0, _, _, %1)\n  output %2";
+    assert_eq!(infer(sizes, "y").unwrap(), "f32[n,3,8,15]");
+    let scales = "  input %0 \"x\": f32[n,3,4,5]\n  init %1 \"s\" = f32[2]{2, 3}
+  %2 \"y\": ? = Resize[axes=[2, 3]](%0, _, %1)\n  output %2";
+    assert_eq!(infer(scales, "y").unwrap(), "f32[n,3,8,15]");
+}
+
+#[test]
 fn closed_attributes_are_checked_when_parsed() {
     let two = "  input %0 \"x\": f32[2,3]\n  %1 \"y\": ? = ReduceMax[keepdims=2](%0)\n  output %1";
     assert!(infer(two, "y").unwrap_err().contains("`keepdims` is 2 where int 0 or 1 was expected"));

@@ -1,7 +1,7 @@
 //! Type rules of the data-movement ops: reshapes, squeezes, concatenation, splitting, slicing,
 //! padding, resizing, einsum.
 
-use mpc_ir::{normalize_axis, Dim, Shape, SymExpr};
+use mpc_ir::{normalize_axis, Dim, Op, Shape, SymExpr};
 
 use super::rules::{check_eq, t, NodeCx, R};
 
@@ -237,20 +237,38 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
     Ok(Some(Shape(out)))
 }
 
+/// Resize: `sizes` or `scales` give the dims of the axes they name (all, or the `axes` attribute's).
 pub(super) fn resize(cx: &NodeCx) -> Option<Shape> {
     let x = cx.sh(0)?;
-    if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten() {
-        return Some(Shape(sizes.iter().map(|&s| Dim::Fixed(s.max(0) as u64)).collect()));
+    let unknown = Shape(vec![Dim::Unknown; x.rank()]);
+    let axes: Vec<usize> = match &cx.g.node(cx.n).op {
+        Op::Resize(a) if !a.axes.is_empty() => {
+            match a.axes.iter().map(|&d| normalize_axis(d, x.rank())).collect::<Option<_>>() {
+                Some(axes) => axes,
+                None => return Some(unknown),
+            }
+        }
+        _ => (0..x.rank()).collect(),
+    };
+    let mut out = x.clone();
+    if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten().filter(|s| !s.is_empty()) {
+        if sizes.len() != axes.len() {
+            return Some(unknown);
+        }
+        for (&ax, &s) in axes.iter().zip(&sizes) {
+            out.0[ax] = Dim::Fixed(s.max(0) as u64);
+        }
+        return Some(out);
     }
     let scales = cx.g.node(cx.n).input(2).and_then(|v| cx.g.constant(v)).map(|t| t.to_f64_vec());
     match scales {
-        Some(sc) if sc.len() == x.rank() => Some(Shape(
-            x.0.iter()
-                .zip(&sc)
-                .map(|(d, &s)| d.fixed().map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64)))
-                .collect(),
-        )),
-        _ => Some(Shape(vec![Dim::Unknown; x.rank()])),
+        Some(sc) if sc.len() == axes.len() => {
+            for (&ax, &s) in axes.iter().zip(&sc) {
+                out.0[ax] = x.0[ax].fixed().map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64));
+            }
+            Some(out)
+        }
+        _ => Some(unknown),
     }
 }
 

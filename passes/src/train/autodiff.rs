@@ -9,10 +9,14 @@
 
 use std::collections::BTreeMap;
 
-use mpc_ir::ops::{AxisAttrs, CastAttrs, GemmAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs};
+use mpc_ir::ops::{
+    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs,
+    TransposeAttrs,
+};
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
 
 use super::build::Builder;
+use super::rules;
 use crate::PassError;
 
 /// The inputs of `op` that gradients flow into (the others are indices, shapes, masks or
@@ -42,10 +46,14 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::Split(_)
         | Op::Clip
         | Op::Resize(_)
+        | Op::Trilu(_)
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
         | Op::GatherElements(_) => slot == 0,
         Op::Where => slot > 0,
+        // Piecewise constant: the gradient is zero wherever it exists (PyTorch's convention too), so
+        // their input is not differentiated and no gradient flows through them.
+        Op::Floor | Op::Ceil | Op::Round | Op::Sign => false,
         Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
         Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
         // On the path, so that a parameter behind an op mpc cannot differentiate is an error.
@@ -174,7 +182,7 @@ fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<Va
     Some(parts[0])
 }
 
-fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
+pub(super) fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
     match v {
         None => Ok(None),
         Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()) {
@@ -184,43 +192,7 @@ fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64
     }
 }
 
-/// The Pad amounts `[begins..., ends...]` that undo `Slice(x, starts, ends, axes)` with steps of
-/// 1, computed in the graph: per sliced axis, a start or end `v` is `v + dim` when negative,
-/// clamped to `[0, dim]`; the pad before is the start, the pad after `dim - max(end, start)`.
-fn slice_pads(b: &mut Builder, x: ValueId, starts: ValueId, ends: ValueId, axes: &[usize], r: usize) -> ValueId {
-    let shape = b.op("shape", Op::Shape(Default::default()), &[x]);
-    let zero = b.ints(&[0]);
-    // Starts and ends may be int32; the arithmetic is in int64, as the shape.
-    let (starts, ends) = match b.dtype(starts) {
-        Ok(DType::I64) => (starts, ends),
-        _ => (b.cast(starts, DType::I64), b.cast(ends, DType::I64)),
-    };
-    let (mut before, mut after) = (vec![zero; r], vec![zero; r]);
-    let resolve = |b: &mut Builder, v: ValueId, dim: ValueId| {
-        let neg = b.op("neg", Op::Less, &[v, zero]);
-        let wrapped = b.op("wrap", Op::Add, &[v, dim]);
-        let v = b.op("norm", Op::Where, &[neg, wrapped, v]);
-        let v = b.op("min", Op::Min, &[v, dim]);
-        b.op("max", Op::Max, &[v, zero])
-    };
-    for (i, &ax) in axes.iter().enumerate() {
-        let at = b.ints(&[i as i64]);
-        let next = b.ints(&[i as i64 + 1]);
-        let ax_ix = b.ints(&[ax as i64]);
-        let dim = b.op("dim", Op::Gather(Default::default()), &[shape, ax_ix]);
-        let s = b.op("start", Op::Slice, &[starts, at, next]);
-        let e = b.op("end", Op::Slice, &[ends, at, next]);
-        let s = resolve(b, s, dim);
-        let e = resolve(b, e, dim);
-        let e = b.op("end", Op::Max, &[e, s]);
-        before[ax] = s;
-        after[ax] = b.op("after", Op::Sub, &[dim, e]);
-    }
-    let parts: Vec<ValueId> = before.into_iter().chain(after).collect();
-    b.op("pads", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 }), &parts)
-}
-
-fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
+pub(super) fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
     d.fixed().map(|x| x as i64).ok_or_else(|| format!("{what} must have a known size to differentiate"))
 }
 
@@ -283,6 +255,40 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 None
             };
             vec![da, db]
+        }
+        // d Σxᵢ = dy for every input (÷ n for the mean), summed over its broadcast axes.
+        Op::Sum | Op::Mean => {
+            let n = node.inputs().len();
+            let d = if matches!(op, Op::Mean) && n > 1 {
+                let k = b.scalar(n as f64, dt);
+                b.op("div", Op::Div, &[dy, k])
+            } else {
+                dy
+            };
+            let mut grads = Vec::with_capacity(n);
+            for i in 0..n {
+                grads.push(if want(i) { Some(b.unbroadcast(d, x(i)?, y)?) } else { None });
+            }
+            grads
+        }
+        // d max(x₁, …, xₙ): dy goes to the inputs equal to the result, split equally between tied
+        // ones (torch.maximum's convention), summed over broadcast axes; likewise for min.
+        Op::Max | Op::Min => rules::extremum(b, &node, dy, wants)?,
+        // d(a mod b) = da − q·db, q = (a − y)/b the whole quotient (floored, or truncated for fmod).
+        Op::Mod(_) => {
+            let (a0, c) = (x(0)?, x(1)?);
+            let da = if want(0) { Some(b.unbroadcast(dy, a0, y)?) } else { None };
+            let dc = if want(1) {
+                let q = b.op("sub", Op::Sub, &[a0, y]);
+                let q = b.op("div", Op::Div, &[q, c]);
+                let q = b.op("round", Op::Round, &[q]);
+                let t = b.op("mul", Op::Mul, &[dy, q]);
+                let t = b.op("neg", Op::Neg, &[t]);
+                Some(b.unbroadcast(t, c, y)?)
+            } else {
+                None
+            };
+            vec![da, dc]
         }
         // d(a·b) = b·da + a·db.
         Op::Mul => {
@@ -374,6 +380,104 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
             let s = b.op("mul", Op::Mul, &[dy, alpha]);
             vec![Some(b.op("where", Op::Where, &[m, dy, s]))]
+        }
+        // d prelu(x, s) = (x < 0 ? s : 1) dx + (x < 0 ? x : 0) ds, summed over broadcast axes.
+        Op::PRelu => {
+            let (x0, s) = (x(0)?, x(1)?);
+            let zero = b.scalar(0.0, dt);
+            let m = b.op("mask", Op::Less, &[x0, zero]);
+            let dx = if want(0) {
+                let t = b.op("mul", Op::Mul, &[dy, s]);
+                let t = b.op("where", Op::Where, &[m, t, dy]);
+                Some(b.unbroadcast(t, x0, y)?)
+            } else {
+                None
+            };
+            let ds = if want(1) {
+                let t = b.op("mul", Op::Mul, &[dy, x0]);
+                let t = b.op("where", Op::Where, &[m, t, zero]);
+                Some(b.unbroadcast(t, s, y)?)
+            } else {
+                None
+            };
+            vec![dx, ds]
+        }
+        // d elu(x) = (x > 0 ? 1 : α·eˣ = y + α) dx.
+        Op::Elu(a) => {
+            let (zero, alpha) = (b.scalar(0.0, dt), b.scalar(a.alpha as f64, dt));
+            let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
+            let t = b.op("add", Op::Add, &[y, alpha]);
+            let t = b.op("mul", Op::Mul, &[dy, t]);
+            vec![Some(b.op("where", Op::Where, &[m, dy, t]))]
+        }
+        // d selu(x) = (x > 0 ? γ : γ·α·eˣ = y + γ·α) dx.
+        Op::Selu(a) => {
+            let zero = b.scalar(0.0, dt);
+            let (g, ga) = (b.scalar(a.gamma as f64, dt), b.scalar(a.gamma as f64 * a.alpha as f64, dt));
+            let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
+            let pos = b.op("mul", Op::Mul, &[dy, g]);
+            let t = b.op("add", Op::Add, &[y, ga]);
+            let neg = b.op("mul", Op::Mul, &[dy, t]);
+            vec![Some(b.op("where", Op::Where, &[m, pos, neg]))]
+        }
+        // d hardsigmoid(x) = (0 < y < 1 ? α : 0) dx.
+        Op::HardSigmoid(a) => {
+            let (zero, one, alpha) = (b.scalar(0.0, dt), b.scalar(1.0, dt), b.scalar(a.alpha as f64, dt));
+            let lo = b.op("above", Op::Greater, &[y, zero]);
+            let hi = b.op("below", Op::Less, &[y, one]);
+            let m = b.op("mask", Op::And, &[lo, hi]);
+            let t = b.op("mul", Op::Mul, &[dy, alpha]);
+            vec![Some(b.op("where", Op::Where, &[m, t, zero]))]
+        }
+        // d hardswish(x) = (x < −3 ? 0 : x > 3 ? 1 : (2x + 3)/6) dx (PyTorch's choice at the kinks).
+        Op::HardSwish => {
+            let x0 = x(0)?;
+            let (zero, third, half) = (b.scalar(0.0, dt), b.scalar(1.0 / 3.0, dt), b.scalar(0.5, dt));
+            let (m3, p3) = (b.scalar(-3.0, dt), b.scalar(3.0, dt));
+            let lo = b.op("below", Op::Less, &[x0, m3]);
+            let hi = b.op("above", Op::Greater, &[x0, p3]);
+            let t = b.op("mul", Op::Mul, &[x0, third]);
+            let t = b.op("add", Op::Add, &[t, half]);
+            let t = b.op("mul", Op::Mul, &[dy, t]);
+            let t = b.op("where", Op::Where, &[hi, dy, t]);
+            vec![Some(b.op("where", Op::Where, &[lo, zero, t]))]
+        }
+        // d softplus(x) = σ(x) dx.
+        Op::Softplus => {
+            let s = b.op("sigmoid", Op::Sigmoid, &[x(0)?]);
+            vec![Some(b.op("mul", Op::Mul, &[dy, s]))]
+        }
+        // d softsign(x) = dx / (1 + |x|)².
+        Op::Softsign => {
+            let one = b.scalar(1.0, dt);
+            let t = b.op("abs", Op::Abs, &[x(0)?]);
+            let t = b.op("add", Op::Add, &[t, one]);
+            let t = b.op("mul", Op::Mul, &[t, t]);
+            vec![Some(b.op("div", Op::Div, &[dy, t]))]
+        }
+        // d sin x = cos x dx.
+        Op::Sin => {
+            let c = b.op("cos", Op::Cos, &[x(0)?]);
+            vec![Some(b.op("mul", Op::Mul, &[dy, c]))]
+        }
+        // d cos x = −sin x dx.
+        Op::Cos => {
+            let s = b.op("sin", Op::Sin, &[x(0)?]);
+            let t = b.op("mul", Op::Mul, &[dy, s]);
+            vec![Some(b.op("neg", Op::Neg, &[t]))]
+        }
+        // d clip(x, lo, hi) = (lo ≤ x ≤ hi ? 1 : 0) dx (PyTorch's clamp: the bounds pass the gradient).
+        Op::Clip => {
+            let x0 = x(0)?;
+            let lo = node.input(1).map(|v| b.op("above", Op::GreaterOrEqual, &[x0, v]));
+            let hi = node.input(2).map(|v| b.op("below", Op::LessOrEqual, &[x0, v]));
+            let m = match (lo, hi) {
+                (Some(l), Some(h)) => b.op("mask", Op::And, &[l, h]),
+                (Some(m), None) | (None, Some(m)) => m,
+                (None, None) => return Ok(vec![Some(dy)]),
+            };
+            let zero = b.scalar(0.0, dt);
+            vec![Some(b.op("where", Op::Where, &[m, dy, zero]))]
         }
         // d σ(x) = σ(x)(1 − σ(x)) dx.
         Op::Sigmoid => {
@@ -493,6 +597,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let outs = b.ops("conv", Op::ConvGrad(a.clone()), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
+        // The adjoint of Conv: dX = Conv(dY, W), dW through ai.mpc::ConvGrad, dB = ΣdY.
+        Op::ConvTranspose(a) => rules::conv_transpose(b, &node, a, dy, wants)?,
         // Batch statistics: dX = (γ/σ)/N · (N·dY − ΣdY − x̂·Σ(dY·x̂)), dγ = Σ dY·x̂, dβ = ΣdY.
         Op::BatchNormalization(a) => {
             if !a.training_mode {
@@ -510,6 +616,11 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 b.ops("ln", Op::LayerNormalizationGrad(Box::new(a.clone())), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
+        // dX = Tᵀ·dY along each resized axis, T its taps (a nearest upscale's blocks summed back).
+        Op::Resize(a) => vec![Some(rules::resize(b, &node, a, dy)?)],
+        // dX = LayerNormalizationGrad per instance or group of γ·dY, dγ = Σ dY·x̂, dβ = ΣdY.
+        Op::InstanceNormalization(a) => rules::channel_norm(b, &node, dy, wants, a.epsilon, None)?,
+        Op::GroupNormalization(a) => rules::channel_norm(b, &node, dy, wants, a.epsilon, Some(a.num_groups))?,
         // Shape-only ops: the gradient takes the input's shape back.
         Op::Reshape(_) | Op::Flatten(_) | Op::Squeeze | Op::Unsqueeze => {
             let s = b.shape_of(x(0)?);
@@ -552,49 +663,21 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             vec![Some(b.ops("concat", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: a.axis }), &parts, 1)[0])]
         }
         // d slice = dy padded back to the input's extent (unit steps).
-        // d slice = dy padded back to x's shape with zeros (steps of 1). Starts and ends that are
-        // not constants (computed from shapes, as in rotary embeddings) give pads computed the
-        // same way, which lowering folds once the shapes are bound.
-        Op::Slice => {
-            let xs = b.shape(x(0)?)?;
-            let r = xs.rank();
-            let g: &Graph = b.g;
-            let consts = |i| g.constant(node.input(i)?).and_then(|t| t.to_i64_vec());
-            let n_sliced = match (consts(1), b.shape(x(1)?)?.dims()) {
-                (Some(s), _) => s.len(),
-                (None, [Dim::Fixed(n)]) => *n as usize,
-                _ => return Err("Slice starts of unknown length cannot be differentiated".into()),
-            };
-            let axes = int_const(g, node.input(3), "Slice axes")?.unwrap_or_else(|| (0..n_sliced as i64).collect());
-            let steps = int_const(g, node.input(4), "Slice steps")?.unwrap_or_else(|| vec![1; n_sliced]);
-            if steps.iter().any(|&s| s != 1) {
-                return Err("Slice with steps other than 1 cannot be differentiated yet".into());
-            }
-            let axes: Vec<usize> = axes
-                .iter()
-                .map(|&a| normalize_axis(a, r).ok_or(format!("Slice axis {a} is out of range")))
-                .collect::<Result<_, _>>()?;
-            let fixed_dims: Option<Vec<i64>> = axes.iter().map(|&a| xs.dims()[a].fixed().map(|d| d as i64)).collect();
-            let p = match (consts(1), consts(2), fixed_dims) {
-                (Some(starts), Some(ends), Some(dims)) => {
-                    let mut pads = vec![0i64; 2 * r];
-                    for (i, (&ax, &dim)) in axes.iter().zip(&dims).enumerate() {
-                        let clamp = |v: i64| (if v < 0 { v + dim } else { v }).clamp(0, dim);
-                        let (s, e) = (clamp(starts[i]), clamp(ends[i]));
-                        pads[ax] = s;
-                        pads[ax + r] = dim - e.max(s);
-                    }
-                    b.ints(&pads)
-                }
-                _ => slice_pads(b, x(0)?, x(1)?, x(2)?, &axes, r),
-            };
-            vec![Some(b.op("pad", Op::Pad(Default::default()), &[dy, p]))]
-        }
+        // d slice = dy padded back to x's shape with zeros (steps of 1); see `rules::slice`.
+        Op::Slice => vec![Some(rules::slice(b, &node, dy)?)],
         // Embedding: the rows of dy are added at their indices (ai.mpc::GatherGrad).
         Op::Gather(a) => {
             let s = b.shape_of(x(0)?);
             vec![Some(b.op("scatter", Op::GatherGrad(Box::new(AxisAttrs { axis: a.axis })), &[dy, x(1)?, s]))]
         }
+        // d trilu(x, k) = trilu(dy, k): the kept triangle passes dy, the rest nothing.
+        Op::Trilu(a) => {
+            let mut ins = vec![Some(dy)];
+            ins.extend(node.input(1).map(Some));
+            vec![Some(b.ops("trilu", Op::Trilu(a.clone()), &ins, 1)[0])]
+        }
+        // d einsum(…, Xᵢ, …)/dXᵢ = the einsum of dY with the other operands, into Xᵢ's labels.
+        Op::Einsum(a) => rules::einsum(b, &node, &a.equation, dy, wants)?,
         // d expand = dy summed over the expanded axes.
         Op::Expand => vec![Some(b.unbroadcast(dy, x(0)?, y)?)],
         // d where(c, a, b) = (c ? dy : 0, c ? 0 : dy).
@@ -617,6 +700,14 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         // The window's maximum receives dy (ai.mpc::MaxPoolGrad).
         Op::MaxPool(a) => vec![Some(b.op("maxpool", Op::MaxPoolGrad(a.clone()), &[dy, x(0)?]))],
+        // The maximum of each plane receives dy: MaxPoolGrad over a window of the whole plane (the first
+        // maximum at ties, as for MaxPool).
+        Op::GlobalMaxPool => {
+            let xs = b.shape(x(0)?)?;
+            let kernel = xs.dims()[2..].iter().map(|d| fixed(d, "the pooled dims")).collect::<Result<_, _>>()?;
+            let attrs = PoolAttrs { kernel_shape: kernel, ..Default::default() };
+            vec![Some(b.op("maxpool", Op::MaxPoolGrad(Box::new(attrs)), &[dy, x(0)?]))]
+        }
         // dy spread evenly over each window (ai.mpc::AveragePoolGrad).
         Op::AveragePool(a) => vec![Some(b.op("avgpool", Op::AveragePoolGrad(a.clone()), &[dy, x(0)?]))],
         // d mean over H·W = dy / (H·W), broadcast back.
@@ -635,20 +726,8 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::ReduceSum(a) | Op::ReduceMean(a) => {
             let x0 = x(0)?;
             let xs = b.shape(x0)?;
-            let r = xs.rank();
-            let axes: Vec<usize> = match int_const(b.g, node.input(1), "the axes")? {
-                Some(ax) if !ax.is_empty() => {
-                    ax.iter().map(|&v| normalize_axis(v, r).ok_or("bad axis")).collect::<Result<_, _>>()?
-                }
-                _ if a.noop_with_empty_axes => return Ok(vec![Some(dy)]),
-                _ => (0..r).collect(),
-            };
-            let mut t = dy;
-            if !a.keepdims {
-                let ax: Vec<i64> = axes.iter().map(|&v| v as i64).collect();
-                let axv = b.ints(&ax);
-                t = b.op("unsqueeze", Op::Unsqueeze, &[t, axv]);
-            }
+            let Some(axes) = rules::reduced_axes(b, &node, a)? else { return Ok(vec![Some(dy)]) };
+            let mut t = rules::keep(b, dy, &axes, a.keepdims);
             if matches!(op, Op::ReduceMean(_)) {
                 let count: Option<i64> = axes.iter().map(|&ax| xs.dims()[ax].fixed().map(|d| d as i64)).product();
                 let k = match count {
@@ -665,6 +744,27 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let s = b.shape_of(x0);
             vec![Some(b.op("expand", Op::Expand, &[t, s]))]
         }
+        // d max, min, Σx², Σ|x|, √Σx², log Σeˣ, Πx: each a function of x, y and dy at x's rank.
+        Op::ReduceMax(a)
+        | Op::ReduceMin(a)
+        | Op::ReduceSumSquare(a)
+        | Op::ReduceL1(a)
+        | Op::ReduceL2(a)
+        | Op::ReduceLogSumExp(a)
+        | Op::ReduceProd(a) => vec![Some(rules::reduce(b, &node, a, dy)?)],
+        // d cumsum(x) = the cumulative sum of dy the other way (exclusive stays exclusive).
+        Op::CumSum(a) => {
+            let back = Op::CumSum(CumSumAttrs { exclusive: a.exclusive, reverse: !a.reverse });
+            vec![Some(b.op("cumsum", back, &[dy, x(1)?]))]
+        }
+        // d tile(x) = the sum of dy's copies.
+        Op::Tile => vec![Some(rules::tile(b, &node, dy)?)],
+        // d pad(x, p) = pad(dy, −p): what was added is cropped, what was cut comes back as zeros.
+        Op::Pad(a) => vec![Some(rules::pad(b, &node, a, dy)?)],
+        // dy added at each index's flat position (ai.mpc::GatherGrad over the flattened input).
+        Op::GatherElements(a) => vec![Some(rules::gather_elements(b, &node, a, dy)?)],
+        // d lrn: dy·s^(−β) less the windowed term through the normaliser s.
+        Op::LRN(a) => vec![Some(rules::lrn(b, &node, a, dy)?)],
         // d CE/d scores = (softmax(scores) − onehot(label)) · weight / N (ai.mpc::SoftmaxCrossEntropyLossGrad).
         Op::SoftmaxCrossEntropyLoss(a) => {
             let mut ins = vec![Some(dy), Some(x(0)?), Some(x(1)?)];
@@ -684,11 +784,15 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
     })
 }
 
+/// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
+pub(super) fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
+    let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[x]);
+    b.op(what, Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(value) })), &[s])
+}
+
 /// Zeros shaped like `v` (the gradient of an unread output).
 fn zeros_like(b: &mut Builder, v: ValueId) -> Result<ValueId, String> {
     let dt = b.dtype(v)?;
     let s = b.shape_of(v);
-    let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[0.0]);
-    let op = Op::ConstantOfShape(Box::new(mpc_ir::ops::ConstantOfShapeAttrs { value: Some(value) }));
-    Ok(b.op("zeros", op, &[s]))
+    Ok(full(b, "zeros", s, 0.0, dt))
 }

@@ -16,6 +16,7 @@
 
 mod autodiff;
 pub(crate) mod build;
+mod rules;
 mod tie;
 
 use std::collections::BTreeSet;

@@ -1,57 +1,10 @@
 //! Resize: nearest and (multi)linear, separable per axis, with ONNX's coordinate transformations.
 //! Cubic, antialiasing, aspect-ratio policies and tf_crop_and_resize are reported as unsupported.
 
-use mpc_ir::ops::{AspectPolicy, CoordinateMode, NearestMode, ResizeAttrs, ResizeMode};
+use mpc_ir::ops::{AspectPolicy, ResizeAttrs, ResizeMode};
 
 use super::{err, unsupported, Res};
 use crate::value::HostTensor;
-
-/// The input coordinate of output coordinate `x` along one axis.
-fn source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_len: usize) -> Res<f64> {
-    Ok(match mode {
-        CoordinateMode::HalfPixel => (x + 0.5) / scale - 0.5,
-        CoordinateMode::HalfPixelSymmetric => {
-            let adj = out_len as f64 / (scale * in_len as f64);
-            let center = in_len as f64 / 2.0;
-            let offset = center * (1.0 - adj);
-            offset + (x + 0.5) / scale - 0.5
-        }
-        CoordinateMode::PytorchHalfPixel => {
-            if out_len > 1 {
-                (x + 0.5) / scale - 0.5
-            } else {
-                0.0
-            }
-        }
-        CoordinateMode::AlignCorners => {
-            if out_len > 1 {
-                x * (in_len as f64 - 1.0) / (out_len as f64 - 1.0)
-            } else {
-                0.0
-            }
-        }
-        CoordinateMode::Asymmetric => x / scale,
-        CoordinateMode::TfCropAndResize => {
-            return Err(unsupported("Resize coordinate_transformation_mode tf_crop_and_resize"))
-        }
-    })
-}
-
-fn nearest(mode: NearestMode, v: f64) -> f64 {
-    match mode {
-        NearestMode::Floor => v.floor(),
-        NearestMode::Ceil => v.ceil(),
-        NearestMode::RoundPreferCeil => (v + 0.5).floor(),
-        NearestMode::RoundPreferFloor => {
-            // round_prefer_floor: halves go down.
-            if v.fract() == 0.5 {
-                v.floor()
-            } else {
-                v.round()
-            }
-        }
-    }
-}
 
 pub(crate) fn resize(
     x: &HostTensor,
@@ -63,53 +16,17 @@ pub(crate) fn resize(
         return Err(unsupported("Resize with cubic mode, antialias or an aspect-ratio policy"));
     }
     let rank = x.shape.len();
-    let axes: Vec<usize> = if a.axes.is_empty() {
-        (0..rank).collect()
-    } else {
-        a.axes
-            .iter()
-            .map(|&d| mpc_ir::normalize_axis(d, rank).ok_or_else(|| err("axis out of range")))
-            .collect::<Res<_>>()?
+    let sizes = match sizes.filter(|s| !s.is_empty()) {
+        Some(s) => Some(s.i64s().ok_or_else(|| err("sizes must be integers"))?),
+        None => None,
     };
-    let mut out_shape = x.shape.clone();
-    let mut scale = vec![1f64; rank];
-    match (sizes.filter(|s| !s.is_empty()), scales.filter(|s| !s.is_empty())) {
-        (Some(s), _) => {
-            for (&ax, &n) in axes.iter().zip(&s.i64s().ok_or_else(|| err("sizes must be integers"))?) {
-                out_shape[ax] = n as usize;
-                scale[ax] = n as f64 / x.shape[ax] as f64;
-            }
-        }
-        (None, Some(s)) => {
-            for (&ax, &f) in axes.iter().zip(&s.f64s()) {
-                out_shape[ax] = (x.shape[ax] as f64 * f).floor() as usize;
-                scale[ax] = f;
-            }
-        }
-        _ => return Err(err("Resize needs scales or sizes")),
-    }
+    let scales = scales.map(|s| s.f64s());
+    let (out_shape, scale) =
+        mpc_ir::geometry::resize_plan(a, &x.shape, scales.as_deref(), sizes.as_deref()).map_err(err)?;
     // Per axis and output coordinate: (index, weight) pairs.
     let mut taps: Vec<Vec<Vec<(usize, f64)>>> = Vec::with_capacity(rank);
     for d in 0..rank {
-        let (n, m) = (x.shape[d], out_shape[d]);
-        let mut per = Vec::with_capacity(m);
-        for o in 0..m {
-            if n == m && scale[d] == 1.0 {
-                per.push(vec![(o, 1.0)]);
-                continue;
-            }
-            let s = source(a.coordinate_transformation_mode, o as f64, scale[d], n, m)?;
-            per.push(if a.mode == ResizeMode::Nearest {
-                vec![(nearest(a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
-            } else {
-                let s = s.clamp(0.0, n as f64 - 1.0);
-                let i0 = s.floor() as usize;
-                let i1 = (i0 + 1).min(n - 1);
-                let w = s - i0 as f64;
-                vec![(i0, 1.0 - w), (i1, w)]
-            });
-        }
-        taps.push(per);
+        taps.push(mpc_ir::geometry::resize_taps(a, x.shape[d], out_shape[d], scale[d]).map_err(unsupported)?);
     }
     let v = x.f64s();
     let ist = super::shape::strides(&x.shape);
