@@ -17,16 +17,7 @@ use mpc_passes::train::{Optimizer, TrainOptions};
 use mpc_runtime::HostTensor;
 
 /// Exports that do not train yet, by file stem, and the first error they stop at.
-const KNOWN: &[(&str, &str)] = &[
-    ("groupnorm.legacy", "InstanceNormalization has no gradient rule"),
-    ("groupnorm.dynamo", "InstanceNormalization has no gradient rule"),
-    ("mobilenet.legacy", "HardSwish has no gradient rule"),
-    ("mobilenet.dynamo", "HardSwish has no gradient rule"),
-    ("unet.legacy", "Resize has no gradient rule"),
-    ("unet.dynamo", "Resize has no gradient rule"),
-    ("gpt2.dynamo", "GatherND"),
-    ("llama.dynamo", "GatherND"),
-];
+const KNOWN: &[(&str, &str)] = &[("gpt2.dynamo", "GatherND"), ("llama.dynamo", "GatherND")];
 
 fn zoo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo")
@@ -36,6 +27,9 @@ struct Family {
     name: String,
     loss: String,
     labels: String,
+    /// Exports in which the exporter folded BatchNormalization into the convolutions: a model
+    /// for inference, whose gradients are not torch's (it still trains).
+    folded: Vec<String>,
 }
 
 fn families() -> Vec<Family> {
@@ -48,6 +42,12 @@ fn families() -> Vec<Family> {
             name: name.clone(),
             loss: f["loss"].as_str().unwrap().to_string(),
             labels: f["labels"].as_str().unwrap().to_string(),
+            folded: f["batch_norm_folded"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e.as_str().unwrap().to_string())
+                .collect(),
         })
         .collect()
 }
@@ -69,10 +69,14 @@ fn gradients(f: &Family, path: &Path, expected: &HashMap<String, HostTensor>) ->
     let inits: std::collections::HashSet<String> = g.initializers().map(|v| g.name(v).to_string()).collect();
     let inputs: HashMap<_, _> =
         expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
-    // mpc trains exactly torch's parameters: no buffer (a rotary table, a mask) as a weight.
-    let trained = mpc_passes::train::trainable(&g, &Default::default());
+    // mpc trains exactly torch's parameters: no buffer (a rotary table, a mask) as a weight. (The
+    // parameters as `compile` finds them: in the model as loaded, after tying.)
+    let mut model = mpc::load(path).map_err(|e| e.to_string())?;
+    let candidates = mpc_passes::train::trainable(&model, &Default::default());
+    mpc_passes::train::tie_weights(&mut model, &candidates);
+    let trained = mpc_passes::train::trainable(&model, &Default::default());
     let extra: Vec<&str> =
-        trained.iter().map(|&v| g.name(v)).filter(|n| !expected.contains_key(&format!("grad.{n}"))).collect();
+        trained.iter().map(|&v| model.name(v)).filter(|n| !expected.contains_key(&format!("grad.{n}"))).collect();
     if !extra.is_empty() {
         return Err(format!("trains initializers torch does not: {extra:?}"));
     }
@@ -134,6 +138,15 @@ fn every_export_trains_and_matches_torch() {
         for exporter in ["legacy", "dynamo"] {
             let stem = format!("{}.{exporter}", f.name);
             let path = zoo().join(format!("{stem}.onnx"));
+            if f.folded.iter().any(|e| e == exporter) {
+                match trains(&f, &path, &expected) {
+                    Ok((first, last)) => println!(
+                        "{stem}: the exporter folded BatchNormalization into the convolutions, so no torch gradients to compare; mixed loss {first:.4} -> {last:.4}"
+                    ),
+                    Err(e) => unexpected.push(format!("{stem}: {e}")),
+                }
+                continue;
+            }
             let result = gradients(&f, &path, &expected).and_then(|worst| Ok((worst, trains(&f, &path, &expected)?)));
             let known = KNOWN.iter().find(|(k, _)| *k == stem);
             match (&result, known) {

@@ -194,6 +194,9 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
 pub struct ExportSignature {
     params: BTreeSet<String>,
     buffers: BTreeSet<String>,
+    /// Some buffer is not an initializer: the exporter folded it into constants (a rotary table
+    /// from `inv_freq`), which then cannot be told from folded parameters by name.
+    buffer_folded: bool,
 }
 
 impl ExportSignature {
@@ -201,7 +204,7 @@ impl ExportSignature {
 
     pub fn of(g: &Graph) -> Option<ExportSignature> {
         let (_, text) = g.meta.graph_metadata_props.iter().find(|(k, _)| k == Self::KEY)?;
-        let mut sig = ExportSignature { params: BTreeSet::new(), buffers: BTreeSet::new() };
+        let mut sig = ExportSignature { params: BTreeSet::new(), buffers: BTreeSet::new(), buffer_folded: false };
         for line in text.lines() {
             let target = || Some(line.split("target='").nth(1)?.split('\'').next()?.to_string());
             if line.contains(": PARAMETER ") {
@@ -210,31 +213,40 @@ impl ExportSignature {
                 sig.buffers.extend(target());
             }
         }
+        let inits: BTreeSet<&str> = g.initializers().map(|v| g.name(v)).collect();
+        sig.buffer_folded = sig.buffers.iter().any(|b| !inits.contains(b.as_str()));
         Some(sig)
     }
 
     /// Whether initializer `v` is a parameter: one the signature names so, or a constant the
-    /// exporter folded out of one (named by no entry) that a MatMul, Gemm, Conv, ConvTranspose or
-    /// Gather reads as its weight, directly or through a Transpose, Reshape or Cast. A folded
-    /// constant read only elementwise (a rotary table, a position-embedding lookup folded for the
-    /// export's sequence length) is a buffer.
+    /// exporter folded (named by no entry: a transposed or reshaped weight, a batch norm folded
+    /// into a convolution, a position-embedding lookup folded for the export's sequence length)
+    /// whose elements are not all equal (a folded ones or zeros tensor is no weight). When a
+    /// buffer was folded too, a folded constant is a parameter only when it is read as a weight
+    /// (by a MatMul, Gemm, Conv or ConvTranspose, as a Gather's table) or added (Add, Sub: a bias,
+    /// an embedding; additive masks are never parameters), directly or through a Transpose,
+    /// Reshape or Cast: a folded table that only multiplies (rotary cos and sin) is a buffer.
     pub fn is_parameter(&self, g: &Graph, v: ValueId) -> bool {
         let name = g.name(v);
         if self.params.contains(name) {
             return true;
         }
-        !self.buffers.contains(name) && read_as_weight(g, v, 2)
+        if self.buffers.contains(name) {
+            return false;
+        }
+        let Some(t) = g.value(v).initializer() else { return false };
+        let first = t.values().next();
+        !t.values().all(|x| Some(x) == first) && (!self.buffer_folded || weight_or_bias_read(g, v, 2))
     }
 }
 
-fn read_as_weight(g: &Graph, v: ValueId, depth: usize) -> bool {
+fn weight_or_bias_read(g: &Graph, v: ValueId, depth: usize) -> bool {
     g.value(v).uses().iter().any(|u| match &g.node(u.node).op {
-        Op::MatMul => true,
-        Op::Gemm(_) => u.slot <= 1,
-        Op::Conv(_) | Op::ConvTranspose(_) => u.slot == 1,
+        Op::MatMul | Op::Add | Op::Sub => true,
+        Op::Gemm(_) | Op::Conv(_) | Op::ConvTranspose(_) => true,
         Op::Gather(_) => u.slot == 0,
         Op::Transpose(_) | Op::Reshape(_) | Op::Cast(_) if depth > 0 => {
-            g.node(u.node).outputs().iter().any(|&o| read_as_weight(g, o, depth - 1))
+            g.node(u.node).outputs().iter().any(|&o| weight_or_bias_read(g, o, depth - 1))
         }
         _ => false,
     })

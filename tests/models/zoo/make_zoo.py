@@ -181,7 +181,15 @@ FAMILIES = {
 
 
 def export(model, x, in_name, path, dynamo):
-    if dynamo:
+    has_bn = any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    if has_bn and not dynamo:
+        # Exported in eval mode, the legacy exporter folds BatchNormalization into the
+        # convolutions: a model to train is exported in training mode, as torch.onnx documents.
+        torch.onnx.export(model.train(), (x,), path, dynamo=False, opset_version=OPSET, input_names=[in_name],
+                          output_names=["logits"], dynamic_axes={in_name: {0: "batch"}, "logits": {0: "batch"}},
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+        model.eval()
+    elif dynamo:
         batch = torch.export.Dim("batch", min=1, max=1024)
         prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=OPSET, input_names=[in_name],
                                  output_names=["logits"], dynamic_shapes=({0: batch},), verbose=False)
@@ -205,7 +213,7 @@ def loss_of(kind, out, labels):
 
 def grads_by_initializer(m, named):
     """Maps each float initializer of `m` to the gradient of the parameter it holds: the one of
-    the same name, else the only one equal to it (or to its transpose, as the legacy exporter
+    the same name, else the only one equal to it, reshaped, or transposed (as the legacy exporter
     writes a Linear without bias)."""
     out = {}
     for init in m.graph.initializer:
@@ -218,10 +226,15 @@ def grads_by_initializer(m, named):
         found = []
         for p in named.values():
             w = p.detach().numpy()
-            if w.shape == a.shape and np.array_equal(w, a):
-                found.append(p.grad.numpy())
+            if w.size == a.size and np.array_equal(w.reshape(a.shape), a):
+                # Equal, or reshaped (a GroupNorm scale written as [C, 1, 1]).
+                found.append(p.grad.numpy().reshape(a.shape))
             elif w.ndim == 2 and w.T.shape == a.shape and np.array_equal(w.T, a):
                 found.append(p.grad.numpy().T)
+        for p in named.values():
+            rows = row_slice(p.detach().numpy(), a)
+            if rows is not None:
+                found.append(p.grad.numpy()[rows].reshape(a.shape))
         if len(found) == 1:
             out[f"grad.{init.name}"] = np.ascontiguousarray(found[0]).astype(np.float32)
             continue
@@ -229,6 +242,18 @@ def grads_by_initializer(m, named):
             if value.shape == a.shape and np.array_equal(value, a):
                 out[f"grad.{init.name}"] = grad.astype(np.float32)
     return out
+
+
+def row_slice(w, a):
+    """The rows `start:start+n` of the matrix `w` that `a` holds (an embedding lookup of fixed
+    positions the dynamo exporter folded into a constant), or None."""
+    if w.ndim != 2 or a.size % w.shape[1] or a.size == w.size or a.size == 0:
+        return None
+    rows = a.reshape(-1, w.shape[1])
+    hits = np.nonzero((w == rows[0]).all(axis=1))[0]
+    if len(hits) != 1 or hits[0] + len(rows) > len(w) or not np.array_equal(w[hits[0]:hits[0] + len(rows)], rows):
+        return None
+    return slice(hits[0], hits[0] + len(rows))
 
 
 def recurrent_forms(named):
@@ -281,11 +306,18 @@ def make(name, meta):
         if loss_kind == "lm":
             labels[0, :2] = -100  # ignored positions, as a padded batch has
     models = {}
+    folded = []
     for dynamo in (False, True):
-        path = os.path.join(HERE, f"{name}.{'dynamo' if dynamo else 'legacy'}.onnx")
+        exporter = "dynamo" if dynamo else "legacy"
+        path = os.path.join(HERE, f"{name}.{exporter}.onnx")
         models[dynamo] = export(model, x, in_name, path, dynamo)
         print(f"{os.path.basename(path)}: {os.path.getsize(path) // 1024} KB, "
               f"{len(models[dynamo].graph.node)} nodes")
+        # The dynamo exporter folds BatchNormalization into the convolutions even from training
+        # mode: that export is a different model to train, and its gradients are not torch's.
+        if any(isinstance(m, nn.BatchNorm2d) for m in model.modules()) and \
+                not any(n.op_type == "BatchNormalization" for n in models[dynamo].graph.node):
+            folded.append(exporter)
     model.train()
     named = dict(model.named_parameters())
     loss = loss_of(loss_kind, model(x), labels)
@@ -294,6 +326,8 @@ def make(name, meta):
     tensors["input.targets" if loss_kind == "mse" else "input.labels"] = labels.numpy()
     tensors["loss"] = np.array(loss.item(), dtype=np.float32)
     for dynamo, m in models.items():
+        if ("dynamo" if dynamo else "legacy") in folded:
+            continue
         for k, v in grads_by_initializer(m, named).items():
             tensors.setdefault(k, v)
     save_file(tensors, os.path.join(HERE, f"{name}.grads.safetensors"))
@@ -301,6 +335,7 @@ def make(name, meta):
     meta[name] = {"input": in_name, "loss": {"ce": "cross-entropy", "lm": "cross-entropy:axis=-1",
                                              "mse": "mse"}[loss_kind],
                   "labels": "targets" if loss_kind == "mse" else "labels", "int_inputs": ints,
+                  "batch_norm_folded": folded,
                   "torch_loss": loss.item()}
 
 
