@@ -219,6 +219,8 @@ unary! {
     exp: "Exp" [] in -1.0..1.0;
     log: "Log" [] in 0.5..2.0;
     neg: "Neg" [] in -1.0..1.0;
+    abs: "Abs" [] in -1.0..1.0;
+    reciprocal: "Reciprocal" [] in 0.5..2.0;
     identity: "Identity" [] in -1.0..1.0;
     dropout_inference: "Dropout" [] in -1.0..1.0;
     softmax: "Softmax" ["axis" = Attr::Int(-1)] in -2.0..2.0;

@@ -46,3 +46,41 @@ fn precision_table_is_the_code_table() {
     let expected = mpc::explain::precision_table();
     assert!(table == expected, "README precision table is stale; replace it with:\n{expected}");
 }
+
+#[test]
+fn every_op_has_a_checked_gradient_rule_or_is_listed_without_one() {
+    let text = readme();
+    let list = text
+        .split("<!-- nograd:begin -->")
+        .nth(1)
+        .and_then(|t| t.split("<!-- nograd:end -->").next())
+        .expect("no-gradient list markers");
+    // The names before each parenthesised reason.
+    let mut without: BTreeSet<String> = BTreeSet::new();
+    let mut depth = 0;
+    let mut word = String::new();
+    for ch in list.chars().chain(std::iter::once(' ')) {
+        match ch {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            c if depth == 0 && c.is_ascii_alphanumeric() => word.push(c),
+            _ if depth == 0 && !word.is_empty() => {
+                without.insert(std::mem::take(&mut word));
+            }
+            _ => {}
+        }
+    }
+    let tests =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/gradients.rs")).expect("gradients.rs");
+    let known: BTreeSet<String> = mpc_ir::Op::KNOWN.iter().map(|s| s.to_string()).collect();
+    let unknown: Vec<&String> = without.difference(&known).collect();
+    assert!(unknown.is_empty(), "README lists ops without a gradient that are not ops: {unknown:?}");
+    // An op a test builds may still be a helper there (a comparison feeding Where): only the ops
+    // not listed must each be built by a finite-difference case.
+    let untested: Vec<&String> =
+        known.iter().filter(|op| !without.contains(*op) && !tests.contains(&format!("\"{op}\""))).collect();
+    assert!(
+        untested.is_empty(),
+        "ops with neither a finite-difference case nor a README line saying why not: {untested:?}"
+    );
+}
