@@ -30,6 +30,7 @@ fn why(g: &Graph, r: &Reason) -> String {
         Reason::F32List => "f32 list".into(),
         Reason::Pinned => "pinned by --pin-fp32".into(),
         Reason::UnsafeConstant(s) => format!("reads a constant the low dtype cannot hold: {s}"),
+        Reason::Measured(s) => format!("calibration: {s}"),
         Reason::AfterF32(n) => format!("follows f32 `{}`", who(n)),
         Reason::BetweenLow(n) => format!("between low ops (on the path into `{}`)", who(n)),
         Reason::ClearNextToLow(n) => format!("data movement next to low `{}`", who(n)),

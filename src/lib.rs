@@ -6,6 +6,7 @@ pub mod config;
 pub mod devices;
 pub mod dot;
 pub mod explain;
+pub mod ranges;
 pub mod run;
 pub mod summary;
 pub mod synthetic;
@@ -133,6 +134,9 @@ pub struct Options {
     pub train: Option<TrainOptions>,
     /// `--loss-scale`; `None`: dynamic for `mixed`, none otherwise.
     pub loss_scale: Option<LossScale>,
+    /// `--calibrate DATA` / `--ranges-in FILE`: measured ranges pin the values the low dtype
+    /// breaks to FP32.
+    pub calibrate: Option<ranges::Calibration>,
 }
 
 /// The policy names.
@@ -202,6 +206,16 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
         });
         t
     });
+    let mut calibration = None;
+    if let (Some(c), Some(p)) = (&opts.calibrate, policy.as_mut()) {
+        // Measured on the forward model as given, before any training pass.
+        let t0 = std::time::Instant::now();
+        let ranges = ranges::calibrate(g, path, c)?;
+        for (name, _, why) in ranges.at_risk(p.low) {
+            p.measured.insert(name.to_string(), why);
+        }
+        calibration = Some((t0.elapsed(), ranges.samples, p.measured.len()));
+    }
     let mut ties = Vec::new();
     if let Some(t) = train.as_ref().filter(|t| t.tie) {
         let candidates = mpc_passes::train::trainable(g, &t.freeze);
@@ -221,7 +235,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone(), policy, train, ties, ..Default::default() };
+    let cx = Context { dims: opts.dims.clone(), policy, train, ties, calibration, ..Default::default() };
     pm.run(g, &cx, dump).map_err(perr)?;
     Ok(cx)
 }

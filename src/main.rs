@@ -48,6 +48,22 @@ struct Common {
     /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.
     #[arg(long = "dim", value_name = "NAME=N")]
     dims: Vec<String>,
+    /// Measure every value's range on these sample inputs (safetensors, named after the graph
+    /// inputs) in FP32 first, and keep in FP32 the nodes whose outputs the low dtype would break
+    /// (an overflow, or more than 1% of the non-zeros flushed to zero).
+    #[arg(long, value_name = "DATA")]
+    calibrate: Option<PathBuf>,
+    /// Calibrate with ranges saved by --ranges-out instead of measuring.
+    #[arg(long, value_name = "FILE", conflicts_with = "calibrate")]
+    ranges_in: Option<PathBuf>,
+    /// Save the measured ranges (JSON) for --ranges-in.
+    #[arg(long, value_name = "FILE")]
+    ranges_out: Option<PathBuf>,
+    /// Batches of the calibration data to measure, and samples per batch.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    calibrate_batches: usize,
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    calibrate_batch: usize,
 }
 
 impl Common {
@@ -69,6 +85,17 @@ impl Common {
             stop_after,
             train: None,
             loss_scale: None,
+            calibrate: self.calibration(),
+        })
+    }
+
+    fn calibration(&self) -> Option<mpc::ranges::Calibration> {
+        (self.calibrate.is_some() || self.ranges_in.is_some()).then(|| mpc::ranges::Calibration {
+            data: self.calibrate.clone(),
+            ranges_in: self.ranges_in.clone(),
+            ranges_out: self.ranges_out.clone(),
+            batch: self.calibrate_batch,
+            batches: self.calibrate_batches,
         })
     }
 }
@@ -216,6 +243,14 @@ enum Command {
         /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
         #[arg(long)]
         batch: Option<u64>,
+        /// Run the FP32 model on these sample inputs and report, for every float value, what the
+        /// policy's low dtype (FP16 unless --policy mixed-bf16) would flush or overflow; the values
+        /// at risk first. Batches as --calibrate-batches and --calibrate-batch say.
+        #[arg(long, value_name = "DATA")]
+        ranges: Option<PathBuf>,
+        /// With --ranges: print every value's measurements as JSON.
+        #[arg(long, requires = "ranges")]
+        json: bool,
     },
     /// Compile with a policy and run on a backend; print a summary of each output.
     Run {
@@ -394,6 +429,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 };
                 let peak = mib(mpc::peak_rss());
                 eprintln!("mpc:   peak memory after loading: {}", mib(peak_after_load));
+                report_calibration(&cx);
                 for (pass, run, verify) in cx.timings.borrow().iter() {
                     let ms = |d: &std::time::Duration| d.as_secs_f64() * 1e3;
                     eprintln!("mpc:   pass {pass}: {:.1} ms (+ {:.1} ms verifying)", ms(run), ms(verify));
@@ -425,7 +461,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             check_device(&device)?;
             let opts = common.options(Vec::new(), None)?;
             let mut g = mpc::load(&common.model)?;
-            mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+            let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let feeds = match (inputs, random_inputs) {
                 (Some(p), _) => mpc::run::read_safetensors(&p)?,
                 (None, Some(seed)) => mpc::run::random_inputs(&g, seed, &opts.dims)?,
@@ -450,6 +486,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             if stats {
                 let program = session.program(0).map_err(rerr)?;
+                report_calibration(&cx);
                 eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats(0)));
             }
             for (name, t) in &outs {
@@ -460,7 +497,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Inspect { common, explain, dot, memory, batch } => {
+        Command::Inspect { common, explain, dot, memory, batch, ranges, json } => {
             let mut opts = common.options(Vec::new(), None)?;
             let before = mpc::load(&common.model)?;
             let mut g = before.clone();
@@ -479,7 +516,35 @@ fn run(cli: Cli) -> Result<(), Error> {
                     }
                 }
             }
-            let out = if memory {
+            let out = if let Some(data) = ranges {
+                let r = mpc::ranges::measure(
+                    &before,
+                    &common.model,
+                    &data,
+                    common.calibrate_batch,
+                    common.calibrate_batches,
+                )?;
+                if let Some(out) = &common.ranges_out {
+                    r.write(out)?;
+                }
+                if json {
+                    serde_json::to_string_pretty(&r).map_err(|e| Error::Usage(e.to_string()))? + "\n"
+                } else {
+                    let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
+                    // What the policy (without calibration) computes each value in.
+                    let mut colours: HashMap<String, &'static str> = HashMap::new();
+                    for (&n, (c, _)) in cx.report.borrow().iter().flat_map(|rep| rep.nodes.iter()) {
+                        let what = if *c == mpc_passes::precision::Colour::Low { "low" } else { "in f32" };
+                        for &v in g.node(n).outputs() {
+                            // A graph output computed low keeps its name on the cast back.
+                            let name = g.name(v);
+                            let name = name.strip_suffix(".f16").or(name.strip_suffix(".bf16")).unwrap_or(name);
+                            colours.insert(name.to_string(), what);
+                        }
+                    }
+                    mpc::ranges::report(&r, low, &colours)
+                }
+            } else if memory {
                 let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
                 let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 let weights = p.state_layout.bytes + p.constants_bytes;
@@ -518,5 +583,15 @@ fn report_ties(ties: &[mpc_passes::train::Tie]) {
     for t in ties {
         let how = if t.transposed { "the transpose of" } else { "a copy of" };
         eprintln!("mpc: `{}` is {how} `{}`: trained as that one parameter (--no-tie keeps them apart)", t.copy, t.kept);
+    }
+}
+
+/// `--stats`: what calibration cost.
+fn report_calibration(cx: &mpc_passes::Context) {
+    if let Some((t, samples, pinned)) = cx.calibration {
+        eprintln!(
+            "mpc:   calibration: one FP32 forward pass over {samples} samples, {:.1} ms; {pinned} values the low dtype breaks",
+            t.as_secs_f64() * 1e3
+        );
     }
 }

@@ -45,6 +45,9 @@ pub struct Context {
     pub train: Option<train::TrainOptions>,
     /// The initializers training ties to another (copies and transposes of one parameter).
     pub ties: Vec<train::Tie>,
+    /// Calibration, when it ran: its time, the samples it measured, and the values it found the
+    /// low dtype breaks.
+    pub calibration: Option<(std::time::Duration, usize, usize)>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
     /// Wall time of each pass and of the verification after it, for `--stats`.

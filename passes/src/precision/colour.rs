@@ -32,6 +32,8 @@ pub enum Reason {
     Pinned,
     /// Reads a constant the low dtype cannot hold.
     UnsafeConstant(String),
+    /// Calibration measured its output breaking in the low dtype: how.
+    Measured(String),
     /// F32 spread forward from this node (step 2).
     AfterF32(NodeId),
     /// On a path between low ops, reached backwards from this low node (step 3).

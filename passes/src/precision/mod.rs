@@ -41,6 +41,9 @@ pub struct Policy {
     /// Initializers that stay FP32 whatever reads them: the master weights of a training graph,
     /// which low readers see through one shared Cast.
     pub masters: BTreeSet<String>,
+    /// Values measured to break in the low dtype (calibration), by name, with the measurement
+    /// that says so: the nodes computing and reading one run in F32.
+    pub measured: BTreeMap<String, String>,
 }
 
 impl Policy {
@@ -53,6 +56,7 @@ impl Policy {
             pin_fp32: BTreeSet::new(),
             io_low: false,
             masters: BTreeSet::new(),
+            measured: BTreeMap::new(),
         };
         Ok(match name {
             "fp32" => None,
@@ -198,6 +202,15 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         if policy.pin_fp32.contains(&g.node(n).name) {
             pins_found.insert(g.node(n).name.clone());
             forced[n.index()] = Some(Reason::Pinned);
+            continue;
+        }
+        // A value the low dtype breaks is neither computed nor read in it.
+        if let Some(why) = outs.iter().find_map(|&v| policy.measured.get(g.name(v))) {
+            forced[n.index()] = Some(Reason::Measured(why.clone()));
+            continue;
+        }
+        if let Some((v, why)) = ins.iter().find_map(|&v| Some((v, policy.measured.get(g.name(v))?))) {
+            forced[n.index()] = Some(Reason::Measured(format!("reads `{}`: {why}", g.name(v))));
             continue;
         }
         for v in ins {
