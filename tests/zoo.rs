@@ -27,8 +27,6 @@ const KNOWN: &[(&str, &str)] = &[
     ("llama.legacy", "Slice starts must be a constant to differentiate"),
     ("lstm.dynamo", "LSTM has no gradient rule"),
     ("lstm.legacy", "LSTM has no gradient rule"),
-    ("gpt2.dynamo", "GatherND"),
-    ("llama.dynamo", "GatherND"),
 ];
 
 fn zoo() -> PathBuf {

@@ -44,7 +44,10 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::Resize(_)
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
-        | Op::GatherElements(_) => slot == 0,
+        | Op::GatherElements(_)
+        | Op::GatherND(_) => slot == 0,
+        // Data and updates; never the indices.
+        Op::ScatterND(_) | Op::ScatterElements(_) => slot == 0 || slot == 2,
         Op::Where => slot > 0,
         Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
         Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
