@@ -135,3 +135,59 @@ fn index_ops_keep_their_attributes_through_export() {
         }
     }
 }
+
+/// Opset 9-10 `Scatter` is ScatterElements under its old name: it imports as that op (so it
+/// runs) and exports under the new name.
+#[test]
+fn opset10_scatter_imports_as_scatter_elements() {
+    use mpc_ir::onnx::proto::{self, tensor_shape_proto::dimension, type_proto};
+    use mpc_ir::{Attr, Op};
+    use prost::Message;
+
+    let vi = |name: &str, elem_type: i32, dims: &[i64]| proto::ValueInfoProto {
+        name: name.into(),
+        r#type: Some(proto::TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type,
+                shape: Some(proto::TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| proto::tensor_shape_proto::Dimension {
+                            value: Some(dimension::Value::DimValue(d)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            denotation: String::new(),
+        }),
+        doc_string: String::new(),
+    };
+    let node = proto::NodeProto {
+        op_type: "Scatter".into(),
+        name: "scatter".into(),
+        input: vec!["x".into(), "i".into(), "u".into()],
+        output: vec!["y".into()],
+        attribute: vec![proto::AttributeProto { name: "axis".into(), r#type: 2, i: 1, ..Default::default() }],
+        ..Default::default()
+    };
+    let model = proto::ModelProto {
+        ir_version: 5,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 10 }],
+        graph: Some(proto::GraphProto {
+            name: "scatter".into(),
+            node: vec![node],
+            input: vec![vi("x", 1, &[1, 5]), vi("i", 7, &[1, 2]), vi("u", 1, &[1, 2])],
+            output: vec![vi("y", 1, &[1, 5])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let g = mpc_ir::onnx::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+    let n = g.node_ids().next().unwrap();
+    assert!(matches!(&g.node(n).op, Op::ScatterElements(a) if a.axis == 1), "{:?}", g.node(n).op);
+    let out = proto::ModelProto::decode(mpc_ir::onnx::encode_onnx(&g).unwrap().as_slice()).unwrap();
+    let written = &out.graph.unwrap().node[0];
+    assert_eq!(written.op_type, "ScatterElements");
+    assert_eq!(g.node(n).op.attrs(), vec![("axis".to_string(), Attr::Int(1))]);
+}
