@@ -287,3 +287,39 @@ fn tensors_too_large_to_address_are_refused() {
         assert!(err.contains("`x`") && err.contains("too large") || err.contains("does not address"), "{err}");
     }
 }
+
+/// An index out of range in GatherND, ScatterND or ScatterElements stops `mpc run` with one line
+/// naming the node, the index and its axis: exit 2, nothing written, no panic.
+#[test]
+fn index_out_of_range_is_one_line_naming_the_node() {
+    let dir = scratch("index_out_of_range");
+    let x4 = dir.join("x4.safetensors");
+    let x: Vec<(String, mpc_runtime::HostTensor)> =
+        vec![("x".into(), mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![4], vec![1.0; 4]))];
+    mpc::run::write_safetensors(&x4, &x).unwrap();
+    let cases = [
+        ("gather_nd", "  init %1 \"i\" = i64[1,1]{4}\n  %2 \"y\": ? = GatherND(%0, %1) @\"gnd\"", "`gnd` (GatherND): index 4"),
+        (
+            "scatter_nd",
+            "  init %1 \"i\" = i64[1,1]{-5}\n  init %3 \"u\" = f32[1]{1.0}\n  %2 \"y\": ? = ScatterND(%0, %1, %3) @\"snd\"",
+            "`snd` (ScatterND): index -5",
+        ),
+        (
+            "scatter_elements",
+            "  init %1 \"i\" = i64[1]{7}\n  init %3 \"u\" = f32[1]{1.0}\n  %2 \"y\": ? = ScatterElements[reduction=\"add\"](%0, %1, %3) @\"sel\"",
+            "`sel` (ScatterElements): index 7",
+        ),
+    ];
+    for (name, body, expect) in cases {
+        let model = dir.join(format!("{name}.mpcir"));
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 18\ngraph \"t\"\n  input %0 \"x\": f32[4]\n{body}\n  output %2\nend\n");
+        std::fs::write(&model, text).unwrap();
+        let out = dir.join(format!("{name}.out.safetensors"));
+        let r = mpc(&["run", model.to_str().unwrap(), "--inputs", x4.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{name}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{name}: {err}");
+        assert!(err.contains(expect) && err.contains("out of range for axis 0 of size 4"), "{name}: {err}");
+        assert!(!out.exists(), "{name}: an output was written");
+    }
+}

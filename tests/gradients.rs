@@ -780,6 +780,42 @@ fn gather_elements() {
 }
 
 #[test]
+fn gather_nd() {
+    // Slices and single elements, a repeated and a negative index.
+    let mut c = Case::new("gather_nd");
+    let x = c.param("x", &[3, 4, 2]);
+    let rows = c.ints("rows", &[3, 1], &[2, 0, 2]);
+    let y = c.op1("GatherND", &[], &[x, rows]);
+    c.check(y, TOL);
+    let mut c = Case::new("gather_nd_elements");
+    let x = c.param("x", &[3, 4]);
+    let at = c.ints("at", &[2, 2, 2], &[0, 1, -1, 3, 2, 2, 0, 1]);
+    let y = c.op1("GatherND", &[], &[x, at]);
+    c.check(y, TOL);
+}
+
+#[test]
+fn scatter_nd_and_scatter_elements() {
+    for reduction in ["none", "add"] {
+        let attrs = [("reduction", Attr::String(reduction.into()))];
+        let mut c = Case::new(&format!("scatter_nd_{reduction}"));
+        let data = c.param("data", &[4, 3]);
+        let updates = c.param("updates", &[2, 3]);
+        let idx = c.ints("idx", &[2, 1], &[3, 1]);
+        let y = c.op("ScatterND", &attrs, &[Some(data), Some(idx), Some(updates)], 1)[0];
+        c.check(y, TOL);
+        let mut c = Case::new(&format!("scatter_elements_{reduction}"));
+        let data = c.param("data", &[3, 4]);
+        let updates = c.param("updates", &[2, 4]);
+        let idx = c.ints("idx", &[2, 4], &[0, 2, 1, -1, 1, 0, 2, 0]);
+        let mut attrs = attrs.to_vec();
+        attrs.push(("axis", Attr::Int(0)));
+        let y = c.op("ScatterElements", &attrs, &[Some(data), Some(idx), Some(updates)], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
 fn lrn() {
     for size in [1, 3, 4] {
         let mut c = Case::new(&format!("lrn_{size}"));

@@ -73,3 +73,121 @@ fn cli_text_ir_round_trip_is_byte_identical() {
         assert!(std::fs::read(&z).unwrap() == std::fs::read(&direct).unwrap(), "{name}: .mpcir → .onnx differs");
     }
 }
+
+/// GatherND, ScatterND and ScatterElements are typed ops: their attributes survive the text IR
+/// and ONNX export (tests/models/indexing.onnx, which tests/interop/check_onnx.py also runs
+/// through onnx.checker and onnxruntime), and the export opset covers their reductions.
+#[test]
+fn index_ops_keep_their_attributes_through_export() {
+    use mpc_ir::onnx::proto;
+    use mpc_ir::{Attr, Attrs, Graph};
+    use prost::Message;
+
+    let attrs = |g: &Graph| -> Vec<(String, Attrs)> {
+        g.node_ids()
+            .map(|n| (g.node(n).op.op_type().to_string(), g.node(n).op.attrs()))
+            .filter(|(t, _)| t != "MatMul")
+            .collect()
+    };
+    let s = |v: &str| Attr::String(v.into());
+    let want: Vec<(String, Attrs)> = vec![
+        ("GatherND".into(), vec![("batch_dims".into(), Attr::Int(1))]),
+        ("ScatterND".into(), vec![("reduction".into(), s("add"))]),
+        ("ScatterElements".into(), vec![("axis".into(), Attr::Int(1)), ("reduction".into(), s("max"))]),
+    ];
+    let g = compiled("indexing");
+    assert!(g.node_ids().all(|n| !g.node(n).op.is_opaque()), "an index op was left opaque");
+    assert_eq!(attrs(&g), want);
+
+    let bytes = mpc_ir::onnx::encode_onnx(&g).unwrap();
+    let model = proto::ModelProto::decode(bytes.as_slice()).unwrap();
+    let written: Vec<(String, Vec<String>)> = model
+        .graph
+        .as_ref()
+        .unwrap()
+        .node
+        .iter()
+        .filter(|n| n.op_type != "MatMul")
+        .map(|n| (n.op_type.clone(), n.attribute.iter().map(|a| a.name.clone()).collect()))
+        .collect();
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        written,
+        vec![
+            ("GatherND".into(), names(&["batch_dims"])),
+            ("ScatterND".into(), names(&["reduction"])),
+            ("ScatterElements".into(), names(&["axis", "reduction"])),
+        ]
+    );
+    assert_eq!(attrs(&mpc_ir::onnx::decode_onnx(bytes.into(), None).unwrap()), want);
+    let printed = text::print(&g, TensorMode::Inline).unwrap();
+    assert_eq!(attrs(&text::parse(&printed.text, None).unwrap()), want);
+
+    // A reduction needs opset 16 (add, mul) or 18 (max, min): export raises a model's opset to it.
+    for (reduction, opset) in [("none", 13), ("add", 16), ("mul", 16), ("max", 18), ("min", 18)] {
+        for op in ["ScatterND", "ScatterElements"] {
+            let i = if op == "ScatterND" { "i64[1,1]" } else { "i64[1]" };
+            let src = format!(
+                "mpcir 1\nmodel ir_version=8\nopset \"\" 13\ngraph \"t\"\n  input %0 \"x\": f32[4]\n  init %1 \"i\" = {i}{{0}}\n  init %2 \"u\" = f32[1]{{1.0}}\n  %3 \"y\": f32[4] = {op}[reduction=\"{reduction}\"](%0, %1, %2)\n  output %3\nend\n"
+            );
+            let g = text::parse(&src, None).unwrap();
+            assert_eq!(mpc_ir::onnx::export_opset(&g), opset, "{op} {reduction}");
+        }
+    }
+}
+
+/// Opset 9-10 `Scatter` is ScatterElements under its old name: it imports as that op (so it
+/// runs) and exports under the new name.
+#[test]
+fn opset10_scatter_imports_as_scatter_elements() {
+    use mpc_ir::onnx::proto::{self, tensor_shape_proto::dimension, type_proto};
+    use mpc_ir::{Attr, Op};
+    use prost::Message;
+
+    let vi = |name: &str, elem_type: i32, dims: &[i64]| proto::ValueInfoProto {
+        name: name.into(),
+        r#type: Some(proto::TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type,
+                shape: Some(proto::TensorShapeProto {
+                    dim: dims
+                        .iter()
+                        .map(|&d| proto::tensor_shape_proto::Dimension {
+                            value: Some(dimension::Value::DimValue(d)),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+            })),
+            denotation: String::new(),
+        }),
+        doc_string: String::new(),
+    };
+    let node = proto::NodeProto {
+        op_type: "Scatter".into(),
+        name: "scatter".into(),
+        input: vec!["x".into(), "i".into(), "u".into()],
+        output: vec!["y".into()],
+        attribute: vec![proto::AttributeProto { name: "axis".into(), r#type: 2, i: 1, ..Default::default() }],
+        ..Default::default()
+    };
+    let model = proto::ModelProto {
+        ir_version: 5,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 10 }],
+        graph: Some(proto::GraphProto {
+            name: "scatter".into(),
+            node: vec![node],
+            input: vec![vi("x", 1, &[1, 5]), vi("i", 7, &[1, 2]), vi("u", 1, &[1, 2])],
+            output: vec![vi("y", 1, &[1, 5])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let g = mpc_ir::onnx::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+    let n = g.node_ids().next().unwrap();
+    assert!(matches!(&g.node(n).op, Op::ScatterElements(a) if a.axis == 1), "{:?}", g.node(n).op);
+    let out = proto::ModelProto::decode(mpc_ir::onnx::encode_onnx(&g).unwrap().as_slice()).unwrap();
+    let written = &out.graph.unwrap().node[0];
+    assert_eq!(written.op_type, "ScatterElements");
+    assert_eq!(g.node(n).op.attrs(), vec![("axis".to_string(), Attr::Int(1))]);
+}

@@ -51,6 +51,11 @@ string_enum!(
     AspectPolicy, "one of stretch, not_larger, not_smaller" {
         Stretch = "stretch", NotLarger = "not_larger", NotSmaller = "not_smaller" });
 string_enum!(
+    /// ScatterND's and ScatterElements' `reduction`: how an update combines with the value it
+    /// lands on (`none` replaces it).
+    ScatterReduction, "one of none, add, mul, max, min" {
+        None = "none", Add = "add", Mul = "mul", Max = "max", Min = "min" });
+string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
@@ -136,6 +141,12 @@ attr_struct!(
     /// struct but not the requiredness, hence two structs.
     ConcatAttrs { axis: i64 [required] });
 attr_struct!(AxisAttrs { axis: i64[default = 0] });
+attr_struct!(GatherNdAttrs { batch_dims: i64[default = 0] });
+attr_struct!(ScatterNdAttrs { reduction: ScatterReduction[default = ScatterReduction::None] });
+attr_struct!(ScatterElementsAttrs {
+    axis: i64[default = 0],
+    reduction: ScatterReduction[default = ScatterReduction::None],
+});
 attr_struct!(SplitAttrs { axis: i64[default = 0], num_outputs: i64[optional] });
 attr_struct!(PadAttrs { mode: PadMode[default = PadMode::Constant] });
 attr_struct!(DropoutAttrs { seed: i64[optional] });
@@ -314,7 +325,8 @@ define_ops! {
         Dropout(DropoutAttrs), Cast(CastAttrs), Shape(ShapeAttrs), Einsum(EinsumAttrs),
         SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
         Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
-        ReduceProd(ReduceAttrs), Trilu(TriluAttrs),
+        ReduceProd(ReduceAttrs), Trilu(TriluAttrs), GatherND(GatherNdAttrs), ScatterND(ScatterNdAttrs),
+        ScatterElements(ScatterElementsAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -399,6 +411,13 @@ impl Op {
             }
             Op::Pad(a) if a.mode == PadMode::Wrap => 19,
             Op::AveragePool(a) if !a.dilations.is_empty() => 19,
+            // `reduction` came in opset 16 (add, mul) and 18 (max, min).
+            Op::ScatterND(ScatterNdAttrs { reduction: r })
+            | Op::ScatterElements(ScatterElementsAttrs { reduction: r, .. }) => match r {
+                ScatterReduction::None => 13,
+                ScatterReduction::Add | ScatterReduction::Mul => 16,
+                ScatterReduction::Max | ScatterReduction::Min => 18,
+            },
             _ => 13,
         }
     }

@@ -213,3 +213,69 @@ fn closed_attributes_are_checked_when_parsed() {
     let mode = "  input %0 \"x\": f32[1,1,2,2]\n  %1 \"y\": ? = Resize[mode=\"bicubic\"](%0)\n  output %1";
     assert!(infer(mode, "y").unwrap_err().contains("`mode` is \"bicubic\" where one of nearest, linear, cubic"));
 }
+
+#[test]
+fn gather_nd_shapes_follow_the_last_index_dim_and_batch_dims() {
+    let gnd = |data: &str, idx: &str, attrs: &str| {
+        format!(
+            "  input %0 \"x\": {data}\n  input %1 \"i\": {idx}\n  %2 \"y\": ? = GatherND{attrs}(%0, %1)\n  output %2"
+        )
+    };
+    // indices.shape[:-1] + data.shape[batch_dims + k:]
+    assert_eq!(infer(&gnd("f32[3,5,6]", "i64[4,2]", ""), "y").unwrap(), "f32[4,6]");
+    assert_eq!(infer(&gnd("f32[3,5,6]", "i64[4,1]", ""), "y").unwrap(), "f32[4,5,6]");
+    assert_eq!(infer(&gnd("f16[batch,5,6]", "i32[batch,seq,1]", "[batch_dims=1]"), "y").unwrap(), "f16[batch,seq,6]");
+    // The dynamo exporter's attention mask: batch dims known on one side only.
+    assert_eq!(infer(&gnd("bool[2,5,6]", "i64[?,7,2]", "[batch_dims=1]"), "y").unwrap(), "bool[2,7]");
+    // An unknown k leaves the rank open unless one data dim is left past the batch dims.
+    assert_eq!(infer(&gnd("f32[3,5]", "i64[4,?]", ""), "y").unwrap(), "f32");
+    assert_eq!(infer(&gnd("f32[8]", "i64[4,?]", ""), "y").unwrap(), "f32[4]");
+    assert_eq!(infer(&gnd("f32[2,8]", "i64[2,3,?]", "[batch_dims=1]"), "y").unwrap(), "f32[2,3]");
+    let err = |g: String| infer(&g, "y").unwrap_err();
+    assert!(err(gnd("f32[3,5]", "i64[4,3]", "")).contains("indices' last dim is 3; it must be from 1 to 2"));
+    assert!(err(gnd("f32[2,5]", "i64[3,1]", "[batch_dims=1]")).contains("batch dims of data and indices differ"));
+    assert!(err(gnd("f32[2,5]", "i64[2,1]", "[batch_dims=2]")).contains("batch_dims 2 needs"));
+    assert!(err(gnd("f32[2,5]", "f32[2,1]", "")).contains("indices are f32, not int64 or int32"));
+}
+
+#[test]
+fn scatters_give_the_data_type_and_check_updates() {
+    let snd = |data: &str, idx: &str, upd: &str| {
+        format!("  input %0 \"x\": {data}\n  input %1 \"i\": {idx}\n  input %2 \"u\": {upd}\n  %3 \"y\": ? = ScatterND[reduction=\"add\"](%0, %1, %2)\n  output %3")
+    };
+    assert_eq!(infer(&snd("f32[batch,4,5]", "i64[3,2]", "f32[3,5]"), "y").unwrap(), "f32[batch,4,5]");
+    assert_eq!(infer(&snd("i64[4,5]", "i64[2,2,1]", "i64[2,2,5]"), "y").unwrap(), "i64[4,5]");
+    let err = |g: String| infer(&g, "y").unwrap_err();
+    assert!(
+        err(snd("f32[4,5]", "i64[3,1]", "f32[3,4]")).contains("updates and indices[:-1] + data[k:] differ: 4 and 5")
+    );
+    assert!(err(snd("f32[4,5]", "i64[3,2]", "f32[3,5]"))
+        .contains("updates are [3,5]; data [4,5] and indices [3,2] make them [3]"));
+    assert!(err(snd("f32[4,5]", "i64[3,3]", "f32[3]")).contains("more than the rank of data"));
+    assert!(err(snd("f32[4,5]", "i64[3,1]", "f16[3,5]")).contains("updates are f16 where data is f32"));
+    let sel = |data: &str, idx: &str, upd: &str| {
+        format!("  input %0 \"x\": {data}\n  input %1 \"i\": {idx}\n  input %2 \"u\": {upd}\n  %3 \"y\": ? = ScatterElements[axis=-1](%0, %1, %2)\n  output %3")
+    };
+    assert_eq!(infer(&sel("bf16[b,8]", "i32[b,3]", "bf16[b,3]"), "y").unwrap(), "bf16[b,8]");
+    assert!(err(sel("f32[4,5]", "i64[4]", "f32[4]")).contains("must have the rank of data"));
+    assert!(err(sel("f32[4,5]", "i64[4,2]", "f32[4,3]")).contains("indices and updates dims differ: 2 and 3"));
+    assert!(err(sel("f32[4,5]", "f32[4,2]", "f32[4,2]")).contains("indices are f32, not int64 or int32"));
+}
+
+#[test]
+fn scatter_reductions_are_a_closed_set() {
+    // ScatterND's indices are [1,1] (one tuple of one coordinate), ScatterElements' [1].
+    let g = |op: &str| {
+        let i = if op.starts_with("ScatterND") { "i64[1,1]" } else { "i64[1]" };
+        format!("  input %0 \"x\": f32[4]\n  init %1 \"i\" = {i}{{0}}\n  init %2 \"u\" = f32[1]{{1.0}}\n  %3 \"y\": ? = {op}(%0, %1, %2)\n  output %3")
+    };
+    for op in ["ScatterND", "ScatterElements"] {
+        let e = infer(&g(&format!("{op}[reduction=\"sum\"]")), "y").unwrap_err();
+        assert!(e.contains("`reduction` is \"sum\" where one of none, add, mul, max, min was expected"), "{e}");
+        for r in ["none", "add", "mul", "max", "min"] {
+            assert_eq!(infer(&g(&format!("{op}[reduction=\"{r}\"]")), "y").unwrap(), "f32[4]", "{op} {r}");
+        }
+    }
+    let e = infer(&g("ScatterND[reduction=1]"), "y").unwrap_err();
+    assert!(e.contains("`reduction` is 1 where one of none"), "{e}");
+}

@@ -232,3 +232,33 @@ fn fp16_policy_makes_everything_low_and_bf16_keeps_sums_following() {
     let g = run_with(&sum, Policy::named("mixed-bf16").unwrap().unwrap()).unwrap();
     assert_eq!(dt(&g, "s"), DType::BF16, "bf16 sums follow their neighbours");
 }
+
+#[test]
+fn scatters_that_add_or_multiply_stay_f32_between_low_ops() {
+    // MatMul → scatter → MatMul: a scatter that only moves data (none, max) goes low between
+    // the two; one that adds or multiplies accumulates, and stays FP32 as ReduceSum would.
+    let body = |attrs: &str| {
+        format!(
+            "  input %0 \"x\": f32[4,4]\n{W}\n  init %5 \"i\" = i64[2,1]{{1, 1}}\n  init %6 \"u\" = f32[2,4]{{1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0}}
+  %2 \"a\": ? = MatMul(%0, %1)\n  %3 \"s\": ? = ScatterND{attrs}(%2, %5, %6)\n  %4 \"y\": ? = MatMul(%3, %1)\n  output %4"
+        )
+    };
+    for (attrs, want) in [
+        ("", DType::F16),
+        ("[reduction=\"max\"]", DType::F16),
+        ("[reduction=\"add\"]", DType::F32),
+        ("[reduction=\"mul\"]", DType::F32),
+    ] {
+        assert_eq!(dt(&run(&body(attrs)), "s"), want, "ScatterND{attrs}");
+    }
+    // As ReduceSum, an adding scatter follows its neighbours under BF16.
+    let bf16 = run_with(&body("[reduction=\"add\"]"), Policy::named("mixed-bf16").unwrap().unwrap()).unwrap();
+    assert_eq!(dt(&bf16, "s"), DType::BF16);
+    // GatherND and ScatterElements are data movement too.
+    let g = run(&format!(
+        "  input %0 \"x\": f32[4,4]\n{W}\n  init %5 \"i\" = i64[4,1]{{3, 2, 1, 0}}\n  init %6 \"j\" = i64[1,4]{{0, 1, 2, 3}}
+  init %8 \"u\" = f32[1,4]{{1.0, 2.0, 3.0, 4.0}}
+  %2 \"a\": ? = MatMul(%0, %1)\n  %3 \"g\": ? = GatherND(%2, %5)\n  %7 \"e\": ? = ScatterElements(%3, %6, %8)\n  %4 \"y\": ? = MatMul(%7, %1)\n  output %4"
+    ));
+    assert_eq!((dt(&g, "g"), dt(&g, "e")), (DType::F16, DType::F16));
+}

@@ -113,6 +113,110 @@ pub fn max_pool_ceil_mode<D: Device>(b: impl Fn() -> D) {
     assert_eq!(out[0].f64s(), vec![-1.0, -2.0, -4.0]);
 }
 
+fn f32s(shape: &[usize], v: &[f32]) -> HostTensor {
+    HostTensor::from_f32(DType::F32, shape.to_vec(), v.to_vec())
+}
+
+/// The error a run stops at (lowering and the session must succeed: the data is what is wrong).
+fn run_err<D: Device>(device: D, body: &str, inputs: Vec<(&str, HostTensor)>) -> String {
+    let g = graph(body);
+    let program = lower(&g, device.caps(), LowerOptions::default()).expect("lowers");
+    let feeds: HashMap<String, HostTensor> = inputs.into_iter().map(|(n, t)| (n.to_string(), t)).collect();
+    let mut s = Session::new(device, program).expect("a session");
+    s.run(&feeds).expect_err("an index out of range must fail").to_string()
+}
+
+// The expected values of the index-op tests below are the outputs of the ONNX reference
+// implementation (`onnx.reference.ReferenceEvaluator`, onnx 1.23, opset 18) on the same inputs.
+
+/// GatherND of slices and of elements, with negative indices, batch_dims 0 and 1, int64 and int32
+/// indices, float and integer data.
+pub fn gather_nd_slices_elements_and_batch_dims<D: Device>(b: impl Fn() -> D) {
+    let x8 = f32s(&[2, 2, 2], &[0., 1., 2., 3., 4., 5., 6., 7.]);
+    let slices = "  input %0 \"x\": f32[2,2,2]\n  init %1 \"i\" = i64[2,1]{1, -2}\n  %2 \"y\": f32[2,2,2] = GatherND(%0, %1)\n  output %2";
+    let y = run(b(), slices, vec![("x", x8.clone())]);
+    assert_eq!(y[0].shape, vec![2, 2, 2]);
+    assert_eq!(y[0].f64s(), vec![4., 5., 6., 7., 0., 1., 2., 3.]);
+    let elements = "  input %0 \"x\": f32[2,2]\n  init %1 \"i\" = i64[2,2]{0, 0, 1, -1}\n  %2 \"y\": f32[2] = GatherND(%0, %1)\n  output %2";
+    let y = run(b(), elements, vec![("x", f32s(&[2, 2], &[0., 1., 2., 3.]))]);
+    assert_eq!(y[0].f64s(), vec![0., 3.]);
+    let batched = "  input %0 \"x\": f32[2,2,2]\n  init %1 \"i\" = i64[2,1]{1, 0}\n  %2 \"y\": f32[2,2] = GatherND[batch_dims=1](%0, %1)\n  output %2";
+    let y = run(b(), batched, vec![("x", x8)]);
+    assert_eq!(y[0].shape, vec![2, 2]);
+    assert_eq!(y[0].f64s(), vec![2., 3., 4., 5.]);
+    let ints = "  input %0 \"x\": i64[2,2,2]\n  init %1 \"i\" = i32[2,1,2]{0, 1, 1, -2}\n  %2 \"y\": i64[2,1] = GatherND[batch_dims=1](%0, %1)\n  output %2";
+    let y = run(b(), ints, vec![("x", HostTensor::from_i64(DType::I64, vec![2, 2, 2], (0..8).collect()))]);
+    assert_eq!(y[0].dtype(), DType::I64);
+    assert_eq!(y[0].i64s(), Some(vec![1, 6]));
+}
+
+/// ScatterND replacing elements and rows (a negative index among them), and adding, max-ing and
+/// multiplying into duplicate indices.
+pub fn scatter_nd_replaces_and_reduces<D: Device>(b: impl Fn() -> D) {
+    let x = f32s(&[8], &[1., 2., 3., 4., 5., 6., 7., 8.]);
+    let none = "  input %0 \"x\": f32[8]\n  init %1 \"i\" = i64[4,1]{4, 3, -7, 7}\n  init %2 \"u\" = f32[4]{9.0, 10.0, 11.0, 12.0}\n  %3 \"y\": f32[8] = ScatterND(%0, %1, %2)\n  output %3";
+    assert_eq!(run(b(), none, vec![("x", x.clone())])[0].f64s(), vec![1., 11., 3., 10., 9., 6., 7., 12.]);
+    let add = "  input %0 \"x\": f32[8]\n  init %1 \"i\" = i64[4,1]{0, 0, -1, 0}\n  init %2 \"u\" = f32[4]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[8] = ScatterND[reduction=\"add\"](%0, %1, %2)\n  output %3";
+    assert_eq!(run(b(), add, vec![("x", x)])[0].f64s(), vec![71., 2., 3., 4., 5., 6., 7., 38.]);
+    let x6 = f32s(&[3, 2], &[0., 1., 2., 3., 4., 5.]);
+    let rows = |reduction: &str, i: &str, u: &str| {
+        format!("  input %0 \"x\": f32[3,2]\n  init %1 \"i\" = i64[2,1]{{{i}}}\n  init %2 \"u\" = f32[2,2]{{{u}}}\n  %3 \"y\": f32[3,2] = ScatterND{reduction}(%0, %1, %2)\n  output %3")
+    };
+    let y = |body: String| run(b(), &body, vec![("x", x6.clone())])[0].f64s();
+    assert_eq!(y(rows("", "2, 0", "10.0, 11.0, 12.0, 13.0")), vec![12., 13., 2., 3., 10., 11.]);
+    assert_eq!(y(rows("[reduction=\"add\"]", "1, 1", "10.0, 11.0, 12.0, 13.0")), vec![0., 1., 24., 27., 4., 5.]);
+    assert_eq!(y(rows("[reduction=\"max\"]", "1, 1", "10.0, -11.0, 12.0, 13.0")), vec![0., 1., 12., 13., 4., 5.]);
+    assert_eq!(y(rows("[reduction=\"mul\"]", "1, 1", "10.0, -11.0, 2.0, 13.0")), vec![0., 1., 40., -429., 4., 5.]);
+}
+
+/// ScatterElements along axis 0 and 1 (a negative index among them), and adding into duplicate
+/// indices, for float and integer data.
+pub fn scatter_elements_on_each_axis_and_adds<D: Device>(b: impl Fn() -> D) {
+    let axis0 = "  input %0 \"x\": f32[3,3]\n  init %1 \"i\" = i64[2,3]{1, 0, 2, 0, 2, 1}\n  init %2 \"u\" = f32[2,3]{1.0, 1.1, 1.2, 2.0, 2.1, 2.2}\n  %3 \"y\": f32[3,3] = ScatterElements(%0, %1, %2)\n  output %3";
+    let y = run(b(), axis0, vec![("x", f32s(&[3, 3], &[0.; 9]))]);
+    assert_eq!(y[0].f32s().unwrap(), vec![2.0, 1.1, 0.0, 1.0, 0.0, 2.2, 0.0, 2.1, 1.2]);
+    let row = f32s(&[1, 5], &[1., 2., 3., 4., 5.]);
+    let axis1 = "  input %0 \"x\": f32[1,5]\n  init %1 \"i\" = i64[1,2]{1, -2}\n  init %2 \"u\" = f32[1,2]{1.1, 2.1}\n  %3 \"y\": f32[1,5] = ScatterElements[axis=1](%0, %1, %2)\n  output %3";
+    assert_eq!(run(b(), axis1, vec![("x", row.clone())])[0].f32s().unwrap(), vec![1.0, 1.1, 3.0, 2.1, 5.0]);
+    let add = "  input %0 \"x\": f32[1,5]\n  init %1 \"i\" = i64[1,2]{1, 1}\n  init %2 \"u\" = f32[1,2]{1.1, 2.1}\n  %3 \"y\": f32[1,5] = ScatterElements[axis=1, reduction=\"add\"](%0, %1, %2)\n  output %3";
+    assert_eq!(run(b(), add, vec![("x", row)])[0].f32s().unwrap(), vec![1.0, 5.2, 3.0, 4.0, 5.0]);
+    let add2 = "  input %0 \"x\": f32[2,3]\n  init %1 \"i\" = i64[2,2]{2, 0, 2, -1}\n  init %2 \"u\" = f32[2,2]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[2,3] = ScatterElements[axis=1, reduction=\"add\"](%0, %1, %2)\n  output %3";
+    let y = run(b(), add2, vec![("x", f32s(&[2, 3], &[0., 1., 2., 3., 4., 5.]))]);
+    assert_eq!(y[0].f64s(), vec![20., 1., 12., 3., 4., 75.]);
+    let ints = "  input %0 \"x\": i64[2,3]\n  init %1 \"i\" = i32[1,3]{1, 1, 0}\n  init %2 \"u\" = i64[1,3]{10, 20, 30}\n  %3 \"y\": i64[2,3] = ScatterElements[reduction=\"add\"](%0, %1, %2)\n  output %3";
+    let y = run(b(), ints, vec![("x", HostTensor::from_i64(DType::I64, vec![2, 3], (0..6).collect()))]);
+    assert_eq!(y[0].i64s(), Some(vec![0, 1, 32, 13, 24, 5]));
+}
+
+/// f16 scatter-adds accumulate in f32 and round once: 4096 ones added into one element give 4096,
+/// where f16 accumulation would stall at 2048 (mpc's rule for every reduction; numpy's float16,
+/// and so the ONNX reference, would give 2048).
+pub fn f16_scatter_add_accumulates_in_f32<D: Device>(b: impl Fn() -> D) {
+    let body = "  input %0 \"x\": f16[1]\n  input %1 \"i\": i64[4096,1]\n  input %2 \"u\": f16[4096]\n  %3 \"y\": f16[1] = ScatterND[reduction=\"add\"](%0, %1, %2)\n  output %3";
+    let i = HostTensor::from_i64(DType::I64, vec![4096, 1], vec![0; 4096]);
+    let x = HostTensor::from_f64(DType::F16, vec![1], vec![0.0]);
+    let y = run(b(), body, vec![("x", x), ("i", i), ("u", ones(DType::F16, vec![4096]))]);
+    assert_eq!(y[0].f64s(), vec![4096.0]);
+}
+
+/// An index out of range, read from run-time data, is an error naming the node, the index and
+/// the axis: never a panic, never a read or write out of bounds.
+pub fn index_out_of_range_is_an_error_naming_the_node<D: Device>(b: impl Fn() -> D) {
+    let x = f32s(&[2, 2], &[0., 1., 2., 3.]);
+    let i = |v: &[i64]| HostTensor::from_i64(DType::I64, vec![v.len(), 1], v.to_vec());
+    let cases = [
+        ("  input %0 \"x\": f32[2,2]\n  input %1 \"i\": i64[2,1]\n  %2 \"y\": f32[2,2] = GatherND(%0, %1) @\"gnd\"\n  output %2", "`gnd` (GatherND)", i(&[0, 2])),
+        ("  input %0 \"x\": f32[2,2]\n  input %1 \"i\": i64[1,1]\n  init %2 \"u\" = f32[1,2]{5.0, 6.0}\n  %3 \"y\": f32[2,2] = ScatterND(%0, %1, %2) @\"snd\"\n  output %3", "`snd` (ScatterND)", i(&[-3])),
+        ("  input %0 \"x\": f32[2,2]\n  input %1 \"i\": i64[1,2]\n  init %2 \"u\" = f32[1,2]{5.0, 6.0}\n  %3 \"y\": f32[2,2] = ScatterElements[axis=1](%0, %1, %2) @\"sel\"\n  output %3", "`sel` (ScatterElements)", HostTensor::from_i64(DType::I64, vec![1, 2], vec![0, 9])),
+        ("  input %0 \"x\": f32[2,2]\n  input %1 \"i\": i64[2,1]\n  %2 \"y\": f32[2,1] = GatherElements(%0, %1) @\"gel\"\n  output %2", "`gel` (GatherElements)", i(&[1, -3])),
+    ];
+    for (body, node, idx) in cases {
+        let e = run_err(b(), body, vec![("x", x.clone()), ("i", idx)]);
+        assert!(e.contains(node) && e.contains("out of range"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+}
+
 macro_rules! device_tests {
     ($name:ident: $device:expr) => {
         mod $name {
@@ -143,6 +247,26 @@ macro_rules! device_tests {
             #[test]
             fn max_pool_ceil_mode() {
                 super::max_pool_ceil_mode(|| $device)
+            }
+            #[test]
+            fn gather_nd_slices_elements_and_batch_dims() {
+                super::gather_nd_slices_elements_and_batch_dims(|| $device)
+            }
+            #[test]
+            fn scatter_nd_replaces_and_reduces() {
+                super::scatter_nd_replaces_and_reduces(|| $device)
+            }
+            #[test]
+            fn scatter_elements_on_each_axis_and_adds() {
+                super::scatter_elements_on_each_axis_and_adds(|| $device)
+            }
+            #[test]
+            fn f16_scatter_add_accumulates_in_f32() {
+                super::f16_scatter_add_accumulates_in_f32(|| $device)
+            }
+            #[test]
+            fn index_out_of_range_is_an_error_naming_the_node() {
+                super::index_out_of_range_is_an_error_naming_the_node(|| $device)
             }
             #[test]
             fn runs_are_deterministic() {

@@ -308,8 +308,37 @@ def digits_mlp():
     save("digits_mlp", g, 17)
 
 
+def indexing():
+    """The index ops with their attributes: GatherND with batch_dims (the dynamo exporter's
+    attention masks), ScatterND adding into a duplicate index, ScatterElements taking the max along
+    axis 1, negative indices among them; a MatMul after them gives the mixed policy a low op. Its
+    values do not draw from `rng`, so that it is the same whether made alone or with the rest."""
+    N = helper.make_node
+    inits = [
+        const("gather_idx", [[[1], [3], [-1]], [[0], [2], [-4]]]),
+        const("scatter_nd_idx", [[0, 1], [0, 1], [1, -1]]),
+        const("scatter_nd_upd", np.linspace(-1, 1, 18).reshape(3, 6), np.float32),
+        const("scatter_el_idx", [[[0, 1, 2, -1, -2, -3]], [[2, 2, 0, 0, 1, 1]]]),
+        const("scatter_el_upd", np.linspace(2, -2, 12).reshape(2, 1, 6), np.float32),
+        const("w", 0.4 * np.cos(np.arange(30)).reshape(6, 5), np.float32),
+    ]
+    n = [
+        N("GatherND", ["x", "gather_idx"], ["rows"], name="/mask/GatherND", batch_dims=1),
+        N("ScatterND", ["rows", "scatter_nd_idx", "scatter_nd_upd"], ["added"], name="/ScatterND", reduction="add"),
+        N("ScatterElements", ["added", "scatter_el_idx", "scatter_el_upd"], ["maxed"], name="/ScatterElements",
+          axis=1, reduction="max"),
+        N("MatMul", ["maxed", "w"], ["y"], name="/proj/MatMul"),
+    ]
+    g = helper.make_graph(
+        n, "indexing",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5])],
+        inits)
+    save("indexing", g, 18)
+
+
 if __name__ == "__main__":
-    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op, control_flow, digits_mlp]:
+    for make in [mlp, mlp_loss, cnn_bn, resblock, transformer, opset9, custom_op, control_flow, digits_mlp, indexing]:
         make()
     with open(os.path.join(HERE, "fixtures.json"), "w") as f:
         json.dump({"int_input_ranges": ranges}, f, indent=2, sort_keys=True)

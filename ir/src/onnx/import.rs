@@ -166,7 +166,7 @@ impl Importer<'_> {
             inputs.extend(captures(&attrs, g).into_iter().map(Some));
             Op::Opaque(Box::new(Opaque { domain: domain.clone(), op_type: op_type.clone(), attrs, explicit_inputs }))
         };
-        let op = if standard && (Op::KNOWN.contains(&op_type.as_str()) || op_type == "Upsample") {
+        let op = if standard && (Op::KNOWN.contains(&op_type.as_str()) || legacy::RENAMED.contains(&op_type.as_str())) {
             let mut cx = legacy::Cx {
                 g: &mut self.g,
                 opset: self.opset,

@@ -2,9 +2,9 @@
 //!
 //! The ops whose form changed between opset 9 and 21: attributes that became inputs
 //! (Squeeze/Unsqueeze/Reduce*/Split/Slice/Clip/Pad/Dropout), Softmax/LogSoftmax's 2-D coercion before
-//! opset 13, BatchNormalization's training outputs before 14, Upsample and opset-10 Resize, and
-//! Constant's `value_*` shorthands. Inputs made from attributes become initializers named
-//! `{node}.{attribute}`.
+//! opset 13, BatchNormalization's training outputs before 14, Upsample and opset-10 Resize, Scatter
+//! (ScatterElements before opset 11), and Constant's `value_*` shorthands. Inputs made from
+//! attributes become initializers named `{node}.{attribute}`.
 
 use crate::attr::Attrs;
 use crate::graph::{Graph, ValueId};
@@ -81,6 +81,9 @@ impl Cx<'_> {
     }
 }
 
+/// Op types of older opsets that import as another op of the closed set.
+pub(crate) const RENAMED: &[&str] = &["Upsample", "Scatter"];
+
 fn take(attrs: &mut Attrs, name: &str) -> Option<Attr> {
     let pos = attrs.iter().position(|(n, _)| n == name)?;
     Some(attrs.remove(pos).1)
@@ -149,6 +152,8 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
             op_type
         }
         "Upsample" => return upsample(cx, attrs, true),
+        // Opset 9-10 Scatter is ScatterElements under its old name (same inputs, same `axis`).
+        "Scatter" => "ScatterElements",
         "Resize" if v < 11 => return upsample(cx, attrs, false),
         "Constant" => {
             let shorthand = ["value_float", "value_floats", "value_int", "value_ints"];

@@ -12,6 +12,7 @@
 //! no sense (a Reshape whose element count cannot match, mismatched dtypes, a bad axis) is an
 //! error naming the node.
 
+mod indexing;
 mod known;
 mod movement;
 mod rules;

@@ -3,6 +3,7 @@
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, Shape, TypeInfo};
 
+use super::indexing;
 use super::known::{Known, KnownValues};
 use super::movement::{concat, einsum, pad, reshape, resize, slice, split, squeeze, unsqueeze};
 
@@ -260,6 +261,9 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::GatherND(a) => indexing::gather_nd(cx, a.batch_dims)?,
+        Op::ScatterND(_) => indexing::scatter_nd(cx)?,
+        Op::ScatterElements(a) => indexing::scatter_elements(cx, a.axis)?,
         Op::Expand => {
             // With the target's values unknown, its length still gives the rank.
             let target = match cx.known(1) {

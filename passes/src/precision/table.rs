@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use mpc_ir::ops::ScatterReduction;
 use mpc_ir::{DType, Op};
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +54,16 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
     use Class::*;
     Some(match op {
         Op::MatMul | Op::Gemm(_) | Op::Conv(_) | Op::ConvTranspose(_) | Op::Einsum(_) => Low,
+        // A scatter that adds or multiplies accumulates into its targets: classed as the reduction
+        // it is (ReduceSum, ReduceProd), not as data movement.
+        Op::ScatterND(_) | Op::ScatterElements(_) if scatter_reduction(op) == Some(ScatterReduction::Add) => {
+            if low == DType::BF16 {
+                Follow
+            } else {
+                F32
+            }
+        }
+        Op::ScatterND(_) | Op::ScatterElements(_) if scatter_reduction(op) == Some(ScatterReduction::Mul) => F32,
         Op::Softmax(_)
         | Op::LogSoftmax(_)
         | Op::LayerNormalization(_)
@@ -129,6 +140,9 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Slice
         | Op::Gather(_)
         | Op::GatherElements(_)
+        | Op::GatherND(_)
+        | Op::ScatterND(_)
+        | Op::ScatterElements(_)
         | Op::Pad(_)
         | Op::Tile
         | Op::Expand
@@ -173,6 +187,14 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::LossScaleUpdate(_)
         | Op::SeededDropout(_) => return None,
     })
+}
+
+fn scatter_reduction(op: &Op) -> Option<ScatterReduction> {
+    match op {
+        Op::ScatterND(a) => Some(a.reduction),
+        Op::ScatterElements(a) => Some(a.reduction),
+        _ => None,
+    }
 }
 
 /// The role of input `slot` of `op`.

@@ -49,7 +49,10 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::Trilu(_)
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
-        | Op::GatherElements(_) => slot == 0,
+        | Op::GatherElements(_)
+        | Op::GatherND(_) => slot == 0,
+        // Data and updates; never the indices.
+        Op::ScatterND(_) | Op::ScatterElements(_) => slot == 0 || slot == 2,
         Op::Where => slot > 0,
         // Piecewise constant: the gradient is zero wherever it exists (PyTorch's convention too), so
         // their input is not differentiated and no gradient flows through them.
@@ -763,6 +766,9 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::Pad(a) => vec![Some(rules::pad(b, &node, a, dy)?)],
         // dy added at each index's flat position (ai.mpc::GatherGrad over the flattened input).
         Op::GatherElements(a) => vec![Some(rules::gather_elements(b, &node, a, dy)?)],
+        Op::GatherND(a) => vec![Some(rules::gather_nd(b, &node, a, dy)?)],
+        Op::ScatterND(a) => rules::scatter(b, &node, Op::ScatterND(a.clone()), a.reduction, dy, wants)?,
+        Op::ScatterElements(a) => rules::scatter(b, &node, Op::ScatterElements(a.clone()), a.reduction, dy, wants)?,
         // d lrn: dy·s^(−β) less the windowed term through the normaliser s.
         Op::LRN(a) => vec![Some(rules::lrn(b, &node, a, dy)?)],
         // d CE/d scores = (softmax(scores) − onehot(label)) · weight / N (ai.mpc::SoftmaxCrossEntropyLossGrad).
@@ -791,7 +797,7 @@ pub(super) fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -
 }
 
 /// Zeros shaped like `v` (the gradient of an unread output).
-fn zeros_like(b: &mut Builder, v: ValueId) -> Result<ValueId, String> {
+pub(super) fn zeros_like(b: &mut Builder, v: ValueId) -> Result<ValueId, String> {
     let dt = b.dtype(v)?;
     let s = b.shape_of(v);
     Ok(full(b, "zeros", s, 0.0, dt))

@@ -1,15 +1,16 @@
 //! The gradient rules that take more than a few nodes, one function per op (or family), called
 //! from [`super::autodiff`]'s `rule`: Max and Min, ConvTranspose, the per-channel normalisations,
-//! LRN, Resize, Einsum, the reductions other than sum and mean, Tile, Pad, GatherElements and Slice.
+//! LRN, Resize, Einsum, the reductions other than sum and mean, Tile, Pad, GatherElements, Slice,
+//! GatherND and the scatters.
 
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
-    AspectPolicy, AxisAttrs, ConvAttrs, EinsumAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode, ReduceAttrs,
-    ReshapeAttrs, ResizeAttrs, TransposeAttrs,
+    AspectPolicy, AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode,
+    ReduceAttrs, ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Tensor, ValueId};
 
-use super::autodiff::{fixed, full, int_const};
+use super::autodiff::{fixed, full, int_const, zeros_like};
 use super::build::Builder;
 
 /// Each input's gradient (`None` where none is wanted).
@@ -634,4 +635,50 @@ fn slice_pads(b: &mut Builder, x: ValueId, starts: ValueId, ends: ValueId, axes:
     }
     let parts: Vec<ValueId> = before.into_iter().chain(after).collect();
     b.op("pads", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 }), &parts)
+}
+
+/// d gather_nd = dy added back at the gathered positions: ScatterND(zeros, indices, dy, add).
+pub(super) fn gather_nd(b: &mut Builder, node: &Node, a: &GatherNdAttrs, dy: ValueId) -> Result<ValueId, String> {
+    if a.batch_dims != 0 {
+        return Err("GatherND with batch_dims cannot be differentiated yet".into());
+    }
+    let zeros = zeros_like(b, input(node, 0)?)?;
+    let add = Op::ScatterND(ScatterNdAttrs { reduction: ScatterReduction::Add });
+    Ok(b.op("scatter", add, &[zeros, input(node, 1)?, dy]))
+}
+
+/// Scatter without a reduction: the data's gradient is dy with the overwritten positions zeroed
+/// (the same scatter of zeros), the updates' is dy gathered at the indices (GatherND, or
+/// GatherElements on the axis). With `add` the data's gradient is dy itself. Duplicate indices
+/// without a reduction have no defined result, and `mul`, `max` and `min` are refused.
+pub(super) fn scatter(
+    b: &mut Builder,
+    node: &Node,
+    op: Op,
+    reduction: ScatterReduction,
+    dy: ValueId,
+    wants: &[bool],
+) -> Result<Grads, String> {
+    let idx = input(node, 1)?;
+    let gather = |b: &mut Builder| match &op {
+        Op::ScatterElements(a) => b.op("gather", Op::GatherElements(AxisAttrs { axis: a.axis }), &[dy, idx]),
+        _ => b.op("gather", Op::GatherND(GatherNdAttrs { batch_dims: 0 }), &[dy, idx]),
+    };
+    let dx = match reduction {
+        _ if !want(wants, 0) => None,
+        ScatterReduction::None => {
+            let zeros = zeros_like(b, input(node, 2)?)?;
+            Some(b.op("zero_overwritten", op.clone(), &[dy, idx, zeros]))
+        }
+        ScatterReduction::Add => Some(dy),
+        r => {
+            let name = ScatterReduction::NAMES.iter().find(|(_, v)| *v == r).map_or("?", |(n, _)| *n);
+            return Err(format!("{} with reduction {name} cannot be differentiated yet", op.op_type()));
+        }
+    };
+    let du = match reduction {
+        ScatterReduction::None | ScatterReduction::Add if want(wants, 2) => Some(gather(b)),
+        _ => None,
+    };
+    Ok(vec![dx, None, du])
 }

@@ -4,6 +4,7 @@
 
 mod elementwise;
 mod extra;
+mod indexing;
 mod linalg;
 mod nn;
 mod resize;
@@ -313,7 +314,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             one(shape::slice(t, &starts, &ends, &axes, &steps)?)
         }
         Op::Gather(a) => one(shape::gather(x(0)?, x(1)?, a.axis)?),
-        Op::GatherElements(a) => one(shape::gather_elements(x(0)?, x(1)?, a.axis)?),
+        Op::GatherElements(a) => one(indexing::gather_elements(x(0)?, x(1)?, a.axis)?),
+        Op::GatherND(a) => one(indexing::gather_nd(x(0)?, x(1)?, a.batch_dims)?),
+        Op::ScatterND(a) => one(indexing::scatter_nd(x(0)?, x(1)?, x(2)?, a.reduction)?),
+        Op::ScatterElements(a) => one(indexing::scatter_elements(x(0)?, x(1)?, x(2)?, a.axis, a.reduction)?),
         Op::Expand => one(shape::expand(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?)?),
         Op::Tile => one(shape::tile(x(0)?, &ints(ins.get(1).copied().flatten(), "repeats")?)?),
         Op::Pad(a) => {

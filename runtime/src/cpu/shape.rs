@@ -129,30 +129,6 @@ pub(crate) fn gather(x: &HostTensor, indices: &HostTensor, ax: i64) -> Res<HostT
     Ok(gather_runs(&[x], shape, &runs))
 }
 
-pub(crate) fn gather_elements(x: &HostTensor, indices: &HostTensor, ax: i64) -> Res<HostTensor> {
-    let a = axis(ax, x.shape.len())?;
-    let ind = indices.i64s().ok_or_else(|| err("indices must be integers"))?;
-    let (xs, is) = (strides(&x.shape), strides(&indices.shape));
-    let n = x.shape[a] as i64;
-    let idx: Vec<usize> = (0..ind.len())
-        .map(|k| {
-            let mut p = 0;
-            for d in 0..indices.shape.len() {
-                let c = (k / is[d]) % indices.shape[d];
-                let c = if d == a {
-                    let i = ind[k];
-                    (if i < 0 { i + n } else { i }) as usize
-                } else {
-                    c
-                };
-                p += c * xs[d];
-            }
-            p
-        })
-        .collect();
-    Ok(x.pick(indices.shape.clone(), &idx))
-}
-
 pub(crate) fn expand(x: &HostTensor, target: &[i64]) -> Res<HostTensor> {
     let t: Vec<usize> = target.iter().map(|&d| d.max(0) as usize).collect();
     let shape = super::elementwise::broadcast_shape(&[&x.shape, &t])
