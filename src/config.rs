@@ -21,7 +21,7 @@
 //! beta2 = 0.999
 //! epsilon = 1e-8
 //! clip_norm = 1.0
-//! loss_scale = "dynamic"      # dynamic, static:S or none (default: dynamic for mixed, else none)
+//! loss_scale = "dynamic"      # dynamic, auto, static:S or none (default: dynamic for mixed, else none)
 //! init_scale = 65536.0        # dynamic loss scaling: the start,
 //! growth_factor = 2.0         # ×2 after growth_interval finite steps,
 //! growth_interval = 2000
@@ -213,9 +213,10 @@ impl TrainFile {
             None => None,
             Some("dynamic") => Some(dynamic.loss_scale()),
             Some("none") => Some(LossScale::None),
+            Some("auto") => Some(LossScale::Auto { attrs: dynamic.attrs.clone() }),
             Some(s) => match s.strip_prefix("static:").and_then(|v| v.parse::<f32>().ok()) {
                 Some(v) if v > 0.0 && v.is_finite() => Some(LossScale::Static(v)),
-                _ => return Err(format!("loss_scale `{s}`: expected dynamic, static:S or none")),
+                _ => return Err(format!("loss_scale `{s}`: expected dynamic, auto, static:S or none")),
             },
         };
         let opts = TrainOptions {

@@ -206,6 +206,25 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
         });
         t
     });
+    let mut train = train;
+    let mut auto_scale = None;
+    if let Some(t) = train.as_mut() {
+        if let LossScale::Auto { attrs } = &t.loss_scale {
+            // The activation gradients of one FP32 step at scale 1 say where scaling should start.
+            let data = opts.calibrate.as_ref().and_then(|c| c.data.as_ref().map(|d| (c, d))).ok_or_else(|| {
+                Error::Usage(
+                    "--loss-scale auto needs --calibrate DATA: samples, with their labels, to measure gradients on"
+                        .into(),
+                )
+            })?;
+            let r = ranges::measure_training(g, path, data.1, t, data.0.batch, data.0.batches)?;
+            let h = r.gradient_histogram().ok_or_else(|| Error::Usage("no activation gradients to measure".into()))?;
+            let k = h.auto_scale();
+            let init = 2f32.powi(k).clamp(attrs.min_scale, attrs.max_scale);
+            auto_scale = Some((k, init, h.lost_at(init.log2() as i32)));
+            t.loss_scale = LossScale::Dynamic { init, attrs: attrs.clone() };
+        }
+    }
     let mut calibration = None;
     if let (Some(c), Some(p)) = (&opts.calibrate, policy.as_mut()) {
         // Measured on the forward model as given, before any training pass.
@@ -235,7 +254,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone(), policy, train, ties, calibration, ..Default::default() };
+    let cx = Context { dims: opts.dims.clone(), policy, train, ties, calibration, auto_scale, ..Default::default() };
     pm.run(g, &cx, dump).map_err(perr)?;
     Ok(cx)
 }

@@ -128,7 +128,8 @@ struct TrainArgs {
     /// Clip the gradients' global norm (after unscaling) to this.
     #[arg(long, value_name = "NORM")]
     clip_norm: Option<f32>,
-    /// dynamic, static:S or none (default: dynamic for mixed, none otherwise).
+    /// dynamic, auto (dynamic, starting where gradients measured on --calibrate DATA say), static:S
+    /// or none (default: dynamic for mixed, none otherwise).
     #[arg(long, value_name = "MODE")]
     loss_scale: Option<String>,
     /// Do not train this initializer (repeatable).
@@ -251,6 +252,16 @@ enum Command {
         /// With --ranges: print every value's measurements as JSON.
         #[arg(long, requires = "ranges")]
         json: bool,
+        /// With --ranges: measure the training step too (FP32, loss scale 1, the data holding the
+        /// labels) and print the histogram of log2 |activation gradient| with the loss scales that
+        /// lose nothing and overflow nothing.
+        #[arg(long, requires = "ranges")]
+        train: bool,
+        /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
+        #[arg(long, value_name = "FILE.svg", requires = "train")]
+        plot: Option<PathBuf>,
+        #[command(flatten)]
+        train_args: TrainArgs,
     },
     /// Compile with a policy and run on a backend; print a summary of each output.
     Run {
@@ -360,6 +371,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 println!("{line}");
             })?;
             report_ties(&trained.ties);
+            report_auto_scale(trained.auto_scale);
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
                 println!("test accuracy: {:.2}%", acc * 100.0);
             }
@@ -402,6 +414,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
             report_ties(&cx.ties);
+            report_auto_scale(cx.auto_scale);
             let t2 = Instant::now();
             match (output, format) {
                 (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
@@ -497,7 +510,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Inspect { common, explain, dot, memory, batch, ranges, json } => {
+        Command::Inspect { common, explain, dot, memory, batch, ranges, json, train, plot, train_args } => {
             let mut opts = common.options(Vec::new(), None)?;
             let before = mpc::load(&common.model)?;
             let mut g = before.clone();
@@ -517,15 +530,25 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             }
             let out = if let Some(data) = ranges {
-                let r = mpc::ranges::measure(
-                    &before,
-                    &common.model,
-                    &data,
-                    common.calibrate_batch,
-                    common.calibrate_batches,
-                )?;
+                let r = if train {
+                    let (t, _) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+                    let (b, n) = (common.calibrate_batch, common.calibrate_batches);
+                    mpc::ranges::measure_training(&before, &common.model, &data, &t, b, n)?
+                } else {
+                    mpc::ranges::measure(
+                        &before,
+                        &common.model,
+                        &data,
+                        common.calibrate_batch,
+                        common.calibrate_batches,
+                    )?
+                };
                 if let Some(out) = &common.ranges_out {
                     r.write(out)?;
+                }
+                if let (Some(file), Some(h)) = (&plot, r.gradient_histogram()) {
+                    let name = common.model.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned());
+                    mpc::ranges::plot(&h, &format!("{name}: activation gradients, {} samples", r.samples), file)?;
                 }
                 if json {
                     serde_json::to_string_pretty(&r).map_err(|e| Error::Usage(e.to_string()))? + "\n"
@@ -542,7 +565,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                             colours.insert(name.to_string(), what);
                         }
                     }
-                    mpc::ranges::report(&r, low, &colours)
+                    let mut text = mpc::ranges::report(&r, low, &colours);
+                    if let Some(h) = r.gradient_histogram() {
+                        text.push_str(&h.text());
+                    }
+                    text
                 }
             } else if memory {
                 let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
@@ -592,6 +619,16 @@ fn report_calibration(cx: &mpc_passes::Context) {
         eprintln!(
             "mpc:   calibration: one FP32 forward pass over {samples} samples, {:.1} ms; {pinned} values the low dtype breaks",
             t.as_secs_f64() * 1e3
+        );
+    }
+}
+
+/// `--loss-scale auto`: where dynamic scaling starts, and why.
+fn report_auto_scale(auto: Option<(i32, f32, f64)>) {
+    if let Some((k, init, lost)) = auto {
+        eprintln!(
+            "mpc: --loss-scale auto: the measured gradients call for 2^{k}; dynamic scaling starts at {init} ({:.2}% of the activation gradients below FP16's 2^-24)",
+            100.0 * lost
         );
     }
 }

@@ -158,9 +158,130 @@ pub struct Ranges {
     pub batches: usize,
     pub samples: usize,
     pub values: BTreeMap<String, ValueRange>,
+    /// Of a training graph's values (`--train`, loss scale 1): the activations' gradients, and
+    /// every value the backward pass computes (all of which a loss scale multiplies).
+    #[serde(default)]
+    pub activation_gradients: Vec<String>,
+    #[serde(default)]
+    pub backward: Vec<String>,
+}
+
+/// The paper's Figure 3 for a model: the activation gradients' magnitudes at loss scale 1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GradientHistogram {
+    pub values: u64,
+    pub zeros: u64,
+    /// Non-zero finite gradients by floor(log2 |g|), from [`HIST_MIN`].
+    pub log2_hist: Vec<u64>,
+    /// The largest |x| of any backward value (what a scale must not push past 65504).
+    pub max_backward: f64,
+}
+
+impl GradientHistogram {
+    pub fn nonzero(&self) -> u64 {
+        self.log2_hist.iter().sum()
+    }
+
+    /// Non-zeros below 2^`exp`.
+    pub fn below(&self, exp: i32) -> u64 {
+        let end = ((exp - HIST_MIN).max(0) as usize).min(self.log2_hist.len());
+        self.log2_hist[..end].iter().sum()
+    }
+
+    /// The share of the non-zeros that FP16 loses (below its smallest subnormal, 2^-24) at
+    /// loss scale 2^`k`.
+    pub fn lost_at(&self, k: i32) -> f64 {
+        self.below(-24 - k) as f64 / self.nonzero().max(1) as f64
+    }
+
+    /// The smallest power of two that lifts every non-zero gradient to 2^-24 or above.
+    pub fn smallest_lossless(&self) -> Option<i32> {
+        let first = self.log2_hist.iter().position(|&c| c > 0)? as i32 + HIST_MIN;
+        Some(-24 - first)
+    }
+
+    /// The largest power of two that keeps every backward value below 65504.
+    pub fn largest_safe(&self) -> Option<i32> {
+        (self.max_backward > 0.0).then(|| (65504.0 / self.max_backward).log2().floor() as i32)
+    }
+
+    /// The scale `--loss-scale auto` starts dynamic scaling at: one halving below the largest
+    /// safe scale (later batches' gradients differ from the measured ones), and never below the
+    /// smallest lossless one when that fits.
+    pub fn auto_scale(&self) -> i32 {
+        match (self.smallest_lossless(), self.largest_safe()) {
+            (Some(lo), Some(hi)) => (hi - 1).max(lo.min(hi)),
+            (None, Some(hi)) => hi - 1,
+            _ => 16,
+        }
+    }
+
+    /// The histogram as text: one line per power of two, with FP16's ranges marked.
+    pub fn text(&self) -> String {
+        use std::fmt::Write;
+        let nz = self.nonzero();
+        let mut s = format!(
+            "activation gradients at loss scale 1: {} values, {:.1}% zero; of the non-zeros {:.2}% are below 2^-24 \
+             (lost in FP16 without scaling), {:.2}% below 2^-14 (FP16 subnormals or lost)\n",
+            self.values,
+            100.0 * self.zeros as f64 / self.values.max(1) as f64,
+            100.0 * self.lost_at(0),
+            100.0 * self.below(-14) as f64 / nz.max(1) as f64,
+        );
+        if let (Some(lo), Some(hi)) = (self.smallest_lossless(), self.largest_safe()) {
+            let k = self.auto_scale();
+            writeln!(
+                s,
+                "loss scale: 2^{lo} and above loses no non-zero gradient, 2^{hi} and below overflows no backward value \
+                 (max |x| {:.3e}); --loss-scale auto starts at 2^{k}, losing {:.2}%",
+                self.max_backward,
+                100.0 * self.lost_at(k)
+            )
+            .ok();
+        }
+        let (Some(first), Some(last)) =
+            (self.log2_hist.iter().position(|&c| c > 0), self.log2_hist.iter().rposition(|&c| c > 0))
+        else {
+            return s;
+        };
+        let top = *self.log2_hist.iter().max().unwrap_or(&1) as f64;
+        for (i, &c) in self.log2_hist.iter().enumerate().take(last + 1).skip(first) {
+            let e = i as i32 + HIST_MIN;
+            let mark = match e {
+                ..=-25 => "  lost",
+                -24..=-15 => "  subnormal",
+                _ => "",
+            };
+            let bar = "#".repeat((40.0 * c as f64 / top).ceil() as usize);
+            writeln!(s, "  2^{e:<4} {:>6.2}%  {bar}{mark}", 100.0 * c as f64 / nz.max(1) as f64).ok();
+        }
+        s
+    }
 }
 
 impl Ranges {
+    /// The histogram of the activation gradients (`None` for a forward-only measurement).
+    pub fn gradient_histogram(&self) -> Option<GradientHistogram> {
+        if self.activation_gradients.is_empty() {
+            return None;
+        }
+        let mut h = GradientHistogram {
+            values: 0,
+            zeros: 0,
+            log2_hist: vec![0; (HIST_MAX - HIST_MIN + 1) as usize],
+            max_backward: 0.0,
+        };
+        for r in self.activation_gradients.iter().filter_map(|n| self.values.get(n)) {
+            h.values += r.count;
+            h.zeros += r.count - r.nonzero - r.nan - r.inf;
+            for (a, b) in h.log2_hist.iter_mut().zip(&r.log2_hist) {
+                *a += b;
+            }
+        }
+        h.max_backward = self.backward.iter().filter_map(|n| self.values.get(n)).map(|r| r.max_abs).fold(0.0, f64::max);
+        Some(h)
+    }
+
     /// The values `low` breaks, worst first, with why.
     pub fn at_risk(&self, low: DType) -> Vec<(&str, &ValueRange, String)> {
         let mut out: Vec<(&str, &ValueRange, String)> =
@@ -200,6 +321,49 @@ pub struct Calibration {
 pub fn measure(g: &Graph, path: &Path, data: &Path, batch: usize, batches: usize) -> Result<Ranges> {
     let mut g = g.clone();
     crate::compile(&mut g, path, &crate::Options::default(), &mut |_, _| {})?;
+    measure_compiled(g, path, data, batch, batches)
+}
+
+/// The ranges of the FP32 training graph's values, forward and backward, at loss scale 1 (the
+/// gradients of one step, no update): what `train` would compute, before any scaling. The data
+/// holds the labels too.
+pub fn measure_training(
+    g: &Graph,
+    path: &Path,
+    data: &Path,
+    train: &mpc_passes::train::TrainOptions,
+    batch: usize,
+    batches: usize,
+) -> Result<Ranges> {
+    let mut g = g.clone();
+    let t = mpc_passes::train::TrainOptions { loss_scale: mpc_passes::train::LossScale::None, ..train.clone() };
+    let opts = crate::Options {
+        train: Some(t),
+        loss_scale: Some(mpc_passes::train::LossScale::None),
+        stop_after: Some("autodiff".into()),
+        ..Default::default()
+    };
+    crate::compile(&mut g, path, &opts, &mut |_, _| {})?;
+    let sig = g.train.clone().unwrap_or_default();
+    let activation_gradients: Vec<String> = sig.activation_grads.iter().map(|&(_, d)| g.name(d).to_string()).collect();
+    // The backward values: everything computed from the seed of the backward pass.
+    let seed = g.find("grad.seed");
+    let mut backward = std::collections::HashSet::new();
+    for n in g.topo_order().map_err(|e| Error::Usage(e.to_string()))? {
+        let node = g.node(n);
+        if node.inputs().iter().flatten().any(|v| Some(*v) == seed || backward.contains(v)) {
+            backward.extend(node.outputs().iter().copied());
+        }
+    }
+    let backward: Vec<String> = backward.into_iter().map(|v| g.name(v).to_string()).collect();
+    let mut r = measure_compiled(g, path, data, batch, batches)?;
+    r.activation_gradients = activation_gradients;
+    r.backward = backward;
+    r.backward.sort();
+    Ok(r)
+}
+
+fn measure_compiled(mut g: Graph, path: &Path, data: &Path, batch: usize, batches: usize) -> Result<Ranges> {
     let float = |g: &Graph, v| g.ty(v).dtype.is_some_and(|d: DType| d.is_float());
     let watched: Vec<_> = g
         .value_ids()
@@ -304,6 +468,50 @@ pub fn report(r: &Ranges, low: DType, colours: &HashMap<String, &'static str>) -
         .ok();
     }
     s
+}
+
+/// Draws the histogram as the paper's Figure 3 does: the share of the activation gradients by
+/// log2 |g|, with FP16's subnormal range (2^-24 to 2^-14) and normal range (2^-14 and up)
+/// shaded, and what lies left of 2^-24 lost. Written to `path` as SVG, atomically.
+pub fn plot(h: &GradientHistogram, title: &str, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    let nz = h.nonzero().max(1) as f64;
+    let first = h.log2_hist.iter().position(|&c| c > 0).map_or(-30, |i| i as i32 + HIST_MIN).min(-26);
+    let last = h.log2_hist.iter().rposition(|&c| c > 0).map_or(0, |i| i as i32 + HIST_MIN).max(-10);
+    let top = h.log2_hist.iter().map(|&c| 100.0 * c as f64 / nz).fold(1.0, f64::max) * 1.1;
+    let mut svg = String::new();
+    let draw = |svg: &mut String| -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let root = SVGBackend::with_string(svg, (900, 450)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d(first as f64..(last + 1) as f64, 0.0..top)?;
+        chart
+            .configure_mesh()
+            .x_desc("log2 |activation gradient| (loss scale 1)")
+            .y_desc("% of non-zero values")
+            .x_label_formatter(&|x| format!("2^{}", *x as i32))
+            .disable_x_mesh()
+            .draw()?;
+        let shade = |lo: f64, hi: f64, c: RGBColor| Rectangle::new([(lo, 0.0), (hi, top)], c.mix(0.15).filled());
+        chart.draw_series([shade(-24.0, -14.0, BLUE), shade(-14.0, (last + 1) as f64, GREEN)])?;
+        chart
+            .draw_series([shade(first as f64, -24.0, RED)])?
+            .label("lost in FP16 (below 2^-24)")
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], RED.mix(0.3).filled()));
+        chart.draw_series(h.log2_hist.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| {
+            let e = (i as i32 + HIST_MIN) as f64;
+            Rectangle::new([(e + 0.1, 0.0), (e + 0.9, 100.0 * c as f64 / nz)], BLACK.mix(0.7).filled())
+        }))?;
+        chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+        root.present()?;
+        Ok(())
+    };
+    draw(&mut svg).map_err(|e| Error::Usage(format!("{}: cannot draw: {e}", path.display())))?;
+    crate::write_atomic(path, svg.as_bytes())
 }
 
 #[cfg(test)]

@@ -79,6 +79,8 @@ pub struct Trained {
     pub stats: String,
     /// The exported copies of one weight trained as that weight.
     pub ties: Vec<mpc_passes::train::Tie>,
+    /// `--loss-scale auto`'s measurement (see [`mpc_passes::Context::auto_scale`]).
+    pub auto_scale: Option<(i32, f32, f64)>,
 }
 
 /// Gives every graph input a symbolic leading dim `batch`, so that a model exported with a fixed
@@ -292,7 +294,8 @@ pub fn train_on<D: Device>(
         (e, _) => e,
     }
     };
-    let ties = crate::compile(&mut g, path, opts, &mut |_, _| {}).map_err(pinned)?.ties;
+    let cx = crate::compile(&mut g, path, opts, &mut |_, _| {}).map_err(pinned)?;
+    let (ties, auto_scale) = (cx.ties, cx.auto_scale);
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
     let state = sig.state;
@@ -368,6 +371,7 @@ pub fn train_on<D: Device>(
         state: Vec::new(),
         stats: String::new(),
         ties,
+        auto_scale,
     };
     let mut skipped_total = 0usize;
     let mut pending = Vec::with_capacity(PRINT_EVERY);

@@ -166,3 +166,92 @@ fn inspect_reports_the_values_at_risk() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("no tensor `x`") && err.trim().lines().count() == 1, "{err}");
 }
+
+/// The paper's failure mode (b): a loss of 1e-6 · MSE, whose activation gradients (~2e-9) lie
+/// below FP16's smallest subnormal. The histogram says so; `--loss-scale auto` picks a scale that
+/// loses none of them, and training at it skips no step after the first.
+#[test]
+fn the_gradient_histogram_finds_the_scale_that_loses_nothing() {
+    use mpc_ir::{Dim, Graph, Op, Shape, Tensor, TypeInfo};
+    let dir = scratch("calibrate_gradients");
+    let mut g = Graph::new("tiny_loss");
+    let batch = Shape(vec![Dim::sym("batch"), Dim::Fixed(16)]);
+    let x = g.add_input("x", TypeInfo::new(DType::F32, batch.clone()));
+    let t = g.add_input("targets", TypeInfo::new(DType::F32, batch));
+    let w: Vec<f32> = (0..256).map(|i| ((i * 37 % 29) as f32 - 14.0) / 140.0).collect();
+    let w = g.add_initializer("w", Tensor::from_f32(vec![16, 16], &w));
+    let k = g.add_initializer("factor", Tensor::from_f32(vec![], &[1e-6]));
+    let (_, y) = g.add_op("matmul", Op::MatMul, &[Some(x), Some(w)], 1);
+    let (_, d) = g.add_op("sub", Op::Sub, &[Some(y[0]), Some(t)], 1);
+    let (_, sq) = g.add_op("square", Op::Mul, &[Some(d[0]), Some(d[0])], 1);
+    let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
+    let (_, m) = g.add_op("mean", Op::ReduceMean(attrs), &[Some(sq[0])], 1);
+    let (_, l) = g.add_op("loss", Op::Mul, &[Some(m[0]), Some(k)], 1);
+    g.add_output(l[0]);
+    let model = dir.join("tiny_loss.onnx");
+    mpc::save(&g, &model, mpc::Format::Onnx).unwrap();
+    let n = 256;
+    let xs: Vec<f32> = (0..n * 16).map(|i| (((i * 13 + 5) % 17) as f32 - 8.0) / 8.0).collect();
+    let ts: Vec<f32> = (0..n * 16).map(|i| (((i * 7 + 3) % 19) as f32 - 9.0) / 9.0).collect();
+    let data = dir.join("data.safetensors");
+    mpc::run::write_safetensors(
+        &data,
+        &[
+            ("x".into(), HostTensor::from_f32(DType::F32, vec![n, 16], xs)),
+            ("targets".into(), HostTensor::from_f32(DType::F32, vec![n, 16], ts)),
+        ],
+    )
+    .unwrap();
+    let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let svg = dir.join("gradients.svg");
+    let o = mpc(&[
+        "inspect",
+        m,
+        "--policy",
+        "mixed",
+        "--ranges",
+        d,
+        "--train",
+        "--loss",
+        "output:loss",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg") && picture.contains("lost in FP16 (below 2^-24)"), "{picture}");
+    println!("{text}");
+    let share = |key: &str| -> f64 {
+        let at = text.find(key).unwrap_or_else(|| panic!("no `{key}` in\n{text}"));
+        let before = text[..at].trim_end();
+        let num = before.rsplit(' ').next().unwrap().trim_end_matches('%');
+        num.parse().unwrap()
+    };
+    // All but the loss's own gradient (1e-6) are lost in FP16 unscaled.
+    assert!(share("are below 2^-24") > 99.0, "{text}");
+    assert!(text.contains("losing 0.00%"), "{text}");
+
+    // Training at the scale auto picks: no step skipped after the first, and the loss falls.
+    let t = mpc_passes::train::TrainOptions {
+        loss: mpc_passes::train::Loss::Output("loss".into()),
+        optimizer: mpc_passes::train::Optimizer::Sgd,
+        lr: 5e6,
+        ..Default::default()
+    };
+    let calibrate = mpc::ranges::Calibration { data: Some(data.clone()), batch: 64, batches: 2, ..Default::default() };
+    let opts = mpc::Options {
+        policy: Some("mixed".into()),
+        train: Some(t),
+        loss_scale: Some(mpc_passes::train::LossScale::Auto { attrs: Default::default() }),
+        calibrate: Some(calibrate),
+        ..Default::default()
+    };
+    let cfg = mpc::train::TrainConfig { data, epochs: 3, batch: 64, ..Default::default() };
+    let run = mpc::train::train(&mpc::load(&model).unwrap(), &model, &opts, &cfg, &mut |_| {}).unwrap();
+    let (k, init, lost) = run.auto_scale.expect("auto measured the gradients");
+    println!("--loss-scale auto: 2^{k}, starting at {init}, {lost} lost; steps skipped: {:?}", run.skipped);
+    assert_eq!(lost, 0.0);
+    assert!(run.skipped[1..].iter().all(|&s| !s), "skipped after the first: {:?}", run.skipped);
+    assert!(run.losses.last().unwrap() < run.losses.first().unwrap(), "{:?}", run.losses);
+}

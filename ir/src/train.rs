@@ -35,6 +35,9 @@ pub struct TrainSignature {
     pub state: Vec<(ValueId, ValueId)>,
     /// Each parameter and its gradient (between passes only).
     pub grads: Vec<(ValueId, ValueId)>,
+    /// Each forward activation on a parameter's path and its gradient (between passes only: what
+    /// range measurement histograms).
+    pub activation_grads: Vec<(ValueId, ValueId)>,
 }
 
 impl TrainSignature {
@@ -49,7 +52,7 @@ impl TrainSignature {
         {
             swap(v);
         }
-        for (a, b) in self.state.iter_mut().chain(self.grads.iter_mut()) {
+        for (a, b) in self.state.iter_mut().chain(self.grads.iter_mut()).chain(self.activation_grads.iter_mut()) {
             swap(a);
             swap(b);
         }

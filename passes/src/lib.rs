@@ -48,6 +48,9 @@ pub struct Context {
     /// Calibration, when it ran: its time, the samples it measured, and the values it found the
     /// low dtype breaks.
     pub calibration: Option<(std::time::Duration, usize, usize)>,
+    /// `--loss-scale auto`: the power of two the measured gradients called for, the scale dynamic
+    /// scaling starts at (within its bounds), and the share of activation gradients it loses.
+    pub auto_scale: Option<(i32, f32, f64)>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
     /// Wall time of each pass and of the verification after it, for `--stats`.

@@ -110,6 +110,25 @@ pub fn differentiate(
     loss: ValueId,
     seed: ValueId,
 ) -> Result<BTreeMap<ValueId, ValueId>, PassError> {
+    Ok(differentiate_all(g, params, loss, seed)?.params)
+}
+
+/// What [`differentiate_all`] computed.
+pub struct Gradients {
+    /// Each parameter's gradient.
+    pub params: BTreeMap<ValueId, ValueId>,
+    /// Each forward activation (a node output on a parameter's path to the loss, the loss
+    /// excepted) and its gradient: what the paper's histogram of activation gradients counts.
+    pub activations: Vec<(ValueId, ValueId)>,
+}
+
+/// [`differentiate`], returning the activations' gradients too.
+pub fn differentiate_all(
+    g: &mut Graph,
+    params: &[ValueId],
+    loss: ValueId,
+    seed: ValueId,
+) -> Result<Gradients, PassError> {
     let order = g.topo_order()?;
     let need = needed(g, &order, params, loss);
     // An op mpc does not know, between a parameter and the loss, stops training before any rule
@@ -133,6 +152,7 @@ pub fn differentiate(
     contrib[loss.index()].push(seed);
     let mut b = Builder::new(g);
     let mut wants = Vec::new();
+    let mut activations = Vec::new();
     for &n in order.iter().rev() {
         let node = b.g.node(n);
         wants.clear();
@@ -147,6 +167,7 @@ pub fn differentiate(
         }
         let outs = node.outputs().to_vec();
         let dys: Vec<Option<ValueId>> = outs.iter().map(|o| total(&mut b, &mut contrib, *o)).collect();
+        activations.extend(outs.iter().zip(&dys).filter(|(&o, _)| o != loss).filter_map(|(&o, dy)| Some((o, (*dy)?))));
         let node = b.g.node(n);
         let base = if node.name.is_empty() { b.g.name(outs[0]) } else { &node.name };
         let base = format!("{base}.grad");
@@ -169,7 +190,7 @@ pub fn differentiate(
             out.insert(p, d);
         }
     }
-    Ok(out)
+    Ok(Gradients { params: out, activations })
 }
 
 /// The summed gradient of `v` (its readers' contributions), `None` when nothing flows into it.

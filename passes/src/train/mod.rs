@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
 
-pub use autodiff::{differentiable, differentiate};
+pub use autodiff::{differentiable, differentiate, differentiate_all, Gradients};
 use build::Builder;
 pub use tie::{apply_ties, tie_weights, Tie};
 
@@ -74,6 +74,11 @@ pub enum LossScale {
     },
     Static(f32),
     None,
+    /// Dynamic scaling that starts where measured gradients say (`--loss-scale auto`): the
+    /// caller resolves it to `Dynamic` before the passes run.
+    Auto {
+        attrs: LossScaleAttrs,
+    },
 }
 
 /// Everything `--train` configures.
@@ -488,6 +493,11 @@ impl Pass for LossScalePass {
             LossScale::Dynamic { init, .. } => init,
             LossScale::Static(s) => s,
             LossScale::None => return Ok(Changed::No),
+            LossScale::Auto { .. } => {
+                return Err(PassError::Usage(
+                    "--loss-scale auto needs gradients measured on data (--calibrate DATA)".into(),
+                ))
+            }
         };
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
         let mut b = Builder::new(g);
@@ -527,8 +537,10 @@ impl Pass for Autodiff {
             let mut b = Builder::new(g);
             b.init("grad.seed", Tensor::from_f32(vec![], &[1.0]))
         };
-        let grads = differentiate(g, &params, target, seed)?;
-        signature(g).grads = grads.into_iter().collect();
+        let grads = differentiate_all(g, &params, target, seed)?;
+        let sig = signature(g);
+        sig.grads = grads.params.into_iter().collect();
+        sig.activation_grads = grads.activations;
         Ok(Changed::Yes)
     }
 }
