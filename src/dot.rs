@@ -1,22 +1,30 @@
 //! Graphviz output: one box per node, filled by the precision it computes in (f16 blue, bf16 green,
 //! f32 orange, casts grey, opaque ops dashed), one edge per value read, labelled with its type.
+//! Marked nodes (values at risk in the low dtype, nodes calibration pinned) get a thick red border
+//! and the reason as a third line.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use mpc_ir::{DType, Def, Graph, Op};
+use mpc_ir::{DType, Def, Graph, NodeId, Op};
 
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 pub fn to_dot(g: &Graph) -> mpc_ir::Result<String> {
+    to_dot_marked(g, &BTreeMap::new())
+}
+
+/// [`to_dot`] with `marks` drawn on their nodes.
+pub fn to_dot_marked(g: &Graph, marks: &BTreeMap<NodeId, String>) -> mpc_ir::Result<String> {
     let order = g.topo_order()?;
     let mut s =
         format!("digraph \"{}\" {{\n  rankdir=TB;\n  node [shape=box, fontname=\"Helvetica\"];\n", esc(&g.name));
     for &v in g.inputs() {
         writeln!(s, "  v{} [shape=ellipse, label=\"{}\\n{}\"];", v.index(), esc(g.name(v)), g.ty(v)).ok();
     }
-    let legend = "  legend [shape=plaintext, label=\"f16: blue   bf16: green   f32: orange   cast: grey\"];";
+    let legend = "  legend [shape=plaintext, label=\"f16: blue   bf16: green   f32: orange   cast: grey   red border: range at risk or calibrated\"];";
     writeln!(s, "{legend}").ok();
     for &n in &order {
         let node = g.node(n);
@@ -29,9 +37,13 @@ pub fn to_dot(g: &Graph) -> mpc_ir::Result<String> {
             _ => "#ffffff",
         };
         let style = if node.op.is_opaque() { "filled,dashed" } else { "filled" };
+        let (mark, border) = match marks.get(&n) {
+            Some(why) => (format!("\\n{}", esc(why)), ", color=\"#cb181d\", penwidth=3"),
+            None => (String::new(), ""),
+        };
         writeln!(
             s,
-            "  n{} [label=\"{}\\n{}\", style=\"{style}\", fillcolor=\"{fill}\"];",
+            "  n{} [label=\"{}\\n{}{mark}\", style=\"{style}\", fillcolor=\"{fill}\"{border}];",
             n.index(),
             esc(node.op.op_type()),
             esc(&node.name)

@@ -552,6 +552,20 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
                 if json {
                     serde_json::to_string_pretty(&r).map_err(|e| Error::Usage(e.to_string()))? + "\n"
+                } else if dot {
+                    // The nodes computing a value at risk, and those calibration pinned.
+                    let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
+                    let mut marks = dot_marks(&cx);
+                    for n in g.node_ids() {
+                        for &v in g.node(n).outputs() {
+                            let name = g.name(v);
+                            let name = name.strip_suffix(".f16").or(name.strip_suffix(".bf16")).unwrap_or(name);
+                            if let Some(why) = r.values.get(name).and_then(|r| r.harm(low)) {
+                                marks.entry(n).or_insert(format!("at risk: {why}"));
+                            }
+                        }
+                    }
+                    mpc::dot::to_dot_marked(&g, &marks).map_err(ierr)?
                 } else {
                     let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
                     // What the policy (without calibration) computes each value in.
@@ -588,7 +602,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     weights + p.arena_bytes
                 )
             } else if dot {
-                mpc::dot::to_dot(&g).map_err(ierr)?
+                mpc::dot::to_dot_marked(&g, &dot_marks(&cx)).map_err(ierr)?
             } else {
                 let mut out = text::to_summary(&g).map_err(ierr)?;
                 out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
@@ -631,4 +645,16 @@ fn report_auto_scale(auto: Option<(i32, f32, f64)>) {
             100.0 * lost
         );
     }
+}
+
+/// The nodes calibration keeps in FP32, with the measurement, for the DOT picture.
+fn dot_marks(cx: &mpc_passes::Context) -> std::collections::BTreeMap<mpc_ir::NodeId, String> {
+    let report = cx.report.borrow();
+    let nodes = report.iter().flat_map(|r| r.nodes.iter());
+    nodes
+        .filter_map(|(&n, (_, why))| match why {
+            mpc_passes::precision::Reason::Measured(m) => Some((n, format!("calibration: {m}"))),
+            _ => None,
+        })
+        .collect()
 }

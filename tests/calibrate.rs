@@ -143,6 +143,15 @@ fn inspect_reports_the_values_at_risk() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(text.contains("over 64 samples") && text.contains("1 at risk in f16"), "{text}");
     assert!(text.contains("`g` (computed low by the policy): max |x|"), "{text}");
+    // The DOT picture marks the square: at risk under plain mixed, pinned once calibrated.
+    let o = mpc(&["inspect", m.to_str().unwrap(), "--policy", "mixed", "--ranges", calib.to_str().unwrap(), "--dot"]);
+    let dot = String::from_utf8_lossy(&o.stdout);
+    let line = dot.lines().find(|l| l.contains("\\n/act")).unwrap_or_else(|| panic!("{dot}"));
+    assert!(line.contains("at risk: max |x|") && line.contains("penwidth=3"), "{line}");
+    let args = ["inspect", m.to_str().unwrap(), "--policy", "mixed", "--calibrate", calib.to_str().unwrap(), "--dot"];
+    let dot = String::from_utf8_lossy(&mpc(&args).stdout).into_owned();
+    let line = dot.lines().find(|l| l.contains("\\n/act")).unwrap_or_else(|| panic!("{dot}"));
+    assert!(line.contains("calibration: max |x|") && line.contains("penwidth=3"), "{line}");
     // BF16 holds the same range.
     let o = mpc(&["inspect", m.to_str().unwrap(), "--policy", "mixed-bf16", "--ranges", calib.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("0 at risk in bf16"));
