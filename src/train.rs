@@ -148,8 +148,10 @@ pub fn free_batch(g: &mut Graph) -> Option<u64> {
 }
 
 /// The first slice of `t` along its leading dim, when that dim is `b` and every slice equals it.
+/// A vector is left alone: its one dim is as likely a size of the model's own (channels, groups)
+/// as the batch.
 fn first_of_equal_slices(t: &Tensor, b: u64) -> Option<Tensor> {
-    if t.shape().first() != Some(&b) {
+    if t.shape().len() < 2 || t.shape().first() != Some(&b) {
         return None;
     }
     let bytes = t.bytes();

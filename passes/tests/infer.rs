@@ -279,3 +279,11 @@ fn scatter_reductions_are_a_closed_set() {
     let e = infer(&g("ScatterND[reduction=1]"), "y").unwrap_err();
     assert!(e.contains("`reduction` is 1 where one of none"), "{e}");
 }
+
+#[test]
+fn instance_norm_scale_and_bias_hold_one_value_per_channel() {
+    let ok = "  input %0 \"x\": f32[n,2,16]\n  init %1 \"s\" = f32[2]{1.0, 1.0}\n  init %2 \"b\" = f32[2]{0.0, 0.0}\n  %3 \"y\": ? = InstanceNormalization(%0, %1, %2)\n  output %3";
+    assert_eq!(infer(ok, "y").unwrap(), "f32[n,2,16]");
+    let bad = "  input %0 \"x\": f32[n,2,16]\n  init %1 \"s\" = f32[1]{1.0}\n  init %2 \"b\" = f32[2]{0.0, 0.0}\n  %3 \"y\": ? = InstanceNormalization(%0, %1, %2)\n  output %3";
+    assert!(infer(bad, "y").unwrap_err().contains("the scale is [1] where the input's 2 channels need [2]"));
+}

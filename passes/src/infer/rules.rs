@@ -91,7 +91,21 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![same(cx, 0)]
         }
         Op::IsNaN | Op::IsInf(_) => vec![t(Some(DType::Bool), cx.sh(0).cloned())],
-        Op::Softmax(_) | Op::LogSoftmax(_) | Op::LRN(_) | Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
+        Op::Softmax(_) | Op::LogSoftmax(_) | Op::LRN(_) | Op::GroupNormalization(_) => vec![same(cx, 0)],
+        Op::InstanceNormalization(_) => {
+            // Scale and bias hold one value per channel.
+            if let Some(x) = cx.sh(0) {
+                if x.rank() < 3 {
+                    return Err(format!("the input is {x}, not [batch, channels, spatial...]"));
+                }
+                for (i, what) in [(1, "scale"), (2, "bias")] {
+                    if let (Some(Dim::Fixed(c)), Some(s)) = (x.dims().get(1), cx.sh(i)) {
+                        if s.dims() != [Dim::Fixed(*c)] && s.as_fixed().is_some() {
+                            return Err(format!("the {what} is {s} where the input's {c} channels need [{c}]"));
+                        }
+                    }
+                }
+            }
             vec![same(cx, 0)]
         }
         Op::Clip => {

@@ -555,9 +555,19 @@ pub(crate) fn cumsum(x: &HostTensor, axis: usize, exclusive: bool, reverse: bool
 /// InstanceNormalization: per (image, channel) over the spatial dims.
 pub(crate) fn instance_norm(x: &HostTensor, scale: &HostTensor, bias: &HostTensor, eps: f32) -> Res<HostTensor> {
     let v = floats(x, "input")?;
+    if x.shape.len() < 3 {
+        return Err(err(format!("InstanceNormalization on an input of shape {:?}", x.shape)));
+    }
     let c = x.shape[1];
     let inner: usize = x.shape.iter().skip(2).product();
     let (sc, bi) = (scale.f64s(), bias.f64s());
+    if sc.len() != c || bi.len() != c {
+        return Err(err(format!(
+            "InstanceNormalization: scale and bias of {} and {} values for {c} channels",
+            sc.len(),
+            bi.len()
+        )));
+    }
     let mut out = vec![0f64; v.len()];
     for plane in 0..v.len() / inner.max(1) {
         let row = &v[plane * inner..(plane + 1) * inner];
