@@ -217,11 +217,18 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
                         .into(),
                 )
             })?;
+            let t0 = std::time::Instant::now();
             let r = ranges::measure_training(g, path, data.1, t, data.0.batch, data.0.batches)?;
             let h = r.gradient_histogram().ok_or_else(|| Error::Usage("no activation gradients to measure".into()))?;
             let k = h.auto_scale();
             let init = 2f32.powi(k).clamp(attrs.min_scale, attrs.max_scale);
-            auto_scale = Some((k, init, h.lost_at(init.log2() as i32)));
+            auto_scale = Some(mpc_passes::AutoScale {
+                exp: k,
+                init,
+                lost: h.lost_at(init.log2() as i32),
+                samples: r.samples,
+                took: t0.elapsed(),
+            });
             t.loss_scale = LossScale::Dynamic { init, attrs: attrs.clone() };
         }
     }

@@ -371,7 +371,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 println!("{line}");
             })?;
             report_ties(&trained.ties);
-            report_auto_scale(trained.auto_scale);
+            report_auto_scale(trained.auto_scale.clone());
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
                 println!("test accuracy: {:.2}%", acc * 100.0);
             }
@@ -414,7 +414,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
             report_ties(&cx.ties);
-            report_auto_scale(cx.auto_scale);
+            report_auto_scale(cx.auto_scale.clone());
             let t2 = Instant::now();
             match (output, format) {
                 (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
@@ -637,12 +637,16 @@ fn report_calibration(cx: &mpc_passes::Context) {
     }
 }
 
-/// `--loss-scale auto`: where dynamic scaling starts, and why.
-fn report_auto_scale(auto: Option<(i32, f32, f64)>) {
-    if let Some((k, init, lost)) = auto {
+/// `--loss-scale auto`: where dynamic scaling starts, why, and what measuring cost.
+fn report_auto_scale(auto: Option<mpc_passes::AutoScale>) {
+    if let Some(a) = auto {
         eprintln!(
-            "mpc: --loss-scale auto: the measured gradients call for 2^{k}; dynamic scaling starts at {init} ({:.2}% of the activation gradients below FP16's 2^-24)",
-            100.0 * lost
+            "mpc: --loss-scale auto: the gradients of one FP32 step over {} samples ({:.1} ms) call for 2^{}; dynamic scaling starts at {} ({:.2}% of the activation gradients below FP16's 2^-24)",
+            a.samples,
+            a.took.as_secs_f64() * 1e3,
+            a.exp,
+            a.init,
+            100.0 * a.lost
         );
     }
 }

@@ -79,8 +79,8 @@ pub struct Trained {
     pub stats: String,
     /// The exported copies of one weight trained as that weight.
     pub ties: Vec<mpc_passes::train::Tie>,
-    /// `--loss-scale auto`'s measurement (see [`mpc_passes::Context::auto_scale`]).
-    pub auto_scale: Option<(i32, f32, f64)>,
+    /// `--loss-scale auto`'s measurement.
+    pub auto_scale: Option<mpc_passes::AutoScale>,
 }
 
 /// Gives every graph input a symbolic leading dim `batch`, so that a model exported with a fixed

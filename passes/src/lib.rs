@@ -48,13 +48,26 @@ pub struct Context {
     /// Calibration, when it ran: its time, the samples it measured, and the values it found the
     /// low dtype breaks.
     pub calibration: Option<(std::time::Duration, usize, usize)>,
-    /// `--loss-scale auto`: the power of two the measured gradients called for, the scale dynamic
-    /// scaling starts at (within its bounds), and the share of activation gradients it loses.
-    pub auto_scale: Option<(i32, f32, f64)>,
+    /// `--loss-scale auto`'s measurement, when it ran.
+    pub auto_scale: Option<AutoScale>,
     /// What the precision pass decided, for explanations.
     pub report: RefCell<Option<precision::Report>>,
     /// Wall time of each pass and of the verification after it, for `--stats`.
     pub timings: RefCell<Vec<(&'static str, std::time::Duration, std::time::Duration)>>,
+}
+
+/// What `--loss-scale auto` measured and chose.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutoScale {
+    /// The power of two the measured gradients call for.
+    pub exp: i32,
+    /// Where dynamic scaling starts (that power, within the scaling's bounds).
+    pub init: f32,
+    /// The share of the non-zero activation gradients FP16 loses at `init`.
+    pub lost: f64,
+    /// Samples measured, and the time the FP32 forward and backward pass over them took.
+    pub samples: usize,
+    pub took: std::time::Duration,
 }
 
 /// What a pass may do to the graph. The manager verifies the whole graph (structure and types)
