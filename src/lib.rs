@@ -312,13 +312,28 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
 pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
     use std::io::Write;
     let err = |source| Error::Output { path: path.to_owned(), source };
-    if path.is_dir() {
-        return Err(err(std::io::Error::other("is a directory")));
+    // Only a regular file is replaced: not a directory, a symlink (nor what it points to), a
+    // device node or a FIFO.
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        let kind = m.file_type();
+        if !kind.is_file() {
+            let what = if kind.is_dir() {
+                "is a directory"
+            } else if kind.is_symlink() {
+                "is a symbolic link; mpc replaces only regular files"
+            } else {
+                "is not a regular file (a device or a FIFO); mpc replaces only regular files"
+            };
+            return Err(err(std::io::Error::other(what)));
+        }
     }
     let name = path.file_name().ok_or_else(|| err(std::io::Error::other("no file name")))?;
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".tmp{}", std::process::id()));
+    let mut prefix = std::ffi::OsString::from(".");
+    prefix.push(name);
+    prefix.push(".tmp");
+    remove_stale_temporaries(path, &prefix);
+    let mut tmp_name = prefix;
+    tmp_name.push(std::process::id().to_string());
     let tmp = path.with_file_name(tmp_name);
     let mut f = std::fs::File::create(&tmp).map_err(err)?;
     let result =
@@ -327,6 +342,30 @@ pub fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::fs::File) -> 
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Removes the temporary files (`prefix` + a process id) that writers of `path` killed before
+/// their rename left beside it. A file whose process still runs (on Linux, `/proc/PID` exists) is
+/// another writer's, and is left alone; elsewhere nothing is removed.
+fn remove_stale_temporaries(path: &Path, prefix: &std::ffi::OsStr) {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = prefix.to_string_lossy();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let Some(pid) = name.strip_prefix(prefix.as_ref()).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let own = pid == std::process::id();
+        if !own && !Path::new(&format!("/proc/{pid}")).exists() && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// The process's peak resident memory in bytes (Linux), for `--stats`.

@@ -312,14 +312,36 @@ fn parse_dims(dims: &[String]) -> Result<HashMap<String, u64>, Error> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and the version are output, not errors.
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        // A usage error is one line, like every other error.
+        Err(e) => {
+            // clap's message is its first paragraph; usage and tips follow.
+            let text = e.to_string();
+            let lines: Vec<&str> = text.lines().take_while(|l| !l.trim().is_empty()).map(str::trim).collect();
+            let message = lines.join(" ");
+            eprintln!("mpc: {} (see mpc --help)", one_line(message.trim_start_matches("error: ")));
+            return ExitCode::from(2);
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("mpc: {e}");
+            eprintln!("mpc: {}", one_line(&e.to_string()));
             ExitCode::from(e.exit_code() as u8)
         }
     }
+}
+
+/// `s` with its control characters escaped (`\n`, `\t`, `\u{1b}`): a name holding a newline
+/// cannot break an error into two lines.
+fn one_line(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 fn run(cli: Cli) -> Result<(), Error> {

@@ -323,3 +323,64 @@ fn index_out_of_range_is_one_line_naming_the_node() {
         assert!(!out.exists(), "{name}: an output was written");
     }
 }
+
+/// `-o` replaces only a regular file: a symlink, a FIFO or a directory is refused (one line, exit
+/// 2) and left as it was; a writer's stale temporary file beside the output is removed.
+#[test]
+fn outputs_replace_only_regular_files() {
+    let dir = scratch("output_kinds");
+    let mlp = fixture("mlp");
+    let link = dir.join("link.onnx");
+    std::os::unix::fs::symlink(dir.join("target.onnx"), &link).unwrap();
+    let fifo = dir.join("fifo.onnx");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    for (out, why) in [(&link, "is a symbolic link"), (&fifo, "is not a regular file"), (&dir, "is a directory")] {
+        let r = mpc(&["compile", mlp.to_str().unwrap(), "--emit", "onnx", "-o", out.to_str().unwrap()]);
+        let e = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{e}");
+        assert!(e.contains(why) && e.trim().lines().count() == 1, "{e}");
+    }
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert!(!dir.join("target.onnx").exists());
+    // A temporary file a killed writer left (its process is gone) goes with the next write.
+    let out = dir.join("out.onnx");
+    let stale = dir.join(".out.onnx.tmp4194303");
+    std::fs::write(&stale, b"partial").unwrap();
+    assert!(mpc(&["compile", mlp.to_str().unwrap(), "-o", out.to_str().unwrap()]).status.success());
+    assert!(out.is_file() && !stale.exists());
+}
+
+/// Usage errors are one line and exit 2, as other errors; help is output and exit 0.
+#[test]
+fn usage_errors_are_one_line() {
+    for args in [&["compile", "--bogus"][..], &["compile"], &["compile", "x.onnx", "--policy"], &["frobnicate"]] {
+        let r = mpc(args);
+        let e = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {e}");
+        assert!(e.starts_with("mpc: ") && e.trim().lines().count() == 1, "{args:?}: {e}");
+    }
+    let e = String::from_utf8_lossy(&mpc(&["compile"]).stderr).into_owned();
+    assert!(e.contains("<MODEL>"), "{e}");
+    let r = mpc(&["--help"]);
+    assert!(r.status.success() && String::from_utf8_lossy(&r.stdout).contains("Usage"));
+}
+
+/// A name holding a newline is escaped in messages: still one line.
+#[test]
+fn names_with_newlines_keep_errors_on_one_line() {
+    let dir = scratch("newline_names");
+    let mut g = mpc_ir::Graph::new("nl");
+    let ty = mpc_ir::TypeInfo::new(mpc_ir::DType::F32, mpc_ir::Shape::fixed(&[2]));
+    let x = g.add_input("x\nEVIL", ty);
+    let (_, y) = g.add_op("relu", mpc_ir::Op::Relu, &[Some(x)], 1);
+    g.add_output(y[0]);
+    let model = dir.join("nl.onnx");
+    mpc::save(&g, &model, mpc::Format::Onnx).unwrap();
+    let inputs = dir.join("in.safetensors");
+    let t = mpc_runtime::HostTensor::from_f32(mpc_ir::DType::F32, vec![2], vec![1.0, 2.0]);
+    mpc::run::write_safetensors(&inputs, &[("other".into(), t)]).unwrap();
+    let r = mpc(&["run", model.to_str().unwrap(), "--inputs", inputs.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(e.contains("x\\nEVIL") && e.trim().lines().count() == 1, "{e}");
+}

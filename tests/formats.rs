@@ -48,6 +48,28 @@ fn external_data_may_not_leave_the_model_folder() {
 }
 
 #[test]
+fn external_data_may_not_leave_the_model_folder_through_a_link() {
+    let dir = scratch("external_link");
+    let outside = scratch("external_link_outside");
+    let (path, _) = external_mlp(&dir, "link.bin");
+    std::fs::rename(dir.join("weights.bin"), outside.join("weights.bin")).unwrap();
+    std::os::unix::fs::symlink(outside.join("weights.bin"), dir.join("link.bin")).unwrap();
+    let r = mpc(&["compile", path.to_str().unwrap(), "-o", dir.join("out.onnx").to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("`link.bin` leaves the model's folder (through a link)") && e.trim().lines().count() == 1,
+        "{e}"
+    );
+    assert!(!dir.join("out.onnx").exists());
+    // A link that stays inside the folder is followed.
+    std::fs::rename(outside.join("weights.bin"), dir.join("weights.bin")).unwrap();
+    std::fs::remove_file(dir.join("link.bin")).unwrap();
+    std::os::unix::fs::symlink("weights.bin", dir.join("link.bin")).unwrap();
+    assert!(mpc::load(&path).is_ok());
+}
+
+#[test]
 fn dot_and_json_outputs() {
     let dir = scratch("dot_json");
     let src = fixture("transformer");

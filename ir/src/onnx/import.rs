@@ -252,7 +252,17 @@ fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Bytes, String> {
     if rel.is_absolute() || rel.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
         return Err(format!("external data location `{location}` leaves the model's folder"));
     }
-    let path = dir.unwrap_or(Path::new(".")).join(rel);
+    let base = dir.unwrap_or(Path::new("."));
+    let path = base.join(rel);
+    // With symlinks followed, the file must still lie inside the model's folder.
+    let (real, real_base) = (std::fs::canonicalize(&path), std::fs::canonicalize(base));
+    match (&real, &real_base) {
+        (Ok(r), Ok(b)) if !r.starts_with(b) => {
+            return Err(format!("external data location `{location}` leaves the model's folder (through a link)"))
+        }
+        (Err(e), _) => return Err(format!("external data `{location}`: {e}")),
+        _ => {}
+    }
     let parse =
         |k: &str| get(k).map(|v| v.parse::<u64>().map_err(|_| format!("bad external data {k} `{v}`"))).transpose();
     let offset = parse("offset")?.unwrap_or(0);
