@@ -297,6 +297,11 @@ pub fn train_on<D: Device>(
     }
     };
     let cx = crate::compile(&mut g, path, opts, &mut |_, _| {}).map_err(pinned)?;
+    // The bounds of dynamic loss scaling, which a resumed scale must lie within.
+    let scale_bounds = cx.train.as_ref().and_then(|t| match &t.loss_scale {
+        mpc_passes::train::LossScale::Dynamic { attrs, .. } => Some((attrs.min_scale, attrs.max_scale)),
+        _ => None,
+    });
     let (ties, auto_scale) = (cx.ties, cx.auto_scale);
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
@@ -345,16 +350,28 @@ pub fn train_on<D: Device>(
         let dir = cfg.checkpoint.as_ref().ok_or_else(|| Error::Usage("--resume needs --checkpoint DIR".into()))?;
         let file = checkpoint_file(dir);
         let saved = crate::run::read_safetensors(&file)?;
+        let bad = |what: String| Error::Usage(format!("{}: {what}", file.display()));
         for &(s, _) in &state {
-            let t = saved.get(g.name(s)).ok_or_else(|| {
-                Error::Usage(format!("{}: no tensor `{}` (a checkpoint of another model?)", file.display(), g.name(s)))
-            })?;
-            session.write_state(g.name(s), t).map_err(rerr)?;
+            let name = g.name(s);
+            let t =
+                saved.get(name).ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
+            check_state(name, t, scale.is_some_and(|v| v == s).then_some(scale_bounds).flatten()).map_err(&bad)?;
+            session.write_state(name, t).map_err(rerr)?;
         }
-        iteration =
-            saved.get("mpc.iteration").and_then(|t| t.i64s()).and_then(|v| v.first().copied()).unwrap_or(0) as usize;
+        let done =
+            saved.get("mpc.iteration").ok_or_else(|| bad("no `mpc.iteration`: not a checkpoint mpc wrote".into()))?;
+        iteration = match (done.shape.as_slice(), done.i64s().as_deref()) {
+            ([], Some(&[n])) if n >= 0 => n as usize,
+            _ => return Err(bad("`mpc.iteration` is not a count of batches (a non-negative int64 scalar)".into())),
+        };
     }
     let total = (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX));
+    if iteration >= total && cfg.resume {
+        return Err(Error::Usage(format!(
+            "the checkpoint has done {iteration} batches, and this run has {total} ({} epochs of {per_epoch}): nothing is left to train; raise --epochs",
+            cfg.epochs
+        )));
+    }
     let bar = if cfg.progress {
         let b = indicatif::ProgressBar::new(total as u64);
         b.set_style(
@@ -526,6 +543,28 @@ fn evaluate<D: Device>(
         }
     }
     Ok((correct as f64 / total.max(1) as f64, loss_sum / batches.max(1) as f64))
+}
+
+/// Checks a state tensor read from a checkpoint: finite floats; integer counters not negative
+/// (the random key `mpc.rng` may be anything); the loss scale within its bounds.
+fn check_state(name: &str, t: &HostTensor, scale_bounds: Option<(f32, f32)>) -> std::result::Result<(), String> {
+    if t.dtype().is_float() {
+        if let Some(x) = t.f64s().into_iter().find(|x| !x.is_finite()) {
+            return Err(format!("`{name}` holds {x}: a checkpoint holds only finite values"));
+        }
+        if let (Some((lo, hi)), Some(&s)) = (scale_bounds, t.f64s().first()) {
+            if s < f64::from(lo) || s > f64::from(hi) {
+                return Err(format!(
+                    "the loss scale `{name}` is {s}, outside the dynamic scaling's bounds [{lo}, {hi}]"
+                ));
+            }
+        }
+    } else if name != mpc_passes::train::RNG {
+        if let Some(x) = t.i64s().unwrap_or_default().into_iter().find(|&x| x < 0) {
+            return Err(format!("the counter `{name}` is {x}: counters are never negative"));
+        }
+    }
+    Ok(())
 }
 
 /// Writes every state value and the iteration count, atomically.

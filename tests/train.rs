@@ -744,3 +744,50 @@ end
     assert!(e.contains("exported with a fixed batch of 4") && e.contains("`/bias/Add`"), "{e}");
     assert_eq!(e.lines().count(), 1, "{e}");
 }
+
+/// A tampered checkpoint is refused on `--resume` in one line: no or a bad iteration count,
+/// nothing left to train, a non-finite or out-of-bounds loss scale, a negative counter.
+#[test]
+fn resuming_checks_the_checkpoint() {
+    let dir = scratch("resume_checks");
+    let model = fixture("digits_mlp");
+    let base = TrainConfig { checkpoint: Some(dir.clone()), max_steps: Some(3), ..digits_cfg(1) };
+    run(&model, "mixed", TrainOptions::default(), &base);
+    let file = dir.join("checkpoint.safetensors");
+    let saved = mpc::run::read_safetensors(&file).unwrap();
+    let counter = saved
+        .iter()
+        .find(|(k, t)| k.starts_with("mpc.") && *k != "mpc.rng" && *k != "mpc.iteration" && t.dtype() == DType::I64)
+        .map(|(k, _)| k.clone())
+        .expect("a step counter");
+    let scalar_f32 = |x: f32| HostTensor::from_f32(DType::F32, vec![], vec![x]);
+    let scalar_i64 = |x: i64| HostTensor::from_i64(DType::I64, vec![], vec![x]);
+    let cases: Vec<(Option<(&str, HostTensor)>, &str)> = vec![
+        (None, "no `mpc.iteration`"),
+        (Some(("mpc.iteration", scalar_i64(-3))), "`mpc.iteration` is not a count of batches"),
+        (Some(("mpc.iteration", scalar_i64(1 << 40))), "nothing is left to train"),
+        (Some(("mpc.loss_scale", scalar_f32(f32::INFINITY))), "`mpc.loss_scale` holds inf"),
+        (Some(("mpc.loss_scale", scalar_f32(1e-30))), "outside the dynamic scaling's bounds"),
+        (Some((counter.as_str(), scalar_i64(-1))), "is -1: counters are never negative"),
+    ];
+    for (change, want) in cases {
+        let mut tensors = saved.clone();
+        match &change {
+            None => {
+                tensors.remove("mpc.iteration");
+            }
+            Some((k, t)) => {
+                tensors.insert(k.to_string(), t.clone());
+            }
+        }
+        let list: Vec<(String, HostTensor)> = tensors.into_iter().collect();
+        mpc::run::write_safetensors(&file, &list).unwrap();
+        let g = mpc::load(&model).unwrap();
+        let cfg = TrainConfig { resume: true, max_steps: Some(6), ..base.clone() };
+        let err = train(&g, &model, &options("mixed", TrainOptions::default()), &cfg, &mut |_| {})
+            .err()
+            .unwrap_or_else(|| panic!("{want}: resumed"));
+        let e = err.to_string();
+        assert!(e.contains(want) && e.lines().count() == 1 && err.exit_code() == 2, "{want}: {e}");
+    }
+}
