@@ -9,13 +9,10 @@
 
 use std::collections::BTreeMap;
 
-use mpc_ir::ops::{
-    AxisAttrs, CastAttrs, ConstantOfShapeAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs,
-    TransposeAttrs,
-};
-use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, ValueId};
+use mpc_ir::ops::{AxisAttrs, CastAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs};
+use mpc_ir::{normalize_axis, DType, Graph, NodeId, Op, ValueId};
 
-use super::build::Builder;
+use super::build::{fixed, Builder};
 use super::rules;
 use crate::PassError;
 
@@ -204,20 +201,6 @@ fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<Va
         *parts = vec![d];
     }
     Some(parts[0])
-}
-
-pub(super) fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
-    match v {
-        None => Ok(None),
-        Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()) {
-            Some(x) => Ok(Some(x)),
-            None => Err(format!("{what} must be a constant to differentiate")),
-        },
-    }
-}
-
-pub(super) fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
-    d.fixed().map(|x| x as i64).ok_or_else(|| format!("{what} must have a known size to differentiate"))
 }
 
 /// Input gradients of node `n` given its output gradients (`None` for outputs nothing reads).
@@ -681,7 +664,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             for (i, &o) in node.outputs().iter().enumerate() {
                 parts.push(Some(match dys.get(i).copied().flatten() {
                     Some(d) => d,
-                    None => zeros_like(b, o)?,
+                    None => b.zeros_like(o)?,
                 }));
             }
             vec![Some(b.ops("concat", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: a.axis }), &parts, 1)[0])]
@@ -809,17 +792,4 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         }
         other => return Err(format!("op {} has no gradient rule", other.op_type())),
     })
-}
-
-/// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
-pub(super) fn full(b: &mut Builder, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
-    let value = mpc_ir::Tensor::from_f64_as(dt, vec![1], &[x]);
-    b.op(what, Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(value) })), &[s])
-}
-
-/// Zeros shaped like `v` (the gradient of an unread output).
-pub(super) fn zeros_like(b: &mut Builder, v: ValueId) -> Result<ValueId, String> {
-    let dt = b.dtype(v)?;
-    let s = b.shape_of(v);
-    Ok(full(b, "zeros", s, 0.0, dt))
 }

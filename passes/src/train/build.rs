@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use mpc_ir::ops::{CastAttrs, ReduceAttrs, TransposeAttrs};
+use mpc_ir::ops::{CastAttrs, ConstantOfShapeAttrs, ReduceAttrs, TransposeAttrs};
 use mpc_ir::{DType, Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
 
 pub(crate) struct Builder<'g> {
@@ -115,6 +115,19 @@ impl<'g> Builder<'g> {
         self.op("transpose", Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[x])
     }
 
+    /// A tensor of `dt` filled with `x`, shaped by the 1-D shape value `s`.
+    pub fn full(&mut self, what: &str, s: ValueId, x: f64, dt: DType) -> ValueId {
+        let value = Tensor::from_f64_as(dt, vec![1], &[x]);
+        self.op(what, Op::ConstantOfShape(Box::new(ConstantOfShapeAttrs { value: Some(value) })), &[s])
+    }
+
+    /// Zeros shaped like `v` (the gradient of an unread output).
+    pub fn zeros_like(&mut self, v: ValueId) -> Result<ValueId, String> {
+        let dt = self.dtype(v)?;
+        let s = self.shape_of(v);
+        Ok(self.full("zeros", s, 0.0, dt))
+    }
+
     /// `x`'s shape as a value: a constant when fully known, else a `Shape` node.
     pub fn shape_of(&mut self, x: ValueId) -> ValueId {
         match self.g.ty(x).shape.as_ref().and_then(|s| s.as_fixed()) {
@@ -149,4 +162,20 @@ impl<'g> Builder<'g> {
         }
         Ok(dy)
     }
+}
+
+/// The value of an integer operand that a rule needs as a constant (`None` when absent).
+pub(super) fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
+    match v {
+        None => Ok(None),
+        Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()) {
+            Some(x) => Ok(Some(x)),
+            None => Err(format!("{what} must be a constant to differentiate")),
+        },
+    }
+}
+
+/// A dim a rule needs as a number.
+pub(super) fn fixed(d: &Dim, what: &str) -> Result<i64, String> {
+    d.fixed().map(|x| x as i64).ok_or_else(|| format!("{what} must have a known size to differentiate"))
 }

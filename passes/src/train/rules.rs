@@ -10,8 +10,7 @@ use mpc_ir::ops::{
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Tensor, ValueId};
 
-use super::autodiff::{fixed, full, int_const, zeros_like};
-use super::build::Builder;
+use super::build::{fixed, int_const, Builder};
 
 /// Each input's gradient (`None` where none is wanted).
 type Grads = Vec<Option<ValueId>>;
@@ -184,7 +183,7 @@ pub(super) fn channel_norm(
     };
     let dscale = if want(wants, 1) {
         let s = b.shape_of(scale);
-        let (ones, zeros) = (full(b, "ones", s, 1.0, dt), full(b, "zeros", s, 0.0, dt));
+        let (ones, zeros) = (b.full("ones", s, 1.0, dt), b.full("zeros", s, 0.0, dt));
         let xh = b.op("xhat", node.op.clone(), &[x0, ones, zeros]);
         let t = b.op("mul", Op::Mul, &[dy, xh]);
         Some(b.reduce_sum(t, &shared, false))
@@ -642,7 +641,7 @@ pub(super) fn gather_nd(b: &mut Builder, node: &Node, a: &GatherNdAttrs, dy: Val
     if a.batch_dims != 0 {
         return Err("GatherND with batch_dims cannot be differentiated yet".into());
     }
-    let zeros = zeros_like(b, input(node, 0)?)?;
+    let zeros = b.zeros_like(input(node, 0)?)?;
     let add = Op::ScatterND(ScatterNdAttrs { reduction: ScatterReduction::Add });
     Ok(b.op("scatter", add, &[zeros, input(node, 1)?, dy]))
 }
@@ -667,7 +666,7 @@ pub(super) fn scatter(
     let dx = match reduction {
         _ if !want(wants, 0) => None,
         ScatterReduction::None => {
-            let zeros = zeros_like(b, input(node, 2)?)?;
+            let zeros = b.zeros_like(input(node, 2)?)?;
             Some(b.op("zero_overwritten", op.clone(), &[dy, idx, zeros]))
         }
         ScatterReduction::Add => Some(dy),
