@@ -580,8 +580,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     let mut marks = dot_marks(&cx);
                     for n in g.node_ids() {
                         for &v in g.node(n).outputs() {
-                            let name = g.name(v);
-                            let name = name.strip_suffix(".f16").or(name.strip_suffix(".bf16")).unwrap_or(name);
+                            let name = measured_name(g.name(v));
                             if let Some(why) = r.values.get(name).and_then(|r| r.harm(low)) {
                                 marks.entry(n).or_insert(format!("at risk: {why}"));
                             }
@@ -595,9 +594,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                     for (&n, (c, _)) in cx.report.borrow().iter().flat_map(|rep| rep.nodes.iter()) {
                         let what = if *c == mpc_passes::precision::Colour::Low { "low" } else { "in f32" };
                         for &v in g.node(n).outputs() {
-                            // A graph output computed low keeps its name on the cast back.
-                            let name = g.name(v);
-                            let name = name.strip_suffix(".f16").or(name.strip_suffix(".bf16")).unwrap_or(name);
+                            let name = measured_name(g.name(v));
                             colours.insert(name.to_string(), what);
                         }
                     }
@@ -683,4 +680,10 @@ fn dot_marks(cx: &mpc_passes::Context) -> std::collections::BTreeMap<mpc_ir::Nod
             _ => None,
         })
         .collect()
+}
+
+/// The name a value had when ranges were measured: a graph output computed low kept its name on
+/// the cast back, and the value itself took a `.f16`/`.bf16` suffix.
+fn measured_name(name: &str) -> &str {
+    name.strip_suffix(".f16").or(name.strip_suffix(".bf16")).unwrap_or(name)
 }

@@ -176,41 +176,13 @@ fn inspect_reports_the_values_at_risk() {
     assert!(err.contains("no tensor `x`") && err.trim().lines().count() == 1, "{err}");
 }
 
-/// The paper's failure mode (b): a loss of 1e-6 · MSE, whose activation gradients (~2e-9) lie
-/// below FP16's smallest subnormal. The histogram says so; `--loss-scale auto` picks a scale that
+/// The paper's failure mode (b), the model of `tests/train.rs`'s test of it: a loss of 1e-6 · MSE,
+/// whose activation gradients (~2e-9) lie below FP16's smallest subnormal. The histogram says so; `--loss-scale auto` picks a scale that
 /// loses none of them, and training at it skips no step after the first.
 #[test]
 fn the_gradient_histogram_finds_the_scale_that_loses_nothing() {
-    use mpc_ir::{Dim, Graph, Op, Shape, Tensor, TypeInfo};
     let dir = scratch("calibrate_gradients");
-    let mut g = Graph::new("tiny_loss");
-    let batch = Shape(vec![Dim::sym("batch"), Dim::Fixed(16)]);
-    let x = g.add_input("x", TypeInfo::new(DType::F32, batch.clone()));
-    let t = g.add_input("targets", TypeInfo::new(DType::F32, batch));
-    let w: Vec<f32> = (0..256).map(|i| ((i * 37 % 29) as f32 - 14.0) / 140.0).collect();
-    let w = g.add_initializer("w", Tensor::from_f32(vec![16, 16], &w));
-    let k = g.add_initializer("factor", Tensor::from_f32(vec![], &[1e-6]));
-    let (_, y) = g.add_op("matmul", Op::MatMul, &[Some(x), Some(w)], 1);
-    let (_, d) = g.add_op("sub", Op::Sub, &[Some(y[0]), Some(t)], 1);
-    let (_, sq) = g.add_op("square", Op::Mul, &[Some(d[0]), Some(d[0])], 1);
-    let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
-    let (_, m) = g.add_op("mean", Op::ReduceMean(attrs), &[Some(sq[0])], 1);
-    let (_, l) = g.add_op("loss", Op::Mul, &[Some(m[0]), Some(k)], 1);
-    g.add_output(l[0]);
-    let model = dir.join("tiny_loss.onnx");
-    mpc::save(&g, &model, mpc::Format::Onnx).unwrap();
-    let n = 256;
-    let xs: Vec<f32> = (0..n * 16).map(|i| (((i * 13 + 5) % 17) as f32 - 8.0) / 8.0).collect();
-    let ts: Vec<f32> = (0..n * 16).map(|i| (((i * 7 + 3) % 19) as f32 - 9.0) / 9.0).collect();
-    let data = dir.join("data.safetensors");
-    mpc::run::write_safetensors(
-        &data,
-        &[
-            ("x".into(), HostTensor::from_f32(DType::F32, vec![n, 16], xs)),
-            ("targets".into(), HostTensor::from_f32(DType::F32, vec![n, 16], ts)),
-        ],
-    )
-    .unwrap();
+    let (model, data) = common::regression(&dir, 0.0, 0.5, 256, Some(1e-6));
     let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
     let svg = dir.join("gradients.svg");
     let o = mpc(&[

@@ -10,7 +10,7 @@ use common::{fixture, scratch, settings};
 use half::f16;
 use mpc::train::{train, TrainConfig, Trained};
 use mpc::Options;
-use mpc_ir::{DType, Dim, Graph, Op, Shape, Tensor, TypeInfo};
+use mpc_ir::{DType, Graph, Op, Shape, Tensor, TypeInfo};
 use mpc_passes::train::{Optimizer, TrainOptions};
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::session::Session;
@@ -272,55 +272,6 @@ fn dropout_trains_from_the_rng_state_and_resumes_bit_for_bit() {
     assert!(acc >= 0.90, "accuracy {acc}");
 }
 
-/// y = x·W against targets x·W*, W all `w0` and W* all `target_w`, the data written to `dir`.
-/// With `loss_factor` the model computes its own loss, `factor · mean((y − t)²)`, as output `loss`.
-fn regression(dir: &Path, w0: f32, target_w: f32, n: usize, loss_factor: Option<f32>) -> (PathBuf, PathBuf) {
-    let mut g = Graph::new("regression");
-    let batch = Shape(vec![Dim::sym("batch"), Dim::Fixed(16)]);
-    let x = g.add_input("x", TypeInfo::new(DType::F32, batch.clone()));
-    let w = g.add_initializer("w", Tensor::from_f32(vec![16, 16], &vec![w0; 256]));
-    let (_, y) = g.add_op("matmul", Op::MatMul, &[Some(x), Some(w)], 1);
-    match loss_factor {
-        None => g.add_output(y[0]),
-        Some(c) => {
-            let t = g.add_input("targets", TypeInfo::new(DType::F32, batch));
-            let k = g.add_initializer("factor", Tensor::from_f32(vec![], &[c]));
-            let (_, d) = g.add_op("sub", Op::Sub, &[Some(y[0]), Some(t)], 1);
-            let (_, sq) = g.add_op("square", Op::Mul, &[Some(d[0]), Some(d[0])], 1);
-            let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
-            let (_, m) = g.add_op("mean", Op::ReduceMean(attrs), &[Some(sq[0])], 1);
-            let (_, l) = g.add_op("loss", Op::Mul, &[Some(m[0]), Some(k)], 1);
-            g.add_output(l[0]);
-        }
-    }
-    let model = dir.join("regression.onnx");
-    mpc::save(&g, &model, mpc::Format::Onnx).unwrap();
-    let mut seed = 12345u64;
-    let mut next = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (seed >> 11) as f64 / (1u64 << 53) as f64
-    };
-    let xs: Vec<f64> = (0..n * 16).map(|_| next() * 2.0 - 1.0).collect();
-    let ts: Vec<f64> = (0..n)
-        .flat_map(|r| {
-            let s: f64 = xs[r * 16..(r + 1) * 16].iter().sum::<f64>() * target_w as f64;
-            vec![s; 16]
-        })
-        .collect();
-    let data = dir.join("data.safetensors");
-    mpc::run::write_safetensors(
-        &data,
-        &[
-            ("x".into(), HostTensor::from_f64(DType::F32, vec![n, 16], xs)),
-            ("targets".into(), HostTensor::from_f64(DType::F32, vec![n, 16], ts)),
-        ],
-    )
-    .unwrap();
-    (model, data)
-}
-
 fn sgd(lr: f32) -> TrainOptions {
     TrainOptions {
         loss: mpc_passes::train::Loss::Mse,
@@ -336,7 +287,7 @@ fn failure_mode_a_fp16_weights_stall_while_masters_track_fp32() {
     // Weights at 1.0 (FP16 spacing 2^-10) with updates of about 1e-4 · w, below 2^-11 of the
     // weight: an FP16 weight rounds every update away; an FP32 master accumulates them.
     let dir = scratch("mode_a");
-    let (model, data) = regression(&dir, 1.0, 1.01, 512, None);
+    let (model, data) = common::regression(&dir, 1.0, 1.01, 512, None);
     let cfg = TrainConfig { data, epochs: 20, batch: 64, ..Default::default() };
     let mut last = HashMap::new();
     for policy in ["fp32", "mixed", "fp16"] {
@@ -365,7 +316,7 @@ fn failure_mode_b_underflow_without_loss_scaling() {
     // subnormal (2^-24 ≈ 6e-8), so without scaling every weight gradient is lost; scaled by
     // 2^16 it is about 1e-4, a normal FP16 number.
     let dir = scratch("mode_b");
-    let (model, data) = regression(&dir, 0.0, 0.5, 512, Some(1e-6));
+    let (model, data) = common::regression(&dir, 0.0, 0.5, 512, Some(1e-6));
     let own_loss = || TrainOptions { loss: mpc_passes::train::Loss::Output("loss".into()), ..sgd(5e6) };
     let grads = |policy: &str, scale: Option<mpc_passes::train::LossScale>| {
         let mut g = mpc::load(&model).unwrap();
@@ -582,7 +533,7 @@ fn clipping_bounds_the_global_gradient_norm() {
     // One SGD step with lr 1 moves the weights by exactly the (clipped) gradient: with a norm
     // cap far below the gradient's norm, the step's length is the cap.
     let dir = scratch("clip");
-    let (model, data) = regression(&dir, 0.0, 0.5, 64, None);
+    let (model, data) = common::regression(&dir, 0.0, 0.5, 64, None);
     let cfg = TrainConfig { data, epochs: 1, batch: 64, max_steps: Some(1), ..Default::default() };
     for (policy, cap) in [("fp32", 1e-3f32), ("mixed", 1e-3), ("fp32", 1e6)] {
         let t = run(&model, policy, TrainOptions { clip_norm: Some(cap), ..sgd(1.0) }, &cfg);

@@ -2,9 +2,8 @@
 //! (tests/models/zoo, made by make_zoo.py). For each export: the training step compiles (mixed),
 //! one FP32 step's gradients equal PyTorch autograd's (the expected values are committed; no
 //! Python here), and 20 mixed Adam steps on the fixed batch give a finite loss that falls.
-//!
-//! What does not train yet is listed in `KNOWN`, with the reason: an export that starts to pass
-//! fails this test until its line is removed, and one that stops passing fails it too.
+//! Every export must pass: the one the exporter made an inference model of (batch norm folded
+//! into the convolutions) trains without a comparison.
 
 mod common;
 
@@ -15,9 +14,6 @@ use common::scratch;
 use mpc::train::{train, TrainConfig};
 use mpc_passes::train::{Optimizer, TrainOptions};
 use mpc_runtime::HostTensor;
-
-/// Exports that do not train yet, by file stem, and the first error they stop at.
-const KNOWN: &[(&str, &str)] = &[];
 
 fn zoo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo")
@@ -148,14 +144,11 @@ fn every_export_trains_and_matches_torch() {
                 continue;
             }
             let result = gradients(&f, &path, &expected).and_then(|worst| Ok((worst, trains(&f, &path, &expected)?)));
-            let known = KNOWN.iter().find(|(k, _)| *k == stem);
-            match (&result, known) {
-                (Ok((worst, (first, last))), None) => {
+            match result {
+                Ok((worst, (first, last))) => {
                     println!("{stem}: gradients match torch (worst {worst:.1e}); mixed loss {first:.4} -> {last:.4}")
                 }
-                (Err(e), Some((_, why))) if e.contains(why) => println!("{stem}: known: {e}"),
-                (Ok(_), Some(_)) => unexpected.push(format!("{stem} now trains: remove it from KNOWN")),
-                (Err(e), _) => unexpected.push(format!("{stem}: {e}")),
+                Err(e) => unexpected.push(format!("{stem}: {e}")),
             }
         }
     }

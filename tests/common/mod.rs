@@ -49,3 +49,52 @@ macro_rules! per_device {
 }
 #[allow(unused_imports)]
 pub(crate) use per_device;
+
+/// y = x·W against targets x·W*, W all `w0` and W* all `target_w`, the data written to `dir`.
+/// With `loss_factor` the model computes its own loss, `factor · mean((y − t)²)`, as output `loss`.
+pub fn regression(dir: &Path, w0: f32, target_w: f32, n: usize, loss_factor: Option<f32>) -> (PathBuf, PathBuf) {
+    let mut g = mpc_ir::Graph::new("regression");
+    let batch = mpc_ir::Shape(vec![mpc_ir::Dim::sym("batch"), mpc_ir::Dim::Fixed(16)]);
+    let x = g.add_input("x", mpc_ir::TypeInfo::new(mpc_ir::DType::F32, batch.clone()));
+    let w = g.add_initializer("w", mpc_ir::Tensor::from_f32(vec![16, 16], &vec![w0; 256]));
+    let (_, y) = g.add_op("matmul", mpc_ir::Op::MatMul, &[Some(x), Some(w)], 1);
+    match loss_factor {
+        None => g.add_output(y[0]),
+        Some(c) => {
+            let t = g.add_input("targets", mpc_ir::TypeInfo::new(mpc_ir::DType::F32, batch));
+            let k = g.add_initializer("factor", mpc_ir::Tensor::from_f32(vec![], &[c]));
+            let (_, d) = g.add_op("sub", mpc_ir::Op::Sub, &[Some(y[0]), Some(t)], 1);
+            let (_, sq) = g.add_op("square", mpc_ir::Op::Mul, &[Some(d[0]), Some(d[0])], 1);
+            let attrs = mpc_ir::ops::ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
+            let (_, m) = g.add_op("mean", mpc_ir::Op::ReduceMean(attrs), &[Some(sq[0])], 1);
+            let (_, l) = g.add_op("loss", mpc_ir::Op::Mul, &[Some(m[0]), Some(k)], 1);
+            g.add_output(l[0]);
+        }
+    }
+    let model = dir.join("regression.onnx");
+    mpc::save(&g, &model, mpc::Format::Onnx).unwrap();
+    let mut seed = 12345u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let xs: Vec<f64> = (0..n * 16).map(|_| next() * 2.0 - 1.0).collect();
+    let ts: Vec<f64> = (0..n)
+        .flat_map(|r| {
+            let s: f64 = xs[r * 16..(r + 1) * 16].iter().sum::<f64>() * target_w as f64;
+            vec![s; 16]
+        })
+        .collect();
+    let data = dir.join("data.safetensors");
+    mpc::run::write_safetensors(
+        &data,
+        &[
+            ("x".into(), mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![n, 16], xs)),
+            ("targets".into(), mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![n, 16], ts)),
+        ],
+    )
+    .unwrap();
+    (model, data)
+}
