@@ -444,6 +444,71 @@ impl Op {
     }
 }
 
+impl Op {
+    /// The checks an op's attributes allow without shapes: windows and counts at least 1, pads
+    /// not negative, a perm with distinct non-negative entries, an einsum equation with one term
+    /// per input. Shape-dependent checks (axes in range, group dividing channels) are type
+    /// inference's. Readers call this for every node they build.
+    pub fn validate(&self, n_inputs: usize) -> Result<(), String> {
+        let at_least_1 = |what: &str, v: &[i64]| match v.iter().find(|&&x| x < 1) {
+            Some(x) => Err(format!("{what} {v:?} has {x}; each must be at least 1")),
+            None => Ok(()),
+        };
+        let not_negative = |what: &str, v: &[i64]| match v.iter().find(|&&x| x < 0) {
+            Some(x) => Err(format!("{what} {v:?} has {x}; each must be 0 or more")),
+            None => Ok(()),
+        };
+        let positive = |what: &str, v: i64| match v {
+            ..1 => Err(format!("{what} is {v}; it must be at least 1")),
+            _ => Ok(()),
+        };
+        match self {
+            Op::Conv(a) | Op::ConvTranspose(a) | Op::ConvGrad(a) => {
+                at_least_1("strides", &a.strides)?;
+                at_least_1("dilations", &a.dilations)?;
+                at_least_1("kernel_shape", &a.kernel_shape)?;
+                positive("group", a.group)?;
+                not_negative("pads", &a.pads)?;
+                not_negative("output_padding", &a.output_padding)?;
+                not_negative("output_shape", &a.output_shape)?;
+            }
+            Op::MaxPool(a) | Op::AveragePool(a) | Op::MaxPoolGrad(a) | Op::AveragePoolGrad(a) => {
+                at_least_1("strides", &a.strides)?;
+                at_least_1("dilations", &a.dilations)?;
+                at_least_1("kernel_shape", &a.kernel_shape)?;
+                not_negative("pads", &a.pads)?;
+            }
+            Op::LRN(a) => positive("size", a.size)?,
+            Op::GroupNormalization(a) => positive("num_groups", a.num_groups)?,
+            Op::Split(a) => a.num_outputs.map_or(Ok(()), |n| positive("num_outputs", n))?,
+            Op::GatherND(a) if a.batch_dims < 0 => {
+                return Err(format!("batch_dims is {}; it must be 0 or more", a.batch_dims))
+            }
+            Op::Transpose(TransposeAttrs { perm: Some(perm) }) => {
+                not_negative("perm", perm)?;
+                if (1..perm.len()).any(|i| perm[..i].contains(&perm[i])) {
+                    return Err(format!("perm {perm:?} repeats an axis"));
+                }
+            }
+            Op::Einsum(a) => {
+                let lhs = a.equation.split("->").next().unwrap_or("");
+                let terms = lhs.split(',').count();
+                if terms != n_inputs {
+                    return Err(format!(
+                        "equation `{}` has {terms} operands but the node {n_inputs} inputs",
+                        a.equation
+                    ));
+                }
+                if let Some(c) = a.equation.chars().find(|c| !(c.is_ascii_alphabetic() || " ,.->".contains(*c))) {
+                    return Err(format!("equation `{}` has `{c}`, which is not a label", a.equation));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
 impl ConvAttrs {
     /// The window of this Conv or ConvTranspose over `kernel` (the weight's spatial dims when the
     /// attribute does not give them).

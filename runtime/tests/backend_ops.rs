@@ -144,7 +144,7 @@ pub fn gather_nd_slices_elements_and_batch_dims<D: Device>(b: impl Fn() -> D) {
     let y = run(b(), batched, vec![("x", x8)]);
     assert_eq!(y[0].shape, vec![2, 2]);
     assert_eq!(y[0].f64s(), vec![2., 3., 4., 5.]);
-    let ints = "  input %0 \"x\": i64[2,2,2]\n  init %1 \"i\" = i32[2,1,2]{0, 1, 1, -2}\n  %2 \"y\": i64[2,1] = GatherND[batch_dims=1](%0, %1)\n  output %2";
+    let ints = "  input %0 \"x\": i64[2,2,2]\n  init %1 \"i\" = i64[2,1,2]{0, 1, 1, -2}\n  %2 \"y\": i64[2,1] = GatherND[batch_dims=1](%0, %1)\n  output %2";
     let y = run(b(), ints, vec![("x", HostTensor::from_i64(DType::I64, vec![2, 2, 2], (0..8).collect()))]);
     assert_eq!(y[0].dtype(), DType::I64);
     assert_eq!(y[0].i64s(), Some(vec![1, 6]));

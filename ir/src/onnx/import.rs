@@ -14,8 +14,8 @@ use std::path::Path;
 use bytes::Bytes;
 use prost::Message;
 
-use super::legacy;
 use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
+use super::{legacy, schema};
 use crate::error::{invalid, IrError, Result};
 use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
 use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
@@ -53,13 +53,15 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
         graph_metadata_props: graph.metadata_props.iter().map(|e| (e.key.clone(), e.value.clone())).collect(),
         functions: model.functions,
     };
-    Importer { g: Graph::new(graph.name.clone()), dir, opset: 0 }.run(graph, meta)
+    Importer { g: Graph::new(graph.name.clone()), dir, opset: 0, main: true }.run(graph, meta)
 }
 
 struct Importer<'a> {
     g: Graph,
     dir: Option<&'a Path>,
     opset: i64,
+    /// The model's graph, not a subgraph: its inputs must say their element type.
+    main: bool,
 }
 
 impl Importer<'_> {
@@ -90,6 +92,9 @@ impl Importer<'_> {
                 continue;
             }
             let ty = value_type(vi, true)?;
+            if self.main && ty.dtype.is_none() {
+                return Err(invalid(format!("input `{}` has no element type", vi.name)));
+            }
             self.g.add_input(&vi.name, ty);
         }
         let mut known: HashMap<&str, &ValueInfoProto> = HashMap::new();
@@ -132,6 +137,8 @@ impl Importer<'_> {
                     .ok_or_else(|| crate::GraphError::Undefined { node: node_label.clone(), value: i.clone() })?;
                 inputs.push(Some(v));
             }
+            self.check_schema(&n, &inputs).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            self.check_bodies(&n).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             let attrs = n.attribute.into_iter().map(attr).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
@@ -148,6 +155,69 @@ impl Importer<'_> {
         self.g.check_structure()?;
         self.g.train = crate::TrainSignature::take_from_metadata(&mut self.g)?;
         Ok(self.g)
+    }
+
+    /// Checks a standard-domain node against its op's signature at the model's opset (see
+    /// [`super::schema`]); nodes of other domains are the business of whoever defines them.
+    fn check_schema(&self, n: &proto::NodeProto, inputs: &[Option<ValueId>]) -> Result<(), String> {
+        let mut kinds = Vec::with_capacity(n.attribute.len());
+        for a in &n.attribute {
+            if !a.ref_attr_name.is_empty() {
+                return Err(format!("attribute `{}` refers to a function's attribute outside a function", a.name));
+            }
+            let kind = schema::attr_kind(a.r#type)
+                .ok_or_else(|| format!("attribute `{}` has no valid type (code {})", a.name, a.r#type))?;
+            if kinds.iter().any(|&(name, _)| name == a.name.as_str()) {
+                return Err(format!("attribute `{}` is given twice", a.name));
+            }
+            kinds.push((a.name.as_str(), kind));
+        }
+        if !(n.domain.is_empty() || n.domain == "ai.onnx") {
+            return Ok(());
+        }
+        let s = match schema::lookup(&n.op_type, self.opset) {
+            schema::Lookup::Found(s) => s,
+            schema::Lookup::NotYet { first } => {
+                return Err(format!(
+                    "{} is an op of opset {first} and later; the model imports opset {}",
+                    n.op_type, self.opset
+                ))
+            }
+            schema::Lookup::Unknown => return Err(format!("no op `{}` in the ai.onnx domain", n.op_type)),
+        };
+        let ins: Vec<(bool, Option<DType>)> =
+            inputs.iter().map(|v| (v.is_some(), v.and_then(|v| self.g.ty(v).dtype))).collect();
+        let outs: Vec<bool> = n.output.iter().map(|o| !o.is_empty()).collect();
+        s.check(&schema::NodeSig { inputs: &ins, outputs: &outs, attrs: &kinds })
+    }
+
+    /// Imports every subgraph of the node (If branches, Loop and Scan bodies) on its own, its
+    /// outer reads resolved against this graph: a body with an undefined read, a malformed node
+    /// or bytes that do not decode is refused here, not copied into an output.
+    fn check_bodies(&self, n: &proto::NodeProto) -> Result<(), String> {
+        for a in &n.attribute {
+            for body in a.g.iter().chain(&a.graphs) {
+                let sub = proto::GraphProto::decode(body.clone())
+                    .map_err(|e| format!("attribute `{}` is not a valid graph: {e}", a.name))?;
+                let mut free = Vec::new();
+                free_names(&sub, &mut HashSet::new(), &mut free);
+                let mut captured = Vec::new();
+                for name in free {
+                    let v = self
+                        .g
+                        .find(&name)
+                        .ok_or_else(|| format!("attribute `{}` reads `{name}`, which is not defined", a.name))?;
+                    if !captured.contains(&v) {
+                        captured.push(v);
+                    }
+                }
+                let single =
+                    proto::AttributeProto { name: a.name.clone(), g: Some(body.clone()), ..Default::default() };
+                decode_subgraph(&Bytes::from(single.encode_to_vec()), &self.g, &captured)
+                    .map_err(|e| format!("attribute `{}`: {e}", a.name))?;
+            }
+        }
+        Ok(())
     }
 
     /// Builds one node in its internal form.
@@ -186,6 +256,7 @@ impl Importer<'_> {
         } else {
             opaque(attrs, &self.g, &mut inputs)
         };
+        op.validate(inputs.len())?;
         self.g.add_node(name, op, inputs, outputs);
         Ok(())
     }
@@ -412,5 +483,5 @@ pub fn decode_subgraph(attr: &Bytes, outer: &Graph, captures: &[ValueId]) -> Res
         });
     }
     let meta = ModelMeta { ir_version: outer.meta.ir_version, opsets: outer.meta.opsets.clone(), ..Default::default() };
-    Importer { g: Graph::new(sub.name.clone()), dir: None, opset: 0 }.run(sub, meta)
+    Importer { g: Graph::new(sub.name.clone()), dir: None, opset: 0, main: false }.run(sub, meta)
 }

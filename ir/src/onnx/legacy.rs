@@ -173,8 +173,11 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
         "GroupNormalization" if v < 21 => return Ok(None),
         _ => op_type,
     };
+    // The attributes passed the op's schema: one the internal form does not model keeps the node
+    // opaque; a value the internal form cannot take (a boolean of 2, an unknown mode) is an error.
     match Op::from_attrs(op_type, attrs) {
         Some(Ok(op)) => Ok(Some(op)),
+        Some(Err(e)) if !e.starts_with("unknown attribute") => Err(e),
         _ => Ok(None),
     }
 }

@@ -409,6 +409,13 @@ impl<'a> Parser<'a> {
                 None => return Err(format!("unknown op `{op_type}` (opaque ops are written `domain::{op_type}`)")),
             },
         };
+        let sig: Vec<(bool, Option<DType>)> =
+            inputs.iter().map(|v| (v.is_some(), v.and_then(|v| self.g.ty(v).dtype))).collect();
+        let checked = crate::onnx::schema::check_op(&op, self.g.meta.onnx_opset(), &sig, &vec![true; outs.len()]);
+        checked.and_then(|()| op.validate(inputs.len())).map_err(|e| match name.is_empty() {
+            true => e,
+            false => format!("node `{name}` ({}): {e}", op.op_type()),
+        })?;
         let mut out_ids = Vec::with_capacity(outs.len());
         for (id, vname, ty) in &outs {
             let v = self.g.new_value(vname, ty.clone());

@@ -109,6 +109,9 @@ pub(super) fn unsqueeze(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let mut axes: Vec<usize> =
         axes.iter().map(|&a| normalize_axis(a, r).ok_or(format!("axis {a} out of range"))).collect::<Result<_, _>>()?;
     axes.sort();
+    if axes.windows(2).any(|w| w[0] == w[1]) {
+        return Err(format!("axes {:?} repeat an axis", cx.ints(1).unwrap_or_default()));
+    }
     let mut src = x.0.iter();
     Ok(Some(Shape(
         (0..r)
@@ -229,7 +232,13 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let mut out = x.0.clone();
     for (i, &a) in axes.iter().enumerate() {
         out[a] = match x.0[a].fixed() {
-            Some(n) => Dim::Fixed((n as i64 + pads[i] + pads[i + axes.len()]).max(0) as u64),
+            Some(n) => {
+                let (b, e) = (pads[i], pads[i + axes.len()]);
+                match i64::try_from(n).ok().and_then(|n| n.checked_add(b)?.checked_add(e)) {
+                    Some(m) if m >= 0 => Dim::Fixed(m as u64),
+                    _ => return Err(format!("pads {b} and {e} on axis {a} of size {n} leave no valid size")),
+                }
+            }
             None if pads[i] == 0 && pads[i + axes.len()] == 0 => x.0[a].clone(),
             None => Dim::Unknown,
         };
@@ -273,10 +282,10 @@ pub(super) fn resize(cx: &NodeCx) -> Option<Shape> {
 }
 
 /// Einsum without ellipsis: output dims looked up by letter.
-pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
+pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Result<Option<Shape>, String> {
     let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
     if eq.contains("...") {
-        return None;
+        return Ok(None);
     }
     let (lhs, rhs) = match eq.split_once("->") {
         Some((l, r)) => (l.to_string(), r.to_string()),
@@ -288,18 +297,28 @@ pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Option<Shape> {
             (l, once)
         }
     };
+    if let Some(c) = rhs.chars().find(|&c| !lhs.contains(c)) {
+        return Err(format!("`{eq}`: output label `{c}` is in no operand"));
+    }
+    if let Some(c) = rhs.chars().find(|&c| rhs.matches(c).count() > 1) {
+        return Err(format!("`{eq}`: output label `{c}` appears twice"));
+    }
     let mut dims: std::collections::HashMap<char, Dim> = Default::default();
     for (i, term) in lhs.split(',').enumerate() {
-        let s = cx.sh(i)?;
+        let Some(s) = cx.sh(i) else { return Ok(None) };
         if s.rank() != term.len() {
-            return None;
+            return Err(format!("`{eq}`: operand {i} has {} labels but rank {}", term.len(), s.rank()));
         }
         for (c, d) in term.chars().zip(&s.0) {
             let e = dims.entry(c).or_insert(d.clone());
-            if e.fixed().is_none() || e.fixed() == Some(1) {
-                *e = d.clone();
+            match (e.fixed(), d.fixed()) {
+                (None | Some(1), _) => *e = d.clone(),
+                (Some(a), Some(b)) if a != b && b != 1 => {
+                    return Err(format!("`{eq}`: label `{c}` is {a} in one operand and {b} in operand {i}"))
+                }
+                _ => {}
             }
         }
     }
-    Some(Shape(rhs.chars().map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown)).collect()))
+    Ok(Some(Shape(rhs.chars().map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown)).collect())))
 }

@@ -291,13 +291,22 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::Tile => {
+            if let Some(k) = cx.ints(1).and_then(|r| r.into_iter().find(|&k| k < 0)) {
+                return Err(format!("repeats has {k}; each must be 0 or more"));
+            }
             let shape = match (cx.sh(0), cx.ints(1)) {
                 (Some(s), Some(r)) if r.len() == s.rank() => Some(Shape(
                     s.0.iter()
                         .zip(&r)
-                        .map(|(d, &k)| d.fixed().map_or(Dim::Unknown, |d| Dim::Fixed(d * k as u64)))
-                        .collect(),
+                        .map(|(d, &k)| match d.fixed() {
+                            Some(d) => {
+                                d.checked_mul(k as u64).map(Dim::Fixed).ok_or_else(|| format!("{d} × {k} overflows"))
+                            }
+                            None => Ok(Dim::Unknown),
+                        })
+                        .collect::<Result<_, _>>()?,
                 )),
+                (Some(s), Some(r)) => return Err(format!("{} repeats for rank {}", r.len(), s.rank())),
                 (Some(s), _) => Some(Shape(vec![Dim::Unknown; s.rank()])),
                 _ => None,
             };
@@ -308,6 +317,9 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         Op::Constant(a) => vec![t(Some(a.value.dtype()), Some(Shape::fixed(a.value.shape())))],
         Op::ConstantOfShape(a) => {
             let dtype = a.value.as_ref().map_or(DType::F32, |v| v.dtype());
+            if let Some(d) = cx.ints(0).and_then(|s| s.into_iter().find(|&d| d < 0)) {
+                return Err(format!("the shape has {d}; each dim must be 0 or more"));
+            }
             let shape = match cx.known(0) {
                 Some(k) => Some(Shape(k.elems.iter().map(|e| e.dim()).collect())),
                 None => vector_len(cx, 0).map(|n| Shape(vec![Dim::Unknown; n])),
@@ -343,7 +355,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             };
             vec![t(d, Some(Shape(vec![n])))]
         }
-        Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation))],
+        Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation)?)],
         Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
             let loss_shape =
                 if a.reduction == mpc_ir::ops::Reduction::None { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
