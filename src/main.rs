@@ -64,6 +64,11 @@ struct Common {
     calibrate_batches: usize,
     #[arg(long, value_name = "N", default_value_t = 32)]
     calibrate_batch: usize,
+    /// The most memory one lowered program may hold (activations, weights, training state), as
+    /// bytes or with a K, M, G or T suffix (powers of 1024); the default is the machine's memory.
+    /// A larger program is refused before anything is allocated.
+    #[arg(long, value_name = "SIZE")]
+    max_memory: Option<String>,
 }
 
 impl Common {
@@ -344,7 +349,37 @@ fn one_line(s: &str) -> String {
     s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
+/// `--max-memory`'s value: bytes, or a count of K, M, G or T (powers of 1024, an optional `iB` or
+/// `B` after the letter).
+fn parse_size(text: &str) -> Result<u64, Error> {
+    let t = text.trim();
+    let t = t.strip_suffix("iB").or_else(|| t.strip_suffix('B')).unwrap_or(t);
+    let (digits, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| Error::Usage(format!("--max-memory `{text}`: expected a size such as 512M or 16G")))
+}
+
 fn run(cli: Cli) -> Result<(), Error> {
+    let common = match &cli.command {
+        Command::Compile { common, .. }
+        | Command::Train { common, .. }
+        | Command::Inspect { common, .. }
+        | Command::Run { common, .. } => Some(common),
+        Command::Devices => None,
+    };
+    if let Some(size) = common.and_then(|c| c.max_memory.as_deref()) {
+        mpc_runtime::device::set_memory_limit(parse_size(size)?);
+    }
     match cli.command {
         Command::Train {
             common,

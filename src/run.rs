@@ -114,9 +114,14 @@ pub fn random_inputs(g: &Graph, seed: u64, dims: &HashMap<String, u64>) -> Resul
         let n = shape
             .iter()
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-            .filter(|&b| b as u64 <= mpc_runtime::program::MAX_TENSOR_BYTES)
+            .filter(|&b| b as u64 <= mpc_runtime::program::MAX_TENSOR_BYTES.min(mpc_runtime::device::memory_limit()))
             .map(|b| b / dtype.size())
-            .ok_or_else(|| Error::Usage(format!("input `{name}`: {dtype}{shape:?} is too large to fill")))?;
+            .ok_or_else(|| {
+                Error::Usage(format!(
+                    "input `{name}`: {dtype}{shape:?} is more than the {} bytes a program may hold (--max-memory)",
+                    mpc_runtime::device::memory_limit()
+                ))
+            })?;
         let t = if dtype.is_float() {
             // Box-Muller.
             let vals: Vec<f64> = (0..n)

@@ -198,8 +198,49 @@ fn tensors_too_large_to_address_are_refused() {
         let err = String::from_utf8_lossy(&r.stderr);
         assert_eq!(r.status.code(), Some(2), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
-        assert!(err.contains("`x`") && err.contains("too large") || err.contains("does not address"), "{err}");
+        assert!(err.contains("`x`") && (err.contains("more than the") || err.contains("does not address")), "{err}");
     }
+}
+
+/// A program larger than the memory limit (the machine's memory, or `--max-memory`) is refused
+/// when lowering, before anything is allocated: one line with its size, exit 2.
+#[test]
+fn programs_over_the_memory_limit_are_refused() {
+    let dir = scratch("memory_limit");
+    let model = dir.join("relu.mpcir");
+    let body = "  input %0 \"x\": f32[batch,1024]\n  %1 \"y\": ? = Relu(%0) @\"r\"\n  output %1\n";
+    std::fs::write(&model, format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n{body}end\n")).unwrap();
+    let m = model.to_str().unwrap();
+    let out = dir.join("out.safetensors");
+    let o = out.to_str().unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        // 2^41 bytes: under what mpc addresses, over any CI machine's memory.
+        (&["run", m, "--random-inputs", "1", "--dim", "batch=536870912"], "more than the"),
+        (
+            &["run", m, "--random-inputs", "1", "--dim", "batch=1024", "--max-memory", "4M"],
+            "the program needs 8388608 bytes",
+        ),
+        (
+            &["inspect", m, "--memory", "--dim", "batch=1024", "--max-memory", "1M"],
+            "`x` is f32[1024,1024]: 4194304 bytes",
+        ),
+        (&["run", m, "--random-inputs", "1", "--max-memory", "4X"], "--max-memory `4X`"),
+        (&["run", m, "--random-inputs", "1", "--max-memory", "0"], "--max-memory `0`"),
+    ];
+    for (args, expect) in cases {
+        let mut args = args.to_vec();
+        args.extend(["-o", o]);
+        if args[0] == "inspect" {
+            args.truncate(args.len() - 2);
+        }
+        let r = mpc(&args);
+        let e = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {e}");
+        assert!(e.contains(expect) && e.trim().lines().count() == 1, "{args:?}: expected `{expect}` in {e}");
+        assert!(!out.exists(), "{args:?}: an output was written");
+    }
+    let r = mpc(&["run", m, "--random-inputs", "1", "--dim", "batch=1024", "--max-memory", "64M", "-o", o]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
 }
 
 /// An index out of range in GatherND, ScatterND or ScatterElements stops `mpc run` with one line

@@ -92,6 +92,30 @@ pub trait Device {
     fn counters(&self) -> DeviceCounters;
 }
 
+/// The process's limit on the bytes one program may hold (0: none set).
+static MEMORY_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the most bytes a program may hold on any device this process opens (`--max-memory`).
+pub fn set_memory_limit(bytes: u64) {
+    MEMORY_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The limit [`set_memory_limit`] set, or else the machine's memory (`MemTotal` of
+/// /proc/meminfo; no limit where that cannot be read).
+pub fn memory_limit() -> u64 {
+    match MEMORY_LIMIT.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => host_memory().unwrap_or(u64::MAX),
+        n => n,
+    }
+}
+
+fn host_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// Host memory aligned to 64 bytes.
 pub struct CpuMemory {
     buf: Vec<u8>,
@@ -235,7 +259,7 @@ impl Device for CpuDevice {
     type Memory = CpuMemory;
 
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { name: "cpu", align: 64 }
+        DeviceCaps { name: "cpu", align: 64, memory: memory_limit() }
     }
 
     fn prepare(&mut self, program: &Program, regions: &mut Regions<CpuMemory>) -> Result<(), RuntimeError> {

@@ -65,6 +65,9 @@ pub enum RuntimeError {
     UnknownShape(String),
     #[error("{0}")]
     Graph(String),
+    /// A value or program larger than the device may hold (`--max-memory`).
+    #[error("{0} (--max-memory sets the limit)")]
+    TooLarge(String),
     /// An invariant of mpc itself failed.
     #[error("internal error: {0}")]
     Internal(String),

@@ -150,6 +150,9 @@ pub struct DeviceCaps {
     pub name: &'static str,
     /// Alignment of every buffer, in bytes.
     pub align: u64,
+    /// The most bytes a program may hold on the device (arena, state and constants together):
+    /// a program over it is refused when lowering, before anything is allocated.
+    pub memory: u64,
 }
 
 /// A lowered graph: the launches of one step over a fixed memory layout.
@@ -277,12 +280,23 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         // Every size below is computed from these: one that does not fit in memory's addresses
         // is refused here, not wrapped.
         let bytes = dims.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64));
-        if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
-            return Err(RuntimeError::Graph(format!(
-                "`{}` is {dtype}{shape}: more than {} bytes, which mpc does not address",
-                g.name(v),
-                MAX_TENSOR_BYTES
-            )));
+        match bytes {
+            Some(b) if b <= MAX_TENSOR_BYTES && b <= caps.memory => {}
+            Some(b) if b <= MAX_TENSOR_BYTES => {
+                return Err(RuntimeError::TooLarge(format!(
+                    "`{}` is {dtype}{shape}: {b} bytes, more than the {} bytes the {} device may hold",
+                    g.name(v),
+                    caps.memory,
+                    caps.name
+                )))
+            }
+            _ => {
+                return Err(RuntimeError::Graph(format!(
+                    "`{}` is {dtype}{shape}: more than {} bytes, which mpc does not address",
+                    g.name(v),
+                    MAX_TENSOR_BYTES
+                )))
+            }
         }
         Ok((dtype, dims))
     };
@@ -596,6 +610,14 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         .iter()
         .map(|&(s, n)| Ok(StateSlot { name: g.name(s).to_string(), slot: place(s, &refs)?, next: place(n, &refs)? }))
         .collect::<Result<Vec<_>, RuntimeError>>()?;
+    let total = arena_bytes.saturating_add(constants_bytes).saturating_add(state_layout.bytes);
+    if nested.is_none() && total > caps.memory {
+        return Err(RuntimeError::TooLarge(format!(
+            "the program needs {total} bytes (activations {arena_bytes}, state {}, constants {constants_bytes}), \
+             more than the {} bytes the {} device may hold",
+            state_layout.bytes, caps.memory, caps.name
+        )));
+    }
     Ok(Program {
         align: caps.align,
         arena_bytes,
