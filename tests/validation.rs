@@ -110,6 +110,15 @@ fn inputs_must_say_their_element_type() {
     rejects(&d, &write(&d, "elem0.onnx", &m.encode_to_vec()), "input `x` has no element type");
 }
 
+#[test]
+fn outputs_are_listed_once() {
+    let d = scratch("validation_outputs");
+    let mut m = ModelProto::decode(model(vec![node("Relu", &["x"], &["y"])], vec![]).as_slice()).unwrap();
+    let g = m.graph.as_mut().unwrap();
+    g.output.push(g.output[0].clone());
+    rejects(&d, &write(&d, "twice.onnx", &m.encode_to_vec()), "graph output `y` is listed more than once");
+}
+
 /// An If whose `then_branch` holds `body` (its `else_branch` a valid one).
 fn if_model(then_branch: Vec<u8>) -> Vec<u8> {
     let branch = |g: Vec<u8>, name: &str| AttributeProto {

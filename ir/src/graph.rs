@@ -204,6 +204,8 @@ pub enum GraphError {
     Redefined(String),
     #[error("graph output `{0}` is not defined")]
     UndefinedOutput(String),
+    #[error("graph output `{0}` is listed more than once")]
+    OutputTwice(String),
 }
 
 /// A computation graph.
@@ -375,6 +377,14 @@ impl Graph {
     }
     pub fn add_output(&mut self, v: ValueId) {
         self.outputs.push(v);
+    }
+    /// [`Graph::add_output`] for readers: an output listed twice is an error.
+    pub fn add_new_output(&mut self, v: ValueId) -> Result<(), GraphError> {
+        if self.is_output(v) {
+            return Err(GraphError::OutputTwice(self.name(v).to_string()));
+        }
+        self.outputs.push(v);
+        Ok(())
     }
     pub fn set_outputs(&mut self, outs: Vec<ValueId>) {
         self.outputs = outs;

@@ -150,7 +150,7 @@ impl Importer<'_> {
             if self.g.ty(v).dtype.is_none() || self.g.ty(v).shape.is_none() {
                 self.g.set_ty(v, declared_ty);
             }
-            self.g.add_output(v);
+            self.g.add_new_output(v)?;
         }
         self.g.check_structure()?;
         self.g.train = crate::TrainSignature::take_from_metadata(&mut self.g)?;

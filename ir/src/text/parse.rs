@@ -295,7 +295,7 @@ impl<'a> Parser<'a> {
                     l.pos += 1;
                     loop {
                         let v = self.use_value(value_tok(l)?)?;
-                        self.g.add_output(v);
+                        self.g.add_new_output(v).map_err(|e| e.to_string())?;
                         if !l.eat(',') {
                             return Ok(());
                         }
