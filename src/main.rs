@@ -534,7 +534,8 @@ fn run(cli: Cli) -> Result<(), Error> {
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let feeds = match (inputs, random_inputs) {
                 (Some(p), _) => mpc::run::read_safetensors(&p)?,
-                (None, Some(seed)) => mpc::run::random_inputs(&g, seed, &opts.dims)?,
+                (None, Some(seed)) => mpc::run::random_inputs(&g, seed, &opts.dims)
+                    .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?,
                 (None, None) => {
                     return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()))
                 }

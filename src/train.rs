@@ -306,8 +306,12 @@ pub fn train_on<D: Device>(
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
     let state = sig.state;
-    let loss = sig.loss.ok_or_else(|| Error::Usage("no loss in the training graph".into()))?;
-    let skipped = sig.skipped.ok_or_else(|| Error::Usage("no step flag in the training graph".into()))?;
+    let missing = |what: &str| Error::Run {
+        path: path.to_owned(),
+        source: mpc_runtime::RuntimeError::Internal(format!("the training graph has no {what}")),
+    };
+    let loss = sig.loss.ok_or_else(|| missing("loss"))?;
+    let skipped = sig.skipped.ok_or_else(|| missing("step flag"))?;
     let scale = sig.loss_scale;
 
     let data = crate::run::read_safetensors(&cfg.data)?;
@@ -368,7 +372,8 @@ pub fn train_on<D: Device>(
     let total = (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX));
     if iteration >= total && cfg.resume {
         return Err(Error::Usage(format!(
-            "the checkpoint has done {iteration} batches, and this run has {total} ({} epochs of {per_epoch}): nothing is left to train; raise --epochs",
+            "{}: the checkpoint has done {iteration} batches, and this run has {total} ({} epochs of {per_epoch}): nothing is left to train; raise --epochs",
+            cfg.checkpoint.as_ref().map_or(Path::new("").into(), |d| checkpoint_file(d)).display(),
             cfg.epochs
         )));
     }

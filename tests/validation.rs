@@ -214,8 +214,24 @@ fn attribute_and_operand_values_are_checked_before_running() {
             "operand 0 has 3 labels but rank 2",
         ),
     ];
+    // Ranks and operand shapes the kernels rely on (each of these once panicked or ran on garbage).
+    let x = |shape: &str, rest: &str| format!("input %0 \"x\": f32[{shape}]\n  {rest}");
+    let ranks = [
+        ("convt_rank0", x("", "init %1 \"w\" = f32[1,1,1]{1}\n  %2 \"y\": ? = ConvTranspose(%0, %1) @\"n\""), "must have one rank, 3 or more"),
+        ("convt_group", x("2,3,4", "init %1 \"w\" = f32[3,1,2]{1,1,1,1,1,1}\n  %2 \"y\": ? = ConvTranspose[group=2](%0, %1) @\"n\""), "input has 3 channels"),
+        ("convt_outpad", x("1,2,4", "init %1 \"w\" = f32[2,1,2]{1,1,1,1}\n  %2 \"y\": ? = ConvTranspose[output_padding=[5], strides=[2]](%0, %1) @\"n\""), "output_padding 5 must be less"),
+        ("conv_bias", x("1,2,4", "init %1 \"w\" = f32[1,2,1]{1,1}\n  init %3 \"b\" = f32[2]{1,1}\n  %2 \"y\": ? = Conv(%0, %1, %3) @\"n\""), "bias [2] is not [1]"),
+        ("layernorm", x("2,3", "init %1 \"s\" = f32[2]{1,1}\n  %2 \"y\": ? = LayerNormalization[axis=0](%0, %1) @\"n\""), "input 1 is [2], not the 6 values"),
+        ("sce_targets", x("2,3", "init %1 \"l\" = i64[2,3]{0,1,2,0,1,2}\n  %2 \"y\": ? = SoftmaxCrossEntropyLoss(%0, %1) @\"n\""), "the targets [2,3] do not match"),
+        ("sce_rank1", x("2", "init %1 \"l\" = i64[2]{0,1}\n  %2 \"y\": ? = SoftmaxCrossEntropyLoss(%0, %1) @\"n\""), "need rank 2 or more"),
+        ("pool_pads", x("1,2,4", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = MaxPool[kernel_shape=[2], pads=[5, 5]](%0) @\"n\""), "must each be less than the kernel"),
+        ("resize_sizes", x("2,3", "init %1 \"s\" = i64[2]{1,-2}\n  %2 \"y\": ? = Resize(%0, _, _, %1) @\"n\""), "sizes has -2"),
+        ("resize_scales", x("2,3", "init %1 \"s\" = f32[2]{1,-2}\n  %2 \"y\": ? = Resize(%0, _, %1) @\"n\""), "scales has -2"),
+        ("argmax_empty", x("0,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ArgMax(%0) @\"n\""), "is empty: there is no index"),
+    ];
+    let cases = cases.map(|(n, body, e)| (n, x("2,3", body), e)).into_iter().chain(ranks);
     for (name, body, expect) in cases {
-        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  input %0 \"x\": f32[2,3]\n  {body}\n  output %2\nend\n");
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  {body}\n  output %2\nend\n");
         let model = write(&d, &format!("{name}.mpcir"), text.as_bytes());
         let out = d.join(format!("{name}.out.safetensors"));
         let r = mpc(&["run", model.to_str().unwrap(), "--random-inputs", "1", "-o", out.to_str().unwrap()]);

@@ -247,37 +247,48 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
 }
 
 /// Resize: `sizes` or `scales` give the dims of the axes they name (all, or the `axes` attribute's).
-pub(super) fn resize(cx: &NodeCx) -> Option<Shape> {
-    let x = cx.sh(0)?;
-    let unknown = Shape(vec![Dim::Unknown; x.rank()]);
+pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    let Some(x) = cx.sh(0) else { return Ok(None) };
     let axes: Vec<usize> = match &cx.g.node(cx.n).op {
-        Op::Resize(a) if !a.axes.is_empty() => {
-            match a.axes.iter().map(|&d| normalize_axis(d, x.rank())).collect::<Option<_>>() {
-                Some(axes) => axes,
-                None => return Some(unknown),
-            }
-        }
+        Op::Resize(a) if !a.axes.is_empty() => a
+            .axes
+            .iter()
+            .map(|&d| normalize_axis(d, x.rank()).ok_or(format!("axis {d} out of range for rank {}", x.rank())))
+            .collect::<Result<_, _>>()?,
         _ => (0..x.rank()).collect(),
     };
     let mut out = x.clone();
     if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten().filter(|s| !s.is_empty()) {
         if sizes.len() != axes.len() {
-            return Some(unknown);
+            return Err(format!("{} sizes for {} axes", sizes.len(), axes.len()));
         }
         for (&ax, &s) in axes.iter().zip(&sizes) {
-            out.0[ax] = Dim::Fixed(s.max(0) as u64);
+            out.0[ax] = Dim::Fixed(u64::try_from(s).map_err(|_| format!("sizes has {s}; each must be 0 or more"))?);
         }
-        return Some(out);
+        return Ok(Some(out));
     }
     let scales = cx.g.node(cx.n).input(2).and_then(|v| cx.g.constant(v)).map(|t| t.to_f64_vec());
     match scales {
+        Some(sc) if sc.is_empty() && !cx.has(3) => Err("neither scales nor sizes is given".into()),
+        Some(sc) if !sc.is_empty() && sc.len() != axes.len() => {
+            Err(format!("{} scales for {} axes", sc.len(), axes.len()))
+        }
         Some(sc) if sc.len() == axes.len() => {
             for (&ax, &s) in axes.iter().zip(&sc) {
-                out.0[ax] = x.0[ax].fixed().map_or(Dim::Unknown, |n| Dim::Fixed((n as f64 * s).floor() as u64));
+                if !(s > 0.0 && s.is_finite()) {
+                    return Err(format!("scales has {s}; each must be positive"));
+                }
+                out.0[ax] = match x.0[ax].fixed() {
+                    Some(n) => Dim::Fixed(
+                        Some((n as f64 * s).floor()).filter(|&v| v < 2f64.powi(63)).ok_or("a scaled dim overflows")?
+                            as u64,
+                    ),
+                    None => Dim::Unknown,
+                };
             }
-            Some(out)
+            Ok(Some(out))
         }
-        _ => Some(unknown),
+        _ => Ok(Some(Shape(vec![Dim::Unknown; x.rank()]))),
     }
 }
 

@@ -168,6 +168,14 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             out
         }
         Op::LayerNormalization(a) => {
+            if let Some(s) = cx.sh(0) {
+                let axis = normalize_axis(a.axis, s.rank()).ok_or(format!(
+                    "axis {} out of range for rank {}",
+                    a.axis,
+                    s.rank()
+                ))?;
+                per_feature(cx, s, axis, &[1, 2])?;
+            }
             let x = same(cx, 0);
             let stats_shape = x.shape.as_ref().and_then(|s| {
                 let axis = normalize_axis(a.axis, s.rank())?;
@@ -220,6 +228,16 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::ArgMax(a) | Op::ArgMin(a) => {
+            if let Some(s) = cx.sh(0) {
+                let axis = normalize_axis(a.axis, s.rank()).ok_or(format!(
+                    "axis {} out of range for rank {}",
+                    a.axis,
+                    s.rank()
+                ))?;
+                if s.0[axis].fixed() == Some(0) {
+                    return Err(format!("axis {} of {s} is empty: there is no index to take", a.axis));
+                }
+            }
             let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims)).transpose()?;
             vec![t(Some(DType::I64), shape)]
         }
@@ -357,6 +375,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation)?)],
         Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
+            loss_shapes(cx)?;
             let loss_shape =
                 if a.reduction == mpc_ir::ops::Reduction::None { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
             let mut out = vec![t(cx.dt(0), loss_shape)];
@@ -365,7 +384,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             }
             out
         }
-        Op::Resize(_) => vec![t(cx.dt(0), resize(cx))],
+        Op::Resize(_) => vec![t(cx.dt(0), resize(cx)?)],
         Op::Opaque(_) => return Err("opaque ops keep their declared types".into()),
         // ---- ai.mpc (training graphs): gradients take dY's dtype and their operand's shape ----
         Op::ConvGrad(_) => {
@@ -464,9 +483,10 @@ fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
     let (Some(x), Some(w)) = (cx.sh(0), cx.sh(1)) else {
         return Ok(None);
     };
-    if w.rank() != x.rank() {
-        return Err(format!("weight {w} and input {x} ranks differ"));
+    if w.rank() != x.rank() || x.rank() < 3 {
+        return Err(format!("weight {w} and input {x} must have one rank, 3 or more (batch, channels, spatial...)"));
     }
+    bias_of(cx, w.0[0].fixed())?;
     if let (Some(c), Some(wc)) = (x.0[1].fixed(), w.0[1].fixed()) {
         if c != wc * a.group as u64 {
             return Err(format!(
@@ -495,8 +515,23 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
     let (Some(x), Some(w)) = (cx.sh(0), cx.sh(1)) else {
         return Ok(None);
     };
-    let sp = x.rank().saturating_sub(2);
-    let cout = w.0.get(1).and_then(|d| d.fixed()).map_or(Dim::Unknown, |c| Dim::Fixed(c * a.group as u64));
+    if w.rank() != x.rank() || x.rank() < 3 {
+        return Err(format!("weight {w} and input {x} must have one rank, 3 or more (batch, channels, spatial...)"));
+    }
+    if let Some(c) = x.0[1].fixed() {
+        if w.0[0].fixed().is_some_and(|m| m != c) || c % a.group as u64 != 0 {
+            return Err(format!("input has {c} channels; the weight {w} and group {} do not take them", a.group));
+        }
+    }
+    let sp = x.rank() - 2;
+    for (i, &p) in a.output_padding.iter().enumerate() {
+        let (s, d) = (a.strides.get(i).copied().unwrap_or(1), a.dilations.get(i).copied().unwrap_or(1));
+        if p >= s.max(d) {
+            return Err(format!("output_padding {p} must be less than the stride {s} or the dilation {d}"));
+        }
+    }
+    let cout = w.0[1].fixed().and_then(|c| c.checked_mul(a.group as u64)).map_or(Dim::Unknown, Dim::Fixed);
+    bias_of(cx, cout.fixed())?;
     let mut out = vec![x.0[0].clone(), cout];
     if !a.output_shape.is_empty() {
         out.extend(a.output_shape.iter().rev().take(sp).rev().map(|&d| Dim::Fixed(d as u64)));
@@ -521,8 +556,62 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
     Ok(Some(Shape(out)))
 }
 
+/// A Conv's or ConvTranspose's bias (input 2): one value per output channel.
+fn bias_of(cx: &NodeCx, channels: Option<u64>) -> Result<(), String> {
+    match (cx.sh(2), channels) {
+        (Some(b), Some(m)) if b.dims() != [Dim::Fixed(m)] => {
+            Err(format!("bias {b} is not [{m}], one per output channel"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The per-feature operands (scale, bias) of a normalisation over `x`'s dims from `axis` on: each
+/// as many values as those dims hold.
+fn per_feature(cx: &NodeCx, x: &Shape, axis: usize, slots: &[usize]) -> Result<(), String> {
+    let want = x.0[axis..].iter().try_fold(1u64, |acc, d| acc.checked_mul(d.fixed()?));
+    for &i in slots {
+        let (Some(s), Some(want)) = (cx.sh(i), want) else { continue };
+        let have = s.0.iter().try_fold(1u64, |acc, d| acc.checked_mul(d.fixed()?));
+        if s.rank() > x.rank() - axis || have.is_some_and(|n| n != want) {
+            return Err(format!(
+                "input {i} is {s}, not the {want} values of the normalised dims {}",
+                Shape(x.0[axis..].to_vec())
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The scores `[N, C, d...]`, targets `[N, d...]` and class weights `[C]` of a loss.
+fn loss_shapes(cx: &NodeCx) -> Result<(), String> {
+    let Some(x) = cx.sh(0) else { return Ok(()) };
+    if x.rank() < 2 {
+        return Err(format!("the scores {x} need rank 2 or more ([batch, classes, ...])"));
+    }
+    let mut want: Vec<Dim> = x.0.clone();
+    let classes = want.remove(1);
+    if let Some(t) = cx.sh(1) {
+        let differs = t.rank() != want.len()
+            || t.0.iter().zip(&want).any(|(a, b)| matches!((a.fixed(), b.fixed()), (Some(p), Some(q)) if p != q));
+        if differs {
+            return Err(format!("the targets {t} do not match the scores {x} (they must be {})", Shape(want)));
+        }
+    }
+    match (cx.sh(2), classes.fixed()) {
+        (Some(w), Some(c)) if w.dims() != [Dim::Fixed(c)] => Err(format!("the class weights {w} are not [{c}]")),
+        _ => Ok(()),
+    }
+}
+
 fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
     let Some(x) = cx.sh(0) else { return Ok(None) };
+    let sp = a.kernel_shape.len();
+    for (i, &p) in a.pads.iter().enumerate() {
+        if a.kernel_shape.get(i % sp.max(1)).is_some_and(|&k| p >= k) {
+            return Err(format!("pads {:?} must each be less than the kernel {:?}", a.pads, a.kernel_shape));
+        }
+    }
     let mut out = vec![x.0[0].clone(), x.0.get(1).cloned().unwrap_or(Dim::Unknown)];
     out.extend(spatial(x, &a.window())?);
     Ok(Some(Shape(out)))
