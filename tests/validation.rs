@@ -227,6 +227,9 @@ fn attribute_and_operand_values_are_checked_before_running() {
         ("pool_pads", x("1,2,4", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = MaxPool[kernel_shape=[2], pads=[5, 5]](%0) @\"n\""), "must each be less than the kernel"),
         ("resize_sizes", x("2,3", "init %1 \"s\" = i64[2]{1,-2}\n  %2 \"y\": ? = Resize(%0, _, _, %1) @\"n\""), "sizes has -2"),
         ("resize_scales", x("2,3", "init %1 \"s\" = f32[2]{1,-2}\n  %2 \"y\": ? = Resize(%0, _, %1) @\"n\""), "scales has -2"),
+        ("batchnorm", x("2,3,4", "init %1 \"s\" = f32[2]{1,1}\n  %2 \"y\": ? = BatchNormalization(%0, %1, %1, %1, %1) @\"n\""), "the scale is [2] where the input's 3 channels"),
+        ("groupnorm", x("1,4,3", "init %1 \"s\" = f32[2]{1,1}\n  %2 \"y\": ? = GroupNormalization[num_groups=2](%0, %1, %1) @\"n\""), "the scale is [2] where the input's 4 channels"),
+        ("pad_edge", x("0,3", "init %1 \"p\" = i64[4]{1,1,1,1}\n  %2 \"y\": ? = Pad[mode=\"edge\"](%0, %1) @\"n\""), "Edge padding of 1 on axis 0 of size 0"),
         ("argmax_empty", x("0,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ArgMax(%0) @\"n\""), "is empty: there is no index"),
     ];
     let cases = cases.map(|(n, body, e)| (n, x("2,3", body), e)).into_iter().chain(ranks);

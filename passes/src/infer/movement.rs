@@ -227,13 +227,33 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
         false => (0..x.rank()).collect(),
     };
     if pads.len() != 2 * axes.len() {
-        return Err(format!("{} pads for {} axes", pads.len(), axes.len()));
+        return Err(format!(
+            "{} pads where {} axes need {} (a begin and an end each)",
+            pads.len(),
+            axes.len(),
+            2 * axes.len()
+        ));
     }
+    let mode = match &cx.g.node(cx.n).op {
+        Op::Pad(a) => a.mode,
+        _ => mpc_ir::ops::PadMode::Constant,
+    };
     let mut out = x.0.clone();
     for (i, &a) in axes.iter().enumerate() {
         out[a] = match x.0[a].fixed() {
             Some(n) => {
                 let (b, e) = (pads[i], pads[i + axes.len()]);
+                let limit = match mode {
+                    mpc_ir::ops::PadMode::Constant => i64::MAX,
+                    // Reflection mirrors inside the axis, edge and wrap copy from it: an empty axis
+                    // has nothing to copy, and reflect no more than its size less one.
+                    mpc_ir::ops::PadMode::Reflect => n as i64 - 1,
+                    _ if n == 0 => 0,
+                    _ => i64::MAX,
+                };
+                if b.max(e) > limit {
+                    return Err(format!("{mode:?} padding of {} on axis {a} of size {n}", b.max(e)));
+                }
                 match i64::try_from(n).ok().and_then(|n| n.checked_add(b)?.checked_add(e)) {
                     Some(m) if m >= 0 => Dim::Fixed(m as u64),
                     _ => return Err(format!("pads {b} and {e} on axis {a} of size {n} leave no valid size")),

@@ -87,25 +87,24 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::Identity => {
             vec![same(cx, 0)]
         }
-        Op::Floor | Op::Ceil | Op::Round | Op::Sign | Op::Sin | Op::Cos | Op::Softsign | Op::Selu(_) | Op::Trilu(_) => {
+        Op::Floor | Op::Ceil | Op::Round | Op::Sign | Op::Sin | Op::Cos | Op::Softsign | Op::Selu(_) => {
+            vec![same(cx, 0)]
+        }
+        Op::Trilu(_) => {
+            if let Some(k) = cx.sh(1).filter(|k| k.numel() != Some(1) && k.as_fixed().is_some()) {
+                return Err(format!("k is {k}, not one value"));
+            }
             vec![same(cx, 0)]
         }
         Op::IsNaN | Op::IsInf(_) => vec![t(Some(DType::Bool), cx.sh(0).cloned())],
-        Op::Softmax(_) | Op::LogSoftmax(_) | Op::LRN(_) | Op::GroupNormalization(_) => vec![same(cx, 0)],
-        Op::InstanceNormalization(_) => {
-            // Scale and bias hold one value per channel.
-            if let Some(x) = cx.sh(0) {
-                if x.rank() < 3 {
-                    return Err(format!("the input is {x}, not [batch, channels, spatial...]"));
-                }
-                for (i, what) in [(1, "scale"), (2, "bias")] {
-                    if let (Some(Dim::Fixed(c)), Some(s)) = (x.dims().get(1), cx.sh(i)) {
-                        if s.dims() != [Dim::Fixed(*c)] && s.as_fixed().is_some() {
-                            return Err(format!("the {what} is {s} where the input's {c} channels need [{c}]"));
-                        }
-                    }
-                }
-            }
+        Op::Softmax(_) | Op::LogSoftmax(_) => vec![same(cx, 0)],
+        Op::LRN(_) => {
+            per_channel(cx, 2, &[])?;
+            vec![same(cx, 0)]
+        }
+        Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
+            let min_rank = if matches!(cx.g.node(cx.n).op, Op::GroupNormalization(_)) { 2 } else { 3 };
+            per_channel(cx, min_rank, &[(1, "scale"), (2, "bias")])?;
             vec![same(cx, 0)]
         }
         Op::Clip => {
@@ -161,6 +160,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(d, conv_transpose(cx, a)?)]
         }
         Op::BatchNormalization(_) => {
+            per_channel(cx, 2, &[(1, "scale"), (2, "bias"), (3, "mean"), (4, "variance")])?;
             let mut out = vec![same(cx, 0)];
             for i in 1..cx.n_outputs() {
                 out.push(t(cx.dt(3 + (i - 1).min(1)), cx.sh(3).cloned()));
@@ -554,6 +554,26 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         });
     }
     Ok(Some(Shape(out)))
+}
+
+/// A normalisation's input of at least `min_rank` dims `[batch, channels, ...]` and its
+/// per-channel operands (`slots`), one value per channel.
+fn per_channel(cx: &NodeCx, min_rank: usize, slots: &[(usize, &str)]) -> Result<(), String> {
+    let Some(x) = cx.sh(0) else { return Ok(()) };
+    if x.rank() < min_rank {
+        return Err(format!(
+            "the input is {x}, not [batch, channels{}]",
+            if min_rank > 2 { ", spatial..." } else { ", ..." }
+        ));
+    }
+    for &(i, what) in slots {
+        if let (Some(Dim::Fixed(c)), Some(s)) = (x.dims().get(1), cx.sh(i)) {
+            if s.dims() != [Dim::Fixed(*c)] && s.as_fixed().is_some() {
+                return Err(format!("the {what} is {s} where the input's {c} channels need [{c}]"));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A Conv's or ConvTranspose's bias (input 2): one value per output channel.
