@@ -230,6 +230,8 @@ fn attribute_and_operand_values_are_checked_before_running() {
         ("batchnorm", x("2,3,4", "init %1 \"s\" = f32[2]{1,1}\n  %2 \"y\": ? = BatchNormalization(%0, %1, %1, %1, %1) @\"n\""), "the scale is [2] where the input's 3 channels"),
         ("groupnorm", x("1,4,3", "init %1 \"s\" = f32[2]{1,1}\n  %2 \"y\": ? = GroupNormalization[num_groups=2](%0, %1, %1) @\"n\""), "the scale is [2] where the input's 4 channels"),
         ("pad_edge", x("0,3", "init %1 \"p\" = i64[4]{1,1,1,1}\n  %2 \"y\": ? = Pad[mode=\"edge\"](%0, %1) @\"n\""), "Edge padding of 1 on axis 0 of size 0"),
+        ("instancenorm", x("3", "init %1 \"s\" = f32[3]{1,1,1}\n  %2 \"y\": ? = InstanceNormalization(%0, %1, %1) @\"n\""), "the input is [3], not [batch, channels"),
+        ("gather_elements", x("2,3", "init %1 \"i\" = i64[2,3]{0,1,2,3,4,5}\n  %2 \"y\": ? = GatherElements[axis=1](%0, %1) @\"n\""), "index 3 is out of range for axis 1"),
         ("argmax_empty", x("0,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ArgMax(%0) @\"n\""), "is empty: there is no index"),
     ];
     let cases = cases.map(|(n, body, e)| (n, x("2,3", body), e)).into_iter().chain(ranks);
@@ -244,4 +246,22 @@ fn attribute_and_operand_values_are_checked_before_running() {
         assert!(e.contains(expect) && e.contains("`n`"), "{name}: expected `{expect}` in {e}");
         assert!(!out.exists(), "{name}: an output was written");
     }
+}
+
+/// Inputs that bind one symbolic dim to two sizes (labels with another batch than the images)
+/// are refused before running, naming the input.
+#[test]
+fn a_symbolic_dim_binds_one_size() {
+    let d = scratch("validation_symbols");
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  input %0 \"x\": f32[b,3]\n  input %1 \"z\": f32[b,3]\n  %2 \"y\": ? = Add(%0, %1) @\"n\"\n  output %2\nend\n";
+    let model = write(&d, "sym.mpcir", text.as_bytes());
+    let t = |n: usize| mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![n, 3], vec![1.0; n * 3]);
+    let inputs = d.join("in.safetensors");
+    mpc::run::write_safetensors(&inputs, &[("x".into(), t(2)), ("z".into(), t(4))]).unwrap();
+    let out = d.join("out.safetensors");
+    let r = mpc(&["run", model.to_str().unwrap(), "--inputs", inputs.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(e.contains("sym.mpcir") && e.contains("binds `b` to") && e.trim().lines().count() == 1, "{e}");
+    assert!(!out.exists());
 }
