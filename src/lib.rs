@@ -2,6 +2,7 @@
 //! the library calls behind the CLI: [`load`] a model, [`compile`] it with a policy, [`save`] it
 //! in any of the output formats, and [`summary::summarize`] it for `mpc inspect`.
 
+pub mod bench;
 pub mod config;
 pub mod devices;
 pub mod dot;

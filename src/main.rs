@@ -292,6 +292,35 @@ enum Command {
         #[arg(long)]
         stats: bool,
     },
+    /// Time a model's step under each policy on a device: median step time, samples/s, TFLOP/s
+    /// and its share of the device's measured matrix-product rate, memory, compile time, launches.
+    Bench {
+        #[command(flatten)]
+        common: Common,
+        /// Time the training step (with the training options) instead of inference.
+        #[arg(long)]
+        train: bool,
+        #[command(flatten)]
+        train_args: TrainArgs,
+        /// The policies to compare, comma-separated (the default: fp32,mixed,mixed-bf16);
+        /// --policy also takes such a list here.
+        #[arg(long, value_name = "P,P,...")]
+        policies: Option<String>,
+        /// Binds the first symbolic dim of each input.
+        #[arg(long, default_value_t = 64)]
+        batch: u64,
+        /// Steps timed after the warm-up.
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// The backend: cpu (cuda comes with the CUDA backend).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
     Devices,
 }
@@ -374,7 +403,8 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Compile { common, .. }
         | Command::Train { common, .. }
         | Command::Inspect { common, .. }
-        | Command::Run { common, .. } => Some(common),
+        | Command::Run { common, .. }
+        | Command::Bench { common, .. } => Some(common),
         Command::Devices => None,
     };
     if let Some(size) = common.and_then(|c| c.max_memory.as_deref()) {
@@ -515,6 +545,30 @@ fn run(cli: Cli) -> Result<(), Error> {
             // The process ends here: handing the memory back to the system is faster than
             // freeing every node (a large graph has millions of small allocations).
             std::mem::forget(g);
+            Ok(())
+        }
+        Command::Bench { common, train, train_args, policies, batch, steps, warmup, device, json } => {
+            check_device(&device)?;
+            let mut opts = common.options(Vec::new(), None)?;
+            if train {
+                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+                opts.train = Some(t);
+                opts.loss_scale = scale;
+            }
+            let list = policies.or(common.policy.clone()).unwrap_or_else(|| "fp32,mixed,mixed-bf16".into());
+            let policies: Vec<String> = list.split(',').map(|p| p.trim().to_string()).collect();
+            if let Some(p) = policies.iter().find(|p| !mpc::POLICIES.contains(&p.as_str())) {
+                return Err(Error::Usage(format!("unknown policy `{p}` (fp32, mixed, mixed-bf16, fp16)")));
+            }
+            let cfg = mpc::bench::BenchConfig { policies, batch, warmup, steps, train };
+            let model = mpc::load(&common.model)?;
+            let report =
+                mpc::bench::bench(mpc_runtime::device::CpuDevice::default, &model, &common.model, &opts, &cfg)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))?);
+            } else {
+                print!("{}", mpc::bench::table(&report));
+            }
             Ok(())
         }
         Command::Devices => {

@@ -201,3 +201,51 @@ fn devices_lists_the_cpu_and_each_gpu_or_says_why_none() {
         assert!(out.contains("\ngpu 0: ") && out.contains("compute capability"), "{out}");
     }
 }
+
+/// `mpc bench` measures each policy of the list: step times, the FLOPs of the step (the MLP's
+/// three products, three times over when training), the program's bytes and launches.
+#[test]
+fn bench_reports_each_policy() {
+    let m = fixture("mlp");
+    let args = ["bench", m.to_str().unwrap(), "--batch", "8", "--steps", "3", "--warmup", "1", "--json"];
+    let r = mpc(&args);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies, ["fp32", "mixed", "mixed-bf16"]);
+    // 2 · batch · (64·256 + 256·256 + 256·10) multiply-adds.
+    let forward = 2 * 8 * (64 * 256 + 256 * 256 + 256 * 10);
+    for row in rows {
+        assert_eq!(row["flops_per_step"].as_u64(), Some(forward), "{row}");
+        assert!(row["step_ms_median"].as_f64().unwrap() > 0.0 && row["peak_tflops"].as_f64().unwrap() > 0.0);
+        assert!(row["launches_per_step"].as_u64().unwrap() >= 3, "{row}");
+    }
+    // Mixed holds its weights in FP16: half the constants of FP32.
+    let consts = |i: usize| rows[i]["constants_bytes"].as_u64().unwrap();
+    assert!(consts(1) * 2 <= consts(0) + 64 * 6, "{} vs {}", consts(1), consts(0));
+
+    let d = fixture("digits_mlp");
+    let r = mpc(&[
+        "bench",
+        d.to_str().unwrap(),
+        "--train",
+        "--loss",
+        "cross-entropy",
+        "--policies",
+        "fp32",
+        "--batch",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    assert!(out.contains("training step") && out.lines().any(|l| l.starts_with("fp32 ")), "{out}");
+    let r = mpc(&["bench", m.to_str().unwrap(), "--policies", "fp32,fast"]);
+    assert_eq!(r.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&r.stderr).contains("unknown policy `fast`"));
+}

@@ -1,0 +1,252 @@
+//! `mpc bench`: what a model costs per step under each policy on one device: step time (median
+//! after warm-up), samples per second, the FLOP rate achieved and its share of the device's
+//! measured matrix-product rate, the bytes the program holds, the compile time and the launches
+//! per step.
+//!
+//! Every policy runs in the same process on the same device, one after the other, so their ratios
+//! are measured side by side. A step's inputs are fed before it (the arena reuses their bytes),
+//! and the step is timed from its enqueue to the read of its smallest result (the loss when
+//! training), which waits for the device: the time a caller waits per step, less the feed.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+use mpc_ir::{DType, Graph, Op, Shape, Tensor, TypeInfo};
+use mpc_runtime::device::Device;
+use mpc_runtime::session::Session;
+use serde::Serialize;
+
+use crate::{Error, Options, Result};
+
+/// What to measure.
+pub struct BenchConfig {
+    pub policies: Vec<String>,
+    /// Binds the first symbolic dim of each input (`--dim` binds others).
+    pub batch: u64,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Time the training step (the options' `train` is set) rather than inference.
+    pub train: bool,
+}
+
+/// One policy's measurements.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub policy: String,
+    pub step_ms_median: f64,
+    pub step_ms_min: f64,
+    pub samples_per_s: f64,
+    /// Matrix-product and convolution FLOPs of one step: the forward pass, or three times it for
+    /// a training step (forward, and the two products of the backward pass).
+    pub flops_per_step: u64,
+    pub tflops: f64,
+    /// The device's rate on one large matrix product in the policy's matmul dtype, measured in
+    /// this run, and the step's share of it.
+    pub peak_tflops: f64,
+    pub share_of_peak: f64,
+    pub arena_bytes: u64,
+    pub state_bytes: u64,
+    pub constants_bytes: u64,
+    /// Compiling the model and lowering the step.
+    pub compile_ms: f64,
+    pub launches_per_step: u64,
+}
+
+/// The whole report: the device, then one row per policy.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub device: String,
+    pub batch: u64,
+    pub train: bool,
+    pub rows: Vec<BenchRow>,
+    /// The process's peak resident memory after all runs (the CPU device's figure).
+    pub process_peak_bytes: Option<u64>,
+}
+
+/// The dims that `batch` binds: the first symbolic dim of each input, unless `--dim` bound it.
+fn batch_dims(g: &Graph, batch: u64, dims: &HashMap<String, u64>) -> HashMap<String, u64> {
+    let mut out = dims.clone();
+    for &v in g.inputs() {
+        let first = g.ty(v).shape.as_ref().and_then(|s| s.dims().iter().find_map(|d| d.symbol().map(str::to_string)));
+        if let Some(s) = first {
+            out.entry(s).or_insert(batch);
+        }
+    }
+    out
+}
+
+fn median(mut t: Vec<f64>) -> (f64, f64) {
+    t.sort_by(f64::total_cmp);
+    (t[t.len() / 2], t[0])
+}
+
+/// Measures every policy of `cfg` on devices from `device`, one fresh device per policy.
+pub fn bench<D: Device>(
+    device: impl Fn() -> D,
+    model: &Graph,
+    path: &Path,
+    opts: &Options,
+    cfg: &BenchConfig,
+) -> Result<BenchReport> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
+    if cfg.steps == 0 || cfg.batch == 0 {
+        return Err(Error::Usage("--steps and --batch must be at least 1".into()));
+    }
+    let mut fwd = model.clone();
+    if cfg.train {
+        crate::train::free_batch(&mut fwd);
+    }
+    let dims = batch_dims(&fwd, cfg.batch, &opts.dims);
+    let (bound, _) =
+        crate::summary::bind_inputs(&fwd, &dims).map_err(|source| Error::Pass { path: path.to_owned(), source })?;
+    let forward = crate::summary::flops(&bound).total();
+    let flops_per_step = if cfg.train { 3 * forward } else { forward };
+    let mut rows = Vec::new();
+    let mut peaks: HashMap<DType, f64> = HashMap::new();
+    for policy in &cfg.policies {
+        let mut o = opts.clone();
+        o.policy = Some(policy.clone());
+        let t0 = Instant::now();
+        let mut g = fwd.clone();
+        let cx = crate::compile(&mut g, path, &o, &mut |_, _| {})?;
+        let dims = batch_dims(&g, cfg.batch, &opts.dims);
+        let feeds =
+            crate::run::random_inputs(&g, 1, &dims).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
+        let dev = device();
+        let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
+        let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // The result read after each step: the loss when training, else the smallest output.
+        let sync = match g.train.as_ref().and_then(|t| t.loss) {
+            Some(l) if cfg.train => g.name(l).to_string(),
+            _ => program
+                .outputs
+                .iter()
+                .min_by_key(|(_, r)| r.bytes())
+                .map(|(n, _)| n.clone())
+                .ok_or_else(|| Error::Usage(format!("{}: the model has no output", path.display())))?,
+        };
+        let mut session = Session::new(dev, program).map_err(rerr)?;
+        let mut times = Vec::with_capacity(cfg.steps);
+        for i in 0..cfg.warmup + cfg.steps {
+            // The arena reuses an input's bytes after its last reader: each step is fed.
+            session.feed(0, &feeds).map_err(rerr)?;
+            let t = Instant::now();
+            session.step(0).map_err(rerr)?;
+            session.read(0, &sync).map_err(rerr)?;
+            if i >= cfg.warmup {
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let (step_ms_median, step_ms_min) = median(times);
+        let stats = session.stats(0);
+        let low = cx.policy.as_ref().map_or(DType::F32, |p| p.low);
+        let low = if policy == "fp32" { DType::F32 } else { low };
+        let peak = match peaks.get(&low) {
+            Some(&p) => p,
+            None => {
+                let p = gemm_rate(&device, low, path)?;
+                peaks.insert(low, p);
+                p
+            }
+        };
+        let tflops = flops_per_step as f64 / (step_ms_median * 1e-3) / 1e12;
+        rows.push(BenchRow {
+            policy: policy.clone(),
+            step_ms_median,
+            step_ms_min,
+            samples_per_s: cfg.batch as f64 / (step_ms_median * 1e-3),
+            flops_per_step,
+            tflops,
+            peak_tflops: peak,
+            share_of_peak: if peak > 0.0 { tflops / peak } else { 0.0 },
+            arena_bytes: stats.arena_bytes,
+            state_bytes: stats.state_bytes,
+            constants_bytes: stats.constants_bytes,
+            compile_ms,
+            launches_per_step: stats.launches_per_step,
+        });
+    }
+    Ok(BenchReport {
+        model: path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+        device: device().caps().name.to_string(),
+        batch: cfg.batch,
+        train: cfg.train,
+        rows,
+        process_peak_bytes: crate::peak_rss(),
+    })
+}
+
+/// The device's rate, in TFLOP/s, on one square matrix product in `dtype` (the median of a few
+/// runs after a warm-up): the peak the report compares each step with.
+pub fn gemm_rate<D: Device>(device: &impl Fn() -> D, dtype: DType, path: &Path) -> Result<f64> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
+    let dev = device();
+    let n: u64 = if dev.caps().name == "cpu" { 512 } else { 8192 };
+    let mut g = Graph::new("gemm");
+    let a = g.add_input("a", TypeInfo::new(dtype, Shape::fixed(&[n, n])));
+    let vals: Vec<f64> = (0..n * n).map(|i| ((i * 7919) % 1000) as f64 / 1000.0 - 0.5).collect();
+    let b = g.add_initializer("b", Tensor::from_f64_as(dtype, vec![n, n], &vals));
+    let (_, y) = g.add_op("gemm", Op::MatMul, &[Some(a), Some(b)], 1);
+    g.add_output(y[0]);
+    let feeds = crate::run::random_inputs(&g, 3, &HashMap::new())?;
+    let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
+    let mut session = Session::new(dev, program).map_err(rerr)?;
+    let name = g.name(y[0]).to_string();
+    let mut times = Vec::new();
+    for i in 0..8 {
+        session.feed(0, &feeds).map_err(rerr)?;
+        let t = Instant::now();
+        session.step(0).map_err(rerr)?;
+        session.read(0, &name).map_err(rerr)?;
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let (secs, _) = median(times);
+    Ok(2.0 * (n * n * n) as f64 / secs / 1e12)
+}
+
+/// The report as a table.
+pub fn table(r: &BenchReport) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let mut s = format!(
+        "{} on {}, batch {}, {}\n{:<11} {:>10} {:>10} {:>12} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9}\n",
+        r.model,
+        r.device,
+        r.batch,
+        if r.train { "training step" } else { "inference" },
+        "policy",
+        "step ms",
+        "min ms",
+        "samples/s",
+        "TFLOP/s",
+        "of peak",
+        "arena MiB",
+        "state MiB",
+        "const MiB",
+        "compile ms",
+        "launches"
+    );
+    for row in &r.rows {
+        s.push_str(&format!(
+            "{:<11} {:>10.3} {:>10.3} {:>12.1} {:>9.4} {:>7.1}% {:>11.2} {:>10.2} {:>10.2} {:>10.1} {:>9}\n",
+            row.policy,
+            row.step_ms_median,
+            row.step_ms_min,
+            row.samples_per_s,
+            row.tflops,
+            100.0 * row.share_of_peak,
+            mib(row.arena_bytes),
+            mib(row.state_bytes),
+            mib(row.constants_bytes),
+            row.compile_ms,
+            row.launches_per_step
+        ));
+    }
+    if let Some(p) = r.process_peak_bytes {
+        s.push_str(&format!("process peak memory: {:.1} MiB\n", mib(p)));
+    }
+    s
+}
