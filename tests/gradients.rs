@@ -520,7 +520,10 @@ fn slice_with_bounds_computed_from_the_shape() {
     let last = c.op1("Gather", &[("axis", Attr::Int(0))], &[shape, one]);
     let half = c.op1("Div", &[], &[last, two]);
     let neg = c.op1("Neg", &[], &[half]);
-    let (big, ax) = (c.ints("big", &[1], &[i64::MAX]), c.ints("ax", &[1], &[1]));
+    // The axes as the legacy exporter writes them for `weight[:n]`: Unsqueeze of a scalar.
+    let big = c.ints("big", &[1], &[i64::MAX]);
+    let ax_scalar = c.ints("ax_scalar", &[], &[1]);
+    let ax = c.op1("Unsqueeze", &[], &[ax_scalar, zero_ax]);
     let hi = c.op("Slice", &[], &[Some(x), Some(half), Some(big), Some(ax)], 1)[0];
     let lo = c.op("Slice", &[], &[Some(x), Some(zero_ax), Some(neg), Some(ax)], 1)[0];
     let y = c.op1("Concat", &[("axis", Attr::Int(1))], &[hi, lo]);

@@ -129,6 +129,35 @@ impl KnownValues {
     }
 }
 
+/// The integer value of `v` when constants alone decide it: an initializer, a Constant, or the
+/// shape arithmetic the exporters build on them and on known dims (`Unsqueeze(Constant)`,
+/// `Gather(Shape(x), 1)` where that dim is fixed). What a rule that needs a constant operand uses.
+pub(crate) fn const_ints(g: &Graph, v: ValueId) -> Option<Vec<i64>> {
+    fn visit(g: &Graph, v: ValueId, known: &mut KnownValues, depth: usize) -> Option<()> {
+        if known.get(v).is_some() {
+            return Some(());
+        }
+        if let Some(t) = g.value(v).initializer() {
+            known.set(v, from_tensor(t)?);
+            return Some(());
+        }
+        let &mpc_ir::Def::Node(n, slot) = g.value(v).def() else { return None };
+        if depth > 32 {
+            return None;
+        }
+        for i in g.node(n).inputs().iter().flatten() {
+            // An input left unknown may still not matter (Shape reads only its input's type).
+            let _ = visit(g, *i, known, depth + 1);
+        }
+        let k = propagate(g, n, slot, known)?;
+        known.set(v, k);
+        Some(())
+    }
+    let mut known = KnownValues { map: HashMap::new() };
+    visit(g, v, &mut known, 0)?;
+    known.get(v)?.ints()
+}
+
 fn from_tensor(t: &mpc_ir::Tensor) -> Option<Known> {
     if t.shape().len() > 1 || t.numel() > MAX_ELEMS {
         return None;

@@ -19,7 +19,7 @@ mod rules;
 
 use mpc_ir::{Dim, Graph, Shape, TypeInfo};
 
-pub(crate) use known::Elem;
+pub(crate) use known::{const_ints, Elem};
 
 use crate::{Changed, Context, Pass, PassError, Result};
 

@@ -168,7 +168,7 @@ impl<'g> Builder<'g> {
 pub(super) fn int_const(g: &Graph, v: Option<ValueId>, what: &str) -> Result<Option<Vec<i64>>, String> {
     match v {
         None => Ok(None),
-        Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()) {
+        Some(v) => match g.constant(v).and_then(|t| t.to_i64_vec()).or_else(|| crate::infer::const_ints(g, v)) {
             Some(x) => Ok(Some(x)),
             None => Err(format!("{what} must be a constant to differentiate")),
         },
