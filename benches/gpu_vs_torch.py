@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""A mixed-precision training step of mpc against PyTorch's on the same device, side by side.
+
+    python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,resnet50,digits]
+                                    [--steps 20] [--warmup 5] [--tiny] [--mpc PATH] [--out DIR]
+    # needs torch, torchvision, onnx, numpy; builds nothing: give --mpc (default target/release/mpc)
+
+Each model is built in PyTorch, exported to ONNX by this script (torch.onnx, the legacy exporter,
+batch as a dynamic axis, BatchNormalization in training mode) and trained for the same steps at
+the same batch on the same device in the same run:
+  (a) mlp: 4 layers of 8192 (Linear + ReLU), batch 8192, cross-entropy over 8192 classes;
+  (b) gpt: a GPT-2-small-shaped decoder (12 layers, d 768, 12 heads, vocabulary 50257,
+      sequence 512, batch 8) with its loss inside the exported graph (`--loss output:loss`);
+  (c) resnet50: torchvision's ResNet-50 at 224x224, batch 64, cross-entropy over 1000 classes;
+  (d) digits: the digits MLP (64-256-256-10, batch 64): launch-bound.
+PyTorch runs fp32, AMP fp16 (autocast + GradScaler) and AMP bf16 (autocast), each with
+torch.optim.AdamW(fused=True) on CUDA, timed with CUDA events around whole steps (forward,
+backward, optimizer step, zero_grad) and the median taken after --warmup steps; peak memory is
+torch.cuda.max_memory_allocated. torch.compile runs beside them where it compiles. mpc runs
+`mpc bench MODEL --train --optimizer adamw --device DEVICE --policies fp32,mixed,mixed-bf16 --json`
+at the same batch and steps, and its memory is its program's arena, state and constants.
+The script prints one table per model and the ratios mpc/PyTorch for step time and peak memory,
+and writes everything as JSON under --out.
+
+--tiny shrinks every model (for checking the script on a machine without a GPU: --device cpu,
+where PyTorch has no fp16 autocast, so only fp32 and bf16 run there).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Mlp(nn.Module):
+    def __init__(self, width, layers, classes):
+        super().__init__()
+        dims = [width] * (layers + 1)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return self.head(x)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        shape = (b, s, self.heads, d // self.heads)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5 + mask
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class Gpt(nn.Module):
+    """GPT-2's shape (pre-norm blocks, learned positions, tanh GELU), its loss inside."""
+
+    def __init__(self, vocab, seq, d, layers, heads):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.full((seq, seq), -1e4).triu(1), persistent=False)
+
+    def forward(self, tokens, labels):
+        s = tokens.shape[1]
+        x = self.tok(tokens) + self.pos.weight[:s]
+        for blk in self.blocks:
+            x = blk(x, self.mask[:s, :s])
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def models(tiny):
+    """name -> (build, batch, inputs(batch, device), how mpc takes the loss)."""
+    import torchvision
+
+    def ints(hi, *shape):
+        return lambda b, dev: torch.randint(0, hi, (b, *shape), device=dev)
+
+    width, classes = (64, 16) if tiny else (8192, 8192)
+    vocab, seq, d, layers, heads = (128, 16, 32, 2, 2) if tiny else (50257, 512, 768, 12, 12)
+    side = 32 if tiny else 224
+    return {
+        "mlp": (lambda: Mlp(width, 4, classes), 32 if tiny else 8192,
+                lambda b, dev: [torch.randn(b, width, device=dev)], ints(classes), ["--loss", "cross-entropy"]),
+        "gpt": (lambda: Gpt(vocab, seq, d, layers, heads), 2 if tiny else 8,
+                lambda b, dev: [torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev)],
+                None, ["--loss", "output:loss"]),
+        "resnet50": (lambda: (torchvision.models.resnet18 if tiny else torchvision.models.resnet50)(num_classes=1000),
+                     2 if tiny else 64, lambda b, dev: [torch.randn(b, 3, side, side, device=dev)], ints(1000),
+                     ["--loss", "cross-entropy"]),
+        "digits": (lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)),
+                   64, lambda b, dev: [torch.randn(b, 64, device=dev)], ints(10), ["--loss", "cross-entropy"]),
+    }
+
+
+def export(name, model, example, path):
+    """ONNX with the batch as a dynamic axis (and the loss as the output when the model has it)."""
+    names = ["tokens", "labels"] if name == "gpt" else ["x"]
+    outputs = ["loss"] if name == "gpt" else ["logits"]
+    axes = {n: {0: "batch"} for n in names}
+    if name != "gpt":
+        axes["logits"] = {0: "batch"}
+    torch.onnx.export(model.train(), tuple(example), path, dynamo=False, opset_version=17, input_names=names,
+                      output_names=outputs, dynamic_axes=axes, training=torch.onnx.TrainingMode.TRAINING,
+                      do_constant_folding=False)
+
+
+def torch_step_times(model, inputs, labels, mode, steps, warmup, device, compiled):
+    """Median step (ms) and peak memory (bytes) of PyTorch training in `mode`."""
+    cuda = device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    scaler = torch.amp.GradScaler(device, enabled=(mode == "amp-fp16"))
+    dtype = {"amp-fp16": torch.float16, "amp-bf16": torch.bfloat16}.get(mode)
+    fwd = torch.compile(model) if compiled else model
+
+    def step():
+        with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = fwd(*inputs)
+            loss = out if labels is None else F.cross_entropy(out, labels)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            step()
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= warmup:
+            times.append(ms)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return statistics.median(times), peak
+
+
+def mpc_bench(mpc, path, loss, batch, steps, warmup, device):
+    cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
+           "--policies", "fp32,mixed,mixed-bf16", "--batch", str(batch), "--steps", str(steps),
+           "--warmup", str(warmup), "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": r.stderr.strip()}
+    return {row["policy"]: row for row in json.loads(r.stdout)["rows"]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default="mlp,gpt,resnet50,digits")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args()
+    dev = args.device
+    torch.manual_seed(0)
+    if dev == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    results = {}
+    for name in args.models.split(","):
+        build, batch, make_inputs, make_labels, loss = models(args.tiny)[name]
+        path = os.path.join(args.out, f"bench_{name}{'_tiny' if args.tiny else ''}.onnx")
+        model = build()
+        export(name, model, make_inputs(2, "cpu"), path)
+        model = model.to(dev)
+        inputs = make_inputs(batch, dev)
+        labels = make_labels(batch, dev) if make_labels else None
+        modes = ["fp32", "amp-fp16", "amp-bf16"] if dev == "cuda" else ["fp32", "amp-bf16"]
+        torch_rows = {}
+        for mode in modes:
+            for compiled in [False] + ([] if args.no_compile else [True]):
+                key = mode + (" compile" if compiled else "")
+                try:
+                    torch_rows[key] = torch_step_times(model, inputs, labels, mode, args.steps, args.warmup, dev, compiled)
+                except Exception as e:  # torch.compile is not available everywhere
+                    torch_rows[key] = (None, None)
+                    print(f"{name}: torch {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
+        mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev)
+        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc}
+        print(f"\n{name} (batch {batch}) on {dev}")
+        for key, (ms, peak) in torch_rows.items():
+            mem = f"{peak / 2**20:10.1f} MiB" if peak else ""
+            print(f"  torch {key:<18} {ms if ms is not None else float('nan'):10.3f} ms {mem}")
+        if "error" in mpc:
+            print(f"  mpc: {mpc['error']}")
+            continue
+        for policy, row in mpc.items():
+            mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
+            print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB"
+                  f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate)")
+        for ours, theirs in [("fp32", "fp32"), ("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]:
+            ms, peak = torch_rows.get(theirs, (None, None))
+            row = mpc.get(ours)
+            if ms and row:
+                mem = row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]
+                ratio_mem = f", memory {mem / peak:.2f}x" if peak else ""
+                print(f"  mpc {ours} / torch {theirs}: step {row['step_ms_median'] / ms:.2f}x{ratio_mem}")
+        if "fp32" in mpc and "mixed" in mpc:
+            print(f"  mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x")
+    with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
