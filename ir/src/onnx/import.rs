@@ -250,7 +250,12 @@ impl Importer<'_> {
             }
         } else if domain == crate::ops::MPC_DOMAIN {
             match Op::from_mpc_attrs(&op_type, attrs.clone()) {
-                Some(r) => r.map_err(|e| format!("ai.mpc::{op_type}: {e}"))?,
+                Some(r) => {
+                    let op = r.map_err(|e| format!("ai.mpc::{op_type}: {e}"))?;
+                    let sig: Vec<(bool, Option<DType>)> = inputs.iter().map(|v| (v.is_some(), None)).collect();
+                    schema::check_op(&op, self.opset, &sig, &vec![true; outputs.len()])?;
+                    op
+                }
                 None => opaque(attrs, &self.g, &mut inputs),
             }
         } else {

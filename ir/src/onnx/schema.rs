@@ -324,7 +324,7 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
             (s, &inputs[..o.explicit_inputs.min(inputs.len())])
         }
         Op::Opaque(_) => return Ok(()),
-        _ if op.is_mpc() => return Ok(()),
+        _ if op.is_mpc() => return check_mpc_arity(op, inputs, outputs.len()),
         _ => (newest(op.op_type()).ok_or_else(|| format!("{} has no schema", op.op_type()))?, inputs),
     };
     let attrs = op.attrs();
@@ -333,6 +333,45 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
         kinds.push((name.as_str(), kind_of(a).ok_or_else(|| format!("attribute `{name}` has no valid type"))?));
     }
     s.check(&NodeSig { inputs, outputs, attrs: &kinds })
+}
+
+/// The input and output counts of the `ai.mpc` ops (docs/ai-mpc-ops.md), and the inputs that
+/// must be given.
+fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) -> Result<(), String> {
+    let (ins, outs, optional): ((usize, usize), (usize, usize), &[usize]) = match op {
+        Op::ConvGrad(_) => ((3, 3), (1, 3), &[]),
+        Op::BatchNormalizationGrad(_) | Op::LayerNormalizationGrad(_) => ((3, 3), (1, 3), &[]),
+        Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) | Op::GeluGrad(_) | Op::ReluGrad | Op::SoftmaxGrad(_) => {
+            ((2, 2), (1, 1), &[])
+        }
+        Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => ((3, 4), (1, 1), &[3]),
+        Op::GatherGrad(_) => ((3, 3), (1, 1), &[]),
+        Op::AllFinite => ((1, usize::MAX), (1, 1), &[]),
+        Op::SgdUpdate(_) => ((3, 4), (1, 2), &[]),
+        Op::AdamUpdate(_) => ((6, 6), (3, 3), &[]),
+        Op::LossScaleUpdate(_) => ((3, 3), (2, 2), &[]),
+        Op::SeededDropout(_) => ((2, 3), (1, 2), &[1]),
+        _ => return Ok(()),
+    };
+    let name = format!("ai.mpc::{}", op.op_type());
+    let range = |(lo, hi): (usize, usize)| match (lo, hi) {
+        _ if lo == hi => format!("{lo}"),
+        (_, usize::MAX) => format!("at least {lo}"),
+        _ => format!("{lo} to {hi}"),
+    };
+    if inputs.len() < ins.0 || inputs.len() > ins.1 {
+        return Err(format!("{name} takes {} inputs, not {}", range(ins), inputs.len()));
+    }
+    if outputs < outs.0 || outputs > outs.1 {
+        return Err(format!("{name} has {} outputs, not {outputs}", range(outs)));
+    }
+    // SeededDropout's ratio may be left out only with the key after it.
+    let last = inputs.len() - 1;
+    let may_be_empty = |i: usize| optional.contains(&i) && (i < last || !matches!(op, Op::SeededDropout(_)));
+    match inputs.iter().enumerate().find(|&(i, &(given, _))| !given && !may_be_empty(i)) {
+        Some((i, _)) => Err(format!("{name} input {i} is required but empty")),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
