@@ -296,16 +296,10 @@ pub fn attr_kind(code: i32) -> Option<&'static str> {
 
 /// The ONNX kind name of an attribute value (for a value kept encoded, the kind its proto says).
 pub fn kind_of(a: &Attr) -> Option<&'static str> {
-    Some(match a {
-        Attr::Int(_) => "int",
-        Attr::Float(_) => "float",
-        Attr::String(_) => "string",
-        Attr::Ints(_) => "ints",
-        Attr::Floats(_) => "floats",
-        Attr::Strings(_) => "strings",
-        Attr::Tensor(_) => "tensor",
-        Attr::Raw(bytes) => return attr_kind(super::proto::AttributeProto::decode(bytes.clone()).ok()?.r#type),
-    })
+    match a {
+        Attr::Raw(bytes) => attr_kind(super::proto::AttributeProto::decode(bytes.clone()).ok()?.r#type),
+        _ => Some(a.kind()),
+    }
 }
 
 /// Checks a node of the internal form (the text IR's, or one a pass built): a modelled op against

@@ -2,7 +2,7 @@
 //! and ScatterElements. Gathers take the data's dtype; scatters give the data's type unchanged.
 //! Shapes are checked where they are known: a mismatch is an error naming the node.
 
-use mpc_ir::{normalize_axis, DType, Dim, Shape};
+use mpc_ir::{DType, Dim, Shape};
 
 use super::rules::{check_eq, t, NodeCx, R};
 
@@ -98,7 +98,7 @@ pub(super) fn scatter_elements(cx: &NodeCx, axis: i64) -> R {
     index_dtype(cx, 1)?;
     updates_dtype(cx)?;
     if let Some(d) = cx.sh(0) {
-        normalize_axis(axis, d.rank()).ok_or(format!("axis {axis} out of range for rank {}", d.rank()))?;
+        super::axis_in(axis, d)?;
         for s in [cx.sh(1), cx.sh(2)].into_iter().flatten() {
             if s.rank() != d.rank() {
                 return Err(format!("indices and updates must have the rank of data ({d}), not {s}"));

@@ -131,3 +131,8 @@ fn merge(declared: &TypeInfo, inferred: TypeInfo) -> TypeInfo {
     };
     TypeInfo { dtype, shape }
 }
+
+/// `axis` of a value of shape `s`, counted from the end when negative.
+pub(super) fn axis_in(axis: i64, s: &mpc_ir::Shape) -> std::result::Result<usize, String> {
+    mpc_ir::normalize_axis(axis, s.rank()).ok_or(format!("axis {axis} out of range for rank {}", s.rank()))
+}

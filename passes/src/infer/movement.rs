@@ -131,7 +131,7 @@ pub(super) fn concat(cx: &NodeCx, axis: i64) -> Result<Option<Shape>, String> {
     let Some(first) = shapes.first() else {
         return Ok(None);
     };
-    let a = normalize_axis(axis, first.rank()).ok_or(format!("axis {axis} out of range for rank {}", first.rank()))?;
+    let a = super::axis_in(axis, first)?;
     let mut out = first.0.clone();
     let mut total = Some(0u64);
     for s in &shapes {
@@ -270,11 +270,9 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
 pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let Some(x) = cx.sh(0) else { return Ok(None) };
     let axes: Vec<usize> = match &cx.g.node(cx.n).op {
-        Op::Resize(a) if !a.axes.is_empty() => a
-            .axes
-            .iter()
-            .map(|&d| normalize_axis(d, x.rank()).ok_or(format!("axis {d} out of range for rank {}", x.rank())))
-            .collect::<Result<_, _>>()?,
+        Op::Resize(a) if !a.axes.is_empty() => {
+            a.axes.iter().map(|&d| super::axis_in(d, x)).collect::<Result<_, _>>()?
+        }
         _ => (0..x.rank()).collect(),
     };
     let mut out = x.clone();

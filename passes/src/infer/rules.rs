@@ -3,9 +3,9 @@
 use mpc_ir::ops::{ConvAttrs, PoolAttrs};
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, Shape, TypeInfo};
 
-use super::indexing;
 use super::known::{Known, KnownValues};
 use super::movement::{concat, einsum, pad, reshape, resize, slice, split, squeeze, unsqueeze};
+use super::{axis_in, indexing};
 
 pub(crate) struct NodeCx<'a> {
     pub g: &'a Graph,
@@ -169,12 +169,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::LayerNormalization(a) => {
             if let Some(s) = cx.sh(0) {
-                let axis = normalize_axis(a.axis, s.rank()).ok_or(format!(
-                    "axis {} out of range for rank {}",
-                    a.axis,
-                    s.rank()
-                ))?;
-                per_feature(cx, s, axis, &[1, 2])?;
+                per_feature(cx, s, axis_in(a.axis, s)?, &[1, 2])?;
             }
             let x = same(cx, 0);
             let stats_shape = x.shape.as_ref().and_then(|s| {
@@ -229,12 +224,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::ArgMax(a) | Op::ArgMin(a) => {
             if let Some(s) = cx.sh(0) {
-                let axis = normalize_axis(a.axis, s.rank()).ok_or(format!(
-                    "axis {} out of range for rank {}",
-                    a.axis,
-                    s.rank()
-                ))?;
-                if s.0[axis].fixed() == Some(0) {
+                if s.0[axis_in(a.axis, s)?].fixed() == Some(0) {
                     return Err(format!("axis {} of {s} is empty: there is no index to take", a.axis));
                 }
             }
@@ -638,10 +628,7 @@ fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
 }
 
 fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
-    let axes: Vec<usize> = axes
-        .iter()
-        .map(|&a| normalize_axis(a, s.rank()).ok_or(format!("axis {a} out of range for rank {}", s.rank())))
-        .collect::<Result<_, _>>()?;
+    let axes: Vec<usize> = axes.iter().map(|&a| axis_in(a, s)).collect::<Result<_, _>>()?;
     Ok(Shape(
         s.0.iter()
             .enumerate()
