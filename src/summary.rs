@@ -18,7 +18,7 @@ pub struct Flops {
 
 impl Flops {
     pub fn total(&self) -> u64 {
-        self.matmul + self.conv
+        self.matmul.saturating_add(self.conv)
     }
 }
 
@@ -81,6 +81,8 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
 /// FLOPs of one MatMul, Gemm, Conv or ConvTranspose node: `Some((flops, is_conv))`, with
 /// `flops` `None` when its shapes are unknown; `None` for other ops.
 pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
+    // Counts too large for 64 bits (only a malformed graph has them) saturate.
+    let product = |dims: &[u64]| dims.iter().fold(1u64, |acc, &d| acc.saturating_mul(d));
     let fixed = |v: Option<mpc_ir::ValueId>| v.and_then(|v| g.ty(v).shape.as_ref()?.as_fixed());
     let node = g.node(n);
     let out = fixed(node.outputs().first().copied());
@@ -92,19 +94,19 @@ pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
                     Op::Gemm(at) if at.transA => a.first().copied().unwrap_or(1),
                     _ => a.last().copied().unwrap_or(1),
                 };
-                Some(2 * k * o.iter().product::<u64>())
+                Some(product(&[2, k, product(&o)]))
             })();
             Some((f, false))
         }
         Op::Conv(_) | Op::ConvTranspose(_) => {
             let f = (|| {
                 let (x, w, o) = (fixed(node.input(0))?, fixed(node.input(1))?, out?);
-                let kernel: u64 = w.iter().skip(2).product();
-                let per = w.get(1).copied().unwrap_or(1) * kernel;
+                let kernel = product(w.get(2..).unwrap_or(&[]));
+                let per = w.get(1).copied().unwrap_or(1).saturating_mul(kernel);
                 // Conv: each output element takes (C_in / group) · kernel multiply-adds;
                 // ConvTranspose: each input element scatters into (C_out / group) · kernel outputs.
-                let elems: u64 = if matches!(node.op, Op::Conv(_)) { o.iter().product() } else { x.iter().product() };
-                Some(2 * elems * per)
+                let elems = if matches!(node.op, Op::Conv(_)) { product(&o) } else { product(&x) };
+                Some(product(&[2, elems, per]))
             })();
             Some((f, true))
         }
@@ -118,8 +120,8 @@ pub fn flops(g: &Graph) -> Flops {
     for n in g.node_ids() {
         match node_flops(g, n) {
             Some((None, _)) => f.unknown += 1,
-            Some((Some(x), true)) => f.conv += x,
-            Some((Some(x), false)) => f.matmul += x,
+            Some((Some(x), true)) => f.conv = f.conv.saturating_add(x),
+            Some((Some(x), false)) => f.matmul = f.matmul.saturating_add(x),
             None => {}
         }
     }

@@ -33,6 +33,10 @@ pub fn export_opset(g: &Graph) -> i64 {
         let node = g.node(n);
         let op = &node.op;
         opset = opset.max(op.min_opset());
+        // An op newer than the model's opset (a text IR model may use one): its first opset.
+        if !op.is_opaque() && !op.is_mpc() {
+            opset = opset.max(super::schema::introduced(op.op_type()).unwrap_or(0));
+        }
         // BatchNormalization takes parameters of another dtype than X from opset 15.
         if matches!(op, Op::BatchNormalization(_)) && (1..5).any(|i| dtype(node.input(i)) != dtype(node.input(0))) {
             opset = opset.max(15);

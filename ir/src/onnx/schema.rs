@@ -151,6 +151,11 @@ pub fn lookup(op: &str, opset: i64) -> Lookup<'static> {
     }
 }
 
+/// The opset that introduced `op`.
+pub fn introduced(op: &str) -> Option<i64> {
+    Some(table().get(op)?.first()?.since)
+}
+
 /// The newest version of `op` (the internal form of the ops mpc models).
 pub fn newest(op: &str) -> Option<&'static Schema> {
     table().get(op)?.iter().rev().find(|s| !s.deprecated)

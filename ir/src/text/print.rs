@@ -113,7 +113,10 @@ impl<'a> Printer<'a> {
             writeln!(self.out, "{line}").ok();
         }
         let outs: Vec<String> = g.outputs().iter().map(|&v| self.id(v)).collect();
-        writeln!(self.out, "  output {}", outs.join(", ")).ok();
+        // A graph without outputs (a valid, if useless, ONNX graph) has no output line.
+        if !outs.is_empty() {
+            writeln!(self.out, "  output {}", outs.join(", ")).ok();
+        }
         writeln!(self.out, "end").ok();
         Ok(Printed { text: self.out, sidecar: self.sidecar })
     }
