@@ -138,7 +138,7 @@ impl Importer<'_> {
                 inputs.push(Some(v));
             }
             self.check_schema(&n, &inputs).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
-            self.check_bodies(&n).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            check_bodies(n.attribute.iter(), &self.g).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             let attrs = n.attribute.into_iter().map(attr).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
@@ -189,35 +189,6 @@ impl Importer<'_> {
             inputs.iter().map(|v| (v.is_some(), v.and_then(|v| self.g.ty(v).dtype))).collect();
         let outs: Vec<bool> = n.output.iter().map(|o| !o.is_empty()).collect();
         s.check(&schema::NodeSig { inputs: &ins, outputs: &outs, attrs: &kinds })
-    }
-
-    /// Imports every subgraph of the node (If branches, Loop and Scan bodies) on its own, its
-    /// outer reads resolved against this graph: a body with an undefined read, a malformed node
-    /// or bytes that do not decode is refused here, not copied into an output.
-    fn check_bodies(&self, n: &proto::NodeProto) -> Result<(), String> {
-        for a in &n.attribute {
-            for body in a.g.iter().chain(&a.graphs) {
-                let sub = proto::GraphProto::decode(body.clone())
-                    .map_err(|e| format!("attribute `{}` is not a valid graph: {e}", a.name))?;
-                let mut free = Vec::new();
-                free_names(&sub, &mut HashSet::new(), &mut free);
-                let mut captured = Vec::new();
-                for name in free {
-                    let v = self
-                        .g
-                        .find(&name)
-                        .ok_or_else(|| format!("attribute `{}` reads `{name}`, which is not defined", a.name))?;
-                    if !captured.contains(&v) {
-                        captured.push(v);
-                    }
-                }
-                let single =
-                    proto::AttributeProto { name: a.name.clone(), g: Some(body.clone()), ..Default::default() };
-                decode_subgraph(&Bytes::from(single.encode_to_vec()), &self.g, &captured)
-                    .map_err(|e| format!("attribute `{}`: {e}", a.name))?;
-            }
-        }
-        Ok(())
     }
 
     /// Builds one node in its internal form.
@@ -408,6 +379,46 @@ fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
         _ => Attr::Raw(Bytes::from(a.encode_to_vec())),
     };
     Ok((a.name, value))
+}
+
+/// Imports every subgraph attribute (If branches, Loop and Scan bodies) on its own, its outer
+/// reads resolved against `outer`: a body with an undefined read, a malformed node or bytes that
+/// do not decode is refused, not copied into an output.
+fn check_bodies<'a>(attrs: impl Iterator<Item = &'a proto::AttributeProto>, outer: &Graph) -> Result<(), String> {
+    for a in attrs {
+        for body in a.g.iter().chain(&a.graphs) {
+            let sub = proto::GraphProto::decode(body.clone())
+                .map_err(|e| format!("attribute `{}` is not a valid graph: {e}", a.name))?;
+            let mut free = Vec::new();
+            free_names(&sub, &mut HashSet::new(), &mut free);
+            let mut captured = Vec::new();
+            for name in free {
+                let v = outer
+                    .find(&name)
+                    .ok_or_else(|| format!("attribute `{}` reads `{name}`, which is not defined", a.name))?;
+                if !captured.contains(&v) {
+                    captured.push(v);
+                }
+            }
+            let single = proto::AttributeProto { name: a.name.clone(), g: Some(body.clone()), ..Default::default() };
+            decode_subgraph(&Bytes::from(single.encode_to_vec()), outer, &captured)
+                .map_err(|e| format!("attribute `{}`: {e}", a.name))?;
+        }
+    }
+    Ok(())
+}
+
+/// [`check_bodies`] for attributes kept encoded (an opaque op's, as the text IR reads them).
+pub fn check_subgraphs(attrs: &Attrs, outer: &Graph) -> Result<(), String> {
+    let mut protos = Vec::new();
+    for (name, a) in attrs {
+        if let Attr::Raw(bytes) = a {
+            let p = proto::AttributeProto::decode(bytes.clone())
+                .map_err(|e| format!("attribute `{name}` does not decode: {e}"))?;
+            protos.push(p);
+        }
+    }
+    check_bodies(protos.iter(), outer)
 }
 
 /// Outer-scope values read by the subgraphs in `attrs` (If/Loop/Scan bodies).

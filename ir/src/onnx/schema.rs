@@ -245,7 +245,7 @@ impl Schema {
 
     /// The dtypes known of the inputs against the type constraints: each in its variable's list,
     /// and the inputs of one variable of one dtype.
-    fn check_types(&self, inputs: &[(bool, Option<DType>)]) -> Result<(), String> {
+    pub fn check_types(&self, inputs: &[(bool, Option<DType>)]) -> Result<(), String> {
         let mut bound: HashMap<&str, (usize, DType)> = HashMap::new();
         for (i, &(_, dtype)) in inputs.iter().enumerate() {
             let (Some(d), Some(f)) = (dtype, Self::formal(&self.inputs, i)) else {

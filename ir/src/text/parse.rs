@@ -412,7 +412,12 @@ impl<'a> Parser<'a> {
         let sig: Vec<(bool, Option<DType>)> =
             inputs.iter().map(|v| (v.is_some(), v.and_then(|v| self.g.ty(v).dtype))).collect();
         let checked = crate::onnx::schema::check_op(&op, self.g.meta.onnx_opset(), &sig, &vec![true; outs.len()]);
-        checked.and_then(|()| op.validate(inputs.len())).map_err(|e| match name.is_empty() {
+        let checked = checked.and_then(|()| op.validate(inputs.len()));
+        let checked = checked.and_then(|()| match &op {
+            Op::Opaque(o) => crate::onnx::check_subgraphs(&o.attrs, &self.g),
+            _ => Ok(()),
+        });
+        checked.map_err(|e| match name.is_empty() {
             true => e,
             false => format!("node `{name}` ({}): {e}", op.op_type()),
         })?;

@@ -70,6 +70,7 @@ pub(crate) fn infer_types_in(
             let cx = rules::NodeCx { g, n, known: &known };
             rules::infer_node(&cx).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?
         };
+        check_dtypes(g, n).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
         let outputs = g.node(n).outputs().to_vec();
         for (slot, (&v, ty)) in outputs.iter().zip(outs).enumerate() {
             let merged = merge(g.ty(v), ty);
@@ -80,6 +81,20 @@ pub(crate) fn infer_types_in(
         }
     }
     Ok(())
+}
+
+/// The input dtypes of a standard node against its op's type constraints (the readers check
+/// what they can see; here every dtype is known): an op and dtype that ONNX does not define is
+/// refused before a file with it is written.
+fn check_dtypes(g: &Graph, n: mpc_ir::NodeId) -> std::result::Result<(), String> {
+    let node = g.node(n);
+    if node.op.is_mpc() {
+        return Ok(());
+    }
+    let Some(schema) = mpc_ir::onnx::schema::newest(node.op.op_type()) else { return Ok(()) };
+    let sig: Vec<(bool, Option<mpc_ir::DType>)> =
+        node.inputs().iter().map(|v| (v.is_some(), v.and_then(|v| g.ty(v).dtype))).collect();
+    schema.check_types(&sig).map_err(|e| format!("{} (opset {}): {e}", schema.op, schema.since))
 }
 
 /// Checks every typed node's output dtypes against its rule applied to its current input types.
