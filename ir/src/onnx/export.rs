@@ -33,17 +33,15 @@ pub fn export_opset(g: &Graph) -> i64 {
         let node = g.node(n);
         let op = &node.op;
         opset = opset.max(op.min_opset());
-        // An op newer than the model's opset (a text IR model may use one): its first opset.
+        // The first version of the op that takes its inputs' dtypes: an op newer than the model's
+        // opset (a text IR model may use one), bf16 (most ops from opset 13-16, activations
+        // such as Elu from 22), f16 Range (25), BatchNormalization's parameters in another dtype
+        // than X (15).
         if !op.is_opaque() && !op.is_mpc() {
-            opset = opset.max(super::schema::introduced(op.op_type()).unwrap_or(0));
-        }
-        // BatchNormalization takes parameters of another dtype than X from opset 15.
-        if matches!(op, Op::BatchNormalization(_)) && (1..5).any(|i| dtype(node.input(i)) != dtype(node.input(0))) {
-            opset = opset.max(15);
-        }
-        // Most ops accept bf16 from opset 13-16; activations such as Elu or Softplus only from 22.
-        if node.outputs().iter().any(|&o| g.ty(o).dtype == Some(crate::DType::BF16)) && !op.is_opaque() {
-            opset = opset.max(22);
+            let sig: Vec<(bool, Option<crate::DType>)> =
+                node.inputs().iter().map(|&v| (v.is_some(), dtype(v))).collect();
+            let outs: Vec<Option<crate::DType>> = node.outputs().iter().map(|&v| g.ty(v).dtype).collect();
+            opset = opset.max(super::schema::first_accepting(op.op_type(), &sig, &outs).unwrap_or(0));
         }
         if let Some(since) = op.axes_input_since() {
             let axes = g.node(n).input(1);

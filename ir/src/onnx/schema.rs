@@ -151,9 +151,9 @@ pub fn lookup(op: &str, opset: i64) -> Lookup<'static> {
     }
 }
 
-/// The opset that introduced `op`.
-pub fn introduced(op: &str) -> Option<i64> {
-    Some(table().get(op)?.first()?.since)
+/// The first opset in which `op` takes inputs and gives outputs of these dtypes (`None`: none).
+pub fn first_accepting(op: &str, inputs: &[(bool, Option<DType>)], outputs: &[Option<DType>]) -> Option<i64> {
+    table().get(op)?.iter().find(|s| !s.deprecated && s.check_types(inputs, outputs).is_ok()).map(|s| s.since)
 }
 
 /// The newest version of `op` (the internal form of the ops mpc models).
@@ -240,15 +240,17 @@ impl Schema {
         if let Some(a) = self.attrs.iter().find(|a| a.required && !n.attrs.iter().any(|(x, _)| *x == a.name)) {
             return Err(format!("{v} requires attribute `{}`", a.name));
         }
-        self.check_types(n.inputs).map_err(|e| format!("{v}: {e}"))
+        self.check_types(n.inputs, &[]).map_err(|e| format!("{v}: {e}"))
     }
 
-    /// The dtypes known of the inputs against the type constraints: each in its variable's list,
-    /// and the inputs of one variable of one dtype.
-    pub fn check_types(&self, inputs: &[(bool, Option<DType>)]) -> Result<(), String> {
-        let mut bound: HashMap<&str, (usize, DType)> = HashMap::new();
-        for (i, &(_, dtype)) in inputs.iter().enumerate() {
-            let (Some(d), Some(f)) = (dtype, Self::formal(&self.inputs, i)) else {
+    /// The dtypes known of the inputs (and outputs) against the type constraints: each in its
+    /// variable's list, and the values of one variable of one dtype.
+    pub fn check_types(&self, inputs: &[(bool, Option<DType>)], outputs: &[Option<DType>]) -> Result<(), String> {
+        let mut bound: HashMap<&str, (String, DType)> = HashMap::new();
+        let ins = inputs.iter().enumerate().map(|(i, &(_, d))| ("input", i, d, Self::formal(&self.inputs, i)));
+        let outs = outputs.iter().enumerate().map(|(i, &d)| ("output", i, d, Self::formal(&self.outputs, i)));
+        for (what, i, dtype, formal) in ins.chain(outs) {
+            let (Some(d), Some(f)) = (dtype, formal) else {
                 continue;
             };
             let name = onnx_type(d);
@@ -257,19 +259,19 @@ impl Schema {
                 None => f.ty.strip_prefix("tensor(").and_then(|t| t.strip_suffix(')')) == Some(name),
             };
             if !allowed {
-                return Err(format!("input {i} (`{}`) is {d}, which `{}` does not allow", f.name, f.ty));
+                return Err(format!("{what} {i} (`{}`) is {d}, which `{}` does not allow", f.name, f.ty));
             }
             let heterogeneous = matches!(f.arity, Arity::Variadic { same_type: false, .. });
             if heterogeneous || !self.types.iter().any(|(tv, _)| *tv == f.ty) {
                 continue;
             }
             match bound.get(f.ty) {
-                Some(&(j, e)) if e != d => {
-                    return Err(format!("input {i} is {d} but input {j} is {e}, and both are `{}`", f.ty))
+                Some((other, e)) if *e != d => {
+                    return Err(format!("{what} {i} is {d} but {other} is {e}, and both are `{}`", f.ty))
                 }
                 Some(_) => {}
                 None => {
-                    bound.insert(f.ty, (i, d));
+                    bound.insert(f.ty, (format!("{what} {i}"), d));
                 }
             }
         }

@@ -70,7 +70,6 @@ pub(crate) fn infer_types_in(
             let cx = rules::NodeCx { g, n, known: &known };
             rules::infer_node(&cx).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?
         };
-        check_dtypes(g, n).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
         let outputs = g.node(n).outputs().to_vec();
         for (slot, (&v, ty)) in outputs.iter().zip(outs).enumerate() {
             let merged = merge(g.ty(v), ty);
@@ -79,6 +78,7 @@ pub(crate) fn infer_types_in(
                 known.set(v, k);
             }
         }
+        check_dtypes(g, n).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
     }
     Ok(())
 }
@@ -94,7 +94,8 @@ fn check_dtypes(g: &Graph, n: mpc_ir::NodeId) -> std::result::Result<(), String>
     let Some(schema) = mpc_ir::onnx::schema::newest(node.op.op_type()) else { return Ok(()) };
     let sig: Vec<(bool, Option<mpc_ir::DType>)> =
         node.inputs().iter().map(|v| (v.is_some(), v.and_then(|v| g.ty(v).dtype))).collect();
-    schema.check_types(&sig).map_err(|e| format!("{} (opset {}): {e}", schema.op, schema.since))
+    let outs: Vec<Option<mpc_ir::DType>> = node.outputs().iter().map(|&v| g.ty(v).dtype).collect();
+    schema.check_types(&sig, &outs).map_err(|e| format!("{} (opset {}): {e}", schema.op, schema.since))
 }
 
 /// Checks every typed node's output dtypes against its rule applied to its current input types.

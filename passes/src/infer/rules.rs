@@ -144,9 +144,24 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
                     let (m, k1) = if a.transA { (&x.0[1], &x.0[0]) } else { (&x.0[0], &x.0[1]) };
                     let (k2, n) = if a.transB { (&w.0[1], &w.0[0]) } else { (&w.0[0], &w.0[1]) };
                     check_eq(k1, k2, "Gemm inner dimensions")?;
-                    Some(Shape(vec![m.clone(), n.clone()]))
+                    let out = Shape(vec![m.clone(), n.clone()]);
+                    // C broadcasts to [M, N] one way: each of its dims is the output's or 1.
+                    if let Some(c) = cx.sh(2) {
+                        let fits = c.rank() <= 2
+                            && c.0.iter().rev().zip(out.0.iter().rev()).all(|(cd, od)| {
+                                match (cd.fixed(), od.fixed()) {
+                                    (Some(p), Some(q)) => p == q || p == 1,
+                                    _ => true,
+                                }
+                            });
+                        if !fits {
+                            return Err(format!("C {c} does not broadcast to the output {out}"));
+                        }
+                    }
+                    Some(out)
                 }
                 (Some(x), _) if x.rank() != 2 => return Err(format!("Gemm needs 2-D inputs, A is {x}")),
+                (_, Some(w)) if w.rank() != 2 => return Err(format!("Gemm needs 2-D inputs, B is {w}")),
                 _ => None,
             };
             vec![t(d, shape)]
