@@ -151,9 +151,22 @@ pub fn lookup(op: &str, opset: i64) -> Lookup<'static> {
     }
 }
 
-/// The first opset in which `op` takes inputs and gives outputs of these dtypes (`None`: none).
+/// The first opset in which `op` takes these inputs and gives these outputs, of these dtypes
+/// (`None`: in none).
 pub fn first_accepting(op: &str, inputs: &[(bool, Option<DType>)], outputs: &[Option<DType>]) -> Option<i64> {
-    table().get(op)?.iter().find(|s| !s.deprecated && s.check_types(inputs, outputs).is_ok()).map(|s| s.since)
+    let fits = |(lo, hi): (usize, usize), n: usize| lo <= n && n <= hi;
+    table()
+        .get(op)?
+        .iter()
+        .find(|s| {
+            // The inputs given must be ones the version has (Pad's `axes` came in 18).
+            let given = inputs.iter().rposition(|&(g, _)| g).map_or(0, |i| i + 1);
+            !s.deprecated
+                && fits(s.inputs_range, given.max(s.inputs_range.0))
+                && fits(s.outputs_range, outputs.len())
+                && s.check_types(inputs, outputs).is_ok()
+        })
+        .map(|s| s.since)
 }
 
 /// The newest version of `op` (the internal form of the ops mpc models).

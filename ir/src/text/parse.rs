@@ -357,11 +357,16 @@ impl<'a> Parser<'a> {
             l.expect('=')?;
         }
         let op_line = l.pos;
+        // An opaque op's type is a name, or quoted when it is not one.
+        let opaque_type = |l: &mut Line| match l.peek() {
+            Some(Tok::Str(_)) => l.string(),
+            _ => l.ident(),
+        };
         let (domain, op_type) = match (l.next()?, l.peek()) {
-            (Tok::ColonColon, _) => (Some(String::new()), l.ident()?),
+            (Tok::ColonColon, _) => (Some(String::new()), opaque_type(l)?),
             (Tok::Ident(d) | Tok::Str(d), Some(Tok::ColonColon)) => {
                 l.pos += 1;
-                (Some(d), l.ident()?)
+                (Some(d), opaque_type(l)?)
             }
             (Tok::Ident(op), _) => (None, op),
             _ => {

@@ -135,7 +135,7 @@ impl<'a> Printer<'a> {
 
     fn op(&mut self, line: &mut String, op: &Op) {
         match op {
-            Op::Opaque(o) => write!(line, "{}::{}", quote_domain(&o.domain), o.op_type).ok(),
+            Op::Opaque(o) => write!(line, "{}::{}", quote_domain(&o.domain), ident_or_quote(&o.op_type)).ok(),
             _ if op.is_mpc() => write!(line, "{}::{}", op.domain(), op.op_type()).ok(),
             _ => write!(line, "{}", op.op_type()).ok(),
         };
