@@ -419,9 +419,9 @@ fn fold_constants(
             continue;
         }
         let outs = match mpc_runtime::program::fold(&node.op, &ins, node.outputs().len()) {
-            Ok(o) => o,
+            Ok(o) if o.len() == node.outputs().len() => o,
             // Left for lowering, which reports it with its node.
-            Err(_) => continue,
+            _ => continue,
         };
         let outputs = node.outputs().to_vec();
         for (o, t) in outputs.into_iter().zip(outs) {

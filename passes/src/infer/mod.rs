@@ -152,3 +152,12 @@ fn merge(declared: &TypeInfo, inferred: TypeInfo) -> TypeInfo {
 pub(super) fn axis_in(axis: i64, s: &mpc_ir::Shape) -> std::result::Result<usize, String> {
     mpc_ir::normalize_axis(axis, s.rank()).ok_or(format!("axis {axis} out of range for rank {}", s.rank()))
 }
+
+/// Input `i`, where given and its shape known, holds one value (a scalar operand: Pad's constant,
+/// Clip's bounds, Dropout's ratio).
+pub(super) fn one_value(cx: &rules::NodeCx, i: usize, what: &str) -> std::result::Result<(), String> {
+    match cx.sh(i).filter(|s| s.as_fixed().is_some()) {
+        Some(s) if s.numel() != Some(1) => Err(format!("{what} is {s}, not one value")),
+        _ => Ok(()),
+    }
+}

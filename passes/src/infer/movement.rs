@@ -212,6 +212,7 @@ pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
 }
 
 pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
+    super::one_value(cx, 2, "constant_value")?;
     let Some(x) = cx.sh(0) else { return Ok(None) };
     let Some(pads) = cx.ints(1) else {
         return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));

@@ -108,12 +108,18 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![same(cx, 0)]
         }
         Op::Clip => {
+            super::one_value(cx, 1, "min")?;
+            super::one_value(cx, 2, "max")?;
             cx.same_dtype(0..cx.n_inputs())?;
             vec![same(cx, 0)]
         }
         Op::CumSum(_) => vec![same(cx, 0)],
         Op::Not => vec![same(cx, 0)],
         Op::Dropout(_) | Op::SeededDropout(_) => {
+            if matches!(cx.g.node(cx.n).op, Op::Dropout(_)) {
+                super::one_value(cx, 1, "ratio")?;
+                super::one_value(cx, 2, "training_mode")?;
+            }
             let mut out = vec![same(cx, 0)];
             if cx.n_outputs() > 1 {
                 out.push(t(Some(DType::Bool), cx.sh(0).cloned()));
