@@ -366,6 +366,9 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Size => vec![t(Some(DType::I64), Some(Shape::scalar()))],
         Op::Range => {
+            for (i, what) in [(0, "start"), (1, "limit"), (2, "delta")] {
+                super::one_value(cx, i, what)?;
+            }
             let d = cx.same_dtype(0..3)?;
             let n = match (cx.ints(0), cx.ints(1), cx.ints(2)) {
                 (Some(s), Some(l), Some(dl)) if s.len() == 1 && l.len() == 1 && dl.len() == 1 && dl[0] != 0 => {
@@ -649,7 +652,12 @@ fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
 }
 
 fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
-    let axes: Vec<usize> = axes.iter().map(|&a| axis_in(a, s)).collect::<Result<_, _>>()?;
+    let mut sorted: Vec<usize> = axes.iter().map(|&a| axis_in(a, s)).collect::<Result<_, _>>()?;
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(format!("axes {axes:?} repeat an axis"));
+    }
+    let axes = sorted;
     Ok(Shape(
         s.0.iter()
             .enumerate()
