@@ -501,6 +501,7 @@ fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
         return Err(format!("weight {w} and input {x} must have one rank, 3 or more (batch, channels, spatial...)"));
     }
     bias_of(cx, w.0[0].fixed())?;
+    kernel_matches(a, w)?;
     if let (Some(c), Some(wc)) = (x.0[1].fixed(), w.0[1].fixed()) {
         if c != wc * a.group as u64 {
             return Err(format!(
@@ -537,6 +538,7 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
             return Err(format!("input has {c} channels; the weight {w} and group {} do not take them", a.group));
         }
     }
+    kernel_matches(a, w)?;
     let sp = x.rank() - 2;
     for (i, &p) in a.output_padding.iter().enumerate() {
         let (s, d) = (a.strides.get(i).copied().unwrap_or(1), a.dilations.get(i).copied().unwrap_or(1));
@@ -588,6 +590,22 @@ fn per_channel(cx: &NodeCx, min_rank: usize, slots: &[(usize, &str)]) -> Result<
         }
     }
     Ok(())
+}
+
+/// A Conv's or ConvTranspose's `kernel_shape`, where given, is the weight's spatial dims.
+fn kernel_matches(a: &ConvAttrs, w: &Shape) -> Result<(), String> {
+    let spatial = &w.0[2.min(w.rank())..];
+    let differs = !a.kernel_shape.is_empty()
+        && (a.kernel_shape.len() != spatial.len()
+            || a.kernel_shape.iter().zip(spatial).any(|(&k, d)| d.fixed().is_some_and(|d| d as i64 != k)));
+    match differs {
+        true => Err(format!(
+            "kernel_shape {:?} is not the weight's spatial dims {}",
+            a.kernel_shape,
+            Shape(spatial.to_vec())
+        )),
+        false => Ok(()),
+    }
 }
 
 /// A Conv's or ConvTranspose's bias (input 2): one value per output channel.
