@@ -227,7 +227,7 @@ impl Schema {
         count("outputs", n.outputs.len(), self.outputs_range)?;
         for (i, &(given, _)) in n.inputs.iter().enumerate() {
             match Self::formal(&self.inputs, i) {
-                Some(f) if !given && f.arity == Arity::Single => {
+                Some(f) if !given && f.arity != Arity::Optional => {
                     return Err(format!("{v} input {i} (`{}`) is required but empty", f.name))
                 }
                 _ => {}
