@@ -17,7 +17,7 @@ mod known;
 mod movement;
 mod rules;
 
-use mpc_ir::{Dim, Graph, Shape, TypeInfo};
+use mpc_ir::{Dim, Graph, Op, Shape, TypeInfo};
 
 pub(crate) use known::{const_ints, Elem};
 
@@ -55,7 +55,13 @@ pub(crate) fn infer_types_in(
 ) -> Result<()> {
     let mut known = known::KnownValues::new(g);
     for &n in order {
-        if g.node(n).op.is_opaque() {
+        if let Op::Opaque(o) = &g.node(n).op {
+            // Subgraphs read outer values whose types inference may have changed: they must
+            // still be valid bodies (an If branch subtracting f32 from a value now u8 is not).
+            if retype.is_none_or(|r| r(n)) {
+                mpc_ir::onnx::check_subgraphs(&o.attrs, g)
+                    .map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
+            }
             continue;
         }
         if retype.is_some_and(|r| !r(n)) {
