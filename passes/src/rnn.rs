@@ -17,6 +17,9 @@ use mpc_ir::{DType, Dim, Graph, NodeId, Op, Tensor, ValueId};
 use crate::train::build::Builder;
 use crate::{infer_types, Changed, Context, Pass, PassError, Result};
 
+/// The longest sequence unrolled: each step is a handful of nodes.
+const MAX_STEPS: u64 = 4096;
+
 pub struct UnrollRnn;
 
 impl Pass for UnrollRnn {
@@ -128,7 +131,8 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
         return Err(format!("X is {xs}, not of rank 3"));
     }
     let steps = match &xs.dims()[layout as usize] {
-        Dim::Fixed(s) => *s as i64,
+        Dim::Fixed(s) if *s <= MAX_STEPS => *s as i64,
+        Dim::Fixed(s) => return Err(format!("a sequence of {s} steps is more than the {MAX_STEPS} mpc unrolls")),
         d => return Err(format!("the sequence length is `{d}`: only a fixed length can be unrolled")),
     };
 

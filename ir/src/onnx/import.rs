@@ -421,8 +421,9 @@ pub fn check_subgraphs(attrs: &Attrs, outer: &Graph) -> Result<(), String> {
     check_bodies(protos.iter(), outer)
 }
 
-/// Outer-scope values read by the subgraphs in `attrs` (If/Loop/Scan bodies).
-fn captures(attrs: &Attrs, g: &Graph) -> Vec<ValueId> {
+/// Outer-scope values read by the subgraphs in `attrs` (If/Loop/Scan bodies), in the order they
+/// are first read: an opaque op's inputs past its explicit ones.
+pub fn captures(attrs: &Attrs, g: &Graph) -> Vec<ValueId> {
     let mut names = Vec::new();
     for (_, a) in attrs {
         if let Attr::Raw(bytes) = a {

@@ -7,4 +7,4 @@ pub mod proto;
 pub mod schema;
 
 pub use export::{encode_onnx, export_opset, write_onnx};
-pub use import::{check_subgraphs, decode_onnx, decode_subgraph, decode_tensor, read_onnx};
+pub use import::{captures, check_subgraphs, decode_onnx, decode_subgraph, decode_tensor, read_onnx};

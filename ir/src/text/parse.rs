@@ -419,7 +419,20 @@ impl<'a> Parser<'a> {
         let checked = crate::onnx::schema::check_op(&op, self.g.meta.onnx_opset(), &sig, &vec![true; outs.len()]);
         let checked = checked.and_then(|()| op.validate(inputs.len()));
         let checked = checked.and_then(|()| match &op {
-            Op::Opaque(o) => crate::onnx::check_subgraphs(&o.attrs, &self.g),
+            Op::Opaque(o) => {
+                crate::onnx::check_subgraphs(&o.attrs, &self.g)?;
+                // The values after `|` are the outer values the subgraphs read, no more, no fewer.
+                let listed: Vec<ValueId> =
+                    inputs[o.explicit_inputs.min(inputs.len())..].iter().flatten().copied().collect();
+                let read = crate::onnx::captures(&o.attrs, &self.g);
+                match listed.len() == read.len() && read.iter().all(|v| listed.contains(v)) {
+                    true => Ok(()),
+                    false => {
+                        let names: Vec<&str> = read.iter().map(|&v| self.g.name(v)).collect();
+                        Err(format!("its subgraphs read {}, which must be the values after `|`", names.join(", ")))
+                    }
+                }
+            }
             _ => Ok(()),
         });
         checked.map_err(|e| match name.is_empty() {
