@@ -29,6 +29,16 @@ pub enum KernelError {
 
 pub(crate) type Res<T> = Result<T, KernelError>;
 
+/// An output whose shape comes from data (ConstantOfShape, Range, Expand, Tile, Pad) is
+/// refused before it is allocated when it is more than a program may hold.
+pub(crate) fn fits(shape: &[usize], dtype: mpc_ir::DType) -> Res<()> {
+    let limit = crate::device::memory_limit();
+    match shape.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64)) {
+        Some(b) if b <= limit => Ok(()),
+        _ => Err(err(format!("an output of {dtype}{shape:?} is more than the {limit} bytes a program may hold"))),
+    }
+}
+
 pub(crate) fn err(msg: impl Into<String>) -> KernelError {
     KernelError::Invalid(msg.into())
 }
@@ -231,6 +241,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 .as_ref()
                 .map(HostTensor::from)
                 .unwrap_or_else(|| HostTensor::from(&Tensor::from_f32(vec![1], &[0.0])));
+            fits(&shape, value.dtype())?;
             let n = shape.iter().product();
             one(value.pick(shape, &vec![0; n]))
         }

@@ -133,12 +133,19 @@ pub(crate) fn expand(x: &HostTensor, target: &[i64]) -> Res<HostTensor> {
     let t: Vec<usize> = target.iter().map(|&d| d.max(0) as usize).collect();
     let shape = super::elementwise::broadcast_shape(&[&x.shape, &t])
         .ok_or_else(|| err(format!("cannot expand {:?} to {target:?}", x.shape)))?;
+    super::fits(&shape, x.dtype())?;
     let idx = super::elementwise::broadcast_index(&x.shape, &shape);
     Ok(x.pick(shape, &idx))
 }
 
 pub(crate) fn tile(x: &HostTensor, reps: &[i64]) -> Res<HostTensor> {
-    let shape: Vec<usize> = x.shape.iter().zip(reps).map(|(&d, &r)| d * r.max(0) as usize).collect();
+    let shape: Vec<usize> = x
+        .shape
+        .iter()
+        .zip(reps)
+        .map(|(&d, &r)| d.checked_mul(r.max(0) as usize).ok_or_else(|| err("Tile's output size overflows")))
+        .collect::<Res<_>>()?;
+    super::fits(&shape, x.dtype())?;
     let st = strides(&x.shape);
     let total: usize = shape.iter().product();
     let ost = strides(&shape);
@@ -162,7 +169,10 @@ pub(crate) fn pad(
         before[a] = pads[i];
         after[a] = pads[i + axes.len()];
     }
-    let shape: Vec<usize> = (0..rank).map(|d| (x.shape[d] as i64 + before[d] + after[d]).max(0) as usize).collect();
+    let shape: Vec<usize> = (0..rank)
+        .map(|d| (x.shape[d] as i64).saturating_add(before[d]).saturating_add(after[d]).max(0) as usize)
+        .collect();
+    super::fits(&shape, x.dtype())?;
     let st = strides(&x.shape);
     let ost = strides(&shape);
     let total: usize = shape.iter().product();
@@ -209,6 +219,7 @@ pub(crate) fn range(start: &HostTensor, limit: &HostTensor, delta: &HostTensor) 
         return Err(err("Range delta is 0"));
     }
     let n = ((l - s) / d).ceil().max(0.0) as usize;
+    super::fits(&[n], start.dtype())?;
     let v: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
     Ok(match &start.data {
         Data::F32(_) => HostTensor::from_f32(
