@@ -342,8 +342,8 @@ pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Result<Option<Shape>, String> {
         for (c, d) in term.chars().zip(&s.0) {
             let e = dims.entry(c).or_insert(d.clone());
             match (e.fixed(), d.fixed()) {
-                (None | Some(1), _) => *e = d.clone(),
-                (Some(a), Some(b)) if a != b && b != 1 => {
+                (None, _) => *e = d.clone(),
+                (Some(a), Some(b)) if a != b => {
                     return Err(format!("`{eq}`: label `{c}` is {a} in one operand and {b} in operand {i}"))
                 }
                 _ => {}

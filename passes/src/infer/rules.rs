@@ -540,6 +540,9 @@ fn conv_transpose(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
     }
     kernel_matches(a, w)?;
     let sp = x.rank() - 2;
+    if !a.output_shape.is_empty() && a.output_shape.len() < sp {
+        return Err(format!("output_shape {:?} gives fewer than the {sp} spatial dims", a.output_shape));
+    }
     for (i, &p) in a.output_padding.iter().enumerate() {
         let (s, d) = (a.strides.get(i).copied().unwrap_or(1), a.dilations.get(i).copied().unwrap_or(1));
         if p >= s.max(d) {

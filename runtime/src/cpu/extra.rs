@@ -31,6 +31,9 @@ pub(crate) fn conv_transpose(
     let spec = a.window(&kernel_i64);
     let mut pads = vec![0i64; 2 * sp];
     let mut out_sp = Vec::with_capacity(sp);
+    if !a.output_shape.is_empty() && a.output_shape.len() < sp {
+        return Err(err(format!("output_shape {:?} gives fewer than the {sp} spatial dims", a.output_shape)));
+    }
     for d in 0..sp {
         let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
         let o = mpc_ir::geometry::conv_transpose_dim(&spec, d, in_sp[d] as u64, at(&a.output_padding, d, 0), target)
@@ -234,7 +237,9 @@ pub(crate) fn einsum(eq: &str, ins: &[&HostTensor]) -> Res<HostTensor> {
             return Err(err(format!("Einsum term `{t}` does not match rank {}", x.shape.len())));
         }
         for (c, &d) in t.chars().zip(&x.shape) {
-            size.insert(c, d);
+            if let Some(e) = size.insert(c, d).filter(|&e| e != d) {
+                return Err(err(format!("Einsum label `{c}` is {e} in one operand and {d} in another")));
+            }
         }
     }
     let letters: Vec<char> = {
