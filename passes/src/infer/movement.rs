@@ -163,7 +163,17 @@ pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
     };
     let a = normalize_axis(axis, x.rank()).ok_or(format!("axis {axis} out of range"))?;
     let sizes: Option<Vec<u64>> = if cx.has(1) {
-        cx.ints(1).map(|v| v.into_iter().map(|s| s.max(0) as u64).collect())
+        match cx.ints(1) {
+            Some(v) if v.len() != n => return Err(format!("{} split sizes for {n} outputs", v.len())),
+            Some(v) => Some(
+                v.iter()
+                    .map(|&s| {
+                        u64::try_from(s).map_err(|_| format!("split sizes {v:?} has {s}; each must be 0 or more"))
+                    })
+                    .collect::<Result<_, _>>()?,
+            ),
+            None => None,
+        }
     } else {
         x.0[a].fixed().map(|len| {
             let parts = num_outputs.unwrap_or(n as i64).max(1) as u64;
@@ -172,7 +182,7 @@ pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
         })
     };
     if let (Some(s), Some(len)) = (&sizes, x.0[a].fixed()) {
-        if s.iter().sum::<u64>() != len || s.len() != n {
+        if s.iter().try_fold(0u64, |acc, &x| acc.checked_add(x)) != Some(len) {
             return Err(format!("split sizes {s:?} do not add up to {len} over {n} outputs"));
         }
     }
