@@ -59,8 +59,10 @@ pub(crate) fn infer_types_in(
             // Subgraphs read outer values whose types inference may have changed: they must
             // still be valid bodies (an If branch subtracting f32 from a value now u8 is not).
             if retype.is_none_or(|r| r(n)) {
+                let node = g.node_label(n);
                 mpc_ir::onnx::check_subgraphs(&o.attrs, g)
-                    .map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
+                    .map_err(|msg| PassError::Node { node: node.clone(), msg })?;
+                check_dtypes(g, n).map_err(|msg| PassError::Node { node, msg })?;
             }
             continue;
         }
@@ -94,13 +96,19 @@ pub(crate) fn infer_types_in(
 /// refused before a file with it is written.
 fn check_dtypes(g: &Graph, n: mpc_ir::NodeId) -> std::result::Result<(), String> {
     let node = g.node(n);
-    if node.op.is_mpc() {
-        return Ok(());
-    }
+    // An opaque op of the standard domain: its explicit inputs (the rest are what its subgraphs
+    // read); its outputs keep the types its file declared.
+    let (inputs, outputs) = match &node.op {
+        Op::Opaque(o) if o.domain.is_empty() || o.domain == "ai.onnx" => {
+            (&node.inputs()[..o.explicit_inputs.min(node.inputs().len())], &[][..])
+        }
+        op if op.is_opaque() || op.is_mpc() => return Ok(()),
+        _ => (node.inputs(), node.outputs()),
+    };
     let Some(schema) = mpc_ir::onnx::schema::newest(node.op.op_type()) else { return Ok(()) };
     let sig: Vec<(bool, Option<mpc_ir::DType>)> =
-        node.inputs().iter().map(|v| (v.is_some(), v.and_then(|v| g.ty(v).dtype))).collect();
-    let outs: Vec<Option<mpc_ir::DType>> = node.outputs().iter().map(|&v| g.ty(v).dtype).collect();
+        inputs.iter().map(|v| (v.is_some(), v.and_then(|v| g.ty(v).dtype))).collect();
+    let outs: Vec<Option<mpc_ir::DType>> = outputs.iter().map(|&v| g.ty(v).dtype).collect();
     schema.check_types(&sig, &outs).map_err(|e| format!("{} (opset {}): {e}", schema.op, schema.since))
 }
 
