@@ -131,6 +131,7 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
         return Err(format!("X is {xs}, not of rank 3"));
     }
     let steps = match &xs.dims()[layout as usize] {
+        Dim::Fixed(0) => return Err("a sequence of 0 steps has nothing to unroll".into()),
         Dim::Fixed(s) if *s <= MAX_STEPS => *s as i64,
         Dim::Fixed(s) => return Err(format!("a sequence of {s} steps is more than the {MAX_STEPS} mpc unrolls")),
         d => return Err(format!("the sequence length is `{d}`: only a fixed length can be unrolled")),
