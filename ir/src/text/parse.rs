@@ -378,6 +378,10 @@ impl<'a> Parser<'a> {
         l.expect('(')?;
         let mut inputs = Vec::new();
         let mut explicit = None;
+        // An opaque op with no explicit inputs lists only what its subgraphs read: `(| %3)`.
+        if l.eat('|') {
+            explicit = Some(0);
+        }
         if !l.eat(')') {
             loop {
                 match l.peek() {
