@@ -81,6 +81,9 @@ pub(crate) fn slice(x: &HostTensor, starts: &[i64], ends: &[i64], axes: &[i64], 
     let mut begin = vec![0i64; rank];
     let mut step = vec![1i64; rank];
     let mut count: Vec<usize> = x.shape.clone();
+    if [ends.len(), axes.len(), steps.len()].iter().any(|&n| n != starts.len()) {
+        return Err(err("starts, ends, axes and steps have different lengths"));
+    }
     for i in 0..starts.len() {
         let a = axis(axes[i], rank)?;
         let len = x.shape[a] as i64;
