@@ -9,7 +9,7 @@ use super::rules::{check_eq, t, NodeCx, R};
 /// symbol appears in the input and the target.
 pub(super) fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, String> {
     let Some(target) = cx.known(1) else {
-        return Ok(cx.sh(1).and_then(|s| s.0.first()?.fixed()).map(|r| Shape(vec![Dim::Unknown; r as usize])));
+        return Ok(super::rules::vector_len(cx, 1).map(|r| Shape(vec![Dim::Unknown; r])));
     };
     let x = cx.sh(0);
     let mut out: Vec<Dim> = Vec::with_capacity(target.elems.len());

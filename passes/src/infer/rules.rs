@@ -693,7 +693,7 @@ fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
 
 /// The length of input `i` when it is a vector of fixed length (a shape operand).
 /// (A longer vector is no shape mpc would run: its rank is left unknown rather than spelled out.)
-fn vector_len(cx: &NodeCx, i: usize) -> Option<usize> {
+pub(super) fn vector_len(cx: &NodeCx, i: usize) -> Option<usize> {
     match cx.sh(i)?.dims() {
         [Dim::Fixed(n)] => usize::try_from(*n).ok().filter(|&n| n <= MAX_RANK),
         _ => None,
