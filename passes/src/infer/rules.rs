@@ -667,9 +667,9 @@ fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
             return Err(format!("pads {:?} must each be less than the kernel {:?}", a.pads, a.kernel_shape));
         }
     }
-    let mut out = vec![x.0[0].clone(), x.0.get(1).cloned().unwrap_or(Dim::Unknown)];
-    out.extend(spatial(x, &a.window())?);
-    Ok(Some(Shape(out)))
+    // The window's dims first: they check the input's rank.
+    let spatial = spatial(x, &a.window())?;
+    Ok(Some(Shape([&x.0[..2], &spatial[..]].concat())))
 }
 
 fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
