@@ -216,7 +216,14 @@ impl Importer<'_> {
                 outputs: &mut outputs,
             };
             match legacy::normalize(&mut cx, &op_type, attrs.clone())? {
-                Some(op) => op,
+                Some(op) => {
+                    // An older form that normalisation does not rewrite (Reshape-1's `shape`
+                    // attribute) would become a malformed node of the newest form.
+                    let sig: Vec<(bool, Option<DType>)> = inputs.iter().map(|v| (v.is_some(), None)).collect();
+                    schema::check_op(&op, 0, &sig, &vec![true; outputs.len()])
+                        .map_err(|e| format!("mpc does not read {op_type} as opset {} wrote it: {e}", self.opset))?;
+                    op
+                }
                 None => opaque(attrs, &self.g, &mut inputs),
             }
         } else if domain == crate::ops::MPC_DOMAIN {

@@ -586,10 +586,16 @@ fn per_channel(cx: &NodeCx, min_rank: usize, slots: &[(usize, &str)]) -> Result<
         ));
     }
     for &(i, what) in slots {
-        if let (Some(Dim::Fixed(c)), Some(s)) = (x.dims().get(1), cx.sh(i)) {
-            if s.dims() != [Dim::Fixed(*c)] && s.as_fixed().is_some() {
-                return Err(format!("the {what} is {s} where the input's {c} channels need [{c}]"));
-            }
+        let Some(s) = cx.sh(i) else { continue };
+        let c = x.dims().get(1).and_then(|d| d.fixed());
+        let differs = match s.dims() {
+            [d] => matches!((d.fixed(), c), (Some(n), Some(c)) if n != c),
+            _ => true,
+        };
+        if differs {
+            let want =
+                c.map_or("one value per channel".to_string(), |c| format!("the input's {c} channels need [{c}]"));
+            return Err(format!("the {what} is {s} where {want}"));
         }
     }
     Ok(())
