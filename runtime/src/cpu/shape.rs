@@ -166,6 +166,9 @@ pub(crate) fn pad(
     mode: PadMode,
 ) -> Res<HostTensor> {
     let rank = x.shape.len();
+    if pads.len() != 2 * axes.len() || axes.iter().any(|&a| a >= rank) {
+        return Err(err(format!("{} pads for {} axes of a rank-{rank} input", pads.len(), axes.len())));
+    }
     let mut before = vec![0i64; rank];
     let mut after = vec![0i64; rank];
     for (i, &a) in axes.iter().enumerate() {
