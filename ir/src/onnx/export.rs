@@ -294,6 +294,15 @@ fn write_node(
     let mut attrs = nd.op.attrs();
     if let Op::Opaque(o) = &nd.op {
         inputs = &inputs[..o.explicit_inputs.min(inputs.len())];
+        // An opaque standard node keeps the form of the model's opset; written at a later one it
+        // must still be valid there (And-1's `axis` is not, from opset 7).
+        let sig: Vec<(bool, Option<crate::DType>)> = inputs.iter().map(|v| (v.is_some(), None)).collect();
+        super::schema::check_op(&nd.op, opset, &sig, &vec![true; nd.outputs().len()]).map_err(|e| {
+            invalid(format!(
+                "node {}: {e}; mpc writes ai.onnx opset {opset}, where this form is invalid",
+                g.node_label(n)
+            ))
+        })?;
     }
     if nd.op.axes_input_since().is_some_and(|since| opset < since) {
         if let Some(axes) = nd.input(1) {
