@@ -275,6 +275,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 Some(a) => {
                     let axes: Vec<usize> =
                         a.i64s().unwrap_or_default().iter().map(|&v| axis(v, t.shape.len())).collect::<Res<_>>()?;
+                    if let Some(&a) = axes.iter().find(|&&a| t.shape[a] != 1) {
+                        return Err(err(format!("cannot squeeze axis {a} of size {}", t.shape[a])));
+                    }
                     t.shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect()
                 }
                 None => t.shape.iter().copied().filter(|&d| d != 1).collect(),
@@ -287,6 +290,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let mut axes: Vec<usize> =
                 ints(ins.get(1).copied().flatten(), "axes")?.iter().map(|&v| axis(v, r)).collect::<Res<_>>()?;
             axes.sort_unstable();
+            if axes.windows(2).any(|w| w[0] == w[1]) {
+                return Err(err("Unsqueeze axes repeat an axis"));
+            }
             let mut dims = t.shape.iter();
             let shape = (0..r).map(|i| if axes.contains(&i) { 1 } else { *dims.next().unwrap_or(&1) }).collect();
             one(t.clone().with_shape(shape))
