@@ -7,10 +7,12 @@ use mpc_ir::ops::PadMode;
 use super::{err, Res};
 use crate::value::{gather_runs, Data, HostTensor};
 
+/// Row-major strides. (A tensor that fits in memory has strides that fit in `usize`; an empty
+/// one can have dims whose product does not, and its strides are never used: they saturate.)
 pub(crate) fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = vec![1usize; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        s[i] = s[i + 1] * shape[i + 1];
+        s[i] = s[i + 1].saturating_mul(shape[i + 1]);
     }
     s
 }
