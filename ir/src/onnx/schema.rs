@@ -214,12 +214,7 @@ impl Schema {
         let count = |what: &str, have: usize, (lo, hi): (usize, usize)| {
             if have < lo || have > hi {
                 let what = if lo == hi && lo == 1 { &what[..what.len() - 1] } else { what };
-                let want = match (lo, hi) {
-                    _ if lo == hi => format!("{lo}"),
-                    (_, usize::MAX) | (_, 2147483647) => format!("at least {lo}"),
-                    _ => format!("{lo} to {hi}"),
-                };
-                return Err(format!("{v} takes {want} {what}, not {have}"));
+                return Err(format!("{v} takes {} {what}, not {have}", count_range(lo, hi)));
             }
             Ok(())
         };
@@ -349,6 +344,15 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
     s.check(&NodeSig { inputs, outputs, attrs: &kinds })
 }
 
+/// A count a signature allows: `2`, `2 to 3`, `at least 1` (ONNX writes "any" as i32::MAX).
+fn count_range(lo: usize, hi: usize) -> String {
+    match hi {
+        _ if lo == hi => format!("{lo}"),
+        usize::MAX | 2147483647 => format!("at least {lo}"),
+        _ => format!("{lo} to {hi}"),
+    }
+}
+
 /// The input and output counts of the `ai.mpc` ops (docs/ai-mpc-ops.md), and the inputs that
 /// must be given.
 fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) -> Result<(), String> {
@@ -368,11 +372,7 @@ fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) ->
         _ => return Ok(()),
     };
     let name = format!("ai.mpc::{}", op.op_type());
-    let range = |(lo, hi): (usize, usize)| match (lo, hi) {
-        _ if lo == hi => format!("{lo}"),
-        (_, usize::MAX) => format!("at least {lo}"),
-        _ => format!("{lo} to {hi}"),
-    };
+    let range = |(lo, hi)| count_range(lo, hi);
     if inputs.len() < ins.0 || inputs.len() > ins.1 {
         return Err(format!("{name} takes {} inputs, not {}", range(ins), inputs.len()));
     }
