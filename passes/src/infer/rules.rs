@@ -503,12 +503,10 @@ fn conv(cx: &NodeCx, a: &ConvAttrs) -> Result<Option<Shape>, String> {
     bias_of(cx, w.0[0].fixed())?;
     kernel_matches(a, w)?;
     if let (Some(c), Some(wc)) = (x.0[1].fixed(), w.0[1].fixed()) {
-        if c != wc * a.group as u64 {
-            return Err(format!(
-                "input has {c} channels but the weight expects {} (group {})",
-                wc * a.group as u64,
-                a.group
-            ));
+        // In u128: a declared dim times the group may not fit in u64.
+        let want = wc as u128 * a.group as u128;
+        if c as u128 != want {
+            return Err(format!("input has {c} channels but the weight expects {want} (group {})", a.group));
         }
     }
     let kernel: Vec<i64> = if a.kernel_shape.is_empty() {
