@@ -489,10 +489,13 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             let (d, s) = ty(o)?;
             let size = align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align);
             let dies = if keep.contains(&o) { end } else { *last.get(&o).unwrap_or(&i) };
-            // In place over an input that dies here, of the same size, not an input slot.
+            // In place over an input that dies here, of the output's dtype and shape (a broadcast
+            // input of the same aligned size would be overwritten while other elements still read
+            // it), not an input slot.
             let reuse = (k == 0 && crate::plan::elementwise(&node.op))
                 .then(|| {
-                    node.inputs().iter().flatten().map(|&v| root(v)).find(|v| {
+                    let same = |v: &&ValueId| ty(**v).is_ok_and(|t| t == (d, s.clone()));
+                    node.inputs().iter().flatten().filter(same).map(|&v| root(v)).find(|v| {
                         matches!(g.value(*v).def(), Def::Node(..))
                             && last.get(v) == Some(&i)
                             && !keep.contains(v)

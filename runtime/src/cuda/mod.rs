@@ -7,7 +7,9 @@
 //! [`CudaError`] that names it: a build with the `cuda` feature runs on any machine.
 
 pub mod cubin;
+pub mod device;
 pub mod nvrtc;
+pub mod plan;
 
 use cudarc::driver::{result as drv, sys as drv_sys};
 

@@ -1,0 +1,529 @@
+//! [`CudaDevice`]: the [`Device`] that runs programs on an NVIDIA GPU.
+//!
+//! - One primary context and one non-blocking stream; every region is one device allocation,
+//!   made when a program is loaded, and freed with the device.
+//! - `prepare` plans every launch of the program ([`super::plan`]), fails there for an op the
+//!   device cannot run (naming its node), allocates the program's workspace, uploads the plans'
+//!   aux bytes, loads the kernels (NVRTC, cached cubins: [`super::nvrtc`]) and resolves every
+//!   argument to its final bytes. A step then only enqueues: `cuLaunchKernel` with ready
+//!   parameter buffers, cuBLAS GEMMs (FP32 accumulation for f16/bf16; f32 stays f32 unless
+//!   `allow_tf32`), device copies and fills. Nothing in a step allocates or waits.
+//! - `read` is a synchronisation; `stage` enqueues a copy into pinned host memory and records an
+//!   event, and `fetch` waits for that event only.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{result as drv, sys as drv_sys};
+use mpc_ir::DType;
+
+use super::plan::{self, param_offsets, Buf, Call, Gemm};
+use super::{nvrtc, CudaError, Gpu};
+use crate::device::{memory_limit, Device, DeviceCounters, Regions};
+use crate::program::{DeviceCaps, Launch, Program, Region, TensorRef};
+use crate::RuntimeError;
+
+/// One region of device memory.
+#[derive(Debug)]
+pub struct CudaMemory {
+    ptr: u64,
+    len: u64,
+}
+
+impl CudaMemory {
+    /// The device address of the region's first byte (tests check that it never moves).
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// A call with every address resolved.
+enum Ready {
+    Kernel { f: drv_sys::CUfunction, grid: [u32; 3], block: [u32; 3], params: Vec<u8>, offsets: Vec<usize> },
+    Gemm { g: Gemm, a: u64, b: u64, c: u64 },
+    Copy { from: u64, to: u64, bytes: u64 },
+    Fill { to: u64, bytes: u64, byte: u8 },
+}
+
+struct Prepared {
+    node: String,
+    calls: Vec<Ready>,
+}
+
+/// Bytes on their way to the host: pinned memory and the event that marks the copy done.
+pub struct Staged {
+    host: *mut u8,
+    cap: usize,
+    len: usize,
+    event: drv_sys::CUevent,
+}
+
+pub struct CudaDevice {
+    gpu: Gpu,
+    dev: drv_sys::CUdevice,
+    ctx: drv_sys::CUcontext,
+    stream: drv_sys::CUstream,
+    blas: blas_sys::cublasHandle_t,
+    allow_tf32: bool,
+    modules: HashMap<&'static str, drv_sys::CUmodule>,
+    functions: HashMap<String, drv_sys::CUfunction>,
+    /// Every device allocation, freed with the device.
+    allocations: Vec<u64>,
+    /// The resolved calls of each prepared launch, by the launch's address (a loaded program's
+    /// launches never move).
+    prepared: HashMap<usize, Prepared>,
+    /// Pinned host buffers and events for `stage`, reused.
+    pinned: Vec<(*mut u8, usize)>,
+    /// Every pinned buffer made, freed with the device.
+    pinned_all: Vec<*mut u8>,
+    events: Vec<drv_sys::CUevent>,
+    counters: DeviceCounters,
+}
+
+fn driver(what: &str) -> impl Fn(drv::DriverError) -> RuntimeError + '_ {
+    move |e| RuntimeError::Internal(format!("CUDA {what}: {e:?}"))
+}
+
+fn cuda_error(e: CudaError) -> RuntimeError {
+    RuntimeError::Graph(e.to_string())
+}
+
+impl CudaDevice {
+    /// The GPU `ordinal`, or why it cannot be used (no driver, no GPU, a driver too old).
+    pub fn new(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        let (gpus, _) = super::gpus()?;
+        let gpu = gpus.get(ordinal).cloned().ok_or(CudaError::NoDevice)?;
+        let err = |e: drv::DriverError| CudaError::Driver(format!("{e:?}"));
+        let dev = drv::device::get(gpu.ordinal).map_err(err)?;
+        // SAFETY: `dev` came from the driver; the context is released in Drop.
+        let ctx = unsafe { drv::primary_ctx::retain(dev) }.map_err(err)?;
+        // SAFETY: `ctx` is a live context.
+        unsafe { drv::ctx::set_current(ctx) }.map_err(err)?;
+        let stream = drv::stream::create(drv::stream::StreamKind::NonBlocking).map_err(err)?;
+        // SAFETY: the library is present when the driver is (probe checks it below).
+        if !unsafe { blas_sys::is_culib_present() } {
+            return Err(CudaError::Driver("cuBLAS was not found (libcublas.so.13)".into()));
+        }
+        let blas = blas::create_handle().map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
+        // SAFETY: both handles are live.
+        unsafe { blas::set_stream(blas, stream as _) }.map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
+        nvrtc::version()?;
+        nvrtc::include_dir()?;
+        Ok(CudaDevice {
+            gpu,
+            dev,
+            ctx,
+            stream,
+            blas,
+            allow_tf32: false,
+            modules: HashMap::new(),
+            functions: HashMap::new(),
+            allocations: Vec::new(),
+            prepared: HashMap::new(),
+            pinned: Vec::new(),
+            pinned_all: Vec::new(),
+            events: Vec::new(),
+            counters: DeviceCounters::default(),
+        })
+    }
+
+    /// f32 matrix products on TF32 tensor cores (off by default: f32 stays f32, as in PyTorch).
+    pub fn with_tf32(mut self, allow: bool) -> CudaDevice {
+        self.allow_tf32 = allow;
+        self
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn current(&self) -> Result<(), RuntimeError> {
+        // SAFETY: the context lives as long as the device.
+        unsafe { drv::ctx::set_current(self.ctx) }.map_err(driver("context"))
+    }
+
+    /// The kernel `name` of `family`, compiled and loaded on first use.
+    fn function(&mut self, family: &'static str, name: &str) -> Result<drv_sys::CUfunction, RuntimeError> {
+        if let Some(&f) = self.functions.get(name) {
+            return Ok(f);
+        }
+        if !self.modules.contains_key(family) {
+            let source = nvrtc::FAMILIES
+                .iter()
+                .find(|(f, _)| *f == family)
+                .map(|(_, s)| *s)
+                .ok_or_else(|| RuntimeError::Internal(format!("no kernel family {family}")))?;
+            let compiled = nvrtc::compile(family, source, &self.gpu.arch(), false).map_err(cuda_error)?;
+            // SAFETY: a cubin NVRTC made for this device's architecture; it is copied by the driver.
+            let module = unsafe { drv::module::load_data(compiled.cubin.as_ptr() as *const c_void) }
+                .map_err(driver("loading a module"))?;
+            self.modules.insert(family, module);
+        }
+        let cname = CString::new(name).map_err(|_| RuntimeError::Internal(format!("kernel name {name}")))?;
+        // SAFETY: the module is loaded and stays loaded as long as the device.
+        let f = unsafe { drv::module::get_function(self.modules[family], cname) }
+            .map_err(|e| RuntimeError::Internal(format!("kernel {name} is not in kernels/{family}.cu: {e:?}")))?;
+        self.functions.insert(name.to_string(), f);
+        Ok(f)
+    }
+
+    fn alloc_bytes(&mut self, bytes: u64, what: &str) -> Result<u64, RuntimeError> {
+        // A zero-byte region still gets an address.
+        let len = usize::try_from(bytes.max(1)).map_err(|_| RuntimeError::TooLarge(format!("{bytes} bytes")))?;
+        // SAFETY: a plain allocation, freed in Drop.
+        let ptr = unsafe { drv::malloc_sync(len) }.map_err(|e| {
+            RuntimeError::TooLarge(format!(
+                "the {what} needs {bytes} bytes of GPU memory and the allocation failed ({e:?}) on {}",
+                self.gpu.name
+            ))
+        })?;
+        self.allocations.push(ptr);
+        self.counters.allocations += 1;
+        self.counters.allocated_bytes += bytes;
+        Ok(ptr)
+    }
+
+    fn prepare_launches(
+        &mut self,
+        launches: &[Launch],
+        program: &Program,
+        plans: &mut Vec<(usize, String, plan::LaunchPlan)>,
+    ) -> Result<(), RuntimeError> {
+        let constant = |t: &TensorRef| program.constants.iter().find(|(place, _)| place == t).map(|(_, v)| v.clone());
+        for l in launches {
+            if let Some(b) = &l.branches {
+                self.prepare_launches(&b.then_launches, program, plans)?;
+                self.prepare_launches(&b.else_launches, program, plans)?;
+                continue;
+            }
+            let p = plan::plan(l, &constant)
+                .map_err(|msg| RuntimeError::Unsupported { node: l.node.clone(), msg: format!("on cuda: {msg}") })?;
+            plans.push((l as *const Launch as usize, l.node.clone(), p));
+        }
+        Ok(())
+    }
+
+    fn enqueue(&mut self, r: &Ready) -> Result<(), RuntimeError> {
+        match r {
+            Ready::Kernel { f, grid, block, params, offsets } => {
+                let mut ptrs: Vec<*mut c_void> =
+                    offsets.iter().map(|&o| params.as_ptr().wrapping_add(o) as *mut c_void).collect();
+                // SAFETY: `f` is a loaded kernel; the parameter buffer was laid out for its
+                // declared parameters (checked against the cubins in the tests) and the driver
+                // copies it before returning.
+                unsafe {
+                    drv::launch_kernel(
+                        *f,
+                        (grid[0], grid[1], grid[2]),
+                        (block[0], block[1], block[2]),
+                        0,
+                        self.stream,
+                        &mut ptrs,
+                    )
+                }
+                .map_err(driver("kernel launch"))
+            }
+            Ready::Gemm { g, a, b, c } => self.gemm(g, *a, *b, *c),
+            // SAFETY: both ranges lie in regions of this device (the plan's sizes).
+            Ready::Copy { from, to, bytes } => {
+                unsafe { drv::memcpy_dtod_async(*to, *from, *bytes as usize, self.stream) }.map_err(driver("copy"))
+            }
+            // SAFETY: as above.
+            Ready::Fill { to, bytes, byte } => {
+                unsafe { drv::memset_d8_async(*to, *byte, *bytes as usize, self.stream) }.map_err(driver("fill"))
+            }
+        }
+    }
+
+    fn gemm(&self, g: &Gemm, a: u64, b: u64, c: u64) -> Result<(), RuntimeError> {
+        use blas_sys::cublasComputeType_t as Compute;
+        use blas_sys::cudaDataType_t as Ty;
+        let (ty, compute) = match g.dtype {
+            DType::F32 if self.allow_tf32 => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
+            DType::F32 => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
+            DType::F16 => (Ty::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F),
+            DType::BF16 => (Ty::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
+            DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
+            d => return Err(RuntimeError::Internal(format!("a GEMM of {d}"))),
+        };
+        let op = |t: bool| {
+            if t {
+                blas_sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas_sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let (a32, b32) = (g.alpha as f32, g.beta as f32);
+        let (alpha, beta): (*const c_void, *const c_void) = if g.dtype == DType::F64 {
+            (&g.alpha as *const f64 as _, &g.beta as *const f64 as _)
+        } else {
+            (&a32 as *const f32 as _, &b32 as *const f32 as _)
+        };
+        let int = |v: i64| i32::try_from(v).map_err(|_| RuntimeError::Internal(format!("a GEMM dim of {v}")));
+        // SAFETY: the operands lie in this device's regions with the plan's leading dims and
+        // strides; alpha and beta are read before the call returns (host pointer mode).
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                self.blas,
+                op(g.trans_a),
+                op(g.trans_b),
+                int(g.m)?,
+                int(g.n)?,
+                int(g.k)?,
+                alpha,
+                a as *const c_void,
+                ty,
+                int(g.lda)?,
+                g.stride_a,
+                b as *const c_void,
+                ty,
+                int(g.ldb)?,
+                g.stride_b,
+                beta,
+                c as *mut c_void,
+                ty,
+                int(g.ldc)?,
+                g.stride_c,
+                int(g.batch)?,
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| RuntimeError::Internal(format!("cuBLAS GEMM: {e:?}")))
+    }
+
+    fn sync(&self) -> Result<(), RuntimeError> {
+        // SAFETY: the stream lives as long as the device.
+        unsafe { drv::stream::synchronize(self.stream) }.map_err(driver("synchronising"))
+    }
+}
+
+fn place(regions: &Regions<CudaMemory>, t: &TensorRef) -> Result<u64, RuntimeError> {
+    let mem = regions.get(t.region);
+    if t.offset + t.bytes() > mem.len {
+        return Err(RuntimeError::Internal(format!(
+            "a tensor at {}..{} lies outside its region of {} bytes",
+            t.offset,
+            t.offset + t.bytes(),
+            mem.len
+        )));
+    }
+    Ok(mem.ptr + t.offset)
+}
+
+impl Device for CudaDevice {
+    type Memory = CudaMemory;
+
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps { name: "cuda", align: 256, memory: memory_limit().min(self.gpu.memory_bytes) }
+    }
+
+    fn prepare(&mut self, program: &Program, regions: &mut Regions<CudaMemory>) -> Result<(), RuntimeError> {
+        self.current()?;
+        let mut plans = Vec::new();
+        self.prepare_launches(&program.launches, program, &mut plans)?;
+        let workspace_bytes = plans.iter().map(|(_, _, p)| p.workspace).max().unwrap_or(0);
+        let mut aux_bytes = Vec::new();
+        let mut aux_at = Vec::with_capacity(plans.len());
+        for (_, _, p) in &plans {
+            let at = aux_bytes.len().next_multiple_of(256);
+            aux_bytes.resize(at, 0);
+            aux_bytes.extend_from_slice(&p.aux);
+            aux_at.push(at as u64);
+        }
+        let workspace = if workspace_bytes > 0 { self.alloc_bytes(workspace_bytes, "workspace")? } else { 0 };
+        let aux = if aux_bytes.is_empty() {
+            0
+        } else {
+            let ptr = self.alloc_bytes(aux_bytes.len() as u64, "launch constants")?;
+            // SAFETY: `ptr` holds aux_bytes.len() bytes; the source is copied before the call returns
+            // (pageable memory), and the stream is synchronised below.
+            unsafe { drv::memcpy_htod_async(ptr, &aux_bytes, self.stream) }.map_err(driver("upload"))?;
+            ptr
+        };
+        for ((key, node, p), aux_base) in plans.into_iter().zip(aux_at) {
+            let resolve = |b: Buf| -> u64 {
+                match b {
+                    Buf::Tensor(r, o) => regions.get(r).ptr + o,
+                    Buf::Work(o) => workspace + o,
+                    Buf::Aux(o) => aux + aux_base + o,
+                }
+            };
+            let mut calls = Vec::with_capacity(p.calls.len());
+            for c in p.calls {
+                calls.push(match c {
+                    Call::Kernel(k) => {
+                        let f = self.function(k.family, &k.name)?;
+                        let (offsets, total) = param_offsets(&k.args);
+                        let mut params = vec![0u8; total];
+                        for (a, &o) in k.args.iter().zip(&offsets) {
+                            let b = a.bytes(&resolve);
+                            params[o..o + b.len()].copy_from_slice(&b);
+                        }
+                        Ready::Kernel { f, grid: k.grid, block: k.block, params, offsets }
+                    }
+                    Call::Gemm(g) => Ready::Gemm { a: resolve(g.a), b: resolve(g.b), c: resolve(g.c), g },
+                    Call::Copy { from, to, bytes } => Ready::Copy { from: resolve(from), to: resolve(to), bytes },
+                    Call::Fill { to, bytes, byte } => Ready::Fill { to: resolve(to), bytes, byte },
+                });
+            }
+            self.prepared.insert(key, Prepared { node, calls });
+        }
+        self.sync()
+    }
+
+    fn alloc(&mut self, region: Region, bytes: u64) -> Result<CudaMemory, RuntimeError> {
+        self.current()?;
+        let what = match region {
+            Region::Arena => "activation arena",
+            Region::State => "state",
+            Region::Constants => "constants",
+        };
+        let ptr = self.alloc_bytes(bytes, what)?;
+        Ok(CudaMemory { ptr, len: bytes })
+    }
+
+    fn write(&mut self, mem: &mut CudaMemory, offset: u64, bytes: &[u8]) -> Result<(), RuntimeError> {
+        if offset + bytes.len() as u64 > mem.len {
+            return Err(RuntimeError::Internal(format!(
+                "a write at {offset} of {} bytes overruns its region",
+                bytes.len()
+            )));
+        }
+        self.current()?;
+        // SAFETY: the range lies in the region; pageable source bytes are staged by the driver
+        // before the call returns.
+        unsafe { drv::memcpy_htod_async(mem.ptr + offset, bytes, self.stream) }.map_err(driver("write"))?;
+        self.counters.host_writes += 1;
+        Ok(())
+    }
+
+    fn read(&mut self, mem: &mut CudaMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
+        if offset + len > mem.len {
+            return Err(RuntimeError::Internal(format!("a read at {offset} of {len} bytes overruns its region")));
+        }
+        self.current()?;
+        let mut out = vec![0u8; len as usize];
+        // SAFETY: the range lies in the region and `out` holds `len` bytes; the stream is
+        // synchronised before `out` is used.
+        unsafe { drv::memcpy_dtoh_async(&mut out, mem.ptr + offset, self.stream) }.map_err(driver("read"))?;
+        self.sync()?;
+        self.counters.host_reads += 1;
+        Ok(out)
+    }
+
+    type Staged = Staged;
+
+    fn stage(&mut self, mem: &mut CudaMemory, offset: u64, len: u64) -> Result<Staged, RuntimeError> {
+        if offset + len > mem.len {
+            return Err(RuntimeError::Internal(format!(
+                "a staged read at {offset} of {len} bytes overruns its region"
+            )));
+        }
+        self.current()?;
+        let len = len as usize;
+        let (host, cap) = match self.pinned.iter().position(|&(_, cap)| cap >= len) {
+            Some(i) => self.pinned.swap_remove(i),
+            None => {
+                let cap = len.max(256);
+                // SAFETY: pinned host memory, freed in Drop.
+                let p = unsafe { drv::malloc_host(cap, 0) }.map_err(driver("pinned allocation"))? as *mut u8;
+                self.pinned_all.push(p);
+                (p, cap)
+            }
+        };
+        let event = match self.events.pop() {
+            Some(e) => e,
+            None => drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver("event"))?,
+        };
+        // SAFETY: `host` holds at least `len` bytes and is not read until the event completes.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(host, len);
+            drv::memcpy_dtoh_async(dst, mem.ptr + offset, self.stream).map_err(driver("staged read"))?;
+            drv::event::record(event, self.stream).map_err(driver("event"))?;
+        }
+        self.counters.staged += 1;
+        Ok(Staged { host, cap, len, event })
+    }
+
+    fn fetch(&mut self, s: Staged) -> Result<Vec<u8>, RuntimeError> {
+        self.current()?;
+        // SAFETY: the event was recorded after the copy into `host`.
+        unsafe { drv::event::synchronize(s.event) }.map_err(driver("waiting for a staged read"))?;
+        // SAFETY: the copy is complete; `host` holds `len` bytes.
+        let out = unsafe { std::slice::from_raw_parts(s.host, s.len) }.to_vec();
+        self.pinned.push((s.host, s.cap));
+        self.events.push(s.event);
+        self.counters.fetches += 1;
+        Ok(out)
+    }
+
+    fn copy(
+        &mut self,
+        regions: &mut Regions<CudaMemory>,
+        from: &TensorRef,
+        to: &TensorRef,
+    ) -> Result<(), RuntimeError> {
+        if from.bytes() != to.bytes() {
+            return Err(RuntimeError::Internal("a copy between places of different sizes".into()));
+        }
+        let (src, dst) = (place(regions, from)?, place(regions, to)?);
+        // SAFETY: both ranges lie in this device's regions.
+        unsafe { drv::memcpy_dtod_async(dst, src, from.bytes() as usize, self.stream) }.map_err(driver("copy"))?;
+        self.counters.copies += 1;
+        Ok(())
+    }
+
+    fn launch(&mut self, _regions: &mut Regions<CudaMemory>, l: &Launch) -> Result<(), RuntimeError> {
+        let key = l as *const Launch as usize;
+        let prepared = self.prepared.remove(&key).ok_or_else(|| {
+            RuntimeError::Internal(format!("{}: a launch of a program this device did not prepare", l.node))
+        })?;
+        let result = if prepared.node != l.node {
+            Err(RuntimeError::Internal(format!("{}: prepared as {}", l.node, prepared.node)))
+        } else {
+            prepared.calls.iter().try_for_each(|r| self.enqueue(r))
+        };
+        self.prepared.insert(key, prepared);
+        result?;
+        self.counters.launches += 1;
+        Ok(())
+    }
+
+    fn poison(&mut self, mem: &mut CudaMemory) -> Result<(), RuntimeError> {
+        // 0xFF bytes are NaN in f16, bf16, f32 and f64.
+        // SAFETY: the whole region.
+        unsafe { drv::memset_d8_async(mem.ptr, 0xFF, mem.len as usize, self.stream) }.map_err(driver("poison"))
+    }
+
+    fn counters(&self) -> DeviceCounters {
+        self.counters
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // SAFETY: everything freed here was made by this device, once; errors cannot be
+        // reported from Drop and leave nothing to undo.
+        unsafe {
+            let _ = drv::ctx::set_current(self.ctx);
+            let _ = drv::stream::synchronize(self.stream);
+            for &p in &self.allocations {
+                let _ = drv::free_sync(p);
+            }
+            for &p in &self.pinned_all {
+                let _ = drv::free_host(p as *mut c_void);
+            }
+            for &e in &self.events {
+                let _ = drv::event::destroy(e);
+            }
+            for &m in self.modules.values() {
+                let _ = drv::module::unload(m);
+            }
+            let _ = blas::destroy_handle(self.blas);
+            let _ = drv::stream::destroy(self.stream);
+            let _ = drv::primary_ctx::release(self.dev);
+        }
+    }
+}

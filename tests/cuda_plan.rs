@@ -1,0 +1,257 @@
+//! The CUDA device's plans, checked with no GPU: every launch of every fixture's inference and
+//! training programs, under fp32, mixed and mixed-bf16, becomes kernels, GEMMs, copies and fills
+//! ([`mpc_runtime::cuda::plan`]) that
+//! - point only into the launch's own operands (or its workspace and aux bytes);
+//! - give every GEMM leading dims and extents that fit the tensors it reads and writes;
+//! - name kernels that exist in the cubins NVRTC builds, with exactly the parameter layout each
+//!   kernel declares (count, offsets and sizes read from the cubin), when NVRTC is present
+//!   (CI installs it and sets `MPC_REQUIRE_NVRTC=1`, so there this part cannot skip).
+//!
+//! What the plans compute is checked on a GPU, against the CPU (`device_tests!`, `per_device!`).
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+
+use common::{fixture, FIXTURES};
+use mpc::Options;
+use mpc_ir::{DType, Graph};
+use mpc_passes::train::{Loss, TrainOptions};
+use mpc_runtime::cuda::cubin::{self, KernelParams};
+use mpc_runtime::cuda::nvrtc;
+use mpc_runtime::cuda::plan::{param_offsets, plan, Arg, Buf, Call, Gemm, LaunchPlan};
+use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
+
+const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+
+fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
+    let path = fixture(name);
+    let mut g = mpc::load(&path).unwrap();
+    if train {
+        mpc::train::free_batch(&mut g);
+    }
+    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
+    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
+    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
+    // Fixtures that cannot train (an opaque op, no float parameter) are skipped for training.
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
+}
+
+fn lowered(name: &str, g: &Graph) -> Option<Program> {
+    let dims: HashMap<String, u64> = [("batch".to_string(), 4)].into();
+    let (bound, _) = mpc::summary::bind_inputs(g, &dims).unwrap();
+    // A fixture whose ops no device runs (the custom op) does not lower for any device.
+    mpc::run::lower_bound(&bound, CUDA, None, None, &fixture(name)).ok()
+}
+
+fn all_launches(launches: &[Launch], out: &mut Vec<Launch>) {
+    for l in launches {
+        match &l.branches {
+            Some(b) => {
+                all_launches(&b.then_launches, out);
+                all_launches(&b.else_launches, out);
+            }
+            None => out.push(l.clone()),
+        }
+    }
+}
+
+/// The programs of every fixture, policy and mode that lower, by a label.
+fn programs() -> Vec<(String, Program)> {
+    let mut out = Vec::new();
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            for train in [false, true] {
+                let Some(g) = compiled(name, policy, train) else { continue };
+                if let Some(p) = lowered(name, &g) {
+                    out.push((format!("{name} {policy}{}", if train { " train" } else { "" }), p));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The end of the operand of `l` that holds byte `offset` of `region`.
+fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
+    let ins = l.inputs.iter().filter_map(|o| match o {
+        Operand::Device(t) => Some(t),
+        _ => None,
+    });
+    ins.chain(&l.outputs)
+        .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
+        .map(|t| t.offset + t.bytes())
+        .max()
+}
+
+/// Bytes available from `b` to the end of what it points into.
+fn room(l: &Launch, p: &LaunchPlan, b: Buf) -> Result<u64, String> {
+    match b {
+        Buf::Tensor(r, o) => operand_end(l, r, o).map(|e| e - o).ok_or_else(|| format!("{b:?} is in no operand")),
+        Buf::Work(o) if o < p.workspace => Ok(p.workspace - o),
+        Buf::Aux(o) if (o as usize) < p.aux.len() => Ok(p.aux.len() as u64 - o),
+        _ => Err(format!("{b:?} lies past the launch's workspace and aux bytes")),
+    }
+}
+
+fn check_gemm(l: &Launch, p: &LaunchPlan, g: &Gemm) -> Result<(), String> {
+    let es = g.dtype.size() as i64;
+    let operand = |name: &str, b: Buf, trans: bool, rows: i64, cols: i64, ld: i64, stride: i64| {
+        let (r, c) = if trans { (cols, rows) } else { (rows, cols) };
+        if ld < r.max(1) {
+            return Err(format!("{name}: leading dim {ld} below its {r} rows"));
+        }
+        let extent = ((g.batch - 1) * stride + (c - 1) * ld + r) * es;
+        let have = room(l, p, b)? as i64;
+        if extent > have {
+            return Err(format!("{name}: {extent} bytes read or written where {have} are there"));
+        }
+        Ok(())
+    };
+    operand("A", g.a, g.trans_a, g.m, g.k, g.lda, g.stride_a)?;
+    operand("B", g.b, g.trans_b, g.k, g.n, g.ldb, g.stride_b)?;
+    operand("C", g.c, false, g.m, g.n, g.ldc, g.stride_c)
+}
+
+fn check_plan(l: &Launch, p: &LaunchPlan) -> Result<(), String> {
+    for c in &p.calls {
+        match c {
+            Call::Kernel(k) => {
+                for a in &k.args {
+                    if let Arg::Ptr(b) = a {
+                        room(l, p, *b).map_err(|e| format!("{}: {e}", k.name))?;
+                    }
+                }
+                if k.block.iter().product::<u32>() > 256 || k.grid.contains(&0) {
+                    return Err(format!("{}: grid {:?}, block {:?}", k.name, k.grid, k.block));
+                }
+            }
+            Call::Gemm(g) => check_gemm(l, p, g)?,
+            Call::Copy { from, to, bytes } => {
+                if room(l, p, *from)? < *bytes || room(l, p, *to)? < *bytes {
+                    return Err(format!("a copy of {bytes} bytes overruns {from:?} or {to:?}"));
+                }
+            }
+            Call::Fill { to, bytes, .. } => {
+                if room(l, p, *to)? < *bytes {
+                    return Err(format!("a fill of {bytes} bytes overruns {to:?}"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every kernel of every family, with its parameter layout, or why NVRTC cannot be used.
+fn cubin_kernels() -> Result<BTreeMap<String, KernelParams>, String> {
+    nvrtc::version().and_then(|_| nvrtc::include_dir()).map_err(|e| e.to_string())?;
+    let mut all = BTreeMap::new();
+    for (family, source) in nvrtc::FAMILIES {
+        let c = nvrtc::compile(family, source, "sm_90", false).map_err(|e| e.to_string())?;
+        all.extend(cubin::kernels(&c.cubin)?);
+    }
+    Ok(all)
+}
+
+#[test]
+fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parameters() {
+    let programs = programs();
+    assert!(programs.len() >= 30, "only {} programs lowered", programs.len());
+    let kernels = match cubin_kernels() {
+        Ok(k) => Some(k),
+        Err(e) if std::env::var_os("MPC_REQUIRE_NVRTC").is_none() => {
+            println!("cuda plans: kernel parameters not checked (skipped: {e})");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let (mut launches, mut calls, mut checked) = (0, 0, 0);
+    let mut failures = Vec::new();
+    let mut used = std::collections::BTreeSet::new();
+    for (label, program) in &programs {
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let mut ls = Vec::new();
+        all_launches(&program.launches, &mut ls);
+        for l in &ls {
+            launches += 1;
+            let p = match plan(l, &constant) {
+                Ok(p) => p,
+                Err(e) => {
+                    failures.push(format!("{label}: {} ({}): {e}", l.node, l.op.op_type()));
+                    continue;
+                }
+            };
+            if let Err(e) = check_plan(l, &p) {
+                failures.push(format!("{label}: {} ({}): {e}", l.node, l.op.op_type()));
+            }
+            calls += p.calls.len();
+            for c in &p.calls {
+                let Call::Kernel(k) = c else { continue };
+                used.insert(k.name.clone());
+                let Some(kernels) = &kernels else { continue };
+                let Some(declared) = kernels.get(&k.name) else {
+                    failures.push(format!("{label}: {}: no kernel {}", l.node, k.name));
+                    continue;
+                };
+                let (offsets, total) = param_offsets(&k.args);
+                let sizes: Vec<u32> = k.args.iter().map(|a| a.layout().0 as u32).collect();
+                let want: Vec<(u32, u32)> = declared.params.iter().map(|q| (q.offset, q.size)).collect();
+                let got: Vec<(u32, u32)> = offsets.iter().map(|&o| o as u32).zip(sizes).collect();
+                if got != want || total as u32 != declared.total {
+                    failures.push(format!(
+                        "{label}: {}: {} takes (offset, size) {want:?} ({} bytes); the plan passes {got:?} ({total} bytes)",
+                        l.node, k.name, declared.total
+                    ));
+                }
+                checked += 1;
+            }
+        }
+    }
+    println!(
+        "cuda plans: {} programs, {launches} launches, {calls} calls, {} distinct kernels, {checked} kernel launches checked against the cubins",
+        programs.len(),
+        used.len()
+    );
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn matmul_plans_follow_numpy_broadcasting() {
+    let t = |offset: u64, shape: &[usize]| TensorRef {
+        region: Region::Arena,
+        offset,
+        dtype: DType::F16,
+        shape: shape.to_vec(),
+    };
+    let launch = |a: &[usize], b: &[usize], y: &[usize]| Launch {
+        node: "mm".into(),
+        op: mpc_ir::Op::MatMul,
+        inputs: vec![Operand::Device(t(0, a)), Operand::Device(t(1 << 20, b))],
+        outputs: vec![t(2 << 20, y)],
+        branches: None,
+    };
+    let none = |_: &TensorRef| None;
+    let gemm = |p: &LaunchPlan| match p.calls.last() {
+        Some(Call::Gemm(g)) => g.clone(),
+        c => panic!("{c:?}"),
+    };
+    // A batch of matrices times one weight: the weight's batch stride is 0.
+    let l = launch(&[3, 5, 7], &[7, 2], &[3, 5, 2]);
+    let p = plan(&l, &none).unwrap();
+    let g = gemm(&p);
+    assert_eq!((g.m, g.n, g.k, g.batch, g.stride_a, g.stride_b, g.stride_c), (2, 5, 7, 3, 0, 35, 10));
+    check_plan(&l, &p).unwrap();
+    // Batch dims that broadcast both ways: the left operand is expanded first.
+    let l = launch(&[2, 1, 5, 7], &[1, 3, 7, 2], &[2, 3, 5, 2]);
+    let p = plan(&l, &none).unwrap();
+    assert_eq!(p.calls.len(), 3, "{:?}", p.calls);
+    let g = gemm(&p);
+    assert_eq!((g.batch, g.stride_a, g.stride_b), (6, 14, 35));
+    check_plan(&l, &p).unwrap();
+    // Vectors: [7] · [7, 2] is one row.
+    let l = launch(&[7], &[7, 2], &[2]);
+    let g = gemm(&plan(&l, &none).unwrap());
+    assert_eq!((g.m, g.n, g.k, g.batch), (2, 1, 7, 1));
+}
