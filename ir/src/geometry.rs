@@ -37,7 +37,7 @@ impl AutoPad {
     }
 
     /// Splits a total padding between beginning and end as the mode says.
-    fn split(self, total: u64) -> (u64, u64) {
+    fn split(self, total: u128) -> (u128, u128) {
         let small = total / 2;
         match self {
             AutoPad::SameLower => (total - small, small),
@@ -98,18 +98,23 @@ impl WindowSpec<'_> {
     }
 
     /// The output size and pads of spatial dim `i` for an input of size `n`.
+    ///
+    /// The padded size must fit an i64: every coordinate a kernel computes (a window's start plus
+    /// one of its taps) is below it, so no kernel overflows on a kernel, stride, dilation or pad of
+    /// any size. The arithmetic here is in u128 for the same reason.
     pub fn out_dim(&self, i: usize, n: u64) -> Result<WindowDim, String> {
         let (k, s, d, (pb, pe)) = self.dim(i)?;
+        let (n, k, s, d) = (n as u128, k as u128, s as u128, d as u128);
         let ek = (k - 1) * d + 1;
-        match self.auto_pad {
+        let (out, pad_begin, pad_end) = match self.auto_pad {
             AutoPad::SameUpper | AutoPad::SameLower => {
                 let out = n.div_ceil(s);
-                let total = ((out.saturating_sub(1)) * s + ek).saturating_sub(n);
+                let total = (out.saturating_sub(1) * s + ek).saturating_sub(n);
                 let (pad_begin, pad_end) = self.auto_pad.split(total);
-                Ok(WindowDim { out, pad_begin, pad_end })
+                (out, pad_begin, pad_end)
             }
             AutoPad::Valid | AutoPad::NotSet => {
-                let (pb, pe) = if self.auto_pad == AutoPad::Valid { (0, 0) } else { (pb as u64, pe as u64) };
+                let (pb, pe) = if self.auto_pad == AutoPad::Valid { (0, 0) } else { (pb as u128, pe as u128) };
                 let padded = n + pb + pe;
                 if padded < ek {
                     return Err(format!("a window of {ek} does not fit input size {n} with pads {pb}+{pe}"));
@@ -120,9 +125,15 @@ impl WindowSpec<'_> {
                 if self.ceil_mode && (out - 1) * s >= n + pb {
                     out -= 1;
                 }
-                Ok(WindowDim { out, pad_begin: pb, pad_end: pe })
+                (out, pb, pe)
             }
+        };
+        if n + pad_begin + pad_end > i64::MAX as u128 {
+            return Err(format!(
+                "a window of {ek} (kernel {k}, dilation {d}) on input size {n} with pads {pad_begin}+{pad_end} is too large"
+            ));
         }
+        Ok(WindowDim { out: out as u64, pad_begin: pad_begin as u64, pad_end: pad_end as u64 })
     }
 
     /// Resolves the window for the spatial sizes `input`.
@@ -185,11 +196,17 @@ pub fn conv_transpose_dim(
     if n == 0 {
         return Err("ConvTranspose on an empty spatial dim".into());
     }
-    let full = s * (n - 1) + output_padding as u64 + (k - 1) * d + 1;
+    // In u128, and bounded like a window's padded size (see `WindowSpec::out_dim`).
+    let full = s as u128 * (n as u128 - 1) + output_padding as u128 + (k as u128 - 1) * d as u128 + 1;
+    let same = n as u128 * s as u128;
+    if full > i64::MAX as u128 || (spec.auto_pad.is_same() && same > i64::MAX as u128) {
+        return Err(format!("a ConvTranspose of input size {n}, stride {s}, kernel {k} and dilation {d} is too large"));
+    }
+    let full = full as u64;
     let target = match target {
         Some(t) if t < 0 => return Err(format!("output_shape entry {t} is negative")),
         Some(t) => Some(t as u64),
-        None if spec.auto_pad.is_same() => Some(n * s),
+        None if spec.auto_pad.is_same() => Some(same as u64),
         None => None,
     };
     Ok(match target {

@@ -156,31 +156,15 @@ pub(crate) fn max_pool_with_indices(
     let in_sp = &x.shape[2..];
     let ivol: usize = in_sp.iter().product();
     let kernel: Vec<usize> = a.kernel_shape.iter().map(|&k| k as usize).collect();
-    let at = |v: &[i64], i: usize| v.get(i).copied().unwrap_or(1) as usize;
-    let (ist, ost, kst) = (super::shape::strides(in_sp), super::shape::strides(out_sp), super::shape::strides(&kernel));
-    let ovol: usize = out_sp.iter().product();
-    let kvol: usize = kernel.iter().product();
+    let at = |v: &[i64]| (0..sp).map(|i| v.get(i).copied().unwrap_or(1) as usize).collect::<Vec<_>>();
+    let (taps, _) = super::nn::window_taps(in_sp, &kernel, pads, &at(&a.strides), &at(&a.dilations), out_sp);
+    let ist = super::shape::strides(in_sp);
+    let ovol = taps.len();
     let (mut vals, mut idx) = (Vec::with_capacity(nb * c * ovol), Vec::with_capacity(nb * c * ovol));
     for plane in 0..nb * c {
-        for op in 0..ovol {
+        for offs in &taps {
             let (mut best, mut best_i) = (f64::NEG_INFINITY, 0i64);
-            for kp in 0..kvol {
-                let mut coords = Vec::with_capacity(sp);
-                let mut inside = true;
-                for d in 0..sp {
-                    let o = (op / ost[d]) % out_sp[d];
-                    let k = (kp / kst[d]) % kernel[d];
-                    let i = (o * at(&a.strides, d) + k * at(&a.dilations, d)) as i64 - pads[d] as i64;
-                    if i < 0 || i >= in_sp[d] as i64 {
-                        inside = false;
-                        break;
-                    }
-                    coords.push(i as usize);
-                }
-                if !inside {
-                    continue;
-                }
-                let off: usize = coords.iter().zip(&ist).map(|(c, s)| c * s).sum();
+            for &off in offs {
                 let val = v[plane * ivol + off];
                 if val > best {
                     best = val;
@@ -190,7 +174,7 @@ pub(crate) fn max_pool_with_indices(
                         let mut s = 0;
                         let mut mul = 1;
                         for d in 0..sp {
-                            s += coords[d] * mul;
+                            s += (off / ist[d]) % in_sp[d] * mul;
                             mul *= in_sp[d];
                         }
                         s

@@ -270,10 +270,13 @@ pub(crate) fn pool(
     })
 }
 
-/// For every output position of a pooling window: the input offsets it reads, and how many of its
-/// positions fall in the padding (past the right padding, in ceil mode, does not count even with
-/// count_include_pad). Computed once per call and shared by every (image, channel) plane.
-fn window_taps(
+/// For every output position of a pooling window: the input offsets it reads (in the window's
+/// row-major order), and how many of its positions fall in the padding (past the right padding,
+/// in ceil mode, does not count even with count_include_pad). Computed once per call and shared
+/// by every (image, channel) plane. The work is per tap that reads the input, not per position of
+/// the window: a window far larger than its input (SAME padding of a huge kernel) costs no more
+/// than one that covers it. The geometry keeps every padded coordinate below i64::MAX.
+pub(crate) fn window_taps(
     in_sp: &[usize],
     kernel: &[usize],
     pads: &[usize],
@@ -283,40 +286,62 @@ fn window_taps(
 ) -> (Vec<Vec<usize>>, Vec<usize>) {
     let sp = kernel.len();
     let ovol: usize = out_spatial.iter().product();
-    let kvol: usize = kernel.iter().product();
-    let (ist, ost, kst) =
-        (super::shape::strides(in_sp), super::shape::strides(out_spatial), super::shape::strides(kernel));
+    let (ist, ost) = (super::shape::strides(in_sp), super::shape::strides(out_spatial));
     let mut taps = Vec::with_capacity(ovol);
     let mut padded = Vec::with_capacity(ovol);
+    // Per axis: the first input coordinate read and how many taps read the input.
+    let mut axes = vec![(0usize, 0usize); sp];
+    let mut at = vec![0usize; sp];
     for op in 0..ovol {
-        let mut offs = Vec::with_capacity(kvol);
-        let mut pad_count = 0usize;
-        for kp in 0..kvol {
-            let mut off = 0;
-            let (mut inside, mut in_padded_area) = (true, true);
-            for d in 0..sp {
-                let oc = (op / ost[d]) % out_spatial[d];
-                let kc = (kp / kst[d]) % kernel[d];
-                let ic = (oc * strides[d] + kc * dilations[d]) as i64 - pads[d] as i64;
-                if ic < 0 || ic >= in_sp[d] as i64 {
-                    inside = false;
-                    if ic >= (in_sp[d] + pads[d + sp]) as i64 {
-                        in_padded_area = false;
+        let (mut inside, mut within) = (1usize, 1usize);
+        for d in 0..sp {
+            let oc = (op / ost[d]) % out_spatial[d];
+            let (first, n_in, n_within) =
+                axis_taps(oc * strides[d], kernel[d], dilations[d], pads[d], in_sp[d], pads[d + sp]);
+            axes[d] = (first, n_in);
+            inside = inside.saturating_mul(n_in);
+            within = within.saturating_mul(n_within);
+        }
+        let mut offs = Vec::with_capacity(inside);
+        if inside > 0 {
+            // The taps that read the input are a box: walk it in row-major order.
+            at.fill(0);
+            'walk: loop {
+                offs.push((0..sp).map(|d| (axes[d].0 + at[d] * dilations[d]) * ist[d]).sum());
+                for d in (0..sp).rev() {
+                    at[d] += 1;
+                    if at[d] < axes[d].1 {
+                        continue 'walk;
                     }
-                } else {
-                    off += ic as usize * ist[d];
+                    at[d] = 0;
                 }
-            }
-            if inside {
-                offs.push(off);
-            } else if in_padded_area {
-                pad_count += 1;
+                break;
             }
         }
         taps.push(offs);
-        padded.push(pad_count);
+        padded.push(within.saturating_sub(inside));
     }
     (taps, padded)
+}
+
+/// One axis of a window whose taps read padded coordinates `start + t * dilation` for t below
+/// `kernel`, over an input of `n` between `pad` and `pad_end` of padding: the input coordinate of
+/// the first tap that reads the input, how many do, and how many fall before the end padding's
+/// end (those included).
+fn axis_taps(
+    start: usize,
+    kernel: usize,
+    dilation: usize,
+    pad: usize,
+    n: usize,
+    pad_end: usize,
+) -> (usize, usize, usize) {
+    // The taps at coordinates below `limit`.
+    let below = |limit: usize| if limit <= start { 0 } else { kernel.min((limit - start - 1) / dilation + 1) };
+    let (before, through, within) = (below(pad), below(pad + n), below(pad + n + pad_end));
+    let n_in = through - before;
+    let first = if n_in > 0 { start + before * dilation - pad } else { 0 };
+    (first, n_in, within)
 }
 
 /// Max or average over each window of each (image, channel) plane, in the data's own float type.
@@ -337,7 +362,7 @@ fn pool_planes<R: Real>(
                     .map(|&o| row[o])
                     .fold(R::of(f64::NEG_INFINITY), |m, a| if a.is_nan() || a > m { a } else { m })
             } else {
-                let n = if count_include_pad { offs.len() + pad_count } else { offs.len() };
+                let n = if count_include_pad { offs.len().saturating_add(pad_count) } else { offs.len() };
                 offs.iter().fold(R::of(0.0), |acc, &o| acc + row[o]) / R::of(n.max(1) as f64)
             });
         }

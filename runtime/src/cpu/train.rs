@@ -8,7 +8,6 @@ use mpc_ir::ops::{GeluApprox, Reduction};
 use mpc_ir::DType;
 
 use super::elementwise::Real;
-use super::shape::strides;
 use super::{err, floats as float, kernel_of, store, window, window_offsets as taps, Res};
 use crate::value::{Data, HostTensor};
 
@@ -115,30 +114,20 @@ pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: boo
     let in_sp = &x.shape[2..];
     let (out_sp, pads) = window(in_sp, &a.window())?;
     let (st, dl) = (ones(&a.strides, sp), ones(&a.dilations, sp));
-    let src = taps(in_sp, &kernel, &pads, &st, &dl, &out_sp);
-    let (kvol, ovol, ivol): (usize, usize, usize) =
-        (kernel.iter().product(), out_sp.iter().product(), in_sp.iter().product());
+    // The same taps as the forward pooling, in the same order.
+    let (src, padded) = super::nn::window_taps(in_sp, &kernel, &pads, &st, &dl, &out_sp);
+    let (ovol, ivol): (usize, usize) = (out_sp.iter().product(), in_sp.iter().product());
     let planes = x.shape[0] * x.shape[1];
     if dy.len() != planes * ovol {
         return Err(err(format!("pool gradient: dY has {} values, the pooling gives {}", dy.len(), planes * ovol)));
     }
     // Divisor of each window for average pooling: taps inside the input, plus the explicit padding
     // when count_include_pad (never the ceil-mode overhang).
-    let divisor: Vec<f64> = (0..ovol)
-        .map(|op| {
-            let inside = (0..kvol).filter(|kp| src[kp * ovol + op].is_some()).count();
-            if !a.count_include_pad {
-                return inside.max(1) as f64;
-            }
-            let ost = strides(&out_sp);
-            let mut n = 1usize;
-            for d in 0..sp {
-                let oc = (op / ost[d]) % out_sp[d];
-                let lo = (oc * st[d]) as i64;
-                let hi = lo + ((kernel[d] - 1) * dl[d]) as i64;
-                let limit = (in_sp[d] + pads[d] + pads[d + sp]) as i64 - 1;
-                n *= ((hi.min(limit) - lo) / dl[d] as i64 + 1).max(0) as usize;
-            }
+    let divisor: Vec<f64> = src
+        .iter()
+        .zip(&padded)
+        .map(|(offs, &pad)| {
+            let n = if a.count_include_pad { offs.len().saturating_add(pad) } else { offs.len() };
             n.max(1) as f64
         })
         .collect();
@@ -147,24 +136,20 @@ pub(crate) fn pool_grad(dy: &HostTensor, x: &HostTensor, a: &PoolAttrs, max: boo
     for p in 0..planes {
         let (xp, g) = (&xv[p * ivol..(p + 1) * ivol], &dyv[p * ovol..(p + 1) * ovol]);
         let dxp = &mut dx[p * ivol..(p + 1) * ivol];
-        for op in 0..ovol {
+        for (op, offs) in src.iter().enumerate() {
             if max {
                 let mut best: Option<usize> = None;
-                for kp in 0..kvol {
-                    if let Some(o) = src[kp * ovol + op] {
-                        if best.is_none_or(|b| xp[o] > xp[b] || (xp[o].is_nan() && !xp[b].is_nan())) {
-                            best = Some(o);
-                        }
+                for &o in offs {
+                    if best.is_none_or(|b| xp[o] > xp[b] || (xp[o].is_nan() && !xp[b].is_nan())) {
+                        best = Some(o);
                     }
                 }
                 if let Some(b) = best {
                     dxp[b] += g[op];
                 }
             } else {
-                for kp in 0..kvol {
-                    if let Some(o) = src[kp * ovol + op] {
-                        dxp[o] += g[op] / divisor[op];
-                    }
+                for &o in offs {
+                    dxp[o] += g[op] / divisor[op];
                 }
             }
         }
