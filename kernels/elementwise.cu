@@ -27,9 +27,11 @@
 //        Min/Max propagate NaN. Pow's exponent has the base's dtype (the host casts it first).
 //   integer ops (i64 i32): add sub mul (wrapping) div (toward zero; b = 0 gives 0) min max
 //        mod (C remainder) mod_py (numpy) pow ((double)a ^ (double)b, saturated); b = 0 gives 0
-//        for div, mod, mod_py.
+//        for div, mod, mod_py. The same ops for i16 i8 u64 u32 u16 u8 compute in i64 (operands
+//        read as i64, u64's bits reinterpreted; the result truncated on store), as the CPU does.
 // Comparisons, same broadcasting ABI with `u8* y`:
-//   elementwise_{equal,less,greater,greater_equal,less_equal}_<T>, T in f32 f16 bf16 f64 i64 i32 u8
+//   elementwise_{equal,less,greater,greater_equal,less_equal}_<T>, T in f32 f16 bf16 f64 i64 i32
+//   i16 i8 u64 u32 u16 u8 (integers compared as i64, so u64 past 2^63 as the CPU reference does)
 // Logical on bool (u8, nonzero is true), same broadcasting ABI: elementwise_{and,or,xor}_u8
 //   elementwise_not_u8(const u8* x, u8* y, long long n)
 // Where, by element size (b1 b2 b4 b8 move any dtype of that size bit for bit):
@@ -271,12 +273,53 @@ IBINARY(mod)
 IBINARY(mod_py)
 IBINARY(pow)
 
+// The other integer dtypes compute as the CPU reference does: each operand read as i64 (u64's
+// bits reinterpreted), the i64 op, the result truncated to the dtype on store.
+template <typename Op> struct Wide {
+    template <typename T>
+    __device__ __forceinline__ void operator()(const T* a, long long oa, const T* b, long long ob, T* y,
+                                               long long i) const {
+        const long long x = (long long)a[oa], z = (long long)b[ob];
+        long long r;
+        Op()(&x, 0, &z, 0, &r, 0);
+        y[i] = (T)(unsigned long long)r;
+    }
+};
+#define WBINARY_T(name, T, tag)                                                                       \
+    MPC_KERNEL elementwise_##name##_##tag(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims, \
+                                          Strides8 sa, Strides8 sb) {                                 \
+        binary_body(a, b, y, n, rank, dims, sa, sb, Wide<IB_##name>());                               \
+    }
+#define WBINARY(name)                          \
+    WBINARY_T(name, short, i16)                \
+    WBINARY_T(name, signed char, i8)           \
+    WBINARY_T(name, unsigned long long, u64)   \
+    WBINARY_T(name, unsigned int, u32)         \
+    WBINARY_T(name, unsigned short, u16)       \
+    WBINARY_T(name, unsigned char, u8)
+
+WBINARY(add)
+WBINARY(sub)
+WBINARY(mul)
+WBINARY(div)
+WBINARY(min)
+WBINARY(max)
+WBINARY(mod)
+WBINARY(mod_py)
+WBINARY(pow)
+
 // ---------------------------------------------------------------- comparisons and logic → u8
 
 // Loads in a type where comparisons are exact: f32 for the float storage types, f64, integers.
 __device__ __forceinline__ long long cmp_ld(const long long* p, long long i) { return p[i]; }
 __device__ __forceinline__ int cmp_ld(const int* p, long long i) { return p[i]; }
 __device__ __forceinline__ int cmp_ld(const unsigned char* p, long long i) { return p[i]; }
+__device__ __forceinline__ int cmp_ld(const signed char* p, long long i) { return p[i]; }
+__device__ __forceinline__ int cmp_ld(const short* p, long long i) { return p[i]; }
+__device__ __forceinline__ int cmp_ld(const unsigned short* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long cmp_ld(const unsigned int* p, long long i) { return p[i]; }
+// As the CPU reference, which compares integers as i64.
+__device__ __forceinline__ long long cmp_ld(const unsigned long long* p, long long i) { return (long long)p[i]; }
 template <typename T> __device__ __forceinline__ typename Acc<T>::type cmp_ld(const T* p, long long i) {
     return ld(p, i);
 }
@@ -312,6 +355,11 @@ CMPOP(lxor, (x != 0) != (z != 0))
     CMP_T(name, double, f64)           \
     CMP_T(name, long long, i64)        \
     CMP_T(name, int, i32)              \
+    CMP_T(name, short, i16)            \
+    CMP_T(name, signed char, i8)       \
+    CMP_T(name, unsigned long long, u64) \
+    CMP_T(name, unsigned int, u32)     \
+    CMP_T(name, unsigned short, u16)   \
     CMP_T(name, unsigned char, u8)
 
 CMP(equal)

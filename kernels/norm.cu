@@ -1,6 +1,6 @@
 // kernels/norm.cu: LayerNormalization (forward with Mean/InvStdDev, and its gradient),
 // BatchNormalization (inference, training-mode statistics, gradient), InstanceNormalization,
-// GroupNormalization.
+// GroupNormalization, and LRN (at the end of the file).
 //
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
 //
@@ -337,3 +337,36 @@ NORM_PAIR(__half, f16, __half, f16)
 NORM_PAIR(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 NORM_PAIR(__half, f16, float, f32)
 NORM_PAIR(__nv_bfloat16, bf16, float, f32)
+
+// ---- LocalResponseNormalization over x = (N, C, inner)
+// norm_lrn_<T>(const T* x, T* y, long long n, long long c, long long inner, long long size,
+//              float alpha, float beta, float bias)
+//     T in f32 f16 bf16 f64; n = N * C * inner elements, one thread each (1-D grid stride).
+//     y = x / (bias + alpha / size * sum of x^2 over the channels [ch - floor((size-1)/2),
+//     ch + ceil((size-1)/2)] clipped to [0, C))^beta, in f64 in channel order, rounded through f32
+//     on store (f64 stays f64), as the CPU reference.
+template <typename T>
+__device__ __forceinline__ void lrn_body(const T* x, T* y, long long n, long long c, long long inner, long long size,
+                                         float alpha, float beta, float bias) {
+    const long long lo = (size - 1) / 2, hi = size / 2;
+    MPC_GRID_STRIDE(e, n) {
+        const long long i = e % inner, ch = (e / inner) % c, img = e / (inner * c);
+        const long long from = ch - lo < 0 ? 0 : ch - lo, to = ch + hi > c - 1 ? c - 1 : ch + hi;
+        double sq = 0.0;
+        for (long long k = from; k <= to; ++k) {
+            const double v = (double)ld(x, (img * c + k) * inner + i);
+            sq += v * v;
+        }
+        const double r = (double)ld(x, e) / pow((double)bias + (double)alpha / (double)size * sq, (double)beta);
+        st(y, e, (typename Acc<T>::type)r);
+    }
+}
+#define LRN_T(T, tag)                                                                                       \
+    MPC_KERNEL norm_lrn_##tag(const T* x, T* y, long long n, long long c, long long inner, long long size, \
+                              float alpha, float beta, float bias) {                                        \
+        lrn_body(x, y, n, c, inner, size, alpha, beta, bias);                                               \
+    }
+LRN_T(float, f32)
+LRN_T(__half, f16)
+LRN_T(__nv_bfloat16, bf16)
+LRN_T(double, f64)

@@ -154,3 +154,75 @@ fn conformance_cases_on<D: Device>(device: impl Fn() -> D) {
     assert!(new.is_empty(), "{} conformance cases fail that are not in tests/runtime_known_failures.txt", new.len());
     assert!(fixed.is_empty(), "these now pass; remove them from tests/runtime_known_failures.txt: {fixed:?}");
 }
+
+/// How much of the conformance suite the CUDA device can run, known with no GPU: every case that
+/// lowers for the CUDA device's alignment is planned launch by launch ([`mpc_runtime::cuda::plan`]),
+/// and the ops it has no kernel for yet are counted. (What the plans compute is checked by
+/// `conformance_cases` on a GPU.)
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_plans_cover_the_conformance_cases() {
+    use mpc_runtime::program::{DeviceCaps, Launch, TensorRef};
+    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
+        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
+        return;
+    };
+    fn flat(ls: &[Launch], out: &mut Vec<Launch>) {
+        for l in ls {
+            match &l.branches {
+                Some(b) => {
+                    flat(&b.then_launches, out);
+                    flat(&b.else_launches, out);
+                }
+                None => out.push(l.clone()),
+            }
+        }
+    }
+    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    let mut cases: Vec<_> =
+        std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
+    cases.sort();
+    let (mut lowered, mut planned) = (0, 0);
+    let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
+        let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
+        let model = case.join("model.onnx");
+        let Ok(mut g) = mpc::load(&model) else { continue };
+        if mpc::compile(&mut g, &model, &mpc::Options::default(), &mut |_, _| {}).is_err() {
+            continue;
+        }
+        let Some(set) = std::fs::read_dir(case).into_iter().flatten().flatten().map(|e| e.path()).find(|p| p.is_dir())
+        else {
+            continue;
+        };
+        let Ok(ins) = numbered(&set, "input_").iter().map(|p| read_pb(p)).collect::<Result<Vec<_>, _>>() else {
+            continue;
+        };
+        let feeds: HashMap<String, HostTensor> =
+            g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
+        let Ok(program) = mpc::run::lower_for_inputs(&g, &feeds, caps, &model) else { continue };
+        lowered += 1;
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let mut launches = Vec::new();
+        flat(&program.launches, &mut launches);
+        let mut ok = true;
+        for l in &launches {
+            if let Err(e) = mpc_runtime::cuda::plan::plan(l, &constant) {
+                let op = e.split(" has no CUDA kernel").next().filter(|_| e.contains("has no CUDA kernel"));
+                let key = op.map_or_else(|| format!("{}: {e}", l.op.op_type()), |o| format!("{o}: no kernel yet"));
+                missing.entry(key).or_default().push(name.clone());
+                ok = false;
+                break;
+            }
+        }
+        planned += ok as usize;
+    }
+    let mut reasons: Vec<_> = missing.iter().collect();
+    reasons.sort_by_key(|r| std::cmp::Reverse(r.1.len()));
+    for (why, names) in &reasons {
+        eprintln!("cuda unplanned {:4}: {why} (e.g. {})", names.len(), names[0]);
+    }
+    eprintln!("cuda plans: {planned} of the {lowered} conformance cases that lower plan every launch");
+    assert!(lowered > 900, "only {lowered} cases lowered: is MPC_ONNX_NODE_TESTS the right folder?");
+    assert!(planned >= 919, "only {planned} of {lowered} cases plan on cuda (919 did)");
+}

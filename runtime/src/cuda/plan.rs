@@ -236,10 +236,13 @@ fn tag(d: DType) -> Result<&'static str, String> {
         DType::F64 => "f64",
         DType::I64 => "i64",
         DType::I32 => "i32",
+        DType::I16 => "i16",
         DType::I8 => "i8",
+        DType::U64 => "u64",
+        DType::U32 => "u32",
+        DType::U16 => "u16",
         DType::U8 => "u8",
         DType::Bool => "u8",
-        d => return Err(format!("{d} tensors")),
     })
 }
 
@@ -760,6 +763,26 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
         | Op::GroupNormalization(_) => plan_norm(p)?,
         Op::MaxPool(_) | Op::AveragePool(_) | Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) => plan_pool(p)?,
         Op::Conv(_) | Op::ConvGrad(_) => plan_conv(p)?,
+        Op::ConvTranspose(a) => plan_conv_transpose(p, a)?,
+        Op::LRN(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            if x.shape.len() < 2 {
+                return Err("LRN of a tensor of rank below 2".into());
+            }
+            let (n, c) = (x.numel() as u64, x.shape[1] as i64);
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I64(c),
+                Arg::I64(numel(&x.shape[2..]) as i64),
+                Arg::I64(a.size),
+                Arg::F32(a.alpha),
+                Arg::F32(a.beta),
+                Arg::F32(a.bias),
+            ];
+            p.flat("norm", format!("norm_lrn_{}", float_tag(x.dtype)?), n, args);
+        }
         Op::Transpose(a) => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let r = x.shape.len();
@@ -1537,6 +1560,97 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
     Ok(())
 }
 
+fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<(), String> {
+    let (x, wt, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    let sp = x.shape.len().saturating_sub(2);
+    if sp == 0 || wt.shape.len() != x.shape.len() || y.shape.len() != x.shape.len() {
+        return Err("ConvTranspose operands of unexpected ranks".into());
+    }
+    let kernel: Vec<i64> = wt.shape[2..].iter().map(|&k| k as i64).collect();
+    let spec = a.window(&kernel);
+    let mut w = Window {
+        kernel: wt.shape[2..].to_vec(),
+        strides: Vec::new(),
+        dilations: Vec::new(),
+        pads_begin: Vec::new(),
+        pads_end: Vec::new(),
+        out: x.shape[2..].to_vec(),
+    };
+    for d in 0..sp {
+        let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
+        let pad = a.output_padding.get(d).copied().unwrap_or(0);
+        let o = mpc_ir::geometry::conv_transpose_dim(&spec, d, x.shape[2 + d] as u64, pad, target)?;
+        if o.out as usize != y.shape[2 + d] {
+            return Err(format!("ConvTranspose output dim {} where the graph declares {}", o.out, y.shape[2 + d]));
+        }
+        w.strides.push(a.strides.get(d).copied().unwrap_or(1) as usize);
+        w.dilations.push(a.dilations.get(d).copied().unwrap_or(1) as usize);
+        w.pads_begin.push(o.pad_begin as usize);
+        w.pads_end.push(o.pad_end as usize);
+    }
+    // col2im's geometry: the image is Y, the columns' positions are X's.
+    let win = window3(&w, &y.shape[2..])?;
+    let t = float_tag(x.dtype)?;
+    let es = x.dtype.size() as u64;
+    let (n, cin) = (x.shape[0] as u64, x.shape[1] as u64);
+    let g = a.group.max(1) as u64;
+    let (cg, og) = (cin / g, wt.shape[1] as u64);
+    let cout = og * g;
+    let (ivol, ovol, kvol) = (numel(&x.shape[2..]), numel(&y.shape[2..]), numel(&w.kernel));
+    let (rows, k2) = (og * kvol, n * ivol);
+    // X (n, cin, ivol) moved to (cin, n·ivol) so that one GEMM per group covers every image.
+    let xt = p.work(cin * k2 * es);
+    p.strided_copy(
+        x.dtype,
+        buf(x),
+        xt,
+        &[cin as usize, n as usize, ivol as usize],
+        &[ivol as i64, (cin * ivol) as i64, 1],
+        &[k2 as i64, ivol as i64, 1],
+    )?;
+    let col = p.work(rows * k2 * es);
+    for gi in 0..g {
+        // col (rows × k2) = W_gᵀ · Xᵗ_g; column-major: colᵀ = Xᵗ_gᵀ · W_g.
+        p.gemm(Gemm {
+            dtype: y.dtype,
+            trans_a: false,
+            trans_b: true,
+            m: k2 as i64,
+            n: rows as i64,
+            k: cg as i64,
+            alpha: 1.0,
+            beta: 0.0,
+            a: xt.at(gi * cg * k2 * es),
+            lda: k2 as i64,
+            stride_a: 0,
+            b: buf(wt).at(gi * cg * rows * es),
+            ldb: rows as i64,
+            stride_b: 0,
+            c: col,
+            ldc: k2 as i64,
+            stride_c: 0,
+            batch: 1,
+        });
+        let args = vec![
+            Arg::Ptr(col),
+            Arg::Ptr(buf(y).at(gi * og * ovol * es)),
+            Arg::I64(n as i64),
+            Arg::I64(og as i64),
+            Arg::I64((cout * ovol) as i64),
+            Arg::I64(ovol as i64),
+            Arg::Window(win),
+            Arg::I64(k2 as i64),
+            Arg::I64(ivol as i64),
+        ];
+        p.flat("im2col", format!("im2col_col2im_{t}"), n * og * ovol, args);
+    }
+    if let Some(b) = p.opt_input(2) {
+        let dims = [n as usize, cout as usize, ovol as usize];
+        p.binary("add", t, (buf(y), &dims), (buf(b), &[cout as usize, 1]), buf(y), &dims)?;
+    }
+    Ok(())
+}
+
 fn plan_slice(p: &mut Planner) -> Result<(), String> {
     let (x, y) = (p.input(0)?, p.output(0)?);
     let r = x.shape.len();
@@ -1579,9 +1693,15 @@ fn plan_pad(p: &mut Planner, mode: PadMode) -> Result<(), String> {
     }
     let mut bits = [0u8; 8];
     if let Some(v) = p.opt_input(2) {
-        let c = (p.constant)(v).ok_or("Pad's constant value is computed on the device")?;
-        let c = c.cast(x.dtype);
-        c.write_le_bytes(&mut bits[..c.bytes().min(8)]);
+        match (p.constant)(v) {
+            Some(c) => {
+                let c = c.cast(x.dtype);
+                c.write_le_bytes(&mut bits[..c.bytes().min(8)]);
+            }
+            // The other modes never read the value.
+            None if mode == PadMode::Constant => return pad_from_device(p, x, v, y, &before),
+            None => {}
+        }
     } else if let Some(v) = p.host(2) {
         let c = v.cast(x.dtype);
         c.write_le_bytes(&mut bits[..c.bytes().min(8)]);
@@ -1655,6 +1775,26 @@ fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Result<(), Stri
     ];
     p.flat("movement", format!("movement_resize_{t}"), n, args);
     Ok(())
+}
+
+/// Constant Pad whose value is computed on the device: the value broadcast over the output,
+/// then the part of the input the output keeps copied into place.
+fn pad_from_device(p: &mut Planner, x: &TensorRef, v: &TensorRef, y: &TensorRef, before: &[i64]) -> Result<(), String> {
+    if v.numel() != 1 || v.dtype != x.dtype {
+        return Err("Pad's constant value must be one value of the input's dtype".into());
+    }
+    p.expand(y.dtype, buf(v), &v.shape, buf(y), &y.shape)?;
+    let (xs, ys) = (contiguous(&x.shape), contiguous(&y.shape));
+    let (mut from, mut to, mut dims) = (0i64, 0i64, Vec::with_capacity(x.shape.len()));
+    for d in 0..x.shape.len() {
+        let (out_start, in_start) = (before[d].max(0), (-before[d]).max(0));
+        let len = (x.shape[d] as i64 - in_start).min(y.shape[d] as i64 - out_start).max(0);
+        from += in_start * xs[d];
+        to += out_start * ys[d];
+        dims.push(len as usize);
+    }
+    let es = x.dtype.size() as u64;
+    p.strided_copy(x.dtype, buf(x).at(from as u64 * es), buf(y).at(to as u64 * es), &dims, &xs, &ys)
 }
 
 fn plan_gather_grad(p: &mut Planner, axis: i64) -> Result<(), String> {
