@@ -84,7 +84,7 @@ fn median(mut t: Vec<f64>) -> (f64, f64) {
 
 /// Measures every policy of `cfg` on devices from `device`, one fresh device per policy.
 pub fn bench<D: Device>(
-    device: impl Fn() -> D,
+    device: impl Fn() -> Result<D>,
     model: &Graph,
     path: &Path,
     opts: &Options,
@@ -105,6 +105,7 @@ pub fn bench<D: Device>(
     let flops_per_step = if cfg.train { 3 * forward } else { forward };
     let mut rows = Vec::new();
     let mut peaks: HashMap<DType, f64> = HashMap::new();
+    let mut device_name = "";
     for policy in &cfg.policies {
         let mut o = opts.clone();
         o.policy = Some(policy.clone());
@@ -114,7 +115,8 @@ pub fn bench<D: Device>(
         let dims = batch_dims(&g, cfg.batch, &opts.dims);
         let feeds =
             crate::run::random_inputs(&g, 1, &dims).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
-        let dev = device();
+        let dev = device()?;
+        device_name = dev.caps().name;
         let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
         // The result read after each step: the loss when training, else the smallest output.
@@ -170,7 +172,7 @@ pub fn bench<D: Device>(
     }
     Ok(BenchReport {
         model: path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
-        device: device().caps().name.to_string(),
+        device: device_name.to_string(),
         batch: cfg.batch,
         train: cfg.train,
         rows,
@@ -180,9 +182,9 @@ pub fn bench<D: Device>(
 
 /// The device's rate, in TFLOP/s, on one square matrix product in `dtype` (the median of a few
 /// runs after a warm-up): the peak the report compares each step with.
-pub fn gemm_rate<D: Device>(device: &impl Fn() -> D, dtype: DType, path: &Path) -> Result<f64> {
+pub fn gemm_rate<D: Device>(device: &impl Fn() -> Result<D>, dtype: DType, path: &Path) -> Result<f64> {
     let rerr = |source| Error::Run { path: path.to_owned(), source };
-    let dev = device();
+    let dev = device()?;
     let n: u64 = if dev.caps().name == "cpu" { 512 } else { 8192 };
     let mut g = Graph::new("gemm");
     let a = g.add_input("a", TypeInfo::new(dtype, Shape::fixed(&[n, n])));

@@ -52,11 +52,7 @@ pub fn cuda_refusal() -> String {
     {
         match mpc_runtime::cuda::gpus() {
             Err(e) => e.to_string(),
-            Ok((g, _)) => format!(
-                "{} GPU(s) found ({}), but this build runs programs on the CPU only: the CUDA device comes next; use --device cpu",
-                g.len(),
-                g[0].name
-            ),
+            Ok((g, _)) => format!("{} GPU(s) found ({})", g.len(), g[0].name),
         }
     }
     #[cfg(not(feature = "cuda"))]

@@ -222,7 +222,7 @@ enum Command {
         /// Stop after this many steps in all (a run can be resumed later).
         #[arg(long, value_name = "N")]
         max_steps: Option<usize>,
-        /// The backend: cpu (cuda comes with the CUDA backend).
+        /// The device: cpu, or cuda (the first GPU).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Write the model with the trained weights (ONNX, ready for inference).
@@ -281,7 +281,7 @@ enum Command {
         /// Where to write the outputs (safetensors, keyed by graph output name).
         #[arg(short, long)]
         output: Option<PathBuf>,
-        /// The backend: cpu (cuda comes with the CUDA backend).
+        /// The device: cpu, or cuda (the first GPU).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Run this many more times after a warm-up run and print the median time per run.
@@ -314,7 +314,7 @@ enum Command {
         steps: usize,
         #[arg(long, default_value_t = 3)]
         warmup: usize,
-        /// The backend: cpu (cuda comes with the CUDA backend).
+        /// The device: cpu, or cuda (the first GPU).
         #[arg(long, default_value = "cpu")]
         device: String,
         /// Print the report as JSON.
@@ -325,14 +325,80 @@ enum Command {
     Devices,
 }
 
-/// `--device`: cpu runs; cuda says what it found (the CUDA device that runs programs comes with
-/// the CUDA backend).
-fn check_device(device: &str) -> Result<(), Error> {
+/// What `--device` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+/// `--device cpu|cuda`; cuda is refused with one line where this build or machine has none.
+fn check_device(device: &str) -> Result<DeviceKind, Error> {
     match device {
-        "cpu" => Ok(()),
+        "cpu" => Ok(DeviceKind::Cpu),
+        "cuda" if cfg!(feature = "cuda") => Ok(DeviceKind::Cuda),
         "cuda" => Err(Error::Usage(format!("--device cuda: {}", mpc::devices::cuda_refusal()))),
         d => Err(Error::Usage(format!("--device {d}: unknown device (cpu or cuda)"))),
     }
+}
+
+fn open_cpu() -> Result<mpc_runtime::device::CpuDevice, Error> {
+    Ok(mpc_runtime::device::CpuDevice::default())
+}
+
+/// The first GPU, or one line saying why there is none (no driver, no GPU, no NVRTC).
+#[cfg(feature = "cuda")]
+fn open_cuda() -> Result<mpc_runtime::cuda::device::CudaDevice, Error> {
+    mpc_runtime::cuda::device::CudaDevice::new(0).map_err(|e| Error::Usage(format!("--device cuda: {e}")))
+}
+
+/// Runs `$body` with `$open` bound to the factory of the device `$kind` names.
+macro_rules! on_device {
+    ($kind:expr, $open:ident => $body:expr) => {
+        match $kind {
+            DeviceKind::Cpu => {
+                let $open = open_cpu;
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => {
+                let $open = open_cuda;
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceKind::Cuda => unreachable!("check_device refuses cuda in a build without it"),
+        }
+    };
+}
+
+/// `mpc run` on one device: the outputs of the first run, after `repeat` more timed runs.
+fn run_on<D: Device>(
+    device: D,
+    g: &mpc_ir::Graph,
+    feeds: &HashMap<String, mpc_runtime::HostTensor>,
+    model: &std::path::Path,
+    repeat: Option<usize>,
+    stats: bool,
+) -> Result<Vec<(String, mpc_runtime::HostTensor)>, Error> {
+    let rerr = |source| Error::Run { path: model.to_owned(), source };
+    let program = mpc::run::lower_for_inputs(g, feeds, device.caps(), model)?;
+    let mut session = mpc_runtime::session::Session::new(device, program).map_err(rerr)?;
+    let outs = session.run(feeds).map_err(rerr)?;
+    if let Some(n) = repeat.filter(|&n| n > 0) {
+        let mut times = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            session.run(feeds).map_err(rerr)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        eprintln!("mpc: median run {:.3} ms over {n} runs (min {:.3} ms)", times[n / 2], times[0]);
+    }
+    if stats {
+        let program = session.program(0).map_err(rerr)?;
+        eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats(0)));
+    }
+    Ok(outs)
 }
 
 fn parse_dims(dims: &[String]) -> Result<HashMap<String, u64>, Error> {
@@ -425,7 +491,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             output,
             stats,
         } => {
-            check_device(&device)?;
+            let kind = check_device(&device)?;
             if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
                 return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
             }
@@ -446,7 +512,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 max_steps,
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
             };
-            let trained = mpc::train::train(&model, &common.model, &opts, &cfg, &mut |r| {
+            let mut report = |r: &mpc::train::EpochReport| {
                 let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
                 if let Some((acc, l)) = r.eval {
                     line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
@@ -456,7 +522,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
                 line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
                 println!("{line}");
-            })?;
+            };
+            let trained = on_device!(kind, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
             report_ties(&trained.ties);
             report_auto_scale(trained.auto_scale.clone());
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
@@ -548,7 +615,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Bench { common, train, train_args, policies, batch, steps, warmup, device, json } => {
-            check_device(&device)?;
+            let kind = check_device(&device)?;
             let mut opts = common.options(Vec::new(), None)?;
             if train {
                 let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
@@ -562,8 +629,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let cfg = mpc::bench::BenchConfig { policies, batch, warmup, steps, train };
             let model = mpc::load(&common.model)?;
-            let report =
-                mpc::bench::bench(mpc_runtime::device::CpuDevice::default, &model, &common.model, &opts, &cfg)?;
+            let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {
                 println!("{}", serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))?);
             } else {
@@ -582,7 +648,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
         }
         Command::Run { common, inputs, random_inputs, output, device, repeat, stats } => {
-            check_device(&device)?;
+            let kind = check_device(&device)?;
             let opts = common.options(Vec::new(), None)?;
             let mut g = mpc::load(&common.model)?;
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
@@ -594,26 +660,10 @@ fn run(cli: Cli) -> Result<(), Error> {
                     return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()))
                 }
             };
-            let rerr = |source| Error::Run { path: common.model.clone(), source };
-            let cpu = mpc_runtime::device::CpuDevice::default();
-            let program = mpc::run::lower_for_inputs(&g, &feeds, cpu.caps(), &common.model)?;
-            let mut session = mpc_runtime::session::Session::new(cpu, program).map_err(rerr)?;
-            let outs = session.run(&feeds).map_err(rerr)?;
-            if let Some(n) = repeat.filter(|&n| n > 0) {
-                let mut times = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let t = Instant::now();
-                    session.run(&feeds).map_err(rerr)?;
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                }
-                times.sort_by(f64::total_cmp);
-                eprintln!("mpc: median run {:.3} ms over {n} runs (min {:.3} ms)", times[n / 2], times[0]);
-            }
             if stats {
-                let program = session.program(0).map_err(rerr)?;
                 report_calibration(&cx);
-                eprintln!("mpc: {}", mpc::run::stats_line(program, &session.stats(0)));
             }
+            let outs = on_device!(kind, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
             for (name, t) in &outs {
                 println!("{}", mpc::run::summary(name, t));
             }

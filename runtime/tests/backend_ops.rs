@@ -217,59 +217,112 @@ pub fn index_out_of_range_is_an_error_naming_the_node<D: Device>(b: impl Fn() ->
     }
 }
 
+/// Each op test on one device. `ready` says whether the device can be opened here (else every
+/// test skips with one line).
 macro_rules! device_tests {
     ($name:ident: $device:expr) => {
+        device_tests!($name: $device, ready: Ok::<(), String>(()));
+    };
+    ($name:ident: $device:expr, ready: $ready:expr) => {
         mod $name {
+            fn skip() -> bool {
+                match $ready {
+                    Ok(()) => false,
+                    Err(e) => {
+                        eprintln!("skipped on {}: {e}", stringify!($name));
+                        true
+                    }
+                }
+            }
             #[test]
             fn f16_reduction_accumulates_in_f32() {
+                if skip() {
+                    return;
+                }
                 super::f16_reduction_accumulates_in_f32(|| $device)
             }
             #[test]
             fn f16_matmul_accumulates_in_f32() {
+                if skip() {
+                    return;
+                }
                 super::f16_matmul_accumulates_in_f32(|| $device)
             }
             #[test]
             fn f16_rounds_on_store() {
+                if skip() {
+                    return;
+                }
                 super::f16_rounds_on_store(|| $device)
             }
             #[test]
             fn broadcasting_and_softmax() {
+                if skip() {
+                    return;
+                }
                 super::broadcasting_and_softmax(|| $device)
             }
             #[test]
             fn conv_with_padding_and_stride() {
+                if skip() {
+                    return;
+                }
                 super::conv_with_padding_and_stride(|| $device)
             }
             #[test]
             fn resize_linear_and_nearest() {
+                if skip() {
+                    return;
+                }
                 super::resize_linear_and_nearest(|| $device)
             }
             #[test]
             fn max_pool_ceil_mode() {
+                if skip() {
+                    return;
+                }
                 super::max_pool_ceil_mode(|| $device)
             }
             #[test]
             fn gather_nd_slices_elements_and_batch_dims() {
+                if skip() {
+                    return;
+                }
                 super::gather_nd_slices_elements_and_batch_dims(|| $device)
             }
             #[test]
             fn scatter_nd_replaces_and_reduces() {
+                if skip() {
+                    return;
+                }
                 super::scatter_nd_replaces_and_reduces(|| $device)
             }
             #[test]
             fn scatter_elements_on_each_axis_and_adds() {
+                if skip() {
+                    return;
+                }
                 super::scatter_elements_on_each_axis_and_adds(|| $device)
             }
             #[test]
             fn f16_scatter_add_accumulates_in_f32() {
+                if skip() {
+                    return;
+                }
                 super::f16_scatter_add_accumulates_in_f32(|| $device)
             }
             #[test]
             fn index_out_of_range_is_an_error_naming_the_node() {
+                if skip() {
+                    return;
+                }
                 super::index_out_of_range_is_an_error_naming_the_node(|| $device)
             }
             #[test]
             fn runs_are_deterministic() {
+                if skip() {
+                    return;
+                }
                 super::runs_are_deterministic(|| $device)
             }
         }
@@ -277,3 +330,8 @@ macro_rules! device_tests {
 }
 
 device_tests!(cpu: mpc_runtime::device::CpuDevice::default());
+#[cfg(feature = "cuda")]
+device_tests!(
+    cuda: mpc_runtime::cuda::device::CudaDevice::new(0).expect("the GPU opened a moment ago"),
+    ready: mpc_runtime::cuda::device::CudaDevice::new(0).map(drop).map_err(|e| e.to_string())
+);

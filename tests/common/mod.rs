@@ -34,8 +34,9 @@ pub fn settings() -> insta::Settings {
 }
 
 /// Instantiates each `name => generic test function` once per device, the function receiving a
-/// factory of fresh devices. The CUDA device adds its line here, and every test written this way
-/// holds it to the CPU's results.
+/// factory of fresh devices: the CPU, and the first GPU, whose tests skip with one line where
+/// none can be used (no driver, no GPU, no NVRTC) and so hold the GPU to the CPU's results
+/// wherever there is one.
 #[allow(unused_macros)]
 macro_rules! per_device {
     ($($name:ident => $f:ident),* $(,)?) => {
@@ -44,6 +45,19 @@ macro_rules! per_device {
                 #[test]
                 fn $name() {
                     super::$f(mpc_runtime::device::CpuDevice::default)
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            $(
+                #[test]
+                fn $name() {
+                    if let Err(e) = mpc_runtime::cuda::device::CudaDevice::new(0) {
+                        eprintln!("skipped on cuda: {e}");
+                        return;
+                    }
+                    super::$f(|| mpc_runtime::cuda::device::CudaDevice::new(0).expect("the GPU opened a moment ago"))
                 }
             )*
         }
