@@ -69,6 +69,10 @@ struct Common {
     /// A larger program is refused before anything is allocated.
     #[arg(long, value_name = "SIZE")]
     max_memory: Option<String>,
+    /// With --device cuda: launch every kernel of every step instead of recording the second
+    /// step as a CUDA graph and replaying it (the results are the same bits).
+    #[arg(long)]
+    no_cuda_graph: bool,
 }
 
 impl Common {
@@ -475,6 +479,9 @@ fn run(cli: Cli) -> Result<(), Error> {
     };
     if let Some(size) = common.and_then(|c| c.max_memory.as_deref()) {
         mpc_runtime::device::set_memory_limit(parse_size(size)?);
+    }
+    if common.is_some_and(|c| c.no_cuda_graph) {
+        mpc_runtime::device::set_capture(false);
     }
     match cli.command {
         Command::Train {

@@ -52,6 +52,8 @@ pub struct DeviceCounters {
     pub staged: u64,
     pub fetches: u64,
     pub host_writes: u64,
+    /// Recorded steps replayed whole (CUDA graphs).
+    pub replays: u64,
 }
 
 /// A backend: memory, and a queue of launches.
@@ -90,6 +92,33 @@ pub trait Device {
     /// Fills a region with a pattern that reads as NaN in every float dtype (debug checks).
     fn poison(&mut self, mem: &mut Self::Memory) -> Result<(), RuntimeError>;
     fn counters(&self) -> DeviceCounters;
+    /// Starts recording what is enqueued instead of running it, so that a whole step can be
+    /// replayed with one call (a CUDA graph); `false`: this device does not record (the CPU runs
+    /// each launch as it comes).
+    fn begin_capture(&mut self) -> Result<bool, RuntimeError> {
+        Ok(false)
+    }
+    /// Ends the recording `begin_capture` started (nothing of it has run yet); its handle.
+    fn end_capture(&mut self) -> Result<u64, RuntimeError> {
+        Err(RuntimeError::Internal("this device records nothing".into()))
+    }
+    /// Enqueues a recorded step.
+    fn replay(&mut self, _recording: u64) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Internal("this device records nothing".into()))
+    }
+}
+
+/// Whether sessions record a step and replay it where the device can (on by default; `mpc
+/// --no-cuda-graph` turns it off).
+static CAPTURE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets whether new sessions record and replay their steps.
+pub fn set_capture(on: bool) {
+    CAPTURE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn capture() -> bool {
+    CAPTURE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The process's limit on the bytes one program may hold (0: none set).

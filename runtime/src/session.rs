@@ -76,6 +76,8 @@ struct Loaded<M> {
     launches: u64,
     host_reads: u64,
     steps: u64,
+    /// The recorded step, once recorded, and the launches it holds.
+    recording: Option<(u64, u64)>,
 }
 
 pub struct Session<D: Device> {
@@ -87,6 +89,8 @@ pub struct Session<D: Device> {
     /// Poison the arena before each step (debug builds: a launch that reads what nobody wrote
     /// reads NaN).
     poison: bool,
+    /// Record a program's second step and replay it from then on, where the device records.
+    capture: bool,
 }
 
 fn bytes_of(t: &HostTensor) -> Vec<u8> {
@@ -111,6 +115,7 @@ impl<D: Device> Session<D> {
             programs: Vec::new(),
             stats: StepStats::default(),
             poison: cfg!(debug_assertions),
+            capture: crate::device::capture(),
         };
         s.load(program)?;
         Ok(s)
@@ -126,7 +131,7 @@ impl<D: Device> Session<D> {
         for (place, t) in &program.constants {
             self.device.write(&mut constants, place.offset, &bytes_of(t))?;
         }
-        let mut loaded = Loaded { program, arena, constants, launches: 0, host_reads: 0, steps: 0 };
+        let mut loaded = Loaded { program, arena, constants, launches: 0, host_reads: 0, steps: 0, recording: None };
         let mut regions =
             Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
         self.device.prepare(&loaded.program, &mut regions)?;
@@ -143,6 +148,12 @@ impl<D: Device> Session<D> {
 
     pub fn program(&self, id: ProgramId) -> Result<&Program, RuntimeError> {
         Ok(&self.loaded(id)?.program)
+    }
+
+    /// Whether steps are recorded once and replayed where the device can (the default is
+    /// [`crate::device::capture`]); steps already recorded keep replaying.
+    pub fn set_capture(&mut self, on: bool) {
+        self.capture = on;
     }
 
     pub fn layout(&self) -> &StateLayout {
@@ -216,13 +227,38 @@ impl<D: Device> Session<D> {
             }
         }
         let after_poison = self.device.counters();
+        if let Some((recording, launches)) = loaded.recording {
+            self.device.replay(recording)?;
+            self.stats.allocations_in_steps += self.device.counters().allocations - before.allocations;
+            loaded.launches = launches;
+            loaded.host_reads = 0;
+            loaded.steps += 1;
+            self.stats.steps += 1;
+            return Ok(());
+        }
+        // The second step of a program with no host read inside is recorded, then replayed (the
+        // first loads and warms what the device needs).
+        let record =
+            self.capture && loaded.steps == 1 && loaded.program.host_reads == 0 && self.device.begin_capture()?;
         let mut regions =
             Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
-        run_launches(&mut self.device, &mut regions, &loaded.program.launches)?;
-        for s in &loaded.program.state {
-            if s.next != s.slot {
-                self.device.copy(&mut regions, &s.next, &s.slot)?;
+        let enqueued = run_launches(&mut self.device, &mut regions, &loaded.program.launches).and_then(|()| {
+            for s in &loaded.program.state {
+                if s.next != s.slot {
+                    self.device.copy(&mut regions, &s.next, &s.slot)?;
+                }
             }
+            Ok(())
+        });
+        if record {
+            let recording = self.device.end_capture();
+            enqueued?;
+            let recording = recording?;
+            let launches = self.device.counters().launches - after_poison.launches;
+            loaded.recording = Some((recording, launches));
+            self.device.replay(recording)?;
+        } else {
+            enqueued?;
         }
         let after = self.device.counters();
         if self.stats.steps > 0 {

@@ -78,8 +78,13 @@ pub struct CudaDevice {
     /// Every pinned buffer made, freed with the device.
     pinned_all: Vec<*mut u8>,
     events: Vec<drv_sys::CUevent>,
+    /// Recorded steps (CUDA graphs), by the handle `end_capture` gave.
+    graphs: Vec<drv_sys::CUgraphExec>,
     counters: DeviceCounters,
 }
+
+/// cuBLAS's workspace: set once, so that no GEMM allocates inside a recorded step.
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 fn driver(what: &str) -> impl Fn(drv::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::Internal(format!("CUDA {what}: {e:?}"))
@@ -110,7 +115,7 @@ impl CudaDevice {
         unsafe { blas::set_stream(blas, stream as _) }.map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
         nvrtc::version()?;
         nvrtc::include_dir()?;
-        Ok(CudaDevice {
+        let mut device = CudaDevice {
             gpu,
             dev,
             ctx,
@@ -124,8 +129,17 @@ impl CudaDevice {
             pinned: Vec::new(),
             pinned_all: Vec::new(),
             events: Vec::new(),
+            graphs: Vec::new(),
             counters: DeviceCounters::default(),
-        })
+        };
+        // SAFETY: a plain allocation, freed in Drop; cuBLAS uses it for as long as the handle lives.
+        let ws = unsafe { drv::malloc_sync(CUBLAS_WORKSPACE) }.map_err(err)?;
+        device.allocations.push(ws);
+        // SAFETY: the handle and the allocation are live.
+        unsafe { blas_sys::cublasSetWorkspace_v2(device.blas, ws as *mut c_void, CUBLAS_WORKSPACE) }
+            .result()
+            .map_err(|e| CudaError::Driver(format!("cuBLAS workspace: {e:?}")))?;
+        Ok(device)
     }
 
     /// f32 matrix products on TF32 tensor cores (off by default: f32 stays f32, as in PyTorch).
@@ -500,6 +514,39 @@ impl Device for CudaDevice {
     fn counters(&self) -> DeviceCounters {
         self.counters
     }
+
+    fn begin_capture(&mut self) -> Result<bool, RuntimeError> {
+        self.current()?;
+        // SAFETY: the stream is live; what is enqueued on it from here is recorded, not run.
+        unsafe {
+            drv::stream::begin_capture(self.stream, drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        }
+        .map_err(driver("beginning a capture"))?;
+        Ok(true)
+    }
+
+    fn end_capture(&mut self) -> Result<u64, RuntimeError> {
+        // SAFETY: a capture begun on this stream; the graph is destroyed once instantiated.
+        unsafe {
+            let graph = drv::stream::end_capture(self.stream).map_err(driver("ending a capture"))?;
+            let exec = drv::graph::instantiate(graph, drv_sys::CUgraphInstantiate_flags(0));
+            let _ = drv::graph::destroy(graph);
+            self.graphs.push(exec.map_err(driver("instantiating a graph"))?);
+        }
+        Ok(self.graphs.len() as u64 - 1)
+    }
+
+    fn replay(&mut self, recording: u64) -> Result<(), RuntimeError> {
+        let exec = *self
+            .graphs
+            .get(recording as usize)
+            .ok_or_else(|| RuntimeError::Internal(format!("no recorded step {recording}")))?;
+        self.current()?;
+        // SAFETY: an instantiated graph of this device's context.
+        unsafe { drv::graph::launch(exec, self.stream) }.map_err(driver("replaying a step"))?;
+        self.counters.replays += 1;
+        Ok(())
+    }
 }
 
 impl Drop for CudaDevice {
@@ -517,6 +564,9 @@ impl Drop for CudaDevice {
             }
             for &e in &self.events {
                 let _ = drv::event::destroy(e);
+            }
+            for &g in &self.graphs {
+                let _ = drv::graph::exec_destroy(g);
             }
             for &m in self.modules.values() {
                 let _ = drv::module::unload(m);

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The GPU checks of mpc, for a machine with an NVIDIA GPU, the CUDA driver and toolkit, Python with
+# PyTorch, and no Rust. Build on a machine with Rust, run on the GPU machine:
+#
+#   benches/gpu_session.sh build          release mpc and the test executables into gpu-bin/
+#                                         (ignored by git), with the conformance cases and the
+#                                         source folder the tests were built in
+#   benches/gpu_session.sh PART [OUTDIR]  on the GPU machine, with gpu-bin/ beside the sources:
+#       devices     mpc devices, nvidia-smi, the CUDA libraries found
+#       tests       every device test on the GPU against the CPU (backend_ops, program, train,
+#                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli)
+#       sanitizer   compute-sanitizer memcheck and racecheck over the GPU op tests and the fixtures
+#       bench       benches/gpu_vs_torch.py: mpc bench against PyTorch fp32 / AMP on the same GPU
+#       all         all of the above (longer than one 10-minute call: run the parts one by one)
+#   Logs go to OUTDIR (default: $OUT, else gpu-out/), one file per step, and a summary line per step
+#   to OUTDIR/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+BIN="$ROOT/gpu-bin"
+PART="${1:-all}"
+
+if [ "$PART" = build ]; then
+  set -e
+  rm -rf "$BIN"
+  mkdir -p "$BIN"
+  cargo build --release --bin mpc
+  cp target/release/mpc "$BIN/mpc"
+  # The test executables, by target name.
+  cargo test --release --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, shutil, sys
+want = {"backend_ops", "program", "train", "cuda_vs_cpu", "runtime_conformance", "cli", "cuda_plan"}
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in want and "test" in t.get("kind", []):
+        shutil.copy(m["executable"], sys.argv[1] + "/" + t["name"])
+        print("gpu-bin/" + t["name"])
+' "$BIN"
+  # Line tables make each executable about 45 MB; the carried folder must stay under 64 MiB.
+  strip --strip-debug "$BIN"/*
+  # The tests find fixtures and the mpc binary under the folder they were built in.
+  echo "$ROOT" > "$BIN/built_in"
+  if [ -d ../shared/onnx-node-tests ]; then
+    tar -C ../shared -cJf "$BIN/onnx-node-tests.tar.xz" onnx-node-tests
+  fi
+  du -sh "$BIN"
+  exit 0
+fi
+
+OUTDIR="${2:-${OUT:-$ROOT/gpu-out}}"
+mkdir -p "$OUTDIR"
+SUMMARY="$OUTDIR/summary.txt"
+[ -x "$BIN/mpc" ] || { echo "gpu-bin/mpc is missing: run benches/gpu_session.sh build first (on a machine with Rust)"; exit 2; }
+
+# ---- the CUDA libraries: the toolkit's lib folder, else wherever libcublas and libnvrtc are.
+libs=()
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && libs+=("$d")
+done
+while IFS= read -r f; do
+  libs+=("$(dirname "$f")")
+done < <(find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' \) 2>/dev/null | sort -u)
+LD_LIBRARY_PATH="$(printf '%s\n' "${libs[@]}" | awk '!seen[$0]++' | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
+[ -f /usr/local/cuda/include/cuda_fp16.h ] && export MPC_CUDA_INCLUDE=/usr/local/cuda/include
+export PATH="/usr/local/cuda/bin:$PATH"
+export XDG_CACHE_HOME="$OUTDIR/cache"
+
+# ---- the folder the tests were built in points here, with the mpc binary where cargo left it.
+built_in="$(cat "$BIN/built_in")"
+if [ "$built_in" != "$ROOT" ] && [ ! -e "$built_in" ]; then
+  mkdir -p "$(dirname "$built_in")"
+  ln -s "$ROOT" "$built_in"
+fi
+mkdir -p "$ROOT/target/release"
+cp -f "$BIN/mpc" "$ROOT/target/release/mpc"
+if [ -f "$BIN/onnx-node-tests.tar.xz" ] && [ ! -d "$BIN/onnx-node-tests" ]; then
+  tar -C "$BIN" -xJf "$BIN/onnx-node-tests.tar.xz"
+fi
+export MPC_ONNX_NODE_TESTS="$BIN/onnx-node-tests"
+
+step() {  # step NAME COMMAND...: runs it, logs it, records its exit status and time
+  local name="$1"
+  shift
+  local t0=$SECONDS
+  "$@" > "$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$SUMMARY"
+  grep -E "^test result|^runtime conformance|^cuda plans|panicked|FAIL|skipped on cuda" "$OUTDIR/$name.log" | head -20
+  return 0
+}
+
+part_devices() {
+  step nvidia-smi nvidia-smi
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" > "$OUTDIR/libraries.log"
+  step devices "$BIN/mpc" devices
+  cat "$OUTDIR/devices.log"
+}
+
+part_tests() {
+  step backend_ops "$BIN/backend_ops" cuda:: --nocapture --test-threads=1
+  step cuda_vs_cpu "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
+  step program "$BIN/program" cuda:: --nocapture --test-threads=1
+  step train "$BIN/train" cuda:: --nocapture --test-threads=1
+  step runtime_conformance "$BIN/runtime_conformance" cuda:: --nocapture --test-threads=1
+  step cli "$BIN/cli" device_cuda --nocapture
+}
+
+part_sanitizer() {
+  if ! command -v compute-sanitizer > /dev/null; then
+    echo "sanitizer: compute-sanitizer not found" | tee -a "$SUMMARY"
+    return 0
+  fi
+  step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/backend_ops" cuda:: --test-threads=1
+  step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/backend_ops" cuda:: --test-threads=1
+  step memcheck_fixtures compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" every_fixture --test-threads=1
+}
+
+part_bench() {
+  step gpu_vs_torch python3 benches/gpu_vs_torch.py --mpc "$BIN/mpc" --out "$OUTDIR/bench"
+  tail -40 "$OUTDIR/gpu_vs_torch.log"
+}
+
+case "$PART" in
+  devices) part_devices ;;
+  tests) part_tests ;;
+  sanitizer) part_sanitizer ;;
+  bench) part_bench ;;
+  all) part_devices; part_tests; part_sanitizer; part_bench ;;
+  *) echo "unknown part $PART (build, devices, tests, sanitizer, bench, all)"; exit 2 ;;
+esac

@@ -1,0 +1,163 @@
+//! The GPU against the CPU reference, on the fixtures: every inference output under fp32, mixed
+//! and mixed-bf16 within its dtype's tolerance; 50 training steps of every trainable fixture
+//! tracking the CPU's losses (relative difference at most 1e-3 under fp32, 1e-2 under mixed);
+//! two GPU runs giving the same bits. Each test skips with one line where no GPU can be opened.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{fixture, FIXTURES};
+use mpc::Options;
+use mpc_ir::Graph;
+use mpc_passes::train::{Loss, TrainOptions};
+use mpc_runtime::cuda::device::CudaDevice;
+use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::session::Session;
+use mpc_runtime::Tolerance;
+
+fn gpu() -> Option<CudaDevice> {
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipped on cuda: {e}");
+            None
+        }
+    }
+}
+
+fn dims(batch: u64) -> HashMap<String, u64> {
+    [("batch".to_string(), batch)].into()
+}
+
+fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
+    let path = fixture(name);
+    let mut g = mpc::load(&path).unwrap();
+    if train {
+        mpc::train::free_batch(&mut g);
+    }
+    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
+    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
+    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
+}
+
+#[test]
+fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut compared = 0;
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            let Some(g) = compiled(name, policy, false) else { continue };
+            let feeds = mpc::run::random_inputs(&g, 5, &dims(8)).unwrap();
+            let path = fixture(name);
+            let cpu = match mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, &path) {
+                Ok(o) => o,
+                // What no device runs (the custom op) is refused alike.
+                Err(e) => {
+                    let gpu = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, &path);
+                    assert!(gpu.is_err(), "{name} {policy}: the CPU refuses ({e}) and the GPU runs");
+                    continue;
+                }
+            };
+            let cuda = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, &path)
+                .unwrap_or_else(|e| panic!("{name} {policy}: {e}"));
+            let again = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, &path).unwrap();
+            for (((n, c), (_, x)), (_, y)) in cpu.iter().zip(&cuda).zip(&again) {
+                let tol = Tolerance::for_dtype(c.dtype());
+                let cmp = tol.check(x, c).unwrap_or_else(|e| panic!("{name} {policy} `{n}`: {e}"));
+                println!("{name} {policy} `{n}`: {cmp:?}");
+                assert_eq!(x, y, "{name} {policy} `{n}`: two GPU runs differ");
+                compared += 1;
+            }
+        }
+    }
+    assert!(compared >= 20, "only {compared} outputs compared");
+}
+
+/// The losses of `steps` training steps of `g` on `device`, on the same batches.
+fn losses<D: Device>(device: D, g: &Graph, name: &str, steps: u64) -> Vec<f64> {
+    losses_with(device, g, name, steps, true)
+}
+
+fn losses_with<D: Device>(device: D, g: &Graph, name: &str, steps: u64, capture: bool) -> Vec<f64> {
+    let (bound, _) = mpc::summary::bind_inputs(g, &dims(16)).unwrap();
+    let program = mpc::run::lower_bound(&bound, device.caps(), None, None, &fixture(name)).unwrap();
+    let loss = bound.name(bound.train.as_ref().and_then(|t| t.loss).expect("a loss")).to_string();
+    let mut s = Session::new(device, program).unwrap();
+    s.set_capture(capture);
+    (0..steps)
+        .map(|step| {
+            let inputs = mpc::run::random_inputs(&bound, 100 + step, &dims(16)).unwrap();
+            s.feed(0, &inputs).unwrap();
+            s.step(0).unwrap();
+            s.read(0, &loss).unwrap().f64s()[0]
+        })
+        .collect()
+}
+
+#[test]
+fn training_on_the_gpu_tracks_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut tracked = 0;
+    for name in FIXTURES.iter().chain(&["digits_mlp"]) {
+        for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 1e-2)] {
+            let Some(g) = compiled(name, policy, true) else { continue };
+            let cpu = losses(CpuDevice::default(), &g, name, 50);
+            let cuda = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
+            let again = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
+            let worst = cpu.iter().zip(&cuda).map(|(a, b)| (a - b).abs() / a.abs().max(1e-6)).fold(0.0, f64::max);
+            println!(
+                "{name} {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}",
+                cuda[0], cuda[49], cpu[0], cpu[49]
+            );
+            assert!(worst <= bound, "{name} {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
+            assert_eq!(cuda, again, "{name} {policy}: two GPU runs differ");
+            tracked += 1;
+        }
+    }
+    assert_eq!(tracked, 18, "training fixtures compared");
+}
+
+/// A recorded and replayed step (a CUDA graph) gives the bits of launching every kernel.
+#[test]
+fn graph_replay_gives_the_bits_of_plain_launches() {
+    if gpu().is_none() {
+        return;
+    }
+    for name in ["transformer", "cnn_bn"] {
+        let g = compiled(name, "mixed", true).unwrap();
+        let replayed = losses_with(CudaDevice::new(0).unwrap(), &g, name, 20, true);
+        let launched = losses_with(CudaDevice::new(0).unwrap(), &g, name, 20, false);
+        assert_eq!(replayed, launched, "{name}");
+    }
+}
+
+/// A GPU step reads nothing back and allocates nothing; the state keeps its addresses.
+#[test]
+fn gpu_steps_neither_allocate_nor_wait() {
+    if gpu().is_none() {
+        return;
+    }
+    let g = compiled("transformer", "mixed", true).unwrap();
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
+    let dev = CudaDevice::new(0).unwrap();
+    let program = mpc::run::lower_bound(&bound, dev.caps(), None, None, &fixture("transformer")).unwrap();
+    let mut s = Session::new(dev, program).unwrap();
+    let inputs = mpc::run::random_inputs(&bound, 1, &dims(16)).unwrap();
+    for _ in 0..5 {
+        s.feed(0, &inputs).unwrap();
+        s.step(0).unwrap();
+    }
+    let st = s.stats(0);
+    println!("transformer mixed on cuda: {st:?}, {:?}", s.counters());
+    assert_eq!(s.counters().replays, 4, "step 2 is recorded and replayed, steps 3 to 5 replay it");
+    assert_eq!(st.allocations_in_steps, 0);
+    assert_eq!(st.host_reads_per_step, 0);
+}
