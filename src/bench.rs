@@ -51,6 +51,8 @@ pub struct BenchRow {
     /// Compiling the model and lowering the step.
     pub compile_ms: f64,
     pub launches_per_step: u64,
+    /// The device memory in use after the steps as its driver reports it (GPUs; every process's).
+    pub device_memory_in_use: Option<u64>,
 }
 
 /// The whole report: the device, then one row per policy.
@@ -58,6 +60,9 @@ pub struct BenchRow {
 pub struct BenchReport {
     pub model: String,
     pub device: String,
+    /// How steps were timed: the device's own events around each step, or the host's clock from
+    /// enqueue to the read of a result.
+    pub timing: String,
     pub batch: u64,
     pub train: bool,
     pub rows: Vec<BenchRow>,
@@ -106,6 +111,7 @@ pub fn bench<D: Device>(
     let mut rows = Vec::new();
     let mut peaks: HashMap<DType, f64> = HashMap::new();
     let mut device_name = "";
+    let mut timing = "host clock";
     for policy in &cfg.policies {
         let mut o = opts.clone();
         o.policy = Some(policy.clone());
@@ -135,12 +141,24 @@ pub fn bench<D: Device>(
             // The arena reuses an input's bytes after its last reader: each step is fed.
             session.feed(0, &feeds).map_err(rerr)?;
             let t = Instant::now();
+            let start = session.mark().map_err(rerr)?;
             session.step(0).map_err(rerr)?;
+            let end = session.mark().map_err(rerr)?;
             session.read(0, &sync).map_err(rerr)?;
+            // A device that marks its queue (CUDA events) times the step itself; else the host
+            // times enqueue to result.
+            let ms = match (start, end) {
+                (Some(a), Some(b)) => {
+                    timing = "device events";
+                    session.elapsed_ms(a, b).map_err(rerr)?
+                }
+                _ => t.elapsed().as_secs_f64() * 1e3,
+            };
             if i >= cfg.warmup {
-                times.push(t.elapsed().as_secs_f64() * 1e3);
+                times.push(ms);
             }
         }
+        let device_memory = session.memory_in_use();
         let (step_ms_median, step_ms_min) = median(times);
         let stats = session.stats(0);
         let low = cx.policy.as_ref().map_or(DType::F32, |p| p.low);
@@ -168,11 +186,13 @@ pub fn bench<D: Device>(
             constants_bytes: stats.constants_bytes,
             compile_ms,
             launches_per_step: stats.launches_per_step,
+            device_memory_in_use: device_memory,
         });
     }
     Ok(BenchReport {
         model: path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
         device: device_name.to_string(),
+        timing: timing.to_string(),
         batch: cfg.batch,
         train: cfg.train,
         rows,
@@ -200,10 +220,16 @@ pub fn gemm_rate<D: Device>(device: &impl Fn() -> Result<D>, dtype: DType, path:
     for i in 0..8 {
         session.feed(0, &feeds).map_err(rerr)?;
         let t = Instant::now();
+        let start = session.mark().map_err(rerr)?;
         session.step(0).map_err(rerr)?;
+        let end = session.mark().map_err(rerr)?;
         session.read(0, &name).map_err(rerr)?;
+        let secs = match (start, end) {
+            (Some(a), Some(b)) => session.elapsed_ms(a, b).map_err(rerr)? * 1e-3,
+            _ => t.elapsed().as_secs_f64(),
+        };
         if i >= 2 {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(secs);
         }
     }
     let (secs, _) = median(times);
@@ -214,11 +240,12 @@ pub fn gemm_rate<D: Device>(device: &impl Fn() -> Result<D>, dtype: DType, path:
 pub fn table(r: &BenchReport) -> String {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let mut s = format!(
-        "{} on {}, batch {}, {}\n{:<11} {:>10} {:>10} {:>12} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9}\n",
+        "{} on {}, batch {}, {}, timed by {}\n{:<11} {:>10} {:>10} {:>12} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9}\n",
         r.model,
         r.device,
         r.batch,
         if r.train { "training step" } else { "inference" },
+        r.timing,
         "policy",
         "step ms",
         "min ms",

@@ -106,6 +106,19 @@ pub trait Device {
     fn replay(&mut self, _recording: u64) -> Result<(), RuntimeError> {
         Err(RuntimeError::Internal("this device records nothing".into()))
     }
+    /// Enqueues a timing mark (a CUDA event); `None`: this device times nothing itself (the CPU
+    /// runs each launch as it is enqueued, so host clocks time it).
+    fn mark(&mut self) -> Result<Option<u64>, RuntimeError> {
+        Ok(None)
+    }
+    /// The milliseconds between two marks, once the second is reached (a wait for it).
+    fn elapsed_ms(&mut self, _from: u64, _to: u64) -> Result<f64, RuntimeError> {
+        Err(RuntimeError::Internal("this device makes no timing marks".into()))
+    }
+    /// The device memory in use as its driver reports it (every process's), where there is one.
+    fn memory_in_use(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Whether sessions record a step and replay it where the device can (on by default; `mpc

@@ -156,6 +156,21 @@ impl<D: Device> Session<D> {
         self.capture = on;
     }
 
+    /// Enqueues a timing mark where the device makes them (see [`Device::mark`]).
+    pub fn mark(&mut self) -> Result<Option<u64>, RuntimeError> {
+        self.device.mark()
+    }
+
+    /// The device time between two marks, in milliseconds (waits for the second).
+    pub fn elapsed_ms(&mut self, from: u64, to: u64) -> Result<f64, RuntimeError> {
+        self.device.elapsed_ms(from, to)
+    }
+
+    /// The device memory in use as its driver reports it, where there is a driver.
+    pub fn memory_in_use(&self) -> Option<u64> {
+        self.device.memory_in_use()
+    }
+
     pub fn layout(&self) -> &StateLayout {
         &self.layout
     }

@@ -78,6 +78,9 @@ pub struct CudaDevice {
     /// Every pinned buffer made, freed with the device.
     pinned_all: Vec<*mut u8>,
     events: Vec<drv_sys::CUevent>,
+    /// Timing events by mark, and the marks free for reuse.
+    timers: Vec<drv_sys::CUevent>,
+    free_timers: Vec<u64>,
     /// Recorded steps (CUDA graphs), by the handle `end_capture` gave.
     graphs: Vec<drv_sys::CUgraphExec>,
     counters: DeviceCounters,
@@ -130,6 +133,8 @@ impl CudaDevice {
             pinned_all: Vec::new(),
             events: Vec::new(),
             graphs: Vec::new(),
+            timers: Vec::new(),
+            free_timers: Vec::new(),
             counters: DeviceCounters::default(),
         };
         // SAFETY: a plain allocation, freed in Drop; cuBLAS uses it for as long as the handle lives.
@@ -547,6 +552,42 @@ impl Device for CudaDevice {
         self.counters.replays += 1;
         Ok(())
     }
+
+    fn mark(&mut self) -> Result<Option<u64>, RuntimeError> {
+        self.current()?;
+        let id = match self.free_timers.pop() {
+            Some(id) => id,
+            None => {
+                let e = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(driver("event"))?;
+                self.timers.push(e);
+                self.timers.len() as u64 - 1
+            }
+        };
+        // SAFETY: a live event of this context, recorded on the device's stream.
+        unsafe { drv::event::record(self.timers[id as usize], self.stream) }.map_err(driver("event"))?;
+        Ok(Some(id))
+    }
+
+    fn elapsed_ms(&mut self, from: u64, to: u64) -> Result<f64, RuntimeError> {
+        let get = |id: u64| {
+            self.timers.get(id as usize).copied().ok_or_else(|| RuntimeError::Internal(format!("no mark {id}")))
+        };
+        let (a, b) = (get(from)?, get(to)?);
+        self.current()?;
+        // SAFETY: both events were recorded on this device's stream.
+        let ms = unsafe {
+            drv::event::synchronize(b).map_err(driver("waiting for a mark"))?;
+            drv::event::elapsed(a, b).map_err(driver("timing"))?
+        };
+        self.free_timers.extend([from, to]);
+        Ok(ms as f64)
+    }
+
+    fn memory_in_use(&self) -> Option<u64> {
+        self.current().ok()?;
+        let (free, total) = drv::mem_get_info().ok()?;
+        Some((total - free) as u64)
+    }
 }
 
 impl Drop for CudaDevice {
@@ -567,6 +608,9 @@ impl Drop for CudaDevice {
             }
             for &g in &self.graphs {
                 let _ = drv::graph::exec_destroy(g);
+            }
+            for &e in &self.timers {
+                let _ = drv::event::destroy(e);
             }
             for &m in self.modules.values() {
                 let _ = drv::module::unload(m);
