@@ -39,7 +39,8 @@
 //                         Dims8 dims, Strides8 sc, Strides8 sa, Strides8 sb)
 //   y = cond ? a : b; rank = 0 means all three contiguous with n elements.
 // Clip: elementwise_clip_<T>(const T* x, T* y, long long n, const T* lo, const T* hi)
-//   T in f32 f16 bf16 f64 i64 i32; lo/hi are device scalars, nullptr = unbounded. Floats use
+//   T in f32 f16 bf16 f64 i64 i32 i16 i8 u64 u32 u16 u8; lo/hi are device scalars, nullptr =
+//   unbounded. Floats use
 //   fmax/fmin (a NaN input gives the bound, like the CPU reference's f64::max/min).
 // Tests: elementwise_isnan_<T>(const T* x, u8* y, long long n)
 //        elementwise_isinf_<T>(const T* x, u8* y, long long n, int detect_positive, int detect_negative)
@@ -433,6 +434,16 @@ MPC_KERNEL elementwise_clip_i64(const long long* x, long long* y, long long n, c
 MPC_KERNEL elementwise_clip_i32(const int* x, int* y, long long n, const int* lo, const int* hi) {
     iclip_body(x, y, n, lo, hi);
 }
+#define ICLIP_T(T, tag)                                                                                   \
+    MPC_KERNEL elementwise_clip_##tag(const T* x, T* y, long long n, const T* lo, const T* hi) {          \
+        iclip_body(x, y, n, lo, hi);                                                                      \
+    }
+ICLIP_T(short, i16)
+ICLIP_T(signed char, i8)
+ICLIP_T(unsigned long long, u64)
+ICLIP_T(unsigned int, u32)
+ICLIP_T(unsigned short, u16)
+ICLIP_T(unsigned char, u8)
 
 // ---------------------------------------------------------------- IsNaN, IsInf
 

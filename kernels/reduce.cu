@@ -1,5 +1,6 @@
 // kernels/reduce.cu: reductions over one axis extent, deterministic (fixed-order trees, no
-// atomics): sum, mean, max, min, prod, sum_square, l1, l2, log_sum_exp, argmax, argmin.
+// atomics): sum, mean, max, min, prod, sum_square, l1, l2, log_sum_exp, argmax, argmin; and
+// Einsum (at the end of the file).
 //
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
 //
@@ -32,6 +33,7 @@
 //         (or 32 for few splits).
 // kinds and dtypes:
 //   sum, max, min, prod:              f32 f16 bf16 f64 i64 i32 (rows, cols, split, finish)
+//   max, min:                         also u8 (bool too: its bytes are 0 and 1), saturating
 //   mean, sum_square, l1, l2:         f32 f16 bf16 f64          (rows, cols, split, finish)
 //   log_sum_exp:                      f32 f16 bf16 f64          (rows, cols)
 //   argmax, argmin:                   f32 f16 bf16 f64          (rows, cols) with
@@ -61,6 +63,15 @@ template <> struct RT<int> {
     __device__ static C load(const int* p, long long i) { return p[i]; }
     __device__ static void store(int* p, long long i, C v) {
         p[i] = v > 2147483647LL ? 2147483647 : (v < -2147483648LL ? (-2147483647 - 1) : (int)v);
+    }
+};
+
+// u8 (and bool, stored as a 0/1 byte): max and min only; results saturate to [0, 255].
+template <> struct RT<unsigned char> {
+    typedef long long C;
+    __device__ static C load(const unsigned char* p, long long i) { return p[i]; }
+    __device__ static void store(unsigned char* p, long long i, C v) {
+        p[i] = v > 255 ? 255 : (v < 0 ? 0 : (unsigned char)v);
     }
 };
 
@@ -239,6 +250,8 @@ REDUCE_FI(sum)
 REDUCE_FI(max)
 REDUCE_FI(min)
 REDUCE_FI(prod)
+REDUCE_T(max, unsigned char, u8)
+REDUCE_T(min, unsigned char, u8)
 REDUCE_F(mean)
 REDUCE_F(sum_square)
 REDUCE_F(l1)
@@ -437,3 +450,63 @@ ARG_T(float, f32)
 ARG_T(__half, f16)
 ARG_T(__nv_bfloat16, bf16)
 ARG_T(double, f64)
+
+// ---------------------------------------------------------------- Einsum
+//
+// reduce_einsum_<T>(const T* a, const T* b, const T* c, T* y, long long n_out, long long inner,
+//                   int nops, int nletters, int nout, Dims8 sizes, Strides8 sa, Strides8 sb,
+//                   Strides8 sc)
+//     T in f32 f16 bf16 f64. An Einsum of 1 to 3 operands (b, c unused past nops) as the CPU
+//     reference computes it (runtime/src/cpu/extra.rs): the letters are the output's nout first,
+//     then the summed ones, each of sizes[l] elements; operand k reads element sum_l coord_l *
+//     s_k[l] (0 for a letter it lacks, the sum of both strides for a letter it repeats). One
+//     thread per output element: y[o] = sum over the `inner` summed coordinates (row-major, the
+//     last letter fastest) of the operands' product, in f64, rounded through f32 on store (f64
+//     stays f64). n_out = prod of the output letters' sizes, inner = prod of the others'.
+template <typename T>
+__device__ __forceinline__ void einsum_body(const T* a, const T* b, const T* c, T* y, long long n_out, long long inner,
+                                            int nops, int nletters, int nout, const Dims8& sizes, const Strides8& sa,
+                                            const Strides8& sb, const Strides8& sc) {
+    MPC_GRID_STRIDE(o, n_out) {
+        long long ba = 0, bb = 0, bc = 0, lin = o;
+#pragma unroll
+        for (int l = MPC_MAX_RANK - 1; l >= 0; --l) {
+            if (l < nout) {
+                const long long q = lin / sizes.d[l], x = lin - q * sizes.d[l];
+                lin = q;
+                ba += x * sa.s[l];
+                bb += x * sb.s[l];
+                bc += x * sc.s[l];
+            }
+        }
+        double acc = 0.0;
+        for (long long k = 0; k < inner; ++k) {
+            long long oa = ba, ob = bb, oc = bc, rest = k;
+#pragma unroll
+            for (int l = MPC_MAX_RANK - 1; l >= 0; --l) {
+                if (l >= nout && l < nletters) {
+                    const long long q = rest / sizes.d[l], x = rest - q * sizes.d[l];
+                    rest = q;
+                    oa += x * sa.s[l];
+                    ob += x * sb.s[l];
+                    oc += x * sc.s[l];
+                }
+            }
+            double p = (double)ld(a, oa);
+            if (nops > 1) p *= (double)ld(b, ob);
+            if (nops > 2) p *= (double)ld(c, oc);
+            acc += p;
+        }
+        st(y, o, (typename Acc<T>::type)acc);
+    }
+}
+#define EINSUM_T(T, tag)                                                                                   \
+    MPC_KERNEL reduce_einsum_##tag(const T* a, const T* b, const T* c, T* y, long long n_out, long long inner, \
+                                   int nops, int nletters, int nout, Dims8 sizes, Strides8 sa, Strides8 sb, \
+                                   Strides8 sc) {                                                          \
+        einsum_body(a, b, c, y, n_out, inner, nops, nletters, nout, sizes, sa, sb, sc);                    \
+    }
+EINSUM_T(float, f32)
+EINSUM_T(__half, f16)
+EINSUM_T(__nv_bfloat16, bf16)
+EINSUM_T(double, f64)

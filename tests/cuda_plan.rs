@@ -21,7 +21,7 @@ use mpc_ir::{DType, Graph};
 use mpc_passes::train::{Loss, TrainOptions};
 use mpc_runtime::cuda::cubin::{self, KernelParams};
 use mpc_runtime::cuda::nvrtc;
-use mpc_runtime::cuda::plan::{param_offsets, plan, Arg, Buf, Call, Gemm, LaunchPlan};
+use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, Gemm, LaunchPlan};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
 const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
@@ -195,15 +195,8 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
                     failures.push(format!("{label}: {}: no kernel {}", l.node, k.name));
                     continue;
                 };
-                let (offsets, total) = param_offsets(&k.args);
-                let sizes: Vec<u32> = k.args.iter().map(|a| a.layout().0 as u32).collect();
-                let want: Vec<(u32, u32)> = declared.params.iter().map(|q| (q.offset, q.size)).collect();
-                let got: Vec<(u32, u32)> = offsets.iter().map(|&o| o as u32).zip(sizes).collect();
-                if got != want || total as u32 != declared.total {
-                    failures.push(format!(
-                        "{label}: {}: {} takes (offset, size) {want:?} ({} bytes); the plan passes {got:?} ({total} bytes)",
-                        l.node, k.name, declared.total
-                    ));
+                if let Err(e) = check_args(&k.name, &k.args, declared) {
+                    failures.push(format!("{label}: {}: {e}", l.node));
                 }
                 checked += 1;
             }

@@ -179,6 +179,15 @@ fn cuda_plans_cover_the_conformance_cases() {
         }
     }
     let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    // Each kernel call against the parameters its cubin declares, where NVRTC is present.
+    let mut kernels = BTreeMap::new();
+    if mpc_runtime::cuda::nvrtc::version().and_then(|_| mpc_runtime::cuda::nvrtc::include_dir()).is_ok() {
+        for (family, source) in mpc_runtime::cuda::nvrtc::FAMILIES {
+            let c = mpc_runtime::cuda::nvrtc::compile(family, source, "sm_90", false).unwrap();
+            kernels.extend(mpc_runtime::cuda::cubin::kernels(&c.cubin).unwrap());
+        }
+    }
+    let mut abi = Vec::new();
     let mut cases: Vec<_> =
         std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
     cases.sort();
@@ -207,6 +216,19 @@ fn cuda_plans_cover_the_conformance_cases() {
         flat(&program.launches, &mut launches);
         let mut ok = true;
         for l in &launches {
+            if let Ok(p) = mpc_runtime::cuda::plan::plan(l, &constant) {
+                for c in &p.calls {
+                    let mpc_runtime::cuda::plan::Call::Kernel(k) = c else { continue };
+                    let checked = match kernels.get(&k.name) {
+                        Some(d) => mpc_runtime::cuda::plan::check_args(&k.name, &k.args, d),
+                        None if kernels.is_empty() => Ok(()),
+                        None => Err(format!("no kernel {}", k.name)),
+                    };
+                    if let Err(e) = checked {
+                        abi.push(format!("{name}: {e}"));
+                    }
+                }
+            }
             if let Err(e) = mpc_runtime::cuda::plan::plan(l, &constant) {
                 let op = e.split(" has no CUDA kernel").next().filter(|_| e.contains("has no CUDA kernel"));
                 let key = op.map_or_else(|| format!("{}: {e}", l.op.op_type()), |o| format!("{o}: no kernel yet"));
@@ -222,7 +244,15 @@ fn cuda_plans_cover_the_conformance_cases() {
     for (why, names) in &reasons {
         eprintln!("cuda unplanned {:4}: {why} (e.g. {})", names.len(), names[0]);
     }
-    eprintln!("cuda plans: {planned} of the {lowered} conformance cases that lower plan every launch");
+    eprintln!(
+        "cuda plans: {planned} of the {lowered} conformance cases that lower plan every launch{}",
+        if kernels.is_empty() {
+            " (kernel parameters not checked: no NVRTC)"
+        } else {
+            "; every kernel call matches its cubin"
+        }
+    );
+    assert!(abi.is_empty(), "{}", abi.join("\n"));
     assert!(lowered > 900, "only {lowered} cases lowered: is MPC_ONNX_NODE_TESTS the right folder?");
-    assert!(planned >= 919, "only {planned} of {lowered} cases plan on cuda (919 did)");
+    assert!(planned >= 927, "only {planned} of {lowered} cases plan on cuda (927 did)");
 }

@@ -68,6 +68,9 @@ pub struct CudaDevice {
     allow_tf32: bool,
     modules: HashMap<&'static str, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
+    /// Every loaded kernel's parameter layout, from its cubin: each call is checked against it
+    /// when a program is prepared.
+    params: HashMap<String, super::cubin::KernelParams>,
     /// Every device allocation, freed with the device.
     allocations: Vec<u64>,
     /// The resolved calls of each prepared launch, by the launch's address (a loaded program's
@@ -127,6 +130,7 @@ impl CudaDevice {
             allow_tf32: false,
             modules: HashMap::new(),
             functions: HashMap::new(),
+            params: HashMap::new(),
             allocations: Vec::new(),
             prepared: HashMap::new(),
             pinned: Vec::new(),
@@ -174,6 +178,9 @@ impl CudaDevice {
                 .map(|(_, s)| *s)
                 .ok_or_else(|| RuntimeError::Internal(format!("no kernel family {family}")))?;
             let compiled = nvrtc::compile(family, source, &self.gpu.arch(), false).map_err(cuda_error)?;
+            let params =
+                super::cubin::kernels(&compiled.cubin).map_err(|e| RuntimeError::Internal(format!("{family}: {e}")))?;
+            self.params.extend(params);
             // SAFETY: a cubin NVRTC made for this device's architecture; it is copied by the driver.
             let module = unsafe { drv::module::load_data(compiled.cubin.as_ptr() as *const c_void) }
                 .map_err(driver("loading a module"))?;
@@ -374,6 +381,11 @@ impl Device for CudaDevice {
                 calls.push(match c {
                     Call::Kernel(k) => {
                         let f = self.function(k.family, &k.name)?;
+                        let declared = self.params.get(&k.name).ok_or_else(|| {
+                            RuntimeError::Internal(format!("{node}: no parameter layout for {}", k.name))
+                        })?;
+                        plan::check_args(&k.name, &k.args, declared)
+                            .map_err(|e| RuntimeError::Internal(format!("{node}: {e}")))?;
                         let (offsets, total) = param_offsets(&k.args);
                         let mut params = vec![0u8; total];
                         for (a, &o) in k.args.iter().zip(&offsets) {

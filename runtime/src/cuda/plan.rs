@@ -122,6 +122,21 @@ pub fn param_offsets(args: &[Arg]) -> (Vec<usize>, usize) {
     (offsets, at)
 }
 
+/// Whether `args` are what `kernel` declares (its parameters' offsets and sizes, read from the
+/// cubin by [`super::cubin`]).
+pub fn check_args(name: &str, args: &[Arg], declared: &super::cubin::KernelParams) -> Result<(), String> {
+    let (offsets, total) = param_offsets(args);
+    let got: Vec<(u32, u32)> = offsets.iter().zip(args).map(|(&o, a)| (o as u32, a.layout().0 as u32)).collect();
+    let want: Vec<(u32, u32)> = declared.params.iter().map(|q| (q.offset, q.size)).collect();
+    if got != want || total as u32 != declared.total {
+        return Err(format!(
+            "{name} takes (offset, size) {want:?} ({} bytes); the plan passes {got:?} ({total} bytes)",
+            declared.total
+        ));
+    }
+    Ok(())
+}
+
 /// One kernel launch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Kernel {
@@ -941,6 +956,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
         }
         Op::GatherGrad(a) => plan_gather_grad(p, a.axis)?,
         Op::Resize(a) => plan_resize(p, a)?,
+        Op::Einsum(a) => plan_einsum(p, &a.equation)?,
         Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
         | Op::SoftmaxCrossEntropyLossGrad(_)
@@ -1091,6 +1107,12 @@ fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         let outer = numel(&dims[..kept.len()]);
         (w, outer, numel(&dims[kept.len()..]), 1)
     };
+    if x.dtype == DType::Bool && reduced == 0 {
+        // An empty extent: max is false and min is true (the u8 kernels would give 0 and 255).
+        let byte = (kind == "min") as u8;
+        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte });
+        return Ok(());
+    }
     let shape_args = [Arg::I64(outer as i64), Arg::I64(reduced as i64), Arg::I64(inner as i64)];
     let splittable = !matches!(kind, "log_sum_exp");
     if inner == 1 && reduced >= 65536 && outer < 64 && splittable {
@@ -1726,6 +1748,70 @@ fn plan_pad(p: &mut Planner, mode: PadMode) -> Result<(), String> {
         Arg::U64(u64::from_le_bytes(bits)),
     ];
     p.flat("movement", format!("movement_pad_{}", size_tag(x.dtype)?), n, args);
+    Ok(())
+}
+
+/// Einsum of up to three float operands, one thread per output element summing in f64 in the
+/// CPU reference's order (a contraction kernel, not a GEMM: Einsum in exported models is rare).
+fn plan_einsum(p: &mut Planner, equation: &str) -> Result<(), String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.contains("...") {
+        return Err("Einsum with an ellipsis".into());
+    }
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), r.to_string()),
+        None => {
+            let mut once: Vec<char> = eq.chars().filter(|c| c.is_ascii_alphabetic()).collect();
+            once.sort_unstable();
+            let r = once.iter().filter(|c| once.iter().filter(|d| d == c).count() == 1).collect();
+            (eq.clone(), r)
+        }
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    let ins: Vec<&TensorRef> = (0..terms.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+    if ins.len() > 3 {
+        return Err(format!("Einsum of {} operands (the CUDA kernel takes up to 3)", ins.len()));
+    }
+    let y = p.output(0)?;
+    let mut letters: Vec<char> = rhs.chars().collect();
+    for c in lhs.chars().filter(|c| c.is_ascii_alphabetic()) {
+        if !letters.contains(&c) {
+            letters.push(c);
+        }
+    }
+    let mut sizes = vec![0i64; letters.len()];
+    let mut strides = vec![vec![0i64; letters.len()]; 3];
+    for (k, (t, x)) in terms.iter().zip(&ins).enumerate() {
+        if t.len() != x.shape.len() || x.dtype != y.dtype {
+            return Err(format!("Einsum term `{t}` on {}{:?}", x.dtype, x.shape));
+        }
+        let st = contiguous(&x.shape);
+        for (i, c) in t.chars().enumerate() {
+            let l = letters.iter().position(|&l| l == c).ok_or("an Einsum label")?;
+            sizes[l] = x.shape[i] as i64;
+            strides[k][l] += st[i];
+        }
+    }
+    let nout = rhs.chars().count();
+    let n_out: i64 = sizes[..nout].iter().product();
+    let inner: i64 = sizes[nout..].iter().product();
+    let ptr = |k: usize| ins.get(k).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    let args = vec![
+        ptr(0),
+        ptr(1),
+        ptr(2),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n_out),
+        Arg::I64(inner),
+        Arg::I32(ins.len() as i32),
+        Arg::I32(letters.len() as i32),
+        Arg::I32(nout as i32),
+        Arg::Dims(dims8(&sizes)?),
+        Arg::Dims(dims8(&strides[0])?),
+        Arg::Dims(dims8(&strides[1])?),
+        Arg::Dims(dims8(&strides[2])?),
+    ];
+    p.flat("reduce", format!("reduce_einsum_{}", float_tag(y.dtype)?), n_out as u64, args);
     Ok(())
 }
 
