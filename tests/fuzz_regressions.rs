@@ -1,6 +1,7 @@
 //! The inputs the fuzz campaigns found (tests/data/fuzz: each once crashed, hung or made mpc
 //! write what it could not read), through the commands the fuzz targets mirror. Each must end
-//! with exit 0, or one line and exit 2; what compile writes must read back, as ONNX and as text.
+//! with exit 0, or one line and exit 2; what compile writes must read back, as ONNX and as text
+//! (the text IR both of the input and of the ONNX written).
 
 mod common;
 
@@ -38,6 +39,14 @@ fn every_fuzz_finding_is_handled() {
                 let r = mpc(&["compile", onnx.to_str().unwrap(), "-o", text.to_str().unwrap()]);
                 assert!(r.status.success(), "{what}: {}", String::from_utf8_lossy(&r.stderr));
                 let r = mpc(&["compile", text.to_str().unwrap(), "--emit", "onnx", "-o", onnx.to_str().unwrap()]);
+                assert!(r.status.success(), "{what}: {}", String::from_utf8_lossy(&r.stderr));
+            }
+            // The text IR written straight from the input reads back too (even where the ONNX
+            // export refuses a form the opset it writes does not have).
+            let r = mpc(&["compile", m, "--policy", policy, "-o", text.to_str().unwrap()]);
+            if one_line_or_ok(&format!("{what} text"), &r) {
+                let again = dir.join(format!("{name}.{policy}.again.mpcir"));
+                let r = mpc(&["compile", text.to_str().unwrap(), "-o", again.to_str().unwrap()]);
                 assert!(r.status.success(), "{what}: {}", String::from_utf8_lossy(&r.stderr));
             }
             let r = mpc(&["run", m, "--policy", policy, "--random-inputs", "1", "--max-memory", "4M"]);

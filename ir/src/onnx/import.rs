@@ -65,11 +65,13 @@ struct Importer<'a> {
 }
 
 impl Importer<'_> {
-    fn run(mut self, graph: proto::LazyGraphProto, meta: ModelMeta) -> Result<Graph> {
-        self.opset = match meta.onnx_opset() {
-            0 => 1,
-            v => v,
-        };
+    fn run(mut self, graph: proto::LazyGraphProto, mut meta: ModelMeta) -> Result<Graph> {
+        // A model that imports no ai.onnx opset is read as opset 1, and the graph says so: its
+        // text IR is then checked at the opset its nodes were read at, not at the newest.
+        if meta.onnx_opset() == 0 {
+            meta.set_opset("", 1);
+        }
+        self.opset = meta.onnx_opset();
         self.g.meta = meta;
         if !graph.sparse_initializer.is_empty() {
             return Err(invalid("sparse initializers are not supported"));
