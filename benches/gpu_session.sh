@@ -8,7 +8,7 @@
 #   benches/gpu_session.sh PART [OUTDIR]  on the GPU machine, with gpu-bin/ beside the sources:
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
-#                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli)
+#                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli, gradients)
 #       sanitizer   compute-sanitizer memcheck and racecheck over the GPU op tests and the fixtures
 #       bench       benches/gpu_vs_torch.py: mpc bench against PyTorch fp32 / AMP on the same GPU
 #       all         all of the above (longer than one 10-minute call: run the parts one by one)
@@ -29,7 +29,7 @@ if [ "$PART" = build ]; then
   # The test executables, by target name.
   cargo test --release --workspace --no-run --message-format=json 2>/dev/null | python3 -c '
 import json, shutil, sys
-want = {"backend_ops", "program", "train", "cuda_vs_cpu", "runtime_conformance", "cli", "cuda_plan"}
+want = {"backend_ops", "program", "train", "cuda_vs_cpu", "runtime_conformance", "cli", "cuda_plan", "gradients"}
 for line in sys.stdin:
     try:
         m = json.loads(line)
@@ -108,6 +108,8 @@ part_tests() {
   step train "$BIN/train" cuda:: --nocapture --test-threads=1
   step runtime_conformance "$BIN/runtime_conformance" cuda:: --nocapture --test-threads=1
   step cli "$BIN/cli" device_cuda --nocapture
+  # Every gradient rule against finite differences, on the CPU and then on the GPU.
+  step gradients "$BIN/gradients" --nocapture --test-threads=1
 }
 
 part_sanitizer() {

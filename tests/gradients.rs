@@ -2,9 +2,9 @@
 //!
 //! Each case builds a one-op (or few-op) graph whose float inputs are f64 parameters, reduces its
 //! output to a scalar with a fixed random projection (`loss = Σ y ⊙ R`), generates the backward
-//! graph with mpc's autodiff and runs it on the CPU backend. Each parameter element (up to 16 per
-//! parameter, spread over the tensor) is then nudged by ±h and the loss re-run: the analytic
-//! gradient must match (L(p+h) − L(p−h)) / 2h.
+//! graph with mpc's autodiff and runs it on the CPU device, and on the GPU too where one can be
+//! opened. Each parameter element (up to 16 per parameter, spread over the tensor) is then nudged
+//! by ±h and the loss re-run: the analytic gradient must match (L(p+h) − L(p−h)) / 2h.
 
 use std::collections::HashMap;
 
@@ -106,47 +106,69 @@ impl Case {
         mpc_passes::verify(&self.g).unwrap_or_else(|e| panic!("{name}: {e}"));
         // The parameters are variables of the program: each finite-difference probe writes one.
         let params: std::collections::HashSet<_> = self.params.iter().copied().collect();
-        let path = std::path::Path::new(&name);
-        let cpu = CpuDevice::default();
-        let program = mpc::run::lower_bound(&self.g, cpu.caps(), None, Some(&params), path)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut s = Session::new(cpu, program).unwrap();
-        let none = HashMap::new();
-        let out = s.run(&none).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let loss_at = |s: &mut Session<CpuDevice>| s.run(&none).unwrap()[0].1.f64s()[0];
-        let h = self.h;
-        let mut worst = 0f64;
-        for (i, &p) in self.params.iter().enumerate() {
-            let analytic = out[i + 1].1.f64s();
-            let pname = self.g.name(p).to_string();
-            // A gradient that is zero everywhere would pass against any rule that also gives zero.
-            assert!(analytic.iter().any(|&d| d != 0.0), "{name}: the gradient of `{pname}` is zero everywhere");
-            let base = s.read_state(&pname).unwrap();
-            let n = base.len();
-            let picks: Vec<usize> =
-                if n <= 16 { (0..n).collect() } else { (0..16).map(|k| k * n / 16 + k % 3).collect() };
-            for k in picks {
-                let mut v = base.f64s();
-                v[k] += h;
-                s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v.clone())).unwrap();
-                let up = loss_at(&mut s);
-                v[k] -= 2.0 * h;
-                s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v)).unwrap();
-                let down = loss_at(&mut s);
-                s.write_state(&pname, &base).unwrap();
-                let numeric = (up - down) / (2.0 * h);
-                let err = (analytic[k] - numeric).abs() / (numeric.abs().max(analytic[k].abs()).max(1e-3));
-                worst = worst.max(err);
-                assert!(
-                    err <= rtol,
-                    "{name}: d/d {}[{k}]: autodiff {} vs finite differences {numeric} (rel err {err:.2e})",
-                    self.g.name(p),
-                    analytic[k]
-                );
-            }
+        finite_differences(&self, &params, rtol, CpuDevice::default);
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = gpu() {
+            drop(gpu);
+            finite_differences(&self, &params, rtol, || mpc_runtime::cuda::device::CudaDevice::new(0).unwrap());
         }
-        println!("{name}: max relative error {worst:.2e} over {} parameters", self.params.len());
     }
+}
+
+/// The first GPU, where one can be used (the gradient checks then run on it too).
+#[cfg(feature = "cuda")]
+fn gpu() -> Option<mpc_runtime::cuda::device::CudaDevice> {
+    mpc_runtime::cuda::device::CudaDevice::new(0).ok()
+}
+
+/// The analytic gradients of `case`'s graph (its outputs: the loss, then each parameter's
+/// gradient) against central finite differences, computed on `device`.
+fn finite_differences<D: Device>(
+    case: &Case,
+    params: &std::collections::HashSet<ValueId>,
+    rtol: f64,
+    device: impl Fn() -> D,
+) {
+    let dev = device();
+    let name = format!("{} on {}", case.g.name, dev.caps().name);
+    let path = std::path::Path::new(&name);
+    let program =
+        mpc::run::lower_bound(&case.g, dev.caps(), None, Some(params), path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut s = Session::new(dev, program).unwrap();
+    let none = HashMap::new();
+    let out = s.run(&none).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let loss_at = |s: &mut Session<D>| s.run(&none).unwrap()[0].1.f64s()[0];
+    let h = case.h;
+    let mut worst = 0f64;
+    for (i, &p) in case.params.iter().enumerate() {
+        let analytic = out[i + 1].1.f64s();
+        let pname = case.g.name(p).to_string();
+        // A gradient that is zero everywhere would pass against any rule that also gives zero.
+        assert!(analytic.iter().any(|&d| d != 0.0), "{name}: the gradient of `{pname}` is zero everywhere");
+        let base = s.read_state(&pname).unwrap();
+        let n = base.len();
+        let picks: Vec<usize> = if n <= 16 { (0..n).collect() } else { (0..16).map(|k| k * n / 16 + k % 3).collect() };
+        for k in picks {
+            let mut v = base.f64s();
+            v[k] += h;
+            s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v.clone())).unwrap();
+            let up = loss_at(&mut s);
+            v[k] -= 2.0 * h;
+            s.write_state(&pname, &HostTensor::from_f64(DType::F64, base.shape.clone(), v)).unwrap();
+            let down = loss_at(&mut s);
+            s.write_state(&pname, &base).unwrap();
+            let numeric = (up - down) / (2.0 * h);
+            let err = (analytic[k] - numeric).abs() / (numeric.abs().max(analytic[k].abs()).max(1e-3));
+            worst = worst.max(err);
+            assert!(
+                err <= rtol,
+                "{name}: d/d {}[{k}]: autodiff {} vs finite differences {numeric} (rel err {err:.2e})",
+                case.g.name(p),
+                analytic[k]
+            );
+        }
+    }
+    println!("{name}: max relative error {worst:.2e} over {} parameters", case.params.len());
 }
 
 impl Case {
@@ -177,15 +199,24 @@ impl Case {
         g.set_outputs(outs);
         mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
         mpc_passes::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let cpu = CpuDevice::default();
-        let path = std::path::Path::new(&name);
-        let program = mpc::run::lower_bound(&g, cpu.caps(), None, None, path).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut s = Session::new(cpu, program).unwrap();
-        for (k, (_, t)) in s.run(&HashMap::new()).unwrap_or_else(|e| panic!("{name}: {e}")).iter().enumerate() {
-            let p = self.g.name(self.params[k]);
-            assert_eq!(t.dtype(), dtype, "{name}: the gradient of `{p}`");
-            assert!(t.f64s().iter().all(|v| v.is_finite()), "{name}: the gradient of `{p}` is not finite");
+        runs_on(&g, &self.g, &self.params, dtype, &name, CpuDevice::default());
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = gpu() {
+            runs_on(&g, &self.g, &self.params, dtype, &name, gpu);
         }
+    }
+}
+
+/// Runs the backward graph `g` once on `device`: every gradient of `dtype` and finite.
+fn runs_on<D: Device>(g: &Graph, forward: &Graph, params: &[ValueId], dtype: DType, name: &str, device: D) {
+    let name = format!("{name} on {}", device.caps().name);
+    let path = std::path::Path::new(&name);
+    let program = mpc::run::lower_bound(g, device.caps(), None, None, path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut s = Session::new(device, program).unwrap();
+    for (k, (_, t)) in s.run(&HashMap::new()).unwrap_or_else(|e| panic!("{name}: {e}")).iter().enumerate() {
+        let p = forward.name(params[k]);
+        assert_eq!(t.dtype(), dtype, "{name}: the gradient of `{p}`");
+        assert!(t.f64s().iter().all(|v| v.is_finite()), "{name}: the gradient of `{p}` is not finite");
     }
 }
 
