@@ -68,7 +68,16 @@ fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
                 .unwrap_or_else(|e| panic!("{name} {policy}: {e}"));
             let again = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, &path).unwrap();
             for (((n, c), (_, x)), (_, y)) in cpu.iter().zip(&cuda).zip(&again) {
-                let tol = Tolerance::for_dtype(c.dtype());
+                // A whole network: the policy's low dtype's preset (another summation order in
+                // every matrix product), with element bounds ten times looser than one op's.
+                let low = match policy {
+                    "fp32" => c.dtype(),
+                    "mixed" if c.dtype().is_float() => mpc_ir::DType::F16,
+                    _ if c.dtype().is_float() => mpc_ir::DType::BF16,
+                    _ => c.dtype(),
+                };
+                let t = Tolerance::for_dtype(low);
+                let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: t.rel_l2 };
                 let cmp = tol.check(x, c).unwrap_or_else(|e| panic!("{name} {policy} `{n}`: {e}"));
                 println!("{name} {policy} `{n}`: {cmp:?}");
                 assert_eq!(x, y, "{name} {policy} `{n}`: two GPU runs differ");
