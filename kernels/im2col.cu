@@ -27,6 +27,7 @@
 //     Fills every column element (zeros in the padding).
 // im2col_col2im_<T>(const T* col, T* x, long long imgs, long long channels, long long img_stride,
 //                   long long ch_stride, Window3 w, long long col_ld, long long col_img_stride)
+//     (and im2col_col2im_wide_<T> for T in f16 bf16: the same from f32 columns)
 //     The adjoint: every image element (img, c, i) is set (not added) to the sum of the column
 //     elements whose tap reads it, in increasing kernel-offset order. Conv's dX: col = W_g^T dY
 //     per group (GEMM), then col2im into dX with the convolution's geometry. ConvTranspose's Y:
@@ -91,8 +92,8 @@ __device__ __forceinline__ void im2col_body(const T* __restrict__ x, T* __restri
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void col2im_body(const T* __restrict__ col, T* __restrict__ x, long long imgs,
+template <typename TC, typename T>
+__device__ __forceinline__ void col2im_body(const TC* __restrict__ col, T* __restrict__ x, long long imgs,
                                             long long channels, long long img_stride, long long ch_stride,
                                             const Window3& w, long long col_ld, long long col_img_stride) {
     typedef typename Acc<T>::type C;
@@ -102,7 +103,7 @@ __device__ __forceinline__ void col2im_body(const T* __restrict__ col, T* __rest
         const long long c = t % channels, img = t / channels;
         const int i2 = (int)(ip % g.in[2]), i1 = (int)((ip / g.in[2]) % g.in[1]),
                   i0 = (int)(ip / ((long long)g.in[2] * g.in[1]));
-        const T* cb = col + c * g.kvol * col_ld + img * col_img_stride;
+        const TC* cb = col + c * g.kvol * col_ld + img * col_img_stride;
         C s = C(0);
         for (int k0 = 0; k0 < g.k[0]; ++k0) {
             const int t0 = i0 + g.p[0] - k0 * g.d[0];
@@ -159,3 +160,14 @@ IM2COL_T(float, f32)
 IM2COL_T(__half, f16)
 IM2COL_T(__nv_bfloat16, bf16)
 IM2COL_T(double, f64)
+
+// col2im from f32 columns into an f16/bf16 image: the columns of a low-precision ConvGrad's dX or
+// ConvTranspose's Y, which the GEMM leaves in f32 so that the image is rounded once.
+#define COL2IM_WIDE_T(T, tag)                                                                            \
+    MPC_KERNEL im2col_col2im_wide_##tag(const float* col, T* x, long long imgs, long long channels,      \
+                                        long long img_stride, long long ch_stride, Window3 w,            \
+                                        long long col_ld, long long col_img_stride) {                    \
+        col2im_body(col, x, imgs, channels, img_stride, ch_stride, w, col_ld, col_img_stride);           \
+    }
+COL2IM_WIDE_T(__half, f16)
+COL2IM_WIDE_T(__nv_bfloat16, bf16)

@@ -97,8 +97,8 @@ fn room(l: &Launch, p: &LaunchPlan, b: Buf) -> Result<u64, String> {
 }
 
 fn check_gemm(l: &Launch, p: &LaunchPlan, g: &Gemm) -> Result<(), String> {
-    let es = g.dtype.size() as i64;
     let operand = |name: &str, b: Buf, trans: bool, rows: i64, cols: i64, ld: i64, stride: i64| {
+        let es = if name == "C" { g.c_dtype.size() } else { g.dtype.size() } as i64;
         let (r, c) = if trans { (cols, rows) } else { (rows, cols) };
         if ld < r.max(1) {
             return Err(format!("{name}: leading dim {ld} below its {r} rows"));

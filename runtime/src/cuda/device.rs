@@ -273,6 +273,12 @@ impl CudaDevice {
             DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
             d => return Err(RuntimeError::Internal(format!("a GEMM of {d}"))),
         };
+        // f16/bf16 operands may leave an f32 result.
+        let c_ty = match (g.dtype, g.c_dtype) {
+            (a, c) if a == c => ty,
+            (DType::F16 | DType::BF16, DType::F32) => Ty::CUDA_R_32F,
+            (a, c) => return Err(RuntimeError::Internal(format!("a GEMM of {a} into {c}"))),
+        };
         let op = |t: bool| {
             if t {
                 blas_sys::cublasOperation_t::CUBLAS_OP_T
@@ -308,7 +314,7 @@ impl CudaDevice {
                 g.stride_b,
                 beta,
                 c as *mut c_void,
-                ty,
+                c_ty,
                 int(g.ldc)?,
                 g.stride_c,
                 int(g.batch)?,

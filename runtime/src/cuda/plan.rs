@@ -152,7 +152,10 @@ pub struct Kernel {
 /// for each of `batch` matrices, FP32 accumulation for f32/f16/bf16, f64 for f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gemm {
+    /// The operands' dtype, and the result's (f32 for a low-precision product whose result is
+    /// summed further before it is rounded).
     pub dtype: DType,
+    pub c_dtype: DType,
     pub trans_a: bool,
     pub trans_b: bool,
     pub m: i64,
@@ -694,6 +697,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
             // Row-major Y = op(X) op(W) is column-major Yᵀ = op(W)ᵀ op(X)ᵀ.
             p.gemm(Gemm {
                 dtype: y.dtype,
+                c_dtype: y.dtype,
                 trans_a: a.transB,
                 trans_b: a.transA,
                 m: n,
@@ -1014,6 +1018,7 @@ fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     // Row-major Y = A B is column-major Yᵀ = Bᵀ Aᵀ.
     p.gemm(Gemm {
         dtype: y.dtype,
+        c_dtype: y.dtype,
         trans_a: false,
         trans_b: false,
         m: n as i64,
@@ -1482,6 +1487,7 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
             };
             p.gemm(Gemm {
                 dtype: y.dtype,
+                c_dtype: y.dtype,
                 trans_a: false,
                 trans_b: false,
                 m: ovol as i64,
@@ -1519,7 +1525,10 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
         &[ovol as i64, (m * ovol) as i64, 1],
         &[k2 as i64, ovol as i64, 1],
     )?;
-    let col = p.work(rows * k2 * es);
+    // The columns: x's for dW, then dX's, which stay f32 for a low-precision convolution so
+    // that dX is rounded once, after col2im's sums.
+    let (wide, col_dtype) = wide_columns(x.dtype);
+    let col = p.work(rows * k2 * es.max(col_dtype.size() as u64));
     let (dx, dw, db) = (p.l.outputs.first(), p.l.outputs.get(1), p.l.outputs.get(2));
     for gi in 0..g {
         let xg = buf(x).at(gi * cg * ivol * es);
@@ -1529,6 +1538,7 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
             p.flat("im2col", format!("im2col_im2col_{t}"), n * rows * ovol, im2col_args(xg, col, k2, ovol));
             p.gemm(Gemm {
                 dtype: dw.dtype,
+                c_dtype: dw.dtype,
                 trans_a: true,
                 trans_b: false,
                 m: rows as i64,
@@ -1552,6 +1562,7 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
             // dcol (rows × k2) = W_gᵀ · dYᵗ_g; column-major: dcolᵀ = dYᵗ_gᵀ · W_g.
             p.gemm(Gemm {
                 dtype: dx.dtype,
+                c_dtype: col_dtype,
                 trans_a: false,
                 trans_b: true,
                 m: k2 as i64,
@@ -1571,7 +1582,7 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
                 batch: 1,
             });
             let dxg = buf(dx).at(gi * cg * ivol * es);
-            p.flat("im2col", format!("im2col_col2im_{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
+            p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
         }
     }
     if let Some(db) = db {
@@ -1580,6 +1591,15 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
         p.kernel("im2col", format!("im2col_channel_sum_{t}"), rows_grid(m), [BLOCK, 1, 1], args);
     }
     Ok(())
+}
+
+/// The columns a GEMM leaves for col2im: f32 for f16/bf16 data (`im2col_col2im_wide_*`), else
+/// the data's dtype.
+fn wide_columns(d: DType) -> (&'static str, DType) {
+    match d {
+        DType::F16 | DType::BF16 => ("wide_", DType::F32),
+        d => ("", d),
+    }
 }
 
 fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<(), String> {
@@ -1630,11 +1650,13 @@ fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<()
         &[ivol as i64, (cin * ivol) as i64, 1],
         &[k2 as i64, ivol as i64, 1],
     )?;
-    let col = p.work(rows * k2 * es);
+    let (wide, col_dtype) = wide_columns(x.dtype);
+    let col = p.work(rows * k2 * col_dtype.size() as u64);
     for gi in 0..g {
         // col (rows × k2) = W_gᵀ · Xᵗ_g; column-major: colᵀ = Xᵗ_gᵀ · W_g.
         p.gemm(Gemm {
             dtype: y.dtype,
+            c_dtype: col_dtype,
             trans_a: false,
             trans_b: true,
             m: k2 as i64,
@@ -1664,7 +1686,7 @@ fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<()
             Arg::I64(k2 as i64),
             Arg::I64(ivol as i64),
         ];
-        p.flat("im2col", format!("im2col_col2im_{t}"), n * og * ovol, args);
+        p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * og * ovol, args);
     }
     if let Some(b) = p.opt_input(2) {
         let dims = [n as usize, cout as usize, ovol as usize];

@@ -1,0 +1,418 @@
+//! The CUDA plans' index arithmetic, checked on the CPU: a small interpreter executes the calls of
+//! a plan (device copies and fills, cuBLAS GEMMs in their column-major terms, and the kernels
+//! whose meaning is plain data movement or summation: `movement_copy`, `movement_fill`,
+//! `elementwise_add`, `im2col`, `col2im`, `channel_sum`, as their headers in `kernels/` define
+//! them) over copies of a program's regions, and every launch it can interpret is compared with
+//! the CPU device's result at the same point of the same program. That covers what is easiest to
+//! get wrong in a plan and hardest to see on a GPU: GEMM transposes, leading dims and batch
+//! strides (MatMul with broadcasting, Gemm, Conv, ConvGrad, ConvTranspose), the im2col/col2im
+//! layouts, and the strided copies of Transpose, Slice, Concat, Split, Expand and Pad.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{fixture, FIXTURES};
+use mpc::Options;
+use mpc_ir::{DType, Graph};
+use mpc_passes::train::{Loss, TrainOptions};
+use mpc_runtime::cuda::plan::{plan, Arg, Buf, Call, Gemm, Kernel, LaunchPlan, Window3};
+use mpc_runtime::device::{CpuDevice, Device, Regions};
+use mpc_runtime::program::{Program, Region, TensorRef};
+use mpc_runtime::{HostTensor, Tolerance};
+
+/// The bytes a plan runs over: the program's three regions, the workspace and the aux bytes.
+struct Memory {
+    arena: Vec<u8>,
+    state: Vec<u8>,
+    constants: Vec<u8>,
+    work: Vec<u8>,
+    aux: Vec<u8>,
+}
+
+impl Memory {
+    fn at(&mut self, b: Buf) -> (&mut Vec<u8>, usize) {
+        match b {
+            Buf::Tensor(Region::Arena, o) => (&mut self.arena, o as usize),
+            Buf::Tensor(Region::State, o) => (&mut self.state, o as usize),
+            Buf::Tensor(Region::Constants, o) => (&mut self.constants, o as usize),
+            Buf::Work(o) => (&mut self.work, o as usize),
+            Buf::Aux(o) => (&mut self.aux, o as usize),
+        }
+    }
+
+    fn bytes(&mut self, b: Buf, elem: i64, size: usize) -> Vec<u8> {
+        let (v, o) = self.at(b);
+        let s = (o as i64 + elem * size as i64) as usize;
+        v[s..s + size].to_vec()
+    }
+
+    fn put(&mut self, b: Buf, elem: i64, bytes: &[u8]) {
+        let (v, o) = self.at(b);
+        let s = (o as i64 + elem * bytes.len() as i64) as usize;
+        v[s..s + bytes.len()].copy_from_slice(bytes);
+    }
+
+    fn get(&mut self, b: Buf, elem: i64, d: DType) -> f64 {
+        HostTensor::from_le_bytes(d, vec![1], &self.bytes(b, elem, d.size())).f64s()[0]
+    }
+
+    fn set(&mut self, b: Buf, elem: i64, d: DType, v: f64) {
+        let t = HostTensor::from_f64(d, vec![1], vec![v]);
+        let mut bytes = vec![0u8; d.size()];
+        t.write_le_bytes(&mut bytes);
+        self.put(b, elem, &bytes);
+    }
+}
+
+fn ptr(a: &Arg) -> Buf {
+    match a {
+        Arg::Ptr(b) => *b,
+        a => panic!("{a:?} where a pointer was expected"),
+    }
+}
+
+fn int(a: &Arg) -> i64 {
+    match *a {
+        Arg::I64(v) => v,
+        Arg::I32(v) => v as i64,
+        ref a => panic!("{a:?} where an integer was expected"),
+    }
+}
+
+fn dims(a: &Arg) -> [i64; 8] {
+    match a {
+        Arg::Dims(d) => *d,
+        a => panic!("{a:?} where Dims8 was expected"),
+    }
+}
+
+fn window(a: &Arg) -> Window3 {
+    match a {
+        Arg::Window(w) => *w,
+        a => panic!("{a:?} where Window3 was expected"),
+    }
+}
+
+fn dtype_of(tag: &str) -> DType {
+    match tag {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        "f64" => DType::F64,
+        "i64" => DType::I64,
+        "i32" => DType::I32,
+        t => panic!("dtype tag {t}"),
+    }
+}
+
+/// The coordinates of row-major index `lin` over `dims[..rank]`, dotted with each stride list.
+fn offsets(mut lin: i64, rank: usize, d: &[i64; 8], strides: &[[i64; 8]]) -> Vec<i64> {
+    let mut out = vec![0i64; strides.len()];
+    for k in (0..rank).rev() {
+        let c = lin % d[k];
+        lin /= d[k];
+        for (o, s) in out.iter_mut().zip(strides) {
+            *o += c * s[k];
+        }
+    }
+    out
+}
+
+/// The kernels whose meaning this file interprets.
+fn interpretable(k: &Kernel) -> bool {
+    ["movement_copy_", "movement_fill_", "elementwise_add_", "im2col_im2col_", "im2col_col2im_", "im2col_channel_sum_"]
+        .iter()
+        .any(|p| k.name.starts_with(p))
+}
+
+fn run_kernel(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let tag = k.name.rsplit('_').next().unwrap();
+    if k.name.starts_with("movement_copy_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
+        let (d, xs, ys) = (dims(&a[4]), dims(&a[5]), dims(&a[6]));
+        for i in 0..n {
+            let (xo, yo) = if rank == 0 {
+                (i, i)
+            } else {
+                let o = offsets(i, rank, &d, &[xs, ys]);
+                (o[0], o[1])
+            };
+            let v = m.bytes(x, xo, size);
+            m.put(y, yo, &v);
+        }
+    } else if k.name.starts_with("movement_fill_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (y, n) = (ptr(&a[0]), int(&a[1]));
+        let Arg::U64(v) = a[2] else { panic!("fill value") };
+        for i in 0..n {
+            m.put(y, i, &v.to_le_bytes()[..size]);
+        }
+    } else if k.name.starts_with("elementwise_add_") {
+        let d = dtype_of(tag);
+        let (pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) as usize);
+        let (dd, sa, sb) = (dims(&a[5]), dims(&a[6]), dims(&a[7]));
+        let mut out = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let (oa, ob) = if rank == 0 {
+                (i, i)
+            } else {
+                let o = offsets(i, rank, &dd, &[sa, sb]);
+                (o[0], o[1])
+            };
+            out.push(m.get(pa, oa, d) + m.get(pb, ob, d));
+        }
+        // Every element is read before any is written (y may be a).
+        for (i, v) in out.into_iter().enumerate() {
+            m.set(y, i as i64, d, v);
+        }
+    } else if k.name.starts_with("im2col_im2col_") || k.name.starts_with("im2col_col2im_") {
+        let d = dtype_of(tag);
+        // The wide col2im reads f32 columns.
+        let dc = if k.name.starts_with("im2col_col2im_wide_") { DType::F32 } else { d };
+        let (src, dst) = (ptr(&a[0]), ptr(&a[1]));
+        let (imgs, channels, img_stride, ch_stride) = (int(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        let (w, col_ld, col_img) = (window(&a[6]), int(&a[7]), int(&a[8]));
+        let nsp = w.nsp as usize;
+        let kvol: i64 = w.k[..nsp].iter().product();
+        let ovol: i64 = w.out[..nsp].iter().product();
+        let ivol: i64 = w.inp[..nsp].iter().product();
+        let to_col = k.name.starts_with("im2col_im2col_");
+        // The image element each (kernel offset, output position) tap reads, if inside.
+        let tap = |kp: i64, op: i64| -> Option<i64> {
+            let (mut kr, mut or, mut off, mut scale) = (kp, op, 0i64, 1i64);
+            for s in (0..nsp).rev() {
+                let (kc, oc) = (kr % w.k[s], or % w.out[s]);
+                kr /= w.k[s];
+                or /= w.out[s];
+                let i = oc * w.stride[s] + kc * w.dil[s] - w.pad[s];
+                if i < 0 || i >= w.inp[s] {
+                    return None;
+                }
+                off += i * scale;
+                scale *= w.inp[s];
+            }
+            Some(off)
+        };
+        let mut sums: HashMap<i64, f64> = HashMap::new();
+        for img in 0..imgs {
+            for c in 0..channels {
+                for kp in 0..kvol {
+                    for op in 0..ovol {
+                        let col_at = (c * kvol + kp) * col_ld + img * col_img + op;
+                        let image = tap(kp, op).map(|i| img * img_stride + c * ch_stride + i);
+                        if to_col {
+                            let v = image.map_or(0.0, |at| m.get(src, at, d));
+                            m.set(dst, col_at, d, v);
+                        } else if let Some(at) = image {
+                            *sums.entry(at).or_default() += m.get(src, col_at, dc);
+                        }
+                    }
+                }
+            }
+        }
+        if !to_col {
+            for img in 0..imgs {
+                for c in 0..channels {
+                    for i in 0..ivol {
+                        let at = img * img_stride + c * ch_stride + i;
+                        m.set(dst, at, d, sums.get(&at).copied().unwrap_or(0.0));
+                    }
+                }
+            }
+        }
+    } else if k.name.starts_with("im2col_channel_sum_") {
+        let d = dtype_of(tag);
+        let (dy, db, n, c, inner) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]));
+        for ch in 0..c {
+            let mut s = 0.0;
+            for b in 0..n {
+                for i in 0..inner {
+                    s += m.get(dy, (b * c + ch) * inner + i, d);
+                }
+            }
+            m.set(db, ch, d, s);
+        }
+    } else {
+        panic!("{} is not interpreted", k.name);
+    }
+}
+
+fn run_gemm(m: &mut Memory, g: &Gemm) {
+    let (d, dc) = (g.dtype, g.c_dtype);
+    for bi in 0..g.batch {
+        let (a0, b0, c0) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut s = 0.0;
+                for l in 0..g.k {
+                    let av =
+                        if g.trans_a { m.get(g.a, a0 + l + i * g.lda, d) } else { m.get(g.a, a0 + i + l * g.lda, d) };
+                    let bv =
+                        if g.trans_b { m.get(g.b, b0 + j + l * g.ldb, d) } else { m.get(g.b, b0 + l + j * g.ldb, d) };
+                    s += av * bv;
+                }
+                let at = c0 + i + j * g.ldc;
+                let old = if g.beta != 0.0 { m.get(g.c, at, dc) } else { 0.0 };
+                m.set(g.c, at, dc, g.alpha * s + g.beta * old);
+            }
+        }
+    }
+}
+
+fn run_plan(m: &mut Memory, p: &LaunchPlan) {
+    m.work = vec![0xAB; p.workspace as usize];
+    m.aux = p.aux.clone();
+    for c in &p.calls {
+        match c {
+            Call::Kernel(k) => run_kernel(m, k),
+            Call::Gemm(g) => run_gemm(m, g),
+            Call::Copy { from, to, bytes } => {
+                let v = m.bytes(*from, 0, *bytes as usize);
+                m.put(*to, 0, &v);
+            }
+            Call::Fill { to, bytes, byte } => m.put(*to, 0, &vec![*byte; *bytes as usize]),
+        }
+    }
+}
+
+fn whole(dev: &mut CpuDevice, regions: &mut Regions<mpc_runtime::device::CpuMemory>, r: Region) -> Vec<u8> {
+    let mem = regions.get_mut(r);
+    let len = mem.bytes().len() as u64;
+    dev.read(mem, 0, len).unwrap()
+}
+
+/// Runs `program` on the CPU device launch by launch; each launch whose plan this file can
+/// interpret is also run by the interpreter on a copy of the regions just before it, and the
+/// two results are compared. The op types checked.
+fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTensor>) -> Vec<String> {
+    let mut dev = CpuDevice::default();
+    let mut arena = dev.alloc(Region::Arena, program.arena_bytes).unwrap();
+    let mut state = dev.alloc(Region::State, program.state_layout.bytes).unwrap();
+    let mut constants = dev.alloc(Region::Constants, program.constants_bytes).unwrap();
+    let bytes = |t: &HostTensor| {
+        let mut b = vec![0u8; t.bytes()];
+        t.write_le_bytes(&mut b);
+        b
+    };
+    for (place, t) in &program.constants {
+        dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
+    }
+    for (place, t) in &program.state_init {
+        dev.write(&mut state, place.offset, &bytes(t)).unwrap();
+    }
+    for (name, place) in &program.inputs {
+        dev.write(&mut arena, place.offset, &bytes(&feeds[name])).unwrap();
+    }
+    let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
+    dev.prepare(program, &mut regions).unwrap();
+    let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+    let mut checked = Vec::new();
+    for l in &program.launches {
+        let p = plan(l, &constant).unwrap_or_else(|e| panic!("{label}: {}: {e}", l.node));
+        let ours = l.branches.is_none()
+            && !p.calls.is_empty()
+            && p.calls.iter().all(|c| !matches!(c, Call::Kernel(k) if !interpretable(k)));
+        let mut mem = ours.then(|| Memory {
+            arena: whole(&mut dev, &mut regions, Region::Arena),
+            state: whole(&mut dev, &mut regions, Region::State),
+            constants: whole(&mut dev, &mut regions, Region::Constants),
+            work: Vec::new(),
+            aux: Vec::new(),
+        });
+        dev.launch(&mut regions, l).unwrap();
+        let Some(mem) = mem.as_mut() else { continue };
+        run_plan(mem, &p);
+        for out in &l.outputs {
+            let mem_bytes = match out.region {
+                Region::Arena => &mem.arena,
+                Region::State => &mem.state,
+                Region::Constants => &mem.constants,
+            };
+            let (s, e) = (out.offset as usize, (out.offset + out.bytes()) as usize);
+            let got = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &mem_bytes[s..e]);
+            let want_bytes = dev.read(regions.get_mut(out.region), out.offset, out.bytes()).unwrap();
+            let want = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &want_bytes);
+            let t = Tolerance::for_dtype(out.dtype);
+            let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: 10.0 * t.rel_l2 };
+            if let Err(e) = tol.check(&got, &want) {
+                panic!("{label}: {} ({}): the plan computes another result: {e}", l.node, l.op.op_type());
+            }
+        }
+        checked.push(l.op.op_type().to_string());
+    }
+    checked
+}
+
+fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
+    let path = fixture(name);
+    let mut g = mpc::load(&path).unwrap();
+    if train {
+        mpc::train::free_batch(&mut g);
+    }
+    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
+    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
+    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
+}
+
+const CUDA: mpc_runtime::program::DeviceCaps =
+    mpc_runtime::program::DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+
+#[test]
+fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            for train in [false, true] {
+                let Some(g) = compiled(name, policy, train) else { continue };
+                let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
+                let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
+                let Ok(program) = mpc::run::lower_bound(&bound, CUDA, None, None, &fixture(name)) else { continue };
+                if program.host_reads > 0 {
+                    continue;
+                }
+                let feeds = mpc::run::random_inputs(&bound, 9, &dims).unwrap();
+                let label = format!("{name} {policy}{}", if train { " train" } else { "" });
+                for op in check_program(&label, &program, &feeds) {
+                    *seen.entry(op).or_default() += 1;
+                }
+            }
+        }
+    }
+    println!("launches checked against the CPU by op: {seen:?}");
+    for op in ["MatMul", "Gemm", "Conv", "ConvGrad", "Transpose"] {
+        assert!(seen.contains_key(op), "no {op} launch was checked: {seen:?}");
+    }
+}
+
+/// Single ops with the awkward cases: broadcast batch dims, transposes, groups, dilations, pads,
+/// output padding, negative steps, a Pad crop with a computed value.
+#[test]
+fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
+    let cases = [
+        ("input %0 \"a\": f32[2,1,3,5]\n  input %1 \"b\": f32[1,4,5,2]\n  %2 \"y\": f32[2,4,3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f32[5]\n  input %1 \"b\": f32[3,5,2]\n  %2 \"y\": f32[3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f16[4,3,7]\n  input %1 \"b\": f16[7]\n  %2 \"y\": f16[4,3] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f32[5,3]\n  input %1 \"b\": f32[4,5]\n  input %2 \"c\": f32[4]\n  %3 \"y\": f32[3,4] = Gemm[transA=1, transB=1, alpha=0.5, beta=2.0](%0, %1, %2)\n  output %3", "Gemm"),
+        ("input %0 \"x\": f32[2,4,7,6]\n  input %1 \"w\": f32[6,2,3,2]\n  input %2 \"b\": f32[6]\n  %3 \"y\": f32[2,6,4,5] = Conv[group=2, pads=[1,0,1,1], strides=[2,1], dilations=[1,2]](%0, %1, %2)\n  output %3", "Conv"),
+        ("input %0 \"x\": f32[2,4,5]\n  input %1 \"w\": f32[4,3,3]\n  %2 \"y\": f32[2,6,11] = ConvTranspose[group=2, strides=[2], pads=[1,0], output_padding=[1]](%0, %1)\n  output %2", "ConvTranspose"),
+        ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[4,2,3] = Transpose[perm=[2,0,1]](%0)\n  output %1", "Transpose"),
+        ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
+        ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),
+        ("input %0 \"x\": f32[3,1,4]\n  init %1 \"s\" = i64[4]{2, 3, 3, 1}\n  %2 \"y\": f32[2,3,3,4] = Expand(%0, %1)\n  output %2", "Expand"),
+        ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
+    ];
+    for (body, op) in cases {
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  {body}\nend\n");
+        let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{op}: {e}\n{text}"));
+        let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
+        let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(op)).unwrap();
+        let checked = check_program(op, &program, &feeds);
+        assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
+    }
+}
