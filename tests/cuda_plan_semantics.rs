@@ -123,10 +123,31 @@ fn offsets(mut lin: i64, rank: usize, d: &[i64; 8], strides: &[[i64; 8]]) -> Vec
 
 /// The kernels whose meaning this file interprets.
 fn interpretable(k: &Kernel) -> bool {
-    ["movement_copy_", "movement_fill_", "elementwise_add_", "im2col_im2col_", "im2col_col2im_", "im2col_channel_sum_"]
+    let reduce = ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2", "log_sum_exp", "argmax", "argmin"]
         .iter()
-        .any(|p| k.name.starts_with(p))
+        .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")));
+    let unary = UNARY.iter().any(|u| k.name.starts_with(&format!("elementwise_{u}_")) && k.args.len() == 5);
+    let binary = BINARY.iter().any(|b| k.name.starts_with(&format!("elementwise_{b}_")) && k.args.len() == 8);
+    reduce
+        || unary
+        || binary
+        || [
+            "movement_copy_",
+            "movement_fill_",
+            "im2col_im2col_",
+            "im2col_col2im_",
+            "im2col_channel_sum_",
+            "casts_",
+            "softmax_softmax_",
+            "softmax_log_softmax_",
+            "norm_layer_norm_",
+        ]
+        .iter()
+        .any(|p| k.name.starts_with(p) && !k.name.contains("_grad"))
 }
+
+const UNARY: [&str; 6] = ["relu", "exp", "neg", "sqrt", "tanh", "sigmoid"];
+const BINARY: [&str; 6] = ["add", "sub", "mul", "div", "max", "min"];
 
 fn run_kernel(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
@@ -152,7 +173,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         for i in 0..n {
             m.put(y, i, &v.to_le_bytes()[..size]);
         }
-    } else if k.name.starts_with("elementwise_add_") {
+    } else if let Some(op) = BINARY.iter().find(|b| k.name.starts_with(&format!("elementwise_{b}_"))) {
         let d = dtype_of(tag);
         let (pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) as usize);
         let (dd, sa, sb) = (dims(&a[5]), dims(&a[6]), dims(&a[7]));
@@ -164,7 +185,15 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 let o = offsets(i, rank, &dd, &[sa, sb]);
                 (o[0], o[1])
             };
-            out.push(m.get(pa, oa, d) + m.get(pb, ob, d));
+            let (x, z) = (m.get(pa, oa, d), m.get(pb, ob, d));
+            out.push(match *op {
+                "add" => x + z,
+                "sub" => x - z,
+                "mul" => x * z,
+                "div" => x / z,
+                "max" => x.max(z),
+                _ => x.min(z),
+            });
         }
         // Every element is read before any is written (y may be a).
         for (i, v) in out.into_iter().enumerate() {
@@ -237,8 +266,125 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
             }
             m.set(db, ch, d, s);
         }
+    } else if let Some(op) = UNARY.iter().find(|u| k.name.starts_with(&format!("elementwise_{u}_"))) {
+        let d = dtype_of(tag);
+        let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+        for i in 0..n {
+            let v = m.get(x, i, d);
+            let r = match *op {
+                "relu" => v.max(0.0),
+                "exp" => v.exp(),
+                "neg" => -v,
+                "sqrt" => v.sqrt(),
+                "tanh" => v.tanh(),
+                _ => 1.0 / (1.0 + (-v).exp()),
+            };
+            m.set(y, i, d, r);
+        }
+    } else if k.name.starts_with("casts_") {
+        let (from, to) = k.name["casts_".len()..].split_once("_to_").unwrap();
+        let tag = |t: &str| if t == "bool" { DType::Bool } else { dtype_of_any(t) };
+        let (df, dt) = (tag(from), tag(to));
+        let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]) as usize);
+        let src = HostTensor::from_le_bytes(df, vec![n], &m.bytes(x, 0, n * df.size()));
+        let out = src.cast(dt);
+        let mut bytes = vec![0u8; out.bytes()];
+        out.write_le_bytes(&mut bytes);
+        m.put(y, 0, &bytes);
+    } else if k.name.starts_with("reduce_") {
+        let kind = k.name["reduce_".len()..]
+            .rsplit_once(if k.name.contains("_rows_") { "_rows_" } else { "_cols_" })
+            .unwrap()
+            .0;
+        let d = dtype_of(tag);
+        let (x, y, outer, reduced, inner) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]));
+        for o in 0..outer {
+            for i in 0..inner {
+                let v: Vec<f64> = (0..reduced).map(|r| m.get(x, (o * reduced + r) * inner + i, d)).collect();
+                let at = o * inner + i;
+                let arg = |best: &dyn Fn(f64, f64) -> bool| {
+                    let mut b = 0usize;
+                    for (j, &e) in v.iter().enumerate() {
+                        if best(e, v[b]) || (int(&a[5]) != 0 && e == v[b]) {
+                            b = j;
+                        }
+                    }
+                    b as f64
+                };
+                let r = match kind {
+                    "sum" => v.iter().sum(),
+                    "mean" => v.iter().sum::<f64>() / (reduced.max(1) as f64),
+                    "max" => v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+                    "min" => v.iter().copied().fold(f64::INFINITY, f64::min),
+                    "prod" => v.iter().product(),
+                    "sum_square" => v.iter().map(|e| e * e).sum(),
+                    "l1" => v.iter().map(|e| e.abs()).sum(),
+                    "l2" => v.iter().map(|e| e * e).sum::<f64>().sqrt(),
+                    "log_sum_exp" => {
+                        let mx = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        v.iter().map(|e| (e - mx).exp()).sum::<f64>().ln() + mx
+                    }
+                    "argmax" => arg(&|e, b| e > b),
+                    _ => arg(&|e, b| e < b),
+                };
+                let dy = if kind.starts_with("arg") { DType::I64 } else { d };
+                m.set(y, at, dy, r);
+            }
+        }
+    } else if k.name.starts_with("softmax_softmax_") || k.name.starts_with("softmax_log_softmax_") {
+        let d = dtype_of(tag);
+        let log = k.name.starts_with("softmax_log_softmax_");
+        let (x, y, outer, n, inner) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]));
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |j: i64| (o * n + j) * inner + i;
+                let v: Vec<f64> = (0..n).map(|j| m.get(x, at(j), d)).collect();
+                let mx = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = v.iter().map(|e| (e - mx).exp()).sum();
+                for (j, e) in v.iter().enumerate() {
+                    let r = if log { e - mx - s.ln() } else { (e - mx).exp() / s };
+                    m.set(y, at(j as i64), d, r);
+                }
+            }
+        }
+    } else if k.name.starts_with("norm_layer_norm_") {
+        let tags: Vec<&str> = k.name["norm_layer_norm_".len()..].split('_').collect();
+        let (d, dp) = (dtype_of(tags[0]), dtype_of(tags[1]));
+        let (x, scale, bias, y) = (ptr(&a[0]), ptr(&a[1]), a[2], ptr(&a[3]));
+        let (mean_out, inv_out) = (a[4], a[5]);
+        let (rows, n, sn) = (int(&a[6]), int(&a[7]), int(&a[8]));
+        let Arg::F32(eps) = a[9] else { panic!("eps") };
+        for r in 0..rows {
+            let v: Vec<f64> = (0..n).map(|j| m.get(x, r * n + j, d)).collect();
+            let mean = v.iter().sum::<f64>() / n as f64;
+            let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / n as f64;
+            let inv = 1.0 / (var + eps as f64).sqrt();
+            for (j, e) in v.iter().enumerate() {
+                let b = if let Arg::Ptr(b) = bias { m.get(b, j as i64 % sn, dp) } else { 0.0 };
+                let out = (e - mean) * inv * m.get(scale, j as i64 % sn, dp) + b;
+                m.set(y, r * n + j as i64, d, out);
+            }
+            if let Arg::Ptr(p) = mean_out {
+                m.set(p, r, DType::F32, mean);
+            }
+            if let Arg::Ptr(p) = inv_out {
+                m.set(p, r, DType::F32, inv);
+            }
+        }
     } else {
         panic!("{} is not interpreted", k.name);
+    }
+}
+
+fn dtype_of_any(tag: &str) -> DType {
+    match tag {
+        "i16" => DType::I16,
+        "i8" => DType::I8,
+        "u64" => DType::U64,
+        "u32" => DType::U32,
+        "u16" => DType::U16,
+        "u8" => DType::U8,
+        t => dtype_of(t),
     }
 }
 
@@ -405,6 +551,11 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
         ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),
         ("input %0 \"x\": f32[3,1,4]\n  init %1 \"s\" = i64[4]{2, 3, 3, 1}\n  %2 \"y\": f32[2,3,3,4] = Expand(%0, %1)\n  output %2", "Expand"),
+        ("input %0 \"x\": f32[3,4,5,2]\n  init %1 \"ax\" = i64[2]{0, 2}\n  %2 \"y\": f32[1,4,1,2] = ReduceSum(%0, %1)\n  output %2", "ReduceSum"),
+        ("input %0 \"x\": f32[3,4,5,2]\n  init %1 \"ax\" = i64[2]{1, 2}\n  %2 \"y\": f32[3,2] = ReduceMax[keepdims=0](%0, %1)\n  output %2", "ReduceMax"),
+        ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[2,3,4] = Softmax[axis=1](%0)\n  output %1", "Softmax"),
+        ("input %0 \"x\": f16[3,7]\n  %1 \"y\": f16[3,7] = LogSoftmax[axis=-1](%0)\n  output %1", "LogSoftmax"),
+        ("input %0 \"x\": f32[2,5,40]\n  %1 \"y\": i64[2,40] = ArgMax[axis=1, keepdims=0, select_last_index=1](%0)\n  output %1", "ArgMax"),
         ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
     ];
     for (body, op) in cases {
