@@ -36,14 +36,17 @@ pub(crate) fn reshape(x: &HostTensor, target: &[i64], allowzero: bool) -> Res<Ho
             t => t as usize,
         });
     }
-    let known: usize = shape.iter().product();
+    // Saturating: a target's dims may multiply past usize (an exact 0 still wins), and a
+    // saturated product matches no input's length.
+    let volume = |s: &[usize]| s.iter().fold(1usize, |a, &d| a.saturating_mul(d));
+    let known = volume(&shape);
     if let Some(i) = infer {
         if known == 0 || x.len() % known != 0 {
             return Err(err(format!("cannot reshape {:?} into {target:?}", x.shape)));
         }
         shape[i] = x.len() / known;
     }
-    if shape.iter().product::<usize>() != x.len() {
+    if volume(&shape) != x.len() {
         return Err(err(format!("cannot reshape {:?} ({} elements) into {target:?}", x.shape, x.len())));
     }
     Ok(x.clone().with_shape(shape))
