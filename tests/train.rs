@@ -426,6 +426,29 @@ fn masters_stay_f32_and_each_is_cast_once() {
     }
 }
 
+/// `--io-types low` puts the model's inputs and outputs in the low dtype but never the loss: it
+/// stays FP32 (an FP16 loss made the loss scale's Mul mix f16 and f32), and the step trains.
+#[test]
+fn io_low_keeps_the_loss_fp32() {
+    let model = fixture("mlp");
+    for (policy, low) in [("mixed", DType::F16), ("mixed-bf16", DType::BF16)] {
+        let mut g = mpc::load(&model).unwrap();
+        let opts = Options { io_low: true, ..options(policy, TrainOptions::default()) };
+        mpc::compile(&mut g, &model, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{policy}: {e}"));
+        let loss = g.train.as_ref().unwrap().loss.unwrap();
+        assert_eq!(g.ty(loss).dtype, Some(DType::F32), "{policy}: the loss");
+        assert_eq!(g.ty(g.find("x").unwrap()).dtype, Some(low), "{policy}: the input");
+        let mut feeds = digits_batch(0, 8);
+        let x = feeds.get_mut("images").map(|t| t.cast(low)).unwrap();
+        feeds.insert("x".into(), x);
+        feeds.remove("images");
+        let mut s = program_session(CpuDevice::default(), &g, &feeds);
+        s.feed(0, &feeds).unwrap();
+        s.step(0).unwrap();
+        assert!(s.read(0, g.name(loss)).unwrap().f64s()[0].is_finite(), "{policy}");
+    }
+}
+
 #[test]
 fn ops_without_gradients_and_bad_options_are_one_line_errors() {
     let dir = scratch("train_errors");

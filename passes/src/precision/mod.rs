@@ -366,12 +366,15 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         }
     }
     let mut renamed: HashMap<ValueId, ValueId> = HashMap::new();
+    // A training graph's loss is an output but not the model's: it stays FP32 under io_low (the
+    // loss scale multiplies it in FP32, and the backward pass starts from it).
+    let loss = g.train.as_ref().and_then(|t| t.loss);
     for v in interfaces {
         if renamed.contains_key(&v) {
             continue;
         }
         let want = match original[v.index()] {
-            Some(DType::F32) if policy.io_low && g.is_output(v) => low,
+            Some(DType::F32) if policy.io_low && g.is_output(v) && Some(v) != loss => low,
             Some(d) => d,
             None => continue,
         };
