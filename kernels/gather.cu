@@ -1,5 +1,5 @@
-// kernels/gather.cu: Gather along an axis, GatherElements, and GatherGrad (the scatter-add of
-// the embedding gradient) without float atomics.
+// kernels/gather.cu: Gather along an axis, GatherElements, GatherND, ScatterND, ScatterElements,
+// and GatherGrad (the scatter-add of the embedding gradient), without float atomics.
 //
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
 // Launch: 1-D grid-stride loops, blockDim.x = 256, any grid, except the block-local sort kernels
@@ -276,3 +276,190 @@ MPC_KERNEL gather_grad_keys_i32(const int* idx, unsigned long long* keys, long l
                                 long long len) {
     keys_body(idx, keys, count, padded, len);
 }
+
+// ---------------------------------------------------------------- GatherND, ScatterND, ScatterElements
+//
+// An index out of range reads or writes nothing, gives zero bits (GatherND) and, when `err` is not
+// nullptr, stores 1 to *err, as the gathers above.
+//
+// gather_nd_<b>_<I>(const T* x, const I* idx, T* y, long long tuples, int k, long long run,
+//                   long long per_batch, long long batch_len, Dims8 dims, Strides8 st, int* err)
+//     GatherND with `batch_dims` b: idx holds `tuples` index tuples of k entries (the last dim of
+//     the indices); tuple t reads the run of `run` elements at (t / per_batch) * batch_len +
+//     sum_j idx[t k + j] * st[j] (dims[j] the size each entry indexes, st[j] its element stride
+//     within one batch of batch_len elements). y is (tuples, run), one thread per element.
+// gather_scatter_nd_<T>_<I>(const I* idx, const T* upd, T* out, long long n_out, long long tuples, int k,
+//                           long long run, Dims8 dims, Strides8 st, int reduction, int* err)
+//     ScatterND on `out`, which already holds the data (the host copies it first): update t
+//     (updates are (tuples, run)) lands on the run at sum_j idx[t k + j] * st[j]. One thread per
+//     out element scans every tuple in order and applies those that land on it: `reduction` 0
+//     replaces (the last wins), 1 adds, 2 multiplies, 3 max, 4 min (NaN propagates), in the
+//     compute type (f32 for f16/bf16, rounded once on store; wrapping i64 for integers), so the
+//     result is the CPU reference's sequential one. T in f32 f16 bf16 f64 i64 i32.
+// gather_scatter_elements_<T>_<I>(const I* idx, const T* upd, T* out, long long n_out, long long n_upd,
+//                                 int rank, Dims8 idx_dims, Strides8 os, int axis,
+//                                 long long axis_len, int reduction, int* err)
+//     ScatterElements on `out` (holding the data): update u (coordinates c over idx_dims) lands on
+//     sum_{d != axis} c_d os_d + idx[u] os_axis (os: out's strides). One thread per out element
+//     scans every update in order, as gather_scatter_nd.
+// These scans cost out elements x updates: right for the sizes these ops have in the models mpc
+// trains (the embedding gradient is GatherGrad's, above).
+
+__device__ __forceinline__ float sc_ld(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float sc_ld(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float sc_ld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ double sc_ld(const double* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long sc_ld(const long long* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long sc_ld(const int* p, long long i) { return p[i]; }
+__device__ __forceinline__ void sc_st(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void sc_st(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void sc_st(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void sc_st(double* p, long long i, double v) { p[i] = v; }
+__device__ __forceinline__ void sc_st(long long* p, long long i, long long v) { p[i] = v; }
+__device__ __forceinline__ void sc_st(int* p, long long i, long long v) { p[i] = (int)(unsigned int)(unsigned long long)v; }
+
+template <typename C> __device__ __forceinline__ C sc_combine(C a, C b, int reduction) {
+    switch (reduction) {
+        case 1: return a + b;
+        case 2: return a * b;
+        case 3: return max_nan(a, b);
+        case 4: return min_nan(a, b);
+        default: return b;
+    }
+}
+template <> __device__ __forceinline__ long long sc_combine(long long a, long long b, int reduction) {
+    switch (reduction) {
+        case 1: return (long long)((unsigned long long)a + (unsigned long long)b);
+        case 2: return (long long)((unsigned long long)a * (unsigned long long)b);
+        case 3: return a > b ? a : b;
+        case 4: return a < b ? a : b;
+        default: return b;
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void gather_nd_body(const T* __restrict__ x, const I* __restrict__ idx, T* __restrict__ y,
+                                               long long tuples, int k, long long run, long long per_batch,
+                                               long long batch_len, const Dims8& dims, const Strides8& st, int* err) {
+    MPC_GRID_STRIDE(e, tuples * run) {
+        const long long t = e / run, r = e - t * run;
+        long long off = (t / per_batch) * batch_len;
+        bool bad = false;
+#pragma unroll
+        for (int j = 0; j < MPC_MAX_RANK; ++j) {
+            if (j < k) {
+                const long long v = norm_index(idx, t * k + j, dims.d[j]);
+                if (v < 0) bad = true;
+                off += v * st.s[j];
+            }
+        }
+        if (bad) {
+            y[e] = (T)0;
+            if (err) *err = 1;
+        } else {
+            y[e] = x[off + r];
+        }
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void scatter_nd_body(const I* __restrict__ idx, const T* __restrict__ upd, T* __restrict__ out,
+                                                long long n_out, long long tuples, int k, long long run,
+                                                const Dims8& dims, const Strides8& st, int reduction, int* err) {
+    MPC_GRID_STRIDE(o, n_out) {
+        const long long r = o % run, slice = o - r;
+        auto acc = sc_ld(out, o);
+        bool touched = false;
+        for (long long t = 0; t < tuples; ++t) {
+            long long dst = 0;
+            bool bad = false;
+#pragma unroll
+            for (int j = 0; j < MPC_MAX_RANK; ++j) {
+                if (j < k) {
+                    const long long v = norm_index(idx, t * k + j, dims.d[j]);
+                    if (v < 0) bad = true;
+                    dst += v * st.s[j];
+                }
+            }
+            if (bad) {
+                if (err) *err = 1;
+                continue;
+            }
+            if (dst == slice) {
+                acc = sc_combine(acc, sc_ld(upd, t * run + r), reduction);
+                touched = true;
+            }
+        }
+        if (touched) sc_st(out, o, acc);
+    }
+}
+
+template <typename T, typename I>
+__device__ __forceinline__ void scatter_elements_body(const I* __restrict__ idx, const T* __restrict__ upd,
+                                                      T* __restrict__ out, long long n_out, long long n_upd, int rank,
+                                                      const Dims8& idx_dims, const Strides8& os, int axis,
+                                                      long long axis_len, int reduction, int* err) {
+    MPC_GRID_STRIDE(o, n_out) {
+        auto acc = sc_ld(out, o);
+        bool touched = false;
+        for (long long u = 0; u < n_upd; ++u) {
+            long long lin = u, dst = 0, axis_stride = 0;
+#pragma unroll
+            for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
+                if (d < rank) {
+                    const long long c = lin % idx_dims.d[d];
+                    lin /= idx_dims.d[d];
+                    if (d != axis)
+                        dst += c * os.s[d];
+                    else
+                        axis_stride = os.s[d];
+                }
+            }
+            const long long v = norm_index(idx, u, axis_len);
+            if (v < 0) {
+                if (err) *err = 1;
+                continue;
+            }
+            if (dst + v * axis_stride == o) {
+                acc = sc_combine(acc, sc_ld(upd, u), reduction);
+                touched = true;
+            }
+        }
+        if (touched) sc_st(out, o, acc);
+    }
+}
+
+#define GATHER_ND_BI(B, I, itag)                                                                          \
+    MPC_KERNEL gather_nd_b##B##_##itag(const Bits<B>::T* x, const I* idx, Bits<B>::T* y, long long tuples, \
+                                       int k, long long run, long long per_batch, long long batch_len,     \
+                                       Dims8 dims, Strides8 st, int* err) {                                \
+        gather_nd_body(x, idx, y, tuples, k, run, per_batch, batch_len, dims, st, err);                    \
+    }
+#define GATHER_ND_B(B)             \
+    GATHER_ND_BI(B, long long, i64) \
+    GATHER_ND_BI(B, int, i32)
+GATHER_ND_B(1)
+GATHER_ND_B(2)
+GATHER_ND_B(4)
+GATHER_ND_B(8)
+
+#define SCATTER_TI(T, tag, I, itag)                                                                          \
+    MPC_KERNEL gather_scatter_nd_##tag##_##itag(const I* idx, const T* upd, T* out, long long n_out,         \
+                                                long long tuples, int k, long long run, Dims8 dims,          \
+                                                Strides8 st, int reduction, int* err) {                      \
+        scatter_nd_body(idx, upd, out, n_out, tuples, k, run, dims, st, reduction, err);                     \
+    }                                                                                                        \
+    MPC_KERNEL gather_scatter_elements_##tag##_##itag(const I* idx, const T* upd, T* out, long long n_out,   \
+                                                      long long n_upd, int rank, Dims8 idx_dims, Strides8 os, \
+                                                      int axis, long long axis_len, int reduction, int* err) { \
+        scatter_elements_body(idx, upd, out, n_out, n_upd, rank, idx_dims, os, axis, axis_len, reduction, err); \
+    }
+#define SCATTER_T(T, tag)                 \
+    SCATTER_TI(T, tag, long long, i64)    \
+    SCATTER_TI(T, tag, int, i32)
+SCATTER_T(float, f32)
+SCATTER_T(__half, f16)
+SCATTER_T(__nv_bfloat16, bf16)
+SCATTER_T(double, f64)
+SCATTER_T(long long, i64)
+SCATTER_T(int, i32)

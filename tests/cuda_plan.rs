@@ -92,6 +92,7 @@ fn room(l: &Launch, p: &LaunchPlan, b: Buf) -> Result<u64, String> {
         Buf::Tensor(r, o) => operand_end(l, r, o).map(|e| e - o).ok_or_else(|| format!("{b:?} is in no operand")),
         Buf::Work(o) if o < p.workspace => Ok(p.workspace - o),
         Buf::Aux(o) if (o as usize) < p.aux.len() => Ok(p.aux.len() as u64 - o),
+        Buf::Flag => Ok(4),
         _ => Err(format!("{b:?} lies past the launch's workspace and aux bytes")),
     }
 }

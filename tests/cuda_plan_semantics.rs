@@ -30,6 +30,7 @@ struct Memory {
     constants: Vec<u8>,
     work: Vec<u8>,
     aux: Vec<u8>,
+    flag: Vec<u8>,
 }
 
 impl Memory {
@@ -40,6 +41,7 @@ impl Memory {
             Buf::Tensor(Region::Constants, o) => (&mut self.constants, o as usize),
             Buf::Work(o) => (&mut self.work, o as usize),
             Buf::Aux(o) => (&mut self.aux, o as usize),
+            Buf::Flag => (&mut self.flag, 0),
         }
     }
 
@@ -141,6 +143,11 @@ fn interpretable(k: &Kernel) -> bool {
             "softmax_softmax_",
             "softmax_log_softmax_",
             "norm_layer_norm_",
+            "gather_axis_",
+            "gather_elements_",
+            "gather_nd_",
+            "gather_scatter_nd_",
+            "gather_scatter_elements_",
         ]
         .iter()
         .any(|p| k.name.starts_with(p) && !k.name.contains("_grad"))
@@ -371,6 +378,102 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 m.set(p, r, DType::F32, inv);
             }
         }
+    } else if k.name.starts_with("gather_axis_")
+        || k.name.starts_with("gather_elements_")
+        || k.name.starts_with("gather_nd_")
+    {
+        // Named by element size and index dtype: gather_<kind>_b<size>_<index tag>.
+        let parts: Vec<&str> = k.name.rsplitn(3, '_').collect();
+        let (size, di): (usize, DType) = (parts[1][1..].parse().unwrap(), dtype_of(parts[0]));
+        let (x, idx, y) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]));
+        let index = |m: &mut Memory, j: i64, len: i64| {
+            let v = m.get(idx, j, di) as i64;
+            let v = if v < 0 { v + len } else { v };
+            assert!((0..len).contains(&v), "{}: index out of range", k.name);
+            v
+        };
+        if k.name.starts_with("gather_axis_") {
+            let (outer, len, count, inner) = (int(&a[3]), int(&a[4]), int(&a[5]), int(&a[6]));
+            for o in 0..outer {
+                for j in 0..count {
+                    let l = index(m, j, len);
+                    for i in 0..inner {
+                        let v = m.bytes(x, (o * len + l) * inner + i, size);
+                        m.put(y, (o * count + j) * inner + i, &v);
+                    }
+                }
+            }
+        } else if k.name.starts_with("gather_elements_") {
+            let (n, rank, d, xs, axis, len) =
+                (int(&a[3]), int(&a[4]) as usize, dims(&a[5]), dims(&a[6]), int(&a[7]) as usize, int(&a[8]));
+            for e in 0..n {
+                let mut xs_no_axis = xs;
+                xs_no_axis[axis] = 0;
+                let off = offsets(e, rank, &d, &[xs_no_axis])[0] + index(m, e, len) * xs[axis];
+                let v = m.bytes(x, off, size);
+                m.put(y, e, &v);
+            }
+        } else {
+            let (tuples, kk, run, per_batch, batch_len) = (int(&a[3]), int(&a[4]), int(&a[5]), int(&a[6]), int(&a[7]));
+            let (d, st) = (dims(&a[8]), dims(&a[9]));
+            for t in 0..tuples {
+                let mut off = (t / per_batch) * batch_len;
+                for j in 0..kk {
+                    off += index(m, t * kk + j, d[j as usize]) * st[j as usize];
+                }
+                for r in 0..run {
+                    let v = m.bytes(x, off + r, size);
+                    m.put(y, t * run + r, &v);
+                }
+            }
+        }
+    } else if k.name.starts_with("gather_scatter_") {
+        let parts: Vec<&str> = k.name.rsplitn(3, '_').collect();
+        let (d, di) = (dtype_of(parts[1]), dtype_of(parts[0]));
+        let (idx, upd, out, n_out) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+        let red = int(&a[a.len() - 2]);
+        // f16/bf16 accumulate in f32 and round once: hold the output as f64 until the end.
+        let mut acc: Vec<f64> = (0..n_out).map(|o| m.get(out, o, d)).collect();
+        let combine = |old: f64, u: f64| match red {
+            0 => u,
+            1 => old + u,
+            2 => old * u,
+            3 => old.max(u),
+            _ => old.min(u),
+        };
+        let index = |m: &mut Memory, j: i64, len: i64| {
+            let v = m.get(idx, j, di) as i64;
+            if v < 0 {
+                v + len
+            } else {
+                v
+            }
+        };
+        if k.name.starts_with("gather_scatter_nd_") {
+            let (tuples, kk, run, dd, st) = (int(&a[4]), int(&a[5]), int(&a[6]), dims(&a[7]), dims(&a[8]));
+            for t in 0..tuples {
+                let mut dst = 0;
+                for j in 0..kk {
+                    dst += index(m, t * kk + j, dd[j as usize]) * st[j as usize];
+                }
+                for r in 0..run {
+                    let u = m.get(upd, t * run + r, d);
+                    acc[(dst + r) as usize] = combine(acc[(dst + r) as usize], u);
+                }
+            }
+        } else {
+            let (n_upd, rank, idd, os, axis, len) =
+                (int(&a[4]), int(&a[5]) as usize, dims(&a[6]), dims(&a[7]), int(&a[8]) as usize, int(&a[9]));
+            let mut os_no_axis = os;
+            os_no_axis[axis] = 0;
+            for u in 0..n_upd {
+                let dst = offsets(u, rank, &idd, &[os_no_axis])[0] + index(m, u, len) * os[axis];
+                acc[dst as usize] = combine(acc[dst as usize], m.get(upd, u, d));
+            }
+        }
+        for (o, v) in acc.into_iter().enumerate() {
+            m.set(out, o as i64, d, v);
+        }
     } else {
         panic!("{} is not interpreted", k.name);
     }
@@ -469,6 +572,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
             constants: whole(&mut dev, &mut regions, Region::Constants),
             work: Vec::new(),
             aux: Vec::new(),
+            flag: vec![0; 4],
         });
         dev.launch(&mut regions, l).unwrap();
         let Some(mem) = mem.as_mut() else { continue };
@@ -556,6 +660,14 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[2,3,4] = Softmax[axis=1](%0)\n  output %1", "Softmax"),
         ("input %0 \"x\": f16[3,7]\n  %1 \"y\": f16[3,7] = LogSoftmax[axis=-1](%0)\n  output %1", "LogSoftmax"),
         ("input %0 \"x\": f32[2,5,40]\n  %1 \"y\": i64[2,40] = ArgMax[axis=1, keepdims=0, select_last_index=1](%0)\n  output %1", "ArgMax"),
+        ("input %0 \"x\": f32[8]\n  init %1 \"i\" = i64[4,1]{0, 0, -1, 0}\n  init %2 \"u\" = f32[4]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[8] = ScatterND[reduction=\"add\"](%0, %1, %2)\n  output %3", "ScatterND"),
+        ("input %0 \"x\": f16[3,2]\n  init %1 \"i\" = i64[2,1]{2, 0}\n  init %2 \"u\" = f16[2,2]{1.0, 2.0, 3.0, 4.0}\n  %3 \"y\": f16[3,2] = ScatterND(%0, %1, %2)\n  output %3", "ScatterND"),
+        ("input %0 \"x\": f32[2,3]\n  init %1 \"i\" = i64[2,2]{2, 0, 2, -1}\n  init %2 \"u\" = f32[2,2]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[2,3] = ScatterElements[axis=1, reduction=\"add\"](%0, %1, %2)\n  output %3", "ScatterElements"),
+        ("input %0 \"x\": i64[2,3]\n  init %1 \"i\" = i32[1,3]{1, 1, 0}\n  init %2 \"u\" = i64[1,3]{10, 20, 30}\n  %3 \"y\": i64[2,3] = ScatterElements[reduction=\"max\"](%0, %1, %2)\n  output %3", "ScatterElements"),
+        ("input %0 \"x\": f32[2,3,4]\n  init %1 \"i\" = i64[2,2,1]{1, 0, 2, 2}\n  %2 \"y\": f32[2,2,4] = GatherND[batch_dims=1](%0, %1)\n  output %2", "GatherND"),
+        ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,2]{0, 3, 2, -1}\n  %2 \"y\": f32[2] = GatherND(%0, %1)\n  output %2", "GatherND"),
+        ("input %0 \"x\": f32[5,3]\n  init %1 \"i\" = i64[2,2]{4, -1, 0, 2}\n  %2 \"y\": f32[2,2,3] = Gather(%0, %1)\n  output %2", "Gather"),
+        ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,4]{0, 2, 1, -1, 2, 2, 0, 1}\n  %2 \"y\": f32[2,4] = GatherElements(%0, %1)\n  output %2", "GatherElements"),
         ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
     ];
     for (body, op) in cases {

@@ -84,6 +84,9 @@ pub struct CudaDevice {
     /// Timing events by mark, and the marks free for reuse.
     timers: Vec<drv_sys::CUevent>,
     free_timers: Vec<u64>,
+    /// The error words of the launches that read indices from device memory: each program's
+    /// block (one i32 per such launch) and the launches' nodes. Read at each synchronisation.
+    flags: Vec<(u64, Vec<String>)>,
     /// Recorded steps (CUDA graphs), by the handle `end_capture` gave.
     graphs: Vec<drv_sys::CUgraphExec>,
     counters: DeviceCounters,
@@ -137,6 +140,7 @@ impl CudaDevice {
             pinned_all: Vec::new(),
             events: Vec::new(),
             graphs: Vec::new(),
+            flags: Vec::new(),
             timers: Vec::new(),
             free_timers: Vec::new(),
             counters: DeviceCounters::default(),
@@ -325,10 +329,37 @@ impl CudaDevice {
         .map_err(|e| RuntimeError::Internal(format!("cuBLAS GEMM: {e:?}")))
     }
 
+    /// After a synchronisation: whether a launch that reads indices from device memory met one
+    /// out of range since the last check (its error word is cleared), as an error naming it.
+    fn check_flags(&mut self) -> Result<(), RuntimeError> {
+        for (ptr, nodes) in &self.flags {
+            let mut words = vec![0i32; nodes.len()];
+            // SAFETY: the block holds one i32 per node; the stream is synchronised before use.
+            unsafe {
+                drv::memcpy_dtoh_async(&mut words, *ptr, self.stream).map_err(driver("reading error words"))?;
+                drv::stream::synchronize(self.stream).map_err(driver("synchronising"))?;
+            }
+            if let Some(i) = words.iter().position(|&w| w != 0) {
+                // SAFETY: the same block.
+                unsafe { drv::memset_d8_async(*ptr, 0, 4 * nodes.len(), self.stream) }.map_err(driver("fill"))?;
+                return Err(RuntimeError::Node {
+                    node: nodes[i].clone(),
+                    msg: "an index read on the device is out of range for its axis".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     fn sync(&self) -> Result<(), RuntimeError> {
         // SAFETY: the stream lives as long as the device.
         unsafe { drv::stream::synchronize(self.stream) }.map_err(driver("synchronising"))
     }
+}
+
+/// Whether a plan's kernels take the launch's error word.
+fn uses_flag(p: &plan::LaunchPlan) -> bool {
+    p.calls.iter().any(|c| matches!(c, Call::Kernel(k) if k.args.contains(&plan::Arg::Ptr(Buf::Flag))))
 }
 
 fn place(regions: &Regions<CudaMemory>, t: &TensorRef) -> Result<u64, RuntimeError> {
@@ -365,6 +396,18 @@ impl Device for CudaDevice {
             aux_at.push(at as u64);
         }
         let workspace = if workspace_bytes > 0 { self.alloc_bytes(workspace_bytes, "workspace")? } else { 0 };
+        // One error word per launch that reads indices on the device, zeroed once.
+        let flagged: Vec<String> = plans.iter().filter(|(_, _, p)| uses_flag(p)).map(|(_, n, _)| n.clone()).collect();
+        let flags = if flagged.is_empty() {
+            0
+        } else {
+            let ptr = self.alloc_bytes(4 * flagged.len() as u64, "error words")?;
+            // SAFETY: the allocation just made.
+            unsafe { drv::memset_d8_async(ptr, 0, 4 * flagged.len(), self.stream) }.map_err(driver("fill"))?;
+            self.flags.push((ptr, flagged));
+            ptr
+        };
+        let mut flag_slot = 0u64;
         let aux = if aux_bytes.is_empty() {
             0
         } else {
@@ -375,11 +418,14 @@ impl Device for CudaDevice {
             ptr
         };
         for ((key, node, p), aux_base) in plans.into_iter().zip(aux_at) {
+            let flag = flags + 4 * flag_slot;
+            flag_slot += uses_flag(&p) as u64;
             let resolve = |b: Buf| -> u64 {
                 match b {
                     Buf::Tensor(r, o) => regions.get(r).ptr + o,
                     Buf::Work(o) => workspace + o,
                     Buf::Aux(o) => aux + aux_base + o,
+                    Buf::Flag => flag,
                 }
             };
             let mut calls = Vec::with_capacity(p.calls.len());
@@ -447,6 +493,7 @@ impl Device for CudaDevice {
         unsafe { drv::memcpy_dtoh_async(&mut out, mem.ptr + offset, self.stream) }.map_err(driver("read"))?;
         self.sync()?;
         self.counters.host_reads += 1;
+        self.check_flags()?;
         Ok(out)
     }
 
@@ -493,6 +540,7 @@ impl Device for CudaDevice {
         self.pinned.push((s.host, s.cap));
         self.events.push(s.event);
         self.counters.fetches += 1;
+        self.check_flags()?;
         Ok(out)
     }
 

@@ -26,6 +26,9 @@ pub enum Buf {
     Work(u64),
     /// A byte offset in the launch's `aux` bytes, uploaded once.
     Aux(u64),
+    /// The launch's error word (an i32 the device zeroes once and reads at each synchronisation):
+    /// kernels that read indices from device memory store 1 there for one out of range.
+    Flag,
 }
 
 impl Buf {
@@ -35,6 +38,7 @@ impl Buf {
             Buf::Tensor(r, o) => Buf::Tensor(r, o + bytes),
             Buf::Work(o) => Buf::Work(o + bytes),
             Buf::Aux(o) => Buf::Aux(o + bytes),
+            Buf::Flag => Buf::Flag,
         }
     }
 }
@@ -934,7 +938,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
                 Arg::I64(len as i64),
                 Arg::I64(count as i64),
                 Arg::I64(inner as i64),
-                Arg::Null,
+                Arg::Ptr(Buf::Flag),
             ];
             let name = format!("gather_axis_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
             p.flat("gather", name, y.numel() as u64, args);
@@ -953,12 +957,15 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
                 Arg::Dims(dims8(&contiguous(&x.shape))?),
                 Arg::I32(ax as i32),
                 Arg::I64(x.shape[ax] as i64),
-                Arg::Null,
+                Arg::Ptr(Buf::Flag),
             ];
             let name = format!("gather_elements_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
             p.flat("gather", name, n, args);
         }
         Op::GatherGrad(a) => plan_gather_grad(p, a.axis)?,
+        Op::GatherND(a) => plan_gather_nd(p, a.batch_dims)?,
+        Op::ScatterND(a) => plan_scatter(p, None, a.reduction)?,
+        Op::ScatterElements(a) => plan_scatter(p, Some(a.axis), a.reduction)?,
         Op::Resize(a) => plan_resize(p, a)?,
         Op::Einsum(a) => plan_einsum(p, &a.equation)?,
         Op::SoftmaxCrossEntropyLoss(_)
@@ -1903,6 +1910,97 @@ fn pad_from_device(p: &mut Planner, x: &TensorRef, v: &TensorRef, y: &TensorRef,
     }
     let es = x.dtype.size() as u64;
     p.strided_copy(x.dtype, buf(x).at(from as u64 * es), buf(y).at(to as u64 * es), &dims, &xs, &ys)
+}
+
+fn plan_gather_nd(p: &mut Planner, batch_dims: i64) -> Result<(), String> {
+    let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    let (r, q) = (x.shape.len(), idx.shape.len());
+    let b = usize::try_from(batch_dims).ok().filter(|&b| b < r.min(q)).ok_or("GatherND's batch_dims")?;
+    let k = idx.shape[q - 1];
+    if k == 0 || k > r - b || x.shape[..b] != idx.shape[..b] {
+        return Err("GatherND's indices do not fit its data".into());
+    }
+    let tuples = idx.numel() as u64 / k as u64;
+    let batch = numel(&x.shape[..b]).max(1);
+    let run = numel(&x.shape[b + k..]);
+    let st = contiguous(&x.shape[b..]);
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(idx)),
+        Arg::Ptr(buf(y)),
+        Arg::I64(tuples as i64),
+        Arg::I32(k as i32),
+        Arg::I64(run as i64),
+        Arg::I64((tuples / batch).max(1) as i64),
+        Arg::I64(numel(&x.shape[b..]) as i64),
+        Arg::Dims(dims8(&us(&x.shape[b..b + k]))?),
+        Arg::Dims(dims8(&st[..k])?),
+        Arg::Ptr(Buf::Flag),
+    ];
+    let name = format!("gather_nd_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
+    p.flat("gather", name, tuples * run, args);
+    Ok(())
+}
+
+/// ScatterND (`axis` None) or ScatterElements: the data copied into the output, then the updates
+/// applied in order by one thread per output element.
+fn plan_scatter(p: &mut Planner, axis: Option<i64>, reduction: mpc_ir::ops::ScatterReduction) -> Result<(), String> {
+    use mpc_ir::ops::ScatterReduction as R;
+    let (x, idx, upd, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+    let t = match x.dtype {
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I64 | DType::I32 => tag(x.dtype)?,
+        d => return Err(format!("a scatter of {d} (f32, f16, bf16, f64, i64 and i32 run on cuda)")),
+    };
+    let it = index_tag(idx.dtype)?;
+    let red = match reduction {
+        R::None => 0,
+        R::Add => 1,
+        R::Mul => 2,
+        R::Max => 3,
+        R::Min => 4,
+    };
+    p.copy(buf(x), buf(y), y.bytes());
+    let n_out = y.numel() as u64;
+    let head = [Arg::Ptr(buf(idx)), Arg::Ptr(buf(upd)), Arg::Ptr(buf(y)), Arg::I64(n_out as i64)];
+    let (name, mut args) = match axis {
+        None => {
+            let q = idx.shape.len();
+            let k = *idx.shape.last().ok_or("ScatterND's indices of rank 0")?;
+            if k > x.shape.len() {
+                return Err("ScatterND's index tuples are longer than the data's rank".into());
+            }
+            let st = contiguous(&x.shape);
+            let mut a = head.to_vec();
+            a.extend([
+                Arg::I64(numel(&idx.shape[..q - 1]) as i64),
+                Arg::I32(k as i32),
+                Arg::I64(numel(&x.shape[k..]) as i64),
+                Arg::Dims(dims8(&us(&x.shape[..k]))?),
+                Arg::Dims(dims8(&st[..k])?),
+            ]);
+            (format!("gather_scatter_nd_{t}_{it}"), a)
+        }
+        Some(axis) => {
+            let r = x.shape.len();
+            let ax = normalize_axis(axis, r).ok_or("axis out of range")?;
+            if idx.shape.len() != r || upd.shape != idx.shape {
+                return Err("ScatterElements' indices and updates do not fit its data".into());
+            }
+            let mut a = head.to_vec();
+            a.extend([
+                Arg::I64(idx.numel() as i64),
+                Arg::I32(r as i32),
+                Arg::Dims(dims8(&us(&idx.shape))?),
+                Arg::Dims(dims8(&contiguous(&x.shape))?),
+                Arg::I32(ax as i32),
+                Arg::I64(x.shape[ax] as i64),
+            ]);
+            (format!("gather_scatter_elements_{t}_{it}"), a)
+        }
+    };
+    args.extend([Arg::I32(red), Arg::Ptr(Buf::Flag)]);
+    p.flat("gather", name, n_out, args);
+    Ok(())
 }
 
 fn plan_gather_grad(p: &mut Planner, axis: i64) -> Result<(), String> {
