@@ -3,8 +3,10 @@
 # PyTorch, and no Rust. Build on a machine with Rust, run on the GPU machine:
 #
 #   benches/gpu_session.sh build          release mpc and the test executables into gpu-bin/
-#                                         (ignored by git), with the conformance cases and the
-#                                         source folder the tests were built in
+#                                         (ignored by git), with the conformance cases, the
+#                                         kernels compiled for sm_90 (NVRTC from .ci/nvrtc, as
+#                                         .ci/run installs it) and the folder the tests were
+#                                         built in
 #   benches/gpu_session.sh PART [OUTDIR]  on the GPU machine, with gpu-bin/ beside the sources:
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
@@ -42,6 +44,11 @@ for line in sys.stdin:
 ' "$BIN"
   # Line tables make each executable about 45 MB; the carried folder must stay under 64 MiB.
   strip --strip-debug "$BIN"/*
+  # The kernels compiled for the lent GPUs (H100 and H200: sm_90) ahead, so that no GPU minute goes
+  # to NVRTC: the plan test compiles every family for sm_90 into this cache.
+  LD_LIBRARY_PATH="$ROOT/.ci/nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" XDG_CACHE_HOME="$BIN/cache" \
+    "$BIN/cuda_plan" > /dev/null
+  rm "$BIN/cuda_plan"   # it needs no GPU, and the carried folder must stay under 64 MiB
   # The tests find fixtures and the mpc binary under the folder they were built in.
   echo "$ROOT" > "$BIN/built_in"
   if [ -d ../shared/onnx-node-tests ]; then
@@ -68,7 +75,7 @@ LD_LIBRARY_PATH="$(printf '%s\n' "${libs[@]}" | awk '!seen[$0]++' | paste -sd:)$
 export LD_LIBRARY_PATH
 [ -f /usr/local/cuda/include/cuda_fp16.h ] && export MPC_CUDA_INCLUDE=/usr/local/cuda/include
 export PATH="/usr/local/cuda/bin:$PATH"
-export XDG_CACHE_HOME="$OUTDIR/cache"
+export XDG_CACHE_HOME="$BIN/cache"
 
 # ---- the folder the tests were built in points here, with the mpc binary where cargo left it.
 built_in="$(cat "$BIN/built_in")"

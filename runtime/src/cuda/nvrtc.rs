@@ -1,7 +1,7 @@
 //! The kernels of `kernels/`, compiled at run time by NVRTC to a cubin for the device's exact
 //! architecture, and cached in memory and on disk (`$XDG_CACHE_HOME/mpc`, else `~/.cache/mpc`)
-//! under a key of the NVRTC version, the architecture, the options and the source: a second run
-//! compiles nothing. Cubins, not PTX: a newer NVRTC's PTX is refused by an older driver.
+//! under a key of the NVRTC version, the architecture, the options (but the include folder's
+//! path) and the source: a second run compiles nothing. Cubins, not PTX: a newer NVRTC's PTX is refused by an older driver.
 //!
 //! Each family is compiled as `kernels/common.cuh` followed by the family's file, with `#line`
 //! markers so that NVRTC's messages name the right file and line. NVRTC 13 has no built-in fp16 or
@@ -121,7 +121,10 @@ pub fn compile(family: &str, source: &str, arch: &str, verbose: bool) -> Result<
     let opts = options(arch, &include, verbose);
     let text = program_source(family, source);
     let v = format!("{}.{}", nvrtc.0, nvrtc.1);
-    let key = fnv(&[v.as_bytes(), arch.as_bytes(), opts.join(" ").as_bytes(), text.as_bytes()]);
+    // The include folder's path is left out of the key: the headers are NVRTC's own version's,
+    // wherever they lie, so cubins built on one machine serve another with the same NVRTC.
+    let keyed: Vec<&str> = opts.iter().map(String::as_str).filter(|o| !o.starts_with("-I")).collect();
+    let key = fnv(&[v.as_bytes(), arch.as_bytes(), keyed.join(" ").as_bytes(), text.as_bytes()]);
     let file = cache_dir().map(|d| d.join(format!("{family}-{arch}-{key:016x}.cubin")));
     if !verbose {
         if let Some(c) = memory_cache().lock().ok().and_then(|m| m.get(&key).cloned()) {
