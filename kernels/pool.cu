@@ -11,7 +11,8 @@
 // input i = o * stride + k * dil - pad; taps outside [0, in) read nothing.
 // Launch: every kernel is a 1-D grid-stride loop over its outputs (one thread per output
 // element, or per input element for the gradients), blockDim.x = 256, any grid.
-// dtypes: f32 f16 bf16 f64 (max/average in f32 for the f32 family, as the CPU reference).
+// dtypes: f32 f16 bf16 f64 (max/average in f32 for the f32 family, as the CPU reference); pool_max
+// also u8 and i8.
 //
 // ABI:
 // pool_max_<T>(const T* x, T* y, long long* indices, long long planes, Window3 w, int storage_order)
@@ -131,6 +132,18 @@ template <typename F> __device__ __forceinline__ void for_windows(const Win& w, 
             }
         }
     }
+}
+
+// 8-bit integer MaxPool (the only integer pooling ONNX has): taps read as f32 (exact), the
+// result stored as the CPU reference stores it (truncated toward zero, saturating; -inf gives the
+// lowest value).
+__device__ __forceinline__ float ld(const unsigned char* p, long long i) { return (float)p[i]; }
+__device__ __forceinline__ float ld(const signed char* p, long long i) { return (float)p[i]; }
+__device__ __forceinline__ void st(unsigned char* p, long long i, float v) {
+    p[i] = (v != v || v <= 0.f) ? 0 : (v >= 255.f ? 255 : (unsigned char)v);
+}
+__device__ __forceinline__ void st(signed char* p, long long i, float v) {
+    p[i] = v != v ? 0 : (v <= -128.f ? -128 : (v >= 127.f ? 127 : (signed char)v));
 }
 
 template <typename T>
@@ -276,3 +289,11 @@ POOL_T(float, f32)
 POOL_T(__half, f16)
 POOL_T(__nv_bfloat16, bf16)
 POOL_T(double, f64)
+
+#define MAXPOOL_I(T, tag)                                                                              \
+    MPC_KERNEL pool_max_##tag(const T* x, T* y, long long* indices, long long planes, Window3 w,        \
+                              int storage_order) {                                                     \
+        max_body(x, y, indices, planes, w, storage_order);                                             \
+    }
+MAXPOOL_I(unsigned char, u8)
+MAXPOOL_I(signed char, i8)

@@ -254,5 +254,5 @@ fn cuda_plans_cover_the_conformance_cases() {
     );
     assert!(abi.is_empty(), "{}", abi.join("\n"));
     assert!(lowered > 900, "only {lowered} cases lowered: is MPC_ONNX_NODE_TESTS the right folder?");
-    assert!(planned >= 927, "only {planned} of {lowered} cases plan on cuda (927 did)");
+    assert!(planned >= 928, "only {planned} of {lowered} cases plan on cuda (928 did)");
 }

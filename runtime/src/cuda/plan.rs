@@ -1390,7 +1390,10 @@ fn plan_pool(p: &mut Planner) -> Result<(), String> {
     let w = a.window().resolve(&x.shape[2..])?;
     let win = window3(&w, &x.shape[2..])?;
     let planes = (x.shape[0] * x.shape[1]) as u64;
-    let t = float_tag(x.dtype)?;
+    let t = match (&op, x.dtype) {
+        (Op::MaxPool(_), DType::U8 | DType::I8) => tag(x.dtype)?,
+        (_, d) => float_tag(d)?,
+    };
     let y = p.output(0)?;
     match op {
         Op::MaxPool(_) => {
