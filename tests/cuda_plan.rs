@@ -16,28 +16,13 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 
 use common::{fixture, FIXTURES};
-use mpc::Options;
 use mpc_ir::{DType, Graph};
-use mpc_passes::train::{Loss, TrainOptions};
 use mpc_runtime::cuda::cubin::{self, KernelParams};
 use mpc_runtime::cuda::nvrtc;
 use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, Gemm, LaunchPlan};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
 const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
-
-fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
-    let path = fixture(name);
-    let mut g = mpc::load(&path).unwrap();
-    if train {
-        mpc::train::free_batch(&mut g);
-    }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
-    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
-    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
-    // Fixtures that cannot train (an opaque op, no float parameter) are skipped for training.
-    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
-}
 
 fn lowered(name: &str, g: &Graph) -> Option<Program> {
     let dims: HashMap<String, u64> = [("batch".to_string(), 4)].into();
@@ -64,7 +49,7 @@ fn programs() -> Vec<(String, Program)> {
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             for train in [false, true] {
-                let Some(g) = compiled(name, policy, train) else { continue };
+                let Some(g) = common::compiled(name, policy, train).ok() else { continue };
                 if let Some(p) = lowered(name, &g) {
                     out.push((format!("{name} {policy}{}", if train { " train" } else { "" }), p));
                 }

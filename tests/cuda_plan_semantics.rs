@@ -15,9 +15,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
-use mpc::Options;
-use mpc_ir::{DType, Graph};
-use mpc_passes::train::{Loss, TrainOptions};
+use mpc_ir::DType;
 use mpc_runtime::cuda::plan::{plan, Arg, Buf, Call, Gemm, Kernel, LaunchPlan, Window3};
 use mpc_runtime::device::{CpuDevice, Device, Regions};
 use mpc_runtime::program::{Program, Region, TensorRef};
@@ -598,18 +596,6 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
     checked
 }
 
-fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
-    let path = fixture(name);
-    let mut g = mpc::load(&path).unwrap();
-    if train {
-        mpc::train::free_batch(&mut g);
-    }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
-    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
-    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
-    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
-}
-
 const CUDA: mpc_runtime::program::DeviceCaps =
     mpc_runtime::program::DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
 
@@ -619,7 +605,7 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             for train in [false, true] {
-                let Some(g) = compiled(name, policy, train) else { continue };
+                let Some(g) = common::compiled(name, policy, train).ok() else { continue };
                 let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
                 let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
                 let Ok(program) = mpc::run::lower_bound(&bound, CUDA, None, None, &fixture(name)) else { continue };

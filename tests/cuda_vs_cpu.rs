@@ -10,9 +10,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
-use mpc::Options;
 use mpc_ir::Graph;
-use mpc_passes::train::{Loss, TrainOptions};
 use mpc_runtime::cuda::device::CudaDevice;
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::session::Session;
@@ -32,18 +30,6 @@ fn dims(batch: u64) -> HashMap<String, u64> {
     [("batch".to_string(), batch)].into()
 }
 
-fn compiled(name: &str, policy: &str, train: bool) -> Option<Graph> {
-    let path = fixture(name);
-    let mut g = mpc::load(&path).unwrap();
-    if train {
-        mpc::train::free_batch(&mut g);
-    }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
-    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
-    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
-    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).ok().map(|_| g)
-}
-
 #[test]
 fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
     if gpu().is_none() {
@@ -52,7 +38,7 @@ fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
     let mut compared = 0;
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
-            let Some(g) = compiled(name, policy, false) else { continue };
+            let Some(g) = common::compiled(name, policy, false).ok() else { continue };
             let feeds = mpc::run::random_inputs(&g, 5, &dims(8)).unwrap();
             let path = fixture(name);
             let cpu = match mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, &path) {
@@ -117,7 +103,7 @@ fn training_on_the_gpu_tracks_the_cpu() {
     let mut tracked = 0;
     for name in FIXTURES.iter().chain(&["digits_mlp"]) {
         for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 1e-2)] {
-            let Some(g) = compiled(name, policy, true) else { continue };
+            let Some(g) = common::compiled(name, policy, true).ok() else { continue };
             let cpu = losses(CpuDevice::default(), &g, name, 50);
             let cuda = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
             let again = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
@@ -141,7 +127,7 @@ fn graph_replay_gives_the_bits_of_plain_launches() {
         return;
     }
     for name in ["transformer", "cnn_bn"] {
-        let g = compiled(name, "mixed", true).unwrap();
+        let g = common::compiled(name, "mixed", true).unwrap();
         let replayed = losses_with(CudaDevice::new(0).unwrap(), &g, name, 20, true);
         let launched = losses_with(CudaDevice::new(0).unwrap(), &g, name, 20, false);
         assert_eq!(replayed, launched, "{name}");
@@ -154,7 +140,7 @@ fn gpu_steps_neither_allocate_nor_wait() {
     if gpu().is_none() {
         return;
     }
-    let g = compiled("transformer", "mixed", true).unwrap();
+    let g = common::compiled("transformer", "mixed", true).unwrap();
     let (bound, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
     let dev = CudaDevice::new(0).unwrap();
     let program = mpc::run::lower_bound(&bound, dev.caps(), None, None, &fixture("transformer")).unwrap();

@@ -8,9 +8,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
-use mpc::Options;
 use mpc_ir::Graph;
-use mpc_passes::train::{Loss, TrainOptions};
 use mpc_runtime::device::Device;
 use mpc_runtime::program::{Operand, Program};
 use mpc_runtime::session::Session;
@@ -22,19 +20,9 @@ fn compiled(name: &str, policy: &str, train: bool) -> Graph {
     try_compiled(name, policy, train).unwrap_or_else(|e| panic!("{name} {policy}: {e}"))
 }
 
-/// The fixture compiled under `policy`, as an inference graph or a training step (the loss on
-/// the first output, or the model's own `loss` output where it has one).
+/// The fixture compiled under `policy`, as an inference graph or a training step.
 fn try_compiled(name: &str, policy: &str, train: bool) -> Result<Graph, mpc::Error> {
-    let path = fixture(name);
-    let mut g = mpc::load(&path).unwrap();
-    if train {
-        mpc::train::free_batch(&mut g);
-    }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
-    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
-    let opts = Options { policy: Some(policy.into()), train: t, ..Default::default() };
-    mpc::compile(&mut g, &path, &opts, &mut |_, _| {})?;
-    Ok(g)
+    common::compiled(name, policy, train)
 }
 
 fn dims() -> HashMap<String, u64> {

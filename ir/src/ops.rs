@@ -155,6 +155,25 @@ attr_struct!(ConstantAttrs { value: Tensor[required] });
 attr_struct!(ConstantOfShapeAttrs { value: Tensor[optional] });
 attr_struct!(ShapeAttrs { end: i64[optional], start: i64[default = 0] });
 attr_struct!(EinsumAttrs { equation: String[required] });
+
+/// An Einsum equation's operand terms and output term, whitespace removed; without `->` the
+/// output is the labels that appear once, in alphabetical order. An ellipsis is refused.
+pub fn einsum_parts(equation: &str) -> Result<(Vec<String>, String), String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    if eq.contains("...") {
+        return Err("Einsum with an ellipsis".into());
+    }
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), r.to_string()),
+        None => {
+            let mut once: Vec<char> = eq.chars().filter(|c| c.is_ascii_alphabetic()).collect();
+            once.sort_unstable();
+            let r = once.iter().filter(|c| once.iter().filter(|d| d == c).count() == 1).collect();
+            (eq.clone(), r)
+        }
+    };
+    Ok((lhs.split(',').map(String::from).collect(), rhs))
+}
 attr_struct!(
     /// SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss.
     LossAttrs { ignore_index: i64 [optional], reduction: Reduction [default = Reduction::Mean] });

@@ -13,6 +13,23 @@ pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models").join(format!("{name}.onnx"))
 }
 
+/// The fixture `name` compiled under `policy`: the inference graph, or with `train` the training
+/// step (the batch freed from the export; the loss on the first output, or the model's own `loss`
+/// output where it has one).
+pub fn compiled(name: &str, policy: &str, train: bool) -> Result<mpc_ir::Graph, mpc::Error> {
+    use mpc_passes::train::{Loss, TrainOptions};
+    let path = fixture(name);
+    let mut g = mpc::load(&path)?;
+    if train {
+        mpc::train::free_batch(&mut g);
+    }
+    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
+    let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
+    let opts = mpc::Options { policy: Some(policy.into()), train: t, ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {})?;
+    Ok(g)
+}
+
 /// A fresh scratch folder for one test.
 pub fn scratch(test: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(test);

@@ -198,20 +198,8 @@ pub(crate) fn max_pool_with_indices(
 
 /// Einsum by explicit loops over every letter (no ellipsis yet).
 pub(crate) fn einsum(eq: &str, ins: &[&HostTensor]) -> Res<HostTensor> {
-    let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
-    if eq.contains("...") {
-        return Err(unsupported("Einsum with an ellipsis"));
-    }
-    let (lhs, rhs) = match eq.split_once("->") {
-        Some((l, r)) => (l.to_string(), r.to_string()),
-        None => {
-            let mut once: Vec<char> = eq.chars().filter(|c| c.is_ascii_alphabetic()).collect();
-            once.sort_unstable();
-            let r = once.iter().filter(|c| once.iter().filter(|d| d == c).count() == 1).collect();
-            (eq.clone(), r)
-        }
-    };
-    let terms: Vec<&str> = lhs.split(',').collect();
+    let (terms, rhs) = mpc_ir::ops::einsum_parts(eq).map_err(unsupported)?;
+    let lhs = terms.join(",");
     if terms.len() != ins.len() {
         return Err(err(format!("Einsum equation has {} operands, {} given", terms.len(), ins.len())));
     }

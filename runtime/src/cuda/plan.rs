@@ -249,23 +249,9 @@ fn numel(s: &[usize]) -> u64 {
     s.iter().map(|&d| d as u64).product()
 }
 
-/// The kernel tag of a dtype (`f32`, `i64`, ...), where kernels take it.
+/// The kernel tag of a dtype (`f32`, `i64`, ...): its name, but bool (a 0/1 byte) is `u8`.
 fn tag(d: DType) -> Result<&'static str, String> {
-    Ok(match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        DType::I64 => "i64",
-        DType::I32 => "i32",
-        DType::I16 => "i16",
-        DType::I8 => "i8",
-        DType::U64 => "u64",
-        DType::U32 => "u32",
-        DType::U16 => "u16",
-        DType::U8 => "u8",
-        DType::Bool => "u8",
-    })
+    Ok(if d == DType::Bool { "u8" } else { d.name() })
 }
 
 fn float_tag(d: DType) -> Result<&'static str, String> {
@@ -1569,28 +1555,8 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
             });
         }
         if let Some(dx) = dx {
-            // dcol (rows × k2) = W_gᵀ · dYᵗ_g; column-major: dcolᵀ = dYᵗ_gᵀ · W_g.
-            p.gemm(Gemm {
-                dtype: dx.dtype,
-                c_dtype: col_dtype,
-                trans_a: false,
-                trans_b: true,
-                m: k2 as i64,
-                n: rows as i64,
-                k: mg as i64,
-                alpha: 1.0,
-                beta: 0.0,
-                a: dyt_g,
-                lda: k2 as i64,
-                stride_a: 0,
-                b: buf(wt).at(gi * mg * rows * es),
-                ldb: rows as i64,
-                stride_b: 0,
-                c: col,
-                ldc: k2 as i64,
-                stride_c: 0,
-                batch: 1,
-            });
+            let (dtype, w_g) = (dx.dtype, buf(wt).at(gi * mg * rows * es));
+            p.gemm(columns_of_a_transposed_conv(dtype, col_dtype, dyt_g, w_g, col, k2, rows, mg));
             let dxg = buf(dx).at(gi * cg * ivol * es);
             p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
         }
@@ -1601,6 +1567,44 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
         p.kernel("im2col", format!("im2col_channel_sum_{t}"), rows_grid(m), [BLOCK, 1, 1], args);
     }
     Ok(())
+}
+
+/// One group's columns of a transposed convolution (ConvGrad's dX, ConvTranspose's Y), for
+/// col2im: col (rows × k2) = W_gᵀ · S_g, with S_g (k × k2) the group's channels of the input moved
+/// to (channel, image · position) and W_g (k × rows) the group's weights, all row-major. In
+/// cuBLAS's column-major terms: colᵀ = S_gᵀ · W_g.
+#[allow(clippy::too_many_arguments)]
+fn columns_of_a_transposed_conv(
+    dtype: DType,
+    col_dtype: DType,
+    s_g: Buf,
+    w_g: Buf,
+    col: Buf,
+    k2: u64,
+    rows: u64,
+    k: u64,
+) -> Gemm {
+    Gemm {
+        dtype,
+        c_dtype: col_dtype,
+        trans_a: false,
+        trans_b: true,
+        m: k2 as i64,
+        n: rows as i64,
+        k: k as i64,
+        alpha: 1.0,
+        beta: 0.0,
+        a: s_g,
+        lda: k2 as i64,
+        stride_a: 0,
+        b: w_g,
+        ldb: rows as i64,
+        stride_b: 0,
+        c: col,
+        ldc: k2 as i64,
+        stride_c: 0,
+        batch: 1,
+    }
 }
 
 /// The columns a GEMM leaves for col2im: f32 for f16/bf16 data (`im2col_col2im_wide_*`), else
@@ -1663,28 +1667,8 @@ fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<()
     let (wide, col_dtype) = wide_columns(x.dtype);
     let col = p.work(rows * k2 * col_dtype.size() as u64);
     for gi in 0..g {
-        // col (rows × k2) = W_gᵀ · Xᵗ_g; column-major: colᵀ = Xᵗ_gᵀ · W_g.
-        p.gemm(Gemm {
-            dtype: y.dtype,
-            c_dtype: col_dtype,
-            trans_a: false,
-            trans_b: true,
-            m: k2 as i64,
-            n: rows as i64,
-            k: cg as i64,
-            alpha: 1.0,
-            beta: 0.0,
-            a: xt.at(gi * cg * k2 * es),
-            lda: k2 as i64,
-            stride_a: 0,
-            b: buf(wt).at(gi * cg * rows * es),
-            ldb: rows as i64,
-            stride_b: 0,
-            c: col,
-            ldc: k2 as i64,
-            stride_c: 0,
-            batch: 1,
-        });
+        let (x_g, w_g) = (xt.at(gi * cg * k2 * es), buf(wt).at(gi * cg * rows * es));
+        p.gemm(columns_of_a_transposed_conv(y.dtype, col_dtype, x_g, w_g, col, k2, rows, cg));
         let args = vec![
             Arg::Ptr(col),
             Arg::Ptr(buf(y).at(gi * og * ovol * es)),
@@ -1786,20 +1770,8 @@ fn plan_pad(p: &mut Planner, mode: PadMode) -> Result<(), String> {
 /// Einsum of up to three float operands, one thread per output element summing in f64 in the
 /// CPU reference's order (a contraction kernel, not a GEMM: Einsum in exported models is rare).
 fn plan_einsum(p: &mut Planner, equation: &str) -> Result<(), String> {
-    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
-    if eq.contains("...") {
-        return Err("Einsum with an ellipsis".into());
-    }
-    let (lhs, rhs) = match eq.split_once("->") {
-        Some((l, r)) => (l.to_string(), r.to_string()),
-        None => {
-            let mut once: Vec<char> = eq.chars().filter(|c| c.is_ascii_alphabetic()).collect();
-            once.sort_unstable();
-            let r = once.iter().filter(|c| once.iter().filter(|d| d == c).count() == 1).collect();
-            (eq.clone(), r)
-        }
-    };
-    let terms: Vec<&str> = lhs.split(',').collect();
+    let (terms, rhs) = mpc_ir::ops::einsum_parts(equation)?;
+    let lhs = terms.join(",");
     let ins: Vec<&TensorRef> = (0..terms.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
     if ins.len() > 3 {
         return Err(format!("Einsum of {} operands (the CUDA kernel takes up to 3)", ins.len()));
