@@ -104,6 +104,7 @@ fn dtype_of(tag: &str) -> DType {
         "f64" => DType::F64,
         "i64" => DType::I64,
         "i32" => DType::I32,
+        "u8" => DType::U8,
         t => panic!("dtype tag {t}"),
     }
 }
@@ -149,6 +150,465 @@ fn interpretable(k: &Kernel) -> bool {
         ]
         .iter()
         .any(|p| k.name.starts_with(p) && !k.name.contains("_grad"))
+        || MORE.iter().any(|p| k.name.starts_with(p))
+}
+
+/// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
+/// kernels ([`run_more`]).
+const MORE: [&str; 12] = [
+    "pool_",
+    "norm_batch_norm_",
+    "norm_layer_norm_grad",
+    "softmax_softmax_grad_",
+    "softmax_log_softmax_grad_",
+    "loss_",
+    "train_relu_grad_",
+    "train_all_finite",
+    "train_sgd_",
+    "train_adam_",
+    "train_loss_scale_update",
+    "train_unscale_",
+];
+
+fn f32_of(a: &Arg) -> f64 {
+    match *a {
+        Arg::F32(v) => v as f64,
+        ref a => panic!("{a:?} where an f32 was expected"),
+    }
+}
+
+/// The input offsets (within one plane) of output `o`'s window taps, in kernel order; `None`
+/// for a tap outside the input.
+fn taps(w: &Window3, o: i64) -> Vec<Option<i64>> {
+    let nsp = w.nsp as usize;
+    let kvol: i64 = w.k[..nsp].iter().product();
+    (0..kvol)
+        .map(|kp| {
+            let (mut kr, mut or, mut off, mut scale) = (kp, o, 0i64, 1i64);
+            let mut inside = true;
+            for s in (0..nsp).rev() {
+                let (kc, oc) = (kr % w.k[s], or % w.out[s]);
+                kr /= w.k[s];
+                or /= w.out[s];
+                let i = oc * w.stride[s] + kc * w.dil[s] - w.pad[s];
+                inside &= i >= 0 && i < w.inp[s];
+                off += i * scale;
+                scale *= w.inp[s];
+            }
+            inside.then_some(off)
+        })
+        .collect()
+}
+
+/// AveragePool's divisor for output `o`: the taps inside, or with count_include_pad those
+/// inside the explicit padding.
+fn avg_divisor(w: &Window3, o: i64, cip: bool) -> f64 {
+    let nsp = w.nsp as usize;
+    let kvol: i64 = w.k[..nsp].iter().product();
+    let mut count = 0;
+    for kp in 0..kvol {
+        let (mut kr, mut or, mut ok) = (kp, o, true);
+        for s in (0..nsp).rev() {
+            let (kc, oc) = (kr % w.k[s], or % w.out[s]);
+            kr /= w.k[s];
+            or /= w.out[s];
+            let i = oc * w.stride[s] + kc * w.dil[s] - w.pad[s];
+            ok &= if cip { i >= -w.pad[s] && i < w.inp[s] + w.pad_end[s] } else { i >= 0 && i < w.inp[s] };
+        }
+        count += ok as i64;
+    }
+    count.max(1) as f64
+}
+
+fn run_more(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let tag = name.rsplit('_').next().unwrap();
+    if name.starts_with("pool_") {
+        let d = dtype_of(tag);
+        let w = a.iter().find_map(|x| if let Arg::Window(w) = x { Some(*w) } else { None }).expect("a window");
+        let nsp = w.nsp as usize;
+        let (ivol, ovol): (i64, i64) = (w.inp[..nsp].iter().product(), w.out[..nsp].iter().product());
+        if name.starts_with("pool_max_argmax_") {
+            let (x, arg, planes) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+            for pl in 0..planes {
+                for o in 0..ovol {
+                    let (mut best, mut at) = (f64::NEG_INFINITY, -1i64);
+                    for off in taps(&w, o).into_iter().flatten() {
+                        let v = m.get(x, pl * ivol + off, d);
+                        if at < 0 || (v.is_nan() && !best.is_nan()) || v > best {
+                            (best, at) = (v, off);
+                        }
+                    }
+                    m.set(arg, pl * ovol + o, DType::I64, at as f64);
+                }
+            }
+        } else if name.starts_with("pool_max_grad_") {
+            let (dy, arg, dx, planes) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+            for pl in 0..planes {
+                let mut acc = vec![0.0; ivol as usize];
+                for o in 0..ovol {
+                    let at = m.get(arg, pl * ovol + o, DType::I64) as i64;
+                    if at >= 0 {
+                        acc[at as usize] += m.get(dy, pl * ovol + o, d);
+                    }
+                }
+                for (i, v) in acc.into_iter().enumerate() {
+                    m.set(dx, pl * ivol + i as i64, d, v);
+                }
+            }
+        } else if name.starts_with("pool_avg_grad_") {
+            let (dy, dx, planes, cip) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[4]) != 0);
+            for pl in 0..planes {
+                let mut acc = vec![0.0; ivol as usize];
+                for o in 0..ovol {
+                    let g = m.get(dy, pl * ovol + o, d) / avg_divisor(&w, o, cip);
+                    for off in taps(&w, o).into_iter().flatten() {
+                        acc[off as usize] += g;
+                    }
+                }
+                for (i, v) in acc.into_iter().enumerate() {
+                    m.set(dx, pl * ivol + i as i64, d, v);
+                }
+            }
+        } else {
+            let max = name.starts_with("pool_max_");
+            let (x, y, planes) = (ptr(&a[0]), ptr(&a[1]), int(&a[if max { 3 } else { 2 }]));
+            assert!(!max || a[2] == Arg::Null, "MaxPool's indices are not interpreted");
+            let cip = !max && int(&a[4]) != 0;
+            for pl in 0..planes {
+                for o in 0..ovol {
+                    let vals: Vec<f64> =
+                        taps(&w, o).into_iter().flatten().map(|off| m.get(x, pl * ivol + off, d)).collect();
+                    let r = if max {
+                        vals.iter()
+                            .fold(f64::NEG_INFINITY, |b, &v| if v.is_nan() || b.is_nan() { f64::NAN } else { b.max(v) })
+                    } else {
+                        vals.iter().sum::<f64>() / avg_divisor(&w, o, cip)
+                    };
+                    m.set(y, pl * ovol + o, d, r);
+                }
+            }
+        }
+    } else if name.starts_with("norm_batch_norm_") || name.starts_with("norm_layer_norm_grad") {
+        let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+        let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+        let param = |m: &mut Memory, b: Buf, i: i64| m.get(b, i, dp);
+        if name.starts_with("norm_layer_norm_grad_params") {
+            let (dy, x, wm, wi, ds) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+            let (db, rows, n, sn) = (a[5], int(&a[6]), int(&a[7]), int(&a[8]));
+            let (mut s_sc, mut s_b) = (vec![0.0; sn as usize], vec![0.0; sn as usize]);
+            for r in 0..rows {
+                let (mean, inv) = (m.get(wm, r, DType::F32), m.get(wi, r, DType::F32));
+                for j in 0..n {
+                    let g = m.get(dy, r * n + j, d);
+                    s_sc[(j % sn) as usize] += g * (m.get(x, r * n + j, d) - mean) * inv;
+                    s_b[(j % sn) as usize] += g;
+                }
+            }
+            for j in 0..sn as usize {
+                m.set(ds, j as i64, d, s_sc[j]);
+                if let Arg::Ptr(b) = db {
+                    m.set(b, j as i64, d, s_b[j]);
+                }
+            }
+        } else if name.starts_with("norm_layer_norm_grad_") {
+            let (dy, x, scale, dx, wm, wi) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), a[3], ptr(&a[4]), ptr(&a[5]));
+            let (rows, n, sn, eps) = (int(&a[6]), int(&a[7]), int(&a[8]), f32_of(&a[9]));
+            for r in 0..rows {
+                let v: Vec<f64> = (0..n).map(|j| m.get(x, r * n + j, d)).collect();
+                let mean = v.iter().sum::<f64>() / n as f64;
+                let inv = 1.0 / (v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / n as f64 + eps).sqrt();
+                m.set(wm, r, DType::F32, mean);
+                m.set(wi, r, DType::F32, inv);
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, r * n + j, d) * param(m, scale, j % sn)).collect();
+                let xh: Vec<f64> = v.iter().map(|e| (e - mean) * inv).collect();
+                let (sg, sgx) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
+                if let Arg::Ptr(dx) = dx {
+                    for j in 0..n as usize {
+                        let out = inv / n as f64 * (n as f64 * g[j] - sg - xh[j] * sgx);
+                        m.set(dx, r * n + j as i64, d, out);
+                    }
+                }
+            }
+        } else {
+            // (n, c, inner) follow the pointers: 10 of them for training, 6 for inference and the
+            // gradient.
+            let c_at = if name.starts_with("norm_batch_norm_train_") { 11 } else { 7 };
+            let (n, c, inner) = (int(&a[c_at - 1]), int(&a[c_at]), int(&a[c_at + 1]));
+            let at = |b: i64, ch: i64, i: i64| (b * c + ch) * inner + i;
+            for ch in 0..c {
+                let idx: Vec<i64> = (0..n).flat_map(|b| (0..inner).map(move |i| at(b, ch, i))).collect();
+                let cnt = idx.len() as f64;
+                if name.starts_with("norm_batch_norm_infer_") {
+                    let (x, sc, bi, mean, var, y) =
+                        (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
+                    let eps = f32_of(&a[9]);
+                    let kk = param(m, sc, ch) / (param(m, var, ch) + eps).sqrt();
+                    let (mu, b) = (param(m, mean, ch), param(m, bi, ch));
+                    for &e in &idx {
+                        let v = (m.get(x, e, d) - mu) * kk + b;
+                        m.set(y, e, d, v);
+                    }
+                    continue;
+                }
+                let x = ptr(&a[if name.starts_with("norm_batch_norm_grad_") { 1 } else { 0 }]);
+                let v: Vec<f64> = idx.iter().map(|&e| m.get(x, e, d)).collect();
+                let mean = v.iter().sum::<f64>() / cnt;
+                let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / cnt;
+                if name.starts_with("norm_batch_norm_train_") {
+                    let (sc, bi, rm, rv, y, rmo, rvo) =
+                        (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]), ptr(&a[7]));
+                    let (eps, mom) = (f32_of(&a[13]), f32_of(&a[14]));
+                    let kk = param(m, sc, ch) / (var + eps).sqrt();
+                    let b = param(m, bi, ch);
+                    for (&e, &xv) in idx.iter().zip(&v) {
+                        m.set(y, e, d, (xv - mean) * kk + b);
+                    }
+                    let (om, ov) = (param(m, rm, ch), param(m, rv, ch));
+                    m.set(rmo, ch, dp, om * mom + mean * (1.0 - mom));
+                    m.set(rvo, ch, dp, ov * mom + var * (1.0 - mom));
+                } else {
+                    let (dy, sc, dx, ds, db) = (ptr(&a[0]), ptr(&a[2]), a[3], a[4], a[5]);
+                    let eps = f32_of(&a[9]);
+                    let sigma = (var + eps).sqrt();
+                    let g: Vec<f64> = idx.iter().map(|&e| m.get(dy, e, d)).collect();
+                    let xh: Vec<f64> = v.iter().map(|e| (e - mean) / sigma).collect();
+                    let (dbias, dscale) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
+                    let s = param(m, sc, ch);
+                    if let Arg::Ptr(dx) = dx {
+                        for (j, &e) in idx.iter().enumerate() {
+                            m.set(dx, e, d, s / (sigma * cnt) * (cnt * g[j] - dbias - xh[j] * dscale));
+                        }
+                    }
+                    if let Arg::Ptr(p) = ds {
+                        m.set(p, ch, d, dscale);
+                    }
+                    if let Arg::Ptr(p) = db {
+                        m.set(p, ch, d, dbias);
+                    }
+                }
+            }
+        }
+    } else if name.starts_with("softmax_softmax_grad_") || name.starts_with("softmax_log_softmax_grad_") {
+        let d = dtype_of(tag);
+        let log = name.starts_with("softmax_log_");
+        let (dy, y, dx, outer, n, inner) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |j: i64| (o * n + j) * inner + i;
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, at(j), d)).collect();
+                let yv: Vec<f64> = (0..n).map(|j| m.get(y, at(j), d)).collect();
+                let s: f64 = if log { g.iter().sum() } else { g.iter().zip(&yv).map(|(a, b)| a * b).sum() };
+                for j in 0..n as usize {
+                    let r = if log { g[j] - yv[j].exp() * s } else { yv[j] * (g[j] - s) };
+                    m.set(dx, at(j as i64), d, r);
+                }
+            }
+        }
+    } else if name.starts_with("loss_") {
+        run_loss(m, k);
+    } else if name.starts_with("train_relu_grad_") {
+        let d = dtype_of(tag);
+        let (dy, y, dx, n) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+        for i in 0..n {
+            let r = if m.get(y, i, d) > 0.0 { m.get(dy, i, d) } else { 0.0 };
+            m.set(dx, i, d, r);
+        }
+    } else if name == "train_all_finite_init" {
+        m.set(ptr(&a[0]), 0, DType::U8, 1.0);
+    } else if name.starts_with("train_all_finite_") {
+        let d = dtype_of(tag);
+        let (x, n, f) = (ptr(&a[0]), int(&a[1]), ptr(&a[2]));
+        if (0..n).any(|i| !m.get(x, i, d).is_finite()) {
+            m.set(f, 0, DType::U8, 0.0);
+        }
+    } else if name.starts_with("train_unscale_") {
+        let d = dtype_of(tag);
+        let (g, scale, out, n) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+        let inv = 1.0 / m.get(scale, 0, DType::F32);
+        for i in 0..n {
+            let v = m.get(g, i, d) * inv;
+            m.set(out, i, d, v);
+        }
+    } else if name.starts_with("train_sgd_") {
+        let d = dtype_of(tag);
+        let (param, grad, finite, vel, po, vo) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), a[3], ptr(&a[4]), a[5]);
+        let (n, lr, mom, wd, nesterov) = (int(&a[6]), f32_of(&a[7]), f32_of(&a[8]), f32_of(&a[9]), int(&a[10]) != 0);
+        let ok = m.get(finite, 0, DType::U8) != 0.0;
+        for i in 0..n {
+            let p = m.get(param, i, d);
+            if !ok {
+                m.set(po, i, d, p);
+                continue;
+            }
+            let dd = m.get(grad, i, d) + wd * p;
+            let step = match (vel, vo) {
+                (Arg::Ptr(v), Arg::Ptr(vout)) => {
+                    let nv = mom * m.get(v, i, d) + dd;
+                    m.set(vout, i, d, nv);
+                    if nesterov {
+                        dd + mom * nv
+                    } else {
+                        nv
+                    }
+                }
+                _ => dd,
+            };
+            m.set(po, i, d, p - lr * step);
+        }
+    } else if name.starts_with("train_adam_") {
+        let d = dtype_of(tag);
+        let (param, grad, mm, vv, step, finite) =
+            (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
+        let (po, mo, vo, n) = (ptr(&a[6]), ptr(&a[7]), ptr(&a[8]), int(&a[9]));
+        let (lr, b1, b2, eps, wd, decoupled) =
+            (f32_of(&a[10]), f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), int(&a[15]) != 0);
+        let ok = m.get(finite, 0, DType::U8) != 0.0;
+        let t = m.get(step, 0, DType::I64).max(1.0);
+        for i in 0..n {
+            let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, d), m.get(mm, i, d), m.get(vv, i, d));
+            if !ok {
+                m.set(po, i, d, p);
+                m.set(mo, i, d, m0);
+                m.set(vo, i, d, v0);
+                continue;
+            }
+            let dd = if decoupled {
+                p -= lr * wd * p;
+                g
+            } else {
+                g + wd * p
+            };
+            let (m1, v1) = (b1 * m0 + (1.0 - b1) * dd, b2 * v0 + (1.0 - b2) * dd * dd);
+            let r = p - lr * (m1 / (1.0 - b1.powf(t))) / ((v1 / (1.0 - b2.powf(t))).sqrt() + eps);
+            m.set(po, i, d, r);
+            m.set(mo, i, d, m1);
+            m.set(vo, i, d, v1);
+        }
+    } else if name == "train_loss_scale_update" {
+        let (scale, good, finite, so, go) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+        let (growth, backoff, interval, lo, hi) =
+            (f32_of(&a[5]), f32_of(&a[6]), int(&a[7]), f32_of(&a[8]), f32_of(&a[9]));
+        let (s, g) = (m.get(scale, 0, DType::F32), m.get(good, 0, DType::I64) as i64);
+        let (s1, g1) = if m.get(finite, 0, DType::U8) != 0.0 {
+            if g + 1 >= interval {
+                ((s * growth).min(hi), 0)
+            } else {
+                (s, g + 1)
+            }
+        } else {
+            ((s * backoff).max(lo), 0)
+        };
+        m.set(so, 0, DType::F32, s1);
+        m.set(go, 0, DType::I64, g1 as f64);
+    } else {
+        panic!("{name} is not interpreted");
+    }
+}
+
+/// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
+fn run_loss(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let parts: Vec<&str> = name.rsplitn(3, '_').collect();
+    let label = |m: &mut Memory, b: Buf, di: DType, p: i64| m.get(b, p, di) as i64;
+    if name.starts_with("loss_reduce_") {
+        let d = dtype_of(parts[0]);
+        let (wl, ww, out, positions, red) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]));
+        let s: f64 = (0..positions).map(|p| m.get(wl, p, DType::F32)).sum();
+        let w: f64 = (0..positions).map(|p| m.get(ww, p, DType::F32)).sum();
+        m.set(out, 0, d, if red == 2 { s / w } else { s });
+        return;
+    }
+    let (d, di) = (dtype_of(parts[1]), dtype_of(parts[0]));
+    if name.starts_with("loss_weight_total_") {
+        let (labels, weights, total, positions, c) = (ptr(&a[0]), a[1], ptr(&a[2]), int(&a[3]), int(&a[4]));
+        let (has_ignore, ignore) = (int(&a[5]) != 0, int(&a[6]));
+        let mut t = 0.0;
+        for p in 0..positions {
+            let l = label(m, labels, di, p);
+            if (has_ignore && l == ignore) || l < 0 || l >= c {
+                continue;
+            }
+            t += if let Arg::Ptr(w) = weights { m.get(w, l, d) } else { 1.0 };
+        }
+        m.set(total, 0, DType::F32, t);
+        return;
+    }
+    let grad = name.contains("_grad_");
+    let softmax = name.starts_with("loss_softmax_ce");
+    let base = grad as usize;
+    let (scores, labels, weights) = (ptr(&a[base]), ptr(&a[base + 1]), a[base + 2]);
+    let at_dims = if grad {
+        6
+    } else if softmax {
+        7
+    } else {
+        6
+    };
+    let (n, c, inner) = (int(&a[at_dims]), int(&a[at_dims + 1]), int(&a[at_dims + 2]));
+    let (has_ignore, ignore) = (int(&a[at_dims + 3]) != 0, int(&a[at_dims + 4]));
+    let at = |b: i64, kk: i64, i: i64| (b * c + kk) * inner + i;
+    for b in 0..n {
+        for i in 0..inner {
+            let p = b * inner + i;
+            let l = label(m, labels, di, p);
+            let ignored = (has_ignore && l == ignore) || l < 0 || l >= c;
+            let w = if ignored {
+                0.0
+            } else if let Arg::Ptr(wb) = weights {
+                m.get(wb, l, d)
+            } else {
+                1.0
+            };
+            let x: Vec<f64> = (0..c).map(|kk| m.get(scores, at(b, kk, i), d)).collect();
+            let log_prob: Vec<f64> = if softmax {
+                let mx = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = x.iter().map(|v| (v - mx).exp()).sum();
+                x.iter().map(|v| v - mx - s.ln()).collect()
+            } else {
+                x.clone()
+            };
+            if !grad {
+                let loss = if ignored { 0.0 } else { -log_prob[l as usize] * w };
+                let (lp, wl, ww, none) = if softmax { (a[3], a[4], a[5], a[6]) } else { (Arg::Null, a[3], a[4], a[5]) };
+                if let Arg::Ptr(lpb) = lp {
+                    for kk in 0..c {
+                        m.set(lpb, at(b, kk, i), d, log_prob[kk as usize]);
+                    }
+                }
+                if let Arg::Ptr(q) = wl {
+                    m.set(q, p, DType::F32, loss);
+                }
+                if let Arg::Ptr(q) = ww {
+                    m.set(q, p, DType::F32, w);
+                }
+                if let Arg::Ptr(q) = none {
+                    m.set(q, p, d, loss);
+                }
+                continue;
+            }
+            let (dloss, total, out, red) = (ptr(&a[0]), a[4], ptr(&a[5]), int(&a[at_dims + 5]));
+            let g = match red {
+                0 => m.get(dloss, p, d),
+                1 => m.get(dloss, 0, d),
+                _ => m.get(dloss, 0, d) / m.get(ptr(&total), 0, DType::F32),
+            };
+            for kk in 0..c {
+                let r = if ignored {
+                    0.0
+                } else if softmax {
+                    g * w * (log_prob[kk as usize].exp() - (kk == l) as i64 as f64)
+                } else if kk == l {
+                    -g * w
+                } else {
+                    0.0
+                };
+                m.set(out, at(b, kk, i), d, r);
+            }
+        }
+    }
 }
 
 const UNARY: [&str; 6] = ["relu", "exp", "neg", "sqrt", "tanh", "sigmoid"];
@@ -336,7 +796,9 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 m.set(y, at, dy, r);
             }
         }
-    } else if k.name.starts_with("softmax_softmax_") || k.name.starts_with("softmax_log_softmax_") {
+    } else if (k.name.starts_with("softmax_softmax_") || k.name.starts_with("softmax_log_softmax_"))
+        && !k.name.contains("_grad")
+    {
         let d = dtype_of(tag);
         let log = k.name.starts_with("softmax_log_softmax_");
         let (x, y, outer, n, inner) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]));
@@ -352,7 +814,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 }
             }
         }
-    } else if k.name.starts_with("norm_layer_norm_") {
+    } else if k.name.starts_with("norm_layer_norm_") && !k.name.contains("_grad") {
         let tags: Vec<&str> = k.name["norm_layer_norm_".len()..].split('_').collect();
         let (d, dp) = (dtype_of(tags[0]), dtype_of(tags[1]));
         let (x, scale, bias, y) = (ptr(&a[0]), ptr(&a[1]), a[2], ptr(&a[3]));
@@ -472,6 +934,8 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         for (o, v) in acc.into_iter().enumerate() {
             m.set(out, o as i64, d, v);
         }
+    } else if MORE.iter().any(|p| k.name.starts_with(p)) {
+        run_more(m, k);
     } else {
         panic!("{} is not interpreted", k.name);
     }
@@ -654,6 +1118,8 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,2]{0, 3, 2, -1}\n  %2 \"y\": f32[2] = GatherND(%0, %1)\n  output %2", "GatherND"),
         ("input %0 \"x\": f32[5,3]\n  init %1 \"i\" = i64[2,2]{4, -1, 0, 2}\n  %2 \"y\": f32[2,2,3] = Gather(%0, %1)\n  output %2", "Gather"),
         ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,4]{0, 2, 1, -1, 2, 2, 0, 1}\n  %2 \"y\": f32[2,4] = GatherElements(%0, %1)\n  output %2", "GatherElements"),
+        ("input %0 \"x\": f32[2,3,7,6]\n  %1 \"y\": f32[2,3,4,3] = AveragePool[kernel_shape=[3,2], pads=[1,1,1,0], strides=[2,2], count_include_pad=1, ceil_mode=1](%0)\n  output %1", "AveragePool"),
+        ("input %0 \"x\": f32[2,3,9]\n  %1 \"y\": f32[2,3,4] = MaxPool[kernel_shape=[2], dilations=[3], strides=[2], pads=[1,1]](%0)\n  output %1", "MaxPool"),
         ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
     ];
     for (body, op) in cases {
