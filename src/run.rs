@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use mpc_ir::{DType, Dim, Graph, Tensor};
+use mpc_ir::{DType, Dim, Graph, Op, Tensor};
 use mpc_runtime::HostTensor;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 
@@ -202,6 +202,8 @@ fn host_valued_inputs(g: &Graph) -> Vec<mpc_ir::ValueId> {
         }
         match g.value(v).def() {
             mpc_ir::Def::Input => out.push(v),
+            // Shape and Size read only their input's shape, which binding the dims gives.
+            mpc_ir::Def::Node(n, _) if matches!(g.node(*n).op, Op::Shape(_) | Op::Size) => {}
             mpc_ir::Def::Node(n, _) => todo.extend(g.node(*n).inputs().iter().flatten().copied()),
             _ => {}
         }
