@@ -155,7 +155,10 @@ fn interpretable(k: &Kernel) -> bool {
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
 /// kernels ([`run_more`]).
-const MORE: [&str; 18] = [
+const MORE: [&str; 21] = [
+    "elementwise_isnan_",
+    "elementwise_where_",
+    "norm_instance_norm_",
     "elementwise_not_u8",
     "elementwise_clip_",
     "gather_grad_direct_",
@@ -492,6 +495,37 @@ fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(mo, i, d, m1);
             m.set(vo, i, d, v1);
         }
+    } else if name.starts_with("elementwise_isnan_") {
+        let d = dtype_of(tag);
+        let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+        for i in 0..n {
+            let v = m.get(x, i, d).is_nan() as u8 as f64;
+            m.set(y, i, DType::U8, v);
+        }
+    } else if name.starts_with("elementwise_where_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (c, pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), int(&a[4]), int(&a[5]) as usize);
+        let (dd, sc, sa, sb) = (dims(&a[6]), dims(&a[7]), dims(&a[8]), dims(&a[9]));
+        for i in 0..n {
+            let o = if rank == 0 { vec![i, i, i] } else { offsets(i, rank, &dd, &[sc, sa, sb]) };
+            let v = if m.get(c, o[0], DType::U8) != 0.0 { m.bytes(pa, o[1], size) } else { m.bytes(pb, o[2], size) };
+            m.put(y, i, &v);
+        }
+    } else if name.starts_with("norm_instance_norm_") {
+        let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+        let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+        let (x, sc, bi, y) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
+        let (n, c, inner, eps) = (int(&a[4]), int(&a[5]), int(&a[6]), f32_of(&a[7]));
+        for plane in 0..n * c {
+            let ch = plane % c;
+            let v: Vec<f64> = (0..inner).map(|i| m.get(x, plane * inner + i, d)).collect();
+            let mean = v.iter().sum::<f64>() / inner as f64;
+            let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / inner as f64;
+            let (s, b) = (m.get(sc, ch, dp), m.get(bi, ch, dp));
+            for (i, e) in v.iter().enumerate() {
+                m.set(y, plane * inner + i as i64, d, (e - mean) / (var + eps).sqrt() * s + b);
+            }
+        }
     } else if name == "elementwise_not_u8" {
         let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
         for i in 0..n {
@@ -724,8 +758,9 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
     }
 }
 
-const UNARY: [&str; 9] = ["relu", "exp", "neg", "sqrt", "tanh", "sigmoid", "reciprocal", "erf", "gelu"];
-const BINARY: [&str; 6] = ["add", "sub", "mul", "div", "max", "min"];
+const UNARY: [&str; 11] =
+    ["relu", "exp", "neg", "sqrt", "tanh", "sigmoid", "reciprocal", "erf", "gelu", "hard_swish", "hard_sigmoid"];
+const BINARY: [&str; 7] = ["add", "sub", "mul", "div", "max", "min", "pow"];
 
 fn run_kernel(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
@@ -770,6 +805,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 "mul" => x * z,
                 "div" => x / z,
                 "max" => x.max(z),
+                "pow" => x.powf(z),
                 _ => x.min(z),
             });
         }
@@ -858,6 +894,8 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 "reciprocal" => 1.0 / v,
                 "erf" => erf(v),
                 "gelu" => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
+                "hard_swish" => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
+                "hard_sigmoid" => (f32_of(&a[3]) * v + f32_of(&a[4])).clamp(0.0, 1.0),
                 _ => 1.0 / (1.0 + (-v).exp()),
             };
             m.set(y, i, d, r);
@@ -1253,4 +1291,45 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         let checked = check_program(op, &program, &feeds);
         assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
     }
+}
+
+/// The zoo's exports (BERT, DistilBERT, GPT-2, Llama, ViT, MobileNetV3, a UNet, a GroupNorm CNN,
+/// an LSTM and a GRU, from both torch exporters), compiled mixed, at batch 2.
+#[test]
+fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
+    let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
+    let mut names: Vec<_> = std::fs::read_dir(&zoo).unwrap().flatten().map(|e| e.path()).collect();
+    names.retain(|p| p.extension().is_some_and(|e| e == "onnx"));
+    names.sort();
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for path in &names {
+        let mut g = mpc::load(path).unwrap();
+        let opts = mpc::Options { policy: Some("mixed".into()), ..Default::default() };
+        mpc::compile(&mut g, path, &opts, &mut |_, _| {}).unwrap();
+        let mut dims = HashMap::new();
+        for &v in g.inputs() {
+            for d in g.ty(v).shape.iter().flat_map(|s| s.dims().to_vec()) {
+                if let Some(s) = d.symbol() {
+                    dims.insert(s.to_string(), 2);
+                }
+            }
+        }
+        let feeds = mpc::run::random_inputs(&g, 3, &dims).unwrap();
+        let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, path).unwrap();
+        let label = path.file_name().unwrap().to_string_lossy().to_string();
+        // An export whose Dropout stayed in training mode runs on neither device.
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        if program.launches.iter().any(|l| plan(l, &constant).is_err_and(|e| e.contains("training mode"))) {
+            println!("{label}: skipped (Dropout in training mode)");
+            continue;
+        }
+        let t = std::time::Instant::now();
+        for op in check_program(&label, &program, &feeds) {
+            *seen.entry(op).or_default() += 1;
+        }
+        println!("{label}: {:.1} s", t.elapsed().as_secs_f64());
+    }
+    println!("zoo launches checked against the CPU by op: {seen:?}");
+    let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
+    assert!(left.is_empty(), "launches this file cannot check: {left:?}");
 }
