@@ -155,7 +155,15 @@ fn interpretable(k: &Kernel) -> bool {
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
 /// kernels ([`run_more`]).
-const MORE: [&str; 21] = [
+const MORE: [&str; 29] = [
+    "elementwise_and_u8",
+    "elementwise_or_u8",
+    "elementwise_equal_",
+    "elementwise_less_",
+    "elementwise_greater_",
+    "elementwise_less_equal_",
+    "elementwise_greater_equal_",
+    "movement_pad_",
     "elementwise_isnan_",
     "elementwise_where_",
     "norm_instance_norm_",
@@ -494,6 +502,59 @@ fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(po, i, d, r);
             m.set(mo, i, d, m1);
             m.set(vo, i, d, v1);
+        }
+    } else if ["and", "or", "equal", "less", "greater"].iter().any(|c| name.starts_with(&format!("elementwise_{c}_"))) {
+        let op = &name["elementwise_".len()..name.len() - tag.len() - 1];
+        let d = if op == "and" || op == "or" { DType::U8 } else { dtype_of(tag) };
+        let (pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) as usize);
+        let (dd, sa, sb) = (dims(&a[5]), dims(&a[6]), dims(&a[7]));
+        for i in 0..n {
+            let o = if rank == 0 { vec![i, i] } else { offsets(i, rank, &dd, &[sa, sb]) };
+            let (x, z) = (m.get(pa, o[0], d), m.get(pb, o[1], d));
+            let r = match op {
+                "and" => x != 0.0 && z != 0.0,
+                "or" => x != 0.0 || z != 0.0,
+                "equal" => x == z,
+                "less" => x < z,
+                "greater" => x > z,
+                "less_equal" => x <= z,
+                _ => x >= z,
+            };
+            m.set(y, i, DType::U8, r as u8 as f64);
+        }
+    } else if name.starts_with("movement_pad_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
+        let (od, id, xs, before) = (dims(&a[4]), dims(&a[5]), dims(&a[6]), dims(&a[7]));
+        let (mode, Arg::U64(value)) = (int(&a[8]), a[9]) else { panic!("pad value") };
+        for e in 0..n {
+            let (mut lin, mut off, mut inside) = (e, 0i64, true);
+            for d in (0..rank).rev() {
+                let c = lin % od[d] - before[d];
+                lin /= od[d];
+                let len = id[d];
+                let c = match mode {
+                    0 => {
+                        inside &= c >= 0 && c < len;
+                        c
+                    }
+                    1 if len == 1 => 0,
+                    1 => {
+                        let period = 2 * (len - 1);
+                        let r = c.rem_euclid(period);
+                        if r < len {
+                            r
+                        } else {
+                            period - r
+                        }
+                    }
+                    2 => c.clamp(0, len - 1),
+                    _ => c.rem_euclid(len),
+                };
+                off += c * xs[d];
+            }
+            let v = if inside { m.bytes(x, off, size) } else { value.to_le_bytes()[..size].to_vec() };
+            m.put(y, e, &v);
         }
     } else if name.starts_with("elementwise_isnan_") {
         let d = dtype_of(tag);
@@ -1330,6 +1391,39 @@ fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
         println!("{label}: {:.1} s", t.elapsed().as_secs_f64());
     }
     println!("zoo launches checked against the CPU by op: {seen:?}");
+    let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
+    assert!(left.is_empty(), "launches this file cannot check: {left:?}");
+}
+
+/// The zoo's training steps (mixed, Adam, each family's loss and labels from zoo.json, torch's
+/// batch): every launch's plan computes what the CPU does, GatherGrad, the losses over sequences
+/// and the recurrent nets' unrolled steps included.
+#[test]
+fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
+    let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(zoo.join("zoo.json")).unwrap()).unwrap();
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for (family, f) in json.as_object().unwrap() {
+        let expected = mpc::run::read_safetensors(&zoo.join(format!("{family}.grads.safetensors"))).unwrap();
+        let feeds: HashMap<String, HostTensor> =
+            expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
+        for export in ["dynamo", "legacy"] {
+            let path = zoo.join(format!("{family}.{export}.onnx"));
+            let mut g = mpc::load(&path).unwrap();
+            let cfg = mpc::config::TrainFile { loss: f["loss"].as_str().map(String::from), ..Default::default() };
+            let (t, _) = cfg.resolve().unwrap();
+            let t = mpc_passes::train::TrainOptions { labels: f["labels"].as_str().unwrap().to_string(), ..t };
+            let opts = mpc::Options { policy: Some("mixed".into()), train: Some(t), ..Default::default() };
+            mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+            let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, &path).unwrap();
+            let label = format!("{family}.{export} train");
+            for op in check_program(&label, &program, &feeds) {
+                *seen.entry(op).or_default() += 1;
+            }
+        }
+    }
+    println!("zoo training launches checked against the CPU by op: {seen:?}");
     let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
     assert!(left.is_empty(), "launches this file cannot check: {left:?}");
 }
