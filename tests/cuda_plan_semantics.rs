@@ -97,16 +97,7 @@ fn window(a: &Arg) -> Window3 {
 }
 
 fn dtype_of(tag: &str) -> DType {
-    match tag {
-        "f32" => DType::F32,
-        "f16" => DType::F16,
-        "bf16" => DType::BF16,
-        "f64" => DType::F64,
-        "i64" => DType::I64,
-        "i32" => DType::I32,
-        "u8" => DType::U8,
-        t => panic!("dtype tag {t}"),
-    }
+    tag.parse().unwrap_or_else(|e| panic!("dtype tag {tag}: {e}"))
 }
 
 /// The coordinates of row-major index `lin` over `dims[..rank]`, dotted with each stride list.
@@ -127,8 +118,8 @@ fn interpretable(k: &Kernel) -> bool {
     let reduce = ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2", "log_sum_exp", "argmax", "argmin"]
         .iter()
         .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")));
-    let unary = UNARY.iter().any(|u| k.name.starts_with(&format!("elementwise_{u}_")) && k.args.len() == 5);
-    let binary = BINARY.iter().any(|b| k.name.starts_with(&format!("elementwise_{b}_")) && k.args.len() == 8);
+    let unary = UNARY.contains(&elementwise_op(&k.name)) && k.args.len() == 5;
+    let binary = BINARY.contains(&elementwise_op(&k.name)) && k.args.len() == 8;
     reduce
         || unary
         || binary
@@ -151,6 +142,14 @@ fn interpretable(k: &Kernel) -> bool {
         .iter()
         .any(|p| k.name.starts_with(p) && !k.name.contains("_grad"))
         || MORE.iter().any(|p| k.name.starts_with(p))
+}
+
+/// `op` of a kernel named `elementwise_<op>_<tag>` ("" for another family).
+fn elementwise_op(name: &str) -> &str {
+    match (name.strip_prefix("elementwise_"), name.rsplit_once('_')) {
+        (Some(rest), Some((_, tag))) => &rest[..rest.len() - tag.len() - 1],
+        _ => "",
+    }
 }
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
@@ -291,10 +290,39 @@ fn run_more(m: &mut Memory, k: &Kernel) {
         } else {
             let max = name.starts_with("pool_max_");
             let (x, y, planes) = (ptr(&a[0]), ptr(&a[1]), int(&a[if max { 3 } else { 2 }]));
-            assert!(!max || a[2] == Arg::Null, "MaxPool's indices are not interpreted");
+            let (indices, col_major) = if max { (a[2], int(&a[5]) != 0) } else { (Arg::Null, false) };
             let cip = !max && int(&a[4]) != 0;
             for pl in 0..planes {
                 for o in 0..ovol {
+                    if let Arg::Ptr(ib) = indices {
+                        // The first strict maximum, NaNs skipped; its flat index into x.
+                        let (mut best, mut at) = (f64::NEG_INFINITY, 0i64);
+                        for off in taps(&w, o).into_iter().flatten() {
+                            let v = m.get(x, pl * ivol + off, d);
+                            if v > best {
+                                let sp = if col_major {
+                                    let nsp = w.nsp as usize;
+                                    let (mut r, mut c, mut scale) = (off, vec![0i64; nsp], 1i64);
+                                    for s in (0..nsp).rev() {
+                                        c[s] = r % w.inp[s];
+                                        r /= w.inp[s];
+                                    }
+                                    let mut sp = 0;
+                                    for (s, &cs) in c.iter().enumerate() {
+                                        sp += cs * scale;
+                                        scale *= w.inp[s];
+                                    }
+                                    sp
+                                } else {
+                                    off
+                                };
+                                (best, at) = (v, pl * ivol + sp);
+                            }
+                        }
+                        m.set(y, pl * ovol + o, d, best);
+                        m.set(ib, pl * ovol + o, DType::I64, at as f64);
+                        continue;
+                    }
                     let vals: Vec<f64> =
                         taps(&w, o).into_iter().flatten().map(|off| m.get(x, pl * ivol + off, d)).collect();
                     let r = if max {
@@ -847,7 +875,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         for i in 0..n {
             m.put(y, i, &v.to_le_bytes()[..size]);
         }
-    } else if let Some(op) = BINARY.iter().find(|b| k.name.starts_with(&format!("elementwise_{b}_"))) {
+    } else if let Some(op) = BINARY.iter().find(|&&b| b == elementwise_op(&k.name) && k.args.len() == 8) {
         let d = dtype_of(tag);
         let (pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) as usize);
         let (dd, sa, sb) = (dims(&a[5]), dims(&a[6]), dims(&a[7]));
@@ -941,7 +969,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
             }
             m.set(db, ch, d, s);
         }
-    } else if let Some(op) = UNARY.iter().find(|u| k.name.starts_with(&format!("elementwise_{u}_"))) {
+    } else if let Some(op) = UNARY.iter().find(|&&u| u == elementwise_op(&k.name) && k.args.len() == 5) {
         let d = dtype_of(tag);
         let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
         for i in 0..n {
@@ -963,7 +991,7 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         }
     } else if k.name.starts_with("casts_") {
         let (from, to) = k.name["casts_".len()..].split_once("_to_").unwrap();
-        let tag = |t: &str| if t == "bool" { DType::Bool } else { dtype_of_any(t) };
+        let tag = |t: &str| if t == "bool" { DType::Bool } else { dtype_of(t) };
         let (df, dt) = (tag(from), tag(to));
         let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]) as usize);
         let src = HostTensor::from_le_bytes(df, vec![n], &m.bytes(x, 0, n * df.size()));
@@ -1153,18 +1181,6 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         run_more(m, k);
     } else {
         panic!("{} is not interpreted", k.name);
-    }
-}
-
-fn dtype_of_any(tag: &str) -> DType {
-    match tag {
-        "i16" => DType::I16,
-        "i8" => DType::I8,
-        "u64" => DType::U64,
-        "u32" => DType::U32,
-        "u16" => DType::U16,
-        "u8" => DType::U8,
-        t => dtype_of(t),
     }
 }
 
@@ -1426,4 +1442,54 @@ fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
     println!("zoo training launches checked against the CPU by op: {seen:?}");
     let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
     assert!(left.is_empty(), "launches this file cannot check: {left:?}");
+}
+
+/// The ONNX conformance cases (where `MPC_ONNX_NODE_TESTS` points at them): each launch this
+/// file can interpret computes on its plan what the CPU does.
+#[test]
+fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
+    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
+        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder");
+        return;
+    };
+    let read = |p: &std::path::Path| -> Option<HostTensor> {
+        let bytes = std::fs::read(p).ok()?;
+        Some(HostTensor::from(&mpc_ir::onnx::decode_tensor(bytes.into()).ok()?))
+    };
+    let mut cases: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().map(|e| e.path()).collect();
+    cases.sort();
+    let (mut checked, mut skipped) = (0, 0);
+    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
+        let model = case.join("model.onnx");
+        let Ok(mut g) = mpc::load(&model) else { continue };
+        if mpc::compile(&mut g, &model, &mpc::Options::default(), &mut |_, _| {}).is_err() {
+            continue;
+        }
+        let Some(set) = std::fs::read_dir(case).into_iter().flatten().flatten().map(|e| e.path()).find(|p| p.is_dir())
+        else {
+            continue;
+        };
+        let mut ins = Vec::new();
+        for i in 0.. {
+            match read(&set.join(format!("input_{i}.pb"))) {
+                Some(t) => ins.push(t),
+                None => break,
+            }
+        }
+        let feeds: HashMap<String, HostTensor> =
+            g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
+        let Ok(program) = mpc::run::lower_for_inputs(&g, &feeds, CUDA, &model) else { continue };
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let runs = program.host_reads == 0
+            && program.launches.iter().all(|l| plan(l, &constant).is_ok())
+            && mpc::run::run_once(&g, &feeds, &model).is_ok();
+        if !runs {
+            skipped += 1;
+            continue;
+        }
+        let label = case.file_name().unwrap().to_string_lossy().to_string();
+        checked += check_program(&label, &program, &feeds).iter().filter(|o| !o.starts_with("not interpreted")).count();
+    }
+    println!("conformance launches checked against the CPU: {checked} ({skipped} cases skipped)");
+    assert!(checked > 500, "only {checked} launches checked");
 }
