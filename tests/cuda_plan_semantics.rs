@@ -29,6 +29,8 @@ struct Memory {
     work: Vec<u8>,
     aux: Vec<u8>,
     flag: Vec<u8>,
+    /// The buffers whose addresses the aux bytes hold, by aux offset.
+    addresses: HashMap<u64, Buf>,
 }
 
 impl Memory {
@@ -459,6 +461,22 @@ fn run_more(m: &mut Memory, k: &Kernel) {
         for i in 0..n {
             let r = if m.get(y, i, d) > 0.0 { m.get(dy, i, d) } else { 0.0 };
             m.set(dx, i, d, r);
+        }
+    } else if name == "train_all_finite_multi" {
+        let Buf::Aux(at) = ptr(&a[0]) else { panic!("the address array is not in aux") };
+        let (sizes, codes, count, f) = (ptr(&a[1]), ptr(&a[2]), int(&a[3]), ptr(&a[4]));
+        for t in 0..count {
+            let x = m.addresses[&(at + 8 * t as u64)];
+            let n = m.get(sizes, t, DType::I64) as i64;
+            let d = match m.get(codes, t, DType::I32) as i64 {
+                0 => DType::F32,
+                1 => DType::F16,
+                2 => DType::BF16,
+                _ => DType::F64,
+            };
+            if (0..n).any(|i| !m.get(x, i, d).is_finite()) {
+                m.set(f, 0, DType::U8, 0.0);
+            }
         }
     } else if name == "train_all_finite_init" {
         m.set(ptr(&a[0]), 0, DType::U8, 1.0);
@@ -1209,6 +1227,7 @@ fn run_gemm(m: &mut Memory, g: &Gemm) {
 fn run_plan(m: &mut Memory, p: &LaunchPlan) {
     m.work = vec![0xAB; p.workspace as usize];
     m.aux = p.aux.clone();
+    m.addresses = p.addresses.iter().copied().collect();
     for c in &p.calls {
         match c {
             Call::Kernel(k) => run_kernel(m, k),
@@ -1266,6 +1285,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
             work: Vec::new(),
             aux: Vec::new(),
             flag: vec![0; 4],
+            addresses: HashMap::new(),
         });
         dev.launch(&mut regions, l).unwrap();
         let Some(mem) = mem.as_mut() else {

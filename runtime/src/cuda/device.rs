@@ -407,27 +407,36 @@ impl Device for CudaDevice {
             self.flags.push((ptr, flagged));
             ptr
         };
-        let mut flag_slot = 0u64;
-        let aux = if aux_bytes.is_empty() {
-            0
-        } else {
-            let ptr = self.alloc_bytes(aux_bytes.len() as u64, "launch constants")?;
-            // SAFETY: `ptr` holds aux_bytes.len() bytes; the source is copied before the call returns
-            // (pageable memory), and the stream is synchronised below.
-            unsafe { drv::memcpy_htod_async(ptr, &aux_bytes, self.stream) }.map_err(driver("upload"))?;
-            ptr
+        let aux = if aux_bytes.is_empty() { 0 } else { self.alloc_bytes(aux_bytes.len() as u64, "launch constants")? };
+        // Where each plan's buffers lie: a plan's addresses inside its aux bytes are written
+        // before the bytes are uploaded.
+        let mut flag_slots = Vec::with_capacity(plans.len());
+        let mut slot = 0u64;
+        for (_, _, p) in &plans {
+            flag_slots.push(flags + 4 * slot);
+            slot += uses_flag(p) as u64;
+        }
+        let resolve = |b: Buf, aux_base: u64, flag: u64| -> u64 {
+            match b {
+                Buf::Tensor(r, o) => regions.get(r).ptr + o,
+                Buf::Work(o) => workspace + o,
+                Buf::Aux(o) => aux + aux_base + o,
+                Buf::Flag => flag,
+            }
         };
-        for ((key, node, p), aux_base) in plans.into_iter().zip(aux_at) {
-            let flag = flags + 4 * flag_slot;
-            flag_slot += uses_flag(&p) as u64;
-            let resolve = |b: Buf| -> u64 {
-                match b {
-                    Buf::Tensor(r, o) => regions.get(r).ptr + o,
-                    Buf::Work(o) => workspace + o,
-                    Buf::Aux(o) => aux + aux_base + o,
-                    Buf::Flag => flag,
-                }
-            };
+        for (((_, _, p), &aux_base), &flag) in plans.iter().zip(&aux_at).zip(&flag_slots) {
+            for &(at, b) in &p.addresses {
+                let s = (aux_base + at) as usize;
+                aux_bytes[s..s + 8].copy_from_slice(&resolve(b, aux_base, flag).to_le_bytes());
+            }
+        }
+        if aux != 0 {
+            // SAFETY: `aux` holds aux_bytes.len() bytes; the source is copied before the call
+            // returns (pageable memory), and the stream is synchronised below.
+            unsafe { drv::memcpy_htod_async(aux, &aux_bytes, self.stream) }.map_err(driver("upload"))?;
+        }
+        for (((key, node, p), aux_base), flag) in plans.into_iter().zip(aux_at).zip(flag_slots) {
+            let resolve = |b: Buf| resolve(b, aux_base, flag);
             let mut calls = Vec::with_capacity(p.calls.len());
             for c in p.calls {
                 calls.push(match c {

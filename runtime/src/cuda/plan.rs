@@ -205,6 +205,9 @@ pub struct LaunchPlan {
     pub workspace: u64,
     /// Bytes to upload once; [`Buf::Aux`] offsets point into them.
     pub aux: Vec<u8>,
+    /// Device addresses a kernel reads from `aux` (a multi-tensor launch's pointer array): the
+    /// 8 bytes at each offset become the address of the buffer, once it is known.
+    pub addresses: Vec<(u64, Buf)>,
 }
 
 /// Threads per block of the 1-D kernels (`MPC_BLOCK`).
@@ -2126,14 +2129,41 @@ fn plan_train(p: &mut Planner) -> Result<(), String> {
         Op::AllFinite => {
             let f = p.output(0)?;
             p.kernel("train", "train_all_finite_init".into(), [1, 1, 1], [1, 1, 1], vec![Arg::Ptr(buf(f))]);
-            for i in 0..p.l.inputs.len() {
-                let Some(x) = p.opt_input(i) else { continue };
-                if !x.dtype.is_float() {
-                    continue;
-                }
+            let floats: Vec<&TensorRef> = (0..p.l.inputs.len())
+                .filter_map(|i| p.opt_input(i))
+                .filter(|x| x.dtype.is_float() && x.numel() > 0)
+                .collect();
+            if let [x] = floats[..] {
                 let n = x.numel() as u64;
                 let args = vec![Arg::Ptr(buf(x)), Arg::I64(n as i64), Arg::Ptr(buf(f))];
                 p.flat("train", format!("train_all_finite_{}", float_tag(x.dtype)?), n, args);
+            } else if !floats.is_empty() {
+                // Every gradient in one launch: arrays of addresses, sizes and dtype codes.
+                let ptrs = p.aux(&vec![0u8; 8 * floats.len()]);
+                let Buf::Aux(at) = ptrs else { unreachable!("aux bytes") };
+                for (k, x) in floats.iter().enumerate() {
+                    p.out.addresses.push((at + 8 * k as u64, buf(x)));
+                }
+                let sizes: Vec<u8> = floats.iter().flat_map(|x| (x.numel() as i64).to_le_bytes()).collect();
+                let codes: Vec<u8> = floats
+                    .iter()
+                    .flat_map(|x| {
+                        let code: i32 = match x.dtype {
+                            DType::F32 => 0,
+                            DType::F16 => 1,
+                            DType::BF16 => 2,
+                            _ => 3,
+                        };
+                        code.to_le_bytes()
+                    })
+                    .collect();
+                let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
+                let count = floats.len() as u64;
+                let widest = floats.iter().map(|x| x.numel() as u64).max().unwrap_or(1);
+                let grid = [widest.div_ceil(BLOCK as u64).clamp(1, 64) as u32, count.min(MAX_ROWS) as u32, 1];
+                let args =
+                    vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes), Arg::I32(count as i32), Arg::Ptr(buf(f))];
+                p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
             }
         }
         Op::SgdUpdate(a) => {
