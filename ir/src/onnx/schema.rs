@@ -319,8 +319,24 @@ pub fn kind_of(a: &Attr) -> Option<&'static str> {
 
 /// Checks a node of the internal form (the text IR's, or one a pass built): a modelled op against
 /// its newest version, an opaque standard-domain op against the version at `opset` (0: newest).
-/// Other domains pass.
+/// Other domains pass once their attributes do.
 pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: &[bool]) -> Result<(), String> {
+    // Every attribute, in any domain, as the ONNX reader takes it: of a kind (one kept encoded must
+    // say a valid type), given once, and no reference to a function's attribute.
+    let attrs = op.attrs();
+    let mut kinds: Vec<(&str, &str)> = Vec::with_capacity(attrs.len());
+    for (name, a) in &attrs {
+        let kind = kind_of(a).ok_or_else(|| format!("attribute `{name}` has no valid type"))?;
+        if kinds.iter().any(|&(n, _)| n == name) {
+            return Err(format!("attribute `{name}` is given twice"));
+        }
+        if let Attr::Raw(bytes) = a {
+            if super::proto::AttributeProto::decode(bytes.clone()).is_ok_and(|p| !p.ref_attr_name.is_empty()) {
+                return Err(format!("attribute `{name}` refers to a function's attribute outside a function"));
+            }
+        }
+        kinds.push((name.as_str(), kind));
+    }
     let (s, inputs) = match op {
         Op::Opaque(o) if o.domain.is_empty() || o.domain == "ai.onnx" => {
             let s = match lookup(&o.op_type, if opset == 0 { i64::MAX } else { opset }) {
@@ -336,11 +352,6 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
         _ if op.is_mpc() => return check_mpc_arity(op, inputs, outputs.len()),
         _ => (newest(op.op_type()).ok_or_else(|| format!("{} has no schema", op.op_type()))?, inputs),
     };
-    let attrs = op.attrs();
-    let mut kinds = Vec::with_capacity(attrs.len());
-    for (name, a) in &attrs {
-        kinds.push((name.as_str(), kind_of(a).ok_or_else(|| format!("attribute `{name}` has no valid type"))?));
-    }
     s.check(&NodeSig { inputs, outputs, attrs: &kinds })
 }
 
