@@ -157,6 +157,9 @@ pub(super) fn concat(cx: &NodeCx, axis: i64) -> Result<Option<Shape>, String> {
 
 pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
     let n = cx.n_outputs();
+    if let Some(k) = num_outputs.filter(|&k| k != n as i64) {
+        return Err(format!("num_outputs is {k} but the node has {n} outputs"));
+    }
     let d = cx.dt(0);
     let Some(x) = cx.sh(0) else {
         return Ok(vec![t(d, None); n]);
@@ -176,8 +179,7 @@ pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
         }
     } else {
         x.0[a].fixed().map(|len| {
-            let parts = num_outputs.unwrap_or(n as i64).max(1) as u64;
-            let chunk = len.div_ceil(parts);
+            let chunk = len.div_ceil(n.max(1) as u64);
             (0..n as u64).map(|i| chunk.min(len.saturating_sub(i * chunk))).collect()
         })
     };

@@ -308,7 +308,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let sizes: Vec<usize> = match ins.get(1).copied().flatten() {
                 Some(s) => s.i64s().unwrap_or_default().iter().map(|&v| v.max(0) as usize).collect(),
                 None => {
-                    let parts = a.num_outputs.map_or(n_outputs, |n| n as usize).max(1);
+                    if let Some(k) = a.num_outputs.filter(|&k| k != n_outputs as i64) {
+                        return Err(err(format!("Split: num_outputs is {k} but the node has {n_outputs} outputs")));
+                    }
+                    let parts = n_outputs.max(1);
                     let chunk = len.div_ceil(parts);
                     (0..parts).map(|i| chunk.min(len.saturating_sub(i * chunk))).collect()
                 }
