@@ -63,6 +63,14 @@ pub(crate) fn infer_types_in(
                 mpc_ir::onnx::check_subgraphs(&o.attrs, g)
                     .map_err(|msg| PassError::Node { node: node.clone(), msg })?;
                 check_dtypes(g, n).map_err(|msg| PassError::Node { node, msg })?;
+                // The one opaque op the runtime computes, onnxruntime's element-wise Gelu, has
+                // its input's type as any element-wise op does, whatever its file declared.
+                if o.domain == "com.microsoft" && o.op_type == "Gelu" {
+                    if let (Some(x), &[y]) = (g.node(n).input(0), g.node(n).outputs()) {
+                        let merged = merge(g.ty(y), g.ty(x).clone());
+                        g.set_ty(y, merged);
+                    }
+                }
             }
             continue;
         }
