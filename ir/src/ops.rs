@@ -518,8 +518,17 @@ impl Op {
                         a.equation
                     ));
                 }
-                if let Some(c) = a.equation.chars().find(|c| !(c.is_ascii_alphabetic() || " ,.->".contains(*c))) {
-                    return Err(format!("equation `{}` has `{c}`, which is not a label", a.equation));
+                // Each operand's term and the output are letters and at most one ellipsis: a
+                // lone `.` (or `-`, `>` outside the arrow) would be a label no kernel sizes.
+                let eq: String = a.equation.chars().filter(|c| !c.is_whitespace()).collect();
+                let (lhs, rhs) = match eq.split_once("->") {
+                    Some((l, r)) => (l, Some(r)),
+                    None => (eq.as_str(), None),
+                };
+                for part in lhs.split(',').chain(rhs) {
+                    if let Some(c) = part.replacen("...", "", 1).chars().find(|c| !c.is_ascii_alphabetic()) {
+                        return Err(format!("equation `{}` has `{c}`, which is not a label", a.equation));
+                    }
                 }
             }
             _ => {}
