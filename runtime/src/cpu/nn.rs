@@ -372,8 +372,20 @@ fn pool_planes<R: Real>(
 
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
 pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str) -> Res<HostTensor> {
-    let v = x.f64s();
     let rank = x.shape.len();
+    // An empty output (an axis kept is 0) has nothing to compute: the loops below would still
+    // walk the reduced axes, which an empty input may have of any size.
+    let reduced = |d: usize| axes.contains(&d);
+    let out_shape: Vec<usize> =
+        (0..rank).filter_map(|d| if reduced(d) { keepdims.then_some(1) } else { Some(x.shape[d]) }).collect();
+    if out_shape.contains(&0) {
+        return Ok(if x.dtype().is_float() {
+            store(x, out_shape, Vec::new())
+        } else {
+            HostTensor::from_f64(x.dtype(), out_shape, Vec::new())
+        });
+    }
+    let v = x.f64s();
     // Fast path: the reduced axes are the trailing dims (global pooling, row sums), so each output
     // is one contiguous run of the input.
     let k = axes.len();
