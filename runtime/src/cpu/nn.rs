@@ -471,6 +471,8 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
     let out_shape_keep: Vec<usize> = (0..rank).map(|d| if reduced(d) { 1 } else { x.shape[d] }).collect();
     let ost = super::shape::strides(&out_shape_keep);
     let ist = super::shape::strides(&x.shape);
+    // An empty input may still reduce to a huge output (its empty dim reduced away).
+    super::fits(&out_shape_keep, x.dtype())?;
     let n_out: usize = out_shape_keep.iter().product();
     let init = match kind {
         "max" => f64::NEG_INFINITY,
