@@ -1515,15 +1515,7 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
     // ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
     let dy = p.input(0)?;
     let k2 = n * ovol;
-    let dyt = p.work(m * k2 * es);
-    p.strided_copy(
-        dy.dtype,
-        buf(dy),
-        dyt,
-        &[m as usize, n as usize, ovol as usize],
-        &[ovol as i64, (m * ovol) as i64, 1],
-        &[k2 as i64, ovol as i64, 1],
-    )?;
+    let dyt = channels_first(p, dy, n, m, ovol)?;
     // The columns: x's for dW, then dX's, which stay f32 for a low-precision convolution so
     // that dX is rounded once, after col2im's sums.
     let (wide, col_dtype) = wide_columns(x.dtype);
@@ -1570,6 +1562,16 @@ fn plan_conv(p: &mut Planner) -> Result<(), String> {
         p.kernel("im2col", format!("im2col_channel_sum_{t}"), rows_grid(m), [BLOCK, 1, 1], args);
     }
     Ok(())
+}
+
+/// `t`, an (n, c, vol) batch of images, copied into the workspace as (c, n·vol): each channel's
+/// values of every image side by side, so that one GEMM per group covers every image.
+fn channels_first(p: &mut Planner, t: &TensorRef, n: u64, c: u64, vol: u64) -> Result<Buf, String> {
+    let w = p.work(c * n * vol * t.dtype.size() as u64);
+    let (dims, from, to) =
+        ([c as usize, n as usize, vol as usize], [vol as i64, (c * vol) as i64, 1], [(n * vol) as i64, vol as i64, 1]);
+    p.strided_copy(t.dtype, buf(t), w, &dims, &from, &to)?;
+    Ok(w)
 }
 
 /// One group's columns of a transposed convolution (ConvGrad's dX, ConvTranspose's Y), for
@@ -1658,15 +1660,7 @@ fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<()
     let (ivol, ovol, kvol) = (numel(&x.shape[2..]), numel(&y.shape[2..]), numel(&w.kernel));
     let (rows, k2) = (og * kvol, n * ivol);
     // X (n, cin, ivol) moved to (cin, n·ivol) so that one GEMM per group covers every image.
-    let xt = p.work(cin * k2 * es);
-    p.strided_copy(
-        x.dtype,
-        buf(x),
-        xt,
-        &[cin as usize, n as usize, ivol as usize],
-        &[ivol as i64, (cin * ivol) as i64, 1],
-        &[k2 as i64, ivol as i64, 1],
-    )?;
+    let xt = channels_first(p, x, n, cin, ivol)?;
     let (wide, col_dtype) = wide_columns(x.dtype);
     let col = p.work(rows * k2 * col_dtype.size() as u64);
     for gi in 0..g {
