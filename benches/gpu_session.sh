@@ -7,15 +7,24 @@
 #                                         kernels compiled for sm_90 (NVRTC from .ci/nvrtc, as
 #                                         .ci/run installs it) and the folder the tests were
 #                                         built in
-#   benches/gpu_session.sh PART [OUTDIR]  on the GPU machine, with gpu-bin/ beside the sources:
+#                                         and gpu-pack/gpu-bin.tar.xz, the same packed (about a
+#                                         sixth of the size) to carry to the GPU machine
+#   benches/gpu_session.sh PARTS [OUTDIR] on the GPU machine, with gpu-bin/ (or gpu-pack/) beside
+#                                         the sources; PARTS is one part or several joined by
+#                                         commas (devices,tests):
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
 #                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli, gradients)
 #       sanitizer   compute-sanitizer memcheck and racecheck over the GPU op tests and the fixtures
+#       sanitizer_all  both tools over the GPU training, program and fixture tests too (slow)
 #       bench       benches/gpu_vs_torch.py: mpc bench against PyTorch fp32 / AMP on the same GPU
 #       all         all of the above (longer than one 10-minute call: run the parts one by one)
-#   Logs go to OUTDIR (default: $OUT, else gpu-out/), one file per step, and a summary line per step
-#   to OUTDIR/summary.txt.
+#   Logs go to OUTDIR (default: gpu-out/), one file per step, and a summary line per step to
+#   OUTDIR/summary.txt. Where $OUT is set and no OUTDIR is given, the logs are written elsewhere and
+#   packed at the end into $OUT/logs.tgz, with $OUT/summary.txt beside it (few files come back).
+#   MPC_GPU_DEADLINE=S stops the steps S seconds after the start (each step is killed at the
+#   deadline and the next ones are skipped), so that one call of a limited length still returns
+#   its logs. MPC_BENCH_ARGS adds arguments to benches/gpu_vs_torch.py (--models mlp,gpt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -55,22 +64,41 @@ for line in sys.stdin:
     tar -C ../shared -cJf "$BIN/onnx-node-tests.tar.xz" onnx-node-tests
   fi
   du -sh "$BIN"
+  mkdir -p "$ROOT/gpu-pack"
+  tar -C "$ROOT" -cf - gpu-bin | xz -T2 -6 > "$ROOT/gpu-pack/gpu-bin.tar.xz"
+  du -sh "$ROOT/gpu-pack"
   exit 0
 fi
 
-OUTDIR="${2:-${OUT:-$ROOT/gpu-out}}"
+PACK=""
+if [ -n "${2:-}" ]; then
+  OUTDIR="$2"
+elif [ -n "${OUT:-}" ]; then
+  OUTDIR="$(mktemp -d)/gpu-logs"
+  PACK="$OUT"
+else
+  OUTDIR="$ROOT/gpu-out"
+fi
 mkdir -p "$OUTDIR"
 SUMMARY="$OUTDIR/summary.txt"
+END_AT=$((SECONDS + ${MPC_GPU_DEADLINE:-1000000}))
+if [ ! -x "$BIN/mpc" ] && [ -f "$ROOT/gpu-pack/gpu-bin.tar.xz" ]; then
+  tar -C "$ROOT" -xJf "$ROOT/gpu-pack/gpu-bin.tar.xz"
+fi
 [ -x "$BIN/mpc" ] || { echo "gpu-bin/mpc is missing: run benches/gpu_session.sh build first (on a machine with Rust)"; exit 2; }
 
-# ---- the CUDA libraries: the toolkit's lib folder, else wherever libcublas and libnvrtc are.
+# ---- the CUDA libraries: the driver's libcuda where the loader finds it, then the toolkit's lib
+# folder, then wherever libcublas and libnvrtc are. Never a `stubs` folder: its libcuda answers
+# every call with CUDA_ERROR_STUB_LIBRARY.
 libs=()
+driver="$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')"
+[ -n "$driver" ] && libs+=("$(dirname "$driver")")
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && libs+=("$d")
 done
 while IFS= read -r f; do
   libs+=("$(dirname "$f")")
-done < <(find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' \) 2>/dev/null | sort -u)
+done < <(find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' \) 2>/dev/null | grep -v /stubs/ | sort -u)
 LD_LIBRARY_PATH="$(printf '%s\n' "${libs[@]}" | awk '!seen[$0]++' | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 [ -f /usr/local/cuda/include/cuda_fp16.h ] && export MPC_CUDA_INCLUDE=/usr/local/cuda/include
@@ -94,7 +122,12 @@ step() {  # step NAME COMMAND...: runs it, logs it, records its exit status and 
   local name="$1"
   shift
   local t0=$SECONDS
-  "$@" > "$OUTDIR/$name.log" 2>&1
+  local left=$((END_AT - SECONDS))
+  if [ "$left" -le 5 ]; then
+    echo "$name: skipped, past the deadline" | tee -a "$SUMMARY"
+    return 0
+  fi
+  timeout -k 5 "$left" "$@" > "$OUTDIR/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$SUMMARY"
   grep -E "^test result|^runtime conformance|^cuda plans|panicked|FAIL|skipped on cuda" "$OUTDIR/$name.log" | head -20
@@ -129,16 +162,34 @@ part_sanitizer() {
   step memcheck_fixtures compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" every_fixture --test-threads=1
 }
 
+part_sanitizer_all() {  # both tools over every GPU test but the conformance cases and gradients
+  for tool in memcheck racecheck; do
+    step "${tool}_cuda_vs_cpu" compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/cuda_vs_cpu" --test-threads=1
+    step "${tool}_train" compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/train" cuda:: --test-threads=1
+    step "${tool}_program" compute-sanitizer --tool $tool --error-exitcode 9 "$BIN/program" cuda:: --test-threads=1
+  done
+}
+
 part_bench() {
-  step gpu_vs_torch python3 benches/gpu_vs_torch.py --mpc "$BIN/mpc" --out "$OUTDIR/bench"
+  mkdir -p "$OUTDIR/bench"
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 step gpu_vs_torch python3 -W ignore benches/gpu_vs_torch.py --mpc "$BIN/mpc" --out "$OUTDIR/bench" ${MPC_BENCH_ARGS:-}
   tail -40 "$OUTDIR/gpu_vs_torch.log"
 }
 
-case "$PART" in
-  devices) part_devices ;;
-  tests) part_tests ;;
-  sanitizer) part_sanitizer ;;
-  bench) part_bench ;;
-  all) part_devices; part_tests; part_sanitizer; part_bench ;;
-  *) echo "unknown part $PART (build, devices, tests, sanitizer, bench, all)"; exit 2 ;;
-esac
+IFS=, read -ra parts <<< "$PART"
+for p in "${parts[@]}"; do
+  case "$p" in
+    devices) part_devices ;;
+    tests) part_tests ;;
+    sanitizer) part_sanitizer ;;
+    sanitizer_all) part_sanitizer_all ;;
+    bench) part_bench ;;
+    all) part_devices; part_tests; part_sanitizer; part_bench ;;
+    *) echo "unknown part $p (build, devices, tests, sanitizer, bench, all)"; exit 2 ;;
+  esac
+done
+if [ -n "$PACK" ]; then
+  tar -C "$OUTDIR" -czf "$PACK/logs.tgz" .
+  cp "$SUMMARY" "$PACK/summary.txt"
+fi

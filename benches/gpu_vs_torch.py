@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -193,9 +194,11 @@ def main():
     if dev == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     results = {}
+    lines = []  # the ratio lines of every model, printed again at the end
+    exports = tempfile.mkdtemp(prefix="mpc-bench-")  # the ONNX files stay out of --out
     for name in args.models.split(","):
         build, batch, make_inputs, make_labels, loss = models(args.tiny)[name]
-        path = os.path.join(args.out, f"bench_{name}{'_tiny' if args.tiny else ''}.onnx")
+        path = os.path.join(exports, f"bench_{name}{'_tiny' if args.tiny else ''}.onnx")
         model = build()
         export(name, model, make_inputs(2, "cpu"), path)
         model = model.to(dev)
@@ -212,13 +215,17 @@ def main():
                     torch_rows[key] = (None, None)
                     print(f"{name}: torch {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
         mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev)
+        os.remove(path)
         results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc}
+        with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
+            json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
         for key, (ms, peak) in torch_rows.items():
             mem = f"{peak / 2**20:10.1f} MiB" if peak else ""
             print(f"  torch {key:<18} {ms if ms is not None else float('nan'):10.3f} ms {mem}")
         if "error" in mpc:
             print(f"  mpc: {mpc['error']}")
+            lines.append(f"{name}: mpc failed: {mpc['error'][:200]}")
             continue
         for policy, row in mpc.items():
             mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
@@ -230,11 +237,17 @@ def main():
             if ms and row:
                 mem = row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]
                 ratio_mem = f", memory {mem / peak:.2f}x" if peak else ""
-                print(f"  mpc {ours} / torch {theirs}: step {row['step_ms_median'] / ms:.2f}x{ratio_mem}")
+                line = f"mpc {ours} / torch {theirs}: step {row['step_ms_median'] / ms:.2f}x{ratio_mem}"
+                print("  " + line)
+                lines.append(f"{name}: {line} ({row['step_ms_median']:.3f} ms vs {ms:.3f} ms)")
         if "fp32" in mpc and "mixed" in mpc:
-            print(f"  mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x")
-    with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:
-        json.dump(results, f, indent=1)
+            line = f"mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x"
+            print("  " + line)
+            lines.append(f"{name}: {line}")
+    print("\nsummary")
+    for line in lines:
+        print("  " + line)
+    os.rmdir(exports)
 
 
 if __name__ == "__main__":

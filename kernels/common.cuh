@@ -88,6 +88,7 @@ __device__ __forceinline__ void st(double* p, long long i, double v) { p[i] = v;
 // The compute type of a storage type.
 template <typename T> struct Acc { typedef float type; };
 template <> struct Acc<double> { typedef double type; };
+template <typename T> using AccT = typename Acc<T>::type;
 
 // A value rounded through storage type T (what a store then a load gives).
 template <typename T> __device__ __forceinline__ typename Acc<T>::type round_to(typename Acc<T>::type v) { return v; }
@@ -259,6 +260,7 @@ template <typename C, typename Op> __device__ C block_reduce(C v, Op op, C* smem
             C o = __shfl_down_sync(0xffffffffu, w, off);
             if (lane + off < nwarps) w = op(w, o);
         }
+        __syncwarp();  // every lane has read its slot before lane 0 overwrites slot 0
         if (lane == 0) smem[0] = w;
     }
     __syncthreads();
@@ -285,6 +287,7 @@ template <typename C, typename Op> __device__ void block_reduce2(C& a, C& b, Op 
                 y = op(y, oy);
             }
         }
+        __syncwarp();  // every lane has read its slots before lane 0 overwrites slots 0 and 32
         if (lane == 0) {
             smem[0] = x;
             smem[32] = y;

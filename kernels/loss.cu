@@ -12,7 +12,8 @@
 // `has_ignore` != 0 enables `ignore_index`; an ignored position has loss 0, weight 0, gradient 0.
 // A label outside [0, c) that is not ignored is treated as ignored (the CPU reference rejects
 // it; kernels cannot).
-// T in f32 f16 bf16; arithmetic in f32, sums in fixed-order block reductions.
+// T in f32 f16 bf16 f64; arithmetic and the workspaces (`float` below) in A = AccT<T>: f32, or
+// f64 for f64 scores. Sums in fixed-order block reductions.
 //
 // Forward, SoftmaxCrossEntropyLoss = LogSoftmax over c, then NLL on the stored log-probabilities
 // (rounded to T, as the CPU reference reads them):
@@ -58,8 +59,8 @@ __device__ __forceinline__ long long label_at(const I* labels, long long p, long
     return (k < 0 || k >= c) ? -1 : k;
 }
 
-template <typename T> __device__ __forceinline__ float weight_of(const T* w, long long k) {
-    return w ? ld(w, k) : 1.f;
+template <typename T> __device__ __forceinline__ AccT<T> weight_of(const T* w, long long k) {
+    return w ? ld(w, k) : AccT<T>(1);
 }
 
 struct OpFmaxL {
@@ -68,25 +69,26 @@ struct OpFmaxL {
 
 template <typename T, typename I>
 __device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels, const T* weights, T* log_prob,
-                                                float* ws_loss, float* ws_weight, T* loss_none, long long n,
+                                                AccT<T>* ws_loss, AccT<T>* ws_weight, T* loss_none, long long n,
                                                 long long c, long long inner, int has_ignore, long long ignore_index) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
         const long long b = p / inner, i = p % inner;
         const long long base = b * c * inner + i;
-        float m = -m_inf(0.f);
+        A m = -m_inf(A(0));
         for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
         m = block_reduce(m, OpFmaxL(), smem);
-        float s = 0.f;
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += expf(ld(scores, base + k * inner) - m);
+        A s = A(0);
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += m_exp(ld(scores, base + k * inner) - m);
         s = block_reduce(s, OpSum(), smem);
-        const float ls = logf(s);
+        const A ls = m_log(s);
         if (log_prob)
             for (long long k = threadIdx.x; k < c; k += blockDim.x)
                 st(log_prob, base + k * inner, (ld(scores, base + k * inner) - m) - ls);
         if (threadIdx.x == 0) {
             const long long k = label_at(labels, p, c, has_ignore, ignore_index);
-            float loss = 0.f, w = 0.f;
+            A loss = A(0), w = A(0);
             if (k >= 0) {
                 w = weight_of(weights, k);
                 loss = -round_to<T>((ld(scores, base + k * inner) - m) - ls) * w;
@@ -99,13 +101,14 @@ __device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels
 }
 
 template <typename T, typename I>
-__device__ __forceinline__ void nll_body(const T* input, const I* labels, const T* weights, float* ws_loss,
-                                         float* ws_weight, T* loss_none, long long n, long long c, long long inner,
+__device__ __forceinline__ void nll_body(const T* input, const I* labels, const T* weights, AccT<T>* ws_loss,
+                                         AccT<T>* ws_weight, T* loss_none, long long n, long long c, long long inner,
                                          int has_ignore, long long ignore_index) {
+    typedef AccT<T> A;
     MPC_GRID_STRIDE(p, n * inner) {
         const long long b = p / inner, i = p % inner;
         const long long k = label_at(labels, p, c, has_ignore, ignore_index);
-        float loss = 0.f, w = 0.f;
+        A loss = A(0), w = A(0);
         if (k >= 0) {
             w = weight_of(weights, k);
             loss = -ld(input, (b * c + k) * inner + i) * w;
@@ -117,11 +120,12 @@ __device__ __forceinline__ void nll_body(const T* input, const I* labels, const 
 }
 
 template <typename T>
-__device__ __forceinline__ void loss_reduce_body(const float* ws_loss, const float* ws_weight, T* loss,
+__device__ __forceinline__ void loss_reduce_body(const AccT<T>* ws_loss, const AccT<T>* ws_weight, T* loss,
                                                  long long positions, int reduction) {
-    __shared__ float smem[64];
+    typedef AccT<T> A;
+    __shared__ A smem[64];
     if (blockIdx.x != 0) return;
-    float s = 0.f, w = 0.f;
+    A s = A(0), w = A(0);
     for (long long p = threadIdx.x; p < positions; p += blockDim.x) {
         s += ws_loss[p];
         if (reduction == 2) w += ws_weight[p];
@@ -131,11 +135,12 @@ __device__ __forceinline__ void loss_reduce_body(const float* ws_loss, const flo
 }
 
 template <typename T, typename I>
-__device__ __forceinline__ void weight_total_body(const I* labels, const T* weights, float* total, long long positions,
+__device__ __forceinline__ void weight_total_body(const I* labels, const T* weights, AccT<T>* total, long long positions,
                                                   long long c, int has_ignore, long long ignore_index) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     if (blockIdx.x != 0) return;
-    float w = 0.f;
+    A w = A(0);
     for (long long p = threadIdx.x; p < positions; p += blockDim.x) {
         const long long k = label_at(labels, p, c, has_ignore, ignore_index);
         if (k >= 0) w += weight_of(weights, k);
@@ -145,7 +150,7 @@ __device__ __forceinline__ void weight_total_body(const I* labels, const T* weig
 }
 
 template <typename T>
-__device__ __forceinline__ float grad_scale(const T* dloss, const float* total, long long p, int reduction) {
+__device__ __forceinline__ AccT<T> grad_scale(const T* dloss, const AccT<T>* total, long long p, int reduction) {
     if (reduction == 0) return ld(dloss, p);
     if (reduction == 1) return ld(dloss, 0);
     return ld(dloss, 0) / total[0];
@@ -153,44 +158,46 @@ __device__ __forceinline__ float grad_scale(const T* dloss, const float* total, 
 
 template <typename T, typename I>
 __device__ __forceinline__ void softmax_ce_grad_body(const T* dloss, const T* scores, const I* labels,
-                                                     const T* weights, const float* total, T* dscores, long long n,
+                                                     const T* weights, const AccT<T>* total, T* dscores, long long n,
                                                      long long c, long long inner, int has_ignore,
                                                      long long ignore_index, int reduction) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
         const long long b = p / inner, i = p % inner;
         const long long base = b * c * inner + i;
         const long long label = label_at(labels, p, c, has_ignore, ignore_index);
         if (label < 0) {
-            for (long long k = threadIdx.x; k < c; k += blockDim.x) st(dscores, base + k * inner, 0.f);
+            for (long long k = threadIdx.x; k < c; k += blockDim.x) st(dscores, base + k * inner, A(0));
             continue;  // uniform across the block: no reduction is skipped by part of it
         }
-        float m = -m_inf(0.f);
+        A m = -m_inf(A(0));
         for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
         m = block_reduce(m, OpFmaxL(), smem);
-        float s = 0.f;
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += expf(ld(scores, base + k * inner) - m);
+        A s = A(0);
+        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += m_exp(ld(scores, base + k * inner) - m);
         s = block_reduce(s, OpSum(), smem);
-        const float gw = grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
+        const A gw = grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
         for (long long k = threadIdx.x; k < c; k += blockDim.x) {
-            const float prob = expf(ld(scores, base + k * inner) - m) / s;
-            st(dscores, base + k * inner, gw * (prob - (k == label ? 1.f : 0.f)));
+            const A prob = m_exp(ld(scores, base + k * inner) - m) / s;
+            st(dscores, base + k * inner, gw * (prob - (k == label ? A(1) : A(0))));
         }
     }
 }
 
 template <typename T, typename I>
 __device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, const I* labels, const T* weights,
-                                              const float* total, T* dinput, long long n, long long c,
+                                              const AccT<T>* total, T* dinput, long long n, long long c,
                                               long long inner, int has_ignore, long long ignore_index,
                                               int reduction) {
+    typedef AccT<T> A;
     (void)input;
     MPC_GRID_STRIDE(e, n * c * inner) {
         const long long i = e % inner, t = e / inner;
         const long long k = t % c, b = t / c;
         const long long p = b * inner + i;
         const long long label = label_at(labels, p, c, has_ignore, ignore_index);
-        float v = 0.f;
+        A v = A(0);
         if (label >= 0 && label == k) v = -grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
         st(dinput, e, v);
     }
@@ -198,32 +205,32 @@ __device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, co
 
 #define LOSS_TI(T, tag, I, itag)                                                                           \
     MPC_KERNEL loss_softmax_ce_##tag##_##itag(const T* scores, const I* labels, const T* weights,          \
-                                              T* log_prob, float* ws_loss, float* ws_weight, T* loss_none, \
+                                              T* log_prob, AccT<T>* ws_loss, AccT<T>* ws_weight, T* loss_none, \
                                               long long n, long long c, long long inner, int has_ignore,   \
                                               long long ignore_index) {                                    \
         softmax_ce_body(scores, labels, weights, log_prob, ws_loss, ws_weight, loss_none, n, c, inner,     \
                         has_ignore, ignore_index);                                                         \
     }                                                                                                      \
-    MPC_KERNEL loss_nll_##tag##_##itag(const T* input, const I* labels, const T* weights, float* ws_loss,  \
-                                       float* ws_weight, T* loss_none, long long n, long long c,           \
+    MPC_KERNEL loss_nll_##tag##_##itag(const T* input, const I* labels, const T* weights, AccT<T>* ws_loss, \
+                                       AccT<T>* ws_weight, T* loss_none, long long n, long long c,         \
                                        long long inner, int has_ignore, long long ignore_index) {          \
         nll_body(input, labels, weights, ws_loss, ws_weight, loss_none, n, c, inner, has_ignore,           \
                  ignore_index);                                                                            \
     }                                                                                                      \
-    MPC_KERNEL loss_weight_total_##tag##_##itag(const I* labels, const T* weights, float* total,           \
+    MPC_KERNEL loss_weight_total_##tag##_##itag(const I* labels, const T* weights, AccT<T>* total,         \
                                                 long long positions, long long c, int has_ignore,          \
                                                 long long ignore_index) {                                  \
         weight_total_body(labels, weights, total, positions, c, has_ignore, ignore_index);                 \
     }                                                                                                      \
     MPC_KERNEL loss_softmax_ce_grad_##tag##_##itag(const T* dloss, const T* scores, const I* labels,       \
-                                                   const T* weights, const float* total, T* dscores,       \
+                                                   const T* weights, const AccT<T>* total, T* dscores,     \
                                                    long long n, long long c, long long inner,              \
                                                    int has_ignore, long long ignore_index, int reduction) { \
         softmax_ce_grad_body(dloss, scores, labels, weights, total, dscores, n, c, inner, has_ignore,      \
                              ignore_index, reduction);                                                     \
     }                                                                                                      \
     MPC_KERNEL loss_nll_grad_##tag##_##itag(const T* dloss, const T* input, const I* labels,               \
-                                            const T* weights, const float* total, T* dinput, long long n,  \
+                                            const T* weights, const AccT<T>* total, T* dinput, long long n, \
                                             long long c, long long inner, int has_ignore,                  \
                                             long long ignore_index, int reduction) {                       \
         nll_grad_body(dloss, input, labels, weights, total, dinput, n, c, inner, has_ignore, ignore_index, \
@@ -232,10 +239,11 @@ __device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, co
 #define LOSS_T(T, tag)                                                                                     \
     LOSS_TI(T, tag, long long, i64)                                                                        \
     LOSS_TI(T, tag, int, i32)                                                                              \
-    MPC_KERNEL loss_reduce_##tag(const float* ws_loss, const float* ws_weight, T* loss, long long positions, \
+    MPC_KERNEL loss_reduce_##tag(const AccT<T>* ws_loss, const AccT<T>* ws_weight, T* loss, long long positions, \
                                  int reduction) {                                                          \
         loss_reduce_body(ws_loss, ws_weight, loss, positions, reduction);                                  \
     }
 LOSS_T(float, f32)
 LOSS_T(__half, f16)
 LOSS_T(__nv_bfloat16, bf16)
+LOSS_T(double, f64)

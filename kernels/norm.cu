@@ -5,11 +5,12 @@
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
 //
 // dtypes: every kernel is instantiated for (T, P) = (data, parameter) dtype pairs, named
-// `norm_<op>_<T>_<P>`: f32_f32, f16_f16, bf16_bf16, f16_f32, bf16_f32. P is the dtype of
-// scale / bias / running statistics. Gradient outputs (dX, dScale, dBias) have dY's dtype T, as
-// the type rules of the ai.mpc gradient ops give them. Statistics outputs and workspaces are f32.
-// Arithmetic in f32; statistics are two-pass (mean, then mean of squared deviations: the biased
-// variance), accumulated with fixed-order block reductions.
+// `norm_<op>_<T>_<P>`: f32_f32, f16_f16, bf16_bf16, f16_f32, bf16_f32, f64_f64. P is the dtype
+// of scale / bias / running statistics. Gradient outputs (dX, dScale, dBias) have dY's dtype T,
+// as the type rules of the ai.mpc gradient ops give them. Arithmetic, statistics outputs and
+// workspaces are in A = AccT<T>: f32, or f64 for f64 data (written `float` below). Statistics are
+// two-pass (mean, then mean of squared deviations: the biased variance), accumulated with
+// fixed-order block reductions.
 // Launch: the row/channel/plane kernels run one block per row (channel, plane, group),
 // grid-stride over them with blockIdx.x: gridDim.x = min(count, 65535), blockDim.x = 256 (a
 // multiple of 32 in [32, 256]; the sums' rounding depends on it). Element-wise kernels: 1-D grid
@@ -64,22 +65,24 @@
 __device__ __forceinline__ float pld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ float pld(const __half* p, long long i) { return __half2float(p[i]); }
 __device__ __forceinline__ float pld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ double pld(const double* p, long long i) { return p[i]; }
 
 // Mean and biased variance of `count` elements at(base, k), two passes, every thread of the block.
 template <typename T, typename At>
-__device__ __forceinline__ void block_stats(const T* x, long long count, At at, float* smem, float& mean,
-                                            float& var) {
-    float s = 0.f;
+__device__ __forceinline__ void block_stats(const T* x, long long count, At at, AccT<T>* smem, AccT<T>& mean,
+                                            AccT<T>& var) {
+    typedef AccT<T> A;
+    A s = A(0);
     for (long long k = threadIdx.x; k < count; k += blockDim.x) s += ld(x, at(k));
     s = block_reduce(s, OpSum(), smem);
-    mean = s / (float)count;
-    float q = 0.f;
+    mean = s / (A)count;
+    A q = A(0);
     for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        const float d = ld(x, at(k)) - mean;
+        const A d = ld(x, at(k)) - mean;
         q += d * d;
     }
     q = block_reduce(q, OpSum(), smem);
-    var = q / (float)count;
+    var = q / (A)count;
 }
 
 struct Contig {
@@ -97,18 +100,19 @@ struct Channel {
 // ---------------------------------------------------------------- LayerNormalization
 
 template <typename T, typename P>
-__device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, const P* bias, T* y, float* mean_out,
-                                                float* inv_out, long long rows, long long n, long long scale_n,
+__device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, const P* bias, T* y, AccT<T>* mean_out,
+                                                AccT<T>* inv_out, long long rows, long long n, long long scale_n,
                                                 float eps) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const Contig at{row * n};
-        float mean, var;
+        A mean, var;
         block_stats(x, n, at, smem, mean, var);
-        const float r = 1.f / sqrtf(var + eps);
+        const A r = A(1) / m_sqrt(var + eps);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
             const long long j = k % scale_n;
-            float v = (ld(x, at(k)) - mean) * r * pld(scale, j);
+            A v = (ld(x, at(k)) - mean) * r * pld(scale, j);
             if (bias) v += pld(bias, j);
             st(y, at(k), v);
         }
@@ -120,26 +124,27 @@ __device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, cons
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, float* ws_mean,
-                                                     float* ws_inv, long long rows, long long n, long long scale_n,
+__device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, AccT<T>* ws_mean,
+                                                     AccT<T>* ws_inv, long long rows, long long n, long long scale_n,
                                                      float eps) {
-    __shared__ float smem[64];
+    typedef AccT<T> A;
+    __shared__ A smem[64];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const Contig at{row * n};
-        float mean, var;
+        A mean, var;
         block_stats(x, n, at, smem, mean, var);
-        const float r = 1.f / sqrtf(var + eps);
-        float s1 = 0.f, s2 = 0.f;
+        const A r = A(1) / m_sqrt(var + eps);
+        A s1 = A(0), s2 = A(0);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
-            const float g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            const A g = ld(dy, at(k)) * pld(scale, k % scale_n);
             s1 += g;
             s2 += g * ((ld(x, at(k)) - mean) * r);
         }
         block_reduce2(s1, s2, OpSum(), smem);
-        const float nf = (float)n;
+        const A nf = (A)n;
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
-            const float xhat = (ld(x, at(k)) - mean) * r;
-            const float g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            const A xhat = (ld(x, at(k)) - mean) * r;
+            const A g = ld(dy, at(k)) * pld(scale, k % scale_n);
             st(dx, at(k), r / nf * (nf * g - s1 - xhat * s2));
         }
         if (threadIdx.x == 0) {
@@ -150,21 +155,22 @@ __device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, co
 }
 
 template <typename T>
-__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const float* ws_mean,
-                                                            const float* ws_inv, T* dscale, T* dbias, long long rows,
+__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const AccT<T>* ws_mean,
+                                                            const AccT<T>* ws_inv, T* dscale, T* dbias, long long rows,
                                                             long long n, long long scale_n) {
-    __shared__ float sa[8][33];
-    __shared__ float sb[8][33];
+    typedef AccT<T> A;
+    __shared__ A sa[8][33];
+    __shared__ A sb[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const long long j = (long long)blockIdx.x * 32 + tx;
     const long long per_row = n / scale_n;          // scale repeats per row
     const long long total = rows * per_row;         // (row, repeat) pairs
-    float a = 0.f, b = 0.f;
+    A a = A(0), b = A(0);
     if (j < scale_n) {
         for (long long t = ty; t < total; t += 8) {
             const long long row = t / per_row;
             const long long at = t * scale_n + j;   // = row * n + (t % per_row) * scale_n + j
-            const float g = ld(dy, at);
+            const A g = ld(dy, at);
             a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);
             b += g;
         }
@@ -173,7 +179,7 @@ __device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T
     sb[ty][tx] = b;
     __syncthreads();
     if (ty == 0 && j < scale_n) {
-        float s = sa[0][tx], u = sb[0][tx];
+        A s = sa[0][tx], u = sb[0][tx];
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
             s += sa[k][tx];
@@ -190,32 +196,34 @@ template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_infer_body(const T* x, const P* scale, const P* bias, const P* mean,
                                                       const P* var, T* y, long long n, long long c, long long inner,
                                                       float eps) {
+    typedef AccT<T> A;
     const long long total = n * c * inner;
     MPC_GRID_STRIDE(i, total) {
         const long long ch = (i / inner) % c;
-        const float k = pld(scale, ch) / sqrtf(pld(var, ch) + eps);
+        const A k = pld(scale, ch) / m_sqrt(pld(var, ch) + eps);
         st(y, i, (ld(x, i) - pld(mean, ch)) * k + pld(bias, ch));
     }
 }
 
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale, const P* bias, const P* rmean,
-                                                      const P* rvar, T* y, P* rmean_out, P* rvar_out, float* save_mean,
-                                                      float* save_var, long long n, long long c, long long inner,
+                                                      const P* rvar, T* y, P* rmean_out, P* rvar_out, AccT<T>* save_mean,
+                                                      AccT<T>* save_var, long long n, long long c, long long inner,
                                                       float eps, float momentum) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     const long long count = n * inner;
     for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
         const Channel at{c, inner, ch};
-        float mean, var;
+        A mean, var;
         block_stats(x, count, at, smem, mean, var);
-        const float k = pld(scale, ch) / sqrtf(var + eps);
-        const float b = pld(bias, ch);
+        const A k = pld(scale, ch) / m_sqrt(var + eps);
+        const A b = pld(bias, ch);
         for (long long e = threadIdx.x; e < count; e += blockDim.x) st(y, at(e), (ld(x, at(e)) - mean) * k + b);
         if (threadIdx.x == 0) {
-            const float rm = pld(rmean, ch), rv = pld(rvar, ch);
-            st(rmean_out, ch, rm * momentum + mean * (1.f - momentum));
-            st(rvar_out, ch, rv * momentum + var * (1.f - momentum));
+            const A rm = pld(rmean, ch), rv = pld(rvar, ch);
+            st(rmean_out, ch, rm * momentum + mean * (A(1) - momentum));
+            st(rvar_out, ch, rv * momentum + var * (A(1) - momentum));
             if (save_mean) save_mean[ch] = mean;
             if (save_var) save_var[ch] = var;
         }
@@ -225,24 +233,25 @@ __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, T* dscale,
                                                      T* dbias, long long n, long long c, long long inner, float eps) {
-    __shared__ float smem[64];
+    typedef AccT<T> A;
+    __shared__ A smem[64];
     const long long count = n * inner;
-    const float cnt = (float)count;
+    const A cnt = (A)count;
     for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
         const Channel at{c, inner, ch};
-        float mean, var;
+        A mean, var;
         block_stats(x, count, at, smem, mean, var);
-        const float inv = 1.f / sqrtf(var + eps);
-        float sg = 0.f, sgx = 0.f;
+        const A inv = A(1) / m_sqrt(var + eps);
+        A sg = A(0), sgx = A(0);
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-            const float g = ld(dy, at(e));
+            const A g = ld(dy, at(e));
             sg += g;
             sgx += g * ((ld(x, at(e)) - mean) * inv);
         }
         block_reduce2(sg, sgx, OpSum(), smem);
-        const float k = pld(scale, ch) * inv / cnt;
+        const A k = pld(scale, ch) * inv / cnt;
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-            const float xhat = (ld(x, at(e)) - mean) * inv;
+            const A xhat = (ld(x, at(e)) - mean) * inv;
             st(dx, at(e), k * (cnt * ld(dy, at(e)) - sg - xhat * sgx));
         }
         if (threadIdx.x == 0) {
@@ -257,14 +266,15 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
 template <typename T, typename P>
 __device__ __forceinline__ void instance_norm_body(const T* x, const P* scale, const P* bias, T* y, long long n,
                                                    long long c, long long inner, float eps) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     for (long long plane = blockIdx.x; plane < n * c; plane += gridDim.x) {
         const Contig at{plane * inner};
-        float mean, var;
+        A mean, var;
         block_stats(x, inner, at, smem, mean, var);
-        const float sd = sqrtf(var + eps);
+        const A sd = m_sqrt(var + eps);
         const long long ch = plane % c;
-        const float sc = pld(scale, ch), b = pld(bias, ch);
+        const A sc = pld(scale, ch), b = pld(bias, ch);
         for (long long k = threadIdx.x; k < inner; k += blockDim.x) st(y, at(k), (ld(x, at(k)) - mean) / sd * sc + b);
     }
 }
@@ -272,14 +282,15 @@ __device__ __forceinline__ void instance_norm_body(const T* x, const P* scale, c
 template <typename T, typename P>
 __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, const P* bias, T* y, long long n,
                                                 long long c, long long groups, long long inner, float eps) {
-    __shared__ float smem[32];
+    typedef AccT<T> A;
+    __shared__ A smem[32];
     const long long cg = c / groups, per = cg * inner;
     for (long long blk = blockIdx.x; blk < n * groups; blk += gridDim.x) {
         const long long g = blk % groups;
         const Contig at{blk * per};
-        float mean, var;
+        A mean, var;
         block_stats(x, per, at, smem, mean, var);
-        const float sd = sqrtf(var + eps);
+        const A sd = m_sqrt(var + eps);
         for (long long k = threadIdx.x; k < per; k += blockDim.x) {
             const long long ch = g * cg + k / inner;
             st(y, at(k), (ld(x, at(k)) - mean) / sd * pld(scale, ch) + pld(bias, ch));
@@ -290,18 +301,18 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
 // ---------------------------------------------------------------- instantiations
 
 #define NORM_PAIR(T, t, P, p)                                                                              \
-    MPC_KERNEL norm_layer_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, float* mean,     \
-                                         float* inv_std, long long rows, long long n, long long scale_n,   \
+    MPC_KERNEL norm_layer_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, AccT<T>* mean,   \
+                                         AccT<T>* inv_std, long long rows, long long n, long long scale_n, \
                                          float eps) {                                                      \
         layer_norm_body(x, scale, bias, y, mean, inv_std, rows, n, scale_n, eps);                          \
     }                                                                                                      \
     MPC_KERNEL norm_layer_norm_grad_##t##_##p(const T* dy, const T* x, const P* scale, T* dx,              \
-                                              float* ws_mean, float* ws_inv_std, long long rows,           \
+                                              AccT<T>* ws_mean, AccT<T>* ws_inv_std, long long rows,       \
                                               long long n, long long scale_n, float eps) {                 \
         layer_norm_grad_body(dy, x, scale, dx, ws_mean, ws_inv_std, rows, n, scale_n, eps);                \
     }                                                                                                      \
-    MPC_KERNEL norm_layer_norm_grad_params_##t##_##p(const T* dy, const T* x, const float* ws_mean,        \
-                                                     const float* ws_inv_std, T* dscale, T* dbias,         \
+    MPC_KERNEL norm_layer_norm_grad_params_##t##_##p(const T* dy, const T* x, const AccT<T>* ws_mean,      \
+                                                     const AccT<T>* ws_inv_std, T* dscale, T* dbias,       \
                                                      long long rows, long long n, long long scale_n) {     \
         layer_norm_grad_params_body(dy, x, ws_mean, ws_inv_std, dscale, dbias, rows, n, scale_n);          \
     }                                                                                                      \
@@ -312,8 +323,8 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_train_##t##_##p(const T* x, const P* scale, const P* bias,                  \
                                                const P* running_mean, const P* running_var, T* y,          \
-                                               P* running_mean_out, P* running_var_out, float* save_mean,  \
-                                               float* save_var, long long n, long long c, long long inner, \
+                                               P* running_mean_out, P* running_var_out, AccT<T>* save_mean, \
+                                               AccT<T>* save_var, long long n, long long c, long long inner, \
                                                float eps, float momentum) {                                \
         batch_norm_train_body(x, scale, bias, running_mean, running_var, y, running_mean_out,              \
                               running_var_out, save_mean, save_var, n, c, inner, eps, momentum);           \
@@ -337,6 +348,7 @@ NORM_PAIR(__half, f16, __half, f16)
 NORM_PAIR(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 NORM_PAIR(__half, f16, float, f32)
 NORM_PAIR(__nv_bfloat16, bf16, float, f32)
+NORM_PAIR(double, f64, double, f64)
 
 // ---- LocalResponseNormalization over x = (N, C, inner)
 // norm_lrn_<T>(const T* x, T* y, long long n, long long c, long long inner, long long size,
@@ -361,10 +373,10 @@ __device__ __forceinline__ void lrn_body(const T* x, T* y, long long n, long lon
         st(y, e, (typename Acc<T>::type)r);
     }
 }
-#define LRN_T(T, tag)                                                                                       \
+#define LRN_T(T, tag)                                                                                      \
     MPC_KERNEL norm_lrn_##tag(const T* x, T* y, long long n, long long c, long long inner, long long size, \
-                              float alpha, float beta, float bias) {                                        \
-        lrn_body(x, y, n, c, inner, size, alpha, beta, bias);                                               \
+                              float alpha, float beta, float bias) {                                       \
+        lrn_body(x, y, n, c, inner, size, alpha, beta, bias);                                              \
     }
 LRN_T(float, f32)
 LRN_T(__half, f16)

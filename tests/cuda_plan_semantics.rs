@@ -346,7 +346,7 @@ fn run_more(m: &mut Memory, k: &Kernel) {
             let (db, rows, n, sn) = (a[5], int(&a[6]), int(&a[7]), int(&a[8]));
             let (mut s_sc, mut s_b) = (vec![0.0; sn as usize], vec![0.0; sn as usize]);
             for r in 0..rows {
-                let (mean, inv) = (m.get(wm, r, DType::F32), m.get(wi, r, DType::F32));
+                let (mean, inv) = (m.get(wm, r, acc(d)), m.get(wi, r, acc(d)));
                 for j in 0..n {
                     let g = m.get(dy, r * n + j, d);
                     s_sc[(j % sn) as usize] += g * (m.get(x, r * n + j, d) - mean) * inv;
@@ -366,8 +366,8 @@ fn run_more(m: &mut Memory, k: &Kernel) {
                 let v: Vec<f64> = (0..n).map(|j| m.get(x, r * n + j, d)).collect();
                 let mean = v.iter().sum::<f64>() / n as f64;
                 let inv = 1.0 / (v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / n as f64 + eps).sqrt();
-                m.set(wm, r, DType::F32, mean);
-                m.set(wi, r, DType::F32, inv);
+                m.set(wm, r, acc(d), mean);
+                m.set(wi, r, acc(d), inv);
                 let g: Vec<f64> = (0..n).map(|j| m.get(dy, r * n + j, d) * param(m, scale, j % sn)).collect();
                 let xh: Vec<f64> = v.iter().map(|e| (e - mean) * inv).collect();
                 let (sg, sgx) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
@@ -762,6 +762,16 @@ fn erf(x: f64) -> f64 {
 }
 
 /// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
+/// The accumulator dtype of the norm and loss kernels for data of dtype `d` (`AccT` in
+/// kernels/common.cuh).
+fn acc(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 fn run_loss(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
     let name = k.name.as_str();
@@ -770,8 +780,8 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
     if name.starts_with("loss_reduce_") {
         let d = dtype_of(parts[0]);
         let (wl, ww, out, positions, red) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]));
-        let s: f64 = (0..positions).map(|p| m.get(wl, p, DType::F32)).sum();
-        let w: f64 = (0..positions).map(|p| m.get(ww, p, DType::F32)).sum();
+        let s: f64 = (0..positions).map(|p| m.get(wl, p, acc(d))).sum();
+        let w: f64 = (0..positions).map(|p| m.get(ww, p, acc(d))).sum();
         m.set(out, 0, d, if red == 2 { s / w } else { s });
         return;
     }
@@ -787,7 +797,7 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
             }
             t += if let Arg::Ptr(w) = weights { m.get(w, l, d) } else { 1.0 };
         }
-        m.set(total, 0, DType::F32, t);
+        m.set(total, 0, acc(d), t);
         return;
     }
     let grad = name.contains("_grad_");
@@ -833,10 +843,10 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
                     }
                 }
                 if let Arg::Ptr(q) = wl {
-                    m.set(q, p, DType::F32, loss);
+                    m.set(q, p, acc(d), loss);
                 }
                 if let Arg::Ptr(q) = ww {
-                    m.set(q, p, DType::F32, w);
+                    m.set(q, p, acc(d), w);
                 }
                 if let Arg::Ptr(q) = none {
                     m.set(q, p, d, loss);
@@ -847,7 +857,7 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
             let g = match red {
                 0 => m.get(dloss, p, d),
                 1 => m.get(dloss, 0, d),
-                _ => m.get(dloss, 0, d) / m.get(ptr(&total), 0, DType::F32),
+                _ => m.get(dloss, 0, d) / m.get(ptr(&total), 0, acc(d)),
             };
             for kk in 0..c {
                 let r = if ignored {
@@ -1093,10 +1103,10 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 m.set(y, r * n + j as i64, d, out);
             }
             if let Arg::Ptr(p) = mean_out {
-                m.set(p, r, DType::F32, mean);
+                m.set(p, r, acc(d), mean);
             }
             if let Arg::Ptr(p) = inv_out {
-                m.set(p, r, DType::F32, inv);
+                m.set(p, r, acc(d), inv);
             }
         }
     } else if k.name.starts_with("gather_axis_")
@@ -1379,6 +1389,11 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[2,3,7,6]\n  %1 \"y\": f32[2,3,4,3] = AveragePool[kernel_shape=[3,2], pads=[1,1,1,0], strides=[2,2], count_include_pad=1, ceil_mode=1](%0)\n  output %1", "AveragePool"),
         ("input %0 \"x\": f32[2,3,9]\n  %1 \"y\": f32[2,3,4] = MaxPool[kernel_shape=[2], dilations=[3], strides=[2], pads=[1,1]](%0)\n  output %1", "MaxPool"),
         ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
+        // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
+        // f32 Mean / InvStdDev (stash_type) are cast from them.
+        ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),
+        ("input %0 \"x\": f64[2,3,4]\n  input %1 \"s\": f64[3]\n  input %2 \"b\": f64[3]\n  input %3 \"m\": f64[3]\n  input %4 \"v\": f64[3]\n  %5 \"y\": f64[2,3,4], %6 \"rm\": f64[3], %7 \"rv\": f64[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
+        ("input %0 \"x\": f64[4,5,2]\n  init %1 \"l\" = i64[4,2]{0, 4, 2, 1, 3, 3, 4, 0}\n  init %2 \"w\" = f64[5]{1.0, 0.5, 2.0, 1.5, 0.25}\n  %3 \"y\": f64[] = SoftmaxCrossEntropyLoss[reduction=\"mean\", ignore_index=3](%0, %1, %2)\n  output %3", "SoftmaxCrossEntropyLoss"),
     ];
     for (body, op) in cases {
         let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  {body}\nend\n");

@@ -1,6 +1,6 @@
 //! The GPU against the CPU reference, on the fixtures: every inference output under fp32, mixed
 //! and mixed-bf16 within its dtype's tolerance; 50 training steps of every trainable fixture
-//! tracking the CPU's losses (relative difference at most 1e-3 under fp32, 1e-2 under mixed);
+//! tracking the CPU's losses (relative difference at most 1e-3 under fp32, 1e-2 under mixed, 2e-2 under mixed-bf16);
 //! two GPU runs giving the same bits. Each test skips with one line where no GPU can be opened.
 
 #![cfg(feature = "cuda")]
@@ -101,8 +101,12 @@ fn training_on_the_gpu_tracks_the_cpu() {
         return;
     }
     let mut tracked = 0;
+    let mut failures = Vec::new();
+    // bf16 keeps 8 significant bits to f16's 11: its rounding unit is 8 times as large, and one
+    // rounding that falls the other way on the GPU (cuBLAS sums in another order than the CPU's
+    // matrix product) moves every later step more than under f16. Hence its wider bound.
     for name in FIXTURES.iter().chain(&["digits_mlp"]) {
-        for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 1e-2)] {
+        for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 2e-2)] {
             let Some(g) = common::compiled(name, policy, true).ok() else { continue };
             let cpu = losses(CpuDevice::default(), &g, name, 50);
             let cuda = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
@@ -112,11 +116,18 @@ fn training_on_the_gpu_tracks_the_cpu() {
                 "{name} {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}",
                 cuda[0], cuda[49], cpu[0], cpu[49]
             );
-            assert!(worst <= bound, "{name} {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
-            assert_eq!(cuda, again, "{name} {policy}: two GPU runs differ");
+            if worst > bound {
+                failures.push(format!(
+                    "{name} {policy}: the GPU's losses leave the CPU's by {worst:.2e} (bound {bound:.0e})"
+                ));
+            }
+            if cuda != again {
+                failures.push(format!("{name} {policy}: two GPU runs differ"));
+            }
             tracked += 1;
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert_eq!(tracked, 18, "training fixtures compared");
 }
 

@@ -1153,12 +1153,24 @@ fn norm_tags(x: DType, param: DType) -> Result<String, String> {
         | (DType::F16, DType::F16)
         | (DType::BF16, DType::BF16)
         | (DType::F16, DType::F32)
-        | (DType::BF16, DType::F32) => Ok(format!("{}_{}", tag(x)?, tag(param)?)),
+        | (DType::BF16, DType::F32)
+        | (DType::F64, DType::F64) => Ok(format!("{}_{}", tag(x)?, tag(param)?)),
         _ => Err(format!("normalisation of {x} data with {param} parameters")),
     }
 }
 
-/// A statistics output of LayerNormalization, and the f32 workspace to cast into it.
+/// The dtype the norm and loss kernels compute, keep statistics and sum in for `x`'s data: f64
+/// for f64, else f32 (`AccT` in kernels/common.cuh).
+fn acc_dtype(x: DType) -> DType {
+    if x == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// A statistics output of LayerNormalization, and the workspace (in the kernel's accumulator
+/// dtype) to cast into it.
 type Stat<'t> = (Arg, Option<(Buf, &'t TensorRef)>);
 
 fn plan_norm(p: &mut Planner) -> Result<(), String> {
@@ -1169,14 +1181,16 @@ fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
             let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
             let bias = p.opt_input(2).map_or(Arg::Null, |b| Arg::Ptr(buf(b)));
-            // Mean and InvStdDev are f32 from the kernel; another dtype is cast into place.
+            // Mean and InvStdDev come from the kernel in its accumulator dtype; another dtype is
+            // cast into place.
             let outputs = &p.l.outputs;
+            let acc = acc_dtype(x.dtype);
             let stat = |p: &mut Planner, i: usize| -> Result<Stat, String> {
                 match outputs.get(i) {
                     None => Ok((Arg::Null, None)),
-                    Some(t) if t.dtype == DType::F32 => Ok((Arg::Ptr(buf(t)), None)),
+                    Some(t) if t.dtype == acc => Ok((Arg::Ptr(buf(t)), None)),
                     Some(t) => {
-                        let w = p.work(rows * 4);
+                        let w = p.work(rows * acc.size() as u64);
                         Ok((Arg::Ptr(w), Some((w, t))))
                     }
                 }
@@ -1198,7 +1212,7 @@ fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let name = format!("norm_layer_norm_{}", norm_tags(x.dtype, scale.dtype)?);
             p.kernel("norm", name, rows_grid(rows), [BLOCK, 1, 1], args);
             for (w, t) in [mean_cast, inv_cast].into_iter().flatten() {
-                p.cast(DType::F32, t.dtype, w, buf(t), rows)?;
+                p.cast(acc, t.dtype, w, buf(t), rows)?;
             }
         }
         Op::LayerNormalizationGrad(a) => {
@@ -1206,7 +1220,8 @@ fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
             let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
             let tags = norm_tags(x.dtype, scale.dtype)?;
-            let (ws_mean, ws_inv) = (p.work(rows * 4), p.work(rows * 4));
+            let acc = acc_dtype(x.dtype).size() as u64;
+            let (ws_mean, ws_inv) = (p.work(rows * acc), p.work(rows * acc));
             let dx = p.l.outputs.first().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             let args = vec![
                 Arg::Ptr(buf(dy)),
@@ -2056,7 +2071,7 @@ fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let (n, c, inner) = split3(&scores.shape, 1, 2);
     let positions = n * inner;
     let t = match scores.dtype {
-        DType::F32 | DType::F16 | DType::BF16 => tag(scores.dtype)?,
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64 => tag(scores.dtype)?,
         d => return Err(format!("a loss on {d} scores")),
     };
     let it = index_tag(labels.dtype)?;
@@ -2068,12 +2083,13 @@ fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let ignore = [Arg::I32(a.ignore_index.is_some() as i32), Arg::I64(a.ignore_index.unwrap_or(0))];
     let dims = [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)];
     let block = if c <= 128 { 32 } else { BLOCK };
+    let acc = acc_dtype(scores.dtype).size() as u64;
     if !grad {
         let loss = p.output(0)?;
         let (ws_loss, ws_weight, none) = if reduction == 0 {
             (Arg::Null, Arg::Null, Arg::Ptr(buf(loss)))
         } else {
-            (Arg::Ptr(p.work(positions * 4)), Arg::Ptr(p.work(positions * 4)), Arg::Null)
+            (Arg::Ptr(p.work(positions * acc)), Arg::Ptr(p.work(positions * acc)), Arg::Null)
         };
         let mut args = vec![Arg::Ptr(buf(scores)), Arg::Ptr(buf(labels)), weights];
         if softmax {
@@ -2095,7 +2111,7 @@ fn plan_loss(p: &mut Planner) -> Result<(), String> {
     }
     let (dloss, d) = (p.input(0)?, p.output(0)?);
     let total = if reduction == 2 {
-        let total = p.work(4);
+        let total = p.work(acc);
         let mut args =
             vec![Arg::Ptr(buf(labels)), weights, Arg::Ptr(total), Arg::I64(positions as i64), Arg::I64(c as i64)];
         args.extend(ignore);
