@@ -18,7 +18,9 @@ torch.optim.AdamW(fused=True) on CUDA, timed with CUDA events around whole steps
 backward, optimizer step, zero_grad) and the median taken after --warmup steps; peak memory is
 torch.cuda.max_memory_allocated. torch.compile runs beside them where it compiles. mpc runs
 `mpc bench MODEL --train --optimizer adamw --device DEVICE --policies fp32,mixed,mixed-bf16 --json`
-at the same batch and steps, and its memory is its program's arena, state and constants.
+at the same batch and steps, and its memory is its program's arena, state and constants; with
+`--profile` (unless --no-profile) it also times each launch of one more step, and the script prints
+mpc's eight longest ops per policy (op, dtype, share of the step, launches).
 The script prints one table per model and the ratios mpc/PyTorch for step time and peak memory,
 and writes everything as JSON under --out.
 
@@ -168,10 +170,10 @@ def torch_step_times(model, inputs, labels, mode, steps, warmup, device, compile
     return statistics.median(times), peak
 
 
-def mpc_bench(mpc, path, loss, batch, steps, warmup, device):
+def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
            "--policies", "fp32,mixed,mixed-bf16", "--batch", str(batch), "--steps", str(steps),
-           "--warmup", str(warmup), "--json"]
+           "--warmup", str(warmup), "--json"] + (["--profile"] if profile else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
@@ -186,6 +188,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--no-profile", action="store_true", help="skip mpc's per-op profile of one step")
     ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
@@ -214,7 +217,7 @@ def main():
                 except Exception as e:  # torch.compile is not available everywhere
                     torch_rows[key] = (None, None)
                     print(f"{name}: torch {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
-        mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev)
+        mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, not args.no_profile)
         os.remove(path)
         results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
@@ -231,6 +234,11 @@ def main():
             mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate)")
+        for policy, row in mpc.items():
+            if row.get("profile"):
+                top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']})"
+                                for o in row["profile"][:8])
+                print(f"  mpc   {policy} by op: {top}")
         for ours, theirs in [("fp32", "fp32"), ("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]:
             ms, peak = torch_rows.get(theirs, (None, None))
             row = mpc.get(ours)

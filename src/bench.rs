@@ -28,6 +28,19 @@ pub struct BenchConfig {
     pub steps: usize,
     /// Time the training step (the options' `train` is set) rather than inference.
     pub train: bool,
+    /// After the timed steps, run one more with each launch timed, and report the time by op.
+    pub profile: bool,
+}
+
+/// The launches of one op type and output dtype in a profiled step, and their time.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpTime {
+    pub op: String,
+    pub dtype: String,
+    pub launches: u64,
+    pub ms: f64,
+    /// Of the profiled step's summed launch times.
+    pub share: f64,
 }
 
 /// One policy's measurements.
@@ -53,6 +66,9 @@ pub struct BenchRow {
     pub launches_per_step: u64,
     /// The device memory in use after the steps as its driver reports it (GPUs; every process's).
     pub device_memory_in_use: Option<u64>,
+    /// With `profile`: one step's launch times by op and dtype, the longest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<Vec<OpTime>>,
 }
 
 /// The whole report: the device, then one row per policy.
@@ -159,6 +175,14 @@ pub fn bench<D: Device>(
             }
         }
         let device_memory = session.memory_in_use();
+        let profile = if cfg.profile {
+            session.feed(0, &feeds).map_err(rerr)?;
+            let launches = session.profile_step(0).map_err(rerr)?;
+            session.read(0, &sync).map_err(rerr)?;
+            Some(by_op(&launches))
+        } else {
+            None
+        };
         let (step_ms_median, step_ms_min) = median(times);
         let stats = session.stats(0);
         let low = cx.policy.as_ref().map_or(DType::F32, |p| p.low);
@@ -187,6 +211,7 @@ pub fn bench<D: Device>(
             compile_ms,
             launches_per_step: stats.launches_per_step,
             device_memory_in_use: device_memory,
+            profile,
         });
     }
     Ok(BenchReport {
@@ -198,6 +223,30 @@ pub fn bench<D: Device>(
         rows,
         process_peak_bytes: crate::peak_rss(),
     })
+}
+
+/// Launch times summed by op type and output dtype, the longest first.
+fn by_op(launches: &[mpc_runtime::session::LaunchTime]) -> Vec<OpTime> {
+    let mut groups: HashMap<(String, String), (u64, f64)> = HashMap::new();
+    for l in launches {
+        let dtype = l.dtype.map_or(String::new(), |d| d.name().to_string());
+        let e = groups.entry((l.op.clone(), dtype)).or_default();
+        e.0 += 1;
+        e.1 += l.ms;
+    }
+    let total: f64 = launches.iter().map(|l| l.ms).sum();
+    let mut out: Vec<OpTime> = groups
+        .into_iter()
+        .map(|((op, dtype), (launches, ms))| OpTime {
+            op,
+            dtype,
+            launches,
+            ms,
+            share: if total > 0.0 { ms / total } else { 0.0 },
+        })
+        .collect();
+    out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.op.cmp(&b.op)));
+    out
 }
 
 /// The device's rate, in TFLOP/s, on one square matrix product in `dtype` (the median of a few
@@ -277,5 +326,22 @@ pub fn table(r: &BenchReport) -> String {
     if let Some(p) = r.process_peak_bytes {
         s.push_str(&format!("process peak memory: {:.1} MiB\n", mib(p)));
     }
+    for row in &r.rows {
+        let Some(profile) = &row.profile else { continue };
+        let total: f64 = profile.iter().map(|o| o.ms).sum();
+        s.push_str(&format!("{}: one profiled step, {total:.3} ms in launches; the longest ops:\n", row.policy));
+        for o in profile.iter().take(PROFILE_ROWS) {
+            s.push_str(&format!(
+                "  {:<32} {:>6} launches {:>10.3} ms {:>6.1}%\n",
+                format!("{} {}", o.op, o.dtype).trim_end(),
+                o.launches,
+                o.ms,
+                100.0 * o.share
+            ));
+        }
+    }
     s
 }
+
+/// The ops of a profile that the table lists (the JSON report has them all).
+const PROFILE_ROWS: usize = 15;

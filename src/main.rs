@@ -324,6 +324,9 @@ enum Command {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+        /// After the timed steps, time each launch of one more step and report the time by op.
+        #[arg(long)]
+        profile: bool,
     },
     /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
     Devices,
@@ -621,7 +624,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             std::mem::forget(g);
             Ok(())
         }
-        Command::Bench { common, train, train_args, policies, batch, steps, warmup, device, json } => {
+        Command::Bench { common, train, train_args, policies, batch, steps, warmup, device, json, profile } => {
             let kind = check_device(&device)?;
             let mut opts = common.options(Vec::new(), None)?;
             if train {
@@ -634,7 +637,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             if let Some(p) = policies.iter().find(|p| !mpc::POLICIES.contains(&p.as_str())) {
                 return Err(Error::Usage(format!("unknown policy `{p}` (fp32, mixed, mixed-bf16, fp16)")));
             }
-            let cfg = mpc::bench::BenchConfig { policies, batch, warmup, steps, train };
+            let cfg = mpc::bench::BenchConfig { policies, batch, warmup, steps, train, profile };
             let model = mpc::load(&common.model)?;
             let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {

@@ -253,6 +253,39 @@ fn bench_reports_each_policy() {
     let out = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert!(out.contains("training step") && out.lines().any(|l| l.starts_with("fp32 ")), "{out}");
+    // `--profile` times each launch of one more step: by op and dtype, every launch of the step
+    // counted once, the shares summing to the whole.
+    let r = mpc(&[
+        "bench",
+        d.to_str().unwrap(),
+        "--train",
+        "--loss",
+        "cross-entropy",
+        "--policies",
+        "mixed",
+        "--batch",
+        "16",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--profile",
+        "--json",
+    ]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
+    let row = &report["rows"][0];
+    let profile = row["profile"].as_array().unwrap();
+    let counted = |p: &serde_json::Value| p["launches"].as_u64().unwrap();
+    let launches: u64 = profile.iter().filter(|p| p["op"] != "(state copies)").map(counted).sum();
+    assert_eq!(launches, row["launches_per_step"].as_u64().unwrap(), "{row}");
+    for op in ["Gemm", "AdamUpdate", "SoftmaxCrossEntropyLossGrad", "Cast"] {
+        assert!(profile.iter().any(|p| p["op"] == op), "no {op} in {row}");
+    }
+    let shares: f64 = profile.iter().map(|p| p["share"].as_f64().unwrap()).sum();
+    assert!((shares - 1.0).abs() < 1e-6, "{shares}");
+    assert!(profile.windows(2).all(|w| w[0]["ms"].as_f64() >= w[1]["ms"].as_f64()), "not the longest first");
+
     let r = mpc(&["bench", m.to_str().unwrap(), "--policies", "fp32,fast"]);
     assert_eq!(r.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&r.stderr).contains("unknown policy `fast`"));

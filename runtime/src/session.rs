@@ -33,6 +33,18 @@ pub struct StepStats {
     pub steps: u64,
 }
 
+/// The time of one launch of a profiled step ([`Session::profile_step`]).
+#[derive(Clone, Debug)]
+pub struct LaunchTime {
+    /// The node it comes from (`"name" (Op)`).
+    pub node: String,
+    /// The ONNX op type.
+    pub op: String,
+    /// Its first output's dtype.
+    pub dtype: Option<mpc_ir::DType>,
+    pub ms: f64,
+}
+
 /// Enqueues `launches`; an `If` reads its condition (the one host read a step may make, declared
 /// by the program) and enqueues the branch it picks, then copies its results into place.
 fn run_launches<D: Device>(
@@ -285,6 +297,65 @@ impl<D: Device> Session<D> {
         loaded.steps += 1;
         self.stats.steps += 1;
         Ok(())
+    }
+
+    /// Runs one step of program `id` as [`Session::step`] does (state updated, results in place),
+    /// never recorded, and times each launch: on a device that marks its queue, the device time
+    /// between marks enqueued before and after it (every mark is enqueued before the first is
+    /// read, so the host's enqueueing overlaps the device's work; a launch shorter than the host's
+    /// time to enqueue the next one shows that time too); else the host clock around it (the CPU
+    /// runs a launch as it is enqueued). The copies of next states into their slots, where a
+    /// state's next value is not written in place, are the last entry, `(state copies)`.
+    pub fn profile_step(&mut self, id: ProgramId) -> Result<Vec<LaunchTime>, RuntimeError> {
+        let before = self.device.counters();
+        let loaded = self.programs.get_mut(id).ok_or_else(|| RuntimeError::Internal(format!("no program {id}")))?;
+        let mut regions =
+            Regions { arena: &mut loaded.arena, state: &mut self.state, constants: &mut loaded.constants };
+        let device = &mut self.device;
+        let mut marks = Vec::with_capacity(loaded.program.launches.len() + 2);
+        let mut host = Vec::with_capacity(loaded.program.launches.len() + 1);
+        marks.push(device.mark()?);
+        for l in &loaded.program.launches {
+            let t = std::time::Instant::now();
+            run_launches(device, &mut regions, std::slice::from_ref(l))?;
+            host.push(t.elapsed().as_secs_f64() * 1e3);
+            marks.push(device.mark()?);
+        }
+        let copies = loaded.program.state.iter().any(|s| s.next != s.slot);
+        if copies {
+            let t = std::time::Instant::now();
+            for s in &loaded.program.state {
+                if s.next != s.slot {
+                    device.copy(&mut regions, &s.next, &s.slot)?;
+                }
+            }
+            host.push(t.elapsed().as_secs_f64() * 1e3);
+            marks.push(device.mark()?);
+        }
+        let mut times = Vec::with_capacity(host.len());
+        let last = copies.then_some(None);
+        for (i, l) in loaded.program.launches.iter().map(Some).chain(last).enumerate() {
+            let ms = match (marks[i], marks[i + 1]) {
+                (Some(a), Some(b)) => device.elapsed_ms(a, b)?,
+                _ => host[i],
+            };
+            times.push(match l {
+                Some(l) => LaunchTime {
+                    node: l.node.clone(),
+                    op: l.op.op_type().to_string(),
+                    dtype: l.outputs.first().map(|o| o.dtype),
+                    ms,
+                },
+                None => LaunchTime { node: "(state copies)".into(), op: "(state copies)".into(), dtype: None, ms },
+            });
+        }
+        let after = self.device.counters();
+        let loaded = &mut self.programs[id];
+        loaded.launches = after.launches - before.launches;
+        loaded.host_reads = after.host_reads - before.host_reads;
+        loaded.steps += 1;
+        self.stats.steps += 1;
+        Ok(times)
     }
 
     /// The device, and the place and memory of an output or input of program `id` or a state
