@@ -170,6 +170,26 @@ def torch_step_times(model, inputs, labels, mode, steps, warmup, device, compile
     return statistics.median(times), peak
 
 
+def copy_rate():
+    """The device's memory bandwidth in TB/s, bytes read plus bytes written, on a 1 GiB
+    device-to-device copy of random data (the median of 20 after 3 warm-ups, CUDA events)."""
+    x = torch.rand(2**28, device="cuda")
+    y = torch.empty_like(x)
+    times = []
+    for i in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    assert torch.equal(x, y)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / (statistics.median(times) * 1e-3) / 1e12
+
+
 def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
            "--policies", "fp32,mixed,mixed-bf16", "--batch", str(batch), "--steps", str(steps),
@@ -197,6 +217,9 @@ def main():
     if dev == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     results = {}
+    if dev == "cuda":
+        results["copy_tb_s"] = copy_rate()
+        print(f"device-to-device copy: {results['copy_tb_s']:.2f} TB/s (bytes read + written)")
     lines = []  # the ratio lines of every model, printed again at the end
     exports = tempfile.mkdtemp(prefix="mpc-bench-")  # the ONNX files stay out of --out
     for name in args.models.split(","):
