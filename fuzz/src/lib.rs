@@ -3,8 +3,10 @@
 //! [`exercise`] takes a graph the way `mpc compile` and `mpc run` do: the passes under fp32 or
 //! mixed, the result written as ONNX and as text IR and read back (mpc must read what it
 //! writes), then bound at small sizes, lowered for the CPU device under a small memory limit and
-//! run on random inputs. Every `Err` is a clean refusal; a panic, an abort, a signal, a hang or a
-//! memory blow-up is a finding, and so is an output mpc cannot read back.
+//! run on random inputs. An `Err` of the input's class (mpc's exit 2) is a clean refusal; a panic,
+//! an abort, a signal, a hang or a memory blow-up is a finding, and so is an output mpc cannot read
+//! back or an error of mpc's own class (exit 1: a pass left the graph invalid, a lowered program or
+//! a kernel broke an invariant), which the validation of the input should have prevented.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -28,8 +30,8 @@ pub fn exercise(mut g: Graph, mixed: bool) {
     let path = Path::new("fuzz.onnx");
     let policy = if mixed { "mixed" } else { "fp32" };
     let opts = Options { policy: Some(policy.into()), ..Default::default() };
-    if mpc::compile(&mut g, path, &opts, &mut |_, _| {}).is_err() {
-        return;
+    if let Err(e) = mpc::compile(&mut g, path, &opts, &mut |_, _| {}) {
+        return refused(&e);
     }
     read_back(&g, path);
     run(&g, path);
@@ -37,16 +39,22 @@ pub fn exercise(mut g: Graph, mixed: bool) {
 
 /// What mpc writes it must read: the ONNX and the text IR of a compiled graph.
 fn read_back(g: &Graph, path: &Path) {
-    if let Ok((bytes, _)) = mpc::render(g, Format::Onnx, path) {
-        if let Err(e) = mpc_ir::onnx::decode_onnx(bytes.into(), None) {
-            panic!("mpc cannot read the ONNX it wrote: {e}");
+    match mpc::render(g, Format::Onnx, path) {
+        Ok((bytes, _)) => {
+            if let Err(e) = mpc_ir::onnx::decode_onnx(bytes.into(), None) {
+                panic!("mpc cannot read the ONNX it wrote: {e}");
+            }
         }
+        Err(e) => refused(&e),
     }
-    if let Ok((text, sidecar)) = mpc::render(g, Format::Ir, path) {
-        let text = String::from_utf8(text).expect("text IR is UTF-8");
-        if let Err(e) = mpc_ir::text::parse(&text, Some(&sidecar)) {
-            panic!("mpc cannot read the text IR it wrote: {e}\n{text}");
+    match mpc::render(g, Format::Ir, path) {
+        Ok((text, sidecar)) => {
+            let text = String::from_utf8(text).expect("text IR is UTF-8");
+            if let Err(e) = mpc_ir::text::parse(&text, Some(&sidecar)) {
+                panic!("mpc cannot read the text IR it wrote: {e}\n{text}");
+            }
         }
+        Err(e) => refused(&e),
     }
 }
 
@@ -64,15 +72,32 @@ fn run(g: &Graph, path: &Path) {
             }
         }
     }
-    let Ok((bound, _)) = mpc::summary::bind_inputs(g, &dims) else { return };
+    let bound = match mpc::summary::bind_inputs(g, &dims) {
+        Ok((bound, _)) => bound,
+        Err(source) => return refused(&mpc::Error::Pass { path: path.to_owned(), source }),
+    };
     if mpc::summary::flops(&bound).total() > MAX_FLOPS {
         return;
     }
-    let Ok(feeds) = mpc::run::random_inputs(g, 1, &dims) else { return };
+    let feeds = match mpc::run::random_inputs(g, 1, &dims) {
+        Ok(feeds) => feeds,
+        Err(e) => return refused(&e),
+    };
     let device = CpuDevice::default();
-    let Ok(program) = mpc::run::lower_for_inputs(g, &feeds, device.caps(), path) else { return };
-    if let Ok(mut session) = mpc_runtime::session::Session::new(device, program) {
-        let _ = session.run(&feeds);
+    let program = match mpc::run::lower_for_inputs(g, &feeds, device.caps(), path) {
+        Ok(program) => program,
+        Err(e) => return refused(&e),
+    };
+    let ran = mpc_runtime::session::Session::new(device, program).and_then(|mut s| s.run(&feeds).map(drop));
+    if let Err(source) = ran {
+        refused(&mpc::Error::Run { path: path.to_owned(), source });
+    }
+}
+
+/// An error must be the input's fault (mpc's exit 2); one of mpc's own class (exit 1) is a finding.
+fn refused(e: &mpc::Error) {
+    if e.exit_code() != 2 {
+        panic!("mpc's own failure (exit {}): {e}", e.exit_code());
     }
 }
 
