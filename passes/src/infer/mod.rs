@@ -64,12 +64,23 @@ pub(crate) fn infer_types_in(
                     .map_err(|msg| PassError::Node { node: node.clone(), msg })?;
                 check_dtypes(g, n).map_err(|msg| PassError::Node { node, msg })?;
                 // The one opaque op the runtime computes, onnxruntime's element-wise Gelu, has
-                // its input's type as any element-wise op does, whatever its file declared.
+                // one input and one output, of its input's type as any element-wise op, whatever
+                // its file declared.
                 if o.domain == "com.microsoft" && o.op_type == "Gelu" {
-                    if let (Some(x), &[y]) = (g.node(n).input(0), g.node(n).outputs()) {
-                        let merged = merge(g.ty(y), g.ty(x).clone());
-                        g.set_ty(y, merged);
-                    }
+                    let (ins, outs) = (g.node(n).inputs(), g.node(n).outputs());
+                    let &[Some(x)] = ins else {
+                        let msg = match ins {
+                            [] | [None] => "com.microsoft::Gelu: its input is missing".to_string(),
+                            _ => format!("com.microsoft::Gelu takes one input, not {}", ins.len()),
+                        };
+                        return Err(PassError::Node { node: g.node_label(n), msg });
+                    };
+                    let &[y] = outs else {
+                        let msg = format!("com.microsoft::Gelu gives one output, not {}", outs.len());
+                        return Err(PassError::Node { node: g.node_label(n), msg });
+                    };
+                    let merged = merge(g.ty(y), g.ty(x).clone());
+                    g.set_ty(y, merged);
                 }
             }
             continue;
