@@ -157,10 +157,17 @@ fn device_cuda_runs_or_says_in_one_line_why_not() {
     let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.safetensors");
     let d = fixture("digits_mlp");
     let gpu = mpc(&["devices"]).status.success();
+    let dir = scratch("device_cuda");
+    let (ckpt, out) = (dir.join("ckpt"), dir.join("trained.onnx"));
+    let (ckpt, out) = (ckpt.to_str().unwrap(), out.to_str().unwrap());
+    let train = ["train", d.to_str().unwrap(), "--data", data, "--device", "cuda", "--checkpoint", ckpt];
     for cmd in [
         vec!["run", m.to_str().unwrap(), "--random-inputs", "1", "--dim", "batch=4", "--device", "cuda"],
         vec!["train", d.to_str().unwrap(), "--data", data, "--epochs", "1", "--device", "cuda"],
         vec!["bench", m.to_str().unwrap(), "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cuda"],
+        // Checkpoints, a resumed run and the trained model written out, on the GPU.
+        [&train[..], &["--epochs", "2", "--max-steps", "30"]].concat(),
+        [&train[..], &["--epochs", "2", "--resume", "-o", out]].concat(),
     ] {
         let r = mpc(&cmd);
         let err = String::from_utf8_lossy(&r.stderr);
@@ -171,6 +178,10 @@ fn device_cuda_runs_or_says_in_one_line_why_not() {
             assert_eq!(err.trim().lines().count(), 1, "{err}");
             assert!(err.contains("--device cuda"), "{err}");
         }
+    }
+    if gpu {
+        let r = mpc(&["run", out, "--random-inputs", "1", "--dim", "batch=4", "--device", "cuda"]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     }
     let r = mpc(&["run", m.to_str().unwrap(), "--random-inputs", "1", "--device", "tpu"]);
     assert_eq!(r.status.code(), Some(2));
