@@ -162,16 +162,26 @@ template <typename C> __device__ __forceinline__ C min_nan(C a, C b) {
 
 // ---- index helpers ----
 
+// lin / n for 0 <= lin and 0 < n, in 32 bits where both fit (a 64-bit division is a long
+// software routine on the GPU; every index of a tensor under 2^32 elements takes the short one).
+__device__ __forceinline__ long long index_div(long long lin, long long n) {
+    if (((unsigned long long)lin | (unsigned long long)n) >> 32 == 0) return (unsigned int)lin / (unsigned int)n;
+    return lin / n;
+}
+
 // The offset of the element with row-major linear index `lin` over `dims[0..rank)`, for strides
 // `s` (in elements). The loops are unrolled over all 8 slots so that the structs are indexed with
 // constants and stay in the parameter bank (a runtime index would copy them to local memory).
+// The host merges dims that every operand steps over as one, so rank is often 1 (a scalar or
+// row broadcast), which needs no division at all.
 __device__ __forceinline__ long long strided_offset(long long lin, int rank, const Dims8& dims, const Strides8& s) {
+    if (rank == 1) return lin * s.s[0];
     long long off = 0;
 #pragma unroll
     for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
         if (d < rank) {
             const long long n = dims.d[d];
-            const long long q = lin / n;
+            const long long q = index_div(lin, n);
             off += (lin - q * n) * s.s[d];
             lin = q;
         }
@@ -182,13 +192,18 @@ __device__ __forceinline__ long long strided_offset(long long lin, int rank, con
 // The same for two and three operands at once (one division chain).
 __device__ __forceinline__ void strided_offset2(long long lin, int rank, const Dims8& dims, const Strides8& sa,
                                                 const Strides8& sb, long long& oa, long long& ob) {
+    if (rank == 1) {
+        oa = lin * sa.s[0];
+        ob = lin * sb.s[0];
+        return;
+    }
     oa = 0;
     ob = 0;
 #pragma unroll
     for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
         if (d < rank) {
             const long long n = dims.d[d];
-            const long long q = lin / n;
+            const long long q = index_div(lin, n);
             const long long c = lin - q * n;
             lin = q;
             oa += c * sa.s[d];
@@ -199,6 +214,12 @@ __device__ __forceinline__ void strided_offset2(long long lin, int rank, const D
 __device__ __forceinline__ void strided_offset3(long long lin, int rank, const Dims8& dims, const Strides8& sa,
                                                 const Strides8& sb, const Strides8& sc, long long& oa, long long& ob,
                                                 long long& oc) {
+    if (rank == 1) {
+        oa = lin * sa.s[0];
+        ob = lin * sb.s[0];
+        oc = lin * sc.s[0];
+        return;
+    }
     oa = 0;
     ob = 0;
     oc = 0;
@@ -206,7 +227,7 @@ __device__ __forceinline__ void strided_offset3(long long lin, int rank, const D
     for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
         if (d < rank) {
             const long long n = dims.d[d];
-            const long long q = lin / n;
+            const long long q = index_div(lin, n);
             const long long c = lin - q * n;
             lin = q;
             oa += c * sa.s[d];

@@ -235,6 +235,51 @@ fn contiguous(shape: &[usize]) -> Vec<i64> {
     s
 }
 
+/// The same walk over fewer dims: dims of size 1 dropped, and each dim merged into the next where
+/// every operand steps over the two as over one (`s[d] == s[d + 1] * dims[d + 1]`). The kernels
+/// divide an element's linear index once per dim: a bias row or a scalar broadcast over any
+/// shape becomes one or two dims. Returns the dims and each operand's strides over them.
+fn coalesce(dims: &[usize], strides: &[&[i64]]) -> (Vec<i64>, Vec<Vec<i64>>) {
+    let mut out: Vec<i64> = Vec::with_capacity(dims.len());
+    let mut outs: Vec<Vec<i64>> = vec![Vec::with_capacity(dims.len()); strides.len()];
+    for (d, &n) in dims.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let n = n as i64;
+        let merge = !out.is_empty() && strides.iter().zip(&outs).all(|(s, o)| o[o.len() - 1] == s[d] * n);
+        if merge {
+            *out.last_mut().expect("a dim") *= n;
+            for (s, o) in strides.iter().zip(outs.iter_mut()) {
+                *o.last_mut().expect("a stride") = s[d];
+            }
+        } else {
+            out.push(n);
+            for (s, o) in strides.iter().zip(outs.iter_mut()) {
+                o.push(s[d]);
+            }
+        }
+    }
+    (out, outs)
+}
+
+/// The rank and the dims and strides arguments of a strided kernel over `dims` (coalesced), for
+/// each operand's strides; rank 0 where every operand is contiguous over the whole walk.
+fn strided_args<const K: usize>(
+    dims: &[usize],
+    strides: [&[i64]; K],
+) -> Result<(i32, [i64; 8], [[i64; 8]; K]), String> {
+    let (d, s) = coalesce(dims, &strides);
+    if d.len() <= 1 && s.iter().all(|s| s.iter().all(|&x| x == 1)) {
+        return Ok((0, [0; 8], [[0; 8]; K]));
+    }
+    let mut out = [[0i64; 8]; K];
+    for (o, s) in out.iter_mut().zip(&s) {
+        *o = dims8(s)?;
+    }
+    Ok((d.len() as i32, dims8(&d)?, out))
+}
+
 fn dims8(v: &[i64]) -> Result<[i64; 8], String> {
     if v.len() > 8 {
         return Err(format!("rank {} (the CUDA kernels take at most 8 dims)", v.len()));
@@ -378,14 +423,15 @@ impl<'a> Planner<'a> {
     ) -> Result<(), String> {
         let n = numel(dims);
         let name = format!("movement_copy_{}", size_tag(dtype)?);
+        let (rank, d, [xs, ys]) = strided_args(dims, [xs, ys])?;
         let args = vec![
             Arg::Ptr(x),
             Arg::Ptr(y),
             Arg::I64(n as i64),
-            Arg::I32(dims.len() as i32),
-            Arg::Dims(dims8(&us(dims))?),
-            Arg::Dims(dims8(xs)?),
-            Arg::Dims(dims8(ys)?),
+            Arg::I32(rank),
+            Arg::Dims(d),
+            Arg::Dims(xs),
+            Arg::Dims(ys),
         ];
         self.flat("movement", name, n, args);
         Ok(())
@@ -419,15 +465,11 @@ impl<'a> Planner<'a> {
         out: &[usize],
     ) -> Result<(), String> {
         let n = numel(out);
-        let (rank, dims, xa, xb) = if sa == out && sb == out {
-            (0, [0; 8], [0; 8], [0; 8])
+        let (rank, dims, [xa, xb]) = if sa == out && sb == out {
+            (0, [0; 8], [[0; 8]; 2])
         } else {
-            (
-                out.len() as i32,
-                dims8(&us(out))?,
-                dims8(&us(&broadcast_strides(sa, out)))?,
-                dims8(&us(&broadcast_strides(sb, out)))?,
-            )
+            let (xa, xb) = (us(&broadcast_strides(sa, out)), us(&broadcast_strides(sb, out)));
+            strided_args(out, [&xa, &xb])?
         };
         let args = vec![
             Arg::Ptr(a),
@@ -627,11 +669,11 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
             let n = y.numel() as u64;
             let out = &y.shape;
             let same = c.shape == *out && a.shape == *out && b.shape == *out;
-            let st = |s: &[usize]| dims8(&us(&broadcast_strides(s, out)));
-            let (rank, dims, sc, sa, sb) = if same {
-                (0, [0; 8], [0; 8], [0; 8], [0; 8])
+            let st = |s: &[usize]| us(&broadcast_strides(s, out));
+            let (rank, dims, [sc, sa, sb]) = if same {
+                (0, [0; 8], [[0; 8]; 3])
             } else {
-                (out.len() as i32, dims8(&us(out))?, st(&c.shape)?, st(&a.shape)?, st(&b.shape)?)
+                strided_args(out, [&st(&c.shape), &st(&a.shape), &st(&b.shape)])?
             };
             let args = vec![
                 Arg::Ptr(buf(c)),
@@ -2295,6 +2337,26 @@ fn plan_train(p: &mut Planner) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn broadcast_walks_are_coalesced() {
+        // A bias row over (8, 512, 3072): two dims, the bias's outer stride 0.
+        let out = [8, 512, 3072];
+        let (a, b) = (contiguous(&out), us(&broadcast_strides(&[3072], &out)));
+        assert_eq!(coalesce(&out, &[&a, &b]), (vec![4096, 3072], vec![vec![3072, 1], vec![0, 1]]));
+        // A scalar: one dim, no division in the kernel.
+        let s = us(&broadcast_strides(&[], &out));
+        assert_eq!(coalesce(&out, &[&a, &s]), (vec![8 * 512 * 3072], vec![vec![1], vec![0]]));
+        assert_eq!(strided_args(&out, [&a, &s]).unwrap().0, 1);
+        // Size-1 dims go; contiguous operands need no walk at all.
+        assert_eq!(strided_args(&[1, 6, 1, 5], [&contiguous(&[1, 6, 1, 5]); 2]).unwrap().0, 0);
+        // A transpose keeps its dims: (2, 3, 4) read as (0, 2, 1) of a (2, 4, 3) tensor.
+        let (x, y) = ([12, 1, 3], contiguous(&[2, 3, 4]));
+        assert_eq!(coalesce(&[2, 3, 4], &[&x, &y]), (vec![2, 3, 4], vec![vec![12, 1, 3], vec![12, 4, 1]]));
+        // A slice of the inner dim stops the merge only there.
+        let (x, y) = ([40, 10, 1], contiguous(&[2, 4, 5]));
+        assert_eq!(coalesce(&[2, 4, 5], &[&x, &y]), (vec![8, 5], vec![vec![10, 1], vec![5, 1]]));
+    }
 
     #[test]
     fn parameters_are_laid_out_as_c_does() {
