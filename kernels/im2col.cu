@@ -75,13 +75,13 @@ __device__ __forceinline__ void im2col_body(const T* __restrict__ x, T* __restri
     const Geo g = make_geo(w);
     const long long rows = channels * g.kvol;
     MPC_GRID_STRIDE(e, imgs * rows * g.ovol) {
-        const long long op = e % g.ovol, t = e / g.ovol;
-        const long long r = t % rows, img = t / rows;
-        const long long c = r / g.kvol;
+        const long long t = index_div(e, g.ovol), op = e - t * g.ovol;
+        const long long img = index_div(t, rows), r = t - img * rows;
+        const long long c = index_div(r, g.kvol);
         const int kp = (int)(r - c * g.kvol);
         const int k2 = kp % g.k[2], k1 = (kp / g.k[2]) % g.k[1], k0 = kp / (g.k[2] * g.k[1]);
-        const int o2 = (int)(op % g.out[2]), o1 = (int)((op / g.out[2]) % g.out[1]),
-                  o0 = (int)(op / ((long long)g.out[2] * g.out[1]));
+        const long long q2 = index_div(op, g.out[2]), q1 = index_div(q2, g.out[1]);
+        const int o2 = (int)(op - q2 * g.out[2]), o1 = (int)(q2 - q1 * g.out[1]), o0 = (int)q1;
         const int i0 = o0 * g.s[0] + k0 * g.d[0] - g.p[0];
         const int i1 = o1 * g.s[1] + k1 * g.d[1] - g.p[1];
         const int i2 = o2 * g.s[2] + k2 * g.d[2] - g.p[2];
@@ -99,10 +99,10 @@ __device__ __forceinline__ void col2im_body(const TC* __restrict__ col, T* __res
     typedef typename Acc<T>::type C;
     const Geo g = make_geo(w);
     MPC_GRID_STRIDE(e, imgs * channels * g.ivol) {
-        const long long ip = e % g.ivol, t = e / g.ivol;
-        const long long c = t % channels, img = t / channels;
-        const int i2 = (int)(ip % g.in[2]), i1 = (int)((ip / g.in[2]) % g.in[1]),
-                  i0 = (int)(ip / ((long long)g.in[2] * g.in[1]));
+        const long long t = index_div(e, g.ivol), ip = e - t * g.ivol;
+        const long long img = index_div(t, channels), c = t - img * channels;
+        const long long q2 = index_div(ip, g.in[2]), q1 = index_div(q2, g.in[1]);
+        const int i2 = (int)(ip - q2 * g.in[2]), i1 = (int)(q2 - q1 * g.in[1]), i0 = (int)q1;
         const TC* cb = col + c * g.kvol * col_ld + img * col_img_stride;
         C s = C(0);
         for (int k0 = 0; k0 < g.k[0]; ++k0) {
@@ -135,8 +135,10 @@ __device__ __forceinline__ void channel_sum_body(const T* __restrict__ dy, T* __
     const long long count = n * inner;
     for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
         C s = C(0);
-        for (long long e = threadIdx.x; e < count; e += blockDim.x)
-            s += ld(dy, ((e / inner) * c + ch) * inner + e % inner);
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) {
+            const long long b = index_div(e, inner);
+            s += ld(dy, (b * c + ch) * inner + (e - b * inner));
+        }
         s = block_reduce(s, OpSum(), smem);
         if (threadIdx.x == 0) st(db, ch, s);
     }

@@ -93,7 +93,8 @@ struct Contig {
 struct Channel {
     long long c, inner, ch;
     __device__ __forceinline__ long long operator()(long long k) const {
-        return ((k / inner) * c + ch) * inner + k % inner;
+        const long long b = index_div(k, inner);
+        return (b * c + ch) * inner + (k - b * inner);
     }
 };
 
