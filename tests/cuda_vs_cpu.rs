@@ -100,6 +100,10 @@ fn training_on_the_gpu_tracks_the_cpu() {
     if gpu().is_none() {
         return;
     }
+    // 50 steps; fewer under a sanitizer, which runs each kernel far slower
+    // (`MPC_TRACK_STEPS`, set by benches/gpu_session.sh's sanitizer_all).
+    let steps: u64 = std::env::var("MPC_TRACK_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(50).max(1);
+    let last = steps as usize - 1;
     let mut tracked = 0;
     let mut failures = Vec::new();
     // bf16 keeps 8 significant bits to f16's 11: its rounding unit is 8 times as large, and one
@@ -108,13 +112,13 @@ fn training_on_the_gpu_tracks_the_cpu() {
     for name in FIXTURES.iter().chain(&["digits_mlp"]) {
         for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 2e-2)] {
             let Some(g) = common::compiled(name, policy, true).ok() else { continue };
-            let cpu = losses(CpuDevice::default(), &g, name, 50);
-            let cuda = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
-            let again = losses(CudaDevice::new(0).unwrap(), &g, name, 50);
+            let cpu = losses(CpuDevice::default(), &g, name, steps);
+            let cuda = losses(CudaDevice::new(0).unwrap(), &g, name, steps);
+            let again = losses(CudaDevice::new(0).unwrap(), &g, name, steps);
             let worst = cpu.iter().zip(&cuda).map(|(a, b)| (a - b).abs() / a.abs().max(1e-6)).fold(0.0, f64::max);
             println!(
                 "{name} {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}",
-                cuda[0], cuda[49], cpu[0], cpu[49]
+                cuda[0], cuda[last], cpu[0], cpu[last]
             );
             if worst > bound {
                 failures.push(format!(
