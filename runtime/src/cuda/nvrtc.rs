@@ -145,9 +145,41 @@ pub fn compile(family: &str, source: &str, arch: &str, verbose: bool) -> Result<
     }
     if let Some(f) = file {
         // A cache that cannot be written only costs the next run a compile.
-        let _ = write_atomic(&f, &cubin);
+        if write_atomic(&f, &cubin).is_ok() {
+            if let Some(dir) = f.parent() {
+                prune(dir, &format!("{family}-{arch}-"), KEEP_PER_FAMILY);
+            }
+        }
     }
     Ok(Compiled { cubin, log, cached: false })
+}
+
+/// Cubins kept on disk per family and architecture: each build of mpc (or NVRTC version) that
+/// compiled one has its own; the oldest beyond these go when a new one is written.
+const KEEP_PER_FAMILY: usize = 4;
+
+/// Removes the cubins named `prefix*.cubin` in `dir` but the `keep` most recently written, and
+/// temporary files a killed writer left there more than an hour ago. Errors are ignored: a
+/// cache that cannot be pruned only takes more disk.
+fn prune(dir: &Path, prefix: &str, keep: usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let mut cubins = Vec::new();
+    let now = std::time::SystemTime::now();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(modified) = e.metadata().and_then(|m| m.modified()).ok() else { continue };
+        if name.starts_with(prefix) && name.ends_with(".cubin") {
+            cubins.push((modified, e.path()));
+        } else if name.contains(".tmp")
+            && now.duration_since(modified).is_ok_and(|age| age > std::time::Duration::from_secs(3600))
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    cubins.sort_by(|a, b| b.0.cmp(&a.0));
+    for (_, path) in cubins.into_iter().skip(keep) {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
@@ -233,6 +265,44 @@ pub fn kernel_reports(log: &str) -> Vec<KernelReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_disk_cache_keeps_the_newest_cubins_of_each_family() {
+        let dir = std::env::temp_dir().join(format!("mpc-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let at = |secs: u64| std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        let touch_at = |name: &str, t: std::time::SystemTime| {
+            let f = std::fs::File::create(dir.join(name)).unwrap();
+            f.set_modified(t).unwrap();
+        };
+        let touch = |name: &str, secs: u64| touch_at(name, at(secs));
+        for i in 0..6u64 {
+            touch(&format!("norm-sm_90-{i:016x}.cubin"), 1_000_000 + i);
+        }
+        touch("norm-sm_80-0000000000000000.cubin", 10);
+        touch("loss-sm_90-0000000000000000.cubin", 10);
+        touch("loss-sm_90-0000000000000001.cubin.tmp77", 10);
+        // A writer still at work: its temporary file stays.
+        touch_at("loss-sm_90-0000000000000002.cubin.tmp78", std::time::SystemTime::now());
+        prune(&dir, "norm-sm_90-", 4);
+        let mut left: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            left,
+            [
+                "loss-sm_90-0000000000000000.cubin",
+                "loss-sm_90-0000000000000002.cubin.tmp78",
+                "norm-sm_80-0000000000000000.cubin",
+                "norm-sm_90-0000000000000002.cubin",
+                "norm-sm_90-0000000000000003.cubin",
+                "norm-sm_90-0000000000000004.cubin",
+                "norm-sm_90-0000000000000005.cubin",
+            ]
+        );
+    }
 
     #[test]
     fn ptxas_reports_parse() {
