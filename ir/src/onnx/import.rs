@@ -219,6 +219,7 @@ impl Importer<'_> {
             };
             match legacy::normalize(&mut cx, &op_type, attrs.clone())? {
                 Some(op) => {
+                    schema::check_outputs(&op, outputs.len())?;
                     // An older form that normalisation does not rewrite (Reshape-1's `shape`
                     // attribute) would become a malformed node of the newest form.
                     let sig: Vec<(bool, Option<DType>)> = inputs.iter().map(|v| (v.is_some(), None)).collect();

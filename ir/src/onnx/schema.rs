@@ -337,6 +337,7 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
         }
         kinds.push((name.as_str(), kind));
     }
+    check_outputs(op, outputs.len())?;
     let (s, inputs) = match op {
         Op::Opaque(o) if o.domain.is_empty() || o.domain == "ai.onnx" => {
             let s = match lookup(&o.op_type, if opset == 0 { i64::MAX } else { opset }) {
@@ -353,6 +354,17 @@ pub fn check_op(op: &Op, opset: i64, inputs: &[(bool, Option<DType>)], outputs: 
         _ => (newest(op.op_type()).ok_or_else(|| format!("{} has no schema", op.op_type()))?, inputs),
     };
     s.check(&NodeSig { inputs, outputs, attrs: &kinds })
+}
+
+/// ONNX's rules on a node's outputs beyond its op's signature: BatchNormalization's running mean
+/// and variance are outputs only in training mode (an inference-mode node computes one output).
+pub fn check_outputs(op: &Op, outputs: usize) -> Result<(), String> {
+    match op {
+        Op::BatchNormalization(a) if !a.training_mode && outputs > 1 => {
+            Err(format!("BatchNormalization has one output in inference mode (training_mode=0), not {outputs}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A count a signature allows: `2`, `2 to 3`, `at least 1` (ONNX writes "any" as i32::MAX).
@@ -376,8 +388,8 @@ fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) ->
         Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => ((3, 4), (1, 1), &[3]),
         Op::GatherGrad(_) => ((3, 3), (1, 1), &[]),
         Op::AllFinite => ((1, usize::MAX), (1, 1), &[]),
-        Op::SgdUpdate(_) => ((3, 4), (1, 2), &[]),
-        Op::AdamUpdate(_) => ((6, 6), (3, 3), &[]),
+        Op::SgdUpdate(_) => ((3, 5), (1, 2), &[3]),
+        Op::AdamUpdate(_) => ((6, 7), (3, 3), &[]),
         Op::LossScaleUpdate(_) => ((3, 3), (2, 2), &[]),
         Op::SeededDropout(_) => ((2, 3), (1, 2), &[1]),
         _ => return Ok(()),
