@@ -33,18 +33,23 @@
 // ---- Updates. "Unchanged when not finite": when *finite == 0 every output equals its input bit
 // for bit (copied when the output is another buffer; nothing is written when it is the same).
 // Outputs may alias their inputs (the state's next value written into its own slot).
-// train_sgd_<T>(const T* param, const T* grad, const unsigned char* finite, const T* velocity,
-//               T* param_out, T* velocity_out, long long n, float lr, float momentum,
-//               float weight_decay, int nesterov)
+// Both take the gradient in G, widened to the parameter's compute type, and multiplied there by
+// *inv_scale (an f32 scalar: the loss scale's reciprocal) when inv_scale is non-null: the unscale
+// the training compiler folds into the update (the same arithmetic as a Cast and a Mul before it).
+// <T>_<G>: f32_f32 f32_f16 f32_bf16 f16_f16 bf16_bf16 f64_f64.
+// train_sgd_<T>_<G>(const T* param, const G* grad, const float* inv_scale,
+//               const unsigned char* finite, const T* velocity, T* param_out, T* velocity_out,
+//               long long n, float lr, float momentum, float weight_decay, int nesterov)
 //     d = grad + wd * param; with velocity (non-null): v' = momentum * v + d, step = nesterov ?
-//     d + momentum * v' : v'; without: step = d. param' = param - lr * step. T in f32 f16 bf16 f64.
-// train_adam_<T>(const T* param, const T* grad, const T* m, const T* v, const long long* step,
-//                const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n,
-//                float lr, float beta1, float beta2, float epsilon, float weight_decay, int decoupled)
+//     d + momentum * v' : v'; without: step = d. param' = param - lr * step.
+// train_adam_<T>_<G>(const T* param, const G* grad, const float* inv_scale, const T* m,
+//                const T* v, const long long* step, const unsigned char* finite, T* param_out,
+//                T* m_out, T* v_out, long long n, float lr, float beta1, float beta2,
+//                float epsilon, float weight_decay, int decoupled)
 //     t = max(*step, 1) (the count after this update); Adam: d = grad + wd * param; AdamW
 //     (decoupled != 0): param <- param - lr * wd * param, d = grad. m' = b1 m + (1 - b1) d,
 //     v' = b2 v + (1 - b2) d^2, param' = param - lr * (m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t))
-//     + eps); the bias corrections 1 - b^t are computed in f64 once per thread. T in f32 f16 bf16 f64.
+//     + eps); the bias corrections 1 - b^t are computed in f64 once per thread.
 // train_loss_scale_update(const float* scale, const long long* good_steps,
 //                         const unsigned char* finite, float* scale_out, long long* good_steps_out,
 //                         float growth_factor, float backoff_factor, long long growth_interval,
@@ -157,10 +162,17 @@ __device__ __forceinline__ void copy_if_moved(const T* src, T* dst, long long n)
     MPC_GRID_STRIDE(i, n) { dst[i] = src[i]; }
 }
 
-template <typename T>
-__device__ __forceinline__ void sgd_body(const T* param, const T* grad, const unsigned char* finite, const T* vel,
-                                         T* param_out, T* vel_out, long long n, float lr, float mu, float wd,
-                                         int nesterov) {
+// The gradient in the parameter's compute type C, unscaled when `inv` is given.
+template <typename C, typename G>
+__device__ __forceinline__ C grad_at(const G* grad, const float* inv, long long i) {
+    const C d = (C)ld(grad, i);
+    return inv ? d * (C)*inv : d;
+}
+
+template <typename T, typename G>
+__device__ __forceinline__ void sgd_body(const T* param, const G* grad, const float* inv, const unsigned char* finite,
+                                         const T* vel, T* param_out, T* vel_out, long long n, float lr, float mu,
+                                         float wd, int nesterov) {
     typedef typename Acc<T>::type C;
     if (!*finite) {
         copy_if_moved(param, param_out, n);
@@ -169,7 +181,7 @@ __device__ __forceinline__ void sgd_body(const T* param, const T* grad, const un
     }
     MPC_GRID_STRIDE(i, n) {
         const C p = ld(param, i);
-        const C d = ld(grad, i) + (C)wd * p;
+        const C d = grad_at<C>(grad, inv, i) + (C)wd * p;
         C step = d;
         if (vel) {
             const C v = (C)mu * ld(vel, i) + d;
@@ -182,10 +194,11 @@ __device__ __forceinline__ void sgd_body(const T* param, const T* grad, const un
 
 // ---------------------------------------------------------------- Adam / AdamW
 
-template <typename T>
-__device__ __forceinline__ void adam_body(const T* param, const T* grad, const T* m, const T* v, const long long* step,
-                                          const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n,
-                                          float lr, float b1, float b2, float eps, float wd, int decoupled) {
+template <typename T, typename G>
+__device__ __forceinline__ void adam_body(const T* param, const G* grad, const float* inv, const T* m, const T* v,
+                                          const long long* step, const unsigned char* finite, T* param_out, T* m_out,
+                                          T* v_out, long long n, float lr, float b1, float b2, float eps, float wd,
+                                          int decoupled) {
     typedef typename Acc<T>::type C;
     if (!*finite) {
         copy_if_moved(param, param_out, n);
@@ -199,7 +212,7 @@ __device__ __forceinline__ void adam_body(const T* param, const T* grad, const T
     const C one = C(1);
     MPC_GRID_STRIDE(i, n) {
         C w = ld(param, i);
-        C d = ld(grad, i);
+        C d = grad_at<C>(grad, inv, i);
         if (decoupled)
             w -= (C)lr * (C)wd * w;
         else
@@ -212,24 +225,28 @@ __device__ __forceinline__ void adam_body(const T* param, const T* grad, const T
     }
 }
 
-#define UPDATE_T(T, tag)                                                                              \
-    MPC_KERNEL train_sgd_##tag(const T* param, const T* grad, const unsigned char* finite, const T* velocity, \
-                               T* param_out, T* velocity_out, long long n, float lr, float momentum,  \
-                               float weight_decay, int nesterov) {                                    \
-        sgd_body(param, grad, finite, velocity, param_out, velocity_out, n, lr, momentum, weight_decay, \
-                 nesterov);                                                                           \
-    }                                                                                                 \
-    MPC_KERNEL train_adam_##tag(const T* param, const T* grad, const T* m, const T* v, const long long* step, \
-                                const unsigned char* finite, T* param_out, T* m_out, T* v_out, long long n, \
-                                float lr, float beta1, float beta2, float epsilon, float weight_decay, \
-                                int decoupled) {                                                      \
-        adam_body(param, grad, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, epsilon, \
-                  weight_decay, decoupled);                                                           \
+#define UPDATE_T(T, tag, G, gtag)                                                                     \
+    MPC_KERNEL train_sgd_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale,             \
+                                        const unsigned char* finite, const T* velocity, T* param_out,      \
+                                        T* velocity_out, long long n, float lr, float momentum,            \
+                                        float weight_decay, int nesterov) {                                \
+        sgd_body(param, grad, inv_scale, finite, velocity, param_out, velocity_out, n, lr, momentum,       \
+                 weight_decay, nesterov);                                                                  \
+    }                                                                                                      \
+    MPC_KERNEL train_adam_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale, const T* m, \
+                                         const T* v, const long long* step, const unsigned char* finite,   \
+                                         T* param_out, T* m_out, T* v_out, long long n, float lr,          \
+                                         float beta1, float beta2, float epsilon, float weight_decay,      \
+                                         int decoupled) {                                                  \
+        adam_body(param, grad, inv_scale, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, \
+                  epsilon, weight_decay, decoupled);                                                       \
     }
-UPDATE_T(float, f32)
-UPDATE_T(__half, f16)
-UPDATE_T(__nv_bfloat16, bf16)
-UPDATE_T(double, f64)
+UPDATE_T(float, f32, float, f32)
+UPDATE_T(float, f32, __half, f16)
+UPDATE_T(float, f32, __nv_bfloat16, bf16)
+UPDATE_T(__half, f16, __half, f16)
+UPDATE_T(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
+UPDATE_T(double, f64, double, f64)
 
 // ---------------------------------------------------------------- LossScaleUpdate
 

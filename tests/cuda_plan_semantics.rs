@@ -188,6 +188,20 @@ const MORE: [&str; 29] = [
     "train_unscale_",
 ];
 
+/// The parameter and gradient dtypes of an update kernel, `train_<op>_<param>_<grad>`.
+fn update_dtypes(name: &str) -> (DType, DType) {
+    let parts: Vec<&str> = name.rsplitn(3, '_').collect();
+    (dtype_of(parts[1]), dtype_of(parts[0]))
+}
+
+/// An update's `inv_scale` argument: the f32 it points at, or 1.
+fn unscale_of(m: &mut Memory, a: &Arg) -> f64 {
+    match *a {
+        Arg::Ptr(b) => m.get(b, 0, DType::F32),
+        _ => 1.0,
+    }
+}
+
 fn f32_of(a: &Arg) -> f64 {
     match *a {
         Arg::F32(v) => v as f64,
@@ -495,9 +509,11 @@ fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(out, i, d, v);
         }
     } else if name.starts_with("train_sgd_") {
-        let d = dtype_of(tag);
-        let (param, grad, finite, vel, po, vo) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), a[3], ptr(&a[4]), a[5]);
-        let (n, lr, mom, wd, nesterov) = (int(&a[6]), f32_of(&a[7]), f32_of(&a[8]), f32_of(&a[9]), int(&a[10]) != 0);
+        // train_sgd_<param>_<grad>(param, grad, inv_scale, finite, velocity, param', velocity', ...)
+        let (d, dg) = update_dtypes(name);
+        let (param, grad, finite, vel, po, vo) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), a[4], ptr(&a[5]), a[6]);
+        let inv = unscale_of(m, &a[2]);
+        let (n, lr, mom, wd, nesterov) = (int(&a[7]), f32_of(&a[8]), f32_of(&a[9]), f32_of(&a[10]), int(&a[11]) != 0);
         let ok = m.get(finite, 0, DType::U8) != 0.0;
         for i in 0..n {
             let p = m.get(param, i, d);
@@ -505,7 +521,7 @@ fn run_more(m: &mut Memory, k: &Kernel) {
                 m.set(po, i, d, p);
                 continue;
             }
-            let dd = m.get(grad, i, d) + wd * p;
+            let dd = m.get(grad, i, dg) * inv + wd * p;
             let step = match (vel, vo) {
                 (Arg::Ptr(v), Arg::Ptr(vout)) => {
                     let nv = mom * m.get(v, i, d) + dd;
@@ -521,16 +537,18 @@ fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(po, i, d, p - lr * step);
         }
     } else if name.starts_with("train_adam_") {
-        let d = dtype_of(tag);
+        // train_adam_<param>_<grad>(param, grad, inv_scale, m, v, step, finite, param', m', v', ...)
+        let (d, dg) = update_dtypes(name);
         let (param, grad, mm, vv, step, finite) =
-            (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-        let (po, mo, vo, n) = (ptr(&a[6]), ptr(&a[7]), ptr(&a[8]), int(&a[9]));
+            (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
+        let inv = unscale_of(m, &a[2]);
+        let (po, mo, vo, n) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]), int(&a[10]));
         let (lr, b1, b2, eps, wd, decoupled) =
-            (f32_of(&a[10]), f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), int(&a[15]) != 0);
+            (f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), f32_of(&a[15]), int(&a[16]) != 0);
         let ok = m.get(finite, 0, DType::U8) != 0.0;
         let t = m.get(step, 0, DType::I64).max(1.0);
         for i in 0..n {
-            let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, d), m.get(mm, i, d), m.get(vv, i, d));
+            let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, dg) * inv, m.get(mm, i, d), m.get(vv, i, d));
             if !ok {
                 m.set(po, i, d, p);
                 m.set(mo, i, d, m0);

@@ -323,14 +323,14 @@ fn failure_mode_b_underflow_without_loss_scaling() {
         mpc::train::free_batch(&mut g);
         let opts = Options { loss_scale: scale, ..options(policy, own_loss()) };
         mpc::compile(&mut g, &model, &opts, &mut |_, _| {}).unwrap();
-        let gv = g.find("w.grad").unwrap();
+        let gv = update_of(&g, "w").input(1).unwrap();
         let scale = g.find("mpc.loss_scale");
         g.add_output(gv);
         let feeds = mpc::run::read_safetensors(&data).unwrap();
         let feeds: HashMap<String, HostTensor> =
             feeds.into_iter().map(|(k, t)| (k, t.pick(vec![64, 16], &(0..64 * 16).collect::<Vec<_>>()))).collect();
         let out = mpc::run::run_once(&g, &feeds, &model).unwrap();
-        let v = out.iter().find(|(n, _)| n == "w.grad").unwrap().1.f64s();
+        let v = out.iter().find(|(n, _)| n == g.name(gv)).unwrap().1.f64s();
         let k = scale.map_or(1.0, |sv| g.value(sv).initializer().unwrap().to_f64_vec()[0]);
         v.into_iter().map(|x| x / k).collect::<Vec<f64>>()
     };
@@ -413,17 +413,38 @@ fn training_graph_snapshots() {
     }
 }
 
+/// The optimizer update of parameter `name`: the node that reads it as its first input.
+fn update_of<'g>(g: &'g mpc_ir::Graph, name: &str) -> &'g mpc_ir::Node {
+    let p = g.find(name).unwrap_or_else(|| panic!("no `{name}`"));
+    g.value(p)
+        .uses()
+        .iter()
+        .map(|u| g.node(u.node))
+        .find(|n| matches!(n.op, Op::AdamUpdate(_) | Op::SgdUpdate(_)) && n.input(0) == Some(p))
+        .unwrap_or_else(|| panic!("no update of `{name}`"))
+}
+
+/// Each FP32 master is cast to FP16 once for the forward pass, and its update reads the FP16
+/// gradient as computed with the loss scale's reciprocal: no FP32 copy of a gradient is made.
 #[test]
 fn masters_stay_f32_and_each_is_cast_once() {
     let g = training_graph(&fixture("mlp"), "mixed", TrainOptions::default());
+    let inv = g.find("optimizer.inv_scale").unwrap();
     for name in ["fc1.weight", "fc2.weight", "fc3.bias"] {
         let v = g.find(name).unwrap();
         assert_eq!(g.value(v).initializer().unwrap().dtype(), DType::F32, "{name}");
         let casts = g.value(v).uses().iter().filter(|u| matches!(g.node(u.node).op, Op::Cast(_))).count();
         assert_eq!(casts, 1, "{name}");
-        let grad = g.find(&format!("{name}.grad")).unwrap();
-        assert_eq!(g.ty(grad).dtype, Some(DType::F32), "{name}.grad");
+        let update = update_of(&g, name);
+        let grad = update.input(1).unwrap();
+        assert_eq!(g.ty(grad).dtype, Some(DType::F16), "{name}'s gradient");
+        assert_eq!(update.inputs().last().copied().flatten(), Some(inv), "{name}'s update unscales");
+        assert!(g.find(&format!("{name}.grad")).is_none(), "an FP32 copy of {name}'s gradient");
     }
+    // With clipping, which needs the unscaled gradients, they are made in FP32 first.
+    let clipped = training_graph(&fixture("mlp"), "mixed", TrainOptions { clip_norm: Some(1.0), ..Default::default() });
+    let grad = update_of(&clipped, "fc1.weight").input(1).unwrap();
+    assert_eq!(clipped.ty(grad).dtype, Some(DType::F32));
 }
 
 /// `--io-types low` puts the model's inputs and outputs in the low dtype but never the loss: it

@@ -19,7 +19,7 @@ pub(crate) mod build;
 mod rules;
 mod tie;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
@@ -79,6 +79,17 @@ pub enum LossScale {
     Auto {
         attrs: LossScaleAttrs,
     },
+}
+
+/// Whether the loss scale never drops below 1, so that its reciprocal never enlarges a
+/// gradient: a widened gradient divided by it is then finite exactly when the gradient is.
+fn loss_scale_at_least_one(s: &LossScale) -> bool {
+    match s {
+        LossScale::Dynamic { init, attrs } => *init >= 1.0 && attrs.min_scale >= 1.0,
+        LossScale::Auto { attrs } => attrs.min_scale >= 1.0,
+        LossScale::Static(s) => *s >= 1.0,
+        LossScale::None => true,
+    }
 }
 
 /// Everything `--train` configures.
@@ -609,13 +620,36 @@ impl Pass for OptimizerPass {
             state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
         }
         let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
-        // 1. Unscale in FP32: g / S (a gradient computed low is widened first).
+        // 1. Unscale in FP32: g / S (a gradient computed low is widened first). Without clipping,
+        // which needs the unscaled values, an FP32 (or FP64) parameter's update widens and
+        // unscales its gradient itself (its `inv_scale` input): the same arithmetic as a Cast and
+        // a Mul, without writing and reading the FP32 copy. The finite check then reads the
+        // gradients as computed: a value is finite widened and divided by a scale of at least 1
+        // exactly when it is finite as computed.
         let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
+        let fold = o.clip_norm.is_none() && loss_scale_at_least_one(&o.loss_scale);
         let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
+        let mut folded: HashSet<ValueId> = HashSet::new();
         for &(p, d) in &pg {
             let pname = b.g.name(p).to_string();
             b.at(&format!("{pname}.update"));
             let pdt = b.dtype(p).map_err(PassError::Usage)?;
+            let ddt = b.dtype(d).map_err(PassError::Usage)?;
+            let widens =
+                matches!((pdt, ddt), (DType::F32, DType::F32 | DType::F16 | DType::BF16) | (DType::F64, DType::F64));
+            if fold && widens {
+                // A low-precision weight's gradient arrives widened (the gradient of its cast):
+                // the update reads it as computed instead.
+                let low = match b.g.value(d).def() {
+                    Def::Node(n, _) if pdt == DType::F32 && matches!(b.g.node(*n).op, Op::Cast(_)) => {
+                        b.g.node(*n).input(0).filter(|&x| matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16)))
+                    }
+                    _ => None,
+                };
+                gs.push((p, low.unwrap_or(d)));
+                folded.insert(p);
+                continue;
+            }
             let mut d = d;
             if b.dtype(d).map_err(PassError::Usage)? != pdt {
                 d = b.cast(d, pdt);
@@ -676,7 +710,13 @@ impl Pass for OptimizerPass {
                     let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
                     let mut ins = vec![Some(p), Some(d), Some(finite)];
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    ins.extend(vel.map(Some));
+                    ins.push(vel);
+                    if let Some(inv) = inv.filter(|_| folded.contains(&p)) {
+                        ins.push(Some(inv));
+                    }
+                    while ins.last() == Some(&None) {
+                        ins.pop();
+                    }
                     let outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, 1 + vel.is_some() as usize);
                     state.push((p, outs[0]));
                     if let Some(v) = vel {
@@ -694,7 +734,10 @@ impl Pass for OptimizerPass {
                     };
                     let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
                     let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
-                    let ins = [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite)];
+                    let mut ins = vec![Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite)];
+                    if let Some(inv) = inv.filter(|_| folded.contains(&p)) {
+                        ins.push(Some(inv));
+                    }
                     let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3);
                     state.push((p, outs[0]));
                     state.push((m, outs[1]));

@@ -480,8 +480,14 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(train::all_finite(&parts)?)
         }
-        Op::SgdUpdate(a) => train::sgd_update(&[x(0)?, x(1)?, x(2)?], ins.get(3).copied().flatten(), a),
-        Op::AdamUpdate(a) => train::adam_update(&[x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?], a),
+        Op::SgdUpdate(a) => {
+            let g = train::unscaled(x(0)?, x(1)?, ins.get(4).copied().flatten(), "SgdUpdate")?;
+            train::sgd_update(&[x(0)?, &g, x(2)?], ins.get(3).copied().flatten(), a)
+        }
+        Op::AdamUpdate(a) => {
+            let g = train::unscaled(x(0)?, x(1)?, ins.get(6).copied().flatten(), "AdamUpdate")?;
+            train::adam_update(&[x(0)?, &g, x(2)?, x(3)?, x(4)?, x(5)?], a)
+        }
         Op::LossScaleUpdate(a) => train::loss_scale_update(x(0)?, x(1)?, x(2)?, a),
         Op::SeededDropout(a) => {
             let (out, mask) = train::seeded_dropout(x(0)?, ins.get(1).copied().flatten(), x(2)?, a.seed)?;

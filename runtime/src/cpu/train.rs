@@ -439,7 +439,48 @@ fn flag(t: &HostTensor) -> Res<bool> {
     }
 }
 
-/// SgdUpdate(param, grad, finite[, velocity]) → (param'[, velocity']); unchanged when not finite.
+/// An update's gradient in its parameter's dtype, multiplied by `inv_scale` there when given: what
+/// a Cast to the parameter's dtype and a Mul by the scale would make, bit for bit (the training
+/// compiler folds them into the update). A gradient of the parameter's dtype, or an f16/bf16
+/// gradient of an f32 parameter; `inv_scale` one f32, for f32 and f64 parameters only (the CUDA
+/// kernels multiply in f32 or f64, where an f16 Mul would round the product).
+pub(crate) fn unscaled<'a>(
+    p: &HostTensor,
+    g: &'a HostTensor,
+    inv: Option<&HostTensor>,
+    op: &str,
+) -> Res<std::borrow::Cow<'a, HostTensor>> {
+    use std::borrow::Cow;
+    let (pd, gd) = (p.dtype(), g.dtype());
+    let widen = pd == DType::F32 && matches!(gd, DType::F16 | DType::BF16);
+    if pd != gd && !widen {
+        return Err(err(format!("{op} of {pd} parameters with {gd} gradients")));
+    }
+    let inv = match inv {
+        None if !widen => return Ok(Cow::Borrowed(g)),
+        None => None,
+        Some(_) if !matches!(pd, DType::F32 | DType::F64) => {
+            return Err(err(format!("{op}: an inv_scale with {pd} parameters")));
+        }
+        Some(s) if s.dtype() == DType::F32 && s.shape.iter().product::<usize>() == 1 => {
+            s.f32s().and_then(|v| v.first().copied())
+        }
+        Some(s) => return Err(err(format!("{op}: inv_scale must be one f32, not {}{:?}", s.dtype(), s.shape))),
+    };
+    Ok(Cow::Owned(match pd {
+        DType::F64 => {
+            let k = inv.map_or(1.0, f64::from);
+            HostTensor::from_f64(pd, g.shape.clone(), g.f64s().into_iter().map(|d| d * k).collect())
+        }
+        _ => {
+            let v = g.f32s().ok_or_else(|| err(format!("{op}: {gd} gradients")))?;
+            HostTensor::from_f32(pd, g.shape.clone(), v.into_iter().map(|d| inv.map_or(d, |k| d * k)).collect())
+        }
+    }))
+}
+
+/// SgdUpdate(param, grad, finite[, velocity][, inv_scale]) → (param'[, velocity']); unchanged when
+/// not finite.
 pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: &SgdAttrs) -> Res<Vec<HostTensor>> {
     let (p, g, finite) = (ins[0], ins[1], flag(ins[2])?);
     same_shape(p, g, "SgdUpdate")?;
@@ -472,8 +513,8 @@ pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: 
     Ok(res)
 }
 
-/// AdamUpdate(param, grad, m, v, step, finite) → (param', m', v'), `step` being the count after
-/// this update (bias correction); unchanged when not finite.
+/// AdamUpdate(param, grad, m, v, step, finite[, inv_scale]) → (param', m', v'), `step` being the
+/// count after this update (bias correction); unchanged when not finite.
 pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTensor>> {
     let (p, g, m, v, step, finite) = (ins[0], ins[1], ins[2], ins[3], ins[4], flag(ins[5])?);
     same_shape(p, g, "AdamUpdate")?;

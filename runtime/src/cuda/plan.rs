@@ -2175,6 +2175,27 @@ fn plan_loss(p: &mut Planner) -> Result<(), String> {
     Ok(())
 }
 
+/// The `<param>_<grad>` dtype suffix of the update kernels: a gradient of the parameter's dtype,
+/// or an f16/bf16 one of an f32 parameter (the master weights of mixed precision).
+fn update_tags(op: &str, param: DType, grad: DType) -> Result<String, String> {
+    match (param, grad) {
+        (p, g) if p == g && p.is_float() => Ok(format!("{}_{}", float_tag(p)?, float_tag(g)?)),
+        (DType::F32, DType::F16 | DType::BF16) => Ok(format!("f32_{}", float_tag(grad)?)),
+        _ => Err(format!("{op} of {param} parameters with {grad} gradients")),
+    }
+}
+
+/// An update's optional `inv_scale` input (slot `i`): a pointer to the f32 scalar, or null. Only
+/// f32 and f64 parameters take one (the kernels multiply in their compute type).
+fn unscale_arg(p: &Planner, i: usize, param: DType) -> Result<Arg, String> {
+    match p.opt_input(i) {
+        None => Ok(Arg::Null),
+        Some(_) if !matches!(param, DType::F32 | DType::F64) => Err(format!("an inv_scale with {param} parameters")),
+        Some(t) if t.dtype == DType::F32 && t.numel() == 1 => Ok(Arg::Ptr(buf(t))),
+        Some(t) => Err(format!("an update's inv_scale must be one f32, not {}{:?}", t.dtype, t.shape)),
+    }
+}
+
 fn plan_train(p: &mut Planner) -> Result<(), String> {
     let op = p.l.op.clone();
     match &op {
@@ -2223,9 +2244,12 @@ fn plan_train(p: &mut Planner) -> Result<(), String> {
             let vel = p.opt_input(3);
             let out = p.output(0)?;
             let n = param.numel() as u64;
+            let tags = update_tags("SgdUpdate", param.dtype, grad.dtype)?;
+            let inv = unscale_arg(p, 4, param.dtype)?;
             let args = vec![
                 Arg::Ptr(buf(param)),
                 Arg::Ptr(buf(grad)),
+                inv,
                 Arg::Ptr(buf(finite)),
                 vel.map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
                 Arg::Ptr(buf(out)),
@@ -2236,22 +2260,18 @@ fn plan_train(p: &mut Planner) -> Result<(), String> {
                 Arg::F32(a.weight_decay),
                 Arg::I32(a.nesterov as i32),
             ];
-            if grad.dtype != param.dtype {
-                return Err(format!("SgdUpdate of {} parameters with {} gradients", param.dtype, grad.dtype));
-            }
-            p.flat("train", format!("train_sgd_{}", float_tag(param.dtype)?), n, args);
+            p.flat("train", format!("train_sgd_{tags}"), n, args);
         }
         Op::AdamUpdate(a) => {
             let ins: Vec<&TensorRef> = (0..6).map(|i| p.input(i)).collect::<Result<_, _>>()?;
             let (param, grad, step) = (ins[0], ins[1], ins[4]);
-            if grad.dtype != param.dtype || step.dtype != DType::I64 {
-                return Err(format!(
-                    "AdamUpdate of {} parameters, {} gradients, {} step",
-                    param.dtype, grad.dtype, step.dtype
-                ));
+            if step.dtype != DType::I64 {
+                return Err(format!("AdamUpdate with a {} step", step.dtype));
             }
+            let tags = update_tags("AdamUpdate", param.dtype, grad.dtype)?;
             let n = param.numel() as u64;
-            let mut args: Vec<Arg> = ins.iter().map(|t| Arg::Ptr(buf(t))).collect();
+            let mut args = vec![Arg::Ptr(buf(param)), Arg::Ptr(buf(grad)), unscale_arg(p, 6, param.dtype)?];
+            args.extend(ins[2..].iter().map(|t| Arg::Ptr(buf(t))));
             for i in 0..3 {
                 args.push(Arg::Ptr(buf(p.output(i)?)));
             }
@@ -2264,7 +2284,7 @@ fn plan_train(p: &mut Planner) -> Result<(), String> {
                 Arg::F32(a.weight_decay),
                 Arg::I32(a.decoupled as i32),
             ]);
-            p.flat("train", format!("train_adam_{}", float_tag(param.dtype)?), n, args);
+            p.flat("train", format!("train_adam_{tags}"), n, args);
         }
         Op::LossScaleUpdate(a) => {
             let (scale, good, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
