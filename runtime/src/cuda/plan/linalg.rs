@@ -1,0 +1,373 @@
+//! Plans of matrix products, convolutions (im2col / col2im and GEMMs), transposed convolutions and Einsum.
+
+use super::*;
+
+pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
+    let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    // 1-D operands: a row vector on the left, a column vector on the right.
+    let sa: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.clone() };
+    let sb: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.clone() };
+    let (ra, rb) = (sa.len(), sb.len());
+    let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
+    if sb[rb - 2] != k {
+        return Err("MatMul operands whose inner dims differ".into());
+    }
+    let batch_shape =
+        mpc_ir::geometry::broadcast_shape(&[&sa[..ra - 2], &sb[..rb - 2]]).ok_or("batch dims do not broadcast")?;
+    let batch = numel(&batch_shape);
+    // An operand's batch stride: its own when its batch dims are the output's, 0 when it has one
+    // matrix, else it is expanded to the output's batch dims first.
+    let operand =
+        |p: &mut Planner, t: &TensorRef, s: &[usize], rows: usize, cols: usize| -> Result<(Buf, i64), String> {
+            let own = &s[..s.len() - 2];
+            let mat = (rows * cols) as i64;
+            if numel(own) == 1 {
+                Ok((buf(t), 0))
+            } else if own == batch_shape.as_slice() {
+                Ok((buf(t), mat))
+            } else {
+                let mut full = batch_shape.clone();
+                full.extend([rows, cols]);
+                let w = p.work(numel(&full) * t.dtype.size() as u64);
+                p.expand(t.dtype, buf(t), s, w, &full)?;
+                Ok((w, mat))
+            }
+        };
+    let (pa, stride_a) = operand(p, a, &sa, m, k)?;
+    let (pb, stride_b) = operand(p, b, &sb, k, n)?;
+    // Row-major Y = A B is column-major Yᵀ = Bᵀ Aᵀ.
+    p.gemm(Gemm {
+        dtype: y.dtype,
+        c_dtype: y.dtype,
+        trans_a: false,
+        trans_b: false,
+        m: n as i64,
+        n: m as i64,
+        k: k as i64,
+        alpha: 1.0,
+        beta: 0.0,
+        a: pb,
+        lda: n as i64,
+        stride_a: stride_b,
+        b: pa,
+        ldb: k as i64,
+        stride_b: stride_a,
+        c: buf(y),
+        ldc: n as i64,
+        stride_c: (m * n) as i64,
+        batch: batch as i64,
+    });
+    if k == 0 {
+        // An empty inner dim: the product is zeros.
+        p.out.calls.retain(|c| !matches!(c, Call::Gemm(_)));
+        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
+    }
+    Ok(())
+}
+
+pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
+    let op = p.l.op.clone();
+    let (Op::Conv(a) | Op::ConvGrad(a)) = &op else { unreachable!("not a convolution") };
+    let grad = matches!(op, Op::ConvGrad(_));
+    let (x, wt) = if grad { (p.input(1)?, p.input(2)?) } else { (p.input(0)?, p.input(1)?) };
+    if x.shape.len() < 3 || wt.shape.len() != x.shape.len() {
+        return Err("convolution operands of unexpected ranks".into());
+    }
+    let kernel: Vec<i64> = wt.shape[2..].iter().map(|&k| k as i64).collect();
+    let spec: WindowSpec = a.window(&kernel);
+    let w = spec.resolve(&x.shape[2..])?;
+    let win = window3(&w, &x.shape[2..])?;
+    let t = float_tag(x.dtype)?;
+    let es = x.dtype.size() as u64;
+    let (n, c, m) = (x.shape[0] as u64, x.shape[1] as u64, wt.shape[0] as u64);
+    let g = a.group.max(1) as u64;
+    let (cg, mg) = (c / g, m / g);
+    let ivol = numel(&x.shape[2..]);
+    let ovol = numel(&w.out);
+    let kvol = numel(&w.kernel);
+    let rows = cg * kvol;
+    let im2col_args = |x: Buf, col: Buf, col_ld: u64, col_img: u64| {
+        vec![
+            Arg::Ptr(x),
+            Arg::Ptr(col),
+            Arg::I64(n as i64),
+            Arg::I64(cg as i64),
+            Arg::I64((c * ivol) as i64),
+            Arg::I64(ivol as i64),
+            Arg::Window(win),
+            Arg::I64(col_ld as i64),
+            Arg::I64(col_img as i64),
+        ]
+    };
+    let pointwise = kvol == 1 && w.strides.iter().all(|&s| s == 1) && w.pads_begin.iter().all(|&q| q == 0);
+    if !grad {
+        let y = p.output(0)?;
+        let col = if pointwise { None } else { Some(p.work(n * rows * ovol * es)) };
+        for gi in 0..g {
+            let xg = buf(x).at(gi * cg * ivol * es);
+            // Per image: Y[i, group] (mg × ovol) = W_g (mg × rows) · col_i (rows × ovol).
+            let (src, stride) = match col {
+                None => (xg, (c * ivol) as i64),
+                Some(col) => {
+                    p.flat(
+                        "im2col",
+                        format!("im2col_im2col_{t}"),
+                        n * rows * ovol,
+                        im2col_args(xg, col, ovol, rows * ovol),
+                    );
+                    (col, (rows * ovol) as i64)
+                }
+            };
+            p.gemm(Gemm {
+                dtype: y.dtype,
+                c_dtype: y.dtype,
+                trans_a: false,
+                trans_b: false,
+                m: ovol as i64,
+                n: mg as i64,
+                k: rows as i64,
+                alpha: 1.0,
+                beta: 0.0,
+                a: src,
+                lda: ovol as i64,
+                stride_a: stride,
+                b: buf(wt).at(gi * mg * rows * es),
+                ldb: rows as i64,
+                stride_b: 0,
+                c: buf(y).at(gi * mg * ovol * es),
+                ldc: ovol as i64,
+                stride_c: (m * ovol) as i64,
+                batch: n as i64,
+            });
+        }
+        if let Some(b) = p.opt_input(2) {
+            let dims = [n as usize, m as usize, ovol as usize];
+            p.binary("add", t, (buf(y), &dims), (buf(b), &[m as usize, 1]), buf(y), &dims)?;
+        }
+        return Ok(());
+    }
+    // ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
+    let dy = p.input(0)?;
+    let k2 = n * ovol;
+    let dyt = channels_first(p, dy, n, m, ovol)?;
+    // The columns: x's for dW, then dX's, which stay f32 for a low-precision convolution so
+    // that dX is rounded once, after col2im's sums.
+    let (wide, col_dtype) = wide_columns(x.dtype);
+    let col = p.work(rows * k2 * es.max(col_dtype.size() as u64));
+    let (dx, dw, db) = (p.l.outputs.first(), p.l.outputs.get(1), p.l.outputs.get(2));
+    for gi in 0..g {
+        let xg = buf(x).at(gi * cg * ivol * es);
+        let dyt_g = dyt.at(gi * mg * k2 * es);
+        if let Some(dw) = dw {
+            // dW_g (mg × rows) = dYᵗ_g (mg × k2) · colᵀ; column-major: dW_gᵀ = col · dYᵗ_gᵀ.
+            p.flat("im2col", format!("im2col_im2col_{t}"), n * rows * ovol, im2col_args(xg, col, k2, ovol));
+            p.gemm(Gemm {
+                dtype: dw.dtype,
+                c_dtype: dw.dtype,
+                trans_a: true,
+                trans_b: false,
+                m: rows as i64,
+                n: mg as i64,
+                k: k2 as i64,
+                alpha: 1.0,
+                beta: 0.0,
+                a: col,
+                lda: k2 as i64,
+                stride_a: 0,
+                b: dyt_g,
+                ldb: k2 as i64,
+                stride_b: 0,
+                c: buf(dw).at(gi * mg * rows * es),
+                ldc: rows as i64,
+                stride_c: 0,
+                batch: 1,
+            });
+        }
+        if let Some(dx) = dx {
+            let (dtype, w_g) = (dx.dtype, buf(wt).at(gi * mg * rows * es));
+            p.gemm(columns_of_a_transposed_conv(dtype, col_dtype, dyt_g, w_g, col, k2, rows, mg));
+            let dxg = buf(dx).at(gi * cg * ivol * es);
+            p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
+        }
+    }
+    if let Some(db) = db {
+        let args =
+            vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(db)), Arg::I64(n as i64), Arg::I64(m as i64), Arg::I64(ovol as i64)];
+        p.kernel("im2col", format!("im2col_channel_sum_{t}"), rows_grid(m), [BLOCK, 1, 1], args);
+    }
+    Ok(())
+}
+
+/// `t`, an (n, c, vol) batch of images, copied into the workspace as (c, n·vol): each channel's
+/// values of every image side by side, so that one GEMM per group covers every image.
+fn channels_first(p: &mut Planner, t: &TensorRef, n: u64, c: u64, vol: u64) -> Result<Buf, String> {
+    let w = p.work(c * n * vol * t.dtype.size() as u64);
+    let (dims, from, to) =
+        ([c as usize, n as usize, vol as usize], [vol as i64, (c * vol) as i64, 1], [(n * vol) as i64, vol as i64, 1]);
+    p.strided_copy(t.dtype, buf(t), w, &dims, &from, &to)?;
+    Ok(w)
+}
+
+/// One group's columns of a transposed convolution (ConvGrad's dX, ConvTranspose's Y), for
+/// col2im: col (rows × k2) = W_gᵀ · S_g, with S_g (k × k2) the group's channels of the input moved
+/// to (channel, image · position) and W_g (k × rows) the group's weights, all row-major. In
+/// cuBLAS's column-major terms: colᵀ = S_gᵀ · W_g.
+#[allow(clippy::too_many_arguments)]
+fn columns_of_a_transposed_conv(
+    dtype: DType,
+    col_dtype: DType,
+    s_g: Buf,
+    w_g: Buf,
+    col: Buf,
+    k2: u64,
+    rows: u64,
+    k: u64,
+) -> Gemm {
+    Gemm {
+        dtype,
+        c_dtype: col_dtype,
+        trans_a: false,
+        trans_b: true,
+        m: k2 as i64,
+        n: rows as i64,
+        k: k as i64,
+        alpha: 1.0,
+        beta: 0.0,
+        a: s_g,
+        lda: k2 as i64,
+        stride_a: 0,
+        b: w_g,
+        ldb: rows as i64,
+        stride_b: 0,
+        c: col,
+        ldc: k2 as i64,
+        stride_c: 0,
+        batch: 1,
+    }
+}
+
+/// The columns a GEMM leaves for col2im: f32 for f16/bf16 data (`im2col_col2im_wide_*`), else
+/// the data's dtype.
+fn wide_columns(d: DType) -> (&'static str, DType) {
+    match d {
+        DType::F16 | DType::BF16 => ("wide_", DType::F32),
+        d => ("", d),
+    }
+}
+
+pub(super) fn plan_conv_transpose(p: &mut Planner, a: &mpc_ir::ops::ConvAttrs) -> Result<(), String> {
+    let (x, wt, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    let sp = x.shape.len().saturating_sub(2);
+    if sp == 0 || wt.shape.len() != x.shape.len() || y.shape.len() != x.shape.len() {
+        return Err("ConvTranspose operands of unexpected ranks".into());
+    }
+    let kernel: Vec<i64> = wt.shape[2..].iter().map(|&k| k as i64).collect();
+    let spec = a.window(&kernel);
+    let mut w = Window {
+        kernel: wt.shape[2..].to_vec(),
+        strides: Vec::new(),
+        dilations: Vec::new(),
+        pads_begin: Vec::new(),
+        pads_end: Vec::new(),
+        out: x.shape[2..].to_vec(),
+    };
+    for d in 0..sp {
+        let target = (!a.output_shape.is_empty()).then(|| a.output_shape[a.output_shape.len() - sp + d]);
+        let pad = a.output_padding.get(d).copied().unwrap_or(0);
+        let o = mpc_ir::geometry::conv_transpose_dim(&spec, d, x.shape[2 + d] as u64, pad, target)?;
+        if o.out as usize != y.shape[2 + d] {
+            return Err(format!("ConvTranspose output dim {} where the graph declares {}", o.out, y.shape[2 + d]));
+        }
+        w.strides.push(a.strides.get(d).copied().unwrap_or(1) as usize);
+        w.dilations.push(a.dilations.get(d).copied().unwrap_or(1) as usize);
+        w.pads_begin.push(o.pad_begin as usize);
+        w.pads_end.push(o.pad_end as usize);
+    }
+    // col2im's geometry: the image is Y, the columns' positions are X's.
+    let win = window3(&w, &y.shape[2..])?;
+    let t = float_tag(x.dtype)?;
+    let es = x.dtype.size() as u64;
+    let (n, cin) = (x.shape[0] as u64, x.shape[1] as u64);
+    let g = a.group.max(1) as u64;
+    let (cg, og) = (cin / g, wt.shape[1] as u64);
+    let cout = og * g;
+    let (ivol, ovol, kvol) = (numel(&x.shape[2..]), numel(&y.shape[2..]), numel(&w.kernel));
+    let (rows, k2) = (og * kvol, n * ivol);
+    // X (n, cin, ivol) moved to (cin, n·ivol) so that one GEMM per group covers every image.
+    let xt = channels_first(p, x, n, cin, ivol)?;
+    let (wide, col_dtype) = wide_columns(x.dtype);
+    let col = p.work(rows * k2 * col_dtype.size() as u64);
+    for gi in 0..g {
+        let (x_g, w_g) = (xt.at(gi * cg * k2 * es), buf(wt).at(gi * cg * rows * es));
+        p.gemm(columns_of_a_transposed_conv(y.dtype, col_dtype, x_g, w_g, col, k2, rows, cg));
+        let args = vec![
+            Arg::Ptr(col),
+            Arg::Ptr(buf(y).at(gi * og * ovol * es)),
+            Arg::I64(n as i64),
+            Arg::I64(og as i64),
+            Arg::I64((cout * ovol) as i64),
+            Arg::I64(ovol as i64),
+            Arg::Window(win),
+            Arg::I64(k2 as i64),
+            Arg::I64(ivol as i64),
+        ];
+        p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * og * ovol, args);
+    }
+    if let Some(b) = p.opt_input(2) {
+        let dims = [n as usize, cout as usize, ovol as usize];
+        p.binary("add", t, (buf(y), &dims), (buf(b), &[cout as usize, 1]), buf(y), &dims)?;
+    }
+    Ok(())
+}
+
+/// Einsum of up to three float operands, one thread per output element summing in f64 in the
+/// CPU reference's order (a contraction kernel, not a GEMM: Einsum in exported models is rare).
+pub(super) fn plan_einsum(p: &mut Planner, equation: &str) -> Result<(), String> {
+    let (terms, rhs) = mpc_ir::ops::einsum_parts(equation)?;
+    let lhs = terms.join(",");
+    let ins: Vec<&TensorRef> = (0..terms.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+    if ins.len() > 3 {
+        return Err(format!("Einsum of {} operands (the CUDA kernel takes up to 3)", ins.len()));
+    }
+    let y = p.output(0)?;
+    let mut letters: Vec<char> = rhs.chars().collect();
+    for c in lhs.chars().filter(|c| c.is_ascii_alphabetic()) {
+        if !letters.contains(&c) {
+            letters.push(c);
+        }
+    }
+    let mut sizes = vec![0i64; letters.len()];
+    let mut strides = vec![vec![0i64; letters.len()]; 3];
+    for (k, (t, x)) in terms.iter().zip(&ins).enumerate() {
+        if t.len() != x.shape.len() || x.dtype != y.dtype {
+            return Err(format!("Einsum term `{t}` on {}{:?}", x.dtype, x.shape));
+        }
+        let st = contiguous(&x.shape);
+        for (i, c) in t.chars().enumerate() {
+            let l = letters.iter().position(|&l| l == c).ok_or("an Einsum label")?;
+            sizes[l] = x.shape[i] as i64;
+            strides[k][l] += st[i];
+        }
+    }
+    let nout = rhs.chars().count();
+    let n_out: i64 = sizes[..nout].iter().product();
+    let inner: i64 = sizes[nout..].iter().product();
+    let ptr = |k: usize| ins.get(k).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    let args = vec![
+        ptr(0),
+        ptr(1),
+        ptr(2),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n_out),
+        Arg::I64(inner),
+        Arg::I32(ins.len() as i32),
+        Arg::I32(letters.len() as i32),
+        Arg::I32(nout as i32),
+        Arg::Dims(dims8(&sizes)?),
+        Arg::Dims(dims8(&strides[0])?),
+        Arg::Dims(dims8(&strides[1])?),
+        Arg::Dims(dims8(&strides[2])?),
+    ];
+    p.flat("reduce", format!("reduce_einsum_{}", float_tag(y.dtype)?), n_out as u64, args);
+    Ok(())
+}

@@ -1,0 +1,1141 @@
+//! What the CUDA device enqueues for each launch of a [`Program`](crate::program::Program),
+//! decided once, when a program is loaded, and with no GPU: each [`Launch`] becomes a list of
+//! [`Call`]s: kernels of `kernels/*.cu` with their grid, block and argument list (the ABIs in the
+//! files' headers), cuBLAS GEMMs, and device copies and fills. Buffers are named by where they lie
+//! ([`Buf`]): a program region and offset, the launch's scratch workspace, or its `aux` bytes
+//! (values known when lowering that a kernel reads from device memory: Range's start and delta,
+//! Mean's divisor). The device resolves them to addresses once, in `prepare`; a step only walks
+//! the resolved calls.
+//!
+//! Because planning needs no GPU, the tests plan every launch of every fixture and check each
+//! kernel's name and argument layout against the cubins NVRTC builds ([`super::cubin`]).
+
+use mpc_ir::geometry::{broadcast_strides, slice_dim, Window, WindowSpec};
+use mpc_ir::ops::{GeluApprox, PadMode, Reduction};
+use mpc_ir::{normalize_axis, DType, Op};
+
+use crate::program::{Launch, Operand, Region, TensorRef};
+use crate::value::HostTensor;
+
+mod indexing;
+mod linalg;
+mod movement;
+mod norm;
+mod pool;
+mod reduce;
+mod train;
+
+use indexing::*;
+use linalg::*;
+use movement::*;
+use norm::*;
+use pool::*;
+use reduce::*;
+use train::*;
+
+/// A buffer as the plan names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buf {
+    /// A byte offset in one of the program's regions.
+    Tensor(Region, u64),
+    /// A byte offset in the launch's workspace (scratch shared by all launches of a program).
+    Work(u64),
+    /// A byte offset in the launch's `aux` bytes, uploaded once.
+    Aux(u64),
+    /// The launch's error word (an i32 the device zeroes once and reads at each synchronisation):
+    /// kernels that read indices from device memory store 1 there for one out of range.
+    Flag,
+}
+
+impl Buf {
+    /// The same buffer `bytes` further on.
+    pub fn at(self, bytes: u64) -> Buf {
+        match self {
+            Buf::Tensor(r, o) => Buf::Tensor(r, o + bytes),
+            Buf::Work(o) => Buf::Work(o + bytes),
+            Buf::Aux(o) => Buf::Aux(o + bytes),
+            Buf::Flag => Buf::Flag,
+        }
+    }
+}
+
+/// One kernel argument, passed by value as the kernel declares it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(Buf),
+    Null,
+    I64(i64),
+    I32(i32),
+    F32(f32),
+    F64(f64),
+    U64(u64),
+    /// `Dims8` or `Strides8` (common.cuh): 8 × i64.
+    Dims([i64; 8]),
+    /// `Window3` (common.cuh).
+    Window(Window3),
+}
+
+/// `struct Window3` of kernels/common.cuh, byte for byte.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct Window3 {
+    pub inp: [i64; 3],
+    pub out: [i64; 3],
+    pub k: [i64; 3],
+    pub stride: [i64; 3],
+    pub dil: [i64; 3],
+    pub pad: [i64; 3],
+    pub pad_end: [i64; 3],
+    pub nsp: i32,
+    pub unused: i32,
+}
+
+impl Window3 {
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(176);
+        for a in [self.inp, self.out, self.k, self.stride, self.dil, self.pad, self.pad_end] {
+            a.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        }
+        out.extend_from_slice(&self.nsp.to_le_bytes());
+        out.extend_from_slice(&self.unused.to_le_bytes());
+        out
+    }
+}
+
+impl Arg {
+    /// Size and alignment in bytes, as C lays the parameter out.
+    pub fn layout(&self) -> (usize, usize) {
+        match self {
+            Arg::I32(_) | Arg::F32(_) => (4, 4),
+            Arg::Dims(_) => (64, 8),
+            Arg::Window(_) => (176, 8),
+            _ => (8, 8),
+        }
+    }
+
+    /// The argument's bytes, with `ptr` resolving the buffers it names.
+    pub fn bytes(&self, ptr: &dyn Fn(Buf) -> u64) -> Vec<u8> {
+        match *self {
+            Arg::Ptr(b) => ptr(b).to_le_bytes().to_vec(),
+            Arg::Null => 0u64.to_le_bytes().to_vec(),
+            Arg::I64(v) => v.to_le_bytes().to_vec(),
+            Arg::I32(v) => v.to_le_bytes().to_vec(),
+            Arg::F32(v) => v.to_le_bytes().to_vec(),
+            Arg::F64(v) => v.to_le_bytes().to_vec(),
+            Arg::U64(v) => v.to_le_bytes().to_vec(),
+            Arg::Dims(d) => d.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Arg::Window(w) => w.bytes(),
+        }
+    }
+}
+
+/// The byte offset of each argument in a kernel's parameter buffer, and the buffer's size.
+pub fn param_offsets(args: &[Arg]) -> (Vec<usize>, usize) {
+    let mut offsets = Vec::with_capacity(args.len());
+    let mut at = 0usize;
+    for a in args {
+        let (size, align) = a.layout();
+        at = at.next_multiple_of(align);
+        offsets.push(at);
+        at += size;
+    }
+    (offsets, at)
+}
+
+/// Whether `args` are what `kernel` declares (its parameters' offsets and sizes, read from the
+/// cubin by [`super::cubin`]).
+pub fn check_args(name: &str, args: &[Arg], declared: &super::cubin::KernelParams) -> Result<(), String> {
+    let (offsets, total) = param_offsets(args);
+    let got: Vec<(u32, u32)> = offsets.iter().zip(args).map(|(&o, a)| (o as u32, a.layout().0 as u32)).collect();
+    let want: Vec<(u32, u32)> = declared.params.iter().map(|q| (q.offset, q.size)).collect();
+    if got != want || total as u32 != declared.total {
+        return Err(format!(
+            "{name} takes (offset, size) {want:?} ({} bytes); the plan passes {got:?} ({total} bytes)",
+            declared.total
+        ));
+    }
+    Ok(())
+}
+
+/// One kernel launch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// The family (`kernels/<family>.cu`) and the kernel's name in it.
+    pub family: &'static str,
+    pub name: String,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub args: Vec<Arg>,
+}
+
+/// A cuBLAS strided-batched GEMM in cuBLAS's column-major terms: `C = alpha op(A) op(B) + beta C`
+/// for each of `batch` matrices, FP32 accumulation for f32/f16/bf16, f64 for f64.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemm {
+    /// The operands' dtype, and the result's (f32 for a low-precision product whose result is
+    /// summed further before it is rounded).
+    pub dtype: DType,
+    pub c_dtype: DType,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
+    pub alpha: f64,
+    pub beta: f64,
+    pub a: Buf,
+    pub lda: i64,
+    pub stride_a: i64,
+    pub b: Buf,
+    pub ldb: i64,
+    pub stride_b: i64,
+    pub c: Buf,
+    pub ldc: i64,
+    pub stride_c: i64,
+    pub batch: i64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Call {
+    Kernel(Kernel),
+    Gemm(Gemm),
+    /// A device-to-device copy.
+    Copy {
+        from: Buf,
+        to: Buf,
+        bytes: u64,
+    },
+    /// Every byte of the range set to `byte`.
+    Fill {
+        to: Buf,
+        bytes: u64,
+        byte: u8,
+    },
+}
+
+/// Everything one launch enqueues.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LaunchPlan {
+    pub calls: Vec<Call>,
+    /// Scratch bytes the calls use (256-byte aligned pieces).
+    pub workspace: u64,
+    /// Bytes to upload once; [`Buf::Aux`] offsets point into them.
+    pub aux: Vec<u8>,
+    /// Device addresses a kernel reads from `aux` (a multi-tensor launch's pointer array): the
+    /// 8 bytes at each offset become the address of the buffer, once it is known.
+    pub addresses: Vec<(u64, Buf)>,
+}
+
+/// Threads per block of the 1-D kernels (`MPC_BLOCK`).
+const BLOCK: u32 = 256;
+/// The most blocks a grid-stride launch uses: enough to fill any GPU several times over.
+const MAX_GRID: u64 = 8192;
+/// The most blocks of a one-block-per-row launch (grid-stride over rows with blockIdx.x).
+const MAX_ROWS: u64 = 65535;
+
+fn grid_for(n: u64) -> [u32; 3] {
+    [n.div_ceil(BLOCK as u64).clamp(1, MAX_GRID) as u32, 1, 1]
+}
+
+fn rows_grid(rows: u64) -> [u32; 3] {
+    [rows.clamp(1, MAX_ROWS) as u32, 1, 1]
+}
+
+fn contiguous(shape: &[usize]) -> Vec<i64> {
+    let mut s = vec![0i64; shape.len()];
+    let mut acc = 1i64;
+    for i in (0..shape.len()).rev() {
+        s[i] = acc;
+        acc *= shape[i] as i64;
+    }
+    s
+}
+
+/// The same walk over fewer dims: dims of size 1 dropped, and each dim merged into the next where
+/// every operand steps over the two as over one (`s[d] == s[d + 1] * dims[d + 1]`). The kernels
+/// divide an element's linear index once per dim: a bias row or a scalar broadcast over any
+/// shape becomes one or two dims. Returns the dims and each operand's strides over them.
+fn coalesce(dims: &[usize], strides: &[&[i64]]) -> (Vec<i64>, Vec<Vec<i64>>) {
+    let mut out: Vec<i64> = Vec::with_capacity(dims.len());
+    let mut outs: Vec<Vec<i64>> = vec![Vec::with_capacity(dims.len()); strides.len()];
+    for (d, &n) in dims.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let n = n as i64;
+        let merge = !out.is_empty() && strides.iter().zip(&outs).all(|(s, o)| o[o.len() - 1] == s[d] * n);
+        if merge {
+            *out.last_mut().expect("a dim") *= n;
+            for (s, o) in strides.iter().zip(outs.iter_mut()) {
+                *o.last_mut().expect("a stride") = s[d];
+            }
+        } else {
+            out.push(n);
+            for (s, o) in strides.iter().zip(outs.iter_mut()) {
+                o.push(s[d]);
+            }
+        }
+    }
+    (out, outs)
+}
+
+/// The rank and the dims and strides arguments of a strided kernel over `dims` (coalesced), for
+/// each operand's strides; rank 0 where every operand is contiguous over the whole walk.
+fn strided_args<const K: usize>(
+    dims: &[usize],
+    strides: [&[i64]; K],
+) -> Result<(i32, [i64; 8], [[i64; 8]; K]), String> {
+    let (d, s) = coalesce(dims, &strides);
+    if d.len() <= 1 && s.iter().all(|s| s.iter().all(|&x| x == 1)) {
+        return Ok((0, [0; 8], [[0; 8]; K]));
+    }
+    let mut out = [[0i64; 8]; K];
+    for (o, s) in out.iter_mut().zip(&s) {
+        *o = dims8(s)?;
+    }
+    Ok((d.len() as i32, dims8(&d)?, out))
+}
+
+fn dims8(v: &[i64]) -> Result<[i64; 8], String> {
+    if v.len() > 8 {
+        return Err(format!("rank {} (the CUDA kernels take at most 8 dims)", v.len()));
+    }
+    let mut d = [0i64; 8];
+    d[..v.len()].copy_from_slice(v);
+    Ok(d)
+}
+
+fn us(v: &[usize]) -> Vec<i64> {
+    v.iter().map(|&x| x as i64).collect()
+}
+
+fn numel(s: &[usize]) -> u64 {
+    s.iter().map(|&d| d as u64).product()
+}
+
+/// The kernel tag of a dtype (`f32`, `i64`, ...): its name, but bool (a 0/1 byte) is `u8`.
+fn tag(d: DType) -> Result<&'static str, String> {
+    Ok(if d == DType::Bool { "u8" } else { d.name() })
+}
+
+fn float_tag(d: DType) -> Result<&'static str, String> {
+    match d {
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64 => tag(d),
+        d => Err(format!("{d} where the kernels take f32, f16, bf16 or f64")),
+    }
+}
+
+/// Movement kernels are typed by element size.
+fn size_tag(d: DType) -> Result<&'static str, String> {
+    Ok(match d.size() {
+        1 => "b1",
+        2 => "b2",
+        4 => "b4",
+        8 => "b8",
+        n => return Err(format!("{n}-byte elements")),
+    })
+}
+
+fn index_tag(d: DType) -> Result<&'static str, String> {
+    match d {
+        DType::I64 => Ok("i64"),
+        DType::I32 => Ok("i32"),
+        d => Err(format!("{d} indices (i64 or i32 expected)")),
+    }
+}
+
+fn scalar_bytes(d: DType, v: f64) -> Vec<u8> {
+    let t = HostTensor::from_f64(d, vec![], vec![v]);
+    let mut b = vec![0u8; t.bytes()];
+    t.write_le_bytes(&mut b);
+    b
+}
+
+/// Builds one launch's plan.
+struct Planner<'a> {
+    l: &'a Launch,
+    constant: &'a dyn Fn(&TensorRef) -> Option<HostTensor>,
+    out: LaunchPlan,
+}
+
+fn buf(t: &TensorRef) -> Buf {
+    Buf::Tensor(t.region, t.offset)
+}
+
+impl<'a> Planner<'a> {
+    fn input(&self, i: usize) -> Result<&'a TensorRef, String> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Device(t)) => Ok(t),
+            Some(Operand::Host(_)) => Err(format!("input {i} is a value known when lowering, not a device tensor")),
+            _ => Err(format!("input {i} is missing")),
+        }
+    }
+
+    fn opt_input(&self, i: usize) -> Option<&'a TensorRef> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Device(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// A host operand (a shape, axes, pads): its integers.
+    fn host_ints(&self, i: usize) -> Option<Vec<i64>> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Host(t)) => t.i64s(),
+            _ => None,
+        }
+    }
+
+    fn host(&self, i: usize) -> Option<&'a HostTensor> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Host(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    fn output(&self, i: usize) -> Result<&'a TensorRef, String> {
+        self.l.outputs.get(i).ok_or_else(|| format!("output {i} is missing"))
+    }
+
+    fn work(&mut self, bytes: u64) -> Buf {
+        let b = Buf::Work(self.out.workspace);
+        self.out.workspace += bytes.max(1).next_multiple_of(256);
+        b
+    }
+
+    fn aux(&mut self, bytes: &[u8]) -> Buf {
+        let at = self.out.aux.len().next_multiple_of(16);
+        self.out.aux.resize(at, 0);
+        self.out.aux.extend_from_slice(bytes);
+        Buf::Aux(at as u64)
+    }
+
+    fn kernel(&mut self, family: &'static str, name: String, grid: [u32; 3], block: [u32; 3], args: Vec<Arg>) {
+        self.out.calls.push(Call::Kernel(Kernel { family, name, grid, block, args }));
+    }
+
+    /// A 1-D grid-stride kernel over `n` elements.
+    fn flat(&mut self, family: &'static str, name: String, n: u64, args: Vec<Arg>) {
+        if n > 0 {
+            self.kernel(family, name, grid_for(n), [BLOCK, 1, 1], args);
+        }
+    }
+
+    fn copy(&mut self, from: Buf, to: Buf, bytes: u64) {
+        if from != to && bytes > 0 {
+            self.out.calls.push(Call::Copy { from, to, bytes });
+        }
+    }
+
+    /// `y[c] = x[Σ c_d xs_d]` over `dims`, y at `ys` strides (movement_copy).
+    fn strided_copy(
+        &mut self,
+        dtype: DType,
+        x: Buf,
+        y: Buf,
+        dims: &[usize],
+        xs: &[i64],
+        ys: &[i64],
+    ) -> Result<(), String> {
+        let n = numel(dims);
+        let name = format!("movement_copy_{}", size_tag(dtype)?);
+        let (rank, d, [xs, ys]) = strided_args(dims, [xs, ys])?;
+        let args = vec![
+            Arg::Ptr(x),
+            Arg::Ptr(y),
+            Arg::I64(n as i64),
+            Arg::I32(rank),
+            Arg::Dims(d),
+            Arg::Dims(xs),
+            Arg::Dims(ys),
+        ];
+        self.flat("movement", name, n, args);
+        Ok(())
+    }
+
+    /// `x` broadcast to `out` dims, written contiguously to `y`.
+    fn expand(&mut self, dtype: DType, x: Buf, shape: &[usize], y: Buf, out: &[usize]) -> Result<(), String> {
+        let xs = us(&broadcast_strides(shape, out));
+        self.strided_copy(dtype, x, y, out, &xs, &contiguous(out))
+    }
+
+    fn cast(&mut self, from: DType, to: DType, x: Buf, y: Buf, n: u64) -> Result<(), String> {
+        if from == to {
+            self.copy(x, y, n * from.size() as u64);
+            return Ok(());
+        }
+        let t = |d: DType| if d == DType::Bool { Ok("bool") } else { tag(d) };
+        let name = format!("casts_{}_to_{}", t(from)?, t(to)?);
+        self.flat("casts", name, n, vec![Arg::Ptr(x), Arg::Ptr(y), Arg::I64(n as i64)]);
+        Ok(())
+    }
+
+    /// A broadcasting binary kernel (`elementwise_<op>_<tag>`): `y = a op b` over `out`.
+    fn binary(
+        &mut self,
+        name: &str,
+        tag: &str,
+        (a, sa): (Buf, &[usize]),
+        (b, sb): (Buf, &[usize]),
+        y: Buf,
+        out: &[usize],
+    ) -> Result<(), String> {
+        let n = numel(out);
+        let (rank, dims, [xa, xb]) = if sa == out && sb == out {
+            (0, [0; 8], [[0; 8]; 2])
+        } else {
+            let (xa, xb) = (us(&broadcast_strides(sa, out)), us(&broadcast_strides(sb, out)));
+            strided_args(out, [&xa, &xb])?
+        };
+        let args = vec![
+            Arg::Ptr(a),
+            Arg::Ptr(b),
+            Arg::Ptr(y),
+            Arg::I64(n as i64),
+            Arg::I32(rank),
+            Arg::Dims(dims),
+            Arg::Dims(xa),
+            Arg::Dims(xb),
+        ];
+        self.flat("elementwise", format!("elementwise_{name}_{tag}"), n, args);
+        Ok(())
+    }
+
+    fn gemm(&mut self, g: Gemm) {
+        if g.m > 0 && g.n > 0 && g.batch > 0 {
+            self.out.calls.push(Call::Gemm(g));
+        }
+    }
+}
+
+/// Plans one launch; `constant` gives the value of a tensor of the program's constants region
+/// (a Pad's constant value, a Dropout's ratio). An error says what the CUDA device cannot run.
+pub fn plan(l: &Launch, constant: &dyn Fn(&TensorRef) -> Option<HostTensor>) -> Result<LaunchPlan, String> {
+    let mut p = Planner { l, constant, out: LaunchPlan::default() };
+    // Outputs with no elements need no kernel.
+    if !l.outputs.is_empty() && l.outputs.iter().all(|t| t.numel() == 0) {
+        return Ok(p.out);
+    }
+    plan_op(&mut p)?;
+    Ok(p.out)
+}
+
+fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
+    Some(match op {
+        Op::Relu => ("relu", 0.0, 0.0),
+        Op::Sigmoid => ("sigmoid", 0.0, 0.0),
+        Op::Tanh => ("tanh", 0.0, 0.0),
+        Op::Exp => ("exp", 0.0, 0.0),
+        Op::Log => ("log", 0.0, 0.0),
+        Op::Sqrt => ("sqrt", 0.0, 0.0),
+        Op::Neg => ("neg", 0.0, 0.0),
+        Op::Abs => ("abs", 0.0, 0.0),
+        Op::Erf => ("erf", 0.0, 0.0),
+        Op::Reciprocal => ("reciprocal", 0.0, 0.0),
+        Op::Floor => ("floor", 0.0, 0.0),
+        Op::Ceil => ("ceil", 0.0, 0.0),
+        Op::Round => ("round", 0.0, 0.0),
+        Op::Sign => ("sign", 0.0, 0.0),
+        Op::Sin => ("sin", 0.0, 0.0),
+        Op::Cos => ("cos", 0.0, 0.0),
+        Op::Softplus => ("softplus", 0.0, 0.0),
+        Op::Softsign => ("softsign", 0.0, 0.0),
+        Op::HardSwish => ("hard_swish", 0.0, 0.0),
+        Op::Gelu(a) if a.approximate == GeluApprox::Tanh => ("gelu_tanh", 0.0, 0.0),
+        Op::Gelu(_) => ("gelu", 0.0, 0.0),
+        Op::LeakyRelu(a) => ("leaky_relu", a.alpha, 0.0),
+        Op::Elu(a) => ("elu", a.alpha, 0.0),
+        Op::Selu(a) => ("selu", a.alpha, a.gamma),
+        Op::HardSigmoid(a) => ("hard_sigmoid", a.alpha, a.beta),
+        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" => ("gelu", 0.0, 0.0),
+        _ => return None,
+    })
+}
+
+fn binary_name(op: &Op) -> Option<&'static str> {
+    Some(match op {
+        Op::Add | Op::Sum | Op::Mean => "add",
+        Op::Sub => "sub",
+        Op::Mul => "mul",
+        Op::Div => "div",
+        Op::Pow => "pow",
+        Op::Min => "min",
+        Op::Max => "max",
+        Op::PRelu => "prelu",
+        Op::Mod(a) if a.fmod => "mod",
+        Op::Mod(_) => "mod_py",
+        Op::Equal => "equal",
+        Op::Less => "less",
+        Op::Greater => "greater",
+        Op::GreaterOrEqual => "greater_equal",
+        Op::LessOrEqual => "less_equal",
+        Op::And => "and",
+        Op::Or => "or",
+        Op::Xor => "xor",
+        _ => return None,
+    })
+}
+
+fn reduce_kind(op: &Op) -> Option<&'static str> {
+    Some(match op {
+        Op::ReduceSum(_) => "sum",
+        Op::ReduceMean(_) | Op::GlobalAveragePool => "mean",
+        Op::ReduceMax(_) | Op::GlobalMaxPool => "max",
+        Op::ReduceMin(_) => "min",
+        Op::ReduceProd(_) => "prod",
+        Op::ReduceSumSquare(_) => "sum_square",
+        Op::ReduceL1(_) => "l1",
+        Op::ReduceL2(_) => "l2",
+        Op::ReduceLogSumExp(_) => "log_sum_exp",
+        _ => return None,
+    })
+}
+
+fn plan_op(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    if let Some((name, alpha, beta)) = unary_name(op) {
+        let (x, y) = (p.input(0)?, p.output(0)?);
+        let n = x.numel() as u64;
+        if x.dtype.is_float() {
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::F32(alpha), Arg::F32(beta)];
+            p.flat("elementwise", format!("elementwise_{name}_{}", float_tag(x.dtype)?), n, args);
+        } else if matches!(op, Op::Neg | Op::Abs | Op::Relu | Op::Sign) && matches!(x.dtype, DType::I64 | DType::I32) {
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            p.flat("elementwise", format!("elementwise_{name}_{}", tag(x.dtype)?), n, args);
+        } else {
+            return Err(format!("{} on {}", op.op_type(), x.dtype));
+        }
+        return Ok(());
+    }
+    match op {
+        Op::Identity => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.copy(buf(x), buf(y), y.bytes());
+        }
+        Op::Dropout(_) => {
+            if p.host_ints(2).is_some_and(|v| v.first() == Some(&1)) {
+                return Err("Dropout in training mode".into());
+            }
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.copy(buf(x), buf(y), y.bytes());
+            if let Some(mask) = p.l.outputs.get(1) {
+                p.out.calls.push(Call::Fill { to: buf(mask), bytes: mask.bytes(), byte: 1 });
+            }
+        }
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Pow | Op::PRelu | Op::Mod(_) => {
+            let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let name = binary_name(op).expect("a binary op");
+            let t = if a.dtype.is_float() { float_tag(a.dtype)? } else { tag(a.dtype)? };
+            let mut bb = buf(b);
+            if b.dtype != a.dtype {
+                // Pow's exponent takes the base's dtype first.
+                if !matches!(op, Op::Pow) {
+                    return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+                }
+                let w = p.work(b.numel() as u64 * a.dtype.size() as u64);
+                p.cast(b.dtype, a.dtype, bb, w, b.numel() as u64)?;
+                bb = w;
+            }
+            p.binary(name, t, (buf(a), &a.shape), (bb, &b.shape), buf(y), &y.shape)?;
+        }
+        Op::Sum | Op::Max | Op::Min | Op::Mean => {
+            let y = p.output(0)?;
+            let ins: Vec<&TensorRef> = (0..p.l.inputs.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+            let name = binary_name(op).expect("a variadic op");
+            let t = if y.dtype.is_float() { float_tag(y.dtype)? } else { tag(y.dtype)? };
+            let mean = matches!(op, Op::Mean);
+            if ins.len() == 1 && !mean {
+                p.copy(buf(ins[0]), buf(y), y.bytes());
+                return Ok(());
+            }
+            // Left to right, as the CPU reference: each partial result in its own broadcast shape.
+            let (mut acc, mut shape) = (buf(ins[0]), ins[0].shape.clone());
+            for (i, x) in ins.iter().enumerate().skip(1) {
+                let out = mpc_ir::geometry::broadcast_shape(&[&shape, &x.shape]).ok_or("inputs do not broadcast")?;
+                let last = i == ins.len() - 1 && !mean;
+                let dst = if last { buf(y) } else { p.work(numel(&out) * y.dtype.size() as u64) };
+                p.binary(name, t, (acc, &shape), (buf(x), &x.shape), dst, &out)?;
+                (acc, shape) = (dst, out);
+            }
+            if mean {
+                let n = p.aux(&scalar_bytes(y.dtype, ins.len() as f64));
+                p.binary("div", t, (acc, &shape), (n, &[]), buf(y), &y.shape)?;
+            }
+        }
+        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
+            let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            if a.dtype != b.dtype {
+                return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+            }
+            let name = binary_name(op).expect("a comparison");
+            p.binary(name, tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
+        }
+        Op::Not => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            p.flat(
+                "elementwise",
+                "elementwise_not_u8".into(),
+                n,
+                vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)],
+            );
+        }
+        Op::Where => {
+            let (c, a, b, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+            let n = y.numel() as u64;
+            let out = &y.shape;
+            let same = c.shape == *out && a.shape == *out && b.shape == *out;
+            let st = |s: &[usize]| us(&broadcast_strides(s, out));
+            let (rank, dims, [sc, sa, sb]) = if same {
+                (0, [0; 8], [[0; 8]; 3])
+            } else {
+                strided_args(out, [&st(&c.shape), &st(&a.shape), &st(&b.shape)])?
+            };
+            let args = vec![
+                Arg::Ptr(buf(c)),
+                Arg::Ptr(buf(a)),
+                Arg::Ptr(buf(b)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(rank),
+                Arg::Dims(dims),
+                Arg::Dims(sc),
+                Arg::Dims(sa),
+                Arg::Dims(sb),
+            ];
+            p.flat("elementwise", format!("elementwise_where_{}", size_tag(y.dtype)?), n, args);
+        }
+        Op::Clip => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            let bound = |i: usize| p.opt_input(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+            let (lo, hi) = (bound(1), bound(2));
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), lo, hi];
+            p.flat("elementwise", format!("elementwise_clip_{}", tag(x.dtype)?), n, args);
+        }
+        Op::IsNaN | Op::IsInf(_) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            let t = float_tag(x.dtype)?;
+            let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            let name = if let Op::IsInf(a) = op {
+                args.extend([Arg::I32(a.detect_positive as i32), Arg::I32(a.detect_negative as i32)]);
+                "isinf"
+            } else {
+                "isnan"
+            };
+            p.flat("elementwise", format!("elementwise_{name}_{t}"), n, args);
+        }
+        Op::Cast(_) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.cast(x.dtype, y.dtype, buf(x), buf(y), x.numel() as u64)?;
+        }
+        Op::MatMul => plan_matmul(p)?,
+        Op::Gemm(a) => {
+            let (x, w, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            if x.shape.len() != 2 || w.shape.len() != 2 {
+                return Err("Gemm of operands that are not matrices".into());
+            }
+            let (m, n) = (y.shape[0] as i64, y.shape[1] as i64);
+            let k = if a.transA { x.shape[0] } else { x.shape[1] } as i64;
+            let beta = match p.opt_input(2) {
+                Some(c) if a.beta != 0.0 => {
+                    p.expand(y.dtype, buf(c), &c.shape, buf(y), &y.shape)?;
+                    a.beta as f64
+                }
+                _ => 0.0,
+            };
+            // Row-major Y = op(X) op(W) is column-major Yᵀ = op(W)ᵀ op(X)ᵀ.
+            p.gemm(Gemm {
+                dtype: y.dtype,
+                c_dtype: y.dtype,
+                trans_a: a.transB,
+                trans_b: a.transA,
+                m: n,
+                n: m,
+                k,
+                alpha: a.alpha as f64,
+                beta,
+                a: buf(w),
+                lda: if a.transB { k } else { n },
+                stride_a: 0,
+                b: buf(x),
+                ldb: if a.transA { m } else { k },
+                stride_b: 0,
+                c: buf(y),
+                ldc: n,
+                stride_c: 0,
+                batch: 1,
+            });
+        }
+        Op::ReduceSum(_)
+        | Op::ReduceMean(_)
+        | Op::ReduceMax(_)
+        | Op::ReduceMin(_)
+        | Op::ReduceSumSquare(_)
+        | Op::ReduceL2(_)
+        | Op::ReduceLogSumExp(_)
+        | Op::ReduceL1(_)
+        | Op::ReduceProd(_)
+        | Op::GlobalAveragePool
+        | Op::GlobalMaxPool => plan_reduce(p)?,
+        Op::ArgMax(a) | Op::ArgMin(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
+            let kind = if matches!(op, Op::ArgMin(_)) { "argmin" } else { "argmax" };
+            let t = float_tag(x.dtype)?;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(len as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.select_last_index as i32),
+            ];
+            if inner == 1 {
+                p.kernel("reduce", format!("reduce_{kind}_rows_{t}"), rows_grid(outer), [BLOCK, 1, 1], args);
+            } else {
+                let grid = [inner.div_ceil(32) as u32, outer.clamp(1, MAX_ROWS) as u32, 1];
+                p.kernel("reduce", format!("reduce_{kind}_cols_{t}"), grid, [32, 8, 1], args);
+            }
+        }
+        Op::Softmax(_) | Op::LogSoftmax(_) | Op::SoftmaxGrad(_) => {
+            let a = match op {
+                Op::Softmax(a) | Op::LogSoftmax(a) => a,
+                Op::SoftmaxGrad(a) => &**a,
+                _ => unreachable!(),
+            };
+            let grad = matches!(op, Op::SoftmaxGrad(_));
+            let x = p.input(if grad { 1 } else { 0 })?;
+            let y = p.output(0)?;
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let name = match op {
+                Op::Softmax(_) => "softmax",
+                Op::LogSoftmax(_) => "log_softmax",
+                _ => "softmax_grad",
+            };
+            let mut args = vec![Arg::Ptr(buf(x))];
+            if grad {
+                args.insert(0, Arg::Ptr(buf(p.input(0)?)));
+            }
+            args.extend([Arg::Ptr(buf(y)), Arg::I64(outer as i64), Arg::I64(n as i64), Arg::I64(inner as i64)]);
+            let block = if n <= 128 { 32 } else { BLOCK };
+            let t = float_tag(x.dtype)?;
+            p.kernel("softmax", format!("softmax_{name}_{t}"), rows_grid(outer * inner), [block, 1, 1], args);
+        }
+        Op::LayerNormalization(_)
+        | Op::LayerNormalizationGrad(_)
+        | Op::BatchNormalization(_)
+        | Op::BatchNormalizationGrad(_)
+        | Op::InstanceNormalization(_)
+        | Op::GroupNormalization(_) => plan_norm(p)?,
+        Op::MaxPool(_) | Op::AveragePool(_) | Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) => plan_pool(p)?,
+        Op::Conv(_) | Op::ConvGrad(_) => plan_conv(p)?,
+        Op::ConvTranspose(a) => plan_conv_transpose(p, a)?,
+        Op::LRN(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            if x.shape.len() < 2 {
+                return Err("LRN of a tensor of rank below 2".into());
+            }
+            let (n, c) = (x.numel() as u64, x.shape[1] as i64);
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I64(c),
+                Arg::I64(numel(&x.shape[2..]) as i64),
+                Arg::I64(a.size),
+                Arg::F32(a.alpha),
+                Arg::F32(a.beta),
+                Arg::F32(a.bias),
+            ];
+            p.flat("norm", format!("norm_lrn_{}", float_tag(x.dtype)?), n, args);
+        }
+        Op::Transpose(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let r = x.shape.len();
+            let perm: Vec<usize> = match &a.perm {
+                Some(v) => {
+                    v.iter().map(|&d| normalize_axis(d, r).ok_or("perm out of range")).collect::<Result<_, _>>()?
+                }
+                None => (0..r).rev().collect(),
+            };
+            let xs = contiguous(&x.shape);
+            let xs: Vec<i64> = perm.iter().map(|&d| xs[d]).collect();
+            p.strided_copy(x.dtype, buf(x), buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
+        }
+        Op::Expand => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.expand(x.dtype, buf(x), &x.shape, buf(y), &y.shape)?;
+        }
+        Op::Slice => plan_slice(p)?,
+        Op::Concat(a) => {
+            let y = p.output(0)?;
+            let ax = normalize_axis(a.axis, y.shape.len()).ok_or("axis out of range")?;
+            let ys = contiguous(&y.shape);
+            let mut at = 0u64;
+            for i in 0..p.l.inputs.len() {
+                let Some(x) = p.opt_input(i) else { continue };
+                let to = buf(y).at(at * ys[ax] as u64 * y.dtype.size() as u64);
+                p.strided_copy(x.dtype, buf(x), to, &x.shape, &contiguous(&x.shape), &ys)?;
+                at += x.shape[ax] as u64;
+            }
+        }
+        Op::Split(a) => {
+            let x = p.input(0)?;
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let xs = contiguous(&x.shape);
+            let mut at = 0u64;
+            for y in &p.l.outputs {
+                let from = buf(x).at(at * xs[ax] as u64 * x.dtype.size() as u64);
+                p.strided_copy(x.dtype, from, buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
+                at += y.shape[ax] as u64;
+            }
+        }
+        Op::Tile => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = y.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(y.shape.len() as i32),
+                Arg::Dims(dims8(&us(&y.shape))?),
+                Arg::Dims(dims8(&us(&x.shape))?),
+                Arg::Dims(dims8(&contiguous(&x.shape))?),
+            ];
+            p.flat("movement", format!("movement_tile_{}", size_tag(x.dtype)?), n, args);
+        }
+        Op::Pad(a) => plan_pad(p, a.mode)?,
+        Op::Trilu(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let k = p.host_ints(1).and_then(|v| v.first().copied()).unwrap_or(0);
+            let r = x.shape.len();
+            if r < 2 {
+                return Err("Trilu of a tensor of rank below 2".into());
+            }
+            let n = x.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I64(x.shape[r - 2] as i64),
+                Arg::I64(x.shape[r - 1] as i64),
+                Arg::I64(k),
+                Arg::I32(a.upper as i32),
+            ];
+            p.flat("movement", format!("movement_trilu_{}", size_tag(x.dtype)?), n, args);
+        }
+        Op::ConstantOfShape(a) => {
+            let y = p.output(0)?;
+            let v = a
+                .value
+                .as_ref()
+                .map(HostTensor::from)
+                .unwrap_or_else(|| HostTensor::from_f64(y.dtype, vec![1], vec![0.0]));
+            let mut bits = [0u8; 8];
+            v.write_le_bytes(&mut bits[..v.bytes().min(8)]);
+            let n = y.numel() as u64;
+            let args = vec![Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::U64(u64::from_le_bytes(bits))];
+            p.flat("movement", format!("movement_fill_{}", size_tag(y.dtype)?), n, args);
+        }
+        Op::Range => {
+            let y = p.output(0)?;
+            let value =
+                |p: &Planner, i: usize| p.host(i).cloned().ok_or_else(|| format!("Range's input {i} is not known"));
+            let (start, delta) = (value(p, 0)?, value(p, 2)?);
+            let bytes = |t: &HostTensor| {
+                let mut b = vec![0u8; t.bytes()];
+                t.write_le_bytes(&mut b);
+                b
+            };
+            let (s, d) = (p.aux(&bytes(&start)), p.aux(&bytes(&delta)));
+            let n = y.numel() as u64;
+            let args = vec![Arg::Ptr(s), Arg::Ptr(d), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            p.flat("movement", format!("movement_range_{}", tag(y.dtype)?), n, args);
+        }
+        Op::CumSum(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("CumSum's axis is not known")?;
+            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.exclusive as i32),
+                Arg::I32(a.reverse as i32),
+            ];
+            p.flat("movement", format!("movement_cumsum_{}", tag(x.dtype)?), outer * inner, args);
+        }
+        Op::Gather(a) => {
+            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
+            let count = idx.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(idx)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(len as i64),
+                Arg::I64(count as i64),
+                Arg::I64(inner as i64),
+                Arg::Ptr(Buf::Flag),
+            ];
+            let name = format!("gather_axis_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
+            p.flat("gather", name, y.numel() as u64, args);
+        }
+        Op::GatherElements(a) => {
+            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let n = y.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(idx)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(idx.shape.len() as i32),
+                Arg::Dims(dims8(&us(&idx.shape))?),
+                Arg::Dims(dims8(&contiguous(&x.shape))?),
+                Arg::I32(ax as i32),
+                Arg::I64(x.shape[ax] as i64),
+                Arg::Ptr(Buf::Flag),
+            ];
+            let name = format!("gather_elements_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
+            p.flat("gather", name, n, args);
+        }
+        Op::GatherGrad(a) => plan_gather_grad(p, a.axis)?,
+        Op::GatherND(a) => plan_gather_nd(p, a.batch_dims)?,
+        Op::ScatterND(a) => plan_scatter(p, None, a.reduction)?,
+        Op::ScatterElements(a) => plan_scatter(p, Some(a.axis), a.reduction)?,
+        Op::Resize(a) => plan_resize(p, a)?,
+        Op::Einsum(a) => plan_einsum(p, &a.equation)?,
+        Op::SoftmaxCrossEntropyLoss(_)
+        | Op::NegativeLogLikelihoodLoss(_)
+        | Op::SoftmaxCrossEntropyLossGrad(_)
+        | Op::NegativeLogLikelihoodLossGrad(_) => plan_loss(p)?,
+        Op::AllFinite
+        | Op::SgdUpdate(_)
+        | Op::AdamUpdate(_)
+        | Op::LossScaleUpdate(_)
+        | Op::SeededDropout(_)
+        | Op::ReluGrad
+        | Op::GeluGrad(_) => plan_train(p)?,
+        op => return Err(format!("{} has no CUDA kernel yet", op.op_type())),
+    }
+    Ok(())
+}
+
+/// `(prod(shape[..a]), prod(shape[a..b]), prod(shape[b..]))`.
+fn split3(shape: &[usize], a: usize, b: usize) -> (u64, u64, u64) {
+    (numel(&shape[..a]), numel(&shape[a..b]), numel(&shape[b..]))
+}
+
+/// The dtype the norm and loss kernels compute, keep statistics and sum in for `x`'s data: f64
+/// for f64, else f32 (`AccT` in kernels/common.cuh).
+fn acc_dtype(x: DType) -> DType {
+    if x == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+fn window3(w: &Window, inp: &[usize]) -> Result<Window3, String> {
+    let sp = w.kernel.len();
+    if sp == 0 || sp > 3 {
+        return Err(format!("a window over {sp} spatial dims (the CUDA kernels take 1 to 3)"));
+    }
+    let fill = |v: &[usize]| {
+        let mut a = [1i64; 3];
+        v.iter().enumerate().for_each(|(i, &x)| a[i] = x as i64);
+        a
+    };
+    let zeros = |v: &[usize]| {
+        let mut a = [0i64; 3];
+        v.iter().enumerate().for_each(|(i, &x)| a[i] = x as i64);
+        a
+    };
+    Ok(Window3 {
+        inp: fill(inp),
+        out: fill(&w.out),
+        k: fill(&w.kernel),
+        stride: fill(&w.strides),
+        dil: fill(&w.dilations),
+        pad: zeros(&w.pads_begin),
+        pad_end: zeros(&w.pads_end),
+        nsp: sp as i32,
+        unused: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcast_walks_are_coalesced() {
+        // A bias row over (8, 512, 3072): two dims, the bias's outer stride 0.
+        let out = [8, 512, 3072];
+        let (a, b) = (contiguous(&out), us(&broadcast_strides(&[3072], &out)));
+        assert_eq!(coalesce(&out, &[&a, &b]), (vec![4096, 3072], vec![vec![3072, 1], vec![0, 1]]));
+        // A scalar: one dim, no division in the kernel.
+        let s = us(&broadcast_strides(&[], &out));
+        assert_eq!(coalesce(&out, &[&a, &s]), (vec![8 * 512 * 3072], vec![vec![1], vec![0]]));
+        assert_eq!(strided_args(&out, [&a, &s]).unwrap().0, 1);
+        // Size-1 dims go; contiguous operands need no walk at all.
+        assert_eq!(strided_args(&[1, 6, 1, 5], [&contiguous(&[1, 6, 1, 5]); 2]).unwrap().0, 0);
+        // A transpose keeps its dims: (2, 3, 4) read as (0, 2, 1) of a (2, 4, 3) tensor.
+        let (x, y) = ([12, 1, 3], contiguous(&[2, 3, 4]));
+        assert_eq!(coalesce(&[2, 3, 4], &[&x, &y]), (vec![2, 3, 4], vec![vec![12, 1, 3], vec![12, 4, 1]]));
+        // A slice of the inner dim stops the merge only there.
+        let (x, y) = ([40, 10, 1], contiguous(&[2, 4, 5]));
+        assert_eq!(coalesce(&[2, 4, 5], &[&x, &y]), (vec![8, 5], vec![vec![10, 1], vec![5, 1]]));
+    }
+
+    #[test]
+    fn parameters_are_laid_out_as_c_does() {
+        let args =
+            [Arg::Ptr(Buf::Work(0)), Arg::I32(1), Arg::Dims([0; 8]), Arg::F32(1.0), Arg::Window(Window3::default())];
+        let (offsets, total) = param_offsets(&args);
+        assert_eq!(offsets, vec![0, 8, 16, 80, 88]);
+        assert_eq!(total, 264);
+        assert_eq!(Window3::default().bytes().len(), 176);
+        assert_eq!(std::mem::size_of::<Window3>(), 176);
+    }
+
+    #[test]
+    fn reductions_over_one_block_of_dims_need_no_transpose() {
+        use mpc_ir::ops::ReduceAttrs;
+        let t =
+            |shape: &[usize]| TensorRef { region: Region::Arena, offset: 0, dtype: DType::F32, shape: shape.to_vec() };
+        let launch = |axes: Vec<i64>, out: &[usize]| Launch {
+            node: "r".into(),
+            op: Op::ReduceSum(ReduceAttrs { keepdims: true, noop_with_empty_axes: false }),
+            inputs: vec![
+                Operand::Device(t(&[4, 1, 6, 8])),
+                Operand::Host(HostTensor::from_i64(DType::I64, vec![axes.len()], axes)),
+            ],
+            outputs: vec![t(out)],
+            branches: None,
+        };
+        let none = |_: &TensorRef| None;
+        // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).
+        let plan1 = plan(&launch(vec![1, 2], &[4, 1, 1, 8]), &none).unwrap();
+        assert_eq!(plan1.calls.len(), 1);
+        let Call::Kernel(k) = &plan1.calls[0] else { panic!() };
+        assert_eq!(k.name, "reduce_sum_rows_f32");
+        assert_eq!(&k.args[2..5], &[Arg::I64(4), Arg::I64(6), Arg::I64(8)]);
+        // Axes 0 and 3 are not adjacent: a transposed copy first.
+        let plan2 = plan(&launch(vec![0, 3], &[1, 1, 6, 1]), &none).unwrap();
+        assert_eq!(plan2.calls.len(), 2);
+        assert!(plan2.workspace >= 4 * 6 * 8 * 4);
+        let Call::Kernel(k) = &plan2.calls[1] else { panic!() };
+        assert_eq!(&k.args[2..5], &[Arg::I64(6), Arg::I64(32), Arg::I64(1)]);
+    }
+}

@@ -1,0 +1,149 @@
+//! Plans of slice, Pad and Resize.
+
+use super::*;
+
+pub(super) fn plan_slice(p: &mut Planner) -> Result<(), String> {
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    let r = x.shape.len();
+    let starts = p.host_ints(1).ok_or("Slice's starts are not known")?;
+    let ends = p.host_ints(2).ok_or("Slice's ends are not known")?;
+    let axes = p.host_ints(3).unwrap_or_else(|| (0..starts.len() as i64).collect());
+    let steps = p.host_ints(4).unwrap_or_else(|| vec![1; starts.len()]);
+    if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() {
+        return Err("Slice's starts, ends, axes and steps differ in length".into());
+    }
+    let xs = contiguous(&x.shape);
+    let mut strides = xs.clone();
+    let mut first = 0i64;
+    for i in 0..starts.len() {
+        let ax = normalize_axis(axes[i], r).ok_or("axis out of range")?;
+        let (b, _) = slice_dim(x.shape[ax] as i64, starts[i], ends[i], steps[i])?;
+        if y.shape[ax] > 0 {
+            first += b * xs[ax];
+        }
+        strides[ax] = xs[ax] * steps[i];
+    }
+    let from = buf(x).at((first as u64) * x.dtype.size() as u64);
+    p.strided_copy(x.dtype, from, buf(y), &y.shape, &strides, &contiguous(&y.shape))
+}
+
+pub(super) fn plan_pad(p: &mut Planner, mode: PadMode) -> Result<(), String> {
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    let r = x.shape.len();
+    let pads = p.host_ints(1).ok_or("Pad's pads are not known")?;
+    let axes: Vec<usize> = match p.host_ints(3) {
+        Some(v) => v.iter().map(|&a| normalize_axis(a, r).ok_or("axis out of range")).collect::<Result<_, _>>()?,
+        None => (0..r).collect(),
+    };
+    if pads.len() != 2 * axes.len() {
+        return Err("Pad's pads do not match its axes".into());
+    }
+    let mut before = vec![0i64; r];
+    for (i, &a) in axes.iter().enumerate() {
+        before[a] = pads[i];
+    }
+    let mut bits = [0u8; 8];
+    if let Some(v) = p.opt_input(2) {
+        match (p.constant)(v) {
+            Some(c) => {
+                let c = c.cast(x.dtype);
+                c.write_le_bytes(&mut bits[..c.bytes().min(8)]);
+            }
+            // The other modes never read the value.
+            None if mode == PadMode::Constant => return pad_from_device(p, x, v, y, &before),
+            None => {}
+        }
+    } else if let Some(v) = p.host(2) {
+        let c = v.cast(x.dtype);
+        c.write_le_bytes(&mut bits[..c.bytes().min(8)]);
+    }
+    let code = match mode {
+        PadMode::Constant => 0,
+        PadMode::Reflect => 1,
+        PadMode::Edge => 2,
+        PadMode::Wrap => 3,
+    };
+    let n = y.numel() as u64;
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n as i64),
+        Arg::I32(r as i32),
+        Arg::Dims(dims8(&us(&y.shape))?),
+        Arg::Dims(dims8(&us(&x.shape))?),
+        Arg::Dims(dims8(&contiguous(&x.shape))?),
+        Arg::Dims(dims8(&before)?),
+        Arg::I32(code),
+        Arg::U64(u64::from_le_bytes(bits)),
+    ];
+    p.flat("movement", format!("movement_pad_{}", size_tag(x.dtype)?), n, args);
+    Ok(())
+}
+
+pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Result<(), String> {
+    use mpc_ir::ops::{AspectPolicy, ResizeMode};
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch || a.mode == ResizeMode::Cubic {
+        return Err("Resize with cubic mode, antialias or an aspect-ratio policy".into());
+    }
+    let t = float_tag(x.dtype)?;
+    let scales = p.host(2).filter(|s| !s.is_empty()).map(|s| s.f64s());
+    let sizes = p.host(3).filter(|s| !s.is_empty()).and_then(|s| s.i64s());
+    let (out, scale) = mpc_ir::geometry::resize_plan(a, &x.shape, scales.as_deref(), sizes.as_deref())?;
+    if out != y.shape {
+        return Err(format!("Resize to {out:?} where the graph declares {:?}", y.shape));
+    }
+    let (mut count, mut idx, mut w, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for d in 0..x.shape.len() {
+        base.push(count.len() as i64);
+        for taps in mpc_ir::geometry::resize_taps(a, x.shape[d], out[d], scale[d])? {
+            if taps.is_empty() || taps.len() > 2 {
+                return Err(format!("a Resize output sampling {} inputs", taps.len()));
+            }
+            count.push(taps.len() as i64);
+            for k in 0..2 {
+                let (i, wt) = taps.get(k).copied().unwrap_or((0, 0.0));
+                idx.push(i as i64);
+                w.push(wt);
+            }
+        }
+    }
+    let le = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let (count, idx) = (p.aux(&le(&count)), p.aux(&le(&idx)));
+    let w = p.aux(&w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
+    let n = y.numel() as u64;
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n as i64),
+        Arg::I32(x.shape.len() as i32),
+        Arg::Dims(dims8(&us(&y.shape))?),
+        Arg::Dims(dims8(&contiguous(&x.shape))?),
+        Arg::Dims(dims8(&base)?),
+        Arg::Ptr(count),
+        Arg::Ptr(idx),
+        Arg::Ptr(w),
+    ];
+    p.flat("movement", format!("movement_resize_{t}"), n, args);
+    Ok(())
+}
+
+/// Constant Pad whose value is computed on the device: the value broadcast over the output,
+/// then the part of the input the output keeps copied into place.
+fn pad_from_device(p: &mut Planner, x: &TensorRef, v: &TensorRef, y: &TensorRef, before: &[i64]) -> Result<(), String> {
+    if v.numel() != 1 || v.dtype != x.dtype {
+        return Err("Pad's constant value must be one value of the input's dtype".into());
+    }
+    p.expand(y.dtype, buf(v), &v.shape, buf(y), &y.shape)?;
+    let (xs, ys) = (contiguous(&x.shape), contiguous(&y.shape));
+    let (mut from, mut to, mut dims) = (0i64, 0i64, Vec::with_capacity(x.shape.len()));
+    for d in 0..x.shape.len() {
+        let (out_start, in_start) = (before[d].max(0), (-before[d]).max(0));
+        let len = (x.shape[d] as i64 - in_start).min(y.shape[d] as i64 - out_start).max(0);
+        from += in_start * xs[d];
+        to += out_start * ys[d];
+        dims.push(len as usize);
+    }
+    let es = x.dtype.size() as u64;
+    p.strided_copy(x.dtype, buf(x).at(from as u64 * es), buf(y).at(to as u64 * es), &dims, &xs, &ys)
+}

@@ -1,0 +1,200 @@
+//! Plans of layer, batch, instance and group normalisation and their gradients.
+
+use super::*;
+
+/// The (data, parameter) dtype suffix of the norm kernels.
+fn norm_tags(x: DType, param: DType) -> Result<String, String> {
+    match (x, param) {
+        (DType::F32, DType::F32)
+        | (DType::F16, DType::F16)
+        | (DType::BF16, DType::BF16)
+        | (DType::F16, DType::F32)
+        | (DType::BF16, DType::F32)
+        | (DType::F64, DType::F64) => Ok(format!("{}_{}", tag(x)?, tag(param)?)),
+        _ => Err(format!("normalisation of {x} data with {param} parameters")),
+    }
+}
+
+/// A statistics output of LayerNormalization, and the workspace (in the kernel's accumulator
+/// dtype) to cast into it.
+type Stat<'t> = (Arg, Option<(Buf, &'t TensorRef)>);
+
+pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
+    let op = p.l.op.clone();
+    match &op {
+        Op::LayerNormalization(a) => {
+            let (x, scale, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
+            let bias = p.opt_input(2).map_or(Arg::Null, |b| Arg::Ptr(buf(b)));
+            // Mean and InvStdDev come from the kernel in its accumulator dtype; another dtype is
+            // cast into place.
+            let outputs = &p.l.outputs;
+            let acc = acc_dtype(x.dtype);
+            let stat = |p: &mut Planner, i: usize| -> Result<Stat, String> {
+                match outputs.get(i) {
+                    None => Ok((Arg::Null, None)),
+                    Some(t) if t.dtype == acc => Ok((Arg::Ptr(buf(t)), None)),
+                    Some(t) => {
+                        let w = p.work(rows * acc.size() as u64);
+                        Ok((Arg::Ptr(w), Some((w, t))))
+                    }
+                }
+            };
+            let (mean, mean_cast) = stat(p, 1)?;
+            let (inv, inv_cast) = stat(p, 2)?;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(scale)),
+                bias,
+                Arg::Ptr(buf(y)),
+                mean,
+                inv,
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(scale.numel() as i64),
+                Arg::F32(a.epsilon),
+            ];
+            let name = format!("norm_layer_norm_{}", norm_tags(x.dtype, scale.dtype)?);
+            p.kernel("norm", name, rows_grid(rows), [BLOCK, 1, 1], args);
+            for (w, t) in [mean_cast, inv_cast].into_iter().flatten() {
+                p.cast(acc, t.dtype, w, buf(t), rows)?;
+            }
+        }
+        Op::LayerNormalizationGrad(a) => {
+            let (dy, x, scale) = (p.input(0)?, p.input(1)?, p.input(2)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
+            let tags = norm_tags(x.dtype, scale.dtype)?;
+            let acc = acc_dtype(x.dtype).size() as u64;
+            let (ws_mean, ws_inv) = (p.work(rows * acc), p.work(rows * acc));
+            let dx = p.l.outputs.first().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+            let args = vec![
+                Arg::Ptr(buf(dy)),
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(scale)),
+                dx,
+                Arg::Ptr(ws_mean),
+                Arg::Ptr(ws_inv),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(scale.numel() as i64),
+                Arg::F32(a.epsilon),
+            ];
+            p.kernel("norm", format!("norm_layer_norm_grad_{tags}"), rows_grid(rows), [BLOCK, 1, 1], args);
+            if let Some(ds) = p.l.outputs.get(1) {
+                let db = p.l.outputs.get(2).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+                let sn = scale.numel() as u64;
+                let args = vec![
+                    Arg::Ptr(buf(dy)),
+                    Arg::Ptr(buf(x)),
+                    Arg::Ptr(ws_mean),
+                    Arg::Ptr(ws_inv),
+                    Arg::Ptr(buf(ds)),
+                    db,
+                    Arg::I64(rows as i64),
+                    Arg::I64(n as i64),
+                    Arg::I64(sn as i64),
+                ];
+                p.kernel(
+                    "norm",
+                    format!("norm_layer_norm_grad_params_{tags}"),
+                    [sn.div_ceil(32) as u32, 1, 1],
+                    [32, 8, 1],
+                    args,
+                );
+            }
+        }
+        Op::BatchNormalization(a) => {
+            let (x, scale, bias, mean, var, y) =
+                (p.input(0)?, p.input(1)?, p.input(2)?, p.input(3)?, p.input(4)?, p.output(0)?);
+            if x.shape.len() < 2 {
+                return Err("BatchNormalization of a tensor of rank below 2".into());
+            }
+            let (n, c, inner) = split3(&x.shape, 1, 2);
+            let tags = norm_tags(x.dtype, scale.dtype)?;
+            let ptr = |t: &TensorRef| Arg::Ptr(buf(t));
+            if a.training_mode {
+                let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
+                let rv = p.l.outputs.get(2).map_or(Arg::Null, ptr);
+                if rm == Arg::Null || rv == Arg::Null {
+                    return Err("training-mode BatchNormalization without its running statistics outputs".into());
+                }
+                let args = vec![
+                    ptr(x),
+                    ptr(scale),
+                    ptr(bias),
+                    ptr(mean),
+                    ptr(var),
+                    ptr(y),
+                    rm,
+                    rv,
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::I64(n as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(inner as i64),
+                    Arg::F32(a.epsilon),
+                    Arg::F32(a.momentum),
+                ];
+                p.kernel("norm", format!("norm_batch_norm_train_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
+            } else {
+                let args = vec![
+                    ptr(x),
+                    ptr(scale),
+                    ptr(bias),
+                    ptr(mean),
+                    ptr(var),
+                    ptr(y),
+                    Arg::I64(n as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(inner as i64),
+                    Arg::F32(a.epsilon),
+                ];
+                p.flat("norm", format!("norm_batch_norm_infer_{tags}"), x.numel() as u64, args);
+            }
+        }
+        Op::BatchNormalizationGrad(a) => {
+            let (dy, x, scale) = (p.input(0)?, p.input(1)?, p.input(2)?);
+            let tags = norm_tags(x.dtype, scale.dtype)?;
+            let c = x.shape.get(1).copied().unwrap_or(1) as u64;
+            let inner = numel(&x.shape[2.min(x.shape.len())..]);
+            let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+            let args = vec![
+                Arg::Ptr(buf(dy)),
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(scale)),
+                out(0),
+                out(1),
+                out(2),
+                Arg::I64(x.shape[0] as i64),
+                Arg::I64(c as i64),
+                Arg::I64(inner as i64),
+                Arg::F32(a.epsilon),
+            ];
+            p.kernel("norm", format!("norm_batch_norm_grad_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
+        }
+        Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
+            let (x, scale, bias, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+            let tags = norm_tags(x.dtype, scale.dtype)?;
+            let (n, c) = (x.shape[0] as u64, x.shape.get(1).copied().unwrap_or(1) as u64);
+            let inner = numel(&x.shape[2.min(x.shape.len())..]);
+            let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(scale)), Arg::Ptr(buf(bias)), Arg::Ptr(buf(y))];
+            args.extend([Arg::I64(n as i64), Arg::I64(c as i64)]);
+            match &op {
+                Op::InstanceNormalization(a) => {
+                    args.extend([Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
+                    p.kernel("norm", format!("norm_instance_norm_{tags}"), rows_grid(n * c), [BLOCK, 1, 1], args);
+                }
+                Op::GroupNormalization(a) => {
+                    let groups = a.num_groups as u64;
+                    args.extend([Arg::I64(groups as i64), Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
+                    p.kernel("norm", format!("norm_group_norm_{tags}"), rows_grid(n * groups), [BLOCK, 1, 1], args);
+                }
+                _ => unreachable!(),
+            }
+        }
+        _ => unreachable!("not a normalisation"),
+    }
+    Ok(())
+}

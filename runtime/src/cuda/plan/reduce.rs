@@ -1,0 +1,108 @@
+//! Plans of reductions: one pass, two passes for long rows, a transposed copy first for axes that are not adjacent.
+
+use super::*;
+
+pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
+    let op = p.l.op.clone();
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    let kind = reduce_kind(&op).expect("a reduction");
+    let r = x.shape.len();
+    let axes: Vec<usize> = match &op {
+        Op::GlobalAveragePool | Op::GlobalMaxPool => (2..r).collect(),
+        Op::ReduceSum(a)
+        | Op::ReduceMean(a)
+        | Op::ReduceMax(a)
+        | Op::ReduceMin(a)
+        | Op::ReduceSumSquare(a)
+        | Op::ReduceL2(a)
+        | Op::ReduceLogSumExp(a)
+        | Op::ReduceL1(a)
+        | Op::ReduceProd(a) => match p.host_ints(1) {
+            Some(v) if !v.is_empty() => {
+                let mut v = v
+                    .iter()
+                    .map(|&d| normalize_axis(d, r).ok_or("axis out of range"))
+                    .collect::<Result<Vec<_>, _>>()?;
+                v.sort_unstable();
+                v
+            }
+            _ if a.noop_with_empty_axes => {
+                p.copy(buf(x), buf(y), y.bytes());
+                return Ok(());
+            }
+            _ => (0..r).collect(),
+        },
+        _ => unreachable!("not a reduction"),
+    };
+    let t = if x.dtype.is_float() {
+        float_tag(x.dtype)?
+    } else if matches!(kind, "sum" | "max" | "min" | "prod") {
+        tag(x.dtype)?
+    } else {
+        return Err(format!("{} on {}", op.op_type(), x.dtype));
+    };
+    // The reduced dims must be one block of the dims that are not 1: then x is (outer, reduced,
+    // inner) as it lies; otherwise the kept dims are moved in front first.
+    let big: Vec<usize> = (0..r).filter(|&d| x.shape[d] != 1).collect();
+    let marks: Vec<bool> = big.iter().map(|d| axes.contains(d)).collect();
+    let first = marks.iter().position(|&m| m);
+    let last = marks.iter().rposition(|&m| m);
+    let block = match (first, last) {
+        (Some(f), Some(l)) => marks[f..=l].iter().all(|&m| m),
+        _ => true,
+    };
+    let (src, outer, reduced, inner) = if block {
+        let reduced: u64 = axes.iter().map(|&d| x.shape[d] as u64).product();
+        let (outer, inner) = match first {
+            Some(f) => (numel(&x.shape[..big[f]]), numel(&x.shape[big[last.unwrap_or(f)] + 1..])),
+            None => (numel(&x.shape) / reduced.max(1), 1),
+        };
+        (buf(x), outer, reduced, inner)
+    } else {
+        let kept: Vec<usize> = (0..r).filter(|d| !axes.contains(d)).collect();
+        let perm: Vec<usize> = kept.iter().chain(&axes).copied().collect();
+        let dims: Vec<usize> = perm.iter().map(|&d| x.shape[d]).collect();
+        let xs = contiguous(&x.shape);
+        let xs: Vec<i64> = perm.iter().map(|&d| xs[d]).collect();
+        let w = p.work(x.bytes());
+        p.strided_copy(x.dtype, buf(x), w, &dims, &xs, &contiguous(&dims))?;
+        let outer = numel(&dims[..kept.len()]);
+        (w, outer, numel(&dims[kept.len()..]), 1)
+    };
+    if x.dtype == DType::Bool && reduced == 0 {
+        // An empty extent: max is false and min is true (the u8 kernels would give 0 and 255).
+        let byte = (kind == "min") as u8;
+        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte });
+        return Ok(());
+    }
+    let shape_args = [Arg::I64(outer as i64), Arg::I64(reduced as i64), Arg::I64(inner as i64)];
+    let splittable = !matches!(kind, "log_sum_exp");
+    if inner == 1 && reduced >= 65536 && outer < 64 && splittable {
+        // Long rows and few of them: a two-pass reduction.
+        let splits = reduced.div_ceil(16384).min(1024);
+        let acc = if x.dtype == DType::F64 || !x.dtype.is_float() { 8 } else { 4 };
+        let part = p.work(outer * splits * acc);
+        let mut args = vec![Arg::Ptr(src), Arg::Ptr(part)];
+        args.extend(shape_args);
+        args.push(Arg::I64(splits as i64));
+        p.kernel("reduce", format!("reduce_{kind}_split_{t}"), rows_grid(outer * splits), [BLOCK, 1, 1], args);
+        let args = vec![
+            Arg::Ptr(part),
+            Arg::Ptr(buf(y)),
+            Arg::I64(outer as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(reduced as i64),
+        ];
+        p.kernel("reduce", format!("reduce_{kind}_finish_{t}"), rows_grid(outer), [BLOCK, 1, 1], args);
+    } else if inner >= 32 {
+        let mut args = vec![Arg::Ptr(src), Arg::Ptr(buf(y))];
+        args.extend(shape_args);
+        let grid = [inner.div_ceil(32) as u32, outer.clamp(1, MAX_ROWS) as u32, 1];
+        p.kernel("reduce", format!("reduce_{kind}_cols_{t}"), grid, [32, 8, 1], args);
+    } else {
+        let mut args = vec![Arg::Ptr(src), Arg::Ptr(buf(y))];
+        args.extend(shape_args);
+        p.kernel("reduce", format!("reduce_{kind}_rows_{t}"), rows_grid(outer * inner), [BLOCK, 1, 1], args);
+    }
+    Ok(())
+}

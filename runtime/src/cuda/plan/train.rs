@@ -1,0 +1,262 @@
+//! Plans of losses and their gradients, and the training ops of the ai.mpc domain.
+
+use super::*;
+
+pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
+    let op = p.l.op.clone();
+    let a = match &op {
+        Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => a,
+        Op::SoftmaxCrossEntropyLossGrad(a) | Op::NegativeLogLikelihoodLossGrad(a) => &**a,
+        _ => unreachable!("not a loss"),
+    };
+    let grad = matches!(op, Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_));
+    let softmax = matches!(op, Op::SoftmaxCrossEntropyLoss(_) | Op::SoftmaxCrossEntropyLossGrad(_));
+    let base = grad as usize;
+    let (scores, labels) = (p.input(base)?, p.input(base + 1)?);
+    let weights = p.opt_input(base + 2).map_or(Arg::Null, |w| Arg::Ptr(buf(w)));
+    if scores.shape.len() < 2 {
+        return Err("loss scores of rank below 2".into());
+    }
+    let (n, c, inner) = split3(&scores.shape, 1, 2);
+    let positions = n * inner;
+    let t = match scores.dtype {
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64 => tag(scores.dtype)?,
+        d => return Err(format!("a loss on {d} scores")),
+    };
+    let it = index_tag(labels.dtype)?;
+    let reduction = match a.reduction {
+        Reduction::None => 0,
+        Reduction::Sum => 1,
+        Reduction::Mean => 2,
+    };
+    let ignore = [Arg::I32(a.ignore_index.is_some() as i32), Arg::I64(a.ignore_index.unwrap_or(0))];
+    let dims = [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)];
+    let block = if c <= 128 { 32 } else { BLOCK };
+    let acc = acc_dtype(scores.dtype).size() as u64;
+    if !grad {
+        let loss = p.output(0)?;
+        let (ws_loss, ws_weight, none) = if reduction == 0 {
+            (Arg::Null, Arg::Null, Arg::Ptr(buf(loss)))
+        } else {
+            (Arg::Ptr(p.work(positions * acc)), Arg::Ptr(p.work(positions * acc)), Arg::Null)
+        };
+        let mut args = vec![Arg::Ptr(buf(scores)), Arg::Ptr(buf(labels)), weights];
+        if softmax {
+            args.push(p.l.outputs.get(1).map_or(Arg::Null, |t| Arg::Ptr(buf(t))));
+        }
+        args.extend([ws_loss, ws_weight, none]);
+        args.extend(dims);
+        args.extend(ignore);
+        if softmax {
+            p.kernel("loss", format!("loss_softmax_ce_{t}_{it}"), rows_grid(positions), [block, 1, 1], args);
+        } else {
+            p.flat("loss", format!("loss_nll_{t}_{it}"), positions, args);
+        }
+        if reduction != 0 {
+            let args = vec![ws_loss, ws_weight, Arg::Ptr(buf(loss)), Arg::I64(positions as i64), Arg::I32(reduction)];
+            p.kernel("loss", format!("loss_reduce_{t}"), [1, 1, 1], [BLOCK, 1, 1], args);
+        }
+        return Ok(());
+    }
+    let (dloss, d) = (p.input(0)?, p.output(0)?);
+    let total = if reduction == 2 {
+        let total = p.work(acc);
+        let mut args =
+            vec![Arg::Ptr(buf(labels)), weights, Arg::Ptr(total), Arg::I64(positions as i64), Arg::I64(c as i64)];
+        args.extend(ignore);
+        p.kernel("loss", format!("loss_weight_total_{t}_{it}"), [1, 1, 1], [BLOCK, 1, 1], args);
+        Arg::Ptr(total)
+    } else {
+        Arg::Null
+    };
+    let mut args =
+        vec![Arg::Ptr(buf(dloss)), Arg::Ptr(buf(scores)), Arg::Ptr(buf(labels)), weights, total, Arg::Ptr(buf(d))];
+    args.extend(dims);
+    args.extend(ignore);
+    args.push(Arg::I32(reduction));
+    if softmax {
+        p.kernel("loss", format!("loss_softmax_ce_grad_{t}_{it}"), rows_grid(positions), [block, 1, 1], args);
+    } else {
+        p.flat("loss", format!("loss_nll_grad_{t}_{it}"), d.numel() as u64, args);
+    }
+    Ok(())
+}
+
+/// The `<param>_<grad>` dtype suffix of the update kernels: a gradient of the parameter's dtype,
+/// or an f16/bf16 one of an f32 parameter (the master weights of mixed precision).
+fn update_tags(op: &str, param: DType, grad: DType) -> Result<String, String> {
+    match (param, grad) {
+        (p, g) if p == g && p.is_float() => Ok(format!("{}_{}", float_tag(p)?, float_tag(g)?)),
+        (DType::F32, DType::F16 | DType::BF16) => Ok(format!("f32_{}", float_tag(grad)?)),
+        _ => Err(format!("{op} of {param} parameters with {grad} gradients")),
+    }
+}
+
+/// An update's optional `inv_scale` input (slot `i`): a pointer to the f32 scalar, or null. Only
+/// f32 and f64 parameters take one (the kernels multiply in their compute type).
+fn unscale_arg(p: &Planner, i: usize, param: DType) -> Result<Arg, String> {
+    match p.opt_input(i) {
+        None => Ok(Arg::Null),
+        Some(_) if !matches!(param, DType::F32 | DType::F64) => Err(format!("an inv_scale with {param} parameters")),
+        Some(t) if t.dtype == DType::F32 && t.numel() == 1 => Ok(Arg::Ptr(buf(t))),
+        Some(t) => Err(format!("an update's inv_scale must be one f32, not {}{:?}", t.dtype, t.shape)),
+    }
+}
+
+pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
+    let op = p.l.op.clone();
+    match &op {
+        Op::AllFinite => {
+            let f = p.output(0)?;
+            p.kernel("train", "train_all_finite_init".into(), [1, 1, 1], [1, 1, 1], vec![Arg::Ptr(buf(f))]);
+            let floats: Vec<&TensorRef> = (0..p.l.inputs.len())
+                .filter_map(|i| p.opt_input(i))
+                .filter(|x| x.dtype.is_float() && x.numel() > 0)
+                .collect();
+            if let [x] = floats[..] {
+                let n = x.numel() as u64;
+                let args = vec![Arg::Ptr(buf(x)), Arg::I64(n as i64), Arg::Ptr(buf(f))];
+                p.flat("train", format!("train_all_finite_{}", float_tag(x.dtype)?), n, args);
+            } else if !floats.is_empty() {
+                // Every gradient in one launch: arrays of addresses, sizes and dtype codes.
+                let ptrs = p.aux(&vec![0u8; 8 * floats.len()]);
+                let Buf::Aux(at) = ptrs else { unreachable!("aux bytes") };
+                for (k, x) in floats.iter().enumerate() {
+                    p.out.addresses.push((at + 8 * k as u64, buf(x)));
+                }
+                let sizes: Vec<u8> = floats.iter().flat_map(|x| (x.numel() as i64).to_le_bytes()).collect();
+                let codes: Vec<u8> = floats
+                    .iter()
+                    .flat_map(|x| {
+                        let code: i32 = match x.dtype {
+                            DType::F32 => 0,
+                            DType::F16 => 1,
+                            DType::BF16 => 2,
+                            _ => 3,
+                        };
+                        code.to_le_bytes()
+                    })
+                    .collect();
+                let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
+                let count = floats.len() as u64;
+                let widest = floats.iter().map(|x| x.numel() as u64).max().unwrap_or(1);
+                let grid = [widest.div_ceil(BLOCK as u64).clamp(1, 64) as u32, count.min(MAX_ROWS) as u32, 1];
+                let args =
+                    vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes), Arg::I32(count as i32), Arg::Ptr(buf(f))];
+                p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
+            }
+        }
+        Op::SgdUpdate(a) => {
+            let (param, grad, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
+            let vel = p.opt_input(3);
+            let out = p.output(0)?;
+            let n = param.numel() as u64;
+            let tags = update_tags("SgdUpdate", param.dtype, grad.dtype)?;
+            let inv = unscale_arg(p, 4, param.dtype)?;
+            let args = vec![
+                Arg::Ptr(buf(param)),
+                Arg::Ptr(buf(grad)),
+                inv,
+                Arg::Ptr(buf(finite)),
+                vel.map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
+                Arg::Ptr(buf(out)),
+                p.l.outputs.get(1).map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
+                Arg::I64(n as i64),
+                Arg::F32(a.lr),
+                Arg::F32(a.momentum),
+                Arg::F32(a.weight_decay),
+                Arg::I32(a.nesterov as i32),
+            ];
+            p.flat("train", format!("train_sgd_{tags}"), n, args);
+        }
+        Op::AdamUpdate(a) => {
+            let ins: Vec<&TensorRef> = (0..6).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+            let (param, grad, step) = (ins[0], ins[1], ins[4]);
+            if step.dtype != DType::I64 {
+                return Err(format!("AdamUpdate with a {} step", step.dtype));
+            }
+            let tags = update_tags("AdamUpdate", param.dtype, grad.dtype)?;
+            let n = param.numel() as u64;
+            let mut args = vec![Arg::Ptr(buf(param)), Arg::Ptr(buf(grad)), unscale_arg(p, 6, param.dtype)?];
+            args.extend(ins[2..].iter().map(|t| Arg::Ptr(buf(t))));
+            for i in 0..3 {
+                args.push(Arg::Ptr(buf(p.output(i)?)));
+            }
+            args.extend([
+                Arg::I64(n as i64),
+                Arg::F32(a.lr),
+                Arg::F32(a.beta1),
+                Arg::F32(a.beta2),
+                Arg::F32(a.epsilon),
+                Arg::F32(a.weight_decay),
+                Arg::I32(a.decoupled as i32),
+            ]);
+            p.flat("train", format!("train_adam_{tags}"), n, args);
+        }
+        Op::LossScaleUpdate(a) => {
+            let (scale, good, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
+            if scale.dtype != DType::F32 || good.dtype != DType::I64 {
+                return Err(format!("LossScaleUpdate of a {} scale and {} count", scale.dtype, good.dtype));
+            }
+            let args = vec![
+                Arg::Ptr(buf(scale)),
+                Arg::Ptr(buf(good)),
+                Arg::Ptr(buf(finite)),
+                Arg::Ptr(buf(p.output(0)?)),
+                Arg::Ptr(buf(p.output(1)?)),
+                Arg::F32(a.growth_factor),
+                Arg::F32(a.backoff_factor),
+                Arg::I64(a.growth_interval),
+                Arg::F32(a.min_scale),
+                Arg::F32(a.max_scale),
+            ];
+            p.kernel("train", "train_loss_scale_update".into(), [1, 1, 1], [1, 1, 1], args);
+        }
+        Op::SeededDropout(a) => {
+            let (x, key, y) = (p.input(0)?, p.input(2)?, p.output(0)?);
+            let n = x.numel() as u64;
+            let (ratio_ptr, ratio) = match (p.opt_input(1), p.host(1)) {
+                (Some(r), _) => match (p.constant)(r) {
+                    Some(v) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
+                    None if r.dtype == DType::F64 => (Arg::Ptr(buf(r)), 0.5),
+                    None => {
+                        let w = p.work(8);
+                        p.cast(r.dtype, DType::F64, buf(r), w, 1)?;
+                        (Arg::Ptr(w), 0.5)
+                    }
+                },
+                (None, Some(v)) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
+                _ => (Arg::Null, 0.5),
+            };
+            if !(0.0..1.0).contains(&ratio) {
+                return Err(format!("a dropout ratio of {ratio}, outside [0, 1)"));
+            }
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(key)),
+                ratio_ptr,
+                Arg::Ptr(buf(y)),
+                p.l.outputs.get(1).map_or(Arg::Null, |m| Arg::Ptr(buf(m))),
+                Arg::I64(n as i64),
+                Arg::I64(a.seed),
+                Arg::F64(ratio),
+            ];
+            p.flat("train", format!("train_seeded_dropout_{}", float_tag(x.dtype)?), n, args);
+        }
+        Op::ReluGrad | Op::GeluGrad(_) => {
+            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let n = dx.numel() as u64;
+            let t = float_tag(dx.dtype)?;
+            let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(buf(dx)), Arg::I64(n as i64)];
+            let name = if let Op::GeluGrad(a) = &op {
+                args.push(Arg::I32((a.approximate == GeluApprox::Tanh) as i32));
+                "gelu_grad"
+            } else {
+                "relu_grad"
+            };
+            p.flat("train", format!("train_{name}_{t}"), n, args);
+        }
+        _ => unreachable!("not a training op"),
+    }
+    Ok(())
+}
