@@ -176,7 +176,7 @@ fn prune(dir: &Path, prefix: &str, keep: usize) {
             let _ = std::fs::remove_file(e.path());
         }
     }
-    cubins.sort_by(|a, b| b.0.cmp(&a.0));
+    cubins.sort_by_key(|c| std::cmp::Reverse(c.0));
     for (_, path) in cubins.into_iter().skip(keep) {
         let _ = std::fs::remove_file(path);
     }

@@ -279,12 +279,12 @@ fn coalesce(dims: &[usize], strides: &[&[i64]]) -> (Vec<i64>, Vec<Vec<i64>>) {
     (out, outs)
 }
 
+/// A strided kernel's rank, dims and each operand's strides, as its arguments.
+type StridedArgs<const K: usize> = (i32, [i64; 8], [[i64; 8]; K]);
+
 /// The rank and the dims and strides arguments of a strided kernel over `dims` (coalesced), for
 /// each operand's strides; rank 0 where every operand is contiguous over the whole walk.
-fn strided_args<const K: usize>(
-    dims: &[usize],
-    strides: [&[i64]; K],
-) -> Result<(i32, [i64; 8], [[i64; 8]; K]), String> {
+fn strided_args<const K: usize>(dims: &[usize], strides: [&[i64]; K]) -> Result<StridedArgs<K>, String> {
     let (d, s) = coalesce(dims, &strides);
     if d.len() <= 1 && s.iter().all(|s| s.iter().all(|&x| x == 1)) {
         return Ok((0, [0; 8], [[0; 8]; K]));
