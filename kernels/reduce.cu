@@ -26,15 +26,22 @@
 //         outer*inner*splits) reduces r in [s*chunk, min(reduced, (s+1)*chunk)), chunk =
 //         ceil(reduced / splits), for output o*inner+i = b / splits, s = b % splits, into
 //         part[b] (C = float, or double for f64; not finalised). blockDim.x = 256.
+// cols_split: reduce_<kind>_cols_split_<T>(const T* x, C* part, long long outer, long long reduced,
+//                                  long long inner, long long splits)
+//         First pass for few, long columns (a bias gradient: rows of a (tokens, features)
+//         matrix summed): blockDim = (32, 8) as cols; gridDim.x = ceil(inner / 32), block y
+//         (grid-stride over outer*splits) is (o, s) = (y / splits, y % splits) and reduces r in
+//         [s*chunk, min(reduced, (s+1)*chunk)) of 32 columns into part[(o*inner+i)*splits + s],
+//         which `finish` then combines (nout = outer*inner).
 // finish: reduce_<kind>_finish_<T>(const C* part, T* y, long long nout, long long splits,
 //                                   long long reduced)
 //         Second pass: one block per output combines part[out*splits .. +splits) in a fixed
 //         order and finalises (mean divides by `reduced`, l2 takes the root). blockDim.x = 256
 //         (or 32 for few splits).
 // kinds and dtypes:
-//   sum, max, min, prod:              f32 f16 bf16 f64 i64 i32 (rows, cols, split, finish)
+//   sum, max, min, prod:              f32 f16 bf16 f64 i64 i32 (rows, cols, split, cols_split, finish)
 //   max, min:                         also u8 (bool too: its bytes are 0 and 1), saturating
-//   mean, sum_square, l1, l2:         f32 f16 bf16 f64          (rows, cols, split, finish)
+//   mean, sum_square, l1, l2:         f32 f16 bf16 f64          (rows, cols, split, cols_split, finish)
 //   log_sum_exp:                      f32 f16 bf16 f64          (rows, cols)
 //   argmax, argmin:                   f32 f16 bf16 f64          (rows, cols) with
 //       reduce_arg{max,min}_{rows,cols}_<T>(const T* x, long long* y, long long outer,
@@ -208,6 +215,36 @@ __device__ __forceinline__ void split_body(const T* __restrict__ x, typename RT<
 }
 
 template <typename T, typename K>
+__device__ __forceinline__ void cols_split_body(const T* __restrict__ x, typename RT<T>::C* __restrict__ part,
+                                                long long outer, long long reduced, long long inner, long long splits) {
+    typedef typename RT<T>::C C;
+    __shared__ C smem[8][33];
+    typename K::Op op;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const long long i = (long long)blockIdx.x * 32 + tx;
+    const long long chunk = (reduced + splits - 1) / splits;
+    for (long long b = blockIdx.y; b < outer * splits; b += gridDim.y) {
+        const long long o = b / splits, s = b % splits;
+        const long long r0 = s * chunk;
+        const long long r1 = r0 + chunk < reduced ? r0 + chunk : reduced;
+        C a = K::template id<C>();
+        if (i < inner) {
+            const long long base = o * reduced * inner + i;
+            for (long long r = r0 + ty; r < r1; r += 8) a = op(a, K::map(RT<T>::load(x, base + r * inner)));
+        }
+        smem[ty][tx] = a;
+        __syncthreads();
+        if (ty == 0 && i < inner) {
+            C t = smem[0][tx];
+#pragma unroll
+            for (int k = 1; k < 8; ++k) t = op(t, smem[k][tx]);
+            part[(o * inner + i) * splits + s] = t;
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T, typename K>
 __device__ __forceinline__ void finish_body(const typename RT<T>::C* __restrict__ part, T* __restrict__ y,
                                             long long nout, long long splits, long long reduced) {
     typedef typename RT<T>::C C;
@@ -231,6 +268,10 @@ __device__ __forceinline__ void finish_body(const typename RT<T>::C* __restrict_
     MPC_KERNEL reduce_##kind##_split_##tag(const T* x, RT<T>::C* part, long long outer, long long reduced, \
                                            long long inner, long long splits) {                         \
         split_body<T, K_##kind>(x, part, outer, reduced, inner, splits);                                \
+    }                                                                                                   \
+    MPC_KERNEL reduce_##kind##_cols_split_##tag(const T* x, RT<T>::C* part, long long outer, long long reduced, \
+                                                long long inner, long long splits) {                    \
+        cols_split_body<T, K_##kind>(x, part, outer, reduced, inner, splits);                           \
     }                                                                                                   \
     MPC_KERNEL reduce_##kind##_finish_##tag(const RT<T>::C* part, T* y, long long nout, long long splits, \
                                             long long reduced) {                                        \

@@ -115,11 +115,24 @@ fn offsets(mut lin: i64, rank: usize, d: &[i64; 8], strides: &[[i64; 8]]) -> Vec
     out
 }
 
+/// `(kind, finish)` of the two-pass reduction kernels this file interprets: `reduce_<kind>_cols_split_<T>`
+/// (false) and `reduce_<kind>_finish_<T>` (true).
+fn split_reduce(name: &str) -> Option<(&str, bool)> {
+    let rest = name.strip_prefix("reduce_")?;
+    let (kind, finish) = match (rest.split_once("_cols_split_"), rest.split_once("_finish_")) {
+        (Some((k, _)), _) => (k, false),
+        (_, Some((k, _))) => (k, true),
+        _ => return None,
+    };
+    ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2"].contains(&kind).then_some((kind, finish))
+}
+
 /// The kernels whose meaning this file interprets.
 fn interpretable(k: &Kernel) -> bool {
     let reduce = ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2", "log_sum_exp", "argmax", "argmin"]
         .iter()
-        .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")));
+        .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")))
+        || split_reduce(&k.name).is_some();
     let unary = UNARY.contains(&elementwise_op(&k.name)) && k.args.len() == 5;
     let binary = BINARY.contains(&elementwise_op(&k.name)) && k.args.len() == 8;
     reduce
@@ -1045,6 +1058,62 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
         let mut bytes = vec![0u8; out.bytes()];
         out.write_le_bytes(&mut bytes);
         m.put(y, 0, &bytes);
+    } else if let Some((kind, finish)) = split_reduce(&k.name) {
+        // Two passes: partials over chunks of the reduced axis (in the accumulator dtype), then
+        // each output's partials combined and finalised.
+        let d = dtype_of(tag);
+        let acc = if d == DType::F64 {
+            DType::F64
+        } else if d.is_float() {
+            DType::F32
+        } else {
+            DType::I64
+        };
+        let combine = |a: f64, b: f64| match kind {
+            "max" => a.max(b),
+            "min" => a.min(b),
+            "prod" => a * b,
+            _ => a + b,
+        };
+        let id = match kind {
+            "max" => f64::NEG_INFINITY,
+            "min" => f64::INFINITY,
+            "prod" => 1.0,
+            _ => 0.0,
+        };
+        if finish {
+            let (part, y, nout, splits, reduced) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]));
+            for out in 0..nout {
+                let v = (0..splits).map(|s| m.get(part, out * splits + s, acc)).fold(id, combine);
+                let v = match kind {
+                    "mean" => v / reduced.max(1) as f64,
+                    "l2" => v.sqrt(),
+                    _ => v,
+                };
+                m.set(y, out, d, v);
+            }
+        } else {
+            let (x, part, outer, reduced, inner, splits) =
+                (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+            let chunk = (reduced + splits - 1) / splits;
+            for o in 0..outer {
+                for s in 0..splits {
+                    for i in 0..inner {
+                        let v = (s * chunk..((s + 1) * chunk).min(reduced))
+                            .map(|r| {
+                                let e = m.get(x, (o * reduced + r) * inner + i, d);
+                                match kind {
+                                    "sum_square" | "l2" => e * e,
+                                    "l1" => e.abs(),
+                                    _ => e,
+                                }
+                            })
+                            .fold(id, combine);
+                        m.set(part, (o * inner + i) * splits + s, acc, v);
+                    }
+                }
+            }
+        }
     } else if k.name.starts_with("reduce_") {
         let kind = k.name["reduce_".len()..]
             .rsplit_once(if k.name.contains("_rows_") { "_rows_" } else { "_cols_" })
@@ -1407,6 +1476,11 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[2,3,7,6]\n  %1 \"y\": f32[2,3,4,3] = AveragePool[kernel_shape=[3,2], pads=[1,1,1,0], strides=[2,2], count_include_pad=1, ceil_mode=1](%0)\n  output %1", "AveragePool"),
         ("input %0 \"x\": f32[2,3,9]\n  %1 \"y\": f32[2,3,4] = MaxPool[kernel_shape=[2], dilations=[3], strides=[2], pads=[1,1]](%0)\n  output %1", "MaxPool"),
         ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
+        // Few long columns: the rows split, partials combined in a second pass.
+        ("input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[40] = ReduceSum[keepdims=0](%0, %1)\n  output %2", "ReduceSum"),
+        ("input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2", "ReduceMean"),
+        ("input %0 \"x\": f32[700,33]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[1,33] = ReduceMax(%0, %1)\n  output %2", "ReduceMax"),
+        ("input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2", "ReduceL2"),
         // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
         // f32 Mean / InvStdDev (stash_type) are cast from them.
         ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),

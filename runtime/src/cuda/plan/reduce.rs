@@ -1,4 +1,5 @@
-//! Plans of reductions: one pass, two passes for long rows, a transposed copy first for axes that are not adjacent.
+//! Plans of reductions: one pass, two passes for long rows or few long columns, a transposed copy
+//! first for axes that are not adjacent.
 
 use super::*;
 
@@ -94,6 +95,27 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
             Arg::I64(reduced as i64),
         ];
         p.kernel("reduce", format!("reduce_{kind}_finish_{t}"), rows_grid(outer), [BLOCK, 1, 1], args);
+    } else if inner >= 32 && inner.div_ceil(32) * outer < 256 && reduced >= 512 && splittable && x.dtype.size() > 1 {
+        // Few columns, long ones (a bias gradient: a (tokens, features) matrix summed over its
+        // rows): the rows are split too, so that enough blocks are in flight, and the partials
+        // combined in a fixed order.
+        let blocks = inner.div_ceil(32) * outer;
+        let splits = (512 / blocks).clamp(2, reduced / 128);
+        let acc = if x.dtype == DType::F64 || !x.dtype.is_float() { 8 } else { 4 };
+        let part = p.work(outer * inner * splits * acc);
+        let mut args = vec![Arg::Ptr(src), Arg::Ptr(part)];
+        args.extend(shape_args);
+        args.push(Arg::I64(splits as i64));
+        let grid = [inner.div_ceil(32) as u32, (outer * splits).min(MAX_ROWS) as u32, 1];
+        p.kernel("reduce", format!("reduce_{kind}_cols_split_{t}"), grid, [32, 8, 1], args);
+        let args = vec![
+            Arg::Ptr(part),
+            Arg::Ptr(buf(y)),
+            Arg::I64((outer * inner) as i64),
+            Arg::I64(splits as i64),
+            Arg::I64(reduced as i64),
+        ];
+        p.kernel("reduce", format!("reduce_{kind}_finish_{t}"), rows_grid(outer * inner), [32, 1, 1], args);
     } else if inner >= 32 {
         let mut args = vec![Arg::Ptr(src), Arg::Ptr(buf(y))];
         args.extend(shape_args);
