@@ -24,6 +24,7 @@ const REFUSED: &[(&str, &str)] = &[
     ("batchnorm_inference_two_outputs.mpcir", "one output in inference mode (training_mode=0), not 2"),
     ("batchnorm_inference_two_outputs.onnx", "one output in inference mode (training_mode=0), not 2"),
     ("contrib_gelu_two_outputs.mpcir", "com.microsoft::Gelu gives one output, not 2"),
+    ("tile_repeats_not_a_vector.mpcir", "repeats must be 1-D, not of rank 2"),
 ];
 
 #[test]

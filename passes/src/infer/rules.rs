@@ -320,6 +320,16 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::Tile => {
+            // Repeats: a vector of one entry per dim, even where its values are not known.
+            if let Some(r) = cx.sh(1) {
+                match (r.dims(), cx.sh(0)) {
+                    ([Dim::Fixed(n)], Some(s)) if *n != s.rank() as u64 => {
+                        return Err(format!("{n} repeats for rank {}", s.rank()))
+                    }
+                    ([_], _) => {}
+                    _ => return Err(format!("repeats must be 1-D, not of rank {}", r.rank())),
+                }
+            }
             if let Some(k) = cx.ints(1).and_then(|r| r.into_iter().find(|&k| k < 0)) {
                 return Err(format!("repeats has {k}; each must be 0 or more"));
             }

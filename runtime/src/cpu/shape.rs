@@ -147,6 +147,9 @@ pub(crate) fn expand(x: &HostTensor, target: &[i64]) -> Res<HostTensor> {
 }
 
 pub(crate) fn tile(x: &HostTensor, reps: &[i64]) -> Res<HostTensor> {
+    if reps.len() != x.shape.len() {
+        return Err(err(format!("{} repeats for rank {}", reps.len(), x.shape.len())));
+    }
     let shape: Vec<usize> = x
         .shape
         .iter()
