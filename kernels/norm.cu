@@ -35,6 +35,12 @@
 //     k % scale_n == j (dbias may be nullptr). Launch after the grad kernel, blockDim = (32, 8),
 //     gridDim.x = ceil(scale_n / 32), gridDim.y = 1: threadIdx.x walks j, threadIdx.y the
 //     (row, k / scale_n) pairs modulo 8; the 8 partials are added in order.
+// norm_layer_norm_grad_params_split_<T>_<P>(const T* dy, const T* x, const float* ws_mean,
+//                              const float* ws_inv_std, float* part_scale, float* part_bias,
+//                              long long rows, long long n, long long scale_n, long long splits)
+//     The same sums for few, long columns, in two passes: gridDim.y = splits, block y sums its
+//     chunk of the (row, repeat) pairs into part_scale[j * splits + y] (part_bias likewise, may
+//     be nullptr); reduce_sum_finish_<T> (reduce.cu) then adds each j's partials in order.
 //
 // ---- BatchNormalization over x = (N, C, inner) (inner = prod of the spatial dims)
 // norm_batch_norm_infer_<T>_<P>(const T* x, const P* scale, const P* bias, const P* mean,
@@ -191,6 +197,49 @@ __device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_params_split_body(const T* dy, const T* x, const AccT<T>* ws_mean,
+                                                                  const AccT<T>* ws_inv, AccT<T>* part_scale,
+                                                                  AccT<T>* part_bias, long long rows, long long n,
+                                                                  long long scale_n, long long splits) {
+    typedef AccT<T> A;
+    __shared__ A sa[8][33];
+    __shared__ A sb[8][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const long long j = (long long)blockIdx.x * 32 + tx;
+    const long long per_row = n / scale_n;
+    const long long total = rows * per_row;
+    const long long chunk = (total + splits - 1) / splits;
+    for (long long s = blockIdx.y; s < splits; s += gridDim.y) {
+        const long long t0 = s * chunk;
+        const long long t1 = t0 + chunk < total ? t0 + chunk : total;
+        A a = A(0), b = A(0);
+        if (j < scale_n) {
+            for (long long t = t0 + ty; t < t1; t += 8) {
+                const long long row = index_div(t, per_row);
+                const long long at = t * scale_n + j;
+                const A g = ld(dy, at);
+                a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);
+                b += g;
+            }
+        }
+        sa[ty][tx] = a;
+        sb[ty][tx] = b;
+        __syncthreads();
+        if (ty == 0 && j < scale_n) {
+            A u = sa[0][tx], v = sb[0][tx];
+#pragma unroll
+            for (int k = 1; k < 8; ++k) {
+                u += sa[k][tx];
+                v += sb[k][tx];
+            }
+            part_scale[j * splits + s] = u;
+            if (part_bias) part_bias[j * splits + s] = v;
+        }
+        __syncthreads();
+    }
+}
+
 // ---------------------------------------------------------------- BatchNormalization
 
 template <typename T, typename P>
@@ -316,6 +365,12 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                                      const AccT<T>* ws_inv_std, T* dscale, T* dbias,       \
                                                      long long rows, long long n, long long scale_n) {     \
         layer_norm_grad_params_body(dy, x, ws_mean, ws_inv_std, dscale, dbias, rows, n, scale_n);          \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_params_split_##t##_##p(                                                \
+        const T* dy, const T* x, const AccT<T>* ws_mean, const AccT<T>* ws_inv_std, AccT<T>* part_scale,   \
+        AccT<T>* part_bias, long long rows, long long n, long long scale_n, long long splits) {           \
+        layer_norm_grad_params_split_body(dy, x, ws_mean, ws_inv_std, part_scale, part_bias, rows, n,      \
+                                          scale_n, splits);                                                \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_infer_##t##_##p(const T* x, const P* scale, const P* bias, const P* mean,   \
                                                const P* var, T* y, long long n, long long c,               \

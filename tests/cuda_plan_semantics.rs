@@ -368,7 +368,29 @@ fn run_more(m: &mut Memory, k: &Kernel) {
         let tags: Vec<&str> = name.rsplitn(3, '_').collect();
         let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
         let param = |m: &mut Memory, b: Buf, i: i64| m.get(b, i, dp);
-        if name.starts_with("norm_layer_norm_grad_params") {
+        if name.starts_with("norm_layer_norm_grad_params_split") {
+            // Partial sums of chunks of the (row, repeat) pairs, per feature j at j * splits + s.
+            let (dy, x, wm, wi, ps, pb) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), a[5]);
+            let (rows, n, sn, splits) = (int(&a[6]), int(&a[7]), int(&a[8]), int(&a[9]));
+            let per_row = n / sn;
+            let total = rows * per_row;
+            let chunk = (total + splits - 1) / splits;
+            for s in 0..splits {
+                for j in 0..sn {
+                    let (mut u, mut v) = (0.0, 0.0);
+                    for t in s * chunk..((s + 1) * chunk).min(total) {
+                        let (row, at) = (t / per_row, t * sn + j);
+                        let g = m.get(dy, at, d);
+                        u += g * (m.get(x, at, d) - m.get(wm, row, acc(d))) * m.get(wi, row, acc(d));
+                        v += g;
+                    }
+                    m.set(ps, j * splits + s, acc(d), u);
+                    if let Arg::Ptr(b) = pb {
+                        m.set(b, j * splits + s, acc(d), v);
+                    }
+                }
+            }
+        } else if name.starts_with("norm_layer_norm_grad_params") {
             let (dy, x, wm, wi, ds) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
             let (db, rows, n, sn) = (a[5], int(&a[6]), int(&a[7]), int(&a[8]));
             let (mut s_sc, mut s_b) = (vec![0.0; sn as usize], vec![0.0; sn as usize]);
@@ -1481,6 +1503,7 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2", "ReduceMean"),
         ("input %0 \"x\": f32[700,33]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[1,33] = ReduceMax(%0, %1)\n  output %2", "ReduceMax"),
         ("input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2", "ReduceL2"),
+        ("input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalizationGrad"),
         // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
         // f32 Mean / InvStdDev (stash_type) are cast from them.
         ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),

@@ -83,26 +83,58 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             ];
             p.kernel("norm", format!("norm_layer_norm_grad_{tags}"), rows_grid(rows), [BLOCK, 1, 1], args);
             if let Some(ds) = p.l.outputs.get(1) {
-                let db = p.l.outputs.get(2).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+                let db = p.l.outputs.get(2);
                 let sn = scale.numel() as u64;
-                let args = vec![
-                    Arg::Ptr(buf(dy)),
-                    Arg::Ptr(buf(x)),
-                    Arg::Ptr(ws_mean),
-                    Arg::Ptr(ws_inv),
-                    Arg::Ptr(buf(ds)),
-                    db,
-                    Arg::I64(rows as i64),
-                    Arg::I64(n as i64),
-                    Arg::I64(sn as i64),
-                ];
-                p.kernel(
-                    "norm",
-                    format!("norm_layer_norm_grad_params_{tags}"),
-                    [sn.div_ceil(32) as u32, 1, 1],
-                    [32, 8, 1],
-                    args,
-                );
+                // Few, long columns (768 features over thousands of tokens): the pairs are split
+                // across blocks too, and each feature's partials added in a second pass.
+                let total = rows * (n / sn.max(1));
+                let blocks = sn.div_ceil(32);
+                if blocks < 256 && total >= 512 {
+                    let splits = (512 / blocks).clamp(2, total / 128);
+                    let part = |p: &mut Planner| p.work(sn * splits * acc);
+                    let (ps, pb) = (part(p), db.map(|_| part(p)));
+                    let args = vec![
+                        Arg::Ptr(buf(dy)),
+                        Arg::Ptr(buf(x)),
+                        Arg::Ptr(ws_mean),
+                        Arg::Ptr(ws_inv),
+                        Arg::Ptr(ps),
+                        pb.map_or(Arg::Null, Arg::Ptr),
+                        Arg::I64(rows as i64),
+                        Arg::I64(n as i64),
+                        Arg::I64(sn as i64),
+                        Arg::I64(splits as i64),
+                    ];
+                    let grid = [blocks as u32, splits.min(MAX_ROWS) as u32, 1];
+                    p.kernel("norm", format!("norm_layer_norm_grad_params_split_{tags}"), grid, [32, 8, 1], args);
+                    for (part, out) in [(Some(ps), Some(ds)), (pb, db)] {
+                        if let (Some(part), Some(out)) = (part, out) {
+                            let args = vec![
+                                Arg::Ptr(part),
+                                Arg::Ptr(buf(out)),
+                                Arg::I64(sn as i64),
+                                Arg::I64(splits as i64),
+                                Arg::I64(total as i64),
+                            ];
+                            let name = format!("reduce_sum_finish_{}", float_tag(out.dtype)?);
+                            p.kernel("reduce", name, rows_grid(sn), [32, 1, 1], args);
+                        }
+                    }
+                } else {
+                    let args = vec![
+                        Arg::Ptr(buf(dy)),
+                        Arg::Ptr(buf(x)),
+                        Arg::Ptr(ws_mean),
+                        Arg::Ptr(ws_inv),
+                        Arg::Ptr(buf(ds)),
+                        db.map_or(Arg::Null, |t| Arg::Ptr(buf(t))),
+                        Arg::I64(rows as i64),
+                        Arg::I64(n as i64),
+                        Arg::I64(sn as i64),
+                    ];
+                    let grid = [blocks as u32, 1, 1];
+                    p.kernel("norm", format!("norm_layer_norm_grad_params_{tags}"), grid, [32, 8, 1], args);
+                }
             }
         }
         Op::BatchNormalization(a) => {
