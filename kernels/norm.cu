@@ -161,22 +161,21 @@ __device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, co
     }
 }
 
+// The sums of dy * xhat and dy over the (row, repeat) pairs [t0, t1) for feature j of each of the
+// block's 32 columns: threadIdx.y walks the pairs modulo 8, and the 8 partials are added in order.
+// `*scale_sum` and `*bias_sum` are valid in the threads with threadIdx.y == 0 and j < scale_n.
 template <typename T>
-__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const AccT<T>* ws_mean,
-                                                            const AccT<T>* ws_inv, T* dscale, T* dbias, long long rows,
-                                                            long long n, long long scale_n) {
+__device__ __forceinline__ void layer_norm_params_sums(const T* dy, const T* x, const AccT<T>* ws_mean,
+                                                       const AccT<T>* ws_inv, long long j, long long t0, long long t1,
+                                                       long long per_row, long long scale_n, AccT<T> (*sa)[33],
+                                                       AccT<T> (*sb)[33], AccT<T>* scale_sum, AccT<T>* bias_sum) {
     typedef AccT<T> A;
-    __shared__ A sa[8][33];
-    __shared__ A sb[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
-    const long long j = (long long)blockIdx.x * 32 + tx;
-    const long long per_row = n / scale_n;          // scale repeats per row
-    const long long total = rows * per_row;         // (row, repeat) pairs
     A a = A(0), b = A(0);
     if (j < scale_n) {
-        for (long long t = ty; t < total; t += 8) {
-            const long long row = t / per_row;
-            const long long at = t * scale_n + j;   // = row * n + (t % per_row) * scale_n + j
+        for (long long t = t0 + ty; t < t1; t += 8) {
+            const long long row = index_div(t, per_row);
+            const long long at = t * scale_n + j;  // = row * n + (t % per_row) * scale_n + j
             const A g = ld(dy, at);
             a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);
             b += g;
@@ -186,14 +185,32 @@ __device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T
     sb[ty][tx] = b;
     __syncthreads();
     if (ty == 0 && j < scale_n) {
-        A s = sa[0][tx], u = sb[0][tx];
+        A u = sa[0][tx], v = sb[0][tx];
 #pragma unroll
         for (int k = 1; k < 8; ++k) {
-            s += sa[k][tx];
-            u += sb[k][tx];
+            u += sa[k][tx];
+            v += sb[k][tx];
         }
-        st(dscale, j, s);
-        if (dbias) st(dbias, j, u);
+        *scale_sum = u;
+        *bias_sum = v;
+    }
+    __syncthreads();
+}
+
+template <typename T>
+__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const AccT<T>* ws_mean,
+                                                            const AccT<T>* ws_inv, T* dscale, T* dbias, long long rows,
+                                                            long long n, long long scale_n) {
+    typedef AccT<T> A;
+    __shared__ A sa[8][33];
+    __shared__ A sb[8][33];
+    const long long j = (long long)blockIdx.x * 32 + threadIdx.x;
+    const long long per_row = n / scale_n;  // scale repeats per row
+    A u = A(0), v = A(0);
+    layer_norm_params_sums(dy, x, ws_mean, ws_inv, j, 0, rows * per_row, per_row, scale_n, sa, sb, &u, &v);
+    if (threadIdx.y == 0 && j < scale_n) {
+        st(dscale, j, u);
+        if (dbias) st(dbias, j, v);
     }
 }
 
@@ -205,38 +222,19 @@ __device__ __forceinline__ void layer_norm_grad_params_split_body(const T* dy, c
     typedef AccT<T> A;
     __shared__ A sa[8][33];
     __shared__ A sb[8][33];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const long long j = (long long)blockIdx.x * 32 + tx;
+    const long long j = (long long)blockIdx.x * 32 + threadIdx.x;
     const long long per_row = n / scale_n;
     const long long total = rows * per_row;
     const long long chunk = (total + splits - 1) / splits;
     for (long long s = blockIdx.y; s < splits; s += gridDim.y) {
         const long long t0 = s * chunk;
         const long long t1 = t0 + chunk < total ? t0 + chunk : total;
-        A a = A(0), b = A(0);
-        if (j < scale_n) {
-            for (long long t = t0 + ty; t < t1; t += 8) {
-                const long long row = index_div(t, per_row);
-                const long long at = t * scale_n + j;
-                const A g = ld(dy, at);
-                a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);
-                b += g;
-            }
-        }
-        sa[ty][tx] = a;
-        sb[ty][tx] = b;
-        __syncthreads();
-        if (ty == 0 && j < scale_n) {
-            A u = sa[0][tx], v = sb[0][tx];
-#pragma unroll
-            for (int k = 1; k < 8; ++k) {
-                u += sa[k][tx];
-                v += sb[k][tx];
-            }
+        A u = A(0), v = A(0);
+        layer_norm_params_sums(dy, x, ws_mean, ws_inv, j, t0, t1, per_row, scale_n, sa, sb, &u, &v);
+        if (threadIdx.y == 0 && j < scale_n) {
             part_scale[j * splits + s] = u;
             if (part_bias) part_bias[j * splits + s] = v;
         }
-        __syncthreads();
     }
 }
 
