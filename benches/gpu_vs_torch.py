@@ -255,7 +255,9 @@ def main():
             continue
         for policy, row in mpc.items():
             mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
-            print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB"
+            used = row.get("device_memory_used")
+            alloc = f" (allocated {used / 2**20:.1f} MiB)" if used is not None else ""
+            print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate)")
         for policy, row in mpc.items():
             if row.get("profile"):

@@ -66,6 +66,9 @@ pub struct BenchRow {
     pub launches_per_step: u64,
     /// The device memory in use after the steps as its driver reports it (GPUs; every process's).
     pub device_memory_in_use: Option<u64>,
+    /// What the driver's figure grew by from the device's opening (its context and matrix-product
+    /// workspace made) to after the steps: the program's regions and workspaces, as allocated.
+    pub device_memory_used: Option<u64>,
     /// With `profile`: one step's launch times by op and dtype, the longest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile: Option<Vec<OpTime>>,
@@ -138,6 +141,7 @@ pub fn bench<D: Device>(
         let feeds =
             crate::run::random_inputs(&g, 1, &dims).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
         let dev = device()?;
+        let opened = dev.memory_in_use();
         device_name = dev.caps().name;
         let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -175,6 +179,7 @@ pub fn bench<D: Device>(
             }
         }
         let device_memory = session.memory_in_use();
+        let device_memory_used = opened.zip(device_memory).map(|(a, b)| b.saturating_sub(a));
         let profile = if cfg.profile {
             session.feed(0, &feeds).map_err(rerr)?;
             let launches = session.profile_step(0).map_err(rerr)?;
@@ -211,6 +216,7 @@ pub fn bench<D: Device>(
             compile_ms,
             launches_per_step: stats.launches_per_step,
             device_memory_in_use: device_memory,
+            device_memory_used,
             profile,
         });
     }
