@@ -58,6 +58,28 @@
 //     BatchNormalizationGrad: dBias = sum dy, dScale = sum dy xhat, dx = scale / (sigma M) *
 //     (M dy - dBias - xhat dScale), M = n * inner. One block per channel.
 //
+// ---- The same for few channels of many elements, in passes (gridDim = (splits, c), blockDim.x =
+//      256): block (s, ch) reduces chunk s of channel ch's n * inner elements into
+//      part[ch * splits + s] (A), which reduce_{mean,sum}_finish_<A> (reduce.cu) combine in order.
+// norm_bn_sum_<T>(const T* x, A* part, long long n, long long c, long long inner, long long splits)
+//     the sum of x (finished as the mean).
+// norm_bn_sqdev_<T>(const T* x, const A* mean, A* part, n, c, inner, splits)
+//     the sum of (x - mean)^2 (finished as the biased variance).
+// norm_bn_grad_sums_<T>(const T* dy, const T* x, const A* mean, A* part_g, A* part_gd, n, c,
+//                       inner, splits)
+//     the sums of dy and of dy * (x - mean).
+// norm_bn_apply_<T>_<P>(const T* x, const P* scale, const P* bias, const A* mean, const A* var,
+//                       T* y, const P* running_mean, const P* running_var, P* running_mean_out,
+//                       P* running_var_out, long long n, long long c, long long inner, float eps,
+//                       float momentum)
+//     Element-wise (1-D grid stride over n * c * inner): y as norm_batch_norm_train; the
+//     running statistics as there, by the threads of index < c.
+// norm_bn_grad_apply_<T>_<P>(const T* dy, const T* x, const P* scale, const A* mean,
+//                            const A* var, const A* sum_g, const A* sum_gd, T* dx, T* dscale,
+//                            T* dbias, long long n, long long c, long long inner, float eps)
+//     Element-wise: with inv = 1 / sqrt(var + eps), dScale = inv * sum_gd, dBias = sum_g, dx as
+//     norm_batch_norm_grad; dscale, dbias (may be nullptr) by the threads of index < c.
+//
 // ---- InstanceNormalization and GroupNormalization over x = (N, C, inner)
 // norm_instance_norm_<T>_<P>(const T* x, const P* scale, const P* bias, T* y, long long n,
 //                            long long c, long long inner, float eps)
@@ -309,6 +331,74 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
     }
 }
 
+// ---- BatchNormalization in passes
+
+// Block (blockIdx.x, blockIdx.y) = (split s, channel ch): f over chunk s of the channel's elements,
+// summed in a fixed-order block reduction into part[ch * splits + s].
+template <typename T, typename F>
+__device__ __forceinline__ void bn_partial(long long n, long long c, long long inner, long long splits, F f,
+                                           AccT<T>* part) {
+    typedef AccT<T> A;
+    __shared__ A smem[32];
+    const long long count = n * inner;
+    const long long chunk = (count + splits - 1) / splits;
+    for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
+        for (long long s = blockIdx.x; s < splits; s += gridDim.x) {
+            const Channel at{c, inner, ch};
+            const long long e1 = (s + 1) * chunk < count ? (s + 1) * chunk : count;
+            A a = A(0);
+            for (long long e = s * chunk + threadIdx.x; e < e1; e += blockDim.x) a += f(at(e), ch);
+            a = block_reduce(a, OpSum(), smem);
+            if (threadIdx.x == 0) part[ch * splits + s] = a;
+        }
+    }
+}
+
+// The channel of element i of (N, C, inner).
+__device__ __forceinline__ long long channel_of(long long i, long long c, long long inner) {
+    const long long q = index_div(i, inner);
+    return q - index_div(q, c) * c;
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void bn_apply_body(const T* x, const P* scale, const P* bias, const AccT<T>* mean,
+                                              const AccT<T>* var, T* y, const P* rmean, const P* rvar, P* rmean_out,
+                                              P* rvar_out, long long n, long long c, long long inner, float eps,
+                                              float momentum) {
+    typedef AccT<T> A;
+    MPC_GRID_STRIDE(i, n * c * inner) {
+        const long long ch = channel_of(i, c, inner);
+        const A k = pld(scale, ch) / m_sqrt(var[ch] + eps);
+        st(y, i, (ld(x, i) - mean[ch]) * k + pld(bias, ch));
+        if (i < c && rmean_out) {
+            st(rmean_out, i, pld(rmean, i) * momentum + mean[i] * (A(1) - momentum));
+            st(rvar_out, i, pld(rvar, i) * momentum + var[i] * (A(1) - momentum));
+        }
+    }
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, const P* scale, const AccT<T>* mean,
+                                                   const AccT<T>* var, const AccT<T>* sum_g, const AccT<T>* sum_gd,
+                                                   T* dx, T* dscale, T* dbias, long long n, long long c,
+                                                   long long inner, float eps) {
+    typedef AccT<T> A;
+    const A cnt = (A)(n * inner);
+    MPC_GRID_STRIDE(i, n * c * inner) {
+        const long long ch = channel_of(i, c, inner);
+        const A inv = A(1) / m_sqrt(var[ch] + eps);
+        if (dx) {
+            const A xhat = (ld(x, i) - mean[ch]) * inv;
+            const A k = pld(scale, ch) * inv / cnt;
+            st(dx, i, k * (cnt * ld(dy, i) - sum_g[ch] - xhat * (sum_gd[ch] * inv)));
+        }
+        if (i < c) {  // channel i's parameter gradients (element i's own channel is another)
+            if (dscale) st(dscale, i, sum_gd[i] * (A(1) / m_sqrt(var[i] + eps)));
+            if (dbias) st(dbias, i, sum_g[i]);
+        }
+    }
+}
+
 // ---------------------------------------------------------------- Instance / Group
 
 template <typename T, typename P>
@@ -388,6 +478,20 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                               float eps) {                                                 \
         batch_norm_grad_body(dy, x, scale, dx, dscale, dbias, n, c, inner, eps);                           \
     }                                                                                                      \
+    MPC_KERNEL norm_bn_apply_##t##_##p(const T* x, const P* scale, const P* bias, const AccT<T>* mean,     \
+                                       const AccT<T>* var, T* y, const P* running_mean,                    \
+                                       const P* running_var, P* running_mean_out, P* running_var_out,      \
+                                       long long n, long long c, long long inner, float eps,               \
+                                       float momentum) {                                                   \
+        bn_apply_body(x, scale, bias, mean, var, y, running_mean, running_var, running_mean_out,           \
+                      running_var_out, n, c, inner, eps, momentum);                                        \
+    }                                                                                                      \
+    MPC_KERNEL norm_bn_grad_apply_##t##_##p(const T* dy, const T* x, const P* scale, const AccT<T>* mean,  \
+                                            const AccT<T>* var, const AccT<T>* sum_g,                      \
+                                            const AccT<T>* sum_gd, T* dx, T* dscale, T* dbias, long long n, \
+                                            long long c, long long inner, float eps) {                     \
+        bn_grad_apply_body(dy, x, scale, mean, var, sum_g, sum_gd, dx, dscale, dbias, n, c, inner, eps);   \
+    }                                                                                                      \
     MPC_KERNEL norm_instance_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, long long n,  \
                                             long long c, long long inner, float eps) {                     \
         instance_norm_body(x, scale, bias, y, n, c, inner, eps);                                           \
@@ -403,6 +507,34 @@ NORM_PAIR(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 NORM_PAIR(__half, f16, float, f32)
 NORM_PAIR(__nv_bfloat16, bf16, float, f32)
 NORM_PAIR(double, f64, double, f64)
+
+#define BN_PASSES_T(T, t)                                                                                  \
+    MPC_KERNEL norm_bn_sum_##t(const T* x, AccT<T>* part, long long n, long long c, long long inner,       \
+                               long long splits) {                                                         \
+        bn_partial<T>(n, c, inner, splits, [&](long long i, long long) { return (AccT<T>)ld(x, i); }, part); \
+    }                                                                                                      \
+    MPC_KERNEL norm_bn_sqdev_##t(const T* x, const AccT<T>* mean, AccT<T>* part, long long n, long long c, \
+                                 long long inner, long long splits) {                                      \
+        bn_partial<T>(                                                                                     \
+            n, c, inner, splits,                                                                           \
+            [&](long long i, long long ch) {                                                               \
+                const AccT<T> d = ld(x, i) - mean[ch];                                                     \
+                return d * d;                                                                              \
+            },                                                                                             \
+            part);                                                                                         \
+    }                                                                                                      \
+    MPC_KERNEL norm_bn_grad_sums_##t(const T* dy, const T* x, const AccT<T>* mean, AccT<T>* part_g,        \
+                                     AccT<T>* part_gd, long long n, long long c, long long inner,          \
+                                     long long splits) {                                                   \
+        bn_partial<T>(n, c, inner, splits, [&](long long i, long long) { return (AccT<T>)ld(dy, i); }, part_g); \
+        bn_partial<T>(                                                                                     \
+            n, c, inner, splits, [&](long long i, long long ch) { return ld(dy, i) * (ld(x, i) - mean[ch]); }, \
+            part_gd);                                                                                      \
+    }
+BN_PASSES_T(float, f32)
+BN_PASSES_T(__half, f16)
+BN_PASSES_T(__nv_bfloat16, bf16)
+BN_PASSES_T(double, f64)
 
 // ---- LocalResponseNormalization over x = (N, C, inner)
 // norm_lrn_<T>(const T* x, T* y, long long n, long long c, long long inner, long long size,

@@ -169,7 +169,7 @@ fn elementwise_op(name: &str) -> &str {
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
 /// kernels ([`run_more`]).
-const MORE: [&str; 29] = [
+const MORE: [&str; 30] = [
     "elementwise_and_u8",
     "elementwise_or_u8",
     "elementwise_equal_",
@@ -189,6 +189,7 @@ const MORE: [&str; 29] = [
     "train_seeded_dropout_",
     "pool_",
     "norm_batch_norm_",
+    "norm_bn_",
     "norm_layer_norm_grad",
     "softmax_softmax_grad_",
     "softmax_log_softmax_grad_",
@@ -364,6 +365,8 @@ fn run_more(m: &mut Memory, k: &Kernel) {
                 }
             }
         }
+    } else if name.starts_with("norm_bn_") {
+        run_bn_pass(m, k);
     } else if name.starts_with("norm_batch_norm_") || name.starts_with("norm_layer_norm_grad") {
         let tags: Vec<&str> = name.rsplitn(3, '_').collect();
         let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
@@ -815,6 +818,112 @@ fn erf(x: f64) -> f64 {
 }
 
 /// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
+/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) partial sums, and the
+/// element-wise kernels that apply the finished statistics.
+fn run_bn_pass(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let partial = ["norm_bn_sum_", "norm_bn_sqdev_", "norm_bn_grad_sums_"].iter().find(|p| name.starts_with(*p));
+    if let Some(prefix) = partial {
+        let d = dtype_of(&name[prefix.len()..]);
+        let base = match *prefix {
+            "norm_bn_sum_" => 2,
+            "norm_bn_sqdev_" => 3,
+            _ => 5,
+        };
+        let (n, c, inner, splits) = (int(&a[base]), int(&a[base + 1]), int(&a[base + 2]), int(&a[base + 3]));
+        let count = n * inner;
+        let chunk = (count + splits - 1) / splits;
+        for ch in 0..c {
+            for s in 0..splits {
+                let (mut u, mut v) = (0.0, 0.0);
+                for e in s * chunk..((s + 1) * chunk).min(count) {
+                    let at = ((e / inner) * c + ch) * inner + e % inner;
+                    match *prefix {
+                        "norm_bn_sum_" => u += m.get(ptr(&a[0]), at, d),
+                        "norm_bn_sqdev_" => {
+                            let dev = m.get(ptr(&a[0]), at, d) - m.get(ptr(&a[1]), ch, acc(d));
+                            u += dev * dev;
+                        }
+                        _ => {
+                            let g = m.get(ptr(&a[0]), at, d);
+                            u += g;
+                            v += g * (m.get(ptr(&a[1]), at, d) - m.get(ptr(&a[2]), ch, acc(d)));
+                        }
+                    }
+                }
+                match *prefix {
+                    "norm_bn_sum_" => m.set(ptr(&a[1]), ch * splits + s, acc(d), u),
+                    "norm_bn_sqdev_" => m.set(ptr(&a[2]), ch * splits + s, acc(d), u),
+                    _ => {
+                        m.set(ptr(&a[3]), ch * splits + s, acc(d), u);
+                        m.set(ptr(&a[4]), ch * splits + s, acc(d), v);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+    let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+    if name.starts_with("norm_bn_apply_") {
+        let (x, sc, bi, mean, var, y, rm, rv, rmo, rvo) = (
+            ptr(&a[0]),
+            ptr(&a[1]),
+            ptr(&a[2]),
+            ptr(&a[3]),
+            ptr(&a[4]),
+            ptr(&a[5]),
+            ptr(&a[6]),
+            ptr(&a[7]),
+            a[8],
+            a[9],
+        );
+        let (n, c, inner, eps, mom) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]), f32_of(&a[14]));
+        for i in 0..n * c * inner {
+            let ch = (i / inner) % c;
+            let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
+            let kk = m.get(sc, ch, dp) / (var_ + eps).sqrt();
+            let out = (m.get(x, i, d) - mu) * kk + m.get(bi, ch, dp);
+            m.set(y, i, d, out);
+        }
+        if let (Arg::Ptr(rmo), Arg::Ptr(rvo)) = (rmo, rvo) {
+            for ch in 0..c {
+                let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
+                let (om, ov) = (m.get(rm, ch, dp), m.get(rv, ch, dp));
+                m.set(rmo, ch, dp, om * mom + mu * (1.0 - mom));
+                m.set(rvo, ch, dp, ov * mom + var_ * (1.0 - mom));
+            }
+        }
+    } else {
+        // norm_bn_grad_apply_<T>_<P>
+        let (dy, x, sc, mean, var, sg, sgd) =
+            (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
+        let (dx, ds, db) = (a[7], a[8], a[9]);
+        let (n, c, inner, eps) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]));
+        let cnt = (n * inner) as f64;
+        for ch in 0..c {
+            let inv = 1.0 / (m.get(var, ch, acc(d)) + eps).sqrt();
+            let (g, gd, mu) = (m.get(sg, ch, acc(d)), m.get(sgd, ch, acc(d)), m.get(mean, ch, acc(d)));
+            if let Arg::Ptr(dx) = dx {
+                let kk = m.get(sc, ch, dp) * inv / cnt;
+                for e in 0..n * inner {
+                    let at = ((e / inner) * c + ch) * inner + e % inner;
+                    let xhat = (m.get(x, at, d) - mu) * inv;
+                    let out = kk * (cnt * m.get(dy, at, d) - g - xhat * gd * inv);
+                    m.set(dx, at, d, out);
+                }
+            }
+            if let Arg::Ptr(ds) = ds {
+                m.set(ds, ch, d, gd * inv);
+            }
+            if let Arg::Ptr(db) = db {
+                m.set(db, ch, d, g);
+            }
+        }
+    }
+}
+
 /// The accumulator dtype of the norm and loss kernels for data of dtype `d` (`AccT` in
 /// kernels/common.cuh).
 fn acc(d: DType) -> DType {
@@ -1504,6 +1613,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[700,33]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[1,33] = ReduceMax(%0, %1)\n  output %2", "ReduceMax"),
         ("input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2", "ReduceL2"),
         ("input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalizationGrad"),
+        // Few channels of many elements: batch norm statistics in passes.
+        ("input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
+        ("input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5", "BatchNormalizationGrad"),
         // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
         // f32 Mean / InvStdDev (stash_type) are cast from them.
         ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),

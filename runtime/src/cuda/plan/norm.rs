@@ -15,6 +15,58 @@ fn norm_tags(x: DType, param: DType) -> Result<String, String> {
     }
 }
 
+/// Few channels of many elements (the first convolutions' batch norms: 64 channels of 200,000
+/// elements and more): the splits of each channel's elements that its statistics and sums are
+/// taken over in passes, so that enough blocks are in flight (one block per channel leaves most
+/// of the GPU idle, each thread walking thousands of elements).
+fn bn_splits(c: u64, count: u64) -> Option<u64> {
+    (c < 256 && count >= 16384).then(|| (512 / c.max(1)).clamp(2, count / 4096))
+}
+
+fn bn_grid(c: u64, splits: u64) -> [u32; 3] {
+    [splits.min(MAX_ROWS) as u32, c.min(MAX_ROWS) as u32, 1]
+}
+
+fn bn_dims(n: u64, c: u64, inner: u64, splits: u64) -> [Arg; 4] {
+    [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64), Arg::I64(splits as i64)]
+}
+
+/// `out[ch] = ` the partials `part[ch * splits ..][..splits]` combined (`reduce_<kind>_finish_<A>`).
+#[allow(clippy::too_many_arguments)]
+fn bn_finish(
+    p: &mut Planner,
+    kind: &str,
+    acc: DType,
+    part: Buf,
+    out: Buf,
+    c: u64,
+    splits: u64,
+    count: u64,
+) -> Result<(), String> {
+    let args = vec![Arg::Ptr(part), Arg::Ptr(out), Arg::I64(c as i64), Arg::I64(splits as i64), Arg::I64(count as i64)];
+    p.kernel("reduce", format!("reduce_{kind}_finish_{}", float_tag(acc)?), rows_grid(c), [32, 1, 1], args);
+    Ok(())
+}
+
+/// Enqueues the passes that leave `x`'s per-channel mean and biased variance, in the kernels'
+/// accumulator dtype, in two workspaces: a sum, its mean, the squared deviations, their mean.
+fn bn_moments(p: &mut Planner, x: &TensorRef, n: u64, c: u64, inner: u64, splits: u64) -> Result<(Buf, Buf), String> {
+    let acc = acc_dtype(x.dtype);
+    let a = acc.size() as u64;
+    let t = float_tag(x.dtype)?;
+    let part = p.work(c * splits * a);
+    let (mean, var) = (p.work(c * a), p.work(c * a));
+    let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(part)];
+    args.extend(bn_dims(n, c, inner, splits));
+    p.kernel("norm", format!("norm_bn_sum_{t}"), bn_grid(c, splits), [BLOCK, 1, 1], args);
+    bn_finish(p, "mean", acc, part, mean, c, splits, n * inner)?;
+    let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(mean), Arg::Ptr(part)];
+    args.extend(bn_dims(n, c, inner, splits));
+    p.kernel("norm", format!("norm_bn_sqdev_{t}"), bn_grid(c, splits), [BLOCK, 1, 1], args);
+    bn_finish(p, "mean", acc, part, var, c, splits, n * inner)?;
+    Ok((mean, var))
+}
+
 /// A statistics output of LayerNormalization, and the workspace (in the kernel's accumulator
 /// dtype) to cast into it.
 type Stat<'t> = (Arg, Option<(Buf, &'t TensorRef)>);
@@ -152,6 +204,28 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 if rm == Arg::Null || rv == Arg::Null {
                     return Err("training-mode BatchNormalization without its running statistics outputs".into());
                 }
+                if let Some(splits) = bn_splits(c, n * inner) {
+                    let (m, v) = bn_moments(p, x, n, c, inner, splits)?;
+                    let args = vec![
+                        ptr(x),
+                        ptr(scale),
+                        ptr(bias),
+                        Arg::Ptr(m),
+                        Arg::Ptr(v),
+                        ptr(y),
+                        ptr(mean),
+                        ptr(var),
+                        rm,
+                        rv,
+                        Arg::I64(n as i64),
+                        Arg::I64(c as i64),
+                        Arg::I64(inner as i64),
+                        Arg::F32(a.epsilon),
+                        Arg::F32(a.momentum),
+                    ];
+                    p.flat("norm", format!("norm_bn_apply_{tags}"), x.numel() as u64, args);
+                    return Ok(());
+                }
                 let args = vec![
                     ptr(x),
                     ptr(scale),
@@ -192,6 +266,42 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let c = x.shape.get(1).copied().unwrap_or(1) as u64;
             let inner = numel(&x.shape[2.min(x.shape.len())..]);
             let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+            let n = x.shape.first().copied().unwrap_or(1) as u64;
+            if let Some(splits) = bn_splits(c, n * inner) {
+                let (m, v) = bn_moments(p, x, n, c, inner, splits)?;
+                let acc = acc_dtype(x.dtype);
+                let (pg, pgd) = (p.work(c * splits * acc.size() as u64), p.work(c * splits * acc.size() as u64));
+                let (sg, sgd) = (p.work(c * acc.size() as u64), p.work(c * acc.size() as u64));
+                let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(m), Arg::Ptr(pg), Arg::Ptr(pgd)];
+                args.extend(bn_dims(n, c, inner, splits));
+                p.kernel(
+                    "norm",
+                    format!("norm_bn_grad_sums_{}", float_tag(x.dtype)?),
+                    bn_grid(c, splits),
+                    [BLOCK, 1, 1],
+                    args,
+                );
+                bn_finish(p, "sum", acc, pg, sg, c, splits, n * inner)?;
+                bn_finish(p, "sum", acc, pgd, sgd, c, splits, n * inner)?;
+                let args = vec![
+                    Arg::Ptr(buf(dy)),
+                    Arg::Ptr(buf(x)),
+                    Arg::Ptr(buf(scale)),
+                    Arg::Ptr(m),
+                    Arg::Ptr(v),
+                    Arg::Ptr(sg),
+                    Arg::Ptr(sgd),
+                    out(0),
+                    out(1),
+                    out(2),
+                    Arg::I64(n as i64),
+                    Arg::I64(c as i64),
+                    Arg::I64(inner as i64),
+                    Arg::F32(a.epsilon),
+                ];
+                p.flat("norm", format!("norm_bn_grad_apply_{tags}"), x.numel() as u64, args);
+                return Ok(());
+            }
             let args = vec![
                 Arg::Ptr(buf(dy)),
                 Arg::Ptr(buf(x)),
