@@ -171,3 +171,43 @@ fn gpu_steps_neither_allocate_nor_wait() {
     assert_eq!(st.allocations_in_steps, 0);
     assert_eq!(st.host_reads_per_step, 0);
 }
+
+/// Single ops at sizes that take the GPU's multi-pass paths (few long columns, LayerNorm's
+/// parameter gradients over many tokens, batch norm over few channels of many elements, an
+/// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row),
+/// each against the CPU within its dtype's tolerance. The fixtures are too small to reach them.
+#[test]
+fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
+    if gpu().is_none() {
+        return;
+    }
+    let cases = [
+        "input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[40] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
+        "input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2",
+        "input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2",
+        "input %0 \"x\": f32[4096,768]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[768] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
+        "input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5",
+        "input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
+        "input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
+        "input %0 \"x\": f16[8,512,96]\n  input %1 \"s\": f16[]\n  %2 \"y\": f16[8,512,96] = Mul(%0, %1)\n  output %2",
+        "input %0 \"x\": f32[8,512,96]\n  input %1 \"b\": f32[96]\n  %2 \"y\": f32[8,512,96] = Add(%0, %1)\n  output %2",
+        // The second moment must not be negative: |v|.
+        "input %0 \"p\": f32[300,7]\n  input %1 \"g\": f16[300,7]\n  input %2 \"m\": f32[300,7]\n  input %3 \"v\": f32[300,7]\n  init %4 \"t\" = i64[]{3}\n  init %5 \"ok\" = bool[]{1}\n  init %6 \"inv\" = f32[]{0.0078125}\n  %7 \"va\": f32[300,7] = Abs(%3)\n  %8 \"p2\": f32[300,7], %9 \"m2\": f32[300,7], %10 \"v2\": f32[300,7] = ai.mpc::AdamUpdate[lr=0.001, decoupled=1](%0, %1, %2, %7, %4, %5, %6)\n  output %8\n  output %9\n  output %10",
+    ];
+    for body in cases {
+        let text =
+            format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\nopset \"ai.mpc\" 1\ngraph \"t\"\n  {body}\nend\n");
+        let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let feeds = mpc::run::random_inputs(&g, 11, &HashMap::new()).unwrap();
+        let path = std::path::Path::new("large_single_op");
+        let cpu =
+            mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, path).unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let cuda = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, path)
+            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+        for ((n, c), (_, x)) in cpu.iter().zip(&cuda) {
+            let t = Tolerance::for_dtype(c.dtype());
+            let cmp = t.check(x, c).unwrap_or_else(|e| panic!("`{n}`: {e}\n{body}"));
+            println!("`{n}` ({}{:?}): {cmp:?}", c.dtype(), c.shape);
+        }
+    }
+}
