@@ -1710,47 +1710,19 @@ fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
 /// file can interpret computes on its plan what the CPU does.
 #[test]
 fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
-    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
-        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder");
-        return;
-    };
-    let read = |p: &std::path::Path| -> Option<HostTensor> {
-        let bytes = std::fs::read(p).ok()?;
-        Some(HostTensor::from(&mpc_ir::onnx::decode_tensor(bytes.into()).ok()?))
-    };
-    let mut cases: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().map(|e| e.path()).collect();
-    cases.sort();
+    let Some(cases) = common::conformance_cases() else { return };
     let (mut checked, mut skipped) = (0, 0);
-    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
-        let model = case.join("model.onnx");
-        let Ok(mut g) = mpc::load(&model) else { continue };
-        if mpc::compile(&mut g, &model, &mpc::Options::default(), &mut |_, _| {}).is_err() {
-            continue;
-        }
-        let Some(set) = std::fs::read_dir(case).into_iter().flatten().flatten().map(|e| e.path()).find(|p| p.is_dir())
-        else {
-            continue;
-        };
-        let mut ins = Vec::new();
-        for i in 0.. {
-            match read(&set.join(format!("input_{i}.pb"))) {
-                Some(t) => ins.push(t),
-                None => break,
-            }
-        }
-        let feeds: HashMap<String, HostTensor> =
-            g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
-        let Ok(program) = mpc::run::lower_for_inputs(&g, &feeds, CUDA, &model) else { continue };
+    for common::ConformanceCase { name: label, model, graph: g, feeds } in &cases {
+        let Ok(program) = mpc::run::lower_for_inputs(g, feeds, CUDA, model) else { continue };
         let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
         let runs = program.host_reads == 0
             && program.launches.iter().all(|l| plan(l, &constant).is_ok())
-            && mpc::run::run_once(&g, &feeds, &model).is_ok();
+            && mpc::run::run_once(g, feeds, model).is_ok();
         if !runs {
             skipped += 1;
             continue;
         }
-        let label = case.file_name().unwrap().to_string_lossy().to_string();
-        checked += check_program(&label, &program, &feeds).iter().filter(|o| !o.starts_with("not interpreted")).count();
+        checked += check_program(label, &program, feeds).iter().filter(|o| !o.starts_with("not interpreted")).count();
     }
     println!("conformance launches checked against the CPU: {checked} ({skipped} cases skipped)");
     assert!(checked > 500, "only {checked} launches checked");

@@ -14,6 +14,8 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 
+use common::{numbered, read_pb};
+
 use mpc_runtime::device::Device;
 use mpc_runtime::{HostTensor, RuntimeError, Tolerance};
 
@@ -21,27 +23,6 @@ enum Outcome {
     Pass,
     Skip(String),
     Fail(String),
-}
-
-fn read_pb(p: &Path) -> Result<HostTensor, String> {
-    let bytes = std::fs::read(p).map_err(|e| e.to_string())?;
-    let t = mpc_ir::onnx::decode_tensor(bytes.into()).map_err(|e| e.to_string())?;
-    Ok(HostTensor::from(&t))
-}
-
-fn numbered(dir: &Path, prefix: &str) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<(usize, std::path::PathBuf)> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            let n = name.strip_prefix(prefix)?.strip_suffix(".pb")?.parse().ok()?;
-            Some((n, e.path()))
-        })
-        .collect();
-    v.sort();
-    v.into_iter().map(|(_, p)| p).collect()
 }
 
 /// Floats within the ONNX backend tests' bounds, everything else exactly.
@@ -163,10 +144,7 @@ fn conformance_cases_on<D: Device>(device: impl Fn() -> D) {
 #[test]
 fn cuda_plans_cover_the_conformance_cases() {
     use mpc_runtime::program::{DeviceCaps, Launch, TensorRef};
-    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
-        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
-        return;
-    };
+    let Some(cases) = common::conformance_cases() else { return };
     fn flat(ls: &[Launch], out: &mut Vec<Launch>) {
         for l in ls {
             match &l.branches {
@@ -188,28 +166,10 @@ fn cuda_plans_cover_the_conformance_cases() {
         }
     }
     let mut abi = Vec::new();
-    let mut cases: Vec<_> =
-        std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
-    cases.sort();
     let (mut lowered, mut planned) = (0, 0);
     let mut missing: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
-        let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
-        let model = case.join("model.onnx");
-        let Ok(mut g) = mpc::load(&model) else { continue };
-        if mpc::compile(&mut g, &model, &mpc::Options::default(), &mut |_, _| {}).is_err() {
-            continue;
-        }
-        let Some(set) = std::fs::read_dir(case).into_iter().flatten().flatten().map(|e| e.path()).find(|p| p.is_dir())
-        else {
-            continue;
-        };
-        let Ok(ins) = numbered(&set, "input_").iter().map(|p| read_pb(p)).collect::<Result<Vec<_>, _>>() else {
-            continue;
-        };
-        let feeds: HashMap<String, HostTensor> =
-            g.inputs().iter().zip(ins).map(|(&v, t)| (g.name(v).to_string(), t)).collect();
-        let Ok(program) = mpc::run::lower_for_inputs(&g, &feeds, caps, &model) else { continue };
+    for common::ConformanceCase { name, model, graph: g, feeds } in &cases {
+        let Ok(program) = mpc::run::lower_for_inputs(g, feeds, caps, model) else { continue };
         lowered += 1;
         let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
         let mut launches = Vec::new();

@@ -131,3 +131,67 @@ pub fn regression(dir: &Path, w0: f32, target_w: f32, n: usize, loss_factor: Opt
     .unwrap();
     (model, data)
 }
+
+/// One tensor of an ONNX conformance case (`input_0.pb`, `output_0.pb`, ...).
+pub fn read_pb(p: &Path) -> Result<mpc_runtime::value::HostTensor, String> {
+    let bytes = std::fs::read(p).map_err(|e| e.to_string())?;
+    let t = mpc_ir::onnx::decode_tensor(bytes.into()).map_err(|e| e.to_string())?;
+    Ok(mpc_runtime::value::HostTensor::from(&t))
+}
+
+/// The files `<prefix><n>.pb` of `dir`, by n.
+pub fn numbered(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut v: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let n = name.strip_prefix(prefix)?.strip_suffix(".pb")?.parse().ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, p)| p).collect()
+}
+
+/// An ONNX conformance case whose model mpc imports and compiles (default options) and whose
+/// first input set decodes.
+pub struct ConformanceCase {
+    pub name: String,
+    pub model: PathBuf,
+    pub graph: mpc_ir::Graph,
+    /// The first input set, by the graph's input names.
+    pub feeds: std::collections::HashMap<String, mpc_runtime::value::HostTensor>,
+}
+
+/// The cases of `MPC_ONNX_NODE_TESTS` that [`ConformanceCase`] describes, by name; `None`, with a
+/// line saying so, when the variable is not set.
+pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
+    let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {
+        eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
+        return None;
+    };
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
+    dirs.sort();
+    let mut out = Vec::new();
+    for case in dirs.iter().filter(|c| c.join("model.onnx").is_file()) {
+        let model = case.join("model.onnx");
+        let Ok(mut graph) = mpc::load(&model) else { continue };
+        if mpc::compile(&mut graph, &model, &mpc::Options::default(), &mut |_, _| {}).is_err() {
+            continue;
+        }
+        let Some(set) = std::fs::read_dir(case).into_iter().flatten().flatten().map(|e| e.path()).find(|p| p.is_dir())
+        else {
+            continue;
+        };
+        let Ok(ins) = numbered(&set, "input_").iter().map(|p| read_pb(p)).collect::<Result<Vec<_>, _>>() else {
+            continue;
+        };
+        let feeds = graph.inputs().iter().zip(ins).map(|(&v, t)| (graph.name(v).to_string(), t)).collect();
+        let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
+        out.push(ConformanceCase { name, model, graph, feeds });
+    }
+    Some(out)
+}
