@@ -219,6 +219,17 @@ pub enum Known<'a> {
 /// a caller folds into a graph before inferring its shapes. An input known only by its shape
 /// reaches the kernel as an empty tensor of that shape (all `Shape` reads).
 pub fn fold(op: &Op, ins: &[Option<Known>], n_outputs: usize) -> Result<Vec<HostTensor>, cpu::KernelError> {
+    for k in ins.iter().flatten() {
+        let (d, s) = match k {
+            Known::Value(t) => (t.dtype(), &t.shape[..]),
+            Known::Shape(d, s) => (*d, *s),
+        };
+        if !addressable(d, s) {
+            return Err(cpu::KernelError::Invalid(format!(
+                "an input of {d}{s:?} has dims that multiply past the {MAX_TENSOR_BYTES} bytes mpc addresses"
+            )));
+        }
+    }
     if let (Op::Size, Some(Some(x))) = (op, ins.first()) {
         let numel = match x {
             Known::Value(t) => t.len(),
@@ -247,6 +258,16 @@ pub fn fold(op: &Op, ins: &[Option<Known>], n_outputs: usize) -> Result<Vec<Host
 /// The largest tensor lowering accepts (2^48 bytes: more than any device's memory, small enough
 /// that every offset and size computed from it fits in 64 bits).
 pub const MAX_TENSOR_BYTES: u64 = 1 << 48;
+
+/// Whether a tensor of `dims` is within what mpc addresses: its bytes and, when it is empty, the
+/// bytes its other dims would take. Kernels multiply any of a tensor's dims (a batch, an inner
+/// size), so an empty one's must not multiply past 64 bits either.
+fn addressable(dtype: DType, dims: &[usize]) -> bool {
+    dims.iter()
+        .filter(|&&d| d != 0)
+        .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64))
+        .is_some_and(|b| b <= MAX_TENSOR_BYTES)
+}
 
 fn align_up(n: u64, align: u64) -> u64 {
     n.div_ceil(align) * align
@@ -297,6 +318,13 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
                     MAX_TENSOR_BYTES
                 )))
             }
+        }
+        if !addressable(dtype, &dims) {
+            return Err(RuntimeError::Graph(format!(
+                "`{}` is {dtype}{shape}: empty, but its other dims multiply past the {} bytes mpc addresses",
+                g.name(v),
+                MAX_TENSOR_BYTES
+            )));
         }
         Ok((dtype, dims))
     };
