@@ -246,43 +246,17 @@ fn bench_reports_each_policy() {
     assert!(consts(1) * 2 <= consts(0) + 64 * 6, "{} vs {}", consts(1), consts(0));
 
     let d = fixture("digits_mlp");
-    let r = mpc(&[
-        "bench",
-        d.to_str().unwrap(),
-        "--train",
-        "--loss",
-        "cross-entropy",
-        "--policies",
-        "fp32",
-        "--batch",
-        "16",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-    ]);
+    let train = |policy: &str, more: &[&str]| {
+        let base = ["bench", d.to_str().unwrap(), "--train", "--loss", "cross-entropy", "--policies", policy];
+        mpc(&[&base[..], &["--batch", "16", "--steps", "2", "--warmup", "1"], more].concat())
+    };
+    let r = train("fp32", &[]);
     let out = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     assert!(out.contains("training step") && out.lines().any(|l| l.starts_with("fp32 ")), "{out}");
     // `--profile` times each launch of one more step: by op and dtype, every launch of the step
     // counted once, the shares summing to the whole.
-    let r = mpc(&[
-        "bench",
-        d.to_str().unwrap(),
-        "--train",
-        "--loss",
-        "cross-entropy",
-        "--policies",
-        "mixed",
-        "--batch",
-        "16",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--profile",
-        "--json",
-    ]);
+    let r = train("mixed", &["--profile", "--json"]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let report: serde_json::Value = serde_json::from_slice(&r.stdout).unwrap();
     let row = &report["rows"][0];
