@@ -27,6 +27,11 @@ const REFUSED: &[(&str, &str, &str)] = &[
     ("batchnorm_inference_two_outputs.mpcir", "compile", "one output in inference mode (training_mode=0), not 2"),
     ("batchnorm_inference_two_outputs.onnx", "compile", "one output in inference mode (training_mode=0), not 2"),
     ("contrib_gelu_two_outputs.mpcir", "compile", "com.microsoft::Gelu gives one output, not 2"),
+    (
+        "prelu_slope_wider_than_input.onnx",
+        "compile",
+        "the slope [3] does not broadcast to the input's shape [] one way",
+    ),
     ("tile_repeats_not_a_vector.mpcir", "compile", "repeats must be 1-D, not of rank 2"),
 ];
 

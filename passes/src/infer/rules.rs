@@ -126,9 +126,24 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             }
             out
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Sum | Op::Mean | Op::PRelu => {
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Sum | Op::Mean => {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
+        }
+        Op::PRelu => {
+            let d = cx.same_dtype(0..2)?;
+            // The slope broadcasts to X one way: the output has X's shape.
+            if let (Some(x), Some(b)) = (cx.sh(0), broadcast_all(cx, 0..2)?) {
+                let fits = b.rank() == x.rank()
+                    && x.0.iter().zip(&b.0).all(|(xd, bd)| check_eq(xd, bd, "PRelu's dims").is_ok());
+                if !fits {
+                    return Err(format!(
+                        "the slope {} does not broadcast to the input's shape {x} one way",
+                        cx.sh(1).map(|s| s.to_string()).unwrap_or_default()
+                    ));
+                }
+            }
+            vec![t(d, cx.sh(0).cloned())]
         }
         Op::Pow => vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)],
         Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
