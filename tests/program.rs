@@ -8,9 +8,9 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
-use mpc_ir::Graph;
+use mpc_ir::{DType, Graph};
 use mpc_runtime::device::Device;
-use mpc_runtime::program::{Operand, Program};
+use mpc_runtime::program::{Operand, Program, TensorRef};
 use mpc_runtime::session::Session;
 use mpc_runtime::HostTensor;
 
@@ -166,6 +166,19 @@ fn in_place_launches_give_the_reference_bits() {
         let (bound, program) = lowered(&g, CpuDevice::default().caps());
         let names: Vec<String> =
             bound.train.as_ref().unwrap().state.iter().map(|&(v, _)| bound.name(v).to_string()).collect();
+        // The operands of the launches that run a kernel (not those whose outputs are all empty).
+        let operands: Vec<&TensorRef> = program
+            .launches
+            .iter()
+            .filter(|l| l.outputs.is_empty() || !l.outputs.iter().all(|t| t.shape.contains(&0)))
+            .flat_map(|l| &l.inputs)
+            .filter_map(|o| match o {
+                Operand::Device(t) => Some(t),
+                _ => None,
+            })
+            .collect();
+        let bools = operands.iter().filter(|t| t.dtype == DType::Bool).count() as u64;
+        let all = operands.len() as u64;
         let mut s = [
             Session::new(CpuDevice::default(), program.clone()).unwrap(),
             Session::new(CpuDevice::on_copies(), program).unwrap(),
@@ -180,6 +193,10 @@ fn in_place_launches_give_the_reference_bits() {
         // fp32 matrix products (forward and gradients) run in place; f16 ones on copies.
         assert_eq!(s[1].counters().in_place, 0);
         assert!(policy != "fp32" || s[0].counters().in_place > 0, "{name}: no launch ran in place");
+        // Kernels read every operand where it lies, but bools (whose bytes need not be 0 or 1).
+        println!("{name} {policy}: {all} operands a step, {bools} of them bools");
+        assert_eq!(s[0].counters().operand_copies, 3 * bools, "{name} {policy}: operands copied");
+        assert_eq!(s[1].counters().operand_copies, 3 * all, "{name} {policy}: operands copied");
         for n in &names {
             let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
             same(&x, &y, &format!("{name} {policy} `{n}` after 3 steps"));

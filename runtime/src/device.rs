@@ -6,10 +6,8 @@
 //! synchronisation. [`CpuDevice`] is the reference: its queue runs each launch at once on host
 //! memory with the CPU kernels.
 
-use std::collections::BTreeMap;
-
 use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
-use crate::value::{Data, HostTensor};
+use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
 /// The regions one program runs over: its arena and constants, and the session's state.
@@ -46,8 +44,12 @@ pub struct DeviceCounters {
     pub copies: u64,
     /// Reads of device memory back to the host (each a synchronisation).
     pub host_reads: u64,
-    /// Launches run in place on the regions (the rest ran on copies of their operands).
+    /// Launches that wrote their result straight into its place (the CPU device's f32 matrix
+    /// products; its other launches make the result, then copy it in).
     pub in_place: u64,
+    /// Operands a launch read through a copy instead of where they lie (on the CPU device: bools,
+    /// whose bytes need not be 0 or 1, and every operand of a device made by `on_copies`).
+    pub operand_copies: u64,
     /// Copies to the host enqueued without waiting, and the waits for them.
     pub staged: u64,
     pub fetches: u64,
@@ -193,29 +195,22 @@ impl CpuMemory {
 
 /// The CPU reference device: launches run at once, on host memory, with the CPU kernels.
 ///
-/// The reference kernels work on host tensors. What a launch makes is kept as it is, keyed by its
-/// region's address and offset, and its bytes are written into the region only when something
-/// reads them as bytes (a read back, a copy, an in-place launch, a reader that wants another
-/// shape): the next launch that reads the value takes the tensor itself, as the interpreter this
-/// device replaced did. The constants are kept decoded the same way. f32 matrix products run in
-/// place on the regions (`cpu::views`).
+/// The regions are the memory. A launch hands its kernel typed views of its operands' bytes
+/// where they lie (`Elems` views: no copy; bools, whose bytes may not be 0 or 1 in a poisoned
+/// arena, are decoded) and writes what the kernel makes into its place before the next launch.
+/// f32 matrix products write straight into their place (`cpu::views`); every other kernel makes
+/// its result and the device copies it in, after the views are gone, so an output the plan puts
+/// on one of its inputs (in place) is read whole before it is written.
 pub struct CpuDevice {
     counters: DeviceCounters,
-    /// Tensors standing for bytes of a region; `dirty` when the bytes are not written yet. The
-    /// tensors of one region never overlap (each is dropped before another takes its bytes).
-    decoded: BTreeMap<(usize, u64), Decoded>,
-    /// Run the launches that can work in place on the regions so (f32 matrix products).
+    /// Hand kernels views of their operands and run f32 matrix products in place; else every
+    /// operand is a copy.
     in_place: bool,
-}
-
-struct Decoded {
-    t: HostTensor,
-    dirty: bool,
 }
 
 impl Default for CpuDevice {
     fn default() -> Self {
-        CpuDevice { counters: DeviceCounters::default(), decoded: BTreeMap::new(), in_place: true }
+        CpuDevice { counters: DeviceCounters::default(), in_place: true }
     }
 }
 
@@ -229,70 +224,16 @@ fn range(t: &TensorRef, len: usize) -> Result<std::ops::Range<usize>, RuntimeErr
 
 impl CpuDevice {
     /// A device that runs every launch through the reference kernels on copies of its operands
-    /// (tests compare it with the default, which works in place where it can).
+    /// (tests compare it with the default, which reads operands where they lie).
     pub fn on_copies() -> CpuDevice {
         CpuDevice { in_place: false, ..CpuDevice::default() }
     }
 
-    /// The keys of the tensors of `mem` that touch `offset..offset+len`: a backwards scan from
-    /// the end of the range, which stops at the first tensor that ends before it.
-    fn touching(&self, mem: &CpuMemory, offset: u64, len: u64) -> Vec<(usize, u64)> {
-        let addr = mem.addr();
-        let mut out = Vec::new();
-        for (&(a, o), d) in self.decoded.range((addr, 0)..(addr, offset + len)).rev() {
-            if o + d.t.bytes() as u64 <= offset {
-                break;
-            }
-            out.push((a, o));
-        }
-        out
-    }
-
-    /// Writes the bytes of the tensors that touch the range and are not written yet.
-    fn flush(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) {
-        for k in self.touching(mem, offset, len) {
-            if let Some(d) = self.decoded.get_mut(&k).filter(|d| d.dirty) {
-                let s = k.1 as usize;
-                d.t.write_le_bytes(&mut mem.bytes_mut()[s..s + d.t.bytes()]);
-                d.dirty = false;
-            }
-        }
-    }
-
-    /// Forgets the tensors a write to `offset..offset+len` of `mem` replaces; one that reaches
-    /// past the range has its bytes written first, so that its other bytes stay true.
-    fn invalidate(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) {
-        for k in self.touching(mem, offset, len) {
-            if let Some(d) = self.decoded.remove(&k) {
-                let inside = k.1 >= offset && k.1 + d.t.bytes() as u64 <= offset + len;
-                if d.dirty && !inside {
-                    let s = k.1 as usize;
-                    d.t.write_le_bytes(&mut mem.bytes_mut()[s..s + d.t.bytes()]);
-                }
-            }
-        }
-    }
-
-    /// The tensor at `t`'s place, if it is what `t` says.
-    fn decoded_at(&self, regions: &Regions<CpuMemory>, t: &TensorRef) -> Option<&HostTensor> {
-        let d = self.decoded.get(&(regions.get(t.region).addr(), t.offset))?;
-        (d.t.shape == t.shape && d.t.dtype() == t.dtype).then_some(&d.t)
-    }
-
-    /// `t` decoded from its bytes (written first if a tensor stands for them).
-    fn tensor(&mut self, regions: &mut Regions<CpuMemory>, t: &TensorRef) -> Result<HostTensor, RuntimeError> {
-        let mem = regions.get_mut(t.region);
-        let r = range(t, mem.len)?;
-        self.flush(mem, t.offset, t.bytes());
-        Ok(HostTensor::from_le_bytes(t.dtype, t.shape.clone(), &mem.bytes()[r]))
-    }
-
-    fn bytes(&mut self, mem: &mut CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
+    fn bytes(mem: &CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
         let (s, e) = (offset as usize, (offset + len) as usize);
         if e > mem.len {
             return Err(RuntimeError::Internal(format!("a {what} at {s}..{e} overruns its region")));
         }
-        self.flush(mem, offset, len);
         Ok(mem.bytes()[s..e].to_vec())
     }
 }
@@ -302,15 +243,6 @@ impl Device for CpuDevice {
 
     fn caps(&self) -> DeviceCaps {
         DeviceCaps { name: "cpu", align: 64, memory: memory_limit() }
-    }
-
-    fn prepare(&mut self, program: &Program, regions: &mut Regions<CpuMemory>) -> Result<(), RuntimeError> {
-        let addr = regions.constants.addr();
-        for (place, _) in &program.constants {
-            let t = self.tensor(regions, place)?;
-            self.decoded.insert((addr, place.offset), Decoded { t, dirty: false });
-        }
-        Ok(())
     }
 
     fn alloc(&mut self, _region: Region, bytes: u64) -> Result<CpuMemory, RuntimeError> {
@@ -325,7 +257,6 @@ impl Device for CpuDevice {
         if s + bytes.len() > mem.len {
             return Err(RuntimeError::Internal(format!("a write at {s} of {} bytes overruns its region", bytes.len())));
         }
-        self.invalidate(mem, offset, bytes.len() as u64);
         mem.bytes_mut()[s..s + bytes.len()].copy_from_slice(bytes);
         self.counters.host_writes += 1;
         Ok(())
@@ -333,14 +264,14 @@ impl Device for CpuDevice {
 
     fn read(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
         self.counters.host_reads += 1;
-        self.bytes(mem, offset, len, "read")
+        CpuDevice::bytes(mem, offset, len, "read")
     }
 
     type Staged = Vec<u8>;
 
     fn stage(&mut self, mem: &mut CpuMemory, offset: u64, len: u64) -> Result<Vec<u8>, RuntimeError> {
         self.counters.staged += 1;
-        self.bytes(mem, offset, len, "staged read")
+        CpuDevice::bytes(mem, offset, len, "staged read")
     }
 
     fn fetch(&mut self, staged: Vec<u8>) -> Result<Vec<u8>, RuntimeError> {
@@ -354,8 +285,6 @@ impl Device for CpuDevice {
         }
         let src = range(from, regions.get(from.region).len)?;
         let dst = range(to, regions.get(to.region).len)?;
-        self.flush(regions.get_mut(from.region), from.offset, from.bytes());
-        self.invalidate(regions.get_mut(to.region), to.offset, to.bytes());
         if from.region == to.region {
             regions.get_mut(to.region).bytes_mut().copy_within(src, dst.start);
         } else {
@@ -367,71 +296,60 @@ impl Device for CpuDevice {
     }
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
-        if self.in_place && cpu::views::fits(l) {
-            // Operands that a tensor stands for are read from it, the others as bytes where they
-            // lie; the result is written into its place.
-            for o in &l.inputs {
-                if let Operand::Device(t) = o {
-                    if self.decoded_at(regions, t).is_none() {
-                        self.flush(regions.get_mut(t.region), t.offset, t.bytes());
-                    }
-                }
-            }
-            for t in &l.outputs {
-                self.invalidate(regions.get_mut(t.region), t.offset, t.bytes());
-            }
-            let keys: Vec<Option<(usize, u64)>> = l
-                .inputs
-                .iter()
-                .map(|o| match o {
-                    Operand::Device(t) => self.decoded_at(regions, t).map(|_| (regions.get(t.region).addr(), t.offset)),
-                    _ => None,
-                })
-                .collect();
-            let decoded = &self.decoded;
-            let lookup = |t: &TensorRef| -> Option<&[f32]> {
-                let i = l.inputs.iter().position(|o| matches!(o, Operand::Device(x) if x == t))?;
-                match &decoded.get(&keys[i]?)?.t.data {
-                    Data::F32(v) => Some(v.as_slice()),
-                    _ => None,
-                }
-            };
-            if cpu::views::try_launch(regions, l, &lookup) {
-                self.counters.launches += 1;
-                self.counters.in_place += 1;
-                return Ok(());
-            }
+        for t in l.inputs.iter().filter_map(|o| match o {
+            Operand::Device(t) => Some(t),
+            _ => None,
+        }) {
+            range(t, regions.get(t.region).len)?;
+        }
+        for t in &l.outputs {
+            range(t, regions.get(t.region).len)?;
+        }
+        if self.in_place && cpu::views::try_launch(regions, l) {
+            self.counters.launches += 1;
+            self.counters.in_place += 1;
+            return Ok(());
         }
         // Outputs with no elements need no kernel (whose loops may still walk the dims around an
         // empty one).
-        // (An empty tensor is never kept: its place may be another live tensor's, and reading
-        // it decodes nothing.)
         if !l.outputs.is_empty() && l.outputs.iter().all(|t| t.shape.contains(&0)) {
             self.counters.launches += 1;
             return Ok(());
         }
-        // Operands that no tensor stands for (or one of another shape: a view) are decoded.
-        let mut read: Vec<Option<HostTensor>> = Vec::with_capacity(l.inputs.len());
-        for o in &l.inputs {
-            read.push(match o {
-                Operand::Device(t) if self.decoded_at(regions, t).is_none() => Some(self.tensor(regions, t)?),
-                _ => None,
-            });
-        }
-        let refs: Vec<Option<&HostTensor>> = l
-            .inputs
-            .iter()
-            .zip(&read)
-            .map(|(o, r)| match o {
-                Operand::Absent => None,
-                Operand::Host(t) => Some(t),
-                Operand::Device(t) => r.as_ref().or_else(|| self.decoded_at(regions, t)),
-            })
-            .collect();
-        let outs = cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
-            cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: l.node.clone(), msg },
-            cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: l.node.clone(), msg },
-        })?;
+        let mut copies = 0;
+        let outs = {
+            let bases = cpu::views::Bases::of(regions);
+            let read: Vec<Option<HostTensor>> = l
+                .inputs
+                .iter()
+                .map(|o| match o {
+                    Operand::Device(t) => {
+                        // SAFETY: each place lies inside its region (checked above) and nothing
+                        // writes the regions until the views are dropped at the end of this block.
+                        let view = unsafe { cpu::views::host_view(&bases, t) };
+                        let t = if self.in_place || !view.is_view() { view } else { view.clone() };
+                        copies += u64::from(!t.is_view());
+                        Some(t)
+                    }
+                    _ => None,
+                })
+                .collect();
+            let refs: Vec<Option<&HostTensor>> = l
+                .inputs
+                .iter()
+                .zip(&read)
+                .map(|(o, r)| match o {
+                    Operand::Absent => None,
+                    Operand::Host(t) => Some(t),
+                    Operand::Device(_) => r.as_ref(),
+                })
+                .collect();
+            cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
+                cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: l.node.clone(), msg },
+                cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: l.node.clone(), msg },
+            })?
+        };
+        self.counters.operand_copies += copies;
         if outs.len() > l.outputs.len() {
             return Err(RuntimeError::Internal(format!(
                 "{}: {} outputs for {} places",
@@ -453,21 +371,15 @@ impl Device for CpuDevice {
                 )));
             }
             let mem = regions.get_mut(place.region);
-            range(place, mem.len)?;
-            if place.bytes() == 0 {
-                continue;
-            }
-            self.invalidate(mem, place.offset, place.bytes());
-            self.decoded.insert((mem.addr(), place.offset), Decoded { t, dirty: true });
+            let r = range(place, mem.len)?;
+            t.write_le_bytes(&mut mem.bytes_mut()[r]);
         }
         self.counters.launches += 1;
         Ok(())
     }
 
     fn poison(&mut self, mem: &mut CpuMemory) -> Result<(), RuntimeError> {
-        // 0xFF bytes are NaN in f16, bf16, f32 and f64; nothing decoded stands for them any more.
-        let addr = mem.addr();
-        self.decoded.retain(|&(a, _), _| a != addr);
+        // 0xFF bytes are NaN in f16, bf16, f32 and f64.
         mem.bytes_mut().fill(0xFF);
         Ok(())
     }

@@ -22,10 +22,14 @@
 //!   parameters (GEMM m/n/k and strides, window geometry, broadcast strides) from the resolved
 //!   shapes, and a device that launches many times should do so once, in `prepare`.
 //!   [`device::CpuDevice`] is the reference: every op on host memory with the kernels of [`cpu`],
-//!   FP16/BF16 stored as half with f32 arithmetic and accumulation, deterministic; f32 matrix
-//!   products run in place on the regions, other results stay tensors until their bytes are read.
-//! - [`cuda`] (the `cuda` feature): finding GPUs and the CUDA libraries without panicking, and
-//!   compiling `kernels/*.cu` with NVRTC to cached cubins. The CUDA device is next.
+//!   FP16/BF16 stored as half with f32 arithmetic and accumulation, deterministic. Its regions are
+//!   the memory: kernels read typed views of their operands where they lie ([`value::Elems`]),
+//!   f32 matrix products write straight into their place, and every other result is copied into
+//!   its place before the next launch (after its inputs' views are gone, so an output the plan
+//!   puts over an input is correct).
+//! - [`cuda`] (the `cuda` feature): finding GPUs and the CUDA libraries without panicking,
+//!   compiling `kernels/*.cu` with NVRTC to cached cubins, and the CUDA device (plans of kernel
+//!   launches, cuBLAS/cuBLASLt products, CUDA-graph replay of a step).
 //! - [`session::Session`] holds the state region and, per loaded program, an arena and a
 //!   constants region, all allocated when the program is loaded: a step allocates nothing.
 //!   `feed` writes a batch into the input places, `step` enqueues the launches and state copies,

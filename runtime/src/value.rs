@@ -6,20 +6,123 @@ use mpc_ir::{DType, Tensor};
 /// Element storage, one variant per dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Data {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    F64(Vec<f64>),
-    I64(Vec<i64>),
-    I32(Vec<i32>),
-    I16(Vec<i16>),
-    I8(Vec<i8>),
-    U64(Vec<u64>),
-    U32(Vec<u32>),
-    U16(Vec<u16>),
-    U8(Vec<u8>),
-    Bool(Vec<bool>),
+    F32(Elems<f32>),
+    F16(Elems<f16>),
+    BF16(Elems<bf16>),
+    F64(Elems<f64>),
+    I64(Elems<i64>),
+    I32(Elems<i32>),
+    I16(Elems<i16>),
+    I8(Elems<i8>),
+    U64(Elems<u64>),
+    U32(Elems<u32>),
+    U16(Elems<u16>),
+    U8(Elems<u8>),
+    Bool(Elems<bool>),
 }
+
+/// A tensor's elements: owned, or a typed view of a device region's bytes that the CPU device
+/// lends a kernel for the length of one launch ([`Elems::view`]). Either way they read as a
+/// slice. A view never outlives its launch: cloning one copies its elements, and writing to one
+/// (through `DerefMut`) first makes it an owned copy, so the region is never written through it.
+pub struct Elems<T>(Repr<T>);
+
+enum Repr<T> {
+    Owned(Vec<T>),
+    View { ptr: *const T, len: usize },
+}
+
+impl<T: Copy> Elems<T> {
+    /// A view of `len` elements at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` is aligned for `T` and points at `len` initialised values of `T` (every bit pattern
+    /// there a valid `T`) that nothing writes, moves or frees while the view or any borrow of it
+    /// lives.
+    pub(crate) unsafe fn view(ptr: *const T, len: usize) -> Elems<T> {
+        Elems(Repr::View { ptr, len })
+    }
+
+    /// The elements as a Vec: the Vec itself when owned, a copy of a view.
+    pub fn into_vec(self) -> Vec<T> {
+        match self.0 {
+            Repr::Owned(v) => v,
+            Repr::View { .. } => self.to_vec(),
+        }
+    }
+
+    /// Whether the elements are a view of a device region.
+    pub fn is_view(&self) -> bool {
+        matches!(self.0, Repr::View { .. })
+    }
+}
+
+impl<T> std::ops::Deref for Elems<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match &self.0 {
+            Repr::Owned(v) => v,
+            // SAFETY: the contract of `Elems::view`: aligned, initialised and unwritten while
+            // the view lives.
+            Repr::View { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl<T: Copy> std::ops::DerefMut for Elems<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        if let Repr::View { .. } = self.0 {
+            self.0 = Repr::Owned(self.to_vec());
+        }
+        match &mut self.0 {
+            Repr::Owned(v) => v,
+            Repr::View { .. } => unreachable!("a view was made owned above"),
+        }
+    }
+}
+
+impl<T> From<Vec<T>> for Elems<T> {
+    fn from(v: Vec<T>) -> Elems<T> {
+        Elems(Repr::Owned(v))
+    }
+}
+
+impl<T> FromIterator<T> for Elems<T> {
+    fn from_iter<I: IntoIterator<Item = T>>(iter: I) -> Elems<T> {
+        Elems(Repr::Owned(iter.into_iter().collect()))
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Elems<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<T: Copy> Clone for Elems<T> {
+    fn clone(&self) -> Elems<T> {
+        Elems(Repr::Owned(self.to_vec()))
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Elems<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+impl<T: PartialEq> PartialEq for Elems<T> {
+    fn eq(&self, other: &Elems<T>) -> bool {
+        **self == **other
+    }
+}
+
+// SAFETY: an owned `Elems` is a Vec. A view is a shared borrow of memory that nothing writes
+// while it lives (the contract of `Elems::view`), so sharing or sending it is sharing `&[T]`.
+unsafe impl<T: Sync> Send for Elems<T> {}
+unsafe impl<T: Sync> Sync for Elems<T> {}
 
 /// A tensor in host memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -76,6 +179,11 @@ impl HostTensor {
         self.len() == 0
     }
 
+    /// Whether the elements are a view of a device region's bytes (not a copy).
+    pub fn is_view(&self) -> bool {
+        each!(&self.data, v => v.is_view())
+    }
+
     pub fn bytes(&self) -> usize {
         self.len() * self.dtype().size()
     }
@@ -83,7 +191,7 @@ impl HostTensor {
     /// Float values widened to f32 (the compute type of f32, f16 and bf16); `None` for other dtypes.
     pub fn f32s(&self) -> Option<Vec<f32>> {
         match &self.data {
-            Data::F32(v) => Some(v.clone()),
+            Data::F32(v) => Some(v.to_vec()),
             Data::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
             Data::BF16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
             _ => None,
@@ -96,7 +204,7 @@ impl HostTensor {
             Data::F32(v) => v.iter().map(|&x| x as f64).collect(),
             Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
             Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
-            Data::F64(v) => v.clone(),
+            Data::F64(v) => v.to_vec(),
             Data::Bool(v) => v.iter().map(|&x| x as u8 as f64).collect(),
             Data::I64(v) => v.iter().map(|&x| x as f64).collect(),
             Data::U64(v) => v.iter().map(|&x| x as f64).collect(),
@@ -112,7 +220,7 @@ impl HostTensor {
     /// Integer and bool values as i64 (shapes, indices, axes); `None` for floats.
     pub fn i64s(&self) -> Option<Vec<i64>> {
         Some(match &self.data {
-            Data::I64(v) => v.clone(),
+            Data::I64(v) => v.to_vec(),
             Data::I32(v) => v.iter().map(|&x| x as i64).collect(),
             Data::I16(v) => v.iter().map(|&x| x as i64).collect(),
             Data::I8(v) => v.iter().map(|&x| x as i64).collect(),
@@ -128,7 +236,7 @@ impl HostTensor {
     /// A tensor of `dtype` from f32 values, rounding on store (f16/bf16) as a GPU does.
     pub fn from_f32(dtype: DType, shape: Vec<usize>, v: Vec<f32>) -> HostTensor {
         let data = match dtype {
-            DType::F32 => Data::F32(v),
+            DType::F32 => Data::F32(v.into()),
             DType::F16 => Data::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
             DType::BF16 => Data::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
             _ => return HostTensor::from_f64(dtype, shape, v.into_iter().map(|x| x as f64).collect()),
@@ -143,7 +251,7 @@ impl HostTensor {
             DType::F32 => Data::F32(v.iter().map(|&x| x as f32).collect()),
             DType::F16 => Data::F16(v.iter().map(|&x| mpc_ir::f16_from_f64(x)).collect()),
             DType::BF16 => Data::BF16(v.iter().map(|&x| mpc_ir::bf16_from_f64(x)).collect()),
-            DType::F64 => Data::F64(v),
+            DType::F64 => Data::F64(v.into()),
             DType::I64 => Data::I64(v.iter().map(|&x| x as i64).collect()),
             DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
             DType::I16 => Data::I16(v.iter().map(|&x| x as i16).collect()),
@@ -160,7 +268,7 @@ impl HostTensor {
     /// A tensor of `dtype` from i64 values (exact for integer dtypes).
     pub fn from_i64(dtype: DType, shape: Vec<usize>, v: Vec<i64>) -> HostTensor {
         let data = match dtype {
-            DType::I64 => Data::I64(v),
+            DType::I64 => Data::I64(v.into()),
             DType::I32 => Data::I32(v.iter().map(|&x| x as i32).collect()),
             DType::I16 => Data::I16(v.iter().map(|&x| x as i16).collect()),
             DType::I8 => Data::I8(v.iter().map(|&x| x as i8).collect()),
@@ -238,19 +346,58 @@ impl HostTensor {
 macro_rules! map_same {
     ($data:expr, $v:ident => $e:expr) => {
         match $data {
-            Data::F32($v) => Data::F32($e),
-            Data::F16($v) => Data::F16($e),
-            Data::BF16($v) => Data::BF16($e),
-            Data::F64($v) => Data::F64($e),
-            Data::I64($v) => Data::I64($e),
-            Data::I32($v) => Data::I32($e),
-            Data::I16($v) => Data::I16($e),
-            Data::I8($v) => Data::I8($e),
-            Data::U64($v) => Data::U64($e),
-            Data::U32($v) => Data::U32($e),
-            Data::U16($v) => Data::U16($e),
-            Data::U8($v) => Data::U8($e),
-            Data::Bool($v) => Data::Bool($e),
+            Data::F32($v) => Data::F32({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::F16($v) => Data::F16({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::BF16($v) => Data::BF16({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::F64($v) => Data::F64({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::I64($v) => Data::I64({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::I32($v) => Data::I32({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::I16($v) => Data::I16({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::I8($v) => Data::I8({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::U64($v) => Data::U64({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::U32($v) => Data::U32({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::U16($v) => Data::U16({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::U8($v) => Data::U8({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
+            Data::Bool($v) => Data::Bool({
+                let v: Vec<_> = $e;
+                v.into()
+            }),
         }
     };
 }
@@ -270,7 +417,7 @@ pub fn gather_runs(parts: &[&HostTensor], shape: Vec<usize>, runs: &[(usize, usi
                             other => panic!("gather_runs: parts of different dtypes ({:?} and {:?})", parts[0].dtype(), HostTensor { shape: vec![], data: other.clone() }.dtype()),
                         }
                     }
-                    Data::$var(out)
+                    Data::$var(out.into())
                 })*
             }
         };
@@ -304,18 +451,18 @@ impl HostTensor {
             };
         }
         let data = match dtype {
-            DType::F32 => Data::F32(le!(f32)),
-            DType::F16 => Data::F16(le!(f16)),
-            DType::BF16 => Data::BF16(le!(bf16)),
-            DType::F64 => Data::F64(le!(f64)),
-            DType::I64 => Data::I64(le!(i64)),
-            DType::I32 => Data::I32(le!(i32)),
-            DType::I16 => Data::I16(le!(i16)),
+            DType::F32 => Data::F32(le!(f32).into()),
+            DType::F16 => Data::F16(le!(f16).into()),
+            DType::BF16 => Data::BF16(le!(bf16).into()),
+            DType::F64 => Data::F64(le!(f64).into()),
+            DType::I64 => Data::I64(le!(i64).into()),
+            DType::I32 => Data::I32(le!(i32).into()),
+            DType::I16 => Data::I16(le!(i16).into()),
             DType::I8 => Data::I8(b.iter().map(|&x| x as i8).collect()),
-            DType::U64 => Data::U64(le!(u64)),
-            DType::U32 => Data::U32(le!(u32)),
-            DType::U16 => Data::U16(le!(u16)),
-            DType::U8 => Data::U8(b.to_vec()),
+            DType::U64 => Data::U64(le!(u64).into()),
+            DType::U32 => Data::U32(le!(u32).into()),
+            DType::U16 => Data::U16(le!(u16).into()),
+            DType::U8 => Data::U8(b.to_vec().into()),
             DType::Bool => Data::Bool(b.iter().map(|&x| x != 0).collect()),
         };
         HostTensor { shape, data }

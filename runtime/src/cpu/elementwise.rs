@@ -214,8 +214,8 @@ fn map_unary<R: Real>(op: &Op, v: &[R]) -> Option<Vec<R>> {
 pub(crate) fn unary(op: &Op, x: &HostTensor) -> Option<HostTensor> {
     let shape = x.shape.clone();
     match &x.data {
-        Data::F32(v) => Some(HostTensor { shape, data: Data::F32(map_unary(op, v)?) }),
-        Data::F64(v) => Some(HostTensor { shape, data: Data::F64(map_unary(op, v)?) }),
+        Data::F32(v) => Some(HostTensor { shape, data: Data::F32(map_unary(op, v)?.into()) }),
+        Data::F64(v) => Some(HostTensor { shape, data: Data::F64(map_unary(op, v)?.into()) }),
         _ => Some(HostTensor::from_f32(x.dtype(), shape, map_unary(op, &x.f32s()?)?)),
     }
 }
@@ -375,7 +375,7 @@ pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTens
         (Data::F64(x), _) => {
             let y = b.f64s();
             let out = float_arms!(op, f64, |f| zip_broadcast(x, &a.shape, &y, &b.shape, &shape, f))?;
-            Some(HostTensor { data: Data::F64(out), shape })
+            Some(HostTensor { data: Data::F64(out.into()), shape })
         }
         (Data::F32(x), _) => {
             let owned;
@@ -388,7 +388,7 @@ pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTens
                 }
             };
             let out = float_arms!(op, f32, |f| zip_broadcast(x, &a.shape, y, &b.shape, &shape, f))?;
-            Some(HostTensor { data: Data::F32(out), shape })
+            Some(HostTensor { data: Data::F32(out.into()), shape })
         }
         (_, d) if d.is_float() => {
             let x = a.f32s()?;
@@ -440,7 +440,7 @@ pub(crate) fn compare(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTen
                 .collect()
         }
     };
-    Some(HostTensor { shape, data: Data::Bool(out) })
+    Some(HostTensor { shape, data: Data::Bool(out.into()) })
 }
 
 /// Where(cond, x, y).

@@ -262,12 +262,12 @@ fn scatter(
     macro_rules! typed {
         ($($v:ident),*) => {
             match (&data.data, &updates.data) {
-                $((Data::$v(a), Data::$v(b)) => Data::$v(apply(a, b, dst, run, reduction)),)*
+                $((Data::$v(a), Data::$v(b)) => Data::$v(apply(a, b, dst, run, reduction).into()),)*
                 (Data::F16(a), Data::F16(b)) => {
-                    Data::F16(apply_half(a, b, dst, run, reduction, f16::to_f32, f16::from_f32))
+                    Data::F16(apply_half(a, b, dst, run, reduction, f16::to_f32, f16::from_f32).into())
                 }
                 (Data::BF16(a), Data::BF16(b)) => {
-                    Data::BF16(apply_half(a, b, dst, run, reduction, bf16::to_f32, bf16::from_f32))
+                    Data::BF16(apply_half(a, b, dst, run, reduction, bf16::to_f32, bf16::from_f32).into())
                 }
                 _ => {
                     return Err(err(format!("updates are {} where data is {}", updates.dtype(), data.dtype())))

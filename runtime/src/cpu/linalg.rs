@@ -112,7 +112,7 @@ fn products(a: &Mat, b: &Mat, pairs: &[(usize, usize)], d: Dims) -> Mat<'static>
 fn store(m: Mat, like: &HostTensor, shape: Vec<usize>) -> HostTensor {
     match m {
         Mat::F32(v) => HostTensor::from_f32(like.dtype(), shape, v.into_owned()),
-        Mat::F64(v) => HostTensor { shape, data: Data::F64(v.into_owned()) },
+        Mat::F64(v) => HostTensor { shape, data: Data::F64(v.into_owned().into()) },
         Mat::I64(v) => HostTensor::from_i64(like.dtype(), shape, v),
     }
 }

@@ -51,7 +51,7 @@ pub(crate) fn unsupported(msg: impl Into<String>) -> KernelError {
 /// stays f64.
 pub(crate) fn store(like: &HostTensor, shape: Vec<usize>, v: Vec<f64>) -> HostTensor {
     if like.dtype() == DType::F64 {
-        HostTensor { shape, data: Data::F64(v) }
+        HostTensor { shape, data: Data::F64(v.into()) }
     } else {
         HostTensor::from_f32(like.dtype(), shape, v.into_iter().map(|x| x as f32).collect())
     }
@@ -197,7 +197,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let a = x(0)?.clone();
             let mut out = vec![a.clone()];
             if n_outputs > 1 {
-                out.push(HostTensor { shape: a.shape.clone(), data: Data::Bool(vec![true; a.len()]) });
+                out.push(HostTensor { shape: a.shape.clone(), data: Data::Bool(vec![true; a.len()].into()) });
             }
             Ok(out)
         }

@@ -48,7 +48,7 @@ pub(crate) fn resize(
     }
     Ok(if x.dtype().is_float() {
         if x.dtype() == mpc_ir::DType::F64 {
-            HostTensor { shape: out_shape, data: crate::value::Data::F64(out) }
+            HostTensor { shape: out_shape, data: crate::value::Data::F64(out.into()) }
         } else {
             HostTensor::from_f32(x.dtype(), out_shape, out.into_iter().map(|v| v as f32).collect())
         }

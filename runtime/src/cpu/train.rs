@@ -417,7 +417,7 @@ pub(crate) fn seeded_dropout(
     let v = float(x, "X")?;
     let mask: Vec<bool> = (0..v.len() as u64).map(|i| dropout_uniform(key, seed, i) >= ratio).collect();
     let out = v.iter().zip(&mask).map(|(&a, &keep)| if keep { a * scale } else { 0.0 }).collect();
-    Ok((store(x, x.shape.clone(), out), HostTensor { shape: x.shape.clone(), data: Data::Bool(mask) }))
+    Ok((store(x, x.shape.clone(), out), HostTensor { shape: x.shape.clone(), data: Data::Bool(mask.into()) }))
 }
 
 /// AllFinite(x...) → true when no input holds an Inf or NaN.
@@ -429,7 +429,7 @@ pub(crate) fn all_finite(xs: &[&HostTensor]) -> Res<HostTensor> {
         Data::F64(v) => v.iter().all(|a| a.is_finite()),
         _ => true,
     });
-    Ok(HostTensor { shape: vec![], data: Data::Bool(vec![finite]) })
+    Ok(HostTensor { shape: vec![], data: Data::Bool(vec![finite].into()) })
 }
 
 fn flag(t: &HostTensor) -> Res<bool> {
