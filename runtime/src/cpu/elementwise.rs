@@ -329,10 +329,15 @@ fn zip_broadcast<T: Copy, U: Copy, V>(
     let suffix = |sh: &[usize]| sh.len() <= out.len() && sh == &out[out.len() - sh.len()..];
     if ash == out && bsh == out {
         a.iter().zip(b).map(|(&x, &y)| f(x, y)).collect()
-    } else if ash == out && (b.len() == 1 || suffix(bsh)) && !b.is_empty() {
-        a.iter().enumerate().map(|(i, &x)| f(x, b[i % b.len()])).collect()
-    } else if bsh == out && (a.len() == 1 || suffix(ash)) && !a.is_empty() {
-        b.iter().enumerate().map(|(i, &y)| f(a[i % a.len()], y)).collect()
+    } else if ash == out && b.len() == 1 {
+        a.iter().map(|&x| f(x, b[0])).collect()
+    } else if bsh == out && a.len() == 1 {
+        b.iter().map(|&y| f(a[0], y)).collect()
+    } else if ash == out && suffix(bsh) && !b.is_empty() {
+        // `b` repeats along `a`'s rows: one pass per row, without an index division per element.
+        a.chunks_exact(b.len()).flat_map(|row| row.iter().zip(b).map(|(&x, &y)| f(x, y))).collect()
+    } else if bsh == out && suffix(ash) && !a.is_empty() {
+        b.chunks_exact(a.len()).flat_map(|row| a.iter().zip(row).map(|(&x, &y)| f(x, y))).collect()
     } else {
         let (ia, ib) = (broadcast_index(ash, out), broadcast_index(bsh, out));
         (0..n).map(|k| f(a[ia[k]], b[ib[k]])).collect()

@@ -30,13 +30,24 @@ pub(crate) fn softmax(x: &HostTensor, axis: usize, log: bool) -> Res<HostTensor>
                 let at = |k: usize| (o * n + k) * inner + i;
                 let m = (0..n).map(|k| v[at(k)]).fold(f32::NEG_INFINITY, f32::max);
                 let mut s = 0f32;
-                for (k, ek) in e.iter_mut().enumerate() {
-                    *ek = v[at(k)] - m;
-                    s += ek.exp();
-                }
-                let ls = s.ln();
-                for (k, &ek) in e.iter().enumerate() {
-                    out[at(k)] = if log { ek - ls } else { ek.exp() / s };
+                if log {
+                    for (k, ek) in e.iter_mut().enumerate() {
+                        *ek = v[at(k)] - m;
+                        s += ek.exp();
+                    }
+                    let ls = s.ln();
+                    for (k, &ek) in e.iter().enumerate() {
+                        out[at(k)] = ek - ls;
+                    }
+                } else {
+                    // Each exponential once: kept for the division.
+                    for (k, ek) in e.iter_mut().enumerate() {
+                        *ek = (v[at(k)] - m).exp();
+                        s += *ek;
+                    }
+                    for (k, &ek) in e.iter().enumerate() {
+                        out[at(k)] = ek / s;
+                    }
                 }
             }
         }
