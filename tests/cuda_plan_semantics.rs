@@ -1037,8 +1037,20 @@ fn run_loss(m: &mut Memory, k: &Kernel) {
     }
 }
 
-const UNARY: [&str; 11] =
-    ["relu", "exp", "neg", "sqrt", "tanh", "sigmoid", "reciprocal", "erf", "gelu", "hard_swish", "hard_sigmoid"];
+const UNARY: [&str; 12] = [
+    "relu",
+    "exp",
+    "neg",
+    "sqrt",
+    "tanh",
+    "sigmoid",
+    "reciprocal",
+    "erf",
+    "gelu",
+    "gelu_tanh",
+    "hard_swish",
+    "hard_sigmoid",
+];
 const BINARY: [&str; 7] = ["add", "sub", "mul", "div", "max", "min", "pow"];
 
 fn run_kernel(m: &mut Memory, k: &Kernel) {
@@ -1173,6 +1185,9 @@ fn run_kernel(m: &mut Memory, k: &Kernel) {
                 "reciprocal" => 1.0 / v,
                 "erf" => erf(v),
                 "gelu" => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
+                "gelu_tanh" => {
+                    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
+                }
                 "hard_swish" => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
                 "hard_sigmoid" => (f32_of(&a[3]) * v + f32_of(&a[4])).clamp(0.0, 1.0),
                 _ => 1.0 / (1.0 + (-v).exp()),

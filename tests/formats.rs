@@ -83,7 +83,8 @@ fn dot_and_json_outputs() {
     assert_eq!(dot.matches("[label=\"Softmax\\n").count(), 1);
     assert_eq!(dot.matches("[label=\"MatMul\\n").count(), 8);
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
-    assert_eq!(v["nodes"].as_array().unwrap().len(), 36);
+    // 36 nodes as exported, less four: the erf GELU (Div, Erf, Add, Mul, Mul) is one Gelu.
+    assert_eq!(v["nodes"].as_array().unwrap().len(), 32);
     assert_eq!(v["inputs"][0]["shape"], serde_json::json!(["batch", 8]));
     let softmax = v["nodes"].as_array().unwrap().iter().find(|n| n["op_type"] == "Softmax").unwrap();
     assert_eq!(softmax["outputs"][0]["shape"], serde_json::json!(["batch", 4, 8, 8]));

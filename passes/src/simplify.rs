@@ -1,11 +1,19 @@
-//! Undoes import-time decompositions once shapes are known.
+//! Undoes decompositions, the importer's and the exporters', once shapes are known.
 //!
-//! Softmax and LogSoftmax before opset 13 flatten their input to 2-D at `axis`; the importer writes
-//! that as `Reshape(Softmax(Flatten(x, axis)), Shape(x))` when it cannot see `x`'s rank. When
-//! inference shows that `axis` is the last dim, the four nodes are one `Softmax(x)`.
+//! - Softmax and LogSoftmax before opset 13 flatten their input to 2-D at `axis`; the importer
+//!   writes that as `Reshape(Softmax(Flatten(x, axis)), Shape(x))` when it cannot see `x`'s rank.
+//!   When inference shows that `axis` is the last dim, the four nodes are one `Softmax(x)`.
+//! - GELU has been an ONNX op only since opset 20; exporters write it before that as element-wise
+//!   arithmetic on x: `0.5·x·(1 + erf(x/√2))` (5 nodes), or the tanh approximation
+//!   `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (8 or 9), in whatever order and grouping the
+//!   exporter chose. Such a subgraph (one input x, scalar constants, every value inside read only
+//!   inside it) is one `Gelu(x)` again when it computes the same function: checked by evaluating
+//!   it at points from -8 to 8, not by matching one exporter's node order. One launch instead of
+//!   eight forward and more backward, and training saves only x for the gradient. Written out, the
+//!   graph then needs opset 20 (the exporter raises it).
 
-use mpc_ir::ops::SoftmaxAttrs;
-use mpc_ir::{Graph, NodeId, Op};
+use mpc_ir::ops::{GeluApprox, GeluAttrs, SoftmaxAttrs};
+use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
 
 use crate::{Changed, Context, Pass, Result};
 
@@ -24,6 +32,17 @@ impl Pass for Simplify {
     }
 
     fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
+        let mut changed = softmax(g)?;
+        if gelu(g)? == Changed::Yes {
+            changed = Changed::Yes;
+        }
+        Ok(changed)
+    }
+}
+
+/// `Reshape(Softmax(Flatten(x, axis)), Shape(x))` with `axis` the last dim becomes `Softmax(x)`.
+fn softmax(g: &mut Graph) -> Result<Changed> {
+    {
         let mut changed = Changed::No;
         for n in g.topo_order()? {
             if !matches!(g.node(n).op, Op::Reshape(_)) {
@@ -65,4 +84,181 @@ impl Pass for Simplify {
         }
         Ok(changed)
     }
+}
+
+/// What a candidate GELU subgraph computes: an expression over one value `x`.
+#[derive(Debug)]
+enum Expr {
+    X,
+    Const(f64),
+    Tanh(Box<Expr>),
+    Erf(Box<Expr>),
+    Sqrt(Box<Expr>),
+    Bin(Bin, Box<Expr>, Box<Expr>),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Bin {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+}
+
+impl Expr {
+    fn eval(&self, x: f64) -> f64 {
+        match self {
+            Expr::X => x,
+            Expr::Const(c) => *c,
+            Expr::Tanh(a) => a.eval(x).tanh(),
+            Expr::Erf(a) => libm::erf(a.eval(x)),
+            Expr::Sqrt(a) => a.eval(x).sqrt(),
+            Expr::Bin(op, a, b) => {
+                let (a, b) = (a.eval(x), b.eval(x));
+                match op {
+                    Bin::Add => a + b,
+                    Bin::Sub => a - b,
+                    Bin::Mul => a * b,
+                    Bin::Div => a / b,
+                    Bin::Pow => a.powf(b),
+                }
+            }
+        }
+    }
+
+    /// Whether the expression applies `Erf` (else `Tanh`) somewhere.
+    fn has(&self, erf: bool) -> bool {
+        match self {
+            Expr::X | Expr::Const(_) => false,
+            Expr::Erf(a) => erf || a.has(erf),
+            Expr::Tanh(a) => !erf || a.has(erf),
+            Expr::Sqrt(a) => a.has(erf),
+            Expr::Bin(_, a, b) => a.has(erf) || b.has(erf),
+        }
+    }
+}
+
+/// The most nodes a GELU decomposition has (the tanh form: 9, with a `Div` or `Sqrt` more).
+const GELU_NODES: usize = 12;
+
+/// Builds the expression that `v` computes from one value `x` (set on the way), taking into it
+/// every producer of an element-wise op whose result is read once, by the expression, and has
+/// `x`'s shape. `inside` collects those producers.
+fn expr_of(g: &Graph, v: ValueId, root: bool, x: &mut Option<ValueId>, inside: &mut Vec<NodeId>) -> Option<Expr> {
+    if let Some(c) = scalar(g, v) {
+        return Some(Expr::Const(c));
+    }
+    let sole = root || (g.value(v).uses().len() == 1 && !g.name_is_referenced(v));
+    let same_shape = x.is_none_or(|x| g.ty(v).shape.is_some() && g.ty(v).shape == g.ty(x).shape);
+    let producer = g.value(v).producer().filter(|&(_, slot)| slot == 0).map(|(p, _)| p);
+    if let Some(p) = producer.filter(|_| sole && same_shape && inside.len() < GELU_NODES) {
+        let node = g.node(p);
+        let arg = |i: usize, x: &mut Option<ValueId>, inside: &mut Vec<NodeId>| {
+            expr_of(g, node.input(i)?, false, x, inside).map(Box::new)
+        };
+        let bin = |op: Bin, x: &mut Option<ValueId>, inside: &mut Vec<NodeId>| {
+            let a = arg(0, x, inside)?;
+            Some(Expr::Bin(op, a, arg(1, x, inside)?))
+        };
+        let before = inside.len();
+        inside.push(p);
+        let e = match &node.op {
+            Op::Tanh => Some(arg(0, x, inside).map(Expr::Tanh)),
+            Op::Erf => Some(arg(0, x, inside).map(Expr::Erf)),
+            Op::Sqrt => Some(arg(0, x, inside).map(Expr::Sqrt)),
+            Op::Add => Some(bin(Bin::Add, x, inside)),
+            Op::Sub => Some(bin(Bin::Sub, x, inside)),
+            Op::Mul => Some(bin(Bin::Mul, x, inside)),
+            Op::Div => Some(bin(Bin::Div, x, inside)),
+            Op::Pow => Some(bin(Bin::Pow, x, inside)),
+            _ => None,
+        };
+        match e {
+            // One of the expression's ops: its operands must be expressions too.
+            Some(e) => return e,
+            None => inside.truncate(before),
+        }
+    }
+    // Anything else is the one input.
+    match *x {
+        None if g.ty(v).dtype.is_some_and(|d| d.is_float()) && g.ty(v).shape.is_some() => {
+            *x = Some(v);
+            Some(Expr::X)
+        }
+        Some(y) if y == v => Some(Expr::X),
+        _ => None,
+    }
+}
+
+/// A float scalar constant's value, also through a `Cast` (an exporter's f64 constant cast to
+/// the graph's dtype), rounded as the cast rounds it.
+fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
+    if let Some(t) = g.constant(v) {
+        return (t.numel() == 1 && t.dtype().is_float()).then(|| t.to_f64_vec()[0]);
+    }
+    let (p, _) = g.value(v).producer()?;
+    match &g.node(p).op {
+        Op::Cast(c) if c.to.is_float() => {
+            let t = g.constant(g.node(p).input(0)?)?;
+            (t.numel() == 1 && t.dtype().is_float()).then(|| t.to_dtype(c.to).to_f64_vec()[0])
+        }
+        _ => None,
+    }
+}
+
+fn gelu_exact(x: f64, tanh: bool) -> f64 {
+    if tanh {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+    } else {
+        0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2))
+    }
+}
+
+/// Which GELU `e` computes, if it is one: it applies `Erf` (or `Tanh`) and equals the exact
+/// function at points from -8 to 8 within what rounding its constants to `dtype` moves it.
+fn gelu_form(e: &Expr, dtype: DType) -> Option<GeluApprox> {
+    let tol = match dtype {
+        DType::F16 => 1e-3,
+        DType::BF16 => 1e-2,
+        _ => 1e-5,
+    };
+    [(false, GeluApprox::Erf), (true, GeluApprox::Tanh)].into_iter().find_map(|(tanh, form)| {
+        let close = (-32..=32).all(|i| {
+            let x = i as f64 / 4.0;
+            let (got, want) = (e.eval(x), gelu_exact(x, tanh));
+            (got - want).abs() <= tol * (1.0 + want.abs())
+        });
+        (close && e.has(!tanh)).then_some(form)
+    })
+}
+
+/// Every exported GELU decomposition becomes one `Gelu` node.
+fn gelu(g: &mut Graph) -> Result<Changed> {
+    let mut changed = Changed::No;
+    let order = g.topo_order()?;
+    let mut gone = std::collections::HashSet::new();
+    // From the last node back, so that a decomposition is found from its final product.
+    for &n in order.iter().rev() {
+        if gone.contains(&n) || !matches!(g.node(n).op, Op::Mul | Op::Div | Op::Add) || g.node(n).outputs().len() != 1 {
+            continue;
+        }
+        let out = g.node(n).outputs()[0];
+        let (mut x, mut inside) = (None, Vec::new());
+        let Some(e) = expr_of(g, out, true, &mut x, &mut inside) else { continue };
+        let Some(x) = x else { continue };
+        if inside.len() < 4 || g.ty(out).shape != g.ty(x).shape || g.ty(out).dtype != g.ty(x).dtype {
+            continue;
+        }
+        let Some(form) = g.ty(x).dtype.and_then(|d| gelu_form(&e, d)) else { continue };
+        *g.node_op_mut(n) = Op::Gelu(GeluAttrs { approximate: form });
+        g.truncate_inputs(n, 1);
+        g.set_input(n, 0, Some(x));
+        let rest: Vec<NodeId> = inside.into_iter().filter(|&m| m != n).collect();
+        gone.extend(rest.iter().copied());
+        g.remove_nodes(&rest);
+        changed = Changed::Yes;
+    }
+    Ok(changed)
 }

@@ -149,11 +149,8 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x
             }
         }
-        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => {
-            let c = R::of((2.0 / std::f64::consts::PI).sqrt());
-            R::of(0.5) * x * (one + (c * (x + R::of(0.044715) * x * x * x)).tanh())
-        }
-        Op::Gelu(_) => R::of(0.5) * x * (one + (x / R::of(std::f64::consts::SQRT_2)).erf()),
+        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => gelu_tanh(x),
+        Op::Gelu(_) => gelu_erf(x),
         Op::HardSigmoid(a) => max(zero, min(one, R::of(a.alpha as f64) * x + R::of(a.beta as f64))),
         Op::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
         Op::Softplus => {
@@ -192,6 +189,15 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
     })
 }
 
+fn gelu_erf<R: Real>(x: R) -> R {
+    R::of(0.5) * x * (R::of(1.0) + (x / R::of(std::f64::consts::SQRT_2)).erf())
+}
+
+fn gelu_tanh<R: Real>(x: R) -> R {
+    let c = R::of((2.0 / std::f64::consts::PI).sqrt());
+    R::of(0.5) * x * (R::of(1.0) + (c * (x + R::of(0.044715) * x * x * x)).tanh())
+}
+
 /// `unary_fn` over a slice, with the op resolved once (the common ones get their own loops).
 fn map_unary<R: Real>(op: &Op, v: &[R]) -> Option<Vec<R>> {
     let zero = R::of(0.0);
@@ -203,6 +209,8 @@ fn map_unary<R: Real>(op: &Op, v: &[R]) -> Option<Vec<R>> {
         Op::Sqrt => v.iter().map(|&a| a.sqrt()).collect(),
         Op::Tanh => v.iter().map(|&a| a.tanh()).collect(),
         Op::Erf => v.iter().map(|&a| a.erf()).collect(),
+        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => v.iter().map(|&x| gelu_tanh(x)).collect(),
+        Op::Gelu(_) => v.iter().map(|&x| gelu_erf(x)).collect(),
         _ => {
             unary_fn(op, zero)?;
             v.iter().map(|&a| unary_fn(op, a).unwrap_or(a)).collect()
