@@ -88,7 +88,7 @@ fi
 [ -x "$BIN/mpc" ] || { echo "gpu-bin/mpc is missing: run benches/gpu_session.sh build first (on a machine with Rust)"; exit 2; }
 
 # ---- the CUDA libraries: the driver's libcuda where the loader finds it, then the toolkit's lib
-# folder, then wherever libcublas and libnvrtc are. Never a `stubs` folder: its libcuda answers
+# folder, then wherever libcublas, libnvrtc and libcudnn (PyTorch's wheel) are. Never a `stubs` folder: its libcuda answers
 # every call with CUDA_ERROR_STUB_LIBRARY.
 libs=()
 driver="$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')"
@@ -98,7 +98,7 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
 done
 while IFS= read -r f; do
   libs+=("$(dirname "$f")")
-done < <(find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' \) 2>/dev/null | grep -v /stubs/ | sort -u)
+done < <(find / -xdev \( -name 'libcublas.so*' -o -name 'libnvrtc.so*' -o -name 'libcublasLt.so*' -o -name 'libcudnn.so*' \) 2>/dev/null | grep -v /stubs/ | sort -u)
 LD_LIBRARY_PATH="$(printf '%s\n' "${libs[@]}" | awk '!seen[$0]++' | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 [ -f /usr/local/cuda/include/cuda_fp16.h ] && export MPC_CUDA_INCLUDE=/usr/local/cuda/include
@@ -144,6 +144,8 @@ part_devices() {
 part_tests() {
   step backend_ops "$BIN/backend_ops" cuda:: --nocapture --test-threads=1
   step cuda_vs_cpu "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
+  # The same with convolutions as im2col + GEMM, as on a machine without cuDNN.
+  MPC_CUDNN=0 step cuda_vs_cpu_without_cudnn "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
   step program "$BIN/program" cuda:: --nocapture --test-threads=1
   step train "$BIN/train" cuda:: --nocapture --test-threads=1
   step runtime_conformance "$BIN/runtime_conformance" cuda:: --nocapture --test-threads=1

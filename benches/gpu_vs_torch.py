@@ -190,11 +190,11 @@ def copy_rate():
     return 2 * 2**30 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile):
+def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="fp32,mixed,mixed-bf16", env=None):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
-           "--policies", "fp32,mixed,mixed-bf16", "--batch", str(batch), "--steps", str(steps),
+           "--policies", policies, "--batch", str(batch), "--steps", str(steps),
            "--warmup", str(warmup), "--json"] + (["--profile"] if profile else [])
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
     return {row["policy"]: row for row in json.loads(r.stdout)["rows"]}
@@ -241,8 +241,13 @@ def main():
                     torch_rows[key] = (None, None)
                     print(f"{name}: torch {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
         mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, not args.no_profile)
+        # Convolutions through cuDNN against im2col + GEMM (MPC_CUDNN=0), mixed, in the same run.
+        no_dnn = None
+        if name == "resnet50" and dev == "cuda":
+            no_dnn = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
+                               {"MPC_CUDNN": "0"})
         os.remove(path)
-        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc}
+        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc, "mpc_without_cudnn": no_dnn}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
             json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
@@ -259,6 +264,11 @@ def main():
             alloc = f" (allocated {used / 2**20:.1f} MiB)" if used is not None else ""
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate)")
+        if no_dnn and "mixed" in no_dnn and "mixed" in mpc:
+            ms = no_dnn["mixed"]["step_ms_median"]
+            line = f"mpc mixed with cuDNN convolutions / without (im2col + GEMM): {mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)"
+            print("  " + line)
+            lines.append(f"{name}: {line}")
         for policy, row in mpc.items():
             if row.get("profile"):
                 top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']})"

@@ -17,8 +17,10 @@ pub fn report() -> (Vec<String>, Option<String>) {
     let mut lines = vec![cpu_line()];
     let v = |x: Option<(i32, i32)>| x.map_or("not found".to_string(), |(a, b)| format!("{a}.{b}"));
     let found = |b: bool| if b { "found" } else { "not found" };
+    let cudnn = mpc_runtime::cuda::dnn::unavailable()
+        .map_or("found".to_string(), |why| format!("not used ({why}; convolutions run as im2col and GEMMs)"));
     lines.push(format!(
-        "cuda: driver {} (mpc needs CUDA {}.{}), NVRTC {}, cuBLAS {}, cuBLASLt {}",
+        "cuda: driver {} (mpc needs CUDA {}.{}), NVRTC {}, cuBLAS {}, cuBLASLt {}, cuDNN {cudnn}",
         v(r.driver),
         mpc_runtime::cuda::CUDA_VERSION.0,
         mpc_runtime::cuda::CUDA_VERSION.1,

@@ -19,7 +19,7 @@ use common::{fixture, FIXTURES};
 use mpc_ir::{DType, Graph};
 use mpc_runtime::cuda::cubin::{self, KernelParams};
 use mpc_runtime::cuda::nvrtc;
-use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, Gemm, LaunchPlan};
+use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, LaunchPlan};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
 const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
@@ -102,7 +102,11 @@ fn check_gemm(l: &Launch, p: &LaunchPlan, g: &Gemm) -> Result<(), String> {
 }
 
 fn check_plan(l: &Launch, p: &LaunchPlan) -> Result<(), String> {
-    for c in &p.calls {
+    check_calls(l, p, &p.calls)
+}
+
+fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String> {
+    for c in calls {
         match c {
             Call::Kernel(k) => {
                 for a in &k.args {
@@ -124,6 +128,24 @@ fn check_plan(l: &Launch, p: &LaunchPlan) -> Result<(), String> {
                 if room(l, p, *to)? < *bytes {
                     return Err(format!("a fill of {bytes} bytes overruns {to:?}"));
                 }
+            }
+            Call::Conv(conv) => {
+                // Each operand holds its shape's bytes; the fallback is checked as any plan.
+                let bytes = |s: [i64; 4]| s.iter().product::<i64>() as u64 * conv.dtype.size() as u64;
+                let (x, w, y) = (bytes(conv.x), bytes(conv.w), bytes(conv.y));
+                for op in &conv.ops {
+                    let operands = match *op {
+                        DnnOp::Forward { x: a, w: b, y: c } => [(a, x), (b, w), (c, y)],
+                        DnnOp::BackwardData { w: a, dy: b, dx: c } => [(a, w), (b, y), (c, x)],
+                        DnnOp::BackwardFilter { x: a, dy: b, dw: c } => [(a, x), (b, y), (c, w)],
+                    };
+                    for (b, need) in operands {
+                        if room(l, p, b)? < need {
+                            return Err(format!("cuDNN {op:?}: {need} bytes at {b:?} overrun it"));
+                        }
+                    }
+                }
+                check_calls(l, p, &conv.fallback)?;
             }
         }
     }
@@ -173,8 +195,7 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
                 failures.push(format!("{label}: {} ({}): {e}", l.node, l.op.op_type()));
             }
             calls += p.calls.len();
-            for c in &p.calls {
-                let Call::Kernel(k) = c else { continue };
+            for k in p.kernels() {
                 used.insert(k.name.clone());
                 let Some(kernels) = &kernels else { continue };
                 let Some(declared) = kernels.get(&k.name) else {

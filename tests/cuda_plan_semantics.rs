@@ -16,12 +16,14 @@ use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
 use mpc_ir::DType;
-use mpc_runtime::cuda::plan::{plan, Arg, Buf, Call, Gemm, Kernel, LaunchPlan, Window3};
+use mpc_runtime::cpu::run_op;
+use mpc_runtime::cuda::plan::{plan, Arg, Buf, Call, DnnConv, DnnOp, Gemm, Kernel, LaunchPlan, Window3};
 use mpc_runtime::device::{CpuDevice, Device, Regions};
 use mpc_runtime::program::{Program, Region, TensorRef};
 use mpc_runtime::{HostTensor, Tolerance};
 
 /// The bytes a plan runs over: the program's three regions, the workspace and the aux bytes.
+#[derive(Clone)]
 struct Memory {
     arena: Vec<u8>,
     state: Vec<u8>,
@@ -128,6 +130,14 @@ fn split_reduce(name: &str) -> Option<(&str, bool)> {
 }
 
 /// The kernels whose meaning this file interprets.
+fn call_interpretable(c: &Call) -> bool {
+    match c {
+        Call::Kernel(k) => interpretable(k),
+        Call::Conv(conv) => conv.fallback.iter().all(call_interpretable),
+        _ => true,
+    }
+}
+
 fn interpretable(k: &Kernel) -> bool {
     let reduce = ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2", "log_sum_exp", "argmax", "argmin"]
         .iter()
@@ -1467,20 +1477,81 @@ fn run_gemm(m: &mut Memory, g: &Gemm) {
     }
 }
 
-fn run_plan(m: &mut Memory, p: &LaunchPlan) {
+/// Runs a plan's calls; a convolution as cuDNN computes it (`dnn`) or as its fallback.
+fn run_plan(m: &mut Memory, p: &LaunchPlan, dnn: bool) {
     m.work = vec![0xAB; p.workspace as usize];
     m.aux = p.aux.clone();
     m.addresses = p.addresses.iter().copied().collect();
     for c in &p.calls {
-        match c {
-            Call::Kernel(k) => run_kernel(m, k),
-            Call::Gemm(g) => run_gemm(m, g),
-            Call::Copy { from, to, bytes } => {
-                let v = m.bytes(*from, 0, *bytes as usize);
-                m.put(*to, 0, &v);
-            }
-            Call::Fill { to, bytes, byte } => m.put(*to, 0, &vec![*byte; *bytes as usize]),
+        run_call(m, c, dnn);
+    }
+}
+
+fn run_call(m: &mut Memory, c: &Call, dnn: bool) {
+    match c {
+        Call::Kernel(k) => run_kernel(m, k),
+        Call::Gemm(g) => run_gemm(m, g),
+        Call::Copy { from, to, bytes } => {
+            let v = m.bytes(*from, 0, *bytes as usize);
+            m.put(*to, 0, &v);
         }
+        Call::Fill { to, bytes, byte } => m.put(*to, 0, &vec![*byte; *bytes as usize]),
+        Call::Conv(conv) if dnn => run_dnn(m, conv),
+        Call::Conv(conv) => conv.fallback.iter().for_each(|c| run_call(m, c, dnn)),
+    }
+}
+
+/// What cuDNN computes for `conv`, by the CPU's Conv and ConvGrad on the operands the
+/// descriptors describe: the plan's shapes, pads, strides, dilations and groups.
+fn run_dnn(m: &mut Memory, conv: &DnnConv) {
+    use mpc_ir::ops::ConvAttrs;
+    use mpc_ir::Op;
+    let d = conv.dtype;
+    let shape = |s: [i64; 4]| s.iter().map(|&v| v as usize).collect::<Vec<_>>();
+    let numel = |s: [i64; 4]| s.iter().product::<i64>() as usize;
+    let mut read = |b: Buf, s: [i64; 4]| HostTensor::from_le_bytes(d, shape(s), &m.bytes(b, 0, numel(s) * d.size()));
+    let zeros = |s: [i64; 4]| HostTensor::from_f64(d, shape(s), vec![0.0; numel(s)]);
+    let attrs = ConvAttrs {
+        pads: vec![conv.pads[0], conv.pads[1], conv.pads[0], conv.pads[1]],
+        strides: conv.strides.to_vec(),
+        dilations: conv.dilations.to_vec(),
+        group: conv.groups,
+        kernel_shape: conv.w[2..].to_vec(),
+        ..ConvAttrs::default()
+    };
+    let mut results = Vec::new();
+    for op in &conv.ops {
+        let (out, t) = match *op {
+            DnnOp::Forward { x, w, y } => {
+                let (x, w) = (read(x, conv.x), read(w, conv.w));
+                (y, run_op(&Op::Conv(Box::new(attrs.clone())), &[Some(&x), Some(&w)], 1).unwrap().remove(0))
+            }
+            DnnOp::BackwardData { w, dy, dx } => {
+                let (w, dy, x) = (read(w, conv.w), read(dy, conv.y), zeros(conv.x));
+                (
+                    dx,
+                    run_op(&Op::ConvGrad(Box::new(attrs.clone())), &[Some(&dy), Some(&x), Some(&w)], 2)
+                        .unwrap()
+                        .remove(0),
+                )
+            }
+            DnnOp::BackwardFilter { x, dy, dw } => {
+                let (x, dy, w) = (read(x, conv.x), read(dy, conv.y), zeros(conv.w));
+                (
+                    dw,
+                    run_op(&Op::ConvGrad(Box::new(attrs.clone())), &[Some(&dy), Some(&x), Some(&w)], 2)
+                        .unwrap()
+                        .remove(1),
+                )
+            }
+        };
+        results.push((out, t));
+    }
+    // Every operation reads the operands as they were before any of them wrote.
+    for (out, t) in results {
+        let mut b = vec![0u8; t.bytes()];
+        t.write_le_bytes(&mut b);
+        m.put(out, 0, &b);
     }
 }
 
@@ -1518,9 +1589,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
     let mut checked = Vec::new();
     for l in &program.launches {
         let p = plan(l, &constant).unwrap_or_else(|e| panic!("{label}: {}: {e}", l.node));
-        let ours = l.branches.is_none()
-            && !p.calls.is_empty()
-            && p.calls.iter().all(|c| !matches!(c, Call::Kernel(k) if !interpretable(k)));
+        let ours = l.branches.is_none() && !p.calls.is_empty() && p.calls.iter().all(call_interpretable);
         let mut mem = ours.then(|| Memory {
             arena: whole(&mut dev, &mut regions, Region::Arena),
             state: whole(&mut dev, &mut regions, Region::State),
@@ -1537,24 +1606,36 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
             }
             continue;
         };
-        run_plan(mem, &p);
-        for out in &l.outputs {
-            let mem_bytes = match out.region {
-                Region::Arena => &mem.arena,
-                Region::State => &mem.state,
-                Region::Constants => &mem.constants,
-            };
-            let (s, e) = (out.offset as usize, (out.offset + out.bytes()) as usize);
-            let got = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &mem_bytes[s..e]);
-            let want_bytes = dev.read(regions.get_mut(out.region), out.offset, out.bytes()).unwrap();
-            let want = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &want_bytes);
-            let t = Tolerance::for_dtype(out.dtype);
-            let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: 10.0 * t.rel_l2 };
-            if let Err(e) = tol.check(&got, &want) {
-                panic!("{label}: {} ({}): the plan computes another result: {e}", l.node, l.op.op_type());
+        // A convolution for cuDNN: both what cuDNN computes and its fallback.
+        let convs = p.calls.iter().any(|c| matches!(c, Call::Conv(_)));
+        let fallback = convs.then(|| {
+            let mut copy = mem.clone();
+            run_plan(&mut copy, &p, false);
+            copy
+        });
+        run_plan(mem, &p, true);
+        for (mem, how) in std::iter::once((&*mem, "")).chain(fallback.as_ref().map(|f| (f, " (the fallback)"))) {
+            for out in &l.outputs {
+                let mem_bytes = match out.region {
+                    Region::Arena => &mem.arena,
+                    Region::State => &mem.state,
+                    Region::Constants => &mem.constants,
+                };
+                let (s, e) = (out.offset as usize, (out.offset + out.bytes()) as usize);
+                let got = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &mem_bytes[s..e]);
+                let want_bytes = dev.read(regions.get_mut(out.region), out.offset, out.bytes()).unwrap();
+                let want = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &want_bytes);
+                let t = Tolerance::for_dtype(out.dtype);
+                let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: 10.0 * t.rel_l2 };
+                if let Err(e) = tol.check(&got, &want) {
+                    panic!("{label}: {} ({}){how}: the plan computes another result: {e}", l.node, l.op.op_type());
+                }
             }
         }
         checked.push(l.op.op_type().to_string());
+        if convs {
+            checked.push(format!("{} for cuDNN", l.op.op_type()));
+        }
     }
     checked
 }

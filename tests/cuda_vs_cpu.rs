@@ -172,6 +172,34 @@ fn gpu_steps_neither_allocate_nor_wait() {
     assert_eq!(st.host_reads_per_step, 0);
 }
 
+/// Where cuDNN is found, every convolution of a training step (forward, data and filter
+/// gradients) is prepared as cuDNN calls; where it is not (or `MPC_CUDNN=0`), none is and the
+/// im2col plans run. Either way the step computes what the CPU does (the fixture tests above).
+#[test]
+fn convolutions_go_to_cudnn_where_it_is_found() {
+    let Some(dev) = gpu() else { return };
+    let found = dev.cudnn().map_err(str::to_string);
+    let g = common::compiled("cnn_bn", "mixed", true).unwrap();
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
+    let program = mpc::run::lower_bound(&bound, dev.caps(), None, None, &fixture("cnn_bn")).unwrap();
+    let convs =
+        program.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::Conv(_) | mpc_ir::Op::ConvGrad(_))).count();
+    let mut s = Session::new(dev, program).unwrap();
+    let inputs = mpc::run::random_inputs(&bound, 1, &dims(16)).unwrap();
+    s.feed(0, &inputs).unwrap();
+    s.step(0).unwrap();
+    let c = s.counters();
+    println!(
+        "cnn_bn mixed training step: {convs} convolution launches; cuDNN: {found:?}; prepared as cuDNN calls: {}, refused by cuDNN: {}",
+        c.dnn_convolutions, c.dnn_fallbacks
+    );
+    if found.is_ok() {
+        assert_eq!((c.dnn_convolutions, c.dnn_fallbacks), (convs as u64, 0));
+    } else {
+        assert_eq!(c.dnn_convolutions, 0);
+    }
+}
+
 /// Single ops at sizes that take the GPU's multi-pass paths (few long columns, LayerNorm's
 /// parameter gradients over many tokens, batch norm over few channels of many elements, an
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row),

@@ -177,8 +177,7 @@ fn cuda_plans_cover_the_conformance_cases() {
         let mut ok = true;
         for l in &launches {
             if let Ok(p) = mpc_runtime::cuda::plan::plan(l, &constant) {
-                for c in &p.calls {
-                    let mpc_runtime::cuda::plan::Call::Kernel(k) = c else { continue };
+                for k in p.kernels() {
                     let checked = match kernels.get(&k.name) {
                         Some(d) => mpc_runtime::cuda::plan::check_args(&k.name, &k.args, d),
                         None if kernels.is_empty() => Ok(()),

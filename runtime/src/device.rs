@@ -56,6 +56,9 @@ pub struct DeviceCounters {
     pub host_writes: u64,
     /// Recorded steps replayed whole (CUDA graphs).
     pub replays: u64,
+    /// Convolutions prepared as cuDNN calls, and those cuDNN refused (their fallback runs).
+    pub dnn_convolutions: u64,
+    pub dnn_fallbacks: u64,
 }
 
 /// A backend: memory, and a queue of launches.

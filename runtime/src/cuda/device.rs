@@ -44,6 +44,7 @@ enum Ready {
     Gemm { g: Gemm, a: u64, b: u64, c: u64 },
     Copy { from: u64, to: u64, bytes: u64 },
     Fill { to: u64, bytes: u64, byte: u8 },
+    Conv(Box<super::dnn::Ready>),
 }
 
 struct Prepared {
@@ -65,6 +66,11 @@ pub struct CudaDevice {
     ctx: drv_sys::CUcontext,
     stream: drv_sys::CUstream,
     blas: blas_sys::cublasHandle_t,
+    /// cuDNN for convolutions, or why not (the plans' fallbacks run instead).
+    dnn: Result<super::dnn::Dnn, String>,
+    /// cuDNN's scratch: the largest any prepared convolution asked for so far (an earlier,
+    /// smaller one stays allocated: recorded steps may use it).
+    dnn_workspace: (u64, usize),
     allow_tf32: bool,
     modules: HashMap<&'static str, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
@@ -124,12 +130,15 @@ impl CudaDevice {
         unsafe { blas::set_stream(blas, stream as _) }.map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
         nvrtc::version()?;
         nvrtc::include_dir()?;
+        let dnn = super::dnn::Dnn::new(stream as *mut c_void);
         let mut device = CudaDevice {
             gpu,
             dev,
             ctx,
             stream,
             blas,
+            dnn,
+            dnn_workspace: (0, 0),
             allow_tf32: false,
             modules: HashMap::new(),
             functions: HashMap::new(),
@@ -163,6 +172,11 @@ impl CudaDevice {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Whether convolutions run through cuDNN, or why not.
+    pub fn cudnn(&self) -> Result<(), &str> {
+        self.dnn.as_ref().map(|_| ()).map_err(|e| e.as_str())
     }
 
     fn current(&self) -> Result<(), RuntimeError> {
@@ -234,6 +248,62 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `c` with every address resolved, appended to `out`: a convolution as cuDNN calls where
+    /// cuDNN takes it, else as its fallback's calls.
+    fn ready(
+        &mut self,
+        c: Call,
+        node: &str,
+        resolve: &dyn Fn(Buf) -> u64,
+        out: &mut Vec<Ready>,
+    ) -> Result<(), RuntimeError> {
+        out.push(match c {
+            Call::Kernel(k) => {
+                let f = self.function(k.family, &k.name)?;
+                let declared = self
+                    .params
+                    .get(&k.name)
+                    .ok_or_else(|| RuntimeError::Internal(format!("{node}: no parameter layout for {}", k.name)))?;
+                plan::check_args(&k.name, &k.args, declared)
+                    .map_err(|e| RuntimeError::Internal(format!("{node}: {e}")))?;
+                let (offsets, total) = param_offsets(&k.args);
+                let mut params = vec![0u8; total];
+                for (a, &o) in k.args.iter().zip(&offsets) {
+                    let b = a.bytes(resolve);
+                    params[o..o + b.len()].copy_from_slice(&b);
+                }
+                Ready::Kernel { f, grid: k.grid, block: k.block, params, offsets }
+            }
+            Call::Gemm(g) => Ready::Gemm { a: resolve(g.a), b: resolve(g.b), c: resolve(g.c), g },
+            Call::Copy { from, to, bytes } => Ready::Copy { from: resolve(from), to: resolve(to), bytes },
+            Call::Fill { to, bytes, byte } => Ready::Fill { to: resolve(to), bytes, byte },
+            Call::Conv(conv) => {
+                let prepared = match &self.dnn {
+                    Ok(dnn) => dnn.prepare(&conv, self.allow_tf32, resolve),
+                    Err(why) => Err(why.clone()),
+                };
+                let mut ready = match prepared {
+                    Ok(r) => Box::new(r),
+                    Err(_) => {
+                        self.counters.dnn_fallbacks += u64::from(self.dnn.is_ok());
+                        for c in conv.fallback {
+                            self.ready(c, node, resolve, out)?;
+                        }
+                        return Ok(());
+                    }
+                };
+                if ready.workspace_bytes > self.dnn_workspace.1 {
+                    let ptr = self.alloc_bytes(ready.workspace_bytes as u64, "cuDNN workspace")?;
+                    self.dnn_workspace = (ptr, ready.workspace_bytes);
+                }
+                ready.workspace = self.dnn_workspace.0;
+                self.counters.dnn_convolutions += 1;
+                Ready::Conv(ready)
+            }
+        });
+        Ok(())
+    }
+
     fn enqueue(&mut self, r: &Ready) -> Result<(), RuntimeError> {
         match r {
             Ready::Kernel { f, grid, block, params, offsets } => {
@@ -263,6 +333,7 @@ impl CudaDevice {
             Ready::Fill { to, bytes, byte } => {
                 unsafe { drv::memset_d8_async(*to, *byte, *bytes as usize, self.stream) }.map_err(driver("fill"))
             }
+            Ready::Conv(c) => c.enqueue().map_err(RuntimeError::Internal),
         }
     }
 
@@ -359,7 +430,7 @@ impl CudaDevice {
 
 /// Whether a plan's kernels take the launch's error word.
 fn uses_flag(p: &plan::LaunchPlan) -> bool {
-    p.calls.iter().any(|c| matches!(c, Call::Kernel(k) if k.args.contains(&plan::Arg::Ptr(Buf::Flag))))
+    p.kernels().iter().any(|k| k.args.contains(&plan::Arg::Ptr(Buf::Flag)))
 }
 
 fn place(regions: &Regions<CudaMemory>, t: &TensorRef) -> Result<u64, RuntimeError> {
@@ -439,26 +510,7 @@ impl Device for CudaDevice {
             let resolve = |b: Buf| resolve(b, aux_base, flag);
             let mut calls = Vec::with_capacity(p.calls.len());
             for c in p.calls {
-                calls.push(match c {
-                    Call::Kernel(k) => {
-                        let f = self.function(k.family, &k.name)?;
-                        let declared = self.params.get(&k.name).ok_or_else(|| {
-                            RuntimeError::Internal(format!("{node}: no parameter layout for {}", k.name))
-                        })?;
-                        plan::check_args(&k.name, &k.args, declared)
-                            .map_err(|e| RuntimeError::Internal(format!("{node}: {e}")))?;
-                        let (offsets, total) = param_offsets(&k.args);
-                        let mut params = vec![0u8; total];
-                        for (a, &o) in k.args.iter().zip(&offsets) {
-                            let b = a.bytes(&resolve);
-                            params[o..o + b.len()].copy_from_slice(&b);
-                        }
-                        Ready::Kernel { f, grid: k.grid, block: k.block, params, offsets }
-                    }
-                    Call::Gemm(g) => Ready::Gemm { a: resolve(g.a), b: resolve(g.b), c: resolve(g.c), g },
-                    Call::Copy { from, to, bytes } => Ready::Copy { from: resolve(from), to: resolve(to), bytes },
-                    Call::Fill { to, bytes, byte } => Ready::Fill { to: resolve(to), bytes, byte },
-                });
+                self.ready(c, &node, &resolve, &mut calls)?;
             }
             self.prepared.insert(key, Prepared { node, calls });
         }
@@ -690,6 +742,9 @@ impl Drop for CudaDevice {
             for &m in self.modules.values() {
                 let _ = drv::module::unload(m);
             }
+            // cuDNN's descriptors, then its handle, while the context lives.
+            self.prepared.clear();
+            self.dnn = Err(String::new());
             let _ = blas::destroy_handle(self.blas);
             let _ = drv::stream::destroy(self.stream);
             let _ = drv::primary_ctx::release(self.dev);

@@ -8,6 +8,7 @@
 
 pub mod cubin;
 pub mod device;
+pub mod dnn;
 pub mod nvrtc;
 pub mod plan;
 

@@ -100,8 +100,35 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
         ]
     };
     let pointwise = kvol == 1 && w.strides.iter().all(|&s| s == 1) && w.pads_begin.iter().all(|&q| q == 0);
+    // What cuDNN would compute instead of the calls from `start` on (2-D, symmetric pads).
+    let start = p.out.calls.len();
+    let dnn = |ops: Vec<DnnOp>, y: &[usize]| -> Option<DnnConv> {
+        let four = |s: &[usize]| -> Option<[i64; 4]> { (s.len() == 4).then(|| [0, 1, 2, 3].map(|i| s[i] as i64)) };
+        let two = |v: &[usize]| -> Option<[i64; 2]> { (v.len() == 2).then(|| [v[0] as i64, v[1] as i64]) };
+        let float = matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16);
+        (float && w.pads_begin == w.pads_end).then_some(())?;
+        Some(DnnConv {
+            dtype: x.dtype,
+            x: four(&x.shape)?,
+            w: four(&wt.shape)?,
+            y: four(y)?,
+            pads: two(&w.pads_begin)?,
+            strides: two(&w.strides)?,
+            dilations: two(&w.dilations)?,
+            groups: g as i64,
+            ops,
+            fallback: Vec::new(),
+        })
+    };
+    let wrap = |p: &mut Planner, conv: Option<DnnConv>| {
+        if let Some(mut conv) = conv {
+            conv.fallback = p.out.calls.split_off(start);
+            p.out.calls.push(Call::Conv(Box::new(conv)));
+        }
+    };
     if !grad {
         let y = p.output(0)?;
+        let conv = dnn(vec![DnnOp::Forward { x: buf(x), w: buf(wt), y: buf(y) }], &y.shape);
         let col = if pointwise { None } else { Some(p.work(n * rows * ovol * es)) };
         for gi in 0..g {
             let xg = buf(x).at(gi * cg * ivol * es);
@@ -140,6 +167,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
                 batch: n as i64,
             });
         }
+        wrap(p, conv);
         if let Some(b) = p.opt_input(2) {
             let dims = [n as usize, m as usize, ovol as usize];
             p.binary("add", t, (buf(y), &dims), (buf(b), &[m as usize, 1]), buf(y), &dims)?;
@@ -148,6 +176,14 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
     }
     // ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
     let dy = p.input(0)?;
+    let mut ops = Vec::new();
+    if let Some(dw) = p.l.outputs.get(1) {
+        ops.push(DnnOp::BackwardFilter { x: buf(x), dy: buf(dy), dw: buf(dw) });
+    }
+    if let Some(dx) = p.l.outputs.first() {
+        ops.push(DnnOp::BackwardData { w: buf(wt), dy: buf(dy), dx: buf(dx) });
+    }
+    let conv = dnn(ops, &dy.shape);
     let k2 = n * ovol;
     let dyt = channels_first(p, dy, n, m, ovol)?;
     // The columns: x's for dW, then dX's, which stay f32 for a low-precision convolution so
@@ -190,6 +226,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
             p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
         }
     }
+    wrap(p, conv);
     if let Some(db) = db {
         let args =
             vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(db)), Arg::I64(n as i64), Arg::I64(m as i64), Arg::I64(ovol as i64)];

@@ -195,10 +195,42 @@ pub struct Gemm {
     pub batch: i64,
 }
 
+/// A 2-D convolution (NCHW, symmetric pads) that a device with cuDNN runs as cuDNN calls, and
+/// any other device as `fallback`: the im2col / GEMM / col2im calls that compute the same.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DnnConv {
+    /// The data type of every operand (f32, f16 or bf16; f32 arithmetic).
+    pub dtype: DType,
+    /// X (N, C, H, W), W (K, C / groups, R, S) and Y (N, K, P, Q).
+    pub x: [i64; 4],
+    pub w: [i64; 4],
+    pub y: [i64; 4],
+    pub pads: [i64; 2],
+    pub strides: [i64; 2],
+    pub dilations: [i64; 2],
+    pub groups: i64,
+    /// What to compute, in order; each overwrites its result.
+    pub ops: Vec<DnnOp>,
+    /// The same without cuDNN. Its scratch is in the launch's workspace.
+    pub fallback: Vec<Call>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DnnOp {
+    /// Y = X ⋆ W.
+    Forward { x: Buf, w: Buf, y: Buf },
+    /// dX from dY and W (the transposed convolution).
+    BackwardData { w: Buf, dy: Buf, dx: Buf },
+    /// dW from X and dY.
+    BackwardFilter { x: Buf, dy: Buf, dw: Buf },
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Call {
     Kernel(Kernel),
     Gemm(Gemm),
+    /// A convolution for cuDNN, with what to run where there is none.
+    Conv(Box<DnnConv>),
     /// A device-to-device copy.
     Copy {
         from: Buf,
@@ -224,6 +256,24 @@ pub struct LaunchPlan {
     /// Device addresses a kernel reads from `aux` (a multi-tensor launch's pointer array): the
     /// 8 bytes at each offset become the address of the buffer, once it is known.
     pub addresses: Vec<(u64, Buf)>,
+}
+
+impl LaunchPlan {
+    /// Every kernel the plan may launch: its own, and those of its convolutions' fallbacks.
+    pub fn kernels(&self) -> Vec<&Kernel> {
+        fn walk<'a>(calls: &'a [Call], out: &mut Vec<&'a Kernel>) {
+            for c in calls {
+                match c {
+                    Call::Kernel(k) => out.push(k),
+                    Call::Conv(conv) => walk(&conv.fallback, out),
+                    _ => {}
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.calls, &mut out);
+        out
+    }
 }
 
 /// Threads per block of the 1-D kernels (`MPC_BLOCK`).
