@@ -189,6 +189,9 @@ fn convolutions_go_to_cudnn_where_it_is_found() {
     s.feed(0, &inputs).unwrap();
     s.step(0).unwrap();
     let c = s.counters();
+    for why in s.device().cudnn_refusals() {
+        println!("refused by cuDNN: {why}");
+    }
     println!(
         "cnn_bn mixed training step: {convs} convolution launches; cuDNN: {found:?}; prepared as cuDNN calls: {}, refused by cuDNN: {}",
         c.dnn_convolutions, c.dnn_fallbacks

@@ -191,6 +191,11 @@ impl<D: Device> Session<D> {
         self.device.counters()
     }
 
+    /// The device the session runs on.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
     /// What the session holds, and what the last step of program `id` did.
     pub fn stats(&self, id: ProgramId) -> StepStats {
         let mut s = self.stats;

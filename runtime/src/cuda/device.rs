@@ -71,6 +71,8 @@ pub struct CudaDevice {
     /// cuDNN's scratch: the largest any prepared convolution asked for so far (an earlier,
     /// smaller one stays allocated: recorded steps may use it).
     dnn_workspace: (u64, usize),
+    /// Why cuDNN refused convolutions it was offered: node and reason, the first 16.
+    dnn_refusals: Vec<String>,
     allow_tf32: bool,
     modules: HashMap<&'static str, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
@@ -139,6 +141,7 @@ impl CudaDevice {
             blas,
             dnn,
             dnn_workspace: (0, 0),
+            dnn_refusals: Vec::new(),
             allow_tf32: false,
             modules: HashMap::new(),
             functions: HashMap::new(),
@@ -177,6 +180,11 @@ impl CudaDevice {
     /// Whether convolutions run through cuDNN, or why not.
     pub fn cudnn(&self) -> Result<(), &str> {
         self.dnn.as_ref().map(|_| ()).map_err(|e| e.as_str())
+    }
+
+    /// The convolutions cuDNN refused (their fallback runs), with why: the first 16.
+    pub fn cudnn_refusals(&self) -> &[String] {
+        &self.dnn_refusals
     }
 
     fn current(&self) -> Result<(), RuntimeError> {
@@ -284,8 +292,13 @@ impl CudaDevice {
                 };
                 let mut ready = match prepared {
                     Ok(r) => Box::new(r),
-                    Err(_) => {
-                        self.counters.dnn_fallbacks += u64::from(self.dnn.is_ok());
+                    Err(why) => {
+                        if self.dnn.is_ok() {
+                            self.counters.dnn_fallbacks += 1;
+                            if self.dnn_refusals.len() < 16 {
+                                self.dnn_refusals.push(format!("{node}: {why}"));
+                            }
+                        }
                         for c in conv.fallback {
                             self.ready(c, node, resolve, out)?;
                         }
