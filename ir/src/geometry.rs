@@ -10,6 +10,32 @@ use crate::{Dim, Shape};
 
 pub use crate::shape::normalize_axis;
 
+/// The axes a Reduce* op reduces over an input of `rank`: its `axes` operand normalised to
+/// `0..rank`, sorted and distinct; every axis where the operand is absent or empty, or `None`
+/// (the op is the identity) there when `noop_with_empty_axes` is set. Type inference, the CPU
+/// kernels and the CUDA plans all read a reduction's axes through this.
+pub fn reduce_axes(
+    axes: Option<&[i64]>,
+    rank: usize,
+    noop_with_empty_axes: bool,
+) -> Result<Option<Vec<usize>>, String> {
+    match axes {
+        Some(v) if !v.is_empty() => {
+            let mut out = v
+                .iter()
+                .map(|&a| normalize_axis(a, rank).ok_or_else(|| format!("axis {a} out of range for rank {rank}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            out.sort_unstable();
+            if out.windows(2).any(|w| w[0] == w[1]) {
+                return Err(format!("axes {v:?} repeat an axis"));
+            }
+            Ok(Some(out))
+        }
+        _ if noop_with_empty_axes => Ok(None),
+        _ => Ok(Some((0..rank).collect())),
+    }
+}
+
 /// ONNX `auto_pad`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum AutoPad {

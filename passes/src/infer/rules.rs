@@ -244,17 +244,17 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         | Op::ReduceLogSumExp(a)
         | Op::ReduceL1(a)
         | Op::ReduceProd(a) => {
+            // The axes operand: absent, or its values (`None` where they are not known).
             let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
             let shape = match (cx.sh(0), axes) {
-                (Some(s), None) if a.noop_with_empty_axes => Some(s.clone()),
-                (Some(s), None) => Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims)?),
-                (Some(s), Some(Some(ax))) if ax.is_empty() && a.noop_with_empty_axes => Some(s.clone()),
-                (Some(s), Some(Some(ax))) if ax.is_empty() => {
-                    Some(reduce(s, &(0..s.rank() as i64).collect::<Vec<_>>(), a.keepdims)?)
-                }
-                (Some(s), Some(Some(ax))) => Some(reduce(s, &ax, a.keepdims)?),
                 (Some(s), Some(None)) if a.keepdims => Some(Shape(vec![Dim::Unknown; s.rank()])),
-                _ => None,
+                (Some(_), Some(None)) | (None, _) => None,
+                (Some(s), ax) => {
+                    match mpc_ir::geometry::reduce_axes(ax.flatten().as_deref(), s.rank(), a.noop_with_empty_axes)? {
+                        Some(axes) => Some(reduced(s, &axes, a.keepdims)),
+                        None => Some(s.clone()),
+                    }
+                }
             };
             vec![t(cx.dt(0), shape)]
         }
@@ -264,7 +264,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
                     return Err(format!("axis {} of {s} is empty: there is no index to take", a.axis));
                 }
             }
-            let shape = cx.sh(0).map(|s| reduce(s, &[a.axis], a.keepdims)).transpose()?;
+            let shape = cx.sh(0).map(|s| axis_in(a.axis, s).map(|ax| reduced(s, &[ax], a.keepdims))).transpose()?;
             vec![t(Some(DType::I64), shape)]
         }
         Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero)?)],
@@ -701,14 +701,9 @@ fn pool(cx: &NodeCx, a: &PoolAttrs) -> Result<Option<Shape>, String> {
     Ok(Some(Shape([&x.0[..2], &spatial[..]].concat())))
 }
 
-fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
-    let mut sorted: Vec<usize> = axes.iter().map(|&a| axis_in(a, s)).collect::<Result<_, _>>()?;
-    sorted.sort_unstable();
-    if sorted.windows(2).any(|w| w[0] == w[1]) {
-        return Err(format!("axes {axes:?} repeat an axis"));
-    }
-    let axes = sorted;
-    Ok(Shape(
+/// `s` with the dims `axes` (normalised) reduced: kept as 1, or dropped.
+fn reduced(s: &Shape, axes: &[usize], keepdims: bool) -> Shape {
+    Shape(
         s.0.iter()
             .enumerate()
             .filter_map(|(i, d)| match (axes.contains(&i), keepdims) {
@@ -717,7 +712,7 @@ fn reduce(s: &Shape, axes: &[i64], keepdims: bool) -> Result<Shape, String> {
                 _ => Some(d.clone()),
             })
             .collect(),
-    ))
+    )
 }
 
 /// The length of input `i` when it is a vector of fixed length (a shape operand).

@@ -138,20 +138,11 @@ fn pool(x: &HostTensor, a: &PoolAttrs, max: bool) -> Res<HostTensor> {
 }
 
 fn reduce_axes(x: &HostTensor, axes: Option<&HostTensor>, noop: bool) -> Res<Option<Vec<usize>>> {
-    let rank = x.shape.len();
-    match axes.map(|a| a.i64s()) {
-        Some(Some(v)) if !v.is_empty() => {
-            let mut axes = v.iter().map(|&a| axis(a, rank)).collect::<Res<Vec<_>>>()?;
-            axes.sort_unstable();
-            if axes.windows(2).any(|w| w[0] == w[1]) {
-                return Err(err(format!("axes {v:?} repeat an axis")));
-            }
-            Ok(Some(axes))
-        }
-        Some(None) => Err(err("axes must be integers")),
-        _ if noop => Ok(None),
-        _ => Ok(Some((0..rank).collect())),
-    }
+    let axes = match axes.map(|a| a.i64s()) {
+        Some(None) => return Err(err("axes must be integers")),
+        a => a.flatten(),
+    };
+    mpc_ir::geometry::reduce_axes(axes.as_deref(), x.shape.len(), noop).map_err(err)
 }
 
 /// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.

@@ -18,21 +18,15 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         | Op::ReduceL2(a)
         | Op::ReduceLogSumExp(a)
         | Op::ReduceL1(a)
-        | Op::ReduceProd(a) => match p.host_ints(1) {
-            Some(v) if !v.is_empty() => {
-                let mut v = v
-                    .iter()
-                    .map(|&d| normalize_axis(d, r).ok_or("axis out of range"))
-                    .collect::<Result<Vec<_>, _>>()?;
-                v.sort_unstable();
-                v
+        | Op::ReduceProd(a) => {
+            match mpc_ir::geometry::reduce_axes(p.host_ints(1).as_deref(), r, a.noop_with_empty_axes)? {
+                Some(axes) => axes,
+                None => {
+                    p.copy(buf(x), buf(y), y.bytes());
+                    return Ok(());
+                }
             }
-            _ if a.noop_with_empty_axes => {
-                p.copy(buf(x), buf(y), y.bytes());
-                return Ok(());
-            }
-            _ => (0..r).collect(),
-        },
+        }
         _ => unreachable!("not a reduction"),
     };
     let t = if x.dtype.is_float() {
