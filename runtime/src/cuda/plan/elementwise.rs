@@ -1,0 +1,205 @@
+//! Plans of element-wise ops: unary and binary float and integer ops (broadcasting), variadic
+//! Sum/Max/Min/Mean, comparisons and logic, Where, Clip, IsNaN/IsInf, Cast, Identity, Dropout.
+
+use super::*;
+
+/// Plans `p`'s launch when its op is element-wise; `false` when it is not.
+pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
+    let op = &p.l.op;
+    if let Some((name, alpha, beta)) = unary_name(op) {
+        let (x, y) = (p.input(0)?, p.output(0)?);
+        let n = x.numel() as u64;
+        if x.dtype.is_float() {
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::F32(alpha), Arg::F32(beta)];
+            p.flat("elementwise", format!("elementwise_{name}_{}", float_tag(x.dtype)?), n, args);
+        } else if matches!(op, Op::Neg | Op::Abs | Op::Relu | Op::Sign) && matches!(x.dtype, DType::I64 | DType::I32) {
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            p.flat("elementwise", format!("elementwise_{name}_{}", tag(x.dtype)?), n, args);
+        } else {
+            return Err(format!("{} on {}", op.op_type(), x.dtype));
+        }
+        return Ok(true);
+    }
+    match op {
+        Op::Identity => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.copy(buf(x), buf(y), y.bytes());
+        }
+        Op::Dropout(_) => {
+            if p.host_ints(2).is_some_and(|v| v.first() == Some(&1)) {
+                return Err("Dropout in training mode".into());
+            }
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.copy(buf(x), buf(y), y.bytes());
+            if let Some(mask) = p.l.outputs.get(1) {
+                p.out.calls.push(Call::Fill { to: buf(mask), bytes: mask.bytes(), byte: 1 });
+            }
+        }
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Pow | Op::PRelu | Op::Mod(_) => {
+            let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let name = binary_name(op).expect("a binary op");
+            let t = if a.dtype.is_float() { float_tag(a.dtype)? } else { tag(a.dtype)? };
+            let mut bb = buf(b);
+            if b.dtype != a.dtype {
+                // Pow's exponent takes the base's dtype first.
+                if !matches!(op, Op::Pow) {
+                    return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+                }
+                let w = p.work(b.numel() as u64 * a.dtype.size() as u64);
+                p.cast(b.dtype, a.dtype, bb, w, b.numel() as u64)?;
+                bb = w;
+            }
+            p.binary(name, t, (buf(a), &a.shape), (bb, &b.shape), buf(y), &y.shape)?;
+        }
+        Op::Sum | Op::Max | Op::Min | Op::Mean => {
+            let y = p.output(0)?;
+            let ins: Vec<&TensorRef> = (0..p.l.inputs.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+            let name = binary_name(op).expect("a variadic op");
+            let t = if y.dtype.is_float() { float_tag(y.dtype)? } else { tag(y.dtype)? };
+            let mean = matches!(op, Op::Mean);
+            if ins.len() == 1 && !mean {
+                p.copy(buf(ins[0]), buf(y), y.bytes());
+                return Ok(true);
+            }
+            // Left to right, as the CPU reference: each partial result in its own broadcast shape.
+            let (mut acc, mut shape) = (buf(ins[0]), ins[0].shape.clone());
+            for (i, x) in ins.iter().enumerate().skip(1) {
+                let out = mpc_ir::geometry::broadcast_shape(&[&shape, &x.shape]).ok_or("inputs do not broadcast")?;
+                let last = i == ins.len() - 1 && !mean;
+                let dst = if last { buf(y) } else { p.work(numel(&out) * y.dtype.size() as u64) };
+                p.binary(name, t, (acc, &shape), (buf(x), &x.shape), dst, &out)?;
+                (acc, shape) = (dst, out);
+            }
+            if mean {
+                let n = p.aux(&scalar_bytes(y.dtype, ins.len() as f64));
+                p.binary("div", t, (acc, &shape), (n, &[]), buf(y), &y.shape)?;
+            }
+        }
+        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
+            let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            if a.dtype != b.dtype {
+                return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+            }
+            let name = binary_name(op).expect("a comparison");
+            p.binary(name, tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
+        }
+        Op::Not => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            p.flat(
+                "elementwise",
+                "elementwise_not_u8".into(),
+                n,
+                vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)],
+            );
+        }
+        Op::Where => {
+            let (c, a, b, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+            let n = y.numel() as u64;
+            let out = &y.shape;
+            let same = c.shape == *out && a.shape == *out && b.shape == *out;
+            let st = |s: &[usize]| us(&broadcast_strides(s, out));
+            let (rank, dims, [sc, sa, sb]) = if same {
+                (0, [0; 8], [[0; 8]; 3])
+            } else {
+                strided_args(out, [&st(&c.shape), &st(&a.shape), &st(&b.shape)])?
+            };
+            let args = vec![
+                Arg::Ptr(buf(c)),
+                Arg::Ptr(buf(a)),
+                Arg::Ptr(buf(b)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(rank),
+                Arg::Dims(dims),
+                Arg::Dims(sc),
+                Arg::Dims(sa),
+                Arg::Dims(sb),
+            ];
+            p.flat("elementwise", format!("elementwise_where_{}", size_tag(y.dtype)?), n, args);
+        }
+        Op::Clip => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            let bound = |i: usize| p.opt_input(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+            let (lo, hi) = (bound(1), bound(2));
+            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), lo, hi];
+            p.flat("elementwise", format!("elementwise_clip_{}", tag(x.dtype)?), n, args);
+        }
+        Op::IsNaN | Op::IsInf(_) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = x.numel() as u64;
+            let t = float_tag(x.dtype)?;
+            let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            let name = if let Op::IsInf(a) = op {
+                args.extend([Arg::I32(a.detect_positive as i32), Arg::I32(a.detect_negative as i32)]);
+                "isinf"
+            } else {
+                "isnan"
+            };
+            p.flat("elementwise", format!("elementwise_{name}_{t}"), n, args);
+        }
+        Op::Cast(_) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.cast(x.dtype, y.dtype, buf(x), buf(y), x.numel() as u64)?;
+        }
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
+    Some(match op {
+        Op::Relu => ("relu", 0.0, 0.0),
+        Op::Sigmoid => ("sigmoid", 0.0, 0.0),
+        Op::Tanh => ("tanh", 0.0, 0.0),
+        Op::Exp => ("exp", 0.0, 0.0),
+        Op::Log => ("log", 0.0, 0.0),
+        Op::Sqrt => ("sqrt", 0.0, 0.0),
+        Op::Neg => ("neg", 0.0, 0.0),
+        Op::Abs => ("abs", 0.0, 0.0),
+        Op::Erf => ("erf", 0.0, 0.0),
+        Op::Reciprocal => ("reciprocal", 0.0, 0.0),
+        Op::Floor => ("floor", 0.0, 0.0),
+        Op::Ceil => ("ceil", 0.0, 0.0),
+        Op::Round => ("round", 0.0, 0.0),
+        Op::Sign => ("sign", 0.0, 0.0),
+        Op::Sin => ("sin", 0.0, 0.0),
+        Op::Cos => ("cos", 0.0, 0.0),
+        Op::Softplus => ("softplus", 0.0, 0.0),
+        Op::Softsign => ("softsign", 0.0, 0.0),
+        Op::HardSwish => ("hard_swish", 0.0, 0.0),
+        Op::Gelu(a) if a.approximate == GeluApprox::Tanh => ("gelu_tanh", 0.0, 0.0),
+        Op::Gelu(_) => ("gelu", 0.0, 0.0),
+        Op::LeakyRelu(a) => ("leaky_relu", a.alpha, 0.0),
+        Op::Elu(a) => ("elu", a.alpha, 0.0),
+        Op::Selu(a) => ("selu", a.alpha, a.gamma),
+        Op::HardSigmoid(a) => ("hard_sigmoid", a.alpha, a.beta),
+        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" => ("gelu", 0.0, 0.0),
+        _ => return None,
+    })
+}
+
+fn binary_name(op: &Op) -> Option<&'static str> {
+    Some(match op {
+        Op::Add | Op::Sum | Op::Mean => "add",
+        Op::Sub => "sub",
+        Op::Mul => "mul",
+        Op::Div => "div",
+        Op::Pow => "pow",
+        Op::Min => "min",
+        Op::Max => "max",
+        Op::PRelu => "prelu",
+        Op::Mod(a) if a.fmod => "mod",
+        Op::Mod(_) => "mod_py",
+        Op::Equal => "equal",
+        Op::Less => "less",
+        Op::Greater => "greater",
+        Op::GreaterOrEqual => "greater_equal",
+        Op::LessOrEqual => "less_equal",
+        Op::And => "and",
+        Op::Or => "or",
+        Op::Xor => "xor",
+        _ => return None,
+    })
+}
