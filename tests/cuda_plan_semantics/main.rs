@@ -1,0 +1,294 @@
+//! The CUDA plans' index arithmetic, checked on the CPU: a small interpreter executes the calls of
+//! a plan (device copies and fills, cuBLAS GEMMs in their column-major terms, and the kernels
+//! whose meaning is plain data movement or summation: `movement_copy`, `movement_fill`,
+//! `elementwise_add`, `im2col`, `col2im`, `channel_sum`, as their headers in `kernels/` define
+//! them) over copies of a program's regions, and every launch it can interpret is compared with
+//! the CPU device's result at the same point of the same program. That covers what is easiest to
+//! get wrong in a plan and hardest to see on a GPU: GEMM transposes, leading dims and batch
+//! strides (MatMul with broadcasting, Gemm, Conv, ConvGrad, ConvTranspose), the im2col/col2im
+//! layouts, and the strided copies of Transpose, Slice, Concat, Split, Expand and Pad.
+
+#![cfg(feature = "cuda")]
+
+#[path = "../common/mod.rs"]
+mod common;
+mod interp;
+mod more;
+
+use std::collections::HashMap;
+
+use common::{fixture, FIXTURES};
+use interp::*;
+use mpc_runtime::cuda::plan::{plan, Call};
+use mpc_runtime::device::{CpuDevice, Device, Regions};
+use mpc_runtime::program::{Program, Region, TensorRef};
+use mpc_runtime::{HostTensor, Tolerance};
+
+fn whole(dev: &mut CpuDevice, regions: &mut Regions<mpc_runtime::device::CpuMemory>, r: Region) -> Vec<u8> {
+    let mem = regions.get_mut(r);
+    let len = mem.bytes().len() as u64;
+    dev.read(mem, 0, len).unwrap()
+}
+
+/// Runs `program` on the CPU device launch by launch; each launch whose plan this file can
+/// interpret is also run by the interpreter on a copy of the regions just before it, and the
+/// two results are compared. The op types checked.
+fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTensor>) -> Vec<String> {
+    let mut dev = CpuDevice::default();
+    let mut arena = dev.alloc(Region::Arena, program.arena_bytes).unwrap();
+    let mut state = dev.alloc(Region::State, program.state_layout.bytes).unwrap();
+    let mut constants = dev.alloc(Region::Constants, program.constants_bytes).unwrap();
+    let bytes = |t: &HostTensor| {
+        let mut b = vec![0u8; t.bytes()];
+        t.write_le_bytes(&mut b);
+        b
+    };
+    for (place, t) in &program.constants {
+        dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
+    }
+    for (place, t) in &program.state_init {
+        dev.write(&mut state, place.offset, &bytes(t)).unwrap();
+    }
+    for (name, place) in &program.inputs {
+        dev.write(&mut arena, place.offset, &bytes(&feeds[name])).unwrap();
+    }
+    let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
+    dev.prepare(program, &mut regions).unwrap();
+    let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+    let mut checked = Vec::new();
+    for l in &program.launches {
+        let p = plan(l, &constant).unwrap_or_else(|e| panic!("{label}: {}: {e}", l.node));
+        let ours = l.branches.is_none() && !p.calls.is_empty() && p.calls.iter().all(call_interpretable);
+        let mut mem = ours.then(|| Memory {
+            arena: whole(&mut dev, &mut regions, Region::Arena),
+            state: whole(&mut dev, &mut regions, Region::State),
+            constants: whole(&mut dev, &mut regions, Region::Constants),
+            work: Vec::new(),
+            aux: Vec::new(),
+            flag: vec![0; 4],
+            addresses: HashMap::new(),
+        });
+        dev.launch(&mut regions, l).unwrap();
+        let Some(mem) = mem.as_mut() else {
+            if !p.calls.is_empty() {
+                checked.push(format!("not interpreted: {}", l.op.op_type()));
+            }
+            continue;
+        };
+        // A convolution for cuDNN: both what cuDNN computes and its fallback.
+        let convs = p.calls.iter().any(|c| matches!(c, Call::Conv(_)));
+        let fallback = convs.then(|| {
+            let mut copy = mem.clone();
+            run_plan(&mut copy, &p, false);
+            copy
+        });
+        run_plan(mem, &p, true);
+        for (mem, how) in std::iter::once((&*mem, "")).chain(fallback.as_ref().map(|f| (f, " (the fallback)"))) {
+            for out in &l.outputs {
+                let mem_bytes = match out.region {
+                    Region::Arena => &mem.arena,
+                    Region::State => &mem.state,
+                    Region::Constants => &mem.constants,
+                };
+                let (s, e) = (out.offset as usize, (out.offset + out.bytes()) as usize);
+                let got = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &mem_bytes[s..e]);
+                let want_bytes = dev.read(regions.get_mut(out.region), out.offset, out.bytes()).unwrap();
+                let want = HostTensor::from_le_bytes(out.dtype, out.shape.clone(), &want_bytes);
+                let t = Tolerance::for_dtype(out.dtype);
+                let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: 10.0 * t.rel_l2 };
+                if let Err(e) = tol.check(&got, &want) {
+                    panic!("{label}: {} ({}){how}: the plan computes another result: {e}", l.node, l.op.op_type());
+                }
+            }
+        }
+        checked.push(l.op.op_type().to_string());
+        if convs {
+            checked.push(format!("{} for cuDNN", l.op.op_type()));
+        }
+    }
+    checked
+}
+
+const CUDA: mpc_runtime::program::DeviceCaps =
+    mpc_runtime::program::DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+
+#[test]
+fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            for train in [false, true] {
+                let Some(g) = common::compiled(name, policy, train).ok() else { continue };
+                let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
+                let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
+                let Ok(program) = mpc::run::lower_bound(&bound, CUDA, None, None, &fixture(name)) else { continue };
+                if program.host_reads > 0 {
+                    continue;
+                }
+                let feeds = mpc::run::random_inputs(&bound, 9, &dims).unwrap();
+                let label = format!("{name} {policy}{}", if train { " train" } else { "" });
+                for op in check_program(&label, &program, &feeds) {
+                    *seen.entry(op).or_default() += 1;
+                }
+            }
+        }
+    }
+    println!("launches checked against the CPU by op: {seen:?}");
+    let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
+    assert!(left.is_empty(), "launches this file cannot check: {left:?}");
+    for op in ["MatMul", "Gemm", "Conv", "ConvGrad", "Transpose"] {
+        assert!(seen.contains_key(op), "no {op} launch was checked: {seen:?}");
+    }
+}
+
+/// Single ops with the awkward cases: broadcast batch dims, transposes, groups, dilations, pads,
+/// output padding, negative steps, a Pad crop with a computed value.
+#[test]
+fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
+    let cases = [
+        ("input %0 \"a\": f32[2,1,3,5]\n  input %1 \"b\": f32[1,4,5,2]\n  %2 \"y\": f32[2,4,3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f32[5]\n  input %1 \"b\": f32[3,5,2]\n  %2 \"y\": f32[3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f16[4,3,7]\n  input %1 \"b\": f16[7]\n  %2 \"y\": f16[4,3] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        ("input %0 \"a\": f32[5,3]\n  input %1 \"b\": f32[4,5]\n  input %2 \"c\": f32[4]\n  %3 \"y\": f32[3,4] = Gemm[transA=1, transB=1, alpha=0.5, beta=2.0](%0, %1, %2)\n  output %3", "Gemm"),
+        ("input %0 \"x\": f32[2,4,7,6]\n  input %1 \"w\": f32[6,2,3,2]\n  input %2 \"b\": f32[6]\n  %3 \"y\": f32[2,6,4,5] = Conv[group=2, pads=[1,0,1,1], strides=[2,1], dilations=[1,2]](%0, %1, %2)\n  output %3", "Conv"),
+        ("input %0 \"x\": f32[2,4,5]\n  input %1 \"w\": f32[4,3,3]\n  %2 \"y\": f32[2,6,11] = ConvTranspose[group=2, strides=[2], pads=[1,0], output_padding=[1]](%0, %1)\n  output %2", "ConvTranspose"),
+        ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[4,2,3] = Transpose[perm=[2,0,1]](%0)\n  output %1", "Transpose"),
+        ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
+        ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),
+        ("input %0 \"x\": f32[3,1,4]\n  init %1 \"s\" = i64[4]{2, 3, 3, 1}\n  %2 \"y\": f32[2,3,3,4] = Expand(%0, %1)\n  output %2", "Expand"),
+        ("input %0 \"x\": f32[3,4,5,2]\n  init %1 \"ax\" = i64[2]{0, 2}\n  %2 \"y\": f32[1,4,1,2] = ReduceSum(%0, %1)\n  output %2", "ReduceSum"),
+        ("input %0 \"x\": f32[3,4,5,2]\n  init %1 \"ax\" = i64[2]{1, 2}\n  %2 \"y\": f32[3,2] = ReduceMax[keepdims=0](%0, %1)\n  output %2", "ReduceMax"),
+        ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[2,3,4] = Softmax[axis=1](%0)\n  output %1", "Softmax"),
+        ("input %0 \"x\": f16[3,7]\n  %1 \"y\": f16[3,7] = LogSoftmax[axis=-1](%0)\n  output %1", "LogSoftmax"),
+        ("input %0 \"x\": f32[2,5,40]\n  %1 \"y\": i64[2,40] = ArgMax[axis=1, keepdims=0, select_last_index=1](%0)\n  output %1", "ArgMax"),
+        ("input %0 \"x\": f32[8]\n  init %1 \"i\" = i64[4,1]{0, 0, -1, 0}\n  init %2 \"u\" = f32[4]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[8] = ScatterND[reduction=\"add\"](%0, %1, %2)\n  output %3", "ScatterND"),
+        ("input %0 \"x\": f16[3,2]\n  init %1 \"i\" = i64[2,1]{2, 0}\n  init %2 \"u\" = f16[2,2]{1.0, 2.0, 3.0, 4.0}\n  %3 \"y\": f16[3,2] = ScatterND(%0, %1, %2)\n  output %3", "ScatterND"),
+        ("input %0 \"x\": f32[2,3]\n  init %1 \"i\" = i64[2,2]{2, 0, 2, -1}\n  init %2 \"u\" = f32[2,2]{10.0, 20.0, 30.0, 40.0}\n  %3 \"y\": f32[2,3] = ScatterElements[axis=1, reduction=\"add\"](%0, %1, %2)\n  output %3", "ScatterElements"),
+        ("input %0 \"x\": i64[2,3]\n  init %1 \"i\" = i32[1,3]{1, 1, 0}\n  init %2 \"u\" = i64[1,3]{10, 20, 30}\n  %3 \"y\": i64[2,3] = ScatterElements[reduction=\"max\"](%0, %1, %2)\n  output %3", "ScatterElements"),
+        ("input %0 \"x\": f32[2,3,4]\n  init %1 \"i\" = i64[2,2,1]{1, 0, 2, 2}\n  %2 \"y\": f32[2,2,4] = GatherND[batch_dims=1](%0, %1)\n  output %2", "GatherND"),
+        ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,2]{0, 3, 2, -1}\n  %2 \"y\": f32[2] = GatherND(%0, %1)\n  output %2", "GatherND"),
+        ("input %0 \"x\": f32[5,3]\n  init %1 \"i\" = i64[2,2]{4, -1, 0, 2}\n  %2 \"y\": f32[2,2,3] = Gather(%0, %1)\n  output %2", "Gather"),
+        ("input %0 \"x\": f32[3,4]\n  init %1 \"i\" = i64[2,4]{0, 2, 1, -1, 2, 2, 0, 1}\n  %2 \"y\": f32[2,4] = GatherElements(%0, %1)\n  output %2", "GatherElements"),
+        ("input %0 \"x\": f32[2,3,7,6]\n  %1 \"y\": f32[2,3,4,3] = AveragePool[kernel_shape=[3,2], pads=[1,1,1,0], strides=[2,2], count_include_pad=1, ceil_mode=1](%0)\n  output %1", "AveragePool"),
+        ("input %0 \"x\": f32[2,3,9]\n  %1 \"y\": f32[2,3,4] = MaxPool[kernel_shape=[2], dilations=[3], strides=[2], pads=[1,1]](%0)\n  output %1", "MaxPool"),
+        ("input %0 \"x\": f32[3,4]\n  input %1 \"v\": f32[]\n  init %2 \"p\" = i64[4]{1, -1, 0, 2}\n  %3 \"y\": f32[4,5] = Pad(%0, %2, %1)\n  output %3", "Pad"),
+        // Few long columns: the rows split, partials combined in a second pass.
+        ("input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[40] = ReduceSum[keepdims=0](%0, %1)\n  output %2", "ReduceSum"),
+        ("input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2", "ReduceMean"),
+        ("input %0 \"x\": f32[700,33]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[1,33] = ReduceMax(%0, %1)\n  output %2", "ReduceMax"),
+        ("input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2", "ReduceL2"),
+        ("input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalizationGrad"),
+        // Few channels of many elements: batch norm statistics in passes.
+        ("input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
+        ("input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5", "BatchNormalizationGrad"),
+        // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
+        // f32 Mean / InvStdDev (stash_type) are cast from them.
+        ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),
+        ("input %0 \"x\": f64[2,3,4]\n  input %1 \"s\": f64[3]\n  input %2 \"b\": f64[3]\n  input %3 \"m\": f64[3]\n  input %4 \"v\": f64[3]\n  %5 \"y\": f64[2,3,4], %6 \"rm\": f64[3], %7 \"rv\": f64[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
+        ("input %0 \"x\": f64[4,5,2]\n  init %1 \"l\" = i64[4,2]{0, 4, 2, 1, 3, 3, 4, 0}\n  init %2 \"w\" = f64[5]{1.0, 0.5, 2.0, 1.5, 0.25}\n  %3 \"y\": f64[] = SoftmaxCrossEntropyLoss[reduction=\"mean\", ignore_index=3](%0, %1, %2)\n  output %3", "SoftmaxCrossEntropyLoss"),
+    ];
+    for (body, op) in cases {
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  {body}\nend\n");
+        let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{op}: {e}\n{text}"));
+        let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
+        let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(op)).unwrap();
+        let checked = check_program(op, &program, &feeds);
+        assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
+    }
+}
+
+/// The zoo's exports (BERT, DistilBERT, GPT-2, Llama, ViT, MobileNetV3, a UNet, a GroupNorm CNN,
+/// an LSTM and a GRU, from both torch exporters), compiled mixed, at batch 2.
+#[test]
+fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
+    let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
+    let mut names: Vec<_> = std::fs::read_dir(&zoo).unwrap().flatten().map(|e| e.path()).collect();
+    names.retain(|p| p.extension().is_some_and(|e| e == "onnx"));
+    names.sort();
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for path in &names {
+        let mut g = mpc::load(path).unwrap();
+        let opts = mpc::Options { policy: Some("mixed".into()), ..Default::default() };
+        mpc::compile(&mut g, path, &opts, &mut |_, _| {}).unwrap();
+        let mut dims = HashMap::new();
+        for &v in g.inputs() {
+            for d in g.ty(v).shape.iter().flat_map(|s| s.dims().to_vec()) {
+                if let Some(s) = d.symbol() {
+                    dims.insert(s.to_string(), 2);
+                }
+            }
+        }
+        let feeds = mpc::run::random_inputs(&g, 3, &dims).unwrap();
+        let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, path).unwrap();
+        let label = path.file_name().unwrap().to_string_lossy().to_string();
+        // An export whose Dropout stayed in training mode runs on neither device.
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        if program.launches.iter().any(|l| plan(l, &constant).is_err_and(|e| e.contains("training mode"))) {
+            println!("{label}: skipped (Dropout in training mode)");
+            continue;
+        }
+        let t = std::time::Instant::now();
+        for op in check_program(&label, &program, &feeds) {
+            *seen.entry(op).or_default() += 1;
+        }
+        println!("{label}: {:.1} s", t.elapsed().as_secs_f64());
+    }
+    println!("zoo launches checked against the CPU by op: {seen:?}");
+    let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
+    assert!(left.is_empty(), "launches this file cannot check: {left:?}");
+}
+
+/// The zoo's training steps (mixed, Adam, each family's loss and labels from zoo.json, torch's
+/// batch): every launch's plan computes what the CPU does, GatherGrad, the losses over sequences
+/// and the recurrent nets' unrolled steps included.
+#[test]
+fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
+    let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(zoo.join("zoo.json")).unwrap()).unwrap();
+    let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
+    for (family, f) in json.as_object().unwrap() {
+        let expected = mpc::run::read_safetensors(&zoo.join(format!("{family}.grads.safetensors"))).unwrap();
+        let feeds: HashMap<String, HostTensor> =
+            expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
+        for export in ["dynamo", "legacy"] {
+            let path = zoo.join(format!("{family}.{export}.onnx"));
+            let mut g = mpc::load(&path).unwrap();
+            let cfg = mpc::config::TrainFile { loss: f["loss"].as_str().map(String::from), ..Default::default() };
+            let (t, _) = cfg.resolve().unwrap();
+            let t = mpc_passes::train::TrainOptions { labels: f["labels"].as_str().unwrap().to_string(), ..t };
+            let opts = mpc::Options { policy: Some("mixed".into()), train: Some(t), ..Default::default() };
+            mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+            let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, &path).unwrap();
+            let label = format!("{family}.{export} train");
+            for op in check_program(&label, &program, &feeds) {
+                *seen.entry(op).or_default() += 1;
+            }
+        }
+    }
+    println!("zoo training launches checked against the CPU by op: {seen:?}");
+    let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
+    assert!(left.is_empty(), "launches this file cannot check: {left:?}");
+}
+
+/// The ONNX conformance cases (where `MPC_ONNX_NODE_TESTS` points at them): each launch this
+/// file can interpret computes on its plan what the CPU does.
+#[test]
+fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
+    let Some(cases) = common::conformance_cases() else { return };
+    let (mut checked, mut skipped) = (0, 0);
+    for common::ConformanceCase { name: label, model, graph: g, feeds } in &cases {
+        let Ok(program) = mpc::run::lower_for_inputs(g, feeds, CUDA, model) else { continue };
+        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let runs = program.host_reads == 0
+            && program.launches.iter().all(|l| plan(l, &constant).is_ok())
+            && mpc::run::run_once(g, feeds, model).is_ok();
+        if !runs {
+            skipped += 1;
+            continue;
+        }
+        checked += check_program(label, &program, feeds).iter().filter(|o| !o.starts_with("not interpreted")).count();
+    }
+    println!("conformance launches checked against the CPU: {checked} ({skipped} cases skipped)");
+    assert!(checked > 500, "only {checked} launches checked");
+}

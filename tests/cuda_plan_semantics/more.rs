@@ -1,0 +1,876 @@
+//! The interpreter of the pooling, normalisation, softmax-gradient, loss and optimizer kernels.
+
+use mpc_ir::DType;
+use mpc_runtime::cuda::plan::{Arg, Buf, Kernel, Window3};
+
+use super::interp::*;
+
+/// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
+/// kernels ([`run_more`]).
+pub(crate) const MORE: [&str; 30] = [
+    "elementwise_and_u8",
+    "elementwise_or_u8",
+    "elementwise_equal_",
+    "elementwise_less_",
+    "elementwise_greater_",
+    "elementwise_less_equal_",
+    "elementwise_greater_equal_",
+    "movement_pad_",
+    "elementwise_isnan_",
+    "elementwise_where_",
+    "norm_instance_norm_",
+    "elementwise_not_u8",
+    "elementwise_clip_",
+    "gather_grad_direct_",
+    "movement_resize_",
+    "train_gelu_grad_",
+    "train_seeded_dropout_",
+    "pool_",
+    "norm_batch_norm_",
+    "norm_bn_",
+    "norm_layer_norm_grad",
+    "softmax_softmax_grad_",
+    "softmax_log_softmax_grad_",
+    "loss_",
+    "train_relu_grad_",
+    "train_all_finite",
+    "train_sgd_",
+    "train_adam_",
+    "train_loss_scale_update",
+    "train_unscale_",
+];
+
+/// The parameter and gradient dtypes of an update kernel, `train_<op>_<param>_<grad>`.
+pub(crate) fn update_dtypes(name: &str) -> (DType, DType) {
+    let parts: Vec<&str> = name.rsplitn(3, '_').collect();
+    (dtype_of(parts[1]), dtype_of(parts[0]))
+}
+
+/// An update's `inv_scale` argument: the f32 it points at, or 1.
+pub(crate) fn unscale_of(m: &mut Memory, a: &Arg) -> f64 {
+    match *a {
+        Arg::Ptr(b) => m.get(b, 0, DType::F32),
+        _ => 1.0,
+    }
+}
+
+pub(crate) fn f32_of(a: &Arg) -> f64 {
+    match *a {
+        Arg::F32(v) => v as f64,
+        ref a => panic!("{a:?} where an f32 was expected"),
+    }
+}
+
+/// The input offsets (within one plane) of output `o`'s window taps, in kernel order; `None`
+/// for a tap outside the input.
+pub(crate) fn taps(w: &Window3, o: i64) -> Vec<Option<i64>> {
+    let nsp = w.nsp as usize;
+    let kvol: i64 = w.k[..nsp].iter().product();
+    (0..kvol)
+        .map(|kp| {
+            let (mut kr, mut or, mut off, mut scale) = (kp, o, 0i64, 1i64);
+            let mut inside = true;
+            for s in (0..nsp).rev() {
+                let (kc, oc) = (kr % w.k[s], or % w.out[s]);
+                kr /= w.k[s];
+                or /= w.out[s];
+                let i = oc * w.stride[s] + kc * w.dil[s] - w.pad[s];
+                inside &= i >= 0 && i < w.inp[s];
+                off += i * scale;
+                scale *= w.inp[s];
+            }
+            inside.then_some(off)
+        })
+        .collect()
+}
+
+/// AveragePool's divisor for output `o`: the taps inside, or with count_include_pad those
+/// inside the explicit padding.
+pub(crate) fn avg_divisor(w: &Window3, o: i64, cip: bool) -> f64 {
+    let nsp = w.nsp as usize;
+    let kvol: i64 = w.k[..nsp].iter().product();
+    let mut count = 0;
+    for kp in 0..kvol {
+        let (mut kr, mut or, mut ok) = (kp, o, true);
+        for s in (0..nsp).rev() {
+            let (kc, oc) = (kr % w.k[s], or % w.out[s]);
+            kr /= w.k[s];
+            or /= w.out[s];
+            let i = oc * w.stride[s] + kc * w.dil[s] - w.pad[s];
+            ok &= if cip { i >= -w.pad[s] && i < w.inp[s] + w.pad_end[s] } else { i >= 0 && i < w.inp[s] };
+        }
+        count += ok as i64;
+    }
+    count.max(1) as f64
+}
+
+pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let tag = name.rsplit('_').next().unwrap();
+    if name.starts_with("pool_") {
+        let d = dtype_of(tag);
+        let w = a.iter().find_map(|x| if let Arg::Window(w) = x { Some(*w) } else { None }).expect("a window");
+        let nsp = w.nsp as usize;
+        let (ivol, ovol): (i64, i64) = (w.inp[..nsp].iter().product(), w.out[..nsp].iter().product());
+        if name.starts_with("pool_max_argmax_") {
+            let (x, arg, planes) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+            for pl in 0..planes {
+                for o in 0..ovol {
+                    let (mut best, mut at) = (f64::NEG_INFINITY, -1i64);
+                    for off in taps(&w, o).into_iter().flatten() {
+                        let v = m.get(x, pl * ivol + off, d);
+                        if at < 0 || (v.is_nan() && !best.is_nan()) || v > best {
+                            (best, at) = (v, off);
+                        }
+                    }
+                    m.set(arg, pl * ovol + o, DType::I64, at as f64);
+                }
+            }
+        } else if name.starts_with("pool_max_grad_") {
+            let (dy, arg, dx, planes) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+            for pl in 0..planes {
+                let mut acc = vec![0.0; ivol as usize];
+                for o in 0..ovol {
+                    let at = m.get(arg, pl * ovol + o, DType::I64) as i64;
+                    if at >= 0 {
+                        acc[at as usize] += m.get(dy, pl * ovol + o, d);
+                    }
+                }
+                for (i, v) in acc.into_iter().enumerate() {
+                    m.set(dx, pl * ivol + i as i64, d, v);
+                }
+            }
+        } else if name.starts_with("pool_avg_grad_") {
+            let (dy, dx, planes, cip) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[4]) != 0);
+            for pl in 0..planes {
+                let mut acc = vec![0.0; ivol as usize];
+                for o in 0..ovol {
+                    let g = m.get(dy, pl * ovol + o, d) / avg_divisor(&w, o, cip);
+                    for off in taps(&w, o).into_iter().flatten() {
+                        acc[off as usize] += g;
+                    }
+                }
+                for (i, v) in acc.into_iter().enumerate() {
+                    m.set(dx, pl * ivol + i as i64, d, v);
+                }
+            }
+        } else {
+            let max = name.starts_with("pool_max_");
+            let (x, y, planes) = (ptr(&a[0]), ptr(&a[1]), int(&a[if max { 3 } else { 2 }]));
+            let (indices, col_major) = if max { (a[2], int(&a[5]) != 0) } else { (Arg::Null, false) };
+            let cip = !max && int(&a[4]) != 0;
+            for pl in 0..planes {
+                for o in 0..ovol {
+                    if let Arg::Ptr(ib) = indices {
+                        // The first strict maximum, NaNs skipped; its flat index into x.
+                        let (mut best, mut at) = (f64::NEG_INFINITY, 0i64);
+                        for off in taps(&w, o).into_iter().flatten() {
+                            let v = m.get(x, pl * ivol + off, d);
+                            if v > best {
+                                let sp = if col_major {
+                                    let nsp = w.nsp as usize;
+                                    let (mut r, mut c, mut scale) = (off, vec![0i64; nsp], 1i64);
+                                    for s in (0..nsp).rev() {
+                                        c[s] = r % w.inp[s];
+                                        r /= w.inp[s];
+                                    }
+                                    let mut sp = 0;
+                                    for (s, &cs) in c.iter().enumerate() {
+                                        sp += cs * scale;
+                                        scale *= w.inp[s];
+                                    }
+                                    sp
+                                } else {
+                                    off
+                                };
+                                (best, at) = (v, pl * ivol + sp);
+                            }
+                        }
+                        m.set(y, pl * ovol + o, d, best);
+                        m.set(ib, pl * ovol + o, DType::I64, at as f64);
+                        continue;
+                    }
+                    let vals: Vec<f64> =
+                        taps(&w, o).into_iter().flatten().map(|off| m.get(x, pl * ivol + off, d)).collect();
+                    let r = if max {
+                        vals.iter()
+                            .fold(f64::NEG_INFINITY, |b, &v| if v.is_nan() || b.is_nan() { f64::NAN } else { b.max(v) })
+                    } else {
+                        vals.iter().sum::<f64>() / avg_divisor(&w, o, cip)
+                    };
+                    m.set(y, pl * ovol + o, d, r);
+                }
+            }
+        }
+    } else if name.starts_with("norm_bn_") {
+        run_bn_pass(m, k);
+    } else if name.starts_with("norm_batch_norm_") || name.starts_with("norm_layer_norm_grad") {
+        let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+        let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+        let param = |m: &mut Memory, b: Buf, i: i64| m.get(b, i, dp);
+        if name.starts_with("norm_layer_norm_grad_params_split") {
+            // Partial sums of chunks of the (row, repeat) pairs, per feature j at j * splits + s.
+            let (dy, x, wm, wi, ps, pb) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), a[5]);
+            let (rows, n, sn, splits) = (int(&a[6]), int(&a[7]), int(&a[8]), int(&a[9]));
+            let per_row = n / sn;
+            let total = rows * per_row;
+            let chunk = (total + splits - 1) / splits;
+            for s in 0..splits {
+                for j in 0..sn {
+                    let (mut u, mut v) = (0.0, 0.0);
+                    for t in s * chunk..((s + 1) * chunk).min(total) {
+                        let (row, at) = (t / per_row, t * sn + j);
+                        let g = m.get(dy, at, d);
+                        u += g * (m.get(x, at, d) - m.get(wm, row, acc(d))) * m.get(wi, row, acc(d));
+                        v += g;
+                    }
+                    m.set(ps, j * splits + s, acc(d), u);
+                    if let Arg::Ptr(b) = pb {
+                        m.set(b, j * splits + s, acc(d), v);
+                    }
+                }
+            }
+        } else if name.starts_with("norm_layer_norm_grad_params") {
+            let (dy, x, wm, wi, ds) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+            let (db, rows, n, sn) = (a[5], int(&a[6]), int(&a[7]), int(&a[8]));
+            let (mut s_sc, mut s_b) = (vec![0.0; sn as usize], vec![0.0; sn as usize]);
+            for r in 0..rows {
+                let (mean, inv) = (m.get(wm, r, acc(d)), m.get(wi, r, acc(d)));
+                for j in 0..n {
+                    let g = m.get(dy, r * n + j, d);
+                    s_sc[(j % sn) as usize] += g * (m.get(x, r * n + j, d) - mean) * inv;
+                    s_b[(j % sn) as usize] += g;
+                }
+            }
+            for j in 0..sn as usize {
+                m.set(ds, j as i64, d, s_sc[j]);
+                if let Arg::Ptr(b) = db {
+                    m.set(b, j as i64, d, s_b[j]);
+                }
+            }
+        } else if name.starts_with("norm_layer_norm_grad_") {
+            let (dy, x, scale, dx, wm, wi) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), a[3], ptr(&a[4]), ptr(&a[5]));
+            let (rows, n, sn, eps) = (int(&a[6]), int(&a[7]), int(&a[8]), f32_of(&a[9]));
+            for r in 0..rows {
+                let v: Vec<f64> = (0..n).map(|j| m.get(x, r * n + j, d)).collect();
+                let mean = v.iter().sum::<f64>() / n as f64;
+                let inv = 1.0 / (v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / n as f64 + eps).sqrt();
+                m.set(wm, r, acc(d), mean);
+                m.set(wi, r, acc(d), inv);
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, r * n + j, d) * param(m, scale, j % sn)).collect();
+                let xh: Vec<f64> = v.iter().map(|e| (e - mean) * inv).collect();
+                let (sg, sgx) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
+                if let Arg::Ptr(dx) = dx {
+                    for j in 0..n as usize {
+                        let out = inv / n as f64 * (n as f64 * g[j] - sg - xh[j] * sgx);
+                        m.set(dx, r * n + j as i64, d, out);
+                    }
+                }
+            }
+        } else {
+            // (n, c, inner) follow the pointers: 10 of them for training, 6 for inference and the
+            // gradient.
+            let c_at = if name.starts_with("norm_batch_norm_train_") { 11 } else { 7 };
+            let (n, c, inner) = (int(&a[c_at - 1]), int(&a[c_at]), int(&a[c_at + 1]));
+            let at = |b: i64, ch: i64, i: i64| (b * c + ch) * inner + i;
+            for ch in 0..c {
+                let idx: Vec<i64> = (0..n).flat_map(|b| (0..inner).map(move |i| at(b, ch, i))).collect();
+                let cnt = idx.len() as f64;
+                if name.starts_with("norm_batch_norm_infer_") {
+                    let (x, sc, bi, mean, var, y) =
+                        (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
+                    let eps = f32_of(&a[9]);
+                    let kk = param(m, sc, ch) / (param(m, var, ch) + eps).sqrt();
+                    let (mu, b) = (param(m, mean, ch), param(m, bi, ch));
+                    for &e in &idx {
+                        let v = (m.get(x, e, d) - mu) * kk + b;
+                        m.set(y, e, d, v);
+                    }
+                    continue;
+                }
+                let x = ptr(&a[if name.starts_with("norm_batch_norm_grad_") { 1 } else { 0 }]);
+                let v: Vec<f64> = idx.iter().map(|&e| m.get(x, e, d)).collect();
+                let mean = v.iter().sum::<f64>() / cnt;
+                let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / cnt;
+                if name.starts_with("norm_batch_norm_train_") {
+                    let (sc, bi, rm, rv, y, rmo, rvo) =
+                        (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]), ptr(&a[7]));
+                    let (eps, mom) = (f32_of(&a[13]), f32_of(&a[14]));
+                    let kk = param(m, sc, ch) / (var + eps).sqrt();
+                    let b = param(m, bi, ch);
+                    for (&e, &xv) in idx.iter().zip(&v) {
+                        m.set(y, e, d, (xv - mean) * kk + b);
+                    }
+                    let (om, ov) = (param(m, rm, ch), param(m, rv, ch));
+                    m.set(rmo, ch, dp, om * mom + mean * (1.0 - mom));
+                    m.set(rvo, ch, dp, ov * mom + var * (1.0 - mom));
+                } else {
+                    let (dy, sc, dx, ds, db) = (ptr(&a[0]), ptr(&a[2]), a[3], a[4], a[5]);
+                    let eps = f32_of(&a[9]);
+                    let sigma = (var + eps).sqrt();
+                    let g: Vec<f64> = idx.iter().map(|&e| m.get(dy, e, d)).collect();
+                    let xh: Vec<f64> = v.iter().map(|e| (e - mean) / sigma).collect();
+                    let (dbias, dscale) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
+                    let s = param(m, sc, ch);
+                    if let Arg::Ptr(dx) = dx {
+                        for (j, &e) in idx.iter().enumerate() {
+                            m.set(dx, e, d, s / (sigma * cnt) * (cnt * g[j] - dbias - xh[j] * dscale));
+                        }
+                    }
+                    if let Arg::Ptr(p) = ds {
+                        m.set(p, ch, d, dscale);
+                    }
+                    if let Arg::Ptr(p) = db {
+                        m.set(p, ch, d, dbias);
+                    }
+                }
+            }
+        }
+    } else if name.starts_with("softmax_softmax_grad_") || name.starts_with("softmax_log_softmax_grad_") {
+        let d = dtype_of(tag);
+        let log = name.starts_with("softmax_log_");
+        let (dy, y, dx, outer, n, inner) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
+        for o in 0..outer {
+            for i in 0..inner {
+                let at = |j: i64| (o * n + j) * inner + i;
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, at(j), d)).collect();
+                let yv: Vec<f64> = (0..n).map(|j| m.get(y, at(j), d)).collect();
+                let s: f64 = if log { g.iter().sum() } else { g.iter().zip(&yv).map(|(a, b)| a * b).sum() };
+                for j in 0..n as usize {
+                    let r = if log { g[j] - yv[j].exp() * s } else { yv[j] * (g[j] - s) };
+                    m.set(dx, at(j as i64), d, r);
+                }
+            }
+        }
+    } else if name.starts_with("loss_") {
+        run_loss(m, k);
+    } else if name.starts_with("train_relu_grad_") {
+        let d = dtype_of(tag);
+        let (dy, y, dx, n) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+        for i in 0..n {
+            let r = if m.get(y, i, d) > 0.0 { m.get(dy, i, d) } else { 0.0 };
+            m.set(dx, i, d, r);
+        }
+    } else if name == "train_all_finite_multi" {
+        let Buf::Aux(at) = ptr(&a[0]) else { panic!("the address array is not in aux") };
+        let (sizes, codes, count, f) = (ptr(&a[1]), ptr(&a[2]), int(&a[3]), ptr(&a[4]));
+        for t in 0..count {
+            let x = m.addresses[&(at + 8 * t as u64)];
+            let n = m.get(sizes, t, DType::I64) as i64;
+            let d = match m.get(codes, t, DType::I32) as i64 {
+                0 => DType::F32,
+                1 => DType::F16,
+                2 => DType::BF16,
+                _ => DType::F64,
+            };
+            if (0..n).any(|i| !m.get(x, i, d).is_finite()) {
+                m.set(f, 0, DType::U8, 0.0);
+            }
+        }
+    } else if name == "train_all_finite_init" {
+        m.set(ptr(&a[0]), 0, DType::U8, 1.0);
+    } else if name.starts_with("train_all_finite_") {
+        let d = dtype_of(tag);
+        let (x, n, f) = (ptr(&a[0]), int(&a[1]), ptr(&a[2]));
+        if (0..n).any(|i| !m.get(x, i, d).is_finite()) {
+            m.set(f, 0, DType::U8, 0.0);
+        }
+    } else if name.starts_with("train_unscale_") {
+        let d = dtype_of(tag);
+        let (g, scale, out, n) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]));
+        let inv = 1.0 / m.get(scale, 0, DType::F32);
+        for i in 0..n {
+            let v = m.get(g, i, d) * inv;
+            m.set(out, i, d, v);
+        }
+    } else if name.starts_with("train_sgd_") {
+        // train_sgd_<param>_<grad>(param, grad, inv_scale, finite, velocity, param', velocity', ...)
+        let (d, dg) = update_dtypes(name);
+        let (param, grad, finite, vel, po, vo) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), a[4], ptr(&a[5]), a[6]);
+        let inv = unscale_of(m, &a[2]);
+        let (n, lr, mom, wd, nesterov) = (int(&a[7]), f32_of(&a[8]), f32_of(&a[9]), f32_of(&a[10]), int(&a[11]) != 0);
+        let ok = m.get(finite, 0, DType::U8) != 0.0;
+        for i in 0..n {
+            let p = m.get(param, i, d);
+            if !ok {
+                m.set(po, i, d, p);
+                continue;
+            }
+            let dd = m.get(grad, i, dg) * inv + wd * p;
+            let step = match (vel, vo) {
+                (Arg::Ptr(v), Arg::Ptr(vout)) => {
+                    let nv = mom * m.get(v, i, d) + dd;
+                    m.set(vout, i, d, nv);
+                    if nesterov {
+                        dd + mom * nv
+                    } else {
+                        nv
+                    }
+                }
+                _ => dd,
+            };
+            m.set(po, i, d, p - lr * step);
+        }
+    } else if name.starts_with("train_adam_") {
+        // train_adam_<param>_<grad>(param, grad, inv_scale, m, v, step, finite, param', m', v', ...)
+        let (d, dg) = update_dtypes(name);
+        let (param, grad, mm, vv, step, finite) =
+            (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
+        let inv = unscale_of(m, &a[2]);
+        let (po, mo, vo, n) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]), int(&a[10]));
+        let (lr, b1, b2, eps, wd, decoupled) =
+            (f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), f32_of(&a[15]), int(&a[16]) != 0);
+        let ok = m.get(finite, 0, DType::U8) != 0.0;
+        let t = m.get(step, 0, DType::I64).max(1.0);
+        for i in 0..n {
+            let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, dg) * inv, m.get(mm, i, d), m.get(vv, i, d));
+            if !ok {
+                m.set(po, i, d, p);
+                m.set(mo, i, d, m0);
+                m.set(vo, i, d, v0);
+                continue;
+            }
+            let dd = if decoupled {
+                p -= lr * wd * p;
+                g
+            } else {
+                g + wd * p
+            };
+            let (m1, v1) = (b1 * m0 + (1.0 - b1) * dd, b2 * v0 + (1.0 - b2) * dd * dd);
+            let r = p - lr * (m1 / (1.0 - b1.powf(t))) / ((v1 / (1.0 - b2.powf(t))).sqrt() + eps);
+            m.set(po, i, d, r);
+            m.set(mo, i, d, m1);
+            m.set(vo, i, d, v1);
+        }
+    } else if ["and", "or", "equal", "less", "greater"].iter().any(|c| name.starts_with(&format!("elementwise_{c}_"))) {
+        let op = &name["elementwise_".len()..name.len() - tag.len() - 1];
+        let d = if op == "and" || op == "or" { DType::U8 } else { dtype_of(tag) };
+        let (pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) as usize);
+        let (dd, sa, sb) = (dims(&a[5]), dims(&a[6]), dims(&a[7]));
+        for i in 0..n {
+            let o = if rank == 0 { vec![i, i] } else { offsets(i, rank, &dd, &[sa, sb]) };
+            let (x, z) = (m.get(pa, o[0], d), m.get(pb, o[1], d));
+            let r = match op {
+                "and" => x != 0.0 && z != 0.0,
+                "or" => x != 0.0 || z != 0.0,
+                "equal" => x == z,
+                "less" => x < z,
+                "greater" => x > z,
+                "less_equal" => x <= z,
+                _ => x >= z,
+            };
+            m.set(y, i, DType::U8, r as u8 as f64);
+        }
+    } else if name.starts_with("movement_pad_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
+        let (od, id, xs, before) = (dims(&a[4]), dims(&a[5]), dims(&a[6]), dims(&a[7]));
+        let (mode, Arg::U64(value)) = (int(&a[8]), a[9]) else { panic!("pad value") };
+        for e in 0..n {
+            let (mut lin, mut off, mut inside) = (e, 0i64, true);
+            for d in (0..rank).rev() {
+                let c = lin % od[d] - before[d];
+                lin /= od[d];
+                let len = id[d];
+                let c = match mode {
+                    0 => {
+                        inside &= c >= 0 && c < len;
+                        c
+                    }
+                    1 if len == 1 => 0,
+                    1 => {
+                        let period = 2 * (len - 1);
+                        let r = c.rem_euclid(period);
+                        if r < len {
+                            r
+                        } else {
+                            period - r
+                        }
+                    }
+                    2 => c.clamp(0, len - 1),
+                    _ => c.rem_euclid(len),
+                };
+                off += c * xs[d];
+            }
+            let v = if inside { m.bytes(x, off, size) } else { value.to_le_bytes()[..size].to_vec() };
+            m.put(y, e, &v);
+        }
+    } else if name.starts_with("elementwise_isnan_") {
+        let d = dtype_of(tag);
+        let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+        for i in 0..n {
+            let v = m.get(x, i, d).is_nan() as u8 as f64;
+            m.set(y, i, DType::U8, v);
+        }
+    } else if name.starts_with("elementwise_where_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (c, pa, pb, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), int(&a[4]), int(&a[5]) as usize);
+        let (dd, sc, sa, sb) = (dims(&a[6]), dims(&a[7]), dims(&a[8]), dims(&a[9]));
+        for i in 0..n {
+            let o = if rank == 0 { vec![i, i, i] } else { offsets(i, rank, &dd, &[sc, sa, sb]) };
+            let v = if m.get(c, o[0], DType::U8) != 0.0 { m.bytes(pa, o[1], size) } else { m.bytes(pb, o[2], size) };
+            m.put(y, i, &v);
+        }
+    } else if name.starts_with("norm_instance_norm_") {
+        let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+        let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+        let (x, sc, bi, y) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]));
+        let (n, c, inner, eps) = (int(&a[4]), int(&a[5]), int(&a[6]), f32_of(&a[7]));
+        for plane in 0..n * c {
+            let ch = plane % c;
+            let v: Vec<f64> = (0..inner).map(|i| m.get(x, plane * inner + i, d)).collect();
+            let mean = v.iter().sum::<f64>() / inner as f64;
+            let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / inner as f64;
+            let (s, b) = (m.get(sc, ch, dp), m.get(bi, ch, dp));
+            for (i, e) in v.iter().enumerate() {
+                m.set(y, plane * inner + i as i64, d, (e - mean) / (var + eps).sqrt() * s + b);
+            }
+        }
+    } else if name == "elementwise_not_u8" {
+        let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+        for i in 0..n {
+            let v = (m.get(x, i, DType::U8) == 0.0) as u8 as f64;
+            m.set(y, i, DType::U8, v);
+        }
+    } else if name.starts_with("elementwise_clip_") {
+        let d = dtype_of(tag);
+        let (x, y, n, lo, hi) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), a[3], a[4]);
+        let lo = if let Arg::Ptr(b) = lo { m.get(b, 0, d) } else { f64::NEG_INFINITY };
+        let hi = if let Arg::Ptr(b) = hi { m.get(b, 0, d) } else { f64::INFINITY };
+        for i in 0..n {
+            let v = m.get(x, i, d).max(lo).min(hi);
+            m.set(y, i, d, v);
+        }
+    } else if name.starts_with("gather_grad_direct_") {
+        let parts: Vec<&str> = name.rsplitn(3, '_').collect();
+        let (d, di) = (dtype_of(parts[1]), dtype_of(parts[0]));
+        let (dy, idx, dx) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]));
+        let (outer, len, count, inner) = (int(&a[3]), int(&a[4]), int(&a[5]), int(&a[6]));
+        for o in 0..outer {
+            for l in 0..len {
+                for i in 0..inner {
+                    let mut s = 0.0;
+                    for j in 0..count {
+                        let v = m.get(idx, j, di) as i64;
+                        if (if v < 0 { v + len } else { v }) == l {
+                            s += m.get(dy, (o * count + j) * inner + i, d);
+                        }
+                    }
+                    m.set(dx, (o * len + l) * inner + i, d, s);
+                }
+            }
+        }
+    } else if name.starts_with("movement_resize_") {
+        let d = dtype_of(tag);
+        let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
+        let (od, xs, base) = (dims(&a[4]), dims(&a[5]), dims(&a[6]));
+        let (count, idx, w) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]));
+        for e in 0..n {
+            let mut lin = e;
+            let mut coord = [0i64; 8];
+            for dd in (0..rank).rev() {
+                coord[dd] = base[dd] + lin % od[dd];
+                lin /= od[dd];
+            }
+            let mut acc = 0.0;
+            for c in 0..(1i64 << rank) {
+                let (mut off, mut weight, mut take) = (0i64, 1.0f64, true);
+                for (dd, &at) in coord.iter().enumerate().take(rank) {
+                    let t = (c >> (rank - 1 - dd)) & 1;
+                    if t >= m.get(count, at, DType::I64) as i64 {
+                        take = false;
+                    } else {
+                        off += m.get(idx, 2 * at + t, DType::I64) as i64 * xs[dd];
+                        weight *= m.get(w, 2 * at + t, DType::F64);
+                    }
+                }
+                if take {
+                    acc += m.get(x, off, d) * weight;
+                }
+            }
+            m.set(y, e, d, acc);
+        }
+    } else if name.starts_with("train_gelu_grad_") {
+        let d = dtype_of(tag);
+        let (dy, x, dx, n, tanh) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) != 0);
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        for i in 0..n {
+            let v = m.get(x, i, d);
+            let g = if tanh {
+                let t = (c * (v + 0.044715 * v * v * v)).tanh();
+                0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * v * v)
+            } else {
+                0.5 * (1.0 + erf(v / std::f64::consts::SQRT_2))
+                    + v * (-0.5 * v * v).exp() / (2.0 * std::f64::consts::PI).sqrt()
+            };
+            let r = m.get(dy, i, d) * g;
+            m.set(dx, i, d, r);
+        }
+    } else if name.starts_with("train_seeded_dropout_") {
+        let d = dtype_of(tag);
+        let (x, key, ratio_ptr, y, mask, n) = (ptr(&a[0]), ptr(&a[1]), a[2], ptr(&a[3]), a[4], int(&a[5]));
+        let (seed, Arg::F64(ratio)) = (int(&a[6]), a[7]) else { panic!("ratio") };
+        let ratio = if let Arg::Ptr(r) = ratio_ptr { m.get(r, 0, DType::F64) } else { ratio };
+        let mix = |mut z: u64| {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let base = mix(m.get(key, 0, DType::I64) as i64 as u64 ^ mix(seed as u64));
+        for i in 0..n {
+            let z = mix(base.wrapping_add((i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+            let keep = (z >> 40) as f64 / (1u64 << 24) as f64 >= ratio;
+            let v = if keep { m.get(x, i, d) * (1.0 / (1.0 - ratio)) } else { 0.0 };
+            m.set(y, i, d, v);
+            if let Arg::Ptr(mb) = mask {
+                m.set(mb, i, DType::U8, keep as u8 as f64);
+            }
+        }
+    } else if name == "train_loss_scale_update" {
+        let (scale, good, finite, so, go) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+        let (growth, backoff, interval, lo, hi) =
+            (f32_of(&a[5]), f32_of(&a[6]), int(&a[7]), f32_of(&a[8]), f32_of(&a[9]));
+        let (s, g) = (m.get(scale, 0, DType::F32), m.get(good, 0, DType::I64) as i64);
+        let (s1, g1) = if m.get(finite, 0, DType::U8) != 0.0 {
+            if g + 1 >= interval {
+                ((s * growth).min(hi), 0)
+            } else {
+                (s, g + 1)
+            }
+        } else {
+            ((s * backoff).max(lo), 0)
+        };
+        m.set(so, 0, DType::F32, s1);
+        m.set(go, 0, DType::I64, g1 as f64);
+    } else {
+        panic!("{name} is not interpreted");
+    }
+}
+
+/// erf(x) to about 1e-7 (Abramowitz and Stegun 7.1.26).
+pub(crate) fn erf(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.3275911 * x.abs());
+    let p = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+    (1.0 - p * (-x * x).exp()).copysign(x)
+}
+
+/// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
+/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) partial sums, and the
+/// element-wise kernels that apply the finished statistics.
+pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let partial = ["norm_bn_sum_", "norm_bn_sqdev_", "norm_bn_grad_sums_"].iter().find(|p| name.starts_with(*p));
+    if let Some(prefix) = partial {
+        let d = dtype_of(&name[prefix.len()..]);
+        let base = match *prefix {
+            "norm_bn_sum_" => 2,
+            "norm_bn_sqdev_" => 3,
+            _ => 5,
+        };
+        let (n, c, inner, splits) = (int(&a[base]), int(&a[base + 1]), int(&a[base + 2]), int(&a[base + 3]));
+        let count = n * inner;
+        let chunk = (count + splits - 1) / splits;
+        for ch in 0..c {
+            for s in 0..splits {
+                let (mut u, mut v) = (0.0, 0.0);
+                for e in s * chunk..((s + 1) * chunk).min(count) {
+                    let at = ((e / inner) * c + ch) * inner + e % inner;
+                    match *prefix {
+                        "norm_bn_sum_" => u += m.get(ptr(&a[0]), at, d),
+                        "norm_bn_sqdev_" => {
+                            let dev = m.get(ptr(&a[0]), at, d) - m.get(ptr(&a[1]), ch, acc(d));
+                            u += dev * dev;
+                        }
+                        _ => {
+                            let g = m.get(ptr(&a[0]), at, d);
+                            u += g;
+                            v += g * (m.get(ptr(&a[1]), at, d) - m.get(ptr(&a[2]), ch, acc(d)));
+                        }
+                    }
+                }
+                match *prefix {
+                    "norm_bn_sum_" => m.set(ptr(&a[1]), ch * splits + s, acc(d), u),
+                    "norm_bn_sqdev_" => m.set(ptr(&a[2]), ch * splits + s, acc(d), u),
+                    _ => {
+                        m.set(ptr(&a[3]), ch * splits + s, acc(d), u);
+                        m.set(ptr(&a[4]), ch * splits + s, acc(d), v);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+    let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+    if name.starts_with("norm_bn_apply_") {
+        let (x, sc, bi, mean, var, y, rm, rv, rmo, rvo) = (
+            ptr(&a[0]),
+            ptr(&a[1]),
+            ptr(&a[2]),
+            ptr(&a[3]),
+            ptr(&a[4]),
+            ptr(&a[5]),
+            ptr(&a[6]),
+            ptr(&a[7]),
+            a[8],
+            a[9],
+        );
+        let (n, c, inner, eps, mom) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]), f32_of(&a[14]));
+        for i in 0..n * c * inner {
+            let ch = (i / inner) % c;
+            let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
+            let kk = m.get(sc, ch, dp) / (var_ + eps).sqrt();
+            let out = (m.get(x, i, d) - mu) * kk + m.get(bi, ch, dp);
+            m.set(y, i, d, out);
+        }
+        if let (Arg::Ptr(rmo), Arg::Ptr(rvo)) = (rmo, rvo) {
+            for ch in 0..c {
+                let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
+                let (om, ov) = (m.get(rm, ch, dp), m.get(rv, ch, dp));
+                m.set(rmo, ch, dp, om * mom + mu * (1.0 - mom));
+                m.set(rvo, ch, dp, ov * mom + var_ * (1.0 - mom));
+            }
+        }
+    } else {
+        // norm_bn_grad_apply_<T>_<P>
+        let (dy, x, sc, mean, var, sg, sgd) =
+            (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
+        let (dx, ds, db) = (a[7], a[8], a[9]);
+        let (n, c, inner, eps) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]));
+        let cnt = (n * inner) as f64;
+        for ch in 0..c {
+            let inv = 1.0 / (m.get(var, ch, acc(d)) + eps).sqrt();
+            let (g, gd, mu) = (m.get(sg, ch, acc(d)), m.get(sgd, ch, acc(d)), m.get(mean, ch, acc(d)));
+            if let Arg::Ptr(dx) = dx {
+                let kk = m.get(sc, ch, dp) * inv / cnt;
+                for e in 0..n * inner {
+                    let at = ((e / inner) * c + ch) * inner + e % inner;
+                    let xhat = (m.get(x, at, d) - mu) * inv;
+                    let out = kk * (cnt * m.get(dy, at, d) - g - xhat * gd * inv);
+                    m.set(dx, at, d, out);
+                }
+            }
+            if let Arg::Ptr(ds) = ds {
+                m.set(ds, ch, d, gd * inv);
+            }
+            if let Arg::Ptr(db) = db {
+                m.set(db, ch, d, g);
+            }
+        }
+    }
+}
+
+/// The accumulator dtype of the norm and loss kernels for data of dtype `d` (`AccT` in
+/// kernels/common.cuh).
+pub(crate) fn acc(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
+    let a = &k.args;
+    let name = k.name.as_str();
+    let parts: Vec<&str> = name.rsplitn(3, '_').collect();
+    let label = |m: &mut Memory, b: Buf, di: DType, p: i64| m.get(b, p, di) as i64;
+    if name.starts_with("loss_reduce_") {
+        let d = dtype_of(parts[0]);
+        let (wl, ww, out, positions, red) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]));
+        let s: f64 = (0..positions).map(|p| m.get(wl, p, acc(d))).sum();
+        let w: f64 = (0..positions).map(|p| m.get(ww, p, acc(d))).sum();
+        m.set(out, 0, d, if red == 2 { s / w } else { s });
+        return;
+    }
+    let (d, di) = (dtype_of(parts[1]), dtype_of(parts[0]));
+    if name.starts_with("loss_weight_total_") {
+        let (labels, weights, total, positions, c) = (ptr(&a[0]), a[1], ptr(&a[2]), int(&a[3]), int(&a[4]));
+        let (has_ignore, ignore) = (int(&a[5]) != 0, int(&a[6]));
+        let mut t = 0.0;
+        for p in 0..positions {
+            let l = label(m, labels, di, p);
+            if (has_ignore && l == ignore) || l < 0 || l >= c {
+                continue;
+            }
+            t += if let Arg::Ptr(w) = weights { m.get(w, l, d) } else { 1.0 };
+        }
+        m.set(total, 0, acc(d), t);
+        return;
+    }
+    let grad = name.contains("_grad_");
+    let softmax = name.starts_with("loss_softmax_ce");
+    let base = grad as usize;
+    let (scores, labels, weights) = (ptr(&a[base]), ptr(&a[base + 1]), a[base + 2]);
+    let at_dims = if grad {
+        6
+    } else if softmax {
+        7
+    } else {
+        6
+    };
+    let (n, c, inner) = (int(&a[at_dims]), int(&a[at_dims + 1]), int(&a[at_dims + 2]));
+    let (has_ignore, ignore) = (int(&a[at_dims + 3]) != 0, int(&a[at_dims + 4]));
+    let at = |b: i64, kk: i64, i: i64| (b * c + kk) * inner + i;
+    for b in 0..n {
+        for i in 0..inner {
+            let p = b * inner + i;
+            let l = label(m, labels, di, p);
+            let ignored = (has_ignore && l == ignore) || l < 0 || l >= c;
+            let w = if ignored {
+                0.0
+            } else if let Arg::Ptr(wb) = weights {
+                m.get(wb, l, d)
+            } else {
+                1.0
+            };
+            let x: Vec<f64> = (0..c).map(|kk| m.get(scores, at(b, kk, i), d)).collect();
+            let log_prob: Vec<f64> = if softmax {
+                let mx = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = x.iter().map(|v| (v - mx).exp()).sum();
+                x.iter().map(|v| v - mx - s.ln()).collect()
+            } else {
+                x.clone()
+            };
+            if !grad {
+                let loss = if ignored { 0.0 } else { -log_prob[l as usize] * w };
+                let (lp, wl, ww, none) = if softmax { (a[3], a[4], a[5], a[6]) } else { (Arg::Null, a[3], a[4], a[5]) };
+                if let Arg::Ptr(lpb) = lp {
+                    for kk in 0..c {
+                        m.set(lpb, at(b, kk, i), d, log_prob[kk as usize]);
+                    }
+                }
+                if let Arg::Ptr(q) = wl {
+                    m.set(q, p, acc(d), loss);
+                }
+                if let Arg::Ptr(q) = ww {
+                    m.set(q, p, acc(d), w);
+                }
+                if let Arg::Ptr(q) = none {
+                    m.set(q, p, d, loss);
+                }
+                continue;
+            }
+            let (dloss, total, out, red) = (ptr(&a[0]), a[4], ptr(&a[5]), int(&a[at_dims + 5]));
+            let g = match red {
+                0 => m.get(dloss, p, d),
+                1 => m.get(dloss, 0, d),
+                _ => m.get(dloss, 0, d) / m.get(ptr(&total), 0, acc(d)),
+            };
+            for kk in 0..c {
+                let r = if ignored {
+                    0.0
+                } else if softmax {
+                    g * w * (log_prob[kk as usize].exp() - (kk == l) as i64 as f64)
+                } else if kk == l {
+                    -g * w
+                } else {
+                    0.0
+                };
+                m.set(out, at(b, kk, i), d, r);
+            }
+        }
+    }
+}
