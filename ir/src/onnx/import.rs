@@ -53,12 +53,21 @@ pub fn decode_onnx(data: Bytes, dir: Option<&Path>) -> Result<Graph> {
         graph_metadata_props: graph.metadata_props.iter().map(|e| (e.key.clone(), e.value.clone())).collect(),
         functions: model.functions,
     };
-    Importer { g: Graph::new(graph.name.clone()), dir, opset: 0, main: true }.run(graph, meta)
+    let external = External { dir, files: Default::default() };
+    Importer { g: Graph::new(graph.name.clone()), external: &external, opset: 0, main: true }.run(graph, meta)
+}
+
+/// Where external tensor data lives, and the files read so far: each is read once, and every
+/// tensor in it shares its bytes (a model's weights usually lie in one file, hundreds of
+/// tensors at their offsets).
+struct External<'a> {
+    dir: Option<&'a Path>,
+    files: std::cell::RefCell<std::collections::HashMap<std::path::PathBuf, Bytes>>,
 }
 
 struct Importer<'a> {
     g: Graph,
-    dir: Option<&'a Path>,
+    external: &'a External<'a>,
     opset: i64,
     /// The model's graph, not a subgraph: its inputs must say their element type.
     main: bool,
@@ -141,7 +150,7 @@ impl Importer<'_> {
             }
             self.check_schema(&n, &inputs).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             check_bodies(n.attribute.iter(), &self.g).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
-            let attrs = n.attribute.into_iter().map(attr).collect::<Result<Attrs>>();
+            let attrs = n.attribute.into_iter().map(|a| attr(a, self.external)).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
                 .map_err(|e| invalid(format!("node {node_label}: {e}")))?;
@@ -248,7 +257,7 @@ impl Importer<'_> {
     }
 
     fn tensor(&self, t: TensorProto) -> Result<Tensor, String> {
-        tensor_from_proto(t, self.dir)
+        tensor_from_proto(t, Some(self.external))
     }
 }
 
@@ -267,7 +276,7 @@ pub fn decode_tensor(data: Bytes) -> Result<Tensor> {
 }
 
 /// A tensor from its proto: raw data (shared, not copied), typed fields, or an external file.
-pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Tensor, String> {
+fn tensor_from_proto(t: TensorProto, external: Option<&External>) -> Result<Tensor, String> {
     let dtype = DType::from_onnx_code(t.data_type)?;
     let mut shape = Vec::with_capacity(t.dims.len());
     for &d in &t.dims {
@@ -277,7 +286,11 @@ pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Te
         return Err("segmented tensors are not supported".into());
     }
     let data = if t.data_location == tensor_proto::EXTERNAL {
-        external_data(&t, dir)?
+        match external {
+            Some(e) => external_data(&t, e)?,
+            // A tensor read on its own: its external file is looked for in the working folder.
+            None => external_data(&t, &External { dir: None, files: Default::default() })?,
+        }
     } else if !t.raw_data.is_empty() {
         t.raw_data
     } else {
@@ -302,38 +315,43 @@ pub(crate) fn tensor_from_proto(t: TensorProto, dir: Option<&Path>) -> Result<Te
     Tensor::from_bytes(dtype, shape, data)
 }
 
-fn external_data(t: &TensorProto, dir: Option<&Path>) -> Result<Bytes, String> {
+fn external_data(t: &TensorProto, external: &External) -> Result<Bytes, String> {
     let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
     let location = get("location").ok_or("external data without a location")?;
     let rel = Path::new(location);
     if rel.is_absolute() || rel.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
         return Err(format!("external data location `{location}` leaves the model's folder"));
     }
-    let base = dir.unwrap_or(Path::new("."));
+    let base = external.dir.unwrap_or(Path::new("."));
     let path = base.join(rel);
     // With symlinks followed, the file must still lie inside the model's folder.
-    let (real, real_base) = (std::fs::canonicalize(&path), std::fs::canonicalize(base));
-    match (&real, &real_base) {
-        (Ok(r), Ok(b)) if !r.starts_with(b) => {
+    let real = match (std::fs::canonicalize(&path), std::fs::canonicalize(base)) {
+        (Ok(r), Ok(b)) if !r.starts_with(&b) => {
             return Err(format!("external data location `{location}` leaves the model's folder (through a link)"))
         }
         (Err(e), _) => return Err(format!("external data `{location}`: {e}")),
-        _ => {}
-    }
+        (Ok(r), _) => r,
+    };
     let parse =
         |k: &str| get(k).map(|v| v.parse::<u64>().map_err(|_| format!("bad external data {k} `{v}`"))).transpose();
     let offset = parse("offset")?.unwrap_or(0);
     let length = parse("length")?;
-    let file = std::fs::read(&path).map_err(|e| format!("external data `{location}`: {e}"))?;
+    let file = match external.files.borrow_mut().entry(real) {
+        std::collections::hash_map::Entry::Occupied(e) => e.get().clone(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let bytes = Bytes::from(std::fs::read(&path).map_err(|e| format!("external data `{location}`: {e}"))?);
+            e.insert(bytes).clone()
+        }
+    };
     let start = usize::try_from(offset).map_err(|_| "offset too large")?;
     let end = match length {
-        Some(l) => start.checked_add(l as usize).ok_or("length too large")?,
+        Some(l) => usize::try_from(l).ok().and_then(|l| start.checked_add(l)).ok_or("length too large")?,
         None => file.len(),
     };
     if end > file.len() || start > end {
         return Err(format!("external data `{location}` is {} bytes, shorter than offset+length {end}", file.len()));
     }
-    Ok(Bytes::from(file).slice(start..end))
+    Ok(file.slice(start..end))
 }
 
 /// The type of a value from its `ValueInfoProto`. `interface` values (graph inputs and outputs)
@@ -371,7 +389,7 @@ fn value_type(vi: &ValueInfoProto, interface: bool) -> Result<TypeInfo> {
 }
 
 /// An attribute from its proto. Kinds mpc does not model are kept as the encoded proto.
-fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
+fn attr(a: proto::AttributeProto, external: &External) -> Result<(String, Attr)> {
     let utf8 =
         |b: &Bytes| String::from_utf8(b.to_vec()).map_err(|_| invalid(format!("attribute `{}` is not UTF-8", a.name)));
     let value = match a.r#type {
@@ -383,7 +401,8 @@ fn attr(a: proto::AttributeProto) -> Result<(String, Attr)> {
         at::STRINGS => Attr::Strings(a.strings.iter().map(utf8).collect::<Result<_>>()?),
         at::TENSOR if a.t.is_some() => {
             let t = a.t.clone().unwrap_or_default();
-            Attr::Tensor(tensor_from_proto(t, None).map_err(|e| invalid(format!("attribute `{}`: {e}", a.name)))?)
+            let t = tensor_from_proto(t, Some(external));
+            Attr::Tensor(t.map_err(|e| invalid(format!("attribute `{}`: {e}", a.name)))?)
         }
         // Graphs, sparse tensors, type protos, attribute references: kept encoded.
         _ => Attr::Raw(Bytes::from(a.encode_to_vec())),
@@ -510,5 +529,6 @@ pub fn decode_subgraph(attr: &Bytes, outer: &Graph, captures: &[ValueId]) -> Res
         });
     }
     let meta = ModelMeta { ir_version: outer.meta.ir_version, opsets: outer.meta.opsets.clone(), ..Default::default() };
-    Importer { g: Graph::new(sub.name.clone()), dir: None, opset: 0, main: false }.run(sub, meta)
+    let external = External { dir: None, files: Default::default() };
+    Importer { g: Graph::new(sub.name.clone()), external: &external, opset: 0, main: false }.run(sub, meta)
 }
