@@ -39,6 +39,39 @@ fn external_data_is_read_next_to_the_model() {
     assert!(std::fs::read(out).unwrap() == std::fs::read(direct).unwrap());
 }
 
+/// Every initializer of the MLP in one external file is read with the file once: the tensors
+/// share its bytes (a model's weights in one file, hundreds of tensors, used to cost the file's
+/// size once per tensor: a 650 MB GPT took more than 24 GB to load).
+#[test]
+fn tensors_in_one_external_file_share_its_bytes() {
+    let dir = scratch("external_shared");
+    let mut m = ModelProto::decode(std::fs::read(fixture("mlp")).unwrap().as_slice()).unwrap();
+    let mut file = Vec::new();
+    let mut offsets = Vec::new();
+    let kv = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
+    for t in m.graph.as_mut().unwrap().initializer.iter_mut() {
+        let data = t.raw_data.to_vec();
+        offsets.push((t.name.clone(), file.len(), data.clone()));
+        let at = file.len().to_string();
+        file.extend_from_slice(&data);
+        t.raw_data = Default::default();
+        t.data_location = tensor_proto::EXTERNAL;
+        t.external_data = vec![kv("location", "all.bin"), kv("offset", &at), kv("length", &data.len().to_string())];
+    }
+    assert!(offsets.len() >= 4);
+    std::fs::write(dir.join("all.bin"), &file).unwrap();
+    let path = dir.join("shared.onnx");
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    let g = mpc::load(&path).unwrap();
+    let first = g.find(&offsets[0].0).and_then(|v| g.value(v).initializer().cloned()).unwrap();
+    for (name, offset, data) in &offsets {
+        let t = g.find(name).and_then(|v| g.value(v).initializer().cloned()).unwrap();
+        assert_eq!(t.bytes().as_ref(), data.as_slice(), "{name}");
+        // One buffer: each tensor lies at its offset from the first one's bytes.
+        assert_eq!(t.bytes().as_ptr() as usize - first.bytes().as_ptr() as usize, offset - offsets[0].1, "{name}");
+    }
+}
+
 #[test]
 fn external_data_may_not_leave_the_model_folder() {
     let dir = scratch("external_escape");
