@@ -263,8 +263,9 @@ enum Command {
         json: bool,
         /// With --ranges: measure the training step too (FP32, loss scale 1, the data holding the
         /// labels) and print the histogram of log2 |activation gradient| with the loss scales that
-        /// lose nothing and overflow nothing.
-        #[arg(long, requires = "ranges")]
+        /// lose nothing and overflow nothing. With --memory: the plan of the training step (the
+        /// training options) instead of inference's.
+        #[arg(long)]
         train: bool,
         /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
         #[arg(long, value_name = "FILE.svg", requires = "train")]
@@ -684,6 +685,14 @@ fn run(cli: Cli) -> Result<(), Error> {
         }
         Command::Inspect { common, explain, dot, memory, batch, ranges, json, train, plot, train_args } => {
             let mut opts = common.options(Vec::new(), None)?;
+            if train && ranges.is_none() {
+                if !memory {
+                    return Err(Error::Usage("--train goes with --ranges or --memory".into()));
+                }
+                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+                opts.train = Some(t);
+                opts.loss_scale = scale;
+            }
             let before = mpc::load(&common.model)?;
             let mut g = before.clone();
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;

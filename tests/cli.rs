@@ -45,6 +45,32 @@ fn inspect_summarizes_ops_parameters_and_flops() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
+/// `inspect --memory --train` plans the training step: the state holds the masters and Adam's
+/// two moments (three copies of the 85,002 parameters, and more under mixed), and the arena
+/// keeps what the gradients read; `--train` alone is one line and exit 2.
+#[test]
+fn inspect_memory_plans_the_training_step() {
+    let m = fixture("mlp");
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["inspect", m.to_str().unwrap(), "--memory", "--batch", "64"];
+        args.extend(extra);
+        let r = mpc(&args);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let out = String::from_utf8_lossy(&r.stdout).to_string();
+        let num = |key: &str| -> u64 {
+            let at = out.find(key).unwrap_or_else(|| panic!("no `{key}` in {out}")) + key.len();
+            out[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+        };
+        (num("(state "), num("peak activations "))
+    };
+    let (state, arena) = plan(&[]);
+    let (train_state, train_arena) = plan(&["--train", "--optimizer", "adam"]);
+    assert_eq!(state, 0, "inference keeps its weights as constants");
+    assert!(train_state >= 3 * 85_002 * 4, "{train_state}");
+    assert!(train_arena > arena, "{train_arena} vs {arena}");
+    fails_with(&["inspect", m.to_str().unwrap(), "--train"], "--train goes with --ranges or --memory");
+}
+
 fn fails_with(args: &[&str], expect: &str) {
     let r = mpc(args);
     let err = String::from_utf8_lossy(&r.stderr);

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""mpc's memory for the GPU benchmark's training steps, computed without a GPU or PyTorch.
+
+    python3 benches/memory_plan.py [--mpc target/release/mpc] [--models gpt,mlp] [--tiny]
+    # needs numpy and onnx (.ci/requirements.txt)
+
+Builds the models of benches/gpu_vs_torch.py in ONNX directly, node for node as PyTorch's
+exporter writes them there (opset 17: Linear on 3-D input as MatMul + Add, the tanh GELU as its
+nine nodes, the loss inside the GPT), with random weights, and prints for fp32 and mixed what
+`mpc inspect MODEL --memory --train` plans for the training step at the benchmark's batch: the
+arena (activations), the state (masters, moments, the step's low-precision weights) and the
+constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
+constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Builder:
+    def __init__(self, seed=0):
+        self.nodes, self.inits, self.n = [], [], 0
+        self.rng = np.random.default_rng(seed)
+
+    def name(self, base):
+        self.n += 1
+        return f"{base}_{self.n}"
+
+    def init(self, base, value):
+        name = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def weight(self, base, *shape):
+        return self.init(base, (self.rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    def op(self, op_type, inputs, n_out=1, **attrs):
+        outs = [self.name(op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name("/" + op_type), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def scalar(self, v):
+        return self.init("c", np.array(v, dtype=np.float32))
+
+    def ints(self, *v):
+        return self.init("i", np.array(v, dtype=np.int64))
+
+    def linear(self, x, d_in, d_out, bias=True):
+        y = self.op("MatMul", [x, self.weight("W", d_in, d_out)])
+        return self.op("Add", [y, self.init("b", np.zeros(d_out, np.float32))]) if bias else y
+
+    def layer_norm(self, x, d):
+        return self.op("LayerNormalization", [x, self.init("g", np.ones(d, np.float32)),
+                                              self.init("beta", np.zeros(d, np.float32))], axis=-1, epsilon=1e-5)
+
+    def gelu_tanh(self, x):
+        # torch.onnx's symbolic_opset9 gelu(approximate="tanh").
+        cube = self.op("Mul", [x, self.op("Mul", [x, x])])
+        inner = self.op("Add", [x, self.op("Mul", [self.scalar(0.044715), cube])])
+        t = self.op("Tanh", [self.op("Mul", [self.scalar((2 / np.pi) ** 0.5), inner])])
+        return self.op("Mul", [self.scalar(0.5), self.op("Mul", [x, self.op("Add", [self.scalar(1.0), t])])])
+
+    def model(self, inputs, outputs, path):
+        g = helper.make_graph(self.nodes, "bench", inputs, outputs, self.inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], producer_name="memory_plan.py")
+        onnx.save(m, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
+
+
+def gpt(path, tiny):
+    vocab, seq, d, layers, heads = (128, 16, 32, 2, 2) if tiny else (50257, 512, 768, 12, 12)
+    b = Builder()
+    x = b.op("Add", [b.op("Gather", [b.weight("tok", vocab, d), "tokens"]),
+                     b.op("Slice", [b.weight("pos", seq, d), b.ints(0), b.ints(seq), b.ints(0)])])
+    mask = b.init("mask", np.triu(np.full((seq, seq), -1e4, np.float32), 1))
+    hd = d // heads
+    for _ in range(layers):
+        q, k, v = b.op("Split", [b.linear(b.layer_norm(x, d), d, 3 * d), b.ints(d, d, d)], n_out=3, axis=2)
+        heads4 = b.ints(0, 0, heads, hd)
+        q = b.op("Transpose", [b.op("Reshape", [q, heads4])], perm=[0, 2, 1, 3])
+        kt = b.op("Transpose", [b.op("Reshape", [k, heads4])], perm=[0, 2, 3, 1])
+        v = b.op("Transpose", [b.op("Reshape", [v, heads4])], perm=[0, 2, 1, 3])
+        att = b.op("Add", [b.op("Mul", [b.op("MatMul", [q, kt]), b.scalar(hd ** -0.5)]), mask])
+        y = b.op("MatMul", [b.op("Softmax", [att], axis=-1), v])
+        y = b.op("Reshape", [b.op("Transpose", [y], perm=[0, 2, 1, 3]), b.ints(0, 0, d)])
+        x = b.op("Add", [x, b.linear(y, d, d)])
+        x = b.op("Add", [x, b.linear(b.gelu_tanh(b.linear(b.layer_norm(x, d), d, 4 * d)), 4 * d, d)])
+    logits = b.linear(b.layer_norm(x, d), d, vocab, bias=False)
+    flat = b.op("Reshape", [logits, b.ints(-1, vocab)])
+    loss = b.op("SoftmaxCrossEntropyLoss", [flat, b.op("Reshape", ["labels", b.ints(-1)])], reduction="mean")
+    b.nodes[-1].output[0] = "loss"
+    ints = lambda n: helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", seq])
+    b.model([ints("tokens"), ints("labels")], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], path)
+    return 2 if tiny else 8, ["--loss", "output:loss"]
+
+
+def mlp(path, tiny):
+    width, classes = (64, 16) if tiny else (8192, 8192)
+    b = Builder()
+    x = "x"
+    for _ in range(4):
+        x = b.op("Relu", [b.op("Gemm", [x, b.weight("W", width, width), b.init("b", np.zeros(width, np.float32))],
+                               transB=1)])
+    b.op("Gemm", [x, b.weight("W", classes, width), b.init("b", np.zeros(classes, np.float32))], transB=1)
+    b.nodes[-1].output[0] = "logits"
+    io = lambda n, w: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", w])
+    b.model([io("x", width)], [io("logits", classes)], path)
+    return 32 if tiny else 8192, ["--loss", "cross-entropy"]
+
+
+def plan(mpc, path, policy, batch, loss):
+    cmd = [mpc, "inspect", path, "--memory", "--train", *loss, "--optimizer", "adamw", "--policy", policy,
+           "--batch", str(batch)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)}: {r.stderr.strip()}")
+    m = re.search(r"state (\d+), constants (\d+)\), peak activations (\d+) bytes", r.stdout)
+    state, constants, arena = map(int, m.groups())
+    return arena, state, constants
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
+    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    mib = lambda b: b / 2**20
+    with tempfile.TemporaryDirectory(prefix="mpc-memory-") as tmp:
+        for name in args.models.split(","):
+            path = os.path.join(tmp, f"{name}.onnx")
+            batch, loss = {"gpt": gpt, "mlp": mlp}[name](path, args.tiny)
+            totals = {}
+            for policy in ["fp32", "mixed"]:
+                arena, state, constants = plan(args.mpc, path, policy, batch, loss)
+                totals[policy] = arena + state + constants
+                print(f"{name} (batch {batch}) {policy:5}: arena {mib(arena):9.1f} MiB, state {mib(state):8.1f} MiB, "
+                      f"constants {mib(constants):6.1f} MiB, total {mib(totals[policy]):9.1f} MiB")
+            print(f"{name}: mixed / fp32 {totals['mixed'] / totals['fp32']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
