@@ -161,77 +161,42 @@ impl Dnn {
         let det = sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
         let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
         let mut count = 0i32;
-        // SAFETY: the descriptors are set; each array holds N results (zeroed: every field's
-        // zero is a valid value) and cuDNN writes at most N.
-        let found = unsafe {
-            match op {
-                DnnOp::Forward { .. } => {
-                    let mut perf: [sys::cudnnConvolutionFwdAlgoPerf_t; N] = std::mem::zeroed();
-                    check(
-                        "forward algorithm",
-                        sys::cudnnGetConvolutionForwardAlgorithm_v7(
-                            self.handle,
-                            r.x,
-                            r.w,
-                            r.conv,
-                            r.y,
-                            N as i32,
-                            &mut count,
-                            perf.as_mut_ptr(),
-                        ),
-                    )?;
-                    perf[..count.clamp(0, N as i32) as usize]
-                        .iter()
-                        .find(|p| {
-                            p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType)
-                        })
-                        .map(|p| (Algo::Forward(p.algo, p.mathType), p.memory))
-                }
-                DnnOp::BackwardData { .. } => {
-                    let mut perf: [sys::cudnnConvolutionBwdDataAlgoPerf_t; N] = std::mem::zeroed();
-                    check(
-                        "backward-data algorithm",
-                        sys::cudnnGetConvolutionBackwardDataAlgorithm_v7(
-                            self.handle,
-                            r.w,
-                            r.y,
-                            r.conv,
-                            r.x,
-                            N as i32,
-                            &mut count,
-                            perf.as_mut_ptr(),
-                        ),
-                    )?;
-                    perf[..count.clamp(0, N as i32) as usize]
-                        .iter()
-                        .find(|p| {
-                            p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType)
-                        })
-                        .map(|p| (Algo::BackwardData(p.algo, p.mathType), p.memory))
-                }
-                DnnOp::BackwardFilter { .. } => {
-                    let mut perf: [sys::cudnnConvolutionBwdFilterAlgoPerf_t; N] = std::mem::zeroed();
-                    check(
-                        "backward-filter algorithm",
-                        sys::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-                            self.handle,
-                            r.x,
-                            r.y,
-                            r.conv,
-                            r.w,
-                            N as i32,
-                            &mut count,
-                            perf.as_mut_ptr(),
-                        ),
-                    )?;
-                    perf[..count.clamp(0, N as i32) as usize]
-                        .iter()
-                        .find(|p| {
-                            p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType)
-                        })
-                        .map(|p| (Algo::BackwardFilter(p.algo, p.mathType), p.memory))
-                }
-            }
+        // Asks cuDNN's heuristics (`$get` over the descriptors `$descs`) for up to N ranked
+        // results of type `$perf`, and takes the first that suits as `$algo`.
+        macro_rules! first_suitable {
+            ($perf:ty, $get:ident, $what:literal, [$($descs:expr),*], $algo:path) => {{
+                // SAFETY: the descriptors are set; the array holds N results (zeroed: every
+                // field's zero is a valid value) and cuDNN writes at most N.
+                let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
+                check($what, unsafe { sys::$get(self.handle, $($descs),*, N as i32, &mut count, perf.as_mut_ptr()) })?;
+                perf[..count.clamp(0, N as i32) as usize]
+                    .iter()
+                    .find(|p| p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType))
+                    .map(|p| ($algo(p.algo, p.mathType), p.memory))
+            }};
+        }
+        let found = match op {
+            DnnOp::Forward { .. } => first_suitable!(
+                sys::cudnnConvolutionFwdAlgoPerf_t,
+                cudnnGetConvolutionForwardAlgorithm_v7,
+                "forward algorithm",
+                [r.x, r.w, r.conv, r.y],
+                Algo::Forward
+            ),
+            DnnOp::BackwardData { .. } => first_suitable!(
+                sys::cudnnConvolutionBwdDataAlgoPerf_t,
+                cudnnGetConvolutionBackwardDataAlgorithm_v7,
+                "backward-data algorithm",
+                [r.w, r.y, r.conv, r.x],
+                Algo::BackwardData
+            ),
+            DnnOp::BackwardFilter { .. } => first_suitable!(
+                sys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                cudnnGetConvolutionBackwardFilterAlgorithm_v7,
+                "backward-filter algorithm",
+                [r.x, r.y, r.conv, r.w],
+                Algo::BackwardFilter
+            ),
         };
         found.ok_or_else(|| format!("no deterministic algorithm within {WORKSPACE_LIMIT} bytes of scratch"))
     }
