@@ -26,6 +26,7 @@ const REFUSED: &[(&str, &str, &str)] = &[
     ("batchnorm_empty_huge_dims_folded.mpcir", "run", "has dims that multiply past"),
     ("batchnorm_inference_two_outputs.mpcir", "compile", "one output in inference mode (training_mode=0), not 2"),
     ("batchnorm_inference_two_outputs.onnx", "compile", "one output in inference mode (training_mode=0), not 2"),
+    ("clip_bound_of_data_dependent_length.onnx", "run", "(Clip): min is [0], not one value"),
     ("contrib_gelu_two_outputs.mpcir", "compile", "com.microsoft::Gelu gives one output, not 2"),
     (
         "prelu_slope_wider_than_input.onnx",

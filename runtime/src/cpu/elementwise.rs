@@ -3,6 +3,7 @@
 
 use mpc_ir::Op;
 
+use super::{err, Res};
 use crate::value::{Data, HostTensor};
 
 /// The arithmetic the float kernels need, for f32 and f64.
@@ -468,22 +469,26 @@ pub(crate) fn where_(c: &HostTensor, x: &HostTensor, y: &HostTensor) -> Option<H
     Some(joined.pick(shape, &idx))
 }
 
-/// Clip(x, min, max), either bound optional.
-pub(crate) fn clip(x: &HostTensor, lo: Option<&HostTensor>, hi: Option<&HostTensor>) -> Option<HostTensor> {
-    let bound = |t: Option<&HostTensor>| t.map(|t| t.f64s()[0]);
-    let (lo, hi) = (bound(lo), bound(hi));
+/// Clip(x, min, max), either bound optional; a bound must hold one value (its shape may come
+/// from data: a Range's length).
+pub(crate) fn clip(x: &HostTensor, lo: Option<&HostTensor>, hi: Option<&HostTensor>) -> Res<HostTensor> {
+    let bound = |t: Option<&HostTensor>, what: &str| match t.map(|t| t.f64s()) {
+        Some(v) if v.len() != 1 => Err(err(format!("Clip's {what} holds {} values, not one", v.len()))),
+        v => Ok(v.map(|v| v[0])),
+    };
+    let (lo, hi) = (bound(lo, "min")?, bound(hi, "max")?);
     if x.dtype().is_float() {
         let v = x.f64s();
         let out: Vec<f64> =
             v.into_iter().map(|a| a.max(lo.unwrap_or(f64::NEG_INFINITY)).min(hi.unwrap_or(f64::INFINITY))).collect();
-        Some(HostTensor::from_f64(x.dtype(), x.shape.clone(), out))
+        Ok(HostTensor::from_f64(x.dtype(), x.shape.clone(), out))
     } else {
-        let v = x.i64s()?;
+        let v = x.i64s().ok_or_else(|| err(format!("Clip on {}", x.dtype())))?;
         let out = v
             .into_iter()
             .map(|a| a.max(lo.map_or(i64::MIN, |l| l as i64)).min(hi.map_or(i64::MAX, |h| h as i64)))
             .collect();
-        Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
+        Ok(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
     }
 }
 

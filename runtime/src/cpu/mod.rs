@@ -220,8 +220,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::Not => one(elementwise::not(x(0)?).ok_or_else(|| err("Not needs bool input"))?),
         Op::Where => one(elementwise::where_(x(0)?, x(1)?, x(2)?).ok_or_else(|| err("inputs do not broadcast"))?),
-        Op::Clip => one(elementwise::clip(x(0)?, ins.get(1).copied().flatten(), ins.get(2).copied().flatten())
-            .ok_or_else(|| err("Clip"))?),
+        Op::Clip => one(elementwise::clip(x(0)?, ins.get(1).copied().flatten(), ins.get(2).copied().flatten())?),
         Op::Cast(a) => one(x(0)?.cast(a.to)),
         Op::Constant(a) => one(HostTensor::from(&a.value)),
         Op::ConstantOfShape(a) => {

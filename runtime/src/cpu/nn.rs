@@ -366,7 +366,9 @@ fn pool_planes<R: Real>(
     count_include_pad: bool,
 ) -> Vec<R> {
     let mut out = Vec::with_capacity(planes * taps.len());
-    for row in v.chunks(ivol.max(1)).take(planes) {
+    // Every plane, also of an empty input: its windows then lie in the padding (max: -inf,
+    // saturated to an integer dtype's least value; average: 0).
+    for row in (0..planes).map(|p| &v[p * ivol..(p + 1) * ivol]) {
         for (offs, &pad_count) in taps.iter().zip(padded) {
             out.push(if max {
                 offs.iter()
