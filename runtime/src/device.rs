@@ -362,13 +362,15 @@ impl Device for CpuDevice {
             )));
         }
         for (t, place) in outs.into_iter().zip(&l.outputs) {
-            // Each launch makes exactly what the graph declares: its dtype and shape.
-            if t.dtype() != place.dtype || t.shape != place.shape {
+            // Each launch makes exactly what the graph declares: its dtype and shape, and as many
+            // values as the shape holds.
+            if t.dtype() != place.dtype || t.shape != place.shape || t.len() != place.numel() {
                 return Err(RuntimeError::Internal(format!(
-                    "{}: the kernel made {}{:?} where the graph declares {}{:?}",
+                    "{}: the kernel made {}{:?} ({} values) where the graph declares {}{:?}",
                     l.node,
                     t.dtype(),
                     t.shape,
+                    t.len(),
                     place.dtype,
                     place.shape
                 )));
