@@ -262,8 +262,10 @@ def main():
             mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
             used = row.get("device_memory_used")
             alloc = f" (allocated {used / 2**20:.1f} MiB)" if used is not None else ""
+            convs = row.get("cudnn_convolutions", 0) + row.get("cudnn_refused", 0)
+            dnn = f", cuDNN {row['cudnn_convolutions']} of {convs} convolutions" if convs else ""
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
-                  f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate)")
+                  f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate){dnn}")
         if no_dnn and "mixed" in no_dnn and "mixed" in mpc:
             ms = no_dnn["mixed"]["step_ms_median"]
             line = f"mpc mixed with cuDNN convolutions / without (im2col + GEMM): {mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)"

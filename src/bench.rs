@@ -69,6 +69,10 @@ pub struct BenchRow {
     /// What the driver's figure grew by from the device's opening (its context and matrix-product
     /// workspace made) to after the steps: the program's regions and workspaces, as allocated.
     pub device_memory_used: Option<u64>,
+    /// Convolutions the device runs through cuDNN, and those cuDNN refused (they run as im2col
+    /// and GEMMs); 0 on the CPU.
+    pub cudnn_convolutions: u64,
+    pub cudnn_refused: u64,
     /// With `profile`: one step's launch times by op and dtype, the longest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile: Option<Vec<OpTime>>,
@@ -190,6 +194,7 @@ pub fn bench<D: Device>(
         };
         let (step_ms_median, step_ms_min) = median(times);
         let stats = session.stats(0);
+        let counters = session.counters();
         let low = cx.policy.as_ref().map_or(DType::F32, |p| p.low);
         let low = if policy == "fp32" { DType::F32 } else { low };
         let peak = match peaks.get(&low) {
@@ -217,6 +222,8 @@ pub fn bench<D: Device>(
             launches_per_step: stats.launches_per_step,
             device_memory_in_use: device_memory,
             device_memory_used,
+            cudnn_convolutions: counters.dnn_convolutions,
+            cudnn_refused: counters.dnn_fallbacks,
             profile,
         });
     }
@@ -331,6 +338,12 @@ pub fn table(r: &BenchReport) -> String {
     }
     if let Some(p) = r.process_peak_bytes {
         s.push_str(&format!("process peak memory: {:.1} MiB\n", mib(p)));
+    }
+    for row in r.rows.iter().filter(|row| row.cudnn_convolutions + row.cudnn_refused > 0) {
+        s.push_str(&format!(
+            "{}: {} convolutions through cuDNN, {} refused by it (run as im2col and GEMMs)\n",
+            row.policy, row.cudnn_convolutions, row.cudnn_refused
+        ));
     }
     for row in &r.rows {
         let Some(profile) = &row.profile else { continue };
