@@ -119,9 +119,10 @@ impl<T: PartialEq> PartialEq for Elems<T> {
     }
 }
 
-// SAFETY: an owned `Elems` is a Vec. A view is a shared borrow of memory that nothing writes
-// while it lives (the contract of `Elems::view`), so sharing or sending it is sharing `&[T]`.
-unsafe impl<T: Sync> Send for Elems<T> {}
+// SAFETY: an owned `Elems` is a `Vec<T>` (Send with `T: Send`, Sync with `T: Sync`). A view is a
+// shared borrow of memory that nothing writes while it lives (the contract of `Elems::view`):
+// sending or sharing it is sharing a `&[T]`, which needs `T: Sync`.
+unsafe impl<T: Send + Sync> Send for Elems<T> {}
 unsafe impl<T: Sync> Sync for Elems<T> {}
 
 /// A tensor in host memory.
