@@ -268,7 +268,7 @@ enum Command {
         #[arg(long)]
         train: bool,
         /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
-        #[arg(long, value_name = "FILE.svg", requires = "train")]
+        #[arg(long, value_name = "FILE.svg", requires_all = ["train", "ranges"])]
         plot: Option<PathBuf>,
         #[command(flatten)]
         train_args: TrainArgs,

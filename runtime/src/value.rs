@@ -43,14 +43,6 @@ impl<T: Copy> Elems<T> {
         Elems(Repr::View { ptr, len })
     }
 
-    /// The elements as a Vec: the Vec itself when owned, a copy of a view.
-    pub fn into_vec(self) -> Vec<T> {
-        match self.0 {
-            Repr::Owned(v) => v,
-            Repr::View { .. } => self.to_vec(),
-        }
-    }
-
     /// Whether the elements are a view of a device region.
     pub fn is_view(&self) -> bool {
         matches!(self.0, Repr::View { .. })
