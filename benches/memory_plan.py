@@ -4,9 +4,10 @@
     python3 benches/memory_plan.py [--mpc target/release/mpc] [--models gpt,mlp] [--tiny]
     # needs numpy and onnx (.ci/requirements.txt)
 
-Builds the models of benches/gpu_vs_torch.py in ONNX directly, node for node as PyTorch's
-exporter writes them there (opset 17: Linear on 3-D input as MatMul + Add, the tanh GELU as its
-nine nodes, the loss inside the GPT), with random weights, and prints for fp32 and mixed what
+Builds the models of benches/gpu_vs_torch.py in ONNX directly, with the ops PyTorch's exporter
+writes for them there (opset 17: Linear on 3-D input as MatMul + Add, the tanh GELU as its nine
+nodes, the loss inside the GPT; the shape arithmetic that mpc folds when lowering is written as
+constants), with random weights, and prints for fp32 and mixed what
 `mpc inspect MODEL --memory --train` plans for the training step at the benchmark's batch: the
 arena (activations), the state (masters, moments, the step's low-precision weights) and the
 constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
