@@ -35,6 +35,10 @@
 //     Exactly one block: gridDim.x = 1, blockDim.x = 256.
 //
 // Gradients (dloss is a T scalar for sum/mean, (n, inner) for none):
+// loss_softmax_ce_grad_wide_<T>_<I>, T f16 or bf16: as loss_softmax_ce_grad_<T>_<I> below, with
+//     dloss and weights in f32 (the gradient of an f32 loss over scores widened from T, written
+//     in T: the rounding of the f32 gradient and its cast, in one).
+
 // loss_weight_total_<T>_<I>(const I* labels, const T* weights, float* total, long long positions,
 //                           long long c, int has_ignore, long long ignore_index)
 //     total[0] = the sum of w[label] over the non-ignored positions (the mean's divisor); launch
@@ -59,8 +63,8 @@ __device__ __forceinline__ long long label_at(const I* labels, long long p, long
     return (k < 0 || k >= c) ? -1 : k;
 }
 
-template <typename T> __device__ __forceinline__ AccT<T> weight_of(const T* w, long long k) {
-    return w ? ld(w, k) : AccT<T>(1);
+template <typename W> __device__ __forceinline__ AccT<W> weight_of(const W* w, long long k) {
+    return w ? ld(w, k) : AccT<W>(1);
 }
 
 struct OpFmaxL {
@@ -149,16 +153,17 @@ __device__ __forceinline__ void weight_total_body(const I* labels, const T* weig
     if (threadIdx.x == 0) total[0] = w;
 }
 
-template <typename T>
-__device__ __forceinline__ AccT<T> grad_scale(const T* dloss, const AccT<T>* total, long long p, int reduction) {
+template <typename D>
+__device__ __forceinline__ AccT<D> grad_scale(const D* dloss, const AccT<D>* total, long long p, int reduction) {
     if (reduction == 0) return ld(dloss, p);
     if (reduction == 1) return ld(dloss, 0);
     return ld(dloss, 0) / total[0];
 }
 
-template <typename T, typename I>
-__device__ __forceinline__ void softmax_ce_grad_body(const T* dloss, const T* scores, const I* labels,
-                                                     const T* weights, const AccT<T>* total, T* dscores, long long n,
+// D: the dtype of dloss, weights and total (T, or f32 for the wide kernels of f16/bf16 scores).
+template <typename T, typename I, typename D>
+__device__ __forceinline__ void softmax_ce_grad_body(const D* dloss, const T* scores, const I* labels,
+                                                     const D* weights, const AccT<D>* total, T* dscores, long long n,
                                                      long long c, long long inner, int has_ignore,
                                                      long long ignore_index, int reduction) {
     typedef AccT<T> A;
@@ -177,7 +182,7 @@ __device__ __forceinline__ void softmax_ce_grad_body(const T* dloss, const T* sc
         A s = A(0);
         for (long long k = threadIdx.x; k < c; k += blockDim.x) s += m_exp(ld(scores, base + k * inner) - m);
         s = block_reduce(s, OpSum(), smem);
-        const A gw = grad_scale(dloss, total, p, reduction) * weight_of(weights, label);
+        const A gw = A(grad_scale(dloss, total, p, reduction) * weight_of(weights, label));
         for (long long k = threadIdx.x; k < c; k += blockDim.x) {
             const A prob = m_exp(ld(scores, base + k * inner) - m) / s;
             st(dscores, base + k * inner, gw * (prob - (k == label ? A(1) : A(0))));
@@ -243,7 +248,22 @@ __device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, co
                                  int reduction) {                                                          \
         loss_reduce_body(ws_loss, ws_weight, loss, positions, reduction);                                  \
     }
+// The wide gradients of f16/bf16 scores: dloss, weights and total in f32 (the scores of an f32
+// loss, read where they were before their cast to f32).
+#define LOSS_WIDE_TI(T, tag, I, itag)                                                                      \
+    MPC_KERNEL loss_softmax_ce_grad_wide_##tag##_##itag(const float* dloss, const T* scores, const I* labels, \
+                                                        const float* weights, const float* total, T* dscores, \
+                                                        long long n, long long c, long long inner,         \
+                                                        int has_ignore, long long ignore_index,            \
+                                                        int reduction) {                                   \
+        softmax_ce_grad_body(dloss, scores, labels, weights, total, dscores, n, c, inner, has_ignore,      \
+                             ignore_index, reduction);                                                     \
+    }
 LOSS_T(float, f32)
 LOSS_T(__half, f16)
 LOSS_T(__nv_bfloat16, bf16)
 LOSS_T(double, f64)
+LOSS_WIDE_TI(__half, f16, long long, i64)
+LOSS_WIDE_TI(__half, f16, int, i32)
+LOSS_WIDE_TI(__nv_bfloat16, bf16, long long, i64)
+LOSS_WIDE_TI(__nv_bfloat16, bf16, int, i32)

@@ -765,20 +765,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             } else if memory {
                 let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
-                let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                let weights = p.state_layout.bytes + p.constants_bytes;
-                format!(
-                    "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
-                     (the arena: {} launches, {} views, {} nodes folded), total {} bytes\n",
-                    if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
-                    p.state_layout.bytes,
-                    p.constants_bytes,
-                    p.arena_bytes,
-                    p.launches.len(),
-                    p.views,
-                    p.folded,
-                    weights + p.arena_bytes
-                )
+                mpc::run::memory_report(&p, &used)
             } else if dot {
                 mpc::dot::to_dot_marked(&g, &dot_marks(&cx)).map_err(ierr)?
             } else {

@@ -168,6 +168,58 @@ pub fn memory_plan(
     Ok((program, used))
 }
 
+/// `inspect --memory`: the plan's bytes, then what is alive at the arena's peak, largest first
+/// (the values that hold the most, and the bytes of each dtype).
+pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, u64>) -> String {
+    use std::fmt::Write;
+    let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let weights = p.state_layout.bytes + p.constants_bytes;
+    let mut out = format!(
+        "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
+         (the arena: {} launches, {} views, {} nodes folded), total {} bytes\n",
+        if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
+        p.state_layout.bytes,
+        p.constants_bytes,
+        p.arena_bytes,
+        p.launches.len(),
+        p.views,
+        p.folded,
+        weights + p.arena_bytes
+    );
+    let peak = p.peak_live();
+    if peak.values.is_empty() {
+        return out;
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let node = p.launches.get(peak.step).map_or("-".to_string(), |l| l.node.clone());
+    let _ = writeln!(
+        out,
+        "alive at the peak, during launch {} of {} ({node}): {:.1} MiB in {} buffers",
+        peak.step,
+        p.launches.len(),
+        mib(peak.bytes),
+        peak.values.len()
+    );
+    let mut by_dtype: BTreeMap<String, (u64, usize)> = BTreeMap::new();
+    for (_, d, _, b) in &peak.values {
+        let e = by_dtype.entry(d.to_string()).or_default();
+        e.0 += b;
+        e.1 += 1;
+    }
+    let dtypes: Vec<String> = by_dtype.iter().map(|(d, (b, n))| format!("{d} {:.1} MiB ({n})", mib(*b))).collect();
+    let _ = writeln!(out, "  by dtype: {}", dtypes.join(", "));
+    const SHOWN: usize = 12;
+    for (name, d, shape, b) in peak.values.iter().take(SHOWN) {
+        let dims: Vec<String> = shape.iter().map(|x| x.to_string()).collect();
+        let _ = writeln!(out, "  {:>10.1} MiB  {d}[{}]  {name}", mib(*b), dims.join(", "));
+    }
+    if peak.values.len() > SHOWN {
+        let rest: u64 = peak.values[SHOWN..].iter().map(|v| v.3).sum();
+        let _ = writeln!(out, "  {:>10.1} MiB  in {} more", mib(rest), peak.values.len() - SHOWN);
+    }
+    out
+}
+
 /// `--stats`: what a lowered program costs on its device.
 pub fn stats_line(p: &mpc_runtime::program::Program, s: &mpc_runtime::session::StepStats) -> String {
     // The counts of the program that ran; the bytes of every program the session holds.

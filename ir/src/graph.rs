@@ -668,14 +668,17 @@ impl Graph {
     }
 
     /// Renumbers the nodes in [`Graph::topo_order`], without gaps, so that the later sorts are a
-    /// linear check and nodes added afterwards stay in order. Node ids held by the caller become
-    /// stale: the returned table maps each old index to its new id (`None` when the graph was
-    /// already in order and nothing moved).
+    /// linear check and nodes added afterwards stay in order (a removed node's index is taken by
+    /// the next node added, so gaps are closed too: a node added later must never land among the
+    /// older ones). Node ids held by the caller become stale: the returned table maps each old
+    /// index to its new id (`None` when the graph was already in order without gaps and nothing
+    /// moved).
     pub fn sort_nodes(&mut self) -> Result<Option<Vec<NodeId>>, GraphError> {
-        if self.in_index_order() {
+        let in_order = self.in_index_order();
+        if in_order && self.nodes.node_bound() == self.nodes.node_count() {
             return Ok(None);
         }
-        let order = self.sorted_order()?;
+        let order = if in_order { self.node_ids().collect() } else { self.sorted_order()? };
         let mut map = vec![NodeId(u32::MAX); self.nodes.node_bound()];
         let mut nodes = StableDiGraph::with_capacity(order.len(), 0);
         for &old in &order {

@@ -8,9 +8,11 @@
 use mpc_ir::Op;
 
 /// Ops whose output may take over the buffer of an input of the same size that dies with them:
-/// element-wise ops; the reshapes, whose output is the input's bytes in the same order; and the
-/// row-wise normalisations (Softmax, LayerNormalization, inference BatchNormalization), which read
-/// a whole row before writing it.
+/// element-wise ops and their gradients (ReluGrad, GeluGrad); the reshapes, whose output is the
+/// input's bytes in the same order; and the row-wise normalisations (Softmax, LayerNormalization,
+/// inference BatchNormalization) and row-wise gradients (SoftmaxGrad, SoftmaxCrossEntropyLossGrad
+/// over its scores), which read a whole row before writing it, each element by the thread that
+/// writes it.
 pub(crate) fn elementwise(op: &Op) -> bool {
     matches!(
         op,
@@ -43,6 +45,10 @@ pub(crate) fn elementwise(op: &Op) -> bool {
             | Op::HardSwish
             | Op::Softplus
             | Op::Clip
+            | Op::ReluGrad
+            | Op::GeluGrad(_)
+            | Op::SoftmaxGrad(_)
+            | Op::SoftmaxCrossEntropyLossGrad(_)
     ) || matches!(op, Op::BatchNormalization(a) if !a.training_mode)
 }
 

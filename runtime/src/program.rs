@@ -177,6 +177,28 @@ pub struct Program {
     pub folded: usize,
     /// Nodes that became views.
     pub views: usize,
+    /// The arena's buffers, for reports of what its peak holds.
+    pub buffers: Vec<ArenaBuffer>,
+}
+
+/// One buffer of the arena: its size, the launch steps it lives over (from the launch that
+/// writes it, or 0 for a graph input, to the last that reads it), and the values it holds in turn
+/// (an element-wise output taking over an input's buffer), each with the step that writes it.
+#[derive(Clone, Debug)]
+pub struct ArenaBuffer {
+    pub bytes: u64,
+    pub first: usize,
+    pub last: usize,
+    pub values: Vec<(usize, String, DType, Vec<usize>)>,
+}
+
+/// The launch during which the most arena bytes are alive, and the values alive then, largest
+/// first: what a smaller peak must remove. The placed arena may be larger than their sum (gaps).
+#[derive(Clone, Debug, Default)]
+pub struct PeakLive {
+    pub step: usize,
+    pub bytes: u64,
+    pub values: Vec<(String, DType, Vec<usize>, u64)>,
 }
 
 impl Program {
@@ -188,6 +210,29 @@ impl Program {
             .find(|(n, _)| n == name)
             .map(|(_, t)| t)
             .or_else(|| self.state_layout.find(name))
+    }
+
+    /// The step with the most arena bytes alive (branches of an `If` aside), and what is alive.
+    pub fn peak_live(&self) -> PeakLive {
+        let steps = self.buffers.iter().map(|b| b.last + 1).max().unwrap_or(0);
+        let mut alive = vec![0u64; steps];
+        for b in &self.buffers {
+            alive[b.first..=b.last].iter_mut().for_each(|a| *a += b.bytes);
+        }
+        let Some((step, &bytes)) = alive.iter().enumerate().max_by_key(|&(i, a)| (*a, std::cmp::Reverse(i))) else {
+            return PeakLive::default();
+        };
+        let mut values: Vec<(String, DType, Vec<usize>, u64)> = self
+            .buffers
+            .iter()
+            .filter(|b| b.first <= step && step <= b.last)
+            .filter_map(|b| {
+                let (_, name, dtype, shape) = b.values.iter().rev().find(|v| v.0 <= step).or(b.values.first())?;
+                Some((name.clone(), *dtype, shape.clone(), b.bytes))
+            })
+            .collect();
+        values.sort_by(|a, b| b.3.cmp(&a.3).then_with(|| a.0.cmp(&b.0)));
+        PeakLive { step, bytes, values }
     }
 }
 
@@ -471,7 +516,8 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
     // lifetimes in launch steps (graph outputs and next states live to the end).
     let mut buffer_of: HashMap<ValueId, usize> = HashMap::new();
     let mut buffers: Vec<(u64, usize, usize)> = Vec::new(); // size, first, last
-                                                            // A branch reads its inputs where the outer program keeps them.
+    let mut holders: Vec<Vec<(usize, ValueId)>> = Vec::new(); // each buffer's values, by defining step
+                                                              // A branch reads its inputs where the outer program keeps them.
     if let Some(n) = &nested {
         for (&v, r) in g.inputs().iter().zip(&n.inputs) {
             refs.insert(v, r.clone());
@@ -492,6 +538,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             let dies = if keep.contains(&v) { end } else { last.get(&v).copied().unwrap_or(0) };
             buffer_of.insert(v, buffers.len());
             buffers.push((align_up((s.iter().product::<usize>() * d.size()) as u64, caps.align), 0, dies));
+            holders.push(vec![(0, v)]);
         }
     }
     // A next state that a launch computes after the last read of its state is written straight
@@ -536,15 +583,28 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
                     let b = buffer_of[&v];
                     buffers[b].2 = dies;
                     buffer_of.insert(o, b);
+                    holders[b].push((i, o));
                 }
                 None => {
                     buffer_of.insert(o, buffers.len());
                     buffers.push((size, i, dies));
+                    holders.push(vec![(i, o)]);
                 }
             }
         }
     }
     let (mut offsets, mut arena_bytes) = crate::plan::place_buffers(&buffers);
+    let arena_buffers = buffers
+        .iter()
+        .zip(&holders)
+        .map(|(&(bytes, first, last), vs)| {
+            let values = vs
+                .iter()
+                .map(|&(i, v)| Ok((i, g.name(v).to_string(), ty(v)?.0, ty(v)?.1)))
+                .collect::<Result<Vec<_>, RuntimeError>>()?;
+            Ok(ArenaBuffer { bytes, first, last, values })
+        })
+        .collect::<Result<Vec<_>, RuntimeError>>()?;
     if let Some(n) = &nested {
         offsets.iter_mut().for_each(|o| *o += n.arena_base);
         arena_bytes += n.arena_base;
@@ -663,6 +723,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         host_reads,
         folded,
         views,
+        buffers: arena_buffers,
     })
 }
 

@@ -802,6 +802,8 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
     }
     let grad = name.contains("_grad_");
     let softmax = name.starts_with("loss_softmax_ce");
+    // The wide gradients read dloss and the weights in f32.
+    let dw = if name.contains("_wide_") { DType::F32 } else { d };
     let base = grad as usize;
     let (scores, labels, weights) = (ptr(&a[base]), ptr(&a[base + 1]), a[base + 2]);
     let at_dims = if grad {
@@ -822,7 +824,7 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
             let w = if ignored {
                 0.0
             } else if let Arg::Ptr(wb) = weights {
-                m.get(wb, l, d)
+                m.get(wb, l, dw)
             } else {
                 1.0
             };
@@ -855,9 +857,9 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
             }
             let (dloss, total, out, red) = (ptr(&a[0]), a[4], ptr(&a[5]), int(&a[at_dims + 5]));
             let g = match red {
-                0 => m.get(dloss, p, d),
-                1 => m.get(dloss, 0, d),
-                _ => m.get(dloss, 0, d) / m.get(ptr(&total), 0, acc(d)),
+                0 => m.get(dloss, p, dw),
+                1 => m.get(dloss, 0, dw),
+                _ => m.get(dloss, 0, dw) / m.get(ptr(&total), 0, acc(d)),
             };
             for kk in 0..c {
                 let r = if ignored {

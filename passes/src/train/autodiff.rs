@@ -203,6 +203,44 @@ fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<Va
     Some(parts[0])
 }
 
+/// What the backward pass reads of an FP32 output `y` that the forward pass also rounds to a
+/// low dtype (a softmax whose probabilities feed a low matrix product): that low copy, widened
+/// where it is read. The forward then keeps only the low copy alive until the backward pass
+/// (half the bytes, or less), at the cost of the rounding in what the gradient reads; the
+/// forward's results are unchanged. `None` when the forward makes no low copy.
+fn saved_low_copy(b: &mut Builder, y: ValueId) -> Option<ValueId> {
+    if b.g.ty(y).dtype != Some(DType::F32) {
+        return None;
+    }
+    let low = b.g.value(y).uses().iter().find_map(|u| {
+        let node = b.g.node(u.node);
+        let out = *node.outputs().first()?;
+        (matches!(node.op, Op::Cast(_)) && matches!(b.g.ty(out).dtype, Some(DType::F16 | DType::BF16))).then_some(out)
+    })?;
+    Some(b.cast(low, DType::F32))
+}
+
+/// The gradient of a loss over scores widened from a low dtype (`y = Cast(x)` to FP32, read by a
+/// SoftmaxCrossEntropyLoss): instead of the loss's gradient written in FP32 and cast back to
+/// `x`'s dtype, the gradient node reads `x` itself and writes `x`'s dtype. The kernels widen each
+/// score as they load it and compute in FP32 as before, so only the rounding of the result moves
+/// (once into the low dtype, where it was rounded to FP32 and then cast); no FP32 copy of the
+/// gradient, and none of the scores, lives into the backward pass. Returns the new gradient of
+/// `x`, or `None` where the pattern does not hold (then the cast's rule applies).
+fn narrow_loss_grad(b: &mut Builder, x: ValueId, y: ValueId, dy: ValueId) -> Option<ValueId> {
+    let low = matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16));
+    if !low || b.g.ty(y).dtype != Some(DType::F32) || !b.g.value(dy).uses().is_empty() || b.g.is_output(dy) {
+        return None;
+    }
+    let (m, 0) = b.g.value(dy).producer()? else { return None };
+    let grad = b.g.node(m);
+    if !matches!(grad.op, Op::SoftmaxCrossEntropyLossGrad(_)) || grad.input(1) != Some(y) {
+        return None;
+    }
+    b.g.set_input(m, 1, Some(x));
+    Some(dy)
+}
+
 /// Input gradients of node `n` given its output gradients (`None` for outputs nothing reads).
 fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> Result<Vec<Option<ValueId>>, String> {
     let node = b.g.node(n).clone();
@@ -249,6 +287,9 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         // d/dx cast(x) = cast back to x's dtype.
         Op::Cast(_) => {
             let to = b.dtype(x(0)?)?;
+            if let Some(d) = narrow_loss_grad(b, x(0)?, y, dy) {
+                return Ok(vec![Some(d)]);
+            }
             vec![Some(b.op("cast", Op::Cast(CastAttrs { to, ..Default::default() }), &[dy]))]
         }
         // d(a+b) = da + db, summed over broadcast axes.
@@ -513,7 +554,10 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         // d gelu(x) = (Φ(x) + x·φ(x)) dx (tanh form: its own derivative), in ai.mpc::GeluGrad.
         Op::Gelu(a) => vec![Some(b.op("gelu", Op::GeluGrad(Box::new(a.clone())), &[dy, x(0)?]))],
         // d softmax: dx = y ⊙ (dy − Σ_axis dy ⊙ y), in ai.mpc::SoftmaxGrad.
-        Op::Softmax(a) => vec![Some(b.op("softmax", Op::SoftmaxGrad(Box::new(a.clone())), &[dy, y]))],
+        Op::Softmax(a) => {
+            let y = saved_low_copy(b, y).unwrap_or(y);
+            vec![Some(b.op("softmax", Op::SoftmaxGrad(Box::new(a.clone())), &[dy, y]))]
+        }
         // d logsoftmax: dx = dy − e^y ⊙ Σ_axis dy.
         Op::LogSoftmax(a) => {
             let s = b.reduce_sum(dy, &[a.axis], true);

@@ -59,12 +59,25 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
         return Ok(());
     }
     let (dloss, d) = (p.input(0)?, p.output(0)?);
+    // An f32 loss's gradient over f16/bf16 scores (the training compiler's narrowed loss
+    // gradient): dloss and the class weights are f32.
+    let wide = softmax && matches!(scores.dtype, DType::F16 | DType::BF16) && dloss.dtype == DType::F32;
+    let weights_dtype = p.opt_input(base + 2).map(|w| w.dtype);
+    if (!wide && dloss.dtype != scores.dtype) || weights_dtype.is_some_and(|w| w != dloss.dtype) {
+        return Err(format!(
+            "a loss gradient with {} scores, a {} dloss and {} weights",
+            scores.dtype,
+            dloss.dtype,
+            weights_dtype.map_or("no".to_string(), |w| w.to_string())
+        ));
+    }
     let total = if reduction == 2 {
         let total = p.work(acc);
         let mut args =
             vec![Arg::Ptr(buf(labels)), weights, Arg::Ptr(total), Arg::I64(positions as i64), Arg::I64(c as i64)];
         args.extend(ignore);
-        p.kernel("loss", format!("loss_weight_total_{t}_{it}"), [1, 1, 1], [BLOCK, 1, 1], args);
+        let wt = if wide { "f32" } else { t };
+        p.kernel("loss", format!("loss_weight_total_{wt}_{it}"), [1, 1, 1], [BLOCK, 1, 1], args);
         Arg::Ptr(total)
     } else {
         Arg::Null
@@ -75,7 +88,9 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
     args.extend(ignore);
     args.push(Arg::I32(reduction));
     if softmax {
-        p.kernel("loss", format!("loss_softmax_ce_grad_{t}_{it}"), rows_grid(positions), [block, 1, 1], args);
+        let name =
+            if wide { format!("loss_softmax_ce_grad_wide_{t}_{it}") } else { format!("loss_softmax_ce_grad_{t}_{it}") };
+        p.kernel("loss", name, rows_grid(positions), [block, 1, 1], args);
     } else {
         p.flat("loss", format!("loss_nll_grad_{t}_{it}"), d.numel() as u64, args);
     }
