@@ -34,6 +34,9 @@
 //     reduction 1 or 2: loss[0] = sum of ws_loss (divided by the sum of ws_weight for mean).
 //     Exactly one block: gridDim.x = 1, blockDim.x = 256.
 //
+// loss_softmax_ce_wide_<T>_<I>, T f16 or bf16: as loss_softmax_ce_<T>_<I>, with weights,
+//     log_prob, ws_loss, ws_weight and loss_none in f32: the f32 loss of the scores widened.
+//
 // Gradients (dloss is a T scalar for sum/mean, (n, inner) for none):
 // loss_softmax_ce_grad_wide_<T>_<I>, T f16 or bf16: as loss_softmax_ce_grad_<T>_<I> below, with
 //     dloss and weights in f32 (the gradient of an f32 loss over scores widened from T, written
@@ -71,11 +74,13 @@ struct OpFmaxL {
     template <typename C> __device__ __forceinline__ C operator()(C a, C b) const { return m_fmax(a, b); }
 };
 
-template <typename T, typename I>
-__device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels, const T* weights, T* log_prob,
-                                                AccT<T>* ws_loss, AccT<T>* ws_weight, T* loss_none, long long n,
+// D: the dtype of the weights, log-probabilities and losses (T, or f32 for the wide kernels of
+// f16/bf16 scores, whose log-probabilities are rounded to f32 as an f32 op's are).
+template <typename T, typename I, typename D>
+__device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels, const D* weights, D* log_prob,
+                                                AccT<D>* ws_loss, AccT<D>* ws_weight, D* loss_none, long long n,
                                                 long long c, long long inner, int has_ignore, long long ignore_index) {
-    typedef AccT<T> A;
+    typedef AccT<D> A;
     __shared__ A smem[32];
     for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
         const long long b = p / inner, i = p % inner;
@@ -95,7 +100,7 @@ __device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels
             A loss = A(0), w = A(0);
             if (k >= 0) {
                 w = weight_of(weights, k);
-                loss = -round_to<T>((ld(scores, base + k * inner) - m) - ls) * w;
+                loss = -round_to<D>((ld(scores, base + k * inner) - m) - ls) * w;
             }
             if (ws_loss) ws_loss[p] = loss;
             if (ws_weight) ws_weight[p] = w;
@@ -248,9 +253,17 @@ __device__ __forceinline__ void nll_grad_body(const T* dloss, const T* input, co
                                  int reduction) {                                                          \
         loss_reduce_body(ws_loss, ws_weight, loss, positions, reduction);                                  \
     }
-// The wide gradients of f16/bf16 scores: dloss, weights and total in f32 (the scores of an f32
-// loss, read where they were before their cast to f32).
+// The wide kernels of f16/bf16 scores: an f32 loss (weights, log-probabilities, workspaces and
+// losses in f32; its reduction is loss_reduce_f32) and its gradient (dloss, weights and total in
+// f32), reading the scores where they were before their cast to f32.
 #define LOSS_WIDE_TI(T, tag, I, itag)                                                                      \
+    MPC_KERNEL loss_softmax_ce_wide_##tag##_##itag(const T* scores, const I* labels, const float* weights,  \
+                                                   float* log_prob, float* ws_loss, float* ws_weight,      \
+                                                   float* loss_none, long long n, long long c,             \
+                                                   long long inner, int has_ignore, long long ignore_index) { \
+        softmax_ce_body(scores, labels, weights, log_prob, ws_loss, ws_weight, loss_none, n, c, inner,     \
+                        has_ignore, ignore_index);                                                         \
+    }                                                                                                      \
     MPC_KERNEL loss_softmax_ce_grad_wide_##tag##_##itag(const float* dloss, const T* scores, const I* labels, \
                                                         const float* weights, const float* total, T* dscores, \
                                                         long long n, long long c, long long inner,         \

@@ -190,14 +190,14 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     if peak.values.is_empty() {
         return out;
     }
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let size = crate::summary::bytes;
     let node = p.launches.get(peak.step).map_or("-".to_string(), |l| l.node.clone());
     let _ = writeln!(
         out,
-        "alive at the peak, during launch {} of {} ({node}): {:.1} MiB in {} buffers",
+        "alive at the peak, during launch {} of {} ({node}): {} in {} buffers",
         peak.step,
         p.launches.len(),
-        mib(peak.bytes),
+        size(peak.bytes),
         peak.values.len()
     );
     let mut by_dtype: BTreeMap<String, (u64, usize)> = BTreeMap::new();
@@ -206,16 +206,16 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         e.0 += b;
         e.1 += 1;
     }
-    let dtypes: Vec<String> = by_dtype.iter().map(|(d, (b, n))| format!("{d} {:.1} MiB ({n})", mib(*b))).collect();
+    let dtypes: Vec<String> = by_dtype.iter().map(|(d, (b, n))| format!("{d} {} ({n})", size(*b))).collect();
     let _ = writeln!(out, "  by dtype: {}", dtypes.join(", "));
     const SHOWN: usize = 12;
     for (name, d, shape, b) in peak.values.iter().take(SHOWN) {
         let dims: Vec<String> = shape.iter().map(|x| x.to_string()).collect();
-        let _ = writeln!(out, "  {:>10.1} MiB  {d}[{}]  {name}", mib(*b), dims.join(", "));
+        let _ = writeln!(out, "  {:>11}  {d}[{}]  {name}", size(*b), dims.join(", "));
     }
     if peak.values.len() > SHOWN {
         let rest: u64 = peak.values[SHOWN..].iter().map(|v| v.3).sum();
-        let _ = writeln!(out, "  {:>10.1} MiB  in {} more", mib(rest), peak.values.len() - SHOWN);
+        let _ = writeln!(out, "  {:>11}  in {} more", size(rest), peak.values.len() - SHOWN);
     }
     out
 }

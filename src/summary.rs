@@ -140,7 +140,8 @@ fn human(n: u64) -> String {
     out
 }
 
-fn bytes(n: u64) -> String {
+/// `n` bytes in B, KiB, MiB or GiB.
+pub(crate) fn bytes(n: u64) -> String {
     match n {
         n if n >= 1 << 30 => format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64),
         n if n >= 1 << 20 => format!("{:.2} MiB", n as f64 / (1u64 << 20) as f64),

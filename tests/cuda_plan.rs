@@ -62,7 +62,7 @@ fn programs() -> Vec<(String, Program)> {
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     let ins = l.inputs.iter().filter_map(|o| match o {
-        Operand::Device(t) => Some(t),
+        Operand::Device(t) | Operand::Widened(t) => Some(t),
         _ => None,
     });
     ins.chain(&l.outputs)

@@ -54,7 +54,9 @@ fn live_values_never_overlap_in_the_arena() {
                     .inputs
                     .iter()
                     .filter_map(|o| match o {
-                        Operand::Device(t) if t.region == Region::Arena => Some((t.offset, t.bytes())),
+                        Operand::Device(t) | Operand::Widened(t) if t.region == Region::Arena => {
+                            Some((t.offset, t.bytes()))
+                        }
                         _ => None,
                     })
                     .collect();
@@ -101,4 +103,78 @@ fn mixed_activations_are_at_most_six_tenths_of_fp32() {
         println!("{name}: the arena at batch 64, mixed {mixed} B, fp32 {fp32} B: {ratio:.3}x");
         assert!(ratio <= 0.6, "{name}: mixed / fp32 = {ratio}");
     }
+}
+
+/// The training step of `tests/models/tiny_gpt_loss.onnx` (a GPT-2-shaped model with its loss
+/// inside and no other output, as `benches/memory_plan.py --tiny` builds it: vocabulary 128,
+/// 2 layers of width 32, 2 heads, 16 tokens) under `policy`, lowered at batch 4.
+fn gpt_step(policy: &str) -> (mpc_ir::Graph, Program) {
+    use mpc_passes::train::{Loss, TrainOptions};
+    let path = fixture("tiny_gpt_loss");
+    let mut g = mpc::load(&path).unwrap();
+    let t = TrainOptions { loss: Loss::Output("loss".into()), ..TrainOptions::default() };
+    let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), ..Default::default() };
+    mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+    let dims: HashMap<String, u64> = [("batch".to_string(), 4)].into();
+    let p = mpc::run::memory_plan(&g, &path, &dims).unwrap().0;
+    (g, p)
+}
+
+#[test]
+fn mixed_training_keeps_no_f32_copy_of_the_logits_or_the_probabilities() {
+    use mpc_ir::{DType, Op};
+    let (logits, probs): (&[usize], &[usize]) = (&[64, 128], &[4, 2, 16, 16]);
+    for policy in ["mixed", "mixed-bf16"] {
+        let (g, p) = gpt_step(policy);
+        let low = if policy == "mixed" { DType::F16 } else { DType::BF16 };
+        // The forward loss reads the low logits widened: their f32 Cast is not launched.
+        let loss = p.launches.iter().find(|l| matches!(l.op, Op::SoftmaxCrossEntropyLoss(_))).unwrap();
+        assert!(
+            matches!(&loss.inputs[0], Operand::Widened(t) if t.dtype == low && t.shape == logits),
+            "{policy}: {:?}",
+            loss.inputs[0]
+        );
+        assert_eq!(p.widened, 1, "{policy}");
+        // Its gradient is written low; the softmax's gradient reads the probabilities' low copy.
+        let grad = p.launches.iter().find(|l| matches!(l.op, Op::SoftmaxCrossEntropyLossGrad(_))).unwrap();
+        assert_eq!(grad.outputs[0].dtype, low, "{policy}");
+        for n in g.node_ids().filter(|&n| matches!(g.node(n).op, Op::SoftmaxGrad(_))) {
+            let y = g.node(n).input(1).unwrap();
+            let (m, _) = g.value(y).producer().unwrap();
+            let from = g.node(m).input(0).unwrap();
+            assert!(matches!(g.node(m).op, Op::Cast(_)) && g.ty(from).dtype == Some(low), "{policy}: {}", g.name(y));
+        }
+        // No f32 logits or loss gradient anywhere in the arena, and no f32 scores or
+        // probabilities kept from the forward pass for the backward one (the forward computes
+        // them in f32 on the way to the softmax, the backward widens them for SoftmaxGrad).
+        let backward = p.launches.iter().position(|l| l.node.contains(".grad.")).unwrap();
+        for b in &p.buffers {
+            for (_, name, _, shape) in b.values.iter().filter(|v| v.2 == DType::F32) {
+                assert!(shape != logits, "{policy}: `{name}` is f32{shape:?}");
+                let kept = b.first < backward && b.last >= backward;
+                assert!(!(shape == probs && kept), "{policy}: `{name}` (f32{shape:?}) is kept for the backward pass");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_forward_runs_before_the_backward_and_the_peak_is_what_it_holds() {
+    for policy in ["fp32", "mixed"] {
+        let (_, p) = gpt_step(policy);
+        // The forward loss is launched before any gradient (a node added later never takes the
+        // index of one removed earlier, among the forward's).
+        let at = |f: &dyn Fn(&Launch) -> bool| p.launches.iter().position(f).unwrap();
+        let loss = at(&|l| matches!(l.op, mpc_ir::Op::SoftmaxCrossEntropyLoss(_)));
+        let first_grad = at(&|l| l.node.contains(".grad."));
+        assert!(loss < first_grad, "{policy}: the loss at launch {loss}, a gradient at {first_grad}");
+        // The placed arena holds what is alive at its peak, with no gap on this model.
+        let peak = p.peak_live();
+        assert_eq!(peak.values.iter().map(|v| v.3).sum::<u64>(), peak.bytes);
+        assert!(peak.bytes <= p.arena_bytes, "{policy}");
+        assert!(peak.bytes * 10 >= p.arena_bytes * 9, "{policy}: {} of {}", peak.bytes, p.arena_bytes);
+    }
+    let (fp32, mixed) = (gpt_step("fp32").1.arena_bytes, gpt_step("mixed").1.arena_bytes);
+    println!("tiny GPT training step at batch 4: the arena, mixed {mixed} B, fp32 {fp32} B");
+    assert!(mixed * 10 <= fp32 * 7, "mixed {mixed} B, fp32 {fp32} B");
 }

@@ -41,7 +41,7 @@ fn assert_shapes_resolved(p: &Program) {
     for l in &p.launches {
         for &slot in l.op.host_operands() {
             assert!(
-                !matches!(l.inputs.get(slot), Some(Operand::Device(_))),
+                !matches!(l.inputs.get(slot), Some(Operand::Device(_) | Operand::Widened(_))),
                 "{}: operand {slot} would be read from device memory",
                 l.node
             );
@@ -173,11 +173,14 @@ fn in_place_launches_give_the_reference_bits() {
             .filter(|l| l.outputs.is_empty() || !l.outputs.iter().all(|t| t.shape.contains(&0)))
             .flat_map(|l| &l.inputs)
             .filter_map(|o| match o {
-                Operand::Device(t) => Some(t),
+                Operand::Device(t) | Operand::Widened(t) => Some(t),
                 _ => None,
             })
             .collect();
         let bools = operands.iter().filter(|t| t.dtype == DType::Bool).count() as u64;
+        // Operands read widened (a fused Cast) are widened into a copy.
+        let widened =
+            program.launches.iter().flat_map(|l| &l.inputs).filter(|o| matches!(o, Operand::Widened(_))).count() as u64;
         let all = operands.len() as u64;
         let mut s = [
             Session::new(CpuDevice::default(), program.clone()).unwrap(),
@@ -193,9 +196,10 @@ fn in_place_launches_give_the_reference_bits() {
         // fp32 matrix products (forward and gradients) run in place; f16 ones on copies.
         assert_eq!(s[1].counters().in_place, 0);
         assert!(policy != "fp32" || s[0].counters().in_place > 0, "{name}: no launch ran in place");
-        // Kernels read every operand where it lies, but bools (whose bytes need not be 0 or 1).
-        println!("{name} {policy}: {all} operands a step, {bools} of them bools");
-        assert_eq!(s[0].counters().operand_copies, 3 * bools, "{name} {policy}: operands copied");
+        // Kernels read every operand where it lies, but bools (whose bytes need not be 0 or 1)
+        // and operands read widened.
+        println!("{name} {policy}: {all} operands a step, {bools} of them bools, {widened} read widened");
+        assert_eq!(s[0].counters().operand_copies, 3 * (bools + widened), "{name} {policy}: operands copied");
         assert_eq!(s[1].counters().operand_copies, 3 * all, "{name} {policy}: operands copied");
         for n in &names {
             let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());

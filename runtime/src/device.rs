@@ -48,7 +48,8 @@ pub struct DeviceCounters {
     /// products; its other launches make the result, then copy it in).
     pub in_place: u64,
     /// Operands a launch read through a copy instead of where they lie (on the CPU device: bools,
-    /// whose bytes need not be 0 or 1, and every operand of a device made by `on_copies`).
+    /// whose bytes need not be 0 or 1, operands read widened, and every operand of a device made
+    /// by `on_copies`).
     pub operand_copies: u64,
     /// Copies to the host enqueued without waiting, and the waits for them.
     pub staged: u64,
@@ -300,7 +301,7 @@ impl Device for CpuDevice {
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
         for t in l.inputs.iter().filter_map(|o| match o {
-            Operand::Device(t) => Some(t),
+            Operand::Device(t) | Operand::Widened(t) => Some(t),
             _ => None,
         }) {
             range(t, regions.get(t.region).len)?;
@@ -334,6 +335,12 @@ impl Device for CpuDevice {
                         copies += u64::from(!t.is_view());
                         Some(t)
                     }
+                    Operand::Widened(t) => {
+                        // SAFETY: as above.
+                        let view = unsafe { cpu::views::host_view(&bases, t) };
+                        copies += 1;
+                        Some(view.cast(mpc_ir::DType::F32))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -344,7 +351,7 @@ impl Device for CpuDevice {
                 .map(|(o, r)| match o {
                     Operand::Absent => None,
                     Operand::Host(t) => Some(t),
-                    Operand::Device(_) => r.as_ref(),
+                    Operand::Device(_) | Operand::Widened(_) => r.as_ref(),
                 })
                 .collect();
             cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {

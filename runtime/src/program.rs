@@ -68,6 +68,17 @@ pub enum Operand {
     Device(TensorRef),
     /// A value known when lowering (a shape, axes, a parameter), carried by the descriptor.
     Host(HostTensor),
+    /// A tensor in device memory in f16 or bf16 that the launch reads widened to f32: the graph's
+    /// Cast to f32 fused into its only reader (see [`reads_widened`]), so the f32 copy is never
+    /// written. The results are those of the Cast and the op.
+    Widened(TensorRef),
+}
+
+/// The operands a launch may read widened from f16 or bf16 ([`Operand::Widened`]): the scores
+/// of a SoftmaxCrossEntropyLoss (the loss over a language model's f16 logits, computed in f32,
+/// without an f32 copy of the logits).
+pub fn reads_widened(op: &Op, slot: usize) -> bool {
+    matches!((op, slot), (Op::SoftmaxCrossEntropyLoss(_), 0))
 }
 
 /// One kernel launch, fully resolved.
@@ -177,6 +188,8 @@ pub struct Program {
     pub folded: usize,
     /// Nodes that became views.
     pub views: usize,
+    /// Casts fused into their reader ([`Operand::Widened`]).
+    pub widened: usize,
     /// The arena's buffers, for reports of what its peak holds.
     pub buffers: Vec<ArenaBuffer>,
 }
@@ -442,9 +455,32 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         }
         steps.push(n);
     }
+    // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
+    // readers take the low value, the Cast is not launched.
+    let mut widened: HashMap<ValueId, ValueId> = HashMap::new();
+    let viewed: HashSet<ValueId> = view_of.values().copied().collect();
+    for &n in &steps {
+        let node = g.node(n);
+        let (Op::Cast(_), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let low = matches!(g.ty(u).dtype, Some(DType::F16 | DType::BF16));
+        let uses = g.value(v).uses();
+        if low
+            && g.ty(v).dtype == Some(DType::F32)
+            && !g.is_output(v)
+            && !viewed.contains(&v)
+            && !uses.is_empty()
+            && uses.iter().all(|u| reads_widened(&g.node(u.node).op, u.slot))
+        {
+            widened.insert(v, u);
+        }
+    }
+    steps.retain(|&n| !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o)));
     let views = view_of.len();
     let end = steps.len();
-    let root = |v: ValueId| *view_of.get(&v).unwrap_or(&v);
+    let root = |v: ValueId| {
+        let v = widened.get(&v).copied().unwrap_or(v);
+        *view_of.get(&v).unwrap_or(&v)
+    };
 
     // 2. The state region: the changing initializers, at the layout's places or laid out here.
     let changing_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
@@ -631,7 +667,10 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             .map(|(slot, v)| match v {
                 None => Ok(Operand::Absent),
                 Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
-                Some(v) => place(*v, &refs).map(Operand::Device),
+                Some(v) => match widened.get(v) {
+                    Some(&low) => place(low, &refs).map(Operand::Widened),
+                    None => place(*v, &refs).map(Operand::Device),
+                },
             })
             .collect::<Result<Vec<_>, _>>()?;
         let outputs = node.outputs().iter().map(|&o| place(o, &refs)).collect::<Result<Vec<_>, _>>()?;
@@ -723,6 +762,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         host_reads,
         folded,
         views,
+        widened: widened.len(),
         buffers: arena_buffers,
     })
 }

@@ -802,7 +802,8 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
     }
     let grad = name.contains("_grad_");
     let softmax = name.starts_with("loss_softmax_ce");
-    // The wide gradients read dloss and the weights in f32.
+    // The wide kernels of f16/bf16 scores: weights, log-probabilities and losses (forward),
+    // dloss and weights (gradient) in f32.
     let dw = if name.contains("_wide_") { DType::F32 } else { d };
     let base = grad as usize;
     let (scores, labels, weights) = (ptr(&a[base]), ptr(&a[base + 1]), a[base + 2]);
@@ -841,7 +842,7 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
                 let (lp, wl, ww, none) = if softmax { (a[3], a[4], a[5], a[6]) } else { (Arg::Null, a[3], a[4], a[5]) };
                 if let Arg::Ptr(lpb) = lp {
                     for kk in 0..c {
-                        m.set(lpb, at(b, kk, i), d, log_prob[kk as usize]);
+                        m.set(lpb, at(b, kk, i), dw, log_prob[kk as usize]);
                     }
                 }
                 if let Arg::Ptr(q) = wl {
@@ -851,7 +852,7 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
                     m.set(q, p, acc(d), w);
                 }
                 if let Arg::Ptr(q) = none {
-                    m.set(q, p, d, loss);
+                    m.set(q, p, dw, loss);
                 }
                 continue;
             }

@@ -579,6 +579,15 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
                 None
             } else if ra == 2 && rc == 2 {
                 Some(b.op("gemm", gemm(false, true), &[dy, c]))
+            } else if rc == 2 {
+                // A weight shared by every row: dY's rows times Bᵀ as one GEMM with B transposed
+                // by the flag, not by a Transpose of the weight each step; then A's shape.
+                let nn = fixed(&b.shape(y)?.dims()[ry - 1], "the output dimension")?;
+                let sn = b.ints(&[-1, nn]);
+                let d2 = b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[dy, sn]);
+                let t = b.op("gemm", gemm(false, true), &[d2, c]);
+                let sa = b.op("shape", Op::Shape(Default::default()), &[a]);
+                Some(b.op("reshape", Op::Reshape(ReshapeAttrs::default()), &[t, sa]))
             } else {
                 let ct = b.transpose_last(c, rc);
                 let t = b.op("matmul", Op::MatMul, &[dy, ct]);

@@ -419,7 +419,16 @@ impl<'a> Planner<'a> {
         match self.l.inputs.get(i) {
             Some(Operand::Device(t)) => Ok(t),
             Some(Operand::Host(_)) => Err(format!("input {i} is a value known when lowering, not a device tensor")),
+            Some(Operand::Widened(_)) => Err(format!("input {i} is read widened, which this op's plan does not do")),
             _ => Err(format!("input {i} is missing")),
+        }
+    }
+
+    /// Input `i` and whether the launch reads it widened to f32 ([`Operand::Widened`]).
+    fn input_or_widened(&self, i: usize) -> Result<(&'a TensorRef, bool), String> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Widened(t)) => Ok((t, true)),
+            _ => self.input(i).map(|t| (t, false)),
         }
     }
 

@@ -12,7 +12,12 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let grad = matches!(op, Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_));
     let softmax = matches!(op, Op::SoftmaxCrossEntropyLoss(_) | Op::SoftmaxCrossEntropyLossGrad(_));
     let base = grad as usize;
-    let (scores, labels) = (p.input(base)?, p.input(base + 1)?);
+    // Scores read widened: the f32 loss of f16/bf16 scores (the f32 weights, log-probabilities
+    // and loss of an f32 op), by the `_wide_` kernels.
+    let ((scores, widened), labels) = (p.input_or_widened(base)?, p.input(base + 1)?);
+    if grad && widened {
+        return Err("a loss gradient reading its scores widened".into());
+    }
     let weights = p.opt_input(base + 2).map_or(Arg::Null, |w| Arg::Ptr(buf(w)));
     if scores.shape.len() < 2 {
         return Err("loss scores of rank below 2".into());
@@ -35,6 +40,14 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let acc = acc_dtype(scores.dtype).size() as u64;
     if !grad {
         let loss = p.output(0)?;
+        if widened {
+            if !softmax || !matches!(scores.dtype, DType::F16 | DType::BF16) || loss.dtype != DType::F32 {
+                return Err(format!("a loss of {} reading {} scores widened", loss.dtype, scores.dtype));
+            }
+            if p.opt_input(2).is_some_and(|w| w.dtype != DType::F32) {
+                return Err("a widened loss with weights other than f32".into());
+            }
+        }
         let (ws_loss, ws_weight, none) = if reduction == 0 {
             (Arg::Null, Arg::Null, Arg::Ptr(buf(loss)))
         } else {
@@ -48,13 +61,16 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
         args.extend(dims);
         args.extend(ignore);
         if softmax {
-            p.kernel("loss", format!("loss_softmax_ce_{t}_{it}"), rows_grid(positions), [block, 1, 1], args);
+            let name =
+                if widened { format!("loss_softmax_ce_wide_{t}_{it}") } else { format!("loss_softmax_ce_{t}_{it}") };
+            p.kernel("loss", name, rows_grid(positions), [block, 1, 1], args);
         } else {
             p.flat("loss", format!("loss_nll_{t}_{it}"), positions, args);
         }
         if reduction != 0 {
             let args = vec![ws_loss, ws_weight, Arg::Ptr(buf(loss)), Arg::I64(positions as i64), Arg::I32(reduction)];
-            p.kernel("loss", format!("loss_reduce_{t}"), [1, 1, 1], [BLOCK, 1, 1], args);
+            let lt = if widened { "f32" } else { t };
+            p.kernel("loss", format!("loss_reduce_{lt}"), [1, 1, 1], [BLOCK, 1, 1], args);
         }
         return Ok(());
     }
