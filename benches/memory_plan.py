@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """mpc's memory for the GPU benchmark's training steps, computed without a GPU or PyTorch.
 
-    python3 benches/memory_plan.py [--mpc target/release/mpc] [--models gpt,mlp] [--tiny]
+    python3 benches/memory_plan.py [--mpc target/release/mpc] [--models gpt,mlp,resnet50] [--tiny]
     # needs numpy and onnx (.ci/requirements.txt)
 
 Builds the models of benches/gpu_vs_torch.py in ONNX directly, with the ops PyTorch's exporter
 writes for them there (opset 17: Linear on 3-D input as MatMul + Add, the tanh GELU as its nine
-nodes, the loss inside the GPT; the shape arithmetic that mpc folds when lowering is written as
-constants), with random weights, and prints for fp32 and mixed what
-`mpc inspect MODEL --memory --train` plans for the training step at the benchmark's batch: the
+nodes, the loss inside the GPT, ResNet-50's batch norms in training mode; the shape arithmetic
+that mpc folds when lowering is written as constants), with random weights, and prints for fp32
+and mixed what `mpc inspect MODEL --memory --train` plans for the training step at the
+benchmark's batch: the
 arena (activations), the state (masters, moments, the step's low-precision weights) and the
 constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
 constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here.
@@ -118,6 +119,48 @@ def mlp(path, tiny):
     return 32 if tiny else 8192, ["--loss", "cross-entropy"]
 
 
+def resnet50(path, tiny):
+    # torchvision's resnet50 (resnet18's basic blocks with --tiny), exported in training mode:
+    # BatchNormalization with training_mode=1 and its running statistics as outputs.
+    side, classes = (32, 1000) if tiny else (224, 1000)
+    b = Builder()
+
+    def conv(x, cin, cout, k, stride=1):
+        w = b.init("W", (b.rng.standard_normal((cout, cin, k, k)) * (2 / (cin * k * k)) ** 0.5).astype(np.float32))
+        return b.op("Conv", [x, w], kernel_shape=[k, k], strides=[stride, stride], pads=[k // 2] * 4)
+
+    def bn(x, c):
+        ones, zeros = np.ones(c, np.float32), np.zeros(c, np.float32)
+        ins = [x, b.init("g", ones), b.init("beta", zeros), b.init("mean", zeros), b.init("var", ones)]
+        return b.op("BatchNormalization", ins, n_out=3, epsilon=1e-5, momentum=0.9, training_mode=1)[0]
+
+    def block(x, cin, width, stride, bottleneck):
+        cout = width * 4 if bottleneck else width
+        if bottleneck:
+            y = b.op("Relu", [bn(conv(x, cin, width, 1), width)])
+            y = b.op("Relu", [bn(conv(y, width, width, 3, stride), width)])
+            y = bn(conv(y, width, cout, 1), cout)
+        else:
+            y = b.op("Relu", [bn(conv(x, cin, width, 3, stride), width)])
+            y = bn(conv(y, width, width, 3), width)
+        if stride != 1 or cin != cout:
+            x = bn(conv(x, cin, cout, 1, stride), cout)
+        return b.op("Relu", [b.op("Add", [y, x])]), cout
+
+    x = b.op("Relu", [bn(conv("x", 3, 64, 7, 2), 64)])
+    x = b.op("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    c, bottleneck = 64, not tiny
+    for i, (n, width) in enumerate(zip([2, 2, 2, 2] if tiny else [3, 4, 6, 3], [64, 128, 256, 512])):
+        for j in range(n):
+            x, c = block(x, c, width, 2 if j == 0 and i > 0 else 1, bottleneck)
+    x = b.op("Flatten", [b.op("GlobalAveragePool", [x])], axis=1)
+    b.op("Gemm", [x, b.weight("W", classes, c), b.init("b", np.zeros(classes, np.float32))], transB=1)
+    b.nodes[-1].output[0] = "logits"
+    b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, side, side])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])], path)
+    return 2 if tiny else 64, ["--loss", "cross-entropy"]
+
+
 def plan(mpc, path, policy, batch, loss):
     cmd = [mpc, "inspect", path, "--memory", "--train", *loss, "--optimizer", "adamw", "--policy", policy,
            "--batch", str(batch)]
@@ -132,14 +175,14 @@ def plan(mpc, path, policy, batch, loss):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
-    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--models", default="gpt,mlp,resnet50")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     mib = lambda b: b / 2**20
     with tempfile.TemporaryDirectory(prefix="mpc-memory-") as tmp:
         for name in args.models.split(","):
             path = os.path.join(tmp, f"{name}.onnx")
-            batch, loss = {"gpt": gpt, "mlp": mlp}[name](path, args.tiny)
+            batch, loss = {"gpt": gpt, "mlp": mlp, "resnet50": resnet50}[name](path, args.tiny)
             totals = {}
             for policy in ["fp32", "mixed"]:
                 arena, state, constants = plan(args.mpc, path, policy, batch, loss)
