@@ -19,6 +19,10 @@
 //   softmax_log_softmax_<T>(const T* x, T* y, long long outer, long long n, long long inner)
 //   softmax_softmax_grad_<T>(const T* dy, const T* y, T* dx, long long outer, long long n, long long inner)
 //       SoftmaxGrad (ai.mpc): dx = y * (dy - sum_k(dy * y)), y being Softmax's output.
+//   softmax_softmax_grad_wide_<DY>_<Y>(const DY* dy, const Y* y, float* dx, long long outer, long long n,
+//                                      long long inner)
+//       SoftmaxGrad of an f32 softmax whose dy and/or y are read widened from f16 (or bf16):
+//       (DY, Y) in (f16, f16), (f16, f32), (f32, f16) and the same with bf16.
 //   softmax_log_softmax_grad_<T>(const T* dy, const T* y, T* dx, long long outer, long long n, long long inner)
 //       LogSoftmax's gradient: dx = dy - exp(y) * sum_k(dy), y being LogSoftmax's output.
 
@@ -48,8 +52,9 @@ __device__ __forceinline__ void softmax_body(const T* x, T* y, long long outer, 
     }
 }
 
-template <typename T, bool LOG>
-__device__ __forceinline__ void softmax_grad_body(const T* dy, const T* y, T* dx, long long outer, long long n,
+// TDY, TY: the dtypes dy and y are read in (T, or f16/bf16 read widened into an f32 gradient).
+template <typename TDY, typename TY, typename T, bool LOG>
+__device__ __forceinline__ void softmax_grad_body(const TDY* dy, const TY* y, T* dx, long long outer, long long n,
                                                   long long inner) {
     typedef typename Acc<T>::type C;
     __shared__ C smem[32];
@@ -80,13 +85,24 @@ __device__ __forceinline__ void softmax_grad_body(const T* dy, const T* y, T* dx
     }                                                                                                      \
     MPC_KERNEL softmax_softmax_grad_##tag(const T* dy, const T* y, T* dx, long long outer, long long n,    \
                                           long long inner) {                                               \
-        softmax_grad_body<T, false>(dy, y, dx, outer, n, inner);                                           \
+        softmax_grad_body<T, T, T, false>(dy, y, dx, outer, n, inner);                                     \
     }                                                                                                      \
     MPC_KERNEL softmax_log_softmax_grad_##tag(const T* dy, const T* y, T* dx, long long outer, long long n, \
                                               long long inner) {                                           \
-        softmax_grad_body<T, true>(dy, y, dx, outer, n, inner);                                            \
+        softmax_grad_body<T, T, T, true>(dy, y, dx, outer, n, inner);                                      \
     }
 SOFTMAX_T(float, f32)
 SOFTMAX_T(__half, f16)
 SOFTMAX_T(__nv_bfloat16, bf16)
 SOFTMAX_T(double, f64)
+#define SOFTMAX_GRAD_WIDE(TDY, dtag, TY, ytag)                                                             \
+    MPC_KERNEL softmax_softmax_grad_wide_##dtag##_##ytag(const TDY* dy, const TY* y, float* dx, long long outer, \
+                                                         long long n, long long inner) {                  \
+        softmax_grad_body<TDY, TY, float, false>(dy, y, dx, outer, n, inner);                              \
+    }
+SOFTMAX_GRAD_WIDE(__half, f16, __half, f16)
+SOFTMAX_GRAD_WIDE(__half, f16, float, f32)
+SOFTMAX_GRAD_WIDE(float, f32, __half, f16)
+SOFTMAX_GRAD_WIDE(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
+SOFTMAX_GRAD_WIDE(__nv_bfloat16, bf16, float, f32)
+SOFTMAX_GRAD_WIDE(float, f32, __nv_bfloat16, bf16)

@@ -134,7 +134,13 @@ fn mixed_training_keeps_no_f32_copy_of_the_logits_or_the_probabilities() {
             "{policy}: {:?}",
             loss.inputs[0]
         );
-        assert_eq!(p.widened, 1, "{policy}");
+        // So do the 2 SoftmaxGrads, both of their dy and y (f32 Casts of the f16 or bf16 values).
+        assert_eq!(p.widened, 5, "{policy}");
+        for l in p.launches.iter().filter(|l| matches!(l.op, Op::SoftmaxGrad(_))) {
+            let low_in = |o: &Operand| matches!(o, Operand::Widened(t) if t.dtype == low && t.shape == probs);
+            assert!(low_in(&l.inputs[0]) && low_in(&l.inputs[1]), "{policy}: {}: {:?}", l.node, l.inputs);
+            assert_eq!(l.outputs[0].dtype, DType::F32);
+        }
         // Its gradient is written low; the softmax's gradient reads the probabilities' low copy.
         let grad = p.launches.iter().find(|l| matches!(l.op, Op::SoftmaxCrossEntropyLossGrad(_))).unwrap();
         assert_eq!(grad.outputs[0].dtype, low, "{policy}");

@@ -76,9 +76,10 @@ pub enum Operand {
 
 /// The operands a launch may read widened from f16 or bf16 ([`Operand::Widened`]): the scores
 /// of a SoftmaxCrossEntropyLoss (the loss over a language model's f16 logits, computed in f32,
-/// without an f32 copy of the logits).
+/// without an f32 copy of the logits), and SoftmaxGrad's dy and y (the gradient of an f32
+/// softmax between f16 matrix products, from the f16 gradient and probabilities).
 pub fn reads_widened(op: &Op, slot: usize) -> bool {
-    matches!((op, slot), (Op::SoftmaxCrossEntropyLoss(_), 0))
+    matches!((op, slot), (Op::SoftmaxCrossEntropyLoss(_), 0) | (Op::SoftmaxGrad(_), 0 | 1))
 }
 
 /// One kernel launch, fully resolved.

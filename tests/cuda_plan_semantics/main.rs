@@ -144,7 +144,7 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
 /// The training step of a GPT-shaped model with its loss inside and no other output
 /// (`tests/models/tiny_gpt_loss.onnx`): under mixed precision its forward loss reads the f16 or
 /// bf16 logits widened and its gradient writes them low (the `_wide_` loss kernels), and
-/// SoftmaxGrad runs in place.
+/// SoftmaxGrad reads the f16 or bf16 gradient and probabilities widened.
 #[test]
 fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_computes() {
     use mpc_passes::train::{Loss, TrainOptions};
@@ -169,7 +169,13 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         let feeds = mpc::run::random_inputs(&bound, 5, &dims).unwrap();
         check_program(&format!("tiny_gpt_loss {policy} train"), &program, &feeds);
     }
-    for k in ["loss_softmax_ce_wide_f16_i64", "loss_softmax_ce_grad_wide_f16_i64", "loss_softmax_ce_wide_bf16_i64"] {
+    for k in [
+        "loss_softmax_ce_wide_f16_i64",
+        "loss_softmax_ce_grad_wide_f16_i64",
+        "loss_softmax_ce_wide_bf16_i64",
+        "softmax_softmax_grad_wide_f16_f16",
+        "softmax_softmax_grad_wide_bf16_bf16",
+    ] {
         assert!(kernels.contains(k), "{k} never ran: {kernels:?}");
     }
 }

@@ -328,14 +328,19 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             }
         }
     } else if name.starts_with("softmax_softmax_grad_") || name.starts_with("softmax_log_softmax_grad_") {
-        let d = dtype_of(tag);
+        // `_wide_<dy>_<y>`: dy and y in their own dtypes, dx in f32.
+        let wide = name.strip_prefix("softmax_softmax_grad_wide_").map(|t| t.split_once('_').unwrap());
+        let (dd, yd, d) = match wide {
+            Some((a, b)) => (dtype_of(a), dtype_of(b), DType::F32),
+            None => (dtype_of(tag), dtype_of(tag), dtype_of(tag)),
+        };
         let log = name.starts_with("softmax_log_");
         let (dy, y, dx, outer, n, inner) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]), int(&a[5]));
         for o in 0..outer {
             for i in 0..inner {
                 let at = |j: i64| (o * n + j) * inner + i;
-                let g: Vec<f64> = (0..n).map(|j| m.get(dy, at(j), d)).collect();
-                let yv: Vec<f64> = (0..n).map(|j| m.get(y, at(j), d)).collect();
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, at(j), dd)).collect();
+                let yv: Vec<f64> = (0..n).map(|j| m.get(y, at(j), yd)).collect();
                 let s: f64 = if log { g.iter().sum() } else { g.iter().zip(&yv).map(|(a, b)| a * b).sum() };
                 for j in 0..n as usize {
                     let r = if log { g[j] - yv[j].exp() * s } else { yv[j] * (g[j] - s) };
