@@ -74,7 +74,8 @@ class Builder:
 
     def model(self, inputs, outputs, path):
         g = helper.make_graph(self.nodes, "bench", inputs, outputs, self.inits)
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], producer_name="memory_plan.py")
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], producer_name="memory_plan.py",
+                              ir_version=8)
         onnx.save(m, path, save_as_external_data=True, location=os.path.basename(path) + ".data")
 
 

@@ -318,3 +318,68 @@ template <typename C, typename Op> __device__ void block_reduce2(C& a, C& b, Op 
     a = smem[0];
     b = smem[32];
 }
+
+// A value the compiler cannot see through: a fused chain's steps stay separate roundings (no FMA
+// contracted from one step's product and the next step's sum), as the unfused kernels' stores
+// keep them.
+__device__ __forceinline__ float mpc_keep(float v) {
+    asm volatile("" : "+f"(v));
+    return v;
+}
+
+// ---- element-wise formulas: elementwise.cu's kernels and the fused chains the CUDA device
+// generates (runtime/src/cuda/fused.rs) compute each op with these, so a chain's step and the
+// op's own kernel agree to the bit.
+
+// Unary: U_<op>()(x, alpha, beta) in the compute type C.
+#define UOP(name, expr)                                                                            \
+    struct U_##name {                                                                              \
+        template <typename C> __device__ __forceinline__ C operator()(C x, C alpha, C beta) const { \
+            (void)alpha;                                                                           \
+            (void)beta;                                                                            \
+            return (expr);                                                                         \
+        }                                                                                          \
+    };
+
+UOP(relu, m_isnan(x) ? x : (x > C(0) ? x : C(0)))
+UOP(sigmoid, x >= C(0) ? C(1) / (C(1) + m_exp(-x)) : m_exp(x) / (C(1) + m_exp(x)))
+UOP(tanh, m_tanh(x))
+UOP(exp, m_exp(x))
+UOP(log, m_log(x))
+UOP(sqrt, m_sqrt(x))
+UOP(neg, -x)
+UOP(abs, m_abs(x))
+UOP(erf, m_erf(x))
+UOP(reciprocal, C(1) / x)
+UOP(floor, m_floor(x))
+UOP(ceil, m_ceil(x))
+UOP(round, m_rint(x))
+UOP(sign, x > C(0) ? C(1) : (x < C(0) ? C(-1) : x))
+UOP(sin, m_sin(x))
+UOP(cos, m_cos(x))
+UOP(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))
+UOP(softsign, x / (C(1) + m_abs(x)))
+UOP(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))
+UOP(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))
+UOP(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))
+UOP(leaky_relu, x < C(0) ? alpha * x : x)
+UOP(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)
+UOP(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))
+UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
+
+// Binary: V_<op>()(x, z) in the compute type C.
+#define VOP(name, expr)                                                                           \
+    struct V_##name {                                                                             \
+        template <typename C> __device__ __forceinline__ C operator()(C x, C z) const { return (expr); } \
+    };
+
+VOP(add, x + z)
+VOP(sub, x - z)
+VOP(mul, x* z)
+VOP(div, x / z)
+VOP(pow, m_pow(x, z))
+VOP(min, min_nan(x, z))
+VOP(max, max_nan(x, z))
+VOP(prelu, x < C(0) ? x * z : x)
+VOP(mod, m_fmod(x, z))
+VOP(mod_py, (m_fmod(x, z) != C(0) && ((m_fmod(x, z) < C(0)) != (z < C(0)))) ? m_fmod(x, z) + z : m_fmod(x, z))

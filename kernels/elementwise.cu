@@ -55,41 +55,6 @@ __device__ __forceinline__ void unary_body(const T* __restrict__ x, T* __restric
     MPC_GRID_STRIDE(i, n) { st(y, i, f(ld(x, i), (C)alpha, (C)beta)); }
 }
 
-#define UOP(name, expr)                                                                            \
-    struct U_##name {                                                                              \
-        template <typename C> __device__ __forceinline__ C operator()(C x, C alpha, C beta) const { \
-            (void)alpha;                                                                           \
-            (void)beta;                                                                            \
-            return (expr);                                                                         \
-        }                                                                                          \
-    };
-
-UOP(relu, m_isnan(x) ? x : (x > C(0) ? x : C(0)))
-UOP(sigmoid, x >= C(0) ? C(1) / (C(1) + m_exp(-x)) : m_exp(x) / (C(1) + m_exp(x)))
-UOP(tanh, m_tanh(x))
-UOP(exp, m_exp(x))
-UOP(log, m_log(x))
-UOP(sqrt, m_sqrt(x))
-UOP(neg, -x)
-UOP(abs, m_abs(x))
-UOP(erf, m_erf(x))
-UOP(reciprocal, C(1) / x)
-UOP(floor, m_floor(x))
-UOP(ceil, m_ceil(x))
-UOP(round, m_rint(x))
-UOP(sign, x > C(0) ? C(1) : (x < C(0) ? C(-1) : x))
-UOP(sin, m_sin(x))
-UOP(cos, m_cos(x))
-UOP(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))
-UOP(softsign, x / (C(1) + m_abs(x)))
-UOP(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))
-UOP(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))
-UOP(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))
-UOP(leaky_relu, x < C(0) ? alpha * x : x)
-UOP(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)
-UOP(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))
-UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
-
 #define UNARY_T(name, T, tag)                                                           \
     MPC_KERNEL elementwise_##name##_##tag(const T* x, T* y, long long n, float alpha, float beta) { \
         unary_body<T>(x, y, n, alpha, beta, U_##name());                                \
@@ -163,28 +128,29 @@ __device__ __forceinline__ void binary_body(const TA* __restrict__ a, const TA* 
     }
 }
 
-// Float ops: load both in the compute type, store the result in T.
-#define FBOP(name, expr)                                                                         \
+// Float ops: load both in the compute type, store the result in T (the formulas are the V_<op>
+// functors of common.cuh).
+#define FBOP(name)                                                                               \
     struct B_##name {                                                                            \
         template <typename T>                                                                    \
         __device__ __forceinline__ void operator()(const T* a, long long oa, const T* b, long long ob, T* y, \
                                                    long long i) const {                          \
             typedef typename Acc<T>::type C;                                                     \
             C x = ld(a, oa), z = ld(b, ob);                                                      \
-            st(y, i, (C)(expr));                                                                 \
+            st(y, i, (C)V_##name()(x, z));                                                       \
         }                                                                                        \
     };
 
-FBOP(add, x + z)
-FBOP(sub, x - z)
-FBOP(mul, x* z)
-FBOP(div, x / z)
-FBOP(pow, m_pow(x, z))
-FBOP(min, min_nan(x, z))
-FBOP(max, max_nan(x, z))
-FBOP(prelu, x < C(0) ? x * z : x)
-FBOP(mod, m_fmod(x, z))
-FBOP(mod_py, (m_fmod(x, z) != C(0) && ((m_fmod(x, z) < C(0)) != (z < C(0)))) ? m_fmod(x, z) + z : m_fmod(x, z))
+FBOP(add)
+FBOP(sub)
+FBOP(mul)
+FBOP(div)
+FBOP(pow)
+FBOP(min)
+FBOP(max)
+FBOP(prelu)
+FBOP(mod)
+FBOP(mod_py)
 
 #define BINARY_T(name, T, tag)                                                                        \
     MPC_KERNEL elementwise_##name##_##tag(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims, \

@@ -176,7 +176,8 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     let weights = p.state_layout.bytes + p.constants_bytes;
     let mut out = format!(
         "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
-         (the arena: {} launches, {} views, {} nodes folded), total {} bytes\n",
+         (the arena: {} launches, {} views, {} nodes folded, {} element-wise launches fused into {}), total {} \
+         bytes\n",
         if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
         p.state_layout.bytes,
         p.constants_bytes,
@@ -184,6 +185,8 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         p.launches.len(),
         p.views,
         p.folded,
+        p.fused.0,
+        p.fused.1,
         weights + p.arena_bytes
     );
     let peak = p.peak_live();
@@ -376,7 +379,7 @@ pub fn lower_bound(
     model: &Path,
 ) -> Result<mpc_runtime::program::Program> {
     let branches = if_branches(g, model)?;
-    let opts = mpc_runtime::program::LowerOptions { layout, variables, branches: Some(&branches) };
+    let opts = mpc_runtime::program::LowerOptions { layout, variables, branches: Some(&branches), unfused: false };
     mpc_runtime::program::lower(g, caps, opts).map_err(|source| Error::Run { path: model.to_owned(), source })
 }
 

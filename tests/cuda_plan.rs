@@ -178,6 +178,8 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
     let (mut launches, mut calls, mut checked) = (0, 0, 0);
     let mut failures = Vec::new();
     let mut used = std::collections::BTreeSet::new();
+    // Fused chains' generated kernels, compiled together after the walk.
+    let mut fused: BTreeMap<String, (String, mpc_runtime::cuda::plan::Kernel)> = BTreeMap::new();
     for (label, program) in &programs {
         let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
         let mut ls = Vec::new();
@@ -197,6 +199,10 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
             calls += p.calls.len();
             for k in p.kernels() {
                 used.insert(k.name.clone());
+                if k.fused.is_some() {
+                    fused.entry(k.name.clone()).or_insert_with(|| (format!("{label}: {}", l.node), k.clone()));
+                    continue;
+                }
                 let Some(kernels) = &kernels else { continue };
                 let Some(declared) = kernels.get(&k.name) else {
                     failures.push(format!("{label}: {}: no kernel {}", l.node, k.name));
@@ -209,10 +215,34 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
             }
         }
     }
+    // Every generated kernel compiles (for sm_80 and sm_90) and takes what its plan passes.
+    if kernels.is_some() {
+        let source: String = fused.values().map(|(_, k)| k.fused.as_ref().unwrap().source.as_str()).collect();
+        for arch in ["sm_80", "sm_90"] {
+            let c = nvrtc::compile("fused", &source, arch, true).unwrap_or_else(|e| panic!("fused kernels: {e}"));
+            failures.extend(c.log.lines().filter(|l| l.contains("warning")).map(|w| format!("fused {arch}: {w}")));
+            // ptxas's report: no generated kernel spills.
+            for r in nvrtc::kernel_reports(&c.log) {
+                if r.spill_stores > 0 || r.spill_loads > 0 {
+                    failures.push(format!("fused {arch}: {} spills: {r:?}", r.name));
+                }
+            }
+            let declared = cubin::kernels(&c.cubin).unwrap();
+            for (name, (at, k)) in &fused {
+                match declared.get(name) {
+                    Some(d) => check_args(name, &k.args, d).unwrap_or_else(|e| failures.push(format!("{at}: {e}"))),
+                    None => failures.push(format!("{at}: no kernel {name}")),
+                }
+                checked += 1;
+            }
+        }
+    }
     println!(
-        "cuda plans: {} programs, {launches} launches, {calls} calls, {} distinct kernels, {checked} kernel launches checked against the cubins",
+        "cuda plans: {} programs, {launches} launches, {calls} calls, {} distinct kernels ({} of them fused chains), \
+         {checked} kernel launches checked against the cubins",
         programs.len(),
-        used.len()
+        used.len(),
+        fused.len()
     );
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
@@ -231,6 +261,7 @@ fn matmul_plans_follow_numpy_broadcasting() {
         inputs: vec![Operand::Device(t(0, a)), Operand::Device(t(1 << 20, b))],
         outputs: vec![t(2 << 20, y)],
         branches: None,
+        chain: None,
     };
     let none = |_: &TensorRef| None;
     let gemm = |p: &LaunchPlan| match p.calls.last() {

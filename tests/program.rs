@@ -58,7 +58,64 @@ fn same(a: &HostTensor, b: &HostTensor, what: &str) {
 common::per_device!(
     inference_programs_keep_their_promises => inference_programs_keep_their_promises,
     training_programs_update_their_state_in_place => training_programs_update_their_state_in_place,
+    fused_chains_give_the_unfused_bits => fused_chains_give_the_unfused_bits,
 );
+
+/// Element-wise chains fused into one launch compute the bits of the launches they replace:
+/// the fixtures' inference graphs and training steps (and a GPT-shaped step with its loss inside)
+/// under each policy, lowered with and without fusion, run on the same inputs, give the same
+/// outputs and state to the bit.
+fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
+    use mpc_runtime::program::{lower, LowerOptions};
+    let mut chains: HashMap<String, usize> = HashMap::new();
+    let names = ["mlp", "mlp_loss", "cnn_bn", "resblock", "transformer", "opset9", "tiny_gpt_loss"];
+    for name in names {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            for train in [false, true] {
+                if name == "opset9" && train {
+                    continue; // nothing to train
+                }
+                let g = compiled(name, policy, train);
+                let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+                let caps = device().caps();
+                let lowered = |unfused| lower(&bound, caps, LowerOptions { unfused, ..Default::default() }).unwrap();
+                let (fused, plain) = (lowered(false), lowered(true));
+                assert_eq!(plain.fused, (0, 0));
+                for l in fused.launches.iter().filter_map(|l| l.chain.as_ref()) {
+                    *chains.entry(l.kind()).or_default() += 1;
+                }
+                let label = format!("{name} {policy}{}", if train { " train" } else { "" });
+                assert_eq!(
+                    fused.launches.len() + fused.fused.0 - fused.fused.1,
+                    plain.launches.len(),
+                    "{label}: launches"
+                );
+                let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
+                let outputs: Vec<String> = fused.outputs.iter().map(|(n, _)| n.clone()).collect();
+                let mut s = [Session::new(device(), fused).unwrap(), Session::new(device(), plain).unwrap()];
+                for step in 0..2 {
+                    let inputs = mpc::run::random_inputs(&bound, 31 + step, &dims()).unwrap();
+                    for x in s.iter_mut() {
+                        x.feed(0, &inputs).unwrap();
+                        x.step(0).unwrap();
+                    }
+                    for n in &outputs {
+                        let (x, y) = (s[0].read(0, n).unwrap(), s[1].read(0, n).unwrap());
+                        same(&x, &y, &format!("{label} `{n}`, step {step}"));
+                    }
+                }
+                for n in &state {
+                    let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
+                    same(&x, &y, &format!("{label} `{n}` after 2 steps"));
+                }
+            }
+        }
+    }
+    println!("chains fused: {chains:?}");
+    for kind in ["Fused(Cast+Mul+Add)", "Fused(Cast+Add+Add)", "Fused(Add+Gelu)"] {
+        assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
+    }
+}
 
 fn inference_programs_keep_their_promises<D: Device>(device: impl Fn() -> D) {
     for name in FIXTURES {

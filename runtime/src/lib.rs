@@ -41,6 +41,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod fuse;
 pub mod plan;
 pub mod program;
 pub mod session;

@@ -25,6 +25,7 @@ use std::collections::{HashMap, HashSet};
 
 use mpc_ir::{DType, Def, Graph, NodeId, Op, ValueId};
 
+use crate::fuse::Chain;
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
@@ -92,6 +93,26 @@ pub struct Launch {
     pub outputs: Vec<TensorRef>,
     /// An `If`: both branches, lowered into the same regions; the step reads the condition.
     pub branches: Option<Box<IfLaunch>>,
+    /// Element-wise steps fused into this launch (its `op` is then only a marker, the opaque
+    /// `ai.mpc.runtime::Fused`, which no device runs as an op).
+    pub chain: Option<Box<Chain>>,
+}
+
+impl Launch {
+    /// The op type, or `Fused(Cast+Mul+Add)` for a chain: what a profile groups launches by.
+    pub fn kind(&self) -> String {
+        self.chain.as_ref().map_or_else(|| self.op.op_type().to_string(), |c| c.kind())
+    }
+}
+
+/// The marker op of a fused launch.
+fn fused_marker() -> Op {
+    Op::Opaque(Box::new(mpc_ir::ops::Opaque {
+        domain: "ai.mpc.runtime".into(),
+        op_type: "Fused".into(),
+        attrs: Default::default(),
+        explicit_inputs: 0,
+    }))
 }
 
 /// The two branches of an `If`, each a list of launches over the program's regions (their
@@ -126,6 +147,8 @@ pub struct LowerOptions<'a> {
     pub variables: Option<&'a HashSet<ValueId>>,
     /// The decoded branches of the graph's `If` nodes.
     pub branches: Option<&'a HashMap<NodeId, Branches>>,
+    /// Launch every element-wise node on its own ([`crate::fuse`] off; so does `MPC_FUSE=0`).
+    pub unfused: bool,
 }
 
 /// Where a branch's buffers start, and the outer places of its inputs.
@@ -191,6 +214,8 @@ pub struct Program {
     pub views: usize,
     /// Casts fused into their reader ([`Operand::Widened`]).
     pub widened: usize,
+    /// Element-wise launches fused into chains ([`Launch::chain`]), and the chains.
+    pub fused: (usize, usize),
     /// The arena's buffers, for reports of what its peak holds.
     pub buffers: Vec<ArenaBuffer>,
 }
@@ -482,6 +507,15 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         let v = widened.get(&v).copied().unwrap_or(v);
         *view_of.get(&v).unwrap_or(&v)
     };
+    // Element-wise runs fused into one launch each, at the run's last step (`pos`).
+    let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
+    let fuse = !opts.unfused && crate::fuse::enabled();
+    let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root) } else { Vec::new() };
+    let mut run_of: HashMap<usize, usize> = HashMap::new();
+    for (r, run) in runs.iter().enumerate() {
+        run_of.extend(run.iter().map(|&i| (i, r)));
+    }
+    let pos = |i: usize| run_of.get(&i).map_or(i, |&r| runs[r][runs[r].len() - 1]);
 
     // 2. The state region: the changing initializers, at the layout's places or laid out here.
     let changing_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
@@ -563,11 +597,22 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
     let mut last: HashMap<ValueId, usize> = HashMap::new();
     for (i, &n) in steps.iter().enumerate() {
         for v in g.node(n).inputs().iter().flatten() {
-            let e = last.entry(root(*v)).or_insert(i);
-            *e = (*e).max(i);
+            let e = last.entry(root(*v)).or_insert(pos(i));
+            *e = (*e).max(pos(i));
         }
     }
     let keep: HashSet<ValueId> = g.outputs().iter().chain(state.iter().map(|(_, n)| n)).map(|&v| root(v)).collect();
+    // A fused run's value is written when something reads it past the run, or it outlives it.
+    let needed = |o: ValueId, run_end: usize| keep.contains(&o) || last.get(&o).is_some_and(|&l| l > run_end);
+    let chains: Vec<(crate::fuse::Chain, Vec<ValueId>, Vec<ValueId>)> =
+        runs.iter().map(|run| crate::fuse::chain(g, &steps, run, &|o| needed(o, run[run.len() - 1]))).collect();
+    let dropped: HashSet<ValueId> = runs
+        .iter()
+        .zip(&chains)
+        .flat_map(|(run, (_, _, written))| {
+            run.iter().map(|&i| g.node(steps[i]).outputs()[0]).filter(|o| !written.contains(o)).collect::<Vec<_>>()
+        })
+        .collect();
     if nested.is_none() {
         // An input lives from the feed to its last reader: a step needs a feed before it.
         for &v in g.inputs() {
@@ -582,7 +627,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
     // into the state's slot (the optimizer updates the masters and moments in place): no arena
     // buffer, no copy after the step.
     let def_step: HashMap<ValueId, usize> =
-        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, i))).collect();
+        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, pos(i)))).collect();
     for &(st, next) in &state {
         let (Some(&d), Some(slot)) = (def_step.get(&next), refs.get(&st).cloned()) else { continue };
         if view_of.contains_key(&next) || g.is_output(st) || last.get(&st).is_some_and(|&l| l > d) {
@@ -592,10 +637,17 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             refs.insert(next, slot);
         }
     }
-    for (i, &n) in steps.iter().enumerate() {
+    for (i0, &n) in steps.iter().enumerate() {
         let node = g.node(n);
+        let i = pos(i0);
+        // What an output may be written over: a fused launch's external inputs (each element is
+        // read before it is written), or an element-wise op's inputs.
+        let over: Vec<ValueId> = match run_of.get(&i0) {
+            Some(&r) => chains[r].1.clone(),
+            None => node.inputs().iter().flatten().copied().collect(),
+        };
         for (k, &o) in node.outputs().iter().enumerate() {
-            if refs.contains_key(&o) {
+            if refs.contains_key(&o) || dropped.contains(&o) {
                 continue;
             }
             let (d, s) = ty(o)?;
@@ -604,10 +656,10 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             // In place over an input that dies here, of the output's dtype and shape (a broadcast
             // input of the same aligned size would be overwritten while other elements still read
             // it), not an input slot.
-            let reuse = (k == 0 && crate::plan::elementwise(&node.op))
+            let reuse = (k == 0 && (run_of.contains_key(&i0) || crate::plan::elementwise(&node.op)))
                 .then(|| {
                     let same = |v: &&ValueId| ty(**v).is_ok_and(|t| t == (d, s.clone()));
-                    node.inputs().iter().flatten().filter(same).map(|&v| root(v)).find(|v| {
+                    over.iter().filter(same).map(|&v| root(v)).find(|v| {
                         matches!(g.value(*v).def(), Def::Node(..))
                             && last.get(v) == Some(&i)
                             && !keep.contains(v)
@@ -658,7 +710,22 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
 
     // 4. Launches.
     let mut launches = Vec::with_capacity(steps.len());
-    for &n in &steps {
+    for (i, &n) in steps.iter().enumerate() {
+        if let Some(&r) = run_of.get(&i) {
+            if pos(i) == i {
+                let (chain, ins, outs) = &chains[r];
+                let labels: Vec<&str> = chain.steps.iter().map(|s| s.node.as_str()).collect();
+                launches.push(Launch {
+                    node: labels.join(" + "),
+                    op: fused_marker(),
+                    inputs: ins.iter().map(|&v| place(v, &refs).map(Operand::Device)).collect::<Result<_, _>>()?,
+                    outputs: outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?,
+                    branches: None,
+                    chain: Some(Box::new(chain.clone())),
+                });
+            }
+            continue;
+        }
         let node = g.node(n);
         let host = node.op.host_operands();
         let inputs = node
@@ -693,7 +760,12 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
                 .collect();
             let base = align_up(arena_bytes, caps.align);
             let mut lower_branch = |bg: &Graph, nested_b: &HashMap<NodeId, Branches>| {
-                let sub = LowerOptions { layout: Some(&state_layout), variables: None, branches: Some(nested_b) };
+                let sub = LowerOptions {
+                    layout: Some(&state_layout),
+                    variables: None,
+                    branches: Some(nested_b),
+                    unfused: opts.unfused,
+                };
                 let nest = Nested { arena_base: base, constants_base: constants_bytes, inputs: captures.clone() };
                 let p = lower_in(bg, caps, sub, Some(nest))?;
                 if p.outputs.len() != outputs.len() {
@@ -731,7 +803,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         } else {
             None
         };
-        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs, branches });
+        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs, branches, chain: None });
     }
     let host_reads = launches.iter().filter(|l| l.branches.is_some()).count();
     let named = |vs: &[ValueId], refs: &HashMap<ValueId, TensorRef>| {
@@ -764,6 +836,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         folded,
         views,
         widened: widened.len(),
+        fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         buffers: arena_buffers,
     })
 }

@@ -23,7 +23,8 @@ pub fn compiled(name: &str, policy: &str, train: bool) -> Result<mpc_ir::Graph, 
     if train {
         mpc::train::free_batch(&mut g);
     }
-    let loss = if name == "mlp_loss" { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
+    let loss =
+        if name.ends_with("_loss") { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
     let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
     let opts = mpc::Options { policy: Some(policy.into()), train: t, ..Default::default() };
     mpc::compile(&mut g, &path, &opts, &mut |_, _| {})?;

@@ -129,6 +129,9 @@ pub(crate) fn call_interpretable(c: &Call) -> bool {
 }
 
 pub(crate) fn interpretable(k: &Kernel) -> bool {
+    if k.fused.is_some() {
+        return true;
+    }
     let reduce = ["sum", "mean", "max", "min", "prod", "sum_square", "l1", "l2", "log_sum_exp", "argmax", "argmin"]
         .iter()
         .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")))
@@ -183,7 +186,54 @@ pub(crate) const UNARY: [&str; 12] = [
 ];
 pub(crate) const BINARY: [&str; 7] = ["add", "sub", "mul", "div", "max", "min", "pow"];
 
+/// A fused chain's kernel: each input read at the offsets its strides give, the steps run with
+/// the CPU's kernels over the flattened output, the outputs stored.
+fn run_fused(m: &mut Memory, k: &Kernel, f: &mpc_runtime::cuda::plan::fused::Fused) {
+    let n = int(k.args.last().unwrap());
+    let at = |i: i64, st: &[i64]| {
+        let (mut r, mut o) = (i, 0);
+        for d in (0..f.dims.len()).rev() {
+            o += (r % f.dims[d]) * st[d];
+            r /= f.dims[d];
+        }
+        o
+    };
+    let ins: Vec<HostTensor> = f
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(j, (d, st))| {
+            let b = ptr(&k.args[j]);
+            HostTensor::from_f64(*d, vec![n as usize], (0..n).map(|i| m.get(b, at(i, st), *d)).collect())
+        })
+        .collect();
+    let mut steps: Vec<HostTensor> = Vec::new();
+    for s in &f.chain.steps {
+        let args: Vec<Option<&HostTensor>> = s
+            .args
+            .iter()
+            .map(|a| match *a {
+                mpc_runtime::fuse::ChainArg::Input(j) => Some(&ins[j]),
+                mpc_runtime::fuse::ChainArg::Step(j) => Some(&steps[j]),
+            })
+            .collect();
+        let r = mpc_runtime::cpu::run_op(&s.op, &args, 1).unwrap().remove(0);
+        assert_eq!(r.dtype(), s.dtype, "{}", s.node);
+        steps.push(r);
+    }
+    for (j, (&step, &d)) in f.chain.outputs.iter().zip(&f.outputs).enumerate() {
+        let b = ptr(&k.args[f.inputs.len() + j]);
+        let v = steps[step].f64s();
+        for i in 0..n {
+            m.set(b, i, d, v[i as usize]);
+        }
+    }
+}
+
 pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
+    if let Some(f) = &k.fused {
+        return run_fused(m, k, f);
+    }
     let a = &k.args;
     let tag = k.name.rsplit('_').next().unwrap();
     if k.name.starts_with("movement_copy_") {

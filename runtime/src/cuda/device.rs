@@ -74,7 +74,7 @@ pub struct CudaDevice {
     /// Why cuDNN refused convolutions it was offered: node and reason, the first 16.
     dnn_refusals: Vec<String>,
     allow_tf32: bool,
-    modules: HashMap<&'static str, drv_sys::CUmodule>,
+    modules: HashMap<String, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
     /// Every loaded kernel's parameter layout, from its cubin: each call is checked against it
     /// when a program is prepared.
@@ -192,17 +192,23 @@ impl CudaDevice {
         unsafe { drv::ctx::set_current(self.ctx) }.map_err(driver("context"))
     }
 
-    /// The kernel `name` of `family`, compiled and loaded on first use.
-    fn function(&mut self, family: &'static str, name: &str) -> Result<drv_sys::CUfunction, RuntimeError> {
+    /// The kernel `k`, compiled and loaded on first use: from its family's file, or a fused
+    /// chain's generated source (one module each).
+    fn function(&mut self, k: &plan::Kernel) -> Result<drv_sys::CUfunction, RuntimeError> {
+        let (family, name) = (k.family, k.name.as_str());
         if let Some(&f) = self.functions.get(name) {
             return Ok(f);
         }
-        if !self.modules.contains_key(family) {
-            let source = nvrtc::FAMILIES
-                .iter()
-                .find(|(f, _)| *f == family)
-                .map(|(_, s)| *s)
-                .ok_or_else(|| RuntimeError::Internal(format!("no kernel family {family}")))?;
+        let module_key = if k.fused.is_some() { name.to_string() } else { family.to_string() };
+        if !self.modules.contains_key(&module_key) {
+            let source = match &k.fused {
+                Some(fused) => fused.source.as_str(),
+                None => nvrtc::FAMILIES
+                    .iter()
+                    .find(|(f, _)| *f == family)
+                    .map(|(_, s)| *s)
+                    .ok_or_else(|| RuntimeError::Internal(format!("no kernel family {family}")))?,
+            };
             let compiled = nvrtc::compile(family, source, &self.gpu.arch(), false).map_err(cuda_error)?;
             let params =
                 super::cubin::kernels(&compiled.cubin).map_err(|e| RuntimeError::Internal(format!("{family}: {e}")))?;
@@ -210,11 +216,11 @@ impl CudaDevice {
             // SAFETY: a cubin NVRTC made for this device's architecture; it is copied by the driver.
             let module = unsafe { drv::module::load_data(compiled.cubin.as_ptr() as *const c_void) }
                 .map_err(driver("loading a module"))?;
-            self.modules.insert(family, module);
+            self.modules.insert(module_key.clone(), module);
         }
         let cname = CString::new(name).map_err(|_| RuntimeError::Internal(format!("kernel name {name}")))?;
         // SAFETY: the module is loaded and stays loaded as long as the device.
-        let f = unsafe { drv::module::get_function(self.modules[family], cname) }
+        let f = unsafe { drv::module::get_function(self.modules[&module_key], cname) }
             .map_err(|e| RuntimeError::Internal(format!("kernel {name} is not in kernels/{family}.cu: {e:?}")))?;
         self.functions.insert(name.to_string(), f);
         Ok(f)
@@ -256,6 +262,40 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// The fused chains' kernels of `plans` that are not loaded yet, compiled by NVRTC as one
+    /// module (one compile per program, not per chain).
+    fn load_fused(&mut self, plans: &[(usize, String, plan::LaunchPlan)]) -> Result<(), RuntimeError> {
+        let mut names: Vec<&str> = Vec::new();
+        let mut source = String::new();
+        for k in plans.iter().flat_map(|(_, _, p)| p.kernels()) {
+            if let Some(f) = &k.fused {
+                if !self.functions.contains_key(&k.name) && !names.contains(&k.name.as_str()) {
+                    names.push(&k.name);
+                    source.push_str(&f.source);
+                }
+            }
+        }
+        if names.is_empty() {
+            return Ok(());
+        }
+        let compiled = nvrtc::compile("fused", &source, &self.gpu.arch(), false).map_err(cuda_error)?;
+        let params =
+            super::cubin::kernels(&compiled.cubin).map_err(|e| RuntimeError::Internal(format!("fused: {e}")))?;
+        self.params.extend(params);
+        // SAFETY: a cubin NVRTC made for this device's architecture; it is copied by the driver.
+        let module = unsafe { drv::module::load_data(compiled.cubin.as_ptr() as *const c_void) }
+            .map_err(driver("loading a module"))?;
+        self.modules.insert(format!("fused#{}", self.modules.len()), module);
+        for name in names {
+            let cname = CString::new(name).map_err(|_| RuntimeError::Internal(format!("kernel name {name}")))?;
+            // SAFETY: the module is loaded and stays loaded as long as the device.
+            let f = unsafe { drv::module::get_function(module, cname) }
+                .map_err(|e| RuntimeError::Internal(format!("fused kernel {name}: {e:?}")))?;
+            self.functions.insert(name.to_string(), f);
+        }
+        Ok(())
+    }
+
     /// `c` with every address resolved, appended to `out`: a convolution as cuDNN calls where
     /// cuDNN takes it, else as its fallback's calls.
     fn ready(
@@ -267,7 +307,7 @@ impl CudaDevice {
     ) -> Result<(), RuntimeError> {
         out.push(match c {
             Call::Kernel(k) => {
-                let f = self.function(k.family, &k.name)?;
+                let f = self.function(&k)?;
                 let declared = self
                     .params
                     .get(&k.name)
@@ -470,6 +510,7 @@ impl Device for CudaDevice {
         self.current()?;
         let mut plans = Vec::new();
         self.prepare_launches(&program.launches, program, &mut plans)?;
+        self.load_fused(&plans)?;
         let workspace_bytes = plans.iter().map(|(_, _, p)| p.workspace).max().unwrap_or(0);
         let mut aux_bytes = Vec::new();
         let mut aux_at = Vec::with_capacity(plans.len());

@@ -148,7 +148,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
     Ok(true)
 }
 
-fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
+pub(super) fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
     Some(match op {
         Op::Relu => ("relu", 0.0, 0.0),
         Op::Sigmoid => ("sigmoid", 0.0, 0.0),
@@ -180,7 +180,7 @@ fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
     })
 }
 
-fn binary_name(op: &Op) -> Option<&'static str> {
+pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
     Some(match op {
         Op::Add | Op::Sum | Op::Mean => "add",
         Op::Sub => "sub",

@@ -18,6 +18,7 @@ use crate::program::{Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
 
 mod elementwise;
+pub mod fused;
 mod indexing;
 mod linalg;
 mod movement;
@@ -168,6 +169,8 @@ pub struct Kernel {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub args: Vec<Arg>,
+    /// A fused chain's kernel (family `fused`): what it computes and its generated source.
+    pub fused: Option<std::sync::Arc<fused::Fused>>,
 }
 
 /// A cuBLAS strided-batched GEMM in cuBLAS's column-major terms: `C = alpha op(A) op(B) + beta C`
@@ -472,7 +475,7 @@ impl<'a> Planner<'a> {
     }
 
     fn kernel(&mut self, family: &'static str, name: String, grid: [u32; 3], block: [u32; 3], args: Vec<Arg>) {
-        self.out.calls.push(Call::Kernel(Kernel { family, name, grid, block, args }));
+        self.out.calls.push(Call::Kernel(Kernel { family, name, grid, block, args, fused: None }));
     }
 
     /// A 1-D grid-stride kernel over `n` elements.
@@ -597,6 +600,9 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
 }
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
+    if let Some(chain) = &p.l.chain {
+        return fused::plan_chain(p, chain);
+    }
     let op = &p.l.op;
     if plan_elementwise(p)? {
         return Ok(());
@@ -1007,6 +1013,7 @@ mod tests {
             ],
             outputs: vec![t(out)],
             branches: None,
+            chain: None,
         };
         let none = |_: &TensorRef| None;
         // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).

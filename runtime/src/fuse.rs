@@ -1,0 +1,190 @@
+//! Element-wise chains fused into one launch.
+//!
+//! Lowering finds runs of consecutive element-wise launches over one shape, each reading a value
+//! the run made before it (a bias add and its activation; a Cast, a scale and a mask before a
+//! softmax; a residual add after a Cast), and makes each run one launch: a [`Chain`] of steps.
+//! Values made inside the run and read nowhere else get no place in memory; the others are the
+//! launch's outputs. Every step keeps its own rounding (a device computes each step as its
+//! unfused kernel does and rounds the result to the step's dtype before the next reads it), so a
+//! fused program computes the bits of the unfused one: the CPU device runs the steps one after
+//! the other with the reference kernels, the CUDA device one generated kernel per chain.
+
+use std::collections::{HashMap, HashSet};
+
+use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
+
+/// One step of a chain: an element-wise op over the chain's inputs and earlier steps' results.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChainStep {
+    /// The node it comes from (`"name" (Op)`).
+    pub node: String,
+    pub op: Op,
+    pub args: Vec<ChainArg>,
+    /// The dtype its result is rounded to (the node's output dtype).
+    pub dtype: DType,
+}
+
+/// What a step reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChainArg {
+    /// The launch's input `k` (broadcast to the chain's shape where it is smaller).
+    Input(usize),
+    /// The result of an earlier step.
+    Step(usize),
+}
+
+/// A fused launch's steps, all over the shape of its outputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Chain {
+    pub steps: Vec<ChainStep>,
+    /// The step whose result each of the launch's outputs is.
+    pub outputs: Vec<usize>,
+}
+
+impl Chain {
+    /// `Fused(Cast+Mul+Add)`: what a profile calls the launch.
+    pub fn kind(&self) -> String {
+        let ops: Vec<&str> = self.steps.iter().map(|s| s.op.op_type()).collect();
+        format!("Fused({})", ops.join("+"))
+    }
+}
+
+/// Whether `MPC_FUSE=0` turns fusion off (to compare a fused program with the unfused one).
+pub fn enabled() -> bool {
+    std::env::var("MPC_FUSE").map_or(true, |v| v != "0")
+}
+
+/// The ops a chain may hold: element-wise, with the same formula on every device (the CUDA
+/// device generates them from the functors of `kernels/ops.cuh`).
+pub fn fusable_op(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Add
+            | Op::Sub
+            | Op::Mul
+            | Op::Div
+            | Op::Relu
+            | Op::Sigmoid
+            | Op::Tanh
+            | Op::Neg
+            | Op::Exp
+            | Op::Sqrt
+            | Op::Reciprocal
+            | Op::Erf
+            | Op::Gelu(_)
+            | Op::LeakyRelu(_)
+            | Op::Cast(_)
+    )
+}
+
+fn chain_dtype(d: Option<DType>) -> bool {
+    matches!(d, Some(DType::F32 | DType::F16 | DType::BF16))
+}
+
+/// Whether `input` broadcasts one way to `full` (numpy, right-aligned).
+fn broadcasts(input: &[usize], full: &[usize]) -> bool {
+    input.len() <= full.len() && input.iter().rev().zip(full.iter().rev()).all(|(&a, &b)| a == b || a == 1)
+}
+
+/// The runs of `steps` (by index) to fuse, each at least two steps long. `shape` gives a value's
+/// fixed shape, `root` the value whose buffer a value is (through views and widened casts), and
+/// `outside` whether a value is read past a given step index (or must outlive the program).
+pub(crate) fn runs(
+    g: &Graph,
+    steps: &[NodeId],
+    shape: &dyn Fn(ValueId) -> Option<Vec<usize>>,
+    root: &dyn Fn(ValueId) -> ValueId,
+) -> Vec<Vec<usize>> {
+    let fusable = |n: NodeId| -> Option<Vec<usize>> {
+        let node = g.node(n);
+        let (&[o], true) = (node.outputs(), fusable_op(&node.op)) else { return None };
+        if !chain_dtype(g.ty(o).dtype) || !node.op.host_operands().is_empty() {
+            return None;
+        }
+        let full = shape(o).filter(|s| s.iter().product::<usize>() > 0 && s.len() <= 8)?;
+        let ok = node
+            .inputs()
+            .iter()
+            .all(|v| v.is_some_and(|v| chain_dtype(g.ty(v).dtype) && shape(v).is_some_and(|s| broadcasts(&s, &full))));
+        ok.then_some(full)
+    };
+    let mut out = Vec::new();
+    let mut run: Vec<usize> = Vec::new();
+    let mut made: HashSet<ValueId> = HashSet::new();
+    let mut run_shape: Vec<usize> = Vec::new();
+    for (i, &n) in steps.iter().enumerate() {
+        let full = fusable(n);
+        let joins = full.as_ref().is_some_and(|f| {
+            let ins = g.node(n).inputs().iter().flatten();
+            *f == run_shape
+                && !run.is_empty()
+                && g.node(n).inputs().iter().flatten().any(|v| made.contains(v))
+                // A run value read through a view has another shape: not inside the run.
+                && ins.clone().all(|v| made.contains(v) || !made.contains(&root(*v)))
+        });
+        if !joins {
+            if run.len() >= 2 {
+                out.push(std::mem::take(&mut run));
+            }
+            run.clear();
+            made.clear();
+            if let Some(f) = full {
+                run_shape = f;
+            } else {
+                continue;
+            }
+        }
+        run.push(i);
+        made.extend(g.node(n).outputs().iter().copied());
+    }
+    if run.len() >= 2 {
+        out.push(run);
+    }
+    out
+}
+
+/// The chain of `run` (step indices into `steps`), its external inputs in the order the steps
+/// first read them, and the run's values that must be written: those `needed` says are read
+/// past the run (or outlive it). The steps' args index those inputs.
+pub(crate) fn chain(
+    g: &Graph,
+    steps: &[NodeId],
+    run: &[usize],
+    needed: &dyn Fn(ValueId) -> bool,
+) -> (Chain, Vec<ValueId>, Vec<ValueId>) {
+    let mut step_of: HashMap<ValueId, usize> = HashMap::new();
+    let mut inputs: Vec<ValueId> = Vec::new();
+    let mut chain_steps = Vec::with_capacity(run.len());
+    for (k, &i) in run.iter().enumerate() {
+        let node = g.node(steps[i]);
+        let args = node
+            .inputs()
+            .iter()
+            .flatten()
+            .map(|&v| match step_of.get(&v) {
+                Some(&s) => ChainArg::Step(s),
+                None => {
+                    let at = inputs.iter().position(|&x| x == v).unwrap_or_else(|| {
+                        inputs.push(v);
+                        inputs.len() - 1
+                    });
+                    ChainArg::Input(at)
+                }
+            })
+            .collect();
+        let o = node.outputs()[0];
+        step_of.insert(o, k);
+        let dtype = g.ty(o).dtype.expect("a fusable step has a float dtype");
+        chain_steps.push(ChainStep { node: g.node_label(steps[i]), op: node.op.clone(), args, dtype });
+    }
+    let mut outputs = Vec::new();
+    let mut values = Vec::new();
+    for &i in run {
+        let o = g.node(steps[i]).outputs()[0];
+        if needed(o) {
+            outputs.push(step_of[&o]);
+            values.push(o);
+        }
+    }
+    (Chain { steps: chain_steps, outputs }, inputs, values)
+}
