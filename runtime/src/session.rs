@@ -345,12 +345,9 @@ impl<D: Device> Session<D> {
                 _ => host[i],
             };
             times.push(match l {
-                Some(l) => LaunchTime {
-                    node: l.node.clone(),
-                    op: l.op.op_type().to_string(),
-                    dtype: l.outputs.first().map(|o| o.dtype),
-                    ms,
-                },
+                Some(l) => {
+                    LaunchTime { node: l.node.clone(), op: l.kind(), dtype: l.outputs.first().map(|o| o.dtype), ms }
+                }
                 None => LaunchTime { node: "(state copies)".into(), op: "(state copies)".into(), dtype: None, ms },
             });
         }
