@@ -61,6 +61,41 @@ common::per_device!(
     fused_chains_give_the_unfused_bits => fused_chains_give_the_unfused_bits,
 );
 
+/// A fused run writes the values read after it, also through a view, and no others: Cast, Add
+/// and Tanh fuse, the Add's result is read again through a Reshape (a view) by a Neg, which
+/// is not in the run; the Cast's result is read by nothing else and gets no memory.
+#[test]
+fn a_fused_run_writes_what_is_read_after_it() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"x\": f16[4,8]\n  \
+                input %1 \"b\": f32[8]\n  init %2 \"shape\" = i64[1]{32}\n  \
+                %3 \"c\": f32[4,8] = Cast[to=1](%0)\n  %4 \"a\": f32[4,8] = Add(%3, %1)\n  \
+                %5 \"t\": f32[4,8] = Tanh(%4)\n  %6 \"r\": f32[32] = Reshape(%4, %2)\n  \
+                %7 \"u\": f32[32] = Neg(%6)\n  output %5\n  output %7\nend\n";
+    let path = common::scratch("fused_run").join("chain.mpcir");
+    std::fs::write(&path, text).unwrap();
+    let g = mpc::load(&path).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let lowered = |unfused| {
+        let opts = mpc_runtime::program::LowerOptions { unfused, ..Default::default() };
+        mpc_runtime::program::lower(&g, caps, opts).unwrap()
+    };
+    let (fused, plain) = (lowered(false), lowered(true));
+    assert_eq!((fused.launches.len(), plain.launches.len()), (2, 4));
+    let chain = fused.launches[0].chain.as_ref().unwrap();
+    assert_eq!(fused.launches[0].kind(), "Fused(Cast+Add+Tanh)");
+    assert_eq!(chain.outputs, vec![1, 2], "the Add's and the Tanh's results are written");
+    let written: Vec<&str> = fused.buffers.iter().flat_map(|b| b.values.iter().map(|v| v.1.as_str())).collect();
+    assert!(!written.contains(&"c") && written.contains(&"a"), "{written:?}");
+    let inputs = mpc::run::random_inputs(&g, 3, &HashMap::new()).unwrap();
+    let run = |p: Program| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap().run(&inputs).unwrap();
+    let (x, y) = (run(fused), run(plain));
+    assert_eq!(x.len(), 2);
+    for ((n, a), (m, b)) in x.iter().zip(&y) {
+        assert_eq!(n, m);
+        same(a, b, n);
+    }
+}
+
 /// Element-wise chains fused into one launch compute the bits of the launches they replace:
 /// the fixtures' inference graphs and training steps (and a GPT-shaped step with its loss inside)
 /// under each policy, lowered with and without fusion, run on the same inputs, give the same

@@ -683,15 +683,24 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         }
     }
     let (mut offsets, mut arena_bytes) = crate::plan::place_buffers(&buffers);
+    // Lifetimes above count steps; a report counts launches (a fused run is one, at its end).
+    let mut launch_at = Vec::with_capacity(steps.len() + 1);
+    let mut launched = 0;
+    for i in 0..steps.len() {
+        launch_at.push(launched);
+        launched += usize::from(pos(i) == i);
+    }
+    launch_at.push(launched);
+    let at = |i: usize| launch_at[i.min(steps.len())];
     let arena_buffers = buffers
         .iter()
         .zip(&holders)
         .map(|(&(bytes, first, last), vs)| {
             let values = vs
                 .iter()
-                .map(|&(i, v)| Ok((i, g.name(v).to_string(), ty(v)?.0, ty(v)?.1)))
+                .map(|&(i, v)| Ok((at(i), g.name(v).to_string(), ty(v)?.0, ty(v)?.1)))
                 .collect::<Result<Vec<_>, RuntimeError>>()?;
-            Ok(ArenaBuffer { bytes, first, last, values })
+            Ok(ArenaBuffer { bytes, first: at(first), last: at(last), values })
         })
         .collect::<Result<Vec<_>, RuntimeError>>()?;
     if let Some(n) = &nested {
