@@ -327,6 +327,11 @@ __device__ __forceinline__ float mpc_keep(float v) {
     return v;
 }
 
+// The reduction of a fused chain's softmax (softmax.cu's OpFmaxS).
+struct OpFmaxF {
+    template <typename C> __device__ __forceinline__ C operator()(C a, C b) const { return m_fmax(a, b); }
+};
+
 // ---- element-wise formulas: elementwise.cu's kernels and the fused chains the CUDA device
 // generates (runtime/src/cuda/fused.rs) compute each op with these, so a chain's step and the
 // op's own kernel agree to the bit.

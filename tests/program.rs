@@ -147,7 +147,9 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         }
     }
     println!("chains fused: {chains:?}");
-    for kind in ["Fused(Cast+Mul+Add)", "Fused(Cast+Add+Add)", "Fused(Add+Gelu)"] {
+    for kind in
+        ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)", "Fused(Cast+Add+Add)", "Fused(Add+Gelu)"]
+    {
         assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
     }
 }

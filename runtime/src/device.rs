@@ -336,6 +336,12 @@ impl Device for CpuDevice {
                         copies += u64::from(!t.is_view());
                         Ok(t)
                     }
+                    Operand::Widened(t) => {
+                        // SAFETY: as below.
+                        let view = unsafe { cpu::views::host_view(&bases, t) };
+                        copies += 1;
+                        Ok(view.cast(mpc_ir::DType::F32))
+                    }
                     _ => Err(RuntimeError::Internal(format!("{}: a fused launch's input is not in memory", l.node))),
                 })
                 .collect::<Result<_, _>>()?;

@@ -1,8 +1,12 @@
 //! Element-wise chains fused into one launch.
 //!
 //! Lowering finds runs of consecutive element-wise launches over one shape, each reading a value
-//! the run made before it (a bias add and its activation; a Cast, a scale and a mask before a
-//! softmax; a residual add after a Cast), and makes each run one launch: a [`Chain`] of steps.
+//! the run made before it (a bias add and its activation; a Cast, a scale and a mask; a residual
+//! add after a Cast), and makes each run one launch: a [`Chain`] of steps. A run may hold one
+//! row-wise step, a Softmax, LogSoftmax or SoftmaxGrad over that shape: the steps before it are
+//! computed as it reads its rows, the steps after it as it writes them (an attention's scale and
+//! mask, its softmax and the Cast of the probabilities to f16 are one launch; so are the
+//! softmax's gradient, the scale's and the Cast back to f16).
 //! Values made inside the run and read nowhere else get no place in memory; the others are the
 //! launch's outputs. Every step keeps its own rounding (a device computes each step as its
 //! unfused kernel does and rounds the result to the step's dtype before the next reads it), so a
@@ -47,6 +51,16 @@ impl Chain {
         let ops: Vec<&str> = self.steps.iter().map(|s| s.op.op_type()).collect();
         format!("Fused({})", ops.join("+"))
     }
+
+    /// The row-wise step, if the chain has one.
+    pub fn row_step(&self) -> Option<usize> {
+        self.steps.iter().position(|s| row_wise(&s.op))
+    }
+}
+
+/// The row-wise ops a run may hold (one of them).
+pub fn row_wise(op: &Op) -> bool {
+    matches!(op, Op::Softmax(_) | Op::LogSoftmax(_) | Op::SoftmaxGrad(_))
 }
 
 /// Whether `MPC_FUSE=0` turns fusion off (to compare a fused program with the unfused one).
@@ -97,7 +111,7 @@ pub(crate) fn runs(
 ) -> Vec<Vec<usize>> {
     let fusable = |n: NodeId| -> Option<Vec<usize>> {
         let node = g.node(n);
-        let (&[o], true) = (node.outputs(), fusable_op(&node.op)) else { return None };
+        let (&[o], true) = (node.outputs(), fusable_op(&node.op) || row_wise(&node.op)) else { return None };
         if !chain_dtype(g.ty(o).dtype) || !node.op.host_operands().is_empty() {
             return None;
         }
@@ -112,12 +126,15 @@ pub(crate) fn runs(
     let mut run: Vec<usize> = Vec::new();
     let mut made: HashSet<ValueId> = HashSet::new();
     let mut run_shape: Vec<usize> = Vec::new();
+    let mut has_row = false;
     for (i, &n) in steps.iter().enumerate() {
         let full = fusable(n);
+        let row = row_wise(&g.node(n).op);
         let joins = full.as_ref().is_some_and(|f| {
             let ins = g.node(n).inputs().iter().flatten();
             *f == run_shape
                 && !run.is_empty()
+                && !(row && has_row)
                 && g.node(n).inputs().iter().flatten().any(|v| made.contains(v))
                 // A run value read through a view has another shape: not inside the run.
                 && ins.clone().all(|v| made.contains(v) || !made.contains(&root(*v)))
@@ -128,6 +145,7 @@ pub(crate) fn runs(
             }
             run.clear();
             made.clear();
+            has_row = false;
             if let Some(f) = full {
                 run_shape = f;
             } else {
@@ -135,6 +153,7 @@ pub(crate) fn runs(
             }
         }
         run.push(i);
+        has_row |= row;
         made.extend(g.node(n).outputs().iter().copied());
     }
     if run.len() >= 2 {

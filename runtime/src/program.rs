@@ -727,7 +727,13 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
                 launches.push(Launch {
                     node: labels.join(" + "),
                     op: fused_marker(),
-                    inputs: ins.iter().map(|&v| place(v, &refs).map(Operand::Device)).collect::<Result<_, _>>()?,
+                    inputs: ins
+                        .iter()
+                        .map(|v| match widened.get(v) {
+                            Some(&low) => place(low, &refs).map(Operand::Widened),
+                            None => place(*v, &refs).map(Operand::Device),
+                        })
+                        .collect::<Result<_, _>>()?,
                     outputs: outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?,
                     branches: None,
                     chain: Some(Box::new(chain.clone())),

@@ -187,7 +187,7 @@ pub(crate) const UNARY: [&str; 12] = [
 pub(crate) const BINARY: [&str; 7] = ["add", "sub", "mul", "div", "max", "min", "pow"];
 
 /// A fused chain's kernel: each input read at the offsets its strides give, the steps run with
-/// the CPU's kernels over the flattened output, the outputs stored.
+/// the CPU's kernels over the output's shape, the outputs stored.
 fn run_fused(m: &mut Memory, k: &Kernel, f: &mpc_runtime::cuda::plan::fused::Fused) {
     let n = int(k.args.last().unwrap());
     let at = |i: i64, st: &[i64]| {
@@ -204,7 +204,9 @@ fn run_fused(m: &mut Memory, k: &Kernel, f: &mpc_runtime::cuda::plan::fused::Fus
         .enumerate()
         .map(|(j, (d, st))| {
             let b = ptr(&k.args[j]);
-            HostTensor::from_f64(*d, vec![n as usize], (0..n).map(|i| m.get(b, at(i, st), *d)).collect())
+            let values: Vec<f64> = (0..n).map(|i| m.get(b, at(i, st), *d)).collect();
+            // An input read widened holds its f16/bf16 values as f32 for the steps.
+            HostTensor::from_f64(if f.widened[j] { DType::F32 } else { *d }, f.shape.clone(), values)
         })
         .collect();
     let mut steps: Vec<HostTensor> = Vec::new();

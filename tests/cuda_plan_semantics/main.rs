@@ -144,22 +144,28 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
 /// The training step of a GPT-shaped model with its loss inside and no other output
 /// (`tests/models/tiny_gpt_loss.onnx`): under mixed precision its forward loss reads the f16 or
 /// bf16 logits widened and its gradient writes them low (the `_wide_` loss kernels), and
-/// SoftmaxGrad reads the f16 or bf16 gradient and probabilities widened.
+/// SoftmaxGrad reads the f16 or bf16 gradient and probabilities widened (in a fused chain, with
+/// the scale's gradient and the Cast back, and on its own where fusion is off).
 #[test]
 fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_computes() {
     use mpc_passes::train::{Loss, TrainOptions};
+    use mpc_runtime::program::{lower, LowerOptions};
     let path = fixture("tiny_gpt_loss");
     let mut kernels = std::collections::BTreeSet::new();
-    for policy in ["fp32", "mixed", "mixed-bf16"] {
+    let mut chains = std::collections::BTreeSet::new();
+    for (policy, unfused) in
+        [("fp32", false), ("mixed", false), ("mixed-bf16", false), ("mixed", true), ("mixed-bf16", true)]
+    {
         let mut g = mpc::load(&path).unwrap();
         let t = TrainOptions { loss: Loss::Output("loss".into()), ..TrainOptions::default() };
         let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), ..Default::default() };
         mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
         let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
         let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
-        let program = mpc::run::lower_bound(&bound, CUDA, None, None, &path).unwrap();
+        let program = lower(&bound, CUDA, LowerOptions { unfused, ..Default::default() }).unwrap();
         let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
         for l in &program.launches {
+            chains.extend(l.chain.as_ref().map(|c| c.kind()));
             for c in &plan(l, &constant).unwrap().calls {
                 if let Call::Kernel(k) = c {
                     kernels.insert(k.name.clone());
@@ -167,7 +173,14 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
             }
         }
         let feeds = mpc::run::random_inputs(&bound, 5, &dims).unwrap();
-        check_program(&format!("tiny_gpt_loss {policy} train"), &program, &feeds);
+        check_program(
+            &format!("tiny_gpt_loss {policy} train{}", if unfused { " unfused" } else { "" }),
+            &program,
+            &feeds,
+        );
+    }
+    for c in ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)"] {
+        assert!(chains.contains(c), "no {c}: {chains:?}");
     }
     for k in [
         "loss_softmax_ce_wide_f16_i64",

@@ -20,12 +20,16 @@ use crate::fuse::{Chain, ChainArg};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fused {
     pub chain: Chain,
-    /// Each input's dtype and element strides over `dims` (0 where it is broadcast).
+    /// Each input's dtype in memory and element strides over `dims` (0 where it is broadcast).
     pub inputs: Vec<(DType, Vec<i64>)>,
+    /// Which inputs the chain reads widened to f32 ([`crate::program::Operand::Widened`]).
+    pub widened: Vec<bool>,
     /// Each output's dtype (every output is contiguous over `dims`).
     pub outputs: Vec<DType>,
-    /// The output's dims, coalesced (row-major).
+    /// The output's dims, coalesced (row-major): how an element's index gives each input's offset.
     pub dims: Vec<i64>,
+    /// The output's shape (a softmax step works along one of its axes).
+    pub shape: Vec<usize>,
     /// The kernel's source (`common.cuh` is put before it when it is compiled).
     pub source: String,
 }
@@ -50,7 +54,9 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     if outs.iter().any(|o| o.shape != full) || outs.len() != chain.outputs.len() {
         return Err("a fused launch whose outputs differ in shape".into());
     }
-    let ins: Vec<&TensorRef> = (0..p.l.inputs.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+    // An input read widened is loaded from its f16/bf16 place: `ld` widens what it loads.
+    let (ins, widened): (Vec<&TensorRef>, Vec<bool>) =
+        (0..p.l.inputs.len()).map(|i| p.input_or_widened(i)).collect::<Result<Vec<_>, _>>()?.into_iter().unzip();
     let apart = |t: &&&TensorRef| mpc_ir::geometry::broadcast_shape(&[&t.shape, &full]).is_none_or(|b| b != full);
     if let Some(t) = ins.iter().find(apart) {
         return Err(format!("a fused input of shape {:?} does not broadcast to {full:?}", t.shape));
@@ -63,21 +69,34 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     let n = numel(&full);
     let inputs: Vec<(DType, Vec<i64>)> = ins.iter().map(|t| t.dtype).zip(walks).collect();
     let outputs: Vec<DType> = outs.iter().map(|t| t.dtype).collect();
-    let body = generate(chain, &inputs, &outputs, &dims, n)?;
+    let g = Gen { chain, inputs: &inputs, dims: &dims, wide: n > u32::MAX as u64 };
+    let (body, grid, block) = match chain.row_step() {
+        None => (g.elementwise(&outputs)?, grid_for(n), [BLOCK, 1, 1]),
+        Some(r) => {
+            let axis = match &chain.steps[r].op {
+                Op::Softmax(a) | Op::LogSoftmax(a) => a.axis,
+                Op::SoftmaxGrad(a) => a.axis,
+                _ => unreachable!("a row-wise step"),
+            };
+            let ax = normalize_axis(axis, full.len()).ok_or("softmax axis out of range")?;
+            let (outer, len, inner) = split3(&full, ax, ax + 1);
+            // The unfused softmax's launch: the same block, so the same reduction order.
+            let block = if len <= 128 { 32 } else { BLOCK };
+            let body = if matches!(chain.steps[r].op, Op::SoftmaxGrad(_)) {
+                g.grad_rows(&outputs, r, outer, len, inner)?
+            } else {
+                g.rows(&outputs, r, outer, len, inner)?
+            };
+            (body, rows_grid(outer * inner), [block, 1, 1])
+        }
+    };
     let name = format!("fused_{:016x}", fnv(body.as_bytes()));
     let source = format!("MPC_KERNEL {name}{body}");
     let mut args: Vec<Arg> = ins.iter().map(|t| Arg::Ptr(buf(t))).collect();
     args.extend(outs.iter().map(|t| Arg::Ptr(buf(t))));
     args.push(Arg::I64(n as i64));
-    let fused = Fused { chain: chain.clone(), inputs, outputs, dims, source };
-    p.out.calls.push(Call::Kernel(Kernel {
-        family: "fused",
-        name,
-        grid: grid_for(n),
-        block: [BLOCK, 1, 1],
-        args,
-        fused: Some(Arc::new(fused)),
-    }));
+    let fused = Fused { chain: chain.clone(), inputs, widened, outputs, dims, shape: full, source };
+    p.out.calls.push(Call::Kernel(Kernel { family: "fused", name, grid, block, args, fused: Some(Arc::new(fused)) }));
     Ok(())
 }
 
@@ -86,77 +105,99 @@ fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
-/// The kernel after its name: parameters and body.
-fn generate(
-    chain: &Chain,
-    inputs: &[(DType, Vec<i64>)],
-    outputs: &[DType],
-    dims: &[i64],
-    n: u64,
-) -> Result<String, String> {
-    let mut s = String::new();
-    let mut params: Vec<String> = Vec::new();
-    for (k, (d, _)) in inputs.iter().enumerate() {
-        params.push(format!("const {}* in{k}", ctype(*d)?));
+/// What the generated code needs of a chain.
+struct Gen<'a> {
+    chain: &'a Chain,
+    inputs: &'a [(DType, Vec<i64>)],
+    dims: &'a [i64],
+    /// Element indices past 32 bits.
+    wide: bool,
+}
+
+impl Gen<'_> {
+    /// The parameters: inputs, outputs, the element count.
+    fn params(&self, outputs: &[DType]) -> Result<String, String> {
+        let mut params: Vec<String> = Vec::new();
+        for (k, (d, _)) in self.inputs.iter().enumerate() {
+            params.push(format!("const {}* in{k}", ctype(*d)?));
+        }
+        for (j, d) in outputs.iter().enumerate() {
+            params.push(format!("{}* out{j}", ctype(*d)?));
+        }
+        params.push("long long n".into());
+        Ok(params.join(", "))
     }
-    for (j, d) in outputs.iter().enumerate() {
-        params.push(format!("{}* out{j}", ctype(*d)?));
-    }
-    params.push("long long n".into());
-    let _ = writeln!(s, "({}) {{", params.join(", "));
-    let _ = writeln!(s, "    MPC_GRID_STRIDE(i, n) {{");
-    // Row-major coordinates of element i, where an input needs them (32-bit when n fits).
-    let contiguous = {
-        let mut c = vec![0i64; dims.len()];
+
+    fn contiguous(&self) -> Vec<i64> {
+        let mut c = vec![0i64; self.dims.len()];
         let mut acc = 1i64;
-        for d in (0..dims.len()).rev() {
+        for d in (0..self.dims.len()).rev() {
             c[d] = acc;
-            acc *= dims[d];
+            acc *= self.dims[d];
         }
         c
-    };
-    let walks = |st: &[i64]| st != contiguous.as_slice();
-    // The coordinates some broadcast input steps along, from the innermost to the outermost.
-    let needed: Vec<bool> = (0..dims.len()).map(|d| inputs.iter().any(|(_, st)| walks(st) && st[d] != 0)).collect();
-    if let Some(outer) = needed.iter().position(|&x| x) {
-        let ity = if n > u32::MAX as u64 { "unsigned long long" } else { "unsigned int" };
-        let _ = writeln!(s, "        {ity} r = ({ity})i;");
-        for d in (outer..dims.len()).rev() {
-            if needed[d] {
-                let c = if d == 0 { "r".to_string() } else { format!("r % {}u", dims[d]) };
-                let _ = writeln!(s, "        const {ity} c{d} = {c};");
-            }
-            if d > outer {
-                let _ = writeln!(s, "        r /= {}u;", dims[d]);
+    }
+
+    /// The inputs loaded at element `e` (`a<k>`), then steps `from..to` (`s<j>`), at `pad`.
+    fn element(&self, e: &str, steps: std::ops::Range<usize>, pad: &str) -> Result<String, String> {
+        let mut s = String::new();
+        let contiguous = self.contiguous();
+        let walks = |st: &[i64]| st != contiguous.as_slice();
+        // The coordinates some broadcast input steps along, from the innermost to the outermost.
+        let needed: Vec<bool> =
+            (0..self.dims.len()).map(|d| self.inputs.iter().any(|(_, st)| walks(st) && st[d] != 0)).collect();
+        if let Some(outer) = needed.iter().position(|&x| x) {
+            let ity = if self.wide { "unsigned long long" } else { "unsigned int" };
+            let _ = writeln!(s, "{pad}{ity} r = ({ity}){e};");
+            for d in (outer..self.dims.len()).rev() {
+                if needed[d] {
+                    let c = if d == 0 { "r".to_string() } else { format!("r % {}u", self.dims[d]) };
+                    let _ = writeln!(s, "{pad}const {ity} c{d} = {c};");
+                }
+                if d > outer {
+                    let _ = writeln!(s, "{pad}r /= {}u;", self.dims[d]);
+                }
             }
         }
-    }
-    for (k, (_, st)) in inputs.iter().enumerate() {
-        let at = if !walks(st) {
-            "i".to_string()
-        } else {
-            let terms: Vec<String> = st
-                .iter()
-                .enumerate()
-                .filter(|(_, &x)| x != 0)
-                .map(|(d, x)| format!("(long long)c{d} * {x}LL"))
-                .collect();
-            if terms.is_empty() {
-                "0".to_string()
+        for (k, (_, st)) in self.inputs.iter().enumerate() {
+            let at = if !walks(st) {
+                e.to_string()
             } else {
-                terms.join(" + ")
-            }
-        };
-        let _ = writeln!(s, "        const float a{k} = ld(in{k}, {at});");
+                let terms: Vec<String> = st
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &x)| x != 0)
+                    .map(|(d, x)| format!("(long long)c{d} * {x}LL"))
+                    .collect();
+                if terms.is_empty() {
+                    "0".to_string()
+                } else {
+                    terms.join(" + ")
+                }
+            };
+            let _ = writeln!(s, "{pad}const float a{k} = ld(in{k}, {at});");
+        }
+        for j in steps {
+            let step = &self.chain.steps[j];
+            let expr = self.expr(j)?;
+            let _ = writeln!(s, "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));", ctype(step.dtype)?);
+        }
+        Ok(s)
     }
-    for (j, step) in chain.steps.iter().enumerate() {
-        let arg = |a: &ChainArg| match *a {
-            ChainArg::Input(k) if k < inputs.len() => Ok(format!("a{k}")),
+
+    fn arg(&self, j: usize, a: &ChainArg) -> Result<String, String> {
+        match *a {
+            ChainArg::Input(k) if k < self.inputs.len() => Ok(format!("a{k}")),
             ChainArg::Step(k) if k < j => Ok(format!("s{k}")),
-            _ => Err(format!("{}: an argument past the chain", step.node)),
-        };
-        let args = step.args.iter().map(arg).collect::<Result<Vec<_>, _>>()?;
-        let expr = match (&step.op, args.as_slice()) {
+            _ => Err(format!("{}: an argument past the chain", self.chain.steps[j].node)),
+        }
+    }
+
+    /// Step `j`'s element-wise value, from its arguments.
+    fn expr(&self, j: usize) -> Result<String, String> {
+        let step = &self.chain.steps[j];
+        let args = step.args.iter().map(|a| self.arg(j, a)).collect::<Result<Vec<_>, _>>()?;
+        Ok(match (&step.op, args.as_slice()) {
             (Op::Cast(_), [x]) => x.clone(),
             (op, [x]) => {
                 let (name, alpha, beta) = unary_name(op).ok_or_else(|| format!("{}: not fusable", step.node))?;
@@ -167,16 +208,129 @@ fn generate(
                 format!("V_{name}()({a}, {b})")
             }
             _ => return Err(format!("{}: {} arguments in a fused step", step.node, args.len())),
-        };
-        let _ = writeln!(s, "        const float s{j} = mpc_keep(round_to<{}>({expr}));", ctype(step.dtype)?);
+        })
     }
-    for (j, &k) in chain.outputs.iter().enumerate() {
-        if k >= chain.steps.len() {
-            return Err("an output past the chain".into());
+
+    fn stores(&self, e: &str, pad: &str) -> Result<String, String> {
+        let mut s = String::new();
+        for (j, &k) in self.chain.outputs.iter().enumerate() {
+            if k >= self.chain.steps.len() {
+                return Err("an output past the chain".into());
+            }
+            let _ = writeln!(s, "{pad}st(out{j}, {e}, s{k});");
         }
-        let _ = writeln!(s, "        st(out{j}, i, s{k});");
+        Ok(s)
     }
-    let _ = writeln!(s, "    }}");
-    let _ = writeln!(s, "}}");
-    Ok(s)
+
+    /// An element-wise chain: one pass over the elements.
+    fn elementwise(&self, outputs: &[DType]) -> Result<String, String> {
+        let mut s = String::new();
+        let _ = writeln!(s, "({}) {{", self.params(outputs)?);
+        let _ = writeln!(s, "    MPC_GRID_STRIDE(i, n) {{");
+        s.push_str(&self.element("i", 0..self.chain.steps.len(), "        ")?);
+        s.push_str(&self.stores("i", "        ")?);
+        let _ = writeln!(s, "    }}");
+        let _ = writeln!(s, "}}");
+        Ok(s)
+    }
+
+    /// A chain around a SoftmaxGrad (step `r`, reading dy and y): softmax.cu's two passes over
+    /// each row (the sum of dy·y, then dx = y·(dy − sum)), the steps before it computed as each
+    /// pass reads, the steps after it as the last writes.
+    fn grad_rows(&self, outputs: &[DType], r: usize, outer: u64, len: u64, inner: u64) -> Result<String, String> {
+        let row = &self.chain.steps[r];
+        let (dy, y) = match row.args.as_slice() {
+            [a, b] => (self.arg(r, a)?, self.arg(r, b)?),
+            _ => return Err(format!("{}: a SoftmaxGrad of {} inputs", row.node, row.args.len())),
+        };
+        let pad = "            ";
+        let pass = |body: &str| -> Result<String, String> {
+            let mut s = String::new();
+            let _ = writeln!(s, "        for (long long k = threadIdx.x; k < {len}LL; k += blockDim.x) {{");
+            let _ = writeln!(s, "{pad}const long long e = base + k * {inner}LL;");
+            s.push_str(&self.element("e", 0..r, pad)?);
+            s.push_str(body);
+            let _ = writeln!(s, "        }}");
+            Ok(s)
+        };
+        let mut s = String::new();
+        let _ = writeln!(s, "({}) {{", self.params(outputs)?);
+        let _ = writeln!(s, "    (void)n;");
+        let _ = writeln!(s, "    __shared__ float smem[32];");
+        let _ = writeln!(s, "    for (long long row = blockIdx.x; row < {}LL; row += gridDim.x) {{", outer * inner);
+        let _ = writeln!(s, "        const long long base = (row / {inner}LL) * {}LL + row % {inner}LL;", len * inner);
+        let _ = writeln!(s, "        float sum = 0.0f;");
+        s.push_str(&pass(&format!("{pad}sum += {dy} * {y};\n"))?);
+        let _ = writeln!(s, "        sum = block_reduce(sum, OpSum(), smem);");
+        let mut last = String::new();
+        let _ = writeln!(last, "{pad}const float g{r} = {dy}, v{r} = {y};");
+        let _ =
+            writeln!(last, "{pad}const float s{r} = mpc_keep(round_to<{}>(v{r} * (g{r} - sum)));", ctype(row.dtype)?);
+        for j in r + 1..self.chain.steps.len() {
+            let expr = self.expr(j)?;
+            let _ = writeln!(
+                last,
+                "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));",
+                ctype(self.chain.steps[j].dtype)?
+            );
+        }
+        last.push_str(&self.stores("e", pad)?);
+        s.push_str(&pass(&last)?);
+        let _ = writeln!(s, "    }}");
+        let _ = writeln!(s, "}}");
+        Ok(s)
+    }
+
+    /// A chain around a softmax (step `r`) over rows of `len` elements `inner` apart: softmax.cu's
+    /// three passes over each row, in one block, the steps before the softmax computed as each
+    /// pass reads (its input is their value), the steps after it as the last pass writes.
+    fn rows(&self, outputs: &[DType], r: usize, outer: u64, len: u64, inner: u64) -> Result<String, String> {
+        let row = &self.chain.steps[r];
+        let log = matches!(row.op, Op::LogSoftmax(_));
+        let x = match row.args.as_slice() {
+            [a] => self.arg(r, a)?,
+            _ => return Err(format!("{}: a softmax of {} inputs", row.node, row.args.len())),
+        };
+        let pad = "            ";
+        let pass = |body: &str| -> Result<String, String> {
+            let mut s = String::new();
+            let _ = writeln!(s, "        for (long long k = threadIdx.x; k < {len}LL; k += blockDim.x) {{");
+            let _ = writeln!(s, "{pad}const long long e = base + k * {inner}LL;");
+            s.push_str(&self.element("e", 0..r, pad)?);
+            s.push_str(body);
+            let _ = writeln!(s, "        }}");
+            Ok(s)
+        };
+        let mut s = String::new();
+        let _ = writeln!(s, "({}) {{", self.params(outputs)?);
+        let _ = writeln!(s, "    (void)n;");
+        let _ = writeln!(s, "    __shared__ float smem[32];");
+        let _ = writeln!(s, "    for (long long row = blockIdx.x; row < {}LL; row += gridDim.x) {{", outer * inner);
+        let _ = writeln!(s, "        const long long base = (row / {inner}LL) * {}LL + row % {inner}LL;", len * inner);
+        let _ = writeln!(s, "        float m = -m_inf(0.0f);");
+        s.push_str(&pass(&format!("{pad}m = m_fmax(m, {x});\n"))?);
+        let _ = writeln!(s, "        m = block_reduce(m, OpFmaxF(), smem);");
+        let _ = writeln!(s, "        float sum = 0.0f;");
+        s.push_str(&pass(&format!("{pad}sum += m_exp({x} - m);\n"))?);
+        let _ = writeln!(s, "        sum = block_reduce(sum, OpSum(), smem);");
+        let _ = writeln!(s, "        const float ls = m_log(sum);");
+        let _ = writeln!(s, "        (void)ls;");
+        let mut last = String::new();
+        let _ = writeln!(last, "{pad}const float d{r} = {x} - m;");
+        let value = if log { format!("d{r} - ls") } else { format!("m_exp(d{r}) / sum") };
+        let _ = writeln!(last, "{pad}const float s{r} = mpc_keep(round_to<{}>({value}));", ctype(row.dtype)?);
+        for j in r + 1..self.chain.steps.len() {
+            let expr = self.expr(j)?;
+            let _ = writeln!(
+                last,
+                "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));",
+                ctype(self.chain.steps[j].dtype)?
+            );
+        }
+        last.push_str(&self.stores("e", pad)?);
+        s.push_str(&pass(&last)?);
+        let _ = writeln!(s, "    }}");
+        let _ = writeln!(s, "}}");
+        Ok(s)
+    }
 }
