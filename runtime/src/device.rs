@@ -321,59 +321,7 @@ impl Device for CpuDevice {
             return Ok(());
         }
         let mut copies = 0;
-        let outs = if let Some(chain) = &l.chain {
-            // The steps one after the other, each with its reference kernel: the bits of the
-            // unfused launches.
-            let bases = cpu::views::Bases::of(regions);
-            let read: Vec<HostTensor> = l
-                .inputs
-                .iter()
-                .map(|o| match o {
-                    Operand::Device(t) => {
-                        // SAFETY: as below.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        let t = if self.in_place || !view.is_view() { view } else { view.clone() };
-                        copies += u64::from(!t.is_view());
-                        Ok(t)
-                    }
-                    Operand::Widened(t) => {
-                        // SAFETY: as below.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        copies += 1;
-                        Ok(view.cast(mpc_ir::DType::F32))
-                    }
-                    _ => Err(RuntimeError::Internal(format!("{}: a fused launch's input is not in memory", l.node))),
-                })
-                .collect::<Result<_, _>>()?;
-            let mut results: Vec<HostTensor> = Vec::with_capacity(chain.steps.len());
-            for step in &chain.steps {
-                let args: Vec<Option<&HostTensor>> = step
-                    .args
-                    .iter()
-                    .map(|a| match *a {
-                        crate::fuse::ChainArg::Input(k) => read.get(k),
-                        crate::fuse::ChainArg::Step(k) => results.get(k),
-                    })
-                    .collect();
-                if args.iter().any(Option::is_none) {
-                    return Err(RuntimeError::Internal(format!("{}: a step reads past the chain", step.node)));
-                }
-                let mut r = cpu::run_op(&step.op, &args, 1).map_err(|e| match e {
-                    cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: step.node.clone(), msg },
-                    cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: step.node.clone(), msg },
-                })?;
-                if r.len() != 1 || r[0].dtype() != step.dtype {
-                    return Err(RuntimeError::Internal(format!("{}: the step made another dtype", step.node)));
-                }
-                results.push(r.remove(0));
-            }
-            chain
-                .outputs
-                .iter()
-                .map(|&k| results.get(k).cloned())
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| RuntimeError::Internal(format!("{}: an output past the chain", l.node)))?
-        } else {
+        let outs = {
             let bases = cpu::views::Bases::of(regions);
             let read: Vec<Option<HostTensor>> = l
                 .inputs
@@ -396,20 +344,21 @@ impl Device for CpuDevice {
                     _ => None,
                 })
                 .collect();
-            let refs: Vec<Option<&HostTensor>> = l
-                .inputs
-                .iter()
-                .zip(&read)
-                .map(|(o, r)| match o {
-                    Operand::Absent => None,
-                    Operand::Host(t) => Some(t),
-                    Operand::Device(_) | Operand::Widened(_) => r.as_ref(),
-                })
-                .collect();
-            cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| match e {
-                cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: l.node.clone(), msg },
-                cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: l.node.clone(), msg },
-            })?
+            if let Some(chain) = &l.chain {
+                run_chain(l, chain, &read)?
+            } else {
+                let refs: Vec<Option<&HostTensor>> = l
+                    .inputs
+                    .iter()
+                    .zip(&read)
+                    .map(|(o, r)| match o {
+                        Operand::Absent => None,
+                        Operand::Host(t) => Some(t),
+                        Operand::Device(_) | Operand::Widened(_) => r.as_ref(),
+                    })
+                    .collect();
+                cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| kernel_error(&l.node, e))?
+            }
         };
         self.counters.operand_copies += copies;
         if outs.len() > l.outputs.len() {
@@ -451,4 +400,45 @@ impl Device for CpuDevice {
     fn counters(&self) -> DeviceCounters {
         self.counters
     }
+}
+
+fn kernel_error(node: &str, e: cpu::KernelError) -> RuntimeError {
+    match e {
+        cpu::KernelError::Invalid(msg) => RuntimeError::Node { node: node.to_string(), msg },
+        cpu::KernelError::Unsupported(msg) => RuntimeError::Unsupported { node: node.to_string(), msg },
+    }
+}
+
+/// A fused launch on the CPU: its steps one after the other, each with its reference kernel (the
+/// bits of the unfused launches); the values its outputs are.
+fn run_chain(
+    l: &Launch,
+    chain: &crate::fuse::Chain,
+    read: &[Option<HostTensor>],
+) -> Result<Vec<HostTensor>, RuntimeError> {
+    let mut results: Vec<HostTensor> = Vec::with_capacity(chain.steps.len());
+    for step in &chain.steps {
+        let args: Vec<Option<&HostTensor>> = step
+            .args
+            .iter()
+            .map(|a| match *a {
+                crate::fuse::ChainArg::Input(k) => read.get(k).and_then(Option::as_ref),
+                crate::fuse::ChainArg::Step(k) => results.get(k),
+            })
+            .collect();
+        if args.iter().any(Option::is_none) {
+            return Err(RuntimeError::Internal(format!("{}: a step reads past the chain or no tensor", step.node)));
+        }
+        let mut r = cpu::run_op(&step.op, &args, 1).map_err(|e| kernel_error(&step.node, e))?;
+        if r.len() != 1 || r[0].dtype() != step.dtype {
+            return Err(RuntimeError::Internal(format!("{}: the step made another dtype", step.node)));
+        }
+        results.push(r.remove(0));
+    }
+    chain
+        .outputs
+        .iter()
+        .map(|&k| results.get(k).cloned())
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| RuntimeError::Internal(format!("{}: an output past the chain", l.node)))
 }

@@ -83,9 +83,9 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
             // The unfused softmax's launch: the same block, so the same reduction order.
             let block = if len <= 128 { 32 } else { BLOCK };
             let body = if matches!(chain.steps[r].op, Op::SoftmaxGrad(_)) {
-                g.grad_rows(&outputs, r, outer, len, inner)?
+                g.grad_rows(&outputs, r, (outer, len, inner))?
             } else {
-                g.rows(&outputs, r, outer, len, inner)?
+                g.rows(&outputs, r, (outer, len, inner))?
             };
             (body, rows_grid(outer * inner), [block, 1, 1])
         }
@@ -235,100 +235,91 @@ impl Gen<'_> {
     }
 
     /// A chain around a SoftmaxGrad (step `r`, reading dy and y): softmax.cu's two passes over
-    /// each row (the sum of dy·y, then dx = y·(dy − sum)), the steps before it computed as each
-    /// pass reads, the steps after it as the last writes.
-    fn grad_rows(&self, outputs: &[DType], r: usize, outer: u64, len: u64, inner: u64) -> Result<String, String> {
+    /// each row (the sum of dy·y, then dx = y·(dy − sum)).
+    fn grad_rows(&self, outputs: &[DType], r: usize, rows: (u64, u64, u64)) -> Result<String, String> {
         let row = &self.chain.steps[r];
         let (dy, y) = match row.args.as_slice() {
             [a, b] => (self.arg(r, a)?, self.arg(r, b)?),
             _ => return Err(format!("{}: a SoftmaxGrad of {} inputs", row.node, row.args.len())),
         };
-        let pad = "            ";
-        let pass = |body: &str| -> Result<String, String> {
-            let mut s = String::new();
-            let _ = writeln!(s, "        for (long long k = threadIdx.x; k < {len}LL; k += blockDim.x) {{");
-            let _ = writeln!(s, "{pad}const long long e = base + k * {inner}LL;");
-            s.push_str(&self.element("e", 0..r, pad)?);
-            s.push_str(body);
-            let _ = writeln!(s, "        }}");
-            Ok(s)
-        };
-        let mut s = String::new();
-        let _ = writeln!(s, "({}) {{", self.params(outputs)?);
-        let _ = writeln!(s, "    (void)n;");
-        let _ = writeln!(s, "    __shared__ float smem[32];");
-        let _ = writeln!(s, "    for (long long row = blockIdx.x; row < {}LL; row += gridDim.x) {{", outer * inner);
-        let _ = writeln!(s, "        const long long base = (row / {inner}LL) * {}LL + row % {inner}LL;", len * inner);
-        let _ = writeln!(s, "        float sum = 0.0f;");
-        s.push_str(&pass(&format!("{pad}sum += {dy} * {y};\n"))?);
-        let _ = writeln!(s, "        sum = block_reduce(sum, OpSum(), smem);");
-        let mut last = String::new();
-        let _ = writeln!(last, "{pad}const float g{r} = {dy}, v{r} = {y};");
-        let _ =
-            writeln!(last, "{pad}const float s{r} = mpc_keep(round_to<{}>(v{r} * (g{r} - sum)));", ctype(row.dtype)?);
-        for j in r + 1..self.chain.steps.len() {
-            let expr = self.expr(j)?;
-            let _ = writeln!(
-                last,
-                "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));",
-                ctype(self.chain.steps[j].dtype)?
-            );
-        }
-        last.push_str(&self.stores("e", pad)?);
-        s.push_str(&pass(&last)?);
-        let _ = writeln!(s, "    }}");
-        let _ = writeln!(s, "}}");
-        Ok(s)
+        let last = self.row_result(r, &format!("{y} * ({dy} - sum)"))?;
+        let passes = [
+            (format!("sum += {dy} * {y};"), "sum = block_reduce(sum, OpSum(), smem);".to_string()),
+            (last, String::new()),
+        ];
+        self.row_kernel(outputs, r, rows, "float sum = 0.0f;", &passes)
     }
 
-    /// A chain around a softmax (step `r`) over rows of `len` elements `inner` apart: softmax.cu's
-    /// three passes over each row, in one block, the steps before the softmax computed as each
-    /// pass reads (its input is their value), the steps after it as the last pass writes.
-    fn rows(&self, outputs: &[DType], r: usize, outer: u64, len: u64, inner: u64) -> Result<String, String> {
+    /// A chain around a softmax (step `r`): softmax.cu's three passes over each row (the max,
+    /// the sum of the exponentials, then the result).
+    fn rows(&self, outputs: &[DType], r: usize, rows: (u64, u64, u64)) -> Result<String, String> {
         let row = &self.chain.steps[r];
-        let log = matches!(row.op, Op::LogSoftmax(_));
         let x = match row.args.as_slice() {
             [a] => self.arg(r, a)?,
             _ => return Err(format!("{}: a softmax of {} inputs", row.node, row.args.len())),
         };
-        let pad = "            ";
-        let pass = |body: &str| -> Result<String, String> {
-            let mut s = String::new();
-            let _ = writeln!(s, "        for (long long k = threadIdx.x; k < {len}LL; k += blockDim.x) {{");
-            let _ = writeln!(s, "{pad}const long long e = base + k * {inner}LL;");
-            s.push_str(&self.element("e", 0..r, pad)?);
-            s.push_str(body);
-            let _ = writeln!(s, "        }}");
-            Ok(s)
+        let value = if matches!(row.op, Op::LogSoftmax(_)) {
+            format!("({x} - m) - ls")
+        } else {
+            format!("m_exp({x} - m) / sum")
         };
+        let passes = [
+            (format!("m = m_fmax(m, {x});"), "m = block_reduce(m, OpFmaxF(), smem);\n        float sum = 0.0f;".into()),
+            (
+                format!("sum += m_exp({x} - m);"),
+                "sum = block_reduce(sum, OpSum(), smem);\n        const float ls = m_log(sum);\n        (void)ls;"
+                    .into(),
+            ),
+            (self.row_result(r, &value)?, String::new()),
+        ];
+        self.row_kernel(outputs, r, rows, "float m = -m_inf(0.0f);", &passes)
+    }
+
+    /// The last pass's statements: the row-wise step's result, the steps after it, the stores.
+    fn row_result(&self, r: usize, value: &str) -> Result<String, String> {
+        let pad = "            ";
+        let mut s = format!("const float s{r} = mpc_keep(round_to<{}>({value}));\n", ctype(self.chain.steps[r].dtype)?);
+        for j in r + 1..self.chain.steps.len() {
+            let expr = self.expr(j)?;
+            let _ = writeln!(
+                s,
+                "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));",
+                ctype(self.chain.steps[j].dtype)?
+            );
+        }
+        s.push_str(&self.stores("e", pad)?);
+        Ok(s)
+    }
+
+    /// One block per row of `len` elements `inner` apart, `outer * inner` rows (softmax.cu's
+    /// launch): `start`, then each pass over the row's elements, which computes the steps before
+    /// the row-wise step `r` as it reads and then its statements, followed by its reduction.
+    fn row_kernel(
+        &self,
+        outputs: &[DType],
+        r: usize,
+        (outer, len, inner): (u64, u64, u64),
+        start: &str,
+        passes: &[(String, String)],
+    ) -> Result<String, String> {
+        let pad = "            ";
         let mut s = String::new();
         let _ = writeln!(s, "({}) {{", self.params(outputs)?);
         let _ = writeln!(s, "    (void)n;");
         let _ = writeln!(s, "    __shared__ float smem[32];");
         let _ = writeln!(s, "    for (long long row = blockIdx.x; row < {}LL; row += gridDim.x) {{", outer * inner);
         let _ = writeln!(s, "        const long long base = (row / {inner}LL) * {}LL + row % {inner}LL;", len * inner);
-        let _ = writeln!(s, "        float m = -m_inf(0.0f);");
-        s.push_str(&pass(&format!("{pad}m = m_fmax(m, {x});\n"))?);
-        let _ = writeln!(s, "        m = block_reduce(m, OpFmaxF(), smem);");
-        let _ = writeln!(s, "        float sum = 0.0f;");
-        s.push_str(&pass(&format!("{pad}sum += m_exp({x} - m);\n"))?);
-        let _ = writeln!(s, "        sum = block_reduce(sum, OpSum(), smem);");
-        let _ = writeln!(s, "        const float ls = m_log(sum);");
-        let _ = writeln!(s, "        (void)ls;");
-        let mut last = String::new();
-        let _ = writeln!(last, "{pad}const float d{r} = {x} - m;");
-        let value = if log { format!("d{r} - ls") } else { format!("m_exp(d{r}) / sum") };
-        let _ = writeln!(last, "{pad}const float s{r} = mpc_keep(round_to<{}>({value}));", ctype(row.dtype)?);
-        for j in r + 1..self.chain.steps.len() {
-            let expr = self.expr(j)?;
-            let _ = writeln!(
-                last,
-                "{pad}const float s{j} = mpc_keep(round_to<{}>({expr}));",
-                ctype(self.chain.steps[j].dtype)?
-            );
+        let _ = writeln!(s, "        {start}");
+        for (body, after) in passes {
+            let _ = writeln!(s, "        for (long long k = threadIdx.x; k < {len}LL; k += blockDim.x) {{");
+            let _ = writeln!(s, "{pad}const long long e = base + k * {inner}LL;");
+            s.push_str(&self.element("e", 0..r, pad)?);
+            let _ = writeln!(s, "{pad}{}", body.trim_end());
+            let _ = writeln!(s, "        }}");
+            if !after.is_empty() {
+                let _ = writeln!(s, "        {after}");
+            }
         }
-        last.push_str(&self.stores("e", pad)?);
-        s.push_str(&pass(&last)?);
         let _ = writeln!(s, "    }}");
         let _ = writeln!(s, "}}");
         Ok(s)
