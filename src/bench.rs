@@ -349,10 +349,12 @@ pub fn table(r: &BenchReport) -> String {
         let Some(profile) = &row.profile else { continue };
         let total: f64 = profile.iter().map(|o| o.ms).sum();
         s.push_str(&format!("{}: one profiled step, {total:.3} ms in launches; the longest ops:\n", row.policy));
+        let label = |o: &OpTime| format!("{} {}", o.op, o.dtype).trim_end().to_string();
+        let width = profile.iter().take(PROFILE_ROWS).map(|o| label(o).len()).max().unwrap_or(0).max(32);
         for o in profile.iter().take(PROFILE_ROWS) {
             s.push_str(&format!(
-                "  {:<32} {:>6} launches {:>10.3} ms {:>6.1}%\n",
-                format!("{} {}", o.op, o.dtype).trim_end(),
+                "  {:<width$} {:>6} launches {:>10.3} ms {:>6.1}%\n",
+                label(o),
                 o.launches,
                 o.ms,
                 100.0 * o.share
