@@ -246,8 +246,14 @@ def main():
         if name == "resnet50" and dev == "cuda":
             no_dnn = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
                                {"MPC_CUDNN": "0"})
+        # Element-wise chains fused against every element-wise op on its own (MPC_FUSE=0), mixed.
+        no_fuse = None
+        if name == "gpt" and dev == "cuda":
+            no_fuse = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
+                                {"MPC_FUSE": "0"})
         os.remove(path)
-        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc, "mpc_without_cudnn": no_dnn}
+        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc, "mpc_without_cudnn": no_dnn,
+                         "mpc_without_fusion": no_fuse}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
             json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
@@ -269,6 +275,12 @@ def main():
         if no_dnn and "mixed" in no_dnn and "mixed" in mpc:
             ms = no_dnn["mixed"]["step_ms_median"]
             line = f"mpc mixed with cuDNN convolutions / without (im2col + GEMM): {mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)"
+            print("  " + line)
+            lines.append(f"{name}: {line}")
+        if no_fuse and "mixed" in no_fuse and "mixed" in mpc:
+            ms = no_fuse["mixed"]["step_ms_median"]
+            line = (f"mpc mixed with element-wise chains fused / without (MPC_FUSE=0): "
+                    f"{mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms and {no_fuse['mixed']['launches_per_step']} launches without)")
             print("  " + line)
             lines.append(f"{name}: {line}")
         for policy, row in mpc.items():
