@@ -15,6 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use mpc_ir::geometry::broadcast_shape;
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
 
 /// One step of a chain: an element-wise op over the chain's inputs and earlier steps' results.
@@ -95,14 +96,8 @@ fn chain_dtype(d: Option<DType>) -> bool {
     matches!(d, Some(DType::F32 | DType::F16 | DType::BF16))
 }
 
-/// Whether `input` broadcasts one way to `full` (numpy, right-aligned).
-fn broadcasts(input: &[usize], full: &[usize]) -> bool {
-    input.len() <= full.len() && input.iter().rev().zip(full.iter().rev()).all(|(&a, &b)| a == b || a == 1)
-}
-
 /// The runs of `steps` (by index) to fuse, each at least two steps long. `shape` gives a value's
-/// fixed shape, `root` the value whose buffer a value is (through views and widened casts), and
-/// `outside` whether a value is read past a given step index (or must outlive the program).
+/// fixed shape, and `root` the value whose buffer a value is (through views and widened casts).
 pub(crate) fn runs(
     g: &Graph,
     steps: &[NodeId],
@@ -116,10 +111,12 @@ pub(crate) fn runs(
             return None;
         }
         let full = shape(o).filter(|s| s.iter().product::<usize>() > 0 && s.len() <= 8)?;
-        let ok = node
-            .inputs()
-            .iter()
-            .all(|v| v.is_some_and(|v| chain_dtype(g.ty(v).dtype) && shape(v).is_some_and(|s| broadcasts(&s, &full))));
+        let ok = node.inputs().iter().all(|v| {
+            v.is_some_and(|v| {
+                chain_dtype(g.ty(v).dtype)
+                    && shape(v).is_some_and(|s| broadcast_shape(&[&s, &full]).as_deref() == Some(&full[..]))
+            })
+        });
         ok.then_some(full)
     };
     let mut out = Vec::new();
