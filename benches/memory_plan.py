@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""mpc's memory for the GPU benchmark's training steps, computed without a GPU or PyTorch.
+"""mpc's memory and floors for the GPU benchmark's training steps, computed without a GPU or PyTorch.
 
     python3 benches/memory_plan.py [--mpc target/release/mpc] [--models gpt,mlp,resnet50] [--tiny]
+                                   [--bandwidth 3.35e12] [--f16-rate 757e12] [--f32-rate 51.6e12]
     # needs numpy and onnx (.ci/requirements.txt)
 
 Builds the models of benches/gpu_vs_torch.py in ONNX directly, with the ops PyTorch's exporter
@@ -13,6 +14,11 @@ benchmark's batch: the
 arena (activations), the state (masters, moments, the step's low-precision weights) and the
 constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
 constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here.
+
+It also prints each step's two floors from the same plan: the bytes its launches must move (each
+tensor a launch reads or writes, once) over the device's bandwidth, and its matrix-product FLOPs
+over the device's rates (by default H100 SXM's HBM3 bandwidth from its data sheet, and the f16
+and f32 rates `mpc bench` measured on the H100 of docs/gpu-performance.md).
 """
 
 import argparse
@@ -170,7 +176,10 @@ def plan(mpc, path, policy, batch, loss):
         sys.exit(f"{' '.join(cmd)}: {r.stderr.strip()}")
     m = re.search(r"state (\d+), constants (\d+)\), peak activations (\d+) bytes", r.stdout)
     state, constants, arena = map(int, m.groups())
-    return arena, state, constants
+    t = re.search(r"in all \((\d+) bytes\), by (\d+) launches; matrix products: (.*)", r.stdout)
+    flops = {d: float(v) * {"T": 1e12, "G": 1e9, "M": 1e6, "": 1}[u]
+             for d, v, u in re.findall(r"(\w+) ([\d.]+) ([TGM]?) ?FLOP", t.group(3))}
+    return arena, state, constants, int(t.group(1)), int(t.group(2)), flops
 
 
 def main():
@@ -178,6 +187,9 @@ def main():
     ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
     ap.add_argument("--models", default="gpt,mlp,resnet50")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the memory floor")
+    ap.add_argument("--f16-rate", type=float, default=757e12, help="f16/bf16 matrix-product FLOP/s")
+    ap.add_argument("--f32-rate", type=float, default=51.6e12, help="f32 matrix-product FLOP/s")
     args = ap.parse_args()
     mib = lambda b: b / 2**20
     with tempfile.TemporaryDirectory(prefix="mpc-memory-") as tmp:
@@ -186,10 +198,16 @@ def main():
             batch, loss = {"gpt": gpt, "mlp": mlp, "resnet50": resnet50}[name](path, args.tiny)
             totals = {}
             for policy in ["fp32", "mixed"]:
-                arena, state, constants = plan(args.mpc, path, policy, batch, loss)
+                arena, state, constants, traffic, launches, flops = plan(args.mpc, path, policy, batch, loss)
                 totals[policy] = arena + state + constants
                 print(f"{name} (batch {batch}) {policy:5}: arena {mib(arena):9.1f} MiB, state {mib(state):8.1f} MiB, "
                       f"constants {mib(constants):6.1f} MiB, total {mib(totals[policy]):9.1f} MiB")
+                rate = {"f16": args.f16_rate, "bf16": args.f16_rate, "f32": args.f32_rate}
+                compute = sum(f / rate.get(d, args.f32_rate) for d, f in flops.items()) * 1e3
+                tflop = ", ".join(f"{d} {f / 1e12:.3f}" for d, f in flops.items())
+                print(f"{'':>{len(name) + 16}} floors: memory {traffic / 2**30:.2f} GiB -> "
+                      f"{traffic / args.bandwidth * 1e3:.2f} ms, compute {tflop} TFLOP -> {compute:.2f} ms, "
+                      f"{launches} launches")
             print(f"{name}: mixed / fp32 {totals['mixed'] / totals['fp32']:.2f}x")
 
 

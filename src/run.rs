@@ -191,7 +191,7 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     );
     let peak = p.peak_live();
     if peak.values.is_empty() {
-        return out;
+        return out + &traffic_report(&p.traffic());
     }
     let size = crate::summary::bytes;
     let node = p.launches.get(peak.step).map_or("-".to_string(), |l| l.node.clone());
@@ -219,6 +219,43 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     if peak.values.len() > SHOWN {
         let rest: u64 = peak.values[SHOWN..].iter().map(|v| v.3).sum();
         let _ = writeln!(out, "  {:>11}  in {} more", size(rest), peak.values.len() - SHOWN);
+    }
+    out + &traffic_report(&p.traffic())
+}
+
+/// What a step's launches move and compute at the least ([`mpc_runtime::cost::Traffic`]): the
+/// totals, then the kinds of launch that move the most.
+fn traffic_report(t: &mpc_runtime::cost::Traffic) -> String {
+    use std::fmt::Write;
+    let size = crate::summary::bytes;
+    let flop = |f: u64| match f as f64 {
+        f if f >= 1e12 => format!("{:.3} T", f / 1e12),
+        f if f >= 1e9 => format!("{:.2} G", f / 1e9),
+        f if f >= 1e6 => format!("{:.2} M", f / 1e6),
+        f => format!("{f} "),
+    };
+    let products: Vec<String> = t.flops.iter().map(|(d, f)| format!("{d} {}FLOP", flop(*f))).collect();
+    let mut out = format!(
+        "traffic of a step (each tensor a launch reads or writes, once): {} read, {} written, {} in all ({} \
+         bytes), by {} launches; matrix products: {}\n",
+        size(t.read),
+        size(t.written),
+        size(t.bytes()),
+        t.bytes(),
+        t.launches,
+        if products.is_empty() { "none".to_string() } else { products.join(", ") }
+    );
+    const SHOWN: usize = 16;
+    let _ = writeln!(out, "  {:>8}  {:>11}  {:>11}  kind (most bytes first)", "launches", "bytes", "FLOP");
+    for k in t.kinds.iter().take(SHOWN) {
+        let flops = if k.flops > 0 { flop(k.flops) } else { "-".into() };
+        let _ = writeln!(out, "  {:>8}  {:>11}  {:>11}  {}", k.launches, size(k.read + k.written), flops, k.kind);
+    }
+    if t.kinds.len() > SHOWN {
+        let rest = &t.kinds[SHOWN..];
+        let bytes: u64 = rest.iter().map(|k| k.read + k.written).sum();
+        let launches: usize = rest.iter().map(|k| k.launches).sum();
+        let _ = writeln!(out, "  {launches:>8}  {:>11}  {:>11}  in {} more kinds", size(bytes), "", rest.len());
     }
     out
 }

@@ -62,7 +62,7 @@ fn programs() -> Vec<(String, Program)> {
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     let ins = l.inputs.iter().filter_map(|o| match o {
-        Operand::Device(t) | Operand::Widened(t) => Some(t),
+        Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
         _ => None,
     });
     ins.chain(&l.outputs)
@@ -268,11 +268,21 @@ fn matmul_plans_follow_numpy_broadcasting() {
         Some(Call::Gemm(g)) => g.clone(),
         c => panic!("{c:?}"),
     };
-    // A batch of matrices times one weight: the weight's batch stride is 0.
+    // A batch of matrices times one weight: one product of all 15 rows (cuBLAS's n, the rows of
+    // the row-major result).
     let l = launch(&[3, 5, 7], &[7, 2], &[3, 5, 2]);
     let p = plan(&l, &none).unwrap();
     let g = gemm(&p);
-    assert_eq!((g.m, g.n, g.k, g.batch, g.stride_a, g.stride_b, g.stride_c), (2, 5, 7, 3, 0, 35, 10));
+    assert_eq!((g.m, g.n, g.k, g.batch, g.ldb, g.ldc), (2, 15, 7, 1, 7, 2));
+    check_plan(&l, &p).unwrap();
+    // The same read transposed (stored [3, 7, 5]): a batch of 3, the transpose flag on cuBLAS's
+    // second operand with the stored row length as leading dim.
+    let mut l = launch(&[3, 7, 5], &[7, 2], &[3, 5, 2]);
+    l.inputs[0] = Operand::Transposed(t(0, &[3, 7, 5]));
+    let p = plan(&l, &none).unwrap();
+    let g = gemm(&p);
+    assert_eq!((g.m, g.n, g.k, g.batch, g.trans_a, g.trans_b, g.ldb), (2, 5, 7, 3, false, true, 5));
+    assert_eq!((g.stride_a, g.stride_b, g.stride_c), (0, 35, 10));
     check_plan(&l, &p).unwrap();
     // Batch dims that broadcast both ways: the left operand is expanded first.
     let l = launch(&[2, 1, 5, 7], &[1, 3, 7, 2], &[2, 3, 5, 2]);

@@ -54,7 +54,9 @@ fn live_values_never_overlap_in_the_arena() {
                     .inputs
                     .iter()
                     .filter_map(|o| match o {
-                        Operand::Device(t) | Operand::Widened(t) if t.region == Region::Arena => {
+                        Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t)
+                            if t.region == Region::Arena =>
+                        {
                             Some((t.offset, t.bytes()))
                         }
                         _ => None,
@@ -183,4 +185,35 @@ fn the_forward_runs_before_the_backward_and_the_peak_is_what_it_holds() {
     let (fp32, mixed) = (gpt_step("fp32").1.arena_bytes, gpt_step("mixed").1.arena_bytes);
     println!("tiny GPT training step at batch 4: the arena, mixed {mixed} B, fp32 {fp32} B");
     assert!(mixed * 10 <= fp32 * 7, "mixed {mixed} B, fp32 {fp32} B");
+}
+
+/// A step's traffic counts each tensor a launch reads or writes once, a gather's table by the
+/// rows it takes, and the FLOPs of its matrix products, an operand read transposed included.
+#[test]
+fn traffic_counts_what_each_launch_must_move() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"a\": f32[8,4]\n  \
+                input %1 \"b\": f32[8,16]\n  input %2 \"i\": i64[3]\n  input %3 \"e\": f16[100,8]\n  \
+                %4 \"at\": f32[4,8] = Transpose(%0)\n  %5 \"y\": f32[4,16] = MatMul(%4, %1)\n  \
+                %6 \"r\": f32[4,16] = Relu(%5)\n  %7 \"s\": f32[4,16] = Add(%6, %6)\n  \
+                %8 \"g\": f16[3,8] = Gather(%3, %2)\n  output %7\n  output %8\nend\n";
+    let g = mpc_ir::text::parse(text, None).unwrap();
+    let caps = mpc_runtime::device::Device::caps(&mpc_runtime::device::CpuDevice::default());
+    let opts = mpc_runtime::program::LowerOptions { unfused: true, ..Default::default() };
+    let p = mpc_runtime::program::lower(&g, caps, opts).unwrap();
+    let t = p.traffic();
+    let kinds: Vec<(&str, usize, u64, u64, u64)> =
+        t.kinds.iter().map(|k| (k.kind.as_str(), k.launches, k.read, k.written, k.flops)).collect();
+    // MatMul: a (8×4, read transposed) and b, 2·4·16·8 FLOPs; Add reads its one input once; the
+    // Gather reads 3 rows of 8 halves and 3 indices.
+    assert_eq!(
+        kinds,
+        [
+            ("MatMul f32", 1, (32 + 128) * 4, 64 * 4, 1024),
+            ("Add", 1, 64 * 4, 64 * 4, 0),
+            ("Relu", 1, 64 * 4, 64 * 4, 0),
+            ("Gather", 1, 3 * 8 * 2 + 3 * 8, 3 * 8 * 2, 0),
+        ]
+    );
+    assert_eq!((t.launches, t.read, t.written), (4, 640 + 256 + 256 + 72, 256 * 3 + 48));
+    assert_eq!(t.flops.get(&mpc_ir::DType::F32), Some(&1024));
 }

@@ -41,7 +41,7 @@ fn assert_shapes_resolved(p: &Program) {
     for l in &p.launches {
         for &slot in l.op.host_operands() {
             assert!(
-                !matches!(l.inputs.get(slot), Some(Operand::Device(_) | Operand::Widened(_))),
+                !matches!(l.inputs.get(slot), Some(Operand::Device(_) | Operand::Widened(_) | Operand::Transposed(_))),
                 "{}: operand {slot} would be read from device memory",
                 l.node
             );
@@ -93,6 +93,54 @@ fn a_fused_run_writes_what_is_read_after_it() {
     for ((n, a), (m, b)) in x.iter().zip(&y) {
         assert_eq!(n, m);
         same(a, b, n);
+    }
+}
+
+#[test]
+fn transposes_read_only_by_matrix_products_are_not_launched() {
+    // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
+    // read by a Neg, and `p`'s moves a batch axis: those two are launched.
+    let graph = |dtype: &str, keep: bool| {
+        let outs = if keep { "  output %4\n  output %5\n" } else { "" };
+        format!(
+            "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"a\": {dtype}[2,3,4]\n  \
+             input %1 \"b\": {dtype}[2,5,3]\n  input %2 \"q\": {dtype}[3,2,4]\n  input %3 \"w\": {dtype}[4,3]\n  \
+             %4 \"at\": {dtype}[2,4,3] = Transpose[perm=[0, 2, 1]](%0)\n  \
+             %5 \"bt\": {dtype}[2,3,5] = Transpose[perm=[0, 2, 1]](%1)\n  \
+             %6 \"y\": {dtype}[2,4,5] = MatMul(%4, %5)\n  %7 \"z\": {dtype}[2,4,4] = MatMul(%4, %0)\n  \
+             %8 \"n\": {dtype}[2,4,3] = Neg(%4)\n  %9 \"qt\": {dtype}[2,3,4] = Transpose[perm=[1, 0, 2]](%2)\n  \
+             %10 \"p\": {dtype}[2,3,3] = MatMul(%9, %3)\n  output %6\n  output %7\n  output %8\n  output %10\n{outs}end\n"
+        )
+    };
+    for dtype in ["f32", "f16"] {
+        let load = |keep: bool| {
+            let path = common::scratch("transposed").join(format!("{dtype}{keep}.mpcir"));
+            std::fs::write(&path, graph(dtype, keep)).unwrap();
+            mpc::load(&path).unwrap()
+        };
+        let (g, kept) = (load(false), load(true));
+        let caps = mpc_runtime::device::CpuDevice::default().caps();
+        let p = mpc_runtime::program::lower(&g, caps, Default::default()).unwrap();
+        let kinds: Vec<String> = p.launches.iter().map(|l| l.kind()).collect();
+        assert_eq!(kinds, ["Transpose", "MatMul", "MatMul", "Neg", "Transpose", "MatMul"], "{dtype}");
+        assert_eq!(p.transposed, 1, "{dtype}: `bt` is fused into `y`, `at` is read by a Neg too");
+        let y = p.launches.iter().find(|l| l.outputs[0].shape == [2, 4, 5]).unwrap();
+        assert!(matches!(&y.inputs[1], Operand::Transposed(t) if t.shape == [2, 5, 3]), "{dtype}: {:?}", y.inputs);
+        assert!(matches!(&y.inputs[0], Operand::Device(t) if t.shape == [2, 4, 3]), "{dtype}: {:?}", y.inputs);
+        // The same products with the Transposes launched (their results are graph outputs).
+        let plain = mpc_runtime::program::lower(&kept, caps, Default::default()).unwrap();
+        assert_eq!(plain.transposed, 0);
+        let inputs = mpc::run::random_inputs(&g, 5, &HashMap::new()).unwrap();
+        let devices: [fn() -> mpc_runtime::device::CpuDevice; 2] =
+            [mpc_runtime::device::CpuDevice::default, mpc_runtime::device::CpuDevice::on_copies];
+        for device in devices {
+            let x = Session::new(device(), p.clone()).unwrap().run(&inputs).unwrap();
+            let want = Session::new(device(), plain.clone()).unwrap().run(&inputs).unwrap();
+            for (n, a) in &x {
+                let b = &want.iter().find(|(m, _)| m == n).unwrap().1;
+                same(a, b, &format!("{dtype} {n}"));
+            }
+        }
     }
 }
 
@@ -267,7 +315,7 @@ fn in_place_launches_give_the_reference_bits() {
             .filter(|l| l.outputs.is_empty() || !l.outputs.iter().all(|t| t.shape.contains(&0)))
             .flat_map(|l| &l.inputs)
             .filter_map(|o| match o {
-                Operand::Device(t) | Operand::Widened(t) => Some(t),
+                Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
                 _ => None,
             })
             .collect();
@@ -275,6 +323,14 @@ fn in_place_launches_give_the_reference_bits() {
         // Operands read widened (a fused Cast) are widened into a copy.
         let widened =
             program.launches.iter().flat_map(|l| &l.inputs).filter(|o| matches!(o, Operand::Widened(_))).count() as u64;
+        // So are operands read transposed (a fused Transpose) by a product that does not run in
+        // place: an f16 or bf16 one.
+        let transposed = program
+            .launches
+            .iter()
+            .flat_map(|l| &l.inputs)
+            .filter(|o| matches!(o, Operand::Transposed(t) if t.dtype != DType::F32))
+            .count() as u64;
         let all = operands.len() as u64;
         let mut s = [
             Session::new(CpuDevice::default(), program.clone()).unwrap(),
@@ -290,10 +346,14 @@ fn in_place_launches_give_the_reference_bits() {
         // fp32 matrix products (forward and gradients) run in place; f16 ones on copies.
         assert_eq!(s[1].counters().in_place, 0);
         assert!(policy != "fp32" || s[0].counters().in_place > 0, "{name}: no launch ran in place");
-        // Kernels read every operand where it lies, but bools (whose bytes need not be 0 or 1)
-        // and operands read widened.
-        println!("{name} {policy}: {all} operands a step, {bools} of them bools, {widened} read widened");
-        assert_eq!(s[0].counters().operand_copies, 3 * (bools + widened), "{name} {policy}: operands copied");
+        // Kernels read every operand where it lies, but bools (whose bytes need not be 0 or 1),
+        // operands read widened and low-precision operands read transposed.
+        println!(
+            "{name} {policy}: {all} operands a step, {bools} of them bools, {widened} read widened, \
+             {transposed} read transposed in f16 or bf16"
+        );
+        let copied = bools + widened + transposed;
+        assert_eq!(s[0].counters().operand_copies, 3 * copied, "{name} {policy}: operands copied");
         assert_eq!(s[1].counters().operand_copies, 3 * all, "{name} {policy}: operands copied");
         for n in &names {
             let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());

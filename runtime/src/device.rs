@@ -301,7 +301,7 @@ impl Device for CpuDevice {
 
     fn launch(&mut self, regions: &mut Regions<CpuMemory>, l: &Launch) -> Result<(), RuntimeError> {
         for t in l.inputs.iter().filter_map(|o| match o {
-            Operand::Device(t) | Operand::Widened(t) => Some(t),
+            Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
             _ => None,
         }) {
             range(t, regions.get(t.region).len)?;
@@ -341,6 +341,12 @@ impl Device for CpuDevice {
                         copies += 1;
                         Some(view.cast(mpc_ir::DType::F32))
                     }
+                    Operand::Transposed(t) => {
+                        // SAFETY: as above.
+                        let view = unsafe { cpu::views::host_view(&bases, t) };
+                        copies += 1;
+                        Some(cpu::swap_last_two(&view))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -354,7 +360,7 @@ impl Device for CpuDevice {
                     .map(|(o, r)| match o {
                         Operand::Absent => None,
                         Operand::Host(t) => Some(t),
-                        Operand::Device(_) | Operand::Widened(_) => r.as_ref(),
+                        Operand::Device(_) | Operand::Widened(_) | Operand::Transposed(_) => r.as_ref(),
                     })
                     .collect();
                 cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| kernel_error(&l.node, e))?

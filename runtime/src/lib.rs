@@ -34,9 +34,12 @@
 //!   constants region, all allocated when the program is loaded: a step allocates nothing.
 //!   `feed` writes a batch into the input places, `step` enqueues the launches and state copies,
 //!   `read` reads an output or a state value back; `--stats` prints its [`session::StepStats`].
+//! - [`cost`] says what a program costs before it runs: what its arena holds at its peak, and
+//!   the bytes and matrix-product FLOPs of each launch (a step's two floors).
 //! - [`plan`] holds the placement search the arena uses (`inspect --memory` prints the arena of
 //!   the program it lowers).
 
+pub mod cost;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

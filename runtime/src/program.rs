@@ -19,6 +19,11 @@
 //!   next value is copied into it after a step, so no address changes between steps; and the
 //!   constants region of the program's own weights and folded values.
 //!
+//! Two kinds of node become part of their readers' launches instead of launches of their own: a
+//! Cast to f32 read only by ops that widen as they load ([`Operand::Widened`]), and a Transpose
+//! of the last two axes read only by matrix products ([`Operand::Transposed`]). Runs of
+//! element-wise launches become one launch each ([`crate::fuse`]).
+//!
 //! An op no backend can run is an error here, naming its node, before any step.
 
 use std::collections::{HashMap, HashSet};
@@ -73,6 +78,11 @@ pub enum Operand {
     /// Cast to f32 fused into its only reader (see [`reads_widened`]), so the f32 copy is never
     /// written. The results are those of the Cast and the op.
     Widened(TensorRef),
+    /// A tensor of rank 2 or more that the launch reads with its last two axes swapped: the
+    /// graph's Transpose fused into its reader, a matrix product, which reads the stored matrices
+    /// transposed (a GEMM's transpose flag), so the transposed copy is never written. The
+    /// reference holds the stored tensor (its shape is the Transpose's input's).
+    Transposed(TensorRef),
 }
 
 /// The operands a launch may read widened from f16 or bf16 ([`Operand::Widened`]): the scores
@@ -81,6 +91,28 @@ pub enum Operand {
 /// softmax between f16 matrix products, from the f16 gradient and probabilities).
 pub fn reads_widened(op: &Op, slot: usize) -> bool {
     matches!((op, slot), (Op::SoftmaxCrossEntropyLoss(_), 0) | (Op::SoftmaxGrad(_), 0 | 1))
+}
+
+/// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.
+pub fn reads_transposed(op: &Op, slot: usize) -> bool {
+    matches!((op, slot), (Op::MatMul, 0 | 1))
+}
+
+/// Whether a Transpose of a rank-`rank` tensor swaps its last two axes and no other.
+fn swaps_last_two(perm: Option<&[i64]>, rank: usize) -> bool {
+    rank >= 2
+        && match perm {
+            // No perm reverses the axes: the last two only of a matrix.
+            None => rank == 2,
+            Some(p) => {
+                p.len() == rank
+                    && p.iter().enumerate().all(|(i, &a)| match i + 2 {
+                        j if j < rank => a == i as i64,
+                        j if j == rank => a == rank as i64 - 1,
+                        _ => a == rank as i64 - 2,
+                    })
+            }
+        }
 }
 
 /// One kernel launch, fully resolved.
@@ -214,6 +246,8 @@ pub struct Program {
     pub views: usize,
     /// Casts fused into their reader ([`Operand::Widened`]).
     pub widened: usize,
+    /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).
+    pub transposed: usize,
     /// Element-wise launches fused into chains ([`Launch::chain`]), and the chains.
     pub fused: (usize, usize),
     /// The arena's buffers, for reports of what its peak holds.
@@ -231,15 +265,6 @@ pub struct ArenaBuffer {
     pub values: Vec<(usize, String, DType, Vec<usize>)>,
 }
 
-/// The launch during which the most arena bytes are alive, and the values alive then, largest
-/// first: what a smaller peak must remove. The placed arena may be larger than their sum (gaps).
-#[derive(Clone, Debug, Default)]
-pub struct PeakLive {
-    pub step: usize,
-    pub bytes: u64,
-    pub values: Vec<(String, DType, Vec<usize>, u64)>,
-}
-
 impl Program {
     /// The place of a graph output, input or state value named `name`.
     pub fn find(&self, name: &str) -> Option<&TensorRef> {
@@ -249,29 +274,6 @@ impl Program {
             .find(|(n, _)| n == name)
             .map(|(_, t)| t)
             .or_else(|| self.state_layout.find(name))
-    }
-
-    /// The step with the most arena bytes alive (branches of an `If` aside), and what is alive.
-    pub fn peak_live(&self) -> PeakLive {
-        let steps = self.buffers.iter().map(|b| b.last + 1).max().unwrap_or(0);
-        let mut alive = vec![0u64; steps];
-        for b in &self.buffers {
-            alive[b.first..=b.last].iter_mut().for_each(|a| *a += b.bytes);
-        }
-        let Some((step, &bytes)) = alive.iter().enumerate().max_by_key(|&(i, a)| (*a, std::cmp::Reverse(i))) else {
-            return PeakLive::default();
-        };
-        let mut values: Vec<(String, DType, Vec<usize>, u64)> = self
-            .buffers
-            .iter()
-            .filter(|b| b.first <= step && step <= b.last)
-            .filter_map(|b| {
-                let (_, name, dtype, shape) = b.values.iter().rev().find(|v| v.0 <= step).or(b.values.first())?;
-                Some((name.clone(), *dtype, shape.clone(), b.bytes))
-            })
-            .collect();
-        values.sort_by(|a, b| b.3.cmp(&a.3).then_with(|| a.0.cmp(&b.0)));
-        PeakLive { step, bytes, values }
     }
 }
 
@@ -500,11 +502,29 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             widened.insert(v, u);
         }
     }
-    steps.retain(|&n| !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o)));
+    // Transposes of the last two axes whose every reader is a matrix product: the readers read
+    // the Transpose's input transposed, the Transpose is not launched.
+    let mut transposed: HashMap<ValueId, ValueId> = HashMap::new();
+    for &n in &steps {
+        let node = g.node(n);
+        let (Op::Transpose(a), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let uses = g.value(v).uses();
+        if ty(u).is_ok_and(|(_, s)| swaps_last_two(a.perm.as_deref(), s.len()))
+            && !g.is_output(v)
+            && !viewed.contains(&v)
+            && !uses.is_empty()
+            && uses.iter().all(|u| reads_transposed(&g.node(u.node).op, u.slot))
+        {
+            transposed.insert(v, u);
+        }
+    }
+    steps.retain(|&n| {
+        !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o))
+    });
     let views = view_of.len();
     let end = steps.len();
     let root = |v: ValueId| {
-        let v = widened.get(&v).copied().unwrap_or(v);
+        let v = widened.get(&v).or(transposed.get(&v)).copied().unwrap_or(v);
         *view_of.get(&v).unwrap_or(&v)
     };
     // Element-wise runs fused into one launch each, at the run's last step (`pos`).
@@ -750,9 +770,10 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
             .map(|(slot, v)| match v {
                 None => Ok(Operand::Absent),
                 Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
-                Some(v) => match widened.get(v) {
-                    Some(&low) => place(low, &refs).map(Operand::Widened),
-                    None => place(*v, &refs).map(Operand::Device),
+                Some(v) => match (widened.get(v), transposed.get(v)) {
+                    (Some(&low), _) => place(low, &refs).map(Operand::Widened),
+                    (_, Some(&stored)) => place(stored, &refs).map(Operand::Transposed),
+                    _ => place(*v, &refs).map(Operand::Device),
                 },
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -851,6 +872,7 @@ fn lower_in(g: &Graph, caps: DeviceCaps, opts: LowerOptions, nested: Option<Nest
         folded,
         views,
         widened: widened.len(),
+        transposed: transposed.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         buffers: arena_buffers,
     })

@@ -199,6 +199,9 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
 fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
     let cases = [
         ("input %0 \"a\": f32[2,1,3,5]\n  input %1 \"b\": f32[1,4,5,2]\n  %2 \"y\": f32[2,4,3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        // Operands read transposed (a fused Transpose of the last two axes), one broadcast.
+        ("input %0 \"a\": f32[2,1,5,3]\n  input %1 \"b\": f16[4,2,5]\n  %2 \"at\": f32[2,1,3,5] = Transpose[perm=[0,1,3,2]](%0)\n  %3 \"bc\": f32[4,2,5] = Cast[to=1](%1)\n  %4 \"bt\": f32[4,5,2] = Transpose[perm=[0,2,1]](%3)\n  %5 \"y\": f32[2,4,3,2] = MatMul(%2, %4)\n  output %5", "MatMul"),
+        ("input %0 \"a\": f16[3,4,6]\n  input %1 \"b\": f16[5,6]\n  %2 \"bt\": f16[6,5] = Transpose(%1)\n  %3 \"y\": f16[3,4,5] = MatMul(%0, %2)\n  output %3", "MatMul"),
         ("input %0 \"a\": f32[5]\n  input %1 \"b\": f32[3,5,2]\n  %2 \"y\": f32[3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
         ("input %0 \"a\": f16[4,3,7]\n  input %1 \"b\": f16[7]\n  %2 \"y\": f16[4,3] = MatMul(%0, %1)\n  output %2", "MatMul"),
         ("input %0 \"a\": f32[5,3]\n  input %1 \"b\": f32[4,5]\n  input %2 \"c\": f32[4]\n  %3 \"y\": f32[3,4] = Gemm[transA=1, transB=1, alpha=0.5, beta=2.0](%0, %1, %2)\n  output %3", "Gemm"),
@@ -244,6 +247,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{op}: {e}\n{text}"));
         let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
         let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(op)).unwrap();
+        if op == "MatMul" && body.contains("Transpose") {
+            assert!(program.transposed > 0, "{body}: no operand is read transposed");
+        }
         let checked = check_program(op, &program, &feeds);
         assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
     }

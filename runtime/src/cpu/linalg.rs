@@ -193,18 +193,19 @@ pub(crate) fn gemm_f32_into(
 }
 
 /// The f32 MatMul of operands of rank 2 or more into `out` (of `out_shape`), batch dims
-/// broadcast, one product per batch as [`matmul`] computes it; `false` when the shapes do not
-/// fit (the caller reports it through the reference kernel).
+/// broadcast, one product per batch as [`matmul`] computes it, an operand flagged transposed
+/// being stored with its last two axes swapped; `false` when the shapes do not fit (the caller
+/// reports it through the reference kernel).
 pub(crate) fn matmul_f32_into(
     out: &mut [f32],
     out_shape: &[usize],
-    av: &[f32],
-    a_shape: &[usize],
-    bv: &[f32],
-    b_shape: &[usize],
+    (av, a_shape, ta): (&[f32], &[usize], bool),
+    (bv, b_shape, tb): (&[f32], &[usize], bool),
 ) -> bool {
     let (ar, br) = (a_shape.len(), b_shape.len());
-    let (m, k, k2, n) = (a_shape[ar - 2], a_shape[ar - 1], b_shape[br - 2], b_shape[br - 1]);
+    // A transposed operand is stored with its last two axes swapped.
+    let (m, k) = if ta { (a_shape[ar - 1], a_shape[ar - 2]) } else { (a_shape[ar - 2], a_shape[ar - 1]) };
+    let (k2, n) = if tb { (b_shape[br - 1], b_shape[br - 2]) } else { (b_shape[br - 2], b_shape[br - 1]) };
     let Some(batch) = super::elementwise::broadcast_shape(&[&a_shape[..ar - 2], &b_shape[..br - 2]]) else {
         return false;
     };
@@ -216,20 +217,11 @@ pub(crate) fn matmul_f32_into(
     }
     let ia = super::elementwise::broadcast_index(&a_shape[..ar - 2], &batch);
     let ib = super::elementwise::broadcast_index(&b_shape[..br - 2], &batch);
+    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
     out.fill(0.0);
     for (i, (&x, &y)) in ia.iter().zip(&ib).enumerate() {
-        gemm_f32(
-            m,
-            k,
-            n,
-            &av[x * m * k..],
-            k as isize,
-            1,
-            &bv[y * k * n..],
-            n as isize,
-            1,
-            &mut out[i * m * n..(i + 1) * m * n],
-        );
+        gemm_f32(m, k, n, &av[x * m * k..], rsa, csa, &bv[y * k * n..], rsb, csb, &mut out[i * m * n..(i + 1) * m * n]);
     }
     true
 }

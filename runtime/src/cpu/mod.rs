@@ -146,6 +146,15 @@ fn reduce_axes(x: &HostTensor, axes: Option<&HostTensor>, noop: bool) -> Res<Opt
 }
 
 /// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.
+/// `x` with its last two axes swapped (a tensor of rank 2 or more): what a launch reads of an
+/// [`crate::program::Operand::Transposed`] operand.
+pub(crate) fn swap_last_two(x: &HostTensor) -> HostTensor {
+    let r = x.shape.len();
+    let mut perm: Vec<usize> = (0..r).collect();
+    perm.swap(r - 2, r - 1);
+    shape::transpose(x, &perm)
+}
+
 pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec<HostTensor>> {
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
     let one = |t: HostTensor| Ok(vec![t]);

@@ -83,9 +83,13 @@ pub(crate) unsafe fn host_view(bases: &Bases, t: &TensorRef) -> HostTensor {
 
 fn f32_operand(o: Option<&Operand>) -> Option<&TensorRef> {
     match o {
-        Some(Operand::Device(t)) if t.dtype == DType::F32 => Some(t),
+        Some(Operand::Device(t) | Operand::Transposed(t)) if t.dtype == DType::F32 => Some(t),
         _ => None,
     }
+}
+
+fn transposed(o: Option<&Operand>) -> bool {
+    matches!(o, Some(Operand::Transposed(_)))
 }
 
 fn overlaps(a: &TensorRef, b: &TensorRef) -> bool {
@@ -127,6 +131,7 @@ pub(crate) fn try_launch(regions: &mut Regions<CpuMemory>, l: &Launch) -> bool {
     // SAFETY: as above; `out` is the only mutable view and overlaps none of the others.
     let out_slice = unsafe { std::slice::from_raw_parts_mut(bases.at(out) as *mut f32, out.numel()) };
     match &l.op {
+        Op::Gemm(_) if transposed(l.inputs.first()) || transposed(l.inputs.get(1)) => false,
         Op::Gemm(g) => {
             if a.shape.len() != 2 || b.shape.len() != 2 {
                 return false;
@@ -148,7 +153,8 @@ pub(crate) fn try_launch(regions: &mut Regions<CpuMemory>, l: &Launch) -> bool {
             true
         }
         Op::MatMul if a.shape.len() >= 2 && b.shape.len() >= 2 && c.is_none() => {
-            super::linalg::matmul_f32_into(out_slice, &out.shape, slice(a), &a.shape, slice(b), &b.shape)
+            let (ta, tb) = (transposed(l.inputs.first()), transposed(l.inputs.get(1)));
+            super::linalg::matmul_f32_into(out_slice, &out.shape, (slice(a), &a.shape, ta), (slice(b), &b.shape, tb))
         }
         _ => false,
     }

@@ -3,13 +3,15 @@
 use super::*;
 
 pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
-    let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-    // 1-D operands: a row vector on the left, a column vector on the right.
+    let ((a, ta), (b, tb), y) = (p.input_or_transposed(0)?, p.input_or_transposed(1)?, p.output(0)?);
+    // 1-D operands: a row vector on the left, a column vector on the right. A transposed operand
+    // (rank 2 or more) is stored with its last two axes swapped: `sa` and `sb` are the stored shapes.
     let sa: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.clone() };
     let sb: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.clone() };
     let (ra, rb) = (sa.len(), sb.len());
-    let (m, k, n) = (sa[ra - 2], sa[ra - 1], sb[rb - 1]);
-    if sb[rb - 2] != k {
+    let (m, k) = if ta { (sa[ra - 1], sa[ra - 2]) } else { (sa[ra - 2], sa[ra - 1]) };
+    let (k2, n) = if tb { (sb[rb - 1], sb[rb - 2]) } else { (sb[rb - 2], sb[rb - 1]) };
+    if k2 != k {
         return Err("MatMul operands whose inner dims differ".into());
     }
     let batch_shape =
@@ -17,40 +19,45 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     let batch = numel(&batch_shape);
     // An operand's batch stride: its own when its batch dims are the output's, 0 when it has one
     // matrix, else it is expanded to the output's batch dims first.
-    let operand =
-        |p: &mut Planner, t: &TensorRef, s: &[usize], rows: usize, cols: usize| -> Result<(Buf, i64), String> {
-            let own = &s[..s.len() - 2];
-            let mat = (rows * cols) as i64;
-            if numel(own) == 1 {
-                Ok((buf(t), 0))
-            } else if own == batch_shape.as_slice() {
-                Ok((buf(t), mat))
-            } else {
-                let mut full = batch_shape.clone();
-                full.extend([rows, cols]);
-                let w = p.work(numel(&full) * t.dtype.size() as u64);
-                p.expand(t.dtype, buf(t), s, w, &full)?;
-                Ok((w, mat))
-            }
-        };
-    let (pa, stride_a) = operand(p, a, &sa, m, k)?;
-    let (pb, stride_b) = operand(p, b, &sb, k, n)?;
-    // Row-major Y = A B is column-major Yᵀ = Bᵀ Aᵀ.
+    let operand = |p: &mut Planner, t: &TensorRef, s: &[usize]| -> Result<(Buf, i64), String> {
+        let own = &s[..s.len() - 2];
+        let mat = numel(&s[s.len() - 2..]) as i64;
+        if numel(own) == 1 {
+            Ok((buf(t), 0))
+        } else if own == batch_shape.as_slice() {
+            Ok((buf(t), mat))
+        } else {
+            let mut full = batch_shape.clone();
+            full.extend_from_slice(&s[s.len() - 2..]);
+            let w = p.work(numel(&full) * t.dtype.size() as u64);
+            p.expand(t.dtype, buf(t), s, w, &full)?;
+            Ok((w, mat))
+        }
+    };
+    let (pa, stride_a) = operand(p, a, &sa)?;
+    let (pb, stride_b) = operand(p, b, &sb)?;
+    // Batched rows against one matrix (a Linear on a sequence: [batch, tokens, features] times a
+    // weight) are one product of all the rows: `m` grows instead of the batch count.
+    let (m, batch) =
+        if stride_b == 0 && !ta && stride_a == (m * k) as i64 { (m * batch as usize, 1) } else { (m, batch) };
+    // Row-major Y = A B is column-major Yᵀ = Bᵀ Aᵀ. A row-major matrix is its transpose in
+    // column-major order, so an operand stored transposed is read with the transpose flag, its
+    // leading dim its stored row length.
     p.gemm(Gemm {
         dtype: y.dtype,
         c_dtype: y.dtype,
-        trans_a: false,
-        trans_b: false,
+        trans_a: tb,
+        trans_b: ta,
         m: n as i64,
         n: m as i64,
         k: k as i64,
         alpha: 1.0,
         beta: 0.0,
         a: pb,
-        lda: n as i64,
+        lda: if tb { k } else { n } as i64,
         stride_a: stride_b,
         b: pa,
-        ldb: k as i64,
+        ldb: if ta { m } else { k } as i64,
         stride_b: stride_a,
         c: buf(y),
         ldc: n as i64,

@@ -423,6 +423,9 @@ impl<'a> Planner<'a> {
             Some(Operand::Device(t)) => Ok(t),
             Some(Operand::Host(_)) => Err(format!("input {i} is a value known when lowering, not a device tensor")),
             Some(Operand::Widened(_)) => Err(format!("input {i} is read widened, which this op's plan does not do")),
+            Some(Operand::Transposed(_)) => {
+                Err(format!("input {i} is read transposed, which this op's plan does not do"))
+            }
             _ => Err(format!("input {i} is missing")),
         }
     }
@@ -431,6 +434,15 @@ impl<'a> Planner<'a> {
     fn input_or_widened(&self, i: usize) -> Result<(&'a TensorRef, bool), String> {
         match self.l.inputs.get(i) {
             Some(Operand::Widened(t)) => Ok((t, true)),
+            _ => self.input(i).map(|t| (t, false)),
+        }
+    }
+
+    /// Input `i` and whether the launch reads it with its last two axes swapped
+    /// ([`Operand::Transposed`]).
+    fn input_or_transposed(&self, i: usize) -> Result<(&'a TensorRef, bool), String> {
+        match self.l.inputs.get(i) {
+            Some(Operand::Transposed(t)) => Ok((t, true)),
             _ => self.input(i).map(|t| (t, false)),
         }
     }
