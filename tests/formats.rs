@@ -72,6 +72,49 @@ fn tensors_in_one_external_file_share_its_bytes() {
     }
 }
 
+/// A tensor of an If branch in an external file is read from the model's folder, whatever the
+/// working folder, and an output written elsewhere carries its data.
+#[test]
+fn external_data_inside_a_branch_is_read_next_to_the_model() {
+    use mpc_ir::onnx::proto::{AttributeProto, GraphProto, TensorProto};
+    let dir = scratch("external_branch");
+    let mut m = ModelProto::decode(std::fs::read(fixture("control_flow")).unwrap().as_slice()).unwrap();
+    let node = m.graph.as_mut().unwrap().node.iter_mut().find(|n| n.op_type == "If").unwrap();
+    let a: &mut AttributeProto = node.attribute.iter_mut().find(|a| a.name == "then_branch").unwrap();
+    let mut body = GraphProto::decode(a.g.clone().unwrap()).unwrap();
+    // The branch multiplies by its own `bscale` (3.0, stored at offset 4 of branch.bin).
+    body.node[0].input[1] = "bscale".into();
+    let kv = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
+    body.initializer.push(TensorProto {
+        name: "bscale".into(),
+        dims: vec![1],
+        data_type: 1,
+        data_location: tensor_proto::EXTERNAL,
+        external_data: vec![kv("location", "branch.bin"), kv("offset", "4"), kv("length", "4")],
+        ..Default::default()
+    });
+    a.g = Some(body.encode_to_vec().into());
+    let mut file = vec![0u8; 4];
+    file.extend_from_slice(&3.0f32.to_le_bytes());
+    std::fs::write(dir.join("branch.bin"), &file).unwrap();
+    let path = dir.join("branch.onnx");
+    std::fs::write(&path, m.encode_to_vec()).unwrap();
+    // The tests run in the repository's folder, not the model's.
+    assert_ne!(std::env::current_dir().unwrap(), dir);
+    mpc::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    let out_dir = scratch("external_branch_out");
+    let out = out_dir.join("out.onnx");
+    let r = mpc(&["compile", path.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let written = ModelProto::decode(std::fs::read(&out).unwrap().as_slice()).unwrap();
+    let node = written.graph.as_ref().unwrap().node.iter().find(|n| n.op_type == "If").unwrap();
+    let body = GraphProto::decode(node.attribute.iter().find(|a| a.name == "then_branch").unwrap().g.clone().unwrap());
+    let t = body.unwrap().initializer.into_iter().find(|t| t.name == "bscale").unwrap();
+    assert_eq!((t.data_location, t.raw_data.as_ref()), (0, 3.0f32.to_le_bytes().as_slice()));
+    let r = mpc(&["run", out.to_str().unwrap(), "--random-inputs", "1", "--dim", "batch=2"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+}
+
 #[test]
 fn external_data_may_not_leave_the_model_folder() {
     let dir = scratch("external_escape");

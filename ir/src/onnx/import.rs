@@ -133,7 +133,7 @@ impl Importer<'_> {
         }
 
         for (i, n) in graph.node.iter().enumerate() {
-            let n = proto::NodeProto::decode(n.clone()).map_err(decode_error)?;
+            let mut n = proto::NodeProto::decode(n.clone()).map_err(decode_error)?;
             let outputs = outs[i.checked_sub(1).map_or(0, |p| ends[p])..ends[i]].to_vec();
             let node_label = label(&n);
             let mut inputs = Vec::with_capacity(n.input.len());
@@ -149,6 +149,10 @@ impl Importer<'_> {
                 inputs.push(Some(v));
             }
             self.check_schema(&n, &inputs).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            for a in &mut n.attribute {
+                inline_external(a, self.external)
+                    .map_err(|e| invalid(format!("node {node_label}: attribute `{}`: {e}", a.name)))?;
+            }
             check_bodies(n.attribute.iter(), &self.g).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             let attrs = n.attribute.into_iter().map(|a| attr(a, self.external)).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
@@ -408,6 +412,45 @@ fn attr(a: proto::AttributeProto, external: &External) -> Result<(String, Attr)>
         _ => Attr::Raw(Bytes::from(a.encode_to_vec())),
     };
     Ok((a.name, value))
+}
+
+/// Reads the external data of the tensors inside a subgraph attribute (If branches, Loop and
+/// Scan bodies, at any depth) into them. A body is kept encoded as it came but for this, so the
+/// model's bodies never refer to files again: a body decoded later need not know the model's
+/// folder, and an output written elsewhere carries the data. Whether anything was read.
+fn inline_external(a: &mut proto::AttributeProto, external: &External) -> Result<bool, String> {
+    let mut changed = false;
+    for t in a.t.iter_mut().chain(&mut a.tensors) {
+        changed |= inline_tensor(t, external).map_err(|e| format!("tensor `{}`: {e}", t.name))?;
+    }
+    for body in a.g.iter_mut().chain(&mut a.graphs) {
+        let mut g = proto::GraphProto::decode(body.clone()).map_err(|e| format!("not a valid graph: {e}"))?;
+        let mut inner = false;
+        for t in &mut g.initializer {
+            inner |= inline_tensor(t, external).map_err(|e| format!("initializer `{}`: {e}", t.name))?;
+        }
+        for n in &mut g.node {
+            for a in &mut n.attribute {
+                inner |= inline_external(a, external)?;
+            }
+        }
+        if inner {
+            *body = Bytes::from(g.encode_to_vec());
+            changed = true;
+        }
+    }
+    Ok(changed)
+}
+
+/// An external tensor's data read into its proto; whether it was external.
+fn inline_tensor(t: &mut TensorProto, external: &External) -> Result<bool, String> {
+    if t.data_location != tensor_proto::EXTERNAL {
+        return Ok(false);
+    }
+    t.raw_data = external_data(t, external)?;
+    t.external_data.clear();
+    t.data_location = 0;
+    Ok(true)
 }
 
 /// Imports every subgraph attribute (If branches, Loop and Scan bodies) on its own, its outer
