@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
 
 fuzz_mutator!(|data: &mut [u8], size: usize, max_size: usize, seed: u32| {
     // Half the time a structural mutation of the decoded model, else libFuzzer's byte-level ones.
-    if seed % 2 == 0 {
+    if seed.is_multiple_of(2) {
         if let Some(out) = mpc_fuzz::mutate_onnx(&data[..size], seed) {
             if out.len() <= max_size {
                 data[..out.len()].copy_from_slice(&out);

@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
 
 fuzz_mutator!(|data: &mut [u8], size: usize, max_size: usize, seed: u32| {
     // Half the time lines and tokens of the text, else libFuzzer's byte-level mutations.
-    if seed % 2 == 0 {
+    if seed.is_multiple_of(2) {
         if let Ok(text) = std::str::from_utf8(&data[..size]) {
             let out = mpc_fuzz::mutate_text(text, seed);
             if out.len() <= max_size {

@@ -108,7 +108,7 @@ impl Rng {
     pub fn new(seed: u32) -> Rng {
         Rng(seed as u64 ^ 0x9e37_79b9_7f4a_7c15)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -118,7 +118,7 @@ impl Rng {
         if n == 0 {
             0
         } else {
-            (self.next() % n as u64) as usize
+            (self.next_u64() % n as u64) as usize
         }
     }
     fn pick<'a, T>(&mut self, v: &'a [T]) -> Option<&'a T> {
@@ -133,7 +133,7 @@ fn interesting(r: &mut Rng) -> i64 {
     match r.below(3) {
         0 => INTERESTING[r.below(INTERESTING.len())],
         1 => r.below(9) as i64 - 4,
-        _ => r.next() as i64,
+        _ => r.next_u64() as i64,
     }
 }
 
