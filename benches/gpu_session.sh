@@ -181,6 +181,12 @@ part_bench() {
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 step gpu_vs_torch python3 -W ignore benches/gpu_vs_torch.py --mpc "$BIN/mpc" --out "$OUTDIR/bench" ${MPC_BENCH_ARGS:-}
   tail -40 "$OUTDIR/gpu_vs_torch.log"
+  # Each step's floors at the copy bandwidth the run measured (mpc's own plans: no GPU needed).
+  local bw
+  bw=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["copy_tb_s"] * 1e12)' \
+    "$OUTDIR/bench/gpu_vs_torch.json" 2>/dev/null || echo 3.35e12)
+  step memory_plan python3 benches/memory_plan.py --mpc "$BIN/mpc" --bandwidth "$bw"
+  cat "$OUTDIR/memory_plan.log"
 }
 
 IFS=, read -ra parts <<< "$PART"

@@ -424,7 +424,8 @@ fn inline_external(a: &mut proto::AttributeProto, external: &External) -> Result
         changed |= inline_tensor(t, external).map_err(|e| format!("tensor `{}`: {e}", t.name))?;
     }
     for body in a.g.iter_mut().chain(&mut a.graphs) {
-        let mut g = proto::GraphProto::decode(body.clone()).map_err(|e| format!("not a valid graph: {e}"))?;
+        // A body that does not decode is refused by `check_bodies`, with its own message.
+        let Ok(mut g) = proto::GraphProto::decode(body.clone()) else { continue };
         let mut inner = false;
         for t in &mut g.initializer {
             inner |= inline_tensor(t, external).map_err(|e| format!("initializer `{}`: {e}", t.name))?;
