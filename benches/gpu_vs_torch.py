@@ -285,8 +285,8 @@ def main():
             lines.append(f"{name}: {line}")
         for policy, row in mpc.items():
             if row.get("profile"):
-                top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']})"
-                                for o in row["profile"][:8])
+                top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']}, "
+                                f"{o.get('gb_per_s', 0):.0f} GB/s)" for o in row["profile"][:8])
                 print(f"  mpc   {policy} by op: {top}")
         for ours, theirs in [("fp32", "fp32"), ("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]:
             ms, peak = torch_rows.get(theirs, (None, None))

@@ -41,6 +41,10 @@ pub struct OpTime {
     pub ms: f64,
     /// Of the profiled step's summed launch times.
     pub share: f64,
+    /// The least the launches move (each tensor a launch reads or writes, once), and that over
+    /// their time: how near they run to the device's bandwidth.
+    pub bytes: u64,
+    pub gb_per_s: f64,
 }
 
 /// One policy's measurements.
@@ -240,22 +244,25 @@ pub fn bench<D: Device>(
 
 /// Launch times summed by op type and output dtype, the longest first.
 fn by_op(launches: &[mpc_runtime::session::LaunchTime]) -> Vec<OpTime> {
-    let mut groups: HashMap<(String, String), (u64, f64)> = HashMap::new();
+    let mut groups: HashMap<(String, String), (u64, f64, u64)> = HashMap::new();
     for l in launches {
         let dtype = l.dtype.map_or(String::new(), |d| d.name().to_string());
         let e = groups.entry((l.op.clone(), dtype)).or_default();
         e.0 += 1;
         e.1 += l.ms;
+        e.2 += l.bytes;
     }
     let total: f64 = launches.iter().map(|l| l.ms).sum();
     let mut out: Vec<OpTime> = groups
         .into_iter()
-        .map(|((op, dtype), (launches, ms))| OpTime {
+        .map(|((op, dtype), (launches, ms, bytes))| OpTime {
             op,
             dtype,
             launches,
             ms,
             share: if total > 0.0 { ms / total } else { 0.0 },
+            bytes,
+            gb_per_s: if ms > 0.0 { bytes as f64 / (ms * 1e-3) / 1e9 } else { 0.0 },
         })
         .collect();
     out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.op.cmp(&b.op)));
@@ -348,16 +355,22 @@ pub fn table(r: &BenchReport) -> String {
     for row in &r.rows {
         let Some(profile) = &row.profile else { continue };
         let total: f64 = profile.iter().map(|o| o.ms).sum();
-        s.push_str(&format!("{}: one profiled step, {total:.3} ms in launches; the longest ops:\n", row.policy));
+        s.push_str(&format!(
+            "{}: one profiled step, {total:.3} ms in launches; the longest ops, with the bytes they move at the \
+             least and that over their time:\n",
+            row.policy
+        ));
         let label = |o: &OpTime| format!("{} {}", o.op, o.dtype).trim_end().to_string();
         let width = profile.iter().take(PROFILE_ROWS).map(|o| label(o).len()).max().unwrap_or(0).max(32);
         for o in profile.iter().take(PROFILE_ROWS) {
             s.push_str(&format!(
-                "  {:<width$} {:>6} launches {:>10.3} ms {:>6.1}%\n",
+                "  {:<width$} {:>6} launches {:>10.3} ms {:>6.1}% {:>10.1} MiB {:>8.1} GB/s\n",
                 label(o),
                 o.launches,
                 o.ms,
-                100.0 * o.share
+                100.0 * o.share,
+                o.bytes as f64 / (1u64 << 20) as f64,
+                o.gb_per_s
             ));
         }
     }

@@ -296,6 +296,14 @@ fn bench_reports_each_policy() {
     let shares: f64 = profile.iter().map(|p| p["share"].as_f64().unwrap()).sum();
     assert!((shares - 1.0).abs() < 1e-6, "{shares}");
     assert!(profile.windows(2).all(|w| w[0]["ms"].as_f64() >= w[1]["ms"].as_f64()), "not the longest first");
+    // Each op's bytes are its launches' traffic, as `inspect --memory` counts the step's.
+    let bytes: u64 = profile.iter().filter(|p| p["op"] != "(state copies)").map(|p| p["bytes"].as_u64().unwrap()).sum();
+    let args = ["inspect", d.to_str().unwrap(), "--memory", "--train", "--loss", "cross-entropy"];
+    let r = mpc(&[&args[..], &["--policy", "mixed", "--batch", "16"]].concat());
+    let out = String::from_utf8_lossy(&r.stdout);
+    let traffic = out.split("in all (").nth(1).and_then(|t| t.split(' ').next()).unwrap();
+    assert_eq!(bytes.to_string(), traffic, "{out}");
+    assert!(profile.iter().all(|p| p["gb_per_s"].as_f64().is_some_and(|g| g >= 0.0)), "{row}");
 
     let r = mpc(&["bench", m.to_str().unwrap(), "--policies", "fp32,fast"]);
     assert_eq!(r.status.code(), Some(2));

@@ -43,6 +43,8 @@ pub struct LaunchTime {
     /// Its first output's dtype.
     pub dtype: Option<mpc_ir::DType>,
     pub ms: f64,
+    /// The least it moves: each tensor it reads or writes, once ([`crate::cost::launch_cost`]).
+    pub bytes: u64,
 }
 
 /// Enqueues `launches`; an `If` reads its condition (the one host read a step may make, declared
@@ -345,10 +347,19 @@ impl<D: Device> Session<D> {
                 _ => host[i],
             };
             times.push(match l {
-                Some(l) => {
-                    LaunchTime { node: l.node.clone(), op: l.kind(), dtype: l.outputs.first().map(|o| o.dtype), ms }
+                Some(l) => LaunchTime {
+                    node: l.node.clone(),
+                    op: l.kind(),
+                    dtype: l.outputs.first().map(|o| o.dtype),
+                    ms,
+                    bytes: crate::cost::launch_cost(l).bytes(),
+                },
+                None => {
+                    // Each copy reads the next value and writes its slot.
+                    let bytes =
+                        loaded.program.state.iter().filter(|s| s.next != s.slot).map(|s| 2 * s.slot.bytes()).sum();
+                    LaunchTime { node: "(state copies)".into(), op: "(state copies)".into(), dtype: None, ms, bytes }
                 }
-                None => LaunchTime { node: "(state copies)".into(), op: "(state copies)".into(), dtype: None, ms },
             });
         }
         let after = self.device.counters();
