@@ -249,11 +249,11 @@ fn traffic_report(t: &mpc_runtime::cost::Traffic) -> String {
     let _ = writeln!(out, "  {:>8}  {:>11}  {:>11}  kind (most bytes first)", "launches", "bytes", "FLOP");
     for k in t.kinds.iter().take(SHOWN) {
         let flops = if k.flops > 0 { flop(k.flops) } else { "-".into() };
-        let _ = writeln!(out, "  {:>8}  {:>11}  {:>11}  {}", k.launches, size(k.read + k.written), flops, k.kind);
+        let _ = writeln!(out, "  {:>8}  {:>11}  {:>11}  {}", k.launches, size(k.bytes()), flops, k.kind);
     }
     if t.kinds.len() > SHOWN {
         let rest = &t.kinds[SHOWN..];
-        let bytes: u64 = rest.iter().map(|k| k.read + k.written).sum();
+        let bytes: u64 = rest.iter().map(|k| k.bytes()).sum();
         let launches: usize = rest.iter().map(|k| k.launches).sum();
         let _ = writeln!(out, "  {launches:>8}  {:>11}  {:>11}  in {} more kinds", size(bytes), "", rest.len());
     }

@@ -47,6 +47,12 @@ pub struct KindCost {
     pub flops: u64,
 }
 
+impl KindCost {
+    pub fn bytes(&self) -> u64 {
+        self.read + self.written
+    }
+}
+
 /// A step's traffic: every launch's [`LaunchCost`], summed by kind (most bytes first) and by the
 /// dtype of the matrix products. An `If`'s branches are not counted (which runs is known only
 /// when stepping).
@@ -109,7 +115,7 @@ impl Program {
             k.flops += c.flops;
         }
         t.kinds = kinds.into_values().collect();
-        t.kinds.sort_by(|a, b| (b.read + b.written).cmp(&(a.read + a.written)).then_with(|| a.kind.cmp(&b.kind)));
+        t.kinds.sort_by(|a, b| b.bytes().cmp(&a.bytes()).then_with(|| a.kind.cmp(&b.kind)));
         t
     }
 }
