@@ -42,10 +42,14 @@
 //               long long n, float lr, float momentum, float weight_decay, int nesterov)
 //     d = grad + wd * param; with velocity (non-null): v' = momentum * v + d, step = nesterov ?
 //     d + momentum * v' : v'; without: step = d. param' = param - lr * step.
+//     Trailing arguments (both updates): void* low_out, const void* low, int low_code: the
+//     parameter's low-precision copy (f32 parameters; code 1 f16, 2 bf16, 0 none, pointers null):
+//     low_out = param' rounded to nearest even, as a Cast of param' would be; a skipped step
+//     copies low to low_out when they differ.
 // train_adam_<T>_<G>(const T* param, const G* grad, const float* inv_scale, const T* m,
 //                const T* v, const long long* step, const unsigned char* finite, T* param_out,
 //                T* m_out, T* v_out, long long n, float lr, float beta1, float beta2,
-//                float epsilon, float weight_decay, int decoupled)
+//                float epsilon, float weight_decay, int decoupled, low...)
 //     t = max(*step, 1) (the count after this update); Adam: d = grad + wd * param; AdamW
 //     (decoupled != 0): param <- param - lr * wd * param, d = grad. m' = b1 m + (1 - b1) d,
 //     v' = b2 v + (1 - b2) d^2, param' = param - lr * (m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t))
@@ -169,14 +173,33 @@ __device__ __forceinline__ C grad_at(const G* grad, const float* inv, long long 
     return inv ? d * (C)*inv : d;
 }
 
+// The parameter's low-precision copy (an update's low/low_out/low_code arguments): code 1 f16,
+// 2 bf16, anything else none. The new parameter `w` (already rounded to T) is stored rounded to
+// nearest even, as a Cast of it would be; a skipped step copies the copy when it moves.
+struct LowCopy {
+    void* out;
+    const void* in;
+    int code;
+    __device__ __forceinline__ void store(long long i, float w) const {
+        if (code == 1) st((__half*)out, i, w);
+        else if (code == 2) st((__nv_bfloat16*)out, i, w);
+    }
+    __device__ __forceinline__ void store(long long i, double w) const { store(i, (float)w); }
+    __device__ __forceinline__ void keep(long long n) const {
+        if (code == 1) copy_if_moved((const __half*)in, (__half*)out, n);
+        else if (code == 2) copy_if_moved((const __nv_bfloat16*)in, (__nv_bfloat16*)out, n);
+    }
+};
+
 template <typename T, typename G>
 __device__ __forceinline__ void sgd_body(const T* param, const G* grad, const float* inv, const unsigned char* finite,
                                          const T* vel, T* param_out, T* vel_out, long long n, float lr, float mu,
-                                         float wd, int nesterov) {
+                                         float wd, int nesterov, LowCopy low) {
     typedef typename Acc<T>::type C;
     if (!*finite) {
         copy_if_moved(param, param_out, n);
         if (vel) copy_if_moved(vel, vel_out, n);
+        low.keep(n);
         return;
     }
     MPC_GRID_STRIDE(i, n) {
@@ -188,7 +211,9 @@ __device__ __forceinline__ void sgd_body(const T* param, const G* grad, const fl
             st(vel_out, i, v);
             step = nesterov ? d + (C)mu * v : v;
         }
-        st(param_out, i, p - (C)lr * step);
+        const C w = round_to<T>(p - (C)lr * step);
+        st(param_out, i, w);
+        low.store(i, w);
     }
 }
 
@@ -198,12 +223,13 @@ template <typename T, typename G>
 __device__ __forceinline__ void adam_body(const T* param, const G* grad, const float* inv, const T* m, const T* v,
                                           const long long* step, const unsigned char* finite, T* param_out, T* m_out,
                                           T* v_out, long long n, float lr, float b1, float b2, float eps, float wd,
-                                          int decoupled) {
+                                          int decoupled, LowCopy low) {
     typedef typename Acc<T>::type C;
     if (!*finite) {
         copy_if_moved(param, param_out, n);
         copy_if_moved(m, m_out, n);
         copy_if_moved(v, v_out, n);
+        low.keep(n);
         return;
     }
     const long long t = *step > 1 ? *step : 1;
@@ -221,7 +247,9 @@ __device__ __forceinline__ void adam_body(const T* param, const G* grad, const f
         const C vn = (C)b2 * ld(v, i) + (one - (C)b2) * d * d;
         st(m_out, i, mn);
         st(v_out, i, vn);
-        st(param_out, i, w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
+        const C next = round_to<T>(w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
+        st(param_out, i, next);
+        low.store(i, next);
     }
 }
 
@@ -229,17 +257,18 @@ __device__ __forceinline__ void adam_body(const T* param, const G* grad, const f
     MPC_KERNEL train_sgd_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale,             \
                                         const unsigned char* finite, const T* velocity, T* param_out,      \
                                         T* velocity_out, long long n, float lr, float momentum,            \
-                                        float weight_decay, int nesterov) {                                \
+                                        float weight_decay, int nesterov, void* low_out, const void* low,  \
+                                        int low_code) {                                                    \
         sgd_body(param, grad, inv_scale, finite, velocity, param_out, velocity_out, n, lr, momentum,       \
-                 weight_decay, nesterov);                                                                  \
+                 weight_decay, nesterov, LowCopy{low_out, low, low_code});                                 \
     }                                                                                                      \
     MPC_KERNEL train_adam_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale, const T* m, \
                                          const T* v, const long long* step, const unsigned char* finite,   \
                                          T* param_out, T* m_out, T* v_out, long long n, float lr,          \
                                          float beta1, float beta2, float epsilon, float weight_decay,      \
-                                         int decoupled) {                                                  \
+                                         int decoupled, void* low_out, const void* low, int low_code) {    \
         adam_body(param, grad, inv_scale, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, \
-                  epsilon, weight_decay, decoupled);                                                       \
+                  epsilon, weight_decay, decoupled, LowCopy{low_out, low, low_code});                      \
     }
 UPDATE_T(float, f32, float, f32)
 UPDATE_T(float, f32, __half, f16)

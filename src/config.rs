@@ -30,6 +30,7 @@
 //! max_scale = 16777216.0
 //! freeze = ["embed.weight"]
 //! tie = false                 # keep exported copies of one weight (a tied LM head) apart
+//! weight_copies = false       # cast the masters every step, not keep low copies the update writes
 //! seed = 7                    # dropout masks (and train's sample order)
 //! ```
 //!
@@ -132,6 +133,8 @@ pub struct TrainFile {
     pub seed: Option<u64>,
     /// Train copies and transposes of one weight as one parameter (default true).
     pub tie: Option<bool>,
+    /// Keep each master's low-precision copy as state the update writes (default true).
+    pub weight_copies: Option<bool>,
 }
 
 impl TrainFile {
@@ -159,7 +162,8 @@ impl TrainFile {
             min_scale,
             max_scale,
             seed,
-            tie
+            tie,
+            weight_copies
         )
     }
 
@@ -238,6 +242,7 @@ impl TrainFile {
             freeze: self.freeze.iter().cloned().collect(),
             seed: self.seed.unwrap_or(d.seed),
             tie: self.tie.unwrap_or(d.tie),
+            weight_copies: self.weight_copies.unwrap_or(d.weight_copies),
             dynamic_scale: dynamic,
             ..d
         };

@@ -151,6 +151,11 @@ struct TrainArgs {
     /// as separate parameters, not as one.
     #[arg(long)]
     no_tie: bool,
+    /// Cast each FP32 master weight to the low dtype in every step, instead of keeping its low
+    /// copy as training state that the optimizer update writes: less memory (a copy lives only
+    /// from its forward use to its last backward use), one more launch and more traffic per weight.
+    #[arg(long)]
+    no_weight_copies: bool,
 }
 
 impl TrainArgs {
@@ -167,6 +172,7 @@ impl TrainArgs {
             freeze: self.freeze.clone(),
             seed: self.seed,
             tie: self.no_tie.then_some(false),
+            weight_copies: self.no_weight_copies.then_some(false),
             ..Default::default()
         }
     }

@@ -40,6 +40,7 @@ common::per_device!(
     digits_mixed_accuracy_tracks_fp32 => digits_mixed_accuracy_tracks_fp32,
     resume_equals_a_straight_run_bit_for_bit => resume_equals_a_straight_run_bit_for_bit,
     a_non_finite_gradient_skips_the_step => a_non_finite_gradient_skips_the_step,
+    weight_copies_written_by_the_update_give_the_same_bits => weight_copies_written_by_the_update_give_the_same_bits,
 );
 
 /// The split of the data's README: the first 1500 samples train, the last 297 test.
@@ -128,6 +129,67 @@ fn a_non_finite_gradient_skips_the_step<D: Device>(device: impl Fn() -> D) {
     }
     println!("injected Inf: step skipped, {unchanged} state tensors bit-for-bit unchanged, loss scale 65536 -> 32768");
     assert!(unchanged >= 19, "masters, moments and the step counter: {unchanged}");
+}
+
+/// The update writes each master's f16 (bf16) copy as state, and the forward pass reads it instead
+/// of casting the master: the same losses and the same state, bit for bit, as casting each step,
+/// and each copy is its master rounded. Adam and SGD with momentum, f16 and bf16, over steps
+/// that include a skipped one (an Inf in the images).
+fn weight_copies_written_by_the_update_give_the_same_bits<D: Device>(device: impl Fn() -> D) {
+    let model = fixture("digits_mlp");
+    let sgd = TrainOptions { optimizer: Optimizer::Momentum, lr: 0.05, ..Default::default() };
+    for (policy, t, low) in [
+        ("mixed", TrainOptions::default(), DType::F16),
+        ("mixed-bf16", sgd.clone(), DType::BF16),
+        ("mixed", sgd, DType::F16),
+    ] {
+        let what = format!("{policy}, {:?}", t.optimizer);
+        let mut runs = Vec::new();
+        for weight_copies in [true, false] {
+            let g = training_graph(&model, policy, TrainOptions { weight_copies, ..t.clone() });
+            let copies: Vec<String> = state_of(&g)
+                .iter()
+                .map(|&(v, _)| g.name(v).to_string())
+                .filter(|n| n.starts_with("mpc.f16.") || n.starts_with("mpc.bf16."))
+                .collect();
+            assert_eq!(copies.is_empty(), !weight_copies, "{what}: {copies:?}");
+            let mut s = program_session(device(), &g, &digits_batch(0, 32));
+            let mut losses = Vec::new();
+            for k in 0..4 {
+                let mut feeds = digits_batch(k * 32, 32);
+                if k == 2 {
+                    let img = feeds.get_mut("images").unwrap();
+                    let mut v = img.f64s();
+                    v[3] = f64::INFINITY;
+                    *img = HostTensor::from_f64(DType::F32, img.shape.clone(), v);
+                }
+                s.feed(0, &feeds).unwrap();
+                s.step(0).unwrap();
+                let skipped = s.read(0, "mpc.step_skipped").unwrap().f64s()[0];
+                assert_eq!(skipped, (k == 2) as u8 as f64, "{what}: step {k}");
+                losses.push(s.read(0, g.name(g.train.as_ref().unwrap().loss.unwrap())).unwrap().f64s()[0].to_bits());
+            }
+            for name in &copies {
+                let master = name.strip_prefix(&format!("mpc.{low}.")).unwrap_or_else(|| panic!("{what}: {name}"));
+                let master = s.read_state(master).unwrap();
+                let copy = s.read_state(name).unwrap();
+                assert_eq!(copy.dtype(), low, "{what}: {name}");
+                assert!(copy == master.cast(low), "{what}: {name} is not its master rounded");
+            }
+            let state: HashMap<String, HostTensor> = state_of(&g)
+                .iter()
+                .map(|&(v, _)| (g.name(v).to_string(), s.read_state(g.name(v)).unwrap()))
+                .filter(|(n, _)| !copies.contains(n))
+                .collect();
+            runs.push((losses, state, copies.len()));
+        }
+        assert!(runs[0].2 >= 3, "{what}: {} copies", runs[0].2);
+        assert_eq!(runs[0].0, runs[1].0, "{what}: the losses differ");
+        assert_eq!(runs[0].1.len(), runs[1].1.len(), "{what}");
+        for (name, t) in &runs[1].1 {
+            assert!(Some(t) == runs[0].1.get(name), "{what}: `{name}` differs");
+        }
+    }
 }
 
 fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
@@ -424,22 +486,37 @@ fn update_of<'g>(g: &'g mpc_ir::Graph, name: &str) -> &'g mpc_ir::Node {
         .unwrap_or_else(|| panic!("no update of `{name}`"))
 }
 
-/// Each FP32 master is cast to FP16 once for the forward pass, and its update reads the FP16
+/// Each FP32 master's FP16 copy is state that its update writes, and the forward pass reads it
+/// (with `weight_copies` off: the master is cast to FP16 once per step). The update reads the FP16
 /// gradient as computed with the loss scale's reciprocal: no FP32 copy of a gradient is made.
 #[test]
 fn masters_stay_f32_and_each_is_cast_once() {
-    let g = training_graph(&fixture("mlp"), "mixed", TrainOptions::default());
-    let inv = g.find("optimizer.inv_scale").unwrap();
-    for name in ["fc1.weight", "fc2.weight", "fc3.bias"] {
-        let v = g.find(name).unwrap();
-        assert_eq!(g.value(v).initializer().unwrap().dtype(), DType::F32, "{name}");
-        let casts = g.value(v).uses().iter().filter(|u| matches!(g.node(u.node).op, Op::Cast(_))).count();
-        assert_eq!(casts, 1, "{name}");
-        let update = update_of(&g, name);
-        let grad = update.input(1).unwrap();
-        assert_eq!(g.ty(grad).dtype, Some(DType::F16), "{name}'s gradient");
-        assert_eq!(update.inputs().last().copied().flatten(), Some(inv), "{name}'s update unscales");
-        assert!(g.find(&format!("{name}.grad")).is_none(), "an FP32 copy of {name}'s gradient");
+    for weight_copies in [true, false] {
+        let g = training_graph(&fixture("mlp"), "mixed", TrainOptions { weight_copies, ..Default::default() });
+        let inv = g.find("optimizer.inv_scale").unwrap();
+        for name in ["fc1.weight", "fc2.weight", "fc3.bias"] {
+            let v = g.find(name).unwrap();
+            assert_eq!(g.value(v).initializer().unwrap().dtype(), DType::F32, "{name}");
+            let casts = g.value(v).uses().iter().filter(|u| matches!(g.node(u.node).op, Op::Cast(_))).count();
+            let update = update_of(&g, name);
+            let grad = update.input(1).unwrap();
+            assert_eq!(g.ty(grad).dtype, Some(DType::F16), "{name}'s gradient");
+            assert!(g.find(&format!("{name}.grad")).is_none(), "an FP32 copy of {name}'s gradient");
+            let ins: Vec<_> = update.inputs().iter().rev().take(2).copied().collect();
+            if weight_copies {
+                assert_eq!(casts, 0, "{name}");
+                let copy = g.find(&format!("mpc.f16.{name}")).unwrap();
+                let t = g.value(copy).initializer().unwrap();
+                assert_eq!(*t, g.value(v).initializer().unwrap().to_dtype(DType::F16), "{name}'s first copy");
+                assert_eq!(ins, [Some(copy), Some(inv)], "{name}'s update unscales and writes the copy");
+                assert!(g.value(copy).uses().iter().any(|u| g.node(u.node).op.op_type() == "Gemm"), "{name}");
+                let next = update.outputs().last().copied().unwrap();
+                assert!(state_of(&g).contains(&(copy, next)), "{name}'s copy is not state");
+            } else {
+                assert_eq!(casts, 1, "{name}");
+                assert_eq!(ins[0], Some(inv), "{name}'s update unscales");
+            }
+        }
     }
     // With clipping, which needs the unscaled gradients, they are made in FP32 first.
     let clipped = training_graph(&fixture("mlp"), "mixed", TrainOptions { clip_norm: Some(1.0), ..Default::default() });
@@ -544,6 +621,13 @@ fn the_config_file_sets_training_options_and_flags_override_it() {
     let text = compile(&["--lr", "0.01", "--loss-scale", "static:8"]);
     assert!(text.contains("ai.mpc::SgdUpdate[lr=0.01, momentum=0.8]"), "{text}");
     assert!(text.contains("\"mpc.loss_scale\" = f32[]{8.0}") && !text.contains("LossScaleUpdate"), "{text}");
+    // The weights' f16 copies are state by default; the flag and the file's key cast every step.
+    assert!(text.contains("init %") && text.contains("\"mpc.f16.fc1.weight\" = f16[256,64]"), "{text}");
+    let text = compile(&["--no-weight-copies"]);
+    assert!(!text.contains("mpc.f16.") && text.contains("\"fc1.weight.cast_f16\": f16[256,64] = Cast"), "{text}");
+    let body = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{body}weight_copies = false\n")).unwrap();
+    assert!(!compile(&[]).contains("mpc.f16."), "weight_copies from the file");
 
     // A bad or unknown setting names the file and the setting; exit 2, nothing written.
     for (body, want) in [

@@ -46,6 +46,34 @@ pub(crate) fn update_dtypes(name: &str) -> (DType, DType) {
     (dtype_of(parts[1]), dtype_of(parts[0]))
 }
 
+/// An update's low-precision copy, from its trailing `low_out, low, low_code` arguments: the two
+/// buffers and the copy's dtype, or None for code 0.
+pub(crate) fn low_copy_of(a: &[Arg]) -> Option<(Buf, Buf, DType)> {
+    let dt = match a[2] {
+        Arg::I32(0) => return None,
+        Arg::I32(1) => DType::F16,
+        Arg::I32(2) => DType::BF16,
+        ref c => panic!("low_code {c:?}"),
+    };
+    Some((ptr(&a[0]), ptr(&a[1]), dt))
+}
+
+/// A skipped update keeps the copy.
+fn keep_low(m: &mut Memory, low: Option<(Buf, Buf, DType)>, i: i64) {
+    if let Some((out, inp, dt)) = low {
+        let v = m.get(inp, i, dt);
+        m.set(out, i, dt, v);
+    }
+}
+
+/// The copy of the parameter just stored at `po`, rounded to the copy's dtype.
+fn store_low(m: &mut Memory, low: Option<(Buf, Buf, DType)>, i: i64, po: Buf, d: DType) {
+    if let Some((out, _, dt)) = low {
+        let v = m.get(po, i, d);
+        m.set(out, i, dt, v);
+    }
+}
+
 /// An update's `inv_scale` argument: the f32 it points at, or 1.
 pub(crate) fn unscale_of(m: &mut Memory, a: &Arg) -> f64 {
     match *a {
@@ -396,10 +424,12 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
         let inv = unscale_of(m, &a[2]);
         let (n, lr, mom, wd, nesterov) = (int(&a[7]), f32_of(&a[8]), f32_of(&a[9]), f32_of(&a[10]), int(&a[11]) != 0);
         let ok = m.get(finite, 0, DType::U8) != 0.0;
+        let low = low_copy_of(&a[12..15]);
         for i in 0..n {
             let p = m.get(param, i, d);
             if !ok {
                 m.set(po, i, d, p);
+                keep_low(m, low, i);
                 continue;
             }
             let dd = m.get(grad, i, dg) * inv + wd * p;
@@ -416,6 +446,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 _ => dd,
             };
             m.set(po, i, d, p - lr * step);
+            store_low(m, low, i, po, d);
         }
     } else if name.starts_with("train_adam_") {
         // train_adam_<param>_<grad>(param, grad, inv_scale, m, v, step, finite, param', m', v', ...)
@@ -428,12 +459,14 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             (f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), f32_of(&a[15]), int(&a[16]) != 0);
         let ok = m.get(finite, 0, DType::U8) != 0.0;
         let t = m.get(step, 0, DType::I64).max(1.0);
+        let low = low_copy_of(&a[17..20]);
         for i in 0..n {
             let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, dg) * inv, m.get(mm, i, d), m.get(vv, i, d));
             if !ok {
                 m.set(po, i, d, p);
                 m.set(mo, i, d, m0);
                 m.set(vo, i, d, v0);
+                keep_low(m, low, i);
                 continue;
             }
             let dd = if decoupled {
@@ -447,6 +480,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(po, i, d, r);
             m.set(mo, i, d, m1);
             m.set(vo, i, d, v1);
+            store_low(m, low, i, po, d);
         }
     } else if ["and", "or", "equal", "less", "greater"].iter().any(|c| name.starts_with(&format!("elementwise_{c}_"))) {
         let op = &name["elementwise_".len()..name.len() - tag.len() - 1];

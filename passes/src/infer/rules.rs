@@ -444,16 +444,33 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             cx.same_dtype(0..2)?;
             vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)]
         }
-        Op::SgdUpdate(_) => {
-            let mut out = vec![same(cx, 0)];
-            if cx.n_outputs() > 1 {
-                out.push(same(cx, 3));
-            }
-            out
-        }
-        Op::AdamUpdate(_) => vec![same(cx, 0), same(cx, 2), same(cx, 3)],
+        // The next values of the state inputs, in order: the parameter, its velocity or moments,
+        // and its low-precision copy (the last input, f16 or bf16, when given).
+        Op::SgdUpdate(_) => update_outputs(cx, &[0, 3], 5)?,
+        Op::AdamUpdate(_) => update_outputs(cx, &[0, 2, 3], 7)?,
         Op::LossScaleUpdate(_) => vec![same(cx, 0), same(cx, 1)],
     })
+}
+
+/// An optimizer update's outputs: the types of its present `state` inputs, then of its
+/// low-precision copy input `low` when present (which must be f16 or bf16, the parameter f32).
+fn update_outputs(cx: &NodeCx, state: &[usize], low: usize) -> R {
+    let mut out: Vec<TypeInfo> = state.iter().filter(|&&i| cx.has(i)).map(|&i| same(cx, i)).collect();
+    if cx.has(low) {
+        match (cx.dt(0), cx.dt(low)) {
+            (Some(DType::F32) | None, Some(DType::F16 | DType::BF16) | None) => {}
+            (p, l) => {
+                let show = |d: Option<DType>| d.map_or("?".to_string(), |d| d.to_string());
+                return Err(format!("a {} low-precision copy of a {} parameter", show(l), show(p)));
+            }
+        }
+        out.push(same(cx, low));
+    }
+    if out.len() < cx.n_outputs() {
+        return Err(format!("{} outputs, but {} state inputs to update", cx.n_outputs(), out.len()));
+    }
+    out.truncate(cx.n_outputs());
+    Ok(out)
 }
 
 pub(super) fn check_eq(a: &Dim, b: &Dim, what: &str) -> Result<(), String> {

@@ -6,7 +6,8 @@
 //! BatchNormalization uses batch statistics), [`LossScale`] (the loss times the scale, which is training state), [`Autodiff`],
 //! and [`Optimizer`]: unscale in FP32, one all-finite check over every gradient,
 //! optional global-norm clipping, the update of the masters (moments FP32) that leaves everything
-//! unchanged on a non-finite step, the dynamic loss-scale update and the step counter.
+//! unchanged on a non-finite step and writes each master's low-precision copy (state that the
+//! forward pass reads instead of the Cast), the dynamic loss-scale update and the step counter.
 //!
 //! Training state is carried as initializers that the step reads and outputs that hold their next
 //! values. The passes record what they build in the graph's [`TrainSignature`] (the loss, the
@@ -116,6 +117,10 @@ pub struct TrainOptions {
     pub seed: u64,
     /// The settings of dynamic loss scaling, whenever it is dynamic (asked for or by default).
     pub dynamic_scale: DynamicScale,
+    /// The update writes each master weight's low-precision copy, the one the forward pass reads,
+    /// as training state ([`low_copy`]), instead of the next step casting the weight again. The
+    /// same bits either way; off only to compare.
+    pub weight_copies: bool,
 }
 
 /// Dynamic loss scaling: where the scale starts and how it moves.
@@ -155,8 +160,43 @@ impl Default for TrainOptions {
             dynamic_scale: DynamicScale::default(),
             freeze: BTreeSet::new(),
             tie: true,
+            weight_copies: true,
         }
     }
+}
+
+/// The forward pass's low-precision copy of the master weight `p`, made training state: the
+/// Casts that read `p` into f16 (or bf16) are replaced by the initializer `mpc.<dtype>.<name>`
+/// (the initial weight cast once), which the update writes from the new weight, rounded as the
+/// Cast rounds. The step then neither casts the weight nor keeps the cast in its arena, and its
+/// results are the same bits. None for a parameter no such Cast reads.
+fn low_copy(g: &mut Graph, p: ValueId, pname: &str, init: &Tensor) -> Option<ValueId> {
+    if init.dtype() != DType::F32 {
+        return None;
+    }
+    let casts = |g: &Graph, to: Option<DType>| -> Vec<(mpc_ir::NodeId, DType)> {
+        g.value(p)
+            .uses()
+            .iter()
+            .filter_map(|u| match &g.node(u.node).op {
+                Op::Cast(a) if matches!(a.to, DType::F16 | DType::BF16) && to.is_none_or(|t| t == a.to) => {
+                    let out = g.node(u.node).outputs()[0];
+                    (!g.is_output(out)).then_some((u.node, a.to))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let to = casts(g, None).first()?.1;
+    let name = g.unique_name(&format!("mpc.{to}.{pname}"));
+    let low = g.add_initializer(&name, init.to_dtype(to));
+    // The Casts are left to dead-code elimination: a node removed here would free an index that
+    // the next added node takes, and the pass manager types only the nodes added after its start.
+    for (n, _) in casts(g, Some(to)) {
+        let out = g.node(n).outputs()[0];
+        g.replace_uses(out, low);
+    }
+    Some(low)
 }
 
 impl LossScale {
@@ -704,23 +744,21 @@ impl Pass for OptimizerPass {
                     .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
             let zeros =
                 || Tensor::from_f64_as(tensor.dtype(), tensor.shape().to_vec(), &vec![0.0; tensor.numel() as usize]);
+            let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
+            let unscale = inv.filter(|_| folded.contains(&p));
             match o.optimizer {
                 Optimizer::Sgd | Optimizer::Momentum => {
                     let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
                     let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
-                    let mut ins = vec![Some(p), Some(d), Some(finite)];
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    ins.push(vel);
-                    if let Some(inv) = inv.filter(|_| folded.contains(&p)) {
-                        ins.push(Some(inv));
-                    }
+                    let mut ins = vec![Some(p), Some(d), Some(finite), vel, unscale, low];
                     while ins.last() == Some(&None) {
                         ins.pop();
                     }
-                    let outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, 1 + vel.is_some() as usize);
-                    state.push((p, outs[0]));
-                    if let Some(v) = vel {
-                        state.push((v, outs[1]));
+                    let n = 1 + vel.is_some() as usize + low.is_some() as usize;
+                    let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
+                    for s in [Some(p), vel, low].into_iter().flatten() {
+                        state.push((s, outs.next().expect("one output per state")));
                     }
                 }
                 Optimizer::Adam | Optimizer::AdamW => {
@@ -734,14 +772,14 @@ impl Pass for OptimizerPass {
                     };
                     let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
                     let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
-                    let mut ins = vec![Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite)];
-                    if let Some(inv) = inv.filter(|_| folded.contains(&p)) {
-                        ins.push(Some(inv));
+                    let mut ins = vec![Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite), unscale, low];
+                    while ins.last() == Some(&None) {
+                        ins.pop();
                     }
-                    let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3);
-                    state.push((p, outs[0]));
-                    state.push((m, outs[1]));
-                    state.push((v, outs[2]));
+                    let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
+                    for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
+                        state.push((s, next));
+                    }
                 }
             }
         }

@@ -481,11 +481,13 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::SgdUpdate(a) => {
             let g = train::unscaled(x(0)?, x(1)?, ins.get(4).copied().flatten(), "SgdUpdate")?;
-            train::sgd_update(&[x(0)?, &g, x(2)?], ins.get(3).copied().flatten(), a)
+            let outs = train::sgd_update(&[x(0)?, &g, x(2)?], ins.get(3).copied().flatten(), a)?;
+            train::with_low_copy(outs, ins.get(5).copied().flatten(), x(2)?)
         }
         Op::AdamUpdate(a) => {
             let g = train::unscaled(x(0)?, x(1)?, ins.get(6).copied().flatten(), "AdamUpdate")?;
-            train::adam_update(&[x(0)?, &g, x(2)?, x(3)?, x(4)?, x(5)?], a)
+            let outs = train::adam_update(&[x(0)?, &g, x(2)?, x(3)?, x(4)?, x(5)?], a)?;
+            train::with_low_copy(outs, ins.get(7).copied().flatten(), x(5)?)
         }
         Op::LossScaleUpdate(a) => train::loss_scale_update(x(0)?, x(1)?, x(2)?, a),
         Op::SeededDropout(a) => {

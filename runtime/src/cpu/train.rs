@@ -479,8 +479,8 @@ pub(crate) fn unscaled<'a>(
     }))
 }
 
-/// SgdUpdate(param, grad, finite[, velocity][, inv_scale]) → (param'[, velocity']); unchanged when
-/// not finite.
+/// SgdUpdate(param, grad, finite[, velocity][, inv_scale][, low]) → (param'[, velocity'][, low']);
+/// unchanged when not finite (`low`, the parameter's low-precision copy: [`with_low_copy`]).
 pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: &SgdAttrs) -> Res<Vec<HostTensor>> {
     let (p, g, finite) = (ins[0], ins[1], flag(ins[2])?);
     same_shape(p, g, "SgdUpdate")?;
@@ -513,8 +513,9 @@ pub(crate) fn sgd_update(ins: &[&HostTensor], velocity: Option<&HostTensor>, a: 
     Ok(res)
 }
 
-/// AdamUpdate(param, grad, m, v, step, finite[, inv_scale]) → (param', m', v'), `step` being the
-/// count after this update (bias correction); unchanged when not finite.
+/// AdamUpdate(param, grad, m, v, step, finite[, inv_scale][, low]) → (param', m', v'[, low']),
+/// `step` being the count after this update (bias correction); unchanged when not finite (`low`:
+/// [`with_low_copy`]).
 pub(crate) fn adam_update(ins: &[&HostTensor], a: &AdamAttrs) -> Res<Vec<HostTensor>> {
     let (p, g, m, v, step, finite) = (ins[0], ins[1], ins[2], ins[3], ins[4], flag(ins[5])?);
     same_shape(p, g, "AdamUpdate")?;
@@ -562,6 +563,30 @@ fn adam_in<T: Real>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], a: &AdamAttr
         p[i] = w - lr * (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
     }
     Ok(())
+}
+
+/// An update's outputs followed, when the update has a low-precision copy of its parameter (its
+/// last input), by the copy's next value: the new parameter cast to the copy's dtype (what a Cast
+/// of it makes), or the copy unchanged on a skipped step.
+pub(crate) fn with_low_copy(
+    mut outs: Vec<HostTensor>,
+    low: Option<&HostTensor>,
+    finite: &HostTensor,
+) -> Res<Vec<HostTensor>> {
+    let Some(low) = low else { return Ok(outs) };
+    let p = &outs[0];
+    if p.dtype() != DType::F32 || !matches!(low.dtype(), DType::F16 | DType::BF16) || low.shape != p.shape {
+        return Err(err(format!(
+            "a {}{:?} low-precision copy of a {}{:?} parameter",
+            low.dtype(),
+            low.shape,
+            p.dtype(),
+            p.shape
+        )));
+    }
+    let next = if flag(finite)? { p.cast(low.dtype()) } else { low.clone() };
+    outs.push(next);
+    Ok(outs)
 }
 
 /// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').

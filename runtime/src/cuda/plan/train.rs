@@ -2,6 +2,25 @@
 
 use super::*;
 
+/// An update's trailing arguments for its parameter's low-precision copy (input `input`, next
+/// value output `output`): `low_out, low, low_code` (kernels/train.cu), nulls and 0 without one.
+fn low_copy_args(p: &Planner, input: usize, output: usize, param: &TensorRef) -> Result<[Arg; 3], String> {
+    let Some(low) = p.opt_input(input) else { return Ok([Arg::Null, Arg::Null, Arg::I32(0)]) };
+    let out = p.output(output)?;
+    let code = match low.dtype {
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        d => return Err(format!("a {d} low-precision copy")),
+    };
+    if param.dtype != DType::F32 || low.shape != param.shape || out.dtype != low.dtype || out.shape != low.shape {
+        return Err(format!(
+            "a {}{:?} low-precision copy of a {}{:?} parameter",
+            low.dtype, low.shape, param.dtype, param.shape
+        ));
+    }
+    Ok([Arg::Ptr(buf(out)), Arg::Ptr(buf(low)), Arg::I32(code)])
+}
+
 pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let op = p.l.op.clone();
     let a = match &op {
@@ -184,7 +203,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
             let n = param.numel() as u64;
             let tags = update_tags("SgdUpdate", param.dtype, grad.dtype)?;
             let inv = unscale_arg(p, 4, param.dtype)?;
-            let args = vec![
+            let mut args = vec![
                 Arg::Ptr(buf(param)),
                 Arg::Ptr(buf(grad)),
                 inv,
@@ -198,6 +217,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 Arg::F32(a.weight_decay),
                 Arg::I32(a.nesterov as i32),
             ];
+            args.extend(low_copy_args(p, 5, 1 + vel.is_some() as usize, param)?);
             p.flat("train", format!("train_sgd_{tags}"), n, args);
         }
         Op::AdamUpdate(a) => {
@@ -222,6 +242,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 Arg::F32(a.weight_decay),
                 Arg::I32(a.decoupled as i32),
             ]);
+            args.extend(low_copy_args(p, 7, 3, param)?);
             p.flat("train", format!("train_adam_{tags}"), n, args);
         }
         Op::LossScaleUpdate(a) => {
