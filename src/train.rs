@@ -357,8 +357,13 @@ pub fn train_on<D: Device>(
         let bad = |what: String| Error::Usage(format!("{}: {what}", file.display()));
         for &(s, _) in &state {
             let name = g.name(s);
-            let t =
-                saved.get(name).ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
+            // A master's low-precision copy that the checkpoint lacks (one written with
+            // --no-weight-copies) is its master rounded.
+            let copy = low_copy_of(name, &saved, g.ty(s).dtype);
+            let t = saved
+                .get(name)
+                .or(copy.as_ref())
+                .ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
             check_state(name, t, scale.is_some_and(|v| v == s).then_some(scale_bounds).flatten()).map_err(&bad)?;
             session.write_state(name, t).map_err(rerr)?;
         }
@@ -548,6 +553,14 @@ fn evaluate<D: Device>(
         }
     }
     Ok((correct as f64 / total.max(1) as f64, loss_sum / batches.max(1) as f64))
+}
+
+/// The state `mpc.<dtype>.<master>` (a master weight's low-precision copy) made from the master
+/// in `saved`, when `name` is such a copy that `saved` does not hold.
+fn low_copy_of(name: &str, saved: &HashMap<String, HostTensor>, dtype: Option<DType>) -> Option<HostTensor> {
+    let dtype = dtype.filter(|d| matches!(d, DType::F16 | DType::BF16))?;
+    let master = name.strip_prefix(&format!("mpc.{dtype}."))?;
+    (!saved.contains_key(name)).then(|| saved.get(master).map(|m| m.cast(dtype))).flatten()
 }
 
 /// Checks a state tensor read from a checkpoint: finite floats; integer counters not negative

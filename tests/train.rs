@@ -214,7 +214,7 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
         &model,
         "mixed",
         TrainOptions::default(),
-        &TrainConfig { max_steps: Some(n + m), resume: true, ..ck },
+        &TrainConfig { max_steps: Some(n + m), resume: true, ..ck.clone() },
     );
     // Two runs give the same bits.
     let again = run_on(
@@ -236,6 +236,21 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
         n + m,
         straight.state.len()
     );
+    // A checkpoint without the weights' f16 copies (written with --no-weight-copies) resumes a run
+    // that keeps them: each copy is its master rounded, and the run goes on as the straight one.
+    let uncopied = TrainOptions { weight_copies: false, ..Default::default() };
+    run_on(device(), &model, "mixed", uncopied, &TrainConfig { max_steps: Some(n), ..ck.clone() });
+    let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
+    assert!(!saved.keys().any(|k| k.starts_with("mpc.f16.")), "{:?}", saved.keys());
+    let resumed = run_on(
+        device(),
+        &model,
+        "mixed",
+        TrainOptions::default(),
+        &TrainConfig { max_steps: Some(n + m), resume: true, ..ck },
+    );
+    assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming without copies differ");
+    assert!(straight.state == resumed.state, "the state after resuming without copies differs");
 }
 
 /// The digits MLP with training-mode Dropout (ratio 0.2) after each Relu, written to `dir`.
