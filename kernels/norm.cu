@@ -42,6 +42,12 @@
 //     chunk of the (row, repeat) pairs into part_scale[j * splits + y] (part_bias likewise, may
 //     be nullptr); reduce_sum_finish_<T> (reduce.cu) then adds each j's partials in order.
 //
+// norm_layer_norm_f32_f32_y<L>, norm_layer_norm_grad[_params[_split]]_f32_f32_dy<L> (L = f16, bf16)
+//     The f32 kernels above with y (forward) or dy (the gradients) in L: a LayerNormalization
+//     whose only reader is a Cast to L writes the Cast's values (rounded once, as the Cast
+//     would), and a gradient whose dy a Cast from L made reads the Cast's input (widened as it
+//     loads). The same arguments and launch; the results are the unfused launches' bits.
+//
 // ---- BatchNormalization over x = (N, C, inner) (inner = prod of the spatial dims)
 // norm_batch_norm_infer_<T>_<P>(const T* x, const P* scale, const P* bias, const P* mean,
 //                               const P* var, T* y, long long n, long long c, long long inner, float eps)
@@ -128,8 +134,8 @@ struct Channel {
 
 // ---------------------------------------------------------------- LayerNormalization
 
-template <typename T, typename P>
-__device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, const P* bias, T* y, AccT<T>* mean_out,
+template <typename T, typename P, typename Y>
+__device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, const P* bias, Y* y, AccT<T>* mean_out,
                                                 AccT<T>* inv_out, long long rows, long long n, long long scale_n,
                                                 float eps) {
     typedef AccT<T> A;
@@ -152,8 +158,8 @@ __device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, cons
     }
 }
 
-template <typename T, typename P>
-__device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, AccT<T>* ws_mean,
+template <typename T, typename P, typename D>
+__device__ __forceinline__ void layer_norm_grad_body(const D* dy, const T* x, const P* scale, T* dx, AccT<T>* ws_mean,
                                                      AccT<T>* ws_inv, long long rows, long long n, long long scale_n,
                                                      float eps) {
     typedef AccT<T> A;
@@ -186,8 +192,8 @@ __device__ __forceinline__ void layer_norm_grad_body(const T* dy, const T* x, co
 // The sums of dy * xhat and dy over the (row, repeat) pairs [t0, t1) for feature j of each of the
 // block's 32 columns: threadIdx.y walks the pairs modulo 8, and the 8 partials are added in order.
 // `*scale_sum` and `*bias_sum` are valid in the threads with threadIdx.y == 0 and j < scale_n.
-template <typename T>
-__device__ __forceinline__ void layer_norm_params_sums(const T* dy, const T* x, const AccT<T>* ws_mean,
+template <typename T, typename D>
+__device__ __forceinline__ void layer_norm_params_sums(const D* dy, const T* x, const AccT<T>* ws_mean,
                                                        const AccT<T>* ws_inv, long long j, long long t0, long long t1,
                                                        long long per_row, long long scale_n, AccT<T> (*sa)[33],
                                                        AccT<T> (*sb)[33], AccT<T>* scale_sum, AccT<T>* bias_sum) {
@@ -219,8 +225,8 @@ __device__ __forceinline__ void layer_norm_params_sums(const T* dy, const T* x, 
     __syncthreads();
 }
 
-template <typename T>
-__device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T* x, const AccT<T>* ws_mean,
+template <typename T, typename D>
+__device__ __forceinline__ void layer_norm_grad_params_body(const D* dy, const T* x, const AccT<T>* ws_mean,
                                                             const AccT<T>* ws_inv, T* dscale, T* dbias, long long rows,
                                                             long long n, long long scale_n) {
     typedef AccT<T> A;
@@ -236,8 +242,8 @@ __device__ __forceinline__ void layer_norm_grad_params_body(const T* dy, const T
     }
 }
 
-template <typename T>
-__device__ __forceinline__ void layer_norm_grad_params_split_body(const T* dy, const T* x, const AccT<T>* ws_mean,
+template <typename T, typename D>
+__device__ __forceinline__ void layer_norm_grad_params_split_body(const D* dy, const T* x, const AccT<T>* ws_mean,
                                                                   const AccT<T>* ws_inv, AccT<T>* part_scale,
                                                                   AccT<T>* part_bias, long long rows, long long n,
                                                                   long long scale_n, long long splits) {
@@ -507,6 +513,35 @@ NORM_PAIR(__nv_bfloat16, bf16, __nv_bfloat16, bf16)
 NORM_PAIR(__half, f16, float, f32)
 NORM_PAIR(__nv_bfloat16, bf16, float, f32)
 NORM_PAIR(double, f64, double, f64)
+
+// f32 LayerNormalization writing its f16/bf16 Cast's values (y in L, rounded once), and its
+// gradient reading dy as the Cast before it had it (dy in L, widened as it loads).
+#define NORM_LOW(L, l)                                                                                     \
+    MPC_KERNEL norm_layer_norm_f32_f32_y##l(const float* x, const float* scale, const float* bias, L* y,   \
+                                            float* mean, float* inv_std, long long rows, long long n,      \
+                                            long long scale_n, float eps) {                                \
+        layer_norm_body(x, scale, bias, y, mean, inv_std, rows, n, scale_n, eps);                          \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_f32_f32_dy##l(const L* dy, const float* x, const float* scale,         \
+                                                  float* dx, float* ws_mean, float* ws_inv_std,            \
+                                                  long long rows, long long n, long long scale_n,          \
+                                                  float eps) {                                             \
+        layer_norm_grad_body(dy, x, scale, dx, ws_mean, ws_inv_std, rows, n, scale_n, eps);                \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_params_f32_f32_dy##l(const L* dy, const float* x, const float* ws_mean, \
+                                                         const float* ws_inv_std, float* dscale,           \
+                                                         float* dbias, long long rows, long long n,        \
+                                                         long long scale_n) {                              \
+        layer_norm_grad_params_body(dy, x, ws_mean, ws_inv_std, dscale, dbias, rows, n, scale_n);          \
+    }                                                                                                      \
+    MPC_KERNEL norm_layer_norm_grad_params_split_f32_f32_dy##l(                                            \
+        const L* dy, const float* x, const float* ws_mean, const float* ws_inv_std, float* part_scale,     \
+        float* part_bias, long long rows, long long n, long long scale_n, long long splits) {             \
+        layer_norm_grad_params_split_body(dy, x, ws_mean, ws_inv_std, part_scale, part_bias, rows, n,      \
+                                          scale_n, splits);                                                \
+    }
+NORM_LOW(__half, f16)
+NORM_LOW(__nv_bfloat16, bf16)
 
 #define BN_PASSES_T(T, t)                                                                                  \
     MPC_KERNEL norm_bn_sum_##t(const T* x, AccT<T>* part, long long n, long long c, long long inner,       \

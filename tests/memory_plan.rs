@@ -136,8 +136,22 @@ fn mixed_training_keeps_no_f32_copy_of_the_logits_or_the_probabilities() {
             "{policy}: {:?}",
             loss.inputs[0]
         );
-        // So do the 2 SoftmaxGrads, both of their dy and y (f32 Casts of the f16 or bf16 values).
-        assert_eq!(p.widened, 5, "{policy}");
+        // So do the 2 SoftmaxGrads, both of their dy and y (f32 Casts of the f16 or bf16 values),
+        // and the 5 LayerNormalizationGrads their dy (the gradient of the Cast after each f32
+        // layer norm). The layer norms write their outputs low: their Casts to f16 or bf16 are not
+        // launched either.
+        assert_eq!(p.widened, 5 + 5, "{policy}");
+        assert_eq!(p.narrowed, 5, "{policy}");
+        let ln = |l: &&Launch| matches!(l.op, Op::LayerNormalization(_));
+        let lng = |l: &&Launch| matches!(l.op, Op::LayerNormalizationGrad(_));
+        assert_eq!((p.launches.iter().filter(ln).count(), p.launches.iter().filter(lng).count()), (5, 5));
+        for l in p.launches.iter().filter(ln) {
+            let Operand::Device(x) = &l.inputs[0] else { panic!("{policy}: {}", l.node) };
+            assert_eq!((x.dtype, l.outputs[0].dtype), (DType::F32, low), "{policy}: {}", l.node);
+        }
+        for l in p.launches.iter().filter(lng) {
+            assert!(matches!(&l.inputs[0], Operand::Widened(t) if t.dtype == low), "{policy}: {}", l.node);
+        }
         for l in p.launches.iter().filter(|l| matches!(l.op, Op::SoftmaxGrad(_))) {
             let low_in = |o: &Operand| matches!(o, Operand::Widened(t) if t.dtype == low && t.shape == probs);
             assert!(low_in(&l.inputs[0]) && low_in(&l.inputs[1]), "{policy}: {}: {:?}", l.node, l.inputs);

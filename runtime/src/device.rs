@@ -375,7 +375,13 @@ impl Device for CpuDevice {
                 l.outputs.len()
             )));
         }
-        for (t, place) in outs.into_iter().zip(&l.outputs) {
+        for (k, (t, place)) in outs.into_iter().zip(&l.outputs).enumerate() {
+            // An output written narrowed: rounded as the Cast it stands for.
+            let narrow = t.dtype() == mpc_ir::DType::F32
+                && matches!(place.dtype, mpc_ir::DType::F16 | mpc_ir::DType::BF16)
+                && l.chain.is_none()
+                && crate::program::writes_narrowed(&l.op, k);
+            let t = if narrow { t.cast(place.dtype) } else { t };
             // Each launch makes exactly what the graph declares: its dtype and shape, and as many
             // values as the shape holds.
             if t.dtype() != place.dtype || t.shape != place.shape || t.len() != place.numel() {

@@ -21,8 +21,10 @@
 //!
 //! Two kinds of node become part of their readers' launches instead of launches of their own: a
 //! Cast to f32 read only by ops that widen as they load ([`Operand::Widened`]), and a Transpose
-//! of the last two axes read only by matrix products ([`Operand::Transposed`]). Runs of
-//! element-wise launches become one launch each ([`crate::fuse`]).
+//! of the last two axes read only by matrix products ([`Operand::Transposed`]). A Cast to f16
+//! or bf16 that is the only reader of an op's output that can be written narrowed becomes part
+//! of that op's launch ([`writes_narrowed`]). Runs of element-wise launches become one launch
+//! each ([`crate::fuse`]).
 //!
 //! An op no backend can run is an error here, naming its node, before any step.
 
@@ -91,8 +93,20 @@ pub enum Operand {
 /// of a SoftmaxCrossEntropyLoss (the loss over a language model's f16 logits, computed in f32,
 /// without an f32 copy of the logits), and SoftmaxGrad's dy and y (the gradient of an f32
 /// softmax between f16 matrix products, from the f16 gradient and probabilities).
+/// And LayerNormalizationGrad's dy (an f32 layer norm's gradient, from the f16 gradient of the
+/// matrix product that read its output).
 pub fn reads_widened(op: &Op, slot: usize) -> bool {
-    matches!((op, slot), (Op::SoftmaxCrossEntropyLoss(_), 0) | (Op::SoftmaxGrad(_), 0 | 1))
+    matches!(
+        (op, slot),
+        (Op::SoftmaxCrossEntropyLoss(_), 0) | (Op::SoftmaxGrad(_), 0 | 1) | (Op::LayerNormalizationGrad(_), 0)
+    )
+}
+
+/// The f32 outputs a launch may write narrowed to f16 or bf16, rounding once where a Cast read
+/// only by others would have: LayerNormalization's y (an f32 layer norm before f16 matrix
+/// products). The launch's output place then has the narrow dtype, and the Cast is not launched.
+pub fn writes_narrowed(op: &Op, slot: usize) -> bool {
+    matches!((op, slot), (Op::LayerNormalization(_), 0))
 }
 
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.
@@ -214,6 +228,8 @@ pub struct Program {
     pub views: usize,
     /// Casts fused into their reader ([`Operand::Widened`]).
     pub widened: usize,
+    /// Casts fused into the launch that makes their input ([`writes_narrowed`]).
+    pub narrowed: usize,
     /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).
     pub transposed: usize,
     /// Element-wise launches fused into chains ([`Launch::chain`]), and the chains.

@@ -501,8 +501,10 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
             }
         }
     } else if k.name.starts_with("norm_layer_norm_") && !k.name.contains("_grad") {
+        // norm_layer_norm_<x>_<params>[_y<low>]: y written in <low> when the suffix is there.
         let tags: Vec<&str> = k.name["norm_layer_norm_".len()..].split('_').collect();
         let (d, dp) = (dtype_of(tags[0]), dtype_of(tags[1]));
+        let dy = tags.get(2).map_or(d, |t| dtype_of(t.strip_prefix('y').expect("a _y<dtype> suffix")));
         let (x, scale, bias, y) = (ptr(&a[0]), ptr(&a[1]), a[2], ptr(&a[3]));
         let (mean_out, inv_out) = (a[4], a[5]);
         let (rows, n, sn) = (int(&a[6]), int(&a[7]), int(&a[8]));
@@ -515,7 +517,7 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
             for (j, e) in v.iter().enumerate() {
                 let b = if let Arg::Ptr(b) = bias { m.get(b, j as i64 % sn, dp) } else { 0.0 };
                 let out = (e - mean) * inv * m.get(scale, j as i64 % sn, dp) + b;
-                m.set(y, r * n + j as i64, d, out);
+                m.set(y, r * n + j as i64, dy, out);
             }
             if let Arg::Ptr(p) = mean_out {
                 m.set(p, r, acc(d), mean);

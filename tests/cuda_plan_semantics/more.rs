@@ -234,8 +234,14 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
     } else if name.starts_with("norm_bn_") {
         run_bn_pass(m, k);
     } else if name.starts_with("norm_batch_norm_") || name.starts_with("norm_layer_norm_grad") {
+        // A layer norm gradient reading dy in another dtype ends in `_dy<dtype>`.
+        let (name, dd) = match name.rsplit_once("_dy") {
+            Some((base, t)) => (base, Some(dtype_of(t))),
+            None => (name, None),
+        };
         let tags: Vec<&str> = name.rsplitn(3, '_').collect();
         let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+        let dd = dd.unwrap_or(d);
         let param = |m: &mut Memory, b: Buf, i: i64| m.get(b, i, dp);
         if name.starts_with("norm_layer_norm_grad_params_split") {
             // Partial sums of chunks of the (row, repeat) pairs, per feature j at j * splits + s.
@@ -249,7 +255,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                     let (mut u, mut v) = (0.0, 0.0);
                     for t in s * chunk..((s + 1) * chunk).min(total) {
                         let (row, at) = (t / per_row, t * sn + j);
-                        let g = m.get(dy, at, d);
+                        let g = m.get(dy, at, dd);
                         u += g * (m.get(x, at, d) - m.get(wm, row, acc(d))) * m.get(wi, row, acc(d));
                         v += g;
                     }
@@ -266,7 +272,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             for r in 0..rows {
                 let (mean, inv) = (m.get(wm, r, acc(d)), m.get(wi, r, acc(d)));
                 for j in 0..n {
-                    let g = m.get(dy, r * n + j, d);
+                    let g = m.get(dy, r * n + j, dd);
                     s_sc[(j % sn) as usize] += g * (m.get(x, r * n + j, d) - mean) * inv;
                     s_b[(j % sn) as usize] += g;
                 }
@@ -286,7 +292,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 let inv = 1.0 / (v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / n as f64 + eps).sqrt();
                 m.set(wm, r, acc(d), mean);
                 m.set(wi, r, acc(d), inv);
-                let g: Vec<f64> = (0..n).map(|j| m.get(dy, r * n + j, d) * param(m, scale, j % sn)).collect();
+                let g: Vec<f64> = (0..n).map(|j| m.get(dy, r * n + j, dd) * param(m, scale, j % sn)).collect();
                 let xh: Vec<f64> = v.iter().map(|e| (e - mean) * inv).collect();
                 let (sg, sgx) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
                 if let Arg::Ptr(dx) = dx {

@@ -190,15 +190,17 @@ fn schedule(
     Ok(Schedule { known, steps, view_of, folded })
 }
 
-/// The nodes read inside their readers' launches, each value mapped to the value its readers
-/// read instead: Casts read widened ([`Operand::Widened`]) and Transposes read transposed
-/// ([`Operand::Transposed`]).
-fn read_in_readers(
-    g: &Graph,
-    caps: DeviceCaps,
-    steps: &[NodeId],
-    view_of: &HashMap<ValueId, ValueId>,
-) -> (HashMap<ValueId, ValueId>, HashMap<ValueId, ValueId>) {
+/// The nodes computed inside other launches. Read inside their readers' launches, each value
+/// mapped to the value its readers read instead: Casts read widened ([`Operand::Widened`]) and
+/// Transposes read transposed ([`Operand::Transposed`]). Written by the launch that makes their
+/// input: Casts to f16 or bf16 ([`writes_narrowed`]), each input mapped to the Cast's output.
+struct InOthers {
+    widened: HashMap<ValueId, ValueId>,
+    transposed: HashMap<ValueId, ValueId>,
+    narrowed: HashMap<ValueId, ValueId>,
+}
+
+fn read_in_readers(g: &Graph, caps: DeviceCaps, steps: &[NodeId], view_of: &HashMap<ValueId, ValueId>) -> InOthers {
     let ty = |v: ValueId| typed(g, caps, v);
     // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
     // readers take the low value, the Cast is not launched.
@@ -235,7 +237,28 @@ fn read_in_readers(
             transposed.insert(v, u);
         }
     }
-    (widened, transposed)
+    // Casts to f16 or bf16 of an f32 output that only they read, which its launch can write
+    // narrowed: the launch writes the Cast's output, the Cast is not launched.
+    let launched: HashSet<NodeId> = steps.iter().copied().collect();
+    let mut narrowed: HashMap<ValueId, ValueId> = HashMap::new();
+    for &n in steps {
+        let node = g.node(n);
+        let (Op::Cast(_), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let Def::Node(p, slot) = g.value(u).def() else { continue };
+        if matches!(g.ty(v).dtype, Some(DType::F16 | DType::BF16))
+            && g.ty(u).dtype == Some(DType::F32)
+            && launched.contains(p)
+            && writes_narrowed(&g.node(*p).op, *slot)
+            && g.value(u).uses().len() == 1
+            && !g.is_output(u)
+            && !viewed.contains(&u)
+            && !view_of.contains_key(&u)
+            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
+        {
+            narrowed.insert(u, v);
+        }
+    }
+    InOthers { widened, transposed, narrowed }
 }
 
 pub(super) fn lower_in(
@@ -254,10 +277,16 @@ pub(super) fn lower_in(
 
     // 1. What is known when lowering, and what is read inside its readers' launches.
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
-    let (widened, transposed) = read_in_readers(g, caps, &steps, &view_of);
+    let InOthers { widened, transposed, narrowed } = read_in_readers(g, caps, &steps, &view_of);
+    let narrow_casts: HashSet<ValueId> = narrowed.values().copied().collect();
     steps.retain(|&n| {
-        !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o))
+        !g.node(n)
+            .outputs()
+            .first()
+            .is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o) || narrow_casts.contains(o))
     });
+    // A value a launch writes: a narrowed output's place is its Cast's.
+    let written = |o: ValueId| narrowed.get(&o).copied().unwrap_or(o);
     let views = view_of.len();
     let end = steps.len();
     let root = |v: ValueId| {
@@ -404,6 +433,7 @@ pub(super) fn lower_in(
             None => node.inputs().iter().flatten().copied().collect(),
         };
         for (k, &o) in node.outputs().iter().enumerate() {
+            let o = written(o);
             if refs.contains_key(&o) || dropped.contains(&o) {
                 continue;
             }
@@ -514,7 +544,7 @@ pub(super) fn lower_in(
                 },
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let outputs = node.outputs().iter().map(|&o| place(o, &refs)).collect::<Result<Vec<_>, _>>()?;
+        let outputs = node.outputs().iter().map(|&o| place(written(o), &refs)).collect::<Result<Vec<_>, _>>()?;
         let branches = if is_if(&node.op) {
             let b = opts.branches.and_then(|b| b.get(&n)).ok_or_else(|| RuntimeError::Unsupported {
                 node: label(n),
@@ -609,6 +639,7 @@ pub(super) fn lower_in(
         folded,
         views,
         widened: widened.len(),
+        narrowed: narrowed.len(),
         transposed: transposed.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         buffers: arena_buffers,

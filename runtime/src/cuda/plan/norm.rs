@@ -67,6 +67,16 @@ fn bn_moments(p: &mut Planner, x: &TensorRef, n: u64, c: u64, inner: u64, splits
     Ok((mean, var))
 }
 
+/// The kernel-name suffix of a layer norm whose `what` (y written, or dy read) is f16 or bf16
+/// beside f32 data (`_yf16`, `_dybf16`: kernels/norm.cu), or none when it has the data's dtype.
+fn low_suffix(what: &str, x: &TensorRef, t: &TensorRef) -> Result<String, String> {
+    match (x.dtype, t.dtype) {
+        (a, b) if a == b => Ok(String::new()),
+        (DType::F32, DType::F16 | DType::BF16) if t.shape == x.shape => Ok(format!("_{what}{}", tag(t.dtype)?)),
+        (a, b) => Err(format!("a layer norm of {a}{:?} data with {what} {b}{:?}", x.shape, t.shape)),
+    }
+}
+
 /// A statistics output of LayerNormalization, and the workspace (in the kernel's accumulator
 /// dtype) to cast into it.
 type Stat<'t> = (Arg, Option<(Buf, &'t TensorRef)>);
@@ -107,17 +117,17 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 Arg::I64(scale.numel() as i64),
                 Arg::F32(a.epsilon),
             ];
-            let name = format!("norm_layer_norm_{}", norm_tags(x.dtype, scale.dtype)?);
+            let name = format!("norm_layer_norm_{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("y", x, y)?);
             p.kernel("norm", name, rows_grid(rows), [BLOCK, 1, 1], args);
             for (w, t) in [mean_cast, inv_cast].into_iter().flatten() {
                 p.cast(acc, t.dtype, w, buf(t), rows)?;
             }
         }
         Op::LayerNormalizationGrad(a) => {
-            let (dy, x, scale) = (p.input(0)?, p.input(1)?, p.input(2)?);
+            let ((dy, _), x, scale) = (p.input_or_widened(0)?, p.input(1)?, p.input(2)?);
             let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
             let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
-            let tags = norm_tags(x.dtype, scale.dtype)?;
+            let tags = format!("{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("dy", x, dy)?);
             let acc = acc_dtype(x.dtype).size() as u64;
             let (ws_mean, ws_inv) = (p.work(rows * acc), p.work(rows * acc));
             let dx = p.l.outputs.first().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
