@@ -54,6 +54,19 @@
 //     (decoupled != 0): param <- param - lr * wd * param, d = grad. m' = b1 m + (1 - b1) d,
 //     v' = b2 v + (1 - b2) d^2, param' = param - lr * (m' / (1 - b1^t)) / (sqrt(v' / (1 - b2^t))
 //     + eps); the bias corrections 1 - b^t are computed in f64 once per thread.
+// train_adam_multi_<T>(const unsigned long long* ptrs, const long long* sizes, const int* codes,
+//                      const int* chunk_tensor, const long long* chunk_start, long long chunks,
+//                      long long chunk, const float* inv_scale, const long long* step,
+//                      const unsigned char* finite, float lr, float beta1, float beta2,
+//                      float epsilon, float weight_decay, int decoupled)
+//     Many AdamUpdates of T parameters (one attribute set, one step, finite flag and inv_scale)
+//     in one launch. Tensor k: ptrs[9k .. 9k+9) = param, grad, m, v, param', m', v', low, low'
+//     (device addresses; low and low' 0 without a copy), sizes[k] elements, codes[2k] the
+//     gradient's dtype (0 f32, 1 f16, 2 bf16, 3 f64), codes[2k+1] the copy's low_code. Chunk c
+//     is elements [chunk_start[c], min(chunk_start[c] + chunk, sizes[t])) of tensor
+//     t = chunk_tensor[c]; blockIdx.x walks the chunks (grid-stride), the block's threads a
+//     chunk's elements. Each element's arithmetic is train_adam's, so the bits are the separate
+//     launches'. T in f32 f16 bf16 f64.
 // train_loss_scale_update(const float* scale, const long long* good_steps,
 //                         const unsigned char* finite, float* scale_out, long long* good_steps_out,
 //                         float growth_factor, float backoff_factor, long long growth_interval,
@@ -219,6 +232,35 @@ __device__ __forceinline__ void sgd_body(const T* param, const G* grad, const fl
 
 // ---------------------------------------------------------------- Adam / AdamW
 
+// Adam's bias corrections 1 - b^t for t = max(*step, 1), computed in f64.
+template <typename C>
+__device__ __forceinline__ void bias_corrections(const long long* step, float b1, float b2, C* c1, C* c2) {
+    const long long t = *step > 1 ? *step : 1;
+    *c1 = (C)(1.0 - pow((double)b1, (double)t));
+    *c2 = (C)(1.0 - pow((double)b2, (double)t));
+}
+
+// One element of Adam or AdamW: `d` is the gradient, widened and unscaled.
+template <typename T>
+__device__ __forceinline__ void adam_at(long long i, AccT<T> d, const T* param, const T* m, const T* v, T* param_out,
+                                        T* m_out, T* v_out, AccT<T> c1, AccT<T> c2, float lr, float b1, float b2,
+                                        float eps, float wd, int decoupled, const LowCopy& low) {
+    typedef AccT<T> C;
+    const C one = C(1);
+    C w = ld(param, i);
+    if (decoupled)
+        w -= (C)lr * (C)wd * w;
+    else
+        d += (C)wd * w;
+    const C mn = (C)b1 * ld(m, i) + (one - (C)b1) * d;
+    const C vn = (C)b2 * ld(v, i) + (one - (C)b2) * d * d;
+    st(m_out, i, mn);
+    st(v_out, i, vn);
+    const C next = round_to<T>(w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
+    st(param_out, i, next);
+    low.store(i, next);
+}
+
 template <typename T, typename G>
 __device__ __forceinline__ void adam_body(const T* param, const G* grad, const float* inv, const T* m, const T* v,
                                           const long long* step, const unsigned char* finite, T* param_out, T* m_out,
@@ -232,24 +274,69 @@ __device__ __forceinline__ void adam_body(const T* param, const G* grad, const f
         low.keep(n);
         return;
     }
-    const long long t = *step > 1 ? *step : 1;
-    const C c1 = (C)(1.0 - pow((double)b1, (double)t));
-    const C c2 = (C)(1.0 - pow((double)b2, (double)t));
-    const C one = C(1);
+    C c1, c2;
+    bias_corrections(step, b1, b2, &c1, &c2);
     MPC_GRID_STRIDE(i, n) {
-        C w = ld(param, i);
-        C d = grad_at<C>(grad, inv, i);
-        if (decoupled)
-            w -= (C)lr * (C)wd * w;
-        else
-            d += (C)wd * w;
-        const C mn = (C)b1 * ld(m, i) + (one - (C)b1) * d;
-        const C vn = (C)b2 * ld(v, i) + (one - (C)b2) * d * d;
-        st(m_out, i, mn);
-        st(v_out, i, vn);
-        const C next = round_to<T>(w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
-        st(param_out, i, next);
-        low.store(i, next);
+        adam_at(i, grad_at<C>(grad, inv, i), param, m, v, param_out, m_out, v_out, c1, c2, lr, b1, b2, eps, wd,
+                decoupled, low);
+    }
+}
+
+// ---- Many updates in one launch
+
+// A gradient of dtype code 0 f32, 1 f16, 2 bf16, 3 f64, widened to C and unscaled as grad_at.
+template <typename C>
+__device__ __forceinline__ C grad_of_code(const void* g, int code, const float* inv, long long i) {
+    C d;
+    if (code == 1)
+        d = (C)ld((const __half*)g, i);
+    else if (code == 2)
+        d = (C)ld((const __nv_bfloat16*)g, i);
+    else if (code == 3)
+        d = (C)((const double*)g)[i];
+    else
+        d = (C)((const float*)g)[i];
+    return inv ? d * (C)*inv : d;
+}
+
+// The block copies [s, e) of src to dst when they differ.
+template <typename T>
+__device__ __forceinline__ void copy_block(const void* src, void* dst, long long s, long long e) {
+    if (src == dst || src == nullptr || dst == nullptr) return;
+    for (long long i = s + threadIdx.x; i < e; i += blockDim.x) ((T*)dst)[i] = ((const T*)src)[i];
+}
+
+template <typename T>
+__device__ __forceinline__ void adam_multi_body(const unsigned long long* ptrs, const long long* sizes,
+                                                const int* codes, const int* chunk_tensor,
+                                                const long long* chunk_start, long long chunks, long long chunk,
+                                                const float* inv, const long long* step,
+                                                const unsigned char* finite, float lr, float b1, float b2, float eps,
+                                                float wd, int decoupled) {
+    typedef AccT<T> C;
+    C c1, c2;
+    bias_corrections(step, b1, b2, &c1, &c2);
+    const bool ok = *finite != 0;
+    for (long long c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const int k = chunk_tensor[c];
+        const unsigned long long* p = ptrs + 9 * (long long)k;
+        const long long s = chunk_start[c];
+        const long long e = s + chunk < sizes[k] ? s + chunk : sizes[k];
+        const LowCopy low{(void*)p[8], (const void*)p[7], codes[2 * k + 1]};
+        if (!ok) {
+            copy_block<T>((const void*)p[0], (void*)p[4], s, e);
+            copy_block<T>((const void*)p[2], (void*)p[5], s, e);
+            copy_block<T>((const void*)p[3], (void*)p[6], s, e);
+            if (low.code == 1 || low.code == 2) copy_block<unsigned short>(low.in, low.out, s, e);
+            continue;
+        }
+        const T* param = (const T*)p[0];
+        const T* m = (const T*)p[2];
+        const T* v = (const T*)p[3];
+        for (long long i = s + threadIdx.x; i < e; i += blockDim.x) {
+            adam_at(i, grad_of_code<C>((const void*)p[1], codes[2 * k], inv, i), param, m, v, (T*)p[4], (T*)p[5],
+                    (T*)p[6], c1, c2, lr, b1, b2, eps, wd, decoupled, low);
+        }
     }
 }
 
@@ -270,6 +357,20 @@ __device__ __forceinline__ void adam_body(const T* param, const G* grad, const f
         adam_body(param, grad, inv_scale, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, \
                   epsilon, weight_decay, decoupled, LowCopy{low_out, low, low_code});                      \
     }
+#define ADAM_MULTI_T(T, tag)                                                                               \
+    MPC_KERNEL train_adam_multi_##tag(const unsigned long long* ptrs, const long long* sizes, const int* codes, \
+                                      const int* chunk_tensor, const long long* chunk_start, long long chunks,  \
+                                      long long chunk, const float* inv_scale, const long long* step,           \
+                                      const unsigned char* finite, float lr, float beta1, float beta2,          \
+                                      float epsilon, float weight_decay, int decoupled) {                       \
+        adam_multi_body<T>(ptrs, sizes, codes, chunk_tensor, chunk_start, chunks, chunk, inv_scale, step,       \
+                           finite, lr, beta1, beta2, epsilon, weight_decay, decoupled);                         \
+    }
+ADAM_MULTI_T(float, f32)
+ADAM_MULTI_T(__half, f16)
+ADAM_MULTI_T(__nv_bfloat16, bf16)
+ADAM_MULTI_T(double, f64)
+
 UPDATE_T(float, f32, float, f32)
 UPDATE_T(float, f32, __half, f16)
 UPDATE_T(float, f32, __nv_bfloat16, bf16)

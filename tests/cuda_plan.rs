@@ -61,11 +61,12 @@ fn programs() -> Vec<(String, Program)> {
 
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
-    let ins = l.inputs.iter().filter_map(|o| match o {
+    // A multi-tensor launch's operands are its members'.
+    let ins = l.members().iter().flat_map(|m| &m.inputs).filter_map(|o| match o {
         Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
         _ => None,
     });
-    ins.chain(&l.outputs)
+    ins.chain(l.members().iter().flat_map(|m| &m.outputs))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())
         .max()
@@ -262,6 +263,7 @@ fn matmul_plans_follow_numpy_broadcasting() {
         outputs: vec![t(2 << 20, y)],
         branches: None,
         chain: None,
+        group: Vec::new(),
     };
     let none = |_: &TensorRef| None;
     let gemm = |p: &LaunchPlan| match p.calls.last() {

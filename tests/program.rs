@@ -168,8 +168,10 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                     *chains.entry(l.kind()).or_default() += 1;
                 }
                 let label = format!("{name} {policy}{}", if train { " train" } else { "" });
+                assert_eq!(plain.grouped, (0, 0));
+                assert!(!train || fused.grouped.1 == 1, "{label}: {:?}", fused.grouped);
                 assert_eq!(
-                    fused.launches.len() + fused.fused.0 - fused.fused.1,
+                    fused.launches.len() + fused.fused.0 - fused.fused.1 + fused.grouped.0 - fused.grouped.1,
                     plain.launches.len(),
                     "{label}: launches"
                 );
@@ -312,6 +314,7 @@ fn in_place_launches_give_the_reference_bits() {
         let operands: Vec<&TensorRef> = program
             .launches
             .iter()
+            .flat_map(|l| l.members())
             .filter(|l| l.outputs.is_empty() || !l.outputs.iter().all(|t| t.shape.contains(&0)))
             .flat_map(|l| &l.inputs)
             .filter_map(|o| match o {
@@ -321,13 +324,19 @@ fn in_place_launches_give_the_reference_bits() {
             .collect();
         let bools = operands.iter().filter(|t| t.dtype == DType::Bool).count() as u64;
         // Operands read widened (a fused Cast) are widened into a copy.
-        let widened =
-            program.launches.iter().flat_map(|l| &l.inputs).filter(|o| matches!(o, Operand::Widened(_))).count() as u64;
+        let widened = program
+            .launches
+            .iter()
+            .flat_map(|l| l.members())
+            .flat_map(|l| &l.inputs)
+            .filter(|o| matches!(o, Operand::Widened(_)))
+            .count() as u64;
         // So are operands read transposed (a fused Transpose) by a product that does not run in
         // place: an f16 or bf16 one.
         let transposed = program
             .launches
             .iter()
+            .flat_map(|l| l.members())
             .flat_map(|l| &l.inputs)
             .filter(|o| matches!(o, Operand::Transposed(t) if t.dtype != DType::F32))
             .count() as u64;

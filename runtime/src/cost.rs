@@ -122,6 +122,16 @@ impl Program {
 
 /// The least one launch moves and computes ([`LaunchCost`]).
 pub fn launch_cost(l: &Launch) -> LaunchCost {
+    if !l.group.is_empty() {
+        let parts: Vec<LaunchCost> = l.group.iter().map(launch_cost).collect();
+        let sum = |f: &dyn Fn(&LaunchCost) -> u64| parts.iter().map(f).sum::<u64>();
+        return LaunchCost {
+            read: sum(&|c| c.read),
+            written: sum(&|c| c.written),
+            flops: sum(&|c| c.flops),
+            product: None,
+        };
+    }
     let device = |o: &Operand| match o {
         Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t.clone()),
         Operand::Absent | Operand::Host(_) => None,

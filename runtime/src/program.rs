@@ -127,13 +127,36 @@ pub struct Launch {
     /// Element-wise steps fused into this launch (its `op` is then only a marker, the opaque
     /// `ai.mpc.runtime::Fused`, which no device runs as an op).
     pub chain: Option<Box<Chain>>,
+    /// A multi-tensor launch: these launches, optimizer updates of one op and attribute set that
+    /// read nothing another of them writes, run as one kernel (their order does not matter). The
+    /// launch's `op` is theirs; its own inputs and outputs are empty.
+    pub group: Vec<Launch>,
 }
 
 impl Launch {
-    /// The op type, or `Fused(Cast+Mul+Add)` for a chain: what a profile groups launches by.
+    /// The op type, `Fused(Cast+Mul+Add)` for a chain, or `Multi(AdamUpdate)` for a group: what a
+    /// profile groups launches by.
     pub fn kind(&self) -> String {
+        if !self.group.is_empty() {
+            return format!("Multi({})", self.op.op_type());
+        }
         self.chain.as_ref().map_or_else(|| self.op.op_type().to_string(), |c| c.kind())
     }
+
+    /// The launch itself, or the members of a group.
+    pub fn members(&self) -> &[Launch] {
+        if self.group.is_empty() {
+            std::slice::from_ref(self)
+        } else {
+            &self.group
+        }
+    }
+}
+
+/// Whether the lowering groups optimizer updates into multi-tensor launches: the ops whose
+/// updates may share one kernel.
+pub fn groups(op: &Op) -> bool {
+    matches!(op, Op::AdamUpdate(_))
 }
 
 /// The two branches of an `If`, each a list of launches over the program's regions (their
@@ -232,6 +255,8 @@ pub struct Program {
     pub narrowed: usize,
     /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).
     pub transposed: usize,
+    /// Optimizer updates grouped into multi-tensor launches ([`Launch::group`]), and the groups.
+    pub grouped: (usize, usize),
     /// Element-wise launches fused into chains ([`Launch::chain`]), and the chains.
     pub fused: (usize, usize),
     /// The arena's buffers, for reports of what its peak holds.

@@ -350,7 +350,7 @@ impl<D: Device> Session<D> {
                 Some(l) => LaunchTime {
                     node: l.node.clone(),
                     op: l.kind(),
-                    dtype: l.outputs.first().map(|o| o.dtype),
+                    dtype: l.members()[0].outputs.first().map(|o| o.dtype),
                     ms,
                     bytes: crate::cost::launch_cost(l).bytes(),
                 },

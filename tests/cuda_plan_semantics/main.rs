@@ -84,7 +84,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         });
         run_plan(mem, &p, true);
         for (mem, how) in std::iter::once((&*mem, "")).chain(fallback.as_ref().map(|f| (f, " (the fallback)"))) {
-            for out in &l.outputs {
+            for out in l.members().iter().flat_map(|m| &m.outputs) {
                 let mem_bytes = match out.region {
                     Region::Arena => &mem.arena,
                     Region::State => &mem.state,
@@ -188,6 +188,11 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         "loss_softmax_ce_wide_bf16_i64",
         "softmax_softmax_grad_wide_f16_f16",
         "softmax_softmax_grad_wide_bf16_bf16",
+        "norm_layer_norm_f32_f32_yf16",
+        "norm_layer_norm_f32_f32_ybf16",
+        "norm_layer_norm_grad_f32_f32_dyf16",
+        "norm_layer_norm_grad_params_f32_f32_dybf16",
+        "train_adam_multi_f32",
     ] {
         assert!(kernels.contains(k), "{k} never ran: {kernels:?}");
     }

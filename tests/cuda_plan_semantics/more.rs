@@ -46,6 +46,63 @@ pub(crate) fn update_dtypes(name: &str) -> (DType, DType) {
     (dtype_of(parts[1]), dtype_of(parts[0]))
 }
 
+/// Adam's hyper-parameters (lr, beta1, beta2, epsilon, weight_decay, decoupled arguments), its
+/// unscale, step count and whether the step is applied.
+pub(crate) struct AdamHyper {
+    lr: f64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    wd: f64,
+    decoupled: bool,
+    inv: f64,
+    t: f64,
+    ok: bool,
+}
+
+fn adam_hyper(m: &mut Memory, a: &[Arg], inv: &Arg, step: Buf, finite: Buf) -> AdamHyper {
+    AdamHyper {
+        lr: f32_of(&a[0]),
+        b1: f32_of(&a[1]),
+        b2: f32_of(&a[2]),
+        eps: f32_of(&a[3]),
+        wd: f32_of(&a[4]),
+        decoupled: int(&a[5]) != 0,
+        inv: unscale_of(m, inv),
+        t: m.get(step, 0, DType::I64).max(1.0),
+        ok: m.get(finite, 0, DType::U8) != 0.0,
+    }
+}
+
+/// One tensor's Adam update, as train_adam_ computes it: `b` = param, grad, m, v, param', m', v';
+/// `d` the parameter's and the gradient's dtypes.
+fn adam_tensor(m: &mut Memory, h: &AdamHyper, b: [Buf; 7], d: (DType, DType), n: i64, low: Option<(Buf, Buf, DType)>) {
+    let [param, grad, mm, vv, po, mo, vo] = b;
+    let (d, dg) = d;
+    for i in 0..n {
+        let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, dg) * h.inv, m.get(mm, i, d), m.get(vv, i, d));
+        if !h.ok {
+            m.set(po, i, d, p);
+            m.set(mo, i, d, m0);
+            m.set(vo, i, d, v0);
+            keep_low(m, low, i);
+            continue;
+        }
+        let dd = if h.decoupled {
+            p -= h.lr * h.wd * p;
+            g
+        } else {
+            g + h.wd * p
+        };
+        let (m1, v1) = (h.b1 * m0 + (1.0 - h.b1) * dd, h.b2 * v0 + (1.0 - h.b2) * dd * dd);
+        let r = p - h.lr * (m1 / (1.0 - h.b1.powf(h.t))) / ((v1 / (1.0 - h.b2.powf(h.t))).sqrt() + h.eps);
+        m.set(po, i, d, r);
+        m.set(mo, i, d, m1);
+        m.set(vo, i, d, v1);
+        store_low(m, low, i, po, d);
+    }
+}
+
 /// An update's low-precision copy, from its trailing `low_out, low, low_code` arguments: the two
 /// buffers and the copy's dtype, or None for code 0.
 pub(crate) fn low_copy_of(a: &[Arg]) -> Option<(Buf, Buf, DType)> {
@@ -454,40 +511,50 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             m.set(po, i, d, p - lr * step);
             store_low(m, low, i, po, d);
         }
+    } else if name.starts_with("train_adam_multi_") {
+        // train_adam_multi_<param>(ptrs, sizes, codes, chunk_tensor, chunk_start, chunks, chunk,
+        //     inv_scale, step, finite, lr, beta1, beta2, eps, wd, decoupled): each tensor's chunks
+        // must cover it exactly once, in order; each tensor is then train_adam_'s update.
+        let d = dtype_of(tag);
+        let Buf::Aux(at) = ptr(&a[0]) else { panic!("the address table is not in aux") };
+        let (sizes, codes, ct, cs) = (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+        let (chunks, chunk) = (int(&a[5]), int(&a[6]));
+        let h = adam_hyper(m, &a[10..16], &a[7], ptr(&a[8]), ptr(&a[9]));
+        let count = (0..chunks).map(|c| m.get(ct, c, DType::I32) as i64).max().unwrap_or(-1) + 1;
+        let mut next = vec![0i64; count as usize];
+        for c in 0..chunks {
+            let (k, s) = (m.get(ct, c, DType::I32) as usize, m.get(cs, c, DType::I64) as i64);
+            assert_eq!(s, next[k], "chunk {c} of tensor {k} starts at {s}");
+            next[k] = s + chunk;
+        }
+        for k in 0..count {
+            let n = m.get(sizes, k, DType::I64) as i64;
+            assert!(next[k as usize] >= n && next[k as usize] - chunk < n.max(1), "tensor {k}'s chunks");
+            let addresses = m.addresses.clone();
+            let p = |j: i64| addresses.get(&(at + 8 * (9 * k + j) as u64)).copied();
+            let bufs = [0, 1, 2, 3, 4, 5, 6].map(|j| p(j).expect("a tensor address"));
+            let dg = match m.get(codes, 2 * k, DType::I32) as i64 {
+                0 => DType::F32,
+                1 => DType::F16,
+                2 => DType::BF16,
+                _ => DType::F64,
+            };
+            let low = match (p(8), p(7), m.get(codes, 2 * k + 1, DType::I32) as i64) {
+                (Some(out), Some(inp), 1) => Some((out, inp, DType::F16)),
+                (Some(out), Some(inp), 2) => Some((out, inp, DType::BF16)),
+                (None, None, 0) => None,
+                l => panic!("tensor {k}'s low copy {l:?}"),
+            };
+            adam_tensor(m, &h, bufs, (d, dg), n, low);
+        }
     } else if name.starts_with("train_adam_") {
         // train_adam_<param>_<grad>(param, grad, inv_scale, m, v, step, finite, param', m', v', ...)
         let (d, dg) = update_dtypes(name);
         let (param, grad, mm, vv, step, finite) =
             (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
-        let inv = unscale_of(m, &a[2]);
         let (po, mo, vo, n) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]), int(&a[10]));
-        let (lr, b1, b2, eps, wd, decoupled) =
-            (f32_of(&a[11]), f32_of(&a[12]), f32_of(&a[13]), f32_of(&a[14]), f32_of(&a[15]), int(&a[16]) != 0);
-        let ok = m.get(finite, 0, DType::U8) != 0.0;
-        let t = m.get(step, 0, DType::I64).max(1.0);
-        let low = low_copy_of(&a[17..20]);
-        for i in 0..n {
-            let (mut p, g, m0, v0) = (m.get(param, i, d), m.get(grad, i, dg) * inv, m.get(mm, i, d), m.get(vv, i, d));
-            if !ok {
-                m.set(po, i, d, p);
-                m.set(mo, i, d, m0);
-                m.set(vo, i, d, v0);
-                keep_low(m, low, i);
-                continue;
-            }
-            let dd = if decoupled {
-                p -= lr * wd * p;
-                g
-            } else {
-                g + wd * p
-            };
-            let (m1, v1) = (b1 * m0 + (1.0 - b1) * dd, b2 * v0 + (1.0 - b2) * dd * dd);
-            let r = p - lr * (m1 / (1.0 - b1.powf(t))) / ((v1 / (1.0 - b2.powf(t))).sqrt() + eps);
-            m.set(po, i, d, r);
-            m.set(mo, i, d, m1);
-            m.set(vo, i, d, v1);
-            store_low(m, low, i, po, d);
-        }
+        let h = adam_hyper(m, &a[11..17], &a[2], step, finite);
+        adam_tensor(m, &h, [param, grad, mm, vv, po, mo, vo], (d, dg), n, low_copy_of(&a[17..20]));
     } else if ["and", "or", "equal", "less", "greater"].iter().any(|c| name.starts_with(&format!("elementwise_{c}_"))) {
         let op = &name["elementwise_".len()..name.len() - tag.len() - 1];
         let d = if op == "and" || op == "or" { DType::U8 } else { dtype_of(tag) };

@@ -524,6 +524,7 @@ pub(super) fn lower_in(
                     outputs: outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?,
                     branches: None,
                     chain: Some(Box::new(chain.clone())),
+                    group: Vec::new(),
                 });
             }
             continue;
@@ -606,8 +607,26 @@ pub(super) fn lower_in(
         } else {
             None
         };
-        launches.push(Launch { node: label(n), op: node.op.clone(), inputs, outputs, branches, chain: None });
+        launches.push(Launch {
+            node: label(n),
+            op: node.op.clone(),
+            inputs,
+            outputs,
+            branches,
+            chain: None,
+            group: Vec::new(),
+        });
     }
+    let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };
+    let arena_buffers: Vec<ArenaBuffer> = arena_buffers
+        .into_iter()
+        .map(|b| {
+            let to = |i: usize| moved.get(i).copied().unwrap_or(launches.len());
+            ArenaBuffer { first: to(b.first), last: to(b.last).min(launches.len()), ..b }
+        })
+        .collect();
+    let grouped =
+        (launches.iter().map(|l| l.group.len()).sum(), launches.iter().filter(|l| !l.group.is_empty()).count());
     let host_reads = launches.iter().filter(|l| l.branches.is_some()).count();
     let named = |vs: &[ValueId], refs: &HashMap<ValueId, TensorRef>| {
         vs.iter().map(|&v| Ok((g.name(v).to_string(), place(v, refs)?))).collect::<Result<Vec<_>, RuntimeError>>()
@@ -642,8 +661,84 @@ pub(super) fn lower_in(
         narrowed: narrowed.len(),
         transposed: transposed.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
+        grouped,
         buffers: arena_buffers,
     })
+}
+
+/// Runs of consecutive optimizer updates ([`groups`]) of one op and attribute set, parameter
+/// dtype, step, finite flag and unscale, none reading or writing what another writes, each made
+/// one multi-tensor launch ([`Launch::group`]) at the run's place. Also each old launch's new
+/// index (a group's members all map to it).
+fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
+    type Range = (Region, u64, u64);
+    let range = |t: &TensorRef| (t.region, t.offset, t.offset + t.bytes());
+    let overlap = |a: &Range, b: &Range| a.0 == b.0 && a.1 < b.2 && b.1 < a.2;
+    let device = |o: &Operand| match o {
+        Operand::Device(t) => Some(t.clone()),
+        _ => None,
+    };
+    let groupable = |l: &Launch| {
+        groups(&l.op)
+            && l.chain.is_none()
+            && l.branches.is_none()
+            && l.group.is_empty()
+            && l.outputs.iter().all(|t| t.numel() > 0)
+            && l.inputs.first().and_then(device).is_some()
+    };
+    // What members of one group share: the op, the parameter dtype and the operands past the
+    // per-parameter ones (Adam's step, finite flag and unscale).
+    let shared = |l: &Launch| -> (String, Option<DType>, Vec<Option<TensorRef>>) {
+        let dt = l.inputs.first().and_then(device).map(|t| t.dtype);
+        (format!("{:?}", l.op), dt, (4..7).map(|i| l.inputs.get(i).and_then(device)).collect())
+    };
+    let mut out: Vec<Launch> = Vec::with_capacity(launches.len());
+    let mut moved = Vec::with_capacity(launches.len());
+    let mut run: Vec<Launch> = Vec::new();
+    let (mut read, mut written): (Vec<Range>, Vec<Range>) = (Vec::new(), Vec::new());
+    let flush = |run: &mut Vec<Launch>, out: &mut Vec<Launch>| match run.len() {
+        0 => {}
+        1 => out.push(run.pop().expect("one launch")),
+        n => {
+            let first = &run[0];
+            out.push(Launch {
+                node: format!("{} updates: {} .. {}", n, first.node, run[n - 1].node),
+                op: first.op.clone(),
+                inputs: Vec::new(),
+                outputs: Vec::new(),
+                branches: None,
+                chain: None,
+                group: std::mem::take(run),
+            });
+        }
+    };
+    for l in launches {
+        let joins = groupable(&l) && run.first().is_some_and(|f| shared(f) == shared(&l)) && {
+            let ins: Vec<Range> = l.inputs.iter().filter_map(device).map(|t| range(&t)).collect();
+            let outs: Vec<Range> = l.outputs.iter().map(range).collect();
+            // Shared operands are read by every member and written by none.
+            let own_in = |r: &Range| !l.inputs.iter().skip(4).take(3).filter_map(device).any(|t| range(&t) == *r);
+            ins.iter().filter(|r| own_in(r)).all(|r| !written.iter().any(|w| overlap(r, w)))
+                && outs.iter().all(|o| !written.iter().any(|w| overlap(o, w)) && !read.iter().any(|r| overlap(o, r)))
+        };
+        if !joins {
+            flush(&mut run, &mut out);
+            read.clear();
+            written.clear();
+        }
+        if groupable(&l) {
+            let own = l.inputs.iter().skip(4).take(3).filter_map(device).map(|t| range(&t)).collect::<Vec<_>>();
+            read.extend(l.inputs.iter().filter_map(device).map(|t| range(&t)).filter(|r| !own.contains(r)));
+            written.extend(l.outputs.iter().map(range));
+            moved.push(out.len());
+            run.push(l);
+        } else {
+            moved.push(out.len());
+            out.push(l);
+        }
+    }
+    flush(&mut run, &mut out);
+    (out, moved)
 }
 
 fn internal(g: &Graph, v: ValueId, what: &str) -> RuntimeError {

@@ -369,6 +369,9 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
 }
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
+    if !p.l.group.is_empty() {
+        return train::plan_update_group(p);
+    }
     if let Some(chain) = &p.l.chain {
         return fused::plan_chain(p, chain);
     }
@@ -772,6 +775,7 @@ mod tests {
             outputs: vec![t(out)],
             branches: None,
             chain: None,
+            group: Vec::new(),
         };
         let none = |_: &TensorRef| None;
         // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).

@@ -153,6 +153,102 @@ fn unscale_arg(p: &Planner, i: usize, param: DType) -> Result<Arg, String> {
     }
 }
 
+/// Elements per block of a multi-tensor update: each tensor is cut into chunks of this many, one
+/// block per chunk, so that small and large tensors alike fill the device.
+const UPDATE_CHUNK: u64 = 65536;
+
+/// A multi-tensor launch of AdamUpdates ([`crate::program::Launch::group`]): one
+/// `train_adam_multi_<T>` kernel over the members' tensors, cut into chunks. The step, finite
+/// flag and unscale are the first member's (the lowering groups only updates that share them).
+pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
+    let Op::AdamUpdate(a) = &p.l.op else {
+        return Err(format!("a multi-tensor launch of {}", p.l.op.op_type()));
+    };
+    let a = a.clone();
+    let group: &[Launch] = &p.l.group;
+    let member = |l| Planner { l, constant: p.constant, out: LaunchPlan::default() };
+    let first = member(&group[0]);
+    let (step, finite) = (first.input(4)?, first.input(5)?);
+    let param_dtype = first.input(0)?.dtype;
+    if step.dtype != DType::I64 {
+        return Err(format!("AdamUpdate with a {} step", step.dtype));
+    }
+    let inv = unscale_arg(&first, 6, param_dtype)?;
+    let code = |d: DType| match d {
+        DType::F32 => Ok(0i32),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        DType::F64 => Ok(3),
+        d => Err(format!("an AdamUpdate gradient of {d}")),
+    };
+    let mut ptrs: Vec<Option<Buf>> = Vec::with_capacity(9 * group.len());
+    let (mut sizes, mut codes, mut tensor_of, mut start_of) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (k, l) in group.iter().enumerate() {
+        let m = member(l);
+        let ins: Vec<&TensorRef> = (0..4).map(|i| m.input(i)).collect::<Result<_, _>>()?;
+        let outs: Vec<&TensorRef> = (0..3).map(|i| m.output(i)).collect::<Result<_, _>>()?;
+        let (param, grad) = (ins[0], ins[1]);
+        update_tags("AdamUpdate", param.dtype, grad.dtype)?;
+        let n = param.numel();
+        let same = |t: &&TensorRef| t.dtype == param.dtype && t.numel() == n;
+        if param.dtype != param_dtype || grad.numel() != n || !ins[2..].iter().all(same) || !outs.iter().all(same) {
+            return Err(format!("{}: a member of a multi-tensor update of another dtype or size", l.node));
+        }
+        let low = low_copy_args(&m, 7, 3, param)?;
+        let low_buf = |a: &Arg| match a {
+            Arg::Ptr(b) => Some(*b),
+            _ => None,
+        };
+        ptrs.extend(ins.iter().chain(&outs).map(|t| Some(buf(t))));
+        ptrs.extend([low_buf(&low[1]), low_buf(&low[0])]);
+        sizes.extend((n as i64).to_le_bytes());
+        let low_code = match low[2] {
+            Arg::I32(c) => c,
+            _ => 0,
+        };
+        codes.extend(code(grad.dtype)?.to_le_bytes());
+        codes.extend(low_code.to_le_bytes());
+        for s in (0..n as u64).step_by(UPDATE_CHUNK as usize) {
+            tensor_of.extend((k as i32).to_le_bytes());
+            start_of.extend((s as i64).to_le_bytes());
+        }
+    }
+    let chunks = (tensor_of.len() / 4) as u64;
+    if chunks == 0 {
+        return Ok(());
+    }
+    let table = p.aux(&vec![0u8; 8 * ptrs.len()]);
+    let Buf::Aux(at) = table else { unreachable!("aux bytes") };
+    for (j, b) in ptrs.iter().enumerate() {
+        if let Some(b) = b {
+            p.out.addresses.push((at + 8 * j as u64, *b));
+        }
+    }
+    let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
+    let (tensor_of, start_of) = (p.aux(&tensor_of), p.aux(&start_of));
+    let args = vec![
+        Arg::Ptr(table),
+        Arg::Ptr(sizes),
+        Arg::Ptr(codes),
+        Arg::Ptr(tensor_of),
+        Arg::Ptr(start_of),
+        Arg::I64(chunks as i64),
+        Arg::I64(UPDATE_CHUNK as i64),
+        inv,
+        Arg::Ptr(buf(step)),
+        Arg::Ptr(buf(finite)),
+        Arg::F32(a.lr),
+        Arg::F32(a.beta1),
+        Arg::F32(a.beta2),
+        Arg::F32(a.epsilon),
+        Arg::F32(a.weight_decay),
+        Arg::I32(a.decoupled as i32),
+    ];
+    let grid = [chunks.min(65535) as u32, 1, 1];
+    p.kernel("train", format!("train_adam_multi_{}", float_tag(param_dtype)?), grid, [BLOCK, 1, 1], args);
+    Ok(())
+}
+
 pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
     let op = p.l.op.clone();
     match &op {
