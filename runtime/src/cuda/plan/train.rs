@@ -153,6 +153,18 @@ fn unscale_arg(p: &Planner, i: usize, param: DType) -> Result<Arg, String> {
     }
 }
 
+/// Adam's trailing kernel arguments: lr, beta1, beta2, epsilon, weight_decay, decoupled.
+fn adam_hyper(a: &mpc_ir::ops::AdamAttrs) -> [Arg; 6] {
+    [
+        Arg::F32(a.lr),
+        Arg::F32(a.beta1),
+        Arg::F32(a.beta2),
+        Arg::F32(a.epsilon),
+        Arg::F32(a.weight_decay),
+        Arg::I32(a.decoupled as i32),
+    ]
+}
+
 /// Elements per block of a multi-tensor update: each tensor is cut into chunks of this many, one
 /// block per chunk, so that small and large tensors alike fill the device.
 const UPDATE_CHUNK: u64 = 65536;
@@ -226,7 +238,7 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
     }
     let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
     let (tensor_of, start_of) = (p.aux(&tensor_of), p.aux(&start_of));
-    let args = vec![
+    let mut args = vec![
         Arg::Ptr(table),
         Arg::Ptr(sizes),
         Arg::Ptr(codes),
@@ -237,13 +249,8 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
         inv,
         Arg::Ptr(buf(step)),
         Arg::Ptr(buf(finite)),
-        Arg::F32(a.lr),
-        Arg::F32(a.beta1),
-        Arg::F32(a.beta2),
-        Arg::F32(a.epsilon),
-        Arg::F32(a.weight_decay),
-        Arg::I32(a.decoupled as i32),
     ];
+    args.extend(adam_hyper(&a));
     let grid = [chunks.min(65535) as u32, 1, 1];
     p.kernel("train", format!("train_adam_multi_{}", float_tag(param_dtype)?), grid, [BLOCK, 1, 1], args);
     Ok(())
@@ -329,15 +336,8 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
             for i in 0..3 {
                 args.push(Arg::Ptr(buf(p.output(i)?)));
             }
-            args.extend([
-                Arg::I64(n as i64),
-                Arg::F32(a.lr),
-                Arg::F32(a.beta1),
-                Arg::F32(a.beta2),
-                Arg::F32(a.epsilon),
-                Arg::F32(a.weight_decay),
-                Arg::I32(a.decoupled as i32),
-            ]);
+            args.push(Arg::I64(n as i64));
+            args.extend(adam_hyper(a));
             args.extend(low_copy_args(p, 7, 3, param)?);
             p.flat("train", format!("train_adam_{tags}"), n, args);
         }
