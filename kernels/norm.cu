@@ -52,6 +52,8 @@
 // norm_batch_norm_infer_<T>_<P>(const T* x, const P* scale, const P* bias, const P* mean,
 //                               const P* var, T* y, long long n, long long c, long long inner, float eps)
 //     y = (x - mean) * k + bias, k = scale / sqrt(var + eps) (per channel, f32). Element-wise.
+//     Every batch-norm kernel that writes y takes a last argument `int relu`: y = relu(that)
+//     when 1 (a Relu that was y's only reader, applied before the store: the same bits).
 // norm_batch_norm_train_<T>_<P>(const T* x, const P* scale, const P* bias, const P* running_mean,
 //                               const P* running_var, T* y, P* running_mean_out, P* running_var_out,
 //                               float* save_mean, float* save_var, long long n, long long c,
@@ -268,16 +270,22 @@ __device__ __forceinline__ void layer_norm_grad_params_split_body(const D* dy, c
 
 // ---------------------------------------------------------------- BatchNormalization
 
+// A batch norm's output value, through the Relu that reads only it when `relu` (the launch's
+// epilogue; elementwise.cu's relu, so the bits are the unfused Relu's).
+template <typename A> __device__ __forceinline__ A bn_out(A v, int relu) {
+    return relu ? U_relu()(v, A(0), A(0)) : v;
+}
+
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_infer_body(const T* x, const P* scale, const P* bias, const P* mean,
                                                       const P* var, T* y, long long n, long long c, long long inner,
-                                                      float eps) {
+                                                      float eps, int relu) {
     typedef AccT<T> A;
     const long long total = n * c * inner;
     MPC_GRID_STRIDE(i, total) {
         const long long ch = (i / inner) % c;
         const A k = pld(scale, ch) / m_sqrt(pld(var, ch) + eps);
-        st(y, i, (ld(x, i) - pld(mean, ch)) * k + pld(bias, ch));
+        st(y, i, bn_out((ld(x, i) - pld(mean, ch)) * k + pld(bias, ch), relu));
     }
 }
 
@@ -285,7 +293,7 @@ template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale, const P* bias, const P* rmean,
                                                       const P* rvar, T* y, P* rmean_out, P* rvar_out, AccT<T>* save_mean,
                                                       AccT<T>* save_var, long long n, long long c, long long inner,
-                                                      float eps, float momentum) {
+                                                      float eps, float momentum, int relu) {
     typedef AccT<T> A;
     __shared__ A smem[32];
     const long long count = n * inner;
@@ -295,7 +303,7 @@ __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale
         block_stats(x, count, at, smem, mean, var);
         const A k = pld(scale, ch) / m_sqrt(var + eps);
         const A b = pld(bias, ch);
-        for (long long e = threadIdx.x; e < count; e += blockDim.x) st(y, at(e), (ld(x, at(e)) - mean) * k + b);
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) st(y, at(e), bn_out((ld(x, at(e)) - mean) * k + b, relu));
         if (threadIdx.x == 0) {
             const A rm = pld(rmean, ch), rv = pld(rvar, ch);
             st(rmean_out, ch, rm * momentum + mean * (A(1) - momentum));
@@ -370,12 +378,12 @@ template <typename T, typename P>
 __device__ __forceinline__ void bn_apply_body(const T* x, const P* scale, const P* bias, const AccT<T>* mean,
                                               const AccT<T>* var, T* y, const P* rmean, const P* rvar, P* rmean_out,
                                               P* rvar_out, long long n, long long c, long long inner, float eps,
-                                              float momentum) {
+                                              float momentum, int relu) {
     typedef AccT<T> A;
     MPC_GRID_STRIDE(i, n * c * inner) {
         const long long ch = channel_of(i, c, inner);
         const A k = pld(scale, ch) / m_sqrt(var[ch] + eps);
-        st(y, i, (ld(x, i) - mean[ch]) * k + pld(bias, ch));
+        st(y, i, bn_out((ld(x, i) - mean[ch]) * k + pld(bias, ch), relu));
         if (i < c && rmean_out) {
             st(rmean_out, i, pld(rmean, i) * momentum + mean[i] * (A(1) - momentum));
             st(rvar_out, i, pld(rvar, i) * momentum + var[i] * (A(1) - momentum));
@@ -468,16 +476,16 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_infer_##t##_##p(const T* x, const P* scale, const P* bias, const P* mean,   \
                                                const P* var, T* y, long long n, long long c,               \
-                                               long long inner, float eps) {                               \
-        batch_norm_infer_body(x, scale, bias, mean, var, y, n, c, inner, eps);                             \
+                                               long long inner, float eps, int relu) {                     \
+        batch_norm_infer_body(x, scale, bias, mean, var, y, n, c, inner, eps, relu);                       \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_train_##t##_##p(const T* x, const P* scale, const P* bias,                  \
                                                const P* running_mean, const P* running_var, T* y,          \
                                                P* running_mean_out, P* running_var_out, AccT<T>* save_mean, \
                                                AccT<T>* save_var, long long n, long long c, long long inner, \
-                                               float eps, float momentum) {                                \
+                                               float eps, float momentum, int relu) {                      \
         batch_norm_train_body(x, scale, bias, running_mean, running_var, y, running_mean_out,              \
-                              running_var_out, save_mean, save_var, n, c, inner, eps, momentum);           \
+                              running_var_out, save_mean, save_var, n, c, inner, eps, momentum, relu);     \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_grad_##t##_##p(const T* dy, const T* x, const P* scale, T* dx, T* dscale,   \
                                               T* dbias, long long n, long long c, long long inner,         \
@@ -488,9 +496,9 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                        const AccT<T>* var, T* y, const P* running_mean,                    \
                                        const P* running_var, P* running_mean_out, P* running_var_out,      \
                                        long long n, long long c, long long inner, float eps,               \
-                                       float momentum) {                                                   \
+                                       float momentum, int relu) {                                         \
         bn_apply_body(x, scale, bias, mean, var, y, running_mean, running_var, running_mean_out,           \
-                      running_var_out, n, c, inner, eps, momentum);                                        \
+                      running_var_out, n, c, inner, eps, momentum, relu);                                  \
     }                                                                                                      \
     MPC_KERNEL norm_bn_grad_apply_##t##_##p(const T* dy, const T* x, const P* scale, const AccT<T>* mean,  \
                                             const AccT<T>* var, const AccT<T>* sum_g,                      \

@@ -263,6 +263,7 @@ fn matmul_plans_follow_numpy_broadcasting() {
         outputs: vec![t(2 << 20, y)],
         branches: None,
         chain: None,
+        epilogue: None,
         group: Vec::new(),
     };
     let none = |_: &TensorRef| None;

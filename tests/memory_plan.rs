@@ -141,13 +141,14 @@ fn mixed_training_keeps_no_f32_copy_of_the_logits_or_the_probabilities() {
         // layer norm). The layer norms write their outputs low: their Casts to f16 or bf16 are not
         // launched either.
         assert_eq!(p.widened, 5 + 5, "{policy}");
-        assert_eq!(p.narrowed, 5, "{policy}");
+        assert_eq!(p.epilogues, 5, "{policy}");
         let ln = |l: &&Launch| matches!(l.op, Op::LayerNormalization(_));
         let lng = |l: &&Launch| matches!(l.op, Op::LayerNormalizationGrad(_));
         assert_eq!((p.launches.iter().filter(ln).count(), p.launches.iter().filter(lng).count()), (5, 5));
         for l in p.launches.iter().filter(ln) {
             let Operand::Device(x) = &l.inputs[0] else { panic!("{policy}: {}", l.node) };
             assert_eq!((x.dtype, l.outputs[0].dtype), (DType::F32, low), "{policy}: {}", l.node);
+            assert!(matches!(l.epilogue, Some(Op::Cast(_))), "{policy}: {}", l.node);
         }
         for l in p.launches.iter().filter(lng) {
             assert!(matches!(&l.inputs[0], Operand::Widened(t) if t.dtype == low), "{policy}: {}", l.node);

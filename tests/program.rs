@@ -168,10 +168,15 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                     *chains.entry(l.kind()).or_default() += 1;
                 }
                 let label = format!("{name} {policy}{}", if train { " train" } else { "" });
-                assert_eq!(plain.grouped, (0, 0));
+                assert_eq!((plain.grouped, plain.epilogues), ((0, 0), 0));
+                for l in fused.launches.iter().filter(|l| l.epilogue.is_some()) {
+                    let e = l.epilogue.as_ref().map_or("", |e| e.op_type());
+                    *chains.entry(format!("{}+{e} (epilogue)", l.op.op_type())).or_default() += 1;
+                }
                 assert!(!train || fused.grouped.1 == 1, "{label}: {:?}", fused.grouped);
                 assert_eq!(
-                    fused.launches.len() + fused.fused.0 - fused.fused.1 + fused.grouped.0 - fused.grouped.1,
+                    fused.launches.len() + fused.fused.0 - fused.fused.1 + fused.grouped.0 - fused.grouped.1
+                        + fused.epilogues,
                     plain.launches.len(),
                     "{label}: launches"
                 );
@@ -197,9 +202,14 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         }
     }
     println!("chains fused: {chains:?}");
-    for kind in
-        ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)", "Fused(Cast+Add+Add)", "Fused(Add+Gelu)"]
-    {
+    for kind in [
+        "Fused(Cast+Mul+Add+Softmax+Cast)",
+        "Fused(SoftmaxGrad+Mul+Cast)",
+        "Fused(Cast+Add+Add)",
+        "Fused(Add+Gelu)",
+        "LayerNormalization+Cast (epilogue)",
+        "BatchNormalization+Relu (epilogue)",
+    ] {
         assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
     }
 }

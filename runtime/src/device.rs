@@ -384,13 +384,16 @@ impl Device for CpuDevice {
                 l.outputs.len()
             )));
         }
-        for (k, (t, place)) in outs.into_iter().zip(&l.outputs).enumerate() {
-            // An output written narrowed: rounded as the Cast it stands for.
-            let narrow = t.dtype() == mpc_ir::DType::F32
-                && matches!(place.dtype, mpc_ir::DType::F16 | mpc_ir::DType::BF16)
-                && l.chain.is_none()
-                && crate::program::writes_narrowed(&l.op, k);
-            let t = if narrow { t.cast(place.dtype) } else { t };
+        let mut outs = outs;
+        if let (Some(e), Some(first)) = (&l.epilogue, outs.first_mut()) {
+            // The epilogue's reference kernel on the first output: the unfused node's bits.
+            let applied = cpu::run_op(e, &[Some(&*first)], 1).map_err(|e| kernel_error(&l.node, e))?;
+            *first = applied
+                .into_iter()
+                .next()
+                .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
+        }
+        for (t, place) in outs.into_iter().zip(&l.outputs) {
             // Each launch makes exactly what the graph declares: its dtype and shape, and as many
             // values as the shape holds.
             if t.dtype() != place.dtype || t.shape != place.shape || t.len() != place.numel() {

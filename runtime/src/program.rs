@@ -21,10 +21,11 @@
 //!
 //! Two kinds of node become part of their readers' launches instead of launches of their own: a
 //! Cast to f32 read only by ops that widen as they load ([`Operand::Widened`]), and a Transpose
-//! of the last two axes read only by matrix products ([`Operand::Transposed`]). A Cast to f16
-//! or bf16 that is the only reader of an op's output that can be written narrowed becomes part
-//! of that op's launch ([`writes_narrowed`]). Runs of element-wise launches become one launch
-//! each ([`crate::fuse`]).
+//! of the last two axes read only by matrix products ([`Operand::Transposed`]). An element-wise
+//! node that is the only reader of an op's first output becomes part of that op's launch where
+//! the op can apply it as it writes ([`takes_epilogue`]: a layer norm's Cast to f16, a batch
+//! norm's Relu). Runs of element-wise launches become one launch each ([`crate::fuse`]), and a
+//! training step's optimizer updates one multi-tensor launch ([`Launch::group`]).
 //!
 //! An op no backend can run is an error here, naming its node, before any step.
 
@@ -102,11 +103,19 @@ pub fn reads_widened(op: &Op, slot: usize) -> bool {
     )
 }
 
-/// The f32 outputs a launch may write narrowed to f16 or bf16, rounding once where a Cast read
-/// only by others would have: LayerNormalization's y (an f32 layer norm before f16 matrix
-/// products). The launch's output place then has the narrow dtype, and the Cast is not launched.
-pub fn writes_narrowed(op: &Op, slot: usize) -> bool {
-    matches!((op, slot), (Op::LayerNormalization(_), 0))
+/// The element-wise ops a launch may apply to its first output as it writes it
+/// ([`Launch::epilogue`]), the op's only reader: a Cast of an f32 LayerNormalization's y to f16 or
+/// bf16 (an f32 layer norm before f16 matrix products: the launch writes the low values, rounding
+/// once where the Cast would have), and the Relu after a BatchNormalization (a convolution
+/// block's). The results are those of the op and then the epilogue, to the bit.
+pub fn takes_epilogue(op: &Op, then: &Op, from: Option<DType>, to: Option<DType>) -> bool {
+    match (op, then) {
+        (Op::LayerNormalization(_), Op::Cast(_)) => {
+            from == Some(DType::F32) && matches!(to, Some(DType::F16 | DType::BF16))
+        }
+        (Op::BatchNormalization(_), Op::Relu) => from == to,
+        _ => false,
+    }
 }
 
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.
@@ -127,6 +136,9 @@ pub struct Launch {
     /// Element-wise steps fused into this launch (its `op` is then only a marker, the opaque
     /// `ai.mpc.runtime::Fused`, which no device runs as an op).
     pub chain: Option<Box<Chain>>,
+    /// An element-wise op applied to output 0 as it is written ([`takes_epilogue`]): output 0 is
+    /// that op's result (its place has the op's dtype), not the launch op's.
+    pub epilogue: Option<Op>,
     /// A multi-tensor launch: these launches, optimizer updates of one op and attribute set that
     /// read nothing another of them writes, run as one kernel (their order does not matter). The
     /// launch's `op` is theirs; its own inputs and outputs are empty.
@@ -251,8 +263,8 @@ pub struct Program {
     pub views: usize,
     /// Casts fused into their reader ([`Operand::Widened`]).
     pub widened: usize,
-    /// Casts fused into the launch that makes their input ([`writes_narrowed`]).
-    pub narrowed: usize,
+    /// Element-wise nodes applied by the launch that makes their input ([`Launch::epilogue`]).
+    pub epilogues: usize,
     /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).
     pub transposed: usize,
     /// Optimizer updates grouped into multi-tensor launches ([`Launch::group`]), and the groups.

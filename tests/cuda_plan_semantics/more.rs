@@ -103,6 +103,15 @@ fn adam_tensor(m: &mut Memory, h: &AdamHyper, b: [Buf; 7], d: (DType, DType), n:
     }
 }
 
+/// A batch norm's output through its Relu epilogue when `relu`: NaN stays NaN.
+fn bn_out(v: f64, relu: bool) -> f64 {
+    if relu && !(v.is_nan() || v > 0.0) {
+        0.0
+    } else {
+        v
+    }
+}
+
 /// An update's low-precision copy, from its trailing `low_out, low, low_code` arguments: the two
 /// buffers and the copy's dtype, or None for code 0.
 pub(crate) fn low_copy_of(a: &[Arg]) -> Option<(Buf, Buf, DType)> {
@@ -371,12 +380,12 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 if name.starts_with("norm_batch_norm_infer_") {
                     let (x, sc, bi, mean, var, y) =
                         (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-                    let eps = f32_of(&a[9]);
+                    let (eps, relu) = (f32_of(&a[9]), int(&a[10]) != 0);
                     let kk = param(m, sc, ch) / (param(m, var, ch) + eps).sqrt();
                     let (mu, b) = (param(m, mean, ch), param(m, bi, ch));
                     for &e in &idx {
                         let v = (m.get(x, e, d) - mu) * kk + b;
-                        m.set(y, e, d, v);
+                        m.set(y, e, d, bn_out(v, relu));
                     }
                     continue;
                 }
@@ -387,11 +396,11 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 if name.starts_with("norm_batch_norm_train_") {
                     let (sc, bi, rm, rv, y, rmo, rvo) =
                         (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]), ptr(&a[7]));
-                    let (eps, mom) = (f32_of(&a[13]), f32_of(&a[14]));
+                    let (eps, mom, relu) = (f32_of(&a[13]), f32_of(&a[14]), int(&a[15]) != 0);
                     let kk = param(m, sc, ch) / (var + eps).sqrt();
                     let b = param(m, bi, ch);
                     for (&e, &xv) in idx.iter().zip(&v) {
-                        m.set(y, e, d, (xv - mean) * kk + b);
+                        m.set(y, e, d, bn_out((xv - mean) * kk + b, relu));
                     }
                     let (om, ov) = (param(m, rm, ch), param(m, rv, ch));
                     m.set(rmo, ch, dp, om * mom + mean * (1.0 - mom));
@@ -830,12 +839,13 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
             a[9],
         );
         let (n, c, inner, eps, mom) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]), f32_of(&a[14]));
+        let relu = int(&a[15]) != 0;
         for i in 0..n * c * inner {
             let ch = (i / inner) % c;
             let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
             let kk = m.get(sc, ch, dp) / (var_ + eps).sqrt();
             let out = (m.get(x, i, d) - mu) * kk + m.get(bi, ch, dp);
-            m.set(y, i, d, out);
+            m.set(y, i, d, bn_out(out, relu));
         }
         if let (Arg::Ptr(rmo), Arg::Ptr(rvo)) = (rmo, rvo) {
             for ch in 0..c {

@@ -192,15 +192,22 @@ fn schedule(
 
 /// The nodes computed inside other launches. Read inside their readers' launches, each value
 /// mapped to the value its readers read instead: Casts read widened ([`Operand::Widened`]) and
-/// Transposes read transposed ([`Operand::Transposed`]). Written by the launch that makes their
-/// input: Casts to f16 or bf16 ([`writes_narrowed`]), each input mapped to the Cast's output.
+/// Transposes read transposed ([`Operand::Transposed`]). Applied by the launch that makes their
+/// input ([`takes_epilogue`]; only when `epilogues`): each input mapped to the node's output and
+/// the node.
 struct InOthers {
     widened: HashMap<ValueId, ValueId>,
     transposed: HashMap<ValueId, ValueId>,
-    narrowed: HashMap<ValueId, ValueId>,
+    epilogues: HashMap<ValueId, (ValueId, NodeId)>,
 }
 
-fn read_in_readers(g: &Graph, caps: DeviceCaps, steps: &[NodeId], view_of: &HashMap<ValueId, ValueId>) -> InOthers {
+fn read_in_readers(
+    g: &Graph,
+    caps: DeviceCaps,
+    steps: &[NodeId],
+    view_of: &HashMap<ValueId, ValueId>,
+    epilogues: bool,
+) -> InOthers {
     let ty = |v: ValueId| typed(g, caps, v);
     // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
     // readers take the low value, the Cast is not launched.
@@ -237,28 +244,27 @@ fn read_in_readers(g: &Graph, caps: DeviceCaps, steps: &[NodeId], view_of: &Hash
             transposed.insert(v, u);
         }
     }
-    // Casts to f16 or bf16 of an f32 output that only they read, which its launch can write
-    // narrowed: the launch writes the Cast's output, the Cast is not launched.
+    // Element-wise nodes that are the only reader of a launch's first output, which the launch
+    // can apply as it writes: the launch writes the node's output, the node is not launched.
     let launched: HashSet<NodeId> = steps.iter().copied().collect();
-    let mut narrowed: HashMap<ValueId, ValueId> = HashMap::new();
-    for &n in steps {
+    let mut applied: HashMap<ValueId, (ValueId, NodeId)> = HashMap::new();
+    for &n in steps.iter().filter(|_| epilogues) {
         let node = g.node(n);
-        let (Op::Cast(_), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
-        let Def::Node(p, slot) = g.value(u).def() else { continue };
-        if matches!(g.ty(v).dtype, Some(DType::F16 | DType::BF16))
-            && g.ty(u).dtype == Some(DType::F32)
+        let (Some(u), &[v]) = (node.input(0), node.outputs()) else { continue };
+        let Def::Node(p, 0) = g.value(u).def() else { continue };
+        if node.inputs().len() == 1
             && launched.contains(p)
-            && writes_narrowed(&g.node(*p).op, *slot)
+            && takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype)
             && g.value(u).uses().len() == 1
             && !g.is_output(u)
             && !viewed.contains(&u)
             && !view_of.contains_key(&u)
             && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
         {
-            narrowed.insert(u, v);
+            applied.insert(u, (v, n));
         }
     }
-    InOthers { widened, transposed, narrowed }
+    InOthers { widened, transposed, epilogues: applied }
 }
 
 pub(super) fn lower_in(
@@ -277,16 +283,15 @@ pub(super) fn lower_in(
 
     // 1. What is known when lowering, and what is read inside its readers' launches.
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
-    let InOthers { widened, transposed, narrowed } = read_in_readers(g, caps, &steps, &view_of);
-    let narrow_casts: HashSet<ValueId> = narrowed.values().copied().collect();
+    let fuse = !opts.unfused && crate::fuse::enabled();
+    let InOthers { widened, transposed, epilogues } = read_in_readers(g, caps, &steps, &view_of, fuse);
+    let applied: HashSet<NodeId> = epilogues.values().map(|&(_, n)| n).collect();
     steps.retain(|&n| {
-        !g.node(n)
-            .outputs()
-            .first()
-            .is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o) || narrow_casts.contains(o))
+        !applied.contains(&n)
+            && !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o))
     });
-    // A value a launch writes: a narrowed output's place is its Cast's.
-    let written = |o: ValueId| narrowed.get(&o).copied().unwrap_or(o);
+    // A value a launch writes: an output with an epilogue is the epilogue's output.
+    let written = |o: ValueId| epilogues.get(&o).map_or(o, |&(v, _)| v);
     let views = view_of.len();
     let end = steps.len();
     let root = |v: ValueId| {
@@ -295,7 +300,6 @@ pub(super) fn lower_in(
     };
     // Element-wise runs fused into one launch each, at the run's last step (`pos`).
     let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
-    let fuse = !opts.unfused && crate::fuse::enabled();
     let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root) } else { Vec::new() };
     let mut run_of: HashMap<usize, usize> = HashMap::new();
     for (r, run) in runs.iter().enumerate() {
@@ -524,6 +528,7 @@ pub(super) fn lower_in(
                     outputs: outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?,
                     branches: None,
                     chain: Some(Box::new(chain.clone())),
+                    epilogue: None,
                     group: Vec::new(),
                 });
             }
@@ -607,6 +612,7 @@ pub(super) fn lower_in(
         } else {
             None
         };
+        let epilogue = node.outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| g.node(e).op.clone());
         launches.push(Launch {
             node: label(n),
             op: node.op.clone(),
@@ -614,6 +620,7 @@ pub(super) fn lower_in(
             outputs,
             branches,
             chain: None,
+            epilogue,
             group: Vec::new(),
         });
     }
@@ -658,7 +665,7 @@ pub(super) fn lower_in(
         folded,
         views,
         widened: widened.len(),
-        narrowed: narrowed.len(),
+        epilogues: epilogues.len(),
         transposed: transposed.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         grouped,
@@ -683,6 +690,7 @@ fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
             && l.chain.is_none()
             && l.branches.is_none()
             && l.group.is_empty()
+            && l.epilogue.is_none()
             && l.outputs.iter().all(|t| t.numel() > 0)
             && l.inputs.first().and_then(device).is_some()
     };
@@ -708,6 +716,7 @@ fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
                 outputs: Vec::new(),
                 branches: None,
                 chain: None,
+                epilogue: None,
                 group: std::mem::take(run),
             });
         }

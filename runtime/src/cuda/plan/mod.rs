@@ -369,6 +369,12 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
 }
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
+    // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
+    // norm's Relu.
+    match (&p.l.op, &p.l.epilogue) {
+        (_, None) | (Op::LayerNormalization(_), Some(Op::Cast(_))) | (Op::BatchNormalization(_), Some(Op::Relu)) => {}
+        (op, Some(e)) => return Err(format!("{} with a {} epilogue", op.op_type(), e.op_type())),
+    }
     if !p.l.group.is_empty() {
         return train::plan_update_group(p);
     }
@@ -775,6 +781,7 @@ mod tests {
             outputs: vec![t(out)],
             branches: None,
             chain: None,
+            epilogue: None,
             group: Vec::new(),
         };
         let none = |_: &TensorRef| None;

@@ -208,6 +208,8 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let (n, c, inner) = split3(&x.shape, 1, 2);
             let tags = norm_tags(x.dtype, scale.dtype)?;
             let ptr = |t: &TensorRef| Arg::Ptr(buf(t));
+            // A Relu applied as y is written (the launch's epilogue).
+            let relu = Arg::I32(matches!(p.l.epilogue, Some(Op::Relu)) as i32);
             if a.training_mode {
                 let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
                 let rv = p.l.outputs.get(2).map_or(Arg::Null, ptr);
@@ -232,6 +234,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                         Arg::I64(inner as i64),
                         Arg::F32(a.epsilon),
                         Arg::F32(a.momentum),
+                        relu,
                     ];
                     p.flat("norm", format!("norm_bn_apply_{tags}"), x.numel() as u64, args);
                     return Ok(());
@@ -252,6 +255,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     Arg::I64(inner as i64),
                     Arg::F32(a.epsilon),
                     Arg::F32(a.momentum),
+                    relu,
                 ];
                 p.kernel("norm", format!("norm_batch_norm_train_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
             } else {
@@ -266,6 +270,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     Arg::I64(c as i64),
                     Arg::I64(inner as i64),
                     Arg::F32(a.epsilon),
+                    relu,
                 ];
                 p.flat("norm", format!("norm_batch_norm_infer_{tags}"), x.numel() as u64, args);
             }
