@@ -379,6 +379,7 @@ UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
     };
 
 VOP(add, x + z)
+VOP(relu_grad, z > C(0) ? x : C(0))  // ReluGrad(dy = x, y = z), as train.cu's train_relu_grad
 VOP(sub, x - z)
 VOP(mul, x* z)
 VOP(div, x / z)

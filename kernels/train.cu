@@ -449,7 +449,7 @@ DROPOUT_T(double, f64)
 template <typename T>
 __device__ __forceinline__ void relu_grad_body(const T* dy, const T* y, T* dx, long long n) {
     typedef typename Acc<T>::type C;
-    MPC_GRID_STRIDE(i, n) { st(dx, i, ld(y, i) > C(0) ? ld(dy, i) : C(0)); }
+    MPC_GRID_STRIDE(i, n) { st(dx, i, V_relu_grad()((C)ld(dy, i), (C)ld(y, i))); }
 }
 
 template <typename T>

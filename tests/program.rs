@@ -59,6 +59,7 @@ common::per_device!(
     inference_programs_keep_their_promises => inference_programs_keep_their_promises,
     training_programs_update_their_state_in_place => training_programs_update_their_state_in_place,
     fused_chains_give_the_unfused_bits => fused_chains_give_the_unfused_bits,
+    residual_gradients_and_the_relu_gradient_are_one_launch => residual_gradients_and_the_relu_gradient_are_one_launch,
 );
 
 /// A fused run writes the values read after it, also through a view, and no others: Cast, Add
@@ -93,6 +94,60 @@ fn a_fused_run_writes_what_is_read_after_it() {
     for ((n, a), (m, b)) in x.iter().zip(&y) {
         assert_eq!(n, m);
         same(a, b, n);
+    }
+}
+
+/// A residual block whose input is a Relu's output (ResNet's, between blocks): in the backward
+/// pass the two gradients meeting at the block's input (a Sum of two) and the Relu's gradient are
+/// one launch, and the step computes the unfused program's bits, under each policy.
+fn residual_gradients_and_the_relu_gradient_are_one_launch<D: Device>(device: impl Fn() -> D) {
+    let w = |name: &str, rows: usize, seed: usize| {
+        let v: Vec<String> =
+            (0..rows * 8).map(|i| format!("{:.3}", ((i * 37 + seed * 11) % 29) as f32 / 58.0 - 0.25)).collect();
+        format!("init %{seed} \"{name}\" = f32[{rows},8]{{{}}}", v.join(", "))
+    };
+    let text = format!(
+        "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"res\"\n  input %0 \"x\": f32[batch,8]\n  {}\n  {}\n  {}\n  \
+         %4 \"a\": f32[batch,8] = Gemm[transB=1](%0, %1)\n  %5 \"h\": f32[batch,8] = Relu(%4)\n  \
+         %6 \"b\": f32[batch,8] = Gemm[transB=1](%5, %2)\n  %7 \"s\": f32[batch,8] = Add(%6, %5)\n  \
+         %8 \"r\": f32[batch,8] = Relu(%7)\n  %9 \"logits\": f32[batch,3] = Gemm[transB=1](%8, %3)\n  output %9\nend\n",
+        w("w1", 8, 1),
+        w("w2", 8, 2),
+        w("w3", 3, 3)
+    );
+    let path = common::scratch("residual_relu").join("res.mpcir");
+    std::fs::write(&path, text).unwrap();
+    for policy in ["fp32", "mixed", "mixed-bf16"] {
+        let mut g = mpc::load(&path).unwrap();
+        let t = mpc_passes::train::TrainOptions::default();
+        let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), ..Default::default() };
+        mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+        let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+        let caps = device().caps();
+        let lowered = |unfused| {
+            mpc_runtime::program::lower(
+                &bound,
+                caps,
+                mpc_runtime::program::LowerOptions { unfused, ..Default::default() },
+            )
+            .unwrap()
+        };
+        let (fused, plain) = (lowered(false), lowered(true));
+        let kinds: Vec<String> = fused.launches.iter().map(|l| l.kind()).collect();
+        assert!(kinds.iter().any(|k| k.ends_with("Sum+ReluGrad)")), "{policy}: {kinds:?}");
+        let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
+        let mut s = [fused, plain].map(|p| Session::new(device(), p).unwrap());
+        for step in 0..2 {
+            let inputs = mpc::run::random_inputs(&bound, 5 + step, &dims()).unwrap();
+            for x in s.iter_mut() {
+                x.feed(0, &inputs).unwrap();
+                x.step(0).unwrap();
+            }
+        }
+        for n in &state {
+            let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
+            same(&x, &y, &format!("{policy} `{n}` after 2 steps"));
+        }
     }
 }
 

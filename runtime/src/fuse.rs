@@ -70,7 +70,7 @@ pub fn enabled() -> bool {
 }
 
 /// The ops a chain may hold: element-wise, with the same formula on every device (the CUDA
-/// device generates them from the functors of `kernels/ops.cuh`).
+/// device generates them from the functors of `kernels/common.cuh`).
 pub fn fusable_op(op: &Op) -> bool {
     matches!(
         op,
@@ -89,6 +89,8 @@ pub fn fusable_op(op: &Op) -> bool {
             | Op::Gelu(_)
             | Op::LeakyRelu(_)
             | Op::Cast(_)
+            | Op::Sum
+            | Op::ReluGrad
     )
 }
 
@@ -107,6 +109,11 @@ pub(crate) fn runs(
     let fusable = |n: NodeId| -> Option<Vec<usize>> {
         let node = g.node(n);
         let (&[o], true) = (node.outputs(), fusable_op(&node.op) || row_wise(&node.op)) else { return None };
+        // A Sum of two (the gradients meeting at a residual block's input): an Add. More terms
+        // would round once at the end, not after each add.
+        if matches!(node.op, Op::Sum) && node.inputs().len() != 2 {
+            return None;
+        }
         if !chain_dtype(g.ty(o).dtype) || !node.op.host_operands().is_empty() {
             return None;
         }

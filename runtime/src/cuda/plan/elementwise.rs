@@ -200,6 +200,8 @@ pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
         Op::And => "and",
         Op::Or => "or",
         Op::Xor => "xor",
+        // In fused chains only (its own launches are train.cu's kernel, which computes the same).
+        Op::ReluGrad => "relu_grad",
         _ => return None,
     })
 }
