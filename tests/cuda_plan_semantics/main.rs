@@ -14,6 +14,7 @@
 mod common;
 mod interp;
 mod more;
+mod train;
 
 use std::collections::HashMap;
 

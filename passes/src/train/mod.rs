@@ -17,16 +17,18 @@
 
 mod autodiff;
 pub(crate) mod build;
+mod optimizer;
 mod rules;
 mod tie;
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 
-use mpc_ir::ops::{AdamAttrs, LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs, SgdAttrs};
+use mpc_ir::ops::{LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
 
 pub use autodiff::{differentiable, differentiate, differentiate_all, Gradients};
 use build::Builder;
+pub use optimizer::OptimizerPass;
 pub use tie::{apply_ties, tie_weights, Tie};
 
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
@@ -118,7 +120,7 @@ pub struct TrainOptions {
     /// The settings of dynamic loss scaling, whenever it is dynamic (asked for or by default).
     pub dynamic_scale: DynamicScale,
     /// The update writes each master weight's low-precision copy, the one the forward pass reads,
-    /// as training state ([`low_copy`]), instead of the next step casting the weight again. The
+    /// as training state (`optimizer::low_copy`), instead of the next step casting the weight again. The
     /// same bits either way; off only to compare.
     pub weight_copies: bool,
 }
@@ -163,40 +165,6 @@ impl Default for TrainOptions {
             weight_copies: true,
         }
     }
-}
-
-/// The forward pass's low-precision copy of the master weight `p`, made training state: the
-/// Casts that read `p` into f16 (or bf16) are replaced by the initializer `mpc.<dtype>.<name>`
-/// (the initial weight cast once), which the update writes from the new weight, rounded as the
-/// Cast rounds. The step then neither casts the weight nor keeps the cast in its arena, and its
-/// results are the same bits. None for a parameter no such Cast reads.
-fn low_copy(g: &mut Graph, p: ValueId, pname: &str, init: &Tensor) -> Option<ValueId> {
-    if init.dtype() != DType::F32 {
-        return None;
-    }
-    let casts = |g: &Graph, to: Option<DType>| -> Vec<(mpc_ir::NodeId, DType)> {
-        g.value(p)
-            .uses()
-            .iter()
-            .filter_map(|u| match &g.node(u.node).op {
-                Op::Cast(a) if matches!(a.to, DType::F16 | DType::BF16) && to.is_none_or(|t| t == a.to) => {
-                    let out = g.node(u.node).outputs()[0];
-                    (!g.is_output(out)).then_some((u.node, a.to))
-                }
-                _ => None,
-            })
-            .collect()
-    };
-    let to = casts(g, None).first()?.1;
-    let name = g.unique_name(&format!("mpc.{to}.{pname}"));
-    let low = g.add_initializer(&name, init.to_dtype(to));
-    // The Casts are left to dead-code elimination: a node removed here would free an index that
-    // the next added node takes, and the pass manager types only the nodes added after its start.
-    for (n, _) in casts(g, Some(to)) {
-        let out = g.node(n).outputs()[0];
-        g.replace_uses(out, low);
-    }
-    Some(low)
 }
 
 impl LossScale {
@@ -592,238 +560,6 @@ impl Pass for Autodiff {
         let sig = signature(g);
         sig.grads = grads.params.into_iter().collect();
         sig.activation_grads = grads.activations;
-        Ok(Changed::Yes)
-    }
-}
-
-/// Unscale, all-finite check, clipping, the optimizer update of the masters, the loss-scale
-/// update and the step counter; the state pairs are recorded and the next values made outputs.
-pub struct OptimizerPass;
-
-impl Pass for OptimizerPass {
-    fn name(&self) -> &'static str {
-        "optimizer"
-    }
-
-    fn effect(&self) -> Effect {
-        Effect::Adds
-    }
-
-    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
-        let o = opts(cx)?.clone();
-        let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
-        let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
-        let mut state: Vec<(ValueId, ValueId)> = Vec::new();
-        // Batch-norm running statistics computed in training mode are state too. ONNX updates the
-        // running variance with the batch's biased variance; PyTorch, which users compare with,
-        // with the unbiased one: rv ← m·rv + (1−m)·v·n/(n−1) for n values per channel. From ONNX's
-        // r = m·rv + (1−m)·v that is r + (r − m·rv)/(n − 1).
-        let mut variances = Vec::new();
-        for n in g.node_ids().collect::<Vec<_>>() {
-            let node = g.node(n);
-            if let Op::BatchNormalization(a) = &node.op {
-                if a.training_mode {
-                    for slot in 1..=2 {
-                        if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
-                            if g.value(s).initializer().is_some() {
-                                state.push((s, next));
-                                if slot == 2 {
-                                    variances.push((
-                                        state.len() - 1,
-                                        node.input(0).expect("BatchNormalization reads x"),
-                                        a.momentum,
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        let mut b = Builder::new(g);
-        b.at("optimizer");
-        for (i, x, momentum) in variances {
-            let (rv, next) = state[i];
-            let dt = b.dtype(rv).map_err(PassError::Usage)?;
-            let shape = b.op("bn_shape", Op::Shape(Default::default()), &[x]);
-            let size = b.op("bn_size", Op::Size, &[x]);
-            let one = b.ints(&[1]);
-            let channels = b.op("bn_channels", Op::Gather(Default::default()), &[shape, one]);
-            let per_channel = b.op("bn_count", Op::Div, &[size, channels]);
-            let less_one = b.op("bn_count", Op::Sub, &[per_channel, one]);
-            let less_one = b.op("bn_count", Op::Max, &[less_one, one]);
-            let less_one = b.cast(less_one, dt);
-            let m = b.scalar(f64::from(momentum), dt);
-            let kept = b.op("bn_var", Op::Mul, &[rv, m]);
-            let batch_part = b.op("bn_var", Op::Sub, &[next, kept]);
-            let correction = b.op("bn_var", Op::Div, &[batch_part, less_one]);
-            state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
-        }
-        let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
-        // 1. Unscale in FP32: g / S (a gradient computed low is widened first). Without clipping,
-        // which needs the unscaled values, an FP32 (or FP64) parameter's update widens and
-        // unscales its gradient itself (its `inv_scale` input): the same arithmetic as a Cast and
-        // a Mul, without writing and reading the FP32 copy. The finite check then reads the
-        // gradients as computed: a value is finite widened and divided by a scale of at least 1
-        // exactly when it is finite as computed.
-        let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
-        let fold = o.clip_norm.is_none() && loss_scale_at_least_one(&o.loss_scale);
-        let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
-        let mut folded: HashSet<ValueId> = HashSet::new();
-        for &(p, d) in &pg {
-            let pname = b.g.name(p).to_string();
-            b.at(&format!("{pname}.update"));
-            let pdt = b.dtype(p).map_err(PassError::Usage)?;
-            let ddt = b.dtype(d).map_err(PassError::Usage)?;
-            let widens =
-                matches!((pdt, ddt), (DType::F32, DType::F32 | DType::F16 | DType::BF16) | (DType::F64, DType::F64));
-            if fold && widens {
-                // A low-precision weight's gradient arrives widened (the gradient of its cast):
-                // the update reads it as computed instead.
-                let low = match b.g.value(d).def() {
-                    Def::Node(n, _) if pdt == DType::F32 && matches!(b.g.node(*n).op, Op::Cast(_)) => {
-                        b.g.node(*n).input(0).filter(|&x| matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16)))
-                    }
-                    _ => None,
-                };
-                gs.push((p, low.unwrap_or(d)));
-                folded.insert(p);
-                continue;
-            }
-            let mut d = d;
-            if b.dtype(d).map_err(PassError::Usage)? != pdt {
-                d = b.cast(d, pdt);
-            }
-            if let Some(inv) = inv {
-                let inv = if pdt == DType::F32 { inv } else { b.cast(inv, pdt) };
-                d = b.op("unscale", Op::Mul, &[d, inv]);
-            }
-            gs.push((p, d));
-        }
-        // 2. One finite flag for the whole step.
-        b.at("optimizer");
-        let all: Vec<Option<ValueId>> = gs.iter().map(|&(_, d)| Some(d)).collect();
-        let finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
-        // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
-        if let Some(c) = o.clip_norm {
-            let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
-            let mut sq = Vec::new();
-            for &(p, d) in &gs {
-                // The gradients have their parameters' dtypes by now (the nodes added here are
-                // typed after the pass).
-                let d32 = if b.dtype(p).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
-                sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
-            }
-            let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
-            let norm = b.op("grad_norm", Op::Sqrt, &[total]);
-            let eps = b.scalar(1e-6, DType::F32);
-            let den = b.op("add", Op::Add, &[norm, eps]);
-            let cv = b.scalar(c as f64, DType::F32);
-            let ratio = b.op("div", Op::Div, &[cv, den]);
-            let one = b.scalar(1.0, DType::F32);
-            let factor = b.op("clip_factor", Op::Min, &[ratio, one]);
-            for (p, d) in gs.iter_mut() {
-                let pdt = b.dtype(*p).map_err(PassError::Usage)?;
-                let f = if pdt == DType::F32 { factor } else { b.cast(factor, pdt) };
-                *d = b.op("clip", Op::Mul, &[*d, f]);
-            }
-        }
-        // 4. The step counter advances on applied steps only.
-        let step = b.init("mpc.step", Tensor::from_i64(vec![], &[0]));
-        let inc = b.cast(finite, DType::I64);
-        let step_next = b.op("step_next", Op::Add, &[step, inc]);
-        state.push((step, step_next));
-        // 5. The updates.
-        for &(p, d) in &gs {
-            let pname = b.g.name(p).to_string();
-            b.at(&format!("{pname}.update"));
-            let tensor =
-                b.g.value(p)
-                    .initializer()
-                    .cloned()
-                    .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
-            let zeros =
-                || Tensor::from_f64_as(tensor.dtype(), tensor.shape().to_vec(), &vec![0.0; tensor.numel() as usize]);
-            let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
-            let unscale = inv.filter(|_| folded.contains(&p));
-            match o.optimizer {
-                Optimizer::Sgd | Optimizer::Momentum => {
-                    let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
-                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
-                    let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    let mut ins = vec![Some(p), Some(d), Some(finite), vel, unscale, low];
-                    while ins.last() == Some(&None) {
-                        ins.pop();
-                    }
-                    let n = 1 + vel.is_some() as usize + low.is_some() as usize;
-                    let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
-                    for s in [Some(p), vel, low].into_iter().flatten() {
-                        state.push((s, outs.next().expect("one output per state")));
-                    }
-                }
-                Optimizer::Adam | Optimizer::AdamW => {
-                    let attrs = AdamAttrs {
-                        beta1: o.beta1,
-                        beta2: o.beta2,
-                        decoupled: o.optimizer == Optimizer::AdamW,
-                        epsilon: o.epsilon,
-                        lr: o.lr,
-                        weight_decay: o.weight_decay,
-                    };
-                    let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
-                    let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
-                    let mut ins = vec![Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite), unscale, low];
-                    while ins.last() == Some(&None) {
-                        ins.pop();
-                    }
-                    let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
-                    for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
-                        state.push((s, next));
-                    }
-                }
-            }
-        }
-        // 6. Dynamic loss scaling.
-        b.at("optimizer");
-        if let (LossScale::Dynamic { attrs, .. }, Some(s)) = (&o.loss_scale, scale) {
-            let good = b.init("mpc.good_steps", Tensor::from_i64(vec![], &[0]));
-            let outs = b.ops(
-                "loss_scale",
-                Op::LossScaleUpdate(Box::new(attrs.clone())),
-                &[Some(s), Some(good), Some(finite)],
-                2,
-            );
-            state.push((s, outs[0]));
-            state.push((good, outs[1]));
-        }
-        // 7. The dropout stream moves on every step, applied or skipped: a skipped step's
-        // forward pass drew its masks all the same.
-        if let Some(key) = b.g.find(RNG).filter(|&k| matches!(b.g.value(k).def(), Def::Init(_))) {
-            let one = b.scalar(1.0, DType::I64);
-            let next = b.op("rng_next", Op::Add, &[key, one]);
-            state.push((key, next));
-        }
-        let skipped = b.op("skipped", Op::Not, &[finite]);
-        // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.
-        let mut outs = vec![loss];
-        let sname = b.g.unique_name("mpc.step_skipped");
-        b.g.rename(skipped, &sname);
-        outs.push(skipped);
-        outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
-        for &(s, next) in &state {
-            let want = format!("{}.next", b.g.name(s));
-            if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
-                b.g.rename(next, &want);
-            }
-            if !outs.contains(&next) {
-                outs.push(next);
-            }
-        }
-        b.g.set_outputs(outs);
-        let sig = signature(g);
-        sig.skipped = Some(skipped);
-        sig.state = state;
-        g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)
     }
 }

@@ -387,43 +387,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
     }
     match op {
         Op::MatMul => plan_matmul(p)?,
-        Op::Gemm(a) => {
-            let (x, w, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            if x.shape.len() != 2 || w.shape.len() != 2 {
-                return Err("Gemm of operands that are not matrices".into());
-            }
-            let (m, n) = (y.shape[0] as i64, y.shape[1] as i64);
-            let k = if a.transA { x.shape[0] } else { x.shape[1] } as i64;
-            let beta = match p.opt_input(2) {
-                Some(c) if a.beta != 0.0 => {
-                    p.expand(y.dtype, buf(c), &c.shape, buf(y), &y.shape)?;
-                    a.beta as f64
-                }
-                _ => 0.0,
-            };
-            // Row-major Y = op(X) op(W) is column-major Yᵀ = op(W)ᵀ op(X)ᵀ.
-            p.gemm(Gemm {
-                dtype: y.dtype,
-                c_dtype: y.dtype,
-                trans_a: a.transB,
-                trans_b: a.transA,
-                m: n,
-                n: m,
-                k,
-                alpha: a.alpha as f64,
-                beta,
-                a: buf(w),
-                lda: if a.transB { k } else { n },
-                stride_a: 0,
-                b: buf(x),
-                ldb: if a.transA { m } else { k },
-                stride_b: 0,
-                c: buf(y),
-                ldc: n,
-                stride_c: 0,
-                batch: 1,
-            });
-        }
+        Op::Gemm(a) => plan_gemm(p, a)?,
         Op::ReduceSum(_)
         | Op::ReduceMean(_)
         | Op::ReduceMax(_)
