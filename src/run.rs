@@ -176,8 +176,8 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     let weights = p.state_layout.bytes + p.constants_bytes;
     let mut out = format!(
         "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
-         (the arena: {} launches, {} views, {} nodes folded, {} element-wise launches fused into {}), total {} \
-         bytes\n",
+         (the arena: {} launches, {} views, {} nodes folded, {} element-wise launches fused into {}, {} epilogues{}), \
+         total {} bytes\n",
         if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
         p.state_layout.bytes,
         p.constants_bytes,
@@ -187,6 +187,12 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         p.folded,
         p.fused.0,
         p.fused.1,
+        p.epilogues,
+        match p.grouped {
+            (0, _) => String::new(),
+            (n, 1) => format!(", {n} optimizer updates in one launch"),
+            (n, g) => format!(", {n} optimizer updates in {g} launches"),
+        },
         weights + p.arena_bytes
     );
     let peak = p.peak_live();
