@@ -151,6 +151,36 @@ fn residual_gradients_and_the_relu_gradient_are_one_launch<D: Device>(device: im
     }
 }
 
+/// A run takes in a step from a little further on that reads what it made and nothing the steps
+/// in between make (GPT's residual gradient: its Sum, the bias gradient's ReduceSum, then the
+/// Sum's Cast to f16): the Cast is computed in the Sum's launch. A step that reads, through a
+/// view, what a step in between made stays where it is. Both give the unfused bits.
+#[test]
+fn a_run_takes_in_a_later_step_that_reads_only_what_is_ready() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"x\": f32[4,8]\n  \
+                input %1 \"y\": f32[4,8]\n  init %2 \"shape\" = i64[2]{4, 8}\n  \
+                %3 \"a\": f32[4,8] = Sum(%0, %1)\n  %4 \"t\": f32[8,4] = Transpose[perm=[1, 0]](%3)\n  \
+                %5 \"u\": f32[4,8] = Reshape(%4, %2)\n  %6 \"c\": f16[4,8] = Cast[to=10](%3)\n  \
+                %7 \"d\": f32[4,8] = Add(%3, %5)\n  output %6\n  output %7\nend\n";
+    let path = common::scratch("look_ahead").join("g.mpcir");
+    std::fs::write(&path, text).unwrap();
+    let g = mpc::load(&path).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let lowered = |unfused| {
+        let opts = mpc_runtime::program::LowerOptions { unfused, ..Default::default() };
+        mpc_runtime::program::lower(&g, caps, opts).unwrap()
+    };
+    let (fused, plain) = (lowered(false), lowered(true));
+    let kinds: Vec<String> = fused.launches.iter().map(|l| l.kind()).collect();
+    assert_eq!(kinds, ["Fused(Sum+Cast)", "Transpose", "Add"], "{kinds:?}");
+    assert_eq!(plain.launches.len(), 4);
+    let inputs = mpc::run::random_inputs(&g, 9, &HashMap::new()).unwrap();
+    let run = |p: Program| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap().run(&inputs).unwrap();
+    for ((n, a), (_, b)) in run(fused).iter().zip(&run(plain)) {
+        same(a, b, n);
+    }
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also

@@ -126,24 +126,54 @@ pub(crate) fn runs(
         });
         ok.then_some(full)
     };
+    // The step that makes each value, to tell which values a step further on reads.
+    let def_at: HashMap<ValueId, usize> =
+        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, i))).collect();
     let mut out = Vec::new();
     let mut run: Vec<usize> = Vec::new();
     let mut made: HashSet<ValueId> = HashSet::new();
     let mut run_shape: Vec<usize> = Vec::new();
     let mut has_row = false;
+    let mut moved: HashSet<usize> = HashSet::new();
+    // Whether step `n` joins the run: over its shape, reading a value it made (not through a
+    // view, whose shape differs), and no second row-wise step.
+    let joins = |n: NodeId, made: &HashSet<ValueId>, run_shape: &[usize], has_row: bool| {
+        let ins = g.node(n).inputs().iter().flatten();
+        fusable(n).is_some_and(|f| f == run_shape)
+            && !(row_wise(&g.node(n).op) && has_row)
+            && ins.clone().any(|v| made.contains(v))
+            && ins.clone().all(|v| made.contains(v) || !made.contains(&root(*v)))
+    };
     for (i, &n) in steps.iter().enumerate() {
+        if moved.contains(&i) {
+            // Computed by an earlier run: the current one ends before it.
+            if run.len() >= 2 {
+                out.push(std::mem::take(&mut run));
+            }
+            run.clear();
+            made.clear();
+            has_row = false;
+            continue;
+        }
         let full = fusable(n);
         let row = row_wise(&g.node(n).op);
-        let joins = full.as_ref().is_some_and(|f| {
-            let ins = g.node(n).inputs().iter().flatten();
-            *f == run_shape
-                && !run.is_empty()
-                && !(row && has_row)
-                && g.node(n).inputs().iter().flatten().any(|v| made.contains(v))
-                // A run value read through a view has another shape: not inside the run.
-                && ins.clone().all(|v| made.contains(v) || !made.contains(&root(*v)))
-        });
-        if !joins {
+        if run.is_empty() || !joins(n, &made, &run_shape, has_row) {
+            // Before the run ends: a step a little further on that reads what the run made and
+            // nothing the steps in between make is computed in the run (its launch is the run's,
+            // before those steps, which do not read its result: they come first in the order).
+            if let Some(&end) = run.last() {
+                for (k, &m) in steps.iter().enumerate().take(i + LOOK_AHEAD).skip(i + 1) {
+                    // (A view's value is its source's, made where the source is.)
+                    let ready =
+                        g.node(m).inputs().iter().flatten().all(|&v| def_at.get(&root(v)).is_none_or(|&d| d <= end));
+                    if !moved.contains(&k) && ready && joins(m, &made, &run_shape, has_row) {
+                        run.push(k);
+                        moved.insert(k);
+                        has_row |= row_wise(&g.node(m).op);
+                        made.extend(g.node(m).outputs().iter().copied());
+                    }
+                }
+            }
             if run.len() >= 2 {
                 out.push(std::mem::take(&mut run));
             }
@@ -164,6 +194,22 @@ pub(crate) fn runs(
         out.push(run);
     }
     out
+}
+
+/// [`runs`] looks for a step to compute in a run among the steps within this many of its end.
+const LOOK_AHEAD: usize = 4;
+
+/// The step a run's launch takes the place of: the last of its consecutive steps (the steps
+/// after a gap were moved into it from further on).
+pub(crate) fn launch_at(run: &[usize]) -> usize {
+    let mut at = run[0];
+    for &i in &run[1..] {
+        if i != at + 1 {
+            break;
+        }
+        at = i;
+    }
+    at
 }
 
 /// The chain of `run` (step indices into `steps`), its external inputs in the order the steps

@@ -298,14 +298,14 @@ pub(super) fn lower_in(
         let v = widened.get(&v).or(transposed.get(&v)).copied().unwrap_or(v);
         *view_of.get(&v).unwrap_or(&v)
     };
-    // Element-wise runs fused into one launch each, at the run's last step (`pos`).
+    // Element-wise runs fused into one launch each, at the run's last consecutive step (`pos`).
     let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
     let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root) } else { Vec::new() };
     let mut run_of: HashMap<usize, usize> = HashMap::new();
     for (r, run) in runs.iter().enumerate() {
         run_of.extend(run.iter().map(|&i| (i, r)));
     }
-    let pos = |i: usize| run_of.get(&i).map_or(i, |&r| runs[r][runs[r].len() - 1]);
+    let pos = |i: usize| run_of.get(&i).map_or(i, |&r| crate::fuse::launch_at(&runs[r]));
 
     // 2. The state region: the changing initializers, at the layout's places or laid out here.
     let changing_vals: Vec<ValueId> = g.initializers().filter(|v| changing.contains(v)).collect();
@@ -394,8 +394,10 @@ pub(super) fn lower_in(
     let keep: HashSet<ValueId> = g.outputs().iter().chain(state.iter().map(|(_, n)| n)).map(|&v| root(v)).collect();
     // A fused run's value is written when something reads it past the run, or it outlives it.
     let needed = |o: ValueId, run_end: usize| keep.contains(&o) || last.get(&o).is_some_and(|&l| l > run_end);
-    let chains: Vec<(crate::fuse::Chain, Vec<ValueId>, Vec<ValueId>)> =
-        runs.iter().map(|run| crate::fuse::chain(g, &steps, run, &|o| needed(o, run[run.len() - 1]))).collect();
+    let chains: Vec<(crate::fuse::Chain, Vec<ValueId>, Vec<ValueId>)> = runs
+        .iter()
+        .map(|run| crate::fuse::chain(g, &steps, run, &|o| needed(o, crate::fuse::launch_at(run))))
+        .collect();
     let dropped: HashSet<ValueId> = runs
         .iter()
         .zip(&chains)
