@@ -62,6 +62,33 @@ common::per_device!(
     residual_gradients_and_the_relu_gradient_are_one_launch => residual_gradients_and_the_relu_gradient_are_one_launch,
 );
 
+/// The text-IR model `text` (written to a scratch file named `name`), lowered for the CPU with
+/// fusion and without.
+fn fused_and_plain(name: &str, text: &str) -> (Graph, Program, Program) {
+    let path = common::scratch(name).join("g.mpcir");
+    std::fs::write(&path, text).unwrap();
+    let g = mpc::load(&path).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let lowered = |unfused| {
+        let opts = mpc_runtime::program::LowerOptions { unfused, ..Default::default() };
+        mpc_runtime::program::lower(&g, caps, opts).unwrap()
+    };
+    let (fused, plain) = (lowered(false), lowered(true));
+    (g, fused, plain)
+}
+
+/// Runs both programs on the same random inputs: the same outputs, bit for bit.
+fn same_outputs(g: &Graph, fused: Program, plain: Program) {
+    let inputs = mpc::run::random_inputs(g, 3, &HashMap::new()).unwrap();
+    let run = |p: Program| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap().run(&inputs).unwrap();
+    let (x, y) = (run(fused), run(plain));
+    assert_eq!(x.len(), g.outputs().len());
+    for ((n, a), (m, b)) in x.iter().zip(&y) {
+        assert_eq!(n, m);
+        same(a, b, n);
+    }
+}
+
 /// A fused run writes the values read after it, also through a view, and no others: Cast, Add
 /// and Tanh fuse, the Add's result is read again through a Reshape (a view) by a Neg, which
 /// is not in the run; the Cast's result is read by nothing else and gets no memory.
@@ -72,29 +99,14 @@ fn a_fused_run_writes_what_is_read_after_it() {
                 %3 \"c\": f32[4,8] = Cast[to=1](%0)\n  %4 \"a\": f32[4,8] = Add(%3, %1)\n  \
                 %5 \"t\": f32[4,8] = Tanh(%4)\n  %6 \"r\": f32[32] = Reshape(%4, %2)\n  \
                 %7 \"u\": f32[32] = Neg(%6)\n  output %5\n  output %7\nend\n";
-    let path = common::scratch("fused_run").join("chain.mpcir");
-    std::fs::write(&path, text).unwrap();
-    let g = mpc::load(&path).unwrap();
-    let caps = mpc_runtime::device::CpuDevice::default().caps();
-    let lowered = |unfused| {
-        let opts = mpc_runtime::program::LowerOptions { unfused, ..Default::default() };
-        mpc_runtime::program::lower(&g, caps, opts).unwrap()
-    };
-    let (fused, plain) = (lowered(false), lowered(true));
+    let (g, fused, plain) = fused_and_plain("fused_run", text);
     assert_eq!((fused.launches.len(), plain.launches.len()), (2, 4));
     let chain = fused.launches[0].chain.as_ref().unwrap();
     assert_eq!(fused.launches[0].kind(), "Fused(Cast+Add+Tanh)");
     assert_eq!(chain.outputs, vec![1, 2], "the Add's and the Tanh's results are written");
     let written: Vec<&str> = fused.buffers.iter().flat_map(|b| b.values.iter().map(|v| v.1.as_str())).collect();
     assert!(!written.contains(&"c") && written.contains(&"a"), "{written:?}");
-    let inputs = mpc::run::random_inputs(&g, 3, &HashMap::new()).unwrap();
-    let run = |p: Program| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap().run(&inputs).unwrap();
-    let (x, y) = (run(fused), run(plain));
-    assert_eq!(x.len(), 2);
-    for ((n, a), (m, b)) in x.iter().zip(&y) {
-        assert_eq!(n, m);
-        same(a, b, n);
-    }
+    same_outputs(&g, fused, plain);
 }
 
 /// A residual block whose input is a Relu's output (ResNet's, between blocks): in the backward
@@ -162,23 +174,11 @@ fn a_run_takes_in_a_later_step_that_reads_only_what_is_ready() {
                 %3 \"a\": f32[4,8] = Sum(%0, %1)\n  %4 \"t\": f32[8,4] = Transpose[perm=[1, 0]](%3)\n  \
                 %5 \"u\": f32[4,8] = Reshape(%4, %2)\n  %6 \"c\": f16[4,8] = Cast[to=10](%3)\n  \
                 %7 \"d\": f32[4,8] = Add(%3, %5)\n  output %6\n  output %7\nend\n";
-    let path = common::scratch("look_ahead").join("g.mpcir");
-    std::fs::write(&path, text).unwrap();
-    let g = mpc::load(&path).unwrap();
-    let caps = mpc_runtime::device::CpuDevice::default().caps();
-    let lowered = |unfused| {
-        let opts = mpc_runtime::program::LowerOptions { unfused, ..Default::default() };
-        mpc_runtime::program::lower(&g, caps, opts).unwrap()
-    };
-    let (fused, plain) = (lowered(false), lowered(true));
+    let (g, fused, plain) = fused_and_plain("look_ahead", text);
     let kinds: Vec<String> = fused.launches.iter().map(|l| l.kind()).collect();
     assert_eq!(kinds, ["Fused(Sum+Cast)", "Transpose", "Add"], "{kinds:?}");
     assert_eq!(plain.launches.len(), 4);
-    let inputs = mpc::run::random_inputs(&g, 9, &HashMap::new()).unwrap();
-    let run = |p: Program| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap().run(&inputs).unwrap();
-    for ((n, a), (_, b)) in run(fused).iter().zip(&run(plain)) {
-        same(a, b, n);
-    }
+    same_outputs(&g, fused, plain);
 }
 
 #[test]

@@ -145,19 +145,11 @@ pub(crate) fn runs(
             && ins.clone().all(|v| made.contains(v) || !made.contains(&root(*v)))
     };
     for (i, &n) in steps.iter().enumerate() {
-        if moved.contains(&i) {
-            // Computed by an earlier run: the current one ends before it.
-            if run.len() >= 2 {
-                out.push(std::mem::take(&mut run));
-            }
-            run.clear();
-            made.clear();
-            has_row = false;
-            continue;
-        }
-        let full = fusable(n);
+        // A step an earlier run computes ends the current run and starts none.
+        let taken = moved.contains(&i);
+        let full = if taken { None } else { fusable(n) };
         let row = row_wise(&g.node(n).op);
-        if run.is_empty() || !joins(n, &made, &run_shape, has_row) {
+        if taken || run.is_empty() || !joins(n, &made, &run_shape, has_row) {
             // Before the run ends: a step a little further on that reads what the run made and
             // nothing the steps in between make is computed in the run (its launch is the run's,
             // before those steps, which do not read its result: they come first in the order).

@@ -248,7 +248,8 @@ fn read_in_readers(
     // can apply as it writes: the launch writes the node's output, the node is not launched.
     let launched: HashSet<NodeId> = steps.iter().copied().collect();
     let mut applied: HashMap<ValueId, (ValueId, NodeId)> = HashMap::new();
-    for &n in steps.iter().filter(|_| epilogues) {
+    let candidates: &[NodeId] = if epilogues { steps } else { &[] };
+    for &n in candidates {
         let node = g.node(n);
         let (Some(u), &[v]) = (node.input(0), node.outputs()) else { continue };
         let Def::Node(p, 0) = g.value(u).def() else { continue };
@@ -631,7 +632,7 @@ pub(super) fn lower_in(
         .into_iter()
         .map(|b| {
             let to = |i: usize| moved.get(i).copied().unwrap_or(launches.len());
-            ArenaBuffer { first: to(b.first), last: to(b.last).min(launches.len()), ..b }
+            ArenaBuffer { first: to(b.first), last: to(b.last), ..b }
         })
         .collect();
     let grouped =
@@ -696,11 +697,23 @@ fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
             && l.outputs.iter().all(|t| t.numel() > 0)
             && l.inputs.first().and_then(device).is_some()
     };
-    // What members of one group share: the op, the parameter dtype and the operands past the
-    // per-parameter ones (Adam's step, finite flag and unscale).
-    let shared = |l: &Launch| -> (String, Option<DType>, Vec<Option<TensorRef>>) {
+    // What members of one group share: the op, the parameter dtype and AdamUpdate's operands
+    // past the per-parameter ones (inputs 4 to 6: the step, finite flag and unscale).
+    const SHARED: std::ops::Range<usize> = 4..7;
+    let shared = |l: &Launch| -> (Option<DType>, Vec<Option<TensorRef>>) {
         let dt = l.inputs.first().and_then(device).map(|t| t.dtype);
-        (format!("{:?}", l.op), dt, (4..7).map(|i| l.inputs.get(i).and_then(device)).collect())
+        (dt, SHARED.map(|i| l.inputs.get(i).and_then(device)).collect())
+    };
+    // The ranges a member reads of its own (its shared operands are read by every member and
+    // written by none) and writes.
+    let own_reads = |l: &Launch| -> Vec<Range> {
+        l.inputs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !SHARED.contains(i))
+            .filter_map(|(_, o)| device(o))
+            .map(|t| range(&t))
+            .collect()
     };
     let mut out: Vec<Launch> = Vec::with_capacity(launches.len());
     let mut moved = Vec::with_capacity(launches.len());
@@ -724,23 +737,19 @@ fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
         }
     };
     for l in launches {
-        let joins = groupable(&l) && run.first().is_some_and(|f| shared(f) == shared(&l)) && {
-            let ins: Vec<Range> = l.inputs.iter().filter_map(device).map(|t| range(&t)).collect();
-            let outs: Vec<Range> = l.outputs.iter().map(range).collect();
-            // Shared operands are read by every member and written by none.
-            let own_in = |r: &Range| !l.inputs.iter().skip(4).take(3).filter_map(device).any(|t| range(&t) == *r);
-            ins.iter().filter(|r| own_in(r)).all(|r| !written.iter().any(|w| overlap(r, w)))
-                && outs.iter().all(|o| !written.iter().any(|w| overlap(o, w)) && !read.iter().any(|r| overlap(o, r)))
-        };
+        let (ins, outs): (Vec<Range>, Vec<Range>) = (own_reads(&l), l.outputs.iter().map(range).collect());
+        let joins = groupable(&l)
+            && run.first().is_some_and(|f| f.op == l.op && shared(f) == shared(&l))
+            && ins.iter().all(|r| !written.iter().any(|w| overlap(r, w)))
+            && outs.iter().all(|o| !written.iter().any(|w| overlap(o, w)) && !read.iter().any(|r| overlap(o, r)));
         if !joins {
             flush(&mut run, &mut out);
             read.clear();
             written.clear();
         }
         if groupable(&l) {
-            let own = l.inputs.iter().skip(4).take(3).filter_map(device).map(|t| range(&t)).collect::<Vec<_>>();
-            read.extend(l.inputs.iter().filter_map(device).map(|t| range(&t)).filter(|r| !own.contains(r)));
-            written.extend(l.outputs.iter().map(range));
+            read.extend(ins);
+            written.extend(outs);
             moved.push(out.len());
             run.push(l);
         } else {

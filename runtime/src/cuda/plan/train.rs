@@ -2,10 +2,10 @@
 
 use super::*;
 
-/// An update's trailing arguments for its parameter's low-precision copy (input `input`, next
-/// value output `output`): `low_out, low, low_code` (kernels/train.cu), nulls and 0 without one.
-fn low_copy_args(p: &Planner, input: usize, output: usize, param: &TensorRef) -> Result<[Arg; 3], String> {
-    let Some(low) = p.opt_input(input) else { return Ok([Arg::Null, Arg::Null, Arg::I32(0)]) };
+/// An update's low-precision copy of its parameter (input `input`, next value output `output`):
+/// the next value's buffer, the copy's and its `low_code` (kernels/train.cu), or None.
+fn low_copy(p: &Planner, input: usize, output: usize, param: &TensorRef) -> Result<Option<(Buf, Buf, i32)>, String> {
+    let Some(low) = p.opt_input(input) else { return Ok(None) };
     let out = p.output(output)?;
     let code = match low.dtype {
         DType::F16 => 1,
@@ -18,7 +18,28 @@ fn low_copy_args(p: &Planner, input: usize, output: usize, param: &TensorRef) ->
             low.dtype, low.shape, param.dtype, param.shape
         ));
     }
-    Ok([Arg::Ptr(buf(out)), Arg::Ptr(buf(low)), Arg::I32(code)])
+    Ok(Some((buf(out), buf(low), code)))
+}
+
+/// An update's trailing arguments for [`low_copy`]: `low_out, low, low_code`; nulls and 0
+/// without a copy.
+fn low_copy_args(p: &Planner, input: usize, output: usize, param: &TensorRef) -> Result<[Arg; 3], String> {
+    Ok(match low_copy(p, input, output, param)? {
+        Some((out, low, code)) => [Arg::Ptr(out), Arg::Ptr(low), Arg::I32(code)],
+        None => [Arg::Null, Arg::Null, Arg::I32(0)],
+    })
+}
+
+/// The dtype code of a multi-tensor kernel's tables (kernels/train.cu): 0 f32, 1 f16, 2 bf16,
+/// 3 f64.
+fn float_code(d: DType) -> Result<i32, String> {
+    match d {
+        DType::F32 => Ok(0),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        DType::F64 => Ok(3),
+        d => Err(format!("a multi-tensor launch over {d}")),
+    }
 }
 
 pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
@@ -186,13 +207,6 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
         return Err(format!("AdamUpdate with a {} step", step.dtype));
     }
     let inv = unscale_arg(&first, 6, param_dtype)?;
-    let code = |d: DType| match d {
-        DType::F32 => Ok(0i32),
-        DType::F16 => Ok(1),
-        DType::BF16 => Ok(2),
-        DType::F64 => Ok(3),
-        d => Err(format!("an AdamUpdate gradient of {d}")),
-    };
     let mut ptrs: Vec<Option<Buf>> = Vec::with_capacity(9 * group.len());
     let (mut sizes, mut codes, mut tensor_of, mut start_of) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (k, l) in group.iter().enumerate() {
@@ -206,20 +220,12 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
         if param.dtype != param_dtype || grad.numel() != n || !ins[2..].iter().all(same) || !outs.iter().all(same) {
             return Err(format!("{}: a member of a multi-tensor update of another dtype or size", l.node));
         }
-        let low = low_copy_args(&m, 7, 3, param)?;
-        let low_buf = |a: &Arg| match a {
-            Arg::Ptr(b) => Some(*b),
-            _ => None,
-        };
+        let low = low_copy(&m, 7, 3, param)?;
         ptrs.extend(ins.iter().chain(&outs).map(|t| Some(buf(t))));
-        ptrs.extend([low_buf(&low[1]), low_buf(&low[0])]);
+        ptrs.extend([low.map(|l| l.1), low.map(|l| l.0)]);
         sizes.extend((n as i64).to_le_bytes());
-        let low_code = match low[2] {
-            Arg::I32(c) => c,
-            _ => 0,
-        };
-        codes.extend(code(grad.dtype)?.to_le_bytes());
-        codes.extend(low_code.to_le_bytes());
+        codes.extend(float_code(grad.dtype)?.to_le_bytes());
+        codes.extend(low.map_or(0, |l| l.2).to_le_bytes());
         for s in (0..n as u64).step_by(UPDATE_CHUNK as usize) {
             tensor_of.extend((k as i32).to_le_bytes());
             start_of.extend((s as i64).to_le_bytes());
@@ -280,16 +286,9 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 let sizes: Vec<u8> = floats.iter().flat_map(|x| (x.numel() as i64).to_le_bytes()).collect();
                 let codes: Vec<u8> = floats
                     .iter()
-                    .flat_map(|x| {
-                        let code: i32 = match x.dtype {
-                            DType::F32 => 0,
-                            DType::F16 => 1,
-                            DType::BF16 => 2,
-                            _ => 3,
-                        };
-                        code.to_le_bytes()
-                    })
-                    .collect();
+                    .map(|x| float_code(x.dtype).map(i32::to_le_bytes))
+                    .collect::<Result<Vec<_>, _>>()?
+                    .concat();
                 let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
                 let count = floats.len() as u64;
                 let widest = floats.iter().map(|x| x.numel() as u64).max().unwrap_or(1);
