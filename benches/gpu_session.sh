@@ -144,8 +144,9 @@ part_devices() {
 part_tests() {
   step backend_ops "$BIN/backend_ops" cuda:: --nocapture --test-threads=1
   step cuda_vs_cpu "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
-  # The same with convolutions as im2col + GEMM, as on a machine without cuDNN.
-  MPC_CUDNN=0 step cuda_vs_cpu_without_cudnn "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
+  # The same with convolutions as im2col + GEMM and dense layers as a broadcast, a GEMM and a
+  # ReLU, as on a machine without cuDNN and cuBLASLt.
+  MPC_CUDNN=0 MPC_CUBLASLT=0 step cuda_vs_cpu_without_cudnn "$BIN/cuda_vs_cpu" --nocapture --test-threads=1
   step program "$BIN/program" cuda:: --nocapture --test-threads=1
   step train "$BIN/train" cuda:: --nocapture --test-threads=1
   step runtime_conformance "$BIN/runtime_conformance" cuda:: --nocapture --test-threads=1

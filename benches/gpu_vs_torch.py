@@ -252,9 +252,15 @@ def main():
         if name in ("gpt", "resnet50") and dev == "cuda":
             no_fuse = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
                                 {"MPC_FUSE": "0"})
+        # Dense layers through cuBLASLt's bias and ReLU epilogues against a broadcast, a GEMM and
+        # a ReLU (MPC_CUBLASLT=0), mixed.
+        no_lt = None
+        if name == "mlp" and dev == "cuda":
+            no_lt = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
+                              {"MPC_CUBLASLT": "0"})
         os.remove(path)
         results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc, "mpc_without_cudnn": no_dnn,
-                         "mpc_without_fusion": no_fuse}
+                         "mpc_without_fusion": no_fuse, "mpc_without_cublaslt": no_lt}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
             json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
@@ -271,11 +277,19 @@ def main():
             alloc = f" (allocated {used / 2**20:.1f} MiB)" if used is not None else ""
             convs = row.get("cudnn_convolutions", 0) + row.get("cudnn_refused", 0)
             dnn = f", cuDNN {row['cudnn_convolutions']} of {convs} convolutions" if convs else ""
+            lts = row.get("cublaslt_gemms", 0) + row.get("cublaslt_refused", 0)
+            dnn += f", cuBLASLt {row['cublaslt_gemms']} of {lts} products with a bias or ReLU" if lts else ""
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate){dnn}")
         if no_dnn and "mixed" in no_dnn and "mixed" in mpc:
             ms = no_dnn["mixed"]["step_ms_median"]
             line = f"mpc mixed with cuDNN convolutions / without (im2col + GEMM): {mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)"
+            print("  " + line)
+            lines.append(f"{name}: {line}")
+        if no_lt and "mixed" in no_lt and "mixed" in mpc:
+            ms = no_lt["mixed"]["step_ms_median"]
+            line = (f"mpc mixed with cuBLASLt epilogues / without (MPC_CUBLASLT=0): "
+                    f"{mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)")
             print("  " + line)
             lines.append(f"{name}: {line}")
         if no_fuse and "mixed" in no_fuse and "mixed" in mpc:

@@ -77,6 +77,10 @@ pub struct BenchRow {
     /// and GEMMs); 0 on the CPU.
     pub cudnn_convolutions: u64,
     pub cudnn_refused: u64,
+    /// Products with a bias or ReLU epilogue the device runs through cuBLASLt, and those it
+    /// refused (they run as a broadcast, a GEMM and a ReLU); 0 on the CPU.
+    pub cublaslt_gemms: u64,
+    pub cublaslt_refused: u64,
     /// With `profile`: one step's launch times by op and dtype, the longest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub profile: Option<Vec<OpTime>>,
@@ -228,6 +232,8 @@ pub fn bench<D: Device>(
             device_memory_used,
             cudnn_convolutions: counters.dnn_convolutions,
             cudnn_refused: counters.dnn_fallbacks,
+            cublaslt_gemms: counters.lt_gemms,
+            cublaslt_refused: counters.lt_fallbacks,
             profile,
         });
     }
@@ -350,6 +356,12 @@ pub fn table(r: &BenchReport) -> String {
         s.push_str(&format!(
             "{}: {} convolutions through cuDNN, {} refused by it (run as im2col and GEMMs)\n",
             row.policy, row.cudnn_convolutions, row.cudnn_refused
+        ));
+    }
+    for row in r.rows.iter().filter(|row| row.cublaslt_gemms + row.cublaslt_refused > 0) {
+        s.push_str(&format!(
+            "{}: {} products with a bias or ReLU through cuBLASLt, {} refused by it (run as a broadcast, a GEMM and a ReLU)\n",
+            row.policy, row.cublaslt_gemms, row.cublaslt_refused
         ));
     }
     for row in &r.rows {

@@ -19,14 +19,16 @@ pub fn report() -> (Vec<String>, Option<String>) {
     let found = |b: bool| if b { "found" } else { "not found" };
     let cudnn = mpc_runtime::cuda::dnn::unavailable()
         .map_or("found".to_string(), |why| format!("not used ({why}; convolutions run as im2col and GEMMs)"));
+    let lt = mpc_runtime::cuda::lt::unavailable().map_or("found".to_string(), |why| {
+        format!("not used ({why}; products run a separate bias broadcast and ReLU)")
+    });
     lines.push(format!(
-        "cuda: driver {} (mpc needs CUDA {}.{}), NVRTC {}, cuBLAS {}, cuBLASLt {}, cuDNN {cudnn}",
+        "cuda: driver {} (mpc needs CUDA {}.{}), NVRTC {}, cuBLAS {}, cuBLASLt {lt}, cuDNN {cudnn}",
         v(r.driver),
         mpc_runtime::cuda::CUDA_VERSION.0,
         mpc_runtime::cuda::CUDA_VERSION.1,
         v(r.nvrtc),
         found(r.cublas),
-        found(r.cublaslt)
     ));
     for g in &r.gpus {
         lines.push(format!(

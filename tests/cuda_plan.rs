@@ -148,6 +148,20 @@ fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String>
                 }
                 check_calls(l, p, &conv.fallback)?;
             }
+            Call::Lt(lt) => {
+                // The product's operands as any GEMM's, its bias one value per row.
+                if lt.gemm.batch != 1 || lt.gemm.beta != 0.0 {
+                    return Err(format!("cuBLASLt: a batch of {} with beta {}", lt.gemm.batch, lt.gemm.beta));
+                }
+                check_gemm(l, p, &lt.gemm)?;
+                if let Some(b) = lt.bias {
+                    let need = lt.gemm.m as u64 * lt.gemm.c_dtype.size() as u64;
+                    if room(l, p, b)? < need {
+                        return Err(format!("cuBLASLt: a bias of {need} bytes at {b:?} overruns it"));
+                    }
+                }
+                check_calls(l, p, &lt.fallback)?;
+            }
         }
     }
     Ok(())
@@ -298,4 +312,63 @@ fn matmul_plans_follow_numpy_broadcasting() {
     let l = launch(&[7], &[7, 2], &[2]);
     let g = gemm(&plan(&l, &none).unwrap());
     assert_eq!((g.m, g.n, g.k, g.batch), (2, 1, 7, 1));
+}
+
+/// A dense layer's Gemm with a bias vector (C of [n] or [1, n], beta 1), and its Relu where the
+/// lowering made it the launch's epilogue, is one cuBLASLt product whose fallback is the
+/// broadcast, a GEMM with beta 1 and an in-place ReLU; a C of full rows is not a bias.
+#[test]
+fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
+    let t = |offset: u64, shape: &[usize]| TensorRef {
+        region: Region::Arena,
+        offset,
+        dtype: DType::F16,
+        shape: shape.to_vec(),
+    };
+    let launch = |c: &[usize], relu: bool| Launch {
+        node: "fc".into(),
+        op: mpc_ir::Op::Gemm(mpc_ir::ops::GemmAttrs { transB: true, ..Default::default() }),
+        inputs: vec![
+            Operand::Device(t(0, &[6, 5])),
+            Operand::Device(t(1 << 20, &[3, 5])),
+            Operand::Device(t(2 << 20, c)),
+        ],
+        outputs: vec![t(3 << 20, &[6, 3])],
+        branches: None,
+        chain: None,
+        epilogue: relu.then_some(mpc_ir::Op::Relu),
+        group: Vec::new(),
+    };
+    let none = |_: &TensorRef| None;
+    let names = |calls: &[Call]| -> Vec<String> {
+        calls
+            .iter()
+            .map(|c| match c {
+                Call::Kernel(k) => k.name.clone(),
+                Call::Gemm(g) => format!("gemm beta {}", g.beta),
+                c => format!("{c:?}"),
+            })
+            .collect()
+    };
+    for (c, relu) in [(&[3][..], true), (&[1, 3][..], true), (&[3][..], false)] {
+        let l = launch(c, relu);
+        let p = plan(&l, &none).unwrap();
+        check_plan(&l, &p).unwrap();
+        let [Call::Lt(lt)] = p.calls.as_slice() else { panic!("{c:?}, relu {relu}: {:?}", p.calls) };
+        assert_eq!((lt.bias, lt.relu, lt.gemm.beta), (Some(Buf::Tensor(Region::Arena, 2 << 20)), relu, 0.0));
+        assert_eq!((lt.gemm.m, lt.gemm.n, lt.gemm.k, lt.gemm.trans_a), (3, 6, 5, true));
+        let mut want = vec!["gemm beta 1".to_string()];
+        if relu {
+            want.push("elementwise_relu_f16".into());
+        }
+        let fallback = names(&lt.fallback);
+        assert!(fallback[0].starts_with("movement_copy"), "the broadcast first: {fallback:?}");
+        assert_eq!(fallback[1..], want);
+    }
+    // C over whole rows: the broadcast, beta 1 and the ReLU, without cuBLASLt.
+    let l = launch(&[6, 3], true);
+    let p = plan(&l, &none).unwrap();
+    check_plan(&l, &p).unwrap();
+    assert!(!p.calls.iter().any(|c| matches!(c, Call::Lt(_))), "{:?}", p.calls);
+    assert_eq!(names(&p.calls)[1..], ["gemm beta 1", "elementwise_relu_f16"]);
 }

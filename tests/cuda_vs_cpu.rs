@@ -203,6 +203,46 @@ fn convolutions_go_to_cudnn_where_it_is_found() {
     }
 }
 
+/// Where cuBLASLt is found, every dense layer's product of a training step (a Gemm with a bias
+/// vector, or with a Relu as its epilogue) is prepared as one cuBLASLt call; where it is not (or
+/// `MPC_CUBLASLT=0`), none is and the fallbacks run. Either way the step computes what the CPU
+/// does (the fixture tests above).
+#[test]
+fn dense_layers_go_to_cublaslt_where_it_is_found() {
+    let Some(dev) = gpu() else { return };
+    let found = dev.cublaslt().map_err(str::to_string);
+    let g = common::compiled("mlp", "mixed", true).unwrap();
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
+    let program = mpc::run::lower_bound(&bound, dev.caps(), None, None, &fixture("mlp")).unwrap();
+    let none = |_: &mpc_runtime::program::TensorRef| None;
+    let lts = program
+        .launches
+        .iter()
+        .filter(|l| {
+            mpc_runtime::cuda::plan::plan(l, &none)
+                .is_ok_and(|p| p.calls.iter().any(|c| matches!(c, mpc_runtime::cuda::plan::Call::Lt(_))))
+        })
+        .count();
+    assert!(lts > 0, "the mlp fixture's training step has no product for cuBLASLt");
+    let mut s = Session::new(dev, program).unwrap();
+    let inputs = mpc::run::random_inputs(&bound, 1, &dims(16)).unwrap();
+    s.feed(0, &inputs).unwrap();
+    s.step(0).unwrap();
+    let c = s.counters();
+    for why in s.device().cublaslt_refusals() {
+        println!("refused by cuBLASLt: {why}");
+    }
+    println!(
+        "mlp mixed training step: {lts} products with a bias or ReLU; cuBLASLt: {found:?}; prepared as cuBLASLt calls: {}, refused: {}",
+        c.lt_gemms, c.lt_fallbacks
+    );
+    if found.is_ok() {
+        assert_eq!((c.lt_gemms, c.lt_fallbacks), (lts as u64, 0));
+    } else {
+        assert_eq!(c.lt_gemms, 0);
+    }
+}
+
 /// Single ops at sizes that take the GPU's multi-pass paths (few long columns, LayerNorm's
 /// parameter gradients over many tokens, batch norm over few channels of many elements, an
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row),

@@ -60,6 +60,10 @@ pub struct DeviceCounters {
     /// Convolutions prepared as cuDNN calls, and those cuDNN refused (their fallback runs).
     pub dnn_convolutions: u64,
     pub dnn_fallbacks: u64,
+    /// Products prepared as cuBLASLt calls with a bias or ReLU epilogue, and those cuBLASLt
+    /// refused (their fallback runs).
+    pub lt_gemms: u64,
+    pub lt_fallbacks: u64,
 }
 
 /// A backend: memory, and a queue of launches.
@@ -319,6 +323,18 @@ impl Device for CpuDevice {
             range(t, regions.get(t.region).len)?;
         }
         if self.in_place && cpu::views::try_launch(regions, l) {
+            if let (Some(e), Some(place)) = (&l.epilogue, l.outputs.first()) {
+                // The epilogue's reference kernel over the product written in place.
+                let mem = regions.get_mut(place.region);
+                let r = range(place, mem.len)?;
+                let y = HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &mem.bytes()[r.clone()]);
+                let applied = cpu::run_op(e, &[Some(&y)], 1).map_err(|e| kernel_error(&l.node, e))?;
+                let t = applied
+                    .first()
+                    .filter(|t| t.dtype() == place.dtype && t.len() == place.numel())
+                    .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
+                t.write_le_bytes(&mut mem.bytes_mut()[r]);
+            }
             self.counters.launches += 1;
             self.counters.in_place += 1;
             return Ok(());

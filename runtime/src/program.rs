@@ -106,14 +106,14 @@ pub fn reads_widened(op: &Op, slot: usize) -> bool {
 /// The element-wise ops a launch may apply to its first output as it writes it
 /// ([`Launch::epilogue`]), the op's only reader: a Cast of an f32 LayerNormalization's y to f16 or
 /// bf16 (an f32 layer norm before f16 matrix products: the launch writes the low values, rounding
-/// once where the Cast would have), and the Relu after a BatchNormalization (a convolution
-/// block's). The results are those of the op and then the epilogue, to the bit.
+/// once where the Cast would have), the Relu after a BatchNormalization (a convolution block's)
+/// and the Relu after a Gemm (a dense layer's; cuBLASLt's epilogue on CUDA). The results are those of the op and then the epilogue, to the bit.
 pub fn takes_epilogue(op: &Op, then: &Op, from: Option<DType>, to: Option<DType>) -> bool {
     match (op, then) {
         (Op::LayerNormalization(_), Op::Cast(_)) => {
             from == Some(DType::F32) && matches!(to, Some(DType::F16 | DType::BF16))
         }
-        (Op::BatchNormalization(_), Op::Relu) => from == to,
+        (Op::BatchNormalization(_) | Op::Gemm(_), Op::Relu) => from == to,
         _ => false,
     }
 }

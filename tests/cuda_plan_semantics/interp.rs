@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use mpc_ir::DType;
 use mpc_runtime::cpu::run_op;
-use mpc_runtime::cuda::plan::{Arg, Buf, Call, DnnConv, DnnOp, Gemm, Kernel, LaunchPlan, Window3};
+use mpc_runtime::cuda::plan::{Arg, Buf, Call, DnnConv, DnnOp, Gemm, Kernel, LaunchPlan, LtGemm, Window3};
 use mpc_runtime::program::Region;
 use mpc_runtime::HostTensor;
 
@@ -124,6 +124,7 @@ pub(crate) fn call_interpretable(c: &Call) -> bool {
     match c {
         Call::Kernel(k) => interpretable(k),
         Call::Conv(conv) => conv.fallback.iter().all(call_interpretable),
+        Call::Lt(lt) => lt.fallback.iter().all(call_interpretable),
         _ => true,
     }
 }
@@ -630,6 +631,12 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
 }
 
 pub(crate) fn run_gemm(m: &mut Memory, g: &Gemm) {
+    gemm_then(m, g, &|_, v| v);
+}
+
+/// A GEMM whose every result (before it is rounded to C's dtype) goes through `finish(row,
+/// value)` (cuBLAS's column-major rows).
+fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
     let (d, dc) = (g.dtype, g.c_dtype);
     for bi in 0..g.batch {
         let (a0, b0, c0) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
@@ -645,23 +652,42 @@ pub(crate) fn run_gemm(m: &mut Memory, g: &Gemm) {
                 }
                 let at = c0 + i + j * g.ldc;
                 let old = if g.beta != 0.0 { m.get(g.c, at, dc) } else { 0.0 };
-                m.set(g.c, at, dc, g.alpha * s + g.beta * old);
+                let v = finish(i, g.alpha * s + g.beta * old);
+                m.set(g.c, at, dc, v);
             }
         }
     }
 }
 
-/// Runs a plan's calls; a convolution as cuDNN computes it (`dnn`) or as its fallback.
-pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, dnn: bool) {
+/// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU,
+/// rounded once.
+pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
+    let bias: Vec<f64> = match lt.bias {
+        Some(b) => (0..lt.gemm.m).map(|i| m.get(b, i, lt.gemm.c_dtype)).collect(),
+        None => vec![0.0; lt.gemm.m as usize],
+    };
+    gemm_then(m, &lt.gemm, &|row, v| {
+        let v = v + bias[row as usize];
+        if lt.relu {
+            v.max(0.0)
+        } else {
+            v
+        }
+    });
+}
+
+/// Runs a plan's calls; a convolution as cuDNN computes it and a product with an epilogue as
+/// cuBLASLt does (`library`), or each as its fallback.
+pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, library: bool) {
     m.work = vec![0xAB; p.workspace as usize];
     m.aux = p.aux.clone();
     m.addresses = p.addresses.iter().copied().collect();
     for c in &p.calls {
-        run_call(m, c, dnn);
+        run_call(m, c, library);
     }
 }
 
-pub(crate) fn run_call(m: &mut Memory, c: &Call, dnn: bool) {
+pub(crate) fn run_call(m: &mut Memory, c: &Call, library: bool) {
     match c {
         Call::Kernel(k) => run_kernel(m, k),
         Call::Gemm(g) => run_gemm(m, g),
@@ -670,8 +696,10 @@ pub(crate) fn run_call(m: &mut Memory, c: &Call, dnn: bool) {
             m.put(*to, 0, &v);
         }
         Call::Fill { to, bytes, byte } => m.put(*to, 0, &vec![*byte; *bytes as usize]),
-        Call::Conv(conv) if dnn => run_dnn(m, conv),
-        Call::Conv(conv) => conv.fallback.iter().for_each(|c| run_call(m, c, dnn)),
+        Call::Conv(conv) if library => run_dnn(m, conv),
+        Call::Conv(conv) => conv.fallback.iter().for_each(|c| run_call(m, c, library)),
+        Call::Lt(lt) if library => run_lt(m, lt),
+        Call::Lt(lt) => lt.fallback.iter().for_each(|c| run_call(m, c, library)),
     }
 }
 

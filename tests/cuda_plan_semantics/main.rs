@@ -76,9 +76,11 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
             }
             continue;
         };
-        // A convolution for cuDNN: both what cuDNN computes and its fallback.
+        // A convolution for cuDNN or a product for cuBLASLt: both what the library computes and
+        // the fallback.
         let convs = p.calls.iter().any(|c| matches!(c, Call::Conv(_)));
-        let fallback = convs.then(|| {
+        let lts = p.calls.iter().any(|c| matches!(c, Call::Lt(_)));
+        let fallback = (convs || lts).then(|| {
             let mut copy = mem.clone();
             run_plan(&mut copy, &p, false);
             copy
@@ -105,6 +107,9 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         checked.push(l.op.op_type().to_string());
         if convs {
             checked.push(format!("{} for cuDNN", l.op.op_type()));
+        }
+        if lts {
+            checked.push(format!("{} for cuBLASLt", l.op.op_type()));
         }
     }
     checked
@@ -137,7 +142,7 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
     println!("launches checked against the CPU by op: {seen:?}");
     let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
     assert!(left.is_empty(), "launches this file cannot check: {left:?}");
-    for op in ["MatMul", "Gemm", "Conv", "ConvGrad", "Transpose"] {
+    for op in ["MatMul", "Gemm", "Gemm for cuBLASLt", "Conv", "ConvGrad", "Transpose"] {
         assert!(seen.contains_key(op), "no {op} launch was checked: {seen:?}");
     }
 }

@@ -45,6 +45,7 @@ enum Ready {
     Copy { from: u64, to: u64, bytes: u64 },
     Fill { to: u64, bytes: u64, byte: u8 },
     Conv(Box<super::dnn::Ready>),
+    Lt(Box<super::lt::Ready>),
 }
 
 struct Prepared {
@@ -73,6 +74,10 @@ pub struct CudaDevice {
     dnn_workspace: (u64, usize),
     /// Why cuDNN refused convolutions it was offered: node and reason, the first 16.
     dnn_refusals: Vec<String>,
+    /// cuBLASLt for products with a bias or ReLU epilogue, or why not (the fallbacks run).
+    lt: Result<super::lt::Lt, String>,
+    /// Why cuBLASLt refused products it was offered: node and reason, the first 16.
+    lt_refusals: Vec<String>,
     allow_tf32: bool,
     modules: HashMap<String, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
@@ -142,6 +147,8 @@ impl CudaDevice {
             dnn,
             dnn_workspace: (0, 0),
             dnn_refusals: Vec::new(),
+            lt: Err(String::new()),
+            lt_refusals: Vec::new(),
             allow_tf32: false,
             modules: HashMap::new(),
             functions: HashMap::new(),
@@ -164,6 +171,7 @@ impl CudaDevice {
         unsafe { blas_sys::cublasSetWorkspace_v2(device.blas, ws as *mut c_void, CUBLAS_WORKSPACE) }
             .result()
             .map_err(|e| CudaError::Driver(format!("cuBLAS workspace: {e:?}")))?;
+        device.lt = super::lt::Lt::new(ws, CUBLAS_WORKSPACE);
         Ok(device)
     }
 
@@ -185,6 +193,16 @@ impl CudaDevice {
     /// The convolutions cuDNN refused (their fallback runs), with why: the first 16.
     pub fn cudnn_refusals(&self) -> &[String] {
         &self.dnn_refusals
+    }
+
+    /// Whether products with a bias or ReLU run through cuBLASLt, or why not.
+    pub fn cublaslt(&self) -> Result<(), &str> {
+        self.lt.as_ref().map(|_| ()).map_err(|e| e.as_str())
+    }
+
+    /// The products cuBLASLt refused (their fallback runs), with why: the first 16.
+    pub fn cublaslt_refusals(&self) -> &[String] {
+        &self.lt_refusals
     }
 
     fn current(&self) -> Result<(), RuntimeError> {
@@ -353,6 +371,30 @@ impl CudaDevice {
                 self.counters.dnn_convolutions += 1;
                 Ready::Conv(ready)
             }
+            Call::Lt(g) => {
+                let prepared = match &self.lt {
+                    Ok(lt) => lt.prepare(&g, self.allow_tf32, resolve),
+                    Err(why) => Err(why.clone()),
+                };
+                match prepared {
+                    Ok(r) => {
+                        self.counters.lt_gemms += 1;
+                        Ready::Lt(Box::new(r))
+                    }
+                    Err(why) => {
+                        if self.lt.is_ok() {
+                            self.counters.lt_fallbacks += 1;
+                            if self.lt_refusals.len() < 16 {
+                                self.lt_refusals.push(format!("{node}: {why}"));
+                            }
+                        }
+                        for c in g.fallback {
+                            self.ready(c, node, resolve, out)?;
+                        }
+                        return Ok(());
+                    }
+                }
+            }
         });
         Ok(())
     }
@@ -387,6 +429,7 @@ impl CudaDevice {
                 unsafe { drv::memset_d8_async(*to, *byte, *bytes as usize, self.stream) }.map_err(driver("fill"))
             }
             Ready::Conv(c) => c.enqueue().map_err(RuntimeError::Internal),
+            Ready::Lt(g) => g.enqueue(self.stream as *mut c_void).map_err(RuntimeError::Internal),
         }
     }
 
@@ -799,6 +842,7 @@ impl Drop for CudaDevice {
             // cuDNN's descriptors, then its handle, while the context lives.
             self.prepared.clear();
             self.dnn = Err(String::new());
+            self.lt = Err(String::new());
             let _ = blas::destroy_handle(self.blas);
             let _ = drv::stream::destroy(self.stream);
             let _ = drv::primary_ctx::release(self.dev);

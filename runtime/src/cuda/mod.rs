@@ -9,6 +9,7 @@
 pub mod cubin;
 pub mod device;
 pub mod dnn;
+pub mod lt;
 pub mod nvrtc;
 pub mod plan;
 

@@ -168,6 +168,21 @@ pub struct Gemm {
     pub batch: i64,
 }
 
+/// A product that cuBLASLt finishes as it writes it (its epilogue): `D = act(alpha op(A) op(B) +
+/// bias)`, the bias one value per row of D in cuBLAS's column-major terms (per output feature of
+/// a row-major `[rows, features]` result), the activation a ReLU or none. The sum is rounded once,
+/// as a product with beta 1 over the broadcast bias rounds it; ReLU commutes with that rounding.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LtGemm {
+    /// The product, with beta 0 and one matrix (batch 1).
+    pub gemm: Gemm,
+    /// `gemm.m` values of `gemm.c_dtype`.
+    pub bias: Option<Buf>,
+    pub relu: bool,
+    /// The same as plain calls: the bias broadcast into D, a product with beta 1, a ReLU over D.
+    pub fallback: Vec<Call>,
+}
+
 /// A 2-D convolution (NCHW, symmetric pads) that a device with cuDNN runs as cuDNN calls, and
 /// any other device as `fallback`: the im2col / GEMM / col2im calls that compute the same.
 #[derive(Clone, Debug, PartialEq)]
@@ -204,6 +219,8 @@ pub enum Call {
     Gemm(Gemm),
     /// A convolution for cuDNN, with what to run where there is none.
     Conv(Box<DnnConv>),
+    /// A product with a bias and activation for cuBLASLt, with what to run where it is refused.
+    Lt(Box<LtGemm>),
     /// A device-to-device copy.
     Copy {
         from: Buf,
@@ -239,6 +256,7 @@ impl LaunchPlan {
                 match c {
                     Call::Kernel(k) => out.push(k),
                     Call::Conv(conv) => walk(&conv.fallback, out),
+                    Call::Lt(lt) => walk(&lt.fallback, out),
                     _ => {}
                 }
             }

@@ -424,15 +424,23 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     }
     let (m, n) = (y.shape[0] as i64, y.shape[1] as i64);
     let k = if a.transA { x.shape[0] } else { x.shape[1] } as i64;
-    let beta = match p.opt_input(2) {
-        Some(c) if a.beta != 0.0 => {
+    let c = p.opt_input(2).filter(|_| a.beta != 0.0);
+    // A bias: C holds one value per output column ([n] or [1, n]) and is added as it is.
+    let bias = c.filter(|c| {
+        a.beta == 1.0 && c.shape.last() == Some(&(n as usize)) && c.shape.iter().rev().skip(1).all(|&d| d == 1)
+    });
+    // A ReLU the launch applies as it writes y (its epilogue).
+    let relu = matches!(p.l.epilogue, Some(Op::Relu));
+    let start = p.out.calls.len();
+    let beta = match c {
+        Some(c) => {
             p.expand(y.dtype, buf(c), &c.shape, buf(y), &y.shape)?;
             a.beta as f64
         }
-        _ => 0.0,
+        None => 0.0,
     };
     // Row-major Y = op(X) op(W) is column-major Yᵀ = op(W)ᵀ op(X)ᵀ.
-    p.gemm(Gemm {
+    let gemm = Gemm {
         dtype: y.dtype,
         c_dtype: y.dtype,
         trans_a: a.transB,
@@ -452,6 +460,19 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         ldc: n,
         stride_c: 0,
         batch: 1,
-    });
+    };
+    p.gemm(gemm.clone());
+    if relu && m * n > 0 {
+        let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(m * n), Arg::F32(0.0), Arg::F32(0.0)];
+        p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), (m * n) as u64, args);
+    }
+    // cuBLASLt adds the bias and applies the ReLU as it writes the product: one pass over y
+    // instead of up to four (the broadcast bias written, read by the product, then the ReLU's).
+    let lt_types = matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16);
+    if (bias.is_some() || relu) && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
+        let fallback = p.out.calls.split_off(start);
+        let gemm = Gemm { beta: 0.0, ..gemm };
+        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: bias.map(buf), relu, fallback })));
+    }
     Ok(())
 }
