@@ -19,7 +19,7 @@ use common::{fixture, FIXTURES};
 use mpc_ir::{DType, Graph};
 use mpc_runtime::cuda::cubin::{self, KernelParams};
 use mpc_runtime::cuda::nvrtc;
-use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, LaunchPlan};
+use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, GradOf, LaunchPlan};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
 const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
@@ -61,12 +61,12 @@ fn programs() -> Vec<(String, Program)> {
 
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
-    // A multi-tensor launch's operands are its members'.
-    let ins = l.members().iter().flat_map(|m| &m.inputs).filter_map(|o| match o {
+    // A multi-tensor launch's operands are its members', and a sibling's are the launch's.
+    let ins = l.parts().into_iter().flat_map(|m| &m.inputs).filter_map(|o| match o {
         Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
         _ => None,
     });
-    ins.chain(l.members().iter().flat_map(|m| &m.outputs))
+    ins.chain(l.parts().into_iter().flat_map(|m| &m.outputs))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())
         .max()
@@ -154,10 +154,12 @@ fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String>
                     return Err(format!("cuBLASLt: a batch of {} with beta {}", lt.gemm.batch, lt.gemm.beta));
                 }
                 check_gemm(l, p, &lt.gemm)?;
-                if let Some(b) = lt.bias {
-                    let need = lt.gemm.m as u64 * lt.gemm.c_dtype.size() as u64;
+                let bgrad = lt.bgrad.map(|(b, of)| (b, if of == GradOf::A { lt.gemm.m } else { lt.gemm.n }));
+                let vectors = [(lt.bias, lt.gemm.m), (bgrad.map(|b| b.0), bgrad.map_or(0, |b| b.1))];
+                for (b, len) in vectors.into_iter().filter_map(|(b, len)| Some((b?, len))) {
+                    let need = len as u64 * lt.gemm.c_dtype.size() as u64;
                     if room(l, p, b)? < need {
-                        return Err(format!("cuBLASLt: a bias of {need} bytes at {b:?} overruns it"));
+                        return Err(format!("cuBLASLt: a vector of {need} bytes at {b:?} overruns it"));
                     }
                 }
                 check_calls(l, p, &lt.fallback)?;
@@ -279,6 +281,7 @@ fn matmul_plans_follow_numpy_broadcasting() {
         chain: None,
         epilogue: None,
         group: Vec::new(),
+        sibling: None,
     };
     let none = |_: &TensorRef| None;
     let gemm = |p: &LaunchPlan| match p.calls.last() {
@@ -338,6 +341,7 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         chain: None,
         epilogue: relu.then_some(mpc_ir::Op::Relu),
         group: Vec::new(),
+        sibling: None,
     };
     let none = |_: &TensorRef| None;
     let names = |calls: &[Call]| -> Vec<String> {
@@ -355,7 +359,10 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         let p = plan(&l, &none).unwrap();
         check_plan(&l, &p).unwrap();
         let [Call::Lt(lt)] = p.calls.as_slice() else { panic!("{c:?}, relu {relu}: {:?}", p.calls) };
-        assert_eq!((lt.bias, lt.relu, lt.gemm.beta), (Some(Buf::Tensor(Region::Arena, 2 << 20)), relu, 0.0));
+        assert_eq!(
+            (lt.bias, lt.relu, lt.gemm.beta, lt.bgrad),
+            (Some(Buf::Tensor(Region::Arena, 2 << 20)), relu, 0.0, None)
+        );
         assert_eq!((lt.gemm.m, lt.gemm.n, lt.gemm.k, lt.gemm.trans_a), (3, 6, 5, true));
         let mut want = vec!["gemm beta 1".to_string()];
         if relu {
@@ -371,4 +378,55 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
     check_plan(&l, &p).unwrap();
     assert!(!p.calls.iter().any(|c| matches!(c, Call::Lt(_))), "{:?}", p.calls);
     assert_eq!(names(&p.calls)[1..], ["gemm beta 1", "elementwise_relu_f16"]);
+}
+
+/// A weight gradient's Gemm (`transA`, over the rows) with its bias gradient as the launch's
+/// sibling is one cuBLASLt product with a bias-gradient epilogue: of cuBLAS's B where dY is the
+/// Gemm's first operand (`dW = dYᵀ X`), of its A where dY is the second (`dW = Xᵀ dY`); the
+/// fallback is the product and the ReduceSum's own calls.
+#[test]
+fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
+    let t = |offset: u64, shape: &[usize]| TensorRef {
+        region: Region::Arena,
+        offset,
+        dtype: DType::F16,
+        shape: shape.to_vec(),
+    };
+    let none = |_: &TensorRef| None;
+    let axes = mpc_runtime::HostTensor::from_i64(DType::I64, vec![2], vec![0, 1]);
+    // dY [2, 3, 4] (rows 6) at 0, X [6, 5] at 1 MiB, dW at 2 MiB, db [4] at 3 MiB.
+    for dy_slot in [0, 1] {
+        let (dy2, x) = (Operand::Device(t(0, &[6, 4])), Operand::Device(t(1 << 20, &[6, 5])));
+        let (inputs, dw) = if dy_slot == 0 { (vec![dy2, x], [4, 5]) } else { (vec![x, dy2], [5, 4]) };
+        let sibling = Launch {
+            node: "db".into(),
+            op: mpc_ir::Op::ReduceSum(mpc_ir::ops::ReduceAttrs { keepdims: false, ..Default::default() }),
+            inputs: vec![Operand::Device(t(0, &[2, 3, 4])), Operand::Host(axes.clone())],
+            outputs: vec![t(3 << 20, &[4])],
+            branches: None,
+            chain: None,
+            epilogue: None,
+            group: Vec::new(),
+            sibling: None,
+        };
+        let l = Launch {
+            node: "dW".into(),
+            op: mpc_ir::Op::Gemm(mpc_ir::ops::GemmAttrs { transA: true, beta: 0.0, ..Default::default() }),
+            inputs,
+            outputs: vec![t(2 << 20, &dw)],
+            branches: None,
+            chain: None,
+            epilogue: None,
+            group: Vec::new(),
+            sibling: Some(Box::new(sibling)),
+        };
+        let p = plan(&l, &none).unwrap();
+        check_plan(&l, &p).unwrap();
+        let [Call::Lt(lt)] = p.calls.as_slice() else { panic!("dY in slot {dy_slot}: {:?}", p.calls) };
+        let of = if dy_slot == 0 { GradOf::B } else { GradOf::A };
+        assert_eq!((lt.bias, lt.relu, lt.bgrad), (None, false, Some((Buf::Tensor(Region::Arena, 3 << 20), of))));
+        assert!(matches!(lt.fallback.first(), Some(Call::Gemm(_))), "{:?}", lt.fallback);
+        let reduce = lt.fallback[1..].iter().any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("reduce_sum")));
+        assert!(reduce, "the fallback sums dY: {:?}", lt.fallback);
+    }
 }

@@ -253,15 +253,19 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                     *chains.entry(l.kind()).or_default() += 1;
                 }
                 let label = format!("{name} {policy}{}", if train { " train" } else { "" });
-                assert_eq!((plain.grouped, plain.epilogues), ((0, 0), 0));
+                assert_eq!((plain.grouped, plain.epilogues, plain.siblings), ((0, 0), 0, 0));
                 for l in fused.launches.iter().filter(|l| l.epilogue.is_some()) {
                     let e = l.epilogue.as_ref().map_or("", |e| e.op_type());
                     *chains.entry(format!("{}+{e} (epilogue)", l.op.op_type())).or_default() += 1;
                 }
+                for l in fused.launches.iter().filter(|l| l.sibling.is_some()) {
+                    *chains.entry(format!("{} (sibling)", l.kind())).or_default() += 1;
+                }
                 assert!(!train || fused.grouped.1 == 1, "{label}: {:?}", fused.grouped);
                 assert_eq!(
                     fused.launches.len() + fused.fused.0 - fused.fused.1 + fused.grouped.0 - fused.grouped.1
-                        + fused.epilogues,
+                        + fused.epilogues
+                        + fused.siblings,
                     plain.launches.len(),
                     "{label}: launches"
                 );
@@ -294,6 +298,8 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         "Fused(Add+Gelu)",
         "LayerNormalization+Cast (epilogue)",
         "BatchNormalization+Relu (epilogue)",
+        "Gemm+Relu (epilogue)",
+        "Gemm+ReduceSum (sibling)",
     ] {
         assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
     }
@@ -409,7 +415,7 @@ fn in_place_launches_give_the_reference_bits() {
         let operands: Vec<&TensorRef> = program
             .launches
             .iter()
-            .flat_map(|l| l.members())
+            .flat_map(|l| l.parts())
             .filter(|l| l.outputs.is_empty() || !l.outputs.iter().all(|t| t.shape.contains(&0)))
             .flat_map(|l| &l.inputs)
             .filter_map(|o| match o {
@@ -422,7 +428,7 @@ fn in_place_launches_give_the_reference_bits() {
         let widened = program
             .launches
             .iter()
-            .flat_map(|l| l.members())
+            .flat_map(|l| l.parts())
             .flat_map(|l| &l.inputs)
             .filter(|o| matches!(o, Operand::Widened(_)))
             .count() as u64;
@@ -431,7 +437,7 @@ fn in_place_launches_give_the_reference_bits() {
         let transposed = program
             .launches
             .iter()
-            .flat_map(|l| l.members())
+            .flat_map(|l| l.parts())
             .flat_map(|l| &l.inputs)
             .filter(|o| matches!(o, Operand::Transposed(t) if t.dtype != DType::F32))
             .count() as u64;

@@ -132,12 +132,24 @@ pub fn launch_cost(l: &Launch) -> LaunchCost {
             product: None,
         };
     }
+    let mut seen = HashSet::new();
+    let mut c = own_cost(l, &mut seen);
+    if let Some(s) = &l.sibling {
+        // What the sibling reads that the launch read is read once.
+        let more = own_cost(s, &mut seen);
+        c.read += more.read;
+        c.written += more.written;
+    }
+    c
+}
+
+/// A launch's cost without its sibling; `seen` holds the tensors already counted as read.
+fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) -> LaunchCost {
     let device = |o: &Operand| match o {
         Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t.clone()),
         Operand::Absent | Operand::Host(_) => None,
     };
     let ins: Vec<Option<TensorRef>> = l.inputs.iter().map(device).collect();
-    let mut seen = HashSet::new();
     let mut read = 0;
     for (slot, t) in ins.iter().enumerate() {
         let Some(t) = t else { continue };

@@ -38,6 +38,7 @@ use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
 mod lower;
+mod siblings;
 
 /// Which memory region a tensor lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -143,6 +144,10 @@ pub struct Launch {
     /// read nothing another of them writes, run as one kernel (their order does not matter). The
     /// launch's `op` is theirs; its own inputs and outputs are empty.
     pub group: Vec<Launch>,
+    /// A launch computed in the same call, reading what this one reads: a Gemm's bias gradient
+    /// (the column sums of the `dY` its weight gradient reads; cuBLASLt's bias-gradient
+    /// epilogue on CUDA). A device may also run it as a launch of its own, after this one.
+    pub sibling: Option<Box<Launch>>,
 }
 
 impl Launch {
@@ -152,7 +157,11 @@ impl Launch {
         if !self.group.is_empty() {
             return format!("Multi({})", self.op.op_type());
         }
-        self.chain.as_ref().map_or_else(|| self.op.op_type().to_string(), |c| c.kind())
+        let own = self.chain.as_ref().map_or_else(|| self.op.op_type().to_string(), |c| c.kind());
+        match &self.sibling {
+            Some(s) => format!("{own}+{}", s.kind()),
+            None => own,
+        }
     }
 
     /// The launch itself, or the members of a group.
@@ -162,6 +171,11 @@ impl Launch {
         } else {
             &self.group
         }
+    }
+
+    /// Every launch this one computes: itself or a group's members, and its sibling.
+    pub fn parts(&self) -> Vec<&Launch> {
+        self.members().iter().chain(self.sibling.as_deref()).collect()
     }
 }
 
@@ -265,6 +279,8 @@ pub struct Program {
     pub widened: usize,
     /// Element-wise nodes applied by the launch that makes their input ([`Launch::epilogue`]).
     pub epilogues: usize,
+    /// Launches computed by another launch's call ([`Launch::sibling`]).
+    pub siblings: usize,
     /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).
     pub transposed: usize,
     /// Optimizer updates grouped into multi-tensor launches ([`Launch::group`]), and the groups.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use mpc_ir::DType;
 use mpc_runtime::cpu::run_op;
-use mpc_runtime::cuda::plan::{Arg, Buf, Call, DnnConv, DnnOp, Gemm, Kernel, LaunchPlan, LtGemm, Window3};
+use mpc_runtime::cuda::plan::{Arg, Buf, Call, DnnConv, DnnOp, Gemm, GradOf, Kernel, LaunchPlan, LtGemm, Window3};
 use mpc_runtime::program::Region;
 use mpc_runtime::HostTensor;
 
@@ -660,7 +660,7 @@ fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
 }
 
 /// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU,
-/// rounded once.
+/// rounded once; and the bias gradient.
 pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
     let bias: Vec<f64> = match lt.bias {
         Some(b) => (0..lt.gemm.m).map(|i| m.get(b, i, lt.gemm.c_dtype)).collect(),
@@ -673,7 +673,39 @@ pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
         } else {
             v
         }
-    });
+    }); // The bias gradient: the sums over k of op(A)'s rows or op(B)'s columns, rounded once.
+    let g = &lt.gemm;
+    match lt.bgrad {
+        Some((db, GradOf::A)) => {
+            for i in 0..g.m {
+                let s: f64 = (0..g.k)
+                    .map(|l| {
+                        if g.trans_a {
+                            m.get(g.a, l + i * g.lda, g.dtype)
+                        } else {
+                            m.get(g.a, i + l * g.lda, g.dtype)
+                        }
+                    })
+                    .sum();
+                m.set(db, i, g.c_dtype, s);
+            }
+        }
+        Some((db, GradOf::B)) => {
+            for j in 0..g.n {
+                let s: f64 = (0..g.k)
+                    .map(|l| {
+                        if g.trans_b {
+                            m.get(g.b, j + l * g.ldb, g.dtype)
+                        } else {
+                            m.get(g.b, l + j * g.ldb, g.dtype)
+                        }
+                    })
+                    .sum();
+                m.set(db, j, g.c_dtype, s);
+            }
+        }
+        None => {}
+    }
 }
 
 /// Runs a plan's calls; a convolution as cuDNN computes it and a product with an epilogue as

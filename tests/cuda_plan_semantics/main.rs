@@ -87,7 +87,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         });
         run_plan(mem, &p, true);
         for (mem, how) in std::iter::once((&*mem, "")).chain(fallback.as_ref().map(|f| (f, " (the fallback)"))) {
-            for out in l.members().iter().flat_map(|m| &m.outputs) {
+            for out in l.parts().into_iter().flat_map(|m| &m.outputs) {
                 let mem_bytes = match out.region {
                     Region::Arena => &mem.arena,
                     Region::State => &mem.state,
@@ -110,6 +110,9 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         }
         if lts {
             checked.push(format!("{} for cuBLASLt", l.op.op_type()));
+        }
+        if let Some(s) = &l.sibling {
+            checked.push(format!("{} with a {} sibling", l.op.op_type(), s.op.op_type()));
         }
     }
     checked
@@ -142,7 +145,8 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
     println!("launches checked against the CPU by op: {seen:?}");
     let left: Vec<&String> = seen.keys().filter(|k| k.starts_with("not interpreted")).collect();
     assert!(left.is_empty(), "launches this file cannot check: {left:?}");
-    for op in ["MatMul", "Gemm", "Gemm for cuBLASLt", "Conv", "ConvGrad", "Transpose"] {
+    for op in ["MatMul", "Gemm", "Gemm for cuBLASLt", "Gemm with a ReduceSum sibling", "Conv", "ConvGrad", "Transpose"]
+    {
         assert!(seen.contains_key(op), "no {op} launch was checked: {seen:?}");
     }
 }

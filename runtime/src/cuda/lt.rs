@@ -1,18 +1,19 @@
-//! Matrix products that finish with a bias and a ReLU, through cuBLASLt (loaded at run time like
-//! cuBLAS).
+//! Matrix products that finish with a bias and a ReLU, or that sum a bias gradient as they read
+//! it, through cuBLASLt (loaded at run time like cuBLAS).
 //!
 //! An [`LtGemm`] of a plan becomes, when a program is prepared, a matmul descriptor (transposes,
 //! epilogue, bias address), the operands' layouts and cuBLASLt's first heuristic algorithm for
 //! them within the shared workspace. A step only enqueues `cublasLtMatmul`. Where cuBLASLt is
 //! missing, turned off (`MPC_CUBLASLT=0`), or has no algorithm for one product, the device runs
-//! the plan's fallback for it instead (the broadcast bias, a cuBLAS GEMM with beta 1, a ReLU).
+//! the plan's fallback for it instead (the broadcast bias, a cuBLAS GEMM with beta 1, a ReLU; or
+//! the GEMM and the bias gradient's reduction).
 
 use std::ffi::c_void;
 
 use cudarc::cublaslt::{result as lt, sys};
 use mpc_ir::DType;
 
-use super::plan::{Buf, LtGemm};
+use super::plan::{Buf, GradOf, LtGemm};
 
 /// A cuBLASLt handle and the scratch its products may use (cuBLAS's: both run on the device's
 /// one stream, so never at once).
@@ -73,7 +74,11 @@ impl Lt {
         }
         let dim = |v: i64| u64::try_from(v).map_err(|_| format!("a dim of {v}"));
         let (a, b, d) = (resolve(p.a), resolve(p.b), resolve(p.c));
-        let bias = g.bias.map(resolve);
+        if g.bgrad.is_some() && (g.bias.is_some() || g.relu) {
+            return Err("a bias gradient with a bias or a ReLU".into());
+        }
+        // The bias's address, or the bias gradient's: one attribute holds either.
+        let bias = g.bias.or(g.bgrad.map(|(b, _)| b)).map(resolve);
         let mut r = Ready {
             handle: self.handle,
             desc: std::ptr::null_mut(),
@@ -95,11 +100,13 @@ impl Lt {
         r.layouts[1] = check("layout", lt::create_matrix_layout(ty, dim(br)?, dim(bc)?, p.ldb))?;
         r.layouts[2] = check("layout", lt::create_matrix_layout(ty, dim(p.m)?, dim(p.n)?, p.ldc))?;
         r.desc = check("descriptor", lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F))?;
-        let epilogue = match (bias.is_some(), g.relu) {
-            (true, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS,
-            (true, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            (false, true) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU,
-            (false, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+        let epilogue = match (g.bias.is_some(), g.relu, g.bgrad.map(|(_, of)| of)) {
+            (_, _, Some(GradOf::A)) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
+            (_, _, Some(GradOf::B)) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+            (true, true, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS,
+            (true, false, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+            (false, true, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU,
+            (false, false, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
         };
         let pref = Pref(check("preference", lt::create_matmul_pref())?);
         use sys::cublasLtMatmulDescAttributes_t as D;
@@ -116,7 +123,8 @@ impl Lt {
             set(D::CUBLASLT_MATMUL_DESC_TRANSB, &tb as *const i32 as _, 4)?;
             set(D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue as *const _ as _, std::mem::size_of_val(&epilogue))?;
             if let Some(bias) = &bias {
-                // The bias is of D's type (cuBLASLt's default for f16, bf16 and f32 results).
+                // The bias (or its gradient) is of D's type (cuBLASLt's default for f16, bf16 and
+                // f32 results).
                 set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias as *const u64 as _, 8)?;
             }
             let pset = |attr: P, v: *const c_void, size: usize| {

@@ -294,11 +294,18 @@ pub(super) fn lower_in(
     // A value a launch writes: an output with an epilogue is the epilogue's output.
     let written = |o: ValueId| epilogues.get(&o).map_or(o, |&(v, _)| v);
     let views = view_of.len();
-    let end = steps.len();
     let root = |v: ValueId| {
         let v = widened.get(&v).or(transposed.get(&v)).copied().unwrap_or(v);
         *view_of.get(&v).unwrap_or(&v)
     };
+    // Bias gradients computed by their weight gradient's launch: not launched on their own.
+    let siblings =
+        if fuse { super::siblings::bias_gradients(g, &steps, &known, &|v| ty(v).ok(), &root) } else { HashMap::new() };
+    let merged: HashSet<NodeId> = siblings.values().copied().collect();
+    steps.retain(|n| !merged.contains(n));
+    // The nodes a step computes: its own, and its sibling's.
+    let computed = |n: NodeId| std::iter::once(n).chain(siblings.get(&n).copied());
+    let end = steps.len();
     // Element-wise runs fused into one launch each, at the run's last consecutive step (`pos`).
     let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
     let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root) } else { Vec::new() };
@@ -350,7 +357,7 @@ pub(super) fn lower_in(
 
     // The constants region: known values that a launch reads as data or that are outputs.
     let mut device_reads: HashSet<ValueId> = HashSet::new();
-    for &n in &steps {
+    for n in steps.iter().flat_map(|&n| computed(n)) {
         let host = g.node(n).op.host_operands();
         for (slot, v) in g.node(n).inputs().iter().enumerate() {
             if let Some(v) = v {
@@ -387,7 +394,7 @@ pub(super) fn lower_in(
     }
     let mut last: HashMap<ValueId, usize> = HashMap::new();
     for (i, &n) in steps.iter().enumerate() {
-        for v in g.node(n).inputs().iter().flatten() {
+        for v in computed(n).flat_map(|m| g.node(m).inputs().iter().flatten()) {
             let e = last.entry(root(*v)).or_insert(pos(i));
             *e = (*e).max(pos(i));
         }
@@ -419,8 +426,11 @@ pub(super) fn lower_in(
     // A next state that a launch computes after the last read of its state is written straight
     // into the state's slot (the optimizer updates the masters and moments in place): no arena
     // buffer, no copy after the step.
-    let def_step: HashMap<ValueId, usize> =
-        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, pos(i)))).collect();
+    let def_step: HashMap<ValueId, usize> = steps
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| computed(n).flat_map(move |m| g.node(m).outputs().iter().map(move |&o| (o, pos(i)))))
+        .collect();
     for &(st, next) in &state {
         let (Some(&d), Some(slot)) = (def_step.get(&next), refs.get(&st).cloned()) else { continue };
         if view_of.contains_key(&next) || g.is_output(st) || last.get(&st).is_some_and(|&l| l > d) {
@@ -439,7 +449,7 @@ pub(super) fn lower_in(
             Some(&r) => chains[r].1.clone(),
             None => node.inputs().iter().flatten().copied().collect(),
         };
-        for (k, &o) in node.outputs().iter().enumerate() {
+        for (k, &o) in computed(n).flat_map(|m| g.node(m).outputs()).enumerate() {
             let o = written(o);
             if refs.contains_key(&o) || dropped.contains(&o) {
                 continue;
@@ -533,27 +543,47 @@ pub(super) fn lower_in(
                     chain: Some(Box::new(chain.clone())),
                     epilogue: None,
                     group: Vec::new(),
+                    sibling: None,
                 });
             }
             continue;
         }
         let node = g.node(n);
-        let host = node.op.host_operands();
-        let inputs = node
-            .inputs()
-            .iter()
-            .enumerate()
-            .map(|(slot, v)| match v {
-                None => Ok(Operand::Absent),
-                Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
-                Some(v) => match (widened.get(v), transposed.get(v)) {
-                    (Some(&low), _) => place(low, &refs).map(Operand::Widened),
-                    (_, Some(&stored)) => place(stored, &refs).map(Operand::Transposed),
-                    _ => place(*v, &refs).map(Operand::Device),
-                },
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let outputs = node.outputs().iter().map(|&o| place(written(o), &refs)).collect::<Result<Vec<_>, _>>()?;
+        let operands = |n: NodeId| {
+            let host = g.node(n).op.host_operands();
+            g.node(n)
+                .inputs()
+                .iter()
+                .enumerate()
+                .map(|(slot, v)| match v {
+                    None => Ok(Operand::Absent),
+                    Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
+                    Some(v) => match (widened.get(v), transposed.get(v)) {
+                        (Some(&low), _) => place(low, &refs).map(Operand::Widened),
+                        (_, Some(&stored)) => place(stored, &refs).map(Operand::Transposed),
+                        _ => place(*v, &refs).map(Operand::Device),
+                    },
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let results =
+            |n: NodeId| g.node(n).outputs().iter().map(|&o| place(written(o), &refs)).collect::<Result<Vec<_>, _>>();
+        let inputs = operands(n)?;
+        let outputs = results(n)?;
+        let sibling = match siblings.get(&n) {
+            Some(&r) => Some(Box::new(Launch {
+                node: label(r),
+                op: g.node(r).op.clone(),
+                inputs: operands(r)?,
+                outputs: results(r)?,
+                branches: None,
+                chain: None,
+                epilogue: None,
+                group: Vec::new(),
+                sibling: None,
+            })),
+            None => None,
+        };
         let branches = if is_if(&node.op) {
             let b = opts.branches.and_then(|b| b.get(&n)).ok_or_else(|| RuntimeError::Unsupported {
                 node: label(n),
@@ -625,6 +655,7 @@ pub(super) fn lower_in(
             chain: None,
             epilogue,
             group: Vec::new(),
+            sibling,
         });
     }
     let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };
@@ -669,6 +700,7 @@ pub(super) fn lower_in(
         views,
         widened: widened.len(),
         epilogues: epilogues.len(),
+        siblings: siblings.len(),
         transposed: transposed.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         grouped,
@@ -733,6 +765,7 @@ fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) {
                 chain: None,
                 epilogue: None,
                 group: std::mem::take(run),
+                sibling: None,
             });
         }
     };

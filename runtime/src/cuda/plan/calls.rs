@@ -179,8 +179,20 @@ pub struct LtGemm {
     /// `gemm.m` values of `gemm.c_dtype`.
     pub bias: Option<Buf>,
     pub relu: bool,
-    /// The same as plain calls: the bias broadcast into D, a product with beta 1, a ReLU over D.
+    /// Where the bias gradient goes (with no bias and no ReLU), and of which operand: the sums
+    /// over `k` of `op(A)`'s rows (`gemm.m` values) or of `op(B)`'s columns (`gemm.n`), of
+    /// `gemm.c_dtype` (a dense layer's `db`, beside `dW`).
+    pub bgrad: Option<(Buf, GradOf)>,
+    /// The same as plain calls: the bias broadcast into D, a product with beta 1, a ReLU over D;
+    /// or the product and the bias gradient's reduction.
     pub fallback: Vec<Call>,
+}
+
+/// The operand whose sums over `k` a bias gradient takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradOf {
+    A,
+    B,
 }
 
 /// A 2-D convolution (NCHW, symmetric pads) that a device with cuDNN runs as cuDNN calls, and

@@ -466,13 +466,41 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(m * n), Arg::F32(0.0), Arg::F32(0.0)];
         p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), (m * n) as u64, args);
     }
+    // A weight gradient's sibling, the bias gradient: the column sums of dY, which is X (cuBLAS's
+    // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
+    // calls follow the product's.
+    let bgrad = match p.l.sibling.as_deref() {
+        Some(s) if a.transA && !a.transB && c.is_none() && !relu => {
+            let (dy, db) = (s.inputs.first(), s.outputs.first());
+            let reads =
+                |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
+            let of = match () {
+                _ if reads(x) => Some((GradOf::B, m)),
+                _ if reads(w) => Some((GradOf::A, n)),
+                _ => None,
+            };
+            let bgrad = match (of, db) {
+                (Some((of, len)), Some(db))
+                    if matches!(s.op, Op::ReduceSum(_)) && db.dtype == y.dtype && db.numel() == len as usize =>
+                {
+                    Some((buf(db), of))
+                }
+                _ => None,
+            };
+            p.plan_sibling(s)?;
+            bgrad
+        }
+        _ => None,
+    };
     // cuBLASLt adds the bias and applies the ReLU as it writes the product: one pass over y
-    // instead of up to four (the broadcast bias written, read by the product, then the ReLU's).
+    // instead of up to four (the broadcast bias written, read by the product, then the ReLU's);
+    // or it sums dY's columns as it reads them for the product.
     let lt_types = matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16);
-    if (bias.is_some() || relu) && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
+    let epilogue = bias.is_some() || relu || bgrad.is_some();
+    if epilogue && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
         let fallback = p.out.calls.split_off(start);
         let gemm = Gemm { beta: 0.0, ..gemm };
-        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: bias.map(buf), relu, fallback })));
+        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: bias.map(buf), relu, bgrad, fallback })));
     }
     Ok(())
 }

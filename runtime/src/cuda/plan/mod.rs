@@ -168,6 +168,8 @@ struct Planner<'a> {
     l: &'a Launch,
     constant: &'a dyn Fn(&TensorRef) -> Option<HostTensor>,
     out: LaunchPlan,
+    /// The launch's sibling is planned (a Gemm's bias gradient folded into its product).
+    sibling_done: bool,
 }
 
 fn buf(t: &TensorRef) -> Buf {
@@ -334,6 +336,15 @@ impl<'a> Planner<'a> {
         Ok(())
     }
 
+    /// Appends the calls of `s` (the launch's sibling), in this plan's workspace and aux bytes.
+    fn plan_sibling(&mut self, s: &Launch) -> Result<(), String> {
+        let mut q = Planner { l: s, constant: self.constant, out: std::mem::take(&mut self.out), sibling_done: true };
+        let r = plan_op(&mut q);
+        self.out = q.out;
+        self.sibling_done = true;
+        r
+    }
+
     fn gemm(&mut self, g: Gemm) {
         if g.m > 0 && g.n > 0 && g.batch > 0 {
             self.out.calls.push(Call::Gemm(g));
@@ -344,12 +355,16 @@ impl<'a> Planner<'a> {
 /// Plans one launch; `constant` gives the value of a tensor of the program's constants region
 /// (a Pad's constant value, a Dropout's ratio). An error says what the CUDA device cannot run.
 pub fn plan(l: &Launch, constant: &dyn Fn(&TensorRef) -> Option<HostTensor>) -> Result<LaunchPlan, String> {
-    let mut p = Planner { l, constant, out: LaunchPlan::default() };
+    let mut p = Planner { l, constant, out: LaunchPlan::default(), sibling_done: false };
     // Outputs with no elements need no kernel.
-    if !l.outputs.is_empty() && l.outputs.iter().all(|t| t.numel() == 0) {
-        return Ok(p.out);
+    let empty = |l: &Launch| !l.outputs.is_empty() && l.outputs.iter().all(|t| t.numel() == 0);
+    if !empty(l) {
+        plan_op(&mut p)?;
     }
-    plan_op(&mut p)?;
+    if let Some(s) = l.sibling.as_deref().filter(|s| !p.sibling_done && !empty(s)) {
+        // The sibling's own calls, after the launch's.
+        p.plan_sibling(s)?;
+    }
     Ok(p.out)
 }
 
@@ -749,6 +764,7 @@ mod tests {
             chain: None,
             epilogue: None,
             group: Vec::new(),
+            sibling: None,
         };
         let none = |_: &TensorRef| None;
         // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).

@@ -199,7 +199,7 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
     };
     let a = a.clone();
     let group: &[Launch] = &p.l.group;
-    let member = |l| Planner { l, constant: p.constant, out: LaunchPlan::default() };
+    let member = |l| Planner { l, constant: p.constant, out: LaunchPlan::default(), sibling_done: false };
     let first = member(&group[0]);
     let (step, finite) = (first.input(4)?, first.input(5)?);
     let param_dtype = first.input(0)?.dtype;
