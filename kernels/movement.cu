@@ -17,6 +17,14 @@
 //     contiguous, n elements. Transpose: dims = output dims, xs = input strides permuted,
 //     ys = output's contiguous strides. Concat: one launch per input, y offset to its part,
 //     ys = the full output's strides. The destination elements must be distinct.
+// movement_transpose_<b>(const T* x, T* y, long long batch, int rank, Dims8 dims, Strides8 xs, Strides8 ys,
+//                        long long rows, long long cols, long long x_col, long long y_row)
+//     A strided copy whose input is contiguous along one axis (rows: x stride 1) and whose output
+//     is contiguous along another (cols: y stride 1), through 32 x 32 tiles in shared memory so
+//     that the reads and the writes are both coalesced (a Transpose that moves the last axis).
+//     For each index b over dims[0..rank) (batch = their product; rank 0: one) with offsets
+//     (xb, yb) by xs and ys: y[yb + r * y_row + c] = x[xb + r + c * x_col]. Grid (ceil(cols / 32),
+//     ceil(rows / 32), up to 65535 batches at once), block (32, 8).
 // movement_tile_<b>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Dims8 in_dims, Strides8 xs)
 //     y contiguous over out_dims (out_dims[d] = in_dims[d] * repeats[d]);
 //     y[c] = x[sum (c_d % in_dims[d]) * xs_d].
@@ -122,10 +130,39 @@ __device__ __forceinline__ void trilu_body(const T* x, T* y, long long n, long l
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void transpose_body(const T* __restrict__ x, T* __restrict__ y, long long batch, int rank,
+                                               const Dims8& dims, const Strides8& xs, const Strides8& ys,
+                                               long long rows, long long cols, long long x_col, long long y_row) {
+    __shared__ T tile[32][33];
+    const long long c0 = (long long)blockIdx.x * 32, r0 = (long long)blockIdx.y * 32;
+    for (long long b = blockIdx.z; b < batch; b += gridDim.z) {
+        long long xb = 0, yb = 0;
+        if (rank > 0) strided_offset2(b, rank, dims, xs, ys, xb, yb);
+        // Consecutive threads read consecutive rows (x is contiguous along them)...
+        for (int k = threadIdx.y; k < 32; k += 8) {
+            const long long r = r0 + threadIdx.x, c = c0 + k;
+            if (r < rows && c < cols) tile[k][threadIdx.x] = x[xb + r + c * x_col];
+        }
+        __syncthreads();
+        // ...and write consecutive columns (y is contiguous along them).
+        for (int k = threadIdx.y; k < 32; k += 8) {
+            const long long r = r0 + k, c = c0 + threadIdx.x;
+            if (r < rows && c < cols) y[yb + r * y_row + c] = tile[threadIdx.x][k];
+        }
+        __syncthreads();
+    }
+}
+
 #define MOVE_B(B)                                                                                          \
     MPC_KERNEL movement_copy_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, int rank, Dims8 dims,   \
                                   Strides8 xs, Strides8 ys) {                                              \
         copy_body(x, y, n, rank, dims, xs, ys);                                                            \
+    }                                                                                                      \
+    MPC_KERNEL movement_transpose_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long batch, int rank,      \
+                                       Dims8 dims, Strides8 xs, Strides8 ys, long long rows, long long cols,  \
+                                       long long x_col, long long y_row) {                                   \
+        transpose_body(x, y, batch, rank, dims, xs, ys, rows, cols, x_col, y_row);                           \
     }                                                                                                      \
     MPC_KERNEL movement_tile_b##B(const Bits<B>::T* x, Bits<B>::T* y, long long n, int rank,               \
                                   Dims8 out_dims, Dims8 in_dims, Strides8 xs) {                            \

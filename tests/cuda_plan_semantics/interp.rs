@@ -144,6 +144,7 @@ pub(crate) fn interpretable(k: &Kernel) -> bool {
         || binary
         || [
             "movement_copy_",
+            "movement_transpose_",
             "movement_fill_",
             "im2col_im2col_",
             "im2col_col2im_",
@@ -252,6 +253,26 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
             };
             let v = m.bytes(x, xo, size);
             m.put(y, yo, &v);
+        }
+    } else if k.name.starts_with("movement_transpose_") {
+        let size: usize = tag[1..].parse().unwrap();
+        let (x, y, batch, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
+        let (d, xs, ys) = (dims(&a[4]), dims(&a[5]), dims(&a[6]));
+        let (rows, cols, x_col, y_row) = (int(&a[7]), int(&a[8]), int(&a[9]), int(&a[10]));
+        assert_eq!((k.block, k.grid[0] as i64, k.grid[1] as i64), ([32, 8, 1], (cols + 31) / 32, (rows + 31) / 32));
+        for b in 0..batch {
+            let (xb, yb) = if rank == 0 {
+                (0, 0)
+            } else {
+                let o = offsets(b, rank, &d, &[xs, ys]);
+                (o[0], o[1])
+            };
+            for r in 0..rows {
+                for c in 0..cols {
+                    let v = m.bytes(x, xb + r + c * x_col, size);
+                    m.put(y, yb + r * y_row + c, &v);
+                }
+            }
         }
     } else if k.name.starts_with("movement_fill_") {
         let size: usize = tag[1..].parse().unwrap();

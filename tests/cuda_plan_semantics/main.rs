@@ -223,6 +223,11 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[2,4,7,6]\n  input %1 \"w\": f32[6,2,3,2]\n  input %2 \"b\": f32[6]\n  %3 \"y\": f32[2,6,4,5] = Conv[group=2, pads=[1,0,1,1], strides=[2,1], dilations=[1,2]](%0, %1, %2)\n  output %3", "Conv"),
         ("input %0 \"x\": f32[2,4,5]\n  input %1 \"w\": f32[4,3,3]\n  %2 \"y\": f32[2,6,11] = ConvTranspose[group=2, strides=[2], pads=[1,0], output_padding=[1]](%0, %1)\n  output %2", "ConvTranspose"),
         ("input %0 \"x\": f32[2,3,4]\n  %1 \"y\": f32[4,2,3] = Transpose[perm=[2,0,1]](%0)\n  output %1", "Transpose"),
+        // Transposes that move the last axis, in 32 x 32 tiles with partial edges (attention's kᵀ
+        // and its gradient).
+        ("input %0 \"x\": f16[2,40,3,33]\n  %1 \"y\": f16[2,3,33,40] = Transpose[perm=[0,2,3,1]](%0)\n  output %1", "Transpose"),
+        ("input %0 \"x\": f16[2,3,33,70]\n  %1 \"y\": f16[2,70,3,33] = Transpose[perm=[0,3,1,2]](%0)\n  output %1", "Transpose"),
+        ("input %0 \"x\": i64[65,3]\n  %1 \"y\": i64[3,65] = Transpose(%0)\n  output %1", "Transpose"),
         ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
         ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),
         ("input %0 \"x\": f32[3,1,4]\n  init %1 \"s\" = i64[4]{2, 3, 3, 1}\n  %2 \"y\": f32[2,3,3,4] = Expand(%0, %1)\n  output %2", "Expand"),
@@ -264,6 +269,15 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(op)).unwrap();
         if op == "MatMul" && body.contains("Transpose") {
             assert!(program.transposed > 0, "{body}: no operand is read transposed");
+        }
+        if op == "Transpose" {
+            let none = |_: &mpc_runtime::program::TensorRef| None;
+            let tiled = program
+                .launches
+                .iter()
+                .flat_map(|l| plan(l, &none).unwrap().calls)
+                .any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("movement_transpose_")));
+            assert!(tiled, "{body}: not copied in tiles");
         }
         let checked = check_program(op, &program, &feeds);
         assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");

@@ -16,7 +16,6 @@ use std::ffi::{c_void, CString};
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as drv, sys as drv_sys};
-use mpc_ir::DType;
 
 use super::plan::{self, param_offsets, Buf, Call, Gemm};
 use super::{nvrtc, CudaError, Gpu};
@@ -419,7 +418,10 @@ impl CudaDevice {
                 }
                 .map_err(driver("kernel launch"))
             }
-            Ready::Gemm { g, a, b, c } => self.gemm(g, *a, *b, *c),
+            // SAFETY: the handle is live; the operands lie in this device's regions with the plan's
+            // leading dims and strides (checked against the tensors in the tests).
+            Ready::Gemm { g, a, b, c } => unsafe { super::blas::gemm(self.blas, g, [*a, *b, *c], self.allow_tf32) }
+                .map_err(RuntimeError::Internal),
             // SAFETY: both ranges lie in regions of this device (the plan's sizes).
             Ready::Copy { from, to, bytes } => {
                 unsafe { drv::memcpy_dtod_async(*to, *from, *bytes as usize, self.stream) }.map_err(driver("copy"))
@@ -431,69 +433,6 @@ impl CudaDevice {
             Ready::Conv(c) => c.enqueue().map_err(RuntimeError::Internal),
             Ready::Lt(g) => g.enqueue(self.stream as *mut c_void).map_err(RuntimeError::Internal),
         }
-    }
-
-    fn gemm(&self, g: &Gemm, a: u64, b: u64, c: u64) -> Result<(), RuntimeError> {
-        use blas_sys::cublasComputeType_t as Compute;
-        use blas_sys::cudaDataType_t as Ty;
-        let (ty, compute) = match g.dtype {
-            DType::F32 if self.allow_tf32 => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F_FAST_TF32),
-            DType::F32 => (Ty::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
-            DType::F16 => (Ty::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F),
-            DType::BF16 => (Ty::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
-            DType::F64 => (Ty::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
-            d => return Err(RuntimeError::Internal(format!("a GEMM of {d}"))),
-        };
-        // f16/bf16 operands may leave an f32 result.
-        let c_ty = match (g.dtype, g.c_dtype) {
-            (a, c) if a == c => ty,
-            (DType::F16 | DType::BF16, DType::F32) => Ty::CUDA_R_32F,
-            (a, c) => return Err(RuntimeError::Internal(format!("a GEMM of {a} into {c}"))),
-        };
-        let op = |t: bool| {
-            if t {
-                blas_sys::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas_sys::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let (a32, b32) = (g.alpha as f32, g.beta as f32);
-        let (alpha, beta): (*const c_void, *const c_void) = if g.dtype == DType::F64 {
-            (&g.alpha as *const f64 as _, &g.beta as *const f64 as _)
-        } else {
-            (&a32 as *const f32 as _, &b32 as *const f32 as _)
-        };
-        let int = |v: i64| i32::try_from(v).map_err(|_| RuntimeError::Internal(format!("a GEMM dim of {v}")));
-        // SAFETY: the operands lie in this device's regions with the plan's leading dims and
-        // strides; alpha and beta are read before the call returns (host pointer mode).
-        unsafe {
-            blas::gemm_strided_batched_ex(
-                self.blas,
-                op(g.trans_a),
-                op(g.trans_b),
-                int(g.m)?,
-                int(g.n)?,
-                int(g.k)?,
-                alpha,
-                a as *const c_void,
-                ty,
-                int(g.lda)?,
-                g.stride_a,
-                b as *const c_void,
-                ty,
-                int(g.ldb)?,
-                g.stride_b,
-                beta,
-                c as *mut c_void,
-                c_ty,
-                int(g.ldc)?,
-                g.stride_c,
-                int(g.batch)?,
-                compute,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| RuntimeError::Internal(format!("cuBLAS GEMM: {e:?}")))
     }
 
     /// After a synchronisation: whether a launch that reads indices from device memory met one

@@ -6,6 +6,7 @@
 //! through a presence check ([`probe`]), and a missing driver, device or library is a
 //! [`CudaError`] that names it: a build with the `cuda` feature runs on any machine.
 
+pub mod blas;
 pub mod cubin;
 pub mod device;
 pub mod dnn;

@@ -91,6 +91,45 @@ fn coalesce(dims: &[usize], strides: &[&[i64]]) -> (Vec<i64>, Vec<Vec<i64>>) {
     (out, outs)
 }
 
+/// A strided copy as tiles (`movement_transpose_*`): the input's contiguous axis (rows) and the
+/// output's (cols), their extents and other strides, and the remaining dims with both strides.
+#[derive(Debug, PartialEq)]
+struct TiledTranspose {
+    rows: i64,
+    cols: i64,
+    x_col: i64,
+    y_row: i64,
+    batch: i64,
+    dims: Vec<i64>,
+    xs: Vec<i64>,
+    ys: Vec<i64>,
+}
+
+/// The tiles of a copy over `dims` whose output is contiguous along its last (coalesced) axis and
+/// whose input is contiguous along another: a per-element copy would read each input element a
+/// whole output row apart (a Transpose that moves the last axis, as attention's `kᵀ`).
+fn tiled_transpose(dims: &[usize], xs: &[i64], ys: &[i64]) -> Option<TiledTranspose> {
+    let (d, s) = coalesce(dims, &[xs, ys]);
+    let (xs, ys) = (&s[0], &s[1]);
+    let c = d.len().checked_sub(1)?;
+    let r = (0..c).find(|&r| xs[r] == 1)?;
+    // At most 8 other dims (the kernel's Dims8), and a grid of at most 65535 row tiles.
+    if ys[c] != 1 || xs[c] == 1 || d.len() > 10 || (d[r] as u64).div_ceil(32) > MAX_ROWS {
+        return None;
+    }
+    let others: Vec<usize> = (0..c).filter(|&i| i != r).collect();
+    Some(TiledTranspose {
+        rows: d[r],
+        cols: d[c],
+        x_col: xs[c],
+        y_row: ys[r],
+        batch: others.iter().map(|&i| d[i]).product(),
+        dims: others.iter().map(|&i| d[i]).collect(),
+        xs: others.iter().map(|&i| xs[i]).collect(),
+        ys: others.iter().map(|&i| ys[i]).collect(),
+    })
+}
+
 /// A strided kernel's rank, dims and each operand's strides, as its arguments.
 type StridedArgs<const K: usize> = (i32, [i64; 8], [[i64; 8]; K]);
 
@@ -273,6 +312,29 @@ impl<'a> Planner<'a> {
         ys: &[i64],
     ) -> Result<(), String> {
         let n = numel(dims);
+        if let Some(t) = tiled_transpose(dims, xs, ys) {
+            // Reads along the input's contiguous axis and writes along the output's.
+            let tiles = |n: i64| (n as u64).div_ceil(32) as u32;
+            let grid = [tiles(t.cols), tiles(t.rows), t.batch.clamp(1, MAX_ROWS as i64) as u32];
+            let (rank, d, [bxs, bys]) = (t.dims.len() as i32, dims8(&t.dims)?, [dims8(&t.xs)?, dims8(&t.ys)?]);
+            let args = vec![
+                Arg::Ptr(x),
+                Arg::Ptr(y),
+                Arg::I64(t.batch),
+                Arg::I32(rank),
+                Arg::Dims(d),
+                Arg::Dims(bxs),
+                Arg::Dims(bys),
+                Arg::I64(t.rows),
+                Arg::I64(t.cols),
+                Arg::I64(t.x_col),
+                Arg::I64(t.y_row),
+            ];
+            if n > 0 {
+                self.kernel("movement", format!("movement_transpose_{}", size_tag(dtype)?), grid, [32, 8, 1], args);
+            }
+            return Ok(());
+        }
         let name = format!("movement_copy_{}", size_tag(dtype)?);
         let (rank, d, [xs, ys]) = strided_args(dims, [xs, ys])?;
         let args = vec![
