@@ -426,7 +426,13 @@ pub fn lower_bound(
     model: &Path,
 ) -> Result<mpc_runtime::program::Program> {
     let branches = if_branches(g, model)?;
-    let opts = mpc_runtime::program::LowerOptions { layout, variables, branches: Some(&branches), unfused: false };
+    let opts = mpc_runtime::program::LowerOptions {
+        layout,
+        variables,
+        branches: Some(&branches),
+        unfused: false,
+        bitwise: false,
+    };
     mpc_runtime::program::lower(g, caps, opts).map_err(|source| Error::Run { path: model.to_owned(), source })
 }
 

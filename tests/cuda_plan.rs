@@ -84,6 +84,21 @@ fn room(l: &Launch, p: &LaunchPlan, b: Buf) -> Result<u64, String> {
 }
 
 fn check_gemm(l: &Launch, p: &LaunchPlan, g: &Gemm) -> Result<(), String> {
+    if let Some(arrays) = g.pointers {
+        // Each matrix of the arrays of addresses as a product of one.
+        let one = Gemm { batch: 1, pointers: None, stride_a: 0, stride_b: 0, stride_c: 0, ..g.clone() };
+        for bi in 0..g.batch as u64 {
+            let [a, b, c] = arrays.map(|at| match at {
+                Buf::Aux(at) => p.addresses.iter().find(|&&(o, _)| o == at + 8 * bi).map(|&(_, b)| b),
+                _ => None,
+            });
+            let (Some(a), Some(b), Some(c)) = (a, b, c) else {
+                return Err(format!("matrix {bi} of a batched GEMM has no address"));
+            };
+            check_gemm(l, p, &Gemm { a, b, c, ..one.clone() })?;
+        }
+        return Ok(());
+    }
     let operand = |name: &str, b: Buf, trans: bool, rows: i64, cols: i64, ld: i64, stride: i64| {
         let es = if name == "C" { g.c_dtype.size() } else { g.dtype.size() } as i64;
         let (r, c) = if trans { (cols, rows) } else { (rows, cols) };

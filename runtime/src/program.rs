@@ -108,15 +108,37 @@ pub fn reads_widened(op: &Op, slot: usize) -> bool {
 /// ([`Launch::epilogue`]), the op's only reader: a Cast of an f32 LayerNormalization's y to f16 or
 /// bf16 (an f32 layer norm before f16 matrix products: the launch writes the low values, rounding
 /// once where the Cast would have), the Relu after a BatchNormalization (a convolution block's)
-/// and the Relu after a Gemm (a dense layer's; cuBLASLt's epilogue on CUDA). The results are those of the op and then the epilogue, to the bit.
+/// the Relu after a Gemm (a dense layer's; cuBLASLt's epilogue on CUDA), and a Transpose after
+/// a MatMul that keeps one of its matrix axes last ([`writes_permuted`]: attention's heads merged
+/// back, the result written in place). The results are those of the op and then the epilogue, to the bit.
 pub fn takes_epilogue(op: &Op, then: &Op, from: Option<DType>, to: Option<DType>) -> bool {
     match (op, then) {
         (Op::LayerNormalization(_), Op::Cast(_)) => {
             from == Some(DType::F32) && matches!(to, Some(DType::F16 | DType::BF16))
         }
         (Op::BatchNormalization(_) | Op::Gemm(_), Op::Relu) => from == to,
+        (Op::MatMul, Op::Transpose(t)) => from == to && t.perm.as_deref().is_some_and(writes_permuted),
         _ => false,
     }
+}
+
+/// Whether a matrix product can write its result through the permutation `perm` (a Transpose
+/// that reads only the product): the output's last axis must be one of the product's two matrix
+/// axes, so that each matrix lands with one of its axes contiguous (the other is its leading
+/// dim); the batch axes may go anywhere (each matrix's address is then its own).
+pub fn writes_permuted(perm: &[i64]) -> bool {
+    let r = perm.len() as i64;
+    let mut seen = vec![false; perm.len()];
+    let valid = perm.iter().all(|&a| (0..r).contains(&a) && !std::mem::replace(&mut seen[a as usize], true));
+    valid && r >= 2 && perm[perm.len() - 1] >= r - 2
+}
+
+/// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,
+/// a MatMul's result written through a Transpose by arrays of addresses), which may choose
+/// another algorithm for the fused product than for the plain one: the same arithmetic, summed
+/// in another order.
+pub fn library_epilogue(op: &Op) -> bool {
+    matches!(op, Op::Gemm(_) | Op::MatMul)
 }
 
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.
@@ -219,6 +241,11 @@ pub struct LowerOptions<'a> {
     pub branches: Option<&'a HashMap<NodeId, Branches>>,
     /// Launch every element-wise node on its own ([`crate::fuse`] off; so does `MPC_FUSE=0`).
     pub unfused: bool,
+    /// Only the fusions that compute the unfused program's bits on every device: element-wise
+    /// chains, the norms' epilogues and multi-tensor updates; not the products that a library
+    /// computes with an algorithm of its choosing for the fused form ([`library_epilogue`], and
+    /// bias gradients beside their weight gradients).
+    pub bitwise: bool,
 }
 
 /// A training state value: its slot, and where the step leaves its next value.

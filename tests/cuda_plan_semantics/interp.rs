@@ -660,7 +660,18 @@ pub(crate) fn run_gemm(m: &mut Memory, g: &Gemm) {
 fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
     let (d, dc) = (g.dtype, g.c_dtype);
     for bi in 0..g.batch {
-        let (a0, b0, c0) = (bi * g.stride_a, bi * g.stride_b, bi * g.stride_c);
+        // Each matrix where its stride or its entry in the arrays of addresses says.
+        let (ga, gb, gc, a0, b0, c0) = match g.pointers {
+            Some(arrays) => {
+                let [pa, pb, pc] = arrays.map(|p| {
+                    let Buf::Aux(at) = p else { panic!("an array of addresses outside the aux bytes") };
+                    m.addresses[&(at + 8 * bi as u64)]
+                });
+                (pa, pb, pc, 0, 0, 0)
+            }
+            None => (g.a, g.b, g.c, bi * g.stride_a, bi * g.stride_b, bi * g.stride_c),
+        };
+        let g = &Gemm { a: ga, b: gb, c: gc, ..g.clone() };
         for i in 0..g.m {
             for j in 0..g.n {
                 let mut s = 0.0;

@@ -114,6 +114,12 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         if let Some(s) = &l.sibling {
             checked.push(format!("{} with a {} sibling", l.op.op_type(), s.op.op_type()));
         }
+        if let Some(e) = &l.epilogue {
+            checked.push(format!("{} with a {} epilogue", l.op.op_type(), e.op_type()));
+        }
+        if p.calls.iter().any(|c| matches!(c, Call::Gemm(g) if g.pointers.is_some())) {
+            checked.push(format!("{} by arrays of addresses", l.op.op_type()));
+        }
     }
     checked
 }
@@ -212,12 +218,19 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
 /// output padding, negative steps, a Pad crop with a computed value.
 #[test]
 fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
+    let mut seen = std::collections::BTreeSet::new();
     let cases = [
         ("input %0 \"a\": f32[2,1,3,5]\n  input %1 \"b\": f32[1,4,5,2]\n  %2 \"y\": f32[2,4,3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
         // Operands read transposed (a fused Transpose of the last two axes), one broadcast.
         ("input %0 \"a\": f32[2,1,5,3]\n  input %1 \"b\": f16[4,2,5]\n  %2 \"at\": f32[2,1,3,5] = Transpose[perm=[0,1,3,2]](%0)\n  %3 \"bc\": f32[4,2,5] = Cast[to=1](%1)\n  %4 \"bt\": f32[4,5,2] = Transpose[perm=[0,2,1]](%3)\n  %5 \"y\": f32[2,4,3,2] = MatMul(%2, %4)\n  output %5", "MatMul"),
         ("input %0 \"a\": f16[3,4,6]\n  input %1 \"b\": f16[5,6]\n  %2 \"bt\": f16[6,5] = Transpose(%1)\n  %3 \"y\": f16[3,4,5] = MatMul(%0, %2)\n  output %3", "MatMul"),
         ("input %0 \"a\": f32[5]\n  input %1 \"b\": f32[3,5,2]\n  %2 \"y\": f32[3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
+        // Products written through a Transpose (their epilogue): heads merged back (arrays of
+        // addresses), a transposed product (rows contiguous), both, and a broadcast operand.
+        ("input %0 \"a\": f16[2,3,5,4]\n  input %1 \"b\": f16[2,3,4,6]\n  %2 \"p\": f16[2,3,5,6] = MatMul(%0, %1)\n  %3 \"y\": f16[2,5,3,6] = Transpose[perm=[0,2,1,3]](%2)\n  output %3", "MatMul"),
+        ("input %0 \"a\": f32[3,5,4]\n  input %1 \"b\": f32[3,4,6]\n  %2 \"p\": f32[3,5,6] = MatMul(%0, %1)\n  %3 \"y\": f32[3,6,5] = Transpose[perm=[0,2,1]](%2)\n  output %3", "MatMul"),
+        ("input %0 \"a\": f16[2,3,5,4]\n  input %1 \"b\": f16[2,3,4,6]\n  %2 \"p\": f16[2,3,5,6] = MatMul(%0, %1)\n  %3 \"y\": f16[2,6,3,5] = Transpose[perm=[0,3,1,2]](%2)\n  output %3", "MatMul"),
+        ("input %0 \"a\": f32[3,5,4]\n  input %1 \"b\": f32[2,3,4,6]\n  %2 \"p\": f32[2,3,5,6] = MatMul(%0, %1)\n  %3 \"y\": f32[3,5,2,6] = Transpose[perm=[1,2,0,3]](%2)\n  output %3", "MatMul"),
         ("input %0 \"a\": f16[4,3,7]\n  input %1 \"b\": f16[7]\n  %2 \"y\": f16[4,3] = MatMul(%0, %1)\n  output %2", "MatMul"),
         ("input %0 \"a\": f32[5,3]\n  input %1 \"b\": f32[4,5]\n  input %2 \"c\": f32[4]\n  %3 \"y\": f32[3,4] = Gemm[transA=1, transB=1, alpha=0.5, beta=2.0](%0, %1, %2)\n  output %3", "Gemm"),
         ("input %0 \"x\": f32[2,4,7,6]\n  input %1 \"w\": f32[6,2,3,2]\n  input %2 \"b\": f32[6]\n  %3 \"y\": f32[2,6,4,5] = Conv[group=2, pads=[1,0,1,1], strides=[2,1], dilations=[1,2]](%0, %1, %2)\n  output %3", "Conv"),
@@ -267,8 +280,11 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{op}: {e}\n{text}"));
         let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
         let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(op)).unwrap();
-        if op == "MatMul" && body.contains("Transpose") {
+        if op == "MatMul" && body.contains("Transpose") && !body.contains("%2 \"p\"") {
             assert!(program.transposed > 0, "{body}: no operand is read transposed");
+        }
+        if op == "MatMul" && body.contains("%2 \"p\"") {
+            assert_eq!(program.epilogues, 1, "{body}: the Transpose is not the product's epilogue");
         }
         if op == "Transpose" {
             let none = |_: &mpc_runtime::program::TensorRef| None;
@@ -281,6 +297,10 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         }
         let checked = check_program(op, &program, &feeds);
         assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
+        seen.extend(checked);
+    }
+    for what in ["MatMul with a Transpose epilogue", "MatMul by arrays of addresses"] {
+        assert!(seen.contains(what), "no {what}: {seen:?}");
     }
 }
 

@@ -100,7 +100,9 @@ fn overlaps(a: &TensorRef, b: &TensorRef) -> bool {
 /// and whose shapes fit; `false` when not (the caller runs the reference kernel). The caller has
 /// checked that every place lies inside its region.
 pub(crate) fn try_launch(regions: &mut Regions<CpuMemory>, l: &Launch) -> bool {
-    if !matches!(l.op, Op::Gemm(_) | Op::MatMul) {
+    // An epilogue that moves elements (a Transpose) needs the product whole first.
+    let moves = l.epilogue.as_ref().is_some_and(|e| !crate::plan::elementwise(e));
+    if !matches!(l.op, Op::Gemm(_) | Op::MatMul) || moves {
         return false;
     }
     let Some(out) = l.outputs.first().filter(|t| t.dtype == DType::F32 && l.outputs.len() == 1) else {

@@ -1,5 +1,6 @@
-//! Matrix products through cuBLAS: a plan's [`Gemm`] as one strided-batched `cublasGemmEx`
-//! (FP32 accumulation for f16 and bf16; f32 stays f32 unless TF32 is allowed).
+//! Matrix products through cuBLAS: a plan's [`Gemm`] as one strided-batched `cublasGemmEx`, or
+//! one `cublasGemmBatchedEx` over arrays of addresses (FP32 accumulation for f16 and bf16; f32
+//! stays f32 unless TF32 is allowed).
 
 use std::ffi::c_void;
 
@@ -8,12 +9,20 @@ use mpc_ir::DType;
 
 use super::plan::Gemm;
 
-/// Enqueues `g` on `handle`'s stream, with its operands at `a`, `b` and `c`.
+/// Enqueues `g` on `handle`'s stream, with its operands at `a`, `b` and `c`, or (`arrays`) the
+/// addresses of its matrices in three device arrays.
 ///
 /// # Safety
 /// `handle` is a live cuBLAS handle, and `a`, `b` and `c` are device addresses of operands laid
-/// out as `g` says (leading dims, strides and batch) in memory that outlives the work.
-pub unsafe fn gemm(handle: sys::cublasHandle_t, g: &Gemm, [a, b, c]: [u64; 3], allow_tf32: bool) -> Result<(), String> {
+/// out as `g` says (leading dims, strides and batch), or `arrays` hold `g.batch` addresses of such
+/// matrices each, in memory that outlives the work.
+pub unsafe fn gemm(
+    handle: sys::cublasHandle_t,
+    g: &Gemm,
+    [a, b, c]: [u64; 3],
+    arrays: Option<[u64; 3]>,
+    allow_tf32: bool,
+) -> Result<(), String> {
     use sys::cublasComputeType_t as Compute;
     use sys::cudaDataType_t as Ty;
     let (ty, compute) = match g.dtype {
@@ -44,6 +53,35 @@ pub unsafe fn gemm(handle: sys::cublasHandle_t, g: &Gemm, [a, b, c]: [u64; 3], a
         (&a32 as *const f32 as _, &b32 as *const f32 as _)
     };
     let int = |v: i64| i32::try_from(v).map_err(|_| format!("a GEMM dim of {v}"));
+    if let Some([pa, pb, pc]) = arrays {
+        // SAFETY: the caller's promise; alpha and beta are read before the call returns.
+        return unsafe {
+            sys::cublasGemmBatchedEx(
+                handle,
+                op(g.trans_a),
+                op(g.trans_b),
+                int(g.m)?,
+                int(g.n)?,
+                int(g.k)?,
+                alpha,
+                pa as *const *const c_void,
+                ty,
+                int(g.lda)?,
+                pb as *const *const c_void,
+                ty,
+                int(g.ldb)?,
+                beta,
+                pc as *const *mut c_void,
+                c_ty,
+                int(g.ldc)?,
+                int(g.batch)?,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuBLAS batched GEMM: {e:?}"));
+    }
     // SAFETY: the caller's promise; alpha and beta are read before the call returns (host
     // pointer mode).
     unsafe {

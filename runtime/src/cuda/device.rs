@@ -40,7 +40,7 @@ impl CudaMemory {
 /// A call with every address resolved.
 enum Ready {
     Kernel { f: drv_sys::CUfunction, grid: [u32; 3], block: [u32; 3], params: Vec<u8>, offsets: Vec<usize> },
-    Gemm { g: Gemm, a: u64, b: u64, c: u64 },
+    Gemm { g: Gemm, operands: [u64; 3], arrays: Option<[u64; 3]> },
     Copy { from: u64, to: u64, bytes: u64 },
     Fill { to: u64, bytes: u64, byte: u8 },
     Conv(Box<super::dnn::Ready>),
@@ -339,7 +339,11 @@ impl CudaDevice {
                 }
                 Ready::Kernel { f, grid: k.grid, block: k.block, params, offsets }
             }
-            Call::Gemm(g) => Ready::Gemm { a: resolve(g.a), b: resolve(g.b), c: resolve(g.c), g },
+            Call::Gemm(g) => Ready::Gemm {
+                operands: [resolve(g.a), resolve(g.b), resolve(g.c)],
+                arrays: g.pointers.map(|p| p.map(resolve)),
+                g,
+            },
             Call::Copy { from, to, bytes } => Ready::Copy { from: resolve(from), to: resolve(to), bytes },
             Call::Fill { to, bytes, byte } => Ready::Fill { to: resolve(to), bytes, byte },
             Call::Conv(conv) => {
@@ -420,8 +424,10 @@ impl CudaDevice {
             }
             // SAFETY: the handle is live; the operands lie in this device's regions with the plan's
             // leading dims and strides (checked against the tensors in the tests).
-            Ready::Gemm { g, a, b, c } => unsafe { super::blas::gemm(self.blas, g, [*a, *b, *c], self.allow_tf32) }
-                .map_err(RuntimeError::Internal),
+            Ready::Gemm { g, operands, arrays } => {
+                unsafe { super::blas::gemm(self.blas, g, *operands, *arrays, self.allow_tf32) }
+                    .map_err(RuntimeError::Internal)
+            }
             // SAFETY: both ranges lie in regions of this device (the plan's sizes).
             Ready::Copy { from, to, bytes } => {
                 unsafe { drv::memcpy_dtod_async(*to, *from, *bytes as usize, self.stream) }.map_err(driver("copy"))

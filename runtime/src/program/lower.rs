@@ -207,6 +207,7 @@ fn read_in_readers(
     steps: &[NodeId],
     view_of: &HashMap<ValueId, ValueId>,
     epilogues: bool,
+    library: bool,
 ) -> InOthers {
     let ty = |v: ValueId| typed(g, caps, v);
     // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
@@ -256,6 +257,9 @@ fn read_in_readers(
         if node.inputs().len() == 1
             && launched.contains(p)
             && takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype)
+            && (library || !library_epilogue(&g.node(*p).op))
+            && (g.node(*p).op != Op::MatMul
+                || g.node(*p).inputs().iter().flatten().all(|&x| g.ty(x).shape.as_ref().is_some_and(|s| s.rank() >= 2)))
             && g.value(u).uses().len() == 1
             && !g.is_output(u)
             && !viewed.contains(&u)
@@ -285,7 +289,8 @@ pub(super) fn lower_in(
     // 1. What is known when lowering, and what is read inside its readers' launches.
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
     let fuse = !opts.unfused && crate::fuse::enabled();
-    let InOthers { widened, transposed, epilogues } = read_in_readers(g, caps, &steps, &view_of, fuse);
+    let library = fuse && !opts.bitwise;
+    let InOthers { widened, transposed, epilogues } = read_in_readers(g, caps, &steps, &view_of, fuse, library);
     let applied: HashSet<NodeId> = epilogues.values().map(|&(_, n)| n).collect();
     steps.retain(|&n| {
         !applied.contains(&n)
@@ -299,8 +304,11 @@ pub(super) fn lower_in(
         *view_of.get(&v).unwrap_or(&v)
     };
     // Bias gradients computed by their weight gradient's launch: not launched on their own.
-    let siblings =
-        if fuse { super::siblings::bias_gradients(g, &steps, &known, &|v| ty(v).ok(), &root) } else { HashMap::new() };
+    let siblings = if library {
+        super::siblings::bias_gradients(g, &steps, &known, &|v| ty(v).ok(), &root)
+    } else {
+        HashMap::new()
+    };
     let merged: HashSet<NodeId> = siblings.values().copied().collect();
     steps.retain(|n| !merged.contains(n));
     // The nodes a step computes: its own, and its sibling's.
@@ -607,6 +615,7 @@ pub(super) fn lower_in(
                     variables: None,
                     branches: Some(nested_b),
                     unfused: opts.unfused,
+                    bitwise: opts.bitwise,
                 };
                 let nest = Nested { arena_base: base, constants_base: constants_bytes, inputs: captures.clone() };
                 let p = lower_in(bg, caps, sub, Some(nest))?;

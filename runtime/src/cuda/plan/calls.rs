@@ -141,8 +141,9 @@ pub struct Kernel {
     pub fused: Option<std::sync::Arc<fused::Fused>>,
 }
 
-/// A cuBLAS strided-batched GEMM in cuBLAS's column-major terms: `C = alpha op(A) op(B) + beta C`
-/// for each of `batch` matrices, FP32 accumulation for f32/f16/bf16, f64 for f64.
+/// A cuBLAS batched GEMM in cuBLAS's column-major terms: `C = alpha op(A) op(B) + beta C` for each
+/// of `batch` matrices (strided, or by arrays of addresses), FP32 accumulation for f32/f16/bf16,
+/// f64 for f64.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gemm {
     /// The operands' dtype, and the result's (f32 for a low-precision product whose result is
@@ -166,6 +167,11 @@ pub struct Gemm {
     pub ldc: i64,
     pub stride_c: i64,
     pub batch: i64,
+    /// Matrices that no single stride walks (a product written through a Transpose): three
+    /// arrays in the launch's aux bytes of `batch` device addresses each, of A's, B's and C's
+    /// matrices (`cublasGemmBatchedEx`). `a`, `b` and `c` are then the first matrices, and the
+    /// strides unused.
+    pub pointers: Option<[Buf; 3]>,
 }
 
 /// A product that cuBLASLt finishes as it writes it (its epilogue): `D = act(alpha op(A) op(B) +

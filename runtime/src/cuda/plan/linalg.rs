@@ -4,6 +4,10 @@ use super::*;
 
 pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     let ((a, ta), (b, tb), y) = (p.input_or_transposed(0)?, p.input_or_transposed(1)?, p.output(0)?);
+    if let Some(Op::Transpose(t)) = &p.l.epilogue {
+        let perm: Vec<usize> = t.perm.iter().flatten().map(|&d| d as usize).collect();
+        return plan_matmul_permuted(p, (a, ta), (b, tb), y, &perm);
+    }
     // 1-D operands: a row vector on the left, a column vector on the right. A transposed operand
     // (rank 2 or more) is stored with its last two axes swapped: `sa` and `sb` are the stored shapes.
     let sa: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.clone() };
@@ -63,12 +67,137 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
         ldc: n as i64,
         stride_c: (m * n) as i64,
         batch: batch as i64,
+        pointers: None,
     });
     if k == 0 {
         // An empty inner dim: the product is zeros.
         p.out.calls.retain(|c| !matches!(c, Call::Gemm(_)));
         p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
     }
+    Ok(())
+}
+
+/// A MatMul whose result is written through `perm` (its epilogue, a Transpose: `y` has the
+/// permuted shape). Each matrix of the result lands with its columns contiguous (`y`'s last axis
+/// is the product's last) or its rows (the second last: the product is computed transposed,
+/// `Yᵀ = Bᵀ Aᵀ`); the other is its leading dim. Where no single stride walks the matrices of the
+/// result and of both operands (the batch axes permuted, as attention's heads merged back), one
+/// batched GEMM reads their addresses from arrays.
+fn plan_matmul_permuted(
+    p: &mut Planner,
+    (a, ta): (&TensorRef, bool),
+    (b, tb): (&TensorRef, bool),
+    y: &TensorRef,
+    perm: &[usize],
+) -> Result<(), String> {
+    let r = y.shape.len();
+    if perm.len() != r || r < 2 || a.shape.len() < 2 || b.shape.len() < 2 {
+        return Err("a MatMul written through a Transpose of another rank".into());
+    }
+    // The product's own shape, and each of its axes' stride in y.
+    let (ys, mut shape, mut strides) = (contiguous(&y.shape), vec![0usize; r], vec![0i64; r]);
+    for (j, &d) in perm.iter().enumerate() {
+        shape[d] = y.shape[j];
+        strides[d] = ys[j];
+    }
+    let (m, n) = (shape[r - 2], shape[r - 1]);
+    // Stored shapes; a transposed operand is stored with its last two axes swapped.
+    let (ra, rb) = (a.shape.len(), b.shape.len());
+    let k = if ta { a.shape[ra - 2] } else { a.shape[ra - 1] };
+    let k2 = if tb { b.shape[rb - 1] } else { b.shape[rb - 2] };
+    if k != k2 {
+        return Err("MatMul operands whose inner dims differ".into());
+    }
+    // Each matrix's element offset: the result's by its strides, an operand's by its own batch
+    // dims (right-aligned; 0 along a broadcast one).
+    let batch_shape = &shape[..r - 2];
+    let batch = numel(batch_shape) as usize;
+    let offsets = |s: &[usize]| -> Vec<i64> {
+        let own = &s[..s.len() - 2];
+        let mat = numel(&s[s.len() - 2..]) as i64;
+        let own_strides: Vec<i64> = contiguous(own).iter().map(|&x| x * mat).collect();
+        (0..batch)
+            .map(|i| {
+                let (mut lin, mut off) = (i, 0i64);
+                for (d, &size) in batch_shape.iter().enumerate().rev() {
+                    let c = (lin % size) as i64;
+                    lin /= size;
+                    // The operand's dim aligned with product dim d, if any.
+                    if let Some(od) = (d + own.len()).checked_sub(batch_shape.len()) {
+                        if own[od] != 1 {
+                            off += c * own_strides[od];
+                        }
+                    }
+                }
+                off
+            })
+            .collect()
+    };
+    let (oa, ob) = (offsets(&a.shape), offsets(&b.shape));
+    let oc: Vec<i64> = (0..batch)
+        .map(|i| {
+            let (mut lin, mut off) = (i, 0i64);
+            for (d, &size) in batch_shape.iter().enumerate().rev() {
+                off += (lin % size) as i64 * strides[d];
+                lin /= size;
+            }
+            off
+        })
+        .collect();
+    if k == 0 {
+        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
+        return Ok(());
+    }
+    // Row-major Y = A B with contiguous columns is column-major Yᵀ = Bᵀ Aᵀ (cuBLAS's A is our
+    // B); with contiguous rows Y is column-major itself, Y = A B read with flipped flags.
+    let (first, second, trans_a, trans_b, lda, ldb, mc, nc, ldc) = if strides[r - 1] == 1 {
+        (b, a, tb, ta, if tb { k } else { n }, if ta { m } else { k }, n, m, strides[r - 2])
+    } else if strides[r - 2] == 1 {
+        (a, b, !ta, !tb, if ta { m } else { k }, if tb { k } else { n }, m, n, strides[r - 1])
+    } else {
+        return Err("a MatMul written through a Transpose that moves both matrix axes".into());
+    };
+    let (o1, o2) = if std::ptr::eq(first, b) { (&ob, &oa) } else { (&oa, &ob) };
+    let es = |t: &TensorRef| t.dtype.size() as i64;
+    // One stride per operand where the offsets allow it.
+    let uniform = |o: &[i64]| o.iter().enumerate().all(|(i, &v)| v == i as i64 * o.get(1).copied().unwrap_or(0));
+    let pointers = if [o1, o2, &oc].iter().all(|o| uniform(o)) {
+        None
+    } else {
+        let mut arrays = [Buf::Aux(0); 3];
+        for (slot, (t, o)) in [(first, o1), (second, o2), (y, &oc)].into_iter().enumerate() {
+            let table = p.aux(&vec![0u8; 8 * batch]);
+            let Buf::Aux(at) = table else { unreachable!("aux bytes") };
+            for (i, &off) in o.iter().enumerate() {
+                p.out.addresses.push((at + 8 * i as u64, buf(t).at((off * es(t)) as u64)));
+            }
+            arrays[slot] = table;
+        }
+        Some(arrays)
+    };
+    let step = |o: &[i64]| o.get(1).copied().unwrap_or(0);
+    p.gemm(Gemm {
+        dtype: y.dtype,
+        c_dtype: y.dtype,
+        trans_a,
+        trans_b,
+        m: mc as i64,
+        n: nc as i64,
+        k: k as i64,
+        alpha: 1.0,
+        beta: 0.0,
+        a: buf(first),
+        lda: lda as i64,
+        stride_a: step(o1),
+        b: buf(second),
+        ldb: ldb as i64,
+        stride_b: step(o2),
+        c: buf(y),
+        ldc,
+        stride_c: step(&oc),
+        batch: batch as i64,
+        pointers,
+    });
     Ok(())
 }
 
@@ -172,6 +301,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
                 ldc: ovol as i64,
                 stride_c: (m * ovol) as i64,
                 batch: n as i64,
+                pointers: None,
             });
         }
         wrap(p, conv);
@@ -224,6 +354,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
                 ldc: rows as i64,
                 stride_c: 0,
                 batch: 1,
+                pointers: None,
             });
         }
         if let Some(dx) = dx {
@@ -287,6 +418,7 @@ fn columns_of_a_transposed_conv(
         ldc: k2 as i64,
         stride_c: 0,
         batch: 1,
+        pointers: None,
     }
 }
 
@@ -460,6 +592,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         ldc: n,
         stride_c: 0,
         batch: 1,
+        pointers: None,
     };
     p.gemm(gemm.clone());
     if relu && m * n > 0 {
