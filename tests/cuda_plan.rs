@@ -62,10 +62,7 @@ fn programs() -> Vec<(String, Program)> {
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     // A multi-tensor launch's operands are its members', and a sibling's are the launch's.
-    let ins = l.parts().into_iter().flat_map(|m| &m.inputs).filter_map(|o| match o {
-        Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
-        _ => None,
-    });
+    let ins = l.parts().into_iter().flat_map(|m| &m.inputs).filter_map(Operand::tensor);
     ins.chain(l.parts().into_iter().flat_map(|m| &m.outputs))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())

@@ -53,14 +53,7 @@ fn live_values_never_overlap_in_the_arena() {
                 let reads: Vec<(u64, u64)> = l
                     .inputs
                     .iter()
-                    .filter_map(|o| match o {
-                        Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t)
-                            if t.region == Region::Arena =>
-                        {
-                            Some((t.offset, t.bytes()))
-                        }
-                        _ => None,
-                    })
+                    .filter_map(|o| o.tensor().filter(|t| t.region == Region::Arena).map(|t| (t.offset, t.bytes())))
                     .collect();
                 for k in &reads {
                     let e = *current

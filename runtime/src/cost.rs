@@ -145,11 +145,7 @@ pub fn launch_cost(l: &Launch) -> LaunchCost {
 
 /// A launch's cost without its sibling; `seen` holds the tensors already counted as read.
 fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) -> LaunchCost {
-    let device = |o: &Operand| match o {
-        Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t.clone()),
-        Operand::Absent | Operand::Host(_) => None,
-    };
-    let ins: Vec<Option<TensorRef>> = l.inputs.iter().map(device).collect();
+    let ins: Vec<Option<TensorRef>> = l.inputs.iter().map(|o| o.tensor().cloned()).collect();
     let mut read = 0;
     for (slot, t) in ins.iter().enumerate() {
         let Some(t) = t else { continue };
@@ -180,10 +176,12 @@ fn product_flops(l: &Launch, ins: &[Option<TensorRef>]) -> Option<(u64, DType)> 
     let y = l.outputs.first()?;
     let flops = match &l.op {
         Op::MatMul => {
-            // The inner dim: A's last, or its second last where A is stored transposed.
+            // The inner dim: A's last, its second last where A is stored transposed, or the
+            // stored axis its last is where it is read through a permutation.
             let a = shape(0)?;
             let k = match l.inputs.first() {
                 Some(Operand::Transposed(_)) => a.get(a.len().checked_sub(2)?)?,
+                Some(Operand::Permuted(_, perm)) => a.get(*perm.last()?)?,
                 _ => a.last()?,
             };
             2 * numel(&y.shape) * *k as u64

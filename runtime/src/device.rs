@@ -258,10 +258,7 @@ impl CpuDevice {
             self.counters.launches -= l.group.len() as u64 - 1;
             return Ok(());
         }
-        for t in l.inputs.iter().filter_map(|o| match o {
-            Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) => Some(t),
-            _ => None,
-        }) {
+        for t in l.inputs.iter().filter_map(Operand::tensor) {
             range(t, regions.get(t.region).len)?;
         }
         for t in &l.outputs {
@@ -317,6 +314,12 @@ impl CpuDevice {
                         copies += 1;
                         Some(cpu::swap_last_two(&view))
                     }
+                    Operand::Permuted(t, perm) => {
+                        // SAFETY: as above.
+                        let view = unsafe { cpu::views::host_view(&bases, t) };
+                        copies += 1;
+                        Some(cpu::permute(&view, perm))
+                    }
                     _ => None,
                 })
                 .collect();
@@ -330,7 +333,9 @@ impl CpuDevice {
                     .map(|(o, r)| match o {
                         Operand::Absent => None,
                         Operand::Host(t) => Some(t),
-                        Operand::Device(_) | Operand::Widened(_) | Operand::Transposed(_) => r.as_ref(),
+                        Operand::Device(_) | Operand::Widened(_) | Operand::Transposed(_) | Operand::Permuted(..) => {
+                            r.as_ref()
+                        }
                     })
                     .collect();
                 cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| kernel_error(&l.node, e))?

@@ -89,6 +89,21 @@ pub enum Operand {
     /// transposed (a GEMM's transpose flag), so the transposed copy is never written. The
     /// reference holds the stored tensor (its shape is the Transpose's input's).
     Transposed(TensorRef),
+    /// A tensor that a matrix product reads through a permutation of its axes: the graph's
+    /// Transpose fused into its reader (`[reads_through`]: the stored last axis stays one of the
+    /// matrix axes), which reads each matrix where it lies, a leading dim and a batch of
+    /// addresses. The reference holds the stored tensor; operand axis `i` is its axis `perm[i]`.
+    Permuted(TensorRef, Vec<usize>),
+}
+
+impl Operand {
+    /// The device tensor the launch reads (as stored), if the operand is one.
+    pub fn tensor(&self) -> Option<&TensorRef> {
+        match self {
+            Operand::Device(t) | Operand::Widened(t) | Operand::Transposed(t) | Operand::Permuted(t, _) => Some(t),
+            Operand::Absent | Operand::Host(_) => None,
+        }
+    }
 }
 
 /// The operands a launch may read widened from f16 or bf16 ([`Operand::Widened`]): the scores
@@ -139,6 +154,16 @@ pub fn writes_permuted(perm: &[i64]) -> bool {
 /// in another order.
 pub fn library_epilogue(op: &Op) -> bool {
     matches!(op, Op::Gemm(_) | Op::MatMul)
+}
+
+/// Whether a matrix product can read an operand through the permutation `perm` of its stored
+/// axes ([`Operand::Permuted`]): the stored last axis must stay one of the matrix axes (each
+/// matrix then has one contiguous axis, the other is its leading dim).
+pub fn reads_through(perm: &[usize]) -> bool {
+    let r = perm.len();
+    let mut seen = vec![false; r];
+    let valid = perm.iter().all(|&a| a < r && !std::mem::replace(&mut seen[a], true));
+    valid && r >= 2 && (perm[r - 1] == r - 1 || perm[r - 2] == r - 1)
 }
 
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.

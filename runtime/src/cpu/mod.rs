@@ -145,7 +145,6 @@ fn reduce_axes(x: &HostTensor, axes: Option<&HostTensor>, noop: bool) -> Res<Opt
     mpc_ir::geometry::reduce_axes(axes.as_deref(), x.shape.len(), noop).map_err(err)
 }
 
-/// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.
 /// `x` with its last two axes swapped (a tensor of rank 2 or more): what a launch reads of an
 /// [`crate::program::Operand::Transposed`] operand.
 pub(crate) fn swap_last_two(x: &HostTensor) -> HostTensor {
@@ -155,6 +154,13 @@ pub(crate) fn swap_last_two(x: &HostTensor) -> HostTensor {
     shape::transpose(x, &perm)
 }
 
+/// `x` with axis `i` its axis `perm[i]`: what a launch reads of an
+/// [`crate::program::Operand::Permuted`] operand.
+pub(crate) fn permute(x: &HostTensor, perm: &[usize]) -> HostTensor {
+    shape::transpose(x, perm)
+}
+
+/// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.
 pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec<HostTensor>> {
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
     let one = |t: HostTensor| Ok(vec![t]);

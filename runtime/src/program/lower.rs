@@ -198,6 +198,7 @@ fn schedule(
 struct InOthers {
     widened: HashMap<ValueId, ValueId>,
     transposed: HashMap<ValueId, ValueId>,
+    permuted: HashMap<ValueId, (ValueId, Vec<usize>)>,
     epilogues: HashMap<ValueId, (ValueId, NodeId)>,
 }
 
@@ -245,6 +246,61 @@ fn read_in_readers(
             transposed.insert(v, u);
         }
     }
+    // Other Transposes whose every reader is a matrix product of operands of rank 2 or more (or
+    // a Transpose of the last two axes read only by such products: the two composed), and that
+    // keep the stored last axis as one of the matrix axes: the readers read each matrix where it
+    // lies ([`Operand::Permuted`]; attention's heads split from `[B, S, H, D]`, and their kᵀ).
+    let mut permuted: HashMap<ValueId, (ValueId, Vec<usize>)> = HashMap::new();
+    let ranked = |x: &ValueId| g.ty(*x).shape.as_ref().is_some_and(|s| s.rank() >= 2);
+    let products = |v: ValueId| {
+        let uses = g.value(v).uses();
+        !uses.is_empty()
+            && uses.iter().all(|u| {
+                let reader = g.node(u.node);
+                reads_transposed(&reader.op, u.slot) && reader.inputs().iter().flatten().all(ranked)
+            })
+    };
+    for &n in steps {
+        let node = g.node(n);
+        let (Op::Transpose(a), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let (Some(perm), Ok((_, s))) = (a.perm.as_deref(), ty(u)) else { continue };
+        let Ok(perm) = perm.iter().map(|&d| usize::try_from(d)).collect::<Result<Vec<usize>, _>>() else { continue };
+        // (A Transpose already composed with the one before it is read through that.)
+        if transposed.contains_key(&v)
+            || permuted.contains_key(&v)
+            || perm.len() != s.len()
+            || g.is_output(v)
+            || viewed.contains(&v)
+        {
+            continue;
+        }
+        // Each reader: a product, or a swap of the last two axes read only by products.
+        let mut reads = vec![(v, perm.clone())];
+        let mut fits = !g.value(v).uses().is_empty();
+        for use_ in g.value(v).uses() {
+            let reader = g.node(use_.node);
+            match (&reader.op, reader.outputs()) {
+                (Op::Transpose(_), &[w]) if transposed.contains_key(&w) && products(w) => {
+                    let r = perm.len();
+                    let swapped: Vec<usize> = (0..r)
+                        .map(|i| match r - i {
+                            1 => perm[r - 2],
+                            2 => perm[r - 1],
+                            _ => perm[i],
+                        })
+                        .collect();
+                    reads.push((w, swapped));
+                }
+                _ => fits &= reads_transposed(&reader.op, use_.slot) && reader.inputs().iter().flatten().all(ranked),
+            }
+        }
+        if fits && reads.iter().all(|(_, p)| reads_through(p)) {
+            for (w, p) in reads {
+                transposed.remove(&w);
+                permuted.insert(w, (u, p));
+            }
+        }
+    }
     // Element-wise nodes that are the only reader of a launch's first output, which the launch
     // can apply as it writes: the launch writes the node's output, the node is not launched.
     let launched: HashSet<NodeId> = steps.iter().copied().collect();
@@ -258,8 +314,9 @@ fn read_in_readers(
             && launched.contains(p)
             && takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype)
             && (library || !library_epilogue(&g.node(*p).op))
-            && (g.node(*p).op != Op::MatMul
-                || g.node(*p).inputs().iter().flatten().all(|&x| g.ty(x).shape.as_ref().is_some_and(|s| s.rank() >= 2)))
+            && (g.node(*p).op != Op::MatMul || g.node(*p).inputs().iter().flatten().all(ranked))
+            && !transposed.contains_key(&v)
+            && !permuted.contains_key(&v)
             && g.value(u).uses().len() == 1
             && !g.is_output(u)
             && !viewed.contains(&u)
@@ -269,7 +326,7 @@ fn read_in_readers(
             applied.insert(u, (v, n));
         }
     }
-    InOthers { widened, transposed, epilogues: applied }
+    InOthers { widened, transposed, permuted, epilogues: applied }
 }
 
 pub(super) fn lower_in(
@@ -290,17 +347,22 @@ pub(super) fn lower_in(
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
     let fuse = !opts.unfused && crate::fuse::enabled();
     let library = fuse && !opts.bitwise;
-    let InOthers { widened, transposed, epilogues } = read_in_readers(g, caps, &steps, &view_of, fuse, library);
+    let InOthers { widened, transposed, permuted, epilogues } =
+        read_in_readers(g, caps, &steps, &view_of, fuse, library);
     let applied: HashSet<NodeId> = epilogues.values().map(|&(_, n)| n).collect();
     steps.retain(|&n| {
         !applied.contains(&n)
-            && !g.node(n).outputs().first().is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o))
+            && !g
+                .node(n)
+                .outputs()
+                .first()
+                .is_some_and(|o| widened.contains_key(o) || transposed.contains_key(o) || permuted.contains_key(o))
     });
     // A value a launch writes: an output with an epilogue is the epilogue's output.
     let written = |o: ValueId| epilogues.get(&o).map_or(o, |&(v, _)| v);
     let views = view_of.len();
     let root = |v: ValueId| {
-        let v = widened.get(&v).or(transposed.get(&v)).copied().unwrap_or(v);
+        let v = widened.get(&v).or(transposed.get(&v)).or(permuted.get(&v).map(|(u, _)| u)).copied().unwrap_or(v);
         *view_of.get(&v).unwrap_or(&v)
     };
     // Bias gradients computed by their weight gradient's launch: not launched on their own.
@@ -566,9 +628,12 @@ pub(super) fn lower_in(
                 .map(|(slot, v)| match v {
                     None => Ok(Operand::Absent),
                     Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
-                    Some(v) => match (widened.get(v), transposed.get(v)) {
-                        (Some(&low), _) => place(low, &refs).map(Operand::Widened),
-                        (_, Some(&stored)) => place(stored, &refs).map(Operand::Transposed),
+                    Some(v) => match (widened.get(v), transposed.get(v), permuted.get(v)) {
+                        (Some(&low), _, _) => place(low, &refs).map(Operand::Widened),
+                        (_, Some(&stored), _) => place(stored, &refs).map(Operand::Transposed),
+                        (_, _, Some((stored, perm))) => {
+                            place(*stored, &refs).map(|t| Operand::Permuted(t, perm.clone()))
+                        }
                         _ => place(*v, &refs).map(Operand::Device),
                     },
                 })
@@ -710,7 +775,7 @@ pub(super) fn lower_in(
         widened: widened.len(),
         epilogues: epilogues.len(),
         siblings: siblings.len(),
-        transposed: transposed.len(),
+        transposed: transposed.len() + permuted.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),
         grouped,
         buffers: arena_buffers,

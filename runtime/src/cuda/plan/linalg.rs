@@ -3,11 +3,14 @@
 use super::*;
 
 pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
-    let ((a, ta), (b, tb), y) = (p.input_or_transposed(0)?, p.input_or_transposed(1)?, p.output(0)?);
     if let Some(Op::Transpose(t)) = &p.l.epilogue {
         let perm: Vec<usize> = t.perm.iter().flatten().map(|&d| d as usize).collect();
-        return plan_matmul_permuted(p, (a, ta), (b, tb), y, &perm);
+        return plan_matmul_strided(p, Some(&perm));
     }
+    if p.l.inputs.iter().any(|o| matches!(o, Operand::Permuted(..))) {
+        return plan_matmul_strided(p, None);
+    }
+    let ((a, ta), (b, tb), y) = (p.input_or_transposed(0)?, p.input_or_transposed(1)?, p.output(0)?);
     // 1-D operands: a row vector on the left, a column vector on the right. A transposed operand
     // (rank 2 or more) is stored with its last two axes swapped: `sa` and `sb` are the stored shapes.
     let sa: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.clone() };
@@ -77,105 +80,153 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     Ok(())
 }
 
-/// A MatMul whose result is written through `perm` (its epilogue, a Transpose: `y` has the
-/// permuted shape). Each matrix of the result lands with its columns contiguous (`y`'s last axis
-/// is the product's last) or its rows (the second last: the product is computed transposed,
-/// `Yᵀ = Bᵀ Aᵀ`); the other is its leading dim. Where no single stride walks the matrices of the
-/// result and of both operands (the batch axes permuted, as attention's heads merged back), one
-/// batched GEMM reads their addresses from arrays.
-fn plan_matmul_permuted(
-    p: &mut Planner,
-    (a, ta): (&TensorRef, bool),
-    (b, tb): (&TensorRef, bool),
-    y: &TensorRef,
-    perm: &[usize],
-) -> Result<(), String> {
-    let r = y.shape.len();
-    if perm.len() != r || r < 2 || a.shape.len() < 2 || b.shape.len() < 2 {
-        return Err("a MatMul written through a Transpose of another rank".into());
+/// A matrix, or a batch of them, where it lies: the tensor, the shape the product sees and each
+/// of those axes' stride in elements.
+struct Strided<'a> {
+    t: &'a TensorRef,
+    shape: Vec<usize>,
+    strides: Vec<i64>,
+}
+
+impl<'a> Strided<'a> {
+    /// An operand as the launch reads it: as stored, with its last two axes swapped, or through
+    /// a permutation of its axes.
+    fn operand(o: &'a Operand) -> Result<Strided<'a>, String> {
+        let (t, perm): (&TensorRef, Vec<usize>) = match o {
+            Operand::Device(t) => (t, (0..t.shape.len()).collect()),
+            Operand::Transposed(t) => {
+                let r = t.shape.len();
+                (
+                    t,
+                    (0..r)
+                        .map(|i| {
+                            if i + 2 == r {
+                                r - 1
+                            } else if i + 1 == r {
+                                r - 2
+                            } else {
+                                i
+                            }
+                        })
+                        .collect(),
+                )
+            }
+            Operand::Permuted(t, perm) => (t, perm.clone()),
+            _ => return Err("a MatMul operand that is not a device tensor".into()),
+        };
+        let st = contiguous(&t.shape);
+        Ok(Strided {
+            t,
+            shape: perm.iter().map(|&d| t.shape[d]).collect(),
+            strides: perm.iter().map(|&d| st[d]).collect(),
+        })
     }
-    // The product's own shape, and each of its axes' stride in y.
-    let (ys, mut shape, mut strides) = (contiguous(&y.shape), vec![0usize; r], vec![0i64; r]);
-    for (j, &d) in perm.iter().enumerate() {
-        shape[d] = y.shape[j];
-        strides[d] = ys[j];
+
+    /// The result `y` written through `perm` (the launch's Transpose epilogue): result axis
+    /// `perm[j]` is `y`'s axis `j`.
+    fn through(y: &'a TensorRef, perm: &[usize]) -> Strided<'a> {
+        let (ys, r) = (contiguous(&y.shape), y.shape.len());
+        let (mut shape, mut strides) = (vec![0usize; r], vec![0i64; r]);
+        for (j, &d) in perm.iter().enumerate() {
+            shape[d] = y.shape[j];
+            strides[d] = ys[j];
+        }
+        Strided { t: y, shape, strides }
     }
-    let (m, n) = (shape[r - 2], shape[r - 1]);
-    // Stored shapes; a transposed operand is stored with its last two axes swapped.
-    let (ra, rb) = (a.shape.len(), b.shape.len());
-    let k = if ta { a.shape[ra - 2] } else { a.shape[ra - 1] };
-    let k2 = if tb { b.shape[rb - 1] } else { b.shape[rb - 2] };
-    if k != k2 {
-        return Err("MatMul operands whose inner dims differ".into());
+
+    fn rows(&self) -> usize {
+        self.shape[self.shape.len() - 2]
     }
-    // Each matrix's element offset: the result's by its strides, an operand's by its own batch
-    // dims (right-aligned; 0 along a broadcast one).
-    let batch_shape = &shape[..r - 2];
-    let batch = numel(batch_shape) as usize;
-    let offsets = |s: &[usize]| -> Vec<i64> {
-        let own = &s[..s.len() - 2];
-        let mat = numel(&s[s.len() - 2..]) as i64;
-        let own_strides: Vec<i64> = contiguous(own).iter().map(|&x| x * mat).collect();
-        (0..batch)
+
+    fn cols(&self) -> usize {
+        self.shape[self.shape.len() - 1]
+    }
+
+    /// Whether each matrix is stored column by column (its rows contiguous), and its leading
+    /// dim; `Err` where neither axis is contiguous.
+    fn layout(&self) -> Result<(bool, i64), String> {
+        let r = self.shape.len();
+        let (sr, sc) = (self.strides[r - 2], self.strides[r - 1]);
+        match (sr, sc) {
+            (_, 1) => Ok((false, sr.max(self.cols() as i64).max(1))),
+            (1, _) => Ok((true, sc.max(self.rows() as i64).max(1))),
+            _ => Err("a matrix with neither axis contiguous".into()),
+        }
+    }
+
+    /// The element offset of each matrix over the product's batch dims `batch` (this operand's
+    /// batch dims right-aligned with them; 0 along one it broadcasts).
+    fn offsets(&self, batch: &[usize]) -> Vec<i64> {
+        let own = self.shape.len() - 2;
+        (0..numel(batch) as usize)
             .map(|i| {
                 let (mut lin, mut off) = (i, 0i64);
-                for (d, &size) in batch_shape.iter().enumerate().rev() {
+                for (d, &size) in batch.iter().enumerate().rev() {
                     let c = (lin % size) as i64;
                     lin /= size;
-                    // The operand's dim aligned with product dim d, if any.
-                    if let Some(od) = (d + own.len()).checked_sub(batch_shape.len()) {
-                        if own[od] != 1 {
-                            off += c * own_strides[od];
+                    if let Some(od) = (d + own).checked_sub(batch.len()) {
+                        if self.shape[od] != 1 {
+                            off += c * self.strides[od];
                         }
                     }
                 }
                 off
             })
             .collect()
-    };
-    let (oa, ob) = (offsets(&a.shape), offsets(&b.shape));
-    let oc: Vec<i64> = (0..batch)
-        .map(|i| {
-            let (mut lin, mut off) = (i, 0i64);
-            for (d, &size) in batch_shape.iter().enumerate().rev() {
-                off += (lin % size) as i64 * strides[d];
-                lin /= size;
-            }
-            off
-        })
-        .collect();
+    }
+}
+
+/// A MatMul whose operands or result lie other than as plain row-major batches: an operand read
+/// through a permutation (attention's heads split from `[B, S, H, D]`, [`Operand::Permuted`]), or
+/// the result written through its Transpose epilogue (the heads merged back). Each matrix has
+/// one contiguous axis and a leading dim; a result stored column by column is computed
+/// transposed (`Yᵀ = Bᵀ Aᵀ`). Where no single stride walks the matrices of an operand or of the
+/// result, one batched GEMM reads the addresses of all of them from arrays in the aux bytes.
+fn plan_matmul_strided(p: &mut Planner, perm: Option<&[usize]>) -> Result<(), String> {
+    let l = p.l;
+    let (a, b) = (Strided::operand(&l.inputs[0])?, Strided::operand(&l.inputs[1])?);
+    let y = p.output(0)?;
+    let r = y.shape.len();
+    let id: Vec<usize> = (0..r).collect();
+    let c = Strided::through(y, perm.unwrap_or(&id));
+    if a.shape.len() < 2 || b.shape.len() < 2 || r < 2 || perm.is_some_and(|q| q.len() != r) {
+        return Err("a strided MatMul of operands of rank below 2".into());
+    }
+    let (m, k, n) = (a.rows(), a.cols(), b.cols());
+    if b.rows() != k || c.rows() != m || c.cols() != n {
+        return Err("MatMul operands whose dims do not agree".into());
+    }
     if k == 0 {
         p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
         return Ok(());
     }
-    // Row-major Y = A B with contiguous columns is column-major Yᵀ = Bᵀ Aᵀ (cuBLAS's A is our
-    // B); with contiguous rows Y is column-major itself, Y = A B read with flipped flags.
-    let (first, second, trans_a, trans_b, lda, ldb, mc, nc, ldc) = if strides[r - 1] == 1 {
-        (b, a, tb, ta, if tb { k } else { n }, if ta { m } else { k }, n, m, strides[r - 2])
-    } else if strides[r - 2] == 1 {
-        (a, b, !ta, !tb, if ta { m } else { k }, if tb { k } else { n }, m, n, strides[r - 1])
-    } else {
-        return Err("a MatMul written through a Transpose that moves both matrix axes".into());
-    };
-    let (o1, o2) = if std::ptr::eq(first, b) { (&ob, &oa) } else { (&oa, &ob) };
-    let es = |t: &TensorRef| t.dtype.size() as i64;
-    // One stride per operand where the offsets allow it.
-    let uniform = |o: &[i64]| o.iter().enumerate().all(|(i, &v)| v == i as i64 * o.get(1).copied().unwrap_or(0));
-    let pointers = if [o1, o2, &oc].iter().all(|o| uniform(o)) {
+    let ((a_cols, lda), (b_cols, ldb), (c_cols, ldc)) = (a.layout()?, b.layout()?, c.layout()?);
+    // cuBLAS computes a column-major D = op(A) op(B). A row-major result is column-major Yᵀ =
+    // Bᵀ Aᵀ; a column-major one is Y = A B. A row-major operand read as its transpose needs no
+    // flag; read as itself, the flag.
+    let (first, second, trans_a, trans_b, lda, ldb, mc, nc) =
+        if !c_cols { (&b, &a, b_cols, a_cols, ldb, lda, n, m) } else { (&a, &b, !a_cols, !b_cols, lda, ldb, m, n) };
+    let batch_shape = &c.shape[..r - 2];
+    let batch = numel(batch_shape) as usize;
+    let (o1, o2, oc) = (first.offsets(batch_shape), second.offsets(batch_shape), c.offsets(batch_shape));
+    // One stride per matrix where the offsets allow it, else arrays of addresses.
+    let step = |o: &[i64]| o.get(1).copied().unwrap_or(0);
+    let uniform = |o: &[i64]| o.iter().enumerate().all(|(i, &v)| v == i as i64 * step(o));
+    let pointers = if [&o1, &o2, &oc].iter().all(|o| uniform(o)) {
         None
     } else {
         let mut arrays = [Buf::Aux(0); 3];
-        for (slot, (t, o)) in [(first, o1), (second, o2), (y, &oc)].into_iter().enumerate() {
+        for (slot, (t, o)) in [(first.t, &o1), (second.t, &o2), (y, &oc)].into_iter().enumerate() {
             let table = p.aux(&vec![0u8; 8 * batch]);
             let Buf::Aux(at) = table else { unreachable!("aux bytes") };
+            let es = t.dtype.size() as i64;
             for (i, &off) in o.iter().enumerate() {
-                p.out.addresses.push((at + 8 * i as u64, buf(t).at((off * es(t)) as u64)));
+                p.out.addresses.push((at + 8 * i as u64, buf(t).at((off * es) as u64)));
             }
             arrays[slot] = table;
         }
         Some(arrays)
     };
-    let step = |o: &[i64]| o.get(1).copied().unwrap_or(0);
     p.gemm(Gemm {
         dtype: y.dtype,
         c_dtype: y.dtype,
@@ -186,12 +237,12 @@ fn plan_matmul_permuted(
         k: k as i64,
         alpha: 1.0,
         beta: 0.0,
-        a: buf(first),
-        lda: lda as i64,
-        stride_a: step(o1),
-        b: buf(second),
-        ldb: ldb as i64,
-        stride_b: step(o2),
+        a: buf(first.t),
+        lda,
+        stride_a: step(&o1),
+        b: buf(second.t),
+        ldb,
+        stride_b: step(&o2),
         c: buf(y),
         ldc,
         stride_c: step(&oc),
