@@ -182,6 +182,22 @@ fn a_run_takes_in_a_later_step_that_reads_only_what_is_ready() {
     same_outputs(&g, fused, plain);
 }
 
+/// A step that reads what a launch in between writes through its epilogue (the Relu a Gemm
+/// applies: a second residual block's input) is not taken into an earlier run: it would read the
+/// value before it is written.
+#[test]
+fn a_run_takes_in_no_step_that_reads_an_epilogue_written_after_it() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"x\": f32[4,8]\n  \
+                input %1 \"w\": f32[8,8]\n  %2 \"a\": f32[4,8] = Add(%0, %0)\n  %3 \"r\": f32[4,8] = Relu(%2)\n  \
+                %4 \"g\": f32[4,8] = Gemm[transB=1](%3, %1)\n  %5 \"h\": f32[4,8] = Relu(%4)\n  \
+                %6 \"s\": f32[4,8] = Add(%5, %3)\n  output %6\nend\n";
+    let (g, fused, plain) = fused_and_plain("epilogue_ahead", text);
+    let kinds: Vec<String> = fused.launches.iter().map(|l| l.kind()).collect();
+    assert_eq!(kinds, ["Fused(Add+Relu)", "Gemm", "Add"], "{kinds:?}");
+    assert!(fused.launches[1].epilogue.is_some(), "the Gemm applies the Relu");
+    same_outputs(&g, fused, plain);
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also

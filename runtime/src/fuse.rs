@@ -99,12 +99,15 @@ fn chain_dtype(d: Option<DType>) -> bool {
 }
 
 /// The runs of `steps` (by index) to fuse, each at least two steps long. `shape` gives a value's
-/// fixed shape, and `root` the value whose buffer a value is (through views and widened casts).
+/// fixed shape, `root` the value whose buffer a value is (through views and widened casts), and
+/// `also` the values a step's launch writes besides its node's outputs (an epilogue's result, a
+/// sibling's).
 pub(crate) fn runs(
     g: &Graph,
     steps: &[NodeId],
     shape: &dyn Fn(ValueId) -> Option<Vec<usize>>,
     root: &dyn Fn(ValueId) -> ValueId,
+    also: &dyn Fn(NodeId) -> Vec<ValueId>,
 ) -> Vec<Vec<usize>> {
     let fusable = |n: NodeId| -> Option<Vec<usize>> {
         let node = g.node(n);
@@ -127,8 +130,11 @@ pub(crate) fn runs(
         ok.then_some(full)
     };
     // The step that makes each value, to tell which values a step further on reads.
-    let def_at: HashMap<ValueId, usize> =
-        steps.iter().enumerate().flat_map(|(i, &n)| g.node(n).outputs().iter().map(move |&o| (o, i))).collect();
+    let def_at: HashMap<ValueId, usize> = steps
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| g.node(n).outputs().iter().copied().chain(also(n)).map(move |o| (o, i)))
+        .collect();
     let mut out = Vec::new();
     let mut run: Vec<usize> = Vec::new();
     let mut made: HashSet<ValueId> = HashSet::new();

@@ -705,38 +705,19 @@ pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
         } else {
             v
         }
-    }); // The bias gradient: the sums over k of op(A)'s rows or op(B)'s columns, rounded once.
+    });
+    // The bias gradient: the sums over k of op(A)'s rows or op(B)'s columns, rounded once. Element
+    // (r, c) of op(X) is X's (c, r) where X is read transposed.
+    let Some((db, of)) = lt.bgrad else { return };
     let g = &lt.gemm;
-    match lt.bgrad {
-        Some((db, GradOf::A)) => {
-            for i in 0..g.m {
-                let s: f64 = (0..g.k)
-                    .map(|l| {
-                        if g.trans_a {
-                            m.get(g.a, l + i * g.lda, g.dtype)
-                        } else {
-                            m.get(g.a, i + l * g.lda, g.dtype)
-                        }
-                    })
-                    .sum();
-                m.set(db, i, g.c_dtype, s);
-            }
-        }
-        Some((db, GradOf::B)) => {
-            for j in 0..g.n {
-                let s: f64 = (0..g.k)
-                    .map(|l| {
-                        if g.trans_b {
-                            m.get(g.b, j + l * g.ldb, g.dtype)
-                        } else {
-                            m.get(g.b, l + j * g.ldb, g.dtype)
-                        }
-                    })
-                    .sum();
-                m.set(db, j, g.c_dtype, s);
-            }
-        }
-        None => {}
+    let at = |trans: bool, ld: i64, r: i64, c: i64| if trans { c + r * ld } else { r + c * ld };
+    let (x, len, of): (Buf, i64, &dyn Fn(i64, i64) -> i64) = match of {
+        GradOf::A => (g.a, g.m, &|i, l| at(g.trans_a, g.lda, i, l)),
+        GradOf::B => (g.b, g.n, &|j, l| at(g.trans_b, g.ldb, l, j)),
+    };
+    for i in 0..len {
+        let s: f64 = (0..g.k).map(|l| m.get(x, of(i, l), g.dtype)).sum();
+        m.set(db, i, g.c_dtype, s);
     }
 }
 

@@ -378,7 +378,12 @@ pub(super) fn lower_in(
     let end = steps.len();
     // Element-wise runs fused into one launch each, at the run's last consecutive step (`pos`).
     let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
-    let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root) } else { Vec::new() };
+    // What a step's launch writes besides its node's outputs: an epilogue's result, a sibling's.
+    let also = |n: NodeId| -> Vec<ValueId> {
+        let own = g.node(n).outputs().iter().map(|&o| written(o));
+        own.chain(siblings.get(&n).iter().flat_map(|&&r| g.node(r).outputs().iter().copied())).collect()
+    };
+    let runs = if fuse { crate::fuse::runs(g, &steps, &shape_of, &root, &also) } else { Vec::new() };
     let mut run_of: HashMap<usize, usize> = HashMap::new();
     for (r, run) in runs.iter().enumerate() {
         run_of.extend(run.iter().map(|&i| (i, r)));

@@ -31,7 +31,8 @@ pub(super) fn bias_gradients(
         let node = g.node(n);
         let Op::Gemm(a) = &node.op else { continue };
         let c = node.input(2).filter(|_| a.beta != 0.0);
-        if a.transA && !a.transB && c.is_none() && node.outputs().len() == 1 {
+        // (cuBLASLt's bias gradient is not scaled by the product's alpha.)
+        if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && node.outputs().len() == 1 {
             for slot in 0..2 {
                 if let Some(v) = node.input(slot) {
                     gemms.entry(root(v)).or_default().push((n, slot));

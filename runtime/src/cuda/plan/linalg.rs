@@ -114,6 +114,9 @@ impl<'a> Strided<'a> {
             Operand::Permuted(t, perm) => (t, perm.clone()),
             _ => return Err("a MatMul operand that is not a device tensor".into()),
         };
+        if perm.len() != t.shape.len() || perm.iter().any(|&d| d >= t.shape.len()) {
+            return Err("a MatMul operand read through no permutation of its axes".into());
+        }
         let st = contiguous(&t.shape);
         Ok(Strided {
             t,
@@ -188,10 +191,13 @@ fn plan_matmul_strided(p: &mut Planner, perm: Option<&[usize]>) -> Result<(), St
     let y = p.output(0)?;
     let r = y.shape.len();
     let id: Vec<usize> = (0..r).collect();
-    let c = Strided::through(y, perm.unwrap_or(&id));
-    if a.shape.len() < 2 || b.shape.len() < 2 || r < 2 || perm.is_some_and(|q| q.len() != r) {
-        return Err("a strided MatMul of operands of rank below 2".into());
+    let perm = perm.unwrap_or(&id);
+    let mut sorted = perm.to_vec();
+    sorted.sort_unstable();
+    if a.shape.len() < 2 || b.shape.len() < 2 || r < 2 || sorted != id {
+        return Err("a strided MatMul of operands of rank below 2, or through no permutation of its result".into());
     }
+    let c = Strided::through(y, perm);
     let (m, k, n) = (a.rows(), a.cols(), b.cols());
     if b.rows() != k || c.rows() != m || c.cols() != n {
         return Err("MatMul operands whose dims do not agree".into());
@@ -654,7 +660,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
     // calls follow the product's.
     let bgrad = match p.l.sibling.as_deref() {
-        Some(s) if a.transA && !a.transB && c.is_none() && !relu => {
+        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu => {
             let (dy, db) = (s.inputs.first(), s.outputs.first());
             let reads =
                 |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());

@@ -224,6 +224,9 @@ impl<'a> Planner<'a> {
             Some(Operand::Transposed(_)) => {
                 Err(format!("input {i} is read transposed, which this op's plan does not do"))
             }
+            Some(Operand::Permuted(..)) => {
+                Err(format!("input {i} is read through a permutation, which this op's plan does not do"))
+            }
             _ => Err(format!("input {i} is missing")),
         }
     }
