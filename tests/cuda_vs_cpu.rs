@@ -262,6 +262,11 @@ fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
         "input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
         "input %0 \"x\": f16[8,512,96]\n  input %1 \"s\": f16[]\n  %2 \"y\": f16[8,512,96] = Mul(%0, %1)\n  output %2",
         "input %0 \"x\": f32[8,512,96]\n  input %1 \"b\": f32[96]\n  %2 \"y\": f32[8,512,96] = Add(%0, %1)\n  output %2",
+        // Attention-sized transposes that move the last axis (32 x 32 tiles), and products read
+        // and written through permutations (arrays of matrix addresses).
+        "input %0 \"x\": f16[8,512,12,64]\n  %1 \"y\": f16[8,12,64,512] = Transpose[perm=[0,2,3,1]](%0)\n  output %1",
+        "input %0 \"x\": f32[2,12,64,100]\n  %1 \"y\": f32[2,100,12,64] = Transpose[perm=[0,3,1,2]](%0)\n  output %1",
+        "input %0 \"q\": f16[2,128,4,64]\n  input %1 \"k\": f16[2,128,4,64]\n  %2 \"qt\": f16[2,4,128,64] = Transpose[perm=[0,2,1,3]](%0)\n  %3 \"kt\": f16[2,4,64,128] = Transpose[perm=[0,2,3,1]](%1)\n  %4 \"s\": f16[2,4,128,128] = MatMul(%2, %3)\n  %5 \"y\": f16[2,128,4,128] = Transpose[perm=[0,2,1,3]](%4)\n  output %5",
         // The second moment must not be negative: |v|.
         "input %0 \"p\": f32[300,7]\n  input %1 \"g\": f16[300,7]\n  input %2 \"m\": f32[300,7]\n  input %3 \"v\": f32[300,7]\n  init %4 \"t\" = i64[]{3}\n  init %5 \"ok\" = bool[]{1}\n  init %6 \"inv\" = f32[]{0.0078125}\n  %7 \"va\": f32[300,7] = Abs(%3)\n  %8 \"p2\": f32[300,7], %9 \"m2\": f32[300,7], %10 \"v2\": f32[300,7] = ai.mpc::AdamUpdate[lr=0.001, decoupled=1](%0, %1, %2, %7, %4, %5, %6)\n  output %8\n  output %9\n  output %10",
     ];
