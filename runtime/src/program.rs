@@ -37,6 +37,7 @@ use crate::fuse::Chain;
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
 
+mod groups;
 mod lower;
 mod siblings;
 

@@ -1,15 +1,15 @@
-//! The interpreter of plan calls: the memory a plan runs over, its kernels' meaning (the
-//! element-wise, movement, reduction and im2col families here; the others in `more.rs`), cuBLAS
-//! GEMMs in column-major terms, and convolutions as cuDNN computes them.
+//! The interpreter of plan calls: the memory a plan runs over and its kernels' meaning (the
+//! element-wise, movement, reduction and im2col families here; the others in `more.rs`; the
+//! libraries' calls in `libraries.rs`).
 
 use std::collections::HashMap;
 
 use mpc_ir::DType;
-use mpc_runtime::cpu::run_op;
-use mpc_runtime::cuda::plan::{Arg, Buf, Call, DnnConv, DnnOp, Gemm, GradOf, Kernel, LaunchPlan, LtGemm, Window3};
+use mpc_runtime::cuda::plan::{Arg, Buf, Call, Kernel, LaunchPlan, Window3};
 use mpc_runtime::program::Region;
 use mpc_runtime::HostTensor;
 
+use super::libraries::*;
 use super::more::*;
 
 /// The bytes a plan runs over: the program's three regions, the workspace and the aux bytes.
@@ -651,76 +651,6 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
     }
 }
 
-pub(crate) fn run_gemm(m: &mut Memory, g: &Gemm) {
-    gemm_then(m, g, &|_, v| v);
-}
-
-/// A GEMM whose every result (before it is rounded to C's dtype) goes through `finish(row,
-/// value)` (cuBLAS's column-major rows).
-fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
-    let (d, dc) = (g.dtype, g.c_dtype);
-    for bi in 0..g.batch {
-        // Each matrix where its stride or its entry in the arrays of addresses says.
-        let (ga, gb, gc, a0, b0, c0) = match g.pointers {
-            Some(arrays) => {
-                let [pa, pb, pc] = arrays.map(|p| {
-                    let Buf::Aux(at) = p else { panic!("an array of addresses outside the aux bytes") };
-                    m.addresses[&(at + 8 * bi as u64)]
-                });
-                (pa, pb, pc, 0, 0, 0)
-            }
-            None => (g.a, g.b, g.c, bi * g.stride_a, bi * g.stride_b, bi * g.stride_c),
-        };
-        let g = &Gemm { a: ga, b: gb, c: gc, ..g.clone() };
-        for i in 0..g.m {
-            for j in 0..g.n {
-                let mut s = 0.0;
-                for l in 0..g.k {
-                    let av =
-                        if g.trans_a { m.get(g.a, a0 + l + i * g.lda, d) } else { m.get(g.a, a0 + i + l * g.lda, d) };
-                    let bv =
-                        if g.trans_b { m.get(g.b, b0 + j + l * g.ldb, d) } else { m.get(g.b, b0 + l + j * g.ldb, d) };
-                    s += av * bv;
-                }
-                let at = c0 + i + j * g.ldc;
-                let old = if g.beta != 0.0 { m.get(g.c, at, dc) } else { 0.0 };
-                let v = finish(i, g.alpha * s + g.beta * old);
-                m.set(g.c, at, dc, v);
-            }
-        }
-    }
-}
-
-/// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU,
-/// rounded once; and the bias gradient.
-pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
-    let bias: Vec<f64> = match lt.bias {
-        Some(b) => (0..lt.gemm.m).map(|i| m.get(b, i, lt.gemm.c_dtype)).collect(),
-        None => vec![0.0; lt.gemm.m as usize],
-    };
-    gemm_then(m, &lt.gemm, &|row, v| {
-        let v = v + bias[row as usize];
-        if lt.relu {
-            v.max(0.0)
-        } else {
-            v
-        }
-    });
-    // The bias gradient: the sums over k of op(A)'s rows or op(B)'s columns, rounded once. Element
-    // (r, c) of op(X) is X's (c, r) where X is read transposed.
-    let Some((db, of)) = lt.bgrad else { return };
-    let g = &lt.gemm;
-    let at = |trans: bool, ld: i64, r: i64, c: i64| if trans { c + r * ld } else { r + c * ld };
-    let (x, len, of): (Buf, i64, &dyn Fn(i64, i64) -> i64) = match of {
-        GradOf::A => (g.a, g.m, &|i, l| at(g.trans_a, g.lda, i, l)),
-        GradOf::B => (g.b, g.n, &|j, l| at(g.trans_b, g.ldb, l, j)),
-    };
-    for i in 0..len {
-        let s: f64 = (0..g.k).map(|l| m.get(x, of(i, l), g.dtype)).sum();
-        m.set(db, i, g.c_dtype, s);
-    }
-}
-
 /// Runs a plan's calls; a convolution as cuDNN computes it and a product with an epilogue as
 /// cuBLASLt does (`library`), or each as its fallback.
 pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, library: bool) {
@@ -745,59 +675,5 @@ pub(crate) fn run_call(m: &mut Memory, c: &Call, library: bool) {
         Call::Conv(conv) => conv.fallback.iter().for_each(|c| run_call(m, c, library)),
         Call::Lt(lt) if library => run_lt(m, lt),
         Call::Lt(lt) => lt.fallback.iter().for_each(|c| run_call(m, c, library)),
-    }
-}
-
-/// What cuDNN computes for `conv`, by the CPU's Conv and ConvGrad on the operands the
-/// descriptors describe: the plan's shapes, pads, strides, dilations and groups.
-pub(crate) fn run_dnn(m: &mut Memory, conv: &DnnConv) {
-    use mpc_ir::ops::ConvAttrs;
-    use mpc_ir::Op;
-    let d = conv.dtype;
-    let shape = |s: [i64; 4]| s.iter().map(|&v| v as usize).collect::<Vec<_>>();
-    let numel = |s: [i64; 4]| s.iter().product::<i64>() as usize;
-    let mut read = |b: Buf, s: [i64; 4]| HostTensor::from_le_bytes(d, shape(s), &m.bytes(b, 0, numel(s) * d.size()));
-    let zeros = |s: [i64; 4]| HostTensor::from_f64(d, shape(s), vec![0.0; numel(s)]);
-    let attrs = ConvAttrs {
-        pads: vec![conv.pads[0], conv.pads[1], conv.pads[0], conv.pads[1]],
-        strides: conv.strides.to_vec(),
-        dilations: conv.dilations.to_vec(),
-        group: conv.groups,
-        kernel_shape: conv.w[2..].to_vec(),
-        ..ConvAttrs::default()
-    };
-    let mut results = Vec::new();
-    for op in &conv.ops {
-        let (out, t) = match *op {
-            DnnOp::Forward { x, w, y } => {
-                let (x, w) = (read(x, conv.x), read(w, conv.w));
-                (y, run_op(&Op::Conv(Box::new(attrs.clone())), &[Some(&x), Some(&w)], 1).unwrap().remove(0))
-            }
-            DnnOp::BackwardData { w, dy, dx } => {
-                let (w, dy, x) = (read(w, conv.w), read(dy, conv.y), zeros(conv.x));
-                (
-                    dx,
-                    run_op(&Op::ConvGrad(Box::new(attrs.clone())), &[Some(&dy), Some(&x), Some(&w)], 2)
-                        .unwrap()
-                        .remove(0),
-                )
-            }
-            DnnOp::BackwardFilter { x, dy, dw } => {
-                let (x, dy, w) = (read(x, conv.x), read(dy, conv.y), zeros(conv.w));
-                (
-                    dw,
-                    run_op(&Op::ConvGrad(Box::new(attrs.clone())), &[Some(&dy), Some(&x), Some(&w)], 2)
-                        .unwrap()
-                        .remove(1),
-                )
-            }
-        };
-        results.push((out, t));
-    }
-    // Every operation reads the operands as they were before any of them wrote.
-    for (out, t) in results {
-        let mut b = vec![0u8; t.bytes()];
-        t.write_le_bytes(&mut b);
-        m.put(out, 0, &b);
     }
 }

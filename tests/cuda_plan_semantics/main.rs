@@ -13,6 +13,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod interp;
+mod libraries;
 mod more;
 mod train;
 

@@ -26,6 +26,7 @@ mod movement;
 mod norm;
 mod pool;
 mod reduce;
+mod strided;
 mod train;
 
 pub use calls::*;
@@ -36,6 +37,7 @@ use movement::*;
 use norm::*;
 use pool::*;
 use reduce::*;
+use strided::*;
 use train::*;
 
 /// Threads per block of the 1-D kernels (`MPC_BLOCK`).
@@ -61,99 +63,6 @@ fn contiguous(shape: &[usize]) -> Vec<i64> {
         acc *= shape[i] as i64;
     }
     s
-}
-
-/// The same walk over fewer dims: dims of size 1 dropped, and each dim merged into the next where
-/// every operand steps over the two as over one (`s[d] == s[d + 1] * dims[d + 1]`). The kernels
-/// divide an element's linear index once per dim: a bias row or a scalar broadcast over any
-/// shape becomes one or two dims. Returns the dims and each operand's strides over them.
-fn coalesce(dims: &[usize], strides: &[&[i64]]) -> (Vec<i64>, Vec<Vec<i64>>) {
-    let mut out: Vec<i64> = Vec::with_capacity(dims.len());
-    let mut outs: Vec<Vec<i64>> = vec![Vec::with_capacity(dims.len()); strides.len()];
-    for (d, &n) in dims.iter().enumerate() {
-        if n == 1 {
-            continue;
-        }
-        let n = n as i64;
-        let merge = !out.is_empty() && strides.iter().zip(&outs).all(|(s, o)| o[o.len() - 1] == s[d] * n);
-        if merge {
-            *out.last_mut().expect("a dim") *= n;
-            for (s, o) in strides.iter().zip(outs.iter_mut()) {
-                *o.last_mut().expect("a stride") = s[d];
-            }
-        } else {
-            out.push(n);
-            for (s, o) in strides.iter().zip(outs.iter_mut()) {
-                o.push(s[d]);
-            }
-        }
-    }
-    (out, outs)
-}
-
-/// A strided copy as tiles (`movement_transpose_*`): the input's contiguous axis (rows) and the
-/// output's (cols), their extents and other strides, and the remaining dims with both strides.
-#[derive(Debug, PartialEq)]
-struct TiledTranspose {
-    rows: i64,
-    cols: i64,
-    x_col: i64,
-    y_row: i64,
-    batch: i64,
-    dims: Vec<i64>,
-    xs: Vec<i64>,
-    ys: Vec<i64>,
-}
-
-/// The tiles of a copy over `dims` whose output is contiguous along its last (coalesced) axis and
-/// whose input is contiguous along another: a per-element copy would read each input element a
-/// whole output row apart (a Transpose that moves the last axis, as attention's `kᵀ`).
-fn tiled_transpose(dims: &[usize], xs: &[i64], ys: &[i64]) -> Option<TiledTranspose> {
-    let (d, s) = coalesce(dims, &[xs, ys]);
-    let (xs, ys) = (&s[0], &s[1]);
-    let c = d.len().checked_sub(1)?;
-    let r = (0..c).find(|&r| xs[r] == 1)?;
-    // At most 8 other dims (the kernel's Dims8), and a grid of at most 65535 row tiles.
-    if ys[c] != 1 || xs[c] == 1 || d.len() > 10 || (d[r] as u64).div_ceil(32) > MAX_ROWS {
-        return None;
-    }
-    let others: Vec<usize> = (0..c).filter(|&i| i != r).collect();
-    Some(TiledTranspose {
-        rows: d[r],
-        cols: d[c],
-        x_col: xs[c],
-        y_row: ys[r],
-        batch: others.iter().map(|&i| d[i]).product(),
-        dims: others.iter().map(|&i| d[i]).collect(),
-        xs: others.iter().map(|&i| xs[i]).collect(),
-        ys: others.iter().map(|&i| ys[i]).collect(),
-    })
-}
-
-/// A strided kernel's rank, dims and each operand's strides, as its arguments.
-type StridedArgs<const K: usize> = (i32, [i64; 8], [[i64; 8]; K]);
-
-/// The rank and the dims and strides arguments of a strided kernel over `dims` (coalesced), for
-/// each operand's strides; rank 0 where every operand is contiguous over the whole walk.
-fn strided_args<const K: usize>(dims: &[usize], strides: [&[i64]; K]) -> Result<StridedArgs<K>, String> {
-    let (d, s) = coalesce(dims, &strides);
-    if d.len() <= 1 && s.iter().all(|s| s.iter().all(|&x| x == 1)) {
-        return Ok((0, [0; 8], [[0; 8]; K]));
-    }
-    let mut out = [[0i64; 8]; K];
-    for (o, s) in out.iter_mut().zip(&s) {
-        *o = dims8(s)?;
-    }
-    Ok((d.len() as i32, dims8(&d)?, out))
-}
-
-fn dims8(v: &[i64]) -> Result<[i64; 8], String> {
-    if v.len() > 8 {
-        return Err(format!("rank {} (the CUDA kernels take at most 8 dims)", v.len()));
-    }
-    let mut d = [0i64; 8];
-    d[..v.len()].copy_from_slice(v);
-    Ok(d)
 }
 
 fn us(v: &[usize]) -> Vec<i64> {
@@ -302,55 +211,6 @@ impl<'a> Planner<'a> {
         if from != to && bytes > 0 {
             self.out.calls.push(Call::Copy { from, to, bytes });
         }
-    }
-
-    /// `y[c] = x[Σ c_d xs_d]` over `dims`, y at `ys` strides (movement_copy).
-    fn strided_copy(
-        &mut self,
-        dtype: DType,
-        x: Buf,
-        y: Buf,
-        dims: &[usize],
-        xs: &[i64],
-        ys: &[i64],
-    ) -> Result<(), String> {
-        let n = numel(dims);
-        if let Some(t) = tiled_transpose(dims, xs, ys) {
-            // Reads along the input's contiguous axis and writes along the output's.
-            let tiles = |n: i64| (n as u64).div_ceil(32) as u32;
-            let grid = [tiles(t.cols), tiles(t.rows), t.batch.clamp(1, MAX_ROWS as i64) as u32];
-            let (rank, d, [bxs, bys]) = (t.dims.len() as i32, dims8(&t.dims)?, [dims8(&t.xs)?, dims8(&t.ys)?]);
-            let args = vec![
-                Arg::Ptr(x),
-                Arg::Ptr(y),
-                Arg::I64(t.batch),
-                Arg::I32(rank),
-                Arg::Dims(d),
-                Arg::Dims(bxs),
-                Arg::Dims(bys),
-                Arg::I64(t.rows),
-                Arg::I64(t.cols),
-                Arg::I64(t.x_col),
-                Arg::I64(t.y_row),
-            ];
-            if n > 0 {
-                self.kernel("movement", format!("movement_transpose_{}", size_tag(dtype)?), grid, [32, 8, 1], args);
-            }
-            return Ok(());
-        }
-        let name = format!("movement_copy_{}", size_tag(dtype)?);
-        let (rank, d, [xs, ys]) = strided_args(dims, [xs, ys])?;
-        let args = vec![
-            Arg::Ptr(x),
-            Arg::Ptr(y),
-            Arg::I64(n as i64),
-            Arg::I32(rank),
-            Arg::Dims(d),
-            Arg::Dims(xs),
-            Arg::Dims(ys),
-        ];
-        self.flat("movement", name, n, args);
-        Ok(())
     }
 
     /// `x` broadcast to `out` dims, written contiguously to `y`.
