@@ -1,0 +1,331 @@
+//! The command line's arguments: the subcommands and the options they share (clap).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use mpc::{Error, Options};
+
+use super::parse_dims;
+
+#[derive(Parser)]
+#[command(name = "mpc", version, about = "A mixed-precision graph compiler for ONNX models")]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct Common {
+    /// The model: an .onnx file or mpc text IR (.mpcir).
+    pub(crate) model: PathBuf,
+    /// Precision policy: fp32 (no rewrite; the default), mixed (FP16), mixed-bf16, fp16 (everything FP16).
+    #[arg(long)]
+    pub(crate) policy: Option<String>,
+    /// A TOML policy file: base policy, low dtype, list edits, pinned nodes.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// Run this op type in low precision (repeatable).
+    #[arg(long, value_name = "OP")]
+    pub(crate) allow: Vec<String>,
+    /// Keep this op type in FP32 (repeatable).
+    #[arg(long, value_name = "OP")]
+    pub(crate) deny: Vec<String>,
+    /// Keep the node with this name in FP32 (repeatable).
+    #[arg(long, value_name = "NODE")]
+    pub(crate) pin_fp32: Vec<String>,
+    /// Graph input and output dtypes: keep (default) or low.
+    #[arg(long, value_name = "keep|low", default_value = "keep")]
+    pub(crate) io_types: String,
+    /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.
+    #[arg(long = "dim", value_name = "NAME=N")]
+    pub(crate) dims: Vec<String>,
+    /// Measure every value's range on these sample inputs (safetensors, named after the graph
+    /// inputs) in FP32 first, and keep in FP32 the nodes whose outputs the low dtype would break
+    /// (an overflow, or more than 1% of the non-zeros flushed to zero).
+    #[arg(long, value_name = "DATA")]
+    pub(crate) calibrate: Option<PathBuf>,
+    /// Calibrate with ranges saved by --ranges-out instead of measuring.
+    #[arg(long, value_name = "FILE", conflicts_with = "calibrate")]
+    pub(crate) ranges_in: Option<PathBuf>,
+    /// Save the measured ranges (JSON) for --ranges-in.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) ranges_out: Option<PathBuf>,
+    /// Batches of the calibration data to measure, and samples per batch.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub(crate) calibrate_batches: usize,
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    pub(crate) calibrate_batch: usize,
+    /// The most memory one lowered program may hold (activations, weights, training state), as
+    /// bytes or with a K, M, G or T suffix (powers of 1024); the default is the machine's memory.
+    /// A larger program is refused before anything is allocated.
+    #[arg(long, value_name = "SIZE")]
+    pub(crate) max_memory: Option<String>,
+    /// With --device cuda: launch every kernel of every step instead of recording the second
+    /// step as a CUDA graph and replaying it (the results are the same bits).
+    #[arg(long)]
+    pub(crate) no_cuda_graph: bool,
+}
+
+impl Common {
+    pub(crate) fn options(&self, dump_after: Vec<String>, stop_after: Option<String>) -> Result<Options, Error> {
+        let io_low = match self.io_types.as_str() {
+            "keep" => false,
+            "low" => true,
+            other => return Err(Error::Usage(format!("--io-types `{other}`: expected keep or low"))),
+        };
+        Ok(Options {
+            policy: self.policy.clone(),
+            config: self.config.clone(),
+            allow: self.allow.clone(),
+            deny: self.deny.clone(),
+            pin_fp32: self.pin_fp32.clone(),
+            io_low,
+            dims: parse_dims(&self.dims)?,
+            dump_after,
+            stop_after,
+            train: None,
+            loss_scale: None,
+            calibrate: self.calibration(),
+        })
+    }
+
+    pub(crate) fn calibration(&self) -> Option<mpc::ranges::Calibration> {
+        (self.calibrate.is_some() || self.ranges_in.is_some()).then(|| mpc::ranges::Calibration {
+            data: self.calibrate.clone(),
+            ranges_in: self.ranges_in.clone(),
+            ranges_out: self.ranges_out.clone(),
+            batch: self.calibrate_batch,
+            batches: self.calibrate_batches,
+        })
+    }
+}
+
+/// Training options (`compile --train` and `train`); each overrides the config file's `[train]`
+/// table, which overrides the defaults.
+#[derive(clap::Args)]
+pub(crate) struct TrainArgs {
+    /// The loss: cross-entropy (on the first output, against integer labels; the default), mse, or
+    /// output:NAME (the model computes its own scalar loss). Cross-entropy takes the classes on
+    /// axis 1 and skips labels of -100; `cross-entropy:axis=-1` is a language model's loss over
+    /// [batch, tokens, vocabulary] scores, `ignore-index=N|none` sets the skipped label.
+    #[arg(long)]
+    pub(crate) loss: Option<String>,
+    /// Name of the labels (or targets) input the loss adds [default: labels].
+    #[arg(long)]
+    pub(crate) labels: Option<String>,
+    /// sgd, momentum, adam (the default) or adamw.
+    #[arg(long)]
+    pub(crate) optimizer: Option<String>,
+    /// Learning rate [default: 0.001].
+    #[arg(long)]
+    pub(crate) lr: Option<f32>,
+    /// Weight decay [default: 0].
+    #[arg(long)]
+    pub(crate) weight_decay: Option<f32>,
+    /// Momentum of the momentum optimizer [default: 0.9].
+    #[arg(long)]
+    pub(crate) momentum: Option<f32>,
+    /// Clip the gradients' global norm (after unscaling) to this.
+    #[arg(long, value_name = "NORM")]
+    pub(crate) clip_norm: Option<f32>,
+    /// dynamic, auto (dynamic, starting where gradients measured on --calibrate DATA say), static:S
+    /// or none (default: dynamic for mixed, none otherwise).
+    #[arg(long, value_name = "MODE")]
+    pub(crate) loss_scale: Option<String>,
+    /// Do not train this initializer (repeatable).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) freeze: Vec<String>,
+    /// Seed of the random streams: the dropout masks and, for `train`, the sample order [default: 0].
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Train initializers that are copies or transposes of one another (an exported tied LM head)
+    /// as separate parameters, not as one.
+    #[arg(long)]
+    pub(crate) no_tie: bool,
+    /// Cast each FP32 master weight to the low dtype in every step, instead of keeping its low
+    /// copy as training state that the optimizer update writes: less memory (a copy lives only
+    /// from its forward use to its last backward use), one more launch and more traffic per weight.
+    #[arg(long)]
+    pub(crate) no_weight_copies: bool,
+}
+
+impl TrainArgs {
+    pub(crate) fn settings(&self) -> mpc::config::TrainFile {
+        mpc::config::TrainFile {
+            loss: self.loss.clone(),
+            labels: self.labels.clone(),
+            optimizer: self.optimizer.clone(),
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            momentum: self.momentum,
+            clip_norm: self.clip_norm,
+            loss_scale: self.loss_scale.clone(),
+            freeze: self.freeze.clone(),
+            seed: self.seed,
+            tie: self.no_tie.then_some(false),
+            weight_copies: self.no_weight_copies.then_some(false),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Rewrite a model and write it as ONNX, text IR, Graphviz or JSON.
+    Compile {
+        #[command(flatten)]
+        common: Common,
+        /// Output file; the format follows its extension (.onnx, .mpcir, .dot, .json).
+        /// Without it, the text IR goes to stdout.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Output format, overriding the extension: onnx, ir, dot, json.
+        #[arg(long)]
+        emit: Option<String>,
+        /// Print the text IR after this pass to stderr (repeatable).
+        #[arg(long, value_name = "PASS")]
+        dump_after: Vec<String>,
+        /// Stop the pipeline after this pass.
+        #[arg(long, value_name = "PASS")]
+        stop_after: Option<String>,
+        /// Print timings and peak memory to stderr.
+        #[arg(long)]
+        stats: bool,
+        /// Build the whole training step: loss, backward graph, optimizer, loss scaling.
+        #[arg(long)]
+        train: bool,
+        #[command(flatten)]
+        train_args: TrainArgs,
+    },
+    /// Compile the training step and train on a data file; print per-epoch loss and accuracy.
+    Train {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        train_args: TrainArgs,
+        /// Training data (safetensors): tensors named after the graph inputs and the labels,
+        /// the first dimension being the sample.
+        #[arg(long, value_name = "FILE")]
+        data: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        epochs: usize,
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
+        #[arg(long, value_name = "F|N", default_value_t = 0.0)]
+        eval_split: f64,
+        /// Write DIR/checkpoint.safetensors after each epoch.
+        #[arg(long, value_name = "DIR")]
+        checkpoint: Option<PathBuf>,
+        /// Continue from the checkpoint in --checkpoint DIR.
+        #[arg(long)]
+        resume: bool,
+        /// Stop after this many steps in all (a run can be resumed later).
+        #[arg(long, value_name = "N")]
+        max_steps: Option<usize>,
+        /// The device: cpu, or cuda (the first GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Write the model with the trained weights (ONNX, ready for inference).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Print what the training step costs: arena, state and constants bytes, launches per
+        /// step, allocations inside steps after the first, host reads per step.
+        #[arg(long)]
+        stats: bool,
+    },
+    /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
+    Inspect {
+        #[command(flatten)]
+        common: Common,
+        /// Say, for every node, which precision it got and which rule or neighbour decided it.
+        #[arg(long)]
+        explain: bool,
+        /// Print the graph as Graphviz, coloured by precision, instead of text.
+        #[arg(long)]
+        dot: bool,
+        /// Print the memory plan's peak bytes (weights, activations) for the policy.
+        #[arg(long)]
+        memory: bool,
+        /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
+        #[arg(long)]
+        batch: Option<u64>,
+        /// Run the FP32 model on these sample inputs and report, for every float value, what the
+        /// policy's low dtype (FP16 unless --policy mixed-bf16) would flush or overflow; the values
+        /// at risk first. Batches as --calibrate-batches and --calibrate-batch say.
+        #[arg(long, value_name = "DATA")]
+        ranges: Option<PathBuf>,
+        /// With --ranges: print every value's measurements as JSON.
+        #[arg(long, requires = "ranges")]
+        json: bool,
+        /// With --ranges: measure the training step too (FP32, loss scale 1, the data holding the
+        /// labels) and print the histogram of log2 |activation gradient| with the loss scales that
+        /// lose nothing and overflow nothing. With --memory: the plan of the training step (the
+        /// training options) instead of inference's.
+        #[arg(long)]
+        train: bool,
+        /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
+        #[arg(long, value_name = "FILE.svg", requires_all = ["train", "ranges"])]
+        plot: Option<PathBuf>,
+        #[command(flatten)]
+        train_args: TrainArgs,
+    },
+    /// Compile with a policy and run on a backend; print a summary of each output.
+    Run {
+        #[command(flatten)]
+        common: Common,
+        /// Inputs as a safetensors file, tensors named after the graph inputs.
+        #[arg(long, value_name = "FILE", conflicts_with = "random_inputs")]
+        inputs: Option<PathBuf>,
+        /// Random inputs from this seed (floats N(0,1), integers in [0,2)); --dim sizes symbolic dims.
+        #[arg(long, value_name = "SEED")]
+        random_inputs: Option<u64>,
+        /// Where to write the outputs (safetensors, keyed by graph output name).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// The device: cpu, or cuda (the first GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Run this many more times after a warm-up run and print the median time per run.
+        #[arg(long, value_name = "N")]
+        repeat: Option<usize>,
+        /// Print what the lowered program costs: arena and persistent bytes, launches per step,
+        /// allocations inside steps after the first, host reads per step.
+        #[arg(long)]
+        stats: bool,
+    },
+    /// Time a model's step under each policy on a device: median step time, samples/s, TFLOP/s
+    /// and its share of the device's measured matrix-product rate, memory, compile time, launches.
+    Bench {
+        #[command(flatten)]
+        common: Common,
+        /// Time the training step (with the training options) instead of inference.
+        #[arg(long)]
+        train: bool,
+        #[command(flatten)]
+        train_args: TrainArgs,
+        /// The policies to compare, comma-separated (the default: fp32,mixed,mixed-bf16);
+        /// --policy also takes such a list here.
+        #[arg(long, value_name = "P,P,...")]
+        policies: Option<String>,
+        /// Binds the first symbolic dim of each input.
+        #[arg(long, default_value_t = 64)]
+        batch: u64,
+        /// Steps timed after the warm-up.
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// The device: cpu, or cuda (the first GPU).
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// After the timed steps, time each launch of one more step and report the time by op.
+        #[arg(long)]
+        profile: bool,
+    },
+    /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
+    Devices,
+}
