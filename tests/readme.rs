@@ -70,8 +70,8 @@ fn every_op_has_a_checked_gradient_rule_or_is_listed_without_one() {
             _ => {}
         }
     }
-    let tests =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/gradients.rs")).expect("gradients.rs");
+    let tests = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/gradients/main.rs"))
+        .expect("gradients/main.rs");
     let known: BTreeSet<String> = mpc_ir::Op::KNOWN.iter().map(|s| s.to_string()).collect();
     let unknown: Vec<&String> = without.difference(&known).collect();
     assert!(unknown.is_empty(), "README lists ops without a gradient that are not ops: {unknown:?}");
