@@ -13,54 +13,10 @@ use mpc_ir::ops::{AxisAttrs, CastAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, Resha
 use mpc_ir::{normalize_axis, DType, Graph, NodeId, Op, ValueId};
 
 use super::build::{fixed, Builder};
+use super::differentiable::differentiable;
+use super::low::{narrow_loss_grad, saved_low_copy};
 use super::rules;
 use crate::PassError;
-
-/// The inputs of `op` that gradients flow into (the others are indices, shapes, masks or
-/// statistics).
-pub fn differentiable(op: &Op, slot: usize) -> bool {
-    match op {
-        Op::Reshape(_)
-        | Op::Squeeze
-        | Op::Unsqueeze
-        | Op::Slice
-        | Op::Gather(_)
-        | Op::Expand
-        | Op::Tile
-        | Op::Pad(_)
-        | Op::Dropout(_)
-        | Op::SeededDropout(_)
-        | Op::ReduceSum(_)
-        | Op::ReduceMean(_)
-        | Op::ReduceMax(_)
-        | Op::ReduceMin(_)
-        | Op::ReduceSumSquare(_)
-        | Op::ReduceL2(_)
-        | Op::ReduceL1(_)
-        | Op::ReduceLogSumExp(_)
-        | Op::ReduceProd(_)
-        | Op::CumSum(_)
-        | Op::Split(_)
-        | Op::Clip
-        | Op::Resize(_)
-        | Op::Trilu(_)
-        | Op::SoftmaxCrossEntropyLoss(_)
-        | Op::NegativeLogLikelihoodLoss(_)
-        | Op::GatherElements(_)
-        | Op::GatherND(_) => slot == 0,
-        // Data and updates; never the indices.
-        Op::ScatterND(_) | Op::ScatterElements(_) => slot == 0 || slot == 2,
-        Op::Where => slot > 0,
-        // Piecewise constant: the gradient is zero wherever it exists (PyTorch's convention too), so
-        // their input is not differentiated and no gradient flows through them.
-        Op::Floor | Op::Ceil | Op::Round | Op::Sign => false,
-        Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
-        Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
-        // On the path, so that a parameter behind an op mpc cannot differentiate is an error.
-        Op::Opaque(_) => true,
-        _ => !op.is_mpc(),
-    }
-}
 
 /// The values that need a gradient, by value index: those on a path from a parameter to `loss`
 /// through differentiable float inputs.
@@ -201,44 +157,6 @@ fn total(b: &mut Builder, contrib: &mut [Vec<ValueId>], v: ValueId) -> Option<Va
         *parts = vec![d];
     }
     Some(parts[0])
-}
-
-/// What the backward pass reads of an FP32 output `y` that the forward pass also rounds to a
-/// low dtype (a softmax whose probabilities feed a low matrix product): that low copy, widened
-/// where it is read. The forward then keeps only the low copy alive until the backward pass
-/// (half the bytes, or less), at the cost of the rounding in what the gradient reads; the
-/// forward's results are unchanged. `None` when the forward makes no low copy.
-fn saved_low_copy(b: &mut Builder, y: ValueId) -> Option<ValueId> {
-    if b.g.ty(y).dtype != Some(DType::F32) {
-        return None;
-    }
-    let low = b.g.value(y).uses().iter().find_map(|u| {
-        let node = b.g.node(u.node);
-        let out = *node.outputs().first()?;
-        (matches!(node.op, Op::Cast(_)) && matches!(b.g.ty(out).dtype, Some(DType::F16 | DType::BF16))).then_some(out)
-    })?;
-    Some(b.cast(low, DType::F32))
-}
-
-/// The gradient of a loss over scores widened from a low dtype (`y = Cast(x)` to FP32, read by a
-/// SoftmaxCrossEntropyLoss): instead of the loss's gradient written in FP32 and cast back to
-/// `x`'s dtype, the gradient node reads `x` itself and writes `x`'s dtype. The kernels widen each
-/// score as they load it and compute in FP32 as before, so only the rounding of the result moves
-/// (once into the low dtype, where it was rounded to FP32 and then cast); no FP32 copy of the
-/// gradient, and none of the scores, lives into the backward pass. Returns the new gradient of
-/// `x`, or `None` where the pattern does not hold (then the cast's rule applies).
-fn narrow_loss_grad(b: &mut Builder, x: ValueId, y: ValueId, dy: ValueId) -> Option<ValueId> {
-    let low = matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16));
-    if !low || b.g.ty(y).dtype != Some(DType::F32) || !b.g.value(dy).uses().is_empty() || b.g.is_output(dy) {
-        return None;
-    }
-    let (m, 0) = b.g.value(dy).producer()? else { return None };
-    let grad = b.g.node(m);
-    if !matches!(grad.op, Op::SoftmaxCrossEntropyLossGrad(_)) || grad.input(1) != Some(y) {
-        return None;
-    }
-    b.g.set_input(m, 1, Some(x));
-    Some(dy)
 }
 
 /// Input gradients of node `n` given its output gradients (`None` for outputs nothing reads).

@@ -17,6 +17,8 @@
 
 mod autodiff;
 pub(crate) mod build;
+mod differentiable;
+mod low;
 mod optimizer;
 mod rules;
 mod tie;
@@ -26,8 +28,9 @@ use std::collections::BTreeSet;
 use mpc_ir::ops::{LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
 
-pub use autodiff::{differentiable, differentiate, differentiate_all, Gradients};
+pub use autodiff::{differentiate, differentiate_all, Gradients};
 use build::Builder;
+pub use differentiable::differentiable;
 pub use optimizer::OptimizerPass;
 pub use tie::{apply_ties, tie_weights, Tie};
 
