@@ -190,6 +190,15 @@ def copy_rate():
     return 2 * 2**30 / (statistics.median(times) * 1e-3) / 1e12
 
 
+# The A/B runs: mpc mixed without one speed-up, beside the run with it.
+AB_VARIANTS = [
+    ("cudnn", ("resnet50",), {"MPC_CUDNN": "0"}, "with cuDNN convolutions / without (im2col + GEMM)"),
+    ("fusion", ("gpt", "resnet50"), {"MPC_FUSE": "0"},
+     "fused (chains, epilogues, bias gradients, permuted reads, multi-tensor updates) / without (MPC_FUSE=0)"),
+    ("cublaslt", ("mlp",), {"MPC_CUBLASLT": "0"}, "with cuBLASLt epilogues / without (MPC_CUBLASLT=0)"),
+]
+
+
 def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="fp32,mixed,mixed-bf16", env=None):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
            "--policies", policies, "--batch", str(batch), "--steps", str(steps),
@@ -241,26 +250,16 @@ def main():
                     torch_rows[key] = (None, None)
                     print(f"{name}: torch {key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
         mpc = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, not args.no_profile)
-        # Convolutions through cuDNN against im2col + GEMM (MPC_CUDNN=0), mixed, in the same run.
-        no_dnn = None
-        if name == "resnet50" and dev == "cuda":
-            no_dnn = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
-                               {"MPC_CUDNN": "0"})
-        # Fused (element-wise chains, epilogues, multi-tensor updates) against every op on its
-        # own (MPC_FUSE=0), mixed.
-        no_fuse = None
-        if name in ("gpt", "resnet50") and dev == "cuda":
-            no_fuse = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
-                                {"MPC_FUSE": "0"})
-        # Dense layers through cuBLASLt's bias and ReLU epilogues against a broadcast, a GEMM and
-        # a ReLU (MPC_CUBLASLT=0), mixed.
-        no_lt = None
-        if name == "mlp" and dev == "cuda":
-            no_lt = mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False, "mixed",
-                              {"MPC_CUBLASLT": "0"})
+        # mpc mixed without one of its speed-ups, in the same run: (key, models, environment,
+        # what the ratio compares).
+        without = {}
+        for key, names, env, what in AB_VARIANTS:
+            if name in names and dev == "cuda":
+                without[key] = (what, mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False,
+                                                "mixed", env))
         os.remove(path)
-        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc, "mpc_without_cudnn": no_dnn,
-                         "mpc_without_fusion": no_fuse, "mpc_without_cublaslt": no_lt}
+        results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc,
+                         **{f"mpc_without_{k}": v for k, (_, v) in without.items()}}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
             json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
@@ -281,23 +280,13 @@ def main():
             dnn += f", cuBLASLt {row['cublaslt_gemms']} of {lts} products with a bias or ReLU" if lts else ""
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate){dnn}")
-        if no_dnn and "mixed" in no_dnn and "mixed" in mpc:
-            ms = no_dnn["mixed"]["step_ms_median"]
-            line = f"mpc mixed with cuDNN convolutions / without (im2col + GEMM): {mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)"
-            print("  " + line)
-            lines.append(f"{name}: {line}")
-        if no_lt and "mixed" in no_lt and "mixed" in mpc:
-            ms = no_lt["mixed"]["step_ms_median"]
-            line = (f"mpc mixed with cuBLASLt epilogues / without (MPC_CUBLASLT=0): "
-                    f"{mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms without)")
-            print("  " + line)
-            lines.append(f"{name}: {line}")
-        if no_fuse and "mixed" in no_fuse and "mixed" in mpc:
-            ms = no_fuse["mixed"]["step_ms_median"]
-            line = (f"mpc mixed fused (chains, epilogues, multi-tensor updates) / without (MPC_FUSE=0): "
-                    f"{mpc['mixed']['step_ms_median'] / ms:.2f}x ({ms:.3f} ms and {no_fuse['mixed']['launches_per_step']} launches without)")
-            print("  " + line)
-            lines.append(f"{name}: {line}")
+        for what, rows in without.values():
+            if rows and "mixed" in rows and "mixed" in mpc:
+                ms = rows["mixed"]["step_ms_median"]
+                line = (f"mpc mixed {what}: {mpc['mixed']['step_ms_median'] / ms:.2f}x "
+                        f"({ms:.3f} ms and {rows['mixed']['launches_per_step']} launches without)")
+                print("  " + line)
+                lines.append(f"{name}: {line}")
         for policy, row in mpc.items():
             if row.get("profile"):
                 top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']}, "

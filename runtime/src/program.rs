@@ -91,7 +91,7 @@ pub enum Operand {
     /// reference holds the stored tensor (its shape is the Transpose's input's).
     Transposed(TensorRef),
     /// A tensor that a matrix product reads through a permutation of its axes: the graph's
-    /// Transpose fused into its reader (`[reads_through`]: the stored last axis stays one of the
+    /// Transpose fused into its reader ([`reads_through`]: the stored last axis stays one of the
     /// matrix axes), which reads each matrix where it lies, a leading dim and a batch of
     /// addresses. The reference holds the stored tensor; operand axis `i` is its axis `perm[i]`.
     Permuted(TensorRef, Vec<usize>),
@@ -143,10 +143,18 @@ pub fn takes_epilogue(op: &Op, then: &Op, from: Option<DType>, to: Option<DType>
 /// axes, so that each matrix lands with one of its axes contiguous (the other is its leading
 /// dim); the batch axes may go anywhere (each matrix's address is then its own).
 pub fn writes_permuted(perm: &[i64]) -> bool {
-    let r = perm.len() as i64;
+    permutation(perm).is_some_and(|p| p.len() >= 2 && p[p.len() - 1] + 2 >= p.len())
+}
+
+/// A Transpose's `perm` as axes, where it is a permutation of `0..perm.len()`.
+pub fn permutation(perm: &[i64]) -> Option<Vec<usize>> {
     let mut seen = vec![false; perm.len()];
-    let valid = perm.iter().all(|&a| (0..r).contains(&a) && !std::mem::replace(&mut seen[a as usize], true));
-    valid && r >= 2 && perm[perm.len() - 1] >= r - 2
+    perm.iter()
+        .map(|&a| {
+            let a = usize::try_from(a).ok().filter(|&a| a < perm.len())?;
+            (!std::mem::replace(&mut seen[a], true)).then_some(a)
+        })
+        .collect()
 }
 
 /// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,
@@ -162,9 +170,7 @@ pub fn library_epilogue(op: &Op) -> bool {
 /// matrix then has one contiguous axis, the other is its leading dim).
 pub fn reads_through(perm: &[usize]) -> bool {
     let r = perm.len();
-    let mut seen = vec![false; r];
-    let valid = perm.iter().all(|&a| a < r && !std::mem::replace(&mut seen[a], true));
-    valid && r >= 2 && (perm[r - 1] == r - 1 || perm[r - 2] == r - 1)
+    r >= 2 && (perm[r - 1] == r - 1 || perm[r - 2] == r - 1)
 }
 
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.

@@ -265,7 +265,7 @@ fn read_in_readers(
         let node = g.node(n);
         let (Op::Transpose(a), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
         let (Some(perm), Ok((_, s))) = (a.perm.as_deref(), ty(u)) else { continue };
-        let Ok(perm) = perm.iter().map(|&d| usize::try_from(d)).collect::<Result<Vec<usize>, _>>() else { continue };
+        let Some(perm) = permutation(perm) else { continue };
         // (A Transpose already composed with the one before it is read through that.)
         if transposed.contains_key(&v)
             || permuted.contains_key(&v)
