@@ -247,6 +247,10 @@ pub(crate) enum Command {
         /// Print the memory plan's peak bytes (weights, activations) for the policy.
         #[arg(long)]
         memory: bool,
+        /// With --memory: list every launch of the step in order, with the bytes it moves at the
+        /// least, its matrix-product FLOPs and its outputs.
+        #[arg(long, requires = "memory")]
+        launches: bool,
         /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
         #[arg(long)]
         batch: Option<u64>,

@@ -370,7 +370,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             Ok(())
         }
-        Command::Inspect { common, explain, dot, memory, batch, ranges, json, train, plot, train_args } => {
+        Command::Inspect { common, explain, dot, memory, launches, batch, ranges, json, train, plot, train_args } => {
             let mut opts = common.options(Vec::new(), None)?;
             if train && ranges.is_none() {
                 if !memory {
@@ -452,7 +452,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
             } else if memory {
                 let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
-                mpc::run::memory_report(&p, &used)
+                let mut out = mpc::run::memory_report(&p, &used);
+                if launches {
+                    out.push_str(&mpc::run::launch_list(&p));
+                }
+                out
             } else if dot {
                 mpc::dot::to_dot_marked(&g, &dot_marks(&cx)).map_err(ierr)?
             } else {

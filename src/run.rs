@@ -270,6 +270,40 @@ fn traffic_report(t: &mpc_runtime::cost::Traffic) -> String {
     out
 }
 
+/// `inspect --memory --launches`: every launch in step order, with what it moves at the least
+/// ([`mpc_runtime::cost::launch_cost`]), its FLOPs and its outputs.
+pub fn launch_list(p: &mpc_runtime::program::Program) -> String {
+    use std::fmt::Write;
+    let size = crate::summary::bytes;
+    let mut out = format!("launches of a step, in order ({}):\n", p.launches.len());
+    let _ = writeln!(out, "  {:>5}  {:>11}  {:>9}  kind, node: outputs", "#", "bytes", "GFLOP");
+    for (i, l) in p.launches.iter().enumerate() {
+        let c = mpc_runtime::cost::launch_cost(l);
+        let flops = if c.flops > 0 { format!("{:.2}", c.flops as f64 / 1e9) } else { "-".into() };
+        let outputs: Vec<String> = l
+            .parts()
+            .iter()
+            .flat_map(|m| &m.outputs)
+            .take(4)
+            .map(|t| {
+                let dims: Vec<String> = t.shape.iter().map(|x| x.to_string()).collect();
+                format!("{}[{}]", t.dtype, dims.join(", "))
+            })
+            .collect();
+        let more = l.parts().iter().map(|m| m.outputs.len()).sum::<usize>().saturating_sub(outputs.len());
+        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+        let _ = writeln!(
+            out,
+            "  {i:>5}  {:>11}  {flops:>9}  {}, {}: {}{more}",
+            size(c.bytes()),
+            l.kind(),
+            l.node,
+            outputs.join(", ")
+        );
+    }
+    out
+}
+
 /// `--stats`: what a lowered program costs on its device.
 pub fn stats_line(p: &mpc_runtime::program::Program, s: &mpc_runtime::session::StepStats) -> String {
     // The counts of the program that ran; the bytes of every program the session holds.

@@ -304,6 +304,18 @@ fn bench_reports_each_policy() {
     let out = String::from_utf8_lossy(&r.stdout);
     let traffic = out.split("in all (").nth(1).and_then(|t| t.split(' ').next()).unwrap();
     assert_eq!(bytes.to_string(), traffic, "{out}");
+    // `--launches`: one row per launch, in order, numbered from 0.
+    let r = mpc(&[&args[..], &["--policy", "mixed", "--batch", "16", "--launches"]].concat());
+    let listed = String::from_utf8_lossy(&r.stdout);
+    let launches = out.split(" launches; matrix products").next().and_then(|t| t.rsplit(' ').next()).unwrap();
+    let list = listed.split("launches of a step, in order (").nth(1).unwrap();
+    assert!(list.starts_with(&format!("{launches}):")), "{listed}");
+    let rows: Vec<&str> = list.lines().skip(2).collect();
+    assert_eq!(rows.len().to_string(), launches, "{listed}");
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(row.split_whitespace().next(), Some(i.to_string().as_str()), "{row}");
+    }
+    assert!(rows.iter().any(|r| r.contains("Multi(AdamUpdate)")), "{listed}");
     assert!(profile.iter().all(|p| p["gb_per_s"].as_f64().is_some_and(|g| g >= 0.0)), "{row}");
 
     let r = mpc(&["bench", m.to_str().unwrap(), "--policies", "fp32,fast"]);

@@ -62,7 +62,8 @@ fn programs() -> Vec<(String, Program)> {
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     // A multi-tensor launch's operands are its members', and a sibling's are the launch's.
-    let ins = l.parts().into_iter().flat_map(|m| &m.inputs).filter_map(Operand::tensor);
+    let ins =
+        l.parts().into_iter().flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand)).filter_map(Operand::tensor);
     ins.chain(l.parts().into_iter().flat_map(|m| &m.outputs))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())
@@ -292,6 +293,7 @@ fn matmul_plans_follow_numpy_broadcasting() {
         branches: None,
         chain: None,
         epilogue: None,
+        epilogue_operand: None,
         group: Vec::new(),
         sibling: None,
     };
@@ -352,6 +354,7 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         branches: None,
         chain: None,
         epilogue: relu.then_some(mpc_ir::Op::Relu),
+        epilogue_operand: None,
         group: Vec::new(),
         sibling: None,
     };
@@ -418,6 +421,7 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
             branches: None,
             chain: None,
             epilogue: None,
+            epilogue_operand: None,
             group: Vec::new(),
             sibling: None,
         };
@@ -429,6 +433,7 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
             branches: None,
             chain: None,
             epilogue: None,
+            epilogue_operand: None,
             group: Vec::new(),
             sibling: Some(Box::new(sibling)),
         };

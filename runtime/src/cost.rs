@@ -163,6 +163,11 @@ fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) 
             _ => t.bytes(),
         };
     }
+    if let Some(t) = l.epilogue_operand.as_ref().and_then(|o| o.tensor()) {
+        if seen.insert((t.region, t.offset, t.bytes())) {
+            read += t.bytes();
+        }
+    }
     let written = l.outputs.iter().map(TensorRef::bytes).sum();
     let (flops, product) = product_flops(l, &ins).map_or((0, None), |(f, d)| (f, Some(d)));
     LaunchCost { read, written, flops, product }

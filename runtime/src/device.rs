@@ -261,16 +261,25 @@ impl CpuDevice {
         for t in l.inputs.iter().filter_map(Operand::tensor) {
             range(t, regions.get(t.region).len)?;
         }
-        for t in &l.outputs {
+        for t in l.outputs.iter().chain(l.epilogue_operand.as_ref().and_then(Operand::tensor)) {
             range(t, regions.get(t.region).len)?;
         }
+        // An epilogue's second operand (a bias), copied out before the launch writes anything.
+        let second = match l.epilogue_operand.as_ref().and_then(Operand::tensor) {
+            Some(t) => {
+                let mem = regions.get(t.region);
+                Some(HostTensor::from_le_bytes(t.dtype, t.shape.clone(), &mem.bytes()[range(t, mem.len)?]))
+            }
+            None => None,
+        };
         if self.in_place && cpu::views::try_launch(regions, l) {
             if let (Some(e), Some(place)) = (&l.epilogue, l.outputs.first()) {
                 // The epilogue's reference kernel over the product written in place.
                 let mem = regions.get_mut(place.region);
                 let r = range(place, mem.len)?;
                 let y = HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &mem.bytes()[r.clone()]);
-                let applied = cpu::run_op(e, &[Some(&y)], 1).map_err(|e| kernel_error(&l.node, e))?;
+                let applied = cpu::run_op(e, &[Some(&y), second.as_ref()][..1 + usize::from(second.is_some())], 1)
+                    .map_err(|e| kernel_error(&l.node, e))?;
                 let t = applied
                     .first()
                     .filter(|t| t.dtype() == place.dtype && t.len() == place.numel())
@@ -353,7 +362,9 @@ impl CpuDevice {
         let mut outs = outs;
         if let (Some(e), Some(first)) = (&l.epilogue, outs.first_mut()) {
             // The epilogue's reference kernel on the first output: the unfused node's bits.
-            let applied = cpu::run_op(e, &[Some(&*first)], 1).map_err(|e| kernel_error(&l.node, e))?;
+            let args = [Some(&*first), second.as_ref()];
+            let applied =
+                cpu::run_op(e, &args[..1 + usize::from(second.is_some())], 1).map_err(|e| kernel_error(&l.node, e))?;
             *first = applied
                 .into_iter()
                 .next()

@@ -157,10 +157,25 @@ pub fn permutation(perm: &[i64]) -> Option<Vec<usize>> {
         .collect()
 }
 
+/// Whether a matrix product can add a bias as it writes its result (an Add epilogue with a second
+/// operand, [`Launch::epilogue_operand`]): a MatMul of a stored (not transposed) operand of rank 2
+/// or more by a weight matrix (a Linear over a sequence, exported as MatMul then Add), the bias
+/// one value per output feature (`[n]`, or `[1, .., n]`), all of one dtype. Rows of A against one
+/// matrix are one product, whose bias is cuBLASLt's epilogue on CUDA.
+pub fn adds_bias(a: &[usize], b: &[usize], y: &[usize], bias: &[usize]) -> bool {
+    let n = y.last().copied();
+    a.len() >= 2
+        && b.len() == 2
+        && b.last().copied() == n
+        && !bias.is_empty()
+        && bias.last().copied() == n
+        && bias[..bias.len() - 1].iter().all(|&d| d == 1)
+}
+
 /// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,
 /// a MatMul's result written through a Transpose by arrays of addresses), which may choose
 /// another algorithm for the fused product than for the plain one: the same arithmetic, summed
-/// in another order.
+/// in another order (and a bias added before the result's one rounding, not after).
 pub fn library_epilogue(op: &Op) -> bool {
     matches!(op, Op::Gemm(_) | Op::MatMul)
 }
@@ -194,6 +209,9 @@ pub struct Launch {
     /// An element-wise op applied to output 0 as it is written ([`takes_epilogue`]): output 0 is
     /// that op's result (its place has the op's dtype), not the launch op's.
     pub epilogue: Option<Op>,
+    /// The epilogue's second operand, where it has two (a bias the product adds, [`adds_bias`]);
+    /// the launch's result is the epilogue op's first.
+    pub epilogue_operand: Option<Operand>,
     /// A multi-tensor launch: these launches, optimizer updates of one op and attribute set that
     /// read nothing another of them writes, run as one kernel (their order does not matter). The
     /// launch's `op` is theirs; its own inputs and outputs are empty.

@@ -164,6 +164,8 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
         "Gemm with a ReduceSum sibling",
         "MatMul through a permutation",
         "MatMul with a Transpose epilogue",
+        "MatMul with a Add epilogue",
+        "MatMul for cuBLASLt",
         "Conv",
         "ConvGrad",
     ] {

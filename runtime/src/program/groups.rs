@@ -59,6 +59,7 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
                 branches: None,
                 chain: None,
                 epilogue: None,
+                epilogue_operand: None,
                 group: std::mem::take(run),
                 sibling: None,
             });

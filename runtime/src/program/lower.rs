@@ -201,6 +201,8 @@ struct InOthers {
     transposed: HashMap<ValueId, ValueId>,
     permuted: HashMap<ValueId, (ValueId, Vec<usize>)>,
     epilogues: HashMap<ValueId, (ValueId, NodeId)>,
+    /// The second operand of an epilogue that has two, by the epilogue's node.
+    operands: HashMap<NodeId, ValueId>,
 }
 
 fn read_in_readers(
@@ -305,15 +307,43 @@ fn read_in_readers(
     // Element-wise nodes that are the only reader of a launch's first output, which the launch
     // can apply as it writes: the launch writes the node's output, the node is not launched.
     let launched: HashSet<NodeId> = steps.iter().copied().collect();
+    let step_of: HashMap<NodeId, usize> = steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
     let mut applied: HashMap<ValueId, (ValueId, NodeId)> = HashMap::new();
+    let mut operands: HashMap<NodeId, ValueId> = HashMap::new();
     let candidates: &[NodeId] = if epilogues { steps } else { &[] };
     for &n in candidates {
         let node = g.node(n);
-        let (Some(u), &[v]) = (node.input(0), node.outputs()) else { continue };
+        let &[v] = node.outputs() else { continue };
+        // The product's result `u`, and the epilogue's second operand where it has two: a bias
+        // made before the product (either side of the Add).
+        let bias = |u: ValueId, other: ValueId| -> bool {
+            let (Def::Node(p, 0), Ok((d, s))) = (g.value(u).def(), ty(u)) else { return false };
+            let prod = g.node(*p);
+            let made_before = match g.value(other).def() {
+                Def::Node(m, _) => step_of.get(m).zip(step_of.get(p)).is_some_and(|(m, p)| m < p),
+                _ => true,
+            };
+            let (Some(a), Some(b)) = (prod.input(0), prod.input(1)) else { return false };
+            let plain = |x: ValueId| !transposed.contains_key(&x) && !permuted.contains_key(&x);
+            let shapes = (ty(a), ty(b), ty(other));
+            matches!(node.op, Op::Add)
+                && prod.op == Op::MatMul
+                && plain(a)
+                && plain(b)
+                && made_before
+                && other != u
+                && matches!(shapes, (Ok((da, ref sa)), Ok((db, ref sb)), Ok((dc, ref sc)))
+                    if [da, db, dc] == [d; 3] && ty(v).is_ok_and(|t| t == (d, s.clone())) && adds_bias(sa, sb, &s, sc))
+        };
+        let (u, other) = match *node.inputs() {
+            [Some(u)] => (u, None),
+            [Some(a), Some(b)] if library && bias(a, b) => (a, Some(b)),
+            [Some(a), Some(b)] if library && bias(b, a) => (b, Some(a)),
+            _ => continue,
+        };
         let Def::Node(p, 0) = g.value(u).def() else { continue };
-        if node.inputs().len() == 1
+        if (other.is_some() || takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype))
             && launched.contains(p)
-            && takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype)
             && (library || !library_epilogue(&g.node(*p).op))
             && (g.node(*p).op != Op::MatMul || g.node(*p).inputs().iter().flatten().all(ranked))
             && !transposed.contains_key(&v)
@@ -325,9 +355,10 @@ fn read_in_readers(
             && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
         {
             applied.insert(u, (v, n));
+            operands.extend(other.map(|o| (n, o)));
         }
     }
-    InOthers { widened, transposed, permuted, epilogues: applied }
+    InOthers { widened, transposed, permuted, epilogues: applied, operands }
 }
 
 pub(super) fn lower_in(
@@ -348,7 +379,7 @@ pub(super) fn lower_in(
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
     let fuse = !opts.unfused && crate::fuse::enabled();
     let library = fuse && !opts.bitwise;
-    let InOthers { widened, transposed, permuted, epilogues } =
+    let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands } =
         read_in_readers(g, caps, &steps, &view_of, fuse, library);
     let applied: HashSet<NodeId> = epilogues.values().map(|&(_, n)| n).collect();
     steps.retain(|&n| {
@@ -376,6 +407,15 @@ pub(super) fn lower_in(
     steps.retain(|n| !merged.contains(n));
     // The nodes a step computes: its own, and its sibling's.
     let computed = |n: NodeId| std::iter::once(n).chain(siblings.get(&n).copied());
+    // The epilogue node of a step's launch, if it has a second operand (which the launch reads).
+    let epilogue_of = |n: NodeId| {
+        let e = g.node(n).outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| e);
+        e.and_then(|e| epilogue_operands.get(&e).copied())
+    };
+    // What a step's launch reads: its nodes' inputs and its epilogue's second operand.
+    let reads = |n: NodeId| {
+        computed(n).flat_map(|m| g.node(m).inputs().iter().flatten().copied()).chain(epilogue_of(n)).collect::<Vec<_>>()
+    };
     let end = steps.len();
     // Element-wise runs fused into one launch each, at the run's last consecutive step (`pos`).
     let shape_of = |v: ValueId| ty(v).ok().map(|t| t.1);
@@ -443,6 +483,7 @@ pub(super) fn lower_in(
             }
         }
     }
+    device_reads.extend(steps.iter().filter_map(|&n| epilogue_of(n)));
     let mut known_needed: Vec<ValueId> =
         known.keys().copied().filter(|v| device_reads.contains(v) || g.is_output(*v)).collect();
     known_needed.sort_unstable();
@@ -470,8 +511,8 @@ pub(super) fn lower_in(
     }
     let mut last: HashMap<ValueId, usize> = HashMap::new();
     for (i, &n) in steps.iter().enumerate() {
-        for v in computed(n).flat_map(|m| g.node(m).inputs().iter().flatten()) {
-            let e = last.entry(root(*v)).or_insert(pos(i));
+        for v in reads(n) {
+            let e = last.entry(root(v)).or_insert(pos(i));
             *e = (*e).max(pos(i));
         }
     }
@@ -618,6 +659,7 @@ pub(super) fn lower_in(
                     branches: None,
                     chain: Some(Box::new(chain.clone())),
                     epilogue: None,
+                    epilogue_operand: None,
                     group: Vec::new(),
                     sibling: None,
                 });
@@ -658,6 +700,7 @@ pub(super) fn lower_in(
                 branches: None,
                 chain: None,
                 epilogue: None,
+                epilogue_operand: None,
                 group: Vec::new(),
                 sibling: None,
             })),
@@ -726,6 +769,7 @@ pub(super) fn lower_in(
             None
         };
         let epilogue = node.outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| g.node(e).op.clone());
+        let epilogue_operand = epilogue_of(n).map(|v| place(v, &refs).map(Operand::Device)).transpose()?;
         launches.push(Launch {
             node: label(n),
             op: node.op.clone(),
@@ -734,6 +778,7 @@ pub(super) fn lower_in(
             branches,
             chain: None,
             epilogue,
+            epilogue_operand,
             group: Vec::new(),
             sibling,
         });

@@ -47,10 +47,23 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     // weight) are one product of all the rows: `m` grows instead of the batch count.
     let (m, batch) =
         if stride_b == 0 && !ta && stride_a == (m * k) as i64 { (m * batch as usize, 1) } else { (m, batch) };
+    // A bias the product adds as it writes (its Add epilogue): one value per output feature.
+    let bias = match (&p.l.epilogue, &p.l.epilogue_operand) {
+        (None, None) => None,
+        (Some(Op::Add), Some(Operand::Device(c))) if batch == 1 && c.numel() == n && c.dtype == y.dtype => {
+            Some(c.clone())
+        }
+        _ => return Err("a MatMul epilogue other than a bias over one product's rows".into()),
+    };
+    let start = p.out.calls.len();
+    if let Some(c) = &bias {
+        // The plain calls: the bias broadcast into Y, which the product adds (beta 1).
+        p.expand(y.dtype, buf(c), &c.shape, buf(y), &y.shape)?;
+    }
     // Row-major Y = A B is column-major Yᵀ = Bᵀ Aᵀ. A row-major matrix is its transpose in
     // column-major order, so an operand stored transposed is read with the transpose flag, its
     // leading dim its stored row length.
-    p.gemm(Gemm {
+    let gemm = Gemm {
         dtype: y.dtype,
         c_dtype: y.dtype,
         trans_a: tb,
@@ -59,7 +72,7 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
         n: m as i64,
         k: k as i64,
         alpha: 1.0,
-        beta: 0.0,
+        beta: if bias.is_some() { 1.0 } else { 0.0 },
         a: pb,
         lda: if tb { k } else { n } as i64,
         stride_a: stride_b,
@@ -71,11 +84,20 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
         stride_c: (m * n) as i64,
         batch: batch as i64,
         pointers: None,
-    });
+    };
     if k == 0 {
-        // An empty inner dim: the product is zeros.
-        p.out.calls.retain(|c| !matches!(c, Call::Gemm(_)));
-        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
+        // An empty inner dim: the product is zeros (and the bias, broadcast above).
+        if bias.is_none() {
+            p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte: 0 });
+        }
+        return Ok(());
+    }
+    p.gemm(gemm.clone());
+    // cuBLASLt adds the bias as it writes the product: one pass over Y instead of three.
+    if let Some(c) = bias.filter(|_| matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16) && m * n > 0) {
+        let fallback = p.out.calls.split_off(start);
+        let gemm = Gemm { beta: 0.0, ..gemm };
+        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: Some(buf(&c)), relu: false, bgrad: None, fallback })));
     }
     Ok(())
 }

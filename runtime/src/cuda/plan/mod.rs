@@ -310,12 +310,12 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
     // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
-    // norm's Relu, a Gemm's Relu, a MatMul's Transpose.
+    // norm's Relu, a Gemm's Relu, a MatMul's Transpose or bias.
     match (&p.l.op, &p.l.epilogue) {
         (_, None)
         | (Op::LayerNormalization(_), Some(Op::Cast(_)))
         | (Op::BatchNormalization(_) | Op::Gemm(_), Some(Op::Relu))
-        | (Op::MatMul, Some(Op::Transpose(_))) => {}
+        | (Op::MatMul, Some(Op::Transpose(_) | Op::Add)) => {}
         (op, Some(e)) => return Err(format!("{} with a {} epilogue", op.op_type(), e.op_type())),
     }
     if !p.l.group.is_empty() {
@@ -689,6 +689,7 @@ mod tests {
             branches: None,
             chain: None,
             epilogue: None,
+            epilogue_operand: None,
             group: Vec::new(),
             sibling: None,
         };
