@@ -260,6 +260,10 @@ fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
         "input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5",
         "input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
         "input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
+        // Many channels of many elements: the passes split each channel three ways (ResNet's
+        // 256 channels of 56 × 56, at batch 4).
+        "input %0 \"x\": f16[4,256,56,56]\n  input %1 \"s\": f32[256]\n  input %2 \"b\": f32[256]\n  input %3 \"m\": f32[256]\n  input %4 \"v\": f32[256]\n  %5 \"y\": f16[4,256,56,56], %6 \"rm\": f32[256], %7 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
+        "input %0 \"dy\": f16[4,256,56,56]\n  input %1 \"x\": f16[4,256,56,56]\n  input %2 \"s\": f32[256]\n  %3 \"dx\": f16[4,256,56,56], %4 \"ds\": f16[256], %5 \"db\": f16[256] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
         "input %0 \"x\": f16[8,512,96]\n  input %1 \"s\": f16[]\n  %2 \"y\": f16[8,512,96] = Mul(%0, %1)\n  output %2",
         "input %0 \"x\": f32[8,512,96]\n  input %1 \"b\": f32[96]\n  %2 \"y\": f32[8,512,96] = Add(%0, %1)\n  output %2",
         // Attention-sized transposes that move the last axis (32 x 32 tiles), and products read

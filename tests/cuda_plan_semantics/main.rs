@@ -290,6 +290,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         // Few channels of many elements: batch norm statistics in passes.
         ("input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
         ("input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5", "BatchNormalizationGrad"),
+        // Many channels, split in two (256 channels of 8192 elements).
+        ("input %0 \"x\": f16[2,256,64,64]\n  input %1 \"s\": f32[256]\n  input %2 \"b\": f32[256]\n  input %3 \"m\": f32[256]\n  input %4 \"v\": f32[256]\n  %5 \"y\": f16[2,256,64,64], %6 \"rm\": f32[256], %7 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
+        ("input %0 \"dy\": f32[2,256,64,64]\n  input %1 \"x\": f32[2,256,64,64]\n  input %2 \"s\": f32[256]\n  %3 \"dx\": f32[2,256,64,64], %4 \"ds\": f32[256], %5 \"db\": f32[256] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5", "BatchNormalizationGrad"),
         // f64 data: the norm and loss kernels compute and keep their statistics in f64; LayerNorm's
         // f32 Mean / InvStdDev (stash_type) are cast from them.
         ("input %0 \"x\": f64[3,2,5]\n  input %1 \"s\": f64[2,5]\n  input %2 \"b\": f64[2,5]\n  %3 \"y\": f64[3,2,5], %4 \"m\": f32[3,1,1], %5 \"r\": f32[3,1,1] = LayerNormalization[axis=1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalization"),

@@ -15,13 +15,20 @@ fn norm_tags(x: DType, param: DType) -> Result<String, String> {
     }
 }
 
-/// Few channels of many elements (the first convolutions' batch norms: 64 channels of 200,000
-/// elements and more): the splits of each channel's elements that its statistics and sums are
-/// taken over in passes, so that enough blocks are in flight (one block per channel leaves most
-/// of the GPU idle, each thread walking thousands of elements).
+/// Channels of many elements (a ResNet's batch norms before its last stage: 64 to 512 channels
+/// of 50,000 to 800,000 elements): the splits of each channel's elements that its statistics and
+/// sums are taken over in passes, so that about [`BN_BLOCKS`] blocks are in flight, each over at
+/// least 4096 elements. One block per channel leaves most of the GPU idle, each thread walking
+/// thousands of elements (256 channels of 64 × 56 × 56: 256 blocks, two per multiprocessor);
+/// 1024 channels and more are enough blocks on their own.
 fn bn_splits(c: u64, count: u64) -> Option<u64> {
-    (c < 256 && count >= 16384).then(|| (512 / c.max(1)).clamp(2, count / 4096))
+    let splits = BN_BLOCKS.div_ceil(c.max(1)).min(count / 4096);
+    (splits >= 2).then_some(splits)
 }
+
+/// The blocks a batch norm's passes aim for: about one full wave of 256-thread blocks on a
+/// 132-multiprocessor GPU (8 resident each).
+const BN_BLOCKS: u64 = 1024;
 
 fn bn_grid(c: u64, splits: u64) -> [u32; 3] {
     [splits.min(MAX_ROWS) as u32, c.min(MAX_ROWS) as u32, 1]
@@ -354,4 +361,34 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
         _ => unreachable!("not a normalisation"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bn_splits;
+
+    /// ResNet-50's batch norms at batch 64 (channels, elements per channel): those of up to 512
+    /// channels over 50,000 elements or more are taken in passes of at least 1024 blocks; the
+    /// last stage's have enough channels, or too few elements to split.
+    #[test]
+    fn wide_batch_norms_are_split_until_a_wave_of_blocks_is_in_flight() {
+        let count = |hw: u64| 64 * hw * hw;
+        for (c, hw, want) in [
+            (64, 112, Some(16)),
+            (64, 56, Some(16)),
+            (256, 56, Some(4)),
+            (128, 28, Some(8)),
+            (512, 28, Some(2)),
+            (256, 14, Some(3)),
+            (1024, 14, None),
+            (512, 7, None),
+            (2048, 7, None),
+        ] {
+            assert_eq!(bn_splits(c, count(hw)), want, "{c} channels of {hw}²");
+            if let Some(s) = want {
+                assert!(c * s >= 768 && count(hw) / s >= 4096, "{c} channels of {hw}²");
+            }
+        }
+        assert_eq!(bn_splits(3, 4 * 80 * 80), Some(6));
+    }
 }
