@@ -66,27 +66,39 @@
 //     BatchNormalizationGrad: dBias = sum dy, dScale = sum dy xhat, dx = scale / (sigma M) *
 //     (M dy - dBias - xhat dScale), M = n * inner. One block per channel.
 //
-// ---- The same for few channels of many elements, in passes (gridDim = (splits, c), blockDim.x =
-//      256): block (s, ch) reduces chunk s of channel ch's n * inner elements into
-//      part[ch * splits + s] (A), which reduce_{mean,sum}_finish_<A> (reduce.cu) combine in order.
-// norm_bn_sum_<T>(const T* x, A* part, long long n, long long c, long long inner, long long splits)
-//     the sum of x (finished as the mean).
-// norm_bn_sqdev_<T>(const T* x, const A* mean, A* part, n, c, inner, splits)
-//     the sum of (x - mean)^2 (finished as the biased variance).
-// norm_bn_grad_sums_<T>(const T* dy, const T* x, const A* mean, A* part_g, A* part_gd, n, c,
-//                       inner, splits)
-//     the sums of dy and of dy * (x - mean).
-// norm_bn_apply_<T>_<P>(const T* x, const P* scale, const P* bias, const A* mean, const A* var,
-//                       T* y, const P* running_mean, const P* running_var, P* running_mean_out,
-//                       P* running_var_out, long long n, long long c, long long inner, float eps,
-//                       float momentum)
-//     Element-wise (1-D grid stride over n * c * inner): y as norm_batch_norm_train; the
-//     running statistics as there, by the threads of index < c.
-// norm_bn_grad_apply_<T>_<P>(const T* dy, const T* x, const P* scale, const A* mean,
-//                            const A* var, const A* sum_g, const A* sum_gd, T* dx, T* dscale,
-//                            T* dbias, long long n, long long c, long long inner, float eps)
-//     Element-wise: with inv = 1 / sqrt(var + eps), dScale = inv * sum_gd, dBias = sum_g, dx as
-//     norm_batch_norm_grad; dscale, dbias (may be nullptr) by the threads of index < c.
+// ---- The same in passes, for channels of many elements (gridDim = (splits, c), blockDim.x = 256):
+//      block (s, ch) sums chunk s of channel ch's n * inner elements, in units of `vec ? V : 1`
+//      elements (V = 16 / sizeof(T): 16-byte loads, where inner is a multiple of V and every
+//      tensor 16-byte aligned), shifted by the channel's first element K = x[ch * inner] (so the
+//      squares do not cancel), into part_*[ch * splits + s] (A); a finish kernel (one thread per
+//      channel) adds each channel's partials in order and leaves per-channel coefficients that an
+//      element-wise kernel applies.
+// norm_bn_stats_<T>(const T* x, A* part_x, A* part_xx, long long n, long long c, long long inner,
+//                   long long splits, int vec)
+//     sums of x - K and of (x - K)^2.
+// norm_bn_grad_stats_<T>(const T* dy, const T* x, A* part_x, A* part_xx, A* part_g, A* part_gx,
+//                        n, c, inner, splits, vec)
+//     the same, with the sums of dy and of dy * (x - K): x and dy read once.
+// norm_bn_finish_<T>_<P>(const T* x, const A* part_x, const A* part_xx, const P* scale,
+//                        const P* running_mean, const P* running_var, A* mean, A* k,
+//                        P* running_mean_out, P* running_var_out, long long n, long long c,
+//                        long long inner, long long splits, float eps, float momentum)
+//     mean = K + sx / M, biased var = sxx / M - (sx / M)^2 (M = n * inner), k = scale /
+//     sqrt(var + eps); the running statistics as norm_batch_norm_train.
+// norm_bn_apply_<T>_<P>(const T* x, const A* mean, const A* k, const P* bias, T* y, long long n,
+//                       long long c, long long inner, int vec, int relu)
+//     Element-wise (1-D grid stride over the n * c * inner / v units): y = (x - mean) * k + bias.
+// norm_bn_grad_finish_<T>_<P>(const T* x, const A* part_x, const A* part_xx, const A* part_g,
+//                             const A* part_gx, const P* scale, A* mean, A* alpha, A* beta,
+//                             A* gamma, T* dscale, T* dbias, long long n, long long c,
+//                             long long inner, long long splits, float eps)
+//     With inv = 1 / sqrt(var + eps), g = sum dy and gd = sum dy (x - mean) = sgx - (sx / M) g:
+//     dScale = gd inv, dBias = g (either may be nullptr); the coefficients of dx = alpha dy +
+//     beta (x - mean) + gamma: alpha = scale inv, beta = -scale inv^3 gd / M, gamma = -scale
+//     inv g / M (norm_batch_norm_grad's dx, expanded).
+// norm_bn_grad_apply_<T>(const T* dy, const T* x, const A* mean, const A* alpha, const A* beta,
+//                        const A* gamma, T* dx, long long n, long long c, long long inner, int vec)
+//     Element-wise, as norm_bn_apply.
 //
 // ---- InstanceNormalization and GroupNormalization over x = (N, C, inner)
 // norm_instance_norm_<T>_<P>(const T* x, const P* scale, const P* bias, T* y, long long n,
@@ -347,24 +359,134 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
 
 // ---- BatchNormalization in passes
 
-// Block (blockIdx.x, blockIdx.y) = (split s, channel ch): f over chunk s of the channel's elements,
-// summed in a fixed-order block reduction into part[ch * splits + s].
-template <typename T, typename F>
-__device__ __forceinline__ void bn_partial(long long n, long long c, long long inner, long long splits, F f,
-                                           AccT<T>* part) {
-    typedef AccT<T> A;
-    __shared__ A smem[32];
-    const long long count = n * inner;
-    const long long chunk = (count + splits - 1) / splits;
-    for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
-        for (long long s = blockIdx.x; s < splits; s += gridDim.x) {
-            const Channel at{c, inner, ch};
-            const long long e1 = (s + 1) * chunk < count ? (s + 1) * chunk : count;
-            A a = A(0);
-            for (long long e = s * chunk + threadIdx.x; e < e1; e += blockDim.x) a += f(at(e), ch);
-            a = block_reduce(a, OpSum(), smem);
-            if (threadIdx.x == 0) part[ch * splits + s] = a;
+// Elements moved 16 bytes at a time (Vec<T>::N of them): widened to the compute type as they are
+// loaded and rounded as they are stored, as ld and st do one at a time.
+template <typename T> struct Vec {
+    static constexpr int N = 16 / sizeof(T);
+};
+template <typename T> __device__ __forceinline__ void ld_vec(const T* p, long long i, AccT<T>* out) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
+    const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int q = 0; q < Vec<T>::N; ++q) out[q] = ld(t, q);
+}
+template <typename T> __device__ __forceinline__ void st_vec(T* p, long long i, const AccT<T>* v) {
+    uint4 raw;
+    T* t = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int q = 0; q < Vec<T>::N; ++q) st(t, q, v[q]);
+    *reinterpret_cast<uint4*>(p + i) = raw;
+}
+
+// f(index of the unit's first element) for this thread's units [u0, u1) of channel ch of
+// (N, C, inner), units of v elements, each thread every blockDim.x-th: the plane and the position
+// in it move on by constant steps (one division before the loop, none per unit).
+template <typename F>
+__device__ __forceinline__ void bn_units(long long c, long long inner, long long ch, long long v, long long u0,
+                                         long long u1, F f) {
+    const long long per = inner / v;  // units in a plane
+    long long u = u0 + threadIdx.x;
+    long long b = index_div(u, per), j = u - b * per;
+    const long long step_b = index_div(blockDim.x, per), step_j = (long long)blockDim.x - step_b * per;
+    for (; u < u1; u += blockDim.x) {
+        f((b * c + ch) * inner + j * v);
+        b += step_b;
+        j += step_j;
+        if (j >= per) {
+            j -= per;
+            ++b;
         }
+    }
+}
+
+// Block (s, ch): the shifted sums of chunk s of channel ch (and of dy's, where dy is not null).
+template <typename T>
+__device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* part_x, AccT<T>* part_xx,
+                                              AccT<T>* part_g, AccT<T>* part_gx, long long n, long long c,
+                                              long long inner, long long splits, int vec) {
+    typedef AccT<T> A;
+    constexpr int V = Vec<T>::N;
+    __shared__ A smem[64];
+    const long long v = vec ? V : 1, units = n * inner / v, chunk = (units + splits - 1) / splits;
+    for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
+        const A k0 = ld(x, ch * inner);
+        for (long long s = blockIdx.x; s < splits; s += gridDim.x) {
+            const long long u0 = s * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
+            A sx = A(0), sxx = A(0), sg = A(0), sgx = A(0);
+            if (vec) {
+                bn_units(c, inner, ch, V, u0, u1, [&](long long i) {
+                    A xs[V], gs[V];
+                    ld_vec(x, i, xs);
+                    if (dy) ld_vec(dy, i, gs);
+#pragma unroll
+                    for (int q = 0; q < V; ++q) {
+                        const A d = xs[q] - k0;
+                        sx += d;
+                        sxx += d * d;
+                        if (dy) {
+                            sg += gs[q];
+                            sgx += gs[q] * d;
+                        }
+                    }
+                });
+            } else {
+                bn_units(c, inner, ch, 1, u0, u1, [&](long long i) {
+                    const A d = ld(x, i) - k0;
+                    sx += d;
+                    sxx += d * d;
+                    if (dy) {
+                        const A g = ld(dy, i);
+                        sg += g;
+                        sgx += g * d;
+                    }
+                });
+            }
+            block_reduce2(sx, sxx, OpSum(), smem);
+            if (dy) block_reduce2(sg, sgx, OpSum(), smem);
+            if (threadIdx.x == 0) {
+                part_x[ch * splits + s] = sx;
+                part_xx[ch * splits + s] = sxx;
+                if (dy) {
+                    part_g[ch * splits + s] = sg;
+                    part_gx[ch * splits + s] = sgx;
+                }
+            }
+        }
+    }
+}
+
+// Channel ch's partials added in order: the mean, the biased variance (a rounding below zero
+// clamped; NaN stays NaN) and the mean of x - K.
+template <typename T>
+__device__ __forceinline__ void bn_moments_of(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
+                                              long long ch, long long inner, long long splits, AccT<T> cnt,
+                                              AccT<T>& mean, AccT<T>& var, AccT<T>& shifted) {
+    typedef AccT<T> A;
+    A sx = A(0), sxx = A(0);
+    for (long long s = 0; s < splits; ++s) {
+        sx += part_x[ch * splits + s];
+        sxx += part_xx[ch * splits + s];
+    }
+    shifted = sx / cnt;
+    mean = ld(x, ch * inner) + shifted;
+    const A v = sxx / cnt - shifted * shifted;
+    var = v < A(0) ? A(0) : v;
+}
+
+template <typename T, typename P>
+__device__ __forceinline__ void bn_finish_body(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
+                                               const P* scale, const P* rmean, const P* rvar, AccT<T>* mean_out,
+                                               AccT<T>* k_out, P* rmean_out, P* rvar_out, long long n, long long c,
+                                               long long inner, long long splits, float eps, float momentum) {
+    typedef AccT<T> A;
+    MPC_GRID_STRIDE(ch, c) {
+        A mean, var, shifted;
+        bn_moments_of(x, part_x, part_xx, ch, inner, splits, (A)(n * inner), mean, var, shifted);
+        mean_out[ch] = mean;
+        k_out[ch] = pld(scale, ch) / m_sqrt(var + eps);
+        const A rm = pld(rmean, ch), rv = pld(rvar, ch);
+        st(rmean_out, ch, rm * momentum + mean * (A(1) - momentum));
+        st(rvar_out, ch, rv * momentum + var * (A(1) - momentum));
     }
 }
 
@@ -375,40 +497,73 @@ __device__ __forceinline__ long long channel_of(long long i, long long c, long l
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void bn_apply_body(const T* x, const P* scale, const P* bias, const AccT<T>* mean,
-                                              const AccT<T>* var, T* y, const P* rmean, const P* rvar, P* rmean_out,
-                                              P* rvar_out, long long n, long long c, long long inner, float eps,
-                                              float momentum, int relu) {
+__device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias, T* y,
+                                              long long n, long long c, long long inner, int vec, int relu) {
     typedef AccT<T> A;
-    MPC_GRID_STRIDE(i, n * c * inner) {
-        const long long ch = channel_of(i, c, inner);
-        const A k = pld(scale, ch) / m_sqrt(var[ch] + eps);
-        st(y, i, bn_out((ld(x, i) - mean[ch]) * k + pld(bias, ch), relu));
-        if (i < c && rmean_out) {
-            st(rmean_out, i, pld(rmean, i) * momentum + mean[i] * (A(1) - momentum));
-            st(rvar_out, i, pld(rvar, i) * momentum + var[i] * (A(1) - momentum));
+    constexpr int V = Vec<T>::N;
+    const long long v = vec ? V : 1;
+    MPC_GRID_STRIDE(u, n * c * inner / v) {
+        const long long i = u * v, ch = channel_of(i, c, inner);
+        const A mu = mean[ch], kk = k[ch], b = pld(bias, ch);
+        if (vec) {
+            A xs[V];
+            ld_vec(x, i, xs);
+#pragma unroll
+            for (int q = 0; q < V; ++q) xs[q] = bn_out((xs[q] - mu) * kk + b, relu);
+            st_vec(y, i, xs);
+        } else {
+            st(y, i, bn_out((ld(x, i) - mu) * kk + b, relu));
         }
     }
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, const P* scale, const AccT<T>* mean,
-                                                   const AccT<T>* var, const AccT<T>* sum_g, const AccT<T>* sum_gd,
-                                                   T* dx, T* dscale, T* dbias, long long n, long long c,
-                                                   long long inner, float eps) {
+__device__ __forceinline__ void bn_grad_finish_body(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
+                                                    const AccT<T>* part_g, const AccT<T>* part_gx, const P* scale,
+                                                    AccT<T>* mean_out, AccT<T>* alpha, AccT<T>* beta,
+                                                    AccT<T>* gamma, T* dscale, T* dbias, long long n, long long c,
+                                                    long long inner, long long splits, float eps) {
     typedef AccT<T> A;
     const A cnt = (A)(n * inner);
-    MPC_GRID_STRIDE(i, n * c * inner) {
-        const long long ch = channel_of(i, c, inner);
-        const A inv = A(1) / m_sqrt(var[ch] + eps);
-        if (dx) {
-            const A xhat = (ld(x, i) - mean[ch]) * inv;
-            const A k = pld(scale, ch) * inv / cnt;
-            st(dx, i, k * (cnt * ld(dy, i) - sum_g[ch] - xhat * (sum_gd[ch] * inv)));
+    MPC_GRID_STRIDE(ch, c) {
+        A mean, var, shifted;
+        bn_moments_of(x, part_x, part_xx, ch, inner, splits, cnt, mean, var, shifted);
+        A g = A(0), gx = A(0);
+        for (long long s = 0; s < splits; ++s) {
+            g += part_g[ch * splits + s];
+            gx += part_gx[ch * splits + s];
         }
-        if (i < c) {  // channel i's parameter gradients (element i's own channel is another)
-            if (dscale) st(dscale, i, sum_gd[i] * (A(1) / m_sqrt(var[i] + eps)));
-            if (dbias) st(dbias, i, sum_g[i]);
+        const A inv = A(1) / m_sqrt(var + eps);
+        const A gd = gx - shifted * g;  // sum of dy (x - mean)
+        const A a = pld(scale, ch) * inv;
+        mean_out[ch] = mean;
+        alpha[ch] = a;
+        beta[ch] = -a * inv * inv * gd / cnt;
+        gamma[ch] = -a * g / cnt;
+        if (dscale) st(dscale, ch, gd * inv);
+        if (dbias) st(dbias, ch, g);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, const AccT<T>* mean,
+                                                   const AccT<T>* alpha, const AccT<T>* beta, const AccT<T>* gamma,
+                                                   T* dx, long long n, long long c, long long inner, int vec) {
+    typedef AccT<T> A;
+    constexpr int V = Vec<T>::N;
+    const long long v = vec ? V : 1;
+    MPC_GRID_STRIDE(u, n * c * inner / v) {
+        const long long i = u * v, ch = channel_of(i, c, inner);
+        const A mu = mean[ch], a = alpha[ch], b = beta[ch], g = gamma[ch];
+        if (vec) {
+            A xs[V], gs[V];
+            ld_vec(x, i, xs);
+            ld_vec(dy, i, gs);
+#pragma unroll
+            for (int q = 0; q < V; ++q) xs[q] = a * gs[q] + b * (xs[q] - mu) + g;
+            st_vec(dx, i, xs);
+        } else {
+            st(dx, i, a * ld(dy, i) + b * (ld(x, i) - mu) + g);
         }
     }
 }
@@ -492,19 +647,26 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                               float eps) {                                                 \
         batch_norm_grad_body(dy, x, scale, dx, dscale, dbias, n, c, inner, eps);                           \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_apply_##t##_##p(const T* x, const P* scale, const P* bias, const AccT<T>* mean,     \
-                                       const AccT<T>* var, T* y, const P* running_mean,                    \
-                                       const P* running_var, P* running_mean_out, P* running_var_out,      \
-                                       long long n, long long c, long long inner, float eps,               \
-                                       float momentum, int relu) {                                         \
-        bn_apply_body(x, scale, bias, mean, var, y, running_mean, running_var, running_mean_out,           \
-                      running_var_out, n, c, inner, eps, momentum, relu);                                  \
+    MPC_KERNEL norm_bn_finish_##t##_##p(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,         \
+                                        const P* scale, const P* running_mean, const P* running_var,       \
+                                        AccT<T>* mean, AccT<T>* k, P* running_mean_out,                     \
+                                        P* running_var_out, long long n, long long c, long long inner,     \
+                                        long long splits, float eps, float momentum) {                     \
+        bn_finish_body(x, part_x, part_xx, scale, running_mean, running_var, mean, k, running_mean_out,    \
+                       running_var_out, n, c, inner, splits, eps, momentum);                               \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_apply_##t##_##p(const T* dy, const T* x, const P* scale, const AccT<T>* mean,  \
-                                            const AccT<T>* var, const AccT<T>* sum_g,                      \
-                                            const AccT<T>* sum_gd, T* dx, T* dscale, T* dbias, long long n, \
-                                            long long c, long long inner, float eps) {                     \
-        bn_grad_apply_body(dy, x, scale, mean, var, sum_g, sum_gd, dx, dscale, dbias, n, c, inner, eps);   \
+    MPC_KERNEL norm_bn_apply_##t##_##p(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias,   \
+                                       T* y, long long n, long long c, long long inner, int vec,           \
+                                       int relu) {                                                         \
+        bn_apply_body(x, mean, k, bias, y, n, c, inner, vec, relu);                                        \
+    }                                                                                                      \
+    MPC_KERNEL norm_bn_grad_finish_##t##_##p(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,    \
+                                             const AccT<T>* part_g, const AccT<T>* part_gx, const P* scale, \
+                                             AccT<T>* mean, AccT<T>* alpha, AccT<T>* beta, AccT<T>* gamma, \
+                                             T* dscale, T* dbias, long long n, long long c,                \
+                                             long long inner, long long splits, float eps) {               \
+        bn_grad_finish_body(x, part_x, part_xx, part_g, part_gx, scale, mean, alpha, beta, gamma, dscale,  \
+                            dbias, n, c, inner, splits, eps);                                              \
     }                                                                                                      \
     MPC_KERNEL norm_instance_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, long long n,  \
                                             long long c, long long inner, float eps) {                     \
@@ -552,27 +714,19 @@ NORM_LOW(__half, f16)
 NORM_LOW(__nv_bfloat16, bf16)
 
 #define BN_PASSES_T(T, t)                                                                                  \
-    MPC_KERNEL norm_bn_sum_##t(const T* x, AccT<T>* part, long long n, long long c, long long inner,       \
-                               long long splits) {                                                         \
-        bn_partial<T>(n, c, inner, splits, [&](long long i, long long) { return (AccT<T>)ld(x, i); }, part); \
+    MPC_KERNEL norm_bn_stats_##t(const T* x, AccT<T>* part_x, AccT<T>* part_xx, long long n, long long c,  \
+                                 long long inner, long long splits, int vec) {                             \
+        bn_stats_body<T>(nullptr, x, part_x, part_xx, nullptr, nullptr, n, c, inner, splits, vec);          \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_sqdev_##t(const T* x, const AccT<T>* mean, AccT<T>* part, long long n, long long c, \
-                                 long long inner, long long splits) {                                      \
-        bn_partial<T>(                                                                                     \
-            n, c, inner, splits,                                                                           \
-            [&](long long i, long long ch) {                                                               \
-                const AccT<T> d = ld(x, i) - mean[ch];                                                     \
-                return d * d;                                                                              \
-            },                                                                                             \
-            part);                                                                                         \
+    MPC_KERNEL norm_bn_grad_stats_##t(const T* dy, const T* x, AccT<T>* part_x, AccT<T>* part_xx,          \
+                                      AccT<T>* part_g, AccT<T>* part_gx, long long n, long long c,         \
+                                      long long inner, long long splits, int vec) {                        \
+        bn_stats_body<T>(dy, x, part_x, part_xx, part_g, part_gx, n, c, inner, splits, vec);               \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_sums_##t(const T* dy, const T* x, const AccT<T>* mean, AccT<T>* part_g,        \
-                                     AccT<T>* part_gd, long long n, long long c, long long inner,          \
-                                     long long splits) {                                                   \
-        bn_partial<T>(n, c, inner, splits, [&](long long i, long long) { return (AccT<T>)ld(dy, i); }, part_g); \
-        bn_partial<T>(                                                                                     \
-            n, c, inner, splits, [&](long long i, long long ch) { return ld(dy, i) * (ld(x, i) - mean[ch]); }, \
-            part_gd);                                                                                      \
+    MPC_KERNEL norm_bn_grad_apply_##t(const T* dy, const T* x, const AccT<T>* mean, const AccT<T>* alpha,  \
+                                      const AccT<T>* beta, const AccT<T>* gamma, T* dx, long long n,       \
+                                      long long c, long long inner, int vec) {                             \
+        bn_grad_apply_body(dy, x, mean, alpha, beta, gamma, dx, n, c, inner, vec);                         \
     }
 BN_PASSES_T(float, f32)
 BN_PASSES_T(__half, f16)

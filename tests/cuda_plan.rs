@@ -56,6 +56,28 @@ fn programs() -> Vec<(String, Program)> {
             }
         }
     }
+    // Single ops at shapes the fixtures are too small to reach: batch norms in passes, their
+    // elements 16 bytes at a time (f16 planes of 56 × 56) and one at a time (planes of 4095).
+    let bn = |dtype: &str, shape: &str, c: usize| {
+        format!(
+            "input %0 \"x\": {dtype}[{shape}]\n  input %1 \"s\": f32[{c}]\n  input %2 \"b\": f32[{c}]\n  \
+             input %3 \"m\": f32[{c}]\n  input %4 \"v\": f32[{c}]\n  input %5 \"dy\": {dtype}[{shape}]\n  \
+             %6 \"y\": {dtype}[{shape}], %7 \"rm\": f32[{c}], %8 \"rv\": f32[{c}] = \
+             BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  \
+             %9 \"dx\": {dtype}[{shape}], %10 \"ds\": {dtype}[{c}], %11 \"db\": {dtype}[{c}] = \
+             ai.mpc::BatchNormalizationGrad(%5, %0, %1)\n  output %6\n  output %7\n  output %8\n  output %9\n  \
+             output %10\n  output %11"
+        )
+    };
+    for (label, body) in [("bn f16 56x56", bn("f16", "2,256,56,56", 256)), ("bn f32 63x65", bn("f32", "4,5,63,65", 5))]
+    {
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  {body}\nend\n");
+        let path = common::scratch("cuda_plan_single").join(format!("{}.mpcir", label.replace(' ', "_")));
+        std::fs::write(&path, text).unwrap();
+        let g = mpc::load(&path).unwrap();
+        let p = mpc_runtime::program::lower(&g, CUDA, Default::default()).unwrap();
+        out.push((label.to_string(), p));
+    }
     out
 }
 

@@ -497,103 +497,123 @@ pub(crate) fn erf(x: f64) -> f64 {
 }
 
 /// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
-/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) partial sums, and the
-/// element-wise kernels that apply the finished statistics.
+/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) partial sums shifted by
+/// each channel's first element, a thread per channel for the statistics and coefficients, and
+/// the element-wise kernels that apply them. Elements moved 16 bytes at a time (`vec`) are the
+/// same elements, in units that must not cross a plane or start off a 16-byte boundary.
 pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
     let name = k.name.as_str();
-    let partial = ["norm_bn_sum_", "norm_bn_sqdev_", "norm_bn_grad_sums_"].iter().find(|p| name.starts_with(*p));
-    if let Some(prefix) = partial {
-        let d = dtype_of(&name[prefix.len()..]);
-        let base = match *prefix {
-            "norm_bn_sum_" => 2,
-            "norm_bn_sqdev_" => 3,
-            _ => 5,
-        };
-        let (n, c, inner, splits) = (int(&a[base]), int(&a[base + 1]), int(&a[base + 2]), int(&a[base + 3]));
-        let count = n * inner;
+    let aligned = |b: Buf| match b {
+        Buf::Tensor(_, o) | Buf::Work(o) | Buf::Aux(o) => o % 16 == 0,
+        Buf::Flag => false,
+    };
+    let units = |d: DType, inner: i64, vec: &Arg, bufs: &[Buf]| -> i64 {
+        if int(vec) == 0 {
+            return 1;
+        }
+        let v = 16 / d.size() as i64;
+        assert!(inner % v == 0 && bufs.iter().all(|&b| aligned(b)), "{name}: 16-byte units that do not fit");
+        v
+    };
+    for (prefix, grad) in [("norm_bn_stats_", false), ("norm_bn_grad_stats_", true)] {
+        let Some(tag) = name.strip_prefix(prefix) else { continue };
+        let d = dtype_of(tag);
+        let (dy, x) = if grad { (Some(ptr(&a[0])), ptr(&a[1])) } else { (None, ptr(&a[0])) };
+        let first = 1 + usize::from(grad);
+        let parts: Vec<Buf> = (0..if grad { 4 } else { 2 }).map(|i| ptr(&a[first + i])).collect();
+        let b = first + parts.len();
+        let (n, c, inner, splits) = (int(&a[b]), int(&a[b + 1]), int(&a[b + 2]), int(&a[b + 3]));
+        let v = units(d, inner, &a[b + 4], &[Some(x), dy].into_iter().flatten().collect::<Vec<_>>());
+        let count = n * inner / v;
         let chunk = (count + splits - 1) / splits;
         for ch in 0..c {
+            let k0 = m.get(x, ch * inner, d);
             for s in 0..splits {
-                let (mut u, mut v) = (0.0, 0.0);
-                for e in s * chunk..((s + 1) * chunk).min(count) {
-                    let at = ((e / inner) * c + ch) * inner + e % inner;
-                    match *prefix {
-                        "norm_bn_sum_" => u += m.get(ptr(&a[0]), at, d),
-                        "norm_bn_sqdev_" => {
-                            let dev = m.get(ptr(&a[0]), at, d) - m.get(ptr(&a[1]), ch, acc(d));
-                            u += dev * dev;
-                        }
-                        _ => {
-                            let g = m.get(ptr(&a[0]), at, d);
-                            u += g;
-                            v += g * (m.get(ptr(&a[1]), at, d) - m.get(ptr(&a[2]), ch, acc(d)));
+                let mut sums = [0.0f64; 4];
+                for u in s * chunk..((s + 1) * chunk).min(count) {
+                    for e in u * v..(u + 1) * v {
+                        let at = ((e / inner) * c + ch) * inner + e % inner;
+                        let dev = m.get(x, at, d) - k0;
+                        sums[0] += dev;
+                        sums[1] += dev * dev;
+                        if let Some(dy) = dy {
+                            let g = m.get(dy, at, d);
+                            sums[2] += g;
+                            sums[3] += g * dev;
                         }
                     }
                 }
-                match *prefix {
-                    "norm_bn_sum_" => m.set(ptr(&a[1]), ch * splits + s, acc(d), u),
-                    "norm_bn_sqdev_" => m.set(ptr(&a[2]), ch * splits + s, acc(d), u),
-                    _ => {
-                        m.set(ptr(&a[3]), ch * splits + s, acc(d), u);
-                        m.set(ptr(&a[4]), ch * splits + s, acc(d), v);
-                    }
+                for (part, sum) in parts.iter().zip(sums) {
+                    m.set(*part, ch * splits + s, acc(d), sum);
                 }
             }
         }
         return;
     }
-    let tags: Vec<&str> = name.rsplitn(3, '_').collect();
-    let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
-    if name.starts_with("norm_bn_apply_") {
-        let (x, sc, bi, mean, var, y, rm, rv, rmo, rvo) = (
-            ptr(&a[0]),
-            ptr(&a[1]),
-            ptr(&a[2]),
-            ptr(&a[3]),
-            ptr(&a[4]),
-            ptr(&a[5]),
-            ptr(&a[6]),
-            ptr(&a[7]),
-            a[8],
-            a[9],
-        );
-        let (n, c, inner, eps, mom) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]), f32_of(&a[14]));
-        let relu = int(&a[15]) != 0;
+    // The statistics of channel ch from its partials: mean, biased variance, and the mean of x - K.
+    let moments = |m: &mut Memory, d: DType, x: Buf, px: Buf, pxx: Buf, ch: i64, inner: i64, splits: i64, cnt: f64| {
+        let sx: f64 = (0..splits).map(|s| m.get(px, ch * splits + s, acc(d))).sum();
+        let sxx: f64 = (0..splits).map(|s| m.get(pxx, ch * splits + s, acc(d))).sum();
+        let shifted = sx / cnt;
+        (m.get(x, ch * inner, d) + shifted, (sxx / cnt - shifted * shifted).max(0.0), shifted)
+    };
+    if let Some(tag) = name.strip_prefix("norm_bn_grad_apply_") {
+        let d = dtype_of(tag);
+        let [dy, x, mean, alpha, beta, gamma, dx] = [0, 1, 2, 3, 4, 5, 6].map(|i| ptr(&a[i]));
+        let (n, c, inner) = (int(&a[7]), int(&a[8]), int(&a[9]));
+        units(d, inner, &a[10], &[dy, x, dx]);
         for i in 0..n * c * inner {
             let ch = (i / inner) % c;
-            let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
-            let kk = m.get(sc, ch, dp) / (var_ + eps).sqrt();
-            let out = (m.get(x, i, d) - mu) * kk + m.get(bi, ch, dp);
+            let [mu, al, be, ga] = [mean, alpha, beta, gamma].map(|b| m.get(b, ch, acc(d)));
+            let out = al * m.get(dy, i, d) + be * (m.get(x, i, d) - mu) + ga;
+            m.set(dx, i, d, out);
+        }
+        return;
+    }
+    let tags: Vec<&str> = name.rsplitn(3, '_').collect();
+    let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
+    if name.starts_with("norm_bn_finish_") {
+        let [x, px, pxx, sc, rm, rv, mean, kk] = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| ptr(&a[i]));
+        let (rmo, rvo) = (ptr(&a[8]), ptr(&a[9]));
+        let (n, c, inner, splits) = (int(&a[10]), int(&a[11]), int(&a[12]), int(&a[13]));
+        let (eps, mom) = (f32_of(&a[14]), f32_of(&a[15]));
+        for ch in 0..c {
+            let (mu, var, _) = moments(m, d, x, px, pxx, ch, inner, splits, (n * inner) as f64);
+            m.set(mean, ch, acc(d), mu);
+            let k = m.get(sc, ch, dp) / (var + eps).sqrt();
+            m.set(kk, ch, acc(d), k);
+            let (om, ov) = (m.get(rm, ch, dp), m.get(rv, ch, dp));
+            m.set(rmo, ch, dp, om * mom + mu * (1.0 - mom));
+            m.set(rvo, ch, dp, ov * mom + var * (1.0 - mom));
+        }
+    } else if name.starts_with("norm_bn_apply_") {
+        let [x, mean, kk, bi, y] = [0, 1, 2, 3, 4].map(|i| ptr(&a[i]));
+        let (n, c, inner) = (int(&a[5]), int(&a[6]), int(&a[7]));
+        units(d, inner, &a[8], &[x, y]);
+        let relu = int(&a[9]) != 0;
+        for i in 0..n * c * inner {
+            let ch = (i / inner) % c;
+            let out = (m.get(x, i, d) - m.get(mean, ch, acc(d))) * m.get(kk, ch, acc(d)) + m.get(bi, ch, dp);
             m.set(y, i, d, bn_out(out, relu));
         }
-        if let (Arg::Ptr(rmo), Arg::Ptr(rvo)) = (rmo, rvo) {
-            for ch in 0..c {
-                let (mu, var_) = (m.get(mean, ch, acc(d)), m.get(var, ch, acc(d)));
-                let (om, ov) = (m.get(rm, ch, dp), m.get(rv, ch, dp));
-                m.set(rmo, ch, dp, om * mom + mu * (1.0 - mom));
-                m.set(rvo, ch, dp, ov * mom + var_ * (1.0 - mom));
-            }
-        }
     } else {
-        // norm_bn_grad_apply_<T>_<P>
-        let (dy, x, sc, mean, var, sg, sgd) =
-            (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
-        let (dx, ds, db) = (a[7], a[8], a[9]);
-        let (n, c, inner, eps) = (int(&a[10]), int(&a[11]), int(&a[12]), f32_of(&a[13]));
+        // norm_bn_grad_finish_<T>_<P>
+        let [x, px, pxx, pg, pgx, sc, mean, alpha, beta, gamma] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].map(|i| ptr(&a[i]));
+        let (ds, db) = (a[10], a[11]);
+        let (n, c, inner, splits, eps) = (int(&a[12]), int(&a[13]), int(&a[14]), int(&a[15]), f32_of(&a[16]));
         let cnt = (n * inner) as f64;
         for ch in 0..c {
-            let inv = 1.0 / (m.get(var, ch, acc(d)) + eps).sqrt();
-            let (g, gd, mu) = (m.get(sg, ch, acc(d)), m.get(sgd, ch, acc(d)), m.get(mean, ch, acc(d)));
-            if let Arg::Ptr(dx) = dx {
-                let kk = m.get(sc, ch, dp) * inv / cnt;
-                for e in 0..n * inner {
-                    let at = ((e / inner) * c + ch) * inner + e % inner;
-                    let xhat = (m.get(x, at, d) - mu) * inv;
-                    let out = kk * (cnt * m.get(dy, at, d) - g - xhat * gd * inv);
-                    m.set(dx, at, d, out);
-                }
-            }
+            let (mu, var, shifted) = moments(m, d, x, px, pxx, ch, inner, splits, cnt);
+            let g: f64 = (0..splits).map(|s| m.get(pg, ch * splits + s, acc(d))).sum();
+            let gx: f64 = (0..splits).map(|s| m.get(pgx, ch * splits + s, acc(d))).sum();
+            let inv = 1.0 / (var + eps).sqrt();
+            let gd = gx - shifted * g;
+            let al = m.get(sc, ch, dp) * inv;
+            m.set(mean, ch, acc(d), mu);
+            m.set(alpha, ch, acc(d), al);
+            m.set(beta, ch, acc(d), -al * inv * inv * gd / cnt);
+            m.set(gamma, ch, acc(d), -al * g / cnt);
             if let Arg::Ptr(ds) = ds {
                 m.set(ds, ch, d, gd * inv);
             }

@@ -34,44 +34,43 @@ fn bn_grid(c: u64, splits: u64) -> [u32; 3] {
     [splits.min(MAX_ROWS) as u32, c.min(MAX_ROWS) as u32, 1]
 }
 
-fn bn_dims(n: u64, c: u64, inner: u64, splits: u64) -> [Arg; 4] {
-    [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64), Arg::I64(splits as i64)]
+/// The arguments every pass takes: the dims, the splits and whether elements move 16 bytes at a
+/// time ([`bn_vec`]).
+fn bn_dims(n: u64, c: u64, inner: u64, splits: u64, vec: bool) -> [Arg; 5] {
+    [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64), Arg::I64(splits as i64), Arg::I32(vec as i32)]
 }
 
-/// `out[ch] = ` the partials `part[ch * splits ..][..splits]` combined (`reduce_<kind>_finish_<A>`).
-#[allow(clippy::too_many_arguments)]
-fn bn_finish(
+/// Whether a batch norm's passes move `x`-shaped tensors 16 bytes at a time: each plane a whole
+/// number of 16-byte vectors, and every tensor starting on one.
+fn bn_vec(inner: u64, ts: &[&TensorRef]) -> bool {
+    let v = 16 / ts[0].dtype.size() as u64;
+    inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
+}
+
+/// The statistics pass (with the gradient's sums where `dy` is given): partial sums per (channel,
+/// split) in `splits * c` workspace entries each, of x - K, (x - K)², and dy, dy (x - K).
+fn bn_stats(
     p: &mut Planner,
-    kind: &str,
-    acc: DType,
-    part: Buf,
-    out: Buf,
+    dy: Option<&TensorRef>,
+    x: &TensorRef,
+    dims: [Arg; 5],
     c: u64,
     splits: u64,
-    count: u64,
-) -> Result<(), String> {
-    let args = vec![Arg::Ptr(part), Arg::Ptr(out), Arg::I64(c as i64), Arg::I64(splits as i64), Arg::I64(count as i64)];
-    p.kernel("reduce", format!("reduce_{kind}_finish_{}", float_tag(acc)?), rows_grid(c), [32, 1, 1], args);
-    Ok(())
+) -> Result<Vec<Buf>, String> {
+    let a = acc_dtype(x.dtype).size() as u64;
+    let parts: Vec<Buf> = (0..if dy.is_some() { 4 } else { 2 }).map(|_| p.work(c * splits * a)).collect();
+    let t = float_tag(x.dtype)?;
+    let mut args: Vec<Arg> = dy.iter().chain([&x]).map(|t| Arg::Ptr(buf(t))).collect();
+    args.extend(parts.iter().map(|&b| Arg::Ptr(b)));
+    args.extend(dims);
+    let name = if dy.is_some() { format!("norm_bn_grad_stats_{t}") } else { format!("norm_bn_stats_{t}") };
+    p.kernel("norm", name, bn_grid(c, splits), [BLOCK, 1, 1], args);
+    Ok(parts)
 }
 
-/// Enqueues the passes that leave `x`'s per-channel mean and biased variance, in the kernels'
-/// accumulator dtype, in two workspaces: a sum, its mean, the squared deviations, their mean.
-fn bn_moments(p: &mut Planner, x: &TensorRef, n: u64, c: u64, inner: u64, splits: u64) -> Result<(Buf, Buf), String> {
-    let acc = acc_dtype(x.dtype);
-    let a = acc.size() as u64;
-    let t = float_tag(x.dtype)?;
-    let part = p.work(c * splits * a);
-    let (mean, var) = (p.work(c * a), p.work(c * a));
-    let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(part)];
-    args.extend(bn_dims(n, c, inner, splits));
-    p.kernel("norm", format!("norm_bn_sum_{t}"), bn_grid(c, splits), [BLOCK, 1, 1], args);
-    bn_finish(p, "mean", acc, part, mean, c, splits, n * inner)?;
-    let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(mean), Arg::Ptr(part)];
-    args.extend(bn_dims(n, c, inner, splits));
-    p.kernel("norm", format!("norm_bn_sqdev_{t}"), bn_grid(c, splits), [BLOCK, 1, 1], args);
-    bn_finish(p, "mean", acc, part, var, c, splits, n * inner)?;
-    Ok((mean, var))
+/// The per-channel kernels of the finish: one thread each.
+fn channels_grid(c: u64) -> [u32; 3] {
+    [c.div_ceil(BLOCK as u64).clamp(1, MAX_ROWS) as u32, 1, 1]
 }
 
 /// The kernel-name suffix of a layer norm whose `what` (y written, or dy read) is f16 or bf16
@@ -224,26 +223,37 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     return Err("training-mode BatchNormalization without its running statistics outputs".into());
                 }
                 if let Some(splits) = bn_splits(c, n * inner) {
-                    let (m, v) = bn_moments(p, x, n, c, inner, splits)?;
-                    let args = vec![
-                        ptr(x),
-                        ptr(scale),
-                        ptr(bias),
-                        Arg::Ptr(m),
-                        Arg::Ptr(v),
-                        ptr(y),
-                        ptr(mean),
-                        ptr(var),
-                        rm,
-                        rv,
+                    // One pass for the sums, a thread per channel for the statistics (and the
+                    // running ones), one element-wise pass for y.
+                    let vec = bn_vec(inner, &[x, y]);
+                    let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
+                    let acc = acc_dtype(x.dtype).size() as u64;
+                    let (m, k) = (p.work(c * acc), p.work(c * acc));
+                    let mut args =
+                        vec![ptr(x), Arg::Ptr(parts[0]), Arg::Ptr(parts[1]), ptr(scale), ptr(mean), ptr(var)];
+                    args.extend([Arg::Ptr(m), Arg::Ptr(k), rm, rv]);
+                    args.extend([
                         Arg::I64(n as i64),
                         Arg::I64(c as i64),
                         Arg::I64(inner as i64),
-                        Arg::F32(a.epsilon),
-                        Arg::F32(a.momentum),
+                        Arg::I64(splits as i64),
+                    ]);
+                    args.extend([Arg::F32(a.epsilon), Arg::F32(a.momentum)]);
+                    p.kernel("norm", format!("norm_bn_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
+                    let args = vec![
+                        ptr(x),
+                        Arg::Ptr(m),
+                        Arg::Ptr(k),
+                        ptr(bias),
+                        ptr(y),
+                        Arg::I64(n as i64),
+                        Arg::I64(c as i64),
+                        Arg::I64(inner as i64),
+                        Arg::I32(vec as i32),
                         relu,
                     ];
-                    p.flat("norm", format!("norm_bn_apply_{tags}"), x.numel() as u64, args);
+                    let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
+                    p.flat("norm", format!("norm_bn_apply_{tags}"), units, args);
                     return Ok(());
                 }
                 let args = vec![
@@ -290,38 +300,29 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             let n = x.shape.first().copied().unwrap_or(1) as u64;
             if let Some(splits) = bn_splits(c, n * inner) {
-                let (m, v) = bn_moments(p, x, n, c, inner, splits)?;
-                let acc = acc_dtype(x.dtype);
-                let (pg, pgd) = (p.work(c * splits * acc.size() as u64), p.work(c * splits * acc.size() as u64));
-                let (sg, sgd) = (p.work(c * acc.size() as u64), p.work(c * acc.size() as u64));
-                let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(m), Arg::Ptr(pg), Arg::Ptr(pgd)];
-                args.extend(bn_dims(n, c, inner, splits));
-                p.kernel(
-                    "norm",
-                    format!("norm_bn_grad_sums_{}", float_tag(x.dtype)?),
-                    bn_grid(c, splits),
-                    [BLOCK, 1, 1],
-                    args,
-                );
-                bn_finish(p, "sum", acc, pg, sg, c, splits, n * inner)?;
-                bn_finish(p, "sum", acc, pgd, sgd, c, splits, n * inner)?;
-                let args = vec![
-                    Arg::Ptr(buf(dy)),
-                    Arg::Ptr(buf(x)),
-                    Arg::Ptr(buf(scale)),
-                    Arg::Ptr(m),
-                    Arg::Ptr(v),
-                    Arg::Ptr(sg),
-                    Arg::Ptr(sgd),
-                    out(0),
-                    out(1),
-                    out(2),
-                    Arg::I64(n as i64),
-                    Arg::I64(c as i64),
-                    Arg::I64(inner as i64),
-                    Arg::F32(a.epsilon),
-                ];
-                p.flat("norm", format!("norm_bn_grad_apply_{tags}"), x.numel() as u64, args);
+                // One pass over x and dy for the sums, a thread per channel for the parameters'
+                // gradients and dx's coefficients, one element-wise pass for dx.
+                let dx = p.l.outputs.first().cloned();
+                let vec = bn_vec(inner, &[x, dy].into_iter().chain(dx.as_ref()).collect::<Vec<_>>());
+                let parts = bn_stats(p, Some(dy), x, bn_dims(n, c, inner, splits, vec), c, splits)?;
+                let acc = acc_dtype(x.dtype).size() as u64;
+                let coef: Vec<Buf> = (0..4).map(|_| p.work(c * acc)).collect();
+                let mut args = vec![Arg::Ptr(buf(x))];
+                args.extend(parts.iter().map(|&b| Arg::Ptr(b)));
+                args.push(Arg::Ptr(buf(scale)));
+                args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
+                args.extend([out(1), out(2)]);
+                args.extend([Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64), Arg::I64(splits as i64)]);
+                args.push(Arg::F32(a.epsilon));
+                p.kernel("norm", format!("norm_bn_grad_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
+                if let Some(dx) = dx {
+                    let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x))];
+                    args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
+                    args.extend([Arg::Ptr(buf(&dx)), Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)]);
+                    args.push(Arg::I32(vec as i32));
+                    let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
+                    p.flat("norm", format!("norm_bn_grad_apply_{}", float_tag(x.dtype)?), units, args);
+                }
                 return Ok(());
             }
             let args = vec![
