@@ -160,6 +160,51 @@ template <typename C> __device__ __forceinline__ C min_nan(C a, C b) {
     return (m_isnan(a) || m_isnan(b)) ? m_nan(a) : (a < b ? a : b);
 }
 
+// ---- V elements at once: p + i aligned to their V * sizeof(T) bytes (8, or whole 16-byte
+// units), widened as ld widens them (ldv) or rounded as st rounds them (stv). One wide access
+// keeps several elements in flight per thread, where one of 2 or 4 bytes leaves a memory-bound
+// kernel far below the bandwidth.
+template <int V, typename T> __device__ __forceinline__ void ldv(const T* p, long long i, AccT<T>* out) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 8 || B % 16 == 0, "8 bytes or whole 16-byte units");
+    if constexpr (B == 8) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p + i);
+        const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int q = 0; q < V; ++q) out[q] = ld(t, q);
+    } else {
+        constexpr int per = 16 / (int)sizeof(T);
+#pragma unroll
+        for (int h = 0; h < B / 16; ++h) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(p + i + h * per);
+            const T* t = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+            for (int q = 0; q < per; ++q) out[h * per + q] = ld(t, q);
+        }
+    }
+}
+template <int V, typename T> __device__ __forceinline__ void stv(T* p, long long i, const AccT<T>* v) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 8 || B % 16 == 0, "8 bytes or whole 16-byte units");
+    if constexpr (B == 8) {
+        uint2 raw;
+        T* t = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int q = 0; q < V; ++q) st(t, q, v[q]);
+        *reinterpret_cast<uint2*>(p + i) = raw;
+    } else {
+        constexpr int per = 16 / (int)sizeof(T);
+#pragma unroll
+        for (int h = 0; h < B / 16; ++h) {
+            uint4 raw;
+            T* t = reinterpret_cast<T*>(&raw);
+#pragma unroll
+            for (int q = 0; q < per; ++q) st(t, q, v[h * per + q]);
+            *reinterpret_cast<uint4*>(p + i + h * per) = raw;
+        }
+    }
+}
+
 // ---- index helpers ----
 
 // lin / n for 0 <= lin and 0 < n, in 32 bits where both fit (a 64-bit division is a long

@@ -67,35 +67,36 @@
 //     (M dy - dBias - xhat dScale), M = n * inner. One block per channel.
 //
 // ---- The same in passes, for channels of many elements (gridDim = (splits, c), blockDim.x = 256):
-//      block (s, ch) sums chunk s of channel ch's n * inner elements, in units of `vec ? V : 1`
-//      elements (V = 16 / sizeof(T): 16-byte loads, where inner is a multiple of V and every
-//      tensor 16-byte aligned), shifted by the channel's first element K = x[ch * inner] (so the
-//      squares do not cancel), into part_*[ch * splits + s] (A); a finish kernel (one thread per
-//      channel) adds each channel's partials in order and leaves per-channel coefficients that an
+//      block (s, ch) takes the statistics of chunk s of channel ch's n * inner elements, in units
+//      of `vec ? V : 1` elements (V = 16 / sizeof(T): 16-byte loads, where inner is a multiple of
+//      V and every tensor 16-byte aligned): each thread's count, mean and M2 (its elements
+//      shifted by its first, so the squares do not cancel), merged pairwise (Chan et al.) in a
+//      fixed order into part_*[ch * splits + s] (A); a finish kernel (one thread per channel)
+//      merges each channel's splits in order and leaves per-channel coefficients that an
 //      element-wise kernel applies.
-// norm_bn_stats_<T>(const T* x, A* part_x, A* part_xx, long long n, long long c, long long inner,
-//                   long long splits, int vec)
-//     sums of x - K and of (x - K)^2.
-// norm_bn_grad_stats_<T>(const T* dy, const T* x, A* part_x, A* part_xx, A* part_g, A* part_gx,
-//                        n, c, inner, splits, vec)
-//     the same, with the sums of dy and of dy * (x - K): x and dy read once.
-// norm_bn_finish_<T>_<P>(const T* x, const A* part_x, const A* part_xx, const P* scale,
+// norm_bn_stats_<T>(const T* x, A* part_n, A* part_mean, A* part_m2, long long n, long long c,
+//                   long long inner, long long splits, int vec)
+//     the count, mean and sum of squared deviations of each chunk.
+// norm_bn_grad_stats_<T>(const T* dy, const T* x, A* part_n, A* part_mean, A* part_m2, A* part_g,
+//                        A* part_gd, n, c, inner, splits, vec)
+//     the same, with the sums of dy and of dy * (x - the chunk's mean): x and dy read once.
+// norm_bn_finish_<T>_<P>(const A* part_n, const A* part_mean, const A* part_m2, const P* scale,
 //                        const P* running_mean, const P* running_var, A* mean, A* k,
-//                        P* running_mean_out, P* running_var_out, long long n, long long c,
-//                        long long inner, long long splits, float eps, float momentum)
-//     mean = K + sx / M, biased var = sxx / M - (sx / M)^2 (M = n * inner), k = scale /
-//     sqrt(var + eps); the running statistics as norm_batch_norm_train.
+//                        P* running_mean_out, P* running_var_out, long long c, long long splits,
+//                        float eps, float momentum)
+//     the channel's mean, biased var = M2 / M (M = n * inner) and k = scale / sqrt(var + eps);
+//     the running statistics as norm_batch_norm_train.
 // norm_bn_apply_<T>_<P>(const T* x, const A* mean, const A* k, const P* bias, T* y, long long n,
 //                       long long c, long long inner, int vec, int relu)
 //     Element-wise (1-D grid stride over the n * c * inner / v units): y = (x - mean) * k + bias.
-// norm_bn_grad_finish_<T>_<P>(const T* x, const A* part_x, const A* part_xx, const A* part_g,
-//                             const A* part_gx, const P* scale, A* mean, A* alpha, A* beta,
-//                             A* gamma, T* dscale, T* dbias, long long n, long long c,
-//                             long long inner, long long splits, float eps)
-//     With inv = 1 / sqrt(var + eps), g = sum dy and gd = sum dy (x - mean) = sgx - (sx / M) g:
-//     dScale = gd inv, dBias = g (either may be nullptr); the coefficients of dx = alpha dy +
-//     beta (x - mean) + gamma: alpha = scale inv, beta = -scale inv^3 gd / M, gamma = -scale
-//     inv g / M (norm_batch_norm_grad's dx, expanded).
+// norm_bn_grad_finish_<T>_<P>(const A* part_n, const A* part_mean, const A* part_m2,
+//                             const A* part_g, const A* part_gd, const P* scale, A* mean,
+//                             A* alpha, A* beta, A* gamma, T* dscale, T* dbias, long long c,
+//                             long long splits, float eps)
+//     With inv = 1 / sqrt(var + eps), g = sum dy and gd = sum dy (x - mean): dScale = gd inv,
+//     dBias = g (either may be nullptr); the coefficients of dx = alpha dy + beta (x - mean) +
+//     gamma: alpha = scale inv, beta = -scale inv^3 gd / M, gamma = -scale inv g / M
+//     (norm_batch_norm_grad's dx, expanded).
 // norm_bn_grad_apply_<T>(const T* dy, const T* x, const A* mean, const A* alpha, const A* beta,
 //                        const A* gamma, T* dx, long long n, long long c, long long inner, int vec)
 //     Element-wise, as norm_bn_apply.
@@ -359,23 +360,15 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
 
 // ---- BatchNormalization in passes
 
-// Elements moved 16 bytes at a time (Vec<T>::N of them): widened to the compute type as they are
-// loaded and rounded as they are stored, as ld and st do one at a time.
+// Elements moved 16 bytes at a time (ldv and stv of common.cuh).
 template <typename T> struct Vec {
     static constexpr int N = 16 / sizeof(T);
 };
 template <typename T> __device__ __forceinline__ void ld_vec(const T* p, long long i, AccT<T>* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p + i);
-    const T* t = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int q = 0; q < Vec<T>::N; ++q) out[q] = ld(t, q);
+    ldv<Vec<T>::N>(p, i, out);
 }
 template <typename T> __device__ __forceinline__ void st_vec(T* p, long long i, const AccT<T>* v) {
-    uint4 raw;
-    T* t = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int q = 0; q < Vec<T>::N; ++q) st(t, q, v[q]);
-    *reinterpret_cast<uint4*>(p + i) = raw;
+    stv<Vec<T>::N>(p, i, v);
 }
 
 // f(index of the unit's first element) for this thread's units [u0, u1) of channel ch of
@@ -399,93 +392,145 @@ __device__ __forceinline__ void bn_units(long long c, long long inner, long long
     }
 }
 
-// Block (s, ch): the shifted sums of chunk s of channel ch (and of dy's, where dy is not null).
+// Some elements' statistics: their count, mean and sum of squared deviations from it (M2), with
+// the gradient's sums of dy and of dy (x - mean).
+template <typename A> struct BnAcc {
+    A n, mean, m2, g, gd;
+};
+
+// Two sets of elements as one (Chan, Golub and LeVeque's pairwise update): no cancellation where
+// a mean is large against the deviations, as a plain sum of squares has.
+template <typename A> __device__ __forceinline__ BnAcc<A> bn_merge(const BnAcc<A>& a, const BnAcc<A>& b) {
+    if (b.n == A(0)) return a;
+    if (a.n == A(0)) return b;
+    const A n = a.n + b.n, delta = b.mean - a.mean, wb = b.n / n;
+    BnAcc<A> r;
+    r.n = n;
+    r.mean = a.mean + delta * wb;
+    r.m2 = a.m2 + b.m2 + delta * delta * a.n * wb;
+    r.g = a.g + b.g;
+    r.gd = a.gd + b.gd + (a.mean - r.mean) * a.g + (b.mean - r.mean) * b.g;
+    return r;
+}
+
+template <typename A> __device__ __forceinline__ BnAcc<A> bn_shfl_down(const BnAcc<A>& v, int off) {
+    BnAcc<A> r;
+    r.n = __shfl_down_sync(0xffffffffu, v.n, off);
+    r.mean = __shfl_down_sync(0xffffffffu, v.mean, off);
+    r.m2 = __shfl_down_sync(0xffffffffu, v.m2, off);
+    r.g = __shfl_down_sync(0xffffffffu, v.g, off);
+    r.gd = __shfl_down_sync(0xffffffffu, v.gd, off);
+    return r;
+}
+
+// The block's threads' statistics merged in a fixed order (each warp's as a tree, then the
+// warps'), returned to every thread.
+template <typename A> __device__ BnAcc<A> bn_block_merge(BnAcc<A> v, BnAcc<A>* smem /* 32 */) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = bn_merge(v, bn_shfl_down(v, off));
+    __syncthreads();  // smem may still be read from a previous call
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const BnAcc<A> none = {A(0), A(0), A(0), A(0), A(0)};
+        BnAcc<A> w = lane < nwarps ? smem[lane] : none;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) w = bn_merge(w, bn_shfl_down(w, off));
+        if (lane == 0) smem[0] = w;
+    }
+    __syncthreads();
+    return smem[0];
+}
+
+// Block (s, ch): the statistics of chunk s of channel ch (and the sums of dy, where dy is not
+// null). Each thread sums its elements shifted by its first one (a value of the data, so the
+// squares do not cancel), turns that into its own count, mean and M2, and the block merges them.
 template <typename T>
-__device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* part_x, AccT<T>* part_xx,
-                                              AccT<T>* part_g, AccT<T>* part_gx, long long n, long long c,
-                                              long long inner, long long splits, int vec) {
+__device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* part_n, AccT<T>* part_mean,
+                                              AccT<T>* part_m2, AccT<T>* part_g, AccT<T>* part_gd, long long n,
+                                              long long c, long long inner, long long splits, int vec) {
     typedef AccT<T> A;
     constexpr int V = Vec<T>::N;
-    __shared__ A smem[64];
+    __shared__ BnAcc<A> smem[32];
     const long long v = vec ? V : 1, units = n * inner / v, chunk = (units + splits - 1) / splits;
     for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
-        const A k0 = ld(x, ch * inner);
         for (long long s = blockIdx.x; s < splits; s += gridDim.x) {
             const long long u0 = s * chunk, u1 = u0 + chunk < units ? u0 + chunk : units;
-            A sx = A(0), sxx = A(0), sg = A(0), sgx = A(0);
+            A k0 = A(0), cnt = A(0), sx = A(0), sxx = A(0), sg = A(0), sgx = A(0);
+            auto add = [&](A xv, A g) {
+                if (cnt == A(0)) k0 = xv;
+                const A d = xv - k0;
+                cnt += A(1);
+                sx += d;
+                sxx += d * d;
+                sg += g;
+                sgx += g * d;
+            };
             if (vec) {
                 bn_units(c, inner, ch, V, u0, u1, [&](long long i) {
                     A xs[V], gs[V];
                     ld_vec(x, i, xs);
-                    if (dy) ld_vec(dy, i, gs);
+                    if (dy) {
+                        ld_vec(dy, i, gs);
+                    } else {
 #pragma unroll
-                    for (int q = 0; q < V; ++q) {
-                        const A d = xs[q] - k0;
-                        sx += d;
-                        sxx += d * d;
-                        if (dy) {
-                            sg += gs[q];
-                            sgx += gs[q] * d;
-                        }
+                        for (int q = 0; q < V; ++q) gs[q] = A(0);
                     }
+#pragma unroll
+                    for (int q = 0; q < V; ++q) add(xs[q], gs[q]);
                 });
             } else {
-                bn_units(c, inner, ch, 1, u0, u1, [&](long long i) {
-                    const A d = ld(x, i) - k0;
-                    sx += d;
-                    sxx += d * d;
-                    if (dy) {
-                        const A g = ld(dy, i);
-                        sg += g;
-                        sgx += g * d;
-                    }
-                });
+                bn_units(c, inner, ch, 1, u0, u1, [&](long long i) { add(ld(x, i), dy ? ld(dy, i) : A(0)); });
             }
-            block_reduce2(sx, sxx, OpSum(), smem);
-            if (dy) block_reduce2(sg, sgx, OpSum(), smem);
+            BnAcc<A> mine = {A(0), A(0), A(0), A(0), A(0)};
+            if (cnt > A(0)) {
+                const A m1 = sx / cnt;
+                const A m2 = sxx - sx * m1;
+                mine = {cnt, k0 + m1, m2 < A(0) ? A(0) : m2, sg, sgx - m1 * sg};
+            }
+            const BnAcc<A> all = bn_block_merge(mine, smem);
             if (threadIdx.x == 0) {
-                part_x[ch * splits + s] = sx;
-                part_xx[ch * splits + s] = sxx;
+                const long long at = ch * splits + s;
+                part_n[at] = all.n;
+                part_mean[at] = all.mean;
+                part_m2[at] = all.m2;
                 if (dy) {
-                    part_g[ch * splits + s] = sg;
-                    part_gx[ch * splits + s] = sgx;
+                    part_g[at] = all.g;
+                    part_gd[at] = all.gd;
                 }
             }
         }
     }
 }
 
-// Channel ch's partials added in order: the mean, the biased variance (a rounding below zero
-// clamped; NaN stays NaN) and the mean of x - K.
-template <typename T>
-__device__ __forceinline__ void bn_moments_of(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
-                                              long long ch, long long inner, long long splits, AccT<T> cnt,
-                                              AccT<T>& mean, AccT<T>& var, AccT<T>& shifted) {
-    typedef AccT<T> A;
-    A sx = A(0), sxx = A(0);
+// Channel ch's splits merged in order (the gradient's sums too where `g` is not null).
+template <typename A>
+__device__ __forceinline__ BnAcc<A> bn_channel(const A* part_n, const A* part_mean, const A* part_m2, const A* part_g,
+                                               const A* part_gd, long long ch, long long splits) {
+    BnAcc<A> acc = {A(0), A(0), A(0), A(0), A(0)};
     for (long long s = 0; s < splits; ++s) {
-        sx += part_x[ch * splits + s];
-        sxx += part_xx[ch * splits + s];
+        const long long at = ch * splits + s;
+        const BnAcc<A> p = {part_n[at], part_mean[at], part_m2[at], part_g ? part_g[at] : A(0),
+                            part_g ? part_gd[at] : A(0)};
+        acc = bn_merge(acc, p);
     }
-    shifted = sx / cnt;
-    mean = ld(x, ch * inner) + shifted;
-    const A v = sxx / cnt - shifted * shifted;
-    var = v < A(0) ? A(0) : v;
+    return acc;
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void bn_finish_body(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
+__device__ __forceinline__ void bn_finish_body(const AccT<T>* part_n, const AccT<T>* part_mean, const AccT<T>* part_m2,
                                                const P* scale, const P* rmean, const P* rvar, AccT<T>* mean_out,
-                                               AccT<T>* k_out, P* rmean_out, P* rvar_out, long long n, long long c,
-                                               long long inner, long long splits, float eps, float momentum) {
+                                               AccT<T>* k_out, P* rmean_out, P* rvar_out, long long c,
+                                               long long splits, float eps, float momentum) {
     typedef AccT<T> A;
     MPC_GRID_STRIDE(ch, c) {
-        A mean, var, shifted;
-        bn_moments_of(x, part_x, part_xx, ch, inner, splits, (A)(n * inner), mean, var, shifted);
-        mean_out[ch] = mean;
+        const BnAcc<A> s = bn_channel<A>(part_n, part_mean, part_m2, nullptr, nullptr, ch, splits);
+        const A var = s.m2 / s.n;
+        mean_out[ch] = s.mean;
         k_out[ch] = pld(scale, ch) / m_sqrt(var + eps);
         const A rm = pld(rmean, ch), rv = pld(rvar, ch);
-        st(rmean_out, ch, rm * momentum + mean * (A(1) - momentum));
+        st(rmean_out, ch, rm * momentum + s.mean * (A(1) - momentum));
         st(rvar_out, ch, rv * momentum + var * (A(1) - momentum));
     }
 }
@@ -518,30 +563,22 @@ __device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, c
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void bn_grad_finish_body(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,
-                                                    const AccT<T>* part_g, const AccT<T>* part_gx, const P* scale,
-                                                    AccT<T>* mean_out, AccT<T>* alpha, AccT<T>* beta,
-                                                    AccT<T>* gamma, T* dscale, T* dbias, long long n, long long c,
-                                                    long long inner, long long splits, float eps) {
+__device__ __forceinline__ void bn_grad_finish_body(const AccT<T>* part_n, const AccT<T>* part_mean,
+                                                    const AccT<T>* part_m2, const AccT<T>* part_g,
+                                                    const AccT<T>* part_gd, const P* scale, AccT<T>* mean_out,
+                                                    AccT<T>* alpha, AccT<T>* beta, AccT<T>* gamma, T* dscale,
+                                                    T* dbias, long long c, long long splits, float eps) {
     typedef AccT<T> A;
-    const A cnt = (A)(n * inner);
     MPC_GRID_STRIDE(ch, c) {
-        A mean, var, shifted;
-        bn_moments_of(x, part_x, part_xx, ch, inner, splits, cnt, mean, var, shifted);
-        A g = A(0), gx = A(0);
-        for (long long s = 0; s < splits; ++s) {
-            g += part_g[ch * splits + s];
-            gx += part_gx[ch * splits + s];
-        }
-        const A inv = A(1) / m_sqrt(var + eps);
-        const A gd = gx - shifted * g;  // sum of dy (x - mean)
+        const BnAcc<A> s = bn_channel<A>(part_n, part_mean, part_m2, part_g, part_gd, ch, splits);
+        const A inv = A(1) / m_sqrt(s.m2 / s.n + eps);
         const A a = pld(scale, ch) * inv;
-        mean_out[ch] = mean;
+        mean_out[ch] = s.mean;
         alpha[ch] = a;
-        beta[ch] = -a * inv * inv * gd / cnt;
-        gamma[ch] = -a * g / cnt;
-        if (dscale) st(dscale, ch, gd * inv);
-        if (dbias) st(dbias, ch, g);
+        beta[ch] = -a * inv * inv * s.gd / s.n;
+        gamma[ch] = -a * s.g / s.n;
+        if (dscale) st(dscale, ch, s.gd * inv);
+        if (dbias) st(dbias, ch, s.g);
     }
 }
 
@@ -647,26 +684,26 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                               float eps) {                                                 \
         batch_norm_grad_body(dy, x, scale, dx, dscale, dbias, n, c, inner, eps);                           \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_finish_##t##_##p(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,         \
-                                        const P* scale, const P* running_mean, const P* running_var,       \
-                                        AccT<T>* mean, AccT<T>* k, P* running_mean_out,                     \
-                                        P* running_var_out, long long n, long long c, long long inner,     \
+    MPC_KERNEL norm_bn_finish_##t##_##p(const AccT<T>* part_n, const AccT<T>* part_mean,                   \
+                                        const AccT<T>* part_m2, const P* scale, const P* running_mean,     \
+                                        const P* running_var, AccT<T>* mean, AccT<T>* k,                   \
+                                        P* running_mean_out, P* running_var_out, long long c,              \
                                         long long splits, float eps, float momentum) {                     \
-        bn_finish_body(x, part_x, part_xx, scale, running_mean, running_var, mean, k, running_mean_out,    \
-                       running_var_out, n, c, inner, splits, eps, momentum);                               \
+        bn_finish_body<T, P>(part_n, part_mean, part_m2, scale, running_mean, running_var, mean, k,         \
+                             running_mean_out, running_var_out, c, splits, eps, momentum);                 \
     }                                                                                                      \
     MPC_KERNEL norm_bn_apply_##t##_##p(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias,   \
                                        T* y, long long n, long long c, long long inner, int vec,           \
                                        int relu) {                                                         \
         bn_apply_body(x, mean, k, bias, y, n, c, inner, vec, relu);                                        \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_finish_##t##_##p(const T* x, const AccT<T>* part_x, const AccT<T>* part_xx,    \
-                                             const AccT<T>* part_g, const AccT<T>* part_gx, const P* scale, \
-                                             AccT<T>* mean, AccT<T>* alpha, AccT<T>* beta, AccT<T>* gamma, \
-                                             T* dscale, T* dbias, long long n, long long c,                \
-                                             long long inner, long long splits, float eps) {               \
-        bn_grad_finish_body(x, part_x, part_xx, part_g, part_gx, scale, mean, alpha, beta, gamma, dscale,  \
-                            dbias, n, c, inner, splits, eps);                                              \
+    MPC_KERNEL norm_bn_grad_finish_##t##_##p(const AccT<T>* part_n, const AccT<T>* part_mean,              \
+                                             const AccT<T>* part_m2, const AccT<T>* part_g,                \
+                                             const AccT<T>* part_gd, const P* scale, AccT<T>* mean,        \
+                                             AccT<T>* alpha, AccT<T>* beta, AccT<T>* gamma, T* dscale,     \
+                                             T* dbias, long long c, long long splits, float eps) {         \
+        bn_grad_finish_body<T, P>(part_n, part_mean, part_m2, part_g, part_gd, scale, mean, alpha, beta,    \
+                                  gamma, dscale, dbias, c, splits, eps);                                   \
     }                                                                                                      \
     MPC_KERNEL norm_instance_norm_##t##_##p(const T* x, const P* scale, const P* bias, T* y, long long n,  \
                                             long long c, long long inner, float eps) {                     \
@@ -714,14 +751,14 @@ NORM_LOW(__half, f16)
 NORM_LOW(__nv_bfloat16, bf16)
 
 #define BN_PASSES_T(T, t)                                                                                  \
-    MPC_KERNEL norm_bn_stats_##t(const T* x, AccT<T>* part_x, AccT<T>* part_xx, long long n, long long c,  \
-                                 long long inner, long long splits, int vec) {                             \
-        bn_stats_body<T>(nullptr, x, part_x, part_xx, nullptr, nullptr, n, c, inner, splits, vec);          \
+    MPC_KERNEL norm_bn_stats_##t(const T* x, AccT<T>* part_n, AccT<T>* part_mean, AccT<T>* part_m2,        \
+                                 long long n, long long c, long long inner, long long splits, int vec) {   \
+        bn_stats_body<T>(nullptr, x, part_n, part_mean, part_m2, nullptr, nullptr, n, c, inner, splits, vec); \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_stats_##t(const T* dy, const T* x, AccT<T>* part_x, AccT<T>* part_xx,          \
-                                      AccT<T>* part_g, AccT<T>* part_gx, long long n, long long c,         \
-                                      long long inner, long long splits, int vec) {                        \
-        bn_stats_body<T>(dy, x, part_x, part_xx, part_g, part_gx, n, c, inner, splits, vec);               \
+    MPC_KERNEL norm_bn_grad_stats_##t(const T* dy, const T* x, AccT<T>* part_n, AccT<T>* part_mean,        \
+                                      AccT<T>* part_m2, AccT<T>* part_g, AccT<T>* part_gd, long long n,    \
+                                      long long c, long long inner, long long splits, int vec) {           \
+        bn_stats_body<T>(dy, x, part_n, part_mean, part_m2, part_g, part_gd, n, c, inner, splits, vec);    \
     }                                                                                                      \
     MPC_KERNEL norm_bn_grad_apply_##t(const T* dy, const T* x, const AccT<T>* mean, const AccT<T>* alpha,  \
                                       const AccT<T>* beta, const AccT<T>* gamma, T* dx, long long n,       \

@@ -69,8 +69,18 @@ fn programs() -> Vec<(String, Program)> {
              output %10\n  output %11"
         )
     };
-    for (label, body) in [("bn f16 56x56", bn("f16", "2,256,56,56", 256)), ("bn f32 63x65", bn("f32", "4,5,63,65", 5))]
-    {
+    // And an f16 chain over whole 16-byte units, with a bias broadcast (8 elements at a time).
+    let chain = "input %0 \"x\": f16[64,256]\n  input %1 \"y\": f16[64,256]\n  input %2 \"b\": f16[256]\n  \
+                 %3 \"s\": f16[64,256] = Add(%0, %1)\n  %4 \"t\": f16[64,256] = Add(%3, %2)\n  \
+                 %5 \"r\": f16[64,256] = Relu(%4)\n  output %5"
+        .to_string();
+    let singles = [
+        ("bn f16 56x56", bn("f16", "2,256,56,56", 256)),
+        ("bn f32 63x65", bn("f32", "4,5,63,65", 5)),
+        ("chain f16", chain),
+        ("lone", "input %0 \"x\": f16[64,2048]\n  input %1 \"z\": f32[64,2048]\n  %2 \"r\": f16[64,2048] = Relu(%0)\n  %3 \"c\": f16[64,2048] = Cast[to=10](%1)\n  output %2\n  output %3".to_string()),
+    ];
+    for (label, body) in singles {
         let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  {body}\nend\n");
         let path = common::scratch("cuda_plan_single").join(format!("{}.mpcir", label.replace(' ', "_")));
         std::fs::write(&path, text).unwrap();
@@ -289,13 +299,17 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
             }
         }
     }
+    // Chains that take 8 and 4 elements at a time, and one at a time, were all compiled above.
+    let widths: std::collections::BTreeSet<usize> =
+        fused.values().map(|(_, k)| k.fused.as_ref().unwrap().vector).collect();
     println!(
-        "cuda plans: {} programs, {launches} launches, {calls} calls, {} distinct kernels ({} of them fused chains), \
-         {checked} kernel launches checked against the cubins",
+        "cuda plans: {} programs, {launches} launches, {calls} calls, {} distinct kernels ({} of them fused chains, \
+         taking {widths:?} elements at a time), {checked} kernel launches checked against the cubins",
         programs.len(),
         used.len(),
         fused.len()
     );
+    assert!(widths.len() == 3 || kernels.is_none(), "fused chains take {widths:?} elements at a time");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 

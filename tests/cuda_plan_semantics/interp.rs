@@ -200,6 +200,21 @@ fn run_fused(m: &mut Memory, k: &Kernel, f: &mpc_runtime::cuda::plan::fused::Fus
         }
         o
     };
+    // Elements taken `vector` at a time: every tensor read or written whole starts on a multiple
+    // of that many elements' bytes, and the count is a multiple of it.
+    if f.vector > 1 {
+        let mut contiguous = vec![1i64; f.dims.len()];
+        for d in (0..f.dims.len().saturating_sub(1)).rev() {
+            contiguous[d] = contiguous[d + 1] * f.dims[d + 1];
+        }
+        let whole = f.inputs.iter().enumerate().filter(|(_, (_, st))| *st == contiguous).map(|(j, (d, _))| (j, *d));
+        let outs = f.outputs.iter().enumerate().map(|(j, d)| (f.inputs.len() + j, *d));
+        for (a, d) in whole.chain(outs) {
+            let Buf::Tensor(_, o) = ptr(&k.args[a]) else { panic!("{}: a fused operand off the regions", k.name) };
+            assert_eq!(o % (f.vector * d.size()) as u64, 0, "{}: operand {a} misaligned for {}", k.name, f.vector);
+        }
+        assert_eq!(n % f.vector as i64, 0, "{}", k.name);
+    }
     let ins: Vec<HostTensor> = f
         .inputs
         .iter()

@@ -496,11 +496,11 @@ pub(crate) fn erf(x: f64) -> f64 {
     (1.0 - p * (-x * x).exp()).copysign(x)
 }
 
-/// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
-/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) partial sums shifted by
-/// each channel's first element, a thread per channel for the statistics and coefficients, and
-/// the element-wise kernels that apply them. Elements moved 16 bytes at a time (`vec`) are the
-/// same elements, in units that must not cross a plane or start off a 16-byte boundary.
+/// Batch normalisation in passes (kernels/norm.cu): per-(channel, split) statistics (count, mean,
+/// sum of squared deviations, and the gradient's sums of dy and dy (x - mean)), merged pairwise
+/// per channel by a thread each into the statistics and coefficients, and the element-wise
+/// kernels that apply them. Elements moved 16 bytes at a time (`vec`) are the same elements, in
+/// units that must not cross a plane or start off a 16-byte boundary.
 pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
     let name = k.name.as_str();
@@ -521,42 +521,54 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
         let d = dtype_of(tag);
         let (dy, x) = if grad { (Some(ptr(&a[0])), ptr(&a[1])) } else { (None, ptr(&a[0])) };
         let first = 1 + usize::from(grad);
-        let parts: Vec<Buf> = (0..if grad { 4 } else { 2 }).map(|i| ptr(&a[first + i])).collect();
+        let parts: Vec<Buf> = (0..if grad { 5 } else { 3 }).map(|i| ptr(&a[first + i])).collect();
         let b = first + parts.len();
         let (n, c, inner, splits) = (int(&a[b]), int(&a[b + 1]), int(&a[b + 2]), int(&a[b + 3]));
         let v = units(d, inner, &a[b + 4], &[Some(x), dy].into_iter().flatten().collect::<Vec<_>>());
         let count = n * inner / v;
         let chunk = (count + splits - 1) / splits;
         for ch in 0..c {
-            let k0 = m.get(x, ch * inner, d);
             for s in 0..splits {
-                let mut sums = [0.0f64; 4];
-                for u in s * chunk..((s + 1) * chunk).min(count) {
-                    for e in u * v..(u + 1) * v {
-                        let at = ((e / inner) * c + ch) * inner + e % inner;
-                        let dev = m.get(x, at, d) - k0;
-                        sums[0] += dev;
-                        sums[1] += dev * dev;
-                        if let Some(dy) = dy {
-                            let g = m.get(dy, at, d);
-                            sums[2] += g;
-                            sums[3] += g * dev;
-                        }
-                    }
-                }
-                for (part, sum) in parts.iter().zip(sums) {
-                    m.set(*part, ch * splits + s, acc(d), sum);
+                let at: Vec<i64> = (s * chunk..((s + 1) * chunk).min(count))
+                    .flat_map(|u| u * v..(u + 1) * v)
+                    .map(|e| ((e / inner) * c + ch) * inner + e % inner)
+                    .collect();
+                let xs: Vec<f64> = at.iter().map(|&i| m.get(x, i, d)).collect();
+                let gs: Vec<f64> = at.iter().map(|&i| dy.map_or(0.0, |dy| m.get(dy, i, d))).collect();
+                let cnt = xs.len() as f64;
+                let mean = if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / cnt };
+                let m2: f64 = xs.iter().map(|x| (x - mean) * (x - mean)).sum();
+                let g: f64 = gs.iter().sum();
+                let gd: f64 = xs.iter().zip(&gs).map(|(x, g)| g * (x - mean)).sum();
+                for (part, value) in parts.iter().zip([cnt, mean, m2, g, gd]) {
+                    m.set(*part, ch * splits + s, acc(d), value);
                 }
             }
         }
         return;
     }
-    // The statistics of channel ch from its partials: mean, biased variance, and the mean of x - K.
-    let moments = |m: &mut Memory, d: DType, x: Buf, px: Buf, pxx: Buf, ch: i64, inner: i64, splits: i64, cnt: f64| {
-        let sx: f64 = (0..splits).map(|s| m.get(px, ch * splits + s, acc(d))).sum();
-        let sxx: f64 = (0..splits).map(|s| m.get(pxx, ch * splits + s, acc(d))).sum();
-        let shifted = sx / cnt;
-        (m.get(x, ch * inner, d) + shifted, (sxx / cnt - shifted * shifted).max(0.0), shifted)
+    // Channel ch's splits merged pairwise, in order: (count, mean, M2, sum dy, sum dy (x - mean)).
+    let merged = |m: &mut Memory, d: DType, parts: &[Buf], ch: i64, splits: i64| {
+        let mut all = [0.0f64; 5];
+        for s in 0..splits {
+            let mut p = [0.0f64; 5];
+            for (v, b) in p.iter_mut().zip(parts) {
+                *v = m.get(*b, ch * splits + s, acc(d));
+            }
+            if p[0] == 0.0 {
+                continue;
+            }
+            if all[0] == 0.0 {
+                all = p;
+                continue;
+            }
+            let n = all[0] + p[0];
+            let delta = p[1] - all[1];
+            let mean = all[1] + delta * p[0] / n;
+            let gd = all[4] + p[4] + (all[1] - mean) * all[3] + (p[1] - mean) * p[3];
+            all = [n, mean, all[2] + p[2] + delta * delta * all[0] * p[0] / n, all[3] + p[3], gd];
+        }
+        all
     };
     if let Some(tag) = name.strip_prefix("norm_bn_grad_apply_") {
         let d = dtype_of(tag);
@@ -574,12 +586,12 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
     let tags: Vec<&str> = name.rsplitn(3, '_').collect();
     let (d, dp) = (dtype_of(tags[1]), dtype_of(tags[0]));
     if name.starts_with("norm_bn_finish_") {
-        let [x, px, pxx, sc, rm, rv, mean, kk] = [0, 1, 2, 3, 4, 5, 6, 7].map(|i| ptr(&a[i]));
-        let (rmo, rvo) = (ptr(&a[8]), ptr(&a[9]));
-        let (n, c, inner, splits) = (int(&a[10]), int(&a[11]), int(&a[12]), int(&a[13]));
-        let (eps, mom) = (f32_of(&a[14]), f32_of(&a[15]));
+        let parts = [ptr(&a[0]), ptr(&a[1]), ptr(&a[2])];
+        let [sc, rm, rv, mean, kk, rmo, rvo] = [3, 4, 5, 6, 7, 8, 9].map(|i| ptr(&a[i]));
+        let (c, splits, eps, mom) = (int(&a[10]), int(&a[11]), f32_of(&a[12]), f32_of(&a[13]));
         for ch in 0..c {
-            let (mu, var, _) = moments(m, d, x, px, pxx, ch, inner, splits, (n * inner) as f64);
+            let s = merged(m, d, &parts, ch, splits);
+            let (mu, var) = (s[1], s[2] / s[0]);
             m.set(mean, ch, acc(d), mu);
             let k = m.get(sc, ch, dp) / (var + eps).sqrt();
             m.set(kk, ch, acc(d), k);
@@ -599,16 +611,13 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
         }
     } else {
         // norm_bn_grad_finish_<T>_<P>
-        let [x, px, pxx, pg, pgx, sc, mean, alpha, beta, gamma] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].map(|i| ptr(&a[i]));
+        let parts = [0, 1, 2, 3, 4].map(|i| ptr(&a[i]));
+        let [sc, mean, alpha, beta, gamma] = [5, 6, 7, 8, 9].map(|i| ptr(&a[i]));
         let (ds, db) = (a[10], a[11]);
-        let (n, c, inner, splits, eps) = (int(&a[12]), int(&a[13]), int(&a[14]), int(&a[15]), f32_of(&a[16]));
-        let cnt = (n * inner) as f64;
+        let (c, splits, eps) = (int(&a[12]), int(&a[13]), f32_of(&a[14]));
         for ch in 0..c {
-            let (mu, var, shifted) = moments(m, d, x, px, pxx, ch, inner, splits, cnt);
-            let g: f64 = (0..splits).map(|s| m.get(pg, ch * splits + s, acc(d))).sum();
-            let gx: f64 = (0..splits).map(|s| m.get(pgx, ch * splits + s, acc(d))).sum();
-            let inv = 1.0 / (var + eps).sqrt();
-            let gd = gx - shifted * g;
+            let [cnt, mu, m2, g, gd] = merged(m, d, &parts, ch, splits);
+            let inv = 1.0 / (m2 / cnt + eps).sqrt();
             let al = m.get(sc, ch, dp) * inv;
             m.set(mean, ch, acc(d), mu);
             m.set(alpha, ch, acc(d), al);
@@ -634,6 +643,7 @@ pub(crate) fn acc(d: DType) -> DType {
     }
 }
 
+/// The loss kernels of loss.cu: positions (b, i), classes at ((b c + k) inner + i).
 pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
     let name = k.name.as_str();

@@ -30,6 +30,9 @@ pub struct Fused {
     pub dims: Vec<i64>,
     /// The output's shape (a softmax step works along one of its axes).
     pub shape: Vec<usize>,
+    /// Elements each thread takes at a time (1, 4 or 8; an element-wise chain): the contiguous
+    /// inputs and the outputs loaded and stored that many at once ([`vector_width`]).
+    pub vector: usize,
     /// The kernel's source (`common.cuh` is put before it when it is compiled).
     pub source: String,
 }
@@ -69,9 +72,20 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     let n = numel(&full);
     let inputs: Vec<(DType, Vec<i64>)> = ins.iter().map(|t| t.dtype).zip(walks).collect();
     let outputs: Vec<DType> = outs.iter().map(|t| t.dtype).collect();
-    let g = Gen { chain, inputs: &inputs, dims: &dims, wide: n > u32::MAX as u64 };
+    let mut g = Gen { chain, inputs: &inputs, dims: &dims, wide: n > u32::MAX as u64, vector: 1 };
     let (body, grid, block) = match chain.row_step() {
-        None => (g.elementwise(&outputs)?, grid_for(n), [BLOCK, 1, 1]),
+        None => {
+            let contiguous = g.contiguous();
+            let wide: Vec<&TensorRef> = ins
+                .iter()
+                .zip(&inputs)
+                .filter(|(_, (_, st))| *st == contiguous)
+                .map(|(t, _)| *t)
+                .chain(outs.iter().copied())
+                .collect();
+            g.vector = vector_width(n, &wide);
+            (g.elementwise(&outputs)?, grid_for(n / g.vector as u64), [BLOCK, 1, 1])
+        }
         Some(r) => {
             let axis = match &chain.steps[r].op {
                 Op::Softmax(a) | Op::LogSoftmax(a) => a.axis,
@@ -95,9 +109,23 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     let mut args: Vec<Arg> = ins.iter().map(|t| Arg::Ptr(buf(t))).collect();
     args.extend(outs.iter().map(|t| Arg::Ptr(buf(t))));
     args.push(Arg::I64(n as i64));
-    let fused = Fused { chain: chain.clone(), inputs, widened, outputs, dims, shape: full, source };
+    let vector = g.vector;
+    let fused = Fused { chain: chain.clone(), inputs, widened, outputs, dims, shape: full, source, vector };
     p.out.calls.push(Call::Kernel(Kernel { family: "fused", name, grid, block, args, fused: Some(Arc::new(fused)) }));
     Ok(())
+}
+
+/// The elements an element-wise chain's threads take at a time: 8 where every tensor it reads
+/// or writes whole (`wide`: the outputs and the inputs that are not broadcast) is of 2 bytes, else
+/// 4, where the count is a multiple and each such tensor starts on a multiple of that many
+/// elements' bytes (each access then one 8- or 16-byte load or store); else 1.
+pub fn vector_width(n: u64, wide: &[&TensorRef]) -> usize {
+    let widest = wide.iter().map(|t| t.dtype.size()).max().unwrap_or(4);
+    [8usize, 4]
+        .into_iter()
+        .filter(|&v| v == 4 || widest == 2)
+        .find(|&v| n % v as u64 == 0 && wide.iter().all(|t| t.offset % (v * t.dtype.size()) as u64 == 0))
+        .unwrap_or(1)
 }
 
 /// FNV-1a: the kernel's name from its source, the same across runs and machines.
@@ -112,6 +140,8 @@ struct Gen<'a> {
     dims: &'a [i64],
     /// Element indices past 32 bits.
     wide: bool,
+    /// Elements a thread takes at a time ([`vector_width`]).
+    vector: usize,
 }
 
 impl Gen<'_> {
@@ -140,6 +170,18 @@ impl Gen<'_> {
 
     /// The inputs loaded at element `e` (`a<k>`), then steps `from..to` (`s<j>`), at `pad`.
     fn element(&self, e: &str, steps: std::ops::Range<usize>, pad: &str) -> Result<String, String> {
+        self.element_from(e, steps, pad, None)
+    }
+
+    /// [`Gen::element`], the contiguous inputs taken from `v<k>[unit]` (loaded `vector` at a time)
+    /// where `unit` is given.
+    fn element_from(
+        &self,
+        e: &str,
+        steps: std::ops::Range<usize>,
+        pad: &str,
+        unit: Option<&str>,
+    ) -> Result<String, String> {
         let mut s = String::new();
         let contiguous = self.contiguous();
         let walks = |st: &[i64]| st != contiguous.as_slice();
@@ -160,6 +202,10 @@ impl Gen<'_> {
             }
         }
         for (k, (_, st)) in self.inputs.iter().enumerate() {
+            if let (Some(u), false) = (unit, walks(st)) {
+                let _ = writeln!(s, "{pad}const float a{k} = v{k}[{u}];");
+                continue;
+            }
             let at = if !walks(st) {
                 e.to_string()
             } else {
@@ -222,10 +268,45 @@ impl Gen<'_> {
         Ok(s)
     }
 
-    /// An element-wise chain: one pass over the elements.
+    /// An element-wise chain: one pass over the elements, `vector` at a time where more than one:
+    /// the contiguous inputs loaded and the outputs stored that many at once, each element's
+    /// steps as in the scalar kernel (the same bits).
     fn elementwise(&self, outputs: &[DType]) -> Result<String, String> {
         let mut s = String::new();
         let _ = writeln!(s, "({}) {{", self.params(outputs)?);
+        let v = self.vector;
+        if v > 1 {
+            let contiguous = self.contiguous();
+            let loaded: Vec<usize> = (0..self.inputs.len()).filter(|&k| self.inputs[k].1 == contiguous).collect();
+            let _ = writeln!(s, "    MPC_GRID_STRIDE(q, n / {v}) {{");
+            let _ = writeln!(s, "        const long long i = q * {v};");
+            for &k in &loaded {
+                let _ = writeln!(s, "        float v{k}[{v}];\n        ldv<{v}>(in{k}, i, v{k});");
+            }
+            for j in 0..outputs.len() {
+                let _ = writeln!(s, "        float w{j}[{v}];");
+            }
+            let _ = writeln!(s, "#pragma unroll");
+            let _ = writeln!(s, "        for (int u = 0; u < {v}; ++u) {{");
+            let pad = "            ";
+            if loaded.len() < self.inputs.len() {
+                let _ = writeln!(s, "{pad}const long long e = i + u;\n{pad}(void)e;");
+            }
+            s.push_str(&self.element_from("e", 0..self.chain.steps.len(), pad, Some("u"))?);
+            for (j, &k) in self.chain.outputs.iter().enumerate() {
+                if k >= self.chain.steps.len() {
+                    return Err("an output past the chain".into());
+                }
+                let _ = writeln!(s, "{pad}w{j}[u] = s{k};");
+            }
+            let _ = writeln!(s, "        }}");
+            for j in 0..outputs.len() {
+                let _ = writeln!(s, "        stv<{v}>(out{j}, i, w{j});");
+            }
+            let _ = writeln!(s, "    }}");
+            let _ = writeln!(s, "}}");
+            return Ok(s);
+        }
         let _ = writeln!(s, "    MPC_GRID_STRIDE(i, n) {{");
         s.push_str(&self.element("i", 0..self.chain.steps.len(), "        ")?);
         s.push_str(&self.stores("i", "        ")?);
@@ -323,5 +404,29 @@ impl Gen<'_> {
         let _ = writeln!(s, "    }}");
         let _ = writeln!(s, "}}");
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::vector_width;
+    use crate::program::{Region, TensorRef};
+    use mpc_ir::DType;
+
+    fn t(offset: u64, dtype: DType) -> TensorRef {
+        TensorRef { region: Region::Arena, offset, dtype, shape: vec![64] }
+    }
+
+    /// 16-byte accesses where every whole tensor is of 2 bytes, 8 or 16 bytes (4 elements) where
+    /// one is of 4, and one element at a time where a count or a start does not fit.
+    #[test]
+    fn chains_take_as_many_elements_at_a_time_as_their_tensors_allow() {
+        let (h, f) = (DType::F16, DType::F32);
+        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, h)]), 8);
+        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, f)]), 4);
+        assert_eq!(vector_width(1024, &[&t(8, h), &t(4096, h)]), 4, "8-byte aligned only");
+        assert_eq!(vector_width(1020, &[&t(0, h)]), 4);
+        assert_eq!(vector_width(1022, &[&t(0, h)]), 1);
+        assert_eq!(vector_width(1024, &[&t(0, f), &t(8, f)]), 1, "an f32 tensor off a 16-byte boundary");
     }
 }

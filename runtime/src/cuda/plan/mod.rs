@@ -308,6 +308,39 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
     })
 }
 
+/// A lone element-wise launch of many elements as a chain of one step, where its tensors let the
+/// generated kernel take 8 or 4 elements at a time ([`fused::vector_width`]) and the hand-written
+/// kernel would take one: the same functor, so the same bits (`MPC_FUSE=0` keeps the kernel).
+fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
+    use crate::fuse::{Chain, ChainArg, ChainStep};
+    let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+    let [y] = l.outputs.as_slice() else { return None };
+    let ins: Vec<&TensorRef> =
+        l.inputs.iter().map(|o| if let Operand::Device(t) = o { Some(t) } else { None }).collect::<Option<_>>()?;
+    let plain = l.epilogue.is_none() && l.sibling.is_none() && l.group.is_empty() && l.branches.is_none();
+    if !plain
+        || !crate::fuse::enabled()
+        || !crate::fuse::fusable_op(&l.op)
+        || (matches!(l.op, Op::Sum) && ins.len() != 2)
+        || y.numel() < LONE_CHAIN_MIN
+        || y.shape.len() > 8
+        || !float(y.dtype)
+        || !ins.iter().all(|t| float(t.dtype))
+    {
+        return None;
+    }
+    let whole: Vec<&TensorRef> = ins.iter().copied().filter(|t| t.shape == y.shape).chain([y]).collect();
+    if fused::vector_width(y.numel() as u64, &whole) == 1 {
+        return None;
+    }
+    let args = (0..ins.len()).map(ChainArg::Input).collect();
+    let step = ChainStep { node: l.node.clone(), op: l.op.clone(), args, dtype: y.dtype };
+    Some(Chain { steps: vec![step], outputs: vec![0] })
+}
+
+/// The elements from which a lone element-wise launch is worth a generated kernel of its own.
+const LONE_CHAIN_MIN: usize = 1 << 16;
+
 fn plan_op(p: &mut Planner) -> Result<(), String> {
     // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
     // norm's Relu, a Gemm's Relu, a MatMul's Transpose or bias.
@@ -323,6 +356,9 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
     }
     if let Some(chain) = &p.l.chain {
         return fused::plan_chain(p, chain);
+    }
+    if let Some(chain) = lone_chain(p.l) {
+        return fused::plan_chain(p, &chain);
     }
     let op = &p.l.op;
     if plan_elementwise(p)? {

@@ -47,8 +47,9 @@ fn bn_vec(inner: u64, ts: &[&TensorRef]) -> bool {
     inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
 }
 
-/// The statistics pass (with the gradient's sums where `dy` is given): partial sums per (channel,
-/// split) in `splits * c` workspace entries each, of x - K, (x - K)², and dy, dy (x - K).
+/// The statistics pass (with the gradient's sums where `dy` is given): per (channel, split), in
+/// `splits * c` workspace entries each, the count, mean and sum of squared deviations, and the
+/// sums of dy and of dy (x - mean).
 fn bn_stats(
     p: &mut Planner,
     dy: Option<&TensorRef>,
@@ -58,7 +59,7 @@ fn bn_stats(
     splits: u64,
 ) -> Result<Vec<Buf>, String> {
     let a = acc_dtype(x.dtype).size() as u64;
-    let parts: Vec<Buf> = (0..if dy.is_some() { 4 } else { 2 }).map(|_| p.work(c * splits * a)).collect();
+    let parts: Vec<Buf> = (0..if dy.is_some() { 5 } else { 3 }).map(|_| p.work(c * splits * a)).collect();
     let t = float_tag(x.dtype)?;
     let mut args: Vec<Arg> = dy.iter().chain([&x]).map(|t| Arg::Ptr(buf(t))).collect();
     args.extend(parts.iter().map(|&b| Arg::Ptr(b)));
@@ -229,15 +230,9 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
                     let acc = acc_dtype(x.dtype).size() as u64;
                     let (m, k) = (p.work(c * acc), p.work(c * acc));
-                    let mut args =
-                        vec![ptr(x), Arg::Ptr(parts[0]), Arg::Ptr(parts[1]), ptr(scale), ptr(mean), ptr(var)];
-                    args.extend([Arg::Ptr(m), Arg::Ptr(k), rm, rv]);
-                    args.extend([
-                        Arg::I64(n as i64),
-                        Arg::I64(c as i64),
-                        Arg::I64(inner as i64),
-                        Arg::I64(splits as i64),
-                    ]);
+                    let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
+                    args.extend([ptr(scale), ptr(mean), ptr(var), Arg::Ptr(m), Arg::Ptr(k), rm, rv]);
+                    args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
                     args.extend([Arg::F32(a.epsilon), Arg::F32(a.momentum)]);
                     p.kernel("norm", format!("norm_bn_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
                     let args = vec![
@@ -307,12 +302,11 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 let parts = bn_stats(p, Some(dy), x, bn_dims(n, c, inner, splits, vec), c, splits)?;
                 let acc = acc_dtype(x.dtype).size() as u64;
                 let coef: Vec<Buf> = (0..4).map(|_| p.work(c * acc)).collect();
-                let mut args = vec![Arg::Ptr(buf(x))];
-                args.extend(parts.iter().map(|&b| Arg::Ptr(b)));
+                let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
                 args.push(Arg::Ptr(buf(scale)));
                 args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
                 args.extend([out(1), out(2)]);
-                args.extend([Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64), Arg::I64(splits as i64)]);
+                args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
                 args.push(Arg::F32(a.epsilon));
                 p.kernel("norm", format!("norm_bn_grad_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
                 if let Some(dx) = dx {
