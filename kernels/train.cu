@@ -240,23 +240,33 @@ __device__ __forceinline__ void bias_corrections(const long long* step, float b1
     *c2 = (C)(1.0 - pow((double)b2, (double)t));
 }
 
+// One element of Adam or AdamW from its values: `d` is the gradient, widened and unscaled; the new
+// weight (rounded to T), first and second moments.
+template <typename T>
+__device__ __forceinline__ void adam_one(AccT<T> d, AccT<T> w, AccT<T> m, AccT<T> v, AccT<T> c1, AccT<T> c2, float lr,
+                                         float b1, float b2, float eps, float wd, int decoupled, AccT<T>& next,
+                                         AccT<T>& mn, AccT<T>& vn) {
+    typedef AccT<T> C;
+    const C one = C(1);
+    if (decoupled)
+        w -= (C)lr * (C)wd * w;
+    else
+        d += (C)wd * w;
+    mn = (C)b1 * m + (one - (C)b1) * d;
+    vn = (C)b2 * v + (one - (C)b2) * d * d;
+    next = round_to<T>(w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
+}
+
 // One element of Adam or AdamW: `d` is the gradient, widened and unscaled.
 template <typename T>
 __device__ __forceinline__ void adam_at(long long i, AccT<T> d, const T* param, const T* m, const T* v, T* param_out,
                                         T* m_out, T* v_out, AccT<T> c1, AccT<T> c2, float lr, float b1, float b2,
                                         float eps, float wd, int decoupled, const LowCopy& low) {
     typedef AccT<T> C;
-    const C one = C(1);
-    C w = ld(param, i);
-    if (decoupled)
-        w -= (C)lr * (C)wd * w;
-    else
-        d += (C)wd * w;
-    const C mn = (C)b1 * ld(m, i) + (one - (C)b1) * d;
-    const C vn = (C)b2 * ld(v, i) + (one - (C)b2) * d * d;
+    C next, mn, vn;
+    adam_one<T>(d, ld(param, i), ld(m, i), ld(v, i), c1, c2, lr, b1, b2, eps, wd, decoupled, next, mn, vn);
     st(m_out, i, mn);
     st(v_out, i, vn);
-    const C next = round_to<T>(w - (C)lr * (mn / c1) / (m_sqrt(vn / c2) + (C)eps));
     st(param_out, i, next);
     low.store(i, next);
 }
@@ -306,6 +316,34 @@ __device__ __forceinline__ void copy_block(const void* src, void* dst, long long
     for (long long i = s + threadIdx.x; i < e; i += blockDim.x) ((T*)dst)[i] = ((const T*)src)[i];
 }
 
+// Bytes of a gradient of dtype code 0 f32, 1 f16, 2 bf16, 3 f64.
+__device__ __forceinline__ int code_size(int code) { return code == 3 ? 8 : (code == 1 || code == 2) ? 2 : 4; }
+
+// V gradients from i on, widened and unscaled as grad_of_code does each.
+template <int V, typename C>
+__device__ __forceinline__ void grads_of_code(const void* g, int code, const float* inv, long long i, C* d) {
+    if (code == 3) {
+        double t[V];
+        ldv<V>((const double*)g, i, t);
+#pragma unroll
+        for (int q = 0; q < V; ++q) d[q] = (C)t[q];
+    } else {
+        float t[V];
+        if (code == 1)
+            ldv<V>((const __half*)g, i, t);
+        else if (code == 2)
+            ldv<V>((const __nv_bfloat16*)g, i, t);
+        else
+            ldv<V>((const float*)g, i, t);
+#pragma unroll
+        for (int q = 0; q < V; ++q) d[q] = (C)t[q];
+    }
+    if (inv) {
+#pragma unroll
+        for (int q = 0; q < V; ++q) d[q] = d[q] * (C)*inv;
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void adam_multi_body(const unsigned long long* ptrs, const long long* sizes,
                                                 const int* codes, const int* chunk_tensor,
@@ -314,6 +352,7 @@ __device__ __forceinline__ void adam_multi_body(const unsigned long long* ptrs, 
                                                 const unsigned char* finite, float lr, float b1, float b2, float eps,
                                                 float wd, int decoupled) {
     typedef AccT<T> C;
+    constexpr int V = 4;
     C c1, c2;
     bias_corrections(step, b1, b2, &c1, &c2);
     const bool ok = *finite != 0;
@@ -333,9 +372,42 @@ __device__ __forceinline__ void adam_multi_body(const unsigned long long* ptrs, 
         const T* param = (const T*)p[0];
         const T* m = (const T*)p[2];
         const T* v = (const T*)p[3];
-        for (long long i = s + threadIdx.x; i < e; i += blockDim.x) {
-            adam_at(i, grad_of_code<C>((const void*)p[1], codes[2 * k], inv, i), param, m, v, (T*)p[4], (T*)p[5],
-                    (T*)p[6], c1, c2, lr, b1, b2, eps, wd, decoupled, low);
+        T* param_out = (T*)p[4];
+        T* m_out = (T*)p[5];
+        T* v_out = (T*)p[6];
+        const void* grad = (const void*)p[1];
+        const int gcode = codes[2 * k];
+        // V elements at a time where every tensor of the tensor's update starts on V elements'
+        // bytes (each element as adam_at computes it: the same bits), the rest one at a time.
+        const unsigned long long wide = (p[0] | p[2] | p[3] | p[4] | p[5] | p[6]) % (V * sizeof(T));
+        const bool lows = low.code == 1 || low.code == 2;
+        const bool aligned = wide == 0 && p[1] % (V * code_size(gcode)) == 0 && (!lows || p[8] % (V * 2) == 0);
+        const long long ev = aligned ? s + (e - s) / V * V : s;
+        for (long long i = s + V * threadIdx.x; i < ev; i += V * blockDim.x) {
+            C d[V], w[V], mm[V], vv[V], next[V], mn[V], vn[V];
+            grads_of_code<V>(grad, gcode, inv, i, d);
+            ldv<V>(param, i, w);
+            ldv<V>(m, i, mm);
+            ldv<V>(v, i, vv);
+#pragma unroll
+            for (int q = 0; q < V; ++q)
+                adam_one<T>(d[q], w[q], mm[q], vv[q], c1, c2, lr, b1, b2, eps, wd, decoupled, next[q], mn[q], vn[q]);
+            stv<V>(m_out, i, mn);
+            stv<V>(v_out, i, vn);
+            stv<V>(param_out, i, next);
+            if (lows) {
+                float f[V];
+#pragma unroll
+                for (int q = 0; q < V; ++q) f[q] = (float)next[q];
+                if (low.code == 1)
+                    stv<V>((__half*)low.out, i, f);
+                else
+                    stv<V>((__nv_bfloat16*)low.out, i, f);
+            }
+        }
+        for (long long i = ev + threadIdx.x; i < e; i += blockDim.x) {
+            adam_at(i, grad_of_code<C>(grad, gcode, inv, i), param, m, v, param_out, m_out, v_out, c1, c2, lr, b1, b2,
+                    eps, wd, decoupled, low);
         }
     }
 }

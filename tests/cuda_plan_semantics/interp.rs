@@ -209,7 +209,10 @@ fn run_fused(m: &mut Memory, k: &Kernel, f: &mpc_runtime::cuda::plan::fused::Fus
         }
         let whole = f.inputs.iter().enumerate().filter(|(_, (_, st))| *st == contiguous).map(|(j, (d, _))| (j, *d));
         let outs = f.outputs.iter().enumerate().map(|(j, d)| (f.inputs.len() + j, *d));
-        for (a, d) in whole.chain(outs) {
+        let whole: Vec<(usize, DType)> = whole.chain(outs).collect();
+        // (8 at a time only where each access is then 16 bytes.)
+        assert!(f.vector == 4 || whole.iter().all(|(_, d)| d.size() == 2), "{}: {} at a time", k.name, f.vector);
+        for (a, d) in whole {
             let Buf::Tensor(_, o) = ptr(&k.args[a]) else { panic!("{}: a fused operand off the regions", k.name) };
             assert_eq!(o % (f.vector * d.size()) as u64, 0, "{}: operand {a} misaligned for {}", k.name, f.vector);
         }

@@ -322,6 +322,8 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
         || !crate::fuse::enabled()
         || !crate::fuse::fusable_op(&l.op)
         || (matches!(l.op, Op::Sum) && ins.len() != 2)
+        // (A Cast to its own dtype is a copy of the bits; a chain would widen and round them.)
+        || (matches!(l.op, Op::Cast(_)) && ins.iter().any(|t| t.dtype == y.dtype))
         || y.numel() < LONE_CHAIN_MIN
         || y.shape.len() > 8
         || !float(y.dtype)
