@@ -214,6 +214,15 @@ __device__ __forceinline__ long long index_div(long long lin, long long n) {
     return lin / n;
 }
 
+// q = a / b and r = a % b for 0 <= a and 0 < b, as index_div divides.
+__device__ __forceinline__ void index_divmod(long long a, long long b, long long& q, long long& r) {
+    q = index_div(a, b);
+    r = a - q * b;
+}
+
+// a % b for 0 <= a and 0 < b, with no division where a < b (a layer norm's scale over its row).
+__device__ __forceinline__ long long index_mod(long long a, long long b) { return a < b ? a : a - index_div(a, b) * b; }
+
 // The offset of the element with row-major linear index `lin` over `dims[0..rank)`, for strides
 // `s` (in elements). The loops are unrolled over all 8 slots so that the structs are indexed with
 // constants and stay in the parameter bank (a runtime index would copy them to local memory).

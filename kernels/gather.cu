@@ -69,8 +69,9 @@ __device__ __forceinline__ void gather_axis_body(const T* __restrict__ x, const 
                                                  long long outer, long long len, long long count, long long inner,
                                                  int* err) {
     MPC_GRID_STRIDE(e, outer * count * inner) {
-        const long long i = e % inner, t = e / inner;
-        const long long j = t % count, o = t / count;
+        long long i, t, j, o;
+        index_divmod(e, inner, t, i);
+        index_divmod(t, count, o, j);
         const long long k = norm_index(idx, j, len);
         if (k < 0) {
             y[e] = (T)0;
@@ -134,8 +135,9 @@ __device__ __forceinline__ void grad_direct_body(const T* __restrict__ dy, const
                                                  long long inner) {
     typedef typename Acc<T>::type C;
     MPC_GRID_STRIDE(e, outer * len * inner) {
-        const long long i = e % inner, t = e / inner;
-        const long long l = t % len, o = t / len;
+        long long i, t, l, o;
+        index_divmod(e, inner, t, i);
+        index_divmod(t, len, o, l);
         C s = C(0);
         for (long long j = 0; j < count; ++j)
             if (norm_index(idx, j, len) == l) s += ld(dy, (o * count + j) * inner + i);
@@ -237,8 +239,9 @@ __device__ __forceinline__ void grad_sorted_body(const T* __restrict__ dy, const
                                                  long long len, long long count, long long inner) {
     typedef typename Acc<T>::type C;
     MPC_GRID_STRIDE(e, outer * len * inner) {
-        const long long i = e % inner, t = e / inner;
-        const long long l = t % len, o = t / len;
+        long long i, t, l, o;
+        index_divmod(e, inner, t, i);
+        index_divmod(t, len, o, l);
         C s = C(0);
         const long long p1 = seg[l + 1];
         for (long long p = seg[l]; p < p1; ++p) {

@@ -161,7 +161,7 @@ __device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, cons
         block_stats(x, n, at, smem, mean, var);
         const A r = A(1) / m_sqrt(var + eps);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
-            const long long j = k % scale_n;
+            const long long j = index_mod(k, scale_n);
             A v = (ld(x, at(k)) - mean) * r * pld(scale, j);
             if (bias) v += pld(bias, j);
             st(y, at(k), v);
@@ -186,7 +186,7 @@ __device__ __forceinline__ void layer_norm_grad_body(const D* dy, const T* x, co
         const A r = A(1) / m_sqrt(var + eps);
         A s1 = A(0), s2 = A(0);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
-            const A g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            const A g = ld(dy, at(k)) * pld(scale, index_mod(k, scale_n));
             s1 += g;
             s2 += g * ((ld(x, at(k)) - mean) * r);
         }
@@ -194,7 +194,7 @@ __device__ __forceinline__ void layer_norm_grad_body(const D* dy, const T* x, co
         const A nf = (A)n;
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
             const A xhat = (ld(x, at(k)) - mean) * r;
-            const A g = ld(dy, at(k)) * pld(scale, k % scale_n);
+            const A g = ld(dy, at(k)) * pld(scale, index_mod(k, scale_n));
             st(dx, at(k), r / nf * (nf * g - s1 - xhat * s2));
         }
         if (threadIdx.x == 0) {
