@@ -8,7 +8,9 @@
 // outer = N, n = C, inner = prod(d). Outputs have the input's layout.
 // Launch: one block per row, grid-stride over the outer*inner rows with blockIdx.x:
 //   gridDim.x = min(outer*inner, 65535), blockDim.x a multiple of 32 in [32, 256]: 256 for long
-//   rows, 32 when n <= 128. The sums' rounding depends on blockDim.x (fixed per launch site).
+//   rows, 32 (one warp per row) when n <= 1024. The sums' rounding depends on blockDim.x (fixed
+//   per launch site: `row_block` in runtime/src/cuda/plan/mod.rs, for these kernels and the fused
+//   chains alike).
 // Arithmetic in f32 for f32/f16/bf16 (f64 for f64), as the CPU reference: m = max over the row
 // (NaN-ignoring, like f32::max), s = sum(exp(x - m)); softmax = exp(x - m) / s, log-softmax =
 // (x - m) - log(s).

@@ -95,7 +95,7 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
             let ax = normalize_axis(axis, full.len()).ok_or("softmax axis out of range")?;
             let (outer, len, inner) = split3(&full, ax, ax + 1);
             // The unfused softmax's launch: the same block, so the same reduction order.
-            let block = if len <= 128 { 32 } else { BLOCK };
+            let block = row_block(len);
             let body = if matches!(chain.steps[r].op, Op::SoftmaxGrad(_)) {
                 g.grad_rows(&outputs, r, (outer, len, inner))?
             } else {

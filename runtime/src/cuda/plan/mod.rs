@@ -340,6 +340,18 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     Some(Chain { steps: vec![step], outputs: vec![0] })
 }
 
+/// The block of a softmax's (or a fused chain's row-wise step's) launch over rows of `len`: one
+/// warp per row up to 1024 elements (32 rows in flight per multiprocessor, each thread walking a
+/// few dozen elements, reductions within the warp), 256 threads beyond. The sums' order follows
+/// from it, so the unfused kernels and the fused chains take it from here alike.
+pub(super) fn row_block(len: u64) -> u32 {
+    if len <= 1024 {
+        32
+    } else {
+        BLOCK
+    }
+}
+
 /// The elements from which a lone element-wise launch is worth a generated kernel of its own.
 const LONE_CHAIN_MIN: usize = 1 << 16;
 
@@ -424,7 +436,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
                 args.insert(0, Arg::Ptr(buf(dy)));
             }
             args.extend([Arg::Ptr(buf(y)), Arg::I64(outer as i64), Arg::I64(n as i64), Arg::I64(inner as i64)]);
-            let block = if n <= 128 { 32 } else { BLOCK };
+            let block = row_block(n);
             let kernel = if x_wide || dy_wide {
                 let (dt, xt) = (float_tag(dy.dtype)?, float_tag(x.dtype)?);
                 let low = |d: DType| matches!(d, DType::F16 | DType::BF16);
