@@ -13,7 +13,9 @@
 // A label outside [0, c) that is not ignored is treated as ignored (the CPU reference rejects
 // it; kernels cannot).
 // T in f32 f16 bf16 f64; arithmetic and the workspaces (`float` below) in A = AccT<T>: f32, or
-// f64 for f64 scores. Sums in fixed-order block reductions.
+// f64 for f64 scores. Sums in fixed-order block reductions. A row's max and sum of exponentials
+// come from one pass over it (row_max_sum), the forward's loss from that pass alone, the
+// gradient from it and one more.
 //
 // Forward, SoftmaxCrossEntropyLoss = LogSoftmax over c, then NLL on the stored log-probabilities
 // (rounded to T, as the CPU reference reads them):
@@ -70,9 +72,67 @@ template <typename W> __device__ __forceinline__ AccT<W> weight_of(const W* w, l
     return w ? ld(w, k) : AccT<W>(1);
 }
 
-struct OpFmaxL {
-    template <typename C> __device__ __forceinline__ C operator()(C a, C b) const { return m_fmax(a, b); }
-};
+// Two parts of a row as one: the larger max (NaN-ignoring, as m_fmax) and the sums of exp(x -
+// max) rescaled to it. A part with no elements (max -inf, sum 0) leaves the other as it is.
+template <typename A> __device__ __forceinline__ void max_sum_merge(A& m, A& s, A mo, A so) {
+    if (so == A(0) && mo == -m_inf(A(0))) return;
+    if (s == A(0) && m == -m_inf(A(0))) {
+        m = mo;
+        s = so;
+        return;
+    }
+    const A big = m_fmax(m, mo);
+    s = s * m_exp(m - big) + so * m_exp(mo - big);
+    m = big;
+}
+
+// A row's max and sum of exp(x - max) in one pass over it: each thread keeps its own pair
+// (its sum rescaled when its max grows), then the block merges them in a fixed order (each warp
+// as a tree, then the warps'). Returned to every thread. NaN and infinities give what a max pass
+// and then a sum pass give: a NaN in the row makes the sum NaN, and so does a max of +inf (whose
+// own term is exp(inf - inf)); a -inf adds nothing (a row of them: a sum of 0, a log of -inf).
+template <typename A, typename T>
+__device__ __forceinline__ void row_max_sum(const T* scores, long long base, long long c, long long inner, A* smem,
+                                            A& m, A& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    m = -m_inf(A(0));
+    s = A(0);
+    for (long long k = threadIdx.x; k < c; k += blockDim.x) {
+        const A x = ld(scores, base + k * inner);
+        if (x > m) {
+            s = s * m_exp(m - x) + A(1);
+            m = x;
+        } else if (x != -m_inf(A(0))) {
+            s += m_exp(x - m);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const A mo = __shfl_down_sync(0xffffffffu, m, off), so = __shfl_down_sync(0xffffffffu, s, off);
+        max_sum_merge(m, s, mo, so);
+    }
+    __syncthreads();  // smem may still be read from a previous row
+    if (lane == 0) {
+        smem[warp] = m;
+        smem[32 + warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        A wm = lane < nwarps ? smem[lane] : -m_inf(A(0)), ws = lane < nwarps ? smem[32 + lane] : A(0);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const A mo = __shfl_down_sync(0xffffffffu, wm, off), so = __shfl_down_sync(0xffffffffu, ws, off);
+            max_sum_merge(wm, ws, mo, so);
+        }
+        if (lane == 0) {
+            smem[0] = wm;
+            smem[32] = ws;
+        }
+    }
+    __syncthreads();
+    m = smem[0];
+    s = m == m_inf(A(0)) ? m_nan(A(0)) : smem[32];
+}
 
 // D: the dtype of the weights, log-probabilities and losses (T, or f32 for the wide kernels of
 // f16/bf16 scores, whose log-probabilities are rounded to f32 as an f32 op's are).
@@ -81,16 +141,12 @@ __device__ __forceinline__ void softmax_ce_body(const T* scores, const I* labels
                                                 AccT<D>* ws_loss, AccT<D>* ws_weight, D* loss_none, long long n,
                                                 long long c, long long inner, int has_ignore, long long ignore_index) {
     typedef AccT<D> A;
-    __shared__ A smem[32];
+    __shared__ A smem[64];
     for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
         const long long b = p / inner, i = p % inner;
         const long long base = b * c * inner + i;
-        A m = -m_inf(A(0));
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
-        m = block_reduce(m, OpFmaxL(), smem);
-        A s = A(0);
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += m_exp(ld(scores, base + k * inner) - m);
-        s = block_reduce(s, OpSum(), smem);
+        A m, s;
+        row_max_sum(scores, base, c, inner, smem, m, s);
         const A ls = m_log(s);
         if (log_prob)
             for (long long k = threadIdx.x; k < c; k += blockDim.x)
@@ -172,7 +228,7 @@ __device__ __forceinline__ void softmax_ce_grad_body(const D* dloss, const T* sc
                                                      long long c, long long inner, int has_ignore,
                                                      long long ignore_index, int reduction) {
     typedef AccT<T> A;
-    __shared__ A smem[32];
+    __shared__ A smem[64];
     for (long long p = blockIdx.x; p < n * inner; p += gridDim.x) {
         const long long b = p / inner, i = p % inner;
         const long long base = b * c * inner + i;
@@ -181,12 +237,8 @@ __device__ __forceinline__ void softmax_ce_grad_body(const D* dloss, const T* sc
             for (long long k = threadIdx.x; k < c; k += blockDim.x) st(dscores, base + k * inner, A(0));
             continue;  // uniform across the block: no reduction is skipped by part of it
         }
-        A m = -m_inf(A(0));
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) m = m_fmax(m, ld(scores, base + k * inner));
-        m = block_reduce(m, OpFmaxL(), smem);
-        A s = A(0);
-        for (long long k = threadIdx.x; k < c; k += blockDim.x) s += m_exp(ld(scores, base + k * inner) - m);
-        s = block_reduce(s, OpSum(), smem);
+        A m, s;
+        row_max_sum(scores, base, c, inner, smem, m, s);
         const A gw = A(grad_scale(dloss, total, p, reduction) * weight_of(weights, label));
         for (long long k = threadIdx.x; k < c; k += blockDim.x) {
             const A prob = m_exp(ld(scores, base + k * inner) - m) / s;
