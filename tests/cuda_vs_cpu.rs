@@ -262,6 +262,9 @@ fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
         "input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
         // A language model's loss over rows of 50,257 scores: the max and the sum in one pass.
         "input %0 \"x\": f32[8,50257]\n  init %1 \"l\" = i64[8]{0, 50256, 7, 31000, 12, 3, 50000, 9}\n  %2 \"y\": f32[] = SoftmaxCrossEntropyLoss[reduction=\"mean\"](%0, %1)\n  output %2",
+        // GELU's gradient 16 bytes at a time, and one element at a time.
+        "input %0 \"dy\": f16[64,96]\n  input %1 \"x\": f16[64,96]\n  %2 \"dx\": f16[64,96] = ai.mpc::GeluGrad[approximate=\"tanh\"](%0, %1)\n  output %2",
+        "input %0 \"dy\": f32[7,9]\n  input %1 \"x\": f32[7,9]\n  %2 \"dx\": f32[7,9] = ai.mpc::GeluGrad(%0, %1)\n  output %2",
         // Lone element-wise ops of many elements: generated kernels, 8 and 4 elements at a time.
         "input %0 \"x\": f16[64,2048]\n  input %1 \"z\": f32[64,2048]\n  %2 \"r\": f16[64,2048] = Relu(%0)\n  %3 \"c\": f16[64,2048] = Cast[to=10](%1)\n  output %2\n  output %3",
         // Planes of 4095 elements: the passes move one element at a time, not 16 bytes.

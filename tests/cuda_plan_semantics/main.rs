@@ -291,6 +291,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),
         ("input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5", "BatchNormalizationGrad"),
         ("input %0 \"x\": f32[8,50257]\n  init %1 \"l\" = i64[8]{0, 50256, 7, 31000, 12, 3, 50000, 9}\n  %2 \"y\": f32[] = SoftmaxCrossEntropyLoss[reduction=\"mean\"](%0, %1)\n  output %2", "SoftmaxCrossEntropyLoss"),
+        // GELU's gradient 16 bytes at a time, and one element at a time.
+        ("input %0 \"dy\": f16[64,96]\n  input %1 \"x\": f16[64,96]\n  %2 \"dx\": f16[64,96] = ai.mpc::GeluGrad[approximate=\"tanh\"](%0, %1)\n  output %2", "GeluGrad"),
+        ("input %0 \"dy\": f32[7,9]\n  input %1 \"x\": f32[7,9]\n  %2 \"dx\": f32[7,9] = ai.mpc::GeluGrad(%0, %1)\n  output %2", "GeluGrad"),
         // Lone element-wise ops of many elements: generated kernels, 8 and 4 elements at a time.
         ("input %0 \"x\": f16[64,2048]\n  input %1 \"z\": f32[64,2048]\n  %2 \"r\": f16[64,2048] = Relu(%0)\n  %3 \"c\": f16[64,2048] = Cast[to=10](%1)\n  output %2\n  output %3", "Relu"),
         // Planes that are no whole number of 16-byte units: one element at a time.

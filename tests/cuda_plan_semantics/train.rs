@@ -247,6 +247,11 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
     } else if name.starts_with("train_gelu_grad_") {
         let d = dtype_of(tag);
         let (dy, x, dx, n, tanh) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), int(&a[3]), int(&a[4]) != 0);
+        if int(&a[5]) != 0 {
+            // 16 bytes at a time: whole units, every tensor on a 16-byte boundary.
+            let aligned = |b: Buf| matches!(b, Buf::Tensor(_, o) if o % 16 == 0);
+            assert!(n % (16 / d.size() as i64) == 0 && [dy, x, dx].into_iter().all(aligned), "{name}");
+        }
         let c = (2.0 / std::f64::consts::PI).sqrt();
         for i in 0..n {
             let v = m.get(x, i, d);
