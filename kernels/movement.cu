@@ -6,7 +6,8 @@
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
 // Launch: 1-D grid-stride loops over the output (CumSum: over its lines), blockDim.x = 256, any
 // grid. Movement kernels are typed by element size: b1 b2 b4 b8 copy any dtype of 1, 2, 4, 8
-// bytes bit for bit (bool/i8/u8, f16/bf16, f32/i32, f64/i64).
+// bytes bit for bit (bool/i8/u8, f16/bf16, f32/i32, f64/i64); movement_copy_b16 moves 16-byte
+// units of any dtype (a strided copy of whole rows on 16-byte boundaries).
 // Shapes and strides are in elements; pointers are element pointers the host has already offset
 // (a Slice's start, a Concat part's place in the output, a negative step's first element).
 //
@@ -54,6 +55,7 @@ template <> struct Bits<1> { typedef unsigned char T; };
 template <> struct Bits<2> { typedef unsigned short T; };
 template <> struct Bits<4> { typedef unsigned int T; };
 template <> struct Bits<8> { typedef unsigned long long T; };
+template <> struct Bits<16> { typedef uint4 T; };
 
 template <typename T>
 __device__ __forceinline__ void copy_body(const T* __restrict__ x, T* __restrict__ y, long long n, int rank,
@@ -184,6 +186,12 @@ MOVE_B(1)
 MOVE_B(2)
 MOVE_B(4)
 MOVE_B(8)
+// A copy 16 bytes at a time: a strided copy whose innermost dim is contiguous on both sides,
+// its units of 16 bytes whole and every stride and start a multiple of 16 bytes (the host then
+// divides the innermost dim and the strides into such units).
+MPC_KERNEL movement_copy_b16(const uint4* x, uint4* y, long long n, int rank, Dims8 dims, Strides8 xs, Strides8 ys) {
+    copy_body(x, y, n, rank, dims, xs, ys);
+}
 
 // ---------------------------------------------------------------- Range
 

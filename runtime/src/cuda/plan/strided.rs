@@ -131,8 +131,28 @@ impl Planner<'_> {
             }
             return Ok(());
         }
-        let name = format!("movement_copy_{}", size_tag(dtype)?);
-        let (rank, d, [xs, ys]) = strided_args(dims, [xs, ys])?;
+        // Rows contiguous on both sides, in whole 16-byte units on 16-byte boundaries: copied 16
+        // bytes at a time (the qkv Split's parts and the Concat of their gradients).
+        let (cd, cs) = coalesce(dims, &[xs, ys]);
+        let size = dtype.size() as i64;
+        let v = 16 / size;
+        let units = |d: &[i64], s: &[Vec<i64>]| -> Option<(Vec<usize>, Vec<i64>, Vec<i64>)> {
+            let last = d.len().checked_sub(1)?;
+            let fits = |st: &[i64]| st[last] == 1 && st[..last].iter().all(|&x| x % v == 0);
+            let aligned = |b: Buf| matches!(b, Buf::Tensor(_, o) | Buf::Work(o) if o % 16 == 0);
+            (16 % size == 0 && d[last] % v == 0 && s.iter().all(|st| fits(st)) && aligned(x) && aligned(y)).then(|| {
+                let mut dims: Vec<usize> = d.iter().map(|&x| x as usize).collect();
+                dims[last] /= v as usize;
+                let per = |st: &[i64]| st.iter().enumerate().map(|(k, &x)| if k == last { 1 } else { x / v }).collect();
+                (dims, per(&s[0]), per(&s[1]))
+            })
+        };
+        let (name, dims, xs, ys): (String, Vec<usize>, Vec<i64>, Vec<i64>) = match units(&cd, &cs) {
+            Some((d, a, b)) if n > 0 => ("movement_copy_b16".into(), d, a, b),
+            _ => (format!("movement_copy_{}", size_tag(dtype)?), dims.to_vec(), xs.to_vec(), ys.to_vec()),
+        };
+        let n = numel(&dims);
+        let (rank, d, [xs, ys]) = strided_args(&dims, [&xs, &ys])?;
         let args = vec![
             Arg::Ptr(x),
             Arg::Ptr(y),
