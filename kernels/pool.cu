@@ -26,11 +26,11 @@
 //     sum of the taps inside the input (in tap order) / divisor; divisor = taps inside, or with
 //     count_include_pad the taps with every coordinate i < in + pad_end (the explicit padding,
 //     never the ceil-mode overhang); at least 1.
-// pool_max_argmax_<T>(const T* x, long long* arg, long long planes, Window3 w)
+// pool_max_argmax_<T>(const T* x, int* arg, long long planes, Window3 w)
 //     For MaxPoolGrad, pass 1: per output element, the plane-local offset of the first maximum of
 //     its window (a NaN tap beats a non-NaN one; the first NaN wins), -1 when no tap is inside.
-//     `arg` is a workspace of planes * prod(out) i64.
-// pool_max_grad_<T>(const T* dy, const long long* arg, T* dx, long long planes, Window3 w)
+//     `arg` is a workspace of planes * prod(out) i32 (plane-local offsets are below 2^31).
+// pool_max_grad_<T>(const T* dy, const int* arg, T* dx, long long planes, Window3 w)
 //     Pass 2: one thread per dx element (planes * prod(in)); dx = sum of dy over the outputs whose
 //     arg is this element, in increasing output order; 0 elsewhere. Writes every dx element.
 // pool_avg_grad_<T>(const T* dy, T* dx, long long planes, Window3 w, int count_include_pad)
@@ -87,7 +87,7 @@ __device__ __forceinline__ long long avg_divisor(const Win& w, const int* o, int
 }
 
 __device__ __forceinline__ void split_out(const Win& w, long long e, long long& plane, int* o) {
-    plane = e / w.ovol;
+    plane = index_div(e, w.ovol);
     int r = (int)(e - plane * w.ovol);
     o[2] = r % w.out[2];
     r /= w.out[2];
@@ -113,9 +113,28 @@ template <typename F> __device__ __forceinline__ void for_taps(const Win& w, con
     }
 }
 
+// The outputs of one dim whose windows contain input i, without dilation: o from lo to hi (none
+// when lo > hi). Output o's taps cover inputs o s - p .. o s - p + k - 1.
+__device__ __forceinline__ void window_range(int i, int p, int k, int s, int out, int& lo, int& hi) {
+    const int t = i + p, a = t - k + 1;
+    hi = t < 0 ? -1 : t / s;
+    if (hi > out - 1) hi = out - 1;
+    lo = a <= 0 ? 0 : (a + s - 1) / s;
+}
+
 // Visits the outputs whose windows contain input i, in increasing output order:
-// f(output offset in plane, o0, o1, o2).
+// f(output offset in plane, o0, o1, o2). Without dilation the range of each dim is computed
+// (two divisions a dim); with it, each tap is tried.
 template <typename F> __device__ __forceinline__ void for_windows(const Win& w, const int* i, F f) {
+    if (w.d[0] == 1 && w.d[1] == 1 && w.d[2] == 1) {
+        int lo[3], hi[3];
+#pragma unroll
+        for (int d = 0; d < 3; ++d) window_range(i[d], w.p[d], w.k[d], w.s[d], w.out[d], lo[d], hi[d]);
+        for (int o0 = lo[0]; o0 <= hi[0]; ++o0)
+            for (int o1 = lo[1]; o1 <= hi[1]; ++o1)
+                for (int o2 = lo[2]; o2 <= hi[2]; ++o2) f((o0 * w.out[1] + o1) * w.out[2] + o2, o0, o1, o2);
+        return;
+    }
     for (int k0 = w.k[0] - 1; k0 >= 0; --k0) {
         const int t0 = i[0] + w.p[0] - k0 * w.d[0];
         if (t0 < 0 || t0 % w.s[0] != 0 || t0 / w.s[0] >= w.out[0]) continue;
@@ -199,7 +218,7 @@ __device__ __forceinline__ void avg_body(const T* __restrict__ x, T* __restrict_
 }
 
 template <typename T>
-__device__ __forceinline__ void argmax_body(const T* __restrict__ x, long long* __restrict__ arg, long long planes,
+__device__ __forceinline__ void argmax_body(const T* __restrict__ x, int* __restrict__ arg, long long planes,
                                             const Window3& geom) {
     typedef typename Acc<T>::type C;
     const Win w = normalise(geom);
@@ -208,7 +227,7 @@ __device__ __forceinline__ void argmax_body(const T* __restrict__ x, long long* 
         int o[3];
         split_out(w, e, plane, o);
         const T* xp = x + plane * w.ivol;
-        long long best = -1;
+        int best = -1;
         C bv = C(0);
         for_taps(w, o, [&](int off, int, int, int) {
             const C a = ld(xp, off);
@@ -222,7 +241,7 @@ __device__ __forceinline__ void argmax_body(const T* __restrict__ x, long long* 
 }
 
 __device__ __forceinline__ void split_in(const Win& w, long long e, long long& plane, int* i) {
-    plane = e / w.ivol;
+    plane = index_div(e, w.ivol);
     int r = (int)(e - plane * w.ivol);
     i[2] = r % w.in[2];
     r /= w.in[2];
@@ -231,7 +250,7 @@ __device__ __forceinline__ void split_in(const Win& w, long long e, long long& p
 }
 
 template <typename T>
-__device__ __forceinline__ void max_grad_body(const T* __restrict__ dy, const long long* __restrict__ arg,
+__device__ __forceinline__ void max_grad_body(const T* __restrict__ dy, const int* __restrict__ arg,
                                               T* __restrict__ dx, long long planes, const Window3& geom) {
     typedef typename Acc<T>::type C;
     const Win w = normalise(geom);
@@ -276,10 +295,10 @@ __device__ __forceinline__ void avg_grad_body(const T* __restrict__ dy, T* __res
     MPC_KERNEL pool_avg_##tag(const T* x, T* y, long long planes, Window3 w, int count_include_pad) {      \
         avg_body(x, y, planes, w, count_include_pad);                                                     \
     }                                                                                                     \
-    MPC_KERNEL pool_max_argmax_##tag(const T* x, long long* arg, long long planes, Window3 w) {            \
+    MPC_KERNEL pool_max_argmax_##tag(const T* x, int* arg, long long planes, Window3 w) {                  \
         argmax_body(x, arg, planes, w);                                                                   \
     }                                                                                                     \
-    MPC_KERNEL pool_max_grad_##tag(const T* dy, const long long* arg, T* dx, long long planes, Window3 w) { \
+    MPC_KERNEL pool_max_grad_##tag(const T* dy, const int* arg, T* dx, long long planes, Window3 w) {       \
         max_grad_body(dy, arg, dx, planes, w);                                                            \
     }                                                                                                     \
     MPC_KERNEL pool_avg_grad_##tag(const T* dy, T* dx, long long planes, Window3 w, int count_include_pad) { \

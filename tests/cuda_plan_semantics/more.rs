@@ -123,7 +123,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                             (best, at) = (v, off);
                         }
                     }
-                    m.set(arg, pl * ovol + o, DType::I64, at as f64);
+                    m.set(arg, pl * ovol + o, DType::I32, at as f64);
                 }
             }
         } else if name.starts_with("pool_max_grad_") {
@@ -131,7 +131,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             for pl in 0..planes {
                 let mut acc = vec![0.0; ivol as usize];
                 for o in 0..ovol {
-                    let at = m.get(arg, pl * ovol + o, DType::I64) as i64;
+                    let at = m.get(arg, pl * ovol + o, DType::I32) as i64;
                     if at >= 0 {
                         acc[at as usize] += m.get(dy, pl * ovol + o, d);
                     }

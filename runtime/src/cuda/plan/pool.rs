@@ -45,7 +45,7 @@ pub(super) fn plan_pool(p: &mut Planner) -> Result<(), String> {
         }
         Op::MaxPoolGrad(_) => {
             let dy = p.input(0)?;
-            let arg = p.work(dy.numel() as u64 * 8);
+            let arg = p.work(dy.numel() as u64 * 4);
             let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(arg), Arg::I64(planes as i64), Arg::Window(win)];
             p.flat("pool", format!("pool_max_argmax_{t}"), dy.numel() as u64, args);
             let args =
