@@ -217,7 +217,7 @@ __device__ __forceinline__ void layer_norm_params_sums(const D* dy, const T* x, 
     A a = A(0), b = A(0);
     if (j < scale_n) {
         for (long long t = t0 + ty; t < t1; t += 8) {
-            const long long row = index_div(t, per_row);
+            const long long row = per_row == 1 ? t : index_div(t, per_row);
             const long long at = t * scale_n + j;  // = row * n + (t % per_row) * scale_n + j
             const A g = ld(dy, at);
             a += g * ((ld(x, at) - ws_mean[row]) * ws_inv[row]);

@@ -120,6 +120,9 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
 /// 4, where the count is a multiple and each such tensor starts on a multiple of that many
 /// elements' bytes (each access then one 8- or 16-byte load or store); else 1.
 pub fn vector_width(n: u64, wide: &[&TensorRef]) -> usize {
+    if !wide_enabled() {
+        return 1;
+    }
     let widest = wide.iter().map(|t| t.dtype.size()).max().unwrap_or(4);
     [8usize, 4]
         .into_iter()

@@ -320,6 +320,7 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     let plain = l.epilogue.is_none() && l.sibling.is_none() && l.group.is_empty() && l.branches.is_none();
     if !plain
         || !crate::fuse::enabled()
+        || !wide_enabled()
         || !crate::fuse::fusable_op(&l.op)
         || (matches!(l.op, Op::Sum) && ins.len() != 2)
         // (A Cast to its own dtype is a copy of the bits; a chain would widen and round them.)
@@ -338,6 +339,14 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     let args = (0..ins.len()).map(ChainArg::Input).collect();
     let step = ChainStep { node: l.node.clone(), op: l.op.clone(), args, dtype: y.dtype };
     Some(Chain { steps: vec![step], outputs: vec![0] })
+}
+
+/// Whether kernels may move 8 or 16 bytes of a tensor at a time (element-wise chains and lone
+/// element-wise launches, batch norms, GELU's gradient, strided copies of whole rows): on unless
+/// `MPC_WIDE=0`, which plans them one element at a time, to tell such a kernel's fault from
+/// another's. (The multi-tensor optimizer update chooses for itself, by its tensors' alignment.)
+pub fn wide_enabled() -> bool {
+    std::env::var("MPC_WIDE").map_or(true, |v| v != "0")
 }
 
 /// The block of a softmax's (or a fused chain's row-wise step's) launch over rows of `len`: one

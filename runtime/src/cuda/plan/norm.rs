@@ -44,7 +44,7 @@ fn bn_dims(n: u64, c: u64, inner: u64, splits: u64, vec: bool) -> [Arg; 5] {
 /// number of 16-byte vectors, and every tensor starting on one.
 fn bn_vec(inner: u64, ts: &[&TensorRef]) -> bool {
     let v = 16 / ts[0].dtype.size() as u64;
-    inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
+    wide_enabled() && inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
 }
 
 /// The statistics pass (with the gradient's sums where `dy` is given): per (channel, split), in

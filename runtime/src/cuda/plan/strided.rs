@@ -140,7 +140,13 @@ impl Planner<'_> {
             let last = d.len().checked_sub(1)?;
             let fits = |st: &[i64]| st[last] == 1 && st[..last].iter().all(|&x| x % v == 0);
             let aligned = |b: Buf| matches!(b, Buf::Tensor(_, o) | Buf::Work(o) if o % 16 == 0);
-            (16 % size == 0 && d[last] % v == 0 && s.iter().all(|st| fits(st)) && aligned(x) && aligned(y)).then(|| {
+            (wide_enabled()
+                && 16 % size == 0
+                && d[last] % v == 0
+                && s.iter().all(|st| fits(st))
+                && aligned(x)
+                && aligned(y))
+            .then(|| {
                 let mut dims: Vec<usize> = d.iter().map(|&x| x as usize).collect();
                 dims[last] /= v as usize;
                 let per = |st: &[i64]| st.iter().enumerate().map(|(k, &x)| if k == last { 1 } else { x / v }).collect();

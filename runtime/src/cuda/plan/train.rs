@@ -398,7 +398,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
             let (name, units) = if let Op::GeluGrad(a) = &op {
                 // 16 bytes at a time where n and the three tensors allow it.
                 let v = 16 / dx.dtype.size() as u64;
-                let vec = n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
+                let vec = wide_enabled() && n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
                 args.extend([Arg::I32((a.approximate == GeluApprox::Tanh) as i32), Arg::I32(vec as i32)]);
                 ("gelu_grad", if vec { n / v } else { n })
             } else {
