@@ -15,6 +15,11 @@ pub(super) fn plan_pool(p: &mut Planner) -> Result<(), String> {
     let w = a.window().resolve(&x.shape[2..])?;
     let win = window3(&w, &x.shape[2..])?;
     let planes = (x.shape[0] * x.shape[1]) as u64;
+    // The kernels index within a plane in 32 bits (offsets, and MaxPoolGrad's argmax).
+    let y0 = p.output(0)?;
+    if numel(&x.shape[2..]).max(numel(&y0.shape[2..])) > i32::MAX as u64 {
+        return Err("pooling over planes of 2^31 elements or more".into());
+    }
     let t = match (&op, x.dtype) {
         (Op::MaxPool(_), DType::U8 | DType::I8) => tag(x.dtype)?,
         (_, d) => float_tag(d)?,
