@@ -50,9 +50,11 @@ fn live_values_never_overlap_in_the_arena() {
             }
             let arena = |t: &&mpc_runtime::program::TensorRef| t.region == Region::Arena;
             for (i, l) in launches.iter().enumerate() {
+                // (An epilogue's second operand, a bias, is read by the launch too.)
                 let reads: Vec<(u64, u64)> = l
                     .inputs
                     .iter()
+                    .chain(&l.epilogue_operand)
                     .filter_map(|o| o.tensor().filter(|t| t.region == Region::Arena).map(|t| (t.offset, t.bytes())))
                     .collect();
                 for k in &reads {
