@@ -196,6 +196,8 @@ AB_VARIANTS = [
     ("fusion", ("gpt", "resnet50"), {"MPC_FUSE": "0"},
      "fused (chains, epilogues, bias gradients, permuted reads, multi-tensor updates) / without (MPC_FUSE=0)"),
     ("cublaslt", ("mlp",), {"MPC_CUBLASLT": "0"}, "with cuBLASLt epilogues / without (MPC_CUBLASLT=0)"),
+    ("wide", ("gpt", "resnet50"), {"MPC_WIDE": "0"},
+     "8- and 16-byte accesses (chains, batch norms, copies) / one element at a time (MPC_WIDE=0)"),
 ]
 
 
