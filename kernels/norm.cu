@@ -360,16 +360,10 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
 
 // ---- BatchNormalization in passes
 
-// Elements moved 16 bytes at a time (ldv and stv of common.cuh).
+// 16 bytes of T: the elements a batch norm's walks move at a time (ldv and stv of common.cuh).
 template <typename T> struct Vec {
     static constexpr int N = 16 / sizeof(T);
 };
-template <typename T> __device__ __forceinline__ void ld_vec(const T* p, long long i, AccT<T>* out) {
-    ldv<Vec<T>::N>(p, i, out);
-}
-template <typename T> __device__ __forceinline__ void st_vec(T* p, long long i, const AccT<T>* v) {
-    stv<Vec<T>::N>(p, i, v);
-}
 
 // f(index of the unit's first element) for this thread's units [u0, u1) of channel ch of
 // (N, C, inner), units of v elements, each thread every blockDim.x-th: the plane and the position
@@ -470,9 +464,9 @@ __device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* 
             if (vec) {
                 bn_units(c, inner, ch, V, u0, u1, [&](long long i) {
                     A xs[V], gs[V];
-                    ld_vec(x, i, xs);
+                    ldv<V>(x, i, xs);
                     if (dy) {
-                        ld_vec(dy, i, gs);
+                        ldv<V>(dy, i, gs);
                     } else {
 #pragma unroll
                         for (int q = 0; q < V; ++q) gs[q] = A(0);
@@ -552,10 +546,10 @@ __device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, c
         const A mu = mean[ch], kk = k[ch], b = pld(bias, ch);
         if (vec) {
             A xs[V];
-            ld_vec(x, i, xs);
+            ldv<V>(x, i, xs);
 #pragma unroll
             for (int q = 0; q < V; ++q) xs[q] = bn_out((xs[q] - mu) * kk + b, relu);
-            st_vec(y, i, xs);
+            stv<V>(y, i, xs);
         } else {
             st(y, i, bn_out((ld(x, i) - mu) * kk + b, relu));
         }
@@ -594,11 +588,11 @@ __device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, cons
         const A mu = mean[ch], a = alpha[ch], b = beta[ch], g = gamma[ch];
         if (vec) {
             A xs[V], gs[V];
-            ld_vec(x, i, xs);
-            ld_vec(dy, i, gs);
+            ldv<V>(x, i, xs);
+            ldv<V>(dy, i, gs);
 #pragma unroll
             for (int q = 0; q < V; ++q) xs[q] = a * gs[q] + b * (xs[q] - mu) + g;
-            st_vec(dx, i, xs);
+            stv<V>(dx, i, xs);
         } else {
             st(dx, i, a * ld(dy, i) + b * (ld(x, i) - mu) + g);
         }

@@ -39,6 +39,7 @@ use crate::{cpu, RuntimeError};
 
 mod groups;
 mod lower;
+mod readers;
 mod siblings;
 
 /// Which memory region a tensor lives in.

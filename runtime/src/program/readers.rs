@@ -1,0 +1,197 @@
+//! The nodes a launch computes inside another's ([`read_in_readers`]): Casts read widened,
+//! Transposes read transposed or through a permutation, and element-wise nodes applied as the
+//! epilogue of the launch that makes their input (with a second operand: a bias).
+
+use std::collections::{HashMap, HashSet};
+
+use mpc_ir::{DType, Def, Graph, NodeId, Op, ValueId};
+
+use super::lower::typed;
+use super::*;
+
+/// The nodes computed inside other launches. Read inside their readers' launches, each value
+/// mapped to the value its readers read instead: Casts read widened ([`Operand::Widened`]) and
+/// Transposes read transposed ([`Operand::Transposed`]). Applied by the launch that makes their
+/// input ([`takes_epilogue`]; only when `epilogues`): each input mapped to the node's output and
+/// the node.
+pub(super) struct InOthers {
+    pub(super) widened: HashMap<ValueId, ValueId>,
+    pub(super) transposed: HashMap<ValueId, ValueId>,
+    pub(super) permuted: HashMap<ValueId, (ValueId, Vec<usize>)>,
+    pub(super) epilogues: HashMap<ValueId, (ValueId, NodeId)>,
+    /// The second operand of an epilogue that has two, by the epilogue's node.
+    pub(super) operands: HashMap<NodeId, ValueId>,
+}
+
+pub(super) fn read_in_readers(
+    g: &Graph,
+    caps: DeviceCaps,
+    steps: &[NodeId],
+    view_of: &HashMap<ValueId, ValueId>,
+    epilogues: bool,
+    library: bool,
+) -> InOthers {
+    let ty = |v: ValueId| typed(g, caps, v);
+    // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
+    // readers take the low value, the Cast is not launched.
+    let mut widened: HashMap<ValueId, ValueId> = HashMap::new();
+    let viewed: HashSet<ValueId> = view_of.values().copied().collect();
+    for &n in steps {
+        let node = g.node(n);
+        let (Op::Cast(_), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let low = matches!(g.ty(u).dtype, Some(DType::F16 | DType::BF16));
+        let uses = g.value(v).uses();
+        if low
+            && g.ty(v).dtype == Some(DType::F32)
+            && !g.is_output(v)
+            && !viewed.contains(&v)
+            && !uses.is_empty()
+            && uses.iter().all(|u| reads_widened(&g.node(u.node).op, u.slot))
+        {
+            widened.insert(v, u);
+        }
+    }
+    // Transposes of the last two axes whose every reader is a matrix product: the readers read
+    // the Transpose's input transposed, the Transpose is not launched.
+    let mut transposed: HashMap<ValueId, ValueId> = HashMap::new();
+    for &n in steps {
+        let node = g.node(n);
+        let (Op::Transpose(a), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let uses = g.value(v).uses();
+        if ty(u).is_ok_and(|(_, s)| swaps_last_two(a.perm.as_deref(), s.len()))
+            && !g.is_output(v)
+            && !viewed.contains(&v)
+            && !uses.is_empty()
+            && uses.iter().all(|u| reads_transposed(&g.node(u.node).op, u.slot))
+        {
+            transposed.insert(v, u);
+        }
+    }
+    // Other Transposes whose every reader is a matrix product of operands of rank 2 or more (or
+    // a Transpose of the last two axes read only by such products: the two composed), and that
+    // keep the stored last axis as one of the matrix axes: the readers read each matrix where it
+    // lies ([`Operand::Permuted`]; attention's heads split from `[B, S, H, D]`, and their kᵀ).
+    let mut permuted: HashMap<ValueId, (ValueId, Vec<usize>)> = HashMap::new();
+    let ranked = |x: &ValueId| g.ty(*x).shape.as_ref().is_some_and(|s| s.rank() >= 2);
+    let products = |v: ValueId| {
+        let uses = g.value(v).uses();
+        !uses.is_empty()
+            && uses.iter().all(|u| {
+                let reader = g.node(u.node);
+                reads_transposed(&reader.op, u.slot) && reader.inputs().iter().flatten().all(ranked)
+            })
+    };
+    for &n in steps {
+        let node = g.node(n);
+        let (Op::Transpose(a), Some(u), &[v]) = (&node.op, node.input(0), node.outputs()) else { continue };
+        let (Some(perm), Ok((_, s))) = (a.perm.as_deref(), ty(u)) else { continue };
+        let Some(perm) = permutation(perm) else { continue };
+        // (A Transpose already composed with the one before it is read through that.)
+        if transposed.contains_key(&v)
+            || permuted.contains_key(&v)
+            || perm.len() != s.len()
+            || g.is_output(v)
+            || viewed.contains(&v)
+        {
+            continue;
+        }
+        // Each reader: a product, or a swap of the last two axes read only by products.
+        let mut reads = vec![(v, perm.clone())];
+        let mut fits = !g.value(v).uses().is_empty();
+        for use_ in g.value(v).uses() {
+            let reader = g.node(use_.node);
+            match (&reader.op, reader.outputs()) {
+                (Op::Transpose(_), &[w]) if transposed.contains_key(&w) && products(w) => {
+                    let r = perm.len();
+                    let swapped: Vec<usize> = (0..r)
+                        .map(|i| match r - i {
+                            1 => perm[r - 2],
+                            2 => perm[r - 1],
+                            _ => perm[i],
+                        })
+                        .collect();
+                    reads.push((w, swapped));
+                }
+                _ => fits &= reads_transposed(&reader.op, use_.slot) && reader.inputs().iter().flatten().all(ranked),
+            }
+        }
+        if fits && reads.iter().all(|(_, p)| reads_through(p)) {
+            for (w, p) in reads {
+                transposed.remove(&w);
+                permuted.insert(w, (u, p));
+            }
+        }
+    }
+    // Element-wise nodes that are the only reader of a launch's first output, which the launch
+    // can apply as it writes: the launch writes the node's output, the node is not launched.
+    let launched: HashSet<NodeId> = steps.iter().copied().collect();
+    let step_of: HashMap<NodeId, usize> = steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+    let mut applied: HashMap<ValueId, (ValueId, NodeId)> = HashMap::new();
+    let mut operands: HashMap<NodeId, ValueId> = HashMap::new();
+    let candidates: &[NodeId] = if epilogues { steps } else { &[] };
+    for &n in candidates {
+        let node = g.node(n);
+        let &[v] = node.outputs() else { continue };
+        // The product's result `u`, and the epilogue's second operand where it has two: a bias
+        // made before the product (either side of the Add).
+        let bias = |u: ValueId, other: ValueId| -> bool {
+            let (Def::Node(p, 0), Ok((d, s))) = (g.value(u).def(), ty(u)) else { return false };
+            let prod = g.node(*p);
+            let made_before = match g.value(other).def() {
+                Def::Node(m, _) => step_of.get(m).zip(step_of.get(p)).is_some_and(|(m, p)| m < p),
+                _ => true,
+            };
+            let (Some(a), Some(b)) = (prod.input(0), prod.input(1)) else { return false };
+            let plain = |x: ValueId| !transposed.contains_key(&x) && !permuted.contains_key(&x);
+            let shapes = (ty(a), ty(b), ty(other));
+            matches!(node.op, Op::Add)
+                && prod.op == Op::MatMul
+                && plain(a)
+                && plain(b)
+                && made_before
+                && other != u
+                && matches!(shapes, (Ok((da, ref sa)), Ok((db, ref sb)), Ok((dc, ref sc)))
+                    if [da, db, dc] == [d; 3] && ty(v).is_ok_and(|t| t == (d, s.clone())) && adds_bias(sa, sb, &s, sc))
+        };
+        let (u, other) = match *node.inputs() {
+            [Some(u)] => (u, None),
+            [Some(a), Some(b)] if library && bias(a, b) => (a, Some(b)),
+            [Some(a), Some(b)] if library && bias(b, a) => (b, Some(a)),
+            _ => continue,
+        };
+        let Def::Node(p, 0) = g.value(u).def() else { continue };
+        if (other.is_some() || takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype))
+            && launched.contains(p)
+            && (library || !library_epilogue(&g.node(*p).op))
+            && (g.node(*p).op != Op::MatMul || g.node(*p).inputs().iter().flatten().all(ranked))
+            && !transposed.contains_key(&v)
+            && !permuted.contains_key(&v)
+            && g.value(u).uses().len() == 1
+            && !g.is_output(u)
+            && !viewed.contains(&u)
+            && !view_of.contains_key(&u)
+            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
+        {
+            applied.insert(u, (v, n));
+            operands.extend(other.map(|o| (n, o)));
+        }
+    }
+    InOthers { widened, transposed, permuted, epilogues: applied, operands }
+}
+
+/// Whether a Transpose of a rank-`rank` tensor swaps its last two axes and no other.
+fn swaps_last_two(perm: Option<&[i64]>, rank: usize) -> bool {
+    rank >= 2
+        && match perm {
+            // No perm reverses the axes: the last two only of a matrix.
+            None => rank == 2,
+            Some(p) => {
+                p.len() == rank
+                    && p.iter().enumerate().all(|(i, &a)| match i + 2 {
+                        j if j < rank => a == i as i64,
+                        j if j == rank => a == rank as i64 - 1,
+                        _ => a == rank as i64 - 2,
+                    })
+            }
+        }
+}
