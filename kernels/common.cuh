@@ -377,7 +377,11 @@ template <typename C, typename Op> __device__ void block_reduce2(C& a, C& b, Op 
 // contracted from one step's product and the next step's sum), as the unfused kernels' stores
 // keep them.
 __device__ __forceinline__ float mpc_keep(float v) {
+#ifdef MPC_EMULATED
+    asm volatile("" : "+x"(v));  // the CPU emulation of the tests (tests/cuda_emu): an SSE register
+#else
     asm volatile("" : "+f"(v));
+#endif
     return v;
 }
 

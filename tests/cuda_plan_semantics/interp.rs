@@ -23,6 +23,8 @@ pub(crate) struct Memory {
     pub(crate) flag: Vec<u8>,
     /// The buffers whose addresses the aux bytes hold, by aux offset.
     pub(crate) addresses: HashMap<u64, Buf>,
+    /// Run the kernels from their source (`emu.rs`) instead of interpreting them.
+    pub(crate) emulated: Option<super::emu::Kernels>,
 }
 
 impl Memory {
@@ -682,7 +684,10 @@ pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, library: bool) {
 
 pub(crate) fn run_call(m: &mut Memory, c: &Call, library: bool) {
     match c {
-        Call::Kernel(k) => run_kernel(m, k),
+        Call::Kernel(k) => match m.emulated.clone() {
+            Some(e) => e.launch(k, m),
+            None => run_kernel(m, k),
+        },
         Call::Gemm(g) => run_gemm(m, g),
         Call::Copy { from, to, bytes } => {
             let v = m.bytes(*from, 0, *bytes as usize);
