@@ -252,42 +252,8 @@ fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
     if gpu().is_none() {
         return;
     }
-    let cases = [
-        "input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[40] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
-        "input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2",
-        "input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2",
-        "input %0 \"x\": f32[4096,768]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[768] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
-        "input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5",
-        "input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
-        "input %0 \"dy\": f16[4,3,80,80]\n  input %1 \"x\": f16[4,3,80,80]\n  input %2 \"s\": f32[3]\n  %3 \"dx\": f16[4,3,80,80], %4 \"ds\": f16[3], %5 \"db\": f16[3] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
-        // A language model's loss over rows of 50,257 scores: the max and the sum in one pass.
-        "input %0 \"x\": f32[8,50257]\n  init %1 \"l\" = i64[8]{0, 50256, 7, 31000, 12, 3, 50000, 9}\n  %2 \"y\": f32[] = SoftmaxCrossEntropyLoss[reduction=\"mean\"](%0, %1)\n  output %2",
-        // GELU's gradient 16 bytes at a time, and one element at a time.
-        "input %0 \"dy\": f16[64,96]\n  input %1 \"x\": f16[64,96]\n  %2 \"dx\": f16[64,96] = ai.mpc::GeluGrad[approximate=\"tanh\"](%0, %1)\n  output %2",
-        "input %0 \"dy\": f32[7,9]\n  input %1 \"x\": f32[7,9]\n  %2 \"dx\": f32[7,9] = ai.mpc::GeluGrad(%0, %1)\n  output %2",
-        // Lone element-wise ops of many elements: generated kernels, 8 and 4 elements at a time.
-        "input %0 \"x\": f16[64,2048]\n  input %1 \"z\": f32[64,2048]\n  %2 \"r\": f16[64,2048] = Relu(%0)\n  %3 \"c\": f16[64,2048] = Cast[to=10](%1)\n  output %2\n  output %3",
-        // Planes of 4095 elements: the passes move one element at a time, not 16 bytes.
-        "input %0 \"x\": f32[4,5,63,65]\n  input %1 \"s\": f32[5]\n  input %2 \"b\": f32[5]\n  input %3 \"m\": f32[5]\n  input %4 \"v\": f32[5]\n  %5 \"y\": f32[4,5,63,65], %6 \"rm\": f32[5], %7 \"rv\": f32[5] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
-        "input %0 \"dy\": f16[4,5,63,65]\n  input %1 \"x\": f16[4,5,63,65]\n  input %2 \"s\": f32[5]\n  %3 \"dx\": f16[4,5,63,65], %4 \"ds\": f16[5], %5 \"db\": f16[5] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
-        // Many channels of many elements: the passes split each channel three ways (ResNet's
-        // 256 channels of 56 × 56, at batch 4).
-        "input %0 \"x\": f16[4,256,56,56]\n  input %1 \"s\": f32[256]\n  input %2 \"b\": f32[256]\n  input %3 \"m\": f32[256]\n  input %4 \"v\": f32[256]\n  %5 \"y\": f16[4,256,56,56], %6 \"rm\": f32[256], %7 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
-        "input %0 \"dy\": f16[4,256,56,56]\n  input %1 \"x\": f16[4,256,56,56]\n  input %2 \"s\": f32[256]\n  %3 \"dx\": f16[4,256,56,56], %4 \"ds\": f16[256], %5 \"db\": f16[256] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
-        "input %0 \"x\": f16[8,512,96]\n  input %1 \"s\": f16[]\n  %2 \"y\": f16[8,512,96] = Mul(%0, %1)\n  output %2",
-        "input %0 \"x\": f32[8,512,96]\n  input %1 \"b\": f32[96]\n  %2 \"y\": f32[8,512,96] = Add(%0, %1)\n  output %2",
-        // Attention-sized transposes that move the last axis (32 x 32 tiles), and products read
-        // and written through permutations (arrays of matrix addresses).
-        "input %0 \"x\": f16[8,512,12,64]\n  %1 \"y\": f16[8,12,64,512] = Transpose[perm=[0,2,3,1]](%0)\n  output %1",
-        "input %0 \"x\": f32[2,12,64,100]\n  %1 \"y\": f32[2,100,12,64] = Transpose[perm=[0,3,1,2]](%0)\n  output %1",
-        "input %0 \"q\": f16[2,128,4,64]\n  input %1 \"k\": f16[2,128,4,64]\n  %2 \"qt\": f16[2,4,128,64] = Transpose[perm=[0,2,1,3]](%0)\n  %3 \"kt\": f16[2,4,64,128] = Transpose[perm=[0,2,3,1]](%1)\n  %4 \"s\": f16[2,4,128,128] = MatMul(%2, %3)\n  %5 \"y\": f16[2,128,4,128] = Transpose[perm=[0,2,1,3]](%4)\n  output %5",
-        // The second moment must not be negative: |v|.
-        "input %0 \"p\": f32[300,7]\n  input %1 \"g\": f16[300,7]\n  input %2 \"m\": f32[300,7]\n  input %3 \"v\": f32[300,7]\n  init %4 \"t\" = i64[]{3}\n  init %5 \"ok\" = bool[]{1}\n  init %6 \"inv\" = f32[]{0.0078125}\n  %7 \"va\": f32[300,7] = Abs(%3)\n  %8 \"p2\": f32[300,7], %9 \"m2\": f32[300,7], %10 \"v2\": f32[300,7] = ai.mpc::AdamUpdate[lr=0.001, decoupled=1](%0, %1, %2, %7, %4, %5, %6)\n  output %8\n  output %9\n  output %10",
-    ];
-    for body in cases {
-        let text =
-            format!("mpcir 1\nmodel ir_version=8\nopset \"\" 17\nopset \"ai.mpc\" 1\ngraph \"t\"\n  {body}\nend\n");
-        let g = mpc_ir::text::parse(&text, None).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    for body in common::LARGE_SINGLE_OPS {
+        let g = common::single_op(body);
         let feeds = mpc::run::random_inputs(&g, 11, &HashMap::new()).unwrap();
         let path = std::path::Path::new("large_single_op");
         let cpu =

@@ -411,6 +411,21 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
     }
 }
 
+/// The single ops `cuda_vs_cpu` runs on a GPU at the sizes of the multi-pass and wide paths:
+/// here their plans' kernels run from their source on the CPU (and are interpreted where this
+/// file can), each launch against the CPU device.
+#[test]
+fn the_plans_of_large_single_ops_compute_what_the_cpu_computes() {
+    for body in common::LARGE_SINGLE_OPS {
+        let g = common::single_op(body);
+        let feeds = mpc::run::random_inputs(&g, 11, &HashMap::new()).unwrap();
+        let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new("large_single_op")).unwrap();
+        let t = std::time::Instant::now();
+        let checked = check_program(body.lines().last().unwrap_or(body), &program, &feeds);
+        println!("{:?}: {:.1} s", checked, t.elapsed().as_secs_f64());
+    }
+}
+
 /// The zoo's exports (BERT, DistilBERT, GPT-2, Llama, ViT, MobileNetV3, a UNet, a GroupNorm CNN,
 /// an LSTM and a GRU, from both torch exporters), compiled mixed, at batch 2.
 #[test]
