@@ -75,14 +75,8 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     let mut g = Gen { chain, inputs: &inputs, dims: &dims, wide: n > u32::MAX as u64, vector: 1 };
     let (body, grid, block) = match chain.row_step() {
         None => {
-            let contiguous = g.contiguous();
-            let wide: Vec<&TensorRef> = ins
-                .iter()
-                .zip(&inputs)
-                .filter(|(_, (_, st))| *st == contiguous)
-                .map(|(t, _)| *t)
-                .chain(outs.iter().copied())
-                .collect();
+            let wide: Vec<&TensorRef> =
+                ins.iter().copied().filter(|t| read_whole(t, n)).chain(outs.iter().copied()).collect();
             g.vector = vector_width(n, &wide);
             (g.elementwise(&outputs)?, grid_for(n / g.vector as u64), [BLOCK, 1, 1])
         }
@@ -113,6 +107,13 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
     let fused = Fused { chain: chain.clone(), inputs, widened, outputs, dims, shape: full, source, vector };
     p.out.calls.push(Call::Kernel(Kernel { family: "fused", name, grid, block, args, fused: Some(Arc::new(fused)) }));
     Ok(())
+}
+
+/// Whether an input of an element-wise launch, which broadcasts to the output's shape, is read
+/// whole: every element once, in the output's order. That is when it has as many elements as the
+/// output (only dims of 1 can then tell the shapes apart), so its coalesced walk is the output's.
+pub(super) fn read_whole(t: &TensorRef, n: u64) -> bool {
+    t.numel() as u64 == n
 }
 
 /// The elements an element-wise chain's threads take at a time: 8 where every tensor it reads

@@ -332,8 +332,9 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     {
         return None;
     }
-    let whole: Vec<&TensorRef> = ins.iter().copied().filter(|t| t.shape == y.shape).chain([y]).collect();
-    if fused::vector_width(y.numel() as u64, &whole) == 1 {
+    let n = y.numel() as u64;
+    let whole: Vec<&TensorRef> = ins.iter().copied().filter(|t| fused::read_whole(t, n)).chain([y]).collect();
+    if fused::vector_width(n, &whole) == 1 {
         return None;
     }
     let args = (0..ins.len()).map(ChainArg::Input).collect();
@@ -730,6 +731,37 @@ mod tests {
         // A slice of the inner dim stops the merge only there.
         let (x, y) = ([40, 10, 1], contiguous(&[2, 4, 5]));
         assert_eq!(coalesce(&[2, 4, 5], &[&x, &y]), (vec![8, 5], vec![vec![10, 1], vec![5, 1]]));
+    }
+
+    /// A lone element-wise launch is a generated kernel only where it can take several elements
+    /// at a time; an input that differs from the output in dims of 1 only is read whole, its
+    /// start counts as the output's does.
+    #[test]
+    fn lone_launches_are_chains_where_every_whole_tensor_allows_wide_accesses() {
+        let t = |offset: u64, shape: &[usize]| TensorRef {
+            region: Region::Arena,
+            offset,
+            dtype: DType::F16,
+            shape: shape.to_vec(),
+        };
+        let add = |a: TensorRef, b: TensorRef| Launch {
+            node: "a".into(),
+            op: Op::Add,
+            inputs: vec![Operand::Device(a), Operand::Device(b)],
+            outputs: vec![t(1 << 20, &[1, 64, 2048])],
+            branches: None,
+            chain: None,
+            epilogue: None,
+            epilogue_operand: None,
+            group: Vec::new(),
+            sibling: None,
+        };
+        assert!(lone_chain(&add(t(0, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_some());
+        // A bias row is broadcast, read one element at a time wherever it starts.
+        assert!(lone_chain(&add(t(0, &[64, 2048]), t(2, &[2048]))).is_some());
+        // Read whole, but 2 bytes off a 16- or 8-byte boundary: every access one element.
+        assert!(lone_chain(&add(t(2, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_none());
+        assert!(lone_chain(&add(t(0, &[64, 2048]), t(2, &[1, 64, 2048]))).is_none());
     }
 
     #[test]
