@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod onnx;
+pub mod training;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,0 +1,85 @@
+//! Helpers of the training tests (tests/train.rs, tests/train_graph.rs): the digits data, the
+//! training options of a policy, a run, a compiled training graph and its parts.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use mpc::train::{train, TrainConfig, Trained};
+use mpc::Options;
+use mpc_ir::{Graph, Op};
+use mpc_passes::train::{Optimizer, TrainOptions};
+use mpc_runtime::device::Device;
+use mpc_runtime::session::Session;
+use mpc_runtime::HostTensor;
+
+pub fn digits() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/digits.safetensors")
+}
+
+pub fn options(policy: &str, t: TrainOptions) -> Options {
+    Options { policy: Some(policy.into()), train: Some(t), ..Default::default() }
+}
+
+pub fn run(model: &Path, policy: &str, t: TrainOptions, cfg: &TrainConfig) -> Trained {
+    let g = mpc::load(model).unwrap();
+    train(&g, model, &options(policy, t), cfg, &mut |_| {}).unwrap_or_else(|e| panic!("{policy}: {e}"))
+}
+
+pub fn run_on<D: Device>(device: D, model: &Path, policy: &str, t: TrainOptions, cfg: &TrainConfig) -> Trained {
+    let g = mpc::load(model).unwrap();
+    mpc::train::train_on(device, &g, model, &options(policy, t), cfg, &mut |_| {})
+        .unwrap_or_else(|e| panic!("{policy}: {e}"))
+}
+
+/// The split of the data's README: the first 1500 samples train, the last 297 test.
+pub fn digits_cfg(epochs: usize) -> TrainConfig {
+    TrainConfig { data: digits(), epochs, batch: 64, eval_split: 297.0, seed: 7, ..Default::default() }
+}
+
+pub fn training_graph(model: &Path, policy: &str, t: TrainOptions) -> Graph {
+    let mut g = mpc::load(model).unwrap();
+    mpc::compile(&mut g, model, &options(policy, t), &mut |_, _| {}).unwrap();
+    g
+}
+
+/// A session of `g` on `device`, lowered for the shapes of `feeds`.
+pub fn program_session<D: Device>(device: D, g: &Graph, feeds: &HashMap<String, HostTensor>) -> Session<D> {
+    let program = mpc::run::lower_for_inputs(g, feeds, device.caps(), Path::new("train")).unwrap();
+    Session::new(device, program).unwrap()
+}
+
+pub fn state_of(g: &Graph) -> Vec<(mpc_ir::ValueId, mpc_ir::ValueId)> {
+    g.train.as_ref().expect("a training graph").state.clone()
+}
+
+pub fn digits_batch(from: usize, n: usize) -> HashMap<String, HostTensor> {
+    let data = mpc::run::read_safetensors(&digits()).unwrap();
+    let pick = |t: &HostTensor| {
+        let row: usize = t.shape[1..].iter().product();
+        let mut shape = t.shape.clone();
+        shape[0] = n;
+        t.pick(shape, &(from * row..(from + n) * row).collect::<Vec<_>>())
+    };
+    [("images".to_string(), pick(&data["images"])), ("labels".to_string(), pick(&data["labels"]))].into()
+}
+
+pub fn sgd(lr: f32) -> TrainOptions {
+    TrainOptions {
+        loss: mpc_passes::train::Loss::Mse,
+        labels: "targets".into(),
+        optimizer: Optimizer::Sgd,
+        lr,
+        ..Default::default()
+    }
+}
+
+/// The optimizer update of parameter `name`: the node that reads it as its first input.
+pub fn update_of<'g>(g: &'g mpc_ir::Graph, name: &str) -> &'g mpc_ir::Node {
+    let p = g.find(name).unwrap_or_else(|| panic!("no `{name}`"));
+    g.value(p)
+        .uses()
+        .iter()
+        .map(|u| g.node(u.node))
+        .find(|n| matches!(n.op, Op::AdamUpdate(_) | Op::SgdUpdate(_)) && n.input(0) == Some(p))
+        .unwrap_or_else(|| panic!("no update of `{name}`"))
+}
