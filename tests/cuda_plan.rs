@@ -323,17 +323,13 @@ fn matmul_plans_follow_numpy_broadcasting() {
         dtype: DType::F16,
         shape: shape.to_vec(),
     };
-    let launch = |a: &[usize], b: &[usize], y: &[usize]| Launch {
-        node: "mm".into(),
-        op: mpc_ir::Op::MatMul,
-        inputs: vec![Operand::Device(t(0, a)), Operand::Device(t(1 << 20, b))],
-        outputs: vec![t(2 << 20, y)],
-        branches: None,
-        chain: None,
-        epilogue: None,
-        epilogue_operand: None,
-        group: Vec::new(),
-        sibling: None,
+    let launch = |a: &[usize], b: &[usize], y: &[usize]| {
+        Launch::new(
+            "mm",
+            mpc_ir::Op::MatMul,
+            vec![Operand::Device(t(0, a)), Operand::Device(t(1 << 20, b))],
+            vec![t(2 << 20, y)],
+        )
     };
     let none = |_: &TensorRef| None;
     let gemm = |p: &LaunchPlan| match p.calls.last() {
@@ -451,18 +447,12 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
     for dy_slot in [0, 1] {
         let (dy2, x) = (Operand::Device(t(0, &[6, 4])), Operand::Device(t(1 << 20, &[6, 5])));
         let (inputs, dw) = if dy_slot == 0 { (vec![dy2, x], [4, 5]) } else { (vec![x, dy2], [5, 4]) };
-        let sibling = Launch {
-            node: "db".into(),
-            op: mpc_ir::Op::ReduceSum(mpc_ir::ops::ReduceAttrs { keepdims: false, ..Default::default() }),
-            inputs: vec![Operand::Device(t(0, &[2, 3, 4])), Operand::Host(axes.clone())],
-            outputs: vec![t(3 << 20, &[4])],
-            branches: None,
-            chain: None,
-            epilogue: None,
-            epilogue_operand: None,
-            group: Vec::new(),
-            sibling: None,
-        };
+        let sibling = Launch::new(
+            "db",
+            mpc_ir::Op::ReduceSum(mpc_ir::ops::ReduceAttrs { keepdims: false, ..Default::default() }),
+            vec![Operand::Device(t(0, &[2, 3, 4])), Operand::Host(axes.clone())],
+            vec![t(3 << 20, &[4])],
+        );
         let l = Launch {
             node: "dW".into(),
             op: mpc_ir::Op::Gemm(mpc_ir::ops::GemmAttrs { transA: true, beta: 0.0, ..Default::default() }),

@@ -224,6 +224,22 @@ pub struct Launch {
 }
 
 impl Launch {
+    /// A launch of `op` alone: no branches, chain, epilogue, group or sibling.
+    pub fn new(node: impl Into<String>, op: Op, inputs: Vec<Operand>, outputs: Vec<TensorRef>) -> Launch {
+        Launch {
+            node: node.into(),
+            op,
+            inputs,
+            outputs,
+            branches: None,
+            chain: None,
+            epilogue: None,
+            epilogue_operand: None,
+            group: Vec::new(),
+            sibling: None,
+        }
+    }
+
     /// The op type, `Fused(Cast+Mul+Add)` for a chain, or `Multi(AdamUpdate)` for a group: what a
     /// profile groups launches by.
     pub fn kind(&self) -> String {

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use common::{fixture, FIXTURES};
 use interp::*;
 use mpc_runtime::cuda::plan::{plan, Call};
-use mpc_runtime::device::{CpuDevice, Device, Regions};
+use mpc_runtime::device::{CpuDevice, CpuMemory, Device, Regions};
 use mpc_runtime::program::{Operand, Program, Region, TensorRef};
 use mpc_runtime::{HostTensor, Tolerance};
 
@@ -33,19 +33,18 @@ fn whole(dev: &mut CpuDevice, regions: &mut Regions<mpc_runtime::device::CpuMemo
     dev.read(mem, 0, len).unwrap()
 }
 
-/// Runs `program` on the CPU device launch by launch; each launch whose plan this file can
-/// interpret is also run by the interpreter on a copy of the regions just before it, and the
-/// two results are compared. The op types checked.
-fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTensor>) -> Vec<String> {
-    let mut dev = CpuDevice::default();
+fn bytes(t: &HostTensor) -> Vec<u8> {
+    let mut b = vec![0u8; t.bytes()];
+    t.write_le_bytes(&mut b);
+    b
+}
+
+/// The program's arena, state and constants on the CPU device: the constants and the initial
+/// state written, and the inputs fed.
+fn loaded(dev: &mut CpuDevice, program: &Program, feeds: &HashMap<String, HostTensor>) -> [CpuMemory; 3] {
     let mut arena = dev.alloc(Region::Arena, program.arena_bytes).unwrap();
     let mut state = dev.alloc(Region::State, program.state_layout.bytes).unwrap();
     let mut constants = dev.alloc(Region::Constants, program.constants_bytes).unwrap();
-    let bytes = |t: &HostTensor| {
-        let mut b = vec![0u8; t.bytes()];
-        t.write_le_bytes(&mut b);
-        b
-    };
     for (place, t) in &program.constants {
         dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
     }
@@ -55,6 +54,15 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
     for (name, place) in &program.inputs {
         dev.write(&mut arena, place.offset, &bytes(&feeds[name])).unwrap();
     }
+    [arena, state, constants]
+}
+
+/// Runs `program` on the CPU device launch by launch; each launch whose plan this file can
+/// interpret is also run by the interpreter on a copy of the regions just before it, and the
+/// two results are compared. The op types checked.
+fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTensor>) -> Vec<String> {
+    let mut dev = CpuDevice::default();
+    let [mut arena, mut state, mut constants] = loaded(&mut dev, program, feeds);
     let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
     dev.prepare(program, &mut regions).unwrap();
     let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
@@ -424,23 +432,7 @@ fn run_steps(
     steps: usize,
 ) -> Vec<(String, f64, f64, mpc_ir::DType)> {
     let mut dev = CpuDevice::default();
-    let mut arena = dev.alloc(Region::Arena, program.arena_bytes).unwrap();
-    let mut state = dev.alloc(Region::State, program.state_layout.bytes).unwrap();
-    let mut constants = dev.alloc(Region::Constants, program.constants_bytes).unwrap();
-    let bytes = |t: &HostTensor| {
-        let mut b = vec![0u8; t.bytes()];
-        t.write_le_bytes(&mut b);
-        b
-    };
-    for (place, t) in &program.constants {
-        dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
-    }
-    for (place, t) in &program.state_init {
-        dev.write(&mut state, place.offset, &bytes(t)).unwrap();
-    }
-    for (name, place) in &program.inputs {
-        dev.write(&mut arena, place.offset, &bytes(&feeds[name])).unwrap();
-    }
+    let [mut arena, mut state, mut constants] = loaded(&mut dev, program, feeds);
     let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
     dev.prepare(program, &mut regions).unwrap();
     let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());

@@ -506,18 +506,7 @@ pub(super) fn lower_in(
         let inputs = operands(n)?;
         let outputs = results(n)?;
         let sibling = match siblings.get(&n) {
-            Some(&r) => Some(Box::new(Launch {
-                node: label(r),
-                op: g.node(r).op.clone(),
-                inputs: operands(r)?,
-                outputs: results(r)?,
-                branches: None,
-                chain: None,
-                epilogue: None,
-                epilogue_operand: None,
-                group: Vec::new(),
-                sibling: None,
-            })),
+            Some(&r) => Some(Box::new(Launch::new(label(r), g.node(r).op.clone(), operands(r)?, results(r)?))),
             None => None,
         };
         let branches = if is_if(&node.op) {

@@ -744,17 +744,8 @@ mod tests {
             dtype: DType::F16,
             shape: shape.to_vec(),
         };
-        let add = |a: TensorRef, b: TensorRef| Launch {
-            node: "a".into(),
-            op: Op::Add,
-            inputs: vec![Operand::Device(a), Operand::Device(b)],
-            outputs: vec![t(1 << 20, &[1, 64, 2048])],
-            branches: None,
-            chain: None,
-            epilogue: None,
-            epilogue_operand: None,
-            group: Vec::new(),
-            sibling: None,
+        let add = |a: TensorRef, b: TensorRef| {
+            Launch::new("a", Op::Add, vec![Operand::Device(a), Operand::Device(b)], vec![t(1 << 20, &[1, 64, 2048])])
         };
         assert!(lone_chain(&add(t(0, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_some());
         // A bias row is broadcast, read one element at a time wherever it starts.
