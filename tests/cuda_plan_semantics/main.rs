@@ -27,10 +27,24 @@ use mpc_runtime::device::{CpuDevice, CpuMemory, Device, Regions};
 use mpc_runtime::program::{Operand, Program, Region, TensorRef};
 use mpc_runtime::{HostTensor, Tolerance};
 
-fn whole(dev: &mut CpuDevice, regions: &mut Regions<mpc_runtime::device::CpuMemory>, r: Region) -> Vec<u8> {
+fn whole(dev: &mut CpuDevice, regions: &mut Regions<CpuMemory>, r: Region) -> Vec<u8> {
     let mem = regions.get_mut(r);
     let len = mem.bytes().len() as u64;
     dev.read(mem, 0, len).unwrap()
+}
+
+/// A copy of the CPU device's regions for the plans to run over.
+fn copy_of(dev: &mut CpuDevice, regions: &mut Regions<CpuMemory>) -> Memory {
+    Memory {
+        arena: whole(dev, regions, Region::Arena),
+        state: whole(dev, regions, Region::State),
+        constants: whole(dev, regions, Region::Constants),
+        work: Vec::new(),
+        aux: Vec::new(),
+        flag: vec![0; 4],
+        addresses: HashMap::new(),
+        emulated: None,
+    }
 }
 
 fn bytes(t: &HostTensor) -> Vec<u8> {
@@ -76,16 +90,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
     for (l, p) in program.launches.iter().zip(&plans) {
         let runs = l.branches.is_none() && !p.calls.is_empty();
         let ours = runs && p.calls.iter().all(call_interpretable);
-        let before = runs.then(|| Memory {
-            arena: whole(&mut dev, &mut regions, Region::Arena),
-            state: whole(&mut dev, &mut regions, Region::State),
-            constants: whole(&mut dev, &mut regions, Region::Constants),
-            work: Vec::new(),
-            aux: Vec::new(),
-            flag: vec![0; 4],
-            addresses: HashMap::new(),
-            emulated: None,
-        });
+        let before = runs.then(|| copy_of(&mut dev, &mut regions));
         dev.launch(&mut regions, l).unwrap();
         let Some(before) = before else {
             if !p.calls.is_empty() {
@@ -437,16 +442,7 @@ fn run_steps(
     dev.prepare(program, &mut regions).unwrap();
     let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
     let plans: Vec<_> = program.launches.iter().map(|l| plan(l, &constant).unwrap()).collect();
-    let mut mem = Memory {
-        arena: whole(&mut dev, &mut regions, Region::Arena),
-        state: whole(&mut dev, &mut regions, Region::State),
-        constants: whole(&mut dev, &mut regions, Region::Constants),
-        work: Vec::new(),
-        aux: Vec::new(),
-        flag: vec![0; 4],
-        addresses: HashMap::new(),
-        emulated: Some(emu::kernels(&plans)),
-    };
+    let mut mem = Memory { emulated: Some(emu::kernels(&plans)), ..copy_of(&mut dev, &mut regions) };
     fn region(m: &mut Memory, r: Region) -> &mut Vec<u8> {
         match r {
             Region::Arena => &mut m.arena,
