@@ -90,8 +90,9 @@ fn build(units: &[(String, String)]) -> Library {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda_emu").join(format!("{:016x}", fnv(&parts)));
     let so = dir.join("kernels.so");
     if !so.exists() {
-        let tmp = dir.with_extension(format!("tmp{}-{:?}", std::process::id(), std::thread::current().id()));
-        let tmp = PathBuf::from(tmp.to_string_lossy().replace(['(', ')'], ""));
+        static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let build = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.with_extension(format!("tmp{}-{build}", std::process::id()));
         std::fs::create_dir_all(&tmp).unwrap();
         let flags = ["-std=c++20", "-O1", "-fPIC", "-w"];
         let include = format!("-I{}", emu_dir().display());
