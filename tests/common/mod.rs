@@ -203,7 +203,12 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row):
 /// `cuda_vs_cpu` runs them on a GPU, `cuda_plan_semantics` runs their plans' kernels on the CPU.
 /// The fixtures are too small to reach these paths.
-pub const LARGE_SINGLE_OPS: [&str; 21] = [
+pub const LARGE_SINGLE_OPS: [&str; 23] = [
+    // An embedding's gradient over 2400 tokens (more than 64: keys sorted in chunks of 2048 and
+    // merged, then one sum per segment), the indices spread over 1000 rows with repeats.
+    "input %0 \"dy\": f16[8,300,48]\n  init %1 \"a\" = i64[]{0}\n  init %2 \"b\" = i64[]{2400}\n  init %3 \"c\" = i64[]{1}\n  %4 \"r\": i64[2400] = Range(%1, %2, %3)\n  init %5 \"k\" = i64[]{7}\n  %6 \"r7\": i64[2400] = Mul(%4, %5)\n  init %7 \"m\" = i64[]{997}\n  %8 \"j\": i64[2400] = Mod(%6, %7)\n  init %9 \"sh\" = i64[2]{8, 300}\n  %10 \"i\": i64[8,300] = Reshape(%8, %9)\n  init %11 \"s\" = i64[2]{1000, 48}\n  %12 \"dx\": f16[1000,48] = ai.mpc::GatherGrad[axis=0](%0, %10, %11)\n  output %12",
+    // LayerNorm's gradient over many tokens with its f16 dy read widened (mixed GPT's).
+    "input %0 \"dy\": f16[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dyw\": f32[600,48] = Cast[to=1](%0)\n  %4 \"dx\": f32[600,48], %5 \"ds\": f32[48], %6 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%3, %1, %2)\n  output %4\n  output %5\n  output %6",
     "input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[40] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
     "input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2",
     "input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2",
