@@ -203,7 +203,16 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row):
 /// `cuda_vs_cpu` runs them on a GPU, `cuda_plan_semantics` runs their plans' kernels on the CPU.
 /// The fixtures are too small to reach these paths.
-pub const LARGE_SINGLE_OPS: [&str; 23] = [
+pub const LARGE_SINGLE_OPS: [&str; 29] = [
+    // The dtype variants the benchmarks' steps launch besides the f32/f16 ones above: bf16 batch
+    // norms split over 256 channels, column sums of f16 and bf16 over many rows (a bias
+    // gradient), LayerNorm's split parameter sums reading a bf16 dy, GatherGrad's f32 sums.
+    "input %0 \"x\": bf16[2,256,64,64]\n  input %1 \"s\": f32[256]\n  input %2 \"b\": f32[256]\n  input %3 \"m\": f32[256]\n  input %4 \"v\": f32[256]\n  %5 \"y\": bf16[2,256,64,64], %6 \"rm\": f32[256], %7 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
+    "input %0 \"dy\": bf16[2,256,64,64]\n  input %1 \"x\": bf16[2,256,64,64]\n  input %2 \"s\": f32[256]\n  %3 \"dx\": bf16[2,256,64,64], %4 \"ds\": bf16[256], %5 \"db\": bf16[256] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
+    "input %0 \"x\": f16[4096,96]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f16[96] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
+    "input %0 \"x\": bf16[4096,96]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": bf16[96] = ReduceSum[keepdims=0](%0, %1)\n  output %2",
+    "input %0 \"dy\": bf16[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dyw\": f32[600,48] = Cast[to=1](%0)\n  %4 \"dx\": f32[600,48], %5 \"ds\": f32[48], %6 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%3, %1, %2)\n  output %4\n  output %5\n  output %6",
+    "input %0 \"dy\": f32[8,300,16]\n  init %1 \"a\" = i64[]{0}\n  init %2 \"b\" = i64[]{2400}\n  init %3 \"c\" = i64[]{1}\n  %4 \"r\": i64[2400] = Range(%1, %2, %3)\n  init %5 \"m\" = i64[]{499}\n  %6 \"j\": i64[2400] = Mod(%4, %5)\n  init %7 \"sh\" = i64[2]{8, 300}\n  %8 \"i\": i64[8,300] = Reshape(%6, %7)\n  init %9 \"s\" = i64[2]{500, 16}\n  %10 \"dx\": f32[500,16] = ai.mpc::GatherGrad[axis=0](%0, %8, %9)\n  output %10",
     // An embedding's gradient over 2400 tokens (more than 64: keys sorted in chunks of 2048 and
     // merged, then one sum per segment), the indices spread over 1000 rows with repeats.
     "input %0 \"dy\": f16[8,300,48]\n  init %1 \"a\" = i64[]{0}\n  init %2 \"b\" = i64[]{2400}\n  init %3 \"c\" = i64[]{1}\n  %4 \"r\": i64[2400] = Range(%1, %2, %3)\n  init %5 \"k\" = i64[]{7}\n  %6 \"r7\": i64[2400] = Mul(%4, %5)\n  init %7 \"m\" = i64[]{997}\n  %8 \"j\": i64[2400] = Mod(%6, %7)\n  init %9 \"sh\" = i64[2]{8, 300}\n  %10 \"i\": i64[8,300] = Reshape(%8, %9)\n  init %11 \"s\" = i64[2]{1000, 48}\n  %12 \"dx\": f16[1000,48] = ai.mpc::GatherGrad[axis=0](%0, %10, %11)\n  output %12",
