@@ -18,7 +18,10 @@ torch.optim.AdamW(fused=True) on CUDA, timed with CUDA events around whole steps
 backward, optimizer step, zero_grad) and the median taken after --warmup steps; peak memory is
 torch.cuda.max_memory_allocated. torch.compile runs beside them where it compiles. mpc runs
 `mpc bench MODEL --train --optimizer adamw --device DEVICE --policies fp32,mixed,mixed-bf16 --json`
-at the same batch and steps, and its memory is its program's arena, state and constants; with
+at the same batch and steps, and its memory is every device allocation its run made (the
+program's arena, state and constants, its workspace, cuDNN's within it, and cuBLAS's: what
+max_memory_allocated counts on PyTorch's side; where the JSON lacks it, arena + state + constants,
+the plan); with
 `--profile` (unless --no-profile) it also times each launch of one more step, and the script prints
 mpc's eight longest ops per policy (op, dtype, share of the step, launches).
 The script prints one table per model and the ratios mpc/PyTorch for step time and peak memory,
@@ -273,14 +276,15 @@ def main():
             lines.append(f"{name}: mpc failed: {mpc['error'][:200]}")
             continue
         for policy, row in mpc.items():
-            mem = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
+            mem = mpc_memory(row) / 2**20
+            plan = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
             used = row.get("device_memory_used")
-            alloc = f" (allocated {used / 2**20:.1f} MiB)" if used is not None else ""
+            alloc = f" (driver: {used / 2**20:.1f} MiB more in use)" if used is not None else ""
             convs = row.get("cudnn_convolutions", 0) + row.get("cudnn_refused", 0)
             dnn = f", cuDNN {row['cudnn_convolutions']} of {convs} convolutions" if convs else ""
             lts = row.get("cublaslt_gemms", 0) + row.get("cublaslt_refused", 0)
             dnn += f", cuBLASLt {row['cublaslt_gemms']} of {lts} products with a bias or ReLU" if lts else ""
-            print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB{alloc}"
+            print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB (plan {plan:.1f}){alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate){dnn}")
         for what, rows in without.values():
             if rows and "mixed" in rows and "mixed" in mpc:
@@ -298,19 +302,27 @@ def main():
             ms, peak = torch_rows.get(theirs, (None, None))
             row = mpc.get(ours)
             if ms and row:
-                mem = row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]
+                mem = mpc_memory(row)
                 ratio_mem = f", memory {mem / peak:.2f}x" if peak else ""
                 line = f"mpc {ours} / torch {theirs}: step {row['step_ms_median'] / ms:.2f}x{ratio_mem}"
                 print("  " + line)
                 lines.append(f"{name}: {line} ({row['step_ms_median']:.3f} ms vs {ms:.3f} ms)")
         if "fp32" in mpc and "mixed" in mpc:
-            line = f"mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x"
+            line = (f"mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x, "
+                    f"memory {mpc_memory(mpc['mixed']) / mpc_memory(mpc['fp32']):.2f}x its fp32's")
             print("  " + line)
             lines.append(f"{name}: {line}")
     print("\nsummary")
     for line in lines:
         print("  " + line)
     os.rmdir(exports)
+
+
+def mpc_memory(row):
+    """mpc's device memory for a policy: every allocation of its run where the JSON has it."""
+    if "allocated_bytes" in row:
+        return row["allocated_bytes"]
+    return row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]
 
 
 if __name__ == "__main__":

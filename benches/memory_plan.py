@@ -13,7 +13,9 @@ and mixed what `mpc inspect MODEL --memory --train` plans for the training step 
 benchmark's batch: the
 arena (activations), the state (masters, moments, the step's low-precision weights) and the
 constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
-constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here.
+constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here; what
+a CUDA run allocates beside it (cuBLAS's workspace, launch scratch that the arena's free bytes do
+not hold) is printed under it, and `mpc bench` reports the whole as `allocated_bytes`.
 
 It also prints each step's two floors from the same plan: the bytes its launches must move (each
 tensor a launch reads or writes, once) over the device's bandwidth, and its matrix-product FLOPs
@@ -176,10 +178,13 @@ def plan(mpc, path, policy, batch, loss):
         sys.exit(f"{' '.join(cmd)}: {r.stderr.strip()}")
     m = re.search(r"state (\d+), constants (\d+)\), peak activations (\d+) bytes", r.stdout)
     state, constants, arena = map(int, m.groups())
+    scratch = re.search(r"CUDA scratch: (\d+) bytes with every convolution through cuDNN.*cuBLAS's workspace (\d+) bytes",
+                        r.stdout)
+    scratch = tuple(map(int, scratch.groups())) if scratch else (0, 0)
     t = re.search(r"in all \((\d+) bytes\), by (\d+) launches; matrix products: (.*)", r.stdout)
     flops = {d: float(v) * {"T": 1e12, "G": 1e9, "M": 1e6, "": 1}[u]
              for d, v, u in re.findall(r"(\w+) ([\d.]+) ([TGM]?) ?FLOP", t.group(3))}
-    return arena, state, constants, int(t.group(1)), int(t.group(2)), flops
+    return arena, state, constants, int(t.group(1)), int(t.group(2)), flops, scratch
 
 
 def main():
@@ -198,10 +203,14 @@ def main():
             batch, loss = {"gpt": gpt, "mlp": mlp, "resnet50": resnet50}[name](path, args.tiny)
             totals = {}
             for policy in ["fp32", "mixed"]:
-                arena, state, constants, traffic, launches, flops = plan(args.mpc, path, policy, batch, loss)
+                arena, state, constants, traffic, launches, flops, (scratch, blas) = plan(
+                    args.mpc, path, policy, batch, loss)
                 totals[policy] = arena + state + constants
                 print(f"{name} (batch {batch}) {policy:5}: arena {mib(arena):9.1f} MiB, state {mib(state):8.1f} MiB, "
                       f"constants {mib(constants):6.1f} MiB, total {mib(totals[policy]):9.1f} MiB")
+                print(f"{'':>{len(name) + 16}} on CUDA also: cuBLAS's workspace {mib(blas):.1f} MiB, and at most "
+                      f"{mib(scratch):.1f} MiB of launch scratch (none where the arena's free bytes hold it), "
+                      f"cuDNN's algorithms' scratch where they do not")
                 rate = {"f16": args.f16_rate, "bf16": args.f16_rate, "f32": args.f32_rate}
                 compute = sum(f / rate.get(d, args.f32_rate) for d, f in flops.items()) * 1e3
                 tflop = ", ".join(f"{d} {f / 1e12:.3f}" for d, f in flops.items())

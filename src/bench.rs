@@ -65,6 +65,11 @@ pub struct BenchRow {
     pub arena_bytes: u64,
     pub state_bytes: u64,
     pub constants_bytes: u64,
+    /// Every device allocation made for the policy's run: the regions above, the program's
+    /// workspace (the launches' scratch, cuDNN's among it), its launch constants, and the matrix
+    /// library's workspace. The figure to hold beside PyTorch's `max_memory_allocated`, which
+    /// counts its own library workspaces.
+    pub allocated_bytes: u64,
     /// Compiling the model and lowering the step.
     pub compile_ms: f64,
     pub launches_per_step: u64,
@@ -226,6 +231,7 @@ pub fn bench<D: Device>(
             arena_bytes: stats.arena_bytes,
             state_bytes: stats.state_bytes,
             constants_bytes: stats.constants_bytes,
+            allocated_bytes: counters.allocated_bytes,
             compile_ms,
             launches_per_step: stats.launches_per_step,
             device_memory_in_use: device_memory,
@@ -315,7 +321,7 @@ pub fn gemm_rate<D: Device>(device: &impl Fn() -> Result<D>, dtype: DType, path:
 pub fn table(r: &BenchReport) -> String {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let mut s = format!(
-        "{} on {}, batch {}, {}, timed by {}\n{:<11} {:>10} {:>10} {:>12} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>9}\n",
+        "{} on {}, batch {}, {}, timed by {}\n{:<11} {:>10} {:>10} {:>12} {:>9} {:>8} {:>11} {:>10} {:>10} {:>10} {:>10} {:>9}\n",
         r.model,
         r.device,
         r.batch,
@@ -330,12 +336,13 @@ pub fn table(r: &BenchReport) -> String {
         "arena MiB",
         "state MiB",
         "const MiB",
+        "alloc MiB",
         "compile ms",
         "launches"
     );
     for row in &r.rows {
         s.push_str(&format!(
-            "{:<11} {:>10.3} {:>10.3} {:>12.1} {:>9.4} {:>7.1}% {:>11.2} {:>10.2} {:>10.2} {:>10.1} {:>9}\n",
+            "{:<11} {:>10.3} {:>10.3} {:>12.1} {:>9.4} {:>7.1}% {:>11.2} {:>10.2} {:>10.2} {:>10.2} {:>10.1} {:>9}\n",
             row.policy,
             row.step_ms_median,
             row.step_ms_min,
@@ -345,6 +352,7 @@ pub fn table(r: &BenchReport) -> String {
             mib(row.arena_bytes),
             mib(row.state_bytes),
             mib(row.constants_bytes),
+            mib(row.allocated_bytes),
             row.compile_ms,
             row.launches_per_step
         ));

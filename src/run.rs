@@ -199,6 +199,7 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         },
         weights + p.arena_bytes
     );
+    out += &cuda_scratch_report(p);
     let peak = p.peak_live();
     if peak.values.is_empty() {
         return out + &traffic_report(&p.traffic());
@@ -231,6 +232,55 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         let _ = writeln!(out, "  {:>11}  in {} more", size(rest), peak.values.len() - SHOWN);
     }
     out + &traffic_report(&p.traffic())
+}
+
+/// The scratch the CUDA device allocates beside the regions for `p`: the largest launch's
+/// workspace (the split reductions' partials, sorted keys, transposed copies), where cuDNN takes
+/// every convolution (its algorithms' own scratch, chosen on the device, comes on top) and where
+/// none (the fallbacks' columns).
+#[cfg(feature = "cuda")]
+fn cuda_scratch_report(p: &mpc_runtime::program::Program) -> String {
+    use mpc_runtime::cuda::plan::plan;
+    let constant =
+        |t: &mpc_runtime::program::TensorRef| p.constants.iter().find(|(place, _)| place == t).map(|(_, v)| v.clone());
+    let (mut with, mut without) = (0, 0);
+    // The arena bytes free during each top-level convolution: where cuDNN's scratch goes.
+    let mut free = Vec::new();
+    let mut launches: Vec<(Option<usize>, &mpc_runtime::program::Launch)> =
+        p.launches.iter().enumerate().map(|(i, l)| (Some(i), l)).collect();
+    while let Some((step, l)) = launches.pop() {
+        if let Some(b) = &l.branches {
+            launches.extend(b.then_launches.iter().chain(&b.else_launches).map(|l| (None, l)));
+            continue;
+        }
+        // A launch the CUDA device cannot plan is named when a program is prepared there.
+        let Ok(lp) = plan(l, &constant) else { continue };
+        with = u64::max(with, lp.workspace);
+        without = u64::max(without, lp.workspace_with_fallbacks());
+        if lp.calls.iter().any(|c| matches!(c, mpc_runtime::cuda::plan::Call::Conv(_))) {
+            free.push(step.map_or(0, |i| p.free_during(i).1));
+        }
+    }
+    free.sort_unstable();
+    let convs = match free.len() {
+        0 => String::new(),
+        n => format!(
+            "; the arena bytes free during its {n} convolutions for cuDNN (their algorithms' scratch goes there \
+             where it fits): least {}, median {}",
+            free[0],
+            free[n / 2]
+        ),
+    };
+    format!(
+        "CUDA scratch: {with} bytes with every convolution through cuDNN (its algorithms' scratch aside), \
+         {without} bytes without cuDNN; cuBLAS's workspace {} bytes{convs}\n",
+        mpc_runtime::cuda::device::CUBLAS_WORKSPACE
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_scratch_report(_: &mpc_runtime::program::Program) -> String {
+    String::new()
 }
 
 /// What a step's launches move and compute at the least ([`mpc_runtime::cost::Traffic`]): the

@@ -191,7 +191,9 @@ fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String>
                         }
                     }
                 }
-                check_calls(l, p, &conv.fallback)?;
+                // The fallback's scratch lies past the plan's own, which leaves it out.
+                let with_columns = LaunchPlan { workspace: conv.fallback_workspace, ..p.clone() };
+                check_calls(l, &with_columns, &conv.fallback)?;
             }
             Call::Lt(lt) => {
                 // The product's operands as any GEMM's, its bias one value per row.

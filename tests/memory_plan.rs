@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
-use mpc_runtime::program::{Launch, Operand, Program, Region};
+use mpc_runtime::program::{Launch, Operand, Program, Region, TensorRef};
 
 /// The fixture's program under `policy` at `batch`.
 fn program(name: &str, policy: &str, batch: u64) -> Program {
@@ -31,51 +31,61 @@ fn flat(launches: &[Launch]) -> Vec<&Launch> {
     out
 }
 
+/// A place in the arena (offset, bytes), and the steps over which a value lives there: the step
+/// that writes it and the last that reads it.
+type Life = ((u64, u64), (usize, usize));
+
+/// The arena places (offset, bytes) one step reads, and those it writes.
+type Places = (Vec<(u64, u64)>, Vec<(u64, u64)>);
+
+/// The values of `p`'s arena and their lives, from what each step reads and writes (`steps`: the
+/// places each reads, those it writes), not from the lowering's own record. A write to a place
+/// starts a new value there unless the same step reads that place (an output written in place
+/// over its input). Inputs are written before the first step, outputs read after the last.
+fn lives(p: &Program, steps: &[Places], label: &str) -> Vec<Life> {
+    let end = steps.len();
+    let mut life: Vec<Life> = Vec::new();
+    let mut current: HashMap<(u64, u64), usize> = HashMap::new();
+    for (_, t) in &p.inputs {
+        current.insert((t.offset, t.bytes()), life.len());
+        life.push(((t.offset, t.bytes()), (0, 0)));
+    }
+    for (i, (reads, writes)) in steps.iter().enumerate() {
+        for k in reads {
+            let e = *current.get(k).unwrap_or_else(|| panic!("{label}: step {i} reads {k:?}, never written"));
+            life[e].1 .1 = life[e].1 .1.max(i);
+        }
+        for &k in writes {
+            if !reads.contains(&k) || !current.contains_key(&k) {
+                current.insert(k, life.len());
+                life.push((k, (i, i)));
+            }
+        }
+    }
+    for (_, t) in p.outputs.iter().filter(|(_, t)| t.region == Region::Arena) {
+        let e = current[&(t.offset, t.bytes())];
+        life[e].1 .1 = end;
+    }
+    life
+}
+
+/// The arena places `l` reads (an epilogue's second operand, a bias, among them) and writes.
+fn places(l: &Launch) -> Places {
+    let arena = |t: &TensorRef| (t.region == Region::Arena).then_some((t.offset, t.bytes()));
+    let parts = l.parts();
+    let reads =
+        parts.iter().flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand)).filter_map(|o| arena(o.tensor()?));
+    let writes = parts.iter().flat_map(|m| &m.outputs).filter_map(arena);
+    (reads.collect(), writes.collect())
+}
+
 #[test]
 fn live_values_never_overlap_in_the_arena() {
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             let p = program(name, policy, 8);
-            let launches = flat(&p.launches);
-            let end = launches.len();
-            // Each value in the arena: its place (offset, bytes), the step that writes it and the
-            // last that reads it. A write to a place starts a new value there unless the same
-            // launch reads that place (an output written in place over its input). Inputs are
-            // written before the step, outputs read after it.
-            let mut life: Vec<((u64, u64), (usize, usize))> = Vec::new();
-            let mut current: HashMap<(u64, u64), usize> = HashMap::new();
-            for (_, t) in &p.inputs {
-                current.insert((t.offset, t.bytes()), life.len());
-                life.push(((t.offset, t.bytes()), (0, 0)));
-            }
-            let arena = |t: &&mpc_runtime::program::TensorRef| t.region == Region::Arena;
-            for (i, l) in launches.iter().enumerate() {
-                // (An epilogue's second operand, a bias, is read by the launch too.)
-                let reads: Vec<(u64, u64)> = l
-                    .inputs
-                    .iter()
-                    .chain(&l.epilogue_operand)
-                    .filter_map(|o| o.tensor().filter(|t| t.region == Region::Arena).map(|t| (t.offset, t.bytes())))
-                    .collect();
-                for k in &reads {
-                    let e = *current
-                        .get(k)
-                        .unwrap_or_else(|| panic!("{name}/{policy}: step {i} reads {k:?}, never written"));
-                    life[e].1 .1 = life[e].1 .1.max(i);
-                }
-                for t in l.outputs.iter().filter(arena) {
-                    let k = (t.offset, t.bytes());
-                    if !reads.contains(&k) || !current.contains_key(&k) {
-                        current.insert(k, life.len());
-                        life.push((k, (i, i)));
-                    }
-                }
-            }
-            for (_, t) in p.outputs.iter().filter(|(_, t)| t.region == Region::Arena) {
-                let e = current[&(t.offset, t.bytes())];
-                life[e].1 .1 = end;
-            }
-            let bufs = life;
+            let steps: Vec<_> = flat(&p.launches).into_iter().map(places).collect();
+            let bufs = lives(&p, &steps, &format!("{name}/{policy}"));
             for (i, &((oa, ba), (da, la))) in bufs.iter().enumerate() {
                 assert!(oa + ba <= p.arena_bytes, "{name}/{policy}: a buffer past the arena");
                 for &((oc, bc), (dc, lc)) in &bufs[i + 1..] {
@@ -90,6 +100,60 @@ fn live_values_never_overlap_in_the_arena() {
             }
         }
     }
+}
+
+/// The bytes `Program::free_during` offers a launch as scratch (cuDNN's, on CUDA) hold no value
+/// alive during it, by the lives each launch's operands give: for every launch of every fixture,
+/// and the bytes are there to take where the arena has room.
+#[test]
+fn the_free_bytes_during_a_launch_hold_no_live_value() {
+    let mut offered = 0;
+    let dims: HashMap<String, u64> = [("batch".to_string(), 8)].into();
+    for name in FIXTURES {
+        // The inference program and, where the fixture trains, the training step.
+        let programs = ["fp32", "mixed", "mixed-bf16"].into_iter().flat_map(|policy| {
+            let step = common::compiled(name, policy, true).ok().map(|g| {
+                let path = fixture(name);
+                (format!("{policy} training"), mpc::run::memory_plan(&g, &path, &dims).unwrap().0)
+            });
+            std::iter::once((policy.to_string(), program(name, policy, 8))).chain(step)
+        });
+        for (policy, p) in programs {
+            // One step per launch of the program, an `If` reading and writing what its branches do.
+            let steps: Vec<_> = p
+                .launches
+                .iter()
+                .map(|l| {
+                    let (mut reads, mut writes) = places(l);
+                    let branches = l
+                        .branches
+                        .iter()
+                        .flat_map(|b| flat(&b.then_launches).into_iter().chain(flat(&b.else_launches)));
+                    for b in branches {
+                        let (r, w) = places(b);
+                        // What a branch reads of its own values is no read of the program's.
+                        reads.extend(r.into_iter().filter(|k| !writes.contains(k)));
+                        writes.extend(w);
+                    }
+                    (reads, writes)
+                })
+                .collect();
+            let bufs = lives(&p, &steps, &format!("{name}/{policy}"));
+            for i in 0..p.launches.len() {
+                let (at, bytes) = p.free_during(i);
+                assert!(at + bytes <= p.arena_bytes, "{name}/{policy}: launch {i}'s free bytes past the arena");
+                offered += u64::from(bytes > 0);
+                for &((o, b), (first, last)) in &bufs {
+                    assert!(
+                        !(o < at + bytes && at < o + b && first <= i && i <= last),
+                        "{name}/{policy}: launch {i} ({}) is offered [{at}, +{bytes}), where [{o}, +{b}) lives over [{first}, {last}]",
+                        p.launches[i].node
+                    );
+                }
+            }
+        }
+    }
+    assert!(offered > 400, "free bytes offered to {offered} launches only");
 }
 
 #[test]

@@ -95,6 +95,32 @@ impl Program {
         PeakLive { step, bytes, values }
     }
 
+    /// The longest run of arena bytes that no buffer alive during launch `step` holds, as
+    /// (offset, bytes), within the bytes the program's own buffers span (an `If`'s branches lie
+    /// past them, and an `If` launch itself has none free): scratch for that launch alone, as a
+    /// device's library may want (cuDNN's), that costs no memory beyond the arena's.
+    pub fn free_during(&self, step: usize) -> (u64, u64) {
+        if self.launches.get(step).is_none_or(|l| l.branches.is_some()) {
+            return (0, 0);
+        }
+        let end = self.buffers.iter().map(|b| b.offset + b.bytes).max().unwrap_or(0);
+        let mut held: Vec<(u64, u64)> = self
+            .buffers
+            .iter()
+            .filter(|b| b.first <= step && step <= b.last && b.bytes > 0)
+            .map(|b| (b.offset, b.offset + b.bytes))
+            .collect();
+        held.sort_unstable();
+        let (mut best, mut from) = ((0, 0), 0);
+        for (start, stop) in held.into_iter().chain([(end, end)]) {
+            if start > from && start - from > best.1 {
+                best = (from, start - from);
+            }
+            from = from.max(stop);
+        }
+        best
+    }
+
     /// What the step's launches move and compute, by kind.
     pub fn traffic(&self) -> Traffic {
         let mut t = Traffic { launches: self.launches.len(), ..Traffic::default() };

@@ -385,11 +385,12 @@ pub struct Program {
     pub buffers: Vec<ArenaBuffer>,
 }
 
-/// One buffer of the arena: its size, the launch steps it lives over (from the launch that
-/// writes it, or 0 for a graph input, to the last that reads it), and the values it holds in turn
-/// (an element-wise output taking over an input's buffer), each with the step that writes it.
+/// One buffer of the arena: its place and size, the launch steps it lives over (from the launch
+/// that writes it, or 0 for a graph input, to the last that reads it), and the values it holds in
+/// turn (an element-wise output taking over an input's buffer), each with the step that writes it.
 #[derive(Clone, Debug)]
 pub struct ArenaBuffer {
+    pub offset: u64,
     pub bytes: u64,
     pub first: usize,
     pub last: usize,

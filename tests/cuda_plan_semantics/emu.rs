@@ -204,9 +204,34 @@ impl Aligned {
     }
 }
 
+/// The kernels launched from their source so far in this process, by name (fused chains by
+/// their hash).
+fn launched() -> &'static Mutex<std::collections::BTreeSet<(bool, String)>> {
+    static SEEN: OnceLock<Mutex<std::collections::BTreeSet<(bool, String)>>> = OnceLock::new();
+    SEEN.get_or_init(Default::default)
+}
+
+/// A line saying how many distinct family kernels and fused chains have run from source so far
+/// (the tests run in parallel: the last line printed counts them all).
+pub(crate) fn launched_so_far() -> String {
+    let seen = launched().lock().unwrap();
+    let fused = seen.iter().filter(|(f, _)| *f).count();
+    format!("run from their source so far: {} family kernels, {fused} fused chains", seen.len() - fused)
+}
+
+/// Prints [`launched_so_far`] when dropped: at the end of a test.
+pub(crate) struct Report;
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        println!("{}", launched_so_far());
+    }
+}
+
 impl Kernels {
     /// Runs kernel `k` over `m` as its launch configuration says.
     pub(crate) fn launch(&self, k: &Kernel, m: &mut Memory) {
+        launched().lock().unwrap().insert((k.fused.is_some(), k.name.clone()));
         let lib = if k.fused.is_some() {
             self.fused.as_deref().expect("a fused kernel without its library")
         } else {
@@ -218,7 +243,7 @@ impl Kernels {
             Buf::Tensor(Region::Arena, o) => bases[0] + o,
             Buf::Tensor(Region::State, o) => bases[1] + o,
             Buf::Tensor(Region::Constants, o) => bases[2] + o,
-            Buf::Work(o) => bases[3] + o,
+            Buf::Work(o) => m.work_in_arena.map_or(bases[3], |at| bases[0] + at) + o,
             Buf::Aux(o) => bases[4] + o,
             Buf::Flag => bases[5],
         };

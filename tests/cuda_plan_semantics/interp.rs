@@ -19,6 +19,9 @@ pub(crate) struct Memory {
     pub(crate) state: Vec<u8>,
     pub(crate) constants: Vec<u8>,
     pub(crate) work: Vec<u8>,
+    /// Where the launch's scratch lies in the arena, if there (bytes free during the launch, as
+    /// the CUDA device places it), else in `work`.
+    pub(crate) work_in_arena: Option<u64>,
     pub(crate) aux: Vec<u8>,
     pub(crate) flag: Vec<u8>,
     /// The buffers whose addresses the aux bytes hold, by aux offset.
@@ -33,7 +36,10 @@ impl Memory {
             Buf::Tensor(Region::Arena, o) => (&mut self.arena, o as usize),
             Buf::Tensor(Region::State, o) => (&mut self.state, o as usize),
             Buf::Tensor(Region::Constants, o) => (&mut self.constants, o as usize),
-            Buf::Work(o) => (&mut self.work, o as usize),
+            Buf::Work(o) => match self.work_in_arena {
+                Some(at) => (&mut self.arena, (at + o) as usize),
+                None => (&mut self.work, o as usize),
+            },
             Buf::Aux(o) => (&mut self.aux, o as usize),
             Buf::Flag => (&mut self.flag, 0),
         }
@@ -674,7 +680,9 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
 /// Runs a plan's calls; a convolution as cuDNN computes it and a product with an epilogue as
 /// cuBLASLt does (`library`), or each as its fallback.
 pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, library: bool) {
-    m.work = vec![0xAB; p.workspace as usize];
+    // Where the library runs a convolution, its fallback's columns are not in the workspace.
+    let work = if library { p.workspace } else { p.workspace_with_fallbacks() };
+    m.work = vec![0xAB; work as usize];
     m.aux = p.aux.clone();
     m.addresses = p.addresses.iter().copied().collect();
     for c in &p.calls {

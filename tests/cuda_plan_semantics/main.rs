@@ -40,6 +40,7 @@ fn copy_of(dev: &mut CpuDevice, regions: &mut Regions<CpuMemory>) -> Memory {
         state: whole(dev, regions, Region::State),
         constants: whole(dev, regions, Region::Constants),
         work: Vec::new(),
+        work_in_arena: None,
         aux: Vec::new(),
         flag: vec![0; 4],
         addresses: HashMap::new(),
@@ -215,6 +216,7 @@ const CUDA: mpc_runtime::program::DeviceCaps =
 
 #[test]
 fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     let mut seen: std::collections::BTreeMap<String, usize> = Default::default();
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
@@ -262,6 +264,7 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
 /// the scale's gradient and the Cast back, and on its own where fusion is off).
 #[test]
 fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     use mpc_passes::train::{Loss, TrainOptions};
     use mpc_runtime::program::{lower, LowerOptions};
     let path = fixture("tiny_gpt_loss");
@@ -316,6 +319,7 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
 /// output padding, negative steps, a Pad crop with a computed value.
 #[test]
 fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     let mut seen = std::collections::BTreeSet::new();
     let cases = [
         ("input %0 \"a\": f32[2,1,3,5]\n  input %1 \"b\": f32[1,4,5,2]\n  %2 \"y\": f32[2,4,3,2] = MatMul(%0, %1)\n  output %2", "MatMul"),
@@ -457,10 +461,17 @@ fn run_steps(
             dev.write(regions.get_mut(Region::Arena), place.offset, &b).unwrap();
             mem.arena[place.offset as usize..][..b.len()].copy_from_slice(&b);
         }
-        for (l, p) in program.launches.iter().zip(&plans) {
+        for (i, (l, p)) in program.launches.iter().zip(&plans).enumerate() {
             dev.launch(&mut regions, l).unwrap();
+            // The arena bytes no value holds during the launch are poisoned, and hold its scratch
+            // where they are enough, as on the CUDA device: a value the memory plan thinks dead
+            // there, but read later, breaks the results.
+            let (at, free) = program.free_during(i);
+            mem.arena[at as usize..][..free as usize].fill(0xAB);
+            mem.work_in_arena = (p.workspace > 0 && p.workspace <= free).then_some(at);
             run_plan(&mut mem, p, true);
         }
+        mem.work_in_arena = None;
         for s in program.state.iter().filter(|s| s.next != s.slot) {
             dev.copy(&mut regions, &s.next, &s.slot).unwrap();
             let v = region(&mut mem, s.next.region)[s.next.offset as usize..][..s.next.bytes() as usize].to_vec();
@@ -490,6 +501,7 @@ fn run_steps(
 /// largest magnitude where that is more.
 #[test]
 fn training_steps_run_from_the_kernels_source_as_on_the_cpu() {
+    let _report = emu::Report;
     let mut runs = 0;
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
@@ -526,6 +538,7 @@ fn training_steps_run_from_the_kernels_source_as_on_the_cpu() {
 /// file can), each launch against the CPU device.
 #[test]
 fn the_plans_of_large_single_ops_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     for body in common::LARGE_SINGLE_OPS {
         let g = common::single_op(body);
         let feeds = mpc::run::random_inputs(&g, 11, &HashMap::new()).unwrap();
@@ -540,6 +553,7 @@ fn the_plans_of_large_single_ops_compute_what_the_cpu_computes() {
 /// an LSTM and a GRU, from both torch exporters), compiled mixed, at batch 2.
 #[test]
 fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
     let mut names: Vec<_> = std::fs::read_dir(&zoo).unwrap().flatten().map(|e| e.path()).collect();
     names.retain(|p| p.extension().is_some_and(|e| e == "onnx"));
@@ -582,6 +596,7 @@ fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
 /// and the recurrent nets' unrolled steps included.
 #[test]
 fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     let zoo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/zoo");
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(zoo.join("zoo.json")).unwrap()).unwrap();
@@ -614,6 +629,7 @@ fn the_plans_of_the_zoo_training_steps_compute_what_the_cpu_computes() {
 /// file can interpret computes on its plan what the CPU does.
 #[test]
 fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
     let Some(cases) = common::conformance_cases() else { return };
     let (mut checked, mut skipped) = (0, 0);
     for common::ConformanceCase { name: label, model, graph: g, feeds } in &cases {

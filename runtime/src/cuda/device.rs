@@ -11,7 +11,7 @@
 //! - `read` is a synchronisation; `stage` enqueues a copy into pinned host memory and records an
 //!   event, and `fetch` waits for that event only.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_void, CString};
 
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -68,9 +68,10 @@ pub struct CudaDevice {
     blas: blas_sys::cublasHandle_t,
     /// cuDNN for convolutions, or why not (the plans' fallbacks run instead).
     dnn: Result<super::dnn::Dnn, String>,
-    /// cuDNN's scratch: the largest any prepared convolution asked for so far (an earlier,
-    /// smaller one stays allocated: recorded steps may use it).
-    dnn_workspace: (u64, usize),
+    /// cuDNN's answer for each convolution of the program being prepared, in the order its
+    /// calls are readied: descriptors and algorithms (their scratch at an offset in the
+    /// launch's scratch), or why not.
+    dnn_pending: VecDeque<Result<Box<super::dnn::Ready>, String>>,
     /// Why cuDNN refused convolutions it was offered: node and reason, the first 16.
     dnn_refusals: Vec<String>,
     /// cuBLASLt for products with a bias or ReLU epilogue, or why not (the fallbacks run).
@@ -105,7 +106,7 @@ pub struct CudaDevice {
 }
 
 /// cuBLAS's workspace: set once, so that no GEMM allocates inside a recorded step.
-const CUBLAS_WORKSPACE: usize = 32 << 20;
+pub const CUBLAS_WORKSPACE: usize = 32 << 20;
 
 fn driver(what: &str) -> impl Fn(drv::DriverError) -> RuntimeError + '_ {
     move |e| RuntimeError::Internal(format!("CUDA {what}: {e:?}"))
@@ -144,7 +145,7 @@ impl CudaDevice {
             stream,
             blas,
             dnn,
-            dnn_workspace: (0, 0),
+            dnn_pending: VecDeque::new(),
             dnn_refusals: Vec::new(),
             lt: Err(String::new()),
             lt_refusals: Vec::new(),
@@ -166,6 +167,8 @@ impl CudaDevice {
         // SAFETY: a plain allocation, freed in Drop; cuBLAS uses it for as long as the handle lives.
         let ws = unsafe { drv::malloc_sync(CUBLAS_WORKSPACE) }.map_err(err)?;
         device.allocations.push(ws);
+        device.counters.allocations += 1;
+        device.counters.allocated_bytes += CUBLAS_WORKSPACE as u64;
         // SAFETY: the handle and the allocation are live.
         unsafe { blas_sys::cublasSetWorkspace_v2(device.blas, ws as *mut c_void, CUBLAS_WORKSPACE) }
             .result()
@@ -259,6 +262,80 @@ impl CudaDevice {
         Ok(ptr)
     }
 
+    /// Asks cuDNN about every convolution of `plans` (queued in `dnn_pending` for `ready`), and
+    /// places each plan's scratch: its own, and past it that of the algorithms of a convolution
+    /// cuDNN takes or of the fallback of one it refuses (a launch's calls run one after another,
+    /// so one range serves both). A plan's scratch lies in arena bytes that no value holds
+    /// during its launch (the memory plan says which), costing no memory, where they are enough;
+    /// else in the program's workspace. Returns the workspace's bytes and, per plan, the arena
+    /// offset of its scratch (`None`: the workspace).
+    fn place_scratch(
+        &mut self,
+        plans: &[(usize, String, plan::LaunchPlan)],
+        program: &Program,
+        regions: &Regions<CudaMemory>,
+    ) -> (u64, Vec<Option<u64>>) {
+        self.dnn_pending.clear();
+        // `MPC_SCRATCH_IN_ARENA=0` keeps every launch's scratch in the workspace (to tell a fault
+        // of the placement from another's on a GPU).
+        let in_arena = std::env::var("MPC_SCRATCH_IN_ARENA").map_or(true, |v| v != "0");
+        let step: HashMap<usize, usize> =
+            program.launches.iter().enumerate().map(|(i, l)| (l as *const Launch as usize, i)).collect();
+        let tensor = |b: Buf| match b {
+            Buf::Tensor(r, o) => Some(regions.get(r).ptr + o),
+            _ => None,
+        };
+        let (mut workspace, mut placed) = (0, Vec::with_capacity(plans.len()));
+        for (key, node, p) in plans {
+            let own = p.workspace.next_multiple_of(256);
+            let mut need = p.workspace;
+            for c in &p.calls {
+                let Call::Conv(conv) = c else { continue };
+                let operands = conv.ops.iter().flat_map(|op| match *op {
+                    plan::DnnOp::Forward { x, w, y } => [x, w, y],
+                    plan::DnnOp::BackwardData { w, dy, dx } => [w, dy, dx],
+                    plan::DnnOp::BackwardFilter { x, dy, dw } => [x, dy, dw],
+                });
+                let prepared = match &self.dnn {
+                    Err(why) => Err(why.clone()),
+                    Ok(_) if operands.clone().any(|b| tensor(b).is_none()) => {
+                        Err("an operand outside the program's regions".to_string())
+                    }
+                    Ok(dnn) => dnn.prepare(conv, self.allow_tf32, &|b| tensor(b).unwrap_or(0)),
+                };
+                match &prepared {
+                    Ok(r) => {
+                        self.counters.dnn_convolutions += 1;
+                        need = need.max(own + r.workspace_bytes as u64);
+                    }
+                    Err(why) => {
+                        if self.dnn.is_ok() {
+                            self.counters.dnn_fallbacks += 1;
+                            if self.dnn_refusals.len() < 16 {
+                                self.dnn_refusals.push(format!("{node}: {why}"));
+                            }
+                        }
+                        need = need.max(conv.fallback_workspace);
+                    }
+                }
+                // cuDNN's scratch past the plan's own, wherever the plan's scratch lies.
+                self.dnn_pending.push_back(prepared.map(|mut r| {
+                    r.workspace = own;
+                    Box::new(r)
+                }));
+            }
+            // A launch inside an `If`'s branch is no step of the program's own: no free bytes.
+            let (at, free) = step.get(key).map_or((0, 0), |&i| program.free_during(i));
+            if need > 0 && need <= free && in_arena {
+                placed.push(Some(at));
+            } else {
+                workspace = workspace.max(need);
+                placed.push(None);
+            }
+        }
+        (workspace, placed)
+    }
+
     fn prepare_launches(
         &mut self,
         launches: &[Launch],
@@ -346,34 +423,19 @@ impl CudaDevice {
             },
             Call::Copy { from, to, bytes } => Ready::Copy { from: resolve(from), to: resolve(to), bytes },
             Call::Fill { to, bytes, byte } => Ready::Fill { to: resolve(to), bytes, byte },
-            Call::Conv(conv) => {
-                let prepared = match &self.dnn {
-                    Ok(dnn) => dnn.prepare(&conv, self.allow_tf32, resolve),
-                    Err(why) => Err(why.clone()),
-                };
-                let mut ready = match prepared {
-                    Ok(r) => Box::new(r),
-                    Err(why) => {
-                        if self.dnn.is_ok() {
-                            self.counters.dnn_fallbacks += 1;
-                            if self.dnn_refusals.len() < 16 {
-                                self.dnn_refusals.push(format!("{node}: {why}"));
-                            }
-                        }
-                        for c in conv.fallback {
-                            self.ready(c, node, resolve, out)?;
-                        }
-                        return Ok(());
-                    }
-                };
-                if ready.workspace_bytes > self.dnn_workspace.1 {
-                    let ptr = self.alloc_bytes(ready.workspace_bytes as u64, "cuDNN workspace")?;
-                    self.dnn_workspace = (ptr, ready.workspace_bytes);
+            Call::Conv(conv) => match self.dnn_pending.pop_front() {
+                Some(Ok(mut ready)) => {
+                    ready.workspace = resolve(Buf::Work(ready.workspace));
+                    Ready::Conv(ready)
                 }
-                ready.workspace = self.dnn_workspace.0;
-                self.counters.dnn_convolutions += 1;
-                Ready::Conv(ready)
-            }
+                Some(Err(_)) => {
+                    for c in conv.fallback {
+                        self.ready(c, node, resolve, out)?;
+                    }
+                    return Ok(());
+                }
+                None => return Err(RuntimeError::Internal(format!("{node}: a convolution cuDNN was not asked about"))),
+            },
             Call::Lt(g) => {
                 let prepared = match &self.lt {
                     Ok(lt) => lt.prepare(&g, self.allow_tf32, resolve),
@@ -499,7 +561,7 @@ impl Device for CudaDevice {
         let mut plans = Vec::new();
         self.prepare_launches(&program.launches, program, &mut plans)?;
         self.load_fused(&plans)?;
-        let workspace_bytes = plans.iter().map(|(_, _, p)| p.workspace).max().unwrap_or(0);
+        let (workspace_bytes, scratch_at) = self.place_scratch(&plans, program, regions);
         let mut aux_bytes = Vec::new();
         let mut aux_at = Vec::with_capacity(plans.len());
         for (_, _, p) in &plans {
@@ -529,18 +591,20 @@ impl Device for CudaDevice {
             flag_slots.push(flags + 4 * slot);
             slot += uses_flag(p) as u64;
         }
-        let resolve = |b: Buf, aux_base: u64, flag: u64| -> u64 {
+        let arena = regions.get(Region::Arena).ptr;
+        let work_at: Vec<u64> = scratch_at.iter().map(|at| at.map_or(workspace, |o| arena + o)).collect();
+        let resolve = |b: Buf, aux_base: u64, flag: u64, work: u64| -> u64 {
             match b {
                 Buf::Tensor(r, o) => regions.get(r).ptr + o,
-                Buf::Work(o) => workspace + o,
+                Buf::Work(o) => work + o,
                 Buf::Aux(o) => aux + aux_base + o,
                 Buf::Flag => flag,
             }
         };
-        for (((_, _, p), &aux_base), &flag) in plans.iter().zip(&aux_at).zip(&flag_slots) {
+        for ((((_, _, p), &aux_base), &flag), &work) in plans.iter().zip(&aux_at).zip(&flag_slots).zip(&work_at) {
             for &(at, b) in &p.addresses {
                 let s = (aux_base + at) as usize;
-                aux_bytes[s..s + 8].copy_from_slice(&resolve(b, aux_base, flag).to_le_bytes());
+                aux_bytes[s..s + 8].copy_from_slice(&resolve(b, aux_base, flag, work).to_le_bytes());
             }
         }
         if aux != 0 {
@@ -548,8 +612,8 @@ impl Device for CudaDevice {
             // returns (pageable memory), and the stream is synchronised below.
             unsafe { drv::memcpy_htod_async(aux, &aux_bytes, self.stream) }.map_err(driver("upload"))?;
         }
-        for (((key, node, p), aux_base), flag) in plans.into_iter().zip(aux_at).zip(flag_slots) {
-            let resolve = |b: Buf| resolve(b, aux_base, flag);
+        for ((((key, node, p), aux_base), flag), work) in plans.into_iter().zip(aux_at).zip(flag_slots).zip(work_at) {
+            let resolve = |b: Buf| resolve(b, aux_base, flag, work);
             let mut calls = Vec::with_capacity(p.calls.len());
             for c in p.calls {
                 self.ready(c, &node, &resolve, &mut calls)?;

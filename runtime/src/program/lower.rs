@@ -427,21 +427,22 @@ pub(super) fn lower_in(
     }
     launch_at.push(launched);
     let at = |i: usize| launch_at[i.min(steps.len())];
-    let arena_buffers = buffers
-        .iter()
-        .zip(&holders)
-        .map(|(&(bytes, first, last), vs)| {
-            let values = vs
-                .iter()
-                .map(|&(i, v)| Ok((at(i), g.name(v).to_string(), ty(v)?.0, ty(v)?.1)))
-                .collect::<Result<Vec<_>, RuntimeError>>()?;
-            Ok(ArenaBuffer { bytes, first: at(first), last: at(last), values })
-        })
-        .collect::<Result<Vec<_>, RuntimeError>>()?;
     if let Some(n) = &nested {
         offsets.iter_mut().for_each(|o| *o += n.arena_base);
         arena_bytes += n.arena_base;
     }
+    let arena_buffers = buffers
+        .iter()
+        .zip(&holders)
+        .zip(&offsets)
+        .map(|((&(bytes, first, last), vs), &offset)| {
+            let values = vs
+                .iter()
+                .map(|&(i, v)| Ok((at(i), g.name(v).to_string(), ty(v)?.0, ty(v)?.1)))
+                .collect::<Result<Vec<_>, RuntimeError>>()?;
+            Ok(ArenaBuffer { offset, bytes, first: at(first), last: at(last), values })
+        })
+        .collect::<Result<Vec<_>, RuntimeError>>()?;
     let place = |v: ValueId, refs: &HashMap<ValueId, TensorRef>| -> Result<TensorRef, RuntimeError> {
         let (dtype, shape) = ty(v)?;
         let r = root(v);

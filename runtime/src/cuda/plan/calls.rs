@@ -217,8 +217,12 @@ pub struct DnnConv {
     pub groups: i64,
     /// What to compute, in order; each overwrites its result.
     pub ops: Vec<DnnOp>,
-    /// The same without cuDNN. Its scratch is in the launch's workspace.
+    /// The same without cuDNN. Its scratch is in the launch's workspace, past every other call's
+    /// scratch: the plan's `workspace` leaves it out (a device that runs the convolution through
+    /// cuDNN does not allocate the columns), and `fallback_workspace` is the launch's scratch
+    /// where the fallback runs.
     pub fallback: Vec<Call>,
+    pub fallback_workspace: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -257,7 +261,8 @@ pub enum Call {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct LaunchPlan {
     pub calls: Vec<Call>,
-    /// Scratch bytes the calls use (256-byte aligned pieces).
+    /// Scratch bytes the calls use (256-byte aligned pieces), leaving out the scratch of any
+    /// convolution's fallback (see [`LaunchPlan::workspace_with_fallbacks`]).
     pub workspace: u64,
     /// Bytes to upload once; [`Buf::Aux`] offsets point into them.
     pub aux: Vec<u8>,
@@ -267,6 +272,15 @@ pub struct LaunchPlan {
 }
 
 impl LaunchPlan {
+    /// The scratch bytes the calls use where every convolution runs as its fallback.
+    pub fn workspace_with_fallbacks(&self) -> u64 {
+        let convs = self.calls.iter().filter_map(|c| match c {
+            Call::Conv(conv) => Some(conv.fallback_workspace),
+            _ => None,
+        });
+        convs.fold(self.workspace, u64::max)
+    }
+
     /// Every kernel the plan may launch: its own, and those of its convolutions' fallbacks.
     pub fn kernels(&self) -> Vec<&Kernel> {
         fn walk<'a>(calls: &'a [Call], out: &mut Vec<&'a Kernel>) {

@@ -315,8 +315,9 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
         ]
     };
     let pointwise = kvol == 1 && w.strides.iter().all(|&s| s == 1) && w.pads_begin.iter().all(|&q| q == 0);
-    // What cuDNN would compute instead of the calls from `start` on (2-D, symmetric pads).
-    let start = p.out.calls.len();
+    // What cuDNN would compute instead of the calls from `start` on (2-D, symmetric pads), whose
+    // scratch starts at `work_start`.
+    let (start, work_start) = (p.out.calls.len(), p.out.workspace);
     let dnn = |ops: Vec<DnnOp>, y: &[usize]| -> Option<DnnConv> {
         let four = |s: &[usize]| -> Option<[i64; 4]> { (s.len() == 4).then(|| [0, 1, 2, 3].map(|i| s[i] as i64)) };
         let two = |v: &[usize]| -> Option<[i64; 2]> { (v.len() == 2).then(|| [v[0] as i64, v[1] as i64]) };
@@ -333,11 +334,16 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
             groups: g as i64,
             ops,
             fallback: Vec::new(),
+            fallback_workspace: 0,
         })
     };
+    // The fallback's scratch (the columns) is dead once it has run: the calls after it may take
+    // the same bytes, and a device running cuDNN instead needs none of it.
     let wrap = |p: &mut Planner, conv: Option<DnnConv>| {
         if let Some(mut conv) = conv {
             conv.fallback = p.out.calls.split_off(start);
+            conv.fallback_workspace = p.out.workspace;
+            p.out.workspace = work_start;
             p.out.calls.push(Call::Conv(Box::new(conv)));
         }
     };
@@ -715,4 +721,48 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: bias.map(buf), relu, bgrad, fallback })));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::program::{Launch, Operand, Region};
+    use mpc_ir::ops::ConvAttrs;
+
+    /// A convolution cuDNN may take keeps its columns out of the plan's workspace: the
+    /// fallback's scratch lies past the plan's own and is counted only where the fallback runs.
+    #[test]
+    fn a_convolutions_columns_are_scratch_only_where_its_fallback_runs() {
+        let t = |offset: u64, shape: &[usize]| TensorRef {
+            region: Region::Arena,
+            offset,
+            dtype: DType::F16,
+            shape: shape.to_vec(),
+        };
+        let attrs = ConvAttrs { pads: vec![1; 4], kernel_shape: vec![3, 3], ..ConvAttrs::default() };
+        // ResNet's 3x3 convolution of 64 channels over 56 x 56, batch 8, and its gradients.
+        let (x, w, y) = (t(0, &[8, 64, 56, 56]), t(1 << 24, &[64, 64, 3, 3]), t(1 << 25, &[8, 64, 56, 56]));
+        let forward = Launch::new(
+            "conv",
+            Op::Conv(Box::new(attrs.clone())),
+            vec![Operand::Device(x.clone()), Operand::Device(w.clone())],
+            vec![y.clone()],
+        );
+        let grad = Launch::new(
+            "conv.grad",
+            Op::ConvGrad(Box::new(attrs)),
+            vec![Operand::Device(y), Operand::Device(x), Operand::Device(w)],
+            vec![t(1 << 26, &[8, 64, 56, 56]), t(1 << 27, &[64, 64, 3, 3])],
+        );
+        let none = |_: &TensorRef| None;
+        for (l, columns) in [(&forward, 8 * 576 * 3136 * 2), (&grad, 576 * 8 * 3136 * 4)] {
+            let p = super::super::plan(l, &none).unwrap();
+            let Some(Call::Conv(conv)) = p.calls.iter().find(|c| matches!(c, Call::Conv(_))) else {
+                panic!("{}: no convolution for cuDNN", l.node)
+            };
+            assert!(p.workspace < 1 << 20, "{}: {} bytes of scratch beside cuDNN", l.node, p.workspace);
+            assert!(conv.fallback_workspace >= p.workspace + columns, "{}: {}", l.node, conv.fallback_workspace);
+            assert_eq!(p.workspace_with_fallbacks(), conv.fallback_workspace);
+        }
+    }
 }
