@@ -79,27 +79,44 @@ fn places(l: &Launch) -> Places {
     (reads.collect(), writes.collect())
 }
 
+/// The fixture's inference program under each policy at batch 8, and its training step where it
+/// trains, each with its label.
+fn programs(name: &str) -> Vec<(String, Program)> {
+    let dims: HashMap<String, u64> = [("batch".to_string(), 8)].into();
+    let mut out = Vec::new();
+    for policy in ["fp32", "mixed", "mixed-bf16"] {
+        out.push((format!("{name}/{policy}"), program(name, policy, 8)));
+        if let Ok(g) = common::compiled(name, policy, true) {
+            let step = mpc::run::memory_plan(&g, &fixture(name), &dims).unwrap().0;
+            out.push((format!("{name}/{policy} training"), step));
+        }
+    }
+    out
+}
+
 #[test]
 fn live_values_never_overlap_in_the_arena() {
+    let mut training = 0;
     for name in FIXTURES {
-        for policy in ["fp32", "mixed", "mixed-bf16"] {
-            let p = program(name, policy, 8);
+        for (label, p) in programs(name) {
+            training += usize::from(label.ends_with("training"));
             let steps: Vec<_> = flat(&p.launches).into_iter().map(places).collect();
-            let bufs = lives(&p, &steps, &format!("{name}/{policy}"));
+            let bufs = lives(&p, &steps, &label);
             for (i, &((oa, ba), (da, la))) in bufs.iter().enumerate() {
-                assert!(oa + ba <= p.arena_bytes, "{name}/{policy}: a buffer past the arena");
+                assert!(oa + ba <= p.arena_bytes, "{label}: a buffer past the arena");
                 for &((oc, bc), (dc, lc)) in &bufs[i + 1..] {
                     let bytes_overlap = oa < oc + bc && oc < oa + ba;
                     // Alive together, except for an in-place hand-over at the step the input dies.
                     let alive_together = da < lc && dc < la;
                     assert!(
                         !(bytes_overlap && alive_together),
-                        "{name}/{policy}: [{oa}, +{ba}) live [{da}, {la}] and [{oc}, +{bc}) live [{dc}, {lc}] share bytes"
+                        "{label}: [{oa}, +{ba}) live [{da}, {la}] and [{oc}, +{bc}) live [{dc}, {lc}] share bytes"
                     );
                 }
             }
         }
     }
+    assert!(training >= 6, "{training} training programs checked");
 }
 
 /// The bytes `Program::free_during` offers a launch as scratch (cuDNN's, on CUDA) hold no value
@@ -108,17 +125,8 @@ fn live_values_never_overlap_in_the_arena() {
 #[test]
 fn the_free_bytes_during_a_launch_hold_no_live_value() {
     let mut offered = 0;
-    let dims: HashMap<String, u64> = [("batch".to_string(), 8)].into();
     for name in FIXTURES {
-        // The inference program and, where the fixture trains, the training step.
-        let programs = ["fp32", "mixed", "mixed-bf16"].into_iter().flat_map(|policy| {
-            let step = common::compiled(name, policy, true).ok().map(|g| {
-                let path = fixture(name);
-                (format!("{policy} training"), mpc::run::memory_plan(&g, &path, &dims).unwrap().0)
-            });
-            std::iter::once((policy.to_string(), program(name, policy, 8))).chain(step)
-        });
-        for (policy, p) in programs {
+        for (label, p) in programs(name) {
             // One step per launch of the program, an `If` reading and writing what its branches do.
             let steps: Vec<_> = p
                 .launches
@@ -138,15 +146,15 @@ fn the_free_bytes_during_a_launch_hold_no_live_value() {
                     (reads, writes)
                 })
                 .collect();
-            let bufs = lives(&p, &steps, &format!("{name}/{policy}"));
+            let bufs = lives(&p, &steps, &label);
             for i in 0..p.launches.len() {
                 let (at, bytes) = p.free_during(i);
-                assert!(at + bytes <= p.arena_bytes, "{name}/{policy}: launch {i}'s free bytes past the arena");
+                assert!(at + bytes <= p.arena_bytes, "{label}: launch {i}'s free bytes past the arena");
                 offered += u64::from(bytes > 0);
                 for &((o, b), (first, last)) in &bufs {
                     assert!(
                         !(o < at + bytes && at < o + b && first <= i && i <= last),
-                        "{name}/{policy}: launch {i} ({}) is offered [{at}, +{bytes}), where [{o}, +{b}) lives over [{first}, {last}]",
+                        "{label}: launch {i} ({}) is offered [{at}, +{bytes}), where [{o}, +{b}) lives over [{first}, {last}]",
                         p.launches[i].node
                     );
                 }
