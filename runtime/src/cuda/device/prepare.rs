@@ -111,8 +111,7 @@ impl CudaDevice {
         };
         let (mut workspace, mut placed) = (0, Vec::with_capacity(plans.len()));
         for (key, node, p) in plans {
-            let own = p.workspace.next_multiple_of(256);
-            let mut need = p.workspace;
+            let mut convs = Vec::new();
             for c in &p.calls {
                 let Call::Conv(conv) = c else { continue };
                 let operands = conv.ops.iter().flat_map(|op| match *op {
@@ -130,7 +129,7 @@ impl CudaDevice {
                 match &prepared {
                     Ok(r) => {
                         self.counters.dnn_convolutions += 1;
-                        need = need.max(own + r.workspace_bytes as u64);
+                        convs.push(Some(r.workspace_bytes as u64));
                     }
                     Err(why) => {
                         if self.dnn.is_ok() {
@@ -139,15 +138,16 @@ impl CudaDevice {
                                 self.dnn_refusals.push(format!("{node}: {why}"));
                             }
                         }
-                        need = need.max(conv.fallback_workspace);
+                        convs.push(None);
                     }
                 }
                 // cuDNN's scratch past the plan's own, wherever the plan's scratch lies.
                 self.dnn_pending.push_back(prepared.map(|mut r| {
-                    r.workspace = own;
+                    r.workspace = p.library_scratch_at();
                     Box::new(r)
                 }));
             }
+            let need = p.scratch_bytes(&convs);
             // A launch inside an `If`'s branch is no step of the program's own: no free bytes.
             let (at, free) = step.get(key).map_or((0, 0), |&i| program.free_during(i));
             if need > 0 && need <= free && in_arena {

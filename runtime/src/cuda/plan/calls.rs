@@ -274,11 +274,27 @@ pub struct LaunchPlan {
 impl LaunchPlan {
     /// The scratch bytes the calls use where every convolution runs as its fallback.
     pub fn workspace_with_fallbacks(&self) -> u64 {
-        let convs = self.calls.iter().filter_map(|c| match c {
+        let convs = self.calls.iter().filter(|c| matches!(c, Call::Conv(_))).count();
+        self.scratch_bytes(&vec![None; convs])
+    }
+
+    /// Where a library's own scratch starts in the launch's scratch: past the plan's.
+    pub fn library_scratch_at(&self) -> u64 {
+        self.workspace.next_multiple_of(256)
+    }
+
+    /// The scratch bytes the calls use where the convolutions (in order) run through cuDNN
+    /// with `Some(bytes)` of scratch of its own, placed at [`Self::library_scratch_at`], or as
+    /// their fallbacks (`None`).
+    pub fn scratch_bytes(&self, convs: &[Option<u64>]) -> u64 {
+        let fallbacks = self.calls.iter().filter_map(|c| match c {
             Call::Conv(conv) => Some(conv.fallback_workspace),
             _ => None,
         });
-        convs.fold(self.workspace, u64::max)
+        fallbacks
+            .zip(convs)
+            .map(|(fallback, dnn)| dnn.map_or(fallback, |bytes| self.library_scratch_at() + bytes))
+            .fold(self.workspace, u64::max)
     }
 
     /// Every kernel the plan may launch: its own, and those of its convolutions' fallbacks.

@@ -763,6 +763,12 @@ mod tests {
             assert!(p.workspace < 1 << 20, "{}: {} bytes of scratch beside cuDNN", l.node, p.workspace);
             assert!(conv.fallback_workspace >= p.workspace + columns, "{}: {}", l.node, conv.fallback_workspace);
             assert_eq!(p.workspace_with_fallbacks(), conv.fallback_workspace);
+            assert_eq!(p.scratch_bytes(&[None]), conv.fallback_workspace);
+            // cuDNN's own scratch lies past the plan's, 256-byte aligned.
+            let at = p.library_scratch_at();
+            assert!(at >= p.workspace && at % 256 == 0);
+            assert_eq!(p.scratch_bytes(&[Some(1000)]), at + 1000);
+            assert_eq!(p.scratch_bytes(&[Some(0)]), p.workspace.max(at));
         }
     }
 }
