@@ -3,6 +3,7 @@
 
     python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,resnet50,digits]
                                     [--steps 20] [--warmup 5] [--tiny] [--mpc PATH] [--out DIR]
+                                    [--no-compile] [--no-profile] [--no-ab]
     # needs torch, torchvision, onnx, numpy; builds nothing: give --mpc (default target/release/mpc)
 
 Each model is built in PyTorch, exported to ONNX by this script (torch.onnx, the legacy exporter,
@@ -223,6 +224,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--no-profile", action="store_true", help="skip mpc's per-op profile of one step")
+    ap.add_argument("--no-ab", action="store_true",
+                    help="skip mpc mixed without each of its speed-ups (the A/B runs of AB_VARIANTS)")
     ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
@@ -259,7 +262,7 @@ def main():
         # what the ratio compares).
         without = {}
         for key, names, env, what in AB_VARIANTS:
-            if name in names and dev == "cuda":
+            if name in names and dev == "cuda" and not args.no_ab:
                 without[key] = (what, mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False,
                                                 "mixed", env))
         os.remove(path)
