@@ -283,6 +283,9 @@ def main():
             plan = (row["arena_bytes"] + row["state_bytes"] + row["constants_bytes"]) / 2**20
             used = row.get("device_memory_used")
             alloc = f" (driver: {used / 2**20:.1f} MiB more in use)" if used is not None else ""
+            if "workspace_bytes" in row:
+                alloc += (f", workspace {row['workspace_bytes'] / 2**20:.1f} MiB "
+                          f"({row['scratch_in_arena']} launches' scratch in the arena)")
             convs = row.get("cudnn_convolutions", 0) + row.get("cudnn_refused", 0)
             dnn = f", cuDNN {row['cudnn_convolutions']} of {convs} convolutions" if convs else ""
             lts = row.get("cublaslt_gemms", 0) + row.get("cublaslt_refused", 0)

@@ -70,6 +70,10 @@ pub struct BenchRow {
     /// library's workspace. The figure to hold beside PyTorch's `max_memory_allocated`, which
     /// counts its own library workspaces.
     pub allocated_bytes: u64,
+    /// Of those, the program's workspace: the scratch of launches whose scratch the arena's free
+    /// bytes did not hold (cuDNN's among it), and how many launches' the arena held.
+    pub workspace_bytes: u64,
+    pub scratch_in_arena: u64,
     /// Compiling the model and lowering the step.
     pub compile_ms: f64,
     pub launches_per_step: u64,
@@ -232,6 +236,8 @@ pub fn bench<D: Device>(
             state_bytes: stats.state_bytes,
             constants_bytes: stats.constants_bytes,
             allocated_bytes: counters.allocated_bytes,
+            workspace_bytes: counters.workspace_bytes,
+            scratch_in_arena: counters.scratch_in_arena,
             compile_ms,
             launches_per_step: stats.launches_per_step,
             device_memory_in_use: device_memory,
@@ -359,6 +365,14 @@ pub fn table(r: &BenchReport) -> String {
     }
     if let Some(p) = r.process_peak_bytes {
         s.push_str(&format!("process peak memory: {:.1} MiB\n", mib(p)));
+    }
+    for row in r.rows.iter().filter(|row| row.workspace_bytes + row.scratch_in_arena > 0) {
+        s.push_str(&format!(
+            "{}: scratch of {} launches in the arena's free bytes, a workspace of {:.2} MiB for the rest\n",
+            row.policy,
+            row.scratch_in_arena,
+            mib(row.workspace_bytes)
+        ));
     }
     for row in r.rows.iter().filter(|row| row.cudnn_convolutions + row.cudnn_refused > 0) {
         s.push_str(&format!(

@@ -64,6 +64,10 @@ pub struct DeviceCounters {
     /// refused (their fallback runs).
     pub lt_gemms: u64,
     pub lt_fallbacks: u64,
+    /// Launches whose scratch lies in arena bytes free during them, and the largest workspace
+    /// allocated for the scratch that did not fit (the CUDA device).
+    pub scratch_in_arena: u64,
+    pub workspace_bytes: u64,
 }
 
 /// A backend: memory, and a queue of launches.

@@ -34,6 +34,7 @@ impl CudaDevice {
             aux_at.push(at as u64);
         }
         let workspace = if workspace_bytes > 0 { self.alloc_bytes(workspace_bytes, "workspace")? } else { 0 };
+        self.counters.workspace_bytes = self.counters.workspace_bytes.max(workspace_bytes);
         // One error word per launch that reads indices on the device, zeroed once.
         let flagged: Vec<String> = plans.iter().filter(|(_, _, p)| uses_flag(p)).map(|(_, n, _)| n.clone()).collect();
         let flags = if flagged.is_empty() {
@@ -151,6 +152,7 @@ impl CudaDevice {
             // A launch inside an `If`'s branch is no step of the program's own: no free bytes.
             let (at, free) = step.get(key).map_or((0, 0), |&i| program.free_during(i));
             if need > 0 && need <= free && in_arena {
+                self.counters.scratch_in_arena += 1;
                 placed.push(Some(at));
             } else {
                 workspace = workspace.max(need);
