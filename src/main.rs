@@ -7,7 +7,7 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use mpc_runtime::device::Device;
 use std::collections::HashMap;
-use std::io::Write;
+use std::io::{ErrorKind, Write};
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -126,6 +126,12 @@ fn main() -> ExitCode {
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of the output closed it (`mpc inspect ... | head`): it has what it wanted.
+        Err(Error::Output { path, source })
+            if path == Path::new("stdout") && source.kind() == ErrorKind::BrokenPipe =>
+        {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("mpc: {}", one_line(&e.to_string()));
             ExitCode::from(e.exit_code() as u8)
@@ -219,13 +225,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                     line.push_str(&format!(", loss scale {s}"));
                 }
                 line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
-                println!("{line}");
+                // A closed output does not stop the training (its checkpoints are its results).
+                let _ = emit(&format!("{line}\n"));
             };
             let trained = on_device!(kind, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
             report_ties(&trained.ties);
             report_auto_scale(trained.auto_scale.clone());
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
-                println!("test accuracy: {:.2}%", acc * 100.0);
+                emit(&format!("test accuracy: {:.2}%\n", acc * 100.0))?;
             }
             if stats {
                 eprintln!("mpc: training step: {}", trained.stats);
@@ -329,16 +336,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             let model = mpc::load(&common.model)?;
             let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {
-                println!("{}", serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))?);
+                emit(&(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n"))?;
             } else {
-                print!("{}", mpc::bench::table(&report));
+                emit(&mpc::bench::table(&report))?;
             }
             Ok(())
         }
         Command::Devices => {
             let (lines, problem) = mpc::devices::report();
             for l in lines {
-                println!("{l}");
+                emit(&format!("{l}\n"))?;
             }
             match problem {
                 Some(p) => Err(Error::Usage(p)),
@@ -363,7 +370,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let outs = on_device!(kind, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
             for (name, t) in &outs {
-                println!("{}", mpc::run::summary(name, t));
+                emit(&format!("{}\n", mpc::run::summary(name, t)))?;
             }
             if let Some(o) = output {
                 mpc::run::write_safetensors(&o, &outs)?;
@@ -473,6 +480,11 @@ fn run(cli: Cli) -> Result<(), Error> {
                 .map_err(|source| Error::Output { path: "stdout".into(), source })
         }
     }
+}
+
+/// Writes `text` to standard output: where it is closed, an error, not a panic.
+fn emit(text: &str) -> Result<(), Error> {
+    std::io::stdout().write_all(text.as_bytes()).map_err(|source| Error::Output { path: "stdout".into(), source })
 }
 
 /// One line per tied weight, on stderr.

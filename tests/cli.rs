@@ -249,6 +249,26 @@ fn devices_lists_the_cpu_and_each_gpu_or_says_why_none() {
 
 /// `mpc bench` measures each policy of the list: step times, the FLOPs of the step (the MLP's
 /// three products, three times over when training), the program's bytes and launches.
+/// A reader that closes the output early (`mpc inspect ... | head`) ends mpc quietly: no panic,
+/// no error line, success.
+#[test]
+fn a_closed_output_ends_quietly() {
+    use std::process::{Command, Stdio};
+    let m = fixture("transformer");
+    for args in [&["inspect", m.to_str().unwrap()][..], &["devices"][..]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mpc"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let r = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(r.status.success() && err.is_empty(), "{args:?}: {:?} {err}", r.status);
+    }
+}
+
 #[test]
 fn bench_reports_each_policy() {
     let m = fixture("mlp");
@@ -266,6 +286,10 @@ fn bench_reports_each_policy() {
         assert_eq!(row["flops_per_step"].as_u64(), Some(forward), "{row}");
         assert!(row["step_ms_median"].as_f64().unwrap() > 0.0 && row["peak_tflops"].as_f64().unwrap() > 0.0);
         assert!(row["launches_per_step"].as_u64().unwrap() >= 3, "{row}");
+        // Every allocation of the run holds at least the program's regions.
+        let regions: u64 =
+            ["arena_bytes", "state_bytes", "constants_bytes"].iter().map(|k| row[k].as_u64().unwrap()).sum();
+        assert!(row["allocated_bytes"].as_u64().unwrap() >= regions, "{row}");
     }
     // Mixed holds its weights in FP16: half the constants of FP32.
     let consts = |i: usize| rows[i]["constants_bytes"].as_u64().unwrap();
