@@ -217,10 +217,10 @@ pub struct DnnConv {
     pub groups: i64,
     /// What to compute, in order; each overwrites its result.
     pub ops: Vec<DnnOp>,
-    /// The same without cuDNN. Its scratch is in the launch's workspace, past every other call's
-    /// scratch: the plan's `workspace` leaves it out (a device that runs the convolution through
-    /// cuDNN does not allocate the columns), and `fallback_workspace` is the launch's scratch
-    /// where the fallback runs.
+    /// The same without cuDNN. Its scratch is in the launch's workspace, past that of the calls
+    /// before it (the calls after it may take the same bytes once it has run). The plan's
+    /// `workspace` leaves it out (a device that runs the convolution through cuDNN does not
+    /// allocate the columns); `fallback_workspace` is the launch's scratch where it runs.
     pub fallback: Vec<Call>,
     pub fallback_workspace: u64,
 }
