@@ -226,13 +226,13 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
                 line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
                 // A closed output does not stop the training (its checkpoints are its results).
-                let _ = emit(&format!("{line}\n"));
+                let _ = write_out(format!("{line}\n"));
             };
             let trained = on_device!(kind, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
             report_ties(&trained.ties);
             report_auto_scale(trained.auto_scale.clone());
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
-                emit(&format!("test accuracy: {:.2}%\n", acc * 100.0))?;
+                write_out(format!("test accuracy: {:.2}%\n", acc * 100.0))?;
             }
             if stats {
                 eprintln!("mpc: training step: {}", trained.stats);
@@ -285,9 +285,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                         Some(Format::Onnx) => return Err(Error::Usage("ONNX output needs -o FILE".into())),
                         Some(f) => mpc::render(&g, f, Path::new("-"))?.0,
                     };
-                    std::io::stdout()
-                        .write_all(&bytes)
-                        .map_err(|source| Error::Output { path: "stdout".into(), source })?;
+                    write_out(&bytes)?;
                 }
                 (Some(_), None) => {
                     unreachable!("a format is known whenever there is an output path")
@@ -336,16 +334,16 @@ fn run(cli: Cli) -> Result<(), Error> {
             let model = mpc::load(&common.model)?;
             let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {
-                emit(&(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n"))?;
+                write_out(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n")?;
             } else {
-                emit(&mpc::bench::table(&report))?;
+                write_out(mpc::bench::table(&report))?;
             }
             Ok(())
         }
         Command::Devices => {
             let (lines, problem) = mpc::devices::report();
             for l in lines {
-                emit(&format!("{l}\n"))?;
+                write_out(format!("{l}\n"))?;
             }
             match problem {
                 Some(p) => Err(Error::Usage(p)),
@@ -370,7 +368,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let outs = on_device!(kind, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
             for (name, t) in &outs {
-                emit(&format!("{}\n", mpc::run::summary(name, t)))?;
+                write_out(format!("{}\n", mpc::run::summary(name, t)))?;
             }
             if let Some(o) = output {
                 mpc::run::write_safetensors(&o, &outs)?;
@@ -475,16 +473,14 @@ fn run(cli: Cli) -> Result<(), Error> {
                 }
                 out
             };
-            std::io::stdout()
-                .write_all(out.as_bytes())
-                .map_err(|source| Error::Output { path: "stdout".into(), source })
+            write_out(&out)
         }
     }
 }
 
 /// Writes `text` to standard output: where it is closed, an error, not a panic.
-fn emit(text: &str) -> Result<(), Error> {
-    std::io::stdout().write_all(text.as_bytes()).map_err(|source| Error::Output { path: "stdout".into(), source })
+fn write_out(text: impl AsRef<[u8]>) -> Result<(), Error> {
+    std::io::stdout().write_all(text.as_ref()).map_err(|source| Error::Output { path: "stdout".into(), source })
 }
 
 /// One line per tied weight, on stderr.

@@ -139,12 +139,7 @@ impl Dnn {
         for op in &conv.ops {
             let (algo, bytes) = self.algorithm(&r, op, |m| math_fits(conv.dtype, allow_tf32, m))?;
             r.workspace_bytes = r.workspace_bytes.max(bytes);
-            let (a, b, out) = match *op {
-                DnnOp::Forward { x, w, y } => (x, w, y),
-                DnnOp::BackwardData { w, dy, dx } => (w, dy, dx),
-                DnnOp::BackwardFilter { x, dy, dw } => (x, dy, dw),
-            };
-            r.ops.push((algo, [resolve(a), resolve(b), resolve(out)]));
+            r.ops.push((algo, op.buffers().map(resolve)));
         }
         Ok(r)
     }

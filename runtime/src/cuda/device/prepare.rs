@@ -115,14 +115,9 @@ impl CudaDevice {
             let mut convs = Vec::new();
             for c in &p.calls {
                 let Call::Conv(conv) = c else { continue };
-                let operands = conv.ops.iter().flat_map(|op| match *op {
-                    plan::DnnOp::Forward { x, w, y } => [x, w, y],
-                    plan::DnnOp::BackwardData { w, dy, dx } => [w, dy, dx],
-                    plan::DnnOp::BackwardFilter { x, dy, dw } => [x, dy, dw],
-                });
                 let prepared = match &self.dnn {
                     Err(why) => Err(why.clone()),
-                    Ok(_) if operands.clone().any(|b| tensor(b).is_none()) => {
+                    Ok(_) if conv.ops.iter().flat_map(|op| op.buffers()).any(|b| tensor(b).is_none()) => {
                         Err("an operand outside the program's regions".to_string())
                     }
                     Ok(dnn) => dnn.prepare(conv, self.allow_tf32, &|b| tensor(b).unwrap_or(0)),

@@ -225,6 +225,17 @@ pub struct DnnConv {
     pub fallback_workspace: u64,
 }
 
+impl DnnOp {
+    /// Its two operands and its result, in cuDNN's argument order.
+    pub fn buffers(&self) -> [Buf; 3] {
+        match *self {
+            DnnOp::Forward { x, w, y } => [x, w, y],
+            DnnOp::BackwardData { w, dy, dx } => [w, dy, dx],
+            DnnOp::BackwardFilter { x, dy, dw } => [x, dy, dw],
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DnnOp {
     /// Y = X ⋆ W.
