@@ -19,7 +19,7 @@ use common::{fixture, FIXTURES};
 use mpc_ir::{DType, Graph};
 use mpc_runtime::cuda::cubin::{self, KernelParams};
 use mpc_runtime::cuda::nvrtc;
-use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, GradOf, LaunchPlan};
+use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, GradOf, LaunchPlan, LtGemm, LtMask};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
 const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
@@ -96,7 +96,7 @@ fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     // A multi-tensor launch's operands are its members', and a sibling's are the launch's.
     let ins =
         l.parts().into_iter().flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand)).filter_map(Operand::tensor);
-    ins.chain(l.parts().into_iter().flat_map(|m| &m.outputs))
+    ins.chain(l.parts().into_iter().flat_map(|m| m.outputs.iter().chain(&m.relu_mask)))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())
         .max()
@@ -207,6 +207,16 @@ fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String>
                     let need = len as u64 * lt.gemm.c_dtype.size() as u64;
                     if room(l, p, b)? < need {
                         return Err(format!("cuBLASLt: a vector of {need} bytes at {b:?} overruns it"));
+                    }
+                }
+                // The ReLU mask: `ld` bits for each of D's n columns.
+                if let Some(mask) = lt.mask {
+                    if mask.ld < lt.gemm.m || mask.ld % 128 != 0 {
+                        return Err(format!("cuBLASLt: a mask of {} bits a column for {} rows", mask.ld, lt.gemm.m));
+                    }
+                    let need = (mask.ld * lt.gemm.n / 8) as u64;
+                    if room(l, p, mask.buf)? < need {
+                        return Err(format!("cuBLASLt: a mask of {need} bytes at {:?} overruns it", mask.buf));
                     }
                 }
                 check_calls(l, p, &lt.fallback)?;
@@ -393,6 +403,7 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         epilogue_operand: None,
         group: Vec::new(),
         sibling: None,
+        relu_mask: None,
     };
     let none = |_: &TensorRef| None;
     let names = |calls: &[Call]| -> Vec<String> {
@@ -431,6 +442,70 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
     assert_eq!(names(&p.calls)[1..], ["gemm beta 1", "elementwise_relu_f16"]);
 }
 
+/// A ReLU mask shared by a dense layer's forward Gemm (bias and ReLU) and the backward Gemm that
+/// applies the ReLU's gradient as it writes dY: the forward product writes the bits, the
+/// backward reads them, both with the column-major result's rows (the 200 features) padded to
+/// 256 bits. The backward's fallback is the GEMM and the ReluGrad kernel over the ReLU's output;
+/// without a mask the backward is no cuBLASLt product at all.
+#[test]
+fn a_relu_and_its_gradient_share_a_bit_mask_in_cublaslt_products() {
+    let t = |offset: u64, dtype: DType, shape: &[usize]| TensorRef {
+        region: Region::Arena,
+        offset,
+        dtype,
+        shape: shape.to_vec(),
+    };
+    let f16 = |offset: u64, shape: &[usize]| t(offset, DType::F16, shape);
+    let mask = t(9 << 20, DType::U8, &[6, 32]);
+    assert_eq!(mask.bytes(), mpc_runtime::program::relu_mask_bytes(6, 200));
+    let (x, w, b, y) = (f16(0, &[6, 5]), f16(1 << 20, &[200, 5]), f16(2 << 20, &[200]), f16(3 << 20, &[6, 200]));
+    let mut forward = Launch::new(
+        "fc",
+        mpc_ir::Op::Gemm(mpc_ir::ops::GemmAttrs { transB: true, ..Default::default() }),
+        vec![Operand::Device(x), Operand::Device(w), Operand::Device(b)],
+        vec![y.clone()],
+    );
+    forward.epilogue = Some(mpc_ir::Op::Relu);
+    forward.relu_mask = Some(mask.clone());
+    // dY = dZ W2 for the next layer's W2 [7, 200]: its ReluGrad with Y as the epilogue's operand.
+    let (dz, w2, dy) = (f16(4 << 20, &[6, 7]), f16(5 << 20, &[7, 200]), f16(6 << 20, &[6, 200]));
+    let mut backward = Launch::new(
+        "fc2.grad",
+        mpc_ir::Op::Gemm(mpc_ir::ops::GemmAttrs::default()),
+        vec![Operand::Device(dz), Operand::Device(w2)],
+        vec![dy],
+    );
+    backward.epilogue = Some(mpc_ir::Op::ReluGrad);
+    backward.epilogue_operand = Some(Operand::Device(y));
+    backward.relu_mask = Some(mask);
+    let none = |_: &TensorRef| None;
+    let lt = |l: &Launch| -> LtGemm {
+        let p = plan(l, &none).unwrap();
+        check_plan(l, &p).unwrap();
+        let [Call::Lt(lt)] = p.calls.as_slice() else { panic!("{}: {:?}", l.node, p.calls) };
+        (**lt).clone()
+    };
+    let want = Some(LtMask { buf: Buf::Tensor(Region::Arena, 9 << 20), ld: 256 });
+    let f = lt(&forward);
+    assert_eq!((f.relu, f.relu_grad, f.mask, f.gemm.m), (true, false, want, 200));
+    let g = lt(&backward);
+    assert_eq!((g.relu, g.relu_grad, g.mask, g.bias, g.gemm.m, g.gemm.n), (false, true, want, None, 200, 6));
+    let names: Vec<String> = g
+        .fallback
+        .iter()
+        .map(|c| match c {
+            Call::Kernel(k) => k.name.clone(),
+            c => format!("{}", matches!(c, Call::Gemm(_))),
+        })
+        .collect();
+    assert_eq!(names, ["true", "train_relu_grad_f16"]);
+    // Without the mask: the plain calls only.
+    backward.relu_mask = None;
+    let p = plan(&backward, &none).unwrap();
+    check_plan(&backward, &p).unwrap();
+    assert!(matches!(p.calls.as_slice(), [Call::Gemm(_), Call::Kernel(k)] if k.name == "train_relu_grad_f16"));
+}
+
 /// A weight gradient's Gemm (`transA`, over the rows) with its bias gradient as the launch's
 /// sibling is one cuBLASLt product with a bias-gradient epilogue: of cuBLAS's B where dY is the
 /// Gemm's first operand (`dW = dYᵀ X`), of its A where dY is the second (`dW = Xᵀ dY`); the
@@ -466,6 +541,7 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
             epilogue_operand: None,
             group: Vec::new(),
             sibling: Some(Box::new(sibling)),
+            relu_mask: None,
         };
         let p = plan(&l, &none).unwrap();
         check_plan(&l, &p).unwrap();

@@ -6,6 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
+use mpc_ir::Op;
 use mpc_runtime::program::{Launch, Operand, Program, Region, TensorRef};
 
 /// The fixture's program under `policy` at `batch`.
@@ -73,9 +74,19 @@ fn lives(p: &Program, steps: &[Places], label: &str) -> Vec<Life> {
 fn places(l: &Launch) -> Places {
     let arena = |t: &TensorRef| (t.region == Region::Arena).then_some((t.offset, t.bytes()));
     let parts = l.parts();
-    let reads =
-        parts.iter().flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand)).filter_map(|o| arena(o.tensor()?));
-    let writes = parts.iter().flat_map(|m| &m.outputs).filter_map(arena);
+    // A ReLU mask is written by the ReLU's launch and read by its gradient's.
+    let (mask_read, mask_written): (Vec<_>, Vec<_>) =
+        parts.iter().filter_map(|m| Some((m.relu_mask.as_ref()?, m.epilogue == Some(Op::ReluGrad)))).partition(|m| m.1);
+    let reads = parts
+        .iter()
+        .flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand))
+        .filter_map(|o| arena(o.tensor()?))
+        .chain(mask_read.into_iter().filter_map(|m| arena(m.0)));
+    let writes = parts
+        .iter()
+        .flat_map(|m| &m.outputs)
+        .filter_map(arena)
+        .chain(mask_written.into_iter().filter_map(|m| arena(m.0)));
     (reads.collect(), writes.collect())
 }
 

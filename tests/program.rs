@@ -218,6 +218,45 @@ fn a_bias_made_before_its_product_is_the_products_epilogue() {
     same_outputs(&g, fused, plain);
 }
 
+/// A dense layer's ReLU gradient in the backward pass is the epilogue of the product that makes
+/// its dY (the next layer's input gradient), and shares a bit-mask with the ReLU's own product:
+/// the same place, written before it is read, holding one bit per element in rows padded to 128
+/// bits, and alive from the one launch to the other. Without the products' library fusions
+/// (`bitwise`) there are no masks and the ReluGrads are launches again.
+#[test]
+fn a_relu_gradient_is_its_products_epilogue_and_shares_the_relus_bits() {
+    use mpc_runtime::program::{lower, relu_mask_bytes, LowerOptions};
+    let g = compiled("mlp", "mixed", true);
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    let has = |l: &mpc_runtime::program::Launch, e: &mpc_ir::Op| l.epilogue.as_ref() == Some(e);
+    let kinds: Vec<String> = p.launches.iter().map(|l| l.kind()).collect();
+    assert!(!kinds.iter().any(|k| k == "ReluGrad"), "{kinds:?}");
+    let grads: Vec<usize> = (0..p.launches.len()).filter(|&i| has(&p.launches[i], &mpc_ir::Op::ReluGrad)).collect();
+    // The MLP has two hidden ReLUs.
+    assert_eq!(grads.len(), 2, "{kinds:?}");
+    for &b in &grads {
+        let l = &p.launches[b];
+        let mask = l.relu_mask.as_ref().unwrap_or_else(|| panic!("{}: no mask", l.node));
+        let f = p.launches.iter().position(|f| f.relu_mask.as_ref() == Some(mask)).unwrap();
+        let relu = &p.launches[f];
+        assert!(f < b && matches!(relu.op, mpc_ir::Op::Gemm(_)) && has(relu, &mpc_ir::Op::Relu), "{}", relu.node);
+        // The gradient's operand is the ReLU's output, and the mask holds one bit per element.
+        let y = &relu.outputs[0];
+        assert!(matches!(&l.epilogue_operand, Some(Operand::Device(t)) if t == y), "{}", l.node);
+        let (rows, cols) = (y.shape[0], y.shape[1]);
+        assert_eq!((mask.dtype, mask.bytes()), (DType::U8, relu_mask_bytes(rows, cols)));
+        assert_eq!(relu_mask_bytes(rows, cols), (rows * 256 / 8) as u64, "256 features: two words of 128 bits");
+        let buffer = p.buffers.iter().find(|x| x.offset == mask.offset && x.bytes >= mask.bytes()).unwrap();
+        assert!(buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+    }
+    let plain = lower(&bound, caps, LowerOptions { bitwise: true, ..Default::default() }).unwrap();
+    assert!(plain.launches.iter().all(|l| l.relu_mask.is_none()));
+    assert_eq!(plain.launches.iter().filter(|l| l.op == mpc_ir::Op::ReluGrad).count(), 2);
+    assert_eq!(relu_mask_bytes(3, 129), 3 * 256 / 8);
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
@@ -353,7 +392,13 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
     // The products' fusions, where the fused side has them (the CPU).
     // (A Linear's bias is its MatMul's epilogue there; elsewhere it is fused with the Gelu.)
     let products: &[&str] = if device().caps().name == "cpu" {
-        &["Gemm+Relu (epilogue)", "Gemm+ReduceSum (sibling)", "MatMul+Transpose (epilogue)", "MatMul+Add (epilogue)"]
+        &[
+            "Gemm+Relu (epilogue)",
+            "Gemm+ReluGrad (epilogue)",
+            "Gemm+ReduceSum (sibling)",
+            "MatMul+Transpose (epilogue)",
+            "MatMul+Add (epilogue)",
+        ]
     } else {
         &["Fused(Add+Gelu)"]
     };

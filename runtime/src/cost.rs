@@ -189,12 +189,19 @@ fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) 
             _ => t.bytes(),
         };
     }
-    if let Some(t) = l.epilogue_operand.as_ref().and_then(|o| o.tensor()) {
+    // A ReLU's gradient from its mask reads the bits, not the ReLU's output; the ReLU's launch
+    // writes them (the path of a device that keeps them: cuBLASLt's on CUDA).
+    let (from_mask, mask_written) = match (&l.relu_mask, &l.epilogue) {
+        (Some(m), Some(Op::ReluGrad)) => (Some(m), 0),
+        (Some(m), _) => (None, m.bytes()),
+        (None, _) => (None, 0),
+    };
+    if let Some(t) = from_mask.or(l.epilogue_operand.as_ref().and_then(|o| o.tensor())) {
         if seen.insert((t.region, t.offset, t.bytes())) {
             read += t.bytes();
         }
     }
-    let written = l.outputs.iter().map(TensorRef::bytes).sum();
+    let written = l.outputs.iter().map(TensorRef::bytes).sum::<u64>() + mask_written;
     let (flops, product) = product_flops(l, &ins).map_or((0, None), |(f, d)| (f, Some(d)));
     LaunchCost { read, written, flops, product }
 }

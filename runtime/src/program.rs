@@ -173,6 +173,13 @@ pub fn adds_bias(a: &[usize], b: &[usize], y: &[usize], bias: &[usize]) -> bool 
         && bias[..bias.len() - 1].iter().all(|&d| d == 1)
 }
 
+/// The bytes of a ReLU mask ([`Launch::relu_mask`]) of a `[rows, cols]` result: one bit per
+/// element, each row's bits (`cols` of them, the column-major matrix's leading dim as a library
+/// sees the row-major result) padded to a multiple of 128, as cuBLASLt's bit-masks need.
+pub fn relu_mask_bytes(rows: usize, cols: usize) -> u64 {
+    (rows * cols.next_multiple_of(128) / 8) as u64
+}
+
 /// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,
 /// a MatMul's result written through a Transpose by arrays of addresses), which may choose
 /// another algorithm for the fused product than for the plain one: the same arithmetic, summed
@@ -221,6 +228,14 @@ pub struct Launch {
     /// (the column sums of the `dY` its weight gradient reads; cuBLASLt's bias-gradient
     /// epilogue on CUDA). A device may also run it as a launch of its own, after this one.
     pub sibling: Option<Box<Launch>>,
+    /// A dense layer's ReLU signs as bits ([`relu_mask_bytes`]): written by the launch of a Gemm
+    /// with a Relu epilogue, read by a later product's launch with that ReLU's ReluGrad epilogue
+    /// (the backward pass's next input gradient), both given the same place. A device whose
+    /// matrix-product library keeps them (cuBLASLt's `RELU_AUX` and `DRELU` epilogues on CUDA)
+    /// reads the bits instead of the ReluGrad's operand (the ReLU's output, 8 or 16 times the
+    /// bytes); any other device, or a product the library refuses, computes the ReluGrad from
+    /// that operand as if there were no mask. Nothing else reads the bits.
+    pub relu_mask: Option<TensorRef>,
 }
 
 impl Launch {
@@ -237,6 +252,7 @@ impl Launch {
             epilogue_operand: None,
             group: Vec::new(),
             sibling: None,
+            relu_mask: None,
         }
     }
 

@@ -3,18 +3,18 @@
 //! computes them, by the CPU's ops.
 
 use mpc_runtime::cpu::run_op;
-use mpc_runtime::cuda::plan::{Buf, DnnConv, DnnOp, Gemm, GradOf, LtGemm};
+use mpc_runtime::cuda::plan::{Buf, DnnConv, DnnOp, Gemm, GradOf, LtGemm, LtMask};
 use mpc_runtime::HostTensor;
 
 use super::interp::Memory;
 
 pub(crate) fn run_gemm(m: &mut Memory, g: &Gemm) {
-    gemm_then(m, g, &|_, v| v);
+    gemm_then(m, g, &mut |_, _, v| v);
 }
 
 /// A GEMM whose every result (before it is rounded to C's dtype) goes through `finish(row,
-/// value)` (cuBLAS's column-major rows).
-fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
+/// column, value)` (cuBLAS's column-major rows and columns).
+fn gemm_then(m: &mut Memory, g: &Gemm, finish: &mut dyn FnMut(i64, i64, f64) -> f64) {
     let (d, dc) = (g.dtype, g.c_dtype);
     for bi in 0..g.batch {
         // Each matrix where its stride or its entry in the arrays of addresses says.
@@ -41,28 +41,59 @@ fn gemm_then(m: &mut Memory, g: &Gemm, finish: &dyn Fn(i64, f64) -> f64) {
                 }
                 let at = c0 + i + j * g.ldc;
                 let old = if g.beta != 0.0 { m.get(g.c, at, dc) } else { 0.0 };
-                let v = finish(i, g.alpha * s + g.beta * old);
+                let v = finish(i, j, g.alpha * s + g.beta * old);
                 m.set(g.c, at, dc, v);
             }
         }
     }
 }
 
-/// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU,
-/// rounded once; and the bias gradient.
+/// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU
+/// (its signs written as bits to the mask), or kept where the mask's bit is set, rounded once;
+/// and the bias gradient.
 pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
     let bias: Vec<f64> = match lt.bias {
         Some(b) => (0..lt.gemm.m).map(|i| m.get(b, i, lt.gemm.c_dtype)).collect(),
         None => vec![0.0; lt.gemm.m as usize],
     };
-    gemm_then(m, &lt.gemm, &|row, v| {
+    // The mask as bits: read before the product (a gradient's), written after it (a ReLU's).
+    let bits = |m: &mut Memory, mask: &LtMask| -> Vec<u8> {
+        let len = (mask.ld * lt.gemm.n / 8) as usize;
+        m.bytes(mask.buf, 0, len)
+    };
+    let read = match (lt.relu_grad, &lt.mask) {
+        (true, Some(mask)) => bits(m, mask),
+        (true, None) => panic!("a ReLU's gradient without its mask"),
+        _ => Vec::new(),
+    };
+    let mut signs = Vec::new();
+    gemm_then(m, &lt.gemm, &mut |row, col, v| {
         let v = v + bias[row as usize];
-        if lt.relu {
+        let bit = lt.mask.map(|mask| (row + col * mask.ld) as usize);
+        if lt.relu_grad {
+            let bit = bit.expect("a mask");
+            if read[bit / 8] >> (bit % 8) & 1 == 1 {
+                v
+            } else {
+                0.0
+            }
+        } else if lt.relu {
+            if let Some(bit) = bit {
+                signs.push((bit, v > 0.0));
+            }
             v.max(0.0)
         } else {
             v
         }
     });
+    if let (Some(mask), false) = (lt.mask, signs.is_empty()) {
+        let mut bytes = bits(m, &mask);
+        for (bit, set) in signs {
+            let (byte, b) = (bit / 8, 1u8 << (bit % 8));
+            bytes[byte] = if set { bytes[byte] | b } else { bytes[byte] & !b };
+        }
+        m.put(mask.buf, 0, &bytes);
+    }
     // The bias gradient: the sums over k of op(A)'s rows or op(B)'s columns, rounded once. Element
     // (r, c) of op(X) is X's (c, r) where X is read transposed.
     let Some((db, of)) = lt.bgrad else { return };

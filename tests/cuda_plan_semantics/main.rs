@@ -22,6 +22,7 @@ use std::collections::HashMap;
 
 use common::{fixture, FIXTURES};
 use interp::*;
+use mpc_ir::Op;
 use mpc_runtime::cuda::plan::{plan, Call};
 use mpc_runtime::device::{CpuDevice, CpuMemory, Device, Regions};
 use mpc_runtime::program::{Operand, Program, Region, TensorRef};
@@ -123,11 +124,21 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
                     if library { "" } else { " (the fallback)" },
                     if emulated { " (the kernels' source, emulated)" } else { "" }
                 );
-                results.push((mem, how, emulated));
+                results.push((mem, how, emulated, library));
             }
         }
+        // A ReLU's bits, which only the library writes (the CPU device keeps none): the
+        // gradient's product reads them from here, as it reads the library's on a GPU.
+        if let (Some(mask), Some(Op::Relu)) = (&l.relu_mask, &l.epilogue) {
+            let ran = results.iter().find(|r| r.3 && !r.2).map(|r| &r.0);
+            let bits = ran.map_or_else(
+                || vec![0; mask.bytes() as usize],
+                |m| m.arena[mask.offset as usize..(mask.offset + mask.bytes()) as usize].to_vec(),
+            );
+            dev.write(regions.get_mut(Region::Arena), mask.offset, &bits).unwrap();
+        }
         let scale = input_scale(l, &before);
-        for (mem, how, emulated) in &results {
+        for (mem, how, emulated, _) in &results {
             for out in l.parts().into_iter().flat_map(|m| &m.outputs) {
                 let mem_bytes = match out.region {
                     Region::Arena => &mem.arena,

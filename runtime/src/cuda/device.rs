@@ -80,6 +80,9 @@ pub struct CudaDevice {
     lt: Result<super::lt::Lt, String>,
     /// Why cuBLASLt refused products it was offered: node and reason, the first 16.
     lt_refusals: Vec<String>,
+    /// The ReLU bit-masks that products of the program being prepared write (by address): a
+    /// ReLU's gradient is read from its mask only where the ReLU's product went to cuBLASLt.
+    masks_written: std::collections::HashSet<u64>,
     allow_tf32: bool,
     modules: HashMap<String, drv_sys::CUmodule>,
     functions: HashMap<String, drv_sys::CUfunction>,
@@ -151,6 +154,7 @@ impl CudaDevice {
             dnn_refusals: Vec::new(),
             lt: Err(String::new()),
             lt_refusals: Vec::new(),
+            masks_written: Default::default(),
             allow_tf32: false,
             modules: HashMap::new(),
             functions: HashMap::new(),

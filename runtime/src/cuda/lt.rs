@@ -1,12 +1,14 @@
-//! Matrix products that finish with a bias and a ReLU, or that sum a bias gradient as they read
-//! it, through cuBLASLt (loaded at run time like cuBLAS).
+//! Matrix products that finish with a bias and a ReLU (keeping the ReLU's signs as bits where its
+//! gradient will need them), that apply a ReLU's gradient from those bits, or that sum a bias
+//! gradient as they read it, through cuBLASLt (loaded at run time like cuBLAS).
 //!
 //! An [`LtGemm`] of a plan becomes, when a program is prepared, a matmul descriptor (transposes,
 //! epilogue, bias address), the operands' layouts and cuBLASLt's first heuristic algorithm for
 //! them within the shared workspace. A step only enqueues `cublasLtMatmul`. Where cuBLASLt is
 //! missing, turned off (`MPC_CUBLASLT=0`), or has no algorithm for one product, the device runs
-//! the plan's fallback for it instead (the broadcast bias, a cuBLAS GEMM with beta 1, a ReLU; or
-//! the GEMM and the bias gradient's reduction).
+//! the plan's fallback for it instead (the broadcast bias, a cuBLAS GEMM with beta 1, a ReLU; the
+//! GEMM and the ReLU's gradient from the ReLU's output; or the GEMM and the bias gradient's
+//! reduction).
 
 use std::ffi::c_void;
 
@@ -74,9 +76,17 @@ impl Lt {
         }
         let dim = |v: i64| u64::try_from(v).map_err(|_| format!("a dim of {v}"));
         let (a, b, d) = (resolve(p.a), resolve(p.b), resolve(p.c));
-        if g.bgrad.is_some() && (g.bias.is_some() || g.relu) {
+        if g.bgrad.is_some() && (g.bias.is_some() || g.relu || g.relu_grad) {
             return Err("a bias gradient with a bias or a ReLU".into());
         }
+        // A ReLU's bit-mask: written by a ReLU (RELU_AUX), read by its gradient (DRELU).
+        let mask = match (g.mask, g.relu, g.relu_grad) {
+            (_, true, true) => return Err("a ReLU and its gradient in one product".into()),
+            (None, _, true) => return Err("a ReLU's gradient without its mask".into()),
+            (Some(m), true, _) | (Some(m), _, true) if m.ld % 128 == 0 && m.ld >= p.m => Some((resolve(m.buf), m.ld)),
+            (Some(m), true, _) | (Some(m), _, true) => return Err(format!("a ReLU mask of {} bits a column", m.ld)),
+            (_, _, false) => None,
+        };
         // The bias's address, or the bias gradient's: one attribute holds either.
         let bias = g.bias.or(g.bgrad.map(|(b, _)| b)).map(resolve);
         let mut r = Ready {
@@ -88,6 +98,7 @@ impl Lt {
             alpha: p.alpha as f32,
             workspace: self.workspace,
             workspace_bytes: 0,
+            writes_mask: false,
         };
         let stored = |trans: bool, rows: i64, cols: i64| if trans { (cols, rows) } else { (rows, cols) };
         let (ar, ac) = stored(p.trans_a, p.m, p.k);
@@ -100,20 +111,25 @@ impl Lt {
         r.layouts[1] = check("layout", lt::create_matrix_layout(ty, dim(br)?, dim(bc)?, p.ldb))?;
         r.layouts[2] = check("layout", lt::create_matrix_layout(ty, dim(p.m)?, dim(p.n)?, p.ldc))?;
         r.desc = check("descriptor", lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F))?;
-        let epilogue = match (g.bias.is_some(), g.relu, g.bgrad.map(|(_, of)| of)) {
-            (_, _, Some(GradOf::A)) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADA,
-            (_, _, Some(GradOf::B)) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
-            (true, true, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS,
-            (true, false, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            (false, true, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU,
-            (false, false, _) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+        use sys::cublasLtEpilogue_t as E;
+        let epilogue = match (g.bias.is_some(), g.relu, g.bgrad.map(|(_, of)| of), mask.is_some()) {
+            (_, _, Some(GradOf::A), _) => E::CUBLASLT_EPILOGUE_BGRADA,
+            (_, _, Some(GradOf::B), _) => E::CUBLASLT_EPILOGUE_BGRADB,
+            _ if g.relu_grad => E::CUBLASLT_EPILOGUE_DRELU,
+            (true, true, _, true) => E::CUBLASLT_EPILOGUE_RELU_AUX_BIAS,
+            (true, true, _, false) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
+            (true, false, _, _) => E::CUBLASLT_EPILOGUE_BIAS,
+            (false, true, _, true) => E::CUBLASLT_EPILOGUE_RELU_AUX,
+            (false, true, _, false) => E::CUBLASLT_EPILOGUE_RELU,
+            (false, false, _, _) => E::CUBLASLT_EPILOGUE_DEFAULT,
         };
         let pref = Pref(check("preference", lt::create_matmul_pref())?);
         use sys::cublasLtMatmulDescAttributes_t as D;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
         // SAFETY: each attribute is given a value of the type and size cuBLASLt documents for it
-        // (int32 transposes, a u32 epilogue, a device address, a u64 size, u32 alignments); the
-        // descriptors are live (destroyed by `r`'s and `pref`'s Drop, also on an early return).
+        // (int32 transposes, a u32 epilogue, device addresses, an int64 leading dim, a u64 size,
+        // u32 alignments); the descriptors are live (destroyed by `r`'s and `pref`'s Drop, also on
+        // an early return).
         unsafe {
             let set = |attr: D, v: *const c_void, size: usize| {
                 check("descriptor attribute", lt::set_matmul_desc_attribute(r.desc, attr, v, size))
@@ -126,6 +142,11 @@ impl Lt {
                 // The bias (or its gradient) is of D's type (cuBLASLt's default for f16, bf16 and
                 // f32 results).
                 set(D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias as *const u64 as _, 8)?;
+            }
+            if let Some((at, ld)) = &mask {
+                // The bit-mask's address and its leading dim in bits (an int64).
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, at as *const u64 as _, 8)?;
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld as *const i64 as _, 8)?;
             }
             let pset = |attr: P, v: *const c_void, size: usize| {
                 check("preference attribute", lt::set_matmul_pref_attribute(pref.0, attr, v, size))
@@ -158,6 +179,7 @@ impl Lt {
             }
             r.algo = Some(h.algo);
             r.workspace_bytes = h.workspaceSize;
+            r.writes_mask = g.relu && mask.is_some();
         }
         Ok(r)
     }
@@ -195,9 +217,15 @@ pub struct Ready {
     alpha: f32,
     workspace: u64,
     workspace_bytes: usize,
+    writes_mask: bool,
 }
 
 impl Ready {
+    /// Whether the product writes a ReLU's bit-mask (`RELU_AUX`).
+    pub fn writes_mask(&self) -> bool {
+        self.writes_mask
+    }
+
     pub fn enqueue(&self, stream: *mut c_void) -> Result<(), String> {
         let algo = self.algo.as_ref().ok_or("cuBLASLt: a product without an algorithm")?;
         let beta = 0f32;

@@ -62,6 +62,7 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
                 epilogue_operand: None,
                 group: std::mem::take(run),
                 sibling: None,
+                relu_mask: None,
             });
         }
     };

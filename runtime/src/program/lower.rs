@@ -417,6 +417,42 @@ pub(super) fn lower_in(
             }
         }
     }
+    // ReLU masks ([`Launch::relu_mask`]): a Gemm launch whose Relu epilogue writes `Y`, and the
+    // later product launches whose ReluGrad epilogue reads `Y`, share one buffer of bits, from the
+    // forward launch to the last backward one.
+    let mut relu_masks: Vec<(usize, Vec<usize>, String)> = Vec::new(); // buffer, shape, name
+    let mut mask_of: HashMap<NodeId, usize> = HashMap::new();
+    if library {
+        let step_of: HashMap<NodeId, usize> = steps.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        // The Gemm whose Relu epilogue writes each value.
+        let mut relu_of: HashMap<ValueId, NodeId> = HashMap::new();
+        for (&u, &(y, e)) in &epilogues {
+            if let (Op::Relu, Def::Node(p, 0)) = (&g.node(e).op, g.value(u).def()) {
+                if matches!(g.node(*p).op, Op::Gemm(_)) && step_of.contains_key(p) {
+                    relu_of.insert(y, *p);
+                }
+            }
+        }
+        let mut buffer_of_relu: HashMap<NodeId, usize> = HashMap::new();
+        for (i, &n) in steps.iter().enumerate() {
+            let e = g.node(n).outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| e);
+            let Some(e) = e.filter(|&e| g.node(e).op == Op::ReluGrad) else { continue };
+            let Some(&f) = epilogue_operands.get(&e).and_then(|y| relu_of.get(y)) else { continue };
+            let Ok((_, shape)) = ty(g.node(f).outputs()[0]) else { continue };
+            let &[rows, cols] = shape.as_slice() else { continue };
+            let b = *buffer_of_relu.entry(f).or_insert_with(|| {
+                let bytes = align_up(relu_mask_bytes(rows, cols), caps.align);
+                buffers.push((bytes, pos(step_of[&f]), pos(i)));
+                holders.push(Vec::new());
+                let shape = vec![rows, cols.next_multiple_of(128) / 8];
+                relu_masks.push((buffers.len() - 1, shape, format!("{}.relu_mask", label(f))));
+                buffers.len() - 1
+            });
+            buffers[b].2 = buffers[b].2.max(pos(i));
+            mask_of.insert(f, b);
+            mask_of.insert(n, b);
+        }
+    }
     let (mut offsets, mut arena_bytes) = crate::plan::place_buffers(&buffers);
     // Lifetimes above count steps; a report counts launches (a fused run is one, at its end).
     let mut launch_at = Vec::with_capacity(steps.len() + 1);
@@ -443,6 +479,14 @@ pub(super) fn lower_in(
             Ok(ArenaBuffer { offset, bytes, first: at(first), last: at(last), values })
         })
         .collect::<Result<Vec<_>, RuntimeError>>()?;
+    let mut arena_buffers = arena_buffers;
+    let mut mask_ref: HashMap<usize, TensorRef> = HashMap::new();
+    for (b, shape, name) in relu_masks {
+        let r = TensorRef { region: Region::Arena, offset: offsets[b], dtype: DType::U8, shape };
+        let first = arena_buffers[b].first;
+        arena_buffers[b].values.push((first, name, DType::U8, r.shape.clone()));
+        mask_ref.insert(b, r);
+    }
     let place = |v: ValueId, refs: &HashMap<ValueId, TensorRef>| -> Result<TensorRef, RuntimeError> {
         let (dtype, shape) = ty(v)?;
         let r = root(v);
@@ -477,6 +521,7 @@ pub(super) fn lower_in(
                     epilogue_operand: None,
                     group: Vec::new(),
                     sibling: None,
+                    relu_mask: None,
                 });
             }
             continue;
@@ -585,6 +630,7 @@ pub(super) fn lower_in(
             epilogue_operand,
             group: Vec::new(),
             sibling,
+            relu_mask: mask_of.get(&n).map(|b| mask_ref[b].clone()),
         });
     }
     let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };

@@ -1,6 +1,7 @@
 //! The nodes a launch computes inside another's ([`read_in_readers`]): Casts read widened,
 //! Transposes read transposed or through a permutation, and element-wise nodes applied as the
-//! epilogue of the launch that makes their input (with a second operand: a bias).
+//! epilogue of the launch that makes their input (with a second operand: a bias, or the ReLU
+//! output a ReluGrad reads).
 
 use std::collections::{HashMap, HashSet};
 
@@ -134,13 +135,14 @@ pub(super) fn read_in_readers(
         let &[v] = node.outputs() else { continue };
         // The product's result `u`, and the epilogue's second operand where it has two: a bias
         // made before the product (either side of the Add).
+        let made_before = |other: ValueId, p: &NodeId| match g.value(other).def() {
+            Def::Node(m, _) => step_of.get(m).zip(step_of.get(p)).is_some_and(|(m, p)| m < p),
+            _ => true,
+        };
         let bias = |u: ValueId, other: ValueId| -> bool {
             let (Def::Node(p, 0), Ok((d, s))) = (g.value(u).def(), ty(u)) else { return false };
             let prod = g.node(*p);
-            let made_before = match g.value(other).def() {
-                Def::Node(m, _) => step_of.get(m).zip(step_of.get(p)).is_some_and(|(m, p)| m < p),
-                _ => true,
-            };
+            let made_before = made_before(other, p);
             let (Some(a), Some(b)) = (prod.input(0), prod.input(1)) else { return false };
             let plain = |x: ValueId| !transposed.contains_key(&x) && !permuted.contains_key(&x);
             let shapes = (ty(a), ty(b), ty(other));
@@ -153,10 +155,29 @@ pub(super) fn read_in_readers(
                 && matches!(shapes, (Ok((da, ref sa)), Ok((db, ref sb)), Ok((dc, ref sc)))
                     if [da, db, dc] == [d; 3] && ty(v).is_ok_and(|t| t == (d, s.clone())) && adds_bias(sa, sb, &s, sc))
         };
+        // A ReLU's gradient ReluGrad(dY, Y) where dY is a Gemm's product (the backward pass's
+        // input gradient of the layer after the ReLU) and Y the ReLU's output, made before: the
+        // product applies it as it writes (cuBLASLt's DRELU epilogue on CUDA, from the forward
+        // launch's bit-mask, [`Launch::relu_mask`]).
+        let relu_grad = |dy: ValueId, y: ValueId| -> bool {
+            let Def::Node(p, 0) = g.value(dy).def() else { return false };
+            let prod = g.node(*p);
+            let plain = match &prod.op {
+                Op::Gemm(a) => a.beta == 0.0 || prod.input(2).is_none(),
+                _ => false,
+            };
+            let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
+            matches!(node.op, Op::ReluGrad)
+                && plain
+                && dy != y
+                && made_before(y, p)
+                && matches!((ty(dy), ty(y), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c && float(&a))
+        };
         let (u, other) = match *node.inputs() {
             [Some(u)] => (u, None),
             [Some(a), Some(b)] if library && bias(a, b) => (a, Some(b)),
             [Some(a), Some(b)] if library && bias(b, a) => (b, Some(a)),
+            [Some(dy), Some(y)] if library && relu_grad(dy, y) => (dy, Some(y)),
             _ => continue,
         };
         let Def::Node(p, 0) = g.value(u).def() else { continue };

@@ -8,7 +8,7 @@ use cudarc::driver::result as drv;
 
 use super::{cuda_error, driver, param_offsets, uses_flag, CudaDevice, CudaMemory, Prepared, Ready};
 use crate::cuda::nvrtc;
-use crate::cuda::plan::{self, Buf, Call};
+use crate::cuda::plan::{self, Buf, Call, LtGemm};
 use crate::device::Regions;
 use crate::program::{Launch, Program, Region, TensorRef};
 use crate::RuntimeError;
@@ -21,6 +21,7 @@ impl CudaDevice {
         regions: &mut Regions<CudaMemory>,
     ) -> Result<(), RuntimeError> {
         self.current()?;
+        self.masks_written.clear();
         let mut plans = Vec::new();
         self.prepare_launches(&program.launches, program, &mut plans)?;
         self.load_fused(&plans)?;
@@ -258,13 +259,27 @@ impl CudaDevice {
                 None => return Err(RuntimeError::Internal(format!("{node}: a convolution cuDNN was not asked about"))),
             },
             Call::Lt(g) => {
+                // A ReLU's gradient needs the bits its ReLU's product wrote (launches are readied
+                // in program order); a ReLU whose bits cuBLASLt cannot write is still a ReLU.
+                let mask = g.mask.map(|m| resolve(m.buf));
                 let prepared = match &self.lt {
-                    Ok(lt) => lt.prepare(&g, self.allow_tf32, resolve),
+                    Ok(_) if g.relu_grad && !mask.is_some_and(|m| self.masks_written.contains(&m)) => {
+                        Err("a ReLU's gradient whose ReLU wrote no mask".to_string())
+                    }
+                    Ok(lt) => lt.prepare(&g, self.allow_tf32, resolve).or_else(|why| match g.mask {
+                        Some(_) if g.relu => {
+                            lt.prepare(&LtGemm { mask: None, ..(*g).clone() }, self.allow_tf32, resolve)
+                        }
+                        _ => Err(why),
+                    }),
                     Err(why) => Err(why.clone()),
                 };
                 match prepared {
                     Ok(r) => {
                         self.counters.lt_gemms += 1;
+                        if g.relu && r.writes_mask() {
+                            self.masks_written.extend(mask);
+                        }
                         Ready::Lt(Box::new(r))
                     }
                     Err(why) => {

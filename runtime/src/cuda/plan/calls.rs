@@ -178,6 +178,7 @@ pub struct Gemm {
 /// bias)`, the bias one value per row of D in cuBLAS's column-major terms (per output feature of
 /// a row-major `[rows, features]` result), the activation a ReLU or none. The sum is rounded once,
 /// as a product with beta 1 over the broadcast bias rounds it; ReLU commutes with that rounding.
+/// Or `D = alpha op(A) op(B)` where a ReLU's mask bit is set, else 0 (a ReLU's gradient).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LtGemm {
     /// The product, with beta 0 and one matrix (batch 1).
@@ -185,6 +186,12 @@ pub struct LtGemm {
     /// `gemm.m` values of `gemm.c_dtype`.
     pub bias: Option<Buf>,
     pub relu: bool,
+    /// The ReLU's gradient applied to D as it is written, from `mask` (cuBLASLt's `DRELU`): only
+    /// with a mask, which the ReLU's own product wrote (the device checks it did).
+    pub relu_grad: bool,
+    /// A ReLU's signs as bits ([`crate::program::Launch::relu_mask`]): written with `relu`
+    /// (`RELU_AUX`), read with `relu_grad`.
+    pub mask: Option<LtMask>,
     /// Where the bias gradient goes (with no bias and no ReLU), and of which operand: the sums
     /// over `k` of `op(A)`'s rows (`gemm.m` values) or of `op(B)`'s columns (`gemm.n`), of
     /// `gemm.c_dtype` (a dense layer's `db`, beside `dW`).
@@ -192,6 +199,14 @@ pub struct LtGemm {
     /// The same as plain calls: the bias broadcast into D, a product with beta 1, a ReLU over D;
     /// or the product and the bias gradient's reduction.
     pub fallback: Vec<Call>,
+}
+
+/// A ReLU bit-mask as cuBLASLt keeps it: bit `i + j ld` for D's element `(i, j)` (column-major),
+/// `ld` a multiple of 128 no less than `gemm.m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LtMask {
+    pub buf: Buf,
+    pub ld: i64,
 }
 
 /// The operand whose sums over `k` a bias gradient takes.

@@ -97,7 +97,15 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     if let Some(c) = bias.filter(|_| matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16) && m * n > 0) {
         let fallback = p.out.calls.split_off(start);
         let gemm = Gemm { beta: 0.0, ..gemm };
-        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: Some(buf(&c)), relu: false, bgrad: None, fallback })));
+        p.out.calls.push(Call::Lt(Box::new(LtGemm {
+            gemm,
+            bias: Some(buf(&c)),
+            relu: false,
+            relu_grad: false,
+            mask: None,
+            bgrad: None,
+            fallback,
+        })));
     }
     Ok(())
 }
@@ -646,8 +654,21 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     let bias = c.filter(|c| {
         a.beta == 1.0 && c.shape.last() == Some(&(n as usize)) && c.shape.iter().rev().skip(1).all(|&d| d == 1)
     });
-    // A ReLU the launch applies as it writes y (its epilogue).
+    // A ReLU the launch applies as it writes y (its epilogue), or a ReLU's gradient: y where the
+    // ReLU's output (the epilogue's operand) is above 0, else 0.
     let relu = matches!(p.l.epilogue, Some(Op::Relu));
+    let relu_grad = match (&p.l.epilogue, &p.l.epilogue_operand) {
+        (Some(Op::ReluGrad), Some(Operand::Device(r)))
+            if r.dtype == y.dtype && r.numel() == y.numel() && c.is_none() =>
+        {
+            Some(r.clone())
+        }
+        (Some(Op::ReluGrad), _) => return Err("a ReluGrad epilogue on a Gemm with C, or of another shape".into()),
+        _ => None,
+    };
+    // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
+    let mask = p.l.relu_mask.as_ref().filter(|t| t.numel() as u64 == relu_mask_bytes(m as usize, n as usize));
+    let mask = mask.map(|t| LtMask { buf: buf(t), ld: (n as u64).next_multiple_of(128) as i64 });
     let start = p.out.calls.len();
     let beta = match c {
         Some(c) => {
@@ -684,11 +705,17 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(m * n), Arg::F32(0.0), Arg::F32(0.0)];
         p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), (m * n) as u64, args);
     }
+    if let Some(r) = &relu_grad {
+        if m * n > 0 {
+            let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(r)), Arg::Ptr(buf(y)), Arg::I64(m * n)];
+            p.flat("train", format!("train_relu_grad_{}", float_tag(y.dtype)?), (m * n) as u64, args);
+        }
+    }
     // A weight gradient's sibling, the bias gradient: the column sums of dY, which is X (cuBLAS's
     // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
     // calls follow the product's.
     let bgrad = match p.l.sibling.as_deref() {
-        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu => {
+        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu && relu_grad.is_none() => {
             let (dy, db) = (s.inputs.first(), s.outputs.first());
             let reads =
                 |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
@@ -713,12 +740,23 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // cuBLASLt adds the bias and applies the ReLU as it writes the product: one pass over y
     // instead of up to four (the broadcast bias written, read by the product, then the ReLU's);
     // or it sums dY's columns as it reads them for the product.
+    // Or it applies a ReLU's gradient from the bits the ReLU's product kept: reading an eighth or
+    // a sixteenth of the bytes of the ReLU's output, with no pass over y of its own.
     let lt_types = matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16);
-    let epilogue = bias.is_some() || relu || bgrad.is_some();
+    let relu_grad = relu_grad.is_some() && mask.is_some();
+    let epilogue = bias.is_some() || relu || bgrad.is_some() || relu_grad;
     if epilogue && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
         let fallback = p.out.calls.split_off(start);
         let gemm = Gemm { beta: 0.0, ..gemm };
-        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias: bias.map(buf), relu, bgrad, fallback })));
+        let mask = mask.filter(|_| relu || relu_grad);
+        let bias = bias.map(buf);
+        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias, relu, relu_grad, mask, bgrad, fallback })));
+    }
+    // A sibling the product's epilogue does not compute runs after it.
+    if bgrad.is_none() && (relu || relu_grad) {
+        if let Some(s) = p.l.sibling.as_deref() {
+            p.plan_sibling(s)?;
+        }
     }
     Ok(())
 }

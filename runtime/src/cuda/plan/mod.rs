@@ -14,7 +14,7 @@ use mpc_ir::geometry::{broadcast_strides, slice_dim, Window, WindowSpec};
 use mpc_ir::ops::{GeluApprox, PadMode, Reduction};
 use mpc_ir::{normalize_axis, DType, Op};
 
-use crate::program::{Launch, Operand, Region, TensorRef};
+use crate::program::{relu_mask_bytes, Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
 
 mod calls;
@@ -367,11 +367,12 @@ const LONE_CHAIN_MIN: usize = 1 << 16;
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
     // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
-    // norm's Relu, a Gemm's Relu, a MatMul's Transpose or bias.
+    // norm's Relu, a Gemm's Relu or ReluGrad, a MatMul's Transpose or bias.
     match (&p.l.op, &p.l.epilogue) {
         (_, None)
         | (Op::LayerNormalization(_), Some(Op::Cast(_)))
         | (Op::BatchNormalization(_) | Op::Gemm(_), Some(Op::Relu))
+        | (Op::Gemm(_), Some(Op::ReluGrad))
         | (Op::MatMul, Some(Op::Transpose(_) | Op::Add)) => {}
         (op, Some(e)) => return Err(format!("{} with a {} epilogue", op.op_type(), e.op_type())),
     }
@@ -774,6 +775,7 @@ mod tests {
             epilogue_operand: None,
             group: Vec::new(),
             sibling: None,
+            relu_mask: None,
         };
         let none = |_: &TensorRef| None;
         // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).
