@@ -200,6 +200,8 @@ AB_VARIANTS = [
     ("fusion", ("gpt", "resnet50"), {"MPC_FUSE": "0"},
      "fused (chains, epilogues, bias gradients, permuted reads, multi-tensor updates) / without (MPC_FUSE=0)"),
     ("cublaslt", ("mlp",), {"MPC_CUBLASLT": "0"}, "with cuBLASLt epilogues / without (MPC_CUBLASLT=0)"),
+    ("relu_mask", ("mlp",), {"MPC_RELU_MASK": "0"},
+     "ReLU gradients from cuBLASLt's bit-masks / from the ReLU's output (MPC_RELU_MASK=0)"),
     ("wide", ("gpt", "resnet50"), {"MPC_WIDE": "0"},
      "8- and 16-byte accesses (chains, batch norms, copies) / one element at a time (MPC_WIDE=0)"),
 ]
@@ -289,7 +291,7 @@ def main():
             convs = row.get("cudnn_convolutions", 0) + row.get("cudnn_refused", 0)
             dnn = f", cuDNN {row['cudnn_convolutions']} of {convs} convolutions" if convs else ""
             lts = row.get("cublaslt_gemms", 0) + row.get("cublaslt_refused", 0)
-            dnn += f", cuBLASLt {row['cublaslt_gemms']} of {lts} products with a bias or ReLU" if lts else ""
+            dnn += f", cuBLASLt {row['cublaslt_gemms']} of {lts} products with an epilogue" if lts else ""
             print(f"  mpc   {policy:<18} {row['step_ms_median']:10.3f} ms {mem:10.1f} MiB (plan {plan:.1f}){alloc}"
                   f"  {row['tflops']:.3f} TFLOP/s ({100 * row['share_of_peak']:.1f}% of the measured GEMM rate){dnn}")
         for what, rows in without.values():

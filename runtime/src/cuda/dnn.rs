@@ -1,9 +1,10 @@
 //! Convolutions through cuDNN (the legacy convolution API, loaded at run time like cuBLAS).
 //!
 //! A [`DnnConv`] of a plan becomes, when a program is prepared, descriptors and an algorithm per
-//! operation: chosen by cuDNN's heuristics (`cudnnGet*Algorithm_v7`), the first that is
-//! deterministic (two runs give the same bits, as every other launch here) and needs at most
-//! [`WORKSPACE_LIMIT`] bytes of scratch. A step only enqueues the calls. Where cuDNN is missing
+//! operation: chosen by cuDNN's heuristics (`cudnnGet*Algorithm_v7`) among those that are
+//! deterministic (two runs give the same bits, as every other launch here) and need at most
+//! [`WORKSPACE_LIMIT`] bytes of scratch: the first, unless its scratch misses both the arena
+//! bytes free during its launch and [`SCRATCH_BUDGET`] and a later one fits ([`choose`]). A step only enqueues the calls. Where cuDNN is missing
 //! (`libcudnn.so.9` not found), turned off (`MPC_CUDNN=0`), or refuses one convolution, the
 //! device runs the plan's fallback for it instead.
 
@@ -16,6 +17,22 @@ use super::plan::{DnnConv, DnnOp};
 
 /// The most scratch one convolution's algorithm may use.
 pub const WORKSPACE_LIMIT: usize = 512 << 20;
+
+/// The scratch a convolution's algorithm may take beyond the arena bytes free during its launch
+/// before a later-ranked algorithm that fits gives way to it ([`choose`]): scratch that misses
+/// the free bytes lies in the program's one workspace, which lasts as long as the program.
+pub const SCRATCH_BUDGET: usize = 64 << 20;
+
+/// Which of the ranked algorithms (their scratch bytes, fastest first by cuDNN's heuristics) a
+/// convolution takes, given `budget` bytes that cost no memory of their own: the first, unless
+/// it needs more, and a later one fits; `None` for none.
+pub fn choose(ranked: &[usize], budget: usize) -> Option<usize> {
+    match ranked.first() {
+        Some(&first) if first > budget => Some(ranked.iter().position(|&m| m <= budget).unwrap_or(0)),
+        Some(_) => Some(0),
+        None => None,
+    }
+}
 
 /// A cuDNN handle bound to the device's stream.
 pub struct Dnn {
@@ -64,11 +81,13 @@ impl Dnn {
     }
 
     /// The descriptors and algorithms of `conv`, with the operands' addresses; `Err` (why) where
-    /// cuDNN does not take it, and the fallback runs.
+    /// cuDNN does not take it, and the fallback runs. Each operation's algorithm is [`choose`]n
+    /// with `budget` bytes of scratch.
     pub fn prepare(
         &self,
         conv: &DnnConv,
         allow_tf32: bool,
+        budget: usize,
         resolve: &dyn Fn(super::plan::Buf) -> u64,
     ) -> Result<Ready, String> {
         let ty = match conv.dtype {
@@ -137,19 +156,21 @@ impl Dnn {
             }
         }
         for op in &conv.ops {
-            let (algo, bytes) = self.algorithm(&r, op, |m| math_fits(conv.dtype, allow_tf32, m))?;
+            let (algo, bytes) = self.algorithm(&r, op, budget, |m| math_fits(conv.dtype, allow_tf32, m))?;
             r.workspace_bytes = r.workspace_bytes.max(bytes);
             r.ops.push((algo, op.buffers().map(resolve)));
         }
         Ok(r)
     }
 
-    /// The first deterministic algorithm cuDNN's heuristics rank for `op` that fits the
-    /// workspace limit and whose math `math` takes, and its scratch bytes.
+    /// Among the deterministic algorithms cuDNN's heuristics rank for `op` within the workspace
+    /// limit and whose math `math` takes, the one [`choose`] takes for `budget`, and its scratch
+    /// bytes.
     fn algorithm(
         &self,
         r: &Ready,
         op: &DnnOp,
+        budget: usize,
         math: impl Fn(sys::cudnnMathType_t) -> bool,
     ) -> Result<(Algo, usize), String> {
         const N: usize = 16;
@@ -157,17 +178,19 @@ impl Dnn {
         let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
         let mut count = 0i32;
         // Asks cuDNN's heuristics (`$get` over the descriptors `$descs`) for up to N ranked
-        // results of type `$perf`, and takes the first that suits as `$algo`.
+        // results of type `$perf`, and takes the one `choose` picks of those that suit, as `$algo`.
         macro_rules! first_suitable {
             ($perf:ty, $get:ident, $what:literal, [$($descs:expr),*], $algo:path) => {{
                 // SAFETY: the descriptors are set; the array holds N results (zeroed: every
                 // field's zero is a valid value) and cuDNN writes at most N.
                 let mut perf: [$perf; N] = unsafe { std::mem::zeroed() };
                 check($what, unsafe { sys::$get(self.handle, $($descs),*, N as i32, &mut count, perf.as_mut_ptr()) })?;
-                perf[..count.clamp(0, N as i32) as usize]
+                let suit: Vec<&$perf> = perf[..count.clamp(0, N as i32) as usize]
                     .iter()
-                    .find(|p| p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType))
-                    .map(|p| ($algo(p.algo, p.mathType), p.memory))
+                    .filter(|p| p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType))
+                    .collect();
+                let memory: Vec<usize> = suit.iter().map(|p| p.memory).collect();
+                choose(&memory, budget).map(|i| ($algo(suit[i].algo, suit[i].mathType), suit[i].memory))
             }};
         }
         let found = match op {
@@ -328,5 +351,21 @@ impl Drop for Ready {
                 let _ = sys::cudnnDestroyConvolutionDescriptor(self.conv);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::choose;
+
+    #[test]
+    fn the_fastest_algorithm_gives_way_only_to_one_that_fits_the_budget() {
+        // The first fits: taken, whatever follows.
+        assert_eq!(choose(&[10, 0, 5], 10), Some(0));
+        // The first misses the budget: the first later one that fits.
+        assert_eq!(choose(&[300, 200, 8, 0], 64), Some(2));
+        // None fits: the fastest still.
+        assert_eq!(choose(&[300, 200], 64), Some(0));
+        assert_eq!(choose(&[], 64), None);
     }
 }

@@ -113,6 +113,10 @@ impl CudaDevice {
         };
         let (mut workspace, mut placed) = (0, Vec::with_capacity(plans.len()));
         for (key, node, p) in plans {
+            // A launch inside an `If`'s branch is no step of the program's own: no free bytes.
+            let (at, free) = step.get(key).map_or((0, 0), |&i| program.free_during(i));
+            // cuDNN's algorithms may take the free bytes past the plan's own scratch, or the budget.
+            let budget = (free.saturating_sub(p.library_scratch_at()) as usize).max(crate::cuda::dnn::SCRATCH_BUDGET);
             let mut convs = Vec::new();
             for c in &p.calls {
                 let Call::Conv(conv) = c else { continue };
@@ -121,7 +125,7 @@ impl CudaDevice {
                     Ok(_) if conv.ops.iter().flat_map(|op| op.buffers()).any(|b| tensor(b).is_none()) => {
                         Err("an operand outside the program's regions".to_string())
                     }
-                    Ok(dnn) => dnn.prepare(conv, self.allow_tf32, &|b| tensor(b).unwrap_or(0)),
+                    Ok(dnn) => dnn.prepare(conv, self.allow_tf32, budget, &|b| tensor(b).unwrap_or(0)),
                 };
                 match &prepared {
                     Ok(r) => {
@@ -145,8 +149,6 @@ impl CudaDevice {
                 }));
             }
             let need = p.scratch_bytes(&convs);
-            // A launch inside an `If`'s branch is no step of the program's own: no free bytes.
-            let (at, free) = step.get(key).map_or((0, 0), |&i| program.free_during(i));
             if need > 0 && need <= free && in_arena {
                 self.counters.scratch_in_arena += 1;
                 placed.push(Some(at));

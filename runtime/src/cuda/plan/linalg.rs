@@ -668,6 +668,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     };
     // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
     let mask = p.l.relu_mask.as_ref().filter(|t| t.numel() as u64 == relu_mask_bytes(m as usize, n as usize));
+    let mask = mask.filter(|_| relu_masks_enabled());
     let mask = mask.map(|t| LtMask { buf: buf(t), ld: (n as u64).next_multiple_of(128) as i64 });
     let start = p.out.calls.len();
     let beta = match c {

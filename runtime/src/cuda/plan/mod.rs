@@ -350,6 +350,14 @@ pub fn wide_enabled() -> bool {
     std::env::var("MPC_WIDE").map_or(true, |v| v != "0")
 }
 
+/// Whether a dense layer's ReLU keeps its signs as bits for its gradient's product
+/// ([`LtGemm::mask`]): on unless `MPC_RELU_MASK=0`, which plans the gradient as the GEMM and the
+/// ReluGrad kernel over the ReLU's output (to tell a fault of cuBLASLt's bit-masks from another's,
+/// keeping its other epilogues).
+pub fn relu_masks_enabled() -> bool {
+    std::env::var("MPC_RELU_MASK").map_or(true, |v| v != "0")
+}
+
 /// The block of a softmax's (or a fused chain's row-wise step's) launch over rows of `len`: one
 /// warp per row up to 1024 elements (32 rows in flight per multiprocessor, each thread walking a
 /// few dozen elements, reductions within the warp), 256 threads beyond. The sums' order follows
