@@ -18,6 +18,7 @@ use crate::program::{relu_mask_bytes, Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
 
 mod calls;
+mod conv;
 mod elementwise;
 pub mod fused;
 mod indexing;
@@ -30,6 +31,7 @@ mod strided;
 mod train;
 
 pub use calls::*;
+use conv::*;
 use elementwise::*;
 use indexing::*;
 use linalg::*;
@@ -762,41 +764,5 @@ mod tests {
         // Read whole, but 2 bytes off a 16- or 8-byte boundary: every access one element.
         assert!(lone_chain(&add(t(2, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_none());
         assert!(lone_chain(&add(t(0, &[64, 2048]), t(2, &[1, 64, 2048]))).is_none());
-    }
-
-    #[test]
-    fn reductions_over_one_block_of_dims_need_no_transpose() {
-        use mpc_ir::ops::ReduceAttrs;
-        let t =
-            |shape: &[usize]| TensorRef { region: Region::Arena, offset: 0, dtype: DType::F32, shape: shape.to_vec() };
-        let launch = |axes: Vec<i64>, out: &[usize]| Launch {
-            node: "r".into(),
-            op: Op::ReduceSum(ReduceAttrs { keepdims: true, noop_with_empty_axes: false }),
-            inputs: vec![
-                Operand::Device(t(&[4, 1, 6, 8])),
-                Operand::Host(HostTensor::from_i64(DType::I64, vec![axes.len()], axes)),
-            ],
-            outputs: vec![t(out)],
-            branches: None,
-            chain: None,
-            epilogue: None,
-            epilogue_operand: None,
-            group: Vec::new(),
-            sibling: None,
-            relu_mask: None,
-        };
-        let none = |_: &TensorRef| None;
-        // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).
-        let plan1 = plan(&launch(vec![1, 2], &[4, 1, 1, 8]), &none).unwrap();
-        assert_eq!(plan1.calls.len(), 1);
-        let Call::Kernel(k) = &plan1.calls[0] else { panic!() };
-        assert_eq!(k.name, "reduce_sum_rows_f32");
-        assert_eq!(&k.args[2..5], &[Arg::I64(4), Arg::I64(6), Arg::I64(8)]);
-        // Axes 0 and 3 are not adjacent: a transposed copy first.
-        let plan2 = plan(&launch(vec![0, 3], &[1, 1, 6, 1]), &none).unwrap();
-        assert_eq!(plan2.calls.len(), 2);
-        assert!(plan2.workspace >= 4 * 6 * 8 * 4);
-        let Call::Kernel(k) = &plan2.calls[1] else { panic!() };
-        assert_eq!(&k.args[2..5], &[Arg::I64(6), Arg::I64(32), Arg::I64(1)]);
     }
 }

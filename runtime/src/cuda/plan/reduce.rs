@@ -122,3 +122,40 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::program::Launch;
+
+    #[test]
+    fn reductions_over_one_block_of_dims_need_no_transpose() {
+        use mpc_ir::ops::ReduceAttrs;
+        let t =
+            |shape: &[usize]| TensorRef { region: Region::Arena, offset: 0, dtype: DType::F32, shape: shape.to_vec() };
+        let launch = |axes: Vec<i64>, out: &[usize]| {
+            Launch::new(
+                "r",
+                Op::ReduceSum(ReduceAttrs { keepdims: true, noop_with_empty_axes: false }),
+                vec![
+                    Operand::Device(t(&[4, 1, 6, 8])),
+                    Operand::Host(HostTensor::from_i64(DType::I64, vec![axes.len()], axes)),
+                ],
+                vec![t(out)],
+            )
+        };
+        let none = |_: &TensorRef| None;
+        // Axes 1 and 2 (1 has size 1): one block, rows of 6 read with stride 8 (cols).
+        let plan1 = plan(&launch(vec![1, 2], &[4, 1, 1, 8]), &none).unwrap();
+        assert_eq!(plan1.calls.len(), 1);
+        let Call::Kernel(k) = &plan1.calls[0] else { panic!() };
+        assert_eq!(k.name, "reduce_sum_rows_f32");
+        assert_eq!(&k.args[2..5], &[Arg::I64(4), Arg::I64(6), Arg::I64(8)]);
+        // Axes 0 and 3 are not adjacent: a transposed copy first.
+        let plan2 = plan(&launch(vec![0, 3], &[1, 1, 6, 1]), &none).unwrap();
+        assert_eq!(plan2.calls.len(), 2);
+        assert!(plan2.workspace >= 4 * 6 * 8 * 4);
+        let Call::Kernel(k) = &plan2.calls[1] else { panic!() };
+        assert_eq!(&k.args[2..5], &[Arg::I64(6), Arg::I64(32), Arg::I64(1)]);
+    }
+}
