@@ -551,5 +551,13 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
         assert!(matches!(lt.fallback.first(), Some(Call::Gemm(_))), "{:?}", lt.fallback);
         let reduce = lt.fallback[1..].iter().any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("reduce_sum")));
         assert!(reduce, "the fallback sums dY: {:?}", lt.fallback);
+        // With a ReLU epilogue the product takes no bias gradient: the sibling's own calls follow
+        // the product, outside its fallback (as `plan` adds any sibling its launch did not take).
+        let relu = Launch { epilogue: Some(mpc_ir::Op::Relu), ..l };
+        let p = plan(&relu, &none).unwrap();
+        check_plan(&relu, &p).unwrap();
+        let [Call::Lt(lt), after @ ..] = p.calls.as_slice() else { panic!("{:?}", p.calls) };
+        assert_eq!((lt.relu, lt.bgrad), (true, None));
+        assert!(after.iter().any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("reduce_sum"))), "{after:?}");
     }
 }

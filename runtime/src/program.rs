@@ -177,7 +177,12 @@ pub fn adds_bias(a: &[usize], b: &[usize], y: &[usize], bias: &[usize]) -> bool 
 /// element, each row's bits (`cols` of them, the column-major matrix's leading dim as a library
 /// sees the row-major result) padded to a multiple of 128, as cuBLASLt's bit-masks need.
 pub fn relu_mask_bytes(rows: usize, cols: usize) -> u64 {
-    (rows * cols.next_multiple_of(128) / 8) as u64
+    relu_mask_shape(rows, cols).iter().product::<usize>() as u64
+}
+
+/// A ReLU mask's place as bytes: `rows` rows of `cols` bits padded to 128 ([`relu_mask_bytes`]).
+pub fn relu_mask_shape(rows: usize, cols: usize) -> Vec<usize> {
+    vec![rows, cols.next_multiple_of(128) / 8]
 }
 
 /// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,

@@ -444,7 +444,7 @@ pub(super) fn lower_in(
                 let bytes = align_up(relu_mask_bytes(rows, cols), caps.align);
                 buffers.push((bytes, pos(step_of[&f]), pos(i)));
                 holders.push(Vec::new());
-                let shape = vec![rows, cols.next_multiple_of(128) / 8];
+                let shape = relu_mask_shape(rows, cols);
                 relu_masks.push((buffers.len() - 1, shape, format!("{}.relu_mask", label(f))));
                 buffers.len() - 1
             });

@@ -356,7 +356,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // A ReLU the launch applies as it writes y (its epilogue), or a ReLU's gradient: y where the
     // ReLU's output (the epilogue's operand) is above 0, else 0.
     let relu = matches!(p.l.epilogue, Some(Op::Relu));
-    let relu_grad = match (&p.l.epilogue, &p.l.epilogue_operand) {
+    let relu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
         (Some(Op::ReluGrad), Some(Operand::Device(r)))
             if r.dtype == y.dtype && r.numel() == y.numel() && c.is_none() =>
         {
@@ -366,9 +366,9 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         _ => None,
     };
     // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
-    let mask = p.l.relu_mask.as_ref().filter(|t| t.numel() as u64 == relu_mask_bytes(m as usize, n as usize));
-    let mask = mask.filter(|_| relu_masks_enabled());
-    let mask = mask.map(|t| LtMask { buf: buf(t), ld: (n as u64).next_multiple_of(128) as i64 });
+    let shape = relu_mask_shape(m as usize, n as usize);
+    let mask = p.l.relu_mask.as_ref().filter(|t| t.shape == shape && relu_masks_enabled());
+    let mask = mask.map(|t| LtMask { buf: buf(t), ld: 8 * shape[1] as i64 });
     let start = p.out.calls.len();
     let beta = match c {
         Some(c) => {
@@ -405,7 +405,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(m * n), Arg::F32(0.0), Arg::F32(0.0)];
         p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), (m * n) as u64, args);
     }
-    if let Some(r) = &relu_grad {
+    if let Some(r) = &relu_grad_of {
         if m * n > 0 {
             let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(r)), Arg::Ptr(buf(y)), Arg::I64(m * n)];
             p.flat("train", format!("train_relu_grad_{}", float_tag(y.dtype)?), (m * n) as u64, args);
@@ -415,7 +415,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
     // calls follow the product's.
     let bgrad = match p.l.sibling.as_deref() {
-        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu && relu_grad.is_none() => {
+        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu && relu_grad_of.is_none() => {
             let (dy, db) = (s.inputs.first(), s.outputs.first());
             let reads =
                 |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
@@ -443,7 +443,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // Or it applies a ReLU's gradient from the bits the ReLU's product kept: reading an eighth or
     // a sixteenth of the bytes of the ReLU's output, with no pass over y of its own.
     let lt_types = matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16);
-    let relu_grad = relu_grad.is_some() && mask.is_some();
+    let relu_grad = relu_grad_of.is_some() && mask.is_some();
     let epilogue = bias.is_some() || relu || bgrad.is_some() || relu_grad;
     if epilogue && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
         let fallback = p.out.calls.split_off(start);
@@ -451,12 +451,6 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         let mask = mask.filter(|_| relu || relu_grad);
         let bias = bias.map(buf);
         p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias, relu, relu_grad, mask, bgrad, fallback })));
-    }
-    // A sibling the product's epilogue does not compute runs after it.
-    if bgrad.is_none() && (relu || relu_grad) {
-        if let Some(s) = p.l.sibling.as_deref() {
-            p.plan_sibling(s)?;
-        }
     }
     Ok(())
 }

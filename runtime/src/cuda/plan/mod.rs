@@ -14,7 +14,7 @@ use mpc_ir::geometry::{broadcast_strides, slice_dim, Window, WindowSpec};
 use mpc_ir::ops::{GeluApprox, PadMode, Reduction};
 use mpc_ir::{normalize_axis, DType, Op};
 
-use crate::program::{relu_mask_bytes, Launch, Operand, Region, TensorRef};
+use crate::program::{relu_mask_shape, Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
 
 mod calls;
