@@ -61,10 +61,14 @@
 //     Batch statistics (biased variance) per channel; y as above with them; running_*_out =
 //     running * momentum + batch * (1 - momentum) (may alias running_*); save_mean / save_var
 //     (f32, c entries) may be nullptr. One block per channel.
-// norm_batch_norm_grad_<T>_<P>(const T* dy, const T* x, const P* scale, T* dx, T* dscale,
-//                              T* dbias, long long n, long long c, long long inner, float eps)
+// norm_batch_norm_grad_<T>_<P>(const T* dy, const T* ry, const T* x, const P* scale, T* dx,
+//                              T* dscale, T* dbias, long long n, long long c, long long inner,
+//                              float eps)
 //     BatchNormalizationGrad: dBias = sum dy, dScale = sum dy xhat, dx = scale / (sigma M) *
-//     (M dy - dBias - xhat dScale), M = n * inner. One block per channel.
+//     (M dy - dBias - xhat dScale), M = n * inner. One block per channel. Where ry (the output
+//     of the ReLU after the batch norm, x's shape) is not null, every dy is read through the
+//     ReLU's gradient: dy where ry > 0, 0 elsewhere (train_relu_grad's values), here and in
+//     the passes below.
 //
 // ---- The same in passes, for channels of many elements (gridDim = (splits, c), blockDim.x = 256):
 //      block (s, ch) takes the statistics of chunk s of channel ch's n * inner elements, in units
@@ -77,8 +81,8 @@
 // norm_bn_stats_<T>(const T* x, A* part_n, A* part_mean, A* part_m2, long long n, long long c,
 //                   long long inner, long long splits, int vec)
 //     the count, mean and sum of squared deviations of each chunk.
-// norm_bn_grad_stats_<T>(const T* dy, const T* x, A* part_n, A* part_mean, A* part_m2, A* part_g,
-//                        A* part_gd, n, c, inner, splits, vec)
+// norm_bn_grad_stats_<T>(const T* dy, const T* ry, const T* x, A* part_n, A* part_mean, A* part_m2,
+//                        A* part_g, A* part_gd, n, c, inner, splits, vec)
 //     the same, with the sums of dy and of dy * (x - the chunk's mean): x and dy read once.
 // norm_bn_finish_<T>_<P>(const A* part_n, const A* part_mean, const A* part_m2, const P* scale,
 //                        const P* running_mean, const P* running_var, A* mean, A* k,
@@ -97,8 +101,9 @@
 //     dBias = g (either may be nullptr); the coefficients of dx = alpha dy + beta (x - mean) +
 //     gamma: alpha = scale inv, beta = -scale inv^3 gd / M, gamma = -scale inv g / M
 //     (norm_batch_norm_grad's dx, expanded).
-// norm_bn_grad_apply_<T>(const T* dy, const T* x, const A* mean, const A* alpha, const A* beta,
-//                        const A* gamma, T* dx, long long n, long long c, long long inner, int vec)
+// norm_bn_grad_apply_<T>(const T* dy, const T* ry, const T* x, const A* mean, const A* alpha,
+//                        const A* beta, const A* gamma, T* dx, long long n, long long c,
+//                        long long inner, int vec)
 //     Element-wise, as norm_bn_apply.
 //
 // ---- InstanceNormalization and GroupNormalization over x = (N, C, inner)
@@ -327,9 +332,15 @@ __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale
     }
 }
 
+// dy[i] as a batch norm's gradient reads it: through the ReLU's gradient where ry is given.
+template <typename T> __device__ __forceinline__ AccT<T> ld_dy(const T* dy, const T* ry, long long i) {
+    return ry && !(ld(ry, i) > AccT<T>(0)) ? AccT<T>(0) : ld(dy, i);
+}
+
 template <typename T, typename P>
-__device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, const P* scale, T* dx, T* dscale,
-                                                     T* dbias, long long n, long long c, long long inner, float eps) {
+__device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* ry, const T* x, const P* scale, T* dx,
+                                                     T* dscale, T* dbias, long long n, long long c, long long inner,
+                                                     float eps) {
     typedef AccT<T> A;
     __shared__ A smem[64];
     const long long count = n * inner;
@@ -341,7 +352,7 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
         const A inv = A(1) / m_sqrt(var + eps);
         A sg = A(0), sgx = A(0);
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-            const A g = ld(dy, at(e));
+            const A g = ld_dy(dy, ry, at(e));
             sg += g;
             sgx += g * ((ld(x, at(e)) - mean) * inv);
         }
@@ -349,7 +360,7 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* x, co
         const A k = pld(scale, ch) * inv / cnt;
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
             const A xhat = (ld(x, at(e)) - mean) * inv;
-            st(dx, at(e), k * (cnt * ld(dy, at(e)) - sg - xhat * sgx));
+            st(dx, at(e), k * (cnt * ld_dy(dy, ry, at(e)) - sg - xhat * sgx));
         }
         if (threadIdx.x == 0) {
             st(dscale, ch, sgx);
@@ -441,7 +452,7 @@ template <typename A> __device__ BnAcc<A> bn_block_merge(BnAcc<A> v, BnAcc<A>* s
 // null). Each thread sums its elements shifted by its first one (a value of the data, so the
 // squares do not cancel), turns that into its own count, mean and M2, and the block merges them.
 template <typename T>
-__device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* part_n, AccT<T>* part_mean,
+__device__ __forceinline__ void bn_stats_body(const T* dy, const T* ry, const T* x, AccT<T>* part_n, AccT<T>* part_mean,
                                               AccT<T>* part_m2, AccT<T>* part_g, AccT<T>* part_gd, long long n,
                                               long long c, long long inner, long long splits, int vec) {
     typedef AccT<T> A;
@@ -467,6 +478,12 @@ __device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* 
                     ldv<V>(x, i, xs);
                     if (dy) {
                         ldv<V>(dy, i, gs);
+                        if (ry) {
+                            A rs[V];
+                            ldv<V>(ry, i, rs);
+#pragma unroll
+                            for (int q = 0; q < V; ++q) gs[q] = rs[q] > A(0) ? gs[q] : A(0);
+                        }
                     } else {
 #pragma unroll
                         for (int q = 0; q < V; ++q) gs[q] = A(0);
@@ -475,7 +492,7 @@ __device__ __forceinline__ void bn_stats_body(const T* dy, const T* x, AccT<T>* 
                     for (int q = 0; q < V; ++q) add(xs[q], gs[q]);
                 });
             } else {
-                bn_units(c, inner, ch, 1, u0, u1, [&](long long i) { add(ld(x, i), dy ? ld(dy, i) : A(0)); });
+                bn_units(c, inner, ch, 1, u0, u1, [&](long long i) { add(ld(x, i), dy ? ld_dy(dy, ry, i) : A(0)); });
             }
             BnAcc<A> mine = {A(0), A(0), A(0), A(0), A(0)};
             if (cnt > A(0)) {
@@ -577,7 +594,7 @@ __device__ __forceinline__ void bn_grad_finish_body(const AccT<T>* part_n, const
 }
 
 template <typename T>
-__device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, const AccT<T>* mean,
+__device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* ry, const T* x, const AccT<T>* mean,
                                                    const AccT<T>* alpha, const AccT<T>* beta, const AccT<T>* gamma,
                                                    T* dx, long long n, long long c, long long inner, int vec) {
     typedef AccT<T> A;
@@ -590,11 +607,17 @@ __device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* x, cons
             A xs[V], gs[V];
             ldv<V>(x, i, xs);
             ldv<V>(dy, i, gs);
+            if (ry) {
+                A rs[V];
+                ldv<V>(ry, i, rs);
+#pragma unroll
+                for (int q = 0; q < V; ++q) gs[q] = rs[q] > A(0) ? gs[q] : A(0);
+            }
 #pragma unroll
             for (int q = 0; q < V; ++q) xs[q] = a * gs[q] + b * (xs[q] - mu) + g;
             stv<V>(dx, i, xs);
         } else {
-            st(dx, i, a * ld(dy, i) + b * (ld(x, i) - mu) + g);
+            st(dx, i, a * ld_dy(dy, ry, i) + b * (ld(x, i) - mu) + g);
         }
     }
 }
@@ -673,10 +696,10 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
         batch_norm_train_body(x, scale, bias, running_mean, running_var, y, running_mean_out,              \
                               running_var_out, save_mean, save_var, n, c, inner, eps, momentum, relu);     \
     }                                                                                                      \
-    MPC_KERNEL norm_batch_norm_grad_##t##_##p(const T* dy, const T* x, const P* scale, T* dx, T* dscale,   \
-                                              T* dbias, long long n, long long c, long long inner,         \
-                                              float eps) {                                                 \
-        batch_norm_grad_body(dy, x, scale, dx, dscale, dbias, n, c, inner, eps);                           \
+    MPC_KERNEL norm_batch_norm_grad_##t##_##p(const T* dy, const T* ry, const T* x, const P* scale, T* dx, \
+                                              T* dscale, T* dbias, long long n, long long c,               \
+                                              long long inner, float eps) {                                \
+        batch_norm_grad_body(dy, ry, x, scale, dx, dscale, dbias, n, c, inner, eps);                       \
     }                                                                                                      \
     MPC_KERNEL norm_bn_finish_##t##_##p(const AccT<T>* part_n, const AccT<T>* part_mean,                   \
                                         const AccT<T>* part_m2, const P* scale, const P* running_mean,     \
@@ -747,17 +770,19 @@ NORM_LOW(__nv_bfloat16, bf16)
 #define BN_PASSES_T(T, t)                                                                                  \
     MPC_KERNEL norm_bn_stats_##t(const T* x, AccT<T>* part_n, AccT<T>* part_mean, AccT<T>* part_m2,        \
                                  long long n, long long c, long long inner, long long splits, int vec) {   \
-        bn_stats_body<T>(nullptr, x, part_n, part_mean, part_m2, nullptr, nullptr, n, c, inner, splits, vec); \
+        bn_stats_body<T>(nullptr, nullptr, x, part_n, part_mean, part_m2, nullptr, nullptr, n, c, inner, splits, \
+                         vec);                                                                             \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_stats_##t(const T* dy, const T* x, AccT<T>* part_n, AccT<T>* part_mean,        \
-                                      AccT<T>* part_m2, AccT<T>* part_g, AccT<T>* part_gd, long long n,    \
-                                      long long c, long long inner, long long splits, int vec) {           \
-        bn_stats_body<T>(dy, x, part_n, part_mean, part_m2, part_g, part_gd, n, c, inner, splits, vec);    \
+    MPC_KERNEL norm_bn_grad_stats_##t(const T* dy, const T* ry, const T* x, AccT<T>* part_n,               \
+                                      AccT<T>* part_mean, AccT<T>* part_m2, AccT<T>* part_g,               \
+                                      AccT<T>* part_gd, long long n, long long c, long long inner,         \
+                                      long long splits, int vec) {                                         \
+        bn_stats_body<T>(dy, ry, x, part_n, part_mean, part_m2, part_g, part_gd, n, c, inner, splits, vec); \
     }                                                                                                      \
-    MPC_KERNEL norm_bn_grad_apply_##t(const T* dy, const T* x, const AccT<T>* mean, const AccT<T>* alpha,  \
-                                      const AccT<T>* beta, const AccT<T>* gamma, T* dx, long long n,       \
-                                      long long c, long long inner, int vec) {                             \
-        bn_grad_apply_body(dy, x, mean, alpha, beta, gamma, dx, n, c, inner, vec);                         \
+    MPC_KERNEL norm_bn_grad_apply_##t(const T* dy, const T* ry, const T* x, const AccT<T>* mean,           \
+                                      const AccT<T>* alpha, const AccT<T>* beta, const AccT<T>* gamma,     \
+                                      T* dx, long long n, long long c, long long inner, int vec) {         \
+        bn_grad_apply_body(dy, ry, x, mean, alpha, beta, gamma, dx, n, c, inner, vec);                     \
     }
 BN_PASSES_T(float, f32)
 BN_PASSES_T(__half, f16)

@@ -176,7 +176,7 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
     let weights = p.state_layout.bytes + p.constants_bytes;
     let mut out = format!(
         "memory plan at {}: weights {weights} bytes (state {}, constants {}), peak activations {} bytes \
-         (the arena: {} launches, {} views, {} nodes folded, {} element-wise launches fused into {}, {} epilogues{}{}), \
+         (the arena: {} launches, {} views, {} nodes folded, {} element-wise launches fused into {}, {} epilogues{}{}{}), \
          total {} bytes\n",
         if at.is_empty() { "the model's shapes".to_string() } else { at.join(", ") },
         p.state_layout.bytes,
@@ -188,6 +188,10 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
         p.fused.0,
         p.fused.1,
         p.epilogues,
+        match p.prologues {
+            0 => String::new(),
+            n => format!(", {n} ReLU gradients read by their batch norm's gradient"),
+        },
         match p.siblings {
             0 => String::new(),
             n => format!(", {n} bias gradients in their weight gradient's launch"),

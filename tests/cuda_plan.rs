@@ -94,8 +94,7 @@ fn programs() -> Vec<(String, Program)> {
 /// The end of the operand of `l` that holds byte `offset` of `region`.
 fn operand_end(l: &Launch, region: Region, offset: u64) -> Option<u64> {
     // A multi-tensor launch's operands are its members', and a sibling's are the launch's.
-    let ins =
-        l.parts().into_iter().flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand)).filter_map(Operand::tensor);
+    let ins = l.parts().into_iter().flat_map(|m| m.operands()).filter_map(Operand::tensor);
     ins.chain(l.parts().into_iter().flat_map(|m| m.outputs.iter().chain(&m.relu_mask)))
         .filter(|t: &&TensorRef| t.region == region && t.offset <= offset && offset < t.offset + t.bytes().max(1))
         .map(|t| t.offset + t.bytes())
@@ -404,6 +403,7 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         group: Vec::new(),
         sibling: None,
         relu_mask: None,
+        relu_prologue: None,
     };
     let none = |_: &TensorRef| None;
     let names = |calls: &[Call]| -> Vec<String> {
@@ -542,6 +542,7 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
             group: Vec::new(),
             sibling: Some(Box::new(sibling)),
             relu_mask: None,
+            relu_prologue: None,
         };
         let p = plan(&l, &none).unwrap();
         check_plan(&l, &p).unwrap();

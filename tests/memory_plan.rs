@@ -70,7 +70,8 @@ fn lives(p: &Program, steps: &[Places], label: &str) -> Vec<Life> {
     life
 }
 
-/// The arena places `l` reads (an epilogue's second operand, a bias, among them) and writes.
+/// The arena places `l` reads (an epilogue's second operand, a bias, and a prologue's ReLU
+/// output among them) and writes.
 fn places(l: &Launch) -> Places {
     let arena = |t: &TensorRef| (t.region == Region::Arena).then_some((t.offset, t.bytes()));
     let parts = l.parts();
@@ -79,7 +80,7 @@ fn places(l: &Launch) -> Places {
         parts.iter().filter_map(|m| Some((m.relu_mask.as_ref()?, m.epilogue == Some(Op::ReluGrad)))).partition(|m| m.1);
     let reads = parts
         .iter()
-        .flat_map(|m| m.inputs.iter().chain(&m.epilogue_operand))
+        .flat_map(|m| m.operands())
         .filter_map(|o| arena(o.tensor()?))
         .chain(mask_read.into_iter().filter_map(|m| arena(m.0)));
     let writes = parts

@@ -257,6 +257,37 @@ fn a_relu_gradient_is_its_products_epilogue_and_shares_the_relus_bits() {
     assert_eq!(relu_mask_bytes(3, 129), 3 * 256 / 8);
 }
 
+/// A batch norm's gradient reads its dy through the gradient of the ReLU after the batch norm
+/// (a convolution block's): the ReluGrad is not launched, and the ReLU's output, written by the
+/// batch norm's own launch (its Relu epilogue), stays in memory until the gradient has read it.
+/// Unfused, the ReluGrads are launches again.
+#[test]
+fn a_batch_norms_gradient_reads_its_relus_gradient_as_it_loads_dy() {
+    use mpc_runtime::program::{lower, LowerOptions};
+    let g = compiled("cnn_bn", "mixed", true);
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    let grads: Vec<usize> = (0..p.launches.len()).filter(|&i| p.launches[i].relu_prologue.is_some()).collect();
+    assert!(!grads.is_empty() && grads.len() == p.prologues, "{} prologues", p.prologues);
+    for &b in &grads {
+        let l = &p.launches[b];
+        assert!(matches!(l.op, mpc_ir::Op::BatchNormalizationGrad(_)), "{}", l.node);
+        let Some(Operand::Device(y)) = &l.relu_prologue else { panic!("{}", l.node) };
+        let Some(Operand::Device(dy)) = l.inputs.first() else { panic!("{}", l.node) };
+        assert_eq!((y.dtype, &y.shape), (dy.dtype, &dy.shape), "{}", l.node);
+        let f = p.launches.iter().position(|f| f.outputs.first() == Some(y)).unwrap();
+        let relu = &p.launches[f];
+        assert!(f < b && matches!(relu.op, mpc_ir::Op::BatchNormalization(_)), "{}", relu.node);
+        assert_eq!(relu.epilogue, Some(mpc_ir::Op::Relu), "{}", relu.node);
+        let buffer = p.buffers.iter().find(|x| x.offset == y.offset && x.bytes >= y.bytes()).unwrap();
+        assert!(buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+    }
+    let plain = lower(&bound, caps, LowerOptions { unfused: true, ..Default::default() }).unwrap();
+    assert_eq!(plain.prologues, 0);
+    assert_eq!(plain.launches.iter().filter(|l| l.op == mpc_ir::Op::ReluGrad).count(), grads.len());
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
@@ -342,10 +373,13 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                     *chains.entry(l.kind()).or_default() += 1;
                 }
                 let label = format!("{name} {policy}{}", if train { " train" } else { "" });
-                assert_eq!((plain.grouped, plain.epilogues, plain.siblings), ((0, 0), 0, 0));
+                assert_eq!((plain.grouped, plain.epilogues, plain.prologues, plain.siblings), ((0, 0), 0, 0, 0));
                 for l in fused.launches.iter().filter(|l| l.epilogue.is_some()) {
                     let e = l.epilogue.as_ref().map_or("", |e| e.op_type());
                     *chains.entry(format!("{}+{e} (epilogue)", l.op.op_type())).or_default() += 1;
+                }
+                for l in fused.launches.iter().filter(|l| l.relu_prologue.is_some()) {
+                    *chains.entry(format!("ReluGrad+{} (prologue)", l.op.op_type())).or_default() += 1;
                 }
                 for l in fused.launches.iter().filter(|l| l.sibling.is_some()) {
                     *chains.entry(format!("{} (sibling)", l.kind())).or_default() += 1;
@@ -354,6 +388,7 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                 assert_eq!(
                     fused.launches.len() + fused.fused.0 - fused.fused.1 + fused.grouped.0 - fused.grouped.1
                         + fused.epilogues
+                        + fused.prologues
                         + fused.siblings,
                     plain.launches.len(),
                     "{label}: launches"
@@ -386,6 +421,7 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         "Fused(Cast+Add+Add)",
         "LayerNormalization+Cast (epilogue)",
         "BatchNormalization+Relu (epilogue)",
+        "ReluGrad+BatchNormalizationGrad (prologue)",
     ] {
         assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
     }
@@ -543,6 +579,9 @@ fn in_place_launches_give_the_reference_bits() {
             })
             .count() as u64;
         let all = operands.len() as u64;
+        // A dy read through a ReLU's gradient is that gradient, computed into a new tensor.
+        let prologues =
+            program.launches.iter().flat_map(|l| l.parts()).filter(|l| l.relu_prologue.is_some()).count() as u64;
         let mut s = [
             Session::new(CpuDevice::default(), program.clone()).unwrap(),
             Session::new(CpuDevice::on_copies(), program).unwrap(),
@@ -561,11 +600,11 @@ fn in_place_launches_give_the_reference_bits() {
         // operands read widened and low-precision operands read transposed.
         println!(
             "{name} {policy}: {all} operands a step, {bools} of them bools, {widened} read widened, \
-             {transposed} read transposed in f16 or bf16"
+             {transposed} read transposed in f16 or bf16, {prologues} read through a ReLU's gradient"
         );
-        let copied = bools + widened + transposed;
+        let copied = bools + widened + transposed + prologues;
         assert_eq!(s[0].counters().operand_copies, 3 * copied, "{name} {policy}: operands copied");
-        assert_eq!(s[1].counters().operand_copies, 3 * all, "{name} {policy}: operands copied");
+        assert_eq!(s[1].counters().operand_copies, 3 * (all + prologues), "{name} {policy}: operands copied");
         for n in &names {
             let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
             same(&x, &y, &format!("{name} {policy} `{n}` after 3 steps"));

@@ -196,7 +196,8 @@ fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) 
         (Some(m), _) => (None, m.bytes()),
         (None, _) => (None, 0),
     };
-    if let Some(t) = from_mask.or(l.epilogue_operand.as_ref().and_then(|o| o.tensor())) {
+    let second = from_mask.or(l.epilogue_operand.as_ref().and_then(|o| o.tensor()));
+    for t in second.into_iter().chain(l.relu_prologue.as_ref().and_then(|o| o.tensor())) {
         if seen.insert((t.region, t.offset, t.bytes())) {
             read += t.bytes();
         }

@@ -9,6 +9,7 @@
 use crate::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 use crate::value::HostTensor;
 use crate::{cpu, RuntimeError};
+use mpc_ir::Op;
 
 /// The regions one program runs over: its arena and constants, and the session's state.
 pub struct Regions<'a, M> {
@@ -265,7 +266,8 @@ impl CpuDevice {
         for t in l.inputs.iter().filter_map(Operand::tensor) {
             range(t, regions.get(t.region).len)?;
         }
-        for t in l.outputs.iter().chain(l.epilogue_operand.as_ref().and_then(Operand::tensor)) {
+        let prologue = l.relu_prologue.as_ref().and_then(Operand::tensor);
+        for t in l.outputs.iter().chain(l.epilogue_operand.as_ref().and_then(Operand::tensor)).chain(prologue) {
             range(t, regions.get(t.region).len)?;
         }
         // An epilogue's second operand (a bias), copied out before the launch writes anything.
@@ -276,7 +278,7 @@ impl CpuDevice {
             }
             None => None,
         };
-        if self.in_place && cpu::views::try_launch(regions, l) {
+        if self.in_place && prologue.is_none() && cpu::views::try_launch(regions, l) {
             if let (Some(e), Some(place)) = (&l.epilogue, l.outputs.first()) {
                 // The epilogue's reference kernel over the product written in place.
                 let mem = regions.get_mut(place.region);
@@ -336,6 +338,24 @@ impl CpuDevice {
                     _ => None,
                 })
                 .collect();
+            let mut read = read;
+            if let Some(y) = prologue {
+                // Input 0 read through a ReLU's gradient: the ReluGrad's reference kernel first,
+                // the unfused node's bits.
+                // SAFETY: as above.
+                let y = unsafe { cpu::views::host_view(&bases, y) };
+                let dy = read
+                    .first()
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| RuntimeError::Internal(format!("{}: a ReLU prologue without an input 0", l.node)))?;
+                let masked = cpu::run_op(&Op::ReluGrad, &[Some(dy), Some(&y)], 1)
+                    .map_err(|e| kernel_error(&l.node, e))?
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| RuntimeError::Internal(format!("{}: no ReluGrad result", l.node)))?;
+                read[0] = Some(masked);
+                copies += 1;
+            }
             if let Some(chain) = &l.chain {
                 run_chain(l, chain, &read)?
             } else {

@@ -139,6 +139,14 @@ pub fn takes_epilogue(op: &Op, then: &Op, from: Option<DType>, to: Option<DType>
     }
 }
 
+/// The operands a launch may read through a ReLU's gradient ([`Launch::relu_prologue`]): a
+/// BatchNormalizationGrad's dy, the gradient of the ReLU after a batch norm (a convolution
+/// block's). The launch reads `ReluGrad(dY, Y)` (dY where the ReLU's output Y is positive, 0
+/// elsewhere) as it loads dy, to the bit; the ReluGrad's result is never written.
+pub fn reads_relu_grad(op: &Op, slot: usize) -> bool {
+    matches!((op, slot), (Op::BatchNormalizationGrad(_), 0))
+}
+
 /// Whether a matrix product can write its result through the permutation `perm` (a Transpose
 /// that reads only the product): the output's last axis must be one of the product's two matrix
 /// axes, so that each matrix lands with one of its axes contiguous (the other is its leading
@@ -241,6 +249,10 @@ pub struct Launch {
     /// bytes); any other device, or a product the library refuses, computes the ReluGrad from
     /// that operand as if there were no mask. Nothing else reads the bits.
     pub relu_mask: Option<TensorRef>,
+    /// The ReLU output `Y` through whose gradient the launch reads input 0 ([`reads_relu_grad`]):
+    /// input 0 holds the ReluGrad's dY, and the launch's op reads `ReluGrad(dY, Y)` in its
+    /// place.
+    pub relu_prologue: Option<Operand>,
 }
 
 impl Launch {
@@ -258,6 +270,7 @@ impl Launch {
             group: Vec::new(),
             sibling: None,
             relu_mask: None,
+            relu_prologue: None,
         }
     }
 
@@ -272,6 +285,12 @@ impl Launch {
             Some(s) => format!("{own}+{}", s.kind()),
             None => own,
         }
+    }
+
+    /// Every operand the launch itself reads: its inputs, its epilogue's second operand and the
+    /// ReLU output of its prologue.
+    pub fn operands(&self) -> impl Iterator<Item = &Operand> {
+        self.inputs.iter().chain(&self.epilogue_operand).chain(&self.relu_prologue)
     }
 
     /// The launch itself, or the members of a group.
@@ -394,6 +413,8 @@ pub struct Program {
     pub widened: usize,
     /// Element-wise nodes applied by the launch that makes their input ([`Launch::epilogue`]).
     pub epilogues: usize,
+    /// ReluGrads read by the launch of their reader ([`Launch::relu_prologue`]).
+    pub prologues: usize,
     /// Launches computed by another launch's call ([`Launch::sibling`]).
     pub siblings: usize,
     /// Transposes fused into their matrix-product readers ([`Operand::Transposed`]).

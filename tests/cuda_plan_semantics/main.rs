@@ -183,6 +183,9 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
         if let Some(e) = &l.epilogue {
             checked.push(format!("{} with a {} epilogue", l.op.op_type(), e.op_type()));
         }
+        if l.relu_prologue.is_some() {
+            checked.push(format!("{} through a ReluGrad", l.op.op_type()));
+        }
         if l.inputs.iter().any(|o| matches!(o, Operand::Permuted(..))) {
             checked.push(format!("{} through a permutation", l.op.op_type()));
         }
@@ -197,7 +200,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
 /// hold: what a sum over them can lose to rounding.
 fn input_scale(l: &mpc_runtime::program::Launch, m: &Memory) -> (f64, usize) {
     let (mut most, mut count) = (0f64, 0usize);
-    for t in l.parts().into_iter().flat_map(|p| p.inputs.iter().chain(&p.epilogue_operand)).filter_map(|o| o.tensor()) {
+    for t in l.parts().into_iter().flat_map(|p| p.operands()).filter_map(|o| o.tensor()) {
         if !t.dtype.is_float() {
             continue;
         }

@@ -274,9 +274,13 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 }
             }
         } else {
-            // (n, c, inner) follow the pointers: 10 of them for training, 6 for inference and the
-            // gradient.
-            let c_at = if name.starts_with("norm_batch_norm_train_") { 11 } else { 7 };
+            // (n, c, inner) follow the pointers: 10 of them for training, 6 for inference and 7
+            // for the gradient.
+            let c_at = match name {
+                _ if name.starts_with("norm_batch_norm_train_") => 11,
+                _ if name.starts_with("norm_batch_norm_grad_") => 8,
+                _ => 7,
+            };
             let (n, c, inner) = (int(&a[c_at - 1]), int(&a[c_at]), int(&a[c_at + 1]));
             let at = |b: i64, ch: i64, i: i64| (b * c + ch) * inner + i;
             for ch in 0..c {
@@ -294,7 +298,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                     }
                     continue;
                 }
-                let x = ptr(&a[if name.starts_with("norm_batch_norm_grad_") { 1 } else { 0 }]);
+                let x = ptr(&a[if name.starts_with("norm_batch_norm_grad_") { 2 } else { 0 }]);
                 let v: Vec<f64> = idx.iter().map(|&e| m.get(x, e, d)).collect();
                 let mean = v.iter().sum::<f64>() / cnt;
                 let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / cnt;
@@ -311,10 +315,10 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                     m.set(rmo, ch, dp, om * mom + mean * (1.0 - mom));
                     m.set(rvo, ch, dp, ov * mom + var * (1.0 - mom));
                 } else {
-                    let (dy, sc, dx, ds, db) = (ptr(&a[0]), ptr(&a[2]), a[3], a[4], a[5]);
-                    let eps = f32_of(&a[9]);
+                    let (dy, ry, sc, dx, ds, db) = (ptr(&a[0]), a[1], ptr(&a[3]), a[4], a[5], a[6]);
+                    let eps = f32_of(&a[10]);
                     let sigma = (var + eps).sqrt();
-                    let g: Vec<f64> = idx.iter().map(|&e| m.get(dy, e, d)).collect();
+                    let g: Vec<f64> = idx.iter().map(|&e| relu_grad_dy(m, dy, ry, e, d)).collect();
                     let xh: Vec<f64> = v.iter().map(|e| (e - mean) / sigma).collect();
                     let (dbias, dscale) = (g.iter().sum::<f64>(), g.iter().zip(&xh).map(|(a, b)| a * b).sum::<f64>());
                     let s = param(m, sc, ch);
@@ -519,12 +523,19 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
     for (prefix, grad) in [("norm_bn_stats_", false), ("norm_bn_grad_stats_", true)] {
         let Some(tag) = name.strip_prefix(prefix) else { continue };
         let d = dtype_of(tag);
-        let (dy, x) = if grad { (Some(ptr(&a[0])), ptr(&a[1])) } else { (None, ptr(&a[0])) };
-        let first = 1 + usize::from(grad);
+        let (dy, x) = if grad { (Some((ptr(&a[0]), a[1])), ptr(&a[2])) } else { (None, ptr(&a[0])) };
+        let first = 1 + 2 * usize::from(grad);
         let parts: Vec<Buf> = (0..if grad { 5 } else { 3 }).map(|i| ptr(&a[first + i])).collect();
         let b = first + parts.len();
         let (n, c, inner, splits) = (int(&a[b]), int(&a[b + 1]), int(&a[b + 2]), int(&a[b + 3]));
-        let v = units(d, inner, &a[b + 4], &[Some(x), dy].into_iter().flatten().collect::<Vec<_>>());
+        let mut bufs = vec![x];
+        if let Some((dy, ry)) = dy {
+            bufs.extend([dy].into_iter().chain(match ry {
+                Arg::Ptr(r) => Some(r),
+                _ => None,
+            }));
+        }
+        let v = units(d, inner, &a[b + 4], &bufs);
         let count = n * inner / v;
         let chunk = (count + splits - 1) / splits;
         for ch in 0..c {
@@ -534,7 +545,8 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
                     .map(|e| ((e / inner) * c + ch) * inner + e % inner)
                     .collect();
                 let xs: Vec<f64> = at.iter().map(|&i| m.get(x, i, d)).collect();
-                let gs: Vec<f64> = at.iter().map(|&i| dy.map_or(0.0, |dy| m.get(dy, i, d))).collect();
+                let gs: Vec<f64> =
+                    at.iter().map(|&i| dy.map_or(0.0, |(dy, ry)| relu_grad_dy(m, dy, ry, i, d))).collect();
                 let cnt = xs.len() as f64;
                 let mean = if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / cnt };
                 let m2: f64 = xs.iter().map(|x| (x - mean) * (x - mean)).sum();
@@ -572,13 +584,19 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
     };
     if let Some(tag) = name.strip_prefix("norm_bn_grad_apply_") {
         let d = dtype_of(tag);
-        let [dy, x, mean, alpha, beta, gamma, dx] = [0, 1, 2, 3, 4, 5, 6].map(|i| ptr(&a[i]));
-        let (n, c, inner) = (int(&a[7]), int(&a[8]), int(&a[9]));
-        units(d, inner, &a[10], &[dy, x, dx]);
+        let ry = a[1];
+        let [dy, x, mean, alpha, beta, gamma, dx] = [0, 2, 3, 4, 5, 6, 7].map(|i| ptr(&a[i]));
+        let (n, c, inner) = (int(&a[8]), int(&a[9]), int(&a[10]));
+        let mut bufs = vec![dy, x, dx];
+        bufs.extend(match ry {
+            Arg::Ptr(r) => Some(r),
+            _ => None,
+        });
+        units(d, inner, &a[11], &bufs);
         for i in 0..n * c * inner {
             let ch = (i / inner) % c;
             let [mu, al, be, ga] = [mean, alpha, beta, gamma].map(|b| m.get(b, ch, acc(d)));
-            let out = al * m.get(dy, i, d) + be * (m.get(x, i, d) - mu) + ga;
+            let out = al * relu_grad_dy(m, dy, ry, i, d) + be * (m.get(x, i, d) - mu) + ga;
             m.set(dx, i, d, out);
         }
         return;
@@ -747,5 +765,14 @@ pub(crate) fn run_loss(m: &mut Memory, k: &Kernel) {
                 m.set(out, at(b, kk, i), d, r);
             }
         }
+    }
+}
+
+/// dy[i] as a batch norm's gradient reads it: through the ReLU's gradient where the ReLU's output
+/// `ry` is given (dy where it is positive, 0 elsewhere), as the unfused ReluGrad wrote it.
+fn relu_grad_dy(m: &mut Memory, dy: Buf, ry: Arg, i: i64, d: DType) -> f64 {
+    match ry {
+        Arg::Ptr(r) if m.get(r, i, d) <= 0.0 || m.get(r, i, d).is_nan() => 0.0,
+        _ => m.get(dy, i, d),
     }
 }

@@ -63,6 +63,7 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
                 group: std::mem::take(run),
                 sibling: None,
                 relu_mask: None,
+                relu_prologue: None,
             });
         }
     };

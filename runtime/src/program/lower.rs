@@ -193,9 +193,10 @@ pub(super) fn lower_in(
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
     let fuse = !opts.unfused && crate::fuse::enabled();
     let library = fuse && !opts.bitwise;
-    let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands } =
+    let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands, prologues } =
         read_in_readers(g, caps, &steps, &view_of, fuse, library);
-    let applied: HashSet<NodeId> = epilogues.values().map(|&(_, n)| n).collect();
+    let applied: HashSet<NodeId> =
+        epilogues.values().map(|&(_, n)| n).chain(prologues.values().map(|&(n, _)| n)).collect();
     steps.retain(|&n| {
         !applied.contains(&n)
             && !g
@@ -226,9 +227,17 @@ pub(super) fn lower_in(
         let e = g.node(n).outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| e);
         e.and_then(|e| epilogue_operands.get(&e).copied())
     };
+    // A value read as it is, or the operands of the ReluGrad it is read through.
+    let read_as = |v: ValueId| match prologues.get(&v) {
+        Some(&(_, operands)) => operands.to_vec(),
+        None => vec![v],
+    };
     // What a step's launch reads: its nodes' inputs and its epilogue's second operand.
     let reads = |n: NodeId| {
-        computed(n).flat_map(|m| g.node(m).inputs().iter().flatten().copied()).chain(epilogue_of(n)).collect::<Vec<_>>()
+        computed(n)
+            .flat_map(|m| g.node(m).inputs().iter().flatten().flat_map(|&v| read_as(v)))
+            .chain(epilogue_of(n))
+            .collect::<Vec<_>>()
     };
     let end = steps.len();
     // Element-wise runs fused into one launch each, at the run's last consecutive step (`pos`).
@@ -292,7 +301,7 @@ pub(super) fn lower_in(
         for (slot, v) in g.node(n).inputs().iter().enumerate() {
             if let Some(v) = v {
                 if !host.contains(&slot) {
-                    device_reads.insert(*v);
+                    device_reads.extend(read_as(*v));
                 }
             }
         }
@@ -522,6 +531,7 @@ pub(super) fn lower_in(
                     group: Vec::new(),
                     sibling: None,
                     relu_mask: None,
+                    relu_prologue: None,
                 });
             }
             continue;
@@ -536,6 +546,7 @@ pub(super) fn lower_in(
                 .map(|(slot, v)| match v {
                     None => Ok(Operand::Absent),
                     Some(v) if host.contains(&slot) => Ok(Operand::Host(known[v].clone())),
+                    Some(v) if prologues.contains_key(v) => place(prologues[v].1[0], &refs).map(Operand::Device),
                     Some(v) => match (widened.get(v), transposed.get(v), permuted.get(v)) {
                         (Some(&low), _, _) => place(low, &refs).map(Operand::Widened),
                         (_, Some(&stored), _) => place(stored, &refs).map(Operand::Transposed),
@@ -619,6 +630,11 @@ pub(super) fn lower_in(
         };
         let epilogue = node.outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| g.node(e).op.clone());
         let epilogue_operand = epilogue_of(n).map(|v| place(v, &refs).map(Operand::Device)).transpose()?;
+        // The ReLU output through whose gradient input 0 is read.
+        let relu_prologue = match node.input(0).and_then(|v| prologues.get(&v)) {
+            Some(&(_, [_, y])) => Some(place(y, &refs).map(Operand::Device)?),
+            None => None,
+        };
         launches.push(Launch {
             node: label(n),
             op: node.op.clone(),
@@ -631,6 +647,7 @@ pub(super) fn lower_in(
             group: Vec::new(),
             sibling,
             relu_mask: mask_of.get(&n).map(|b| mask_ref[b].clone()),
+            relu_prologue,
         });
     }
     let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };
@@ -675,6 +692,7 @@ pub(super) fn lower_in(
         views,
         widened: widened.len(),
         epilogues: epilogues.len(),
+        prologues: prologues.len(),
         siblings: siblings.len(),
         transposed: transposed.len() + permuted.len(),
         fused: (runs.iter().map(Vec::len).sum(), runs.len()),

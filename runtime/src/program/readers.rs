@@ -22,6 +22,10 @@ pub(super) struct InOthers {
     pub(super) epilogues: HashMap<ValueId, (ValueId, NodeId)>,
     /// The second operand of an epilogue that has two, by the epilogue's node.
     pub(super) operands: HashMap<NodeId, ValueId>,
+    /// ReluGrads read through by their only reader ([`reads_relu_grad`]; only when
+    /// `epilogues`): the ReluGrad's result mapped to its node and its dY and Y, which the reader
+    /// reads.
+    pub(super) prologues: HashMap<ValueId, (NodeId, [ValueId; 2])>,
 }
 
 pub(super) fn read_in_readers(
@@ -197,7 +201,36 @@ pub(super) fn read_in_readers(
             operands.extend(other.map(|o| (n, o)));
         }
     }
-    InOthers { widened, transposed, permuted, epilogues: applied, operands }
+    // ReluGrads whose only reader reads its operand through them (a batch norm's gradient after
+    // the block's ReLU): the reader reads dY and the ReLU's output Y, the ReluGrad is not
+    // launched. Not where dY comes from an element-wise launch, which a fused chain may end with
+    // the ReluGrad (the reader would then read two tensors where the chain's one result is).
+    let in_epilogues: HashSet<NodeId> = applied.values().map(|&(_, e)| e).collect();
+    let mut prologues: HashMap<ValueId, (NodeId, [ValueId; 2])> = HashMap::new();
+    for &n in candidates {
+        let node = g.node(n);
+        let (Op::ReluGrad, &[Some(dy), Some(y)], &[v]) = (&node.op, node.inputs(), node.outputs()) else { continue };
+        let uses = g.value(v).uses();
+        let &[use_] = uses else { continue };
+        let elementwise = match g.value(dy).def() {
+            Def::Node(m, _) => crate::fuse::fusable_op(&g.node(*m).op) || crate::fuse::row_wise(&g.node(*m).op),
+            _ => false,
+        };
+        let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
+        if reads_relu_grad(&g.node(use_.node).op, use_.slot)
+            && launched.contains(&use_.node)
+            && !in_epilogues.contains(&n)
+            && !elementwise
+            && !g.is_output(v)
+            && !viewed.contains(&v)
+            && !view_of.contains_key(&v)
+            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != v && next != v))
+            && matches!((ty(dy), ty(y), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c && float(&a))
+        {
+            prologues.insert(v, (n, [dy, y]));
+        }
+    }
+    InOthers { widened, transposed, permuted, epilogues: applied, operands, prologues }
 }
 
 /// Whether a Transpose of a rank-`rank` tensor swaps its last two axes and no other.

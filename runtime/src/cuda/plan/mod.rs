@@ -319,7 +319,11 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     let [y] = l.outputs.as_slice() else { return None };
     let ins: Vec<&TensorRef> =
         l.inputs.iter().map(|o| if let Operand::Device(t) = o { Some(t) } else { None }).collect::<Option<_>>()?;
-    let plain = l.epilogue.is_none() && l.sibling.is_none() && l.group.is_empty() && l.branches.is_none();
+    let plain = l.epilogue.is_none()
+        && l.relu_prologue.is_none()
+        && l.sibling.is_none()
+        && l.group.is_empty()
+        && l.branches.is_none();
     if !plain
         || !crate::fuse::enabled()
         || !wide_enabled()
@@ -385,6 +389,10 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
         | (Op::Gemm(_), Some(Op::ReluGrad))
         | (Op::MatMul, Some(Op::Transpose(_) | Op::Add)) => {}
         (op, Some(e)) => return Err(format!("{} with a {} epilogue", op.op_type(), e.op_type())),
+    }
+    // The operands the kernels read through a ReLU's gradient: a batch norm gradient's dy.
+    if p.l.relu_prologue.is_some() && !matches!(p.l.op, Op::BatchNormalizationGrad(_)) {
+        return Err(format!("{} reading its input through a ReluGrad", p.l.op.op_type()));
     }
     if !p.l.group.is_empty() {
         return train::plan_update_group(p);

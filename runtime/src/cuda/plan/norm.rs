@@ -47,12 +47,13 @@ fn bn_vec(inner: u64, ts: &[&TensorRef]) -> bool {
     wide_enabled() && inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
 }
 
-/// The statistics pass (with the gradient's sums where `dy` is given): per (channel, split), in
-/// `splits * c` workspace entries each, the count, mean and sum of squared deviations, and the
-/// sums of dy and of dy (x - mean).
+/// The statistics pass (with the gradient's sums where `dy` is given, read through the ReLU's
+/// gradient where its output is given beside it): per (channel, split), in `splits * c`
+/// workspace entries each, the count, mean and sum of squared deviations, and the sums of dy and
+/// of dy (x - mean).
 fn bn_stats(
     p: &mut Planner,
-    dy: Option<&TensorRef>,
+    dy: Option<(&TensorRef, Arg)>,
     x: &TensorRef,
     dims: [Arg; 5],
     c: u64,
@@ -61,10 +62,12 @@ fn bn_stats(
     let a = acc_dtype(x.dtype).size() as u64;
     let parts: Vec<Buf> = (0..if dy.is_some() { 5 } else { 3 }).map(|_| p.work(c * splits * a)).collect();
     let t = float_tag(x.dtype)?;
-    let mut args: Vec<Arg> = dy.iter().chain([&x]).map(|t| Arg::Ptr(buf(t))).collect();
+    let grad = dy.is_some();
+    let mut args: Vec<Arg> = dy.into_iter().flat_map(|(t, ry)| [Arg::Ptr(buf(t)), ry]).collect();
+    args.push(Arg::Ptr(buf(x)));
     args.extend(parts.iter().map(|&b| Arg::Ptr(b)));
     args.extend(dims);
-    let name = if dy.is_some() { format!("norm_bn_grad_stats_{t}") } else { format!("norm_bn_stats_{t}") };
+    let name = if grad { format!("norm_bn_grad_stats_{t}") } else { format!("norm_bn_stats_{t}") };
     p.kernel("norm", name, bn_grid(c, splits), [BLOCK, 1, 1], args);
     Ok(parts)
 }
@@ -294,12 +297,20 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let inner = numel(&x.shape[2.min(x.shape.len())..]);
             let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             let n = x.shape.first().copied().unwrap_or(1) as u64;
+            // dy read through the ReLU's gradient ([`Launch::relu_prologue`]), from its output.
+            let ry = match p.l.relu_prologue.as_ref() {
+                None => None,
+                Some(Operand::Device(t)) if t.dtype == dy.dtype && t.shape == dy.shape => Some(t.clone()),
+                Some(_) => return Err("a batch norm's gradient through a ReLU output not shaped as dy".into()),
+            };
+            let ry_arg = ry.as_ref().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             if let Some(splits) = bn_splits(c, n * inner) {
                 // One pass over x and dy for the sums, a thread per channel for the parameters'
                 // gradients and dx's coefficients, one element-wise pass for dx.
                 let dx = p.l.outputs.first().cloned();
-                let vec = bn_vec(inner, &[x, dy].into_iter().chain(dx.as_ref()).collect::<Vec<_>>());
-                let parts = bn_stats(p, Some(dy), x, bn_dims(n, c, inner, splits, vec), c, splits)?;
+                let vec = bn_vec(inner, &[x, dy].into_iter().chain(dx.as_ref()).chain(ry.as_ref()).collect::<Vec<_>>());
+                let dims = bn_dims(n, c, inner, splits, vec);
+                let parts = bn_stats(p, Some((dy, ry_arg)), x, dims, c, splits)?;
                 let acc = acc_dtype(x.dtype).size() as u64;
                 let coef: Vec<Buf> = (0..4).map(|_| p.work(c * acc)).collect();
                 let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
@@ -310,7 +321,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 args.push(Arg::F32(a.epsilon));
                 p.kernel("norm", format!("norm_bn_grad_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
                 if let Some(dx) = dx {
-                    let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x))];
+                    let mut args = vec![Arg::Ptr(buf(dy)), ry_arg, Arg::Ptr(buf(x))];
                     args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
                     args.extend([Arg::Ptr(buf(&dx)), Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)]);
                     args.push(Arg::I32(vec as i32));
@@ -321,6 +332,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             }
             let args = vec![
                 Arg::Ptr(buf(dy)),
+                ry_arg,
                 Arg::Ptr(buf(x)),
                 Arg::Ptr(buf(scale)),
                 out(0),
