@@ -50,14 +50,18 @@
 //
 // ---- BatchNormalization over x = (N, C, inner) (inner = prod of the spatial dims)
 // norm_batch_norm_infer_<T>_<P>(const T* x, const P* scale, const P* bias, const P* mean,
-//                               const P* var, T* y, long long n, long long c, long long inner, float eps)
+//                               const P* var, const T* res, T* y, long long n, long long c,
+//                               long long inner, float eps)
 //     y = (x - mean) * k + bias, k = scale / sqrt(var + eps) (per channel, f32). Element-wise.
 //     Every batch-norm kernel that writes y takes a last argument `int relu`: y = relu(that)
-//     when 1 (a Relu that was y's only reader, applied before the store: the same bits).
+//     when 1 (a Relu that was y's only reader, applied before the store: the same bits); and a
+//     residual `res` before y (x's shape, may be nullptr): y = relu?(round(that) + res), the
+//     value rounded to T as its store would round it, then a residual block's Add of its
+//     shortcut (the Add's and the Relu's bits).
 // norm_batch_norm_train_<T>_<P>(const T* x, const P* scale, const P* bias, const P* running_mean,
-//                               const P* running_var, T* y, P* running_mean_out, P* running_var_out,
-//                               float* save_mean, float* save_var, long long n, long long c,
-//                               long long inner, float eps, float momentum)
+//                               const P* running_var, const T* res, T* y, P* running_mean_out,
+//                               P* running_var_out, float* save_mean, float* save_var, long long n,
+//                               long long c, long long inner, float eps, float momentum)
 //     Batch statistics (biased variance) per channel; y as above with them; running_*_out =
 //     running * momentum + batch * (1 - momentum) (may alias running_*); save_mean / save_var
 //     (f32, c entries) may be nullptr. One block per channel.
@@ -90,8 +94,8 @@
 //                        float eps, float momentum)
 //     the channel's mean, biased var = M2 / M (M = n * inner) and k = scale / sqrt(var + eps);
 //     the running statistics as norm_batch_norm_train.
-// norm_bn_apply_<T>_<P>(const T* x, const A* mean, const A* k, const P* bias, T* y, long long n,
-//                       long long c, long long inner, int vec, int relu)
+// norm_bn_apply_<T>_<P>(const T* x, const A* mean, const A* k, const P* bias, const T* res, T* y,
+//                       long long n, long long c, long long inner, int vec, int relu)
 //     Element-wise (1-D grid stride over the n * c * inner / v units): y = (x - mean) * k + bias.
 // norm_bn_grad_finish_<T>_<P>(const A* part_n, const A* part_mean, const A* part_m2,
 //                             const A* part_g, const A* part_gd, const P* scale, A* mean,
@@ -294,22 +298,34 @@ template <typename A> __device__ __forceinline__ A bn_out(A v, int relu) {
     return relu ? U_relu()(v, A(0), A(0)) : v;
 }
 
+// A value kept apart from the arithmetic around it (no FMA contracted across a rounding).
+__device__ __forceinline__ float bn_keep(float v) { return mpc_keep(v); }
+__device__ __forceinline__ double bn_keep(double v) { return v; }
+
+// A batch norm's value v of element i with the residual r added where there is one (the Add
+// after the batch norm, of its stored value: rounded to T first), through the Relu as bn_out.
+template <typename T> __device__ __forceinline__ AccT<T> bn_res_out(AccT<T> v, const T* res, AccT<T> r, int relu) {
+    return bn_out(res ? V_add()(bn_keep(round_to<T>(v)), r) : v, relu);
+}
+
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_infer_body(const T* x, const P* scale, const P* bias, const P* mean,
-                                                      const P* var, T* y, long long n, long long c, long long inner,
-                                                      float eps, int relu) {
+                                                      const P* var, const T* res, T* y, long long n, long long c,
+                                                      long long inner, float eps, int relu) {
     typedef AccT<T> A;
     const long long total = n * c * inner;
     MPC_GRID_STRIDE(i, total) {
         const long long ch = (i / inner) % c;
         const A k = pld(scale, ch) / m_sqrt(pld(var, ch) + eps);
-        st(y, i, bn_out((ld(x, i) - pld(mean, ch)) * k + pld(bias, ch), relu));
+        const AccT<T> r = res ? ld(res, i) : AccT<T>(0);
+        st(y, i, bn_res_out<T>((ld(x, i) - pld(mean, ch)) * k + pld(bias, ch), res, r, relu));
     }
 }
 
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale, const P* bias, const P* rmean,
-                                                      const P* rvar, T* y, P* rmean_out, P* rvar_out, AccT<T>* save_mean,
+                                                      const P* rvar, const T* res, T* y, P* rmean_out, P* rvar_out,
+                                                      AccT<T>* save_mean,
                                                       AccT<T>* save_var, long long n, long long c, long long inner,
                                                       float eps, float momentum, int relu) {
     typedef AccT<T> A;
@@ -321,7 +337,10 @@ __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale
         block_stats(x, count, at, smem, mean, var);
         const A k = pld(scale, ch) / m_sqrt(var + eps);
         const A b = pld(bias, ch);
-        for (long long e = threadIdx.x; e < count; e += blockDim.x) st(y, at(e), bn_out((ld(x, at(e)) - mean) * k + b, relu));
+        for (long long e = threadIdx.x; e < count; e += blockDim.x) {
+            const A r = res ? ld(res, at(e)) : A(0);
+            st(y, at(e), bn_res_out<T>((ld(x, at(e)) - mean) * k + b, res, r, relu));
+        }
         if (threadIdx.x == 0) {
             const A rm = pld(rmean, ch), rv = pld(rvar, ch);
             st(rmean_out, ch, rm * momentum + mean * (A(1) - momentum));
@@ -553,8 +572,9 @@ __device__ __forceinline__ long long channel_of(long long i, long long c, long l
 }
 
 template <typename T, typename P>
-__device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias, T* y,
-                                              long long n, long long c, long long inner, int vec, int relu) {
+__device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias,
+                                              const T* res, T* y, long long n, long long c, long long inner, int vec,
+                                              int relu) {
     typedef AccT<T> A;
     constexpr int V = Vec<T>::N;
     const long long v = vec ? V : 1;
@@ -562,13 +582,20 @@ __device__ __forceinline__ void bn_apply_body(const T* x, const AccT<T>* mean, c
         const long long i = u * v, ch = channel_of(i, c, inner);
         const A mu = mean[ch], kk = k[ch], b = pld(bias, ch);
         if (vec) {
-            A xs[V];
+            A xs[V], rs[V];
             ldv<V>(x, i, xs);
+            if (res) {
+                ldv<V>(res, i, rs);
+            } else {
 #pragma unroll
-            for (int q = 0; q < V; ++q) xs[q] = bn_out((xs[q] - mu) * kk + b, relu);
+                for (int q = 0; q < V; ++q) rs[q] = A(0);
+            }
+#pragma unroll
+            for (int q = 0; q < V; ++q) xs[q] = bn_res_out<T>((xs[q] - mu) * kk + b, res, rs[q], relu);
             stv<V>(y, i, xs);
         } else {
-            st(y, i, bn_out((ld(x, i) - mu) * kk + b, relu));
+            const A r = res ? ld(res, i) : A(0);
+            st(y, i, bn_res_out<T>((ld(x, i) - mu) * kk + b, res, r, relu));
         }
     }
 }
@@ -684,16 +711,17 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                                           scale_n, splits);                                                \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_infer_##t##_##p(const T* x, const P* scale, const P* bias, const P* mean,   \
-                                               const P* var, T* y, long long n, long long c,               \
+                                               const P* var, const T* res, T* y, long long n, long long c, \
                                                long long inner, float eps, int relu) {                     \
-        batch_norm_infer_body(x, scale, bias, mean, var, y, n, c, inner, eps, relu);                       \
+        batch_norm_infer_body(x, scale, bias, mean, var, res, y, n, c, inner, eps, relu);                  \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_train_##t##_##p(const T* x, const P* scale, const P* bias,                  \
-                                               const P* running_mean, const P* running_var, T* y,          \
-                                               P* running_mean_out, P* running_var_out, AccT<T>* save_mean, \
-                                               AccT<T>* save_var, long long n, long long c, long long inner, \
-                                               float eps, float momentum, int relu) {                      \
-        batch_norm_train_body(x, scale, bias, running_mean, running_var, y, running_mean_out,              \
+                                               const P* running_mean, const P* running_var, const T* res,  \
+                                               T* y, P* running_mean_out, P* running_var_out,              \
+                                               AccT<T>* save_mean, AccT<T>* save_var, long long n,         \
+                                               long long c, long long inner, float eps, float momentum,    \
+                                               int relu) {                                                 \
+        batch_norm_train_body(x, scale, bias, running_mean, running_var, res, y, running_mean_out,         \
                               running_var_out, save_mean, save_var, n, c, inner, eps, momentum, relu);     \
     }                                                                                                      \
     MPC_KERNEL norm_batch_norm_grad_##t##_##p(const T* dy, const T* ry, const T* x, const P* scale, T* dx, \
@@ -710,9 +738,9 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
                              running_mean_out, running_var_out, c, splits, eps, momentum);                 \
     }                                                                                                      \
     MPC_KERNEL norm_bn_apply_##t##_##p(const T* x, const AccT<T>* mean, const AccT<T>* k, const P* bias,   \
-                                       T* y, long long n, long long c, long long inner, int vec,           \
-                                       int relu) {                                                         \
-        bn_apply_body(x, mean, k, bias, y, n, c, inner, vec, relu);                                        \
+                                       const T* res, T* y, long long n, long long c, long long inner,      \
+                                       int vec, int relu) {                                                \
+        bn_apply_body(x, mean, k, bias, res, y, n, c, inner, vec, relu);                                   \
     }                                                                                                      \
     MPC_KERNEL norm_bn_grad_finish_##t##_##p(const AccT<T>* part_n, const AccT<T>* part_mean,              \
                                              const AccT<T>* part_m2, const AccT<T>* part_g,                \

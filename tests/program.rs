@@ -288,6 +288,35 @@ fn a_batch_norms_gradient_reads_its_relus_gradient_as_it_loads_dy() {
     assert_eq!(plain.launches.iter().filter(|l| l.op == mpc_ir::Op::ReluGrad).count(), grads.len());
 }
 
+/// A residual block's Add of its last batch norm's output and its shortcut, and the Relu after
+/// it, are that batch norm's epilogue: the batch norm reads the shortcut and writes the Relu's
+/// output, the Add and the Relu are not launched and the batch norm's own output is never
+/// written. Unfused, they are launches again.
+#[test]
+fn a_residual_blocks_add_and_relu_are_its_batch_norms_epilogue() {
+    use mpc_runtime::program::{lower, LowerOptions};
+    for train in [false, true] {
+        let g = compiled("resblock", "mixed", train);
+        let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+        let caps = mpc_runtime::device::CpuDevice::default().caps();
+        let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+        let blocks: Vec<&mpc_runtime::program::Launch> =
+            p.launches.iter().filter(|l| l.epilogue == Some(mpc_ir::Op::Add)).collect();
+        assert!(!blocks.is_empty(), "train {train}: {:?}", p.launches.iter().map(|l| l.kind()).collect::<Vec<_>>());
+        for l in &blocks {
+            assert!(matches!(l.op, mpc_ir::Op::BatchNormalization(_)), "{}", l.node);
+            assert_eq!(l.epilogue_then, Some(mpc_ir::Op::Relu), "{}", l.node);
+            let Some(Operand::Device(r)) = &l.epilogue_operand else { panic!("{}: no shortcut", l.node) };
+            assert_eq!((r.dtype, &r.shape), (l.outputs[0].dtype, &l.outputs[0].shape), "{}", l.node);
+        }
+        let plain = lower(&bound, caps, LowerOptions { unfused: true, ..Default::default() }).unwrap();
+        let count =
+            |p: &mpc_runtime::program::Program, op: mpc_ir::Op| p.launches.iter().filter(|l| l.op == op).count();
+        assert!(count(&plain, mpc_ir::Op::Add) >= blocks.len() && count(&plain, mpc_ir::Op::Relu) >= blocks.len());
+        assert!(plain.launches.iter().all(|l| l.epilogue_then.is_none()));
+    }
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
@@ -376,7 +405,8 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                 assert_eq!((plain.grouped, plain.epilogues, plain.prologues, plain.siblings), ((0, 0), 0, 0, 0));
                 for l in fused.launches.iter().filter(|l| l.epilogue.is_some()) {
                     let e = l.epilogue.as_ref().map_or("", |e| e.op_type());
-                    *chains.entry(format!("{}+{e} (epilogue)", l.op.op_type())).or_default() += 1;
+                    let then = l.epilogue_then.as_ref().map_or(String::new(), |t| format!("+{}", t.op_type()));
+                    *chains.entry(format!("{}+{e}{then} (epilogue)", l.op.op_type())).or_default() += 1;
                 }
                 for l in fused.launches.iter().filter(|l| l.relu_prologue.is_some()) {
                     *chains.entry(format!("ReluGrad+{} (prologue)", l.op.op_type())).or_default() += 1;
@@ -422,6 +452,7 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         "LayerNormalization+Cast (epilogue)",
         "BatchNormalization+Relu (epilogue)",
         "ReluGrad+BatchNormalizationGrad (prologue)",
+        "BatchNormalization+Add+Relu (epilogue)",
     ] {
         assert!(chains.contains_key(kind), "no {kind}: {chains:?}");
     }

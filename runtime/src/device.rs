@@ -286,6 +286,7 @@ impl CpuDevice {
                 let y = HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &mem.bytes()[r.clone()]);
                 let applied = cpu::run_op(e, &[Some(&y), second.as_ref()][..1 + usize::from(second.is_some())], 1)
                     .map_err(|e| kernel_error(&l.node, e))?;
+                let applied = then_applied(l, applied)?;
                 let t = applied
                     .first()
                     .filter(|t| t.dtype() == place.dtype && t.len() == place.numel())
@@ -389,7 +390,7 @@ impl CpuDevice {
             let args = [Some(&*first), second.as_ref()];
             let applied =
                 cpu::run_op(e, &args[..1 + usize::from(second.is_some())], 1).map_err(|e| kernel_error(&l.node, e))?;
-            *first = applied
+            *first = then_applied(l, applied)?
                 .into_iter()
                 .next()
                 .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
@@ -414,6 +415,15 @@ impl CpuDevice {
         }
         self.counters.launches += 1;
         Ok(())
+    }
+}
+
+/// An epilogue's result with the op after it applied ([`Launch::epilogue_then`]), by its
+/// reference kernel: the unfused node's bits.
+fn then_applied(l: &Launch, applied: Vec<HostTensor>) -> Result<Vec<HostTensor>, RuntimeError> {
+    match (&l.epilogue_then, applied.first()) {
+        (Some(op), Some(t)) => cpu::run_op(op, &[Some(t)], 1).map_err(|e| kernel_error(&l.node, e)),
+        _ => Ok(applied),
     }
 }
 

@@ -181,6 +181,15 @@ pub fn adds_bias(a: &[usize], b: &[usize], y: &[usize], bias: &[usize]) -> bool 
         && bias[..bias.len() - 1].iter().all(|&d| d == 1)
 }
 
+/// Whether a launch of `op` can add a residual as it writes its result (an Add epilogue whose
+/// second operand, [`Launch::epilogue_operand`], is of the result's dtype and shape, and the
+/// Relu after it, [`Launch::epilogue_then`]): a BatchNormalization's, the last of a residual
+/// block before the Add of its shortcut (ResNet's). Each rounds as the unfused launches do: the
+/// results are the Add's and the Relu's, to the bit.
+pub fn adds_residual(op: &Op) -> bool {
+    matches!(op, Op::BatchNormalization(_))
+}
+
 /// The bytes of a ReLU mask ([`Launch::relu_mask`]) of a `[rows, cols]` result: one bit per
 /// element, each row's bits (`cols` of them, the column-major matrix's leading dim as a library
 /// sees the row-major result) padded to a multiple of 128, as cuBLASLt's bit-masks need.
@@ -233,6 +242,9 @@ pub struct Launch {
     /// The epilogue's second operand, where it has two (a bias the product adds, [`adds_bias`]);
     /// the launch's result is the epilogue op's first.
     pub epilogue_operand: Option<Operand>,
+    /// An element-wise op of one operand applied after the epilogue, to its result (the Relu
+    /// after a residual block's Add, [`adds_residual`]): output 0 is then this op's result.
+    pub epilogue_then: Option<Op>,
     /// A multi-tensor launch: these launches, optimizer updates of one op and attribute set that
     /// read nothing another of them writes, run as one kernel (their order does not matter). The
     /// launch's `op` is theirs; its own inputs and outputs are empty.
@@ -267,6 +279,7 @@ impl Launch {
             chain: None,
             epilogue: None,
             epilogue_operand: None,
+            epilogue_then: None,
             group: Vec::new(),
             sibling: None,
             relu_mask: None,
@@ -411,7 +424,8 @@ pub struct Program {
     pub views: usize,
     /// Casts fused into their reader ([`Operand::Widened`]).
     pub widened: usize,
-    /// Element-wise nodes applied by the launch that makes their input ([`Launch::epilogue`]).
+    /// Element-wise nodes applied by the launch that makes their input ([`Launch::epilogue`],
+    /// [`Launch::epilogue_then`]).
     pub epilogues: usize,
     /// ReluGrads read by the launch of their reader ([`Launch::relu_prologue`]).
     pub prologues: usize,

@@ -203,7 +203,7 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row):
 /// `cuda_vs_cpu` runs them on a GPU, `cuda_plan_semantics` runs their plans' kernels on the CPU.
 /// The fixtures are too small to reach these paths.
-pub const LARGE_SINGLE_OPS: [&str; 32] = [
+pub const LARGE_SINGLE_OPS: [&str; 35] = [
     // The dtype variants the benchmarks' steps launch besides the f32/f16 ones above: bf16 batch
     // norms split over 256 channels, column sums of f16 and bf16 over many rows (a bias
     // gradient), LayerNorm's split parameter sums reading a bf16 dy, GatherGrad's f32 sums.
@@ -239,6 +239,11 @@ pub const LARGE_SINGLE_OPS: [&str; 32] = [
     // 256 channels of 56 × 56, at batch 4).
     "input %0 \"x\": f16[4,256,56,56]\n  input %1 \"s\": f32[256]\n  input %2 \"b\": f32[256]\n  input %3 \"m\": f32[256]\n  input %4 \"v\": f32[256]\n  %5 \"y\": f16[4,256,56,56], %6 \"rm\": f32[256], %7 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7",
     "input %0 \"dy\": f16[4,256,56,56]\n  input %1 \"x\": f16[4,256,56,56]\n  input %2 \"s\": f32[256]\n  %3 \"dx\": f16[4,256,56,56], %4 \"ds\": f16[256], %5 \"db\": f16[256] = ai.mpc::BatchNormalizationGrad(%0, %1, %2)\n  output %3\n  output %4\n  output %5",
+    // A residual block's batch norm, Add and Relu (ResNet's): its passes 16 bytes at a time, one
+    // block per channel, and inference.
+    "input %0 \"x\": f16[4,256,56,56]\n  input %1 \"r\": f16[4,256,56,56]\n  input %2 \"s\": f32[256]\n  input %3 \"b\": f32[256]\n  input %4 \"m\": f32[256]\n  input %5 \"v\": f32[256]\n  %6 \"y\": f16[4,256,56,56], %7 \"rm\": f32[256], %8 \"rv\": f32[256] = BatchNormalization[training_mode=1](%0, %2, %3, %4, %5)\n  %9 \"a\": f16[4,256,56,56] = Add(%1, %6)\n  %10 \"o\": f16[4,256,56,56] = Relu(%9)\n  output %10\n  output %7\n  output %8",
+    "input %0 \"x\": f32[2,8,7,9]\n  input %1 \"r\": f32[2,8,7,9]\n  input %2 \"s\": f32[8]\n  input %3 \"b\": f32[8]\n  input %4 \"m\": f32[8]\n  input %5 \"v\": f32[8]\n  %6 \"y\": f32[2,8,7,9], %7 \"rm\": f32[8], %8 \"rv\": f32[8] = BatchNormalization[training_mode=1](%0, %2, %3, %4, %5)\n  %9 \"a\": f32[2,8,7,9] = Add(%6, %1)\n  %10 \"o\": f32[2,8,7,9] = Relu(%9)\n  output %10\n  output %7\n  output %8",
+    "input %0 \"x\": f16[2,8,7,9]\n  input %1 \"r\": f16[2,8,7,9]\n  input %2 \"s\": f16[8]\n  input %3 \"b\": f16[8]\n  input %4 \"m\": f16[8]\n  input %5 \"v\": f16[8]\n  %6 \"y\": f16[2,8,7,9] = BatchNormalization(%0, %2, %3, %4, %5)\n  %7 \"a\": f16[2,8,7,9] = Add(%6, %1)\n  %8 \"o\": f16[2,8,7,9] = Relu(%7)\n  output %8",
     // A batch norm's gradient reading its dy through the ReLU's gradient (ResNet's blocks): in
     // passes 16 bytes at a time, in passes one element at a time, and one block per channel.
     "input %0 \"dr\": f16[4,256,56,56]\n  input %1 \"r\": f16[4,256,56,56]\n  input %2 \"x\": f16[4,256,56,56]\n  input %3 \"s\": f32[256]\n  %4 \"dy\": f16[4,256,56,56] = ai.mpc::ReluGrad(%0, %1)\n  %5 \"dx\": f16[4,256,56,56], %6 \"ds\": f16[256], %7 \"db\": f16[256] = ai.mpc::BatchNormalizationGrad(%4, %2, %3)\n  output %5\n  output %6\n  output %7",

@@ -3,6 +3,7 @@
 
 use mpc_ir::DType;
 use mpc_runtime::cuda::plan::{Arg, Buf, Kernel, Window3};
+use mpc_runtime::value::HostTensor;
 
 use super::interp::*;
 
@@ -40,6 +41,16 @@ pub(crate) const MORE: [&str; 30] = [
     "train_loss_scale_update",
     "train_unscale_",
 ];
+
+/// A batch norm's value through its residual Add where `res` is given (the value rounded to `d`
+/// as its store would round it, plus the residual's element `i`) and its Relu when `relu`.
+fn bn_res_out(m: &mut Memory, v: f64, res: Arg, i: i64, d: DType, relu: bool) -> f64 {
+    let v = match res {
+        Arg::Ptr(r) => HostTensor::from_f64(d, vec![1], vec![v]).f64s()[0] + m.get(r, i, d),
+        _ => v,
+    };
+    bn_out(v, relu)
+}
 
 /// A batch norm's output through its Relu epilogue when `relu`: NaN stays NaN.
 fn bn_out(v: f64, relu: bool) -> f64 {
@@ -274,27 +285,24 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 }
             }
         } else {
-            // (n, c, inner) follow the pointers: 10 of them for training, 6 for inference and 7
-            // for the gradient.
-            let c_at = match name {
-                _ if name.starts_with("norm_batch_norm_train_") => 11,
-                _ if name.starts_with("norm_batch_norm_grad_") => 8,
-                _ => 7,
-            };
+            // (n, c, inner) follow the pointers: 11 of them for training, 7 for inference and
+            // the gradient.
+            let c_at = if name.starts_with("norm_batch_norm_train_") { 12 } else { 8 };
             let (n, c, inner) = (int(&a[c_at - 1]), int(&a[c_at]), int(&a[c_at + 1]));
             let at = |b: i64, ch: i64, i: i64| (b * c + ch) * inner + i;
             for ch in 0..c {
                 let idx: Vec<i64> = (0..n).flat_map(|b| (0..inner).map(move |i| at(b, ch, i))).collect();
                 let cnt = idx.len() as f64;
                 if name.starts_with("norm_batch_norm_infer_") {
-                    let (x, sc, bi, mean, var, y) =
-                        (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]));
-                    let (eps, relu) = (f32_of(&a[9]), int(&a[10]) != 0);
+                    let (x, sc, bi, mean, var, res, y) =
+                        (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), a[5], ptr(&a[6]));
+                    let (eps, relu) = (f32_of(&a[10]), int(&a[11]) != 0);
                     let kk = param(m, sc, ch) / (param(m, var, ch) + eps).sqrt();
                     let (mu, b) = (param(m, mean, ch), param(m, bi, ch));
                     for &e in &idx {
                         let v = (m.get(x, e, d) - mu) * kk + b;
-                        m.set(y, e, d, bn_out(v, relu));
+                        let out = bn_res_out(m, v, res, e, d, relu);
+                        m.set(y, e, d, out);
                     }
                     continue;
                 }
@@ -303,13 +311,14 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 let mean = v.iter().sum::<f64>() / cnt;
                 let var = v.iter().map(|e| (e - mean) * (e - mean)).sum::<f64>() / cnt;
                 if name.starts_with("norm_batch_norm_train_") {
-                    let (sc, bi, rm, rv, y, rmo, rvo) =
-                        (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]), ptr(&a[7]));
-                    let (eps, mom, relu) = (f32_of(&a[13]), f32_of(&a[14]), int(&a[15]) != 0);
+                    let (sc, bi, rm, rv, res, y, rmo, rvo) =
+                        (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]), a[5], ptr(&a[6]), ptr(&a[7]), ptr(&a[8]));
+                    let (eps, mom, relu) = (f32_of(&a[14]), f32_of(&a[15]), int(&a[16]) != 0);
                     let kk = param(m, sc, ch) / (var + eps).sqrt();
                     let b = param(m, bi, ch);
                     for (&e, &xv) in idx.iter().zip(&v) {
-                        m.set(y, e, d, bn_out((xv - mean) * kk + b, relu));
+                        let out = bn_res_out(m, (xv - mean) * kk + b, res, e, d, relu);
+                        m.set(y, e, d, out);
                     }
                     let (om, ov) = (param(m, rm, ch), param(m, rv, ch));
                     m.set(rmo, ch, dp, om * mom + mean * (1.0 - mom));
@@ -618,14 +627,21 @@ pub(crate) fn run_bn_pass(m: &mut Memory, k: &Kernel) {
             m.set(rvo, ch, dp, ov * mom + var * (1.0 - mom));
         }
     } else if name.starts_with("norm_bn_apply_") {
-        let [x, mean, kk, bi, y] = [0, 1, 2, 3, 4].map(|i| ptr(&a[i]));
-        let (n, c, inner) = (int(&a[5]), int(&a[6]), int(&a[7]));
-        units(d, inner, &a[8], &[x, y]);
-        let relu = int(&a[9]) != 0;
+        let res = a[4];
+        let [x, mean, kk, bi, y] = [0, 1, 2, 3, 5].map(|i| ptr(&a[i]));
+        let (n, c, inner) = (int(&a[6]), int(&a[7]), int(&a[8]));
+        let mut bufs = vec![x, y];
+        bufs.extend(match res {
+            Arg::Ptr(r) => Some(r),
+            _ => None,
+        });
+        units(d, inner, &a[9], &bufs);
+        let relu = int(&a[10]) != 0;
         for i in 0..n * c * inner {
             let ch = (i / inner) % c;
             let out = (m.get(x, i, d) - m.get(mean, ch, acc(d))) * m.get(kk, ch, acc(d)) + m.get(bi, ch, dp);
-            m.set(y, i, d, bn_out(out, relu));
+            let out = bn_res_out(m, out, res, i, d, relu);
+            m.set(y, i, d, out);
         }
     } else {
         // norm_bn_grad_finish_<T>_<P>

@@ -60,6 +60,7 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
                 chain: None,
                 epilogue: None,
                 epilogue_operand: None,
+                epilogue_then: None,
                 group: std::mem::take(run),
                 sibling: None,
                 relu_mask: None,

@@ -193,10 +193,14 @@ pub(super) fn lower_in(
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
     let fuse = !opts.unfused && crate::fuse::enabled();
     let library = fuse && !opts.bitwise;
-    let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands, prologues } =
+    let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands, thens, prologues } =
         read_in_readers(g, caps, &steps, &view_of, fuse, library);
-    let applied: HashSet<NodeId> =
-        epilogues.values().map(|&(_, n)| n).chain(prologues.values().map(|&(n, _)| n)).collect();
+    let applied: HashSet<NodeId> = epilogues
+        .values()
+        .map(|&(_, n)| n)
+        .chain(thens.values().copied())
+        .chain(prologues.values().map(|&(n, _)| n))
+        .collect();
     steps.retain(|&n| {
         !applied.contains(&n)
             && !g
@@ -528,6 +532,7 @@ pub(super) fn lower_in(
                     chain: Some(Box::new(chain.clone())),
                     epilogue: None,
                     epilogue_operand: None,
+                    epilogue_then: None,
                     group: Vec::new(),
                     sibling: None,
                     relu_mask: None,
@@ -628,7 +633,9 @@ pub(super) fn lower_in(
         } else {
             None
         };
-        let epilogue = node.outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| g.node(e).op.clone());
+        let epilogue_node = node.outputs().first().and_then(|o| epilogues.get(o)).map(|&(_, e)| e);
+        let epilogue = epilogue_node.map(|e| g.node(e).op.clone());
+        let epilogue_then = epilogue_node.and_then(|e| thens.get(&e)).map(|&r| g.node(r).op.clone());
         let epilogue_operand = epilogue_of(n).map(|v| place(v, &refs).map(Operand::Device)).transpose()?;
         // The ReLU output through whose gradient input 0 is read.
         let relu_prologue = match node.input(0).and_then(|v| prologues.get(&v)) {
@@ -644,6 +651,7 @@ pub(super) fn lower_in(
             chain: None,
             epilogue,
             epilogue_operand,
+            epilogue_then,
             group: Vec::new(),
             sibling,
             relu_mask: mask_of.get(&n).map(|b| mask_ref[b].clone()),
@@ -691,7 +699,7 @@ pub(super) fn lower_in(
         folded,
         views,
         widened: widened.len(),
-        epilogues: epilogues.len(),
+        epilogues: epilogues.len() + thens.len(),
         prologues: prologues.len(),
         siblings: siblings.len(),
         transposed: transposed.len() + permuted.len(),

@@ -1,7 +1,8 @@
 //! The nodes a launch computes inside another's ([`read_in_readers`]): Casts read widened,
-//! Transposes read transposed or through a permutation, and element-wise nodes applied as the
-//! epilogue of the launch that makes their input (with a second operand: a bias, or the ReLU
-//! output a ReluGrad reads).
+//! Transposes read transposed or through a permutation, element-wise nodes applied as the
+//! epilogue of the launch that makes their input (with a second operand: a bias, a residual
+//! block's shortcut and the Relu after it, or the ReLU output a ReluGrad reads), and ReluGrads
+//! read through by their reader.
 
 use std::collections::{HashMap, HashSet};
 
@@ -22,6 +23,10 @@ pub(super) struct InOthers {
     pub(super) epilogues: HashMap<ValueId, (ValueId, NodeId)>,
     /// The second operand of an epilogue that has two, by the epilogue's node.
     pub(super) operands: HashMap<NodeId, ValueId>,
+    /// The Relu applied after an epilogue, by the epilogue's node (a residual block's, after the
+    /// Add of its last batch norm's output and the block's shortcut); the epilogue's result in
+    /// [`InOthers::epilogues`] is then the Relu's.
+    pub(super) thens: HashMap<NodeId, NodeId>,
     /// ReluGrads read through by their only reader ([`reads_relu_grad`]; only when
     /// `epilogues`): the ReluGrad's result mapped to its node and its dY and Y, which the reader
     /// reads.
@@ -177,10 +182,23 @@ pub(super) fn read_in_readers(
                 && made_before(y, p)
                 && matches!((ty(dy), ty(y), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c && float(&a))
         };
+        // A residual block's Add of a batch norm's output and its shortcut, made before the batch
+        // norm (either side of the Add), all of one dtype and shape: the batch norm adds it as it
+        // writes (its own kernels, the unfused bits).
+        let residual = |u: ValueId, other: ValueId| -> bool {
+            let Def::Node(p, 0) = g.value(u).def() else { return false };
+            matches!(node.op, Op::Add)
+                && adds_residual(&g.node(*p).op)
+                && other != u
+                && made_before(other, p)
+                && matches!((ty(u), ty(other), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c)
+        };
         let (u, other) = match *node.inputs() {
             [Some(u)] => (u, None),
             [Some(a), Some(b)] if library && bias(a, b) => (a, Some(b)),
             [Some(a), Some(b)] if library && bias(b, a) => (b, Some(a)),
+            [Some(a), Some(b)] if residual(a, b) => (a, Some(b)),
+            [Some(a), Some(b)] if residual(b, a) => (b, Some(a)),
             [Some(dy), Some(y)] if library && relu_grad(dy, y) => (dy, Some(y)),
             _ => continue,
         };
@@ -199,6 +217,28 @@ pub(super) fn read_in_readers(
         {
             applied.insert(u, (v, n));
             operands.extend(other.map(|o| (n, o)));
+        }
+    }
+    // A Relu that is the only reader of a batch norm's residual Add: applied after the Add.
+    let mut thens: HashMap<NodeId, NodeId> = HashMap::new();
+    for (&u, (v, e)) in applied.iter_mut() {
+        let (Def::Node(p, 0), &[use_]) = (g.value(u).def(), g.value(*v).uses()) else { continue };
+        let relu = g.node(use_.node);
+        let &[w] = relu.outputs() else { continue };
+        if g.node(*e).op == Op::Add
+            && adds_residual(&g.node(*p).op)
+            && relu.op == Op::Relu
+            && launched.contains(&use_.node)
+            && !g.is_output(*v)
+            && !viewed.contains(v)
+            && !view_of.contains_key(v)
+            && !transposed.contains_key(&w)
+            && !permuted.contains_key(&w)
+            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != *v && next != *v))
+            && ty(w).is_ok_and(|t| ty(*v).is_ok_and(|s| s == t))
+        {
+            thens.insert(*e, use_.node);
+            *v = w;
         }
     }
     // ReluGrads whose only reader reads its operand through them (a batch norm's gradient after
@@ -230,7 +270,7 @@ pub(super) fn read_in_readers(
             prologues.insert(v, (n, [dy, y]));
         }
     }
-    InOthers { widened, transposed, permuted, epilogues: applied, operands, prologues }
+    InOthers { widened, transposed, permuted, epilogues: applied, operands, thens, prologues }
 }
 
 /// Whether a Transpose of a rank-`rank` tensor swaps its last two axes and no other.

@@ -320,6 +320,7 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     let ins: Vec<&TensorRef> =
         l.inputs.iter().map(|o| if let Operand::Device(t) = o { Some(t) } else { None }).collect::<Option<_>>()?;
     let plain = l.epilogue.is_none()
+        && l.epilogue_then.is_none()
         && l.relu_prologue.is_none()
         && l.sibling.is_none()
         && l.group.is_empty()
@@ -381,14 +382,20 @@ const LONE_CHAIN_MIN: usize = 1 << 16;
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
     // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
-    // norm's Relu, a Gemm's Relu or ReluGrad, a MatMul's Transpose or bias.
-    match (&p.l.op, &p.l.epilogue) {
-        (_, None)
-        | (Op::LayerNormalization(_), Some(Op::Cast(_)))
-        | (Op::BatchNormalization(_) | Op::Gemm(_), Some(Op::Relu))
-        | (Op::Gemm(_), Some(Op::ReluGrad))
-        | (Op::MatMul, Some(Op::Transpose(_) | Op::Add)) => {}
-        (op, Some(e)) => return Err(format!("{} with a {} epilogue", op.op_type(), e.op_type())),
+    // norm's Relu, or its residual Add and the Relu after it, a Gemm's Relu or ReluGrad, a
+    // MatMul's Transpose or bias.
+    match (&p.l.op, &p.l.epilogue, &p.l.epilogue_then) {
+        (_, None, None)
+        | (Op::LayerNormalization(_), Some(Op::Cast(_)), None)
+        | (Op::BatchNormalization(_) | Op::Gemm(_), Some(Op::Relu), None)
+        | (Op::BatchNormalization(_), Some(Op::Add), None | Some(Op::Relu))
+        | (Op::Gemm(_), Some(Op::ReluGrad), None)
+        | (Op::MatMul, Some(Op::Transpose(_) | Op::Add), None) => {}
+        (op, Some(e), then) => {
+            let then = then.as_ref().map_or(String::new(), |t| format!(" and a {}", t.op_type()));
+            return Err(format!("{} with a {}{then} epilogue", op.op_type(), e.op_type()));
+        }
+        (op, None, Some(t)) => return Err(format!("{} with a {} after no epilogue", op.op_type(), t.op_type())),
     }
     // The operands the kernels read through a ReLU's gradient: a batch norm gradient's dy.
     if p.l.relu_prologue.is_some() && !matches!(p.l.op, Op::BatchNormalizationGrad(_)) {

@@ -218,8 +218,19 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let (n, c, inner) = split3(&x.shape, 1, 2);
             let tags = norm_tags(x.dtype, scale.dtype)?;
             let ptr = |t: &TensorRef| Arg::Ptr(buf(t));
-            // A Relu applied as y is written (the launch's epilogue).
-            let relu = Arg::I32(matches!(p.l.epilogue, Some(Op::Relu)) as i32);
+            // A Relu applied as y is written (the launch's epilogue, or after its residual Add),
+            // and the residual added before it.
+            let relu = Arg::I32(
+                matches!((&p.l.epilogue, &p.l.epilogue_then), (Some(Op::Relu), _) | (_, Some(Op::Relu))) as i32,
+            );
+            let res = match (&p.l.epilogue, &p.l.epilogue_operand) {
+                (Some(Op::Add), Some(Operand::Device(r))) if r.dtype == y.dtype && r.shape == y.shape => {
+                    Some(r.clone())
+                }
+                (Some(Op::Add), _) => return Err("a batch norm's residual not shaped as its output".into()),
+                _ => None,
+            };
+            let res_arg = res.as_ref().map_or(Arg::Null, ptr);
             if a.training_mode {
                 let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
                 let rv = p.l.outputs.get(2).map_or(Arg::Null, ptr);
@@ -229,7 +240,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 if let Some(splits) = bn_splits(c, n * inner) {
                     // One pass for the sums, a thread per channel for the statistics (and the
                     // running ones), one element-wise pass for y.
-                    let vec = bn_vec(inner, &[x, y]);
+                    let vec = bn_vec(inner, &[x, y].into_iter().chain(res.as_ref()).collect::<Vec<_>>());
                     let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
                     let acc = acc_dtype(x.dtype).size() as u64;
                     let (m, k) = (p.work(c * acc), p.work(c * acc));
@@ -243,6 +254,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                         Arg::Ptr(m),
                         Arg::Ptr(k),
                         ptr(bias),
+                        res_arg,
                         ptr(y),
                         Arg::I64(n as i64),
                         Arg::I64(c as i64),
@@ -260,6 +272,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     ptr(bias),
                     ptr(mean),
                     ptr(var),
+                    res_arg,
                     ptr(y),
                     rm,
                     rv,
@@ -280,6 +293,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                     ptr(bias),
                     ptr(mean),
                     ptr(var),
+                    res_arg,
                     ptr(y),
                     Arg::I64(n as i64),
                     Arg::I64(c as i64),
