@@ -243,6 +243,49 @@ fn dense_layers_go_to_cublaslt_where_it_is_found() {
     }
 }
 
+/// The tiny GPT with its loss inside (a tanh GELU in each layer, whose gradient is the epilogue
+/// of the Gemm that makes its dY: cuBLASLt's `DGELU` where it is found, else the GEMM and the
+/// GeluGrad kernel): its losses over 20 training steps on the GPU track the CPU's, and the step
+/// says how many of its products cuBLASLt took and why it refused any.
+#[test]
+fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let steps: u64 = std::env::var("MPC_TRACK_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20).clamp(1, 20);
+    for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 2e-2)] {
+        let g = common::compiled("tiny_gpt_loss", policy, true).unwrap();
+        let cpu = losses(CpuDevice::default(), &g, "tiny_gpt_loss", steps);
+        let cuda = losses(CudaDevice::new(0).unwrap(), &g, "tiny_gpt_loss", steps);
+        let worst = cpu.iter().zip(&cuda).map(|(a, b)| (a - b).abs() / a.abs().max(1e-6)).fold(0.0, f64::max);
+        let (bound_g, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
+        let program =
+            mpc::run::lower_bound(&bound_g, CudaDevice::new(0).unwrap().caps(), None, None, &fixture("tiny_gpt_loss"))
+                .unwrap();
+        let gelu_grads =
+            program.launches.iter().filter(|l| matches!(l.epilogue, Some(mpc_ir::Op::GeluGrad(_)))).count();
+        let mut s = Session::new(CudaDevice::new(0).unwrap(), program).unwrap();
+        s.feed(0, &mpc::run::random_inputs(&bound_g, 1, &dims(16)).unwrap()).unwrap();
+        s.step(0).unwrap();
+        for why in s.device().cublaslt_refusals() {
+            println!("refused by cuBLASLt: {why}");
+        }
+        let c = s.counters();
+        println!(
+            "tiny_gpt_loss {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}; \
+             {gelu_grads} GELU gradients in products; cuBLASLt calls {}, refused {}",
+            cuda[0],
+            cuda[steps as usize - 1],
+            cpu[0],
+            cpu[steps as usize - 1],
+            c.lt_gemms,
+            c.lt_fallbacks
+        );
+        assert!(gelu_grads > 0, "tiny_gpt_loss {policy}: no GELU gradient in a product");
+        assert!(worst <= bound, "tiny_gpt_loss {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
+    }
+}
+
 /// Single ops at sizes that take the GPU's multi-pass paths (few long columns, LayerNorm's
 /// parameter gradients over many tokens, batch norm over few channels of many elements, an
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row),

@@ -317,6 +317,41 @@ fn a_residual_blocks_add_and_relu_are_its_batch_norms_epilogue() {
     }
 }
 
+/// A tanh GELU's gradient in the backward pass is the epilogue of the product that makes its dY
+/// (the input gradient of the layer after the GELU, a Gemm over the sequence's rows that dY
+/// views as `[B, S, F]`), reading the GELU's input; without the products' library fusions
+/// (`bitwise`) the GeluGrads are launches again.
+#[test]
+fn a_gelu_gradient_is_its_products_epilogue() {
+    use mpc_runtime::program::{lower, LowerOptions};
+    let g = compiled("tiny_gpt_loss", "mixed", true);
+    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+    let caps = mpc_runtime::device::CpuDevice::default().caps();
+    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    let kinds: Vec<String> = p.launches.iter().map(|l| l.kind()).collect();
+    assert!(!kinds.iter().any(|k| k == "GeluGrad"), "{kinds:?}");
+    let grads: Vec<usize> =
+        (0..p.launches.len()).filter(|&i| matches!(p.launches[i].epilogue, Some(mpc_ir::Op::GeluGrad(_)))).collect();
+    assert!(!grads.is_empty(), "{kinds:?}");
+    for &b in &grads {
+        let l = &p.launches[b];
+        assert!(matches!(l.op, mpc_ir::Op::Gemm(_)), "{}", l.node);
+        let Some(Operand::Device(h)) = &l.epilogue_operand else { panic!("{}: no GELU input", l.node) };
+        let (y, a) = (&l.outputs[0], l.inputs[0].tensor().unwrap());
+        assert_eq!((h.dtype, &h.shape), (y.dtype, &y.shape), "{}", l.node);
+        assert!(y.shape.len() == 3 && a.shape.len() == 2, "{}: {:?} from {:?}", l.node, y.shape, a.shape);
+        // The GELU's launch read the same place earlier, and it lives until here.
+        let gelu = |f: &mpc_runtime::program::Launch| {
+            matches!(f.op, mpc_ir::Op::Gelu(_)) && f.inputs.first().and_then(Operand::tensor) == Some(h)
+        };
+        let f = p.launches.iter().position(gelu).unwrap_or_else(|| panic!("{}: no GELU reads its input", l.node));
+        let buffer = p.buffers.iter().find(|x| x.offset == h.offset && x.bytes >= h.bytes()).unwrap();
+        assert!(f < b && buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+    }
+    let plain = lower(&bound, caps, LowerOptions { bitwise: true, ..Default::default() }).unwrap();
+    assert_eq!(plain.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::GeluGrad(_))).count(), grads.len());
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
@@ -462,6 +497,7 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
         &[
             "Gemm+Relu (epilogue)",
             "Gemm+ReluGrad (epilogue)",
+            "Gemm+GeluGrad (epilogue)",
             "Gemm+ReduceSum (sibling)",
             "MatMul+Transpose (epilogue)",
             "MatMul+Add (epilogue)",

@@ -386,7 +386,12 @@ impl CpuDevice {
         }
         let mut outs = outs;
         if let (Some(e), Some(first)) = (&l.epilogue, outs.first_mut()) {
-            // The epilogue's reference kernel on the first output: the unfused node's bits.
+            // The epilogue's reference kernel on the first output: the unfused node's bits (the
+            // output in the epilogue's shape, where an element-wise one reads a reshape of it).
+            let reshaped = |p: &&TensorRef| p.shape != first.shape && p.numel() == first.len();
+            if let Some(place) = l.outputs.first().filter(reshaped).filter(|_| crate::plan::elementwise(e)) {
+                first.shape.clone_from(&place.shape);
+            }
             let args = [Some(&*first), second.as_ref()];
             let applied =
                 cpu::run_op(e, &args[..1 + usize::from(second.is_some())], 1).map_err(|e| kernel_error(&l.node, e))?;

@@ -48,9 +48,16 @@ fn gemm_then(m: &mut Memory, g: &Gemm, finish: &mut dyn FnMut(i64, i64, f64) -> 
     }
 }
 
+/// The tanh GELU's slope at `x` (the CPU's GeluGrad over one element).
+fn gelu_tanh_slope(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let t = (c * (x + 0.044715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
 /// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU
-/// (its signs written as bits to the mask), or kept where the mask's bit is set, rounded once;
-/// and the bias gradient.
+/// (its signs written as bits to the mask), kept where the mask's bit is set, or times the GELU's
+/// slope at its input, rounded once; and the bias gradient.
 pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
     let bias: Vec<f64> = match lt.bias {
         Some(b) => (0..lt.gemm.m).map(|i| m.get(b, i, lt.gemm.c_dtype)).collect(),
@@ -66,8 +73,20 @@ pub(crate) fn run_lt(m: &mut Memory, lt: &LtGemm) {
         (true, None) => panic!("a ReLU's gradient without its mask"),
         _ => Vec::new(),
     };
+    // The GELU's input, read before the product (D may be where it lies only if the plan is
+    // wrong; the check would then fail).
+    let gelu_input: Vec<f64> = match lt.gelu_grad {
+        Some(h) => (0..lt.gemm.n)
+            .flat_map(|col| (0..lt.gemm.m).map(move |row| row + col * h.ld))
+            .map(|at| m.get(h.buf, at, lt.gemm.c_dtype))
+            .collect(),
+        None => Vec::new(),
+    };
     let mut signs = Vec::new();
     gemm_then(m, &lt.gemm, &mut |row, col, v| {
+        if lt.gelu_grad.is_some() {
+            return v * gelu_tanh_slope(gelu_input[(row + col * lt.gemm.m) as usize]);
+        }
         let v = v + bias[row as usize];
         let bit = lt.mask.map(|mask| (row + col * mask.ld) as usize);
         if lt.relu_grad {

@@ -284,6 +284,7 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     let path = fixture("tiny_gpt_loss");
     let mut kernels = std::collections::BTreeSet::new();
     let mut chains = std::collections::BTreeSet::new();
+    let mut gelu_grads = 0;
     for (policy, unfused) in
         [("fp32", false), ("mixed", false), ("mixed-bf16", false), ("mixed", true), ("mixed-bf16", true)]
     {
@@ -298,8 +299,20 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         for l in &program.launches {
             chains.extend(l.chain.as_ref().map(|c| c.kind()));
             for c in &plan(l, &constant).unwrap().calls {
-                if let Call::Kernel(k) = c {
-                    kernels.insert(k.name.clone());
+                match c {
+                    Call::Kernel(k) => {
+                        kernels.insert(k.name.clone());
+                    }
+                    // The GELU's gradient in the product that makes its dY (cuBLASLt's DGELU),
+                    // its fallback the GEMM and the gradient's kernel.
+                    Call::Lt(g) if g.gelu_grad.is_some() => {
+                        assert!(g
+                            .fallback
+                            .iter()
+                            .any(|f| matches!(f, Call::Kernel(k) if k.name.starts_with("train_gelu_grad_"))));
+                        gelu_grads += 1;
+                    }
+                    _ => {}
                 }
             }
         }
@@ -313,6 +326,8 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     for c in ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)"] {
         assert!(chains.contains(c), "no {c}: {chains:?}");
     }
+    // The fused programs' GELU gradients, one per layer under each policy.
+    assert!(gelu_grads >= 3, "{gelu_grads} GELU gradients in products");
     for k in [
         "loss_softmax_ce_wide_f16_i64",
         "loss_softmax_ce_grad_wide_f16_i64",

@@ -1,6 +1,7 @@
 //! Matrix products that finish with a bias and a ReLU (keeping the ReLU's signs as bits where its
-//! gradient will need them), that apply a ReLU's gradient from those bits, or that sum a bias
-//! gradient as they read it, through cuBLASLt (loaded at run time like cuBLAS).
+//! gradient will need them), that apply a ReLU's gradient from those bits or a GELU's from its
+//! input, or that sum a bias gradient as they read it, through cuBLASLt (loaded at run time like
+//! cuBLAS).
 //!
 //! An [`LtGemm`] of a plan becomes, when a program is prepared, a matmul descriptor (transposes,
 //! epilogue, bias address), the operands' layouts and cuBLASLt's first heuristic algorithm for
@@ -76,9 +77,18 @@ impl Lt {
         }
         let dim = |v: i64| u64::try_from(v).map_err(|_| format!("a dim of {v}"));
         let (a, b, d) = (resolve(p.a), resolve(p.b), resolve(p.c));
-        if g.bgrad.is_some() && (g.bias.is_some() || g.relu || g.relu_grad) {
-            return Err("a bias gradient with a bias or a ReLU".into());
+        if g.bgrad.is_some() && (g.bias.is_some() || g.relu || g.relu_grad || g.gelu_grad.is_some()) {
+            return Err("a bias gradient with a bias or an activation".into());
         }
+        if g.gelu_grad.is_some() && (g.bias.is_some() || g.relu || g.relu_grad) {
+            return Err("a GELU's gradient with a bias or a ReLU".into());
+        }
+        // The GELU's input, of D's layout: its address and leading dim in elements.
+        let gelu_input = match g.gelu_grad {
+            Some(h) if h.ld >= p.m => Some((resolve(h.buf), h.ld)),
+            Some(h) => return Err(format!("a GELU input of {} elements a column", h.ld)),
+            None => None,
+        };
         // A ReLU's bit-mask: written by a ReLU (RELU_AUX), read by its gradient (DRELU).
         let mask = match (g.mask, g.relu, g.relu_grad) {
             (_, true, true) => return Err("a ReLU and its gradient in one product".into()),
@@ -116,6 +126,7 @@ impl Lt {
             (_, _, Some(GradOf::A), _) => E::CUBLASLT_EPILOGUE_BGRADA,
             (_, _, Some(GradOf::B), _) => E::CUBLASLT_EPILOGUE_BGRADB,
             _ if g.relu_grad => E::CUBLASLT_EPILOGUE_DRELU,
+            _ if gelu_input.is_some() => E::CUBLASLT_EPILOGUE_DGELU,
             (true, true, _, true) => E::CUBLASLT_EPILOGUE_RELU_AUX_BIAS,
             (true, true, _, false) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
             (true, false, _, _) => E::CUBLASLT_EPILOGUE_BIAS,
@@ -145,6 +156,12 @@ impl Lt {
             }
             if let Some((at, ld)) = &mask {
                 // The bit-mask's address and its leading dim in bits (an int64).
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, at as *const u64 as _, 8)?;
+                set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld as *const i64 as _, 8)?;
+            }
+            if let Some((at, ld)) = &gelu_input {
+                // The GELU's input (of D's type, cuBLASLt's default for the auxiliary matrix of
+                // f16, bf16 and f32 results) and its leading dim in elements.
                 set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, at as *const u64 as _, 8)?;
                 set(D::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld as *const i64 as _, 8)?;
             }

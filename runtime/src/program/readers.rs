@@ -6,6 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use mpc_ir::ops::GeluApprox;
 use mpc_ir::{DType, Def, Graph, NodeId, Op, ValueId};
 
 use super::lower::typed;
@@ -164,23 +165,50 @@ pub(super) fn read_in_readers(
                 && matches!(shapes, (Ok((da, ref sa)), Ok((db, ref sb)), Ok((dc, ref sc)))
                     if [da, db, dc] == [d; 3] && ty(v).is_ok_and(|t| t == (d, s.clone())) && adds_bias(sa, sb, &s, sc))
         };
-        // A ReLU's gradient ReluGrad(dY, Y) where dY is a Gemm's product (the backward pass's
-        // input gradient of the layer after the ReLU) and Y the ReLU's output, made before: the
-        // product applies it as it writes (cuBLASLt's DRELU epilogue on CUDA, from the forward
-        // launch's bit-mask, [`Launch::relu_mask`]).
-        let relu_grad = |dy: ValueId, y: ValueId| -> bool {
-            let Def::Node(p, 0) = g.value(dy).def() else { return false };
+        // The value a product wrote that this node reads as `dy`: dy itself, or the product's
+        // result where dy is a reshape of it (a view) that only this node reads, of a result
+        // that only that reshape reads (a GELU's input gradient over a sequence: the Gemm's
+        // 2-D result viewed as `[B, S, F]`).
+        let product_result = |dy: ValueId| -> ValueId {
+            match view_of.get(&dy) {
+                Some(&w)
+                    if g.value(dy).uses().len() == 1
+                        && g.value(w).uses().len() == 1
+                        && view_of.values().filter(|&&r| r == w).count() == 1
+                        && !g.is_output(dy) =>
+                {
+                    w
+                }
+                _ => dy,
+            }
+        };
+        // An activation's gradient where dY is a Gemm's product (the backward pass's input
+        // gradient of the layer after the activation) and its other operand made before: the
+        // product applies it as it writes. ReluGrad(dY, Y), Y the ReLU's output (cuBLASLt's DRELU
+        // epilogue on CUDA, from the forward launch's bit-mask, [`Launch::relu_mask`]), and the
+        // tanh GELU's GeluGrad(dY, X), X the GELU's input (cuBLASLt's DGELU), dY maybe a reshape
+        // of the product's result.
+        let act_grad = |dy: ValueId, y: ValueId| -> bool {
+            let result = product_result(dy);
+            let Def::Node(p, 0) = g.value(result).def() else { return false };
             let prod = g.node(*p);
             let plain = match &prod.op {
                 Op::Gemm(a) => a.beta == 0.0 || prod.input(2).is_none(),
                 _ => false,
             };
             let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
-            matches!(node.op, Op::ReluGrad)
-                && plain
+            let op = match &node.op {
+                Op::ReluGrad => result == dy,
+                Op::GeluGrad(a) => a.approximate == GeluApprox::Tanh,
+                _ => false,
+            };
+            op && plain
                 && dy != y
+                && result != y
                 && made_before(y, p)
                 && matches!((ty(dy), ty(y), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c && float(&a))
+                && ty(result)
+                    .is_ok_and(|(_, s)| s.iter().product::<usize>() == ty(dy).map_or(0, |t| t.1.iter().product()))
         };
         // A residual block's Add of a batch norm's output and its shortcut, made before the batch
         // norm (either side of the Add), all of one dtype and shape: the batch norm adds it as it
@@ -199,9 +227,12 @@ pub(super) fn read_in_readers(
             [Some(a), Some(b)] if library && bias(b, a) => (b, Some(a)),
             [Some(a), Some(b)] if residual(a, b) => (a, Some(b)),
             [Some(a), Some(b)] if residual(b, a) => (b, Some(a)),
-            [Some(dy), Some(y)] if library && relu_grad(dy, y) => (dy, Some(y)),
+            [Some(dy), Some(y)] if library && act_grad(dy, y) => (product_result(dy), Some(y)),
             _ => continue,
         };
+        // Read through a reshape that only this node reads (checked above): the product's result
+        // is viewed by it alone.
+        let via_view = node.input(0) != Some(u);
         let Def::Node(p, 0) = g.value(u).def() else { continue };
         if (other.is_some() || takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype))
             && launched.contains(p)
@@ -211,7 +242,7 @@ pub(super) fn read_in_readers(
             && !permuted.contains_key(&v)
             && g.value(u).uses().len() == 1
             && !g.is_output(u)
-            && !viewed.contains(&u)
+            && (!viewed.contains(&u) || via_view)
             && !view_of.contains_key(&u)
             && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
         {

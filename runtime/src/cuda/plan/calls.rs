@@ -192,6 +192,9 @@ pub struct LtGemm {
     /// A ReLU's signs as bits ([`crate::program::Launch::relu_mask`]): written with `relu`
     /// (`RELU_AUX`), read with `relu_grad`.
     pub mask: Option<LtMask>,
+    /// The tanh GELU's gradient applied to D as it is written, from the GELU's input (cuBLASLt's
+    /// `DGELU`): D's layout, `ld` elements a column.
+    pub gelu_grad: Option<LtAux>,
     /// Where the bias gradient goes (with no bias and no ReLU), and of which operand: the sums
     /// over `k` of `op(A)`'s rows (`gemm.m` values) or of `op(B)`'s columns (`gemm.n`), of
     /// `gemm.c_dtype` (a dense layer's `db`, beside `dW`).
@@ -199,6 +202,14 @@ pub struct LtGemm {
     /// The same as plain calls: the bias broadcast into D, a product with beta 1, a ReLU over D;
     /// or the product and the bias gradient's reduction.
     pub fallback: Vec<Call>,
+}
+
+/// A matrix an epilogue reads beside D, of D's dtype and layout (column-major, `ld` elements a
+/// column, no less than `gemm.m`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LtAux {
+    pub buf: Buf,
+    pub ld: i64,
 }
 
 /// A ReLU bit-mask as cuBLASLt keeps it: bit `i + j ld` for D's element `(i, j)` (column-major),

@@ -103,6 +103,7 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
             relu: false,
             relu_grad: false,
             mask: None,
+            gelu_grad: None,
             bgrad: None,
             fallback,
         })));
@@ -346,7 +347,13 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     if x.shape.len() != 2 || w.shape.len() != 2 {
         return Err("Gemm of operands that are not matrices".into());
     }
-    let (m, n) = (y.shape[0] as i64, y.shape[1] as i64);
+    // The product's rows and columns (y holds them, maybe viewed in another shape by the
+    // epilogue that writes it).
+    let (m, n) =
+        (if a.transA { x.shape[1] } else { x.shape[0] } as i64, if a.transB { w.shape[0] } else { w.shape[1] } as i64);
+    if y.numel() as i64 != m * n {
+        return Err(format!("a Gemm of {m} x {n} into {:?}", y.shape));
+    }
     let k = if a.transA { x.shape[0] } else { x.shape[1] } as i64;
     let c = p.opt_input(2).filter(|_| a.beta != 0.0);
     // A bias: C holds one value per output column ([n] or [1, n]) and is added as it is.
@@ -363,6 +370,16 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
             Some(r.clone())
         }
         (Some(Op::ReluGrad), _) => return Err("a ReluGrad epilogue on a Gemm with C, or of another shape".into()),
+        _ => None,
+    };
+    // The tanh GELU's gradient: y's at the GELU's input (the epilogue's operand).
+    let gelu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
+        (Some(Op::GeluGrad(g)), Some(Operand::Device(h)))
+            if g.approximate == GeluApprox::Tanh && h.dtype == y.dtype && h.numel() == y.numel() && c.is_none() =>
+        {
+            Some(h.clone())
+        }
+        (Some(Op::GeluGrad(_)), _) => return Err("a GeluGrad epilogue on a Gemm with C, or of another shape".into()),
         _ => None,
     };
     // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
@@ -411,11 +428,31 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
             p.flat("train", format!("train_relu_grad_{}", float_tag(y.dtype)?), (m * n) as u64, args);
         }
     }
+    if let Some(h) = &gelu_grad_of {
+        if m * n > 0 {
+            // The GELU's gradient kernel over the product, in place (each element read before it
+            // is written), 16 bytes at a time where it can.
+            let size = 16 / y.dtype.size() as i64;
+            let vec = wide_enabled() && (m * n) % size == 0 && [y, h].iter().all(|t| t.offset % 16 == 0);
+            let mut args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(h)), Arg::Ptr(buf(y)), Arg::I64(m * n)];
+            args.extend([Arg::I32(1), Arg::I32(vec as i32)]);
+            let units = if vec { m * n / size } else { m * n } as u64;
+            p.flat("train", format!("train_gelu_grad_{}", float_tag(y.dtype)?), units, args);
+        }
+    }
     // A weight gradient's sibling, the bias gradient: the column sums of dY, which is X (cuBLAS's
     // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
     // calls follow the product's.
     let bgrad = match p.l.sibling.as_deref() {
-        Some(s) if a.transA && !a.transB && a.alpha == 1.0 && c.is_none() && !relu && relu_grad_of.is_none() => {
+        Some(s)
+            if a.transA
+                && !a.transB
+                && a.alpha == 1.0
+                && c.is_none()
+                && !relu
+                && relu_grad_of.is_none()
+                && gelu_grad_of.is_none() =>
+        {
             let (dy, db) = (s.inputs.first(), s.outputs.first());
             let reads =
                 |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
@@ -444,13 +481,16 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     // a sixteenth of the bytes of the ReLU's output, with no pass over y of its own.
     let lt_types = matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16);
     let relu_grad = relu_grad_of.is_some() && mask.is_some();
-    let epilogue = bias.is_some() || relu || bgrad.is_some() || relu_grad;
+    // Or it applies the GELU's gradient from the GELU's input, of D's layout (cuBLASLt's DGELU).
+    let gelu_grad = gelu_grad_of.map(|h| LtAux { buf: buf(&h), ld: n });
+    let epilogue = bias.is_some() || relu || bgrad.is_some() || relu_grad || gelu_grad.is_some();
     if epilogue && (bias.is_some() || c.is_none()) && lt_types && m > 0 && n > 0 && k > 0 {
         let fallback = p.out.calls.split_off(start);
         let gemm = Gemm { beta: 0.0, ..gemm };
         let mask = mask.filter(|_| relu || relu_grad);
         let bias = bias.map(buf);
-        p.out.calls.push(Call::Lt(Box::new(LtGemm { gemm, bias, relu, relu_grad, mask, bgrad, fallback })));
+        let lt = LtGemm { gemm, bias, relu, relu_grad, mask, gelu_grad, bgrad, fallback };
+        p.out.calls.push(Call::Lt(Box::new(lt)));
     }
     Ok(())
 }

@@ -382,14 +382,14 @@ const LONE_CHAIN_MIN: usize = 1 << 16;
 
 fn plan_op(p: &mut Planner) -> Result<(), String> {
     // The epilogues the kernels apply: a layer norm's Cast (by its output's dtype), a batch
-    // norm's Relu, or its residual Add and the Relu after it, a Gemm's Relu or ReluGrad, a
-    // MatMul's Transpose or bias.
+    // norm's Relu, or its residual Add and the Relu after it, a Gemm's Relu, ReluGrad or
+    // GeluGrad, a MatMul's Transpose or bias.
     match (&p.l.op, &p.l.epilogue, &p.l.epilogue_then) {
         (_, None, None)
         | (Op::LayerNormalization(_), Some(Op::Cast(_)), None)
         | (Op::BatchNormalization(_) | Op::Gemm(_), Some(Op::Relu), None)
         | (Op::BatchNormalization(_), Some(Op::Add), None | Some(Op::Relu))
-        | (Op::Gemm(_), Some(Op::ReluGrad), None)
+        | (Op::Gemm(_), Some(Op::ReluGrad | Op::GeluGrad(_)), None)
         | (Op::MatMul, Some(Op::Transpose(_) | Op::Add), None) => {}
         (op, Some(e), then) => {
             let then = then.as_ref().map_or(String::new(), |t| format!(" and a {}", t.op_type()));
