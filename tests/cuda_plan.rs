@@ -56,6 +56,13 @@ fn programs() -> Vec<(String, Program)> {
             }
         }
     }
+    // A GPT-shaped training step with its loss inside (a tanh GELU's gradient in a product).
+    for policy in ["fp32", "mixed", "mixed-bf16"] {
+        let g = common::compiled("tiny_gpt_loss", policy, true).unwrap();
+        if let Some(p) = lowered("tiny_gpt_loss", &g) {
+            out.push((format!("tiny_gpt_loss {policy} train"), p));
+        }
+    }
     // Single ops at shapes the fixtures are too small to reach: batch norms in passes, their
     // elements 16 bytes at a time (f16 planes of 56 × 56) and one at a time (planes of 4095).
     let bn = |dtype: &str, shape: &str, c: usize| {
@@ -216,6 +223,19 @@ fn check_calls(l: &Launch, p: &LaunchPlan, calls: &[Call]) -> Result<(), String>
                     let need = (mask.ld * lt.gemm.n / 8) as u64;
                     if room(l, p, mask.buf)? < need {
                         return Err(format!("cuBLASLt: a mask of {need} bytes at {:?} overruns it", mask.buf));
+                    }
+                }
+                // The GELU's input: D's layout, `ld` elements for each of D's n columns.
+                if let Some(h) = lt.gelu_grad {
+                    if h.ld < lt.gemm.m {
+                        return Err(format!(
+                            "cuBLASLt: a GELU input of {} elements a column for {} rows",
+                            h.ld, lt.gemm.m
+                        ));
+                    }
+                    let need = ((lt.gemm.n - 1) * h.ld + lt.gemm.m) as u64 * lt.gemm.c_dtype.size() as u64;
+                    if room(l, p, h.buf)? < need {
+                        return Err(format!("cuBLASLt: a GELU input of {need} bytes at {:?} overruns it", h.buf));
                     }
                 }
                 check_calls(l, p, &lt.fallback)?;

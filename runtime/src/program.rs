@@ -205,7 +205,9 @@ pub fn relu_mask_shape(rows: usize, cols: usize) -> Vec<usize> {
 /// Whether `op`'s epilogue is computed by a matrix-product library (cuBLASLt's ReLU after a Gemm,
 /// a MatMul's result written through a Transpose by arrays of addresses), which may choose
 /// another algorithm for the fused product than for the plain one: the same arithmetic, summed
-/// in another order (and a bias added before the result's one rounding, not after).
+/// in another order (and a bias added before the result's one rounding, not after); an
+/// activation's gradient applied to the unrounded product, a GELU's by the library's own
+/// formula for its slope.
 pub fn library_epilogue(op: &Op) -> bool {
     matches!(op, Op::Gemm(_) | Op::MatMul)
 }
@@ -237,10 +239,13 @@ pub struct Launch {
     /// `ai.mpc.runtime::Fused`, which no device runs as an op).
     pub chain: Option<Box<Chain>>,
     /// An element-wise op applied to output 0 as it is written ([`takes_epilogue`]): output 0 is
-    /// that op's result (its place has the op's dtype), not the launch op's.
+    /// that op's result (its place has the op's dtype, and the op's shape where the op read a
+    /// reshape of the product: a GELU's gradient over a sequence), not the launch op's.
     pub epilogue: Option<Op>,
-    /// The epilogue's second operand, where it has two (a bias the product adds, [`adds_bias`]);
-    /// the launch's result is the epilogue op's first.
+    /// The epilogue's second operand, where it has two (a bias the product adds, [`adds_bias`]; a
+    /// residual block's shortcut, [`adds_residual`]; the ReLU's output or the GELU's input whose
+    /// gradient a product applies); the launch's result is the epilogue op's first operand (an
+    /// Add's either: it commutes).
     pub epilogue_operand: Option<Operand>,
     /// An element-wise op of one operand applied after the epilogue, to its result (the Relu
     /// after a residual block's Add, [`adds_residual`]): output 0 is then this op's result.

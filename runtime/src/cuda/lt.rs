@@ -8,8 +8,8 @@
 //! them within the shared workspace. A step only enqueues `cublasLtMatmul`. Where cuBLASLt is
 //! missing, turned off (`MPC_CUBLASLT=0`), or has no algorithm for one product, the device runs
 //! the plan's fallback for it instead (the broadcast bias, a cuBLAS GEMM with beta 1, a ReLU; the
-//! GEMM and the ReLU's gradient from the ReLU's output; or the GEMM and the bias gradient's
-//! reduction).
+//! GEMM and the ReLU's gradient from the ReLU's output, or the GELU's from its input; or the GEMM
+//! and the bias gradient's reduction).
 
 use std::ffi::c_void;
 
@@ -83,9 +83,10 @@ impl Lt {
         if g.gelu_grad.is_some() && (g.bias.is_some() || g.relu || g.relu_grad) {
             return Err("a GELU's gradient with a bias or a ReLU".into());
         }
-        // The GELU's input, of D's layout: its address and leading dim in elements.
+        // The GELU's input, of D's layout: its address and leading dim in elements (a multiple
+        // of 8, as cuBLASLt asks of an auxiliary matrix's).
         let gelu_input = match g.gelu_grad {
-            Some(h) if h.ld >= p.m => Some((resolve(h.buf), h.ld)),
+            Some(h) if h.ld >= p.m && h.ld % 8 == 0 => Some((resolve(h.buf), h.ld)),
             Some(h) => return Err(format!("a GELU input of {} elements a column", h.ld)),
             None => None,
         };

@@ -236,7 +236,8 @@ pub(super) fn lower_in(
         Some(&(_, operands)) => operands.to_vec(),
         None => vec![v],
     };
-    // What a step's launch reads: its nodes' inputs and its epilogue's second operand.
+    // What a step's launch reads: its nodes' inputs (a ReluGrad's result read through it as the
+    // ReluGrad's operands) and its epilogue's second operand.
     let reads = |n: NodeId| {
         computed(n)
             .flat_map(|m| g.node(m).inputs().iter().flatten().flat_map(|&v| read_as(v)))

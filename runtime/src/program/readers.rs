@@ -15,8 +15,9 @@ use super::*;
 /// The nodes computed inside other launches. Read inside their readers' launches, each value
 /// mapped to the value its readers read instead: Casts read widened ([`Operand::Widened`]) and
 /// Transposes read transposed ([`Operand::Transposed`]). Applied by the launch that makes their
-/// input ([`takes_epilogue`]; only when `epilogues`): each input mapped to the node's output and
-/// the node.
+/// input ([`takes_epilogue`]; only when `epilogues`): each input mapped to the node's output (or,
+/// with a Relu after it, [`InOthers::thens`], the Relu's) and the node; the input is the product's
+/// own result where the node reads a reshape of it.
 pub(super) struct InOthers {
     pub(super) widened: HashMap<ValueId, ValueId>,
     pub(super) transposed: HashMap<ValueId, ValueId>,
@@ -232,7 +233,7 @@ pub(super) fn read_in_readers(
         };
         // Read through a reshape that only this node reads (checked above): the product's result
         // is viewed by it alone.
-        let via_view = node.input(0) != Some(u);
+        let via_view = node.input(0).is_some_and(|dy| view_of.get(&dy) == Some(&u));
         let Def::Node(p, 0) = g.value(u).def() else { continue };
         if (other.is_some() || takes_epilogue(&g.node(*p).op, &node.op, g.ty(u).dtype, g.ty(v).dtype))
             && launched.contains(p)
