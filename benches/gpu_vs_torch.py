@@ -202,6 +202,8 @@ AB_VARIANTS = [
     ("cublaslt", ("mlp",), {"MPC_CUBLASLT": "0"}, "with cuBLASLt epilogues / without (MPC_CUBLASLT=0)"),
     ("relu_mask", ("mlp",), {"MPC_RELU_MASK": "0"},
      "ReLU gradients from cuBLASLt's bit-masks / from the ReLU's output (MPC_RELU_MASK=0)"),
+    ("cudnn_deterministic", ("resnet50",), {"MPC_CUDNN_DETERMINISTIC": "0"},
+     "deterministic cuDNN algorithms / any (MPC_CUDNN_DETERMINISTIC=0, PyTorch's default)"),
     ("wide", ("gpt", "resnet50"), {"MPC_WIDE": "0"},
      "8- and 16-byte accesses (chains, batch norms, copies) / one element at a time (MPC_WIDE=0)"),
 ]

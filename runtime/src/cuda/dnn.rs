@@ -2,7 +2,8 @@
 //!
 //! A [`DnnConv`] of a plan becomes, when a program is prepared, descriptors and an algorithm per
 //! operation: chosen by cuDNN's heuristics (`cudnnGet*Algorithm_v7`) among those that are
-//! deterministic (two runs give the same bits, as every other launch here) and need at most
+//! deterministic (two runs give the same bits, as every other launch here; unless
+//! `MPC_CUDNN_DETERMINISTIC=0`, [`deterministic_only`]) and need at most
 //! [`WORKSPACE_LIMIT`] bytes of scratch: the first, unless its scratch misses both the arena
 //! bytes free during its launch and [`SCRATCH_BUDGET`] and a later one fits ([`choose`]). A step only enqueues the calls. Where cuDNN is missing
 //! (`libcudnn.so.9` not found), turned off (`MPC_CUDNN=0`), or refuses one convolution, the
@@ -14,6 +15,13 @@ use cudarc::cudnn::sys;
 use mpc_ir::DType;
 
 use super::plan::{DnnConv, DnnOp};
+
+/// Whether convolutions take deterministic algorithms only: on unless
+/// `MPC_CUDNN_DETERMINISTIC=0`, which lets cuDNN's first-ranked algorithm be one that sums with
+/// atomics (as PyTorch's default does), to measure what determinism costs.
+pub fn deterministic_only() -> bool {
+    std::env::var("MPC_CUDNN_DETERMINISTIC").map_or(true, |v| v != "0")
+}
 
 /// The most scratch one convolution's algorithm may use.
 pub const WORKSPACE_LIMIT: usize = 512 << 20;
@@ -175,6 +183,7 @@ impl Dnn {
     ) -> Result<(Algo, usize), String> {
         const N: usize = 16;
         let det = sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
+        let any = !deterministic_only();
         let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
         let mut count = 0i32;
         // Asks cuDNN's heuristics (`$get` over the descriptors `$descs`) for up to N ranked
@@ -187,7 +196,8 @@ impl Dnn {
                 check($what, unsafe { sys::$get(self.handle, $($descs),*, N as i32, &mut count, perf.as_mut_ptr()) })?;
                 let suit: Vec<&$perf> = perf[..count.clamp(0, N as i32) as usize]
                     .iter()
-                    .filter(|p| p.status == ok && p.determinism == det && p.memory <= WORKSPACE_LIMIT && math(p.mathType))
+                    .filter(|p| p.status == ok && (any || p.determinism == det))
+                    .filter(|p| p.memory <= WORKSPACE_LIMIT && math(p.mathType))
                     .collect();
                 let memory: Vec<usize> = suit.iter().map(|p| p.memory).collect();
                 choose(&memory, budget).map(|i| ($algo(suit[i].algo, suit[i].mathType), suit[i].memory))
@@ -216,7 +226,8 @@ impl Dnn {
                 Algo::BackwardFilter
             ),
         };
-        found.ok_or_else(|| format!("no deterministic algorithm within {WORKSPACE_LIMIT} bytes of scratch"))
+        let kind = if any { "" } else { "deterministic " };
+        found.ok_or_else(|| format!("no {kind}algorithm within {WORKSPACE_LIMIT} bytes of scratch"))
     }
 }
 
