@@ -22,6 +22,35 @@ fn training_graph_snapshots() {
     }
 }
 
+/// A convolution's gradient computes its bias's only where the convolution has one: ConvGrad
+/// has two outputs (dX, dW) for a Conv without a bias (a ResNet's, before each batch norm), no
+/// sum over dY that nothing reads, and three where the bias trains.
+#[test]
+fn a_convolution_without_a_bias_has_no_bias_gradient() {
+    let (mut with, mut without) = (0, 0);
+    for name in ["cnn_bn", "resblock"] {
+        let g = training_graph(&fixture(name), "mixed", TrainOptions::default());
+        for n in g.node_ids() {
+            let node = g.node(n);
+            if !matches!(node.op, Op::Conv(_)) {
+                continue;
+            }
+            let grad = g
+                .node_ids()
+                .find(|&m| matches!(g.node(m).op, Op::ConvGrad(_)) && g.node(m).input(2) == node.input(1))
+                .unwrap_or_else(|| panic!("{name}: no gradient of `{}`", g.node_label(n)));
+            let biased = node.input(2).is_some();
+            assert_eq!(g.node(grad).outputs().len(), if biased { 3 } else { 2 }, "{name}: {}", g.node_label(n));
+            if biased {
+                with += 1;
+            } else {
+                without += 1;
+            }
+        }
+    }
+    assert!(without > 0, "no convolution without a bias in the fixtures ({with} with one)");
+}
+
 /// Each FP32 master's FP16 copy is state that its update writes, and the forward pass reads it
 /// (with `weight_copies` off: the master is cast to FP16 once per step). The update reads the FP16
 /// gradient as computed with the loss scale's reciprocal: no FP32 copy of a gradient is made.

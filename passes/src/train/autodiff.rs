@@ -570,9 +570,12 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             };
             vec![da, db, dc]
         }
-        // dX = ConvTranspose(dY, W), dW = correlation of X with dY, dB = ΣdY: ai.mpc::ConvGrad.
+        // dX = ConvTranspose(dY, W), dW = correlation of X with dY, dB = ΣdY: ai.mpc::ConvGrad,
+        // without its dB output where the Conv has no bias (no pass over dY for a sum no one
+        // reads: ResNet's convolutions, each before a batch norm).
         Op::Conv(a) => {
-            let outs = b.ops("conv", Op::ConvGrad(a.clone()), &[Some(dy), Some(x(0)?), Some(x(1)?)], 3);
+            let n = if node.input(2).is_some() { 3 } else { 2 };
+            let outs = b.ops("conv", Op::ConvGrad(a.clone()), &[Some(dy), Some(x(0)?), Some(x(1)?)], n);
             vec![Some(outs[0]), Some(outs[1]), node.input(2).map(|_| outs[2])]
         }
         // The adjoint of Conv: dX = Conv(dY, W), dW through ai.mpc::ConvGrad, dB = ΣdY.

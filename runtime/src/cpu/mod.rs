@@ -461,7 +461,11 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::Opaque(o) => Err(unsupported(format!("opaque op {}::{} cannot run", o.domain, o.op_type))),
         // ---- ai.mpc: training graphs ----
-        Op::ConvGrad(a) => train::conv_grad(x(0)?, x(1)?, x(2)?, a),
+        // (dX, dW) where the node has no dB output.
+        Op::ConvGrad(a) => train::conv_grad(x(0)?, x(1)?, x(2)?, a).map(|mut outs| {
+            outs.truncate(n_outputs.max(1));
+            outs
+        }),
         Op::MaxPoolGrad(a) => one(train::pool_grad(x(0)?, x(1)?, a, true)?),
         Op::AveragePoolGrad(a) => one(train::pool_grad(x(0)?, x(1)?, a, false)?),
         Op::BatchNormalizationGrad(a) => train::batch_norm_grad(x(0)?, x(1)?, x(2)?, a.epsilon),
