@@ -352,6 +352,54 @@ fn a_gelu_gradient_is_its_products_epilogue() {
     assert_eq!(plain.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::GeluGrad(_))).count(), grads.len());
 }
 
+/// What a launch writes in the arena is read by a later launch before anything writes over it,
+/// or is an output of the program: no launch computes a tensor nothing reads. The one known
+/// exception is a first convolution's input gradient (ConvGrad's dX, positional before dW), which
+/// the training step computes for an input that takes no gradient.
+#[test]
+fn every_tensor_a_training_step_writes_is_read() {
+    use mpc_runtime::program::Region;
+    let mut checked = 0;
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed"] {
+            let Ok(g) = try_compiled(name, policy, true) else { continue };
+            let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+            let caps = mpc_runtime::device::CpuDevice::default().caps();
+            let Ok(p) = mpc::run::lower_bound(&bound, caps, None, None, &fixture(name)) else { continue };
+            let arena = |t: &TensorRef| (t.region == Region::Arena).then_some((t.offset, t.offset + t.bytes()));
+            let meets = |a: (u64, u64), t: &TensorRef| arena(t).is_some_and(|b| a.0 < b.1 && b.0 < a.1);
+            for (i, l) in p.launches.iter().enumerate() {
+                for m in l.parts() {
+                    for (k, o) in m.outputs.iter().enumerate() {
+                        let Some(r) = arena(o).filter(|r| r.1 > r.0) else { continue };
+                        if p.outputs.iter().any(|(_, t)| t == o) || (matches!(m.op, mpc_ir::Op::ConvGrad(_)) && k == 0)
+                        {
+                            continue;
+                        }
+                        // The next launch that touches the place reads it (a launch reading and
+                        // writing it in place reads it first).
+                        let next = p.launches[i + 1..].iter().flat_map(|n| n.parts()).find_map(|n| {
+                            let reads = n.operands().filter_map(Operand::tensor).any(|t| meets(r, t));
+                            let writes = n.outputs.iter().chain(&n.relu_mask).any(|t| meets(r, t));
+                            (reads || writes).then_some(reads)
+                        });
+                        assert_eq!(
+                            next,
+                            Some(true),
+                            "{name} {policy}: {} writes {:?}{:?} that nothing reads",
+                            m.node,
+                            o.dtype,
+                            o.shape
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 200, "only {checked} outputs checked");
+}
+
 #[test]
 fn transposes_read_only_by_matrix_products_are_not_launched() {
     // `y` reads both operands through Transposes of their last two axes; `z`'s Transpose is also
