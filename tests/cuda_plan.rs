@@ -425,6 +425,7 @@ fn gemm_bias_and_relu_plan_as_one_cublaslt_product() {
         sibling: None,
         relu_mask: None,
         relu_prologue: None,
+        unread: Vec::new(),
     };
     let none = |_: &TensorRef| None;
     let names = |calls: &[Call]| -> Vec<String> {
@@ -565,6 +566,7 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
             sibling: Some(Box::new(sibling)),
             relu_mask: None,
             relu_prologue: None,
+            unread: Vec::new(),
         };
         let p = plan(&l, &none).unwrap();
         check_plan(&l, &p).unwrap();
@@ -583,4 +585,34 @@ fn a_weight_gradient_sums_its_bias_gradient_in_one_cublaslt_product() {
         assert_eq!((lt.relu, lt.bgrad), (true, None));
         assert!(after.iter().any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("reduce_sum"))), "{after:?}");
     }
+}
+
+/// A first convolution's input gradient, which nothing reads (the lowering marks it unread), is
+/// not computed: the ConvGrad's plan asks cuDNN for the filter gradient only, and its fallback
+/// runs no col2im; every other ConvGrad computes both.
+#[test]
+fn an_unread_input_gradient_of_a_convolution_is_not_computed() {
+    let g = common::compiled("cnn_bn", "mixed", true).unwrap();
+    let p = lowered("cnn_bn", &g).expect("cnn_bn lowers");
+    let none = |_: &TensorRef| None;
+    let (mut skipped, mut both) = (0, 0);
+    for l in p.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::ConvGrad(_))) {
+        let plan = plan(l, &none).unwrap();
+        let Some(Call::Conv(conv)) = plan.calls.iter().find(|c| matches!(c, Call::Conv(_))) else {
+            panic!("{}: no cuDNN call", l.node)
+        };
+        let data = conv.ops.iter().any(|o| matches!(o, DnnOp::BackwardData { .. }));
+        let filter = conv.ops.iter().any(|o| matches!(o, DnnOp::BackwardFilter { .. }));
+        let col2im = conv.fallback.iter().any(|c| matches!(c, Call::Kernel(k) if k.name.starts_with("im2col_col2im")));
+        assert!(filter, "{}", l.node);
+        if l.unread.contains(&0) {
+            assert!(!data && !col2im, "{}: computes the dX nothing reads", l.node);
+            skipped += 1;
+        } else {
+            assert!(data && col2im, "{}", l.node);
+            both += 1;
+        }
+    }
+    assert_eq!(skipped, 1, "the first convolution's dX");
+    assert!(both > 0);
 }

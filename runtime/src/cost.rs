@@ -202,7 +202,10 @@ fn own_cost(l: &Launch, seen: &mut HashSet<(crate::program::Region, u64, u64)>) 
             read += t.bytes();
         }
     }
-    let written = l.outputs.iter().map(TensorRef::bytes).sum::<u64>() + mask_written;
+    // Outputs nothing reads are not written (a device may skip them; CUDA does a ConvGrad's dX).
+    let written =
+        l.outputs.iter().enumerate().filter(|(k, _)| !l.unread.contains(k)).map(|(_, t)| t.bytes()).sum::<u64>()
+            + mask_written;
     let (flops, product) = product_flops(l, &ins).map_or((0, None), |(f, d)| (f, Some(d)));
     LaunchCost { read, written, flops, product }
 }
@@ -232,14 +235,15 @@ fn product_flops(l: &Launch, ins: &[Option<TensorRef>]) -> Option<(u64, DType)> 
         }
         // Each output element of a convolution takes (C_in / group) · kernel multiply-adds; each
         // input element of a transposed one scatters into (C_out / group) · kernel outputs; the
-        // gradient computes dX and dW, each the forward's count.
+        // gradient computes dX and dW, each the forward's count (dW alone where nothing reads
+        // dX).
         Op::Conv(_) | Op::ConvTranspose(_) | Op::ConvGrad(_) => {
             let w = shape(if matches!(l.op, Op::ConvGrad(_)) { 2 } else { 1 })?;
             let per = numel(w.get(1..)?);
             match &l.op {
                 Op::Conv(_) => 2 * numel(&y.shape) * per,
                 Op::ConvTranspose(_) => 2 * numel(shape(0)?) * per,
-                _ => 2 * 2 * numel(shape(0)?) * per,
+                _ => (2 - l.unread.contains(&0) as u64) * 2 * numel(shape(0)?) * per,
             }
         }
         Op::Einsum(e) => {

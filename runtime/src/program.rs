@@ -270,6 +270,10 @@ pub struct Launch {
     /// input 0 holds the ReluGrad's dY, and the launch's op reads `ReluGrad(dY, Y)` in its
     /// place.
     pub relu_prologue: Option<Operand>,
+    /// The outputs (by index) that nothing reads and the program does not return, which a device
+    /// may leave unwritten: a first convolution's input gradient, the gradient of an input that
+    /// takes none (ConvGrad's outputs are positional, dX before dW).
+    pub unread: Vec<usize>,
 }
 
 impl Launch {
@@ -289,6 +293,7 @@ impl Launch {
             sibling: None,
             relu_mask: None,
             relu_prologue: None,
+            unread: Vec::new(),
         }
     }
 

@@ -65,6 +65,7 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
                 sibling: None,
                 relu_mask: None,
                 relu_prologue: None,
+                unread: Vec::new(),
             });
         }
     };

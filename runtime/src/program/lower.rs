@@ -538,6 +538,7 @@ pub(super) fn lower_in(
                     sibling: None,
                     relu_mask: None,
                     relu_prologue: None,
+                    unread: Vec::new(),
                 });
             }
             continue;
@@ -638,6 +639,13 @@ pub(super) fn lower_in(
         let epilogue = epilogue_node.map(|e| g.node(e).op.clone());
         let epilogue_then = epilogue_node.and_then(|e| thens.get(&e)).map(|&r| g.node(r).op.clone());
         let epilogue_operand = epilogue_of(n).map(|v| place(v, &refs).map(Operand::Device)).transpose()?;
+        // The outputs nothing reads or keeps (a device may skip them).
+        let unread: Vec<usize> = (0..node.outputs().len())
+            .filter(|&k| {
+                let o = written(node.outputs()[k]);
+                g.value(o).uses().is_empty() && !keep.contains(&root(o)) && !g.is_output(o)
+            })
+            .collect();
         // The ReLU output through whose gradient input 0 is read.
         let relu_prologue = match node.input(0).and_then(|v| prologues.get(&v)) {
             Some(&(_, [_, y])) => Some(place(y, &refs).map(Operand::Device)?),
@@ -657,6 +665,7 @@ pub(super) fn lower_in(
             sibling,
             relu_mask: mask_of.get(&n).map(|b| mask_ref[b].clone()),
             relu_prologue,
+            unread,
         });
     }
     let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };

@@ -120,12 +120,16 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
         return Ok(());
     }
     // ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
+    // Outputs nothing reads are not computed (a first convolution's dX).
     let dy = p.input(0)?;
+    let l = p.l;
+    let wanted = |k: usize| l.outputs.get(k).filter(|_| !l.unread.contains(&k));
+    let (dx, dw, db) = (wanted(0), wanted(1), wanted(2));
     let mut ops = Vec::new();
-    if let Some(dw) = p.l.outputs.get(1) {
+    if let Some(dw) = dw {
         ops.push(DnnOp::BackwardFilter { x: buf(x), dy: buf(dy), dw: buf(dw) });
     }
-    if let Some(dx) = p.l.outputs.first() {
+    if let Some(dx) = dx {
         ops.push(DnnOp::BackwardData { w: buf(wt), dy: buf(dy), dx: buf(dx) });
     }
     let conv = dnn(ops, &dy.shape);
@@ -135,7 +139,6 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
     // that dX is rounded once, after col2im's sums.
     let (wide, col_dtype) = wide_columns(x.dtype);
     let col = p.work(rows * k2 * es.max(col_dtype.size() as u64));
-    let (dx, dw, db) = (p.l.outputs.first(), p.l.outputs.get(1), p.l.outputs.get(2));
     for gi in 0..g {
         let xg = buf(x).at(gi * cg * ivol * es);
         let dyt_g = dyt.at(gi * mg * k2 * es);
