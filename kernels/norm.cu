@@ -356,6 +356,17 @@ template <typename T> __device__ __forceinline__ AccT<T> ld_dy(const T* dy, cons
     return ry && !(ld(ry, i) > AccT<T>(0)) ? AccT<T>(0) : ld(dy, i);
 }
 
+// V elements of dy from i as ld_dy reads them, 16 bytes at a time.
+template <int V, typename T> __device__ __forceinline__ void ldv_dy(const T* dy, const T* ry, long long i, AccT<T>* gs) {
+    ldv<V>(dy, i, gs);
+    if (ry) {
+        AccT<T> rs[V];
+        ldv<V>(ry, i, rs);
+#pragma unroll
+        for (int q = 0; q < V; ++q) gs[q] = rs[q] > AccT<T>(0) ? gs[q] : AccT<T>(0);
+    }
+}
+
 template <typename T, typename P>
 __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* ry, const T* x, const P* scale, T* dx,
                                                      T* dscale, T* dbias, long long n, long long c, long long inner,
@@ -496,13 +507,7 @@ __device__ __forceinline__ void bn_stats_body(const T* dy, const T* ry, const T*
                     A xs[V], gs[V];
                     ldv<V>(x, i, xs);
                     if (dy) {
-                        ldv<V>(dy, i, gs);
-                        if (ry) {
-                            A rs[V];
-                            ldv<V>(ry, i, rs);
-#pragma unroll
-                            for (int q = 0; q < V; ++q) gs[q] = rs[q] > A(0) ? gs[q] : A(0);
-                        }
+                        ldv_dy<V>(dy, ry, i, gs);
                     } else {
 #pragma unroll
                         for (int q = 0; q < V; ++q) gs[q] = A(0);
@@ -633,13 +638,7 @@ __device__ __forceinline__ void bn_grad_apply_body(const T* dy, const T* ry, con
         if (vec) {
             A xs[V], gs[V];
             ldv<V>(x, i, xs);
-            ldv<V>(dy, i, gs);
-            if (ry) {
-                A rs[V];
-                ldv<V>(ry, i, rs);
-#pragma unroll
-                for (int q = 0; q < V; ++q) gs[q] = rs[q] > A(0) ? gs[q] : A(0);
-            }
+            ldv_dy<V>(dy, ry, i, gs);
 #pragma unroll
             for (int q = 0; q < V; ++q) xs[q] = a * gs[q] + b * (xs[q] - mu) + g;
             stv<V>(dx, i, xs);

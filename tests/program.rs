@@ -36,6 +36,18 @@ fn lowered(g: &Graph, caps: mpc_runtime::program::DeviceCaps) -> (Graph, Program
     (bound, p)
 }
 
+/// A fixture compiled under `policy` and lowered for the CPU device with `opts`.
+fn cpu_lowered(name: &str, policy: &str, train: bool, opts: mpc_runtime::program::LowerOptions) -> Program {
+    let (bound, _) = mpc::summary::bind_inputs(&compiled(name, policy, train), &dims()).unwrap();
+    mpc_runtime::program::lower(&bound, mpc_runtime::device::CpuDevice::default().caps(), opts).unwrap()
+}
+
+/// The arena buffer that holds `t` is alive from launch `from` to launch `to`.
+fn assert_alive(p: &Program, t: &TensorRef, from: usize, to: usize) {
+    let buffer = p.buffers.iter().find(|x| x.offset == t.offset && x.bytes >= t.bytes()).unwrap();
+    assert!(buffer.first <= from && buffer.last >= to, "{}..{} for {from}..{to}", buffer.first, buffer.last);
+}
+
 /// Every host operand of every launch is a value in the descriptor.
 fn assert_shapes_resolved(p: &Program) {
     for l in &p.launches {
@@ -225,11 +237,8 @@ fn a_bias_made_before_its_product_is_the_products_epilogue() {
 /// (`bitwise`) there are no masks and the ReluGrads are launches again.
 #[test]
 fn a_relu_gradient_is_its_products_epilogue_and_shares_the_relus_bits() {
-    use mpc_runtime::program::{lower, relu_mask_bytes, LowerOptions};
-    let g = compiled("mlp", "mixed", true);
-    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-    let caps = mpc_runtime::device::CpuDevice::default().caps();
-    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    use mpc_runtime::program::{relu_mask_bytes, LowerOptions};
+    let p = cpu_lowered("mlp", "mixed", true, LowerOptions::default());
     let has = |l: &mpc_runtime::program::Launch, e: &mpc_ir::Op| l.epilogue.as_ref() == Some(e);
     let kinds: Vec<String> = p.launches.iter().map(|l| l.kind()).collect();
     assert!(!kinds.iter().any(|k| k == "ReluGrad"), "{kinds:?}");
@@ -248,10 +257,9 @@ fn a_relu_gradient_is_its_products_epilogue_and_shares_the_relus_bits() {
         let (rows, cols) = (y.shape[0], y.shape[1]);
         assert_eq!((mask.dtype, mask.bytes()), (DType::U8, relu_mask_bytes(rows, cols)));
         assert_eq!(relu_mask_bytes(rows, cols), (rows * 256 / 8) as u64, "256 features: two words of 128 bits");
-        let buffer = p.buffers.iter().find(|x| x.offset == mask.offset && x.bytes >= mask.bytes()).unwrap();
-        assert!(buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+        assert_alive(&p, mask, f, b);
     }
-    let plain = lower(&bound, caps, LowerOptions { bitwise: true, ..Default::default() }).unwrap();
+    let plain = cpu_lowered("mlp", "mixed", true, LowerOptions { bitwise: true, ..Default::default() });
     assert!(plain.launches.iter().all(|l| l.relu_mask.is_none()));
     assert_eq!(plain.launches.iter().filter(|l| l.op == mpc_ir::Op::ReluGrad).count(), 2);
     assert_eq!(relu_mask_bytes(3, 129), 3 * 256 / 8);
@@ -263,11 +271,8 @@ fn a_relu_gradient_is_its_products_epilogue_and_shares_the_relus_bits() {
 /// Unfused, the ReluGrads are launches again.
 #[test]
 fn a_batch_norms_gradient_reads_its_relus_gradient_as_it_loads_dy() {
-    use mpc_runtime::program::{lower, LowerOptions};
-    let g = compiled("cnn_bn", "mixed", true);
-    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-    let caps = mpc_runtime::device::CpuDevice::default().caps();
-    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    use mpc_runtime::program::LowerOptions;
+    let p = cpu_lowered("cnn_bn", "mixed", true, LowerOptions::default());
     let grads: Vec<usize> = (0..p.launches.len()).filter(|&i| p.launches[i].relu_prologue.is_some()).collect();
     assert!(!grads.is_empty() && grads.len() == p.prologues, "{} prologues", p.prologues);
     for &b in &grads {
@@ -280,10 +285,9 @@ fn a_batch_norms_gradient_reads_its_relus_gradient_as_it_loads_dy() {
         let relu = &p.launches[f];
         assert!(f < b && matches!(relu.op, mpc_ir::Op::BatchNormalization(_)), "{}", relu.node);
         assert_eq!(relu.epilogue, Some(mpc_ir::Op::Relu), "{}", relu.node);
-        let buffer = p.buffers.iter().find(|x| x.offset == y.offset && x.bytes >= y.bytes()).unwrap();
-        assert!(buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+        assert_alive(&p, y, f, b);
     }
-    let plain = lower(&bound, caps, LowerOptions { unfused: true, ..Default::default() }).unwrap();
+    let plain = cpu_lowered("cnn_bn", "mixed", true, LowerOptions { unfused: true, ..Default::default() });
     assert_eq!(plain.prologues, 0);
     assert_eq!(plain.launches.iter().filter(|l| l.op == mpc_ir::Op::ReluGrad).count(), grads.len());
 }
@@ -294,12 +298,9 @@ fn a_batch_norms_gradient_reads_its_relus_gradient_as_it_loads_dy() {
 /// written. Unfused, they are launches again.
 #[test]
 fn a_residual_blocks_add_and_relu_are_its_batch_norms_epilogue() {
-    use mpc_runtime::program::{lower, LowerOptions};
+    use mpc_runtime::program::LowerOptions;
     for train in [false, true] {
-        let g = compiled("resblock", "mixed", train);
-        let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-        let caps = mpc_runtime::device::CpuDevice::default().caps();
-        let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+        let p = cpu_lowered("resblock", "mixed", train, LowerOptions::default());
         let blocks: Vec<&mpc_runtime::program::Launch> =
             p.launches.iter().filter(|l| l.epilogue == Some(mpc_ir::Op::Add)).collect();
         assert!(!blocks.is_empty(), "train {train}: {:?}", p.launches.iter().map(|l| l.kind()).collect::<Vec<_>>());
@@ -309,7 +310,7 @@ fn a_residual_blocks_add_and_relu_are_its_batch_norms_epilogue() {
             let Some(Operand::Device(r)) = &l.epilogue_operand else { panic!("{}: no shortcut", l.node) };
             assert_eq!((r.dtype, &r.shape), (l.outputs[0].dtype, &l.outputs[0].shape), "{}", l.node);
         }
-        let plain = lower(&bound, caps, LowerOptions { unfused: true, ..Default::default() }).unwrap();
+        let plain = cpu_lowered("resblock", "mixed", train, LowerOptions { unfused: true, ..Default::default() });
         let count =
             |p: &mpc_runtime::program::Program, op: mpc_ir::Op| p.launches.iter().filter(|l| l.op == op).count();
         assert!(count(&plain, mpc_ir::Op::Add) >= blocks.len() && count(&plain, mpc_ir::Op::Relu) >= blocks.len());
@@ -323,11 +324,8 @@ fn a_residual_blocks_add_and_relu_are_its_batch_norms_epilogue() {
 /// (`bitwise`) the GeluGrads are launches again.
 #[test]
 fn a_gelu_gradient_is_its_products_epilogue() {
-    use mpc_runtime::program::{lower, LowerOptions};
-    let g = compiled("tiny_gpt_loss", "mixed", true);
-    let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
-    let caps = mpc_runtime::device::CpuDevice::default().caps();
-    let p = lower(&bound, caps, LowerOptions::default()).unwrap();
+    use mpc_runtime::program::LowerOptions;
+    let p = cpu_lowered("tiny_gpt_loss", "mixed", true, LowerOptions::default());
     let kinds: Vec<String> = p.launches.iter().map(|l| l.kind()).collect();
     assert!(!kinds.iter().any(|k| k == "GeluGrad"), "{kinds:?}");
     let grads: Vec<usize> =
@@ -345,10 +343,10 @@ fn a_gelu_gradient_is_its_products_epilogue() {
             matches!(f.op, mpc_ir::Op::Gelu(_)) && f.inputs.first().and_then(Operand::tensor) == Some(h)
         };
         let f = p.launches.iter().position(gelu).unwrap_or_else(|| panic!("{}: no GELU reads its input", l.node));
-        let buffer = p.buffers.iter().find(|x| x.offset == h.offset && x.bytes >= h.bytes()).unwrap();
-        assert!(f < b && buffer.first <= f && buffer.last >= b, "{}..{} for {f}..{b}", buffer.first, buffer.last);
+        assert!(f < b, "{}", l.node);
+        assert_alive(&p, h, f, b);
     }
-    let plain = lower(&bound, caps, LowerOptions { bitwise: true, ..Default::default() }).unwrap();
+    let plain = cpu_lowered("tiny_gpt_loss", "mixed", true, LowerOptions { bitwise: true, ..Default::default() });
     assert_eq!(plain.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::GeluGrad(_))).count(), grads.len());
 }
 

@@ -48,11 +48,11 @@ fn gemm_then(m: &mut Memory, g: &Gemm, finish: &mut dyn FnMut(i64, i64, f64) -> 
     }
 }
 
-/// The tanh GELU's slope at `x` (the CPU's GeluGrad over one element).
+/// The tanh GELU's slope at `x`: the CPU's GeluGrad of a gradient of 1.
 fn gelu_tanh_slope(x: f64) -> f64 {
-    let c = (2.0 / std::f64::consts::PI).sqrt();
-    let t = (c * (x + 0.044715 * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+    let op = mpc_ir::Op::GeluGrad(Box::new(mpc_ir::ops::GeluAttrs { approximate: mpc_ir::ops::GeluApprox::Tanh }));
+    let t = |v: f64| HostTensor::from_f64(mpc_ir::DType::F64, vec![1], vec![v]);
+    run_op(&op, &[Some(&t(1.0)), Some(&t(x))], 1).unwrap()[0].f64s()[0]
 }
 
 /// What cuBLASLt computes for `lt`: the product, plus the bias of its row, through the ReLU

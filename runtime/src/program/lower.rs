@@ -643,7 +643,7 @@ pub(super) fn lower_in(
         let unread: Vec<usize> = (0..node.outputs().len())
             .filter(|&k| {
                 let o = written(node.outputs()[k]);
-                g.value(o).uses().is_empty() && !keep.contains(&root(o)) && !g.is_output(o)
+                g.value(o).uses().is_empty() && !keep.contains(&root(o))
             })
             .collect();
         // The ReLU output through whose gradient input 0 is read.

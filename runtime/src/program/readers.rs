@@ -44,6 +44,9 @@ pub(super) fn read_in_readers(
     library: bool,
 ) -> InOthers {
     let ty = |v: ValueId| typed(g, caps, v);
+    // A training step's state or next state (kept in its slot, never computed inside another).
+    let state = |v: ValueId| g.train.as_ref().is_some_and(|t| t.state.iter().any(|&(s, next)| s == v || next == v));
+    let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
     // Casts to f32 of f16 or bf16 values whose every reader reads that operand widened: the
     // readers take the low value, the Cast is not launched.
     let mut widened: HashMap<ValueId, ValueId> = HashMap::new();
@@ -197,7 +200,6 @@ pub(super) fn read_in_readers(
                 Op::Gemm(a) => a.beta == 0.0 || prod.input(2).is_none(),
                 _ => false,
             };
-            let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
             let op = match &node.op {
                 Op::ReluGrad => result == dy,
                 Op::GeluGrad(a) => a.approximate == GeluApprox::Tanh,
@@ -245,7 +247,7 @@ pub(super) fn read_in_readers(
             && !g.is_output(u)
             && (!viewed.contains(&u) || via_view)
             && !view_of.contains_key(&u)
-            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != u && next != u))
+            && !state(u)
         {
             applied.insert(u, (v, n));
             operands.extend(other.map(|o| (n, o)));
@@ -266,7 +268,7 @@ pub(super) fn read_in_readers(
             && !view_of.contains_key(v)
             && !transposed.contains_key(&w)
             && !permuted.contains_key(&w)
-            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != *v && next != *v))
+            && !state(*v)
             && ty(w).is_ok_and(|t| ty(*v).is_ok_and(|s| s == t))
         {
             thens.insert(*e, use_.node);
@@ -288,7 +290,6 @@ pub(super) fn read_in_readers(
             Def::Node(m, _) => crate::fuse::fusable_op(&g.node(*m).op) || crate::fuse::row_wise(&g.node(*m).op),
             _ => false,
         };
-        let float = |t: &(DType, Vec<usize>)| matches!(t.0, DType::F32 | DType::F16 | DType::BF16);
         if reads_relu_grad(&g.node(use_.node).op, use_.slot)
             && launched.contains(&use_.node)
             && !in_epilogues.contains(&n)
@@ -296,7 +297,7 @@ pub(super) fn read_in_readers(
             && !g.is_output(v)
             && !viewed.contains(&v)
             && !view_of.contains_key(&v)
-            && g.train.as_ref().is_none_or(|t| t.state.iter().all(|&(s, next)| s != v && next != v))
+            && !state(v)
             && matches!((ty(dy), ty(y), ty(v)), (Ok(a), Ok(b), Ok(c)) if a == b && b == c && float(&a))
         {
             prologues.insert(v, (n, [dy, y]));

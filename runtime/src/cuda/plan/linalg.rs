@@ -430,14 +430,8 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     }
     if let Some(h) = &gelu_grad_of {
         if m * n > 0 {
-            // The GELU's gradient kernel over the product, in place (each element read before it
-            // is written), 16 bytes at a time where it can.
-            let size = 16 / y.dtype.size() as i64;
-            let vec = wide_enabled() && (m * n) % size == 0 && [y, h].iter().all(|t| t.offset % 16 == 0);
-            let mut args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(h)), Arg::Ptr(buf(y)), Arg::I64(m * n)];
-            args.extend([Arg::I32(1), Arg::I32(vec as i32)]);
-            let units = if vec { m * n / size } else { m * n } as u64;
-            p.flat("train", format!("train_gelu_grad_{}", float_tag(y.dtype)?), units, args);
+            // The GELU's gradient kernel over the product, in place.
+            super::train::gelu_grad(p, y, h, y, GeluApprox::Tanh)?;
         }
     }
     // A weight gradient's sibling, the bias gradient: the column sums of dY, which is X (cuBLAS's

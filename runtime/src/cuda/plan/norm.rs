@@ -72,6 +72,16 @@ fn bn_stats(
     Ok(parts)
 }
 
+/// A norm kernel's operand of `like`'s dtype and shape beside its own (a batch norm's residual,
+/// the ReLU output its gradient reads dy through), where the launch has one.
+fn operand_like(o: Option<&Operand>, like: &TensorRef, what: &str) -> Result<Option<TensorRef>, String> {
+    match o {
+        None => Ok(None),
+        Some(Operand::Device(t)) if t.dtype == like.dtype && t.shape == like.shape => Ok(Some(t.clone())),
+        Some(_) => Err(format!("{what} not shaped as {:?}", like.shape)),
+    }
+}
+
 /// The per-channel kernels of the finish: one thread each.
 fn channels_grid(c: u64) -> [u32; 3] {
     [c.div_ceil(BLOCK as u64).clamp(1, MAX_ROWS) as u32, 1, 1]
@@ -223,13 +233,8 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let relu = Arg::I32(
                 matches!((&p.l.epilogue, &p.l.epilogue_then), (Some(Op::Relu), _) | (_, Some(Op::Relu))) as i32,
             );
-            let res = match (&p.l.epilogue, &p.l.epilogue_operand) {
-                (Some(Op::Add), Some(Operand::Device(r))) if r.dtype == y.dtype && r.shape == y.shape => {
-                    Some(r.clone())
-                }
-                (Some(Op::Add), _) => return Err("a batch norm's residual not shaped as its output".into()),
-                _ => None,
-            };
+            let add = p.l.epilogue_operand.as_ref().filter(|_| matches!(p.l.epilogue, Some(Op::Add)));
+            let res = operand_like(add, y, "a batch norm's residual")?;
             let res_arg = res.as_ref().map_or(Arg::Null, ptr);
             if a.training_mode {
                 let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
@@ -312,11 +317,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
             let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             let n = x.shape.first().copied().unwrap_or(1) as u64;
             // dy read through the ReLU's gradient ([`Launch::relu_prologue`]), from its output.
-            let ry = match p.l.relu_prologue.as_ref() {
-                None => None,
-                Some(Operand::Device(t)) if t.dtype == dy.dtype && t.shape == dy.shape => Some(t.clone()),
-                Some(_) => return Err("a batch norm's gradient through a ReLU output not shaped as dy".into()),
-            };
+            let ry = operand_like(p.l.relu_prologue.as_ref(), dy, "a batch norm gradient's ReLU output")?;
             let ry_arg = ry.as_ref().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
             if let Some(splits) = bn_splits(c, n * inner) {
                 // One pass over x and dy for the sums, a thread per channel for the parameters'

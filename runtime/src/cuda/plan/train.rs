@@ -390,23 +390,35 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
             ];
             p.flat("train", format!("train_seeded_dropout_{}", float_tag(x.dtype)?), n, args);
         }
-        Op::ReluGrad | Op::GeluGrad(_) => {
-            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
+        Op::ReluGrad => {
+            let (dy, y, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
             let n = dx.numel() as u64;
-            let t = float_tag(dx.dtype)?;
-            let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(buf(dx)), Arg::I64(n as i64)];
-            let (name, units) = if let Op::GeluGrad(a) = &op {
-                // 16 bytes at a time where n and the three tensors allow it.
-                let v = 16 / dx.dtype.size() as u64;
-                let vec = wide_enabled() && n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
-                args.extend([Arg::I32((a.approximate == GeluApprox::Tanh) as i32), Arg::I32(vec as i32)]);
-                ("gelu_grad", if vec { n / v } else { n })
-            } else {
-                ("relu_grad", n)
-            };
-            p.flat("train", format!("train_{name}_{t}"), units, args);
+            let args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(y)), Arg::Ptr(buf(dx)), Arg::I64(n as i64)];
+            p.flat("train", format!("train_relu_grad_{}", float_tag(dx.dtype)?), n, args);
+        }
+        Op::GeluGrad(a) => {
+            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            gelu_grad(p, dy, x, dx, a.approximate)?;
         }
         _ => unreachable!("not a training op"),
     }
+    Ok(())
+}
+
+/// GELU's gradient `dx = dy · GELU'(x)` over `dx`'s elements (`dx` may be `dy`: each element is
+/// read before it is written), 16 bytes at a time where their count and the three tensors allow.
+pub(super) fn gelu_grad(
+    p: &mut Planner,
+    dy: &TensorRef,
+    x: &TensorRef,
+    dx: &TensorRef,
+    approximate: GeluApprox,
+) -> Result<(), String> {
+    let n = dx.numel() as u64;
+    let v = 16 / dx.dtype.size() as u64;
+    let vec = wide_enabled() && n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
+    let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(buf(dx)), Arg::I64(n as i64)];
+    args.extend([Arg::I32((approximate == GeluApprox::Tanh) as i32), Arg::I32(vec as i32)]);
+    p.flat("train", format!("train_gelu_grad_{}", float_tag(dx.dtype)?), if vec { n / v } else { n }, args);
     Ok(())
 }
