@@ -62,9 +62,19 @@ fn assert_shapes_resolved(p: &Program) {
 }
 
 fn same(a: &HostTensor, b: &HostTensor, what: &str) {
-    if let Err(e) = mpc_runtime::Tolerance::EXACT.check(a, b) {
-        panic!("{what}: {e}");
+    if let Some(e) = differs(a, b, what) {
+        panic!("{e}");
     }
+}
+
+/// Where `a` and `b` differ in a bit, what and how (`None` where they are the same bits).
+fn differs(a: &HostTensor, b: &HostTensor, what: &str) -> Option<String> {
+    mpc_runtime::Tolerance::EXACT.check(a, b).err().map(|e| format!("{what}: {e}"))
+}
+
+/// Panics with every difference found, one per line, where there are any.
+fn none_differ(bad: &[String]) {
+    assert!(bad.is_empty(), "{} differences:\n{}", bad.len(), bad.join("\n"));
 }
 
 common::per_device!(
@@ -141,6 +151,7 @@ fn residual_gradients_and_the_relu_gradient_are_one_launch<D: Device>(device: im
     );
     let path = common::scratch("residual_relu").join("res.mpcir");
     std::fs::write(&path, text).unwrap();
+    let mut bad = Vec::new();
     for policy in ["fp32", "mixed", "mixed-bf16"] {
         let mut g = mpc::load(&path).unwrap();
         let t = mpc_passes::train::TrainOptions::default();
@@ -161,7 +172,8 @@ fn residual_gradients_and_the_relu_gradient_are_one_launch<D: Device>(device: im
         let kinds: Vec<String> = fused.launches.iter().map(|l| l.kind()).collect();
         assert!(kinds.iter().any(|k| k.ends_with("Sum+ReluGrad)")), "{policy}: {kinds:?}");
         let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
-        let mut s = [fused, plain].map(|p| Session::new(device(), p).unwrap());
+        // The unfused program twice: its bits are the same from run to run.
+        let mut s = [fused, plain.clone(), plain].map(|p| Session::new(device(), p).unwrap());
         for step in 0..2 {
             let inputs = mpc::run::random_inputs(&bound, 5 + step, &dims()).unwrap();
             for x in s.iter_mut() {
@@ -170,10 +182,12 @@ fn residual_gradients_and_the_relu_gradient_are_one_launch<D: Device>(device: im
             }
         }
         for n in &state {
-            let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
-            same(&x, &y, &format!("{policy} `{n}` after 2 steps"));
+            let [x, y, z] = [0, 1, 2].map(|i| s[i].read_state(n).unwrap());
+            bad.extend(differs(&y, &z, &format!("{policy} `{n}` after 2 steps, unfused run twice")));
+            bad.extend(differs(&x, &y, &format!("{policy} `{n}` after 2 steps")));
         }
     }
+    none_differ(&bad);
 }
 
 /// A run takes in a step from a little further on that reads what it made and nothing the steps
@@ -473,6 +487,7 @@ fn transposes_read_only_by_matrix_products_are_not_launched() {
 fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
     use mpc_runtime::program::{lower, LowerOptions};
     let mut chains: HashMap<String, usize> = HashMap::new();
+    let mut bad = Vec::new();
     let names = ["mlp", "mlp_loss", "cnn_bn", "resblock", "transformer", "opset9", "tiny_gpt_loss"];
     for name in names {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
@@ -515,7 +530,8 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                 );
                 let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
                 let outputs: Vec<String> = fused.outputs.iter().map(|(n, _)| n.clone()).collect();
-                let mut s = [Session::new(device(), fused).unwrap(), Session::new(device(), plain).unwrap()];
+                // The unfused program twice: its bits are the same from run to run.
+                let mut s = [fused, plain.clone(), plain].map(|p| Session::new(device(), p).unwrap());
                 for step in 0..2 {
                     let inputs = mpc::run::random_inputs(&bound, 31 + step, &dims()).unwrap();
                     for x in s.iter_mut() {
@@ -523,18 +539,21 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
                         x.step(0).unwrap();
                     }
                     for n in &outputs {
-                        let (x, y) = (s[0].read(0, n).unwrap(), s[1].read(0, n).unwrap());
-                        same(&x, &y, &format!("{label} `{n}`, step {step}"));
+                        let [x, y, z] = [0, 1, 2].map(|i| s[i].read(0, n).unwrap());
+                        bad.extend(differs(&y, &z, &format!("{label} `{n}`, step {step}, unfused run twice")));
+                        bad.extend(differs(&x, &y, &format!("{label} `{n}`, step {step}")));
                     }
                 }
                 for n in &state {
-                    let (x, y) = (s[0].read_state(n).unwrap(), s[1].read_state(n).unwrap());
-                    same(&x, &y, &format!("{label} `{n}` after 2 steps"));
+                    let [x, y, z] = [0, 1, 2].map(|i| s[i].read_state(n).unwrap());
+                    bad.extend(differs(&y, &z, &format!("{label} `{n}` after 2 steps, unfused run twice")));
+                    bad.extend(differs(&x, &y, &format!("{label} `{n}` after 2 steps")));
                 }
             }
         }
     }
     println!("chains fused: {chains:?}");
+    none_differ(&bad);
     for kind in [
         "Fused(Cast+Mul+Add+Softmax+Cast)",
         "Fused(SoftmaxGrad+Mul+Cast)",
@@ -563,6 +582,49 @@ fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() -> D) {
     for kind in products {
         assert!(chains.contains_key(*kind), "no {kind}: {chains:?}");
     }
+}
+
+/// The arena bytes the memory plan says no value holds during a launch (where the CUDA device
+/// puts the launch's scratch) hold none of the tensors it reads or writes: every fixture's
+/// inference graph and training step under each policy, lowered for a GPU's alignment fused,
+/// with the bitwise fusions only, and unfused (whose lifetimes once all said "the step's end",
+/// so that every launch's scratch went over its own operands).
+#[test]
+fn no_launch_reads_or_writes_the_bytes_free_during_it() {
+    use mpc_runtime::program::{lower, DeviceCaps, LowerOptions, Region};
+    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    let mut checked = 0;
+    for name in FIXTURES {
+        for policy in ["fp32", "mixed", "mixed-bf16"] {
+            for train in [false, true] {
+                let Ok(g) = try_compiled(name, policy, train) else { continue };
+                let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+                for (unfused, bitwise) in [(false, false), (false, true), (true, false)] {
+                    let opts = LowerOptions { unfused, bitwise, ..Default::default() };
+                    let Ok(p) = lower(&bound, caps, opts) else { continue };
+                    for (i, l) in p.launches.iter().enumerate() {
+                        let (at, free) = p.free_during(i);
+                        let inputs = l.members().iter().flat_map(|m| m.operands().chain(&l.epilogue_operand));
+                        let read = inputs.filter_map(Operand::tensor).chain(l.operands().filter_map(Operand::tensor));
+                        let written = l.members().iter().flat_map(|m| &m.outputs).chain(&l.outputs);
+                        for t in read.chain(written).chain(&l.relu_mask) {
+                            assert!(
+                                t.region != Region::Arena || t.offset >= at + free || t.offset + t.bytes() <= at,
+                                "{name} {policy} train={train} unfused={unfused} bitwise={bitwise}: launch {i} ({}) \
+                                 uses {}..{}, free {at}..{}",
+                                l.node,
+                                t.offset,
+                                t.offset + t.bytes(),
+                                at + free
+                            );
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "only {checked} launches checked");
 }
 
 fn inference_programs_keep_their_promises<D: Device>(device: impl Fn() -> D) {

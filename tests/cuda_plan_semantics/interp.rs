@@ -682,7 +682,7 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
 pub(crate) fn run_plan(m: &mut Memory, p: &LaunchPlan, library: bool) {
     // Where the library runs a convolution, its fallback's columns are not in the workspace.
     let work = if library { p.workspace } else { p.workspace_with_fallbacks() };
-    m.work = vec![0xAB; work as usize];
+    m.work = vec![0xFF; work as usize];
     m.aux = p.aux.clone();
     m.addresses = p.addresses.iter().copied().collect();
     for c in &p.calls {

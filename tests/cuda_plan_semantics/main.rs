@@ -501,7 +501,7 @@ fn run_steps(
             // where they are enough, as on the CUDA device: a value the memory plan thinks dead
             // there, but read later, breaks the results.
             let (at, free) = program.free_during(i);
-            mem.arena[at as usize..][..free as usize].fill(0xAB);
+            mem.arena[at as usize..][..free as usize].fill(0xFF);
             // cuDNN's scratch (none here: the interpreter computes its results directly) past the
             // plan's own, by the device's rule.
             let convs = p.calls.iter().filter(|c| matches!(c, Call::Conv(_))).count();

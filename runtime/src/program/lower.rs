@@ -668,7 +668,13 @@ pub(super) fn lower_in(
             unread,
         });
     }
-    let (launches, moved) = if fuse { group_updates(launches) } else { (launches, Vec::new()) };
+    // Each launch's index after grouping (unfused: where it is), and past the last the end.
+    let (launches, moved) = if fuse {
+        group_updates(launches)
+    } else {
+        let at = (0..launches.len()).collect();
+        (launches, at)
+    };
     let arena_buffers: Vec<ArenaBuffer> = arena_buffers
         .into_iter()
         .map(|b| {
