@@ -6,7 +6,7 @@ time: `#line 1 "common.cuh"\n`, the text of `kernels/common.cuh`, `\n#line 1 "<f
 the family file (the #line directives make messages name the right file and line), as one NVRTC
 program named `<family>.cu`, with the options
 
-    --gpu-architecture=sm_XX -std=c++17 -I<cuda include dir> --ptxas-options=-v
+    --gpu-architecture=sm_XX -std=c++17 --fmad=false -I<cuda include dir> --ptxas-options=-v
 
 (`-I` only when an include dir is known). The result is fetched as a cubin with `nvrtcGetCUBIN`
 (never PTX). For every kernel one line is printed:
@@ -236,7 +236,7 @@ def main():
         with open(path) as f:
             source = '#line 1 "common.cuh"\n' + common + f'\n#line 1 "{family}.cu"\n' + f.read()
         for arch in archs:
-            opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v"]
+            opts = [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "--ptxas-options=-v"]
             if include:
                 opts.append(f"-I{include}")
             ok, log, cubin = nv.compile(source, family + ".cu", opts)

@@ -4,7 +4,7 @@
 //     "#line 1 \"common.cuh\"\n" + <this file> + "\n#line 1 \"<family>.cu\"\n" + <family file>
 // (the #line directives make NVRTC messages name the right file and line), names the program
 // `<family>.cu` (elementwise.cu, reduce.cu, ...), and compiles it with
-//     --gpu-architecture=sm_XX -std=c++17 [-I<dir holding cuda_fp16.h and cuda_bf16.h>]
+//     --gpu-architecture=sm_XX -std=c++17 --fmad=false [-I<dir holding cuda_fp16.h and cuda_bf16.h>]
 // to a cubin for the device's exact architecture (no --use_fast_math: denormals are kept and the
 // math functions are the accurate ones). `kernels/check_nvrtc.py` compiles every family the same
 // way for sm_80 and sm_90.

@@ -74,9 +74,19 @@ pub struct Compiled {
     pub cached: bool,
 }
 
-/// The options every family is compiled with for `arch` (`sm_90`).
+/// The options every family is compiled with for `arch` (`sm_90`). No multiply and add is
+/// contracted into a fused multiply-add (`--fmad=false`): each operation rounds as written, so a
+/// chain of element-wise ops fused into one kernel computes the bits of the same ops launched one
+/// by one (each rounds its result on store), and the kernels' arithmetic is the CPU's.
+/// `MPC_FMAD=1` lets NVRTC contract them (its default), to measure what that is worth.
 pub fn options(arch: &str, include: &Path, verbose: bool) -> Vec<String> {
-    let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".into(), format!("-I{}", include.display())];
+    let fmad = std::env::var("MPC_FMAD").is_ok_and(|v| v == "1");
+    let mut o = vec![
+        format!("--gpu-architecture={arch}"),
+        "-std=c++17".into(),
+        format!("--fmad={fmad}"),
+        format!("-I{}", include.display()),
+    ];
     if verbose {
         o.push("--ptxas-options=-v".into());
     }
