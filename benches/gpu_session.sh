@@ -15,6 +15,9 @@
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
 #                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli, gradients)
+#       variants    the program tests and the fixtures again with each switch that changes bits
+#                   (MPC_FMAD=1, MPC_SCRATCH_IN_ARENA=0, MPC_CUBLASLT=0, MPC_WIDE=0, MPC_FUSE=0),
+#                   and both sanitizers over the program tests
 #       sanitizer   compute-sanitizer memcheck and racecheck over the GPU op tests and the fixtures
 #       sanitizer_all  both tools over the GPU training, program and fixture tests too (slow)
 #       bench       benches/gpu_vs_torch.py: mpc bench against PyTorch fp32 / AMP on the same GPU
@@ -56,6 +59,9 @@ for line in sys.stdin:
   # The kernels compiled for the lent GPUs (H100 and H200: sm_90) ahead, so that no GPU minute goes
   # to NVRTC: the plan test compiles every family for sm_90 into this cache.
   LD_LIBRARY_PATH="$ROOT/.ci/nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" XDG_CACHE_HOME="$BIN/cache" \
+    "$BIN/cuda_plan" > /dev/null
+  # And as MPC_FMAD=1 compiles them (the variants part runs tests with it).
+  MPC_FMAD=1 LD_LIBRARY_PATH="$ROOT/.ci/nvrtc/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" XDG_CACHE_HOME="$BIN/cache" \
     "$BIN/cuda_plan" > /dev/null
   rm "$BIN/cuda_plan"   # it needs no GPU, and the carried folder must stay under 64 MiB
   # The tests find fixtures and the mpc binary under the folder they were built in.
@@ -130,7 +136,7 @@ step() {  # step NAME COMMAND...: runs it, logs it, records its exit status and 
   timeout -k 5 "$left" "$@" > "$OUTDIR/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$SUMMARY"
-  grep -E "^test result|^runtime conformance|^cuda plans|panicked|FAIL|skipped on cuda" "$OUTDIR/$name.log" | head -20
+  grep -E "^test result|^runtime conformance|^cuda plans|panicked|FAIL|skipped on cuda|out of rtol|differ" "$OUTDIR/$name.log" | head -30
   return 0
 }
 
@@ -153,6 +159,20 @@ part_tests() {
   step cli "$BIN/cli" device_cuda --nocapture
   # Every gradient rule against finite differences, on the CPU and then on the GPU.
   step gradients "$BIN/gradients" --nocapture --test-threads=1
+}
+
+part_variants() {  # the bitwise and whole-network tests again under each switch, to tell causes apart
+  MPC_FMAD=1 step program_fmad "$BIN/program" cuda:: --nocapture --test-threads=1
+  MPC_SCRATCH_IN_ARENA=0 step program_no_scratch_in_arena "$BIN/program" cuda:: --nocapture --test-threads=1
+  MPC_CUBLASLT=0 step program_no_cublaslt "$BIN/program" cuda:: --nocapture --test-threads=1
+  MPC_WIDE=0 step program_narrow "$BIN/program" cuda:: --nocapture --test-threads=1
+  MPC_FMAD=1 step fixtures_fmad "$BIN/cuda_vs_cpu" every_fixture --nocapture --test-threads=1
+  MPC_FUSE=0 step fixtures_unfused "$BIN/cuda_vs_cpu" every_fixture --nocapture --test-threads=1
+  MPC_CUBLASLT=0 step fixtures_no_cublaslt "$BIN/cuda_vs_cpu" every_fixture --nocapture --test-threads=1
+  if command -v compute-sanitizer > /dev/null; then
+    step racecheck_program compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/program" cuda:: --test-threads=1
+    step memcheck_program compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/program" cuda:: --test-threads=1
+  fi
 }
 
 part_sanitizer() {
@@ -196,6 +216,7 @@ for p in "${parts[@]}"; do
     devices) part_devices ;;
     tests) part_tests ;;
     sanitizer) part_sanitizer ;;
+    variants) part_variants ;;
     sanitizer_all) part_sanitizer_all ;;
     bench) part_bench ;;
     all) part_devices; part_tests; part_sanitizer; part_bench ;;

@@ -14,7 +14,7 @@ use mpc_ir::Graph;
 use mpc_runtime::cuda::device::CudaDevice;
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::session::Session;
-use mpc_runtime::Tolerance;
+use mpc_runtime::{Comparison, HostTensor, Tolerance};
 
 fn gpu() -> Option<CudaDevice> {
     match CudaDevice::new(0) {
@@ -35,7 +35,7 @@ fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
     if gpu().is_none() {
         return;
     }
-    let mut compared = 0;
+    let (mut compared, mut bad) = (0, Vec::new());
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
             let Some(g) = common::compiled(name, policy, false).ok() else { continue };
@@ -64,13 +64,18 @@ fn every_fixture_runs_on_the_gpu_as_on_the_cpu() {
                 };
                 let t = Tolerance::for_dtype(low);
                 let tol = Tolerance { rtol: 10.0 * t.rtol, atol: 10.0 * t.atol, rel_l2: t.rel_l2 };
-                let cmp = tol.check(x, c).unwrap_or_else(|e| panic!("{name} {policy} `{n}`: {e}"));
-                println!("{name} {policy} `{n}`: {cmp:?}");
-                assert_eq!(x, y, "{name} {policy} `{n}`: two GPU runs differ");
+                match within(tol, low, x, c) {
+                    Ok(cmp) => println!("{name} {policy} `{n}`: {cmp:?}"),
+                    Err(e) => bad.push(format!("{name} {policy} `{n}`: {e}")),
+                }
+                if x != y {
+                    bad.push(format!("{name} {policy} `{n}`: two GPU runs differ"));
+                }
                 compared += 1;
             }
         }
     }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
     assert!(compared >= 20, "only {compared} outputs compared");
 }
 
@@ -295,18 +300,76 @@ fn large_single_ops_take_the_split_paths_as_the_cpu_computes() {
     if gpu().is_none() {
         return;
     }
+    let mut bad = Vec::new();
     for body in common::LARGE_SINGLE_OPS {
         let g = common::single_op(body);
         let feeds = mpc::run::random_inputs(&g, 11, &HashMap::new()).unwrap();
         let path = std::path::Path::new("large_single_op");
         let cpu =
             mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, path).unwrap_or_else(|e| panic!("{e}\n{body}"));
-        let cuda = mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, path)
-            .unwrap_or_else(|e| panic!("{e}\n{body}"));
+        let cuda = match mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, path) {
+            Ok(o) => o,
+            Err(e) => {
+                bad.push(format!("{e}\n{body}"));
+                continue;
+            }
+        };
         for ((n, c), (_, x)) in cpu.iter().zip(&cuda) {
             let t = Tolerance::for_dtype(c.dtype());
-            let cmp = t.check(x, c).unwrap_or_else(|e| panic!("`{n}`: {e}\n{body}"));
-            println!("`{n}` ({}{:?}): {cmp:?}", c.dtype(), c.shape);
+            let t = Tolerance { atol: t.atol.max(sum_atol(&g, &feeds, n)), ..t };
+            match within(t, c.dtype(), x, c) {
+                Ok(cmp) => println!("`{n}` ({}{:?}): {cmp:?}", c.dtype(), c.shape),
+                Err(e) => bad.push(format!("`{n}`: {e}\n{body}")),
+            }
         }
+    }
+    assert!(bad.is_empty(), "{} of the outputs differ:\n{}", bad.len(), bad.join("\n"));
+}
+
+/// What an output that sums K terms of its op's first input may differ by when they are added
+/// in another order (the CPU's and the GPU's split passes): a few rounding units of f32 at the
+/// size of the terms' absolute sum, however much of it cancels. The sums: ReduceSum's output and
+/// the normalisations' parameter gradients (whose terms are dy times a normalised value of
+/// order one). 0 for any other output.
+fn sum_atol(g: &Graph, feeds: &HashMap<String, HostTensor>, n: &str) -> f64 {
+    let sums = |op: &str, slot: usize| match op {
+        "ReduceSum" => slot == 0,
+        "LayerNormalizationGrad" | "BatchNormalizationGrad" => slot == 1 || slot == 2,
+        _ => false,
+    };
+    let found = g.node_ids().map(|id| g.node(id)).find_map(|x| {
+        let slot = x.outputs().iter().position(|&o| &*g.value(o).name == n)?;
+        sums(x.op.op_type(), slot).then_some((x, slot))
+    });
+    let Some((node, slot)) = found else { return 0.0 };
+    let Some(x) = node.input(0).and_then(|v| feeds.get(&*g.value(v).name)) else { return 0.0 };
+    let out = g.value(node.outputs()[slot]).ty.shape.as_ref().and_then(|s| s.numel()).unwrap_or(1).max(1);
+    let abs_sum_per_output = x.f64s().iter().map(|a| a.abs()).sum::<f64>() / out as f64;
+    4.0 * f32::EPSILON as f64 * abs_sum_per_output
+}
+
+/// `got` against `want` within `t`, or else differing only where an intermediate of `dtype` was
+/// rounded one unit apart and then cancelled (an Add after a rounding, a normalisation of values
+/// rounded to f16): at most 0.1% of the elements out of bounds, none by more than four units in
+/// the last place of `dtype` at the tensor's largest magnitude. A wrong kernel misses by more, or
+/// in more places.
+fn within(t: Tolerance, dtype: mpc_ir::DType, got: &HostTensor, want: &HostTensor) -> Result<Comparison, String> {
+    let e = match t.check(got, want) {
+        Ok(c) => return Ok(c),
+        Err(e) => e,
+    };
+    let unit = match dtype {
+        mpc_ir::DType::F16 => 2f64.powi(-10),
+        mpc_ir::DType::BF16 => 2f64.powi(-7),
+        mpc_ir::DType::F32 => 2f64.powi(-23),
+        _ => return Err(e),
+    };
+    let c = t.measure(got, want);
+    let most = want.f64s().iter().filter(|v| v.is_finite()).fold(0f64, |a, v| a.max(v.abs()));
+    let flips = c.outliers * 1000 <= want.len() && c.max_abs <= 4.0 * unit * most && c.rel_l2 <= t.rel_l2;
+    if flips {
+        Ok(c)
+    } else {
+        Err(e)
     }
 }

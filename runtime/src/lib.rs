@@ -52,7 +52,7 @@ pub mod tolerance;
 pub mod value;
 
 pub use cpu::KernelError;
-pub use tolerance::Tolerance;
+pub use tolerance::{Comparison, Tolerance};
 pub use value::{Data, HostTensor};
 
 #[derive(Debug, thiserror::Error)]
