@@ -18,11 +18,14 @@
 // train_all_finite_<T>(const T* x, long long n, unsigned char* finite)
 //     One tensor; T in f32 f16 bf16 f64. Launch after the init, once per tensor.
 // train_all_finite_multi(const unsigned long long* ptrs, const long long* sizes, const int* dtypes,
-//                        int count, unsigned char* finite)
-//     Many tensors in one launch: ptrs/sizes/dtypes are device arrays of `count` entries (device
-//     addresses, element counts, dtype codes 0 = f32, 1 = f16, 2 = bf16, 3 = f64; any other code
-//     is an integer tensor, always finite). Grid: blockIdx.y walks the tensors (grid-stride with
-//     gridDim.y), blockIdx.x/threadIdx.x the elements (grid-stride), e.g. gridDim = (64, count).
+//                        const int* chunk_tensor, const long long* chunk_start, long long chunks,
+//                        long long chunk, unsigned char* finite)
+//     Many tensors in one launch: ptrs/sizes/dtypes are device arrays, one entry per tensor
+//     (device addresses, element counts, dtype codes 0 = f32, 1 = f16, 2 = bf16, 3 = f64; any
+//     other code is an integer tensor, always finite). Chunk c is elements [chunk_start[c],
+//     min(chunk_start[c] + chunk, sizes[t])) of tensor t = chunk_tensor[c] (chunk a multiple of
+//     16); blockIdx.x walks the chunks (grid-stride), the block's threads a chunk's elements, 16
+//     bytes at a time where the tensor starts on 16 bytes, the rest one at a time.
 // train_unscale_<T>(const T* grad, const float* scale, T* out, long long n)
 //     out = grad * inv, inv = 1 / *scale in f32, rounded to T first when T is not f32 (the
 //     graph's Reciprocal, Cast, Mul). out may equal grad.
@@ -132,20 +135,40 @@ ALL_FINITE_T(__half, f16)
 ALL_FINITE_T(__nv_bfloat16, bf16)
 ALL_FINITE_T(double, f64)
 
+// Whether the block's share of elements [s, e) of x are all finite: 16 bytes at a time from s
+// (a multiple of 16 bytes' elements) where x starts on 16 bytes, the rest one at a time.
+template <typename T>
+__device__ __forceinline__ bool finite_chunk(const T* x, long long s, long long e) {
+    constexpr int per = 16 / (int)sizeof(T);
+    const long long ev = (unsigned long long)x % 16 == 0 ? s + (e - s) / per * per : s;
+    bool ok = true;
+    for (long long i = s + (long long)per * threadIdx.x; i < ev; i += (long long)per * blockDim.x) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + i);
+        const T* lane = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int q = 0; q < per; ++q) ok &= finite_bits(lane, q);
+    }
+    for (long long i = ev + threadIdx.x; i < e; i += blockDim.x) ok &= finite_bits(x, i);
+    return ok;
+}
+
 MPC_KERNEL train_all_finite_multi(const unsigned long long* ptrs, const long long* sizes, const int* dtypes,
-                                  int count, unsigned char* finite) {
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long step = (long long)blockDim.x * gridDim.x;
-    for (int t = blockIdx.y; t < count; t += gridDim.y) {
-        const long long n = sizes[t];
+                                  const int* chunk_tensor, const long long* chunk_start, long long chunks,
+                                  long long chunk, unsigned char* finite) {
+    bool ok = true;
+    for (long long c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const int t = chunk_tensor[c];
+        const long long s = chunk_start[c];
+        const long long e = s + chunk < sizes[t] ? s + chunk : sizes[t];
         switch (dtypes[t]) {
-        case 0: all_finite_range((const float*)ptrs[t], n, first, step, finite); break;
-        case 1: all_finite_range((const __half*)ptrs[t], n, first, step, finite); break;
-        case 2: all_finite_range((const __nv_bfloat16*)ptrs[t], n, first, step, finite); break;
-        case 3: all_finite_range((const double*)ptrs[t], n, first, step, finite); break;
+        case 0: ok &= finite_chunk((const float*)ptrs[t], s, e); break;
+        case 1: ok &= finite_chunk((const __half*)ptrs[t], s, e); break;
+        case 2: ok &= finite_chunk((const __nv_bfloat16*)ptrs[t], s, e); break;
+        case 3: ok &= finite_chunk((const double*)ptrs[t], s, e); break;
         default: break;
         }
     }
+    if (!ok) *finite = 0;
 }
 
 // ---------------------------------------------------------------- unscale

@@ -203,7 +203,7 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
 /// update reading an f16 gradient with its loss scale, broadcasts against a scalar and a row):
 /// `cuda_vs_cpu` runs them on a GPU, `cuda_plan_semantics` runs their plans' kernels on the CPU.
 /// The fixtures are too small to reach these paths.
-pub const LARGE_SINGLE_OPS: [&str; 35] = [
+pub const LARGE_SINGLE_OPS: [&str; 36] = [
     // The dtype variants the benchmarks' steps launch besides the f32/f16 ones above: bf16 batch
     // norms split over 256 channels, column sums of f16 and bf16 over many rows (a bias
     // gradient), LayerNorm's split parameter sums reading a bf16 dy, GatherGrad's f32 sums.
@@ -256,6 +256,10 @@ pub const LARGE_SINGLE_OPS: [&str; 35] = [
     "input %0 \"x\": f16[8,512,12,64]\n  %1 \"y\": f16[8,12,64,512] = Transpose[perm=[0,2,3,1]](%0)\n  output %1",
     "input %0 \"x\": f32[2,12,64,100]\n  %1 \"y\": f32[2,100,12,64] = Transpose[perm=[0,3,1,2]](%0)\n  output %1",
     "input %0 \"q\": f16[2,128,4,64]\n  input %1 \"k\": f16[2,128,4,64]\n  %2 \"qt\": f16[2,4,128,64] = Transpose[perm=[0,2,1,3]](%0)\n  %3 \"kt\": f16[2,4,64,128] = Transpose[perm=[0,2,3,1]](%1)\n  %4 \"s\": f16[2,4,128,128] = MatMul(%2, %3)\n  %5 \"y\": f16[2,128,4,128] = Transpose[perm=[0,2,1,3]](%4)\n  output %5",
+    // The finite check of many gradients in chunks, 16 bytes at a time with a scalar tail: an Inf
+    // inside an f16 tensor's wide part, a NaN in the last element of an f32 tensor of 70,001
+    // (the tail), and none.
+    "input %0 \"a\": f16[300000]\n  input %1 \"b\": f32[70001]\n  input %2 \"c\": bf16[999]\n  init %3 \"s\" = i64[]{0}\n  init %4 \"e\" = i64[]{300000}\n  init %5 \"one\" = i64[]{1}\n  %6 \"r\": i64[300000] = Range(%3, %4, %5)\n  init %7 \"k\" = i64[]{234567}\n  %8 \"hit\": bool[300000] = Equal(%6, %7)\n  init %9 \"z\" = f16[]{0}\n  init %10 \"o\" = f16[]{1}\n  %11 \"inf\": f16[] = Div(%10, %9)\n  %12 \"a2\": f16[300000] = Where(%8, %11, %0)\n  init %13 \"e2\" = i64[]{70001}\n  %14 \"r2\": i64[70001] = Range(%3, %13, %5)\n  init %15 \"k2\" = i64[]{70000}\n  %16 \"hit2\": bool[70001] = Equal(%14, %15)\n  init %17 \"zf\" = f32[]{0}\n  %18 \"nan\": f32[] = Div(%17, %17)\n  %19 \"b2\": f32[70001] = Where(%16, %18, %1)\n  %20 \"inf_in_a\": bool[] = ai.mpc::AllFinite(%12, %1, %2)\n  %21 \"nan_in_b\": bool[] = ai.mpc::AllFinite(%0, %19, %2)\n  %22 \"none\": bool[] = ai.mpc::AllFinite(%0, %1, %2)\n  output %20\n  output %21\n  output %22",
     // The second moment must not be negative: |v|.
     "input %0 \"p\": f32[300,7]\n  input %1 \"g\": f16[300,7]\n  input %2 \"m\": f32[300,7]\n  input %3 \"v\": f32[300,7]\n  init %4 \"t\" = i64[]{3}\n  init %5 \"ok\" = bool[]{1}\n  init %6 \"inv\" = f32[]{0.0078125}\n  %7 \"va\": f32[300,7] = Abs(%3)\n  %8 \"p2\": f32[300,7], %9 \"m2\": f32[300,7], %10 \"v2\": f32[300,7] = ai.mpc::AdamUpdate[lr=0.001, decoupled=1](%0, %1, %2, %7, %4, %5, %6)\n  output %8\n  output %9\n  output %10",
 ];

@@ -120,17 +120,22 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
         }
     } else if name == "train_all_finite_multi" {
         let Buf::Aux(at) = ptr(&a[0]) else { panic!("the address array is not in aux") };
-        let (sizes, codes, count, f) = (ptr(&a[1]), ptr(&a[2]), int(&a[3]), ptr(&a[4]));
-        for t in 0..count {
+        let (sizes, codes, tensor_of, start_of) = (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
+        let (chunks, chunk, f) = (int(&a[5]), int(&a[6]), ptr(&a[7]));
+        // Chunk by chunk, as the kernel reads them: elements no chunk covers are not checked.
+        for c in 0..chunks {
+            let t = m.get(tensor_of, c, DType::I32) as i64;
             let x = m.addresses[&(at + 8 * t as u64)];
-            let n = m.get(sizes, t, DType::I64) as i64;
+            let s = m.get(start_of, c, DType::I64) as i64;
+            let e = (s + chunk).min(m.get(sizes, t, DType::I64) as i64);
             let d = match m.get(codes, t, DType::I32) as i64 {
                 0 => DType::F32,
                 1 => DType::F16,
                 2 => DType::BF16,
-                _ => DType::F64,
+                3 => DType::F64,
+                _ => continue,
             };
-            if (0..n).any(|i| !m.get(x, i, d).is_finite()) {
+            if (s..e).any(|i| !m.get(x, i, d).is_finite()) {
                 m.set(f, 0, DType::U8, 0.0);
             }
         }

@@ -186,8 +186,8 @@ fn adam_hyper(a: &mpc_ir::ops::AdamAttrs) -> [Arg; 6] {
     ]
 }
 
-/// Elements per block of a multi-tensor update: each tensor is cut into chunks of this many, one
-/// block per chunk, so that small and large tensors alike fill the device.
+/// Elements per block of a multi-tensor update or finite check: each tensor is cut into chunks of
+/// this many, one block per chunk, so that small and large tensors alike fill the device.
 const UPDATE_CHUNK: u64 = 65536;
 
 /// A multi-tensor launch of AdamUpdates ([`crate::program::Launch::group`]): one
@@ -289,13 +289,36 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                     .map(|x| float_code(x.dtype).map(i32::to_le_bytes))
                     .collect::<Result<Vec<_>, _>>()?
                     .concat();
+                // Cut into chunks of UPDATE_CHUNK elements, one block each, so that every tensor,
+                // large or small, keeps the device busy (one block row per tensor left the
+                // largest few to a few blocks each).
+                let (mut tensor_of, mut start_of) = (Vec::new(), Vec::new());
+                for (k, x) in floats.iter().enumerate() {
+                    for s in (0..x.numel() as u64).step_by(UPDATE_CHUNK as usize) {
+                        tensor_of.extend((k as i32).to_le_bytes());
+                        start_of.extend((s as i64).to_le_bytes());
+                    }
+                }
+                let chunks = (tensor_of.len() / 4) as u64;
                 let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
-                let count = floats.len() as u64;
-                let widest = floats.iter().map(|x| x.numel() as u64).max().unwrap_or(1);
-                let grid = [widest.div_ceil(BLOCK as u64).clamp(1, 64) as u32, count.min(MAX_ROWS) as u32, 1];
-                let args =
-                    vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes), Arg::I32(count as i32), Arg::Ptr(buf(f))];
-                p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
+                let (tensor_of, start_of) = (p.aux(&tensor_of), p.aux(&start_of));
+                let args = vec![
+                    Arg::Ptr(ptrs),
+                    Arg::Ptr(sizes),
+                    Arg::Ptr(codes),
+                    Arg::Ptr(tensor_of),
+                    Arg::Ptr(start_of),
+                    Arg::I64(chunks as i64),
+                    Arg::I64(UPDATE_CHUNK as i64),
+                    Arg::Ptr(buf(f)),
+                ];
+                p.kernel(
+                    "train",
+                    "train_all_finite_multi".into(),
+                    [chunks.min(65535) as u32, 1, 1],
+                    [BLOCK, 1, 1],
+                    args,
+                );
             }
         }
         Op::SgdUpdate(a) => {
