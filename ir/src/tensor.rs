@@ -61,6 +61,13 @@ impl Tensor {
         Ok(Tensor { dtype, shape, data: Data::Bytes(data) })
     }
 
+    /// A tensor of zeros (all bytes 0: +0 in every float dtype, 0 in every integer one), without
+    /// converting a value per element; the bytes are the allocator's zeroed pages until written.
+    pub fn zeros(dtype: DType, shape: Vec<u64>) -> Tensor {
+        let bytes = numel(&shape).unwrap_or(0) as usize * dtype.size();
+        Tensor { dtype, shape, data: Data::Bytes(Bytes::from(vec![0u8; bytes])) }
+    }
+
     pub fn from_f32(shape: Vec<u64>, values: &[f32]) -> Tensor {
         Self::from_le(DType::F32, shape, values, |v, out| out.extend_from_slice(&v.to_le_bytes()))
     }

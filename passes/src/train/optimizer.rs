@@ -155,8 +155,7 @@ impl Pass for OptimizerPass {
                     .initializer()
                     .cloned()
                     .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
-            let zeros =
-                || Tensor::from_f64_as(tensor.dtype(), tensor.shape().to_vec(), &vec![0.0; tensor.numel() as usize]);
+            let zeros = || Tensor::zeros(tensor.dtype(), tensor.shape().to_vec());
             let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
             let unscale = inv.filter(|_| folded.contains(&p));
             match o.optimizer {
@@ -265,7 +264,10 @@ fn low_copy(g: &mut Graph, p: ValueId, pname: &str, init: &Tensor) -> Option<Val
     };
     let to = casts(g, None).first()?.1;
     let name = g.unique_name(&format!("mpc.{to}.{pname}"));
-    let low = g.add_initializer(&name, init.to_dtype(to));
+    // f32 masters through the narrowing path (converted on all threads when first read, the same
+    // round-to-nearest-even bits as `to_dtype`), anything else element by element.
+    let copy = init.narrow(to).map_or_else(|| init.to_dtype(to), |(t, _)| t);
+    let low = g.add_initializer(&name, copy);
     // The Casts are left to dead-code elimination: a node removed here would free an index that
     // the next added node takes, and the pass manager types only the nodes added after its start.
     for (n, _) in casts(g, Some(to)) {
