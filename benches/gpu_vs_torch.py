@@ -3,7 +3,7 @@
 
     python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,resnet50,digits]
                                     [--steps 20] [--warmup 5] [--tiny] [--mpc PATH] [--out DIR]
-                                    [--no-compile] [--no-profile] [--no-ab]
+                                    [--no-compile] [--compile-modes M,...] [--no-profile] [--no-ab]
     # needs torch, torchvision, onnx, numpy; builds nothing: give --mpc (default target/release/mpc)
 
 Each model is built in PyTorch, exported to ONNX by this script (torch.onnx, the legacy exporter,
@@ -227,6 +227,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--compile-modes", default="fp32,amp-fp16,amp-bf16",
+                    help="the PyTorch modes also timed under torch.compile (e.g. amp-fp16,amp-bf16: the AMP "
+                         "steps the issue compares against, in less time)")
     ap.add_argument("--no-profile", action="store_true", help="skip mpc's per-op profile of one step")
     ap.add_argument("--no-ab", action="store_true",
                     help="skip mpc mixed without each of its speed-ups (the A/B runs of AB_VARIANTS)")
@@ -254,7 +257,8 @@ def main():
         modes = ["fp32", "amp-fp16", "amp-bf16"] if dev == "cuda" else ["fp32", "amp-bf16"]
         torch_rows = {}
         for mode in modes:
-            for compiled in [False] + ([] if args.no_compile else [True]):
+            compile_too = not args.no_compile and mode in args.compile_modes.split(",")
+            for compiled in [False] + ([True] if compile_too else []):
                 key = mode + (" compile" if compiled else "")
                 try:
                     torch_rows[key] = torch_step_times(model, inputs, labels, mode, args.steps, args.warmup, dev, compiled)
