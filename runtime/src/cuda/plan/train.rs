@@ -190,6 +190,27 @@ fn adam_hyper(a: &mpc_ir::ops::AdamAttrs) -> [Arg; 6] {
 /// this many, one block per chunk, so that small and large tensors alike fill the device.
 const UPDATE_CHUNK: u64 = 65536;
 
+/// The chunks of [`UPDATE_CHUNK`] elements that cut tensors of `numels` elements, one block each:
+/// a multi-tensor kernel's `chunk_tensor`, `chunk_start`, `chunks` and `chunk` arguments (the
+/// first two in aux bytes), and its grid.
+fn chunks(p: &mut Planner, numels: &[u64]) -> ([Arg; 4], [u32; 3]) {
+    let (mut tensor_of, mut start_of) = (Vec::new(), Vec::new());
+    for (k, &n) in numels.iter().enumerate() {
+        for s in (0..n).step_by(UPDATE_CHUNK as usize) {
+            tensor_of.extend((k as i32).to_le_bytes());
+            start_of.extend((s as i64).to_le_bytes());
+        }
+    }
+    let count = (tensor_of.len() / 4) as u64;
+    let args = [
+        Arg::Ptr(p.aux(&tensor_of)),
+        Arg::Ptr(p.aux(&start_of)),
+        Arg::I64(count as i64),
+        Arg::I64(UPDATE_CHUNK as i64),
+    ];
+    (args, [count.clamp(1, 65535) as u32, 1, 1])
+}
+
 /// A multi-tensor launch of AdamUpdates ([`crate::program::Launch::group`]): one
 /// `train_adam_multi_<T>` kernel over the members' tensors, cut into chunks. The step, finite
 /// flag and unscale are the first member's (the lowering groups only updates that share them).
@@ -208,8 +229,8 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
     }
     let inv = unscale_arg(&first, 6, param_dtype)?;
     let mut ptrs: Vec<Option<Buf>> = Vec::with_capacity(9 * group.len());
-    let (mut sizes, mut codes, mut tensor_of, mut start_of) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (k, l) in group.iter().enumerate() {
+    let (mut sizes, mut codes, mut numels) = (Vec::new(), Vec::new(), Vec::new());
+    for l in group {
         let m = member(l);
         let ins: Vec<&TensorRef> = (0..4).map(|i| m.input(i)).collect::<Result<_, _>>()?;
         let outs: Vec<&TensorRef> = (0..3).map(|i| m.output(i)).collect::<Result<_, _>>()?;
@@ -226,13 +247,9 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
         sizes.extend((n as i64).to_le_bytes());
         codes.extend(float_code(grad.dtype)?.to_le_bytes());
         codes.extend(low.map_or(0, |l| l.2).to_le_bytes());
-        for s in (0..n as u64).step_by(UPDATE_CHUNK as usize) {
-            tensor_of.extend((k as i32).to_le_bytes());
-            start_of.extend((s as i64).to_le_bytes());
-        }
+        numels.push(n as u64);
     }
-    let chunks = (tensor_of.len() / 4) as u64;
-    if chunks == 0 {
+    if numels.iter().all(|&n| n == 0) {
         return Ok(());
     }
     let table = p.aux(&vec![0u8; 8 * ptrs.len()]);
@@ -243,21 +260,11 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
         }
     }
     let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
-    let (tensor_of, start_of) = (p.aux(&tensor_of), p.aux(&start_of));
-    let mut args = vec![
-        Arg::Ptr(table),
-        Arg::Ptr(sizes),
-        Arg::Ptr(codes),
-        Arg::Ptr(tensor_of),
-        Arg::Ptr(start_of),
-        Arg::I64(chunks as i64),
-        Arg::I64(UPDATE_CHUNK as i64),
-        inv,
-        Arg::Ptr(buf(step)),
-        Arg::Ptr(buf(finite)),
-    ];
+    let (chunked, grid) = chunks(p, &numels);
+    let mut args = vec![Arg::Ptr(table), Arg::Ptr(sizes), Arg::Ptr(codes)];
+    args.extend(chunked);
+    args.extend([inv, Arg::Ptr(buf(step)), Arg::Ptr(buf(finite))]);
     args.extend(adam_hyper(&a));
-    let grid = [chunks.min(65535) as u32, 1, 1];
     p.kernel("train", format!("train_adam_multi_{}", float_tag(param_dtype)?), grid, [BLOCK, 1, 1], args);
     Ok(())
 }
@@ -289,36 +296,16 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                     .map(|x| float_code(x.dtype).map(i32::to_le_bytes))
                     .collect::<Result<Vec<_>, _>>()?
                     .concat();
-                // Cut into chunks of UPDATE_CHUNK elements, one block each, so that every tensor,
-                // large or small, keeps the device busy (one block row per tensor left the
-                // largest few to a few blocks each).
-                let (mut tensor_of, mut start_of) = (Vec::new(), Vec::new());
-                for (k, x) in floats.iter().enumerate() {
-                    for s in (0..x.numel() as u64).step_by(UPDATE_CHUNK as usize) {
-                        tensor_of.extend((k as i32).to_le_bytes());
-                        start_of.extend((s as i64).to_le_bytes());
-                    }
-                }
-                let chunks = (tensor_of.len() / 4) as u64;
+                // Cut into chunks, one block each, so that every tensor, large or small, keeps
+                // the device busy (one block row per tensor left the largest few to a few blocks
+                // each).
                 let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
-                let (tensor_of, start_of) = (p.aux(&tensor_of), p.aux(&start_of));
-                let args = vec![
-                    Arg::Ptr(ptrs),
-                    Arg::Ptr(sizes),
-                    Arg::Ptr(codes),
-                    Arg::Ptr(tensor_of),
-                    Arg::Ptr(start_of),
-                    Arg::I64(chunks as i64),
-                    Arg::I64(UPDATE_CHUNK as i64),
-                    Arg::Ptr(buf(f)),
-                ];
-                p.kernel(
-                    "train",
-                    "train_all_finite_multi".into(),
-                    [chunks.min(65535) as u32, 1, 1],
-                    [BLOCK, 1, 1],
-                    args,
-                );
+                let numels: Vec<u64> = floats.iter().map(|x| x.numel() as u64).collect();
+                let (chunked, grid) = chunks(p, &numels);
+                let mut args = vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes)];
+                args.extend(chunked);
+                args.push(Arg::Ptr(buf(f)));
+                p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
             }
         }
         Op::SgdUpdate(a) => {
