@@ -8,10 +8,9 @@
 //! gradient of both uses reaches one parameter.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 
 use mpc_ir::ops::TransposeAttrs;
-use mpc_ir::{Graph, Op, Tensor, ValueId};
+use mpc_ir::{DType, Graph, Op, Tensor, ValueId};
 
 /// One tie: `copy` now reads `kept` (transposed when `transposed`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,24 +24,24 @@ pub struct Tie {
 /// its transpose. Tensors whose elements are all equal (fresh biases, norm scales) are never
 /// tied: they are equal by initialisation, not by sharing.
 pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
-    // Earlier candidates by a hash of their tensor; equality is checked in full.
-    let mut seen: HashMap<u64, Vec<ValueId>> = HashMap::new();
+    // Earlier candidates by their fingerprint; equality is checked in full.
+    let mut seen: HashMap<Fingerprint, Vec<ValueId>> = HashMap::new();
     let mut ties = Vec::new();
     for &v in candidates {
         let Some(t) = g.value(v).initializer().cloned() else { continue };
-        let first = t.values().next();
-        if t.numel() < 2 || t.values().all(|x| Some(x) == first) {
+        if t.numel() < 2 || all_equal(&t) {
             continue;
         }
-        let find = |t: &Tensor| {
-            seen.get(&hash(t)).into_iter().flatten().copied().find(|&k| g.value(k).initializer() == Some(t))
+        let find = |key: Option<Fingerprint>, same: &dyn Fn(&Tensor) -> bool| {
+            let earlier = key.and_then(|k| seen.get(&k));
+            earlier.into_iter().flatten().copied().find(|&k| g.value(k).initializer().is_some_and(same))
         };
-        let (kept, transposed) = match find(&t) {
+        let (kept, transposed) = match find(fingerprint(&t, false), &|x| x == &t) {
             Some(k) => (k, false),
-            None => match transpose(&t).and_then(|tt| find(&tt)) {
+            None => match find(fingerprint(&t, true), &|x| is_transpose(x, &t)) {
                 Some(k) => (k, true),
                 None => {
-                    seen.entry(hash(&t)).or_default().push(v);
+                    seen.entry(fingerprint(&t, false).expect("a tensor's own fingerprint")).or_default().push(v);
                     continue;
                 }
             },
@@ -51,6 +50,53 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
         tie(g, v, kept, transposed);
     }
     ties
+}
+
+/// A tensor's dtype, shape and the bytes of 64 of its elements at fixed places of its row-major
+/// order: equal tensors have equal fingerprints, read in a few cache lines, where a hash of every
+/// byte read a model's whole weights (twice, with each matrix's transpose built to hash it).
+type Fingerprint = (DType, Vec<u64>, Vec<u8>);
+
+/// `t`'s fingerprint, or its transpose's when `transposed` (`None` for a tensor not a matrix).
+fn fingerprint(t: &Tensor, transposed: bool) -> Option<Fingerprint> {
+    let (size, bytes, n) = (t.dtype().size(), t.bytes(), t.numel() as usize);
+    let (shape, at): (Vec<u64>, Box<dyn Fn(usize) -> usize>) = if transposed {
+        let &[r, c] = t.shape() else { return None };
+        let (r, c) = (r as usize, c as usize);
+        // Element k of the transpose (c × r) is element (k mod r, k / r) of t.
+        (vec![c as u64, r as u64], Box::new(move |k| (k % r) * c + k / r))
+    } else {
+        (t.shape().to_vec(), Box::new(|k| k))
+    };
+    let m = n.min(64);
+    let mut sample = Vec::with_capacity(m * size);
+    for i in 0..m {
+        let k = if m > 1 { i * (n - 1) / (m - 1) } else { 0 };
+        sample.extend_from_slice(&bytes[at(k) * size..][..size]);
+    }
+    Some((t.dtype(), shape, sample))
+}
+
+/// Whether every element of `t` equals its first as a value (NaN equals nothing; +0 and -0 are
+/// equal): the same bytes throughout, or zeros of either sign.
+fn all_equal(t: &Tensor) -> bool {
+    let (size, bytes) = (t.dtype().size(), t.bytes());
+    let first = t.values().next();
+    if bytes.chunks_exact(size).all(|e| e == &bytes[..size]) {
+        return first.is_some_and(|x| !x.is_nan());
+    }
+    first == Some(0.0) && t.values().all(|x| x == 0.0)
+}
+
+/// Whether `x` is the transpose of the matrix `t`, element for element.
+fn is_transpose(x: &Tensor, t: &Tensor) -> bool {
+    let &[r, c] = t.shape() else { return false };
+    let (r, c) = (r as usize, c as usize);
+    if x.dtype() != t.dtype() || x.shape() != [c as u64, r as u64] {
+        return false;
+    }
+    let (size, a, b) = (t.dtype().size(), t.bytes(), x.bytes());
+    (0..r).all(|i| (0..c).all(|j| a[(i * c + j) * size..][..size] == b[(j * r + i) * size..][..size]))
 }
 
 /// Makes the same ties in another graph holding the same initializers (the model that trained
@@ -80,24 +126,41 @@ fn tie(g: &mut Graph, copy: ValueId, kept: ValueId, transposed: bool) {
     g.remove_value(copy);
 }
 
-fn hash(t: &Tensor) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    t.hash(&mut h);
-    h.finish()
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// The transpose of a matrix (`None` for other ranks).
-fn transpose(t: &Tensor) -> Option<Tensor> {
-    let &[r, c] = t.shape() else { return None };
-    let (r, c) = (usize::try_from(r).ok()?, usize::try_from(c).ok()?);
-    let size = t.dtype().size();
-    let src = t.bytes();
-    let mut out = vec![0u8; src.len()];
-    for i in 0..r {
-        for j in 0..c {
-            let (from, to) = ((i * c + j) * size, (j * r + i) * size);
-            out[to..to + size].copy_from_slice(&src[from..from + size]);
-        }
+    fn matrix(r: u64, c: u64, f: impl Fn(u64, u64) -> f32) -> Tensor {
+        let v: Vec<f32> = (0..r * c).map(|k| f(k / c, k % c)).collect();
+        Tensor::from_f32(vec![r, c], &v)
     }
-    Tensor::from_bytes(t.dtype(), vec![c as u64, r as u64], out.into()).ok()
+
+    /// A copy and a transpose are tied to the first; a matrix that differs from another in one
+    /// element that no fingerprint reads, or from a transpose in one, is not; nor are tensors
+    /// of one value (zeros of both signs included) or of NaNs.
+    #[test]
+    fn copies_and_transposes_are_tied_and_near_misses_and_constants_are_not() {
+        let w = |i: u64, j: u64| (i * 37 + j * 11) as f32 * 0.25;
+        let mut g = Graph::new("t");
+        let odd = |r: u64, c: u64, at: (u64, u64)| matrix(r, c, move |i, j| if (i, j) == at { -1.0 } else { w(i, j) });
+        let near = odd(30, 40, (17, 23));
+        assert_eq!(fingerprint(&near, false), fingerprint(&matrix(30, 40, w), false), "a miss no sample sees");
+        let names = ["w", "copy", "wt", "near", "near_t", "zeros", "nans"];
+        let tensors = [
+            matrix(30, 40, w),
+            matrix(30, 40, w),
+            matrix(40, 30, |i, j| w(j, i)),
+            near,
+            matrix(40, 30, |i, j| if (j, i) == (5, 7) { 9.0 } else { w(j, i) }),
+            matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 }),
+            matrix(3, 4, |_, _| f32::NAN),
+        ];
+        let ids: Vec<ValueId> = names.iter().zip(tensors).map(|(n, t)| g.add_initializer(n, t)).collect();
+        let ties = tie_weights(&mut g, &ids);
+        let got: Vec<(&str, &str, bool)> =
+            ties.iter().map(|t| (t.copy.as_str(), t.kept.as_str(), t.transposed)).collect();
+        assert_eq!(got, [("copy", "w", false), ("wt", "w", true)]);
+        assert!(all_equal(&matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 })));
+        assert!(!all_equal(&matrix(3, 4, |_, _| f32::NAN)));
+    }
 }
