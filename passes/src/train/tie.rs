@@ -32,16 +32,17 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
         if t.numel() < 2 || all_equal(&t) {
             continue;
         }
-        let find = |key: Option<Fingerprint>, same: &dyn Fn(&Tensor) -> bool| {
-            let earlier = key.and_then(|k| seen.get(&k));
+        let find = |key: Option<&Fingerprint>, same: &dyn Fn(&Tensor) -> bool| {
+            let earlier = key.and_then(|k| seen.get(k));
             earlier.into_iter().flatten().copied().find(|&k| g.value(k).initializer().is_some_and(same))
         };
-        let (kept, transposed) = match find(fingerprint(&t, false), &|x| x == &t) {
+        let own = fingerprint(&t, false).expect("a tensor's own fingerprint");
+        let (kept, transposed) = match find(Some(&own), &|x| x == &t) {
             Some(k) => (k, false),
-            None => match find(fingerprint(&t, true), &|x| is_transpose(x, &t)) {
+            None => match find(fingerprint(&t, true).as_ref(), &|x| is_transpose(x, &t)) {
                 Some(k) => (k, true),
                 None => {
-                    seen.entry(fingerprint(&t, false).expect("a tensor's own fingerprint")).or_default().push(v);
+                    seen.entry(own).or_default().push(v);
                     continue;
                 }
             },
