@@ -6,16 +6,16 @@
     # needs numpy and onnx (.ci/requirements.txt)
 
 Builds the models of benches/gpu_vs_torch.py in ONNX directly, with the ops PyTorch's exporter
-writes for them there (opset 17: Linear on 3-D input as MatMul + Add, the tanh GELU as its nine
-nodes, the loss inside the GPT, ResNet-50's batch norms in training mode; the shape arithmetic
-that mpc folds when lowering is written as constants), with random weights, and prints for fp32
-and mixed what `mpc inspect MODEL --memory --train` plans for the training step at the
-benchmark's batch: the
-arena (activations), the state (masters, moments, the step's low-precision weights) and the
-constants. Their sum is the "mpc memory" column of benches/gpu_vs_torch.py (arena + state +
-constants, CUDA's 256-byte alignment aside), so the memory targets' mpc side is checked here; what
-a CUDA run allocates beside it (cuBLAS's workspace, launch scratch that the arena's free bytes do
-not hold) is printed under it, and `mpc bench` reports the whole as `allocated_bytes`.
+writes for them there (opset 17: Linear on 3-D input as MatMul of the weight's Transpose + Add, the
+tanh GELU as its nine nodes, the loss inside the GPT, ResNet-50's batch norms in training mode; the
+shape arithmetic that mpc folds when lowering is written as constants), with random weights, and
+prints for fp32 and mixed what `mpc inspect MODEL --memory --train` plans for the training step at
+the benchmark's batch: the arena (activations), the state (masters, moments, the step's
+low-precision weights) and the constants. Their sum is the "mpc memory" column of
+benches/gpu_vs_torch.py (arena + state + constants, CUDA's 256-byte alignment aside), so the memory
+targets' mpc side is checked here; what a CUDA run allocates beside it (cuBLAS's workspace, launch
+scratch that the arena's free bytes do not hold) is printed under it, and `mpc bench` reports the
+whole as `allocated_bytes`.
 
 It also prints each step's two floors from the same plan: the bytes its launches must move (each
 tensor a launch reads or writes, once) over the device's bandwidth, and its matrix-product FLOPs
@@ -66,8 +66,10 @@ class Builder:
         return self.init("i", np.array(v, dtype=np.int64))
 
     def linear(self, x, d_in, d_out, bias=True):
-        y = self.op("MatMul", [x, self.weight("W", d_in, d_out)])
-        return self.op("Add", [y, self.init("b", np.zeros(d_out, np.float32))]) if bias else y
+        # nn.Linear on a sequence, as torch.onnx exports it in training mode (no constant folding):
+        # the weight stored [out, in] and transposed in the graph, the bias added first.
+        y = self.op("MatMul", [x, self.op("Transpose", [self.weight("W", d_out, d_in)], perm=[1, 0])])
+        return self.op("Add", [self.init("b", np.zeros(d_out, np.float32)), y]) if bias else y
 
     def layer_norm(self, x, d):
         return self.op("LayerNormalization", [x, self.init("g", np.ones(d, np.float32)),
@@ -201,11 +203,12 @@ def main():
         for name in args.models.split(","):
             path = os.path.join(tmp, f"{name}.onnx")
             batch, loss = {"gpt": gpt, "mlp": mlp, "resnet50": resnet50}[name](path, args.tiny)
-            totals = {}
+            totals, arenas = {}, {}
             for policy in ["fp32", "mixed"]:
                 arena, state, constants, traffic, launches, flops, (scratch, blas) = plan(
                     args.mpc, path, policy, batch, loss)
                 totals[policy] = arena + state + constants
+                arenas[policy] = arena
                 print(f"{name} (batch {batch}) {policy:5}: arena {mib(arena):9.1f} MiB, state {mib(state):8.1f} MiB, "
                       f"constants {mib(constants):6.1f} MiB, total {mib(totals[policy]):9.1f} MiB")
                 print(f"{'':>{len(name) + 16}} on CUDA also: cuBLAS's workspace {mib(blas):.1f} MiB, and at most "
@@ -217,7 +220,8 @@ def main():
                 print(f"{'':>{len(name) + 16}} floors: memory {traffic / 2**30:.2f} GiB -> "
                       f"{traffic / args.bandwidth * 1e3:.2f} ms, compute {tflop} TFLOP -> {compute:.2f} ms, "
                       f"{launches} launches")
-            print(f"{name}: mixed / fp32 {totals['mixed'] / totals['fp32']:.2f}x")
+            print(f"{name}: mixed / fp32 {totals['mixed'] / totals['fp32']:.2f}x "
+                  f"(the activations' arena {arenas['mixed'] / arenas['fp32']:.2f}x)")
 
 
 if __name__ == "__main__":

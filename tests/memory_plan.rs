@@ -282,6 +282,40 @@ fn the_forward_runs_before_the_backward_and_the_peak_is_what_it_holds() {
     assert!(mixed * 10 <= fp32 * 7, "mixed {mixed} B, fp32 {fp32} B");
 }
 
+/// The tiny GPT writes its Linears as PyTorch exports them, `MatMul(x, Transpose(W))` + bias:
+/// the training step launches no Transpose of a weight or of a weight's gradient. Each forward
+/// product reads its weight transposed and adds its bias as it writes; each input gradient reads
+/// the weight as stored (a Gemm without `transB`), each weight gradient is one Gemm that writes it
+/// as stored (`dYᵀ X`).
+#[test]
+fn a_weights_transpose_is_read_by_its_products_not_launched() {
+    use mpc_ir::ops::GemmAttrs;
+    for policy in ["fp32", "mixed"] {
+        let (_, p) = gpt_step(policy);
+        let moves: Vec<&str> =
+            p.launches.iter().filter(|l| matches!(l.op, Op::Transpose(_))).map(|l| l.node.as_str()).collect();
+        assert!(moves.is_empty(), "{policy}: {moves:?}");
+        // 2 layers of 4 Linears, and the LM head (no bias).
+        let forward: Vec<&Launch> = p
+            .launches
+            .iter()
+            .filter(|l| {
+                l.op == Op::MatMul && matches!(l.inputs.get(1), Some(Operand::Transposed(w)) if w.shape.len() == 2)
+            })
+            .collect();
+        assert_eq!(forward.len(), 9, "{policy}");
+        // Under mixed, the projections back to the f32 residual stream add their biases in f32
+        // with the residual, in one chain after the product.
+        let biased = if policy == "fp32" { 8 } else { 4 };
+        assert_eq!(forward.iter().filter(|l| l.epilogue == Some(Op::Add)).count(), biased, "{policy}");
+        let gemm = |l: &&Launch, ta: bool, tb: bool| matches!(l.op, Op::Gemm(GemmAttrs { transA, transB, .. }) if transA == ta && transB == tb);
+        let grads = |ta, tb| p.launches.iter().filter(|l| l.node.contains(".grad.") && gemm(l, ta, tb)).count();
+        // The input gradients of all 9 (the first layer's too: its input is the layer norm's) and
+        // the 9 weight gradients; none reads an operand transposed by a flag pair of its own.
+        assert_eq!((grads(false, false), grads(true, false), grads(false, true)), (9, 9, 0), "{policy}");
+    }
+}
+
 /// A step's traffic counts each tensor a launch reads or writes once, a gather's table by the
 /// rows it takes, and the FLOPs of its matrix products, an operand read transposed included.
 #[test]

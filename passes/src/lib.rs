@@ -7,6 +7,7 @@
 
 mod cast_cleanup;
 mod dce;
+mod gemm_transpose;
 mod infer;
 mod manager;
 pub mod precision;
@@ -16,6 +17,7 @@ pub mod train;
 
 pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
+pub use gemm_transpose::GemmTranspose;
 pub use infer::{infer_types, InferTypes};
 pub use manager::{verify, PassManager, Pipeline};
 pub use precision::{Policy, Precision};

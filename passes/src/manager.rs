@@ -3,8 +3,8 @@
 use mpc_ir::{Graph, NodeId};
 
 use crate::{
-    infer, train, CastCleanup, Changed, Context, Dce, Effect, InferTypes, Pass, PassError, Precision, Result, Simplify,
-    UnrollRnn,
+    infer, train, CastCleanup, Changed, Context, Dce, Effect, GemmTranspose, InferTypes, Pass, PassError, Precision,
+    Result, Simplify, UnrollRnn,
 };
 
 /// A named list of passes.
@@ -21,7 +21,7 @@ pub enum Pipeline {
     /// infer types → simplify → precision → cast cleanup → dead-code elimination.
     Inference,
     /// infer types → simplify → add loss → precision → train mode → loss scale → autodiff →
-    /// optimizer → cast cleanup → dead-code elimination.
+    /// optimizer → Gemm transposes → cast cleanup → dead-code elimination.
     Training,
 }
 
@@ -50,6 +50,7 @@ impl PassManager {
                 Box::new(train::LossScalePass),
                 Box::new(train::Autodiff),
                 Box::new(train::OptimizerPass),
+                Box::new(GemmTranspose),
                 Box::new(CastCleanup),
                 Box::new(Dce),
             ]),

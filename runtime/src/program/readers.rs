@@ -158,12 +158,14 @@ pub(super) fn read_in_readers(
             let prod = g.node(*p);
             let made_before = made_before(other, p);
             let (Some(a), Some(b)) = (prod.input(0), prod.input(1)) else { return false };
+            // B, a matrix, may be read transposed (a weight PyTorch exports as `Transpose(W)`):
+            // the product takes it with its flag.
             let plain = |x: ValueId| !transposed.contains_key(&x) && !permuted.contains_key(&x);
             let shapes = (ty(a), ty(b), ty(other));
             matches!(node.op, Op::Add)
                 && prod.op == Op::MatMul
                 && plain(a)
-                && plain(b)
+                && !permuted.contains_key(&b)
                 && made_before
                 && other != u
                 && matches!(shapes, (Ok((da, ref sa)), Ok((db, ref sb)), Ok((dc, ref sc)))
