@@ -313,6 +313,12 @@ fn a_weights_transpose_is_read_by_its_products_not_launched() {
         // The input gradients of all 9 (the first layer's too: its input is the layer norm's) and
         // the 9 weight gradients; none reads an operand transposed by a flag pair of its own.
         assert_eq!((grads(false, false), grads(true, false), grads(false, true)), (9, 9, 0), "{policy}");
+        // Each weight gradient is launched right after its layer's input gradient (not where the
+        // forward's Transpose of the weight was, before everything: that kept every layer's dY
+        // and X to the end of the backward pass).
+        for (i, l) in p.launches.iter().enumerate().filter(|(_, l)| l.node.contains(".grad.") && gemm(l, true, false)) {
+            assert!(gemm(&&p.launches[i - 1], false, false), "{policy}: `{}` at launch {i}", l.node);
+        }
     }
 }
 

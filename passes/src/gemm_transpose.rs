@@ -73,12 +73,17 @@ fn read_through(g: &mut Graph, n: NodeId) -> bool {
     changed
 }
 
-/// Transpose `n` of a Gemm's product that only it reads, the Gemm without C: `n` becomes the Gemm
-/// of the swapped operands (so its output, maybe a parameter's gradient, stays the same value);
-/// the first Gemm is left for DCE. Whether it changed.
+/// Transpose `n` of a Gemm's product that only it reads, the Gemm without C: the Gemm computes
+/// the product of the swapped operands where it stands (a weight gradient where its layer's
+/// backward pass is, not where the Transpose was: the forward's Transposes of the weights come
+/// first, so their gradients come last), and the Transpose's readers read it; the Transpose is
+/// left for DCE. Whether it changed.
 fn swap_operands(g: &mut Graph, n: NodeId) -> bool {
     let (&[y], Some(p)) = (g.node(n).outputs(), g.node(n).input(0)) else { return false };
-    if transpose_of(g, y).is_none() || g.value(p).uses().len() != 1 || g.is_output(p) || g.name_is_referenced(p) {
+    if transpose_of(g, y).is_none()
+        || g.value(p).uses().len() != 1
+        || [p, y].iter().any(|&v| g.is_output(v) || g.name_is_referenced(v))
+    {
         return false;
     }
     let Some((gemm, 0)) = g.value(p).producer() else { return false };
@@ -87,9 +92,12 @@ fn swap_operands(g: &mut Graph, n: NodeId) -> bool {
     let c = node.input(2).filter(|_| a.beta != 0.0);
     let (Some(x), Some(w), None) = (node.input(0), node.input(1), c) else { return false };
     let attrs = GemmAttrs { alpha: a.alpha, beta: 0.0, transA: !a.transB, transB: !a.transA };
-    *g.node_op_mut(n) = Op::Gemm(attrs);
-    g.set_input(n, 0, Some(w));
-    g.set_input(n, 1, Some(x));
+    g.truncate_inputs(gemm, 2);
+    *g.node_op_mut(gemm) = Op::Gemm(attrs);
+    g.set_input(gemm, 0, Some(w));
+    g.set_input(gemm, 1, Some(x));
+    g.set_ty(p, g.ty(y).clone());
+    g.replace_uses(y, p);
     true
 }
 
@@ -119,9 +127,10 @@ mod tests {
         let (_, wt) = g.add_op("wt", transpose(), &[Some(w)], 1);
         let (fwd, y) = g.add_op("y", Op::MatMul, &[Some(x), Some(wt[0])], 1);
         let (dx_n, dx) = g.add_op("dx", gemm(false, true), &[Some(dy), Some(wt[0])], 1);
-        let (_, dwt) = g.add_op("dwt", gemm(true, false), &[Some(x), Some(dy)], 1);
-        let (dw_n, dw) = g.add_op("dw", transpose(), &[Some(dwt[0])], 1);
-        for v in [y[0], dx[0], dw[0]] {
+        let (dwt_n, dwt) = g.add_op("dwt", gemm(true, false), &[Some(x), Some(dy)], 1);
+        let (_, dw) = g.add_op("dw", transpose(), &[Some(dwt[0])], 1);
+        let (update, next) = g.add_op("update", Op::Sub, &[Some(w), Some(dw[0])], 1);
+        for v in [y[0], dx[0], next[0]] {
             g.add_output(v);
         }
         crate::infer_types(&mut g).unwrap();
@@ -134,11 +143,12 @@ mod tests {
         assert_eq!(g.node(dx_n).inputs(), &[Some(dy), Some(w)]);
         assert_eq!(g.value(wt[0]).uses().len(), 1);
         assert_eq!(g.value(wt[0]).uses()[0].node, fwd);
-        // dW = dYᵀ X, one Gemm, the same value as before; the first Gemm is gone.
-        assert_eq!(g.node(dw_n).op, gemm(true, false));
-        assert_eq!(g.node(dw_n).inputs(), &[Some(dy), Some(x)]);
-        assert_eq!(g.node(dw_n).outputs(), &[dw[0]]);
-        assert!(g.node_ids().all(|n| g.node(n).name != "dwt"));
+        // dW = dYᵀ X, one Gemm where the first one was, read by the update; the Transpose is gone.
+        assert_eq!(g.node(dwt_n).op, gemm(true, false));
+        assert_eq!(g.node(dwt_n).inputs(), &[Some(dy), Some(x)]);
+        assert_eq!(g.ty(dwt[0]), g.ty(w));
+        assert_eq!(g.node(update).inputs(), &[Some(w), Some(dwt[0])]);
+        assert!(g.node_ids().all(|n| g.node(n).name != "dw"));
         assert_eq!(GemmTranspose.run(&mut g, &cx).unwrap(), Changed::No);
     }
 
