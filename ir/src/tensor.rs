@@ -123,7 +123,7 @@ impl Tensor {
     /// Hands the data to `put` in order, in pieces: a narrowed tensor that nothing has read yet is
     /// converted a piece at a time, so writing it out never holds it whole ([`ConvertAhead`]'s way
     /// for a tensor it was not given).
-    fn for_each_piece<E>(&self, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
+    pub fn for_each_piece<E>(&self, mut put: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
         let Some(src) = self.pending() else { return put(self.bytes()) };
         let mut buf = vec![0u16; PIECE.min(src.len() / 4)];
         for piece in src.chunks(PIECE * 4) {

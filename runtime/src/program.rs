@@ -421,9 +421,11 @@ pub struct Program {
     pub launches: Vec<Launch>,
     /// The constants region's contents.
     pub constants: Vec<(TensorRef, HostTensor)>,
-    /// The state region's layout, and the initial values the graph gives its state.
+    /// The state region's layout, and the initial values the graph gives its state: the graph's
+    /// own tensors (their bytes shared, not copied: a model's weights and zero moments are most
+    /// of the host memory a training compile takes).
     pub state_layout: StateLayout,
-    pub state_init: Vec<(TensorRef, HostTensor)>,
+    pub state_init: Vec<(TensorRef, mpc_ir::Tensor)>,
     /// The state the step advances: each next value is copied into its slot after the step.
     pub state: Vec<StateSlot>,
     /// Host reads a step makes to choose `If` branches.

@@ -120,7 +120,13 @@ impl<D: Device> Session<D> {
         let layout = program.state_layout.clone();
         let mut state = device.alloc(Region::State, layout.bytes)?;
         for (place, t) in &program.state_init {
-            device.write(&mut state, place.offset, &bytes_of(t))?;
+            // A narrowed weight copy is converted a piece at a time as it is written.
+            let mut offset = place.offset;
+            t.for_each_piece(|piece| {
+                device.write(&mut state, offset, piece)?;
+                offset += piece.len() as u64;
+                Ok::<_, RuntimeError>(())
+            })?;
         }
         let mut s = Session {
             device,

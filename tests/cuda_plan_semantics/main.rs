@@ -65,7 +65,7 @@ fn loaded(dev: &mut CpuDevice, program: &Program, feeds: &HashMap<String, HostTe
         dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
     }
     for (place, t) in &program.state_init {
-        dev.write(&mut state, place.offset, &bytes(t)).unwrap();
+        dev.write(&mut state, place.offset, t.bytes()).unwrap();
     }
     for (name, place) in &program.inputs {
         dev.write(&mut arena, place.offset, &bytes(&feeds[name])).unwrap();

@@ -295,7 +295,7 @@ pub(super) fn lower_in(
         .iter()
         .map(|&v| {
             let t = g.value(v).initializer().ok_or_else(|| internal(g, v, "has no initial value"))?;
-            Ok((refs[&v].clone(), HostTensor::from(t)))
+            Ok((refs[&v].clone(), t.clone()))
         })
         .collect::<Result<Vec<_>, RuntimeError>>()?;
 
