@@ -245,8 +245,7 @@ pub fn memory_report(p: &mpc_runtime::program::Program, used: &BTreeMap<String, 
 #[cfg(feature = "cuda")]
 fn cuda_scratch_report(p: &mpc_runtime::program::Program) -> String {
     use mpc_runtime::cuda::plan::plan;
-    let constant =
-        |t: &mpc_runtime::program::TensorRef| p.constants.iter().find(|(place, _)| place == t).map(|(_, v)| v.clone());
+    let constant = |t: &mpc_runtime::program::TensorRef| p.constant(t);
     let (mut with, mut without) = (0, 0);
     // The arena bytes free during each top-level convolution: where cuDNN's scratch goes.
     let mut free = Vec::new();

@@ -274,7 +274,7 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
     // Fused chains' generated kernels, compiled together after the walk.
     let mut fused: BTreeMap<String, (String, mpc_runtime::cuda::plan::Kernel)> = BTreeMap::new();
     for (label, program) in &programs {
-        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         let mut ls = Vec::new();
         all_launches(&program.launches, &mut ls);
         for l in &ls {

@@ -173,7 +173,7 @@ fn cuda_plans_cover_the_conformance_cases() {
     for common::ConformanceCase { name, model, graph: g, feeds } in &cases {
         let Ok(program) = mpc::run::lower_for_inputs(g, feeds, caps, model) else { continue };
         lowered += 1;
-        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         let mut launches = Vec::new();
         flat(&program.launches, &mut launches);
         let mut ok = true;

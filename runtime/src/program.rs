@@ -419,8 +419,9 @@ pub struct Program {
     pub inputs: Vec<(String, TensorRef)>,
     pub outputs: Vec<(String, TensorRef)>,
     pub launches: Vec<Launch>,
-    /// The constants region's contents.
-    pub constants: Vec<(TensorRef, HostTensor)>,
+    /// The constants region's contents: the graph's own tensors where they are initializers
+    /// (their bytes shared), else the values lowering folded.
+    pub constants: Vec<(TensorRef, mpc_ir::Tensor)>,
     /// The state region's layout, and the initial values the graph gives its state: the graph's
     /// own tensors (their bytes shared, not copied: a model's weights and zero moments are most
     /// of the host memory a training compile takes).
@@ -466,6 +467,11 @@ pub struct ArenaBuffer {
 }
 
 impl Program {
+    /// The value of the constant at `place`, as a host tensor (what a plan reads of it).
+    pub fn constant(&self, place: &TensorRef) -> Option<HostTensor> {
+        self.constants.iter().find(|(p, _)| p == place).map(|(_, v)| HostTensor::from(v))
+    }
+
     /// The place of a graph output, input or state value named `name`.
     pub fn find(&self, name: &str) -> Option<&TensorRef> {
         self.outputs

@@ -113,6 +113,22 @@ fn bytes_of(t: &HostTensor) -> Vec<u8> {
     bytes
 }
 
+/// Writes a graph tensor to its place; a narrowed weight copy is converted a piece at a time as
+/// it is written.
+fn write_tensor<D: Device>(
+    device: &mut D,
+    mem: &mut D::Memory,
+    place: &TensorRef,
+    t: &mpc_ir::Tensor,
+) -> Result<(), RuntimeError> {
+    let mut offset = place.offset;
+    t.for_each_piece(|piece| {
+        device.write(mem, offset, piece)?;
+        offset += piece.len() as u64;
+        Ok(())
+    })
+}
+
 impl<D: Device> Session<D> {
     /// A session whose state is `program`'s, initialised from its graph; the program is loaded
     /// as program 0.
@@ -120,13 +136,7 @@ impl<D: Device> Session<D> {
         let layout = program.state_layout.clone();
         let mut state = device.alloc(Region::State, layout.bytes)?;
         for (place, t) in &program.state_init {
-            // A narrowed weight copy is converted a piece at a time as it is written.
-            let mut offset = place.offset;
-            t.for_each_piece(|piece| {
-                device.write(&mut state, offset, piece)?;
-                offset += piece.len() as u64;
-                Ok::<_, RuntimeError>(())
-            })?;
+            write_tensor(&mut device, &mut state, place, t)?;
         }
         let mut s = Session {
             device,
@@ -149,7 +159,7 @@ impl<D: Device> Session<D> {
         let arena = self.device.alloc(Region::Arena, program.arena_bytes)?;
         let mut constants = self.device.alloc(Region::Constants, program.constants_bytes)?;
         for (place, t) in &program.constants {
-            self.device.write(&mut constants, place.offset, &bytes_of(t))?;
+            write_tensor(&mut self.device, &mut constants, place, t)?;
         }
         let mut loaded = Loaded { program, arena, constants, launches: 0, host_reads: 0, steps: 0, recording: None };
         let mut regions =

@@ -62,7 +62,7 @@ fn loaded(dev: &mut CpuDevice, program: &Program, feeds: &HashMap<String, HostTe
     let mut state = dev.alloc(Region::State, program.state_layout.bytes).unwrap();
     let mut constants = dev.alloc(Region::Constants, program.constants_bytes).unwrap();
     for (place, t) in &program.constants {
-        dev.write(&mut constants, place.offset, &bytes(t)).unwrap();
+        dev.write(&mut constants, place.offset, t.bytes()).unwrap();
     }
     for (place, t) in &program.state_init {
         dev.write(&mut state, place.offset, t.bytes()).unwrap();
@@ -81,7 +81,7 @@ fn check_program(label: &str, program: &Program, feeds: &HashMap<String, HostTen
     let [mut arena, mut state, mut constants] = loaded(&mut dev, program, feeds);
     let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
     dev.prepare(program, &mut regions).unwrap();
-    let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+    let constant = |t: &TensorRef| program.constant(t);
     let plans: Vec<_> = program
         .launches
         .iter()
@@ -300,7 +300,7 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
         let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
         let program = lower(&bound, CUDA, LowerOptions { unfused, ..Default::default() }).unwrap();
-        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         for l in &program.launches {
             chains.extend(l.chain.as_ref().map(|c| c.kind()));
             for c in &plan(l, &constant).unwrap().calls {
@@ -478,7 +478,7 @@ fn run_steps(
     let [mut arena, mut state, mut constants] = loaded(&mut dev, program, feeds);
     let mut regions = Regions { arena: &mut arena, state: &mut state, constants: &mut constants };
     dev.prepare(program, &mut regions).unwrap();
-    let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+    let constant = |t: &TensorRef| program.constant(t);
     let plans: Vec<_> = program.launches.iter().map(|l| plan(l, &constant).unwrap()).collect();
     let mut mem = Memory { emulated: Some(emu::kernels(&plans)), ..copy_of(&mut dev, &mut regions) };
     fn region(m: &mut Memory, r: Region) -> &mut Vec<u8> {
@@ -613,7 +613,7 @@ fn the_plans_of_the_zoo_exports_compute_what_the_cpu_computes() {
         let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, path).unwrap();
         let label = path.file_name().unwrap().to_string_lossy().to_string();
         // An export whose Dropout stayed in training mode runs on neither device.
-        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         if program.launches.iter().any(|l| plan(l, &constant).is_err_and(|e| e.contains("training mode"))) {
             println!("{label}: skipped (Dropout in training mode)");
             continue;
@@ -672,7 +672,7 @@ fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
     let (mut checked, mut skipped) = (0, 0);
     for common::ConformanceCase { name: label, model, graph: g, feeds } in &cases {
         let Ok(program) = mpc::run::lower_for_inputs(g, feeds, CUDA, model) else { continue };
-        let constant = |t: &TensorRef| program.constants.iter().find(|(p, _)| p == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         let runs = program.host_reads == 0
             && program.launches.iter().all(|l| plan(l, &constant).is_ok())
             && mpc::run::run_once(g, feeds, model).is_ok();

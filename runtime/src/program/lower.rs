@@ -90,27 +90,75 @@ pub(super) fn typed(g: &Graph, caps: DeviceCaps, v: ValueId) -> Result<(DType, V
     Ok((dtype, dims))
 }
 
+/// The values known when lowering. An initializer no step changes is the graph's tensor, its
+/// bytes shared: converted to a host tensor only where a fold or a host operand reads it (a
+/// model's weights are written to the constants region as the graph holds them, never copied
+/// here). A value folded here is the host tensor the fold made.
+pub(super) struct KnownValues<'g> {
+    values: HashMap<ValueId, (Option<&'g mpc_ir::Tensor>, std::cell::OnceCell<HostTensor>)>,
+}
+
+impl<'g> KnownValues<'g> {
+    pub(super) fn contains_key(&self, v: &ValueId) -> bool {
+        self.values.contains_key(v)
+    }
+
+    /// The value as a host tensor (an initializer converted on the first call).
+    pub(super) fn get(&self, v: &ValueId) -> Option<&HostTensor> {
+        let (init, host) = self.values.get(v)?;
+        Some(host.get_or_init(|| HostTensor::from(init.expect("a known value is an initializer or folded"))))
+    }
+
+    fn init(&mut self, v: ValueId, t: &'g mpc_ir::Tensor) {
+        self.values.insert(v, (Some(t), std::cell::OnceCell::new()));
+    }
+
+    fn insert(&mut self, v: ValueId, t: HostTensor) {
+        self.values.insert(v, (None, std::cell::OnceCell::from(t)));
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &ValueId> {
+        self.values.keys()
+    }
+
+    /// The value for the constants region: the graph's own tensor where it is one.
+    fn constant(&self, v: &ValueId) -> Option<mpc_ir::Tensor> {
+        match self.values.get(v)? {
+            (Some(t), _) => Some((*t).clone()),
+            (None, host) => host.get().map(mpc_ir::Tensor::from),
+        }
+    }
+}
+
+impl std::ops::Index<&ValueId> for KnownValues<'_> {
+    type Output = HostTensor;
+
+    fn index(&self, v: &ValueId) -> &HostTensor {
+        self.get(v).expect("a value known when lowering")
+    }
+}
+
 /// Stage 1, what is known when lowering: the values folded (constants, the initializers no step
 /// changes, shape arithmetic), the views, and the nodes left to launch, in order.
-struct Schedule {
-    known: HashMap<ValueId, HostTensor>,
+struct Schedule<'g> {
+    known: KnownValues<'g>,
     steps: Vec<NodeId>,
     view_of: HashMap<ValueId, ValueId>,
     folded: usize,
 }
 
-fn schedule(
-    g: &Graph,
+fn schedule<'g>(
+    g: &'g Graph,
     caps: DeviceCaps,
     order: &[NodeId],
     changing: &HashSet<ValueId>,
-) -> Result<Schedule, RuntimeError> {
+) -> Result<Schedule<'g>, RuntimeError> {
     let label = |n: NodeId| g.node_label(n);
     let ty = |v: ValueId| typed(g, caps, v);
-    let mut known: HashMap<ValueId, HostTensor> = HashMap::new();
+    let mut known = KnownValues { values: HashMap::new() };
     for v in g.initializers() {
         if let (false, Some(t)) = (changing.contains(&v), g.value(v).initializer()) {
-            known.insert(v, HostTensor::from(t));
+            known.init(v, t);
         }
     }
     let mut steps: Vec<NodeId> = Vec::new();
@@ -321,7 +369,8 @@ pub(super) fn lower_in(
         let (dtype, shape) = ty(v)?;
         let r = TensorRef { region: Region::Constants, offset: top, dtype, shape };
         top = align_up(top + r.bytes(), caps.align);
-        constants.push((r.clone(), known[&v].clone()));
+        let value = known.constant(&v).ok_or_else(|| internal(g, v, "is known but has no value"))?;
+        constants.push((r.clone(), value));
         refs.insert(v, r);
     }
     let mut constants_bytes = top;

@@ -10,8 +10,6 @@ use std::collections::{HashMap, HashSet};
 
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
 
-use crate::value::HostTensor;
-
 /// The ReduceSums (values) that the Gemms (keys) of `steps` compute beside their product: a
 /// ReduceSum of `dY` over every axis but the last, of `dY`'s dtype (f32, f16 or bf16), where a
 /// Gemm with `transA`, without `transB` and without C (a product over the rows of both operands)
@@ -20,7 +18,7 @@ use crate::value::HostTensor;
 pub(super) fn bias_gradients(
     g: &Graph,
     steps: &[NodeId],
-    known: &HashMap<ValueId, HostTensor>,
+    known: &super::lower::KnownValues,
     shape: &dyn Fn(ValueId) -> Option<(DType, Vec<usize>)>,
     root: &dyn Fn(ValueId) -> ValueId,
 ) -> HashMap<NodeId, NodeId> {

@@ -166,7 +166,7 @@ impl CudaDevice {
         program: &Program,
         plans: &mut Vec<(usize, String, plan::LaunchPlan)>,
     ) -> Result<(), RuntimeError> {
-        let constant = |t: &TensorRef| program.constants.iter().find(|(place, _)| place == t).map(|(_, v)| v.clone());
+        let constant = |t: &TensorRef| program.constant(t);
         for l in launches {
             if let Some(b) = &l.branches {
                 self.prepare_launches(&b.then_launches, program, plans)?;
