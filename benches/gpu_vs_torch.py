@@ -325,8 +325,8 @@ def main():
             line = (f"mpc mixed speed-up over its fp32: {mpc['fp32']['step_ms_median'] / mpc['mixed']['step_ms_median']:.2f}x, "
                     f"memory {mpc_memory(mpc['mixed']) / mpc_memory(mpc['fp32']):.2f}x its fp32's "
                     f"(activations' arena {mpc['mixed']['arena_bytes'] / mpc['fp32']['arena_bytes']:.2f}x, "
-                    f"training state {mpc['mixed']['state_bytes'] / 2**20:.0f} against "
-                    f"{mpc['fp32']['state_bytes'] / 2**20:.0f} MiB)")
+                    f"training state {mpc['mixed']['state_bytes'] / 2**20:.1f} against "
+                    f"{mpc['fp32']['state_bytes'] / 2**20:.1f} MiB)")
             print("  " + line)
             lines.append(f"{name}: {line}")
     print("\nsummary")
