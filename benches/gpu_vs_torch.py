@@ -312,7 +312,8 @@ def main():
                 top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']}, "
                                 f"{o.get('gb_per_s', 0):.0f} GB/s)" for o in row["profile"][:8])
                 print(f"  mpc   {policy} by op: {top}")
-        for ours, theirs in [("fp32", "fp32"), ("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]:
+        pairs = [("fp32", "fp32"), ("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]
+        for ours, theirs in pairs + [(o, t + " compile") for o, t in pairs]:
             ms, peak = torch_rows.get(theirs, (None, None))
             row = mpc.get(ours)
             if ms and row:
