@@ -15,8 +15,9 @@
 //! (`Gemm(Transpose(B)…)` → `Gemm(B…)` with the flag flipped), and a 2-D Transpose of a Gemm
 //! without C that nothing else reads becomes the product of the swapped operands, `(op(A)
 //! op(B))ᵀ = op(B)ᵀ op(A)ᵀ`. The forward Transpose is then read only by its MatMul, which reads
-//! it transposed without launching it. Same values, bit for bit: cuBLAS and the CPU's Gemm take
-//! either operand transposed, and the sums run in the same order.
+//! it transposed without launching it. The same products: cuBLAS and the CPU's Gemm take either
+//! operand transposed (for the swapped product cuBLAS may choose another algorithm, so the last
+//! bits may differ on a GPU).
 
 use mpc_ir::ops::{GemmAttrs, TransposeAttrs};
 use mpc_ir::{Graph, NodeId, Op, ValueId};
@@ -56,19 +57,21 @@ fn transpose_of(g: &Graph, v: ValueId) -> Option<ValueId> {
     (rank2 && perm.as_deref().is_none_or(|p| p == [1, 0])).then_some(u)
 }
 
-/// Gemm `n` reads the Transposes' inputs for its A and B, its flags flipped. Whether it changed.
+/// Gemm `n` reads the Transposes' inputs for its A and B (through any number of them), its flags
+/// flipped. Whether it changed.
 fn read_through(g: &mut Graph, n: NodeId) -> bool {
     let mut changed = false;
     for slot in 0..2 {
-        let Some(u) = g.node(n).input(slot).and_then(|v| transpose_of(g, v)) else { continue };
-        let Op::Gemm(a) = g.node_op_mut(n) else { unreachable!("checked by the caller") };
-        if slot == 0 {
-            a.transA = !a.transA;
-        } else {
-            a.transB = !a.transB;
+        while let Some(u) = g.node(n).input(slot).and_then(|v| transpose_of(g, v)) {
+            let Op::Gemm(a) = g.node_op_mut(n) else { unreachable!("checked by the caller") };
+            if slot == 0 {
+                a.transA = !a.transA;
+            } else {
+                a.transB = !a.transB;
+            }
+            g.set_input(n, slot, Some(u));
+            changed = true;
         }
-        g.set_input(n, slot, Some(u));
-        changed = true;
     }
     changed
 }
@@ -76,8 +79,8 @@ fn read_through(g: &mut Graph, n: NodeId) -> bool {
 /// Transpose `n` of a Gemm's product that only it reads, the Gemm without C: the Gemm computes
 /// the product of the swapped operands where it stands (a weight gradient where its layer's
 /// backward pass is, not where the Transpose was: the forward's Transposes of the weights come
-/// first, so their gradients come last), and the Transpose's readers read it; the Transpose is
-/// left for DCE. Whether it changed.
+/// first, so their gradients come last), the Transpose's readers read it and the Transpose is
+/// removed. Whether it changed.
 fn swap_operands(g: &mut Graph, n: NodeId) -> bool {
     let (&[y], Some(p)) = (g.node(n).outputs(), g.node(n).input(0)) else { return false };
     if transpose_of(g, y).is_none()
@@ -97,7 +100,12 @@ fn swap_operands(g: &mut Graph, n: NodeId) -> bool {
     g.set_input(gemm, 0, Some(w));
     g.set_input(gemm, 1, Some(x));
     g.set_ty(p, g.ty(y).clone());
+    // `p` now holds the transposed product: what named it as the product is gone.
+    if let Some(t) = &mut g.train {
+        t.activation_grads.retain(|&(_, d)| d != p);
+    }
     g.replace_uses(y, p);
+    g.remove_node(n);
     true
 }
 
@@ -136,6 +144,9 @@ mod tests {
         crate::infer_types(&mut g).unwrap();
         let cx = Context::default();
         assert_eq!(GemmTranspose.run(&mut g, &cx).unwrap(), Changed::Yes);
+        // The Transpose of the product is gone with the pass (no wrong-shaped reader left).
+        crate::verify(&g).unwrap();
+        assert!(g.node_ids().all(|n| g.node(n).name != "dw"));
         Dce.run(&mut g, &cx).unwrap();
         crate::verify(&g).unwrap();
         // dX reads W itself; the forward MatMul is the Transpose's only reader.
