@@ -51,13 +51,20 @@ impl Hash for Tensor {
 }
 
 impl Tensor {
-    /// A tensor over `data`; errors when the byte length disagrees with the shape.
+    /// A tensor over `data`; errors when the byte length disagrees with the shape. A bool byte
+    /// other than 0 is true, stored as 1 (a file's raw bytes may hold any non-zero value), so
+    /// that every reader of the bytes, a device among them, sees 0 or 1.
     pub fn from_bytes(dtype: DType, shape: Vec<u64>, data: Bytes) -> Result<Tensor, String> {
         let numel = numel(&shape).ok_or("element count overflows")?;
         let want = numel.checked_mul(dtype.size() as u64).ok_or("byte count overflows")?;
         if data.len() as u64 != want {
             return Err(format!("{} bytes of data for {dtype}{:?} ({want} bytes expected)", data.len(), shape));
         }
+        let data = if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
+            data.iter().map(|&b| u8::from(b != 0)).collect::<Vec<u8>>().into()
+        } else {
+            data
+        };
         Ok(Tensor { dtype, shape, data: Data::Bytes(data) })
     }
 
@@ -557,6 +564,12 @@ mod tests {
         let err = Tensor::from_bytes(DType::F32, vec![2, 3], Bytes::from(vec![0u8; 20])).unwrap_err();
         assert!(err.contains("24 bytes expected"), "{err}");
         assert!(Tensor::from_bytes(DType::F16, vec![2, 3], Bytes::from(vec![0u8; 12])).is_ok());
+    }
+
+    #[test]
+    fn bool_bytes_are_zero_or_one() {
+        let t = Tensor::from_bytes(DType::Bool, vec![4], Bytes::from(vec![0u8, 1, 7, 255])).unwrap();
+        assert_eq!(t.bytes().as_ref(), [0, 1, 1, 1]);
     }
 
     #[test]

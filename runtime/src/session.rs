@@ -121,11 +121,6 @@ fn write_tensor<D: Device>(
     place: &TensorRef,
     t: &mpc_ir::Tensor,
 ) -> Result<(), RuntimeError> {
-    if t.dtype() == mpc_ir::DType::Bool {
-        // Any non-zero byte is true: written as 1, as the host tensor reads it.
-        let bytes: Vec<u8> = t.bytes().iter().map(|&b| u8::from(b != 0)).collect();
-        return device.write(mem, place.offset, &bytes);
-    }
     let mut offset = place.offset;
     t.for_each_piece(|piece| {
         device.write(mem, offset, piece)?;
