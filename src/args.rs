@@ -36,6 +36,11 @@ pub(crate) struct Common {
     /// Graph input and output dtypes: keep (default) or low.
     #[arg(long, value_name = "keep|low", default_value = "keep")]
     pub(crate) io_types: String,
+    /// Run each attention chain whose products the policy makes f16 or bf16 (MatMul, scale, mask,
+    /// Softmax, MatMul) as one fused ai.mpc::Attention node, which keeps no probabilities for the
+    /// backward pass. The CPU runs it; CUDA does not yet.
+    #[arg(long)]
+    pub(crate) fused_attention: bool,
     /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.
     #[arg(long = "dim", value_name = "NAME=N")]
     pub(crate) dims: Vec<String>,
@@ -80,6 +85,7 @@ impl Common {
             deny: self.deny.clone(),
             pin_fp32: self.pin_fp32.clone(),
             io_low,
+            fused_attention: self.fused_attention,
             dims: parse_dims(&self.dims)?,
             dump_after,
             stop_after,

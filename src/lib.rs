@@ -128,6 +128,8 @@ pub struct Options {
     pub pin_fp32: Vec<String>,
     /// `--io-types low`: graph inputs and outputs in the low dtype.
     pub io_low: bool,
+    /// `--fused-attention`: attention chains in the low dtype as one `ai.mpc::Attention` node.
+    pub fused_attention: bool,
     pub dims: HashMap<String, u64>,
     pub dump_after: Vec<String>,
     pub stop_after: Option<String>,
@@ -174,7 +176,8 @@ pub fn policy(opts: &Options) -> Result<Option<Policy>> {
             || !opts.allow.is_empty()
             || !opts.deny.is_empty()
             || !opts.pin_fp32.is_empty()
-            || opts.io_low =>
+            || opts.io_low
+            || opts.fused_attention =>
         {
             return Err(Error::Usage(
                 "policy fp32 rewrites nothing: list edits need --policy mixed, mixed-bf16 or fp16".into(),
@@ -192,6 +195,7 @@ pub fn policy(opts: &Options) -> Result<Option<Policy>> {
     }
     policy.pin_fp32.extend(opts.pin_fp32.iter().cloned());
     policy.io_low |= opts.io_low;
+    policy.fused_attention |= opts.fused_attention;
     Ok(Some(policy))
 }
 

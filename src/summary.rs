@@ -78,7 +78,8 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
     Ok((b, used))
 }
 
-/// FLOPs of one MatMul, Gemm, Conv or ConvTranspose node: `Some((flops, is_conv))`, with
+/// FLOPs of one MatMul, Gemm, Attention (and its gradient), Conv or ConvTranspose node:
+/// `Some((flops, is_conv))`, with
 /// `flops` `None` when its shapes are unknown; `None` for other ops.
 pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
     // Counts too large for 64 bits (only a malformed graph has them) saturate.
@@ -95,6 +96,18 @@ pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
                     _ => a.last().copied().unwrap_or(1),
                 };
                 Some(product(&[2, k, product(&o)]))
+            })();
+            Some((f, false))
+        }
+        // A fused attention's two products, Q·Kᵀ and P·V: 4·(Q's elements)·Sk; its gradient's
+        // four (dP, dV, dQ, dK), as the unfused chain computes them (not the scores it
+        // recomputes).
+        Op::Attention(_) | Op::AttentionGrad(_) => {
+            let at = usize::from(matches!(node.op, Op::AttentionGrad(_)));
+            let f = (|| {
+                let (q, k) = (fixed(node.input(at))?, fixed(node.input(at + 1))?);
+                let sk = k.get(k.len().checked_sub(2)?).copied()?;
+                Some(product(&[4 * (1 + at as u64), product(&q), sk]))
             })();
             Some((f, false))
         }

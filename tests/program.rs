@@ -795,3 +795,76 @@ fn in_place_launches_give_the_reference_bits() {
         }
     }
 }
+
+/// `--fused-attention` trains the GPT-shaped fixture as its unfused attention chains do: the two
+/// chains become Attention and AttentionGrad launches (no Softmax is left), and a mixed (and a
+/// mixed-bf16) SGD step on the CPU from the same weights and inputs gives the same loss and the
+/// same update of every weight within the low dtype's rounding (the fused scores are summed in
+/// f32, not rounded to the low dtype first).
+#[test]
+fn fused_attention_trains_as_the_unfused_chain() {
+    use mpc_passes::train::{Loss, Optimizer, TrainOptions};
+    for (policy, rel_l2) in [("mixed", 2e-3), ("mixed-bf16", 1.5e-2)] {
+        let build = |fused: bool| {
+            let path = fixture("tiny_gpt_loss");
+            let mut g = mpc::load(&path).unwrap();
+            mpc::train::free_batch(&mut g);
+            let loss = Loss::Output("loss".into());
+            let train = Some(TrainOptions { loss, optimizer: Optimizer::Sgd, lr: 0.1, ..TrainOptions::default() });
+            let opts =
+                mpc::Options { policy: Some(policy.into()), train, fused_attention: fused, ..Default::default() };
+            mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+            let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+            let caps = mpc_runtime::device::CpuDevice::default().caps();
+            (mpc_runtime::program::lower(&bound, caps, Default::default()).unwrap(), bound)
+        };
+        let ((fused, bound), (plain, _)) = (build(true), build(false));
+        let count = |p: &Program, kind: &str| p.launches.iter().filter(|l| l.kind() == kind).count();
+        assert_eq!((count(&fused, "Attention"), count(&fused, "AttentionGrad")), (2, 2), "{policy}");
+        assert_eq!(count(&plain, "Attention") + count(&fused, "Softmax") + count(&fused, "SoftmaxGrad"), 0, "{policy}");
+        let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
+        let mut s = [fused, plain].map(|p| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap());
+        // The matrices (and their low copies) 4 times larger: the exported initial weights score
+        // every key alike, so that the attention would hardly depend on its scores.
+        for n in &state {
+            let w = s[1].read_state(n).unwrap();
+            if w.shape.len() >= 2 {
+                let big = HostTensor::from_f64(w.dtype(), w.shape.clone(), w.f64s().iter().map(|x| 4.0 * x).collect());
+                s.iter_mut().for_each(|x| x.write_state(n, &big).unwrap());
+            }
+        }
+        let before: Vec<HostTensor> = state.iter().map(|n| s[1].read_state(n).unwrap()).collect();
+        let tol = mpc_runtime::Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2 };
+        let inputs = mpc::run::random_inputs(&bound, 11, &dims()).unwrap();
+        let losses: Vec<HostTensor> = s
+            .iter_mut()
+            .map(|x| {
+                x.feed(0, &inputs).unwrap();
+                x.step(0).unwrap();
+                x.read(0, "loss").unwrap()
+            })
+            .collect();
+        tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{policy} loss: {e}"));
+        let (mut updated, mut worst) = (0, 0f64);
+        for (n, w0) in state.iter().zip(&before) {
+            let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
+            if x.dtype() != DType::F32 {
+                continue; // the low copies: the masters' updates rounded
+            }
+            let delta = |w: &HostTensor| {
+                let d: Vec<f64> = w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect();
+                HostTensor::from_f64(DType::F64, w.shape.clone(), d)
+            };
+            let (dx, dy) = (delta(&x), delta(&y));
+            if dy.f64s().iter().all(|&d| d == 0.0) {
+                continue;
+            }
+            updated += 1;
+            let e = tol.measure(&dx, &dy).rel_l2;
+            assert!(e <= rel_l2, "{policy}: the update of `{n}` differs by {e:.2e} (relative L2)");
+            worst = worst.max(e);
+        }
+        assert!(updated >= 20, "{policy}: {updated} weights updated");
+        println!("{policy}: {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's");
+    }
+}

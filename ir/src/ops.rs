@@ -206,6 +206,9 @@ attr_struct!(
     min_scale: f32 [default = 1.0f32],
 });
 attr_struct!(
+    /// `ai.mpc::Attention` and `ai.mpc::AttentionGrad`: the scores are `scale · Q·Kᵀ (+ mask)`.
+    AttentionAttrs { scale: f32 [default = 1.0f32] });
+attr_struct!(
     /// `ai.mpc::SeededDropout`: `seed` tells the node's random stream from the others'.
     SeedAttrs { seed: i64 [default = 0] });
 attr_struct!(ResizeAttrs {
@@ -358,7 +361,7 @@ define_ops! {
         ConvGrad(ConvAttrs), MaxPoolGrad(PoolAttrs), AveragePoolGrad(PoolAttrs),
         BatchNormalizationGrad(EpsilonAttrs), LayerNormalizationGrad(LayerNormAttrs), GeluGrad(GeluAttrs),
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
-        SoftmaxGrad(SoftmaxAttrs),
+        SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
     }
 }

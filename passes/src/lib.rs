@@ -7,6 +7,7 @@
 
 mod cast_cleanup;
 mod dce;
+mod fuse_attention;
 mod gemm_transpose;
 mod infer;
 mod manager;
@@ -17,6 +18,7 @@ pub mod train;
 
 pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
+pub use fuse_attention::FuseAttention;
 pub use gemm_transpose::GemmTranspose;
 pub use infer::{infer_types, InferTypes};
 pub use manager::{verify, PassManager, Pipeline};

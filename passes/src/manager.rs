@@ -3,8 +3,8 @@
 use mpc_ir::{Graph, NodeId};
 
 use crate::{
-    infer, train, CastCleanup, Changed, Context, Dce, Effect, GemmTranspose, InferTypes, Pass, PassError, Precision,
-    Result, Simplify, UnrollRnn,
+    infer, train, CastCleanup, Changed, Context, Dce, Effect, FuseAttention, GemmTranspose, InferTypes, Pass,
+    PassError, Precision, Result, Simplify, UnrollRnn,
 };
 
 /// A named list of passes.
@@ -18,10 +18,10 @@ pub struct PassManager {
 /// The standard pipelines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pipeline {
-    /// infer types → simplify → precision → cast cleanup → dead-code elimination.
+    /// infer types → simplify → precision → fused attention → cast cleanup → dead-code elimination.
     Inference,
-    /// infer types → simplify → add loss → precision → train mode → loss scale → autodiff →
-    /// optimizer → Gemm transposes → cast cleanup → dead-code elimination.
+    /// infer types → simplify → add loss → precision → fused attention → train mode → loss scale →
+    /// autodiff → optimizer → Gemm transposes → cast cleanup → dead-code elimination.
     Training,
 }
 
@@ -37,6 +37,7 @@ impl PassManager {
                 Box::new(UnrollRnn),
                 Box::new(Simplify),
                 Box::new(Precision),
+                Box::new(FuseAttention),
                 Box::new(CastCleanup),
                 Box::new(Dce),
             ]),
@@ -46,6 +47,7 @@ impl PassManager {
                 Box::new(Simplify),
                 Box::new(train::AddLoss),
                 Box::new(Precision),
+                Box::new(FuseAttention),
                 Box::new(train::TrainMode),
                 Box::new(train::LossScalePass),
                 Box::new(train::Autodiff),

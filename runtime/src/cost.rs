@@ -233,6 +233,19 @@ fn product_flops(l: &Launch, ins: &[Option<TensorRef>]) -> Option<(u64, DType)> 
             let k = if g.transA { a.first()? } else { a.get(1)? };
             2 * numel(&y.shape) * *k as u64
         }
+        // Fused attention: the products of the unfused chain, Q·Kᵀ and P·V forward, dP, dV, dQ and
+        // dK backward (not the scores the gradient computes again).
+        Op::Attention(_) | Op::AttentionGrad(_) => {
+            let at = usize::from(matches!(l.op, Op::AttentionGrad(_)));
+            // K's length: its second-last axis, where a permuted operand stores it.
+            let k = shape(at + 1)?;
+            let axis = k.len().checked_sub(2)?;
+            let axis = match l.inputs.get(at + 1) {
+                Some(Operand::Permuted(_, perm)) => *perm.get(axis)?,
+                _ => axis,
+            };
+            4 * (1 + at as u64) * numel(shape(at)?) * *k.get(axis)? as u64
+        }
         // Each output element of a convolution takes (C_in / group) · kernel multiply-adds; each
         // input element of a transposed one scatters into (C_out / group) · kernel outputs; the
         // gradient computes dX and dW, each the forward's count (dW alone where nothing reads

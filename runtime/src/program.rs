@@ -220,6 +220,21 @@ pub fn reads_through(perm: &[usize]) -> bool {
     r >= 2 && (perm[r - 1] == r - 1 || perm[r - 2] == r - 1)
 }
 
+/// Whether a launch of `op` can read its operand `slot` through the permutation `perm` of the
+/// stored axes ([`Operand::Permuted`]): a matrix product's two where the stored last axis stays
+/// one of the matrix axes ([`reads_through`]), and a fused attention's Q, K and V (and its
+/// gradient's dY, Q, K, V and Y) where it stays last: each row contiguous, the rows and heads at
+/// their strides (the heads split from `[B, S, H, D]`).
+pub fn reads_permuted(op: &Op, slot: usize, perm: &[usize]) -> bool {
+    let keeps_last = perm.last().is_some_and(|&a| a + 1 == perm.len());
+    match op {
+        Op::MatMul => slot < 2 && reads_through(perm),
+        Op::Attention(_) => slot < 3 && keeps_last,
+        Op::AttentionGrad(_) => slot < 5 && keeps_last,
+        _ => false,
+    }
+}
+
 /// The operands a launch may read transposed ([`Operand::Transposed`]): both of a MatMul's.
 pub fn reads_transposed(op: &Op, slot: usize) -> bool {
     matches!((op, slot), (Op::MatMul, 0 | 1))

@@ -15,12 +15,15 @@ pub(crate) struct Case {
     pub(crate) params: Vec<ValueId>,
     /// The finite-difference step.
     pub(crate) h: f64,
+    /// Whether the checks run on a GPU too, where one can be opened (not for ops the CUDA device
+    /// does not run in f64).
+    pub(crate) on_gpu: bool,
 }
 
 impl Case {
     pub(crate) fn new(name: &str) -> Case {
         let seed = name.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-        Case { g: Graph::new(name), seed, params: Vec::new(), h: 1e-6 }
+        Case { g: Graph::new(name), seed, params: Vec::new(), h: 1e-6, on_gpu: true }
     }
 
     pub(crate) fn uniform(&mut self, n: usize, lo: f64, hi: f64) -> Vec<f64> {
@@ -109,7 +112,7 @@ impl Case {
         let params: std::collections::HashSet<_> = self.params.iter().copied().collect();
         finite_differences(&self, &params, rtol, CpuDevice::default);
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = gpu() {
+        if let Some(gpu) = gpu().filter(|_| self.on_gpu) {
             drop(gpu);
             finite_differences(&self, &params, rtol, || mpc_runtime::cuda::device::CudaDevice::new(0).unwrap());
         }
@@ -202,7 +205,7 @@ impl Case {
         mpc_passes::verify(&g).unwrap_or_else(|e| panic!("{name}: {e}"));
         runs_on(&g, &self.g, &self.params, dtype, &name, CpuDevice::default());
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = gpu() {
+        if let Some(gpu) = gpu().filter(|_| self.on_gpu) {
             runs_on(&g, &self.g, &self.params, dtype, &name, gpu);
         }
     }

@@ -387,6 +387,8 @@ fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) ->
         }
         Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => ((3, 4), (1, 1), &[3]),
         Op::GatherGrad(_) => ((3, 3), (1, 1), &[]),
+        Op::Attention(_) => ((3, 4), (2, 2), &[3]),
+        Op::AttentionGrad(_) => ((6, 7), (3, 3), &[6]),
         Op::AllFinite => ((1, usize::MAX), (1, 1), &[]),
         Op::SgdUpdate(_) => ((3, 6), (1, 3), &[3, 4]),
         Op::AdamUpdate(_) => ((6, 8), (3, 4), &[6]),

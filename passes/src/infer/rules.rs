@@ -440,6 +440,20 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
+        // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
+        Op::Attention(_) => {
+            let d = cx.same_dtype(0..3)?;
+            let q = attention_operands(cx, 0)?;
+            let lse = q.as_ref().map(|q| Shape(q.0[..q.rank() - 1].to_vec()));
+            let lse_dt = if d == Some(DType::F64) { DType::F64 } else { DType::F32 };
+            vec![t(d, q), t(Some(lse_dt), lse)]
+        }
+        // (dQ, dK, dV): Q's, K's and V's types.
+        Op::AttentionGrad(_) => {
+            cx.same_dtype(0..5)?;
+            attention_operands(cx, 1)?;
+            vec![same(cx, 1), same(cx, 2), same(cx, 3)]
+        }
         Op::SoftmaxGrad(_) | Op::ReluGrad => {
             cx.same_dtype(0..2)?;
             vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)]
@@ -471,6 +485,44 @@ fn update_outputs(cx: &NodeCx, state: &[usize], low: usize) -> R {
     }
     out.truncate(cx.n_outputs());
     Ok(out)
+}
+
+/// Attention's Q, K and V at inputs `at..at + 3`: [..., Sq, D], [..., Sk, D] and [..., Sk, D]
+/// with the same leading dims (at least one); the mask after them broadcasts to [..., Sq, Sk].
+/// Q's shape, where known.
+fn attention_operands(cx: &NodeCx, at: usize) -> Result<Option<Shape>, String> {
+    let (Some(q), Some(k), Some(v)) = (cx.sh(at), cx.sh(at + 1), cx.sh(at + 2)) else {
+        return Ok(cx.sh(at).cloned());
+    };
+    let r = q.rank();
+    if r < 3 || k.rank() != r || v.rank() != r {
+        return Err(format!(
+            "Q, K and V of ranks {r}, {} and {}: expected the same rank, at least 3",
+            k.rank(),
+            v.rank()
+        ));
+    }
+    for i in 0..r - 2 {
+        check_eq(&q.0[i], &k.0[i], "Q's and K's leading dims")?;
+        check_eq(&q.0[i], &v.0[i], "Q's and V's leading dims")?;
+    }
+    check_eq(&q.0[r - 1], &k.0[r - 1], "Q's and K's head dims")?;
+    check_eq(&q.0[r - 1], &v.0[r - 1], "Q's and V's head dims")?;
+    check_eq(&k.0[r - 2], &v.0[r - 2], "K's and V's lengths")?;
+    let mask_at = if at == 0 { 3 } else { 6 };
+    if let Some(m) = cx.sh(mask_at) {
+        let mut scores = q.0.clone();
+        scores[r - 1] = k.0[r - 2].clone();
+        let fits = m.rank() <= r
+            && m.0.iter().rev().zip(scores.iter().rev()).all(|(md, sd)| match (md.fixed(), sd.fixed()) {
+                (Some(p), Some(s)) => p == s || p == 1,
+                _ => true,
+            });
+        if !fits {
+            return Err(format!("the mask {m} does not broadcast to the scores {}", Shape(scores)));
+        }
+    }
+    Ok(Some(q.clone()))
 }
 
 pub(super) fn check_eq(a: &Dim, b: &Dim, what: &str) -> Result<(), String> {

@@ -44,6 +44,9 @@ pub struct Policy {
     /// Values measured to break in the low dtype (calibration), by name, with the measurement
     /// that says so: the nodes computing and reading one run in F32.
     pub measured: BTreeMap<String, String>,
+    /// Attention chains whose products are low run as one fused `ai.mpc::Attention` node
+    /// (the `fuse-attention` pass).
+    pub fused_attention: bool,
 }
 
 impl Policy {
@@ -57,6 +60,7 @@ impl Policy {
             io_low: false,
             masters: BTreeSet::new(),
             measured: BTreeMap::new(),
+            fused_attention: false,
         };
         Ok(match name {
             "fp32" => None,

@@ -180,6 +180,8 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::NegativeLogLikelihoodLossGrad(_)
         | Op::GatherGrad(_)
         | Op::SoftmaxGrad(_)
+        | Op::Attention(_)
+        | Op::AttentionGrad(_)
         | Op::ReluGrad
         | Op::AllFinite
         | Op::SgdUpdate(_)

@@ -476,6 +476,20 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let y = saved_low_copy(b, y).unwrap_or(y);
             vec![Some(b.op("softmax", Op::SoftmaxGrad(Box::new(a.clone())), &[dy, y]))]
         }
+        // Fused attention: ai.mpc::AttentionGrad recomputes the probabilities from Q, K, the mask
+        // and the saved log-sum-exp, so none is kept between the passes.
+        Op::Attention(a) => {
+            if want(3) {
+                return Err(
+                    "the mask of a fused Attention depends on parameters, and its gradient is not computed".into()
+                );
+            }
+            let lse = *node.outputs().get(1).ok_or("the log-sum-exp output is missing")?;
+            let mut ins = vec![Some(dy), Some(x(0)?), Some(x(1)?), Some(x(2)?), Some(y), Some(lse)];
+            ins.extend(node.input(3).map(Some));
+            let outs = b.ops("attention", Op::AttentionGrad(a.clone()), &ins, 3);
+            (0..3).map(|i| want(i).then_some(outs[i])).collect()
+        }
         // d logsoftmax: dx = dy − e^y ⊙ Σ_axis dy.
         Op::LogSoftmax(a) => {
             let s = b.reduce_sum(dy, &[a.axis], true);

@@ -43,8 +43,9 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         Op::Floor | Op::Ceil | Op::Round | Op::Sign => false,
         Op::BatchNormalization(_) | Op::LayerNormalization(_) | Op::Conv(_) | Op::Gemm(_) => slot <= 2,
         Op::Shape(_) | Op::Size | Op::ConstantOfShape(_) | Op::Range | Op::ArgMax(_) | Op::ArgMin(_) => false,
-        // On the path, so that a parameter behind an op mpc cannot differentiate is an error.
-        Op::Opaque(_) => true,
+        // On the path, so that a parameter behind an op mpc cannot differentiate is an error
+        // (Attention's mask too: its rule refuses a mask that needs a gradient).
+        Op::Opaque(_) | Op::Attention(_) => true,
         _ => !op.is_mpc(),
     }
 }

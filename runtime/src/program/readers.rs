@@ -84,8 +84,9 @@ pub(super) fn read_in_readers(
     }
     // Other Transposes whose every reader is a matrix product of operands of rank 2 or more (or
     // a Transpose of the last two axes read only by such products: the two composed), and that
-    // keep the stored last axis as one of the matrix axes: the readers read each matrix where it
-    // lies ([`Operand::Permuted`]; attention's heads split from `[B, S, H, D]`, and their kᵀ).
+    // keep the stored last axis as one of the matrix axes, or a fused attention that keeps it last
+    // ([`reads_permuted`]): the readers read each matrix where it lies ([`Operand::Permuted`];
+    // attention's heads split from `[B, S, H, D]`, and their kᵀ).
     let mut permuted: HashMap<ValueId, (ValueId, Vec<usize>)> = HashMap::new();
     let ranked = |x: &ValueId| g.ty(*x).shape.as_ref().is_some_and(|s| s.rank() >= 2);
     let products = |v: ValueId| {
@@ -127,7 +128,9 @@ pub(super) fn read_in_readers(
                         .collect();
                     reads.push((w, swapped));
                 }
-                _ => fits &= reads_transposed(&reader.op, use_.slot) && reader.inputs().iter().flatten().all(ranked),
+                _ => {
+                    fits &= reads_permuted(&reader.op, use_.slot, &perm) && reader.inputs().iter().flatten().all(ranked)
+                }
             }
         }
         if fits && reads.iter().all(|(_, p)| reads_through(p)) {

@@ -1,0 +1,356 @@
+//! Scaled dot-product attention in f16 or bf16 as one `ai.mpc::Attention` node.
+//!
+//! Exporters write attention as its steps: `MatMul(Q, Kᵀ)`, a scale (`Mul` or `Div` by a
+//! constant), an additive mask, `Softmax` over the keys and `MatMul(P, V)`; after the precision
+//! pass the products are f16 (or bf16) and the softmax f32 between two Casts. Run as written, the
+//! step keeps the probabilities, [..., Sq, Sk] per layer, from the forward pass to the backward
+//! (GPT-2 small at sequence 512 and batch 8: 48 MiB in f16 for each of its 12 layers) and moves
+//! them through memory four times more.
+//!
+//! Here such a chain becomes `Attention(Q, K, V, mask) → (Y, LSE)`, which keeps only each row's
+//! log-sum-exp; its gradient, `ai.mpc::AttentionGrad`, computes the probabilities again from Q, K
+//! and LSE (docs/ai-mpc-ops.md). The scores are summed and scaled in f32, not rounded to f16
+//! first as the unfused chain's product is.
+//!
+//! A chain is fused when its products are f16 or bf16 (Q, K and V of one dtype), every value
+//! between them has no other reader and is no graph output, the scale is a constant, the mask
+//! (if any) does not change the scores' shape, the softmax runs over the last axis, and the head
+//! dim is at most 128 (the CUDA kernels' limit). Kᵀ's Transpose (a single reader) becomes K's.
+
+use mpc_ir::ops::{AttentionAttrs, CastAttrs, TransposeAttrs};
+use mpc_ir::{normalize_axis, DType, Graph, NodeId, Op, Shape, TypeInfo, ValueId};
+
+use crate::{Changed, Context, Pass, Result};
+
+/// The largest head dim fused.
+const MAX_HEAD_DIM: u64 = 128;
+
+pub struct FuseAttention;
+
+impl Pass for FuseAttention {
+    fn name(&self) -> &'static str {
+        "fuse-attention"
+    }
+
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        if !cx.policy.as_ref().is_some_and(|p| p.fused_attention) {
+            return Ok(Changed::No);
+        }
+        // A chain's nodes are its own (single readers), so fusing one never removes another's Softmax.
+        let softmaxes: Vec<NodeId> =
+            g.topo_order()?.into_iter().filter(|&n| matches!(g.node(n).op, Op::Softmax(_))).collect();
+        let mut changed = Changed::No;
+        for n in softmaxes {
+            if let Some(chain) = find(g, n) {
+                fuse(g, chain);
+                changed = Changed::Yes;
+            }
+        }
+        Ok(changed)
+    }
+}
+
+/// One attention chain, found from its Softmax.
+struct Chain {
+    q: ValueId,
+    /// Kᵀ, the scores' second operand.
+    kt: ValueId,
+    v: ValueId,
+    mask: Option<ValueId>,
+    scale: f32,
+    /// The softmax's output, which names the log-sum-exp.
+    probs: ValueId,
+    /// `MatMul(P, V)`, which becomes the Attention node.
+    pv: NodeId,
+    /// The nodes from the scores' product to the probabilities' Cast, which go.
+    dead: Vec<NodeId>,
+}
+
+/// The single-reader producer of `v`, when `v` is no graph output.
+fn private_producer(g: &Graph, v: ValueId) -> Option<NodeId> {
+    let (p, 0) = g.value(v).producer()? else { return None };
+    (g.value(v).uses().len() == 1 && !g.is_output(v) && !g.name_is_referenced(v)).then_some(p)
+}
+
+/// `v`'s only reader, when `v` is no graph output.
+fn only_reader(g: &Graph, v: ValueId) -> Option<(NodeId, usize)> {
+    let uses = g.value(v).uses();
+    (uses.len() == 1 && !g.is_output(v) && !g.name_is_referenced(v)).then(|| (uses[0].node, uses[0].slot))
+}
+
+/// The value of a scalar computed from constants and static dims, as exporters write a head's
+/// scale (PyTorch: `Pow(Cast(Div(Gather(Shape(x), 2), heads)), -0.5)`): constants, a fixed dim
+/// of a Shape, Cast (integer dtypes truncate), Div (integer division for integers), Mul, Pow,
+/// Sqrt and Reciprocal. `None` for anything else.
+fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
+    fn eval(g: &Graph, v: ValueId, depth: usize) -> Option<f64> {
+        if let Some(t) = g.constant(v) {
+            let x = t.to_f64_vec();
+            return (x.len() == 1).then(|| x[0]);
+        }
+        if depth == 0 {
+            return None;
+        }
+        let (p, 0) = g.value(v).producer()? else { return None };
+        let node = g.node(p);
+        let arg = |i: usize| node.input(i).and_then(|u| eval(g, u, depth - 1));
+        let int = !g.ty(v).dtype?.is_float();
+        let x = match &node.op {
+            Op::Cast(_) => arg(0)?,
+            Op::Div if int => {
+                let (a, b) = (arg(0)?, arg(1)?);
+                (b != 0.0).then(|| (a / b).trunc())?
+            }
+            Op::Div => arg(0)? / arg(1)?,
+            Op::Mul => arg(0)? * arg(1)?,
+            Op::Pow => arg(0)?.powf(arg(1)?),
+            Op::Sqrt => arg(0)?.sqrt(),
+            Op::Reciprocal => 1.0 / arg(0)?,
+            // Dim `i` of a Shape's input, fixed.
+            Op::Gather(_) => {
+                let (sp, _) = g.value(node.input(0)?).producer()?;
+                let (Op::Shape(a), Some(x)) = (&g.node(sp).op, g.node(sp).input(0)) else { return None };
+                let dims = g.ty(x).shape.as_ref()?.dims().to_vec();
+                let r = dims.len() as i64;
+                let start = if a.start < 0 { a.start + r } else { a.start };
+                let i = usize::try_from(start + arg(1)? as i64).ok()?;
+                dims.get(i)?.fixed()? as f64
+            }
+            _ => return None,
+        };
+        Some(if int { x.trunc() } else { x })
+    }
+    eval(g, v, 8).filter(|x| x.is_finite())
+}
+
+fn is_cast(g: &Graph, n: NodeId) -> bool {
+    matches!(g.node(n).op, Op::Cast(_))
+}
+
+fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
+    let node = g.node(sm);
+    let (Op::Softmax(a), Some(x), &[probs]) = (&node.op, node.input(0), node.outputs()) else { return None };
+    let rank = g.ty(x).shape.as_ref()?.rank();
+    if rank < 3 || normalize_axis(a.axis, rank)? != rank - 1 {
+        return None;
+    }
+    let mut dead = vec![sm];
+    // Down: an optional Cast, then MatMul(P, V).
+    let (mut next, mut slot) = only_reader(g, probs)?;
+    if is_cast(g, next) {
+        dead.push(next);
+        (next, slot) = only_reader(g, g.node(next).outputs()[0])?;
+    }
+    if g.node(next).op != Op::MatMul || slot != 0 {
+        return None;
+    }
+    let (pv, v) = (next, g.node(next).input(1)?);
+    // Up: an optional Add of the mask, an optional scale, an optional Cast, then MatMul(Q, Kᵀ).
+    let scores_ty = g.ty(x).clone();
+    let mut at = private_producer(g, x)?;
+    let mut mask = None;
+    if g.node(at).op == Op::Add {
+        let (l, r) = (g.node(at).input(0)?, g.node(at).input(1)?);
+        // The scores' side is the one a private product leads to; the mask the other.
+        let (s, m) = if leads_to_product(g, l) { (l, r) } else { (r, l) };
+        if !leads_to_product(g, s) || g.ty(s) != &scores_ty {
+            return None;
+        }
+        mask = Some(m);
+        dead.push(at);
+        at = private_producer(g, s)?;
+    }
+    let mut scale = 1.0f64;
+    if matches!(g.node(at).op, Op::Mul | Op::Div) {
+        let (l, r) = (g.node(at).input(0)?, g.node(at).input(1)?);
+        let (s, c) = match (scalar(g, l), scalar(g, r)) {
+            (_, Some(c)) => (l, c),
+            (Some(c), None) if g.node(at).op == Op::Mul => (r, c),
+            _ => return None,
+        };
+        scale = if g.node(at).op == Op::Div { 1.0 / c } else { c };
+        dead.push(at);
+        at = private_producer(g, s)?;
+    }
+    if is_cast(g, at) {
+        dead.push(at);
+        at = private_producer(g, g.node(at).input(0)?)?;
+    }
+    if g.node(at).op != Op::MatMul {
+        return None;
+    }
+    dead.push(at);
+    let (q, kt) = (g.node(at).input(0)?, g.node(at).input(1)?);
+    // f16 or bf16 products of [..., S, D] operands with the same leading dims.
+    let dt = g.ty(q).dtype?;
+    if !matches!(dt, DType::F16 | DType::BF16)
+        || [kt, v, g.node(pv).outputs()[0]].iter().any(|&u| g.ty(u).dtype != Some(dt))
+        || !scale.is_finite()
+    {
+        return None;
+    }
+    let (qs, ks, vs) = (g.ty(q).shape.as_ref()?, g.ty(kt).shape.as_ref()?, g.ty(v).shape.as_ref()?);
+    if qs.rank() != rank || ks.rank() != rank || vs.rank() != rank {
+        return None;
+    }
+    let (qd, kd) = (qs.dims(), ks.dims());
+    let d = qd[rank - 1].fixed()?;
+    let same_lead = (0..rank - 2).all(|i| qd[i] == kd[i] && qd[i] == vs.dims()[i]);
+    if !same_lead || d > MAX_HEAD_DIM || kd[rank - 2].fixed() != Some(d) || vs.dims()[rank - 1].fixed() != Some(d) {
+        return None;
+    }
+    Some(Chain { q, kt, v, mask, scale: scale as f32, probs, pv, dead })
+}
+
+/// Whether `v` is the scores' product: a private MatMul, through an optional scale and Cast.
+fn leads_to_product(g: &Graph, v: ValueId) -> bool {
+    let mut at = v;
+    for _ in 0..3 {
+        let Some(p) = private_producer(g, at) else { return false };
+        match g.node(p).op {
+            Op::MatMul => return true,
+            Op::Mul | Op::Div | Op::Cast(_) => match g.node(p).input(0) {
+                Some(i) => at = i,
+                None => return false,
+            },
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// K from Kᵀ (whose reader, the scores' product, is gone): the input of Kᵀ's Transpose with the
+/// last two axes of its permutation swapped (that Transpose itself when nothing else reads it,
+/// none when the permutation becomes the identity), or a new Transpose.
+fn untranspose(g: &mut Graph, kt: ValueId, k_ty: TypeInfo) -> ValueId {
+    let r = k_ty.shape.as_ref().map_or(0, |s| s.rank());
+    if let Some((t, 0)) = g.value(kt).producer() {
+        if let (Op::Transpose(TransposeAttrs { perm }), Some(src)) = (&g.node(t).op, g.node(t).input(0)) {
+            let mut p: Vec<i64> = perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
+            if p.len() == r {
+                p.swap(r - 2, r - 1);
+                if p.iter().enumerate().all(|(i, &a)| a == i as i64) {
+                    return src;
+                }
+                if g.value(kt).uses().is_empty() && !g.is_output(kt) && !g.name_is_referenced(kt) {
+                    *g.node_op_mut(t) = Op::Transpose(TransposeAttrs { perm: Some(p) });
+                    g.set_ty(kt, k_ty);
+                    return kt;
+                }
+            }
+        }
+    }
+    let mut p: Vec<i64> = (0..r as i64).collect();
+    p.swap(r - 2, r - 1);
+    let name = format!("{}.k", g.name(kt));
+    let (_, out) = g.add_op(&g.unique_name(&name), Op::Transpose(TransposeAttrs { perm: Some(p) }), &[Some(kt)], 1);
+    g.set_ty(out[0], k_ty);
+    out[0]
+}
+
+fn fuse(g: &mut Graph, c: Chain) {
+    let q_ty = g.ty(c.q).clone();
+    // K's type: Kᵀ's with its last two dims swapped.
+    let mut k_ty = g.ty(c.kt).clone();
+    if let Some(s) = &mut k_ty.shape {
+        let r = s.rank();
+        s.0.swap(r - 2, r - 1);
+    }
+    // The scores' own links go first, so that Kᵀ's Transpose has the scores' product as its only
+    // reader when it is rewritten.
+    let y = g.node(c.pv).outputs()[0];
+    let lse_name = format!("{}.lse", g.name(c.probs));
+    g.set_input(c.pv, 0, None);
+    g.remove_nodes(&c.dead);
+    let k = untranspose(g, c.kt, k_ty);
+    let mask = c.mask.map(|m| {
+        if g.ty(m).dtype == Some(DType::F32) {
+            return m;
+        }
+        let name = g.unique_name(&format!("{}.cast_f32", g.name(m)));
+        let (_, out) = g.add_op(&name, Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(m)], 1);
+        g.set_ty(out[0], TypeInfo { dtype: Some(DType::F32), shape: g.ty(m).shape.clone() });
+        out[0]
+    });
+    *g.node_op_mut(c.pv) = Op::Attention(Box::new(AttentionAttrs { scale: c.scale }));
+    for (slot, v) in [Some(c.q), Some(k), Some(c.v), mask].into_iter().enumerate() {
+        g.set_input(c.pv, slot, v);
+    }
+    let lse_shape = q_ty.shape.as_ref().map(|s| Shape(s.0[..s.rank() - 1].to_vec()));
+    let lse = g.new_value(&lse_name, TypeInfo { dtype: Some(DType::F32), shape: lse_shape });
+    g.push_output(c.pv, lse);
+    g.set_ty(y, TypeInfo { dtype: q_ty.dtype, shape: g.ty(y).shape.clone() });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mpc_ir::ops::SoftmaxAttrs;
+
+    /// PyTorch's attention after the precision pass: f16 products, the scores cast to f32, scaled
+    /// by a scalar computed from a Shape, masked, softmaxed and cast back; Kᵀ a Transpose of the
+    /// heads split from [B, S, H, D]. `probs_out` makes the probabilities a graph output too.
+    fn exported(probs_out: bool) -> (Graph, NodeId) {
+        let mut g = Graph::new("g");
+        let f16 = |d: &[u64]| TypeInfo::new(DType::F16, Shape::fixed(d));
+        let q = g.add_input("q", f16(&[2, 3, 8, 4]));
+        let k4 = g.add_input("k4", f16(&[2, 8, 3, 4]));
+        let v = g.add_input("v", f16(&[2, 3, 8, 4]));
+        let mask = g.add_input("mask", TypeInfo::new(DType::F32, Shape::fixed(&[8, 8])));
+        let kt = g.add_op("kt", Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 3, 1]) }), &[Some(k4)], 1).1[0];
+        let s = g.add_op("s", Op::MatMul, &[Some(q), Some(kt)], 1).1[0];
+        let s32 = g.add_op("s32", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(s)], 1).1[0];
+        let shape = g.add_op("shape", Op::Shape(Default::default()), &[Some(q)], 1).1[0];
+        let three = g.add_initializer("three", mpc_ir::Tensor::from_i64(vec![], &[3]));
+        let d = g.add_op("d", Op::Gather(Default::default()), &[Some(shape), Some(three)], 1).1[0];
+        let df = g.add_op("df", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(d)], 1).1[0];
+        let half = g.add_initializer("half", mpc_ir::Tensor::from_f64_as(DType::F32, vec![], &[-0.5]));
+        let scale = g.add_op("scale", Op::Pow, &[Some(df), Some(half)], 1).1[0];
+        let scaled = g.add_op("scaled", Op::Mul, &[Some(s32), Some(scale)], 1).1[0];
+        let masked = g.add_op("masked", Op::Add, &[Some(scaled), Some(mask)], 1).1[0];
+        let p = g.add_op("p", Op::Softmax(SoftmaxAttrs { axis: -1 }), &[Some(masked)], 1).1;
+        let p16 = g.add_op("p16", Op::Cast(CastAttrs { saturate: true, to: DType::F16 }), &[Some(p[0])], 1).1[0];
+        let (pv, y) = g.add_op("y", Op::MatMul, &[Some(p16), Some(v)], 1);
+        g.add_output(y[0]);
+        if probs_out {
+            g.add_output(p[0]);
+        }
+        crate::infer_types(&mut g).unwrap();
+        (g, pv)
+    }
+
+    fn context(on: bool) -> Context {
+        let mut policy = crate::Policy::named("mixed").unwrap().unwrap();
+        policy.fused_attention = on;
+        Context { policy: Some(policy), ..Context::default() }
+    }
+
+    #[test]
+    fn an_exported_chain_becomes_one_attention_node() {
+        let (mut g, pv) = exported(false);
+        assert_eq!(FuseAttention.run(&mut g, &context(true)).unwrap(), Changed::Yes);
+        crate::Dce.run(&mut g, &Context::default()).unwrap();
+        crate::verify(&g).unwrap();
+        assert_eq!(g.node(pv).op, Op::Attention(Box::new(AttentionAttrs { scale: 0.5 })));
+        let ins: Vec<&str> = g.node(pv).inputs().iter().map(|v| g.name(v.unwrap())).collect();
+        // K is the heads' Transpose of [B, S, H, D], the one Kᵀ's was, with the last two axes swapped.
+        assert_eq!(ins, ["q", "kt", "v", "mask"]);
+        let (t, _) = g.value(g.find("kt").unwrap()).producer().unwrap();
+        assert_eq!(g.node(t).op, Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 1, 3]) }));
+        let lse = g.node(pv).outputs()[1];
+        assert_eq!((g.name(lse), g.ty(lse)), ("p.lse", &TypeInfo::new(DType::F32, Shape::fixed(&[2, 3, 8]))));
+        let ops: Vec<String> = g.node_ids().map(|n| g.node(n).op.op_type().to_string()).collect();
+        assert_eq!(ops, ["Transpose", "Attention"]);
+    }
+
+    /// Without the option, under fp32, or with the probabilities read elsewhere, nothing changes.
+    #[test]
+    fn leaves_what_it_must_not_fuse() {
+        for (probs_out, cx) in [(false, context(false)), (false, Context::default()), (true, context(true))] {
+            let (mut g, _) = exported(probs_out);
+            let before = mpc_ir::text::to_summary(&g).unwrap();
+            assert_eq!(FuseAttention.run(&mut g, &cx).unwrap(), Changed::No);
+            assert_eq!(mpc_ir::text::to_summary(&g).unwrap(), before);
+        }
+    }
+}

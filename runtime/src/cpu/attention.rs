@@ -1,0 +1,151 @@
+//! `ai.mpc::Attention` and `ai.mpc::AttentionGrad`: scaled dot-product attention computed row by
+//! row from Q, K, V (and an additive mask), keeping only each row's log-sum-exp, as a fused
+//! (flash) attention kernel does. The reference the CUDA kernels are checked against.
+
+use mpc_ir::DType;
+
+use super::{err, floats, shape::expand, store, Res};
+use crate::value::HostTensor;
+
+/// The operands' sizes: `n` rows of leading dims, `sq` queries, `sk` keys, head dim `d`.
+struct Dims {
+    n: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+}
+
+fn dims(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Res<Dims> {
+    let r = q.shape.len();
+    let lead = |t: &HostTensor| t.shape.get(..r.saturating_sub(2)).map(|s| s.to_vec());
+    if r < 3 || k.shape.len() != r || v.shape.len() != r || lead(k) != lead(q) || lead(v) != lead(q) {
+        return Err(err(format!("Attention of Q {:?}, K {:?}, V {:?}", q.shape, k.shape, v.shape)));
+    }
+    let (sq, d, sk) = (q.shape[r - 2], q.shape[r - 1], k.shape[r - 2]);
+    if k.shape[r - 1] != d || v.shape[r - 1] != d || v.shape[r - 2] != sk {
+        return Err(err(format!("Attention of Q {:?}, K {:?}, V {:?}", q.shape, k.shape, v.shape)));
+    }
+    Ok(Dims { n: q.shape[..r - 2].iter().product(), sq, sk, d })
+}
+
+/// The mask's values broadcast to the scores' shape [..., sq, sk], or none.
+fn mask_values(mask: Option<&HostTensor>, q: &HostTensor, sk: usize) -> Res<Option<Vec<f64>>> {
+    let Some(m) = mask else { return Ok(None) };
+    let mut scores: Vec<i64> = q.shape.iter().map(|&x| x as i64).collect();
+    *scores.last_mut().expect("rank checked") = sk as i64;
+    let full = expand(m, &scores)?;
+    if full.shape.len() != scores.len() || full.shape.iter().zip(&scores).any(|(&a, &b)| a as i64 != b) {
+        return Err(err(format!("the mask {:?} does not broadcast to the scores {scores:?}", m.shape)));
+    }
+    Ok(Some(floats(&full, "the mask")?))
+}
+
+/// Row `i` of matrix `at` of a [n, rows, d] array.
+fn row(x: &[f64], at: usize, rows: usize, i: usize, d: usize) -> &[f64] {
+    &x[(at * rows + i) * d..][..d]
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Row `i`'s scores `scale · q_i·k_j + mask_ij` of matrix `at`.
+fn scores(q: &[f64], k: &[f64], mask: Option<&[f64]>, x: &Dims, at: usize, i: usize, scale: f64) -> Vec<f64> {
+    let qi = row(q, at, x.sq, i, x.d);
+    (0..x.sk)
+        .map(|j| scale * dot(qi, row(k, at, x.sk, j, x.d)) + mask.map_or(0.0, |m| m[(at * x.sq + i) * x.sk + j]))
+        .collect()
+}
+
+/// Attention(Q, K, V, mask) → (Y, LSE; f32, f64 for f64 operands): s_ij = scale · q_i·k_j + mask_ij, y_i = Σ_j softmax(s_i)_j v_j,
+/// lse_i = log Σ_j exp(s_ij). A row whose scores are all −∞ gives y_i = 0 and lse_i = −∞.
+pub(crate) fn attention(
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    mask: Option<&HostTensor>,
+    scale: f32,
+) -> Res<Vec<HostTensor>> {
+    let x = dims(q, k, v)?;
+    let mask = mask_values(mask, q, x.sk)?;
+    let (qv, kv, vv) = (floats(q, "Q")?, floats(k, "K")?, floats(v, "V")?);
+    let mut y = vec![0f64; x.n * x.sq * x.d];
+    let mut lse = vec![0f64; x.n * x.sq];
+    for at in 0..x.n {
+        for i in 0..x.sq {
+            let s = scores(&qv, &kv, mask.as_deref(), &x, at, i, scale as f64);
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let out = &mut y[(at * x.sq + i) * x.d..][..x.d];
+            if m == f64::NEG_INFINITY {
+                lse[at * x.sq + i] = f64::NEG_INFINITY;
+                continue;
+            }
+            let mut l = 0.0;
+            for (j, &sj) in s.iter().enumerate() {
+                let p = (sj - m).exp();
+                l += p;
+                for (o, vj) in out.iter_mut().zip(row(&vv, at, x.sk, j, x.d)) {
+                    *o += p * vj;
+                }
+            }
+            out.iter_mut().for_each(|o| *o /= l);
+            lse[at * x.sq + i] = m + l.ln();
+        }
+    }
+    let lse_shape = q.shape[..q.shape.len() - 1].to_vec();
+    let lse_dt = if q.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    Ok(vec![store(q, q.shape.clone(), y), HostTensor::from_f64(lse_dt, lse_shape, lse)])
+}
+
+/// AttentionGrad(dY, Q, K, V, Y, LSE, mask) → (dQ, dK, dV), with p_ij = exp(s_ij − lse_i) (0 where
+/// lse_i = −∞), δ_i = dy_i·y_i and ds_ij = p_ij (dy_i·v_j − δ_i): dQ_i = scale Σ_j ds_ij k_j,
+/// dK_j = scale Σ_i ds_ij q_i, dV_j = Σ_i p_ij dy_i.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_grad(
+    dy: &HostTensor,
+    q: &HostTensor,
+    k: &HostTensor,
+    v: &HostTensor,
+    y: &HostTensor,
+    lse: &HostTensor,
+    mask: Option<&HostTensor>,
+    scale: f32,
+) -> Res<Vec<HostTensor>> {
+    let x = dims(q, k, v)?;
+    if dy.shape != q.shape || y.shape != q.shape || lse.shape[..] != q.shape[..q.shape.len() - 1] {
+        return Err(err(format!(
+            "AttentionGrad of dY {:?}, Y {:?}, LSE {:?} for Q {:?}",
+            dy.shape, y.shape, lse.shape, q.shape
+        )));
+    }
+    let mask = mask_values(mask, q, x.sk)?;
+    let (qv, kv, vv) = (floats(q, "Q")?, floats(k, "K")?, floats(v, "V")?);
+    let (dyv, yv, lv) = (floats(dy, "dY")?, floats(y, "Y")?, floats(lse, "LSE")?);
+    let scale = scale as f64;
+    let (mut dq, mut dk, mut dv) = (vec![0f64; qv.len()], vec![0f64; kv.len()], vec![0f64; vv.len()]);
+    for at in 0..x.n {
+        for i in 0..x.sq {
+            let l = lv[at * x.sq + i];
+            if l == f64::NEG_INFINITY {
+                continue;
+            }
+            let s = scores(&qv, &kv, mask.as_deref(), &x, at, i, scale);
+            let dyi = row(&dyv, at, x.sq, i, x.d);
+            let delta = dot(dyi, row(&yv, at, x.sq, i, x.d));
+            let qi = row(&qv, at, x.sq, i, x.d).to_vec();
+            for (j, &sj) in s.iter().enumerate() {
+                let p = (sj - l).exp();
+                let vj = row(&vv, at, x.sk, j, x.d);
+                let ds = p * (dot(dyi, vj) - delta);
+                let kj = row(&kv, at, x.sk, j, x.d);
+                let base = (at * x.sk + j) * x.d;
+                for c in 0..x.d {
+                    dq[(at * x.sq + i) * x.d + c] += scale * ds * kj[c];
+                    dk[base + c] += scale * ds * qi[c];
+                    dv[base + c] += p * dyi[c];
+                }
+            }
+        }
+    }
+    Ok(vec![store(q, q.shape.clone(), dq), store(k, k.shape.clone(), dk), store(v, v.shape.clone(), dv)])
+}
