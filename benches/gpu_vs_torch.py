@@ -26,7 +26,9 @@ the plan); with
 `--profile` (unless --no-profile) it also times each launch of one more step, and the script prints
 mpc's eight longest ops per policy (op, dtype, share of the step, launches).
 The script prints one table per model and the ratios mpc/PyTorch for step time and peak memory,
-and writes everything as JSON under --out.
+and writes everything as JSON under --out. Options mpc does not turn on by default run beside
+(WITH_VARIANTS: GPT's mixed and mixed-bf16 steps with `--fused-attention` too), with their ratios
+to the default step, to PyTorch's and, for memory, to mpc fp32's.
 
 --tiny shrinks every model (for checking the script on a machine without a GPU: --device cpu,
 where PyTorch has no fp16 autocast, so only fp32 and bf16 run there).
@@ -209,10 +211,19 @@ AB_VARIANTS = [
 ]
 
 
-def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="fp32,mixed,mixed-bf16", env=None):
+# Options not on by default, each measured beside the default run where its models run (also with
+# --no-ab): (key, models, mpc's arguments, what the ratio compares).
+WITH_VARIANTS = [
+    ("fused_attention", ("gpt",), ["--fused-attention"],
+     "with the fused attention (--fused-attention) / without"),
+]
+
+
+def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="fp32,mixed,mixed-bf16", env=None,
+              extra=()):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
            "--policies", policies, "--batch", str(batch), "--steps", str(steps),
-           "--warmup", str(warmup), "--json"] + (["--profile"] if profile else [])
+           "--warmup", str(warmup), "--json"] + (["--profile"] if profile else []) + list(extra)
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     if r.returncode != 0:
         return {"error": r.stderr.strip()}
@@ -273,9 +284,15 @@ def main():
             if name in names and dev == "cuda" and not args.no_ab:
                 without[key] = (what, mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev, False,
                                                 "mixed", env))
+        with_ = {}
+        for key, names, extra, what in WITH_VARIANTS:
+            if name in names:
+                with_[key] = (what, mpc_bench(args.mpc, path, loss, batch, args.steps, args.warmup, dev,
+                                              not args.no_profile, "mixed,mixed-bf16", None, extra))
         os.remove(path)
         results[name] = {"batch": batch, "torch": torch_rows, "mpc": mpc,
-                         **{f"mpc_without_{k}": v for k, (_, v) in without.items()}}
+                         **{f"mpc_without_{k}": v for k, (_, v) in without.items()},
+                         **{f"mpc_with_{k}": v for k, (_, v) in with_.items()}}
         with open(os.path.join(args.out, "gpu_vs_torch.json"), "w") as f:  # after each model
             json.dump(results, f, indent=1)
         print(f"\n{name} (batch {batch}) on {dev}")
@@ -307,6 +324,39 @@ def main():
                         f"({ms:.3f} ms and {rows['mixed']['launches_per_step']} launches without)")
                 print("  " + line)
                 lines.append(f"{name}: {line}")
+        for what, rows in with_.values():
+            if "error" in rows:
+                line = f"mpc {what}: failed: {rows['error'][:200]}"
+                print("  " + line)
+                lines.append(f"{name}: {line}")
+                continue
+            for policy, row in rows.items():
+                if policy not in mpc:
+                    continue
+                base = mpc[policy]
+                line = (f"mpc {policy} {what}: step {row['step_ms_median'] / base['step_ms_median']:.2f}x "
+                        f"({row['step_ms_median']:.3f} ms, {row['launches_per_step']} launches), "
+                        f"memory {mpc_memory(row) / mpc_memory(base):.2f}x "
+                        f"(activations' arena {row['arena_bytes'] / 2**20:.1f} MiB)")
+                print("  " + line)
+                lines.append(f"{name}: {line}")
+                for ours, theirs in [("mixed", "amp-fp16"), ("mixed-bf16", "amp-bf16")]:
+                    ms, peak = torch_rows.get(theirs, (None, None))
+                    if ours == policy and ms:
+                        mem = f", memory {mpc_memory(row) / peak:.2f}x" if peak else ""
+                        line = (f"mpc {ours} with the fused attention / torch {theirs}: "
+                                f"step {row['step_ms_median'] / ms:.2f}x{mem}")
+                        print("  " + line)
+                        lines.append(f"{name}: {line}")
+                if "fp32" in mpc and policy == "mixed":
+                    line = (f"mpc mixed with the fused attention: memory {mpc_memory(row) / mpc_memory(mpc['fp32']):.2f}x "
+                            f"mpc fp32's (activations' arena {row['arena_bytes'] / mpc['fp32']['arena_bytes']:.2f}x)")
+                    print("  " + line)
+                    lines.append(f"{name}: {line}")
+                if row.get("profile"):
+                    top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']}, "
+                                    f"{o.get('gb_per_s', 0):.0f} GB/s)" for o in row["profile"][:8])
+                    print(f"  mpc   {policy} with the fused attention by op: {top}")
         for policy, row in mpc.items():
             if row.get("profile"):
                 top = ", ".join(f"{o['op']} {o['dtype']} {100 * o['share']:.0f}% ({o['launches']}, "

@@ -170,21 +170,26 @@ pub fn policy(opts: &Options) -> Result<Option<Policy>> {
     let file = opts.config.as_deref().map(read_config).transpose()?;
     let name =
         opts.policy.clone().or_else(|| file.as_ref().and_then(|f| f.policy.clone())).unwrap_or_else(|| "fp32".into());
-    let mut policy = match Policy::named(&name).map_err(Error::Usage)? {
-        Some(p) => p,
-        None if file.as_ref().is_some_and(|f| f.edits_policy())
-            || !opts.allow.is_empty()
-            || !opts.deny.is_empty()
-            || !opts.pin_fp32.is_empty()
-            || opts.io_low
-            || opts.fused_attention =>
-        {
-            return Err(Error::Usage(
-                "policy fp32 rewrites nothing: list edits need --policy mixed, mixed-bf16 or fp16".into(),
-            ))
-        }
-        None => return Ok(None),
-    };
+    let mut policy =
+        match Policy::named(&name).map_err(Error::Usage)? {
+            Some(p) => p,
+            None if opts.fused_attention => return Err(Error::Usage(
+                "policy fp32 rewrites nothing: --fused-attention fuses f16 or bf16 attention, under --policy mixed, \
+                 mixed-bf16 or fp16"
+                    .into(),
+            )),
+            None if file.as_ref().is_some_and(|f| f.edits_policy())
+                || !opts.allow.is_empty()
+                || !opts.deny.is_empty()
+                || !opts.pin_fp32.is_empty()
+                || opts.io_low =>
+            {
+                return Err(Error::Usage(
+                    "policy fp32 rewrites nothing: list edits need --policy mixed, mixed-bf16 or fp16".into(),
+                ))
+            }
+            None => return Ok(None),
+        };
     if let (Some(f), Some(p)) = (&file, &opts.config) {
         f.apply(&mut policy).map_err(|e| Error::Usage(format!("{}: {e}", p.display())))?;
     }

@@ -95,6 +95,7 @@ fn policy_errors_name_what_is_wrong() {
         "--pin-fp32 `/nope`: no node has that name",
     );
     fails_with(&["compile", m, "--allow", "Relu"], "policy fp32 rewrites nothing");
+    fails_with(&["compile", m, "--fused-attention"], "--fused-attention fuses f16 or bf16 attention");
     let bad_line = write("bad_line.toml", "policy = \"mixed\"\nallow = [\"MatMul\"\ndeny = 3\n");
     fails_with(
         &["compile", m, "--config", &bad_line],

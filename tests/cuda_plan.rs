@@ -57,10 +57,14 @@ fn programs() -> Vec<(String, Program)> {
         }
     }
     // A GPT-shaped training step with its loss inside (a tanh GELU's gradient in a product).
-    for policy in ["fp32", "mixed", "mixed-bf16"] {
-        let g = common::compiled("tiny_gpt_loss", policy, true).unwrap();
+    // And with its attention fused (`--fused-attention`): the attention kernels' structs.
+    for (policy, fused) in
+        [("fp32", false), ("mixed", false), ("mixed-bf16", false), ("mixed", true), ("mixed-bf16", true)]
+    {
+        let g = common::compiled_with("tiny_gpt_loss", policy, true, fused).unwrap();
         if let Some(p) = lowered("tiny_gpt_loss", &g) {
-            out.push((format!("tiny_gpt_loss {policy} train"), p));
+            let how = if fused { " fused attention" } else { "" };
+            out.push((format!("tiny_gpt_loss {policy} train{how}"), p));
         }
     }
     // Single ops at shapes the fixtures are too small to reach: batch norms in passes, their

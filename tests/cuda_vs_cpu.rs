@@ -258,8 +258,15 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         return;
     }
     let steps: u64 = std::env::var("MPC_TRACK_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20).clamp(1, 20);
-    for (policy, bound) in [("fp32", 1e-3), ("mixed", 1e-2), ("mixed-bf16", 2e-2)] {
-        let g = common::compiled("tiny_gpt_loss", policy, true).unwrap();
+    for (policy, bound, fused) in [
+        ("fp32", 1e-3, false),
+        ("mixed", 1e-2, false),
+        ("mixed-bf16", 2e-2, false),
+        ("mixed", 1e-2, true),
+        ("mixed-bf16", 2e-2, true),
+    ] {
+        let g = common::compiled_with("tiny_gpt_loss", policy, true, fused).unwrap();
+        let policy = if fused { format!("{policy} with the fused attention") } else { policy.to_string() };
         let cpu = losses(CpuDevice::default(), &g, "tiny_gpt_loss", steps);
         let cuda = losses(CudaDevice::new(0).unwrap(), &g, "tiny_gpt_loss", steps);
         let worst = cpu.iter().zip(&cuda).map(|(a, b)| (a - b).abs() / a.abs().max(1e-6)).fold(0.0, f64::max);
@@ -289,6 +296,57 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         assert!(gelu_grads > 0, "tiny_gpt_loss {policy}: no GELU gradient in a product");
         assert!(worst <= bound, "tiny_gpt_loss {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
     }
+}
+
+/// The fused attention's kernels at the sizes of real models against the CPU: GPT-2's head dim 64
+/// over 512 positions with a causal mask (−∞ above the diagonal, so whole key tiles of a row are
+/// masked), a head dim of 128, and one of 40 (the kernels' 64, its columns padded), the forward
+/// and the gradient, in f16 and bf16; each output within its dtype's relative L2 error.
+#[test]
+fn fused_attention_at_model_sizes_computes_what_the_cpu_computes() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut bad = Vec::new();
+    for (dt, [b, h, s, d]) in
+        [("f16", [2, 4, 512, 64]), ("bf16", [2, 4, 512, 64]), ("f16", [1, 2, 300, 128]), ("bf16", [1, 3, 200, 40])]
+    {
+        let causal = s == 512;
+        let mask = if causal { format!("  input %4 \"m\": f32[{s},{s}]\n") } else { String::new() };
+        let m = if causal { ", %4" } else { "" };
+        let body = format!(
+            "input %0 \"dy\": {dt}[{b},{h},{s},{d}]\n  input %1 \"q\": {dt}[{b},{h},{s},{d}]\n  \
+             input %2 \"k\": {dt}[{b},{h},{s},{d}]\n  input %3 \"v\": {dt}[{b},{h},{s},{d}]\n{mask}  \
+             %5 \"y\": {dt}[{b},{h},{s},{d}], %6 \"lse\": f32[{b},{h},{s}] = ai.mpc::Attention[scale=0.125](%1, %2, %3{m})\n  \
+             %7 \"dq\": {dt}[{b},{h},{s},{d}], %8 \"dk\": {dt}[{b},{h},{s},{d}], %9 \"dv\": {dt}[{b},{h},{s},{d}] = \
+             ai.mpc::AttentionGrad[scale=0.125](%0, %1, %2, %3, %5, %6{m})\n  \
+             output %5\n  output %6\n  output %7\n  output %8\n  output %9"
+        );
+        let g = common::single_op(&body);
+        let mut feeds = mpc::run::random_inputs(&g, 17, &HashMap::new()).unwrap();
+        if causal {
+            let v = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY })).collect();
+            feeds.insert("m".into(), HostTensor::from_f64(mpc_ir::DType::F32, vec![s, s], v));
+        }
+        let path = std::path::Path::new("attention");
+        let cpu = mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, path).unwrap();
+        let cuda = match mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, path) {
+            Ok(o) => o,
+            Err(e) => {
+                bad.push(format!("{dt} [{b},{h},{s},{d}]: {e}"));
+                continue;
+            }
+        };
+        for ((n, c), (_, x)) in cpu.iter().zip(&cuda) {
+            let t =
+                Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2: Tolerance::for_dtype(c.dtype()).rel_l2 };
+            match t.check(x, c) {
+                Ok(cmp) => println!("attention {dt} [{b},{h},{s},{d}] `{n}`: relative L2 {:.2e}", cmp.rel_l2),
+                Err(e) => bad.push(format!("{dt} [{b},{h},{s},{d}] `{n}`: {e}")),
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{} of the outputs differ:\n{}", bad.len(), bad.join("\n"));
 }
 
 /// Single ops at sizes that take the GPU's multi-pass paths (few long columns, LayerNorm's

@@ -18,6 +18,16 @@ pub fn fixture(name: &str) -> PathBuf {
 /// step (the batch freed from the export; the loss on the first output, or the model's own `loss`
 /// output where it has one).
 pub fn compiled(name: &str, policy: &str, train: bool) -> Result<mpc_ir::Graph, mpc::Error> {
+    compiled_with(name, policy, train, false)
+}
+
+/// [`compiled`], with its attention chains fused (`--fused-attention`) where `fused_attention`.
+pub fn compiled_with(
+    name: &str,
+    policy: &str,
+    train: bool,
+    fused_attention: bool,
+) -> Result<mpc_ir::Graph, mpc::Error> {
     use mpc_passes::train::{Loss, TrainOptions};
     let path = fixture(name);
     let mut g = mpc::load(&path)?;
@@ -27,7 +37,7 @@ pub fn compiled(name: &str, policy: &str, train: bool) -> Result<mpc_ir::Graph, 
     let loss =
         if name.ends_with("_loss") { Loss::Output("loss".into()) } else { Loss::CrossEntropy(Default::default()) };
     let t = train.then(|| TrainOptions { loss, ..TrainOptions::default() });
-    let opts = mpc::Options { policy: Some(policy.into()), train: t, ..Default::default() };
+    let opts = mpc::Options { policy: Some(policy.into()), train: t, fused_attention, ..Default::default() };
     mpc::compile(&mut g, &path, &opts, &mut |_, _| {})?;
     Ok(g)
 }

@@ -5,8 +5,8 @@
 // Each CUDA thread of a block is a fiber (ucontext) on the calling OS thread; the block's fibers
 // run one at a time, each until it finishes or waits, and blocks run one after another. So:
 // - __syncthreads waits until every thread of the block that has not returned arrives;
-// - __shfl_down_sync and __syncwarp wait for every lane of the warp: all 32 must exist and none
-//   may have returned (the kernels only shuffle with the full mask);
+// - __shfl_sync, __shfl_down_sync, __shfl_xor_sync and __syncwarp wait for every lane of the warp:
+//   all 32 must exist and none may have returned (the kernels only shuffle with the full mask);
 // - __shared__ arrays are the kernel's static arrays, shared by the block's fibers (blocks never
 //   run at the same time);
 // - a wait that can never end (a barrier some threads skip) is reported, not hung on.
@@ -263,6 +263,19 @@ template <typename T> inline T __shfl_down_sync(unsigned mask, T v, unsigned del
     const unsigned long long* s = emu::warp_exchange(mask, emu::to_bits(v));
     const int lane = emu::linear_tid(emu::B()) % 32;
     return lane + (int)delta < 32 ? emu::from_bits<T>(s[lane + delta]) : v;
+}
+// Lane `src` of the lane's segment of `width` lanes (src taken modulo width), as the device does.
+template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    const unsigned long long* s = emu::warp_exchange(mask, emu::to_bits(v));
+    const int lane = emu::linear_tid(emu::B()) % 32;
+    return emu::from_bits<T>(s[(lane & ~(width - 1)) + (src & (width - 1))]);
+}
+// Lane `lane ^ lane_mask`; the lane's own value where that lies in a later segment of `width`.
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    const unsigned long long* s = emu::warp_exchange(mask, emu::to_bits(v));
+    const int lane = emu::linear_tid(emu::B()) % 32;
+    const int src = lane ^ lane_mask;
+    return src < (lane & ~(width - 1)) + width ? emu::from_bits<T>(s[src]) : v;
 }
 
 // ---- bit casts ----

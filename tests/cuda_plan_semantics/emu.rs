@@ -264,6 +264,8 @@ impl Kernels {
                 Arg::F64(v) => (vec![v.to_bits()], 8),
                 Arg::U64(v) => (vec![*v], 8),
                 Arg::Dims(d) => (d.iter().map(|&x| x as u64).collect(), 64),
+                Arg::Longs3(v) => (v.iter().map(|&x| x as u64).collect(), 24),
+                Arg::Longs5(v) => (v.iter().map(|&x| x as u64).collect(), 40),
                 Arg::Window(w) => {
                     let n = std::mem::size_of::<Window3>();
                     let mut words = vec![0u64; n.div_ceil(8)];

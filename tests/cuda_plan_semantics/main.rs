@@ -10,6 +10,7 @@
 
 #![cfg(feature = "cuda")]
 
+mod attention;
 #[path = "../common/mod.rs"]
 mod common;
 mod emu;
@@ -280,7 +281,8 @@ fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {
 /// (`tests/models/tiny_gpt_loss.onnx`): under mixed precision its forward loss reads the f16 or
 /// bf16 logits widened and its gradient writes them low (the `_wide_` loss kernels), and
 /// SoftmaxGrad reads the f16 or bf16 gradient and probabilities widened (in a fused chain, with
-/// the scale's gradient and the Cast back, and on its own where fusion is off).
+/// the scale's gradient and the Cast back, and on its own where fusion is off); with
+/// `--fused-attention`, the attention kernels read the heads where they lie.
 #[test]
 fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_computes() {
     let _report = emu::Report;
@@ -290,12 +292,18 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     let mut kernels = std::collections::BTreeSet::new();
     let mut chains = std::collections::BTreeSet::new();
     let mut gelu_grads = 0;
-    for (policy, unfused) in
-        [("fp32", false), ("mixed", false), ("mixed-bf16", false), ("mixed", true), ("mixed-bf16", true)]
-    {
+    for (policy, unfused, fused_attention) in [
+        ("fp32", false, false),
+        ("mixed", false, false),
+        ("mixed-bf16", false, false),
+        ("mixed", true, false),
+        ("mixed-bf16", true, false),
+        ("mixed", false, true),
+        ("mixed-bf16", false, true),
+    ] {
         let mut g = mpc::load(&path).unwrap();
         let t = TrainOptions { loss: Loss::Output("loss".into()), ..TrainOptions::default() };
-        let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), ..Default::default() };
+        let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), fused_attention, ..Default::default() };
         mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
         let dims: HashMap<String, u64> = [("batch".to_string(), 3)].into();
         let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
@@ -322,11 +330,12 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
             }
         }
         let feeds = mpc::run::random_inputs(&bound, 5, &dims).unwrap();
-        check_program(
-            &format!("tiny_gpt_loss {policy} train{}", if unfused { " unfused" } else { "" }),
-            &program,
-            &feeds,
-        );
+        let how = match (unfused, fused_attention) {
+            (true, _) => " unfused",
+            (_, true) => " fused attention",
+            _ => "",
+        };
+        check_program(&format!("tiny_gpt_loss {policy} train{how}"), &program, &feeds);
     }
     for c in ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)"] {
         assert!(chains.contains(c), "no {c}: {chains:?}");
@@ -344,6 +353,10 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         "norm_layer_norm_grad_f32_f32_dyf16",
         "norm_layer_norm_grad_params_f32_f32_dybf16",
         "train_adam_multi_f32",
+        "attention_fwd_d16_f16",
+        "attention_delta_f16",
+        "attention_bwd_dkdv_d16_f16",
+        "attention_bwd_dq_d16_bf16",
     ] {
         assert!(kernels.contains(k), "{k} never ran: {kernels:?}");
     }
@@ -381,6 +394,13 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         // and its gradient).
         ("input %0 \"x\": f16[2,40,3,33]\n  %1 \"y\": f16[2,3,33,40] = Transpose[perm=[0,2,3,1]](%0)\n  output %1", "Transpose"),
         ("input %0 \"x\": f16[2,3,33,70]\n  %1 \"y\": f16[2,70,3,33] = Transpose[perm=[0,3,1,2]](%0)\n  output %1", "Transpose"),
+        // Fused attention: partial query and key tiles, a mask broadcast over batch and heads; the
+        // heads read where they lie in [B, S, H, D] (a head dim of 100: the kernels' 128); the
+        // gradient with a mask per batch and a head dim of 8 (the kernels' 16); three dims.
+        ("input %0 \"q\": f16[2,3,70,64]\n  input %1 \"k\": f16[2,3,45,64]\n  input %2 \"v\": f16[2,3,45,64]\n  input %3 \"m\": f32[70,45]\n  %4 \"y\": f16[2,3,70,64], %5 \"lse\": f32[2,3,70] = ai.mpc::Attention[scale=0.125](%0, %1, %2, %3)\n  output %4\n  output %5", "Attention"),
+        ("input %0 \"q4\": bf16[2,40,2,100]\n  input %1 \"k4\": bf16[2,40,2,100]\n  input %2 \"v4\": bf16[2,40,2,100]\n  %3 \"q\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%0)\n  %4 \"k\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%1)\n  %5 \"v\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%2)\n  %6 \"y\": bf16[2,2,40,100], %7 \"lse\": f32[2,2,40] = ai.mpc::Attention[scale=0.1](%3, %4, %5)\n  output %6\n  output %7", "Attention"),
+        ("input %0 \"dy\": f16[2,2,33,8]\n  input %1 \"q\": f16[2,2,33,8]\n  input %2 \"k\": f16[2,2,50,8]\n  input %3 \"v\": f16[2,2,50,8]\n  input %4 \"m\": f32[2,1,33,50]\n  %5 \"y\": f16[2,2,33,8], %6 \"lse\": f32[2,2,33] = ai.mpc::Attention[scale=0.3](%1, %2, %3, %4)\n  %7 \"dq\": f16[2,2,33,8], %8 \"dk\": f16[2,2,50,8], %9 \"dv\": f16[2,2,50,8] = ai.mpc::AttentionGrad[scale=0.3](%0, %1, %2, %3, %5, %6, %4)\n  output %7\n  output %8\n  output %9", "AttentionGrad"),
+        ("input %0 \"dy\": bf16[3,70,64]\n  input %1 \"q\": bf16[3,70,64]\n  input %2 \"k\": bf16[3,70,64]\n  input %3 \"v\": bf16[3,70,64]\n  %4 \"y\": bf16[3,70,64], %5 \"lse\": f32[3,70] = ai.mpc::Attention[scale=0.125](%1, %2, %3)\n  %6 \"dq\": bf16[3,70,64], %7 \"dk\": bf16[3,70,64], %8 \"dv\": bf16[3,70,64] = ai.mpc::AttentionGrad[scale=0.125](%0, %1, %2, %3, %4, %5)\n  output %6\n  output %7\n  output %8", "AttentionGrad"),
         ("input %0 \"x\": i64[65,3]\n  %1 \"y\": i64[3,65] = Transpose(%0)\n  output %1", "Transpose"),
         ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
         ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),
@@ -457,7 +477,12 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         assert!(checked.iter().any(|c| c == op), "{op}: not checked ({checked:?})");
         seen.extend(checked);
     }
-    for what in ["MatMul with a Transpose epilogue", "MatMul by arrays of addresses", "MatMul through a permutation"] {
+    for what in [
+        "MatMul with a Transpose epilogue",
+        "MatMul by arrays of addresses",
+        "MatMul through a permutation",
+        "Attention through a permutation",
+    ] {
         assert!(seen.contains(what), "no {what}: {seen:?}");
     }
 }

@@ -9,7 +9,8 @@ use super::interp::*;
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
 /// kernels ([`run_more`]).
-pub(crate) const MORE: [&str; 30] = [
+pub(crate) const MORE: [&str; 31] = [
+    "attention_",
     "elementwise_and_u8",
     "elementwise_or_u8",
     "elementwise_equal_",
@@ -115,7 +116,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
     let a = &k.args;
     let name = k.name.as_str();
     let tag = name.rsplit('_').next().unwrap();
-    if super::train::run_train(m, k) {
+    if super::train::run_train(m, k) || super::attention::run_attention(m, k) {
         return;
     }
     if name.starts_with("pool_") {

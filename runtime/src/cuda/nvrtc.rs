@@ -22,7 +22,7 @@ use super::CudaError;
 pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
 
 /// Every kernel family: its name and source.
-pub const FAMILIES: [(&str, &str); 11] = [
+pub const FAMILIES: [(&str, &str); 12] = [
     ("elementwise", include_str!("../../../kernels/elementwise.cu")),
     ("casts", include_str!("../../../kernels/casts.cu")),
     ("reduce", include_str!("../../../kernels/reduce.cu")),
@@ -34,6 +34,7 @@ pub const FAMILIES: [(&str, &str); 11] = [
     ("loss", include_str!("../../../kernels/loss.cu")),
     ("im2col", include_str!("../../../kernels/im2col.cu")),
     ("train", include_str!("../../../kernels/train.cu")),
+    ("attention", include_str!("../../../kernels/attention.cu")),
 ];
 
 /// NVRTC's version, or why it cannot be used.

@@ -44,6 +44,10 @@ pub enum Arg {
     Dims([i64; 8]),
     /// `Window3` (common.cuh).
     Window(Window3),
+    /// A struct of three `long long`s (attention.cu's `AttnStrides`).
+    Longs3([i64; 3]),
+    /// A struct of five `long long`s (attention.cu's `AttnShape`).
+    Longs5([i64; 5]),
 }
 
 /// `struct Window3` of kernels/common.cuh, byte for byte.
@@ -80,6 +84,8 @@ impl Arg {
             Arg::I32(_) | Arg::F32(_) => (4, 4),
             Arg::Dims(_) => (64, 8),
             Arg::Window(_) => (176, 8),
+            Arg::Longs3(_) => (24, 8),
+            Arg::Longs5(_) => (40, 8),
             _ => (8, 8),
         }
     }
@@ -96,6 +102,8 @@ impl Arg {
             Arg::U64(v) => v.to_le_bytes().to_vec(),
             Arg::Dims(d) => d.iter().flat_map(|v| v.to_le_bytes()).collect(),
             Arg::Window(w) => w.bytes(),
+            Arg::Longs3(v) => v.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Arg::Longs5(v) => v.iter().flat_map(|v| v.to_le_bytes()).collect(),
         }
     }
 }

@@ -17,6 +17,7 @@ use mpc_ir::{normalize_axis, DType, Op};
 use crate::program::{relu_mask_shape, Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
 
+mod attention;
 mod calls;
 mod conv;
 mod elementwise;
@@ -30,6 +31,7 @@ mod reduce;
 mod strided;
 mod train;
 
+use attention::*;
 pub use calls::*;
 use conv::*;
 use elementwise::*;
@@ -492,6 +494,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
         | Op::BatchNormalizationGrad(_)
         | Op::InstanceNormalization(_)
         | Op::GroupNormalization(_) => plan_norm(p)?,
+        Op::Attention(_) | Op::AttentionGrad(_) => plan_attention(p)?,
         Op::MaxPool(_) | Op::AveragePool(_) | Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) => plan_pool(p)?,
         Op::Conv(_) | Op::ConvGrad(_) => plan_conv(p)?,
         Op::ConvTranspose(a) => plan_conv_transpose(p, a)?,

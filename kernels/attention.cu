@@ -1,0 +1,1011 @@
+// kernels/attention.cu: fused scaled-dot-product attention ("flash" attention: the [sq, sk]
+// scores and probabilities never reach global memory), forward and backward, for f16 and bf16
+// on the tensor cores (mma.sync m16n8k16 with f32 accumulation).
+//
+// Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header). The tensor
+// core path needs sm_80 or newer (mma.sync with bf16, ldmatrix, cp.async).
+//
+// Layout: Q, K, V, O, dO, dQ, dK, dV are [batch, heads, seq, d] arrays addressed by strides in
+// elements with d contiguous: element (b, h, i, c) of Q is q[b*qs.b + h*qs.h + i*qs.s + c]
+// (seq = sq for Q, O, dO, dQ and sk for K, V, dK, dV). The mask is optional (nullptr when absent),
+// f32 and additive: element (b, h, i, j) at mask[b*ms.b + h*ms.h + i*ms.s + j] (broadcast dims
+// have stride 0, the key index j is contiguous). lse and delta are contiguous f32
+// [batch, heads, sq]: element (b, h, i) at (b*heads + h)*sq + i. Any strides work; 16-byte
+// vector accesses are used where a tensor's base and strides allow them (checked at run time),
+// element accesses otherwise.
+//
+// Arithmetic (f32):
+//   s_ij = scale * (q_i . k_j) + mask_ij, m_i = max_j s_ij, l_i = sum_j exp(s_ij - m_i),
+//   lse_i = m_i + log(l_i), o_i = sum_j exp(s_ij - m_i) v_j / l_i (rounded once to T).
+//   A row whose scores are all -inf gives o_i = 0 and lse_i = -inf.
+//   Backward, P_ij = exp(s_ij - lse_i) (0 where lse_i = -inf):
+//   delta_i = dO_i . O_i, dV_j = sum_i P_ij dO_i, dS_ij = P_ij (dO_i . v_j - delta_i),
+//   dQ_i = scale * sum_j dS_ij k_j, dK_j = scale * sum_i dS_ij q_i (each rounded once to T).
+// The exponentials are taken base 2 (the scores are scaled by log2(e)), and P and dS are
+// rounded to T before they enter a tensor core product; so results match an f32 evaluation of
+// the formulas above to T's precision, not to the bit. There are no atomics and every loop has a
+// fixed order: a shape gives the same bits on every run.
+//
+// Head dim: the kernels are instantiated for a padded head dim DP in {16, 32, 64, 128}; launch the
+// smallest DP >= d (1 <= d <= 128). Columns c >= d are read as zeros and never written.
+// batch, heads >= 1; 1 <= sq, sk < 2^31 (the sequence indices are 32-bit; offsets are 64-bit).
+//
+// ABI (T in f16 bf16; DP in 16 32 64 128; the structs are passed by value):
+//   struct AttnShape { long long batch, heads, sq, sk, d; };
+//   struct AttnStrides { long long b, h, s; };   // in elements
+//
+//   attention_fwd_d<DP>_<T>(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
+//                           AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
+//                           AttnStrides ms, AttnStrides os, float scale)
+//       Writes O and lse.
+//   attention_delta_<T>(const T* o, const T* dout, float* delta, AttnShape sh, AttnStrides os,
+//                       AttnStrides dos)
+//       delta_i = sum_c dout_ic * o_ic (sh.d columns).
+//   attention_bwd_dkdv_d<DP>_<T>(const T* q, const T* k, const T* v, const float* mask,
+//                                const T* dout, const float* lse, const float* delta, T* dk, T* dv,
+//                                AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
+//                                AttnStrides ms, AttnStrides dos, AttnStrides dks,
+//                                AttnStrides dvs, float scale)
+//       Writes dK and dV, from the forward's lse and attention_delta's delta.
+//   attention_bwd_dq_d<DP>_<T>(const T* q, const T* k, const T* v, const float* mask,
+//                              const T* dout, const float* lse, const float* delta, T* dq,
+//                              AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
+//                              AttnStrides ms, AttnStrides dos, AttnStrides dqs, float scale)
+//       Writes dQ.
+// Outputs must not overlap inputs or each other. The backward's three kernels are independent of
+// one another once delta is written (dkdv and dq may run in either order).
+//
+// Launch (blockDim.y = blockDim.z = gridDim.y = gridDim.z = 1; static shared memory only):
+//   attention_fwd_d<DP>_<T>:      blockDim.x = 128, gridDim.x = ceil(sq / 64) * batch * heads.
+//   attention_bwd_dq_d<DP>_<T>:   blockDim.x = 128, gridDim.x = ceil(sq / 64) * batch * heads.
+//       Block x owns query rows [64 * (x % ceil(sq/64)), +64) of head (x / ceil(sq/64)) % heads,
+//       batch x / ceil(sq/64) / heads; each of its 4 warps owns 16 of those rows.
+//   attention_bwd_dkdv_d<DP>_<T>: blockDim.x = 128, gridDim.x = ceil(sk / 64) * batch * heads.
+//       Block x owns keys [64 * (x % ceil(sk/64)), +64) of (batch, head) x / ceil(sk/64), as above;
+//       each warp owns 16 of those keys.
+//   attention_delta_<T>:          blockDim.x = 256, any gridDim.x >= 1 (grid-stride over the
+//       batch*heads*sq rows, 16 rows per block per step): gridDim.x = min(ceil(rows / 16), 65535).
+// Static shared memory per block (bytes):
+//   DP:        16      32      64      128
+//   fwd     12288   20480   36864   34816
+//   dq      12288   20480   36864   34816
+//   dkdv    12800   20992   37376   43648
+//   delta       0
+//
+// Tiles: the forward and dQ kernels walk the keys in tiles of 64 (32 for DP = 128), two tiles of
+// K and V in flight (cp.async double buffering); dK/dV walk the queries in tiles of 32 (16 for
+// DP = 128; single-buffered there, double-buffered otherwise). Tiles live in shared memory with a
+// row pitch of DP + 8 elements, which makes the ldmatrix row reads free of bank conflicts. Each
+// warp keeps its 16 rows' operand fragments (Q, or dO, or K and V for DP <= 64) and f32
+// accumulators in registers; the probabilities P and dS go from the score accumulators to the next
+// product's A operand in registers.
+
+struct AttnShape {
+    long long batch, heads, sq, sk, d;
+};
+struct AttnStrides {
+    long long b, h, s;
+};
+
+#define ATTN_THREADS 128
+// 128 threads per block and a minimum of MINB resident blocks per SM: ptxas then keeps each kernel
+// within 65536 / (128 * MINB) registers. MINB is per kernel and DP, the largest that compiles
+// without spills for sm_80 and sm_90 (registers: 128 for 4 blocks, 168 for 3, 255 for 2).
+#define ATTN_KERNEL(MINB) extern "C" __global__ void __launch_bounds__(ATTN_THREADS, MINB)
+#define ATTN_MINB_FWD_16 4
+#define ATTN_MINB_FWD_32 4
+#define ATTN_MINB_FWD_64 3
+#define ATTN_MINB_FWD_128 3
+#define ATTN_MINB_DQ_16 4
+#define ATTN_MINB_DQ_32 3
+#define ATTN_MINB_DQ_64 2
+#define ATTN_MINB_DQ_128 2
+#define ATTN_MINB_DKDV_16 4
+#define ATTN_MINB_DKDV_32 4
+#define ATTN_MINB_DKDV_64 2
+#define ATTN_MINB_DKDV_128 2
+
+#define ATTN_LOG2E 1.4426950408889634f
+#define ATTN_LN2 0.6931471805599453f
+#define ATTN_FULL 0xffffffffu
+
+template <typename T> struct AttnIsBf16 {
+    static constexpr bool value = false;
+};
+template <> struct AttnIsBf16<__nv_bfloat16> {
+    static constexpr bool value = true;
+};
+
+// A block's shared memory: raw bytes, 16-byte aligned (the cp.async and ldmatrix rows).
+template <int BYTES> struct alignas(16) AttnSmem {
+    unsigned char b[BYTES];
+};
+
+// ---- the tensor core primitives ----
+//
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 computes D = A * B + C for a
+// 16x16 A, a 16x8 B and a 16x8 C/D spread over the warp's 32 lanes (PTX ISA, "Matrix Fragments
+// for mma.m16n8k16 with floating point type"). With g = lane >> 2 (groupID) and t = lane & 3
+// (threadID_in_group), each lane holds:
+//   A: 4 .b32 registers of two 16-bit elements each, the lower column in the low half:
+//        a[0] = A[g][2t, 2t+1]      a[1] = A[g+8][2t, 2t+1]
+//        a[2] = A[g][2t+8, 2t+9]    a[3] = A[g+8][2t+8, 2t+9]
+//   B: 2 .b32 registers, the lower row in the low half:
+//        b[0] = B[2t, 2t+1][g]      b[1] = B[2t+8, 2t+9][g]
+//   C, D: 4 f32: c[0], c[1] = C[g][2t, 2t+1], c[2], c[3] = C[g+8][2t, 2t+1].
+// So row r of A lies in lanes 4r..4r+3 (r < 8: registers 0 and 2; r >= 8: registers 1 and 3 of
+// lanes 4(r-8)..), and column n of B in lanes 4n..4n+3 (registers 0 and 1). The C layout of two
+// adjacent n8 tiles is the A layout of one k16 step: C tile 2k gives a[0] (c0, c1) and a[1]
+// (c2, c3), C tile 2k+1 gives a[2] and a[3]; the probabilities go from the scores' accumulators
+// into the next product without leaving the registers.
+//
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 loads four 8x8 matrices of 16-bit elements: lane l
+// gives the address of row l & 7 of matrix l >> 3 (16 contiguous bytes), and register m of lane l
+// receives row l >> 2, columns 2(l & 3) and 2(l & 3) + 1 of matrix m (the lower column in the low
+// half), which is the layout of an mma fragment register. With .trans, register m of lane l
+// receives the elements at (row 2(l & 3), column l >> 2) and (row 2(l & 3) + 1, column l >> 2) of
+// matrix m as stored: the fragment of the transposed matrix.
+//
+// Under MPC_EMULATED (tests/cuda_emu: no PTX) these are computed with warp shuffles over the same
+// register layouts: every lane gathers the A rows and B columns, or the row addresses, it needs.
+
+#ifdef MPC_EMULATED
+template <typename T> __device__ __forceinline__ float attn_bits_to_float(unsigned bits) {
+    if constexpr (AttnIsBf16<T>::value) {
+        return __bfloat162float(__ushort_as_bfloat16((unsigned short)(bits & 0xffffu)));
+    } else {
+        return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
+    }
+}
+#endif
+
+// An A operand ready for several products (the same A times several B tiles): on the device its
+// 4 registers; in the emulation the two rows of A each lane needs (g and g + 8), gathered once:
+// row r of A lies in lanes 4r'..4r'+3 (r' = r mod 8), lane 4r'+s holding columns 2s, 2s+1 (a[0]
+// for r < 8, a[1] for r >= 8) and 2s+8, 2s+9 (a[2], a[3]).
+template <typename T> struct AttnA {
+#ifdef MPC_EMULATED
+    float row[2][16];
+#else
+    u32 r[4];
+#endif
+    __device__ __forceinline__ void set(const u32 (&a)[4]) {
+#ifdef MPC_EMULATED
+        const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u64 lo = __shfl_sync(ATTN_FULL, (u64)a[0] | (u64)a[2] << 32, 4 * g + s);
+            const u64 hi = __shfl_sync(ATTN_FULL, (u64)a[1] | (u64)a[3] << 32, 4 * g + s);
+            const u64 both[2] = {lo, hi};
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                row[r][2 * s] = attn_bits_to_float<T>((unsigned)both[r]);
+                row[r][2 * s + 1] = attn_bits_to_float<T>((unsigned)(both[r] >> 16));
+                row[r][2 * s + 8] = attn_bits_to_float<T>((unsigned)(both[r] >> 32));
+                row[r][2 * s + 9] = attn_bits_to_float<T>((unsigned)(both[r] >> 48));
+            }
+        }
+#else
+        r[0] = a[0];
+        r[1] = a[1];
+        r[2] = a[2];
+        r[3] = a[3];
+#endif
+    }
+};
+
+// c += A * B (c: the lane's 4 accumulators of a 16x8 tile; b0, b1: the lane's B registers).
+template <typename T> __device__ __forceinline__ void attn_mma(float (&c)[4], const AttnA<T>& a, u32 b0, u32 b1) {
+#ifdef MPC_EMULATED
+    // Columns 2t and 2t+1 of B: lane 4n+s holds rows 2s, 2s+1 (b0) and 2s+8, 2s+9 (b1) of column n.
+    const int t = threadIdx.x & 3;
+    float col[2][16];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u64 v = __shfl_sync(ATTN_FULL, (u64)b0 | (u64)b1 << 32, 4 * (2 * t + n) + s);
+            col[n][2 * s] = attn_bits_to_float<T>((unsigned)v);
+            col[n][2 * s + 1] = attn_bits_to_float<T>((unsigned)(v >> 16));
+            col[n][2 * s + 8] = attn_bits_to_float<T>((unsigned)(v >> 32));
+            col[n][2 * s + 9] = attn_bits_to_float<T>((unsigned)(v >> 48));
+        }
+    }
+    // c[2r + n] = C[g + 8r][2t + n]: products exact in f32, summed in f32 in k order.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            float acc = c[2 * r + n];
+            for (int kk = 0; kk < 16; ++kk) acc += a.row[r][kk] * col[n][kk];
+            c[2 * r + n] = acc;
+        }
+    }
+#else
+    if constexpr (AttnIsBf16<T>::value) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b0), "r"(b1));
+    }
+#endif
+}
+
+// Four 8x8 matrices from shared memory; `row` is this lane's row address (row l & 7 of matrix
+// l >> 3), 16-byte aligned.
+__device__ __forceinline__ void attn_ldsm_x4(u32 (&r)[4], const u16* row) {
+#ifdef MPC_EMULATED
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const u16* p = (const u16*)__shfl_sync(ATTN_FULL, (u64)row, 8 * m + (lane >> 2));
+        std::memcpy(&r[m], p + 2 * (lane & 3), 4);
+    }
+#else
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#endif
+}
+
+// The same, each matrix transposed.
+__device__ __forceinline__ void attn_ldsm_x4_t(u32 (&r)[4], const u16* row) {
+#ifdef MPC_EMULATED
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const u16* p0 = (const u16*)__shfl_sync(ATTN_FULL, (u64)row, 8 * m + 2 * (lane & 3));
+        const u16* p1 = (const u16*)__shfl_sync(ATTN_FULL, (u64)row, 8 * m + 2 * (lane & 3) + 1);
+        r[m] = (u32)p0[lane >> 2] | (u32)p1[lane >> 2] << 16;
+    }
+#else
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#endif
+}
+
+// Two f32 rounded to T and packed, `lo` in the low half (the lower column of a fragment register).
+template <typename T> __device__ __forceinline__ u32 attn_pack(float lo, float hi) {
+#ifdef MPC_EMULATED
+    if constexpr (AttnIsBf16<T>::value) {
+        return (u32)__bfloat16_as_ushort(__float2bfloat16_rn(lo)) |
+               (u32)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16;
+    } else {
+        return (u32)__half_as_ushort(__float2half_rn(lo)) | (u32)__half_as_ushort(__float2half_rn(hi)) << 16;
+    }
+#else
+    u32 r;
+    // cvt.rn.{f16x2,bf16x2}.f32 d, a, b puts a in the upper half and b in the lower one.
+    if constexpr (AttnIsBf16<T>::value) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+#endif
+}
+
+// ---- global <-> shared copies ----
+
+// 16 bytes from global `src` to shared `dst` without passing through registers, or 16 zero bytes
+// when !valid (src is then not read). Completes at the next attn_cp_wait that covers its group.
+__device__ __forceinline__ void attn_cp_async16(u16* dst, const u16* src, bool valid) {
+#ifdef MPC_EMULATED
+    if (valid) {
+        std::memcpy(dst, src, 16);
+    } else {
+        std::memset(dst, 0, 16);
+    }
+#else
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+#endif
+}
+
+// Closes the group of cp.async issued since the last commit (an empty group is fine).
+__device__ __forceinline__ void attn_cp_commit() {
+#ifndef MPC_EMULATED
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's groups are still in flight (a __syncthreads must follow
+// before other threads read the data).
+template <int N> __device__ __forceinline__ void attn_cp_wait() {
+#ifndef MPC_EMULATED
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void attn_copy16(u16* dst, const u16* src) {
+#ifdef MPC_EMULATED
+    std::memcpy(dst, src, 16);
+#else
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void attn_st_u32(u16* dst, u32 v) {
+#ifdef MPC_EMULATED
+    std::memcpy(dst, &v, 4);
+#else
+    *reinterpret_cast<u32*>(dst) = v;
+#endif
+}
+
+// Whether rows of `d` elements at base + i * stride can move in 16-byte pieces.
+__device__ __forceinline__ bool attn_vec_ok(const void* base, long long stride, long long d) {
+    return ((unsigned long long)base & 15) == 0 && (stride & 7) == 0 && (d & 7) == 0;
+}
+
+// Rows [row0, row0 + ROWS) of the [n, d] matrix at g (row stride `stride`) into the shared tile
+// sm (ROWS x DP, row pitch DP + 8), zeros past row n and column d. Called by the whole block.
+// vec: attn_vec_ok (cp.async in 16-byte pieces); else element by element (stored at once).
+template <int ROWS, int DP>
+__device__ __forceinline__ void attn_load_tile(u16* sm, const u16* g, long long stride, int row0, int n, int d,
+                                               bool vec) {
+    constexpr int CH = DP / 8, LDS = DP + 8, TOTAL = ROWS * CH;
+    static_assert(ATTN_THREADS % CH == 0, "a thread's pieces share their column");
+    // Piece it of this thread: row r0 + it * (ATTN_THREADS / CH), columns c0..c0+7.
+    const int r0 = (int)threadIdx.x / CH, c0 = ((int)threadIdx.x % CH) * 8;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + ATTN_THREADS - 1) / ATTN_THREADS; ++it) {
+        const int r = r0 + it * (ATTN_THREADS / CH);
+        if (TOTAL % ATTN_THREADS == 0 || r < ROWS) {
+            const int row = row0 + r;
+            u16* dst = sm + r * LDS + c0;
+            const bool in = row < n;
+            if (vec) {
+                const bool ok = in && c0 < d;
+                attn_cp_async16(dst, ok ? g + row * stride + c0 : g, ok);
+            } else {
+                const u16* src = g + (in ? row * stride : 0);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dst[e] = (in && c0 + e < d) ? src[c0 + e] : (u16)0;
+            }
+        }
+    }
+}
+
+// The shared tile sm (ROWS x DP, pitch DP + 8) to rows [row0, row0 + ROWS) of the [n, d] matrix
+// at g, rows >= n and columns >= d left alone. Called by the whole block after a __syncthreads.
+template <int ROWS, int DP>
+__device__ __forceinline__ void attn_store_tile(u16* g, long long stride, int row0, int n, int d, bool vec,
+                                                const u16* sm) {
+    constexpr int CH = DP / 8, LDS = DP + 8, TOTAL = ROWS * CH;
+    const int r0 = (int)threadIdx.x / CH, c0 = ((int)threadIdx.x % CH) * 8;
+#pragma unroll
+    for (int it = 0; it < (TOTAL + ATTN_THREADS - 1) / ATTN_THREADS; ++it) {
+        const int r = r0 + it * (ATTN_THREADS / CH);
+        if (TOTAL % ATTN_THREADS == 0 || r < ROWS) {
+            const int row = row0 + r;
+            if (row < n && c0 < d) {
+                const u16* src = sm + r * LDS + c0;
+                u16* dst = g + row * stride + c0;
+                if (vec) {
+                    attn_copy16(dst, src);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        if (c0 + e < d) dst[e] = src[e];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// A warp's 16 x DP accumulators (C layout) times mul0 (rows g) and mul1 (rows g + 8), rounded to
+// T, into rows row0..row0+15 of the shared tile sm (pitch DP + 8).
+template <typename T, int DP>
+__device__ __forceinline__ void attn_acc_to_smem(u16* sm, int row0, const float (&acc)[DP / 8][4], float mul0,
+                                                 float mul1) {
+    constexpr int LDS = DP + 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+        attn_st_u32(sm + (row0 + g) * LDS + 8 * n + 2 * t, attn_pack<T>(acc[n][0] * mul0, acc[n][1] * mul0));
+        attn_st_u32(sm + (row0 + g + 8) * LDS + 8 * n + 2 * t, attn_pack<T>(acc[n][2] * mul1, acc[n][3] * mul1));
+    }
+}
+
+// ---- warp-level products over shared tiles (pitch LDS = DP + 8) ----
+
+// acc[NT][4] (+)= A * Bt^T for the warp's 16 rows: A given as fragments af[DP/16] over the DP
+// reduction columns, Bt the shared tile rows [0, 8 * NT) (each row one output column) with the
+// reduction along its DP columns: the B operand read with non-transposing ldmatrix.
+template <typename T, int DP, int NT>
+__device__ __forceinline__ void attn_mma_abt(float (&acc)[NT][4], const u32 (&af)[DP / 16][4], const u16* bt) {
+    constexpr int LDS = DP + 8;
+    const int lane = threadIdx.x & 31;
+    // Matrices: (rows 16j..+7, cols 16kk..+7), (rows 16j..+7, cols 16kk+8..), (rows 16j+8.., cols
+    // 16kk..), (rows 16j+8.., cols 16kk+8..): b[0], b[1] for output tile 2j, b[2], b[3] for 2j+1.
+    const u16* base = bt + ((lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        AttnA<T> a;
+        a.set(af[kk]);
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            u32 b[4];
+            attn_ldsm_x4(b, base + 16 * j * LDS + 16 * kk);
+            attn_mma<T>(acc[2 * j], a, b[0], b[1]);
+            attn_mma<T>(acc[2 * j + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc[DP/8][4] += P * Bs for the warp's 16 rows: P given as accumulators p[KT][4] of 16 x (8 KT)
+// (rounded to T here), Bs the shared tile rows [0, 8 KT) (the reduction index) by DP columns (the
+// output columns): the B operand read with transposing ldmatrix.
+template <typename T, int DP, int KT>
+__device__ __forceinline__ void attn_mma_pb(float (&acc)[DP / 8][4], const float (&p)[KT][4], const u16* bs) {
+    constexpr int LDS = DP + 8;
+    const int lane = threadIdx.x & 31;
+    // Matrices: (rows 16kk..+7, cols 16n..+7), (rows 16kk+8.., cols 16n..), (rows 16kk..+7,
+    // cols 16n+8..), (rows 16kk+8.., cols 16n+8..): b[0], b[1] for output tile 2n, b[2], b[3] for 2n+1.
+    const u16* base = bs + (lane & 15) * LDS + ((lane >> 4) << 3);
+#pragma unroll
+    for (int kk = 0; kk < KT / 2; ++kk) {
+        const u32 pa[4] = {attn_pack<T>(p[2 * kk][0], p[2 * kk][1]), attn_pack<T>(p[2 * kk][2], p[2 * kk][3]),
+                           attn_pack<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]),
+                           attn_pack<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        AttnA<T> a;
+        a.set(pa);
+#pragma unroll
+        for (int n = 0; n < DP / 16; ++n) {
+            u32 b[4];
+            attn_ldsm_x4_t(b, base + 16 * kk * LDS + 16 * n);
+            attn_mma<T>(acc[2 * n], a, b[0], b[1]);
+            attn_mma<T>(acc[2 * n + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// The A fragments of rows [0, 16) of a shared tile (all DP columns).
+template <int DP> __device__ __forceinline__ void attn_load_a(u32 (&af)[DP / 16][4], const u16* tile) {
+    constexpr int LDS = DP + 8;
+    const int lane = threadIdx.x & 31;
+    // Matrices: (rows 0..7, cols 16kk..), (rows 8..15, cols 16kk..), (rows 0..7, cols 16kk+8..),
+    // (rows 8..15, cols 16kk+8..) = a[0], a[1], a[2], a[3].
+    const u16* base = tile + (lane & 15) * LDS + ((lane >> 4) << 3);
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) attn_ldsm_x4(af[kk], base + 16 * kk);
+}
+
+__device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
+
+// mask[row * ms + key] in the log2 domain, 0 without a mask or outside [0, nrows) x [0, nkeys).
+__device__ __forceinline__ float attn_mask_at(const float* mrow, int row, int nrows, int key, int nkeys) {
+    return (mrow != nullptr && row < nrows && key < nkeys) ? mrow[key] * ATTN_LOG2E : 0.0f;
+}
+
+// The row's two mask entries at key, key + 1 (key even) in the log2 domain.
+__device__ __forceinline__ void attn_mask_pair(const float* mrow, bool row_ok, int key, int nkeys, bool vec2,
+                                               float& m0, float& m1) {
+    m0 = 0.0f;
+    m1 = 0.0f;
+    if (mrow == nullptr || !row_ok) return;
+    if (vec2 && key + 1 < nkeys) {
+#ifdef MPC_EMULATED
+        float v[2];
+        std::memcpy(v, mrow + key, 8);
+        m0 = v[0] * ATTN_LOG2E;
+        m1 = v[1] * ATTN_LOG2E;
+#else
+        const float2 v = *reinterpret_cast<const float2*>(mrow + key);
+        m0 = v.x * ATTN_LOG2E;
+        m1 = v.y * ATTN_LOG2E;
+#endif
+    } else {
+        if (key < nkeys) m0 = mrow[key] * ATTN_LOG2E;
+        if (key + 1 < nkeys) m1 = mrow[key + 1] * ATTN_LOG2E;
+    }
+}
+
+// The block's (batch * heads + head) index and tile index, from blockIdx.x = bh * ntiles + tile.
+__device__ __forceinline__ void attn_block(int ntiles, long long heads, long long& bh, long long& b, long long& h,
+                                           int& tile) {
+    long long tl;
+    index_divmod((long long)blockIdx.x, (long long)ntiles, bh, tl);
+    index_divmod(bh, heads, b, h);
+    tile = (int)tl;
+}
+
+// ---- forward ----
+
+template <typename T, int DP>
+__device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
+                                         const AttnShape& sh, const AttnStrides& qs, const AttnStrides& ks,
+                                         const AttnStrides& vs, const AttnStrides& ms, const AttnStrides& os,
+                                         float scale) {
+    constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
+    constexpr int KV = BK * LDS;     // one K or V tile (elements)
+    constexpr int STAGE = 2 * KV;    // K and V tiles of one key tile
+    static_assert(BM * LDS <= STAGE, "the Q tile is staged in the second stage");
+    __shared__ AttnSmem<2 * STAGE * 2> smem;
+    u16* sm = reinterpret_cast<u16*>(smem.b);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
+    long long bh, b, h;
+    int qt;
+    attn_block((sq + BM - 1) / BM, sh.heads, bh, b, h, qt);
+    const int q0 = qt * BM;
+    const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
+    const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
+    const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
+    const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
+    const int nkt = (sk + BK - 1) / BK;
+
+    // Q into the second stage, key tile 0 into the first.
+    attn_load_tile<BM, DP>(sm + STAGE, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
+    attn_cp_commit();
+    attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
+    attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+    attn_cp_commit();
+    attn_cp_wait<1>();
+    __syncthreads();
+    u32 qf[DP / 16][4];
+    attn_load_a<DP>(qf, sm + STAGE + warp * 16 * LDS);
+    __syncthreads();  // every warp has its Q fragments before key tile 1 overwrites them
+
+    // Lane rows: g and g + 8 of the warp's 16.
+    const int rA = q0 + warp * 16 + g, rB = rA + 8;
+    const float* mA = nullptr;
+    const float* mB = nullptr;
+    bool mvec = false;
+    if (mask != nullptr) {
+        const float* mb = mask + b * ms.b + h * ms.h;
+        mA = mb + rA * ms.s;
+        mB = mb + rB * ms.s;
+        mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
+    }
+    const float sl2 = scale * ATTN_LOG2E;
+    const float ninf = attn_neg_inf();
+
+    float acc[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float mrow[2] = {ninf, ninf}, lrow[2] = {0.0f, 0.0f};
+
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) {
+            u16* nx = sm + ((kt + 1) & 1) * STAGE;
+            attn_load_tile<BK, DP>(nx, kb, ks.s, (kt + 1) * BK, sk, d, kvec);
+            attn_load_tile<BK, DP>(nx + KV, vb, vs.s, (kt + 1) * BK, sk, d, vvec);
+        }
+        attn_cp_commit();
+        attn_cp_wait<1>();
+        __syncthreads();
+        const u16* Ks = sm + (kt & 1) * STAGE;
+        const u16* Vs = Ks + KV;
+
+        float s[BK / 8][4];
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        attn_mma_abt<T, DP, BK / 8>(s, qf, Ks);
+
+        // Scores in the log2 domain; keys past sk are -inf.
+        float mx[2] = {ninf, ninf};
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            const int key = kt * BK + 8 * j + 2 * t;
+            float a0, a1, b0, b1;
+            attn_mask_pair(mA, rA < sq, key, sk, mvec, a0, a1);
+            attn_mask_pair(mB, rB < sq, key, sk, mvec, b0, b1);
+            s[j][0] = key < sk ? s[j][0] * sl2 + a0 : ninf;
+            s[j][1] = key + 1 < sk ? s[j][1] * sl2 + a1 : ninf;
+            s[j][2] = key < sk ? s[j][2] * sl2 + b0 : ninf;
+            s[j][3] = key + 1 < sk ? s[j][3] * sl2 + b1 : ninf;
+            mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
+        }
+        // Online softmax: a row's 4 lanes share its running max; each lane keeps a partial sum.
+        float muse[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(ATTN_FULL, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(ATTN_FULL, mx[r], 2));
+            const float mnew = fmaxf(mrow[r], mx[r]);
+            muse[r] = mnew == ninf ? 0.0f : mnew;  // a row all -inf so far: exp2(-inf - 0) = 0, no NaN
+            alpha[r] = exp2f(mrow[r] - muse[r]);
+            mrow[r] = mnew;
+        }
+        float ls[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = exp2f(s[j][e] - muse[e >> 1]);
+                ls[e >> 1] += s[j][e];
+            }
+        }
+        lrow[0] = lrow[0] * alpha[0] + ls[0];
+        lrow[1] = lrow[1] * alpha[1] + ls[1];
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            acc[n][0] *= alpha[0];
+            acc[n][1] *= alpha[0];
+            acc[n][2] *= alpha[1];
+            acc[n][3] *= alpha[1];
+        }
+        attn_mma_pb<T, DP, BK / 8>(acc, s, Vs);
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+
+    // The row sums over the row's 4 lanes (the butterfly leaves the same bits in all four).
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = lrow[r];
+        l += __shfl_xor_sync(ATTN_FULL, l, 1);
+        l += __shfl_xor_sync(ATTN_FULL, l, 2);
+        lrow[r] = l;
+        inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    if (t == 0) {
+        float* lb = lse + bh * sh.sq;
+        if (rA < sq) lb[rA] = lrow[0] > 0.0f ? mrow[0] * ATTN_LN2 + logf(lrow[0]) : ninf;
+        if (rB < sq) lb[rB] = lrow[1] > 0.0f ? mrow[1] * ATTN_LN2 + logf(lrow[1]) : ninf;
+    }
+    attn_acc_to_smem<T, DP>(sm, warp * 16, acc, inv[0], inv[1]);
+    __syncthreads();
+    u16* ob = reinterpret_cast<u16*>(o) + b * os.b + h * os.h;
+    attn_store_tile<BM, DP>(ob, os.s, q0, sq, d, attn_vec_ok(ob, os.s, d), sm);
+}
+
+// ---- backward: delta ----
+
+template <typename T>
+__device__ __forceinline__ void attn_delta(const T* o, const T* dout, float* delta, const AttnShape& sh,
+                                           const AttnStrides& os, const AttnStrides& dos) {
+    // 16 lanes per row, 8 columns each (d <= 128); a warp takes two rows per step.
+    const int lane = threadIdx.x & 31, half = lane >> 4, c0 = (lane & 15) * 8;
+    const int d = (int)sh.d;
+    const long long rows = sh.batch * sh.heads * sh.sq;
+    const bool vec = attn_vec_ok(o, os.s, d) && attn_vec_ok(dout, dos.s, d) && ((os.b | os.h | dos.b | dos.h) & 7) == 0;
+    const long long warps = (long long)(blockDim.x >> 5);
+    const long long step = (long long)gridDim.x * warps;
+    for (long long p = (long long)blockIdx.x * warps + (threadIdx.x >> 5); 2 * p < rows; p += step) {
+        const long long row = 2 * p + half;
+        float acc = 0.0f;
+        if (row < rows && c0 < d) {
+            long long bh, i, b, h;
+            index_divmod(row, sh.sq, bh, i);
+            index_divmod(bh, sh.heads, b, h);
+            const T* op = o + b * os.b + h * os.h + i * os.s;
+            const T* dp = dout + b * dos.b + h * dos.h + i * dos.s;
+            if (vec) {
+                float x[8], y[8];
+                ldv<8>(op, c0, x);
+                ldv<8>(dp, c0, y);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc += y[e] * x[e];
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    if (c0 + e < d) acc += ld(dp, c0 + e) * ld(op, c0 + e);
+                }
+            }
+        }
+        acc += __shfl_xor_sync(ATTN_FULL, acc, 8);
+        acc += __shfl_xor_sync(ATTN_FULL, acc, 4);
+        acc += __shfl_xor_sync(ATTN_FULL, acc, 2);
+        acc += __shfl_xor_sync(ATTN_FULL, acc, 1);
+        if ((lane & 15) == 0 && row < rows) delta[row] = acc;
+    }
+}
+
+// lse in the log2 domain for P = exp2(s2 - lse2): +inf where the row is absent or fully masked
+// (lse = -inf), which makes every P of the row 0.
+__device__ __forceinline__ float attn_lse2(const float* lse_bh, int row, int sq) {
+    const float l = row < sq ? lse_bh[row] : attn_neg_inf();
+    return l == attn_neg_inf() ? __int_as_float(0x7f800000) : l * ATTN_LOG2E;
+}
+
+// ---- backward: dQ ----
+
+template <typename T, int DP>
+__device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, const float* mask, const T* dout,
+                                            const float* lse, const float* delta, T* dq, const AttnShape& sh,
+                                            const AttnStrides& qs, const AttnStrides& ks, const AttnStrides& vs,
+                                            const AttnStrides& ms, const AttnStrides& dos, const AttnStrides& dqs,
+                                            float scale) {
+    constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
+    constexpr int KV = BK * LDS, STAGE = 2 * KV, QT = BM * LDS;
+    // Q and dO staged in the second stage when they fit there (their load then overlaps key
+    // tile 0's), else over both stages before key tile 0 is loaded.
+    constexpr bool OVERLAP = 2 * QT <= STAGE;
+    constexpr int ELEMS = 2 * STAGE > 2 * QT ? 2 * STAGE : 2 * QT;
+    __shared__ AttnSmem<ELEMS * 2> smem;
+    u16* sm = reinterpret_cast<u16*>(smem.b);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
+    long long bh, b, h;
+    int qt;
+    attn_block((sq + BM - 1) / BM, sh.heads, bh, b, h, qt);
+    const int q0 = qt * BM;
+    const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
+    const u16* dob = reinterpret_cast<const u16*>(dout) + b * dos.b + h * dos.h;
+    const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
+    const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
+    const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
+    const int nkt = (sk + BK - 1) / BK;
+
+    u16* qbuf = OVERLAP ? sm + STAGE : sm;
+    attn_load_tile<BM, DP>(qbuf, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
+    attn_load_tile<BM, DP>(qbuf + QT, dob, dos.s, q0, sq, d, attn_vec_ok(dob, dos.s, d));
+    attn_cp_commit();
+    if constexpr (OVERLAP) {
+        attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
+        attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+        attn_cp_commit();
+        attn_cp_wait<1>();
+    } else {
+        attn_cp_wait<0>();
+    }
+    __syncthreads();
+    u32 qf[DP / 16][4], df[DP / 16][4];
+    attn_load_a<DP>(qf, qbuf + warp * 16 * LDS);
+    attn_load_a<DP>(df, qbuf + QT + warp * 16 * LDS);
+    __syncthreads();
+    if constexpr (!OVERLAP) {
+        attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
+        attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+        attn_cp_commit();
+    }
+
+    const int rA = q0 + warp * 16 + g, rB = rA + 8;
+    const float* lb = lse + bh * sh.sq;
+    const float* db = delta + bh * sh.sq;
+    const float l2[2] = {attn_lse2(lb, rA, sq), attn_lse2(lb, rB, sq)};
+    const float dl[2] = {rA < sq ? db[rA] : 0.0f, rB < sq ? db[rB] : 0.0f};
+    const float* mA = nullptr;
+    const float* mB = nullptr;
+    bool mvec = false;
+    if (mask != nullptr) {
+        const float* mb = mask + b * ms.b + h * ms.h;
+        mA = mb + rA * ms.s;
+        mB = mb + rB * ms.s;
+        mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
+    }
+    const float sl2 = scale * ATTN_LOG2E;
+
+    float acc[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) {
+            u16* nx = sm + ((kt + 1) & 1) * STAGE;
+            attn_load_tile<BK, DP>(nx, kb, ks.s, (kt + 1) * BK, sk, d, kvec);
+            attn_load_tile<BK, DP>(nx + KV, vb, vs.s, (kt + 1) * BK, sk, d, vvec);
+        }
+        attn_cp_commit();
+        attn_cp_wait<1>();
+        __syncthreads();
+        const u16* Ks = sm + (kt & 1) * STAGE;
+        const u16* Vs = Ks + KV;
+
+        float s[BK / 8][4], dp[BK / 8][4];
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+        }
+        attn_mma_abt<T, DP, BK / 8>(s, qf, Ks);
+        attn_mma_abt<T, DP, BK / 8>(dp, df, Vs);
+        // P = exp2(s2 - lse2) (0 for keys past sk and absent or fully masked rows), dS = P (dP - delta).
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+            const int key = kt * BK + 8 * j + 2 * t;
+            float a0, a1, b0, b1;
+            attn_mask_pair(mA, rA < sq, key, sk, mvec, a0, a1);
+            attn_mask_pair(mB, rB < sq, key, sk, mvec, b0, b1);
+            const float mk[4] = {a0, a1, b0, b1};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool in = key + (e & 1) < sk;
+                const float p = in ? exp2f(s[j][e] * sl2 + mk[e] - l2[e >> 1]) : 0.0f;
+                dp[j][e] = p * (dp[j][e] - dl[e >> 1]);
+            }
+        }
+        attn_mma_pb<T, DP, BK / 8>(acc, dp, Ks);
+        __syncthreads();
+    }
+
+    attn_acc_to_smem<T, DP>(sm, warp * 16, acc, scale, scale);
+    __syncthreads();
+    u16* qo = reinterpret_cast<u16*>(dq) + b * dqs.b + h * dqs.h;
+    attn_store_tile<BM, DP>(qo, dqs.s, q0, sq, d, attn_vec_ok(qo, dqs.s, d), sm);
+}
+
+// ---- backward: dK and dV ----
+
+template <typename T, int DP>
+__device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v, const float* mask, const T* dout,
+                                              const float* lse, const float* delta, T* dk, T* dv, const AttnShape& sh,
+                                              const AttnStrides& qs, const AttnStrides& ks, const AttnStrides& vs,
+                                              const AttnStrides& ms, const AttnStrides& dos, const AttnStrides& dks,
+                                              const AttnStrides& dvs, float scale) {
+    constexpr int BN = 64, BQ = DP == 128 ? 16 : 32, NST = DP == 128 ? 1 : 2, LDS = DP + 8;
+    constexpr int KT = BN * LDS;       // the K or V tile (elements)
+    constexpr int QT = BQ * LDS;       // a Q or dO tile
+    constexpr int STAGE = 2 * QT;      // Q and dO of one query tile
+    // K, V, NST stages of Q and dO (u16), then NST stages of lse2 and delta (f32, BQ each).
+    constexpr int ELEMS = 2 * KT + NST * STAGE;
+    constexpr int BYTES = ELEMS * 2 + NST * 2 * BQ * 4;
+    // The K and V fragments stay in registers where they are few enough.
+    constexpr bool KVREG = DP <= 64;
+    __shared__ AttnSmem<BYTES> smem;
+    u16* sm = reinterpret_cast<u16*>(smem.b);
+    float* fl = reinterpret_cast<float*>(smem.b + ELEMS * 2);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
+    long long bh, b, h;
+    int kt;
+    attn_block((sk + BN - 1) / BN, sh.heads, bh, b, h, kt);
+    const int k0 = kt * BN;
+    const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
+    const u16* dob = reinterpret_cast<const u16*>(dout) + b * dos.b + h * dos.h;
+    const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
+    const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
+    const bool qvec = attn_vec_ok(qb, qs.s, d), dvec = attn_vec_ok(dob, dos.s, d);
+    const float* lb = lse + bh * sh.sq;
+    const float* db = delta + bh * sh.sq;
+    const int nqt = (sq + BQ - 1) / BQ;
+    u16* Kt = sm;
+    u16* Vt = sm + KT;
+
+    // Query tile i into stage st: Q, dO (cp.async or element stores), lse2 and delta (stores).
+    auto load_stage = [&](int st, int i) {
+        u16* qd = sm + 2 * KT + st * STAGE;
+        attn_load_tile<BQ, DP>(qd, qb, qs.s, i * BQ, sq, d, qvec);
+        attn_load_tile<BQ, DP>(qd + QT, dob, dos.s, i * BQ, sq, d, dvec);
+        const int tid = (int)threadIdx.x;
+        if (tid < BQ) {
+            const int row = i * BQ + tid;
+            fl[st * 2 * BQ + tid] = attn_lse2(lb, row, sq);
+            fl[st * 2 * BQ + BQ + tid] = row < sq ? db[row] : 0.0f;
+        }
+    };
+
+    attn_load_tile<BN, DP>(Kt, kb, ks.s, k0, sk, d, attn_vec_ok(kb, ks.s, d));
+    attn_load_tile<BN, DP>(Vt, vb, vs.s, k0, sk, d, attn_vec_ok(vb, vs.s, d));
+    load_stage(0, 0);
+    attn_cp_commit();
+    attn_cp_wait<0>();
+    __syncthreads();
+    u32 kf[KVREG ? DP / 16 : 1][4], vf[KVREG ? DP / 16 : 1][4];
+    if constexpr (KVREG) {
+        attn_load_a<DP>(kf, Kt + warp * 16 * LDS);
+        attn_load_a<DP>(vf, Vt + warp * 16 * LDS);
+    }
+
+    // Lane rows (keys): g and g + 8 of the warp's 16; lane columns (queries): 8j + 2t + {0, 1}.
+    const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+    const float* mb = mask != nullptr ? mask + b * ms.b + h * ms.h : nullptr;
+    const float sl2 = scale * ATTN_LOG2E;
+
+    float ak[DP / 8][4], av[DP / 8][4];
+#pragma unroll
+    for (int n = 0; n < DP / 8; ++n) {
+        ak[n][0] = ak[n][1] = ak[n][2] = ak[n][3] = 0.0f;
+        av[n][0] = av[n][1] = av[n][2] = av[n][3] = 0.0f;
+    }
+
+    for (int it = 0; it < nqt; ++it) {
+        if constexpr (NST == 2) {
+            if (it + 1 < nqt) load_stage((it + 1) & 1, it + 1);
+            attn_cp_commit();
+            attn_cp_wait<1>();
+        } else {
+            if (it > 0) {
+                load_stage(0, it);
+                attn_cp_commit();
+            }
+            attn_cp_wait<0>();
+        }
+        __syncthreads();
+        const int st = NST == 2 ? (it & 1) : 0;
+        const u16* Qs = sm + 2 * KT + st * STAGE;
+        const u16* Ds = Qs + QT;
+        const float* l2s = fl + st * 2 * BQ;
+        const float* dls = l2s + BQ;
+        const int i0 = it * BQ;
+
+        // S^T (keys x queries) and dP^T = V dO^T.
+        float s[BQ / 8][4], dp[BQ / 8][4];
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            dp[j][0] = dp[j][1] = dp[j][2] = dp[j][3] = 0.0f;
+        }
+        if constexpr (KVREG) {
+            attn_mma_abt<T, DP, BQ / 8>(s, kf, Qs);
+            attn_mma_abt<T, DP, BQ / 8>(dp, vf, Ds);
+        } else {
+            u32 af[DP / 16][4];
+            attn_load_a<DP>(af, Kt + warp * 16 * LDS);
+            attn_mma_abt<T, DP, BQ / 8>(s, af, Qs);
+            attn_load_a<DP>(af, Vt + warp * 16 * LDS);
+            attn_mma_abt<T, DP, BQ / 8>(dp, af, Ds);
+        }
+        // P^T = exp2(s2 - lse2) (0 for absent or fully masked query rows and for keys past sk).
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int il = 8 * j + 2 * t + (e & 1);
+                const int i = i0 + il;
+                const float mk = mb != nullptr ? attn_mask_at(mb + i * ms.s, i, sq, key[e >> 1], sk) : 0.0f;
+                s[j][e] = key[e >> 1] < sk ? exp2f(s[j][e] * sl2 + mk - l2s[il]) : 0.0f;
+            }
+        }
+        attn_mma_pb<T, DP, BQ / 8>(av, s, Ds);  // dV += P^T dO
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * (dp[j][e] - dls[8 * j + 2 * t + (e & 1)]);
+        }
+        attn_mma_pb<T, DP, BQ / 8>(ak, dp, Qs);  // dK += dS^T Q (scaled at the end)
+        __syncthreads();
+    }
+
+    attn_acc_to_smem<T, DP>(Kt, warp * 16, ak, scale, scale);
+    attn_acc_to_smem<T, DP>(Vt, warp * 16, av, 1.0f, 1.0f);
+    __syncthreads();
+    u16* kd = reinterpret_cast<u16*>(dk) + b * dks.b + h * dks.h;
+    u16* vd = reinterpret_cast<u16*>(dv) + b * dvs.b + h * dvs.h;
+    attn_store_tile<BN, DP>(kd, dks.s, k0, sk, d, attn_vec_ok(kd, dks.s, d), Kt);
+    attn_store_tile<BN, DP>(vd, dvs.s, k0, sk, d, attn_vec_ok(vd, dvs.s, d), Vt);
+}
+
+// ---- the kernels ----
+
+#define ATTN_DP(T, tag, DP)                                                                                   \
+    ATTN_KERNEL(ATTN_MINB_FWD_##DP)                                                                           \
+    attention_fwd_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,        \
+                                AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms,   \
+                                AttnStrides os, float scale) {                                                  \
+        attn_fwd<T, DP>(q, k, v, mask, o, lse, sh, qs, ks, vs, ms, os, scale);                                \
+    }                                                                                                         \
+    ATTN_KERNEL(ATTN_MINB_DKDV_##DP)                                                                          \
+    attention_bwd_dkdv_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,      \
+                                     const float* lse, const float* delta, T* dk, T* dv, AttnShape sh,          \
+                                     AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms,            \
+                                     AttnStrides dos, AttnStrides dks, AttnStrides dvs, float scale) {          \
+        attn_bwd_dkdv<T, DP>(q, k, v, mask, dout, lse, delta, dk, dv, sh, qs, ks, vs, ms, dos, dks, dvs, scale); \
+    }                                                                                                         \
+    ATTN_KERNEL(ATTN_MINB_DQ_##DP)                                                                            \
+    attention_bwd_dq_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,        \
+                                   const float* lse, const float* delta, T* dq, AttnShape sh, AttnStrides qs,   \
+                                   AttnStrides ks, AttnStrides vs, AttnStrides ms, AttnStrides dos,             \
+                                   AttnStrides dqs, float scale) {                                              \
+        attn_bwd_dq<T, DP>(q, k, v, mask, dout, lse, delta, dq, sh, qs, ks, vs, ms, dos, dqs, scale);         \
+    }
+
+#define ATTN_T(T, tag)                                                                                       \
+    MPC_KERNEL attention_delta_##tag(const T* o, const T* dout, float* delta, AttnShape sh, AttnStrides os, \
+                                     AttnStrides dos) {                                                     \
+        attn_delta<T>(o, dout, delta, sh, os, dos);                                                         \
+    }                                                                                                       \
+    ATTN_DP(T, tag, 16)                                                                                     \
+    ATTN_DP(T, tag, 32)                                                                                     \
+    ATTN_DP(T, tag, 64)                                                                                     \
+    ATTN_DP(T, tag, 128)
+
+ATTN_T(__half, f16)
+ATTN_T(__nv_bfloat16, bf16)
