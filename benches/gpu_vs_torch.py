@@ -90,7 +90,8 @@ class Gpt(nn.Module):
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.full((seq, seq), -1e4).triu(1), persistent=False)
+        # The causal mask as nanoGPT and torch.nn.Transformer write it: -inf above the diagonal.
+        self.register_buffer("mask", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
 
     def forward(self, tokens, labels):
         s = tokens.shape[1]

@@ -94,7 +94,8 @@ def gpt(path, tiny):
     b = Builder()
     x = b.op("Add", [b.op("Gather", [b.weight("tok", vocab, d), "tokens"]),
                      b.op("Slice", [b.weight("pos", seq, d), b.ints(0), b.ints(seq), b.ints(0)])])
-    mask = b.init("mask", np.triu(np.full((seq, seq), -1e4, np.float32), 1))
+    # The causal mask as nanoGPT and torch.nn.Transformer write it: -inf above the diagonal.
+    mask = b.init("mask", np.triu(np.full((seq, seq), -np.inf, np.float32), 1))
     hd = d // heads
     for _ in range(layers):
         q, k, v = b.op("Split", [b.linear(b.layer_norm(x, d), d, 3 * d), b.ints(d, d, d)], n_out=3, axis=2)

@@ -17,14 +17,18 @@
 // Arithmetic (f32):
 //   s_ij = scale * (q_i . k_j) + mask_ij, m_i = max_j s_ij, l_i = sum_j exp(s_ij - m_i),
 //   lse_i = m_i + log(l_i), o_i = sum_j exp(s_ij - m_i) v_j / l_i (rounded once to T).
-//   A row whose scores are all -inf gives o_i = 0 and lse_i = -inf.
+//   Causal (causal != 0): s_ij = -inf wherever j > i, replacing the mask's value there (which is
+//   never used: it may be anything, NaN included), i.e. an extra -inf mask aligned top-left: query i
+//   sees keys 0..min(i, sk - 1) (so rows i >= sk see every key, and with sq < sk the keys
+//   j >= sq are seen by no row). Both it and the mask pointer may be given.
+//   A row whose scores are all -inf gives o_i = 0 and lse_i = -inf (and zero gradients).
 //   Backward, P_ij = exp(s_ij - lse_i) (0 where lse_i = -inf):
 //   delta_i = dO_i . O_i, dV_j = sum_i P_ij dO_i, dS_ij = P_ij (dO_i . v_j - delta_i),
 //   dQ_i = scale * sum_j dS_ij k_j, dK_j = scale * sum_i dS_ij q_i (each rounded once to T).
 // The exponentials are taken base 2 (the scores are scaled by log2(e)), and P and dS are
 // rounded to T before they enter a tensor core product; so results match an f32 evaluation of
 // the formulas above to T's precision, not to the bit. There are no atomics and every loop has a
-// fixed order: a shape gives the same bits on every run.
+// fixed order: a shape and causal flag give the same bits on every run.
 //
 // Head dim: the kernels are instantiated for a padded head dim DP in {16, 32, 64, 128}; launch the
 // smallest DP >= d (1 <= d <= 128). Columns c >= d are read as zeros and never written.
@@ -36,7 +40,7 @@
 //
 //   attention_fwd_d<DP>_<T>(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
 //                           AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
-//                           AttnStrides ms, AttnStrides os, float scale)
+//                           AttnStrides ms, AttnStrides os, float scale, int causal)
 //       Writes O and lse.
 //   attention_delta_<T>(const T* o, const T* dout, float* delta, AttnShape sh, AttnStrides os,
 //                       AttnStrides dos)
@@ -45,15 +49,17 @@
 //                                const T* dout, const float* lse, const float* delta, T* dk, T* dv,
 //                                AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
 //                                AttnStrides ms, AttnStrides dos, AttnStrides dks,
-//                                AttnStrides dvs, float scale)
+//                                AttnStrides dvs, float scale, int causal)
 //       Writes dK and dV, from the forward's lse and attention_delta's delta.
 //   attention_bwd_dq_d<DP>_<T>(const T* q, const T* k, const T* v, const float* mask,
 //                              const T* dout, const float* lse, const float* delta, T* dq,
 //                              AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs,
-//                              AttnStrides ms, AttnStrides dos, AttnStrides dqs, float scale)
+//                              AttnStrides ms, AttnStrides dos, AttnStrides dqs, float scale,
+//                              int causal)
 //       Writes dQ.
 // Outputs must not overlap inputs or each other. The backward's three kernels are independent of
-// one another once delta is written (dkdv and dq may run in either order).
+// one another once delta is written (dkdv and dq may run in either order). The backward must be
+// given the forward's mask and causal flag.
 //
 // Launch (blockDim.y = blockDim.z = gridDim.y = gridDim.z = 1; static shared memory only):
 //   attention_fwd_d<DP>_<T>:      blockDim.x = 128, gridDim.x = ceil(sq / 64) * batch * heads.
@@ -79,6 +85,18 @@
 // warp keeps its 16 rows' operand fragments (Q, or dO, or K and V for DP <= 64) and f32
 // accumulators in registers; the probabilities P and dS go from the score accumulators to the next
 // product's A operand in registers.
+//
+// Causal skipping: a tile that causality masks for every row of a block is neither loaded nor
+// computed by that block (nothing of it is read: K, V, Q, dO, lse, delta or mask). Forward and dQ:
+// a block (rows q0..q0 + 63) stops after the key tile holding key min(q0 + 63, sq - 1), the last
+// key its last row sees (or at the last key tile, if that is sooner). dK/dV: a block (keys
+// k0..k0 + 63) starts at the query tile holding row k0, the first query that sees any of its keys;
+// a block with k0 >= sq reads no query tile and writes zeros. The tiles the diagonal crosses are
+// computed in full and masked per element: the forward replaces those scores with -inf (the mask
+// is read there and its value dropped), dQ and dK/dV do not read the mask there and take P = 0.
+// This leaves the work unbalanced: a forward or dQ block's work grows with its query tile index,
+// a dK/dV block's shrinks with its key tile index (with sq = sk, from 1 / ceil(sq / 64) of the
+// full work to all of it); the grid is the same as without causal.
 
 struct AttnShape {
     long long batch, heads, sq, sk, d;
@@ -484,9 +502,9 @@ template <int DP> __device__ __forceinline__ void attn_load_a(u32 (&af)[DP / 16]
 
 __device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
 
-// mask[row * ms + key] in the log2 domain, 0 without a mask or outside [0, nrows) x [0, nkeys).
-__device__ __forceinline__ float attn_mask_at(const float* mrow, int row, int nrows, int key, int nkeys) {
-    return (mrow != nullptr && row < nrows && key < nkeys) ? mrow[key] * ATTN_LOG2E : 0.0f;
+// mrow[key] in the log2 domain where `ok`, else 0 (mrow is then not read).
+__device__ __forceinline__ float attn_mask_at(const float* mrow, bool ok, int key) {
+    return ok ? mrow[key] * ATTN_LOG2E : 0.0f;
 }
 
 // The row's two mask entries at key, key + 1 (key even) in the log2 domain.
@@ -521,13 +539,27 @@ __device__ __forceinline__ void attn_block(int ntiles, long long heads, long lon
     tile = (int)tl;
 }
 
+// The number of key tiles (of BK) that a block of BM query rows from q0 reads: all ceil(sk / BK),
+// or with causal only those up to the tile of key min(q0 + BM, sq) - 1, its last row's last key.
+template <int BM, int BK> __device__ __forceinline__ int attn_key_tiles(int sk, int sq, int q0, int causal) {
+    const int nkt = (sk + BK - 1) / BK;
+    if (causal == 0) return nkt;
+    const int last = min(q0 + (BM - 1), sq - 1);  // q0 is a multiple of BM below sq: no overflow
+    return min(nkt, last / BK + 1);
+}
+
+// The keys a query row sees are [0, limit): sk, or with causal min(sk, row + 1).
+__device__ __forceinline__ int attn_key_limit(int row, int sk, int causal) {
+    return causal != 0 ? min(sk - 1, row) + 1 : sk;
+}
+
 // ---- forward ----
 
 template <typename T, int DP>
 __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,
                                          const AttnShape& sh, const AttnStrides& qs, const AttnStrides& ks,
                                          const AttnStrides& vs, const AttnStrides& ms, const AttnStrides& os,
-                                         float scale) {
+                                         float scale, int causal) {
     constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
     constexpr int KV = BK * LDS;     // one K or V tile (elements)
     constexpr int STAGE = 2 * KV;    // K and V tiles of one key tile
@@ -545,7 +577,8 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
     const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
     const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
-    const int nkt = (sk + BK - 1) / BK;
+    // Causal: the key tiles past the block's last row are skipped (key tile 0 is always read).
+    const int nkt = attn_key_tiles<BM, BK>(sk, sq, q0, causal);
 
     // Q into the second stage, key tile 0 into the first.
     attn_load_tile<BM, DP>(sm + STAGE, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
@@ -559,15 +592,15 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     attn_load_a<DP>(qf, sm + STAGE + warp * 16 * LDS);
     __syncthreads();  // every warp has its Q fragments before key tile 1 overwrites them
 
-    // Lane rows: g and g + 8 of the warp's 16.
+    // Lane rows: g and g + 8 of the warp's 16 (mask rows only for rows < sq).
     const int rA = q0 + warp * 16 + g, rB = rA + 8;
     const float* mA = nullptr;
     const float* mB = nullptr;
     bool mvec = false;
     if (mask != nullptr) {
         const float* mb = mask + b * ms.b + h * ms.h;
-        mA = mb + rA * ms.s;
-        mB = mb + rB * ms.s;
+        mA = rA < sq ? mb + rA * ms.s : nullptr;
+        mB = rB < sq ? mb + rB * ms.s : nullptr;
         mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
     }
     const float sl2 = scale * ATTN_LOG2E;
@@ -601,12 +634,27 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
         for (int j = 0; j < BK / 8; ++j) {
             const int key = kt * BK + 8 * j + 2 * t;
             float a0, a1, b0, b1;
-            attn_mask_pair(mA, rA < sq, key, sk, mvec, a0, a1);
-            attn_mask_pair(mB, rB < sq, key, sk, mvec, b0, b1);
+            attn_mask_pair(mA, true, key, sk, mvec, a0, a1);
+            attn_mask_pair(mB, true, key, sk, mvec, b0, b1);
             s[j][0] = key < sk ? s[j][0] * sl2 + a0 : ninf;
             s[j][1] = key + 1 < sk ? s[j][1] * sl2 + a1 : ninf;
             s[j][2] = key < sk ? s[j][2] * sl2 + b0 : ninf;
             s[j][3] = key + 1 < sk ? s[j][3] * sl2 + b1 : ninf;
+        }
+        // Causal: keys past the row are -inf, whatever the mask held there. Only a tile whose last
+        // key lies past the warp's first row has any.
+        if (causal != 0 && kt * BK + (BK - 1) > q0 + warp * 16) {
+#pragma unroll
+            for (int j = 0; j < BK / 8; ++j) {
+                const int key = kt * BK + 8 * j + 2 * t;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (key + (e & 1) > rA + 8 * (e >> 1)) s[j][e] = ninf;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
             mx[0] = fmaxf(mx[0], fmaxf(s[j][0], s[j][1]));
             mx[1] = fmaxf(mx[1], fmaxf(s[j][2], s[j][3]));
         }
@@ -720,7 +768,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
                                             const float* lse, const float* delta, T* dq, const AttnShape& sh,
                                             const AttnStrides& qs, const AttnStrides& ks, const AttnStrides& vs,
                                             const AttnStrides& ms, const AttnStrides& dos, const AttnStrides& dqs,
-                                            float scale) {
+                                            float scale, int causal) {
     constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
     constexpr int KV = BK * LDS, STAGE = 2 * KV, QT = BM * LDS;
     // Q and dO staged in the second stage when they fit there (their load then overlaps key
@@ -741,7 +789,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
     const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
     const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
-    const int nkt = (sk + BK - 1) / BK;
+    // Causal: the key tiles past the block's last row are skipped (as in the forward).
+    const int nkt = attn_key_tiles<BM, BK>(sk, sq, q0, causal);
 
     u16* qbuf = OVERLAP ? sm + STAGE : sm;
     attn_load_tile<BM, DP>(qbuf, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
@@ -767,6 +816,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     }
 
     const int rA = q0 + warp * 16 + g, rB = rA + 8;
+    const int lim[2] = {attn_key_limit(rA, sk, causal), attn_key_limit(rB, sk, causal)};
     const float* lb = lse + bh * sh.sq;
     const float* db = delta + bh * sh.sq;
     const float l2[2] = {attn_lse2(lb, rA, sq), attn_lse2(lb, rB, sq)};
@@ -806,17 +856,18 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
         }
         attn_mma_abt<T, DP, BK / 8>(s, qf, Ks);
         attn_mma_abt<T, DP, BK / 8>(dp, df, Vs);
-        // P = exp2(s2 - lse2) (0 for keys past sk and absent or fully masked rows), dS = P (dP - delta).
+        // P = exp2(s2 - lse2) (0 for keys at or past the row's limit, sk or causal, where the mask
+        // is not read, and for absent or fully masked rows), dS = P (dP - delta).
 #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
             const int key = kt * BK + 8 * j + 2 * t;
             float a0, a1, b0, b1;
-            attn_mask_pair(mA, rA < sq, key, sk, mvec, a0, a1);
-            attn_mask_pair(mB, rB < sq, key, sk, mvec, b0, b1);
+            attn_mask_pair(mA, rA < sq, key, lim[0], mvec, a0, a1);
+            attn_mask_pair(mB, rB < sq, key, lim[1], mvec, b0, b1);
             const float mk[4] = {a0, a1, b0, b1};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const bool in = key + (e & 1) < sk;
+                const bool in = key + (e & 1) < lim[e >> 1];
                 const float p = in ? exp2f(s[j][e] * sl2 + mk[e] - l2[e >> 1]) : 0.0f;
                 dp[j][e] = p * (dp[j][e] - dl[e >> 1]);
             }
@@ -838,7 +889,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
                                               const float* lse, const float* delta, T* dk, T* dv, const AttnShape& sh,
                                               const AttnStrides& qs, const AttnStrides& ks, const AttnStrides& vs,
                                               const AttnStrides& ms, const AttnStrides& dos, const AttnStrides& dks,
-                                              const AttnStrides& dvs, float scale) {
+                                              const AttnStrides& dvs, float scale, int causal) {
     constexpr int BN = 64, BQ = DP == 128 ? 16 : 32, NST = DP == 128 ? 1 : 2, LDS = DP + 8;
     constexpr int KT = BN * LDS;       // the K or V tile (elements)
     constexpr int QT = BQ * LDS;       // a Q or dO tile
@@ -866,6 +917,9 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
     const float* lb = lse + bh * sh.sq;
     const float* db = delta + bh * sh.sq;
     const int nqt = (sq + BQ - 1) / BQ;
+    // Causal: the query tiles before the one of row k0 (the block's first key) see none of the
+    // block's keys and are skipped (all of them when k0 >= sq).
+    const int it0 = causal != 0 ? k0 / BQ : 0;
     u16* Kt = sm;
     u16* Vt = sm + KT;
 
@@ -884,7 +938,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
 
     attn_load_tile<BN, DP>(Kt, kb, ks.s, k0, sk, d, attn_vec_ok(kb, ks.s, d));
     attn_load_tile<BN, DP>(Vt, vb, vs.s, k0, sk, d, attn_vec_ok(vb, vs.s, d));
-    load_stage(0, 0);
+    if (it0 < nqt) load_stage(it0 & (NST - 1), it0);
     attn_cp_commit();
     attn_cp_wait<0>();
     __syncthreads();
@@ -895,7 +949,12 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
     }
 
     // Lane rows (keys): g and g + 8 of the warp's 16; lane columns (queries): 8j + 2t + {0, 1}.
+    // Key key[r] is seen by the queries i >= qmin[r]: all (0), or with causal i >= key[r]; none
+    // for keys past sk.
     const int key[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
+    int qmin[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) qmin[r] = key[r] >= sk ? 0x7fffffff : causal != 0 ? key[r] : 0;
     const float* mb = mask != nullptr ? mask + b * ms.b + h * ms.h : nullptr;
     const float sl2 = scale * ATTN_LOG2E;
 
@@ -906,13 +965,13 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
         av[n][0] = av[n][1] = av[n][2] = av[n][3] = 0.0f;
     }
 
-    for (int it = 0; it < nqt; ++it) {
+    for (int it = it0; it < nqt; ++it) {
         if constexpr (NST == 2) {
             if (it + 1 < nqt) load_stage((it + 1) & 1, it + 1);
             attn_cp_commit();
             attn_cp_wait<1>();
         } else {
-            if (it > 0) {
+            if (it > it0) {
                 load_stage(0, it);
                 attn_cp_commit();
             }
@@ -943,15 +1002,17 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
             attn_load_a<DP>(af, Vt + warp * 16 * LDS);
             attn_mma_abt<T, DP, BQ / 8>(dp, af, Ds);
         }
-        // P^T = exp2(s2 - lse2) (0 for absent or fully masked query rows and for keys past sk).
+        // P^T = exp2(s2 - lse2) (0 for absent or fully masked query rows, for keys past sk and for
+        // causally masked pairs, where the mask is not read).
 #pragma unroll
         for (int j = 0; j < BQ / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int il = 8 * j + 2 * t + (e & 1);
                 const int i = i0 + il;
-                const float mk = mb != nullptr ? attn_mask_at(mb + i * ms.s, i, sq, key[e >> 1], sk) : 0.0f;
-                s[j][e] = key[e >> 1] < sk ? exp2f(s[j][e] * sl2 + mk - l2s[il]) : 0.0f;
+                const bool in = i >= qmin[e >> 1];
+                const float mk = mb != nullptr ? attn_mask_at(mb + i * ms.s, in && i < sq, key[e >> 1]) : 0.0f;
+                s[j][e] = in ? exp2f(s[j][e] * sl2 + mk - l2s[il]) : 0.0f;
             }
         }
         attn_mma_pb<T, DP, BQ / 8>(av, s, Ds);  // dV += P^T dO
@@ -977,24 +1038,26 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
 
 #define ATTN_DP(T, tag, DP)                                                                                   \
     ATTN_KERNEL(ATTN_MINB_FWD_##DP)                                                                           \
-    attention_fwd_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,        \
-                                AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms,   \
-                                AttnStrides os, float scale) {                                                  \
-        attn_fwd<T, DP>(q, k, v, mask, o, lse, sh, qs, ks, vs, ms, os, scale);                                \
+    attention_fwd_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, T* o, float* lse,      \
+                                AttnShape sh, AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms, \
+                                AttnStrides os, float scale, int causal) {                                    \
+        attn_fwd<T, DP>(q, k, v, mask, o, lse, sh, qs, ks, vs, ms, os, scale, causal);                        \
     }                                                                                                         \
     ATTN_KERNEL(ATTN_MINB_DKDV_##DP)                                                                          \
-    attention_bwd_dkdv_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,      \
-                                     const float* lse, const float* delta, T* dk, T* dv, AttnShape sh,          \
-                                     AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms,            \
-                                     AttnStrides dos, AttnStrides dks, AttnStrides dvs, float scale) {          \
-        attn_bwd_dkdv<T, DP>(q, k, v, mask, dout, lse, delta, dk, dv, sh, qs, ks, vs, ms, dos, dks, dvs, scale); \
+    attention_bwd_dkdv_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,    \
+                                     const float* lse, const float* delta, T* dk, T* dv, AttnShape sh,        \
+                                     AttnStrides qs, AttnStrides ks, AttnStrides vs, AttnStrides ms,          \
+                                     AttnStrides dos, AttnStrides dks, AttnStrides dvs, float scale,          \
+                                     int causal) {                                                            \
+        attn_bwd_dkdv<T, DP>(q, k, v, mask, dout, lse, delta, dk, dv, sh, qs, ks, vs, ms, dos, dks, dvs,      \
+                             scale, causal);                                                                  \
     }                                                                                                         \
     ATTN_KERNEL(ATTN_MINB_DQ_##DP)                                                                            \
-    attention_bwd_dq_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,        \
-                                   const float* lse, const float* delta, T* dq, AttnShape sh, AttnStrides qs,   \
-                                   AttnStrides ks, AttnStrides vs, AttnStrides ms, AttnStrides dos,             \
-                                   AttnStrides dqs, float scale) {                                              \
-        attn_bwd_dq<T, DP>(q, k, v, mask, dout, lse, delta, dq, sh, qs, ks, vs, ms, dos, dqs, scale);         \
+    attention_bwd_dq_d##DP##_##tag(const T* q, const T* k, const T* v, const float* mask, const T* dout,      \
+                                   const float* lse, const float* delta, T* dq, AttnShape sh, AttnStrides qs, \
+                                   AttnStrides ks, AttnStrides vs, AttnStrides ms, AttnStrides dos,           \
+                                   AttnStrides dqs, float scale, int causal) {                                \
+        attn_bwd_dq<T, DP>(q, k, v, mask, dout, lse, delta, dq, sh, qs, ks, vs, ms, dos, dqs, scale, causal); \
     }
 
 #define ATTN_T(T, tag)                                                                                       \

@@ -38,7 +38,7 @@ pub(crate) struct Common {
     pub(crate) io_types: String,
     /// Run each attention chain whose products the policy makes f16 or bf16 (MatMul, scale, mask,
     /// Softmax, MatMul) as one fused ai.mpc::Attention node, which keeps no probabilities for the
-    /// backward pass. The CPU runs it; CUDA does not yet.
+    /// backward pass (on CUDA: flash-attention kernels on the tensor cores, head dims up to 128).
     #[arg(long)]
     pub(crate) fused_attention: bool,
     /// Size of a symbolic dim, as NAME=N (repeatable), e.g. --dim batch=64.

@@ -102,11 +102,12 @@ pub fn node_flops(g: &Graph, n: mpc_ir::NodeId) -> Option<(Option<u64>, bool)> {
         // A fused attention's two products, Q·Kᵀ and P·V: 4·(Q's elements)·Sk; its gradient's
         // four (dP, dV, dQ, dK), as the unfused chain computes them (not the scores it
         // recomputes).
-        Op::Attention(_) | Op::AttentionGrad(_) => {
+        Op::Attention(a) | Op::AttentionGrad(a) => {
             let at = usize::from(matches!(node.op, Op::AttentionGrad(_)));
             let f = (|| {
                 let (q, k) = (fixed(node.input(at))?, fixed(node.input(at + 1))?);
-                let sk = k.get(k.len().checked_sub(2)?).copied()?;
+                let axis = if a.layout == mpc_ir::ops::AttentionLayout::Bshd { 1 } else { k.len().checked_sub(2)? };
+                let sk = k.get(axis).copied()?;
                 Some(product(&[4 * (1 + at as u64), product(&q), sk]))
             })();
             Some((f, false))

@@ -299,41 +299,67 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
 }
 
 /// The fused attention's kernels at the sizes of real models against the CPU: GPT-2's head dim 64
-/// over 512 positions with a causal mask (−∞ above the diagonal, so whole key tiles of a row are
-/// masked), a head dim of 128, and one of 40 (the kernels' 64, its columns padded), the forward
-/// and the gradient, in f16 and bf16; each output within its dtype's relative L2 error.
+/// over 512 positions with a constant causal mask (applied by the kernels, the tiles above the
+/// diagonal skipped) and with the same mask as an input (read), a head dim of 128, and one of 40
+/// (the kernels' 64, its columns padded), the forward and the gradient, in f16 and bf16; each
+/// output within its dtype's relative L2 error.
 #[test]
 fn fused_attention_at_model_sizes_computes_what_the_cpu_computes() {
     if gpu().is_none() {
         return;
     }
     let mut bad = Vec::new();
-    for (dt, [b, h, s, d]) in
-        [("f16", [2, 4, 512, 64]), ("bf16", [2, 4, 512, 64]), ("f16", [1, 2, 300, 128]), ("bf16", [1, 3, 200, 40])]
-    {
-        let causal = s == 512;
-        let mask = if causal { format!("  input %4 \"m\": f32[{s},{s}]\n") } else { String::new() };
-        let m = if causal { ", %4" } else { "" };
+    let cases = [
+        ("f16", [2, 4, 512, 64], Some(true)),
+        ("bf16", [2, 4, 512, 64], Some(true)),
+        ("f16", [2, 4, 512, 64], Some(false)),
+        ("f16", [1, 2, 300, 128], None),
+        ("bf16", [1, 3, 200, 40], None),
+    ];
+    for (dt, [b, h, s, d], causal) in cases {
+        let label = format!(
+            "{dt} [{b},{h},{s},{d}] {}",
+            match causal {
+                Some(true) => "causal (constant)",
+                Some(false) => "causal (an input)",
+                None => "no mask",
+            }
+        );
         let body = format!(
             "input %0 \"dy\": {dt}[{b},{h},{s},{d}]\n  input %1 \"q\": {dt}[{b},{h},{s},{d}]\n  \
-             input %2 \"k\": {dt}[{b},{h},{s},{d}]\n  input %3 \"v\": {dt}[{b},{h},{s},{d}]\n{mask}  \
-             %5 \"y\": {dt}[{b},{h},{s},{d}], %6 \"lse\": f32[{b},{h},{s}] = ai.mpc::Attention[scale=0.125](%1, %2, %3{m})\n  \
+             input %2 \"k\": {dt}[{b},{h},{s},{d}]\n  input %3 \"v\": {dt}[{b},{h},{s},{d}]\n  \
+             %5 \"y\": {dt}[{b},{h},{s},{d}], %6 \"lse\": f32[{b},{h},{s}] = ai.mpc::Attention[scale=0.125](%1, %2, %3)\n  \
              %7 \"dq\": {dt}[{b},{h},{s},{d}], %8 \"dk\": {dt}[{b},{h},{s},{d}], %9 \"dv\": {dt}[{b},{h},{s},{d}] = \
-             ai.mpc::AttentionGrad[scale=0.125](%0, %1, %2, %3, %5, %6{m})\n  \
+             ai.mpc::AttentionGrad[scale=0.125](%0, %1, %2, %3, %5, %6)\n  \
              output %5\n  output %6\n  output %7\n  output %8\n  output %9"
         );
-        let g = common::single_op(&body);
+        let mut g = common::single_op(&body);
         let mut feeds = mpc::run::random_inputs(&g, 17, &HashMap::new()).unwrap();
-        if causal {
-            let v = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY })).collect();
-            feeds.insert("m".into(), HostTensor::from_f64(mpc_ir::DType::F32, vec![s, s], v));
+        if let Some(constant) = causal {
+            let v: Vec<f64> =
+                (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY })).collect();
+            let mask = if constant {
+                g.add_initializer("m", mpc_ir::Tensor::from_f64_as(mpc_ir::DType::F32, vec![s as u64, s as u64], &v))
+            } else {
+                feeds.insert("m".into(), HostTensor::from_f64(mpc_ir::DType::F32, vec![s, s], v));
+                g.add_input("m", mpc_ir::TypeInfo::new(mpc_ir::DType::F32, mpc_ir::Shape::fixed(&[s as u64, s as u64])))
+            };
+            let nodes: Vec<_> = g.node_ids().collect();
+            for n in nodes {
+                let slot = match g.node(n).op {
+                    mpc_ir::Op::Attention(_) => 3,
+                    mpc_ir::Op::AttentionGrad(_) => 6,
+                    _ => continue,
+                };
+                g.set_input(n, slot, Some(mask));
+            }
         }
         let path = std::path::Path::new("attention");
         let cpu = mpc::run::run_once_on(CpuDevice::default(), &g, &feeds, path).unwrap();
         let cuda = match mpc::run::run_once_on(CudaDevice::new(0).unwrap(), &g, &feeds, path) {
             Ok(o) => o,
             Err(e) => {
-                bad.push(format!("{dt} [{b},{h},{s},{d}]: {e}"));
+                bad.push(format!("{label}: {e}"));
                 continue;
             }
         };
@@ -341,8 +367,8 @@ fn fused_attention_at_model_sizes_computes_what_the_cpu_computes() {
             let t =
                 Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2: Tolerance::for_dtype(c.dtype()).rel_l2 };
             match t.check(x, c) {
-                Ok(cmp) => println!("attention {dt} [{b},{h},{s},{d}] `{n}`: relative L2 {:.2e}", cmp.rel_l2),
-                Err(e) => bad.push(format!("{dt} [{b},{h},{s},{d}] `{n}`: {e}")),
+                Ok(cmp) => println!("attention {label} `{n}`: relative L2 {:.2e}", cmp.rel_l2),
+                Err(e) => bad.push(format!("{label} `{n}`: {e}")),
             }
         }
     }

@@ -822,6 +822,9 @@ fn fused_attention_trains_as_the_unfused_chain() {
         let count = |p: &Program, kind: &str| p.launches.iter().filter(|l| l.kind() == kind).count();
         assert_eq!((count(&fused, "Attention"), count(&fused, "AttentionGrad")), (2, 2), "{policy}");
         assert_eq!(count(&plain, "Attention") + count(&fused, "Softmax") + count(&fused, "SoftmaxGrad"), 0, "{policy}");
+        // The heads are read and written where the projections put them: no Transpose of them.
+        assert_eq!(count(&fused, "Transpose"), 0, "{policy}");
+        assert!(fused.launches.len() < plain.launches.len(), "{policy}");
         let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
         let mut s = [fused, plain].map(|p| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap());
         // The matrices (and their low copies) 4 times larger: the exported initial weights score

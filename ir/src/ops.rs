@@ -56,6 +56,10 @@ string_enum!(
     ScatterReduction, "one of none, add, mul, max, min" {
         None = "none", Add = "add", Mul = "mul", Max = "max", Min = "min" });
 string_enum!(
+    /// `ai.mpc::Attention`'s operand layout: `bhsd`, [..., heads, rows, head dim], or `bshd`,
+    /// [batch, rows, heads, head dim] (the heads as a model's projection writes them).
+    AttentionLayout, "one of bhsd, bshd" { Bhsd = "bhsd", Bshd = "bshd" });
+string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
@@ -207,7 +211,10 @@ attr_struct!(
 });
 attr_struct!(
     /// `ai.mpc::Attention` and `ai.mpc::AttentionGrad`: the scores are `scale · Q·Kᵀ (+ mask)`.
-    AttentionAttrs { scale: f32 [default = 1.0f32] });
+    AttentionAttrs {
+    layout: AttentionLayout [default = AttentionLayout::Bhsd],
+    scale: f32 [default = 1.0f32],
+});
 attr_struct!(
     /// `ai.mpc::SeededDropout`: `seed` tells the node's random stream from the others'.
     SeedAttrs { seed: i64 [default = 0] });

@@ -17,9 +17,12 @@
 //! (if any) does not change the scores' shape, the softmax runs over the last axis, and the head
 //! dim is at most 128 (the CUDA kernels' limit). Kᵀ's Transpose (a single reader) becomes K's.
 
-use mpc_ir::ops::{AttentionAttrs, CastAttrs, TransposeAttrs};
-use mpc_ir::{normalize_axis, DType, Graph, NodeId, Op, Shape, TypeInfo, ValueId};
+use std::collections::HashSet;
 
+use mpc_ir::ops::{AttentionAttrs, AttentionLayout, CastAttrs, TransposeAttrs};
+use mpc_ir::{normalize_axis, DType, Def, Dim, Graph, NodeId, Op, Shape, TypeInfo, ValueId};
+
+use crate::train::differentiable;
 use crate::{Changed, Context, Pass, Result};
 
 /// The largest head dim fused.
@@ -39,9 +42,13 @@ impl Pass for FuseAttention {
         // A chain's nodes are its own (single readers), so fusing one never removes another's Softmax.
         let softmaxes: Vec<NodeId> =
             g.topo_order()?.into_iter().filter(|&n| matches!(g.node(n).op, Op::Softmax(_))).collect();
+        // A trained scale or mask (a learned temperature, a position bias) keeps its chain: the
+        // fused node takes the scale as a constant and gives the mask no gradient.
+        let trained: HashSet<ValueId> =
+            cx.train.as_ref().map(|t| crate::train::trainable(g, &t.freeze).into_iter().collect()).unwrap_or_default();
         let mut changed = Changed::No;
         for n in softmaxes {
-            if let Some(chain) = find(g, n) {
+            if let Some(chain) = find(g, n, &trained) {
                 fuse(g, chain);
                 changed = Changed::Yes;
             }
@@ -79,14 +86,18 @@ fn only_reader(g: &Graph, v: ValueId) -> Option<(NodeId, usize)> {
 }
 
 /// The value of a scalar computed from constants and static dims, as exporters write a head's
-/// scale (PyTorch: `Pow(Cast(Div(Gather(Shape(x), 2), heads)), -0.5)`): constants, a fixed dim
-/// of a Shape, Cast (integer dtypes truncate), Div (integer division for integers), Mul, Pow,
-/// Sqrt and Reciprocal. `None` for anything else.
+/// scale (PyTorch: `Pow(Cast(Div(Gather(Shape(x), 2), heads)), -0.5)`): constants (a Constant
+/// node, or an initializer that is a scalar or integer: a one-element float initializer of
+/// rank 1 or more may be a parameter that training changes), a fixed dim of a Shape (its `start`
+/// and `end`, a negative index counting from the end), Cast (rounded to a 16-bit float, truncated
+/// to an integer), Div (integer division for integers), Mul, Pow, Sqrt and Reciprocal. `None` for
+/// anything else.
 fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
     fn eval(g: &Graph, v: ValueId, depth: usize) -> Option<f64> {
         if let Some(t) = g.constant(v) {
+            let fixed = matches!(g.value(v).def(), Def::Node(..)) || t.shape().is_empty() || !t.dtype().is_float();
             let x = t.to_f64_vec();
-            return (x.len() == 1).then(|| x[0]);
+            return (fixed && x.len() == 1).then(|| x[0]);
         }
         if depth == 0 {
             return None;
@@ -94,9 +105,17 @@ fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
         let (p, 0) = g.value(v).producer()? else { return None };
         let node = g.node(p);
         let arg = |i: usize| node.input(i).and_then(|u| eval(g, u, depth - 1));
-        let int = !g.ty(v).dtype?.is_float();
+        let dt = g.ty(v).dtype?;
+        let int = !dt.is_float();
         let x = match &node.op {
-            Op::Cast(_) => arg(0)?,
+            Op::Cast(_) => match dt {
+                DType::F16 => half::f16::from_f64(arg(0)?).to_f64(),
+                DType::BF16 => half::bf16::from_f64(arg(0)?).to_f64(),
+                DType::F32 => arg(0)? as f32 as f64,
+                DType::F64 => arg(0)?,
+                DType::Bool => return None,
+                _ => arg(0)?,
+            },
             Op::Div if int => {
                 let (a, b) = (arg(0)?, arg(1)?);
                 (b != 0.0).then(|| (a / b).trunc())?
@@ -106,15 +125,21 @@ fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
             Op::Pow => arg(0)?.powf(arg(1)?),
             Op::Sqrt => arg(0)?.sqrt(),
             Op::Reciprocal => 1.0 / arg(0)?,
-            // Dim `i` of a Shape's input, fixed.
+            // Entry `i` of a Shape's slice [start, end) of its input's dims, fixed.
             Op::Gather(_) => {
                 let (sp, _) = g.value(node.input(0)?).producer()?;
                 let (Op::Shape(a), Some(x)) = (&g.node(sp).op, g.node(sp).input(0)) else { return None };
                 let dims = g.ty(x).shape.as_ref()?.dims().to_vec();
                 let r = dims.len() as i64;
-                let start = if a.start < 0 { a.start + r } else { a.start };
-                let i = usize::try_from(start + arg(1)? as i64).ok()?;
-                dims.get(i)?.fixed()? as f64
+                let clamp = |e: i64| (if e < 0 { e + r } else { e }).clamp(0, r);
+                let (start, end) = (clamp(a.start), clamp(a.end.unwrap_or(r)));
+                let len = (end - start).max(0);
+                let i = arg(1)? as i64;
+                let i = if i < 0 { i + len } else { i };
+                if !(0..len).contains(&i) {
+                    return None;
+                }
+                dims.get(usize::try_from(start + i).ok()?)?.fixed()? as f64
             }
             _ => return None,
         };
@@ -127,11 +152,20 @@ fn is_cast(g: &Graph, n: NodeId) -> bool {
     matches!(g.node(n).op, Op::Cast(_))
 }
 
-fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
+/// Whether two dims are known to be equal (unknown dims are not).
+fn same(a: &Dim, b: &Dim) -> bool {
+    a == b && !matches!(a, Dim::Unknown)
+}
+
+/// The chain whose Softmax is `sm`, where it can be fused. `trained`: the initializers training
+/// changes (a scale or mask computed from one must stay in the graph).
+fn find(g: &Graph, sm: NodeId, trained: &HashSet<ValueId>) -> Option<Chain> {
     let node = g.node(sm);
     let (Op::Softmax(a), Some(x), &[probs]) = (&node.op, node.input(0), node.outputs()) else { return None };
-    let rank = g.ty(x).shape.as_ref()?.rank();
-    if rank < 3 || normalize_axis(a.axis, rank)? != rank - 1 {
+    let scores = g.ty(x).shape.as_ref()?;
+    let rank = scores.rank();
+    if rank < 3 || normalize_axis(a.axis, rank)? != rank - 1 || scores.dims().iter().any(|d| matches!(d, Dim::Unknown))
+    {
         return None;
     }
     let mut dead = vec![sm];
@@ -153,7 +187,13 @@ fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
         let (l, r) = (g.node(at).input(0)?, g.node(at).input(1)?);
         // The scores' side is the one a private product leads to; the mask the other.
         let (s, m) = if leads_to_product(g, l) { (l, r) } else { (r, l) };
-        if !leads_to_product(g, s) || g.ty(s) != &scores_ty {
+        // The mask must not widen the scores, and must have the keys' axis (the kernels read it
+        // along the keys).
+        let keys = g.ty(m).shape.as_ref()?.dims().last().cloned()?;
+        if !leads_to_product(g, s) || g.ty(s) != &scores_ty || !same(&keys, &scores.dims()[rank - 1]) {
+            return None;
+        }
+        if depends_on(g, m, trained) {
             return None;
         }
         mask = Some(m);
@@ -168,6 +208,9 @@ fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
             (Some(c), None) if g.node(at).op == Op::Mul => (r, c),
             _ => return None,
         };
+        if depends_on(g, if s == l { r } else { l }, trained) {
+            return None;
+        }
         scale = if g.node(at).op == Op::Div { 1.0 / c } else { c };
         dead.push(at);
         at = private_producer(g, s)?;
@@ -181,6 +224,10 @@ fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
     }
     dead.push(at);
     let (q, kt) = (g.node(at).input(0)?, g.node(at).input(1)?);
+    // Kᵀ's Transpose may be rewritten into K's: nothing else of the chain may be it.
+    if kt == q || kt == v || Some(kt) == mask {
+        return None;
+    }
     // f16 or bf16 products of [..., S, D] operands with the same leading dims.
     let dt = g.ty(q).dtype?;
     if !matches!(dt, DType::F16 | DType::BF16)
@@ -193,25 +240,55 @@ fn find(g: &Graph, sm: NodeId) -> Option<Chain> {
     if qs.rank() != rank || ks.rank() != rank || vs.rank() != rank {
         return None;
     }
-    let (qd, kd) = (qs.dims(), ks.dims());
+    let (qd, kd, vd) = (qs.dims(), ks.dims(), vs.dims());
     let d = qd[rank - 1].fixed()?;
-    let same_lead = (0..rank - 2).all(|i| qd[i] == kd[i] && qd[i] == vs.dims()[i]);
-    if !same_lead || d > MAX_HEAD_DIM || kd[rank - 2].fixed() != Some(d) || vs.dims()[rank - 1].fixed() != Some(d) {
+    let same_lead =
+        (0..rank - 2).all(|i| same(&qd[i], &kd[i]) && same(&qd[i], &vd[i]) && same(&qd[i], &scores.dims()[i]));
+    if !same_lead || d > MAX_HEAD_DIM || kd[rank - 2].fixed() != Some(d) || vd[rank - 1].fixed() != Some(d) {
+        return None;
+    }
+    if !same(&kd[rank - 1], &vd[rank - 2]) {
         return None;
     }
     Some(Chain { q, kt, v, mask, scale: scale as f32, probs, pv, dead })
 }
 
-/// Whether `v` is the scores' product: a private MatMul, through an optional scale and Cast.
+/// Whether a gradient of `v` would flow into one of `values` (a parameter training changes):
+/// through the inputs gradients flow into, not through shapes or indices.
+fn depends_on(g: &Graph, v: ValueId, values: &HashSet<ValueId>) -> bool {
+    let mut todo = vec![v];
+    let mut seen = HashSet::new();
+    while let Some(u) = todo.pop() {
+        if values.contains(&u) {
+            return true;
+        }
+        if let Some((p, _)) = g.value(u).producer() {
+            let node = g.node(p);
+            let flows = |&(slot, w): &(usize, &Option<ValueId>)| w.is_some() && differentiable(&node.op, slot);
+            todo.extend(
+                node.inputs().iter().enumerate().filter(flows).filter_map(|(_, w)| *w).filter(|&w| seen.insert(w)),
+            );
+        }
+    }
+    false
+}
+
+/// Whether `v` is the scores' product: a private MatMul, through an optional scale (by a scalar
+/// on either side) and Cast.
 fn leads_to_product(g: &Graph, v: ValueId) -> bool {
     let mut at = v;
     for _ in 0..3 {
         let Some(p) = private_producer(g, at) else { return false };
-        match g.node(p).op {
+        let node = g.node(p);
+        match node.op {
             Op::MatMul => return true,
-            Op::Mul | Op::Div | Op::Cast(_) => match g.node(p).input(0) {
+            Op::Cast(_) | Op::Div => match node.input(0) {
                 Some(i) => at = i,
                 None => return false,
+            },
+            Op::Mul => match (node.input(0), node.input(1)) {
+                (Some(l), Some(r)) => at = if scalar(g, l).is_some() { r } else { l },
+                _ => return false,
             },
             _ => return false,
         }
@@ -272,14 +349,62 @@ fn fuse(g: &mut Graph, c: Chain) {
         g.set_ty(out[0], TypeInfo { dtype: Some(DType::F32), shape: g.ty(m).shape.clone() });
         out[0]
     });
-    *g.node_op_mut(c.pv) = Op::Attention(Box::new(AttentionAttrs { scale: c.scale }));
+    *g.node_op_mut(c.pv) = Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bhsd, scale: c.scale }));
     for (slot, v) in [Some(c.q), Some(k), Some(c.v), mask].into_iter().enumerate() {
         g.set_input(c.pv, slot, v);
+    }
+    if mask.is_none() {
+        g.truncate_inputs(c.pv, 3);
     }
     let lse_shape = q_ty.shape.as_ref().map(|s| Shape(s.0[..s.rank() - 1].to_vec()));
     let lse = g.new_value(&lse_name, TypeInfo { dtype: Some(DType::F32), shape: lse_shape });
     g.push_output(c.pv, lse);
     g.set_ty(y, TypeInfo { dtype: q_ty.dtype, shape: g.ty(y).shape.clone() });
+    heads_in_place(g, c.pv);
+}
+
+/// The heads' Transpose ([B, S, H, D] → [B, H, S, D]) that makes `v`, read only by the attention,
+/// and its input.
+fn heads_split(g: &Graph, v: ValueId) -> Option<(NodeId, ValueId)> {
+    let (t, 0) = g.value(v).producer()? else { return None };
+    let node = g.node(t);
+    let (Op::Transpose(TransposeAttrs { perm: Some(p) }), Some(x)) = (&node.op, node.input(0)) else { return None };
+    let private = g.value(v).uses().len() == 1 && !g.is_output(v) && !g.name_is_referenced(v);
+    (p == &[0, 2, 1, 3] && private).then_some((t, x))
+}
+
+/// Attention node `n` under the `bshd` layout where its Q, K and V are each the heads' Transpose
+/// of a [B, S, H, D] tensor (a projection's heads split) and its result's only reader transposes
+/// it back (the heads merged): it reads and writes [B, S, H, D] itself, and the four Transposes
+/// go (PyTorch's attention launches none of them; the backward pass then has none either).
+fn heads_in_place(g: &mut Graph, n: NodeId) {
+    let y = g.node(n).outputs()[0];
+    let split: Option<Vec<(NodeId, ValueId)>> = (0..3).map(|i| heads_split(g, g.node(n).input(i)?)).collect();
+    let (Some(split), &[u]) = (split, g.value(y).uses()) else { return };
+    let merge = u.node;
+    let (Op::Transpose(TransposeAttrs { perm: Some(p) }), &[merged]) = (&g.node(merge).op, g.node(merge).outputs())
+    else {
+        return;
+    };
+    let captured = g.value(merged).uses().iter().any(|u| g.is_capture(u.node, u.slot));
+    if p != &[0, 2, 1, 3] || captured {
+        return;
+    }
+    // A graph output keeps its name.
+    let output = g.is_output(merged).then(|| g.name(merged).to_string());
+    for (slot, &(_, x)) in split.iter().enumerate() {
+        g.set_input(n, slot, Some(x));
+    }
+    let Op::Attention(a) = g.node_op_mut(n) else { unreachable!("an attention node") };
+    a.layout = AttentionLayout::Bshd;
+    g.set_ty(y, g.ty(merged).clone());
+    g.replace_uses(merged, y);
+    let mut dead: Vec<NodeId> = split.iter().map(|&(t, _)| t).collect();
+    dead.push(merge);
+    g.remove_nodes(&dead);
+    if let Some(name) = output {
+        g.rename(y, &name);
+    }
 }
 
 #[cfg(test)]
@@ -331,7 +456,10 @@ mod tests {
         assert_eq!(FuseAttention.run(&mut g, &context(true)).unwrap(), Changed::Yes);
         crate::Dce.run(&mut g, &Context::default()).unwrap();
         crate::verify(&g).unwrap();
-        assert_eq!(g.node(pv).op, Op::Attention(Box::new(AttentionAttrs { scale: 0.5 })));
+        assert_eq!(
+            g.node(pv).op,
+            Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bhsd, scale: 0.5 }))
+        );
         let ins: Vec<&str> = g.node(pv).inputs().iter().map(|v| g.name(v.unwrap())).collect();
         // K is the heads' Transpose of [B, S, H, D], the one Kᵀ's was, with the last two axes swapped.
         assert_eq!(ins, ["q", "kt", "v", "mask"]);
@@ -341,6 +469,96 @@ mod tests {
         assert_eq!((g.name(lse), g.ty(lse)), ("p.lse", &TypeInfo::new(DType::F32, Shape::fixed(&[2, 3, 8]))));
         let ops: Vec<String> = g.node_ids().map(|n| g.node(n).op.op_type().to_string()).collect();
         assert_eq!(ops, ["Transpose", "Attention"]);
+    }
+
+    /// PyTorch's heads: Q and V split from [B, S, H, D] by Transposes, Kᵀ by one more, and the
+    /// result merged back by a Transpose: the attention reads and writes [B, S, H, D] itself.
+    #[test]
+    fn heads_split_and_merged_by_transposes_are_read_and_written_in_place() {
+        let mut g = Graph::new("g");
+        let f16 = |d: &[u64]| TypeInfo::new(DType::F16, Shape::fixed(d));
+        let heads = |g: &mut Graph, name: &str, perm: Vec<i64>| {
+            let x = g.add_input(name, f16(&[2, 8, 3, 4]));
+            g.add_op(&format!("{name}.t"), Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[Some(x)], 1).1[0]
+        };
+        let q = heads(&mut g, "q4", vec![0, 2, 1, 3]);
+        let kt = heads(&mut g, "k4", vec![0, 2, 3, 1]);
+        let v = heads(&mut g, "v4", vec![0, 2, 1, 3]);
+        let s = g.add_op("s", Op::MatMul, &[Some(q), Some(kt)], 1).1[0];
+        let c = g.add_initializer("c", mpc_ir::Tensor::from_f64_as(DType::F16, vec![], &[2.0]));
+        let scaled = g.add_op("scaled", Op::Div, &[Some(s), Some(c)], 1).1[0];
+        let p = g.add_op("p", Op::Softmax(SoftmaxAttrs { axis: 3 }), &[Some(scaled)], 1).1[0];
+        let (pv, y) = g.add_op("y", Op::MatMul, &[Some(p), Some(v)], 1);
+        let merged =
+            g.add_op("merged", Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 1, 3]) }), &[Some(y[0])], 1);
+        g.add_output(merged.1[0]);
+        crate::infer_types(&mut g).unwrap();
+        assert_eq!(FuseAttention.run(&mut g, &context(true)).unwrap(), Changed::Yes);
+        crate::Dce.run(&mut g, &Context::default()).unwrap();
+        crate::verify(&g).unwrap();
+        assert_eq!(
+            g.node(pv).op,
+            Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bshd, scale: 0.5 }))
+        );
+        let ins: Vec<&str> = g.node(pv).inputs().iter().map(|v| g.name(v.unwrap())).collect();
+        assert_eq!(ins, ["q4", "k4", "v4"]);
+        assert_eq!((g.outputs(), g.name(y[0])), (&[y[0]][..], "merged"));
+        assert_eq!(g.ty(y[0]), &f16(&[2, 8, 3, 4]));
+        let lse = g.node(pv).outputs()[1];
+        assert_eq!(g.ty(lse), &TypeInfo::new(DType::F32, Shape::fixed(&[2, 3, 8])));
+        assert_eq!(g.node_count(), 1);
+    }
+
+    /// A head's scale from a Shape's slice and a negative index, as exporters write it; a
+    /// one-element parameter is no constant.
+    #[test]
+    fn scalar_reads_shape_slices_and_refuses_parameters() {
+        let mut g = Graph::new("g");
+        let q = g.add_input("q", TypeInfo::new(DType::F16, Shape::fixed(&[2, 3, 8, 4])));
+        let shape = Op::Shape(mpc_ir::ops::ShapeAttrs { end: None, start: 1 });
+        let dims = g.add_op("dims", shape, &[Some(q)], 1).1[0];
+        let last = g.add_initializer("last", mpc_ir::Tensor::from_i64(vec![], &[-1]));
+        let d = g.add_op("d", Op::Gather(Default::default()), &[Some(dims), Some(last)], 1).1[0];
+        let df = g.add_op("df", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(d)], 1).1[0];
+        let half = g.add_initializer("half", mpc_ir::Tensor::from_f64_as(DType::F32, vec![], &[-0.5]));
+        let scale = g.add_op("scale", Op::Pow, &[Some(df), Some(half)], 1).1[0];
+        let t = g.add_initializer("t", mpc_ir::Tensor::from_f64_as(DType::F32, vec![1], &[0.5]));
+        crate::infer_types(&mut g).unwrap();
+        assert_eq!(scalar(&g, scale), Some(0.5));
+        assert_eq!(scalar(&g, t), None);
+    }
+
+    /// A softmax over another axis, a mask that widens the scores, or a learned scale: no fusion.
+    #[test]
+    fn refuses_chains_that_are_not_attention() {
+        let refused = |edit: &dyn Fn(&mut Graph)| {
+            let (mut g, _) = exported(false);
+            edit(&mut g);
+            crate::infer_types(&mut g).unwrap();
+            FuseAttention.run(&mut g, &context(true)).unwrap() == Changed::No
+        };
+        let producer = |g: &Graph, name: &str| g.value(g.find(name).unwrap()).producer().unwrap().0;
+        assert!(refused(&|g| {
+            let sm = producer(g, "p");
+            *g.node_op_mut(sm) = Op::Softmax(SoftmaxAttrs { axis: 2 });
+        }));
+        assert!(refused(&|g| {
+            let wide = g.add_input("wide", TypeInfo::new(DType::F32, Shape::fixed(&[5, 1, 1, 8, 8])));
+            let add = producer(g, "masked");
+            g.set_input(add, 1, Some(wide));
+        }));
+        assert!(refused(&|g| {
+            let t = g.add_initializer("t", mpc_ir::Tensor::from_f64_as(DType::F32, vec![1], &[0.5]));
+            let mul = producer(g, "scaled");
+            g.set_input(mul, 1, Some(t));
+        }));
+        // The same chain with the scalar on the left of its Mul is fused.
+        assert!(!refused(&|g| {
+            let mul = producer(g, "scaled");
+            let (l, r) = (g.node(mul).input(0), g.node(mul).input(1));
+            g.set_input(mul, 0, r);
+            g.set_input(mul, 1, l);
+        }));
     }
 
     /// Without the option, under fp32, or with the probabilities read elsewhere, nothing changes.

@@ -236,10 +236,11 @@ fn product_flops(l: &Launch, ins: &[Option<TensorRef>]) -> Option<(u64, DType)> 
         // Fused attention: the products of the unfused chain, Q·Kᵀ and P·V forward, dP, dV, dQ and
         // dK backward (not the scores the gradient computes again).
         Op::Attention(_) | Op::AttentionGrad(_) => {
+            let (Op::Attention(a) | Op::AttentionGrad(a)) = &l.op else { return None };
             let at = usize::from(matches!(l.op, Op::AttentionGrad(_)));
-            // K's length: its second-last axis, where a permuted operand stores it.
+            // K's length: its axis 1 (bshd) or second-last, where a permuted operand stores it.
             let k = shape(at + 1)?;
-            let axis = k.len().checked_sub(2)?;
+            let axis = if a.layout == mpc_ir::ops::AttentionLayout::Bshd { 1 } else { k.len().checked_sub(2)? };
             let axis = match l.inputs.get(at + 1) {
                 Some(Operand::Permuted(_, perm)) => *perm.get(axis)?,
                 _ => axis,

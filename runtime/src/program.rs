@@ -226,7 +226,10 @@ pub fn reads_through(perm: &[usize]) -> bool {
 /// gradient's dY, Q, K, V and Y) where it stays last: each row contiguous, the rows and heads at
 /// their strides (the heads split from `[B, S, H, D]`).
 pub fn reads_permuted(op: &Op, slot: usize, perm: &[usize]) -> bool {
-    let keeps_last = perm.last().is_some_and(|&a| a + 1 == perm.len());
+    // D stays last, and the batch axes before the heads (all but the last three) stay in place,
+    // so that one stride walks them.
+    let r = perm.len();
+    let keeps_last = r >= 3 && perm[r - 1] == r - 1 && perm[..r - 3].iter().enumerate().all(|(i, &a)| a == i);
     match op {
         Op::MatMul => slot < 2 && reads_through(perm),
         Op::Attention(_) => slot < 3 && keeps_last,

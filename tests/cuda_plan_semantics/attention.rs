@@ -45,13 +45,20 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// The scores of row `i` of (b, h): `scale · q_i·k_j + mask_ij`.
+/// What the scores of a launch add: the mask (or none), and whether key j > i is masked.
+#[derive(Clone, Copy)]
+struct Masking {
+    mask: Option<At>,
+    causal: bool,
+}
+
+/// The scores of row `i` of (b, h): `scale · q_i·k_j + mask_ij`, −∞ for j > i when causal.
 #[allow(clippy::too_many_arguments)]
 fn scores(
     m: &mut Memory,
     q: At,
     k: At,
-    mask: Option<At>,
+    masking: Masking,
     sh: [i64; 5],
     b: i64,
     h: i64,
@@ -62,8 +69,12 @@ fn scores(
     let qi = q.row(m, b, h, i, sh[4], t);
     (0..sh[3])
         .map(|j| {
+            if masking.causal && j > i {
+                return f64::NEG_INFINITY;
+            }
             let kj = k.row(m, b, h, j, sh[4], t);
-            let mv = mask.map_or(0.0, |mk| m.get(mk.0, b * mk.1[0] + h * mk.1[1] + i * mk.1[2] + j, DType::F32));
+            let at = |mk: At| b * mk.1[0] + h * mk.1[1] + i * mk.1[2] + j;
+            let mv = masking.mask.map_or(0.0, |mk| m.get(mk.0, at(mk), DType::F32));
             scale * dot(&qi, &kj) + mv
         })
         .collect()
@@ -90,13 +101,14 @@ pub(crate) fn run_attention(m: &mut Memory, k: &Kernel) -> bool {
     let sh: [i64; 5] = longs(&a[at]);
     let s = at + 1;
     let (q, kk, v) = (At::of(&a[0], &a[s]), At::of(&a[1], &a[s + 1]), At::of(&a[2], &a[s + 2]));
-    let mask = mask_of(&a[3], &a[s + 3]);
-    let scale = float(a.last().unwrap());
+    // ..., scale, causal.
+    let masking = Masking { mask: mask_of(&a[3], &a[s + 3]), causal: int(&a[a.len() - 1]) != 0 };
+    let scale = float(&a[a.len() - 2]);
     let d = sh[4];
     if fwd {
         let (o, lse) = (At::of(&a[4], &a[11]), ptr(&a[5]));
         for (b, h, i) in rows(sh, sh[2]) {
-            let sc = scores(m, q, kk, mask, sh, b, h, i, scale, t);
+            let sc = scores(m, q, kk, masking, sh, b, h, i, scale, t);
             let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let mut out = vec![0f64; d as usize];
             let mut l = f64::NEG_INFINITY;
@@ -121,7 +133,7 @@ pub(crate) fn run_attention(m: &mut Memory, k: &Kernel) -> bool {
     let probs = |m: &mut Memory, b: i64, h: i64, i: i64| -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let l = m.get(lse, (b * sh[1] + h) * sh[2] + i, DType::F32);
         let dl = m.get(delta, (b * sh[1] + h) * sh[2] + i, DType::F32);
-        let sc = scores(m, q, kk, mask, sh, b, h, i, scale, t);
+        let sc = scores(m, q, kk, masking, sh, b, h, i, scale, t);
         let doi = dout.row(m, b, h, i, d, t);
         let p: Vec<f64> = sc.iter().map(|&s| if l == f64::NEG_INFINITY { 0.0 } else { (s - l).exp() }).collect();
         let ds = (0..sh[3] as usize).map(|j| p[j] * (dot(&doi, &v.row(m, b, h, j as i64, d, t)) - dl)).collect();

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use common::{fixture, FIXTURES};
 use interp::*;
 use mpc_ir::Op;
-use mpc_runtime::cuda::plan::{plan, Call};
+use mpc_runtime::cuda::plan::{plan, Arg, Call};
 use mpc_runtime::device::{CpuDevice, CpuMemory, Device, Regions};
 use mpc_runtime::program::{Operand, Program, Region, TensorRef};
 use mpc_runtime::{HostTensor, Tolerance};
@@ -291,7 +291,7 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     let path = fixture("tiny_gpt_loss");
     let mut kernels = std::collections::BTreeSet::new();
     let mut chains = std::collections::BTreeSet::new();
-    let mut gelu_grads = 0;
+    let (mut gelu_grads, mut causal) = (0, 0);
     for (policy, unfused, fused_attention) in [
         ("fp32", false, false),
         ("mixed", false, false),
@@ -315,6 +315,10 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
                 match c {
                     Call::Kernel(k) => {
                         kernels.insert(k.name.clone());
+                        // The causal mask applied by the kernels themselves (no mask read).
+                        if k.name.starts_with("attention_") && k.args.last() == Some(&Arg::I32(1)) {
+                            causal += 1;
+                        }
                     }
                     // The GELU's gradient in the product that makes its dY (cuBLASLt's DGELU),
                     // its fallback the GEMM and the gradient's kernel.
@@ -340,6 +344,9 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     for c in ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)"] {
         assert!(chains.contains(c), "no {c}: {chains:?}");
     }
+    // The fused attention's causal masks, found constant and applied by the kernels: two layers'
+    // forward and backward (two kernels) under both low dtypes.
+    assert_eq!(causal, 12, "the causal masks are read, not applied");
     // The fused programs' GELU gradients, one per layer under each policy.
     assert!(gelu_grads >= 3, "{gelu_grads} GELU gradients in products");
     for k in [
@@ -401,6 +408,7 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"q4\": bf16[2,40,2,100]\n  input %1 \"k4\": bf16[2,40,2,100]\n  input %2 \"v4\": bf16[2,40,2,100]\n  %3 \"q\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%0)\n  %4 \"k\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%1)\n  %5 \"v\": bf16[2,2,40,100] = Transpose[perm=[0,2,1,3]](%2)\n  %6 \"y\": bf16[2,2,40,100], %7 \"lse\": f32[2,2,40] = ai.mpc::Attention[scale=0.1](%3, %4, %5)\n  output %6\n  output %7", "Attention"),
         ("input %0 \"dy\": f16[2,2,33,8]\n  input %1 \"q\": f16[2,2,33,8]\n  input %2 \"k\": f16[2,2,50,8]\n  input %3 \"v\": f16[2,2,50,8]\n  input %4 \"m\": f32[2,1,33,50]\n  %5 \"y\": f16[2,2,33,8], %6 \"lse\": f32[2,2,33] = ai.mpc::Attention[scale=0.3](%1, %2, %3, %4)\n  %7 \"dq\": f16[2,2,33,8], %8 \"dk\": f16[2,2,50,8], %9 \"dv\": f16[2,2,50,8] = ai.mpc::AttentionGrad[scale=0.3](%0, %1, %2, %3, %5, %6, %4)\n  output %7\n  output %8\n  output %9", "AttentionGrad"),
         ("input %0 \"dy\": bf16[3,70,64]\n  input %1 \"q\": bf16[3,70,64]\n  input %2 \"k\": bf16[3,70,64]\n  input %3 \"v\": bf16[3,70,64]\n  %4 \"y\": bf16[3,70,64], %5 \"lse\": f32[3,70] = ai.mpc::Attention[scale=0.125](%1, %2, %3)\n  %6 \"dq\": bf16[3,70,64], %7 \"dk\": bf16[3,70,64], %8 \"dv\": bf16[3,70,64] = ai.mpc::AttentionGrad[scale=0.125](%0, %1, %2, %3, %4, %5)\n  output %6\n  output %7\n  output %8", "AttentionGrad"),
+        ("input %0 \"dy\": f16[2,33,3,64]\n  input %1 \"q\": f16[2,33,3,64]\n  input %2 \"k\": f16[2,20,3,64]\n  input %3 \"v\": f16[2,20,3,64]\n  input %4 \"m\": f32[3,33,20]\n  %5 \"y\": f16[2,33,3,64], %6 \"lse\": f32[2,3,33] = ai.mpc::Attention[layout=\"bshd\", scale=0.125](%1, %2, %3, %4)\n  %7 \"dq\": f16[2,33,3,64], %8 \"dk\": f16[2,20,3,64], %9 \"dv\": f16[2,20,3,64] = ai.mpc::AttentionGrad[layout=\"bshd\", scale=0.125](%0, %1, %2, %3, %5, %6, %4)\n  output %7\n  output %8\n  output %9", "AttentionGrad"),
         ("input %0 \"x\": i64[65,3]\n  %1 \"y\": i64[3,65] = Transpose(%0)\n  output %1", "Transpose"),
         ("input %0 \"x\": f32[5,6]\n  init %1 \"s\" = i64[2]{4, 1}\n  init %2 \"e\" = i64[2]{0, 6}\n  init %3 \"ax\" = i64[2]{0, 1}\n  init %4 \"st\" = i64[2]{-2, 2}\n  %5 \"y\": f32[2,3] = Slice(%0, %1, %2, %3, %4)\n  output %5", "Slice"),
         ("input %0 \"a\": f32[2,3]\n  input %1 \"b\": f32[2,1]\n  %2 \"y\": f32[2,4] = Concat[axis=1](%0, %1)\n  output %2", "Concat"),

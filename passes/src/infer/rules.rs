@@ -1,6 +1,6 @@
 //! Per-op type rules. One exhaustive `match`: a new op does not compile until it has a rule.
 
-use mpc_ir::ops::{ConvAttrs, PoolAttrs};
+use mpc_ir::ops::{AttentionLayout, ConvAttrs, PoolAttrs};
 use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, Shape, TypeInfo};
 
 use super::known::{Known, KnownValues};
@@ -441,17 +441,16 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
         // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
-        Op::Attention(_) => {
+        Op::Attention(a) => {
             let d = cx.same_dtype(0..3)?;
-            let q = attention_operands(cx, 0)?;
-            let lse = q.as_ref().map(|q| Shape(q.0[..q.rank() - 1].to_vec()));
+            let (q, lse) = attention_operands(cx, 0, a.layout)?;
             let lse_dt = if d == Some(DType::F64) { DType::F64 } else { DType::F32 };
             vec![t(d, q), t(Some(lse_dt), lse)]
         }
         // (dQ, dK, dV): Q's, K's and V's types.
-        Op::AttentionGrad(_) => {
+        Op::AttentionGrad(a) => {
             cx.same_dtype(0..5)?;
-            attention_operands(cx, 1)?;
+            attention_operands(cx, 1, a.layout)?;
             vec![same(cx, 1), same(cx, 2), same(cx, 3)]
         }
         Op::SoftmaxGrad(_) | Op::ReluGrad => {
@@ -488,32 +487,45 @@ fn update_outputs(cx: &NodeCx, state: &[usize], low: usize) -> R {
 }
 
 /// Attention's Q, K and V at inputs `at..at + 3`: [..., Sq, D], [..., Sk, D] and [..., Sk, D]
-/// with the same leading dims (at least one); the mask after them broadcasts to [..., Sq, Sk].
-/// Q's shape, where known.
-fn attention_operands(cx: &NodeCx, at: usize) -> Result<Option<Shape>, String> {
+/// with the same leading dims (at least one), or under the `bshd` layout [B, Sq, H, D],
+/// [B, Sk, H, D] and [B, Sk, H, D]; the mask after them broadcasts to the scores, [..., Sq, Sk]
+/// ([B, H, Sq, Sk]). Q's shape and the log-sum-exp's ([..., Sq]; [B, H, Sq]), where known.
+fn attention_operands(
+    cx: &NodeCx,
+    at: usize,
+    layout: AttentionLayout,
+) -> Result<(Option<Shape>, Option<Shape>), String> {
+    let bshd = layout == AttentionLayout::Bshd;
+    let lse = |q: &Shape| {
+        let r = q.rank();
+        Shape(if bshd { vec![q.0[0].clone(), q.0[2].clone(), q.0[1].clone()] } else { q.0[..r - 1].to_vec() })
+    };
+    let min_rank = if bshd { 4 } else { 3 };
+    if let Some(q) = cx.sh(at).filter(|q| q.rank() < min_rank || bshd && q.rank() != 4) {
+        return Err(format!("Q of rank {}: expected {}", q.rank(), if bshd { "4 (bshd)" } else { "at least 3" }));
+    }
     let (Some(q), Some(k), Some(v)) = (cx.sh(at), cx.sh(at + 1), cx.sh(at + 2)) else {
-        return Ok(cx.sh(at).cloned());
+        return Ok((cx.sh(at).cloned(), cx.sh(at).map(lse)));
     };
     let r = q.rank();
-    if r < 3 || k.rank() != r || v.rank() != r {
-        return Err(format!(
-            "Q, K and V of ranks {r}, {} and {}: expected the same rank, at least 3",
-            k.rank(),
-            v.rank()
-        ));
+    if r < 3 || k.rank() != r || v.rank() != r || bshd && r != 4 {
+        let want = if bshd { "4 (bshd)" } else { "at least 3" };
+        return Err(format!("Q, K and V of ranks {r}, {} and {}: expected the same rank, {want}", k.rank(), v.rank()));
     }
-    for i in 0..r - 2 {
-        check_eq(&q.0[i], &k.0[i], "Q's and K's leading dims")?;
-        check_eq(&q.0[i], &v.0[i], "Q's and V's leading dims")?;
+    // The rows' axis; every other axis but the head dim is a batch or head axis.
+    let seq = if bshd { 1 } else { r - 2 };
+    for i in (0..r - 1).filter(|&i| i != seq) {
+        check_eq(&q.0[i], &k.0[i], "Q's and K's batch and head dims")?;
+        check_eq(&q.0[i], &v.0[i], "Q's and V's batch and head dims")?;
     }
     check_eq(&q.0[r - 1], &k.0[r - 1], "Q's and K's head dims")?;
     check_eq(&q.0[r - 1], &v.0[r - 1], "Q's and V's head dims")?;
-    check_eq(&k.0[r - 2], &v.0[r - 2], "K's and V's lengths")?;
+    check_eq(&k.0[seq], &v.0[seq], "K's and V's lengths")?;
     let mask_at = if at == 0 { 3 } else { 6 };
     if let Some(m) = cx.sh(mask_at) {
-        let mut scores = q.0.clone();
-        scores[r - 1] = k.0[r - 2].clone();
-        let fits = m.rank() <= r
+        let mut scores = lse(q).0;
+        scores.push(k.0[seq].clone());
+        let fits = m.rank() <= scores.len()
             && m.0.iter().rev().zip(scores.iter().rev()).all(|(md, sd)| match (md.fixed(), sd.fixed()) {
                 (Some(p), Some(s)) => p == s || p == 1,
                 _ => true,
@@ -522,7 +534,7 @@ fn attention_operands(cx: &NodeCx, at: usize) -> Result<Option<Shape>, String> {
             return Err(format!("the mask {m} does not broadcast to the scores {}", Shape(scores)));
         }
     }
-    Ok(Some(q.clone()))
+    Ok((Some(q.clone()), Some(lse(q))))
 }
 
 pub(super) fn check_eq(a: &Dim, b: &Dim, what: &str) -> Result<(), String> {

@@ -2,10 +2,47 @@
 //! row from Q, K, V (and an additive mask), keeping only each row's log-sum-exp, as a fused
 //! (flash) attention kernel does. The reference the CUDA kernels are checked against.
 
-use mpc_ir::DType;
+use std::borrow::Cow;
 
-use super::{err, floats, shape::expand, store, Res};
+use mpc_ir::ops::AttentionLayout;
+use mpc_ir::{DType, Op};
+
+use super::{err, floats, permute, shape::expand, store, Res};
 use crate::value::HostTensor;
+
+/// Attention or AttentionGrad on `ins`: under the `bshd` layout the operands are read as
+/// [B, H, S, D] (their axes 1 and 2 swapped) and the results written back as [B, S, H, D].
+pub(crate) fn run(op: &Op, ins: &[Option<&HostTensor>]) -> Res<Vec<HostTensor>> {
+    let (Op::Attention(a) | Op::AttentionGrad(a)) = op else { return Err(err("not an attention")) };
+    let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
+    let bshd = a.layout == AttentionLayout::Bshd;
+    if bshd && (0..3).any(|i| x(i).is_ok_and(|t| t.shape.len() != 4)) {
+        return Err(err("a bshd attention of operands other than rank 4"));
+    }
+    const SWAP: [usize; 4] = [0, 2, 1, 3];
+    fn heads_first(t: &HostTensor, bshd: bool) -> Cow<'_, HostTensor> {
+        if bshd {
+            Cow::Owned(permute(t, &SWAP))
+        } else {
+            Cow::Borrowed(t)
+        }
+    }
+    let grad = matches!(op, Op::AttentionGrad(_));
+    // Every operand but the log-sum-exp and the mask is [.., S, D] (swapped under bshd).
+    let n = if grad { 5 } else { 3 };
+    let ops: Vec<Cow<HostTensor>> = (0..n).map(|i| x(i).map(|t| heads_first(t, bshd))).collect::<Res<_>>()?;
+    let mask = ins.get(if grad { 6 } else { 3 }).copied().flatten();
+    let mut outs = if grad {
+        attention_grad(&ops[0], &ops[1], &ops[2], &ops[3], &ops[4], x(5)?, mask, a.scale)?
+    } else {
+        attention(&ops[0], &ops[1], &ops[2], mask, a.scale)?
+    };
+    let swapped = if grad { 3 } else { 1 };
+    for t in outs.iter_mut().take(swapped).filter(|_| bshd) {
+        *t = permute(t, &SWAP);
+    }
+    Ok(outs)
+}
 
 /// The operands' sizes: `n` rows of leading dims, `sq` queries, `sk` keys, head dim `d`.
 struct Dims {

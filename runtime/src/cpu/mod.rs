@@ -486,11 +486,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let y = x(1)?;
             one(train::softmax_grad(x(0)?, y, axis(a.axis, y.shape.len())?)?)
         }
-        Op::Attention(a) => attention::attention(x(0)?, x(1)?, x(2)?, ins.get(3).copied().flatten(), a.scale),
-        Op::AttentionGrad(a) => {
-            let mask = ins.get(6).copied().flatten();
-            attention::attention_grad(x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?, mask, a.scale)
-        }
+        Op::Attention(_) | Op::AttentionGrad(_) => attention::run(op, ins),
         Op::AllFinite => {
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(train::all_finite(&parts)?)
