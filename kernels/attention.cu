@@ -502,9 +502,17 @@ template <int DP> __device__ __forceinline__ void attn_load_a(u32 (&af)[DP / 16]
 
 __device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
 
+// A mask value in the log2 domain: finite values stay finite (a mask of -3.4e38, float's lowest,
+// would overflow to -inf when scaled and turn a row the unfused softmax spreads evenly into a
+// fully masked one); -inf and NaN stay as they are.
+__device__ __forceinline__ float attn_log2(float m) {
+    const float x = m * ATTN_LOG2E;
+    return x < -3.402823466e38f && m != attn_neg_inf() ? -3.402823466e38f : x;
+}
+
 // mrow[key] in the log2 domain where `ok`, else 0 (mrow is then not read).
 __device__ __forceinline__ float attn_mask_at(const float* mrow, bool ok, int key) {
-    return ok ? mrow[key] * ATTN_LOG2E : 0.0f;
+    return ok ? attn_log2(mrow[key]) : 0.0f;
 }
 
 // The row's two mask entries at key, key + 1 (key even) in the log2 domain.
@@ -517,16 +525,16 @@ __device__ __forceinline__ void attn_mask_pair(const float* mrow, bool row_ok, i
 #ifdef MPC_EMULATED
         float v[2];
         std::memcpy(v, mrow + key, 8);
-        m0 = v[0] * ATTN_LOG2E;
-        m1 = v[1] * ATTN_LOG2E;
+        m0 = attn_log2(v[0]);
+        m1 = attn_log2(v[1]);
 #else
         const float2 v = *reinterpret_cast<const float2*>(mrow + key);
-        m0 = v.x * ATTN_LOG2E;
-        m1 = v.y * ATTN_LOG2E;
+        m0 = attn_log2(v.x);
+        m1 = attn_log2(v.y);
 #endif
     } else {
-        if (key < nkeys) m0 = mrow[key] * ATTN_LOG2E;
-        if (key + 1 < nkeys) m1 = mrow[key + 1] * ATTN_LOG2E;
+        if (key < nkeys) m0 = attn_log2(mrow[key]);
+        if (key + 1 < nkeys) m1 = attn_log2(mrow[key + 1]);
     }
 }
 
@@ -758,7 +766,7 @@ __device__ __forceinline__ void attn_delta(const T* o, const T* dout, float* del
 // (lse = -inf), which makes every P of the row 0.
 __device__ __forceinline__ float attn_lse2(const float* lse_bh, int row, int sq) {
     const float l = row < sq ? lse_bh[row] : attn_neg_inf();
-    return l == attn_neg_inf() ? __int_as_float(0x7f800000) : l * ATTN_LOG2E;
+    return l == attn_neg_inf() ? __int_as_float(0x7f800000) : attn_log2(l);
 }
 
 // ---- backward: dQ ----

@@ -495,6 +495,40 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
     }
 }
 
+/// A constant mask of float's lowest value (a padding mask as Hugging Face writes it) over all
+/// keys but the first of some rows and every third key of the others: the kernels keep it finite
+/// in their base-2 scores (scaled, it would overflow to −∞) and give it no weight, as the CPU does,
+/// forward and backward.
+#[test]
+fn attention_under_a_lowest_float_mask_computes_what_the_cpu_computes() {
+    let _report = emu::Report;
+    let body =
+        "input %0 \"dy\": f16[1,2,40,16]\n  input %1 \"q\": f16[1,2,40,16]\n  input %2 \"k\": f16[1,2,40,16]\n  \
+                input %3 \"v\": f16[1,2,40,16]\n  \
+                %5 \"y\": f16[1,2,40,16], %6 \"lse\": f32[1,2,40] = ai.mpc::Attention[scale=0.25](%1, %2, %3)\n  \
+                %7 \"dq\": f16[1,2,40,16], %8 \"dk\": f16[1,2,40,16], %9 \"dv\": f16[1,2,40,16] = \
+                ai.mpc::AttentionGrad[scale=0.25](%0, %1, %2, %3, %5, %6)\n  \
+                output %5\n  output %6\n  output %7\n  output %8\n  output %9";
+    let mut g = common::single_op(body);
+    // Rows 0 to 2 see key 0 only; the others lose every third key (key 0 among them) to f32::MIN.
+    let v: Vec<f64> = (0..40 * 40)
+        .map(|e| if (e / 40 < 3 && e % 40 != 0) || (e / 40 >= 3 && e % 3 == 0) { f32::MIN as f64 } else { 0.0 })
+        .collect();
+    let mask = g.add_initializer("m", mpc_ir::Tensor::from_f64_as(mpc_ir::DType::F32, vec![40, 40], &v));
+    let nodes: Vec<_> = g.node_ids().collect();
+    for n in nodes {
+        match g.node(n).op {
+            Op::Attention(_) => g.set_input(n, 3, Some(mask)),
+            Op::AttentionGrad(_) => g.set_input(n, 6, Some(mask)),
+            _ => {}
+        }
+    }
+    let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
+    let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new("lowest")).unwrap();
+    let checked = check_program("attention under f32::MIN", &program, &feeds);
+    assert!(checked.iter().any(|c| c == "AttentionGrad"), "{checked:?}");
+}
+
 /// Training steps run end to end from the kernels' source: `steps` steps of `program`, every
 /// launch's plan over one memory (the state carried from step to step, each next state copied
 /// into its slot as a session does), beside the CPU device running the same steps. Returns each
