@@ -15,9 +15,10 @@
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
 #                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli, gradients)
-#       variants    the program tests and the fixtures again with each switch that changes bits
-#                   (MPC_FMAD=1, MPC_SCRATCH_IN_ARENA=0, MPC_CUBLASLT=0, MPC_WIDE=0, MPC_FUSE=0),
-#                   and both sanitizers over the program tests
+#       variants    both sanitizers over the fused attention's kernels; the program tests and the
+#                   fixtures again with each switch that changes bits (MPC_FMAD=1,
+#                   MPC_SCRATCH_IN_ARENA=0, MPC_CUBLASLT=0, MPC_WIDE=0, MPC_FUSE=0), and both
+#                   sanitizers over the program tests
 #       sanitizer   compute-sanitizer memcheck and racecheck over the GPU op tests and the fixtures
 #       sanitizer_all  both tools over the GPU training, program and fixture tests too (slow)
 #       bench       benches/gpu_vs_torch.py: mpc bench against PyTorch fp32 / AMP on the same GPU
@@ -162,6 +163,12 @@ part_tests() {
 }
 
 part_variants() {  # the bitwise and whole-network tests again under each switch, to tell causes apart
+  # The fused attention's kernels (shared-memory tiles, cp.async, ldmatrix) under both sanitizers
+  # first: their first run on hardware.
+  if command -v compute-sanitizer > /dev/null; then
+    step racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
+    step memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
+  fi
   MPC_FMAD=1 step program_fmad "$BIN/program" cuda:: --nocapture --test-threads=1
   MPC_SCRATCH_IN_ARENA=0 step program_no_scratch_in_arena "$BIN/program" cuda:: --nocapture --test-threads=1
   MPC_CUBLASLT=0 step program_no_cublaslt "$BIN/program" cuda:: --nocapture --test-threads=1
