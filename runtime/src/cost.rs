@@ -235,8 +235,7 @@ fn product_flops(l: &Launch, ins: &[Option<TensorRef>]) -> Option<(u64, DType)> 
         }
         // Fused attention: the products of the unfused chain, Q·Kᵀ and P·V forward, dP, dV, dQ and
         // dK backward (not the scores the gradient computes again).
-        Op::Attention(_) | Op::AttentionGrad(_) => {
-            let (Op::Attention(a) | Op::AttentionGrad(a)) = &l.op else { return None };
+        Op::Attention(a) | Op::AttentionGrad(a) => {
             let at = usize::from(matches!(l.op, Op::AttentionGrad(_)));
             // K's length: its axis 1 (bshd) or second-last, where a permuted operand stores it.
             let k = shape(at + 1)?;

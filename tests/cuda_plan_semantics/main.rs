@@ -496,9 +496,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
 }
 
 /// A constant mask of float's lowest value (a padding mask as Hugging Face writes it) over all
-/// keys but the first of some rows and every third key of the others: the kernels keep it finite
-/// in their base-2 scores (scaled, it would overflow to −∞) and give it no weight, as the CPU does,
-/// forward and backward.
+/// keys but the first of some rows and every third key of the others: the kernels read it and
+/// give those keys no weight, as the CPU does, forward and backward. (A row it masks wholly is not
+/// here: the kernels' log-sum-exp of such a row, in base 2, is not the CPU's, though Y is.)
 #[test]
 fn attention_under_a_lowest_float_mask_computes_what_the_cpu_computes() {
     let _report = emu::Report;

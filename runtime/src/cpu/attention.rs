@@ -55,13 +55,12 @@ struct Dims {
 fn dims(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Res<Dims> {
     let r = q.shape.len();
     let lead = |t: &HostTensor| t.shape.get(..r.saturating_sub(2)).map(|s| s.to_vec());
-    if r < 3 || k.shape.len() != r || v.shape.len() != r || lead(k) != lead(q) || lead(v) != lead(q) {
+    // Q [..., sq, d], K and V [..., sk, d] (the last two dims of K and V the same).
+    let fits = r >= 3 && k.shape.len() == r && v.shape.len() == r && lead(k) == lead(q) && lead(v) == lead(q);
+    if !fits || k.shape[r - 1] != q.shape[r - 1] || v.shape[r - 2..] != k.shape[r - 2..] {
         return Err(err(format!("Attention of Q {:?}, K {:?}, V {:?}", q.shape, k.shape, v.shape)));
     }
     let (sq, d, sk) = (q.shape[r - 2], q.shape[r - 1], k.shape[r - 2]);
-    if k.shape[r - 1] != d || v.shape[r - 1] != d || v.shape[r - 2] != sk {
-        return Err(err(format!("Attention of Q {:?}, K {:?}, V {:?}", q.shape, k.shape, v.shape)));
-    }
     Ok(Dims { n: q.shape[..r - 2].iter().product(), sq, sk, d })
 }
 
