@@ -96,7 +96,9 @@
 // is read there and its value dropped), dQ and dK/dV do not read the mask there and take P = 0.
 // This leaves the work unbalanced: a forward or dQ block's work grows with its query tile index,
 // a dK/dV block's shrinks with its key tile index (with sq = sk, from 1 / ceil(sq / 64) of the
-// full work to all of it); the grid is the same as without causal.
+// full work to all of it). The grid is the same as without causal, but the forward and dQ take
+// their query tiles in reverse order there (attn_block), so each kernel starts the heavy tiles
+// first.
 
 struct AttnShape {
     long long batch, heads, sq, sk, d;
@@ -538,13 +540,16 @@ __device__ __forceinline__ void attn_mask_pair(const float* mrow, bool row_ok, i
     }
 }
 
-// The block's (batch * heads + head) index and tile index, from blockIdx.x = bh * ntiles + tile.
-__device__ __forceinline__ void attn_block(int ntiles, long long heads, long long& bh, long long& b, long long& h,
-                                           int& tile) {
+// The block's (batch * heads + head) index and tile index, from blockIdx.x = bh * ntiles + i: the
+// tile is i, or with `reverse` ntiles - 1 - i. The forward and dQ kernels reverse under causal, so
+// that in each (batch, head) the query tiles that see the most keys start first and the grid's
+// last blocks are the short ones (dK/dV's heavy key tiles come first in the plain order).
+__device__ __forceinline__ void attn_block(int ntiles, long long heads, bool reverse, long long& bh, long long& b,
+                                           long long& h, int& tile) {
     long long tl;
     index_divmod((long long)blockIdx.x, (long long)ntiles, bh, tl);
     index_divmod(bh, heads, b, h);
-    tile = (int)tl;
+    tile = reverse ? ntiles - 1 - (int)tl : (int)tl;
 }
 
 // The number of key tiles (of BK) that a block of BM query rows from q0 reads: all ceil(sk / BK),
@@ -579,7 +584,7 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
     long long bh, b, h;
     int qt;
-    attn_block((sq + BM - 1) / BM, sh.heads, bh, b, h, qt);
+    attn_block((sq + BM - 1) / BM, sh.heads, causal != 0, bh, b, h, qt);
     const int q0 = qt * BM;
     const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
     const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
@@ -790,7 +795,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
     long long bh, b, h;
     int qt;
-    attn_block((sq + BM - 1) / BM, sh.heads, bh, b, h, qt);
+    attn_block((sq + BM - 1) / BM, sh.heads, causal != 0, bh, b, h, qt);
     const int q0 = qt * BM;
     const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
     const u16* dob = reinterpret_cast<const u16*>(dout) + b * dos.b + h * dos.h;
@@ -915,7 +920,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
     long long bh, b, h;
     int kt;
-    attn_block((sk + BN - 1) / BN, sh.heads, bh, b, h, kt);
+    attn_block((sk + BN - 1) / BN, sh.heads, false, bh, b, h, kt);
     const int k0 = kt * BN;
     const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
     const u16* dob = reinterpret_cast<const u16*>(dout) + b * dos.b + h * dos.h;

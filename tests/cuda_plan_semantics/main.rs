@@ -495,26 +495,19 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
     }
 }
 
-/// A constant mask of float's lowest value (a padding mask as Hugging Face writes it) over all
-/// keys but the first of some rows and every third key of the others: the kernels read it and
-/// give those keys no weight, as the CPU does, forward and backward. (A row it masks wholly is not
-/// here: the kernels' log-sum-exp of such a row, in base 2, is not the CPU's, though Y is.)
-#[test]
-fn attention_under_a_lowest_float_mask_computes_what_the_cpu_computes() {
-    let _report = emu::Report;
-    let body =
-        "input %0 \"dy\": f16[1,2,40,16]\n  input %1 \"q\": f16[1,2,40,16]\n  input %2 \"k\": f16[1,2,40,16]\n  \
-                input %3 \"v\": f16[1,2,40,16]\n  \
-                %5 \"y\": f16[1,2,40,16], %6 \"lse\": f32[1,2,40] = ai.mpc::Attention[scale=0.25](%1, %2, %3)\n  \
-                %7 \"dq\": f16[1,2,40,16], %8 \"dk\": f16[1,2,40,16], %9 \"dv\": f16[1,2,40,16] = \
-                ai.mpc::AttentionGrad[scale=0.25](%0, %1, %2, %3, %5, %6)\n  \
-                output %5\n  output %6\n  output %7\n  output %8\n  output %9";
-    let mut g = common::single_op(body);
-    // Rows 0 to 2 see key 0 only; the others lose every third key (key 0 among them) to f32::MIN.
-    let v: Vec<f64> = (0..40 * 40)
-        .map(|e| if (e / 40 < 3 && e % 40 != 0) || (e / 40 >= 3 && e % 3 == 0) { f32::MIN as f64 } else { 0.0 })
-        .collect();
-    let mask = g.add_initializer("m", mpc_ir::Tensor::from_f64_as(mpc_ir::DType::F32, vec![40, 40], &v));
+/// Attention and its gradient of `[1, heads, s, d]` operands in `dtype` under a constant `[s, s]`
+/// mask, each launch run from the kernels' source against the CPU; returns how many of the
+/// attention kernel calls apply causality themselves (their last argument).
+fn attention_under_a_constant_mask(label: &str, dtype: &str, heads: usize, s: usize, d: usize, mask: &[f64]) -> usize {
+    let t = format!("{dtype}[1,{heads},{s},{d}]");
+    let body = format!(
+        "input %0 \"dy\": {t}\n  input %1 \"q\": {t}\n  input %2 \"k\": {t}\n  input %3 \"v\": {t}\n  \
+         %5 \"y\": {t}, %6 \"lse\": f32[1,{heads},{s}] = ai.mpc::Attention[scale=0.25](%1, %2, %3)\n  \
+         %7 \"dq\": {t}, %8 \"dk\": {t}, %9 \"dv\": {t} = ai.mpc::AttentionGrad[scale=0.25](%0, %1, %2, %3, %5, %6)\n  \
+         output %5\n  output %6\n  output %7\n  output %8\n  output %9"
+    );
+    let mut g = common::single_op(&body);
+    let mask = g.add_initializer("m", mpc_ir::Tensor::from_f64_as(mpc_ir::DType::F32, vec![s as u64, s as u64], mask));
     let nodes: Vec<_> = g.node_ids().collect();
     for n in nodes {
         match g.node(n).op {
@@ -524,9 +517,46 @@ fn attention_under_a_lowest_float_mask_computes_what_the_cpu_computes() {
         }
     }
     let feeds = mpc::run::random_inputs(&g, 4, &HashMap::new()).unwrap();
-    let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new("lowest")).unwrap();
-    let checked = check_program("attention under f32::MIN", &program, &feeds);
+    let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new(label)).unwrap();
+    let checked = check_program(label, &program, &feeds);
     assert!(checked.iter().any(|c| c == "AttentionGrad"), "{checked:?}");
+    let constant = |t: &TensorRef| program.constant(t);
+    let calls: Vec<_> = program.launches.iter().flat_map(|l| plan(l, &constant).unwrap().calls).collect();
+    calls
+        .iter()
+        .filter(
+            |c| matches!(c, Call::Kernel(k) if k.name.starts_with("attention_") && k.args.last() == Some(&Arg::I32(1))),
+        )
+        .count()
+}
+
+/// A constant mask of float's lowest value (a padding mask as Hugging Face writes it) over all
+/// keys but the first of some rows and every third key of the others: the kernels read it and
+/// give those keys no weight, as the CPU does, forward and backward. (A row it masks wholly is not
+/// here: the kernels' log-sum-exp of such a row, in base 2, is not the CPU's, though Y is.)
+#[test]
+fn attention_under_a_lowest_float_mask_computes_what_the_cpu_computes() {
+    let _report = emu::Report;
+    // Rows 0 to 2 see key 0 only; the others lose every third key (key 0 among them) to f32::MIN.
+    let v: Vec<f64> = (0..40 * 40)
+        .map(|e| if (e / 40 < 3 && e % 40 != 0) || (e / 40 >= 3 && e % 3 == 0) { f32::MIN as f64 } else { 0.0 })
+        .collect();
+    assert_eq!(attention_under_a_constant_mask("attention under f32::MIN", "f16", 2, 40, 16, &v), 0);
+}
+
+/// A causal mask over several query and key tiles (the last ones partial): the kernels apply it
+/// themselves, skip the tiles above the diagonal, and the forward and dQ take their query tiles
+/// in reverse order; all as the CPU computes with the mask read.
+#[test]
+fn attention_under_a_causal_mask_over_several_tiles_computes_what_the_cpu_computes() {
+    let _report = emu::Report;
+    let causal =
+        |s: usize| -> Vec<f64> { (0..s * s).map(|e| if e % s > e / s { f64::NEG_INFINITY } else { 0.0 }).collect() };
+    // Head dims 64 (query tiles of 64, key tiles of 64 forward and 32 in dK/dV) and 128 (key tiles
+    // of 32 forward, query tiles of 16 in dK/dV): the forward, δ, dK/dV and dQ kernels, the
+    // three causal ones each flagged.
+    assert_eq!(attention_under_a_constant_mask("causal d64", "f16", 1, 150, 64, &causal(150)), 3);
+    assert_eq!(attention_under_a_constant_mask("causal d128", "bf16", 2, 70, 128, &causal(70)), 3);
 }
 
 /// Training steps run end to end from the kernels' source: `steps` steps of `program`, every

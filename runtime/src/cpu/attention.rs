@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use mpc_ir::ops::AttentionLayout;
 use mpc_ir::{DType, Op};
 
-use super::{err, floats, permute, shape::expand, store, Res};
+use super::{err, floats, permute, store, Res};
 use crate::value::HostTensor;
 
 /// Attention or AttentionGrad on `ins`: under the `bshd` layout the operands are read as
@@ -64,16 +64,39 @@ fn dims(q: &HostTensor, k: &HostTensor, v: &HostTensor) -> Res<Dims> {
     Ok(Dims { n: q.shape[..r - 2].iter().product(), sq, sk, d })
 }
 
-/// The mask's values broadcast to the scores' shape [..., sq, sk], or none.
-fn mask_values(mask: Option<&HostTensor>, q: &HostTensor, sk: usize) -> Res<Option<Vec<f64>>> {
+/// The mask's values, read where they broadcast to the scores [..., sq, sk]: element (at, i, j) of
+/// the scores reads `v[base[at] + i·si + j·sj]` (never expanded: at GPT's size that would be
+/// 200 MB of f64).
+struct Mask {
+    v: Vec<f64>,
+    base: Vec<usize>,
+    si: usize,
+    sj: usize,
+}
+
+impl Mask {
+    fn at(&self, at: usize, i: usize, j: usize) -> f64 {
+        self.v[self.base[at] + i * self.si + j * self.sj]
+    }
+}
+
+fn mask_values(mask: Option<&HostTensor>, q: &HostTensor, sk: usize) -> Res<Option<Mask>> {
     let Some(m) = mask else { return Ok(None) };
-    let mut scores: Vec<i64> = q.shape.iter().map(|&x| x as i64).collect();
-    *scores.last_mut().expect("rank checked") = sk as i64;
-    let full = expand(m, &scores)?;
-    if full.shape.len() != scores.len() || full.shape.iter().zip(&scores).any(|(&a, &b)| a as i64 != b) {
+    let mut scores = q.shape.clone();
+    *scores.last_mut().expect("rank checked") = sk;
+    let fits =
+        m.shape.len() <= scores.len() && m.shape.iter().rev().zip(scores.iter().rev()).all(|(&a, &b)| a == 1 || a == b);
+    if !fits {
         return Err(err(format!("the mask {:?} does not broadcast to the scores {scores:?}", m.shape)));
     }
-    Ok(Some(floats(&full, "the mask")?))
+    let r = scores.len();
+    let strides = mpc_ir::geometry::broadcast_strides(&m.shape, &scores);
+    // Each leading position's offset, in row-major order of the scores' leading dims.
+    let mut base = vec![0usize];
+    for (&n, &st) in scores[..r - 2].iter().zip(&strides[..r - 2]) {
+        base = base.iter().flat_map(|&o| (0..n).map(move |x| o + x * st)).collect();
+    }
+    Ok(Some(Mask { v: floats(m, "the mask")?, base, si: strides[r - 2], sj: strides[r - 1] }))
 }
 
 /// Row `i` of matrix `at` of a [n, rows, d] array.
@@ -86,11 +109,9 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// Row `i`'s scores `scale · q_i·k_j + mask_ij` of matrix `at`.
-fn scores(q: &[f64], k: &[f64], mask: Option<&[f64]>, x: &Dims, at: usize, i: usize, scale: f64) -> Vec<f64> {
+fn scores(q: &[f64], k: &[f64], mask: Option<&Mask>, x: &Dims, at: usize, i: usize, scale: f64) -> Vec<f64> {
     let qi = row(q, at, x.sq, i, x.d);
-    (0..x.sk)
-        .map(|j| scale * dot(qi, row(k, at, x.sk, j, x.d)) + mask.map_or(0.0, |m| m[(at * x.sq + i) * x.sk + j]))
-        .collect()
+    (0..x.sk).map(|j| scale * dot(qi, row(k, at, x.sk, j, x.d)) + mask.map_or(0.0, |m| m.at(at, i, j))).collect()
 }
 
 /// Attention(Q, K, V, mask) → (Y, LSE; f32, f64 for f64 operands): s_ij = scale · q_i·k_j + mask_ij, y_i = Σ_j softmax(s_i)_j v_j,
@@ -109,7 +130,7 @@ pub(crate) fn attention(
     let mut lse = vec![0f64; x.n * x.sq];
     for at in 0..x.n {
         for i in 0..x.sq {
-            let s = scores(&qv, &kv, mask.as_deref(), &x, at, i, scale as f64);
+            let s = scores(&qv, &kv, mask.as_ref(), &x, at, i, scale as f64);
             let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let out = &mut y[(at * x.sq + i) * x.d..][..x.d];
             if m == f64::NEG_INFINITY {
@@ -165,7 +186,7 @@ pub(crate) fn attention_grad(
             if l == f64::NEG_INFINITY {
                 continue;
             }
-            let s = scores(&qv, &kv, mask.as_deref(), &x, at, i, scale);
+            let s = scores(&qv, &kv, mask.as_ref(), &x, at, i, scale);
             let dyi = row(&dyv, at, x.sq, i, x.d);
             let delta = dot(dyi, row(&yv, at, x.sq, i, x.d));
             let qi = row(&qv, at, x.sq, i, x.d).to_vec();
