@@ -171,3 +171,87 @@ fn a_tied_lm_head_trains_as_one_parameter_unless_asked_not_to() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && !stderr.contains("transpose of"), "{stderr}");
 }
+
+/// `--fused-attention` on the transformer exports (PyTorch's scaled_dot_product_attention as both
+/// exporters write it: the scale split over Q and Kᵀ, an additive mask or none, the softmax's NaN
+/// rows zeroed by a Where): every attention becomes one Attention node, and a mixed SGD step on
+/// the CPU, on the export's committed batch, gives the loss and every weight's update of the
+/// unfused step within f16 rounding (the fused scores are summed in f32, not rounded first).
+#[test]
+fn the_fused_attention_takes_every_transformer_export_and_trains_as_its_chains() {
+    use mpc_runtime::device::{CpuDevice, Device};
+    use mpc_runtime::session::Session;
+    let rel_l2 = 2e-3;
+    let mut fused_exports = 0;
+    for f in families() {
+        let expected = mpc::run::read_safetensors(&zoo().join(format!("{}.grads.safetensors", f.name))).unwrap();
+        let inputs: HashMap<_, _> =
+            expected.iter().filter_map(|(k, t)| Some((k.strip_prefix("input.")?.to_string(), t.clone()))).collect();
+        for exporter in ["legacy", "dynamo"] {
+            let stem = format!("{}.{exporter}", f.name);
+            let path = zoo().join(format!("{stem}.onnx"));
+            let build = |fused_attention: bool| {
+                let mut g = mpc::load(&path).unwrap();
+                // A first loss scale that overflows no gradient: the step is taken, not skipped.
+                let dynamic_scale = mpc_passes::train::DynamicScale { init: 256.0, ..Default::default() };
+                let train = Some(TrainOptions { dynamic_scale, ..train_options(&f, Optimizer::Sgd, 0.1) });
+                let opts = mpc::Options { policy: Some("mixed".into()), train, fused_attention, ..Default::default() };
+                mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+                let softmaxes = g.node_ids().filter(|&n| matches!(g.node(n).op, mpc_ir::Op::Softmax(_))).count();
+                (mpc::run::lower_for_inputs(&g, &inputs, CpuDevice::default().caps(), &path).unwrap(), softmaxes)
+            };
+            let ((fused, left), (plain, softmaxes)) = (build(true), build(false));
+            let count =
+                |p: &mpc_runtime::program::Program, kind: &str| p.launches.iter().filter(|l| l.kind() == kind).count();
+            assert_eq!((count(&fused, "Attention"), left), (softmaxes, 0), "{stem}: attentions fused, softmaxes left");
+            if softmaxes == 0 {
+                continue;
+            }
+            assert_eq!(count(&fused, "AttentionGrad"), softmaxes, "{stem}");
+            fused_exports += 1;
+            let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
+            let mut s = [fused, plain].map(|p| Session::new(CpuDevice::default(), p).unwrap());
+            let before: Vec<HostTensor> = state.iter().map(|n| s[1].read_state(n).unwrap()).collect();
+            let tol = mpc_runtime::Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2 };
+            let losses: Vec<HostTensor> = s
+                .iter_mut()
+                .map(|x| {
+                    x.feed(0, &inputs).unwrap();
+                    x.step(0).unwrap();
+                    x.read(0, "loss").unwrap()
+                })
+                .collect();
+            tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{stem} loss: {e}"));
+            // Each f32 weight's update under both steps (not the low copies, rounded from them,
+            // nor the loss scale's state).
+            let mut updates = Vec::new();
+            for (n, w0) in state.iter().zip(&before) {
+                let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
+                if x.dtype() == mpc_ir::DType::F32 && x.shape == w0.shape && !x.shape.is_empty() {
+                    let delta =
+                        |w: &HostTensor| -> Vec<f64> { w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect() };
+                    updates.push((n, delta(&x), delta(&y)));
+                }
+            }
+            let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let largest = updates.iter().map(|(_, _, y)| norm(y)).fold(0.0, f64::max);
+            let (mut updated, mut worst) = (0, 0f64);
+            for (n, x, y) in &updates {
+                let diff: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
+                // An update that vanishes in exact arithmetic (the key projection's bias: the
+                // softmax ignores what it adds to a whole row) is rounding under both: against
+                // the largest update.
+                let e = if norm(y) < 1e-3 * largest { norm(&diff) / largest } else { norm(&diff) / norm(y) };
+                assert!(e <= rel_l2, "{stem}: the update of `{n}` differs by {e:.2e} (relative L2)");
+                updated += (norm(y) > 0.0) as usize;
+                worst = worst.max(e);
+            }
+            assert!(updated >= 10, "{stem}: {updated} weights updated");
+            println!(
+                "{stem}: {softmaxes} attentions fused; {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's"
+            );
+        }
+    }
+    // BERT, DistilBERT, GPT-2, Llama and ViT, by both exporters.
+    assert_eq!(fused_exports, 10);
+}

@@ -2,7 +2,10 @@
 //!
 //! Exporters write attention as its steps: `MatMul(Q, Kᵀ)`, a scale (`Mul` or `Div` by a
 //! constant), an additive mask, `Softmax` over the keys and `MatMul(P, V)`; after the precision
-//! pass the products are f16 (or bf16) and the softmax f32 between two Casts. Run as written, the
+//! pass the products are f16 (or bf16) and the softmax f32 between two Casts. PyTorch's
+//! `scaled_dot_product_attention` (Hugging Face's default attention) exports the scale split over
+//! the operands, `MatMul(Q·√s, Kᵀ·√s)`, and zeroes the probabilities of rows whose every key is
+//! masked, `Where(IsNaN(P), 0, P)`, before the second product. Run as written, the
 //! step keeps the probabilities, [..., Sq, Sk] per layer, from the forward pass to the backward
 //! (GPT-2 small at sequence 512 and batch 8: 48 MiB in f16 for each of its 12 layers) and moves
 //! them through memory four times more.
@@ -13,9 +16,14 @@
 //! first as the unfused chain's product is.
 //!
 //! A chain is fused when its products are f16 or bf16 (Q, K and V of one dtype), every value
-//! between them has no other reader and is no graph output, the scale is a constant, the mask
+//! between them has no other reader (but the IsNaN of such a Where) and is no graph output, the
+//! scales are constants (their product is the node's), the mask
 //! (if any) does not change the scores' shape, the softmax runs over the last axis, and the head
 //! dim is at most 128 (the CUDA kernels' limit). Kᵀ's Transpose (a single reader) becomes K's.
+//! The fused node gives a row whose every key is masked Y = 0 and no gradient, as that Where
+//! does forward (the unfused softmax's gradient of such a row multiplies by its NaN
+//! probabilities); NaN from Q, K or V is not zeroed, as the Where would have zeroed it
+//! (the step is then skipped by the loss scaling's finite check).
 
 use std::collections::HashSet;
 
@@ -77,12 +85,6 @@ struct Chain {
 fn private_producer(g: &Graph, v: ValueId) -> Option<NodeId> {
     let (p, 0) = g.value(v).producer()? else { return None };
     (g.value(v).uses().len() == 1 && !g.is_output(v) && !g.name_is_referenced(v)).then_some(p)
-}
-
-/// `v`'s only reader, when `v` is no graph output.
-fn only_reader(g: &Graph, v: ValueId) -> Option<(NodeId, usize)> {
-    let uses = g.value(v).uses();
-    (uses.len() == 1 && !g.is_output(v) && !g.name_is_referenced(v)).then(|| (uses[0].node, uses[0].slot))
 }
 
 /// The value of a scalar computed from constants and static dims, as exporters write a head's
@@ -169,16 +171,8 @@ fn find(g: &Graph, sm: NodeId, trained: &HashSet<ValueId>) -> Option<Chain> {
         return None;
     }
     let mut dead = vec![sm];
-    // Down: an optional Cast, then MatMul(P, V).
-    let (mut next, mut slot) = only_reader(g, probs)?;
-    if is_cast(g, next) {
-        dead.push(next);
-        (next, slot) = only_reader(g, g.node(next).outputs()[0])?;
-    }
-    if g.node(next).op != Op::MatMul || slot != 0 {
-        return None;
-    }
-    let (pv, v) = (next, g.node(next).input(1)?);
+    let pv = down(g, probs, &mut dead)?;
+    let v = g.node(pv).input(1)?;
     // Up: an optional Add of the mask, an optional scale, an optional Cast, then MatMul(Q, Kᵀ).
     let scores_ty = g.ty(x).clone();
     let mut at = private_producer(g, x)?;
@@ -202,16 +196,8 @@ fn find(g: &Graph, sm: NodeId, trained: &HashSet<ValueId>) -> Option<Chain> {
     }
     let mut scale = 1.0f64;
     if matches!(g.node(at).op, Op::Mul | Op::Div) {
-        let (l, r) = (g.node(at).input(0)?, g.node(at).input(1)?);
-        let (s, c) = match (scalar(g, l), scalar(g, r)) {
-            (_, Some(c)) => (l, c),
-            (Some(c), None) if g.node(at).op == Op::Mul => (r, c),
-            _ => return None,
-        };
-        if depends_on(g, if s == l { r } else { l }, trained) {
-            return None;
-        }
-        scale = if g.node(at).op == Op::Div { 1.0 / c } else { c };
+        let (s, c) = scaled(g, at, trained)?;
+        scale = c;
         dead.push(at);
         at = private_producer(g, s)?;
     }
@@ -223,7 +209,19 @@ fn find(g: &Graph, sm: NodeId, trained: &HashSet<ValueId>) -> Option<Chain> {
         return None;
     }
     dead.push(at);
-    let (q, kt) = (g.node(at).input(0)?, g.node(at).input(1)?);
+    // Q and Kᵀ, each maybe scaled by a constant before the product (PyTorch's
+    // scaled_dot_product_attention exports `(Q·√s)(Kᵀ·√s)`).
+    let mut operand = |i: usize| -> Option<ValueId> {
+        let x = g.node(at).input(i)?;
+        let Some((op, y, c)) = private_producer(g, x).and_then(|m| scaled(g, m, trained).map(|(y, c)| (m, y, c)))
+        else {
+            return Some(x);
+        };
+        scale *= c;
+        dead.push(op);
+        Some(y)
+    };
+    let (q, kt) = (operand(0)?, operand(1)?);
     // Kᵀ's Transpose may be rewritten into K's: nothing else of the chain may be it.
     if kt == q || kt == v || Some(kt) == mask {
         return None;
@@ -251,6 +249,72 @@ fn find(g: &Graph, sm: NodeId, trained: &HashSet<ValueId>) -> Option<Chain> {
         return None;
     }
     Some(Chain { q, kt, v, mask, scale: scale as f32, probs, pv, dead })
+}
+
+/// `x · c`, `c · x` or `x / c` at node `n`, with `c` a constant scalar ([`scalar`]) that no
+/// trained parameter makes (a rank-0 initializer may be a learned temperature): `x` and the
+/// factor it is multiplied by.
+fn scaled(g: &Graph, n: NodeId, trained: &HashSet<ValueId>) -> Option<(ValueId, f64)> {
+    let node = g.node(n);
+    let (l, r) = (node.input(0)?, node.input(1)?);
+    let (x, c) = match (&node.op, scalar(g, l), scalar(g, r)) {
+        (Op::Mul | Op::Div, _, Some(c)) => (l, c),
+        (Op::Mul, Some(c), None) => (r, c),
+        _ => return None,
+    };
+    if depends_on(g, if x == l { r } else { l }, trained) {
+        return None;
+    }
+    let c = if node.op == Op::Div { 1.0 / c } else { c };
+    c.is_finite().then_some((x, c))
+}
+
+/// From the probabilities down to `MatMul(P, V)`, which it returns: Casts, and the
+/// `Where(IsNaN(p), 0, p)` that PyTorch's exported scaled_dot_product_attention puts there (a
+/// row whose every key is masked has NaN probabilities, which it makes 0: the fused node gives
+/// such a row Y = 0 and no gradient itself). Every node passed, IsNaN's included, goes into `dead`;
+/// each value on the way has no reader besides the next node and an IsNaN whose only reader is
+/// that kind of Where further down.
+fn down(g: &Graph, probs: ValueId, dead: &mut Vec<NodeId>) -> Option<NodeId> {
+    let mut at = probs;
+    // The IsNaN outputs seen and not yet consumed by their Where.
+    let mut nan_checks: Vec<ValueId> = Vec::new();
+    loop {
+        if g.is_output(at) || g.name_is_referenced(at) {
+            return None;
+        }
+        let mut next = None;
+        for u in g.value(at).uses() {
+            let reader = g.node(u.node);
+            if matches!(reader.op, Op::IsNaN) && u.slot == 0 {
+                dead.push(u.node);
+                nan_checks.push(reader.outputs()[0]);
+            } else if next.replace((u.node, u.slot)).is_some() {
+                return None; // a second reader
+            }
+        }
+        let (n, slot) = next?;
+        let node = g.node(n);
+        match node.op {
+            Op::Cast(_) => {}
+            Op::Where if slot == 2 => {
+                let (cond, zero) = (node.input(0)?, node.input(1)?);
+                let i = nan_checks.iter().position(|&c| c == cond)?;
+                if g.value(cond).uses().len() != 1 || g.is_output(cond) || scalar(g, zero) != Some(0.0) {
+                    return None;
+                }
+                // The result has the probabilities' shape (the zero is a scalar).
+                if g.ty(node.outputs()[0]).shape != g.ty(at).shape {
+                    return None;
+                }
+                nan_checks.swap_remove(i);
+            }
+            Op::MatMul if slot == 0 && nan_checks.is_empty() => return Some(n),
+            _ => return None,
+        }
+        dead.push(n);
+        at = node.outputs()[0];
+    }
 }
 
 /// Whether a gradient of `v` would flow into one of `values` (a parameter training changes):
@@ -507,6 +571,100 @@ mod tests {
         let lse = g.node(pv).outputs()[1];
         assert_eq!(g.ty(lse), &TypeInfo::new(DType::F32, Shape::fixed(&[2, 3, 8])));
         assert_eq!(g.node_count(), 1);
+    }
+
+    /// PyTorch's scaled_dot_product_attention as exported after the precision pass: the heads
+    /// split from [B, S, H, D], Q and Kᵀ each scaled by √s before the product, the mask added to
+    /// the f32 scores, and the probabilities of wholly masked rows zeroed by
+    /// `Where(IsNaN(P), 0, Cast(P))`. `edit` changes it before the pass runs.
+    fn sdpa(edit: &dyn Fn(&mut Graph)) -> (Graph, NodeId, Changed) {
+        let mut g = Graph::new("g");
+        let f16 = |d: &[u64]| TypeInfo::new(DType::F16, Shape::fixed(d));
+        let constant = |g: &mut Graph, name: &str, x: f64, shape: Vec<u64>| {
+            let value = mpc_ir::Tensor::from_f64_as(DType::F16, shape, &[x]);
+            g.add_op(name, Op::Constant(Box::new(mpc_ir::ops::ConstantAttrs { value })), &[], 1).1[0]
+        };
+        let heads = |g: &mut Graph, name: &str, perm: Vec<i64>| {
+            let x = g.add_input(name, f16(&[2, 8, 3, 4]));
+            g.add_op(&format!("{name}.t"), Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[Some(x)], 1).1[0]
+        };
+        let q = heads(&mut g, "q4", vec![0, 2, 1, 3]);
+        let kt = heads(&mut g, "k4", vec![0, 2, 3, 1]);
+        let v = heads(&mut g, "v4", vec![0, 2, 1, 3]);
+        let mask = g.add_input("mask", TypeInfo::new(DType::F32, Shape::fixed(&[2, 1, 8, 8])));
+        let (c1, c2) = (constant(&mut g, "c1", 0.5, vec![]), constant(&mut g, "c2", 0.5, vec![]));
+        let qs = g.add_op("qs", Op::Mul, &[Some(q), Some(c1)], 1).1[0];
+        let kts = g.add_op("kts", Op::Mul, &[Some(kt), Some(c2)], 1).1[0];
+        let s = g.add_op("s", Op::MatMul, &[Some(qs), Some(kts)], 1).1[0];
+        let s32 = g.add_op("s32", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(s)], 1).1[0];
+        let masked = g.add_op("masked", Op::Add, &[Some(s32), Some(mask)], 1).1[0];
+        let p = g.add_op("p", Op::Softmax(SoftmaxAttrs { axis: -1 }), &[Some(masked)], 1).1[0];
+        let nan = g.add_op("nan", Op::IsNaN, &[Some(p)], 1).1[0];
+        let p16 = g.add_op("p16", Op::Cast(CastAttrs { saturate: true, to: DType::F16 }), &[Some(p)], 1).1[0];
+        let zero = constant(&mut g, "zero", 0.0, vec![1]);
+        let z = g.add_op("z", Op::Where, &[Some(nan), Some(zero), Some(p16)], 1).1[0];
+        let (pv, y) = g.add_op("y", Op::MatMul, &[Some(z), Some(v)], 1);
+        let merged =
+            g.add_op("merged", Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 1, 3]) }), &[Some(y[0])], 1);
+        g.add_output(merged.1[0]);
+        edit(&mut g);
+        crate::infer_types(&mut g).unwrap();
+        let changed = FuseAttention.run(&mut g, &context(true)).unwrap();
+        crate::Dce.run(&mut g, &Context::default()).unwrap();
+        crate::verify(&g).unwrap();
+        (g, pv, changed)
+    }
+
+    #[test]
+    fn pytorch_scaled_dot_product_attention_becomes_one_attention_node() {
+        let (g, pv, changed) = sdpa(&|_| {});
+        assert_eq!(changed, Changed::Yes);
+        // The two √s multiply into the node's scale; the IsNaN and Where go with the chain.
+        assert_eq!(
+            g.node(pv).op,
+            Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bshd, scale: 0.25 }))
+        );
+        let ins: Vec<&str> = g.node(pv).inputs().iter().map(|v| g.name(v.unwrap())).collect();
+        assert_eq!(ins, ["q4", "k4", "v4", "mask"]);
+        assert_eq!(g.node_count(), 1);
+        // Scaled Q read elsewhere too: the node reads it scaled, and takes Kᵀ's factor only.
+        let (g, pv, changed) = sdpa(&|g| {
+            let qs = g.find("qs").unwrap();
+            g.add_output(qs);
+        });
+        assert_eq!(changed, Changed::Yes);
+        let Op::Attention(a) = &g.node(pv).op else { panic!("{:?}", g.node(pv).op) };
+        assert_eq!((a.scale, a.layout, g.name(g.node(pv).input(0).unwrap())), (0.5, AttentionLayout::Bhsd, "qs"));
+    }
+
+    /// A Where that puts anything but 0 in NaN rows, an IsNaN read elsewhere too, or an IsNaN of
+    /// another value: the chain stays.
+    #[test]
+    fn refuses_what_the_zeroing_where_does_not_cover() {
+        let producer = |g: &Graph, name: &str| g.value(g.find(name).unwrap()).producer().unwrap().0;
+        let nonzero = |g: &mut Graph| {
+            let value = mpc_ir::Tensor::from_f64_as(DType::F16, vec![1], &[1.0]);
+            let one = g.add_op("one", Op::Constant(Box::new(mpc_ir::ops::ConstantAttrs { value })), &[], 1).1[0];
+            let w = producer(g, "z");
+            g.set_input(w, 1, Some(one));
+        };
+        let nan_out = |g: &mut Graph| {
+            let nan = g.find("nan").unwrap();
+            g.add_output(nan);
+        };
+        let other_nan = |g: &mut Graph| {
+            let m = g.find("mask").unwrap();
+            let nan = g.add_op("nan2", Op::IsNaN, &[Some(m)], 1).1[0];
+            let w = producer(g, "z");
+            g.set_input(w, 0, Some(nan));
+        };
+        for (what, edit) in [
+            ("a Where of 1", &nonzero as &dyn Fn(&mut Graph)),
+            ("IsNaN an output", &nan_out),
+            ("the mask's IsNaN", &other_nan),
+        ] {
+            assert_eq!(sdpa(edit).2, Changed::No, "{what}");
+        }
     }
 
     /// A head's scale from a Shape's slice and a negative index, as exporters write it; a
