@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A mixed-precision training step of mpc against PyTorch's on the same device, side by side.
 
-    python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,resnet50,digits]
+    python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,gpt-sdpa,resnet50,digits]
                                     [--steps 20] [--warmup 5] [--tiny] [--mpc PATH] [--out DIR]
                                     [--no-compile] [--compile-modes M,...] [--no-profile] [--no-ab]
     # needs torch, torchvision, onnx, numpy; builds nothing: give --mpc (default target/release/mpc)
@@ -11,7 +11,10 @@ batch as a dynamic axis, BatchNormalization in training mode) and trained for th
 the same batch on the same device in the same run:
   (a) mlp: 4 layers of 8192 (Linear + ReLU), batch 8192, cross-entropy over 8192 classes;
   (b) gpt: a GPT-2-small-shaped decoder (12 layers, d 768, 12 heads, vocabulary 50257,
-      sequence 512, batch 8) with its loss inside the exported graph (`--loss output:loss`);
+      sequence 512, batch 8) with its loss inside the exported graph (`--loss output:loss`),
+      its attention written as its steps (nanoGPT without flash); gpt-sdpa: the same with
+      F.scaled_dot_product_attention(is_causal=True), which PyTorch runs with its flash-attention
+      kernels (the PyTorch GPT users run today) and exports as its steps;
   (c) resnet50: torchvision's ResNet-50 at 224x224, batch 64, cross-entropy over 1000 classes;
   (d) digits: the digits MLP (64-256-256-10, batch 64): launch-bound.
 PyTorch runs fp32, AMP fp16 (autocast + GradScaler) and AMP bf16 (autocast), each with
@@ -27,7 +30,7 @@ the plan); with
 mpc's eight longest ops per policy (op, dtype, share of the step, launches).
 The script prints one table per model and the ratios mpc/PyTorch for step time and peak memory,
 and writes everything as JSON under --out. Options mpc does not turn on by default run beside
-(WITH_VARIANTS: GPT's mixed and mixed-bf16 steps with `--fused-attention` too), with their ratios
+(WITH_VARIANTS: both GPTs' mixed and mixed-bf16 steps with `--fused-attention` too), with their ratios
 to the default step, to PyTorch's and, for memory, to mpc fp32's.
 
 --tiny shrinks every model (for checking the script on a machine without a GPU: --device cpu,
@@ -64,9 +67,9 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, sdpa):
         super().__init__()
-        self.heads = heads
+        self.heads, self.sdpa = heads, sdpa
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -76,19 +79,26 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         shape = (b, s, self.heads, d // self.heads)
         q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5 + mask
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        if self.sdpa:  # PyTorch's fused attention (flash-attention kernels on CUDA)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5 + mask
+            y = att.softmax(-1) @ v
+        y = y.transpose(1, 2).reshape(b, s, d)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class Gpt(nn.Module):
-    """GPT-2's shape (pre-norm blocks, learned positions, tanh GELU), its loss inside."""
+    """GPT-2's shape (pre-norm blocks, learned positions, tanh GELU), its loss inside. Its attention
+    as its steps (nanoGPT's without flash: the products, the scale, the causal mask, the softmax),
+    or with `sdpa` as F.scaled_dot_product_attention(is_causal=True), which PyTorch runs with its
+    flash-attention kernels and exports as its steps."""
 
-    def __init__(self, vocab, seq, d, layers, heads):
+    def __init__(self, vocab, seq, d, layers, heads, sdpa=False):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, sdpa) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         # The causal mask as nanoGPT and torch.nn.Transformer write it: -inf above the diagonal.
         self.register_buffer("mask", torch.full((seq, seq), float("-inf")).triu(1), persistent=False)
@@ -112,12 +122,16 @@ def models(tiny):
     width, classes = (64, 16) if tiny else (8192, 8192)
     vocab, seq, d, layers, heads = (128, 16, 32, 2, 2) if tiny else (50257, 512, 768, 12, 12)
     side = 32 if tiny else 224
+
+    def tokens(b, dev):
+        return [torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev)]
+
     return {
         "mlp": (lambda: Mlp(width, 4, classes), 32 if tiny else 8192,
                 lambda b, dev: [torch.randn(b, width, device=dev)], ints(classes), ["--loss", "cross-entropy"]),
-        "gpt": (lambda: Gpt(vocab, seq, d, layers, heads), 2 if tiny else 8,
-                lambda b, dev: [torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev)],
-                None, ["--loss", "output:loss"]),
+        "gpt": (lambda: Gpt(vocab, seq, d, layers, heads), 2 if tiny else 8, tokens, None, ["--loss", "output:loss"]),
+        "gpt-sdpa": (lambda: Gpt(vocab, seq, d, layers, heads, sdpa=True), 2 if tiny else 8, tokens, None,
+                     ["--loss", "output:loss"]),
         "resnet50": (lambda: (torchvision.models.resnet18 if tiny else torchvision.models.resnet50)(num_classes=1000),
                      2 if tiny else 64, lambda b, dev: [torch.randn(b, 3, side, side, device=dev)], ints(1000),
                      ["--loss", "cross-entropy"]),
@@ -128,10 +142,11 @@ def models(tiny):
 
 def export(name, model, example, path):
     """ONNX with the batch as a dynamic axis (and the loss as the output when the model has it)."""
-    names = ["tokens", "labels"] if name == "gpt" else ["x"]
-    outputs = ["loss"] if name == "gpt" else ["logits"]
+    gpt = name.startswith("gpt")
+    names = ["tokens", "labels"] if gpt else ["x"]
+    outputs = ["loss"] if gpt else ["logits"]
     axes = {n: {0: "batch"} for n in names}
-    if name != "gpt":
+    if not gpt:
         axes["logits"] = {0: "batch"}
     torch.onnx.export(model.train(), tuple(example), path, dynamo=False, opset_version=17, input_names=names,
                       output_names=outputs, dynamic_axes=axes, training=torch.onnx.TrainingMode.TRAINING,
@@ -215,7 +230,7 @@ AB_VARIANTS = [
 # Options not on by default, each measured beside the default run where its models run (also with
 # --no-ab): (key, models, mpc's arguments, what the ratio compares).
 WITH_VARIANTS = [
-    ("fused_attention", ("gpt",), ["--fused-attention"],
+    ("fused_attention", ("gpt", "gpt-sdpa"), ["--fused-attention"],
      "with the fused attention (--fused-attention) / without"),
 ]
 
@@ -234,7 +249,7 @@ def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--models", default="mlp,gpt,resnet50,digits")
+    ap.add_argument("--models", default="mlp,gpt,gpt-sdpa,resnet50,digits")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--tiny", action="store_true")

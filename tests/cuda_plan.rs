@@ -57,14 +57,21 @@ fn programs() -> Vec<(String, Program)> {
         }
     }
     // A GPT-shaped training step with its loss inside (a tanh GELU's gradient in a product).
-    // And with its attention fused (`--fused-attention`): the attention kernels' structs.
-    for (policy, fused) in
-        [("fp32", false), ("mixed", false), ("mixed-bf16", false), ("mixed", true), ("mixed-bf16", true)]
-    {
-        let g = common::compiled_with("tiny_gpt_loss", policy, true, fused).unwrap();
-        if let Some(p) = lowered("tiny_gpt_loss", &g) {
+    // And with its attention fused (`--fused-attention`): the attention kernels' structs; also
+    // with F.scaled_dot_product_attention as PyTorch exports it.
+    for (model, policy, fused) in [
+        ("tiny_gpt_loss", "fp32", false),
+        ("tiny_gpt_loss", "mixed", false),
+        ("tiny_gpt_loss", "mixed-bf16", false),
+        ("tiny_gpt_loss", "mixed", true),
+        ("tiny_gpt_loss", "mixed-bf16", true),
+        ("tiny_gpt_sdpa_loss", "mixed", true),
+        ("tiny_gpt_sdpa_loss", "mixed-bf16", true),
+    ] {
+        let g = common::compiled_with(model, policy, true, fused).unwrap();
+        if let Some(p) = lowered(model, &g) {
             let how = if fused { " fused attention" } else { "" };
-            out.push((format!("tiny_gpt_loss {policy} train{how}"), p));
+            out.push((format!("{model} {policy} train{how}"), p));
         }
     }
     // Single ops at shapes the fixtures are too small to reach: batch norms in passes, their

@@ -258,22 +258,25 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         return;
     }
     let steps: u64 = std::env::var("MPC_TRACK_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20).clamp(1, 20);
-    for (policy, bound, fused) in [
-        ("fp32", 1e-3, false),
-        ("mixed", 1e-2, false),
-        ("mixed-bf16", 2e-2, false),
-        ("mixed", 1e-2, true),
-        ("mixed-bf16", 2e-2, true),
+    // Also with F.scaled_dot_product_attention as PyTorch exports it, fused (its causal mask
+    // computed in the graph, applied by the kernels).
+    for (model, policy, bound, fused) in [
+        ("tiny_gpt_loss", "fp32", 1e-3, false),
+        ("tiny_gpt_loss", "mixed", 1e-2, false),
+        ("tiny_gpt_loss", "mixed-bf16", 2e-2, false),
+        ("tiny_gpt_loss", "mixed", 1e-2, true),
+        ("tiny_gpt_loss", "mixed-bf16", 2e-2, true),
+        ("tiny_gpt_sdpa_loss", "mixed", 1e-2, true),
+        ("tiny_gpt_sdpa_loss", "mixed-bf16", 2e-2, true),
     ] {
-        let g = common::compiled_with("tiny_gpt_loss", policy, true, fused).unwrap();
+        let g = common::compiled_with(model, policy, true, fused).unwrap();
         let policy = if fused { format!("{policy} with the fused attention") } else { policy.to_string() };
-        let cpu = losses(CpuDevice::default(), &g, "tiny_gpt_loss", steps);
-        let cuda = losses(CudaDevice::new(0).unwrap(), &g, "tiny_gpt_loss", steps);
+        let cpu = losses(CpuDevice::default(), &g, model, steps);
+        let cuda = losses(CudaDevice::new(0).unwrap(), &g, model, steps);
         let worst = cpu.iter().zip(&cuda).map(|(a, b)| (a - b).abs() / a.abs().max(1e-6)).fold(0.0, f64::max);
         let (bound_g, _) = mpc::summary::bind_inputs(&g, &dims(16)).unwrap();
         let program =
-            mpc::run::lower_bound(&bound_g, CudaDevice::new(0).unwrap().caps(), None, None, &fixture("tiny_gpt_loss"))
-                .unwrap();
+            mpc::run::lower_bound(&bound_g, CudaDevice::new(0).unwrap().caps(), None, None, &fixture(model)).unwrap();
         let gelu_grads =
             program.launches.iter().filter(|l| matches!(l.epilogue, Some(mpc_ir::Op::GeluGrad(_)))).count();
         let mut s = Session::new(CudaDevice::new(0).unwrap(), program).unwrap();
@@ -284,7 +287,7 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         }
         let c = s.counters();
         println!(
-            "tiny_gpt_loss {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}; \
+            "{model} {policy}: loss {:.5} -> {:.5} (cpu {:.5} -> {:.5}), worst relative difference {worst:.2e}; \
              {gelu_grads} GELU gradients in products; cuBLASLt calls {}, refused {}",
             cuda[0],
             cuda[steps as usize - 1],
@@ -293,8 +296,8 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
             c.lt_gemms,
             c.lt_fallbacks
         );
-        assert!(gelu_grads > 0, "tiny_gpt_loss {policy}: no GELU gradient in a product");
-        assert!(worst <= bound, "tiny_gpt_loss {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
+        assert!(gelu_grads > 0, "{model} {policy}: no GELU gradient in a product");
+        assert!(worst <= bound, "{model} {policy}: the GPU's losses leave the CPU's by {worst:.2e}");
     }
 }
 

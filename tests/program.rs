@@ -796,7 +796,7 @@ fn in_place_launches_give_the_reference_bits() {
     }
 }
 
-/// `--fused-attention` trains the GPT-shaped fixture as its unfused attention chains do: the two
+/// `--fused-attention` trains the GPT-shaped fixtures as their unfused attention chains do: the two
 /// chains become Attention and AttentionGrad launches (no Softmax is left), and a mixed (and a
 /// mixed-bf16) SGD step on the CPU from the same weights and inputs gives the same loss and the
 /// same update of every weight within the low dtype's rounding (the fused scores are summed in
@@ -804,9 +804,20 @@ fn in_place_launches_give_the_reference_bits() {
 #[test]
 fn fused_attention_trains_as_the_unfused_chain() {
     use mpc_passes::train::{Loss, Optimizer, TrainOptions};
-    for (policy, rel_l2) in [("mixed", 2e-3), ("mixed-bf16", 1.5e-2)] {
+    // The tiny GPT with its attention as its steps, and with F.scaled_dot_product_attention
+    // (is_causal) as PyTorch exports it: that chain also rounds Q·√s and Kᵀ·√s to the low dtype
+    // before its product, which the fused node does not, so the two steps' roundings differ more
+    // (measured against an fp32 step from the same weights, the fused and unfused mixed steps'
+    // updates are within 3.7e-3 and 2.3e-3 of it, mixed-bf16 within 2.3e-2 and 1.6e-2).
+    for (model, policy, rel_l2) in [
+        ("tiny_gpt_loss", "mixed", 2e-3),
+        ("tiny_gpt_loss", "mixed-bf16", 1.5e-2),
+        ("tiny_gpt_sdpa_loss", "mixed", 5e-3),
+        ("tiny_gpt_sdpa_loss", "mixed-bf16", 5e-2),
+    ] {
+        let label = format!("{model} {policy}");
         let build = |fused: bool| {
-            let path = fixture("tiny_gpt_loss");
+            let path = fixture(model);
             let mut g = mpc::load(&path).unwrap();
             mpc::train::free_batch(&mut g);
             let loss = Loss::Output("loss".into());
@@ -820,11 +831,11 @@ fn fused_attention_trains_as_the_unfused_chain() {
         };
         let ((fused, bound), (plain, _)) = (build(true), build(false));
         let count = |p: &Program, kind: &str| p.launches.iter().filter(|l| l.kind() == kind).count();
-        assert_eq!((count(&fused, "Attention"), count(&fused, "AttentionGrad")), (2, 2), "{policy}");
-        assert_eq!(count(&plain, "Attention") + count(&fused, "Softmax") + count(&fused, "SoftmaxGrad"), 0, "{policy}");
+        assert_eq!((count(&fused, "Attention"), count(&fused, "AttentionGrad")), (2, 2), "{label}");
+        assert_eq!(count(&plain, "Attention") + count(&fused, "Softmax") + count(&fused, "SoftmaxGrad"), 0, "{label}");
         // The heads are read and written where the projections put them: no Transpose of them.
-        assert_eq!(count(&fused, "Transpose"), 0, "{policy}");
-        assert!(fused.launches.len() < plain.launches.len(), "{policy}");
+        assert_eq!(count(&fused, "Transpose"), 0, "{label}");
+        assert!(fused.launches.len() < plain.launches.len(), "{label}");
         let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
         let mut s = [fused, plain].map(|p| Session::new(mpc_runtime::device::CpuDevice::default(), p).unwrap());
         // The matrices (and their low copies) 4 times larger: the exported initial weights score
@@ -847,7 +858,7 @@ fn fused_attention_trains_as_the_unfused_chain() {
                 x.read(0, "loss").unwrap()
             })
             .collect();
-        tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{policy} loss: {e}"));
+        tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{label} loss: {e}"));
         let (mut updated, mut worst) = (0, 0f64);
         for (n, w0) in state.iter().zip(&before) {
             let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
@@ -864,10 +875,10 @@ fn fused_attention_trains_as_the_unfused_chain() {
             }
             updated += 1;
             let e = tol.measure(&dx, &dy).rel_l2;
-            assert!(e <= rel_l2, "{policy}: the update of `{n}` differs by {e:.2e} (relative L2)");
+            assert!(e <= rel_l2, "{label}: the update of `{n}` differs by {e:.2e} (relative L2)");
             worst = worst.max(e);
         }
-        assert!(updated >= 20, "{policy}: {updated} weights updated");
-        println!("{policy}: {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's");
+        assert!(updated >= 20, "{label}: {updated} weights updated");
+        println!("{label}: {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's");
     }
 }

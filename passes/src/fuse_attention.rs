@@ -54,7 +54,7 @@ impl Pass for FuseAttention {
         // fused node takes the scale as a constant and gives the mask no gradient.
         let trained: HashSet<ValueId> =
             cx.train.as_ref().map(|t| crate::train::trainable(g, &t.freeze).into_iter().collect()).unwrap_or_default();
-        let mut changed = Changed::No;
+        let mut changed = if shapes_before_transposes(g) { Changed::Yes } else { Changed::No };
         for n in softmaxes {
             if let Some(chain) = find(g, n, &trained) {
                 fuse(g, chain);
@@ -63,6 +63,56 @@ impl Pass for FuseAttention {
         }
         Ok(changed)
     }
+}
+
+/// Each `Shape(Transpose(x, perm))` as `Gather(Shape(x), perm)` (the entries its `start` and
+/// `end` take): the same dims, read without the transposed tensor. PyTorch's
+/// scaled_dot_product_attention reads the heads' dims off Q and K after their Transposes (for its
+/// scale and its causal mask's size); so rewritten, those Transposes are read by the products
+/// alone, and the attention can take the heads where they lie. Whether any Shape changed.
+fn shapes_before_transposes(g: &mut Graph) -> bool {
+    let shapes: Vec<NodeId> = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Shape(_))).collect();
+    let mut changed = false;
+    for n in shapes {
+        let (Op::Shape(a), Some(v), &[out]) = (&g.node(n).op, g.node(n).input(0), g.node(n).outputs()) else {
+            continue;
+        };
+        let (start, end) = (a.start, a.end);
+        let Some((t, 0)) = g.value(v).producer() else { continue };
+        let (Op::Transpose(TransposeAttrs { perm }), Some(x)) = (&g.node(t).op, g.node(t).input(0)) else { continue };
+        let Some(r) = g.ty(x).shape.as_ref().map(|s| s.rank() as i64) else { continue };
+        let perm: Vec<i64> = perm.clone().unwrap_or_else(|| (0..r).rev().collect());
+        if perm.len() as i64 != r {
+            continue;
+        }
+        let clamp = |e: i64| (if e < 0 { e + r } else { e }).clamp(0, r) as usize;
+        let (s0, s1) = (clamp(start), clamp(end.unwrap_or(r)));
+        let taken: Vec<i64> = perm[s0..s1.max(s0)].to_vec();
+        let name = g.name(out).to_string();
+        let (_, full) =
+            g.add_op(&g.unique_name(&format!("{name}.of_input")), Op::Shape(Default::default()), &[Some(x)], 1);
+        g.set_ty(full[0], TypeInfo::new(DType::I64, Shape::fixed(&[r as u64])));
+        let idx = g.add_initializer(
+            &g.unique_name(&format!("{name}.perm")),
+            mpc_ir::Tensor::from_i64(vec![taken.len() as u64], &taken),
+        );
+        let (_, picked) = g.add_op(
+            &g.unique_name(&format!("{name}.picked")),
+            Op::Gather(Default::default()),
+            &[Some(full[0]), Some(idx)],
+            1,
+        );
+        g.set_ty(picked[0], TypeInfo::new(DType::I64, Shape::fixed(&[taken.len() as u64])));
+        // A graph output keeps its name.
+        let output = g.is_output(out).then_some(name);
+        g.replace_uses(out, picked[0]);
+        g.remove_nodes(&[n]);
+        if let Some(name) = output {
+            g.rename(picked[0], &name);
+        }
+        changed = true;
+    }
+    changed
 }
 
 /// One attention chain, found from its Softmax.
@@ -88,12 +138,12 @@ fn private_producer(g: &Graph, v: ValueId) -> Option<NodeId> {
 }
 
 /// The value of a scalar computed from constants and static dims, as exporters write a head's
-/// scale (PyTorch: `Pow(Cast(Div(Gather(Shape(x), 2), heads)), -0.5)`): constants (a Constant
-/// node, or an initializer that is a scalar or integer: a one-element float initializer of
-/// rank 1 or more may be a parameter that training changes), a fixed dim of a Shape (its `start`
-/// and `end`, a negative index counting from the end), Cast (rounded to a 16-bit float, truncated
-/// to an integer), Div (integer division for integers), Mul, Pow, Sqrt and Reciprocal. `None` for
-/// anything else.
+/// scale (PyTorch: `Pow(Cast(Div(Gather(Shape(x), 2), heads)), -0.5)`, and its
+/// scaled_dot_product_attention `Sqrt(Div(1, Sqrt(Cast(Slice(Shape(q), -1)))))`): constants (a
+/// Constant node, or an initializer that is a scalar or integer: a one-element float initializer
+/// of rank 1 or more may be a parameter that training changes), one fixed dim of a Shape taken by
+/// Gather or Slice ([`ints`]), Cast (rounded to a 16-bit float, truncated to an integer), Div
+/// (integer division for integers), Mul, Pow, Sqrt and Reciprocal. `None` for anything else.
 fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
     fn eval(g: &Graph, v: ValueId, depth: usize) -> Option<f64> {
         if let Some(t) = g.constant(v) {
@@ -127,27 +177,65 @@ fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
             Op::Pow => arg(0)?.powf(arg(1)?),
             Op::Sqrt => arg(0)?.sqrt(),
             Op::Reciprocal => 1.0 / arg(0)?,
-            // Entry `i` of a Shape's slice [start, end) of its input's dims, fixed.
-            Op::Gather(_) => {
-                let (sp, _) = g.value(node.input(0)?).producer()?;
-                let (Op::Shape(a), Some(x)) = (&g.node(sp).op, g.node(sp).input(0)) else { return None };
-                let dims = g.ty(x).shape.as_ref()?.dims().to_vec();
-                let r = dims.len() as i64;
-                let clamp = |e: i64| (if e < 0 { e + r } else { e }).clamp(0, r);
-                let (start, end) = (clamp(a.start), clamp(a.end.unwrap_or(r)));
-                let len = (end - start).max(0);
-                let i = arg(1)? as i64;
-                let i = if i < 0 { i + len } else { i };
-                if !(0..len).contains(&i) {
-                    return None;
-                }
-                dims.get(usize::try_from(start + i).ok()?)?.fixed()? as f64
-            }
+            // One entry of a Shape's fixed dims, by Gather or Slice.
+            Op::Gather(_) | Op::Slice => match ints(g, v, depth)?[..] {
+                [Some(x)] => x as f64,
+                _ => return None,
+            },
             _ => return None,
         };
         Some(if int { x.trunc() } else { x })
     }
-    eval(g, v, 8).filter(|x| x.is_finite())
+    eval(g, v, 16).filter(|x| x.is_finite())
+}
+
+/// The integers of `v` where they are known without running the graph, entry by entry: a
+/// constant integer tensor (flattened), a Shape's dims (its `start` and `end`; a negative one
+/// counts from the end; a symbolic dim unknown), and a Gather (axis 0) or a Slice (axis 0,
+/// positive steps) of such a vector by constant indices. `None` for anything else.
+fn ints(g: &Graph, v: ValueId, depth: usize) -> Option<Vec<Option<i64>>> {
+    if let Some(t) = g.constant(v) {
+        return (!t.dtype().is_float()).then(|| t.to_f64_vec().into_iter().map(|x| Some(x as i64)).collect());
+    }
+    if depth == 0 {
+        return None;
+    }
+    let (p, 0) = g.value(v).producer()? else { return None };
+    let node = g.node(p);
+    let arg = |i: usize| node.input(i).and_then(|u| ints(g, u, depth - 1));
+    // Constant indices: every entry known.
+    let known = |i: usize| arg(i)?.into_iter().collect::<Option<Vec<i64>>>();
+    // An index into `len` entries (negative from the end), clamped to [0, len] as Slice's are.
+    let clamp =
+        |e: i64, len: usize| (if e < 0 { e.saturating_add(len as i64) } else { e }).clamp(0, len as i64) as usize;
+    match &node.op {
+        Op::Shape(a) => {
+            let dims = g.ty(node.input(0)?).shape.as_ref()?.dims().to_vec();
+            let (start, end) = (clamp(a.start, dims.len()), clamp(a.end.unwrap_or(dims.len() as i64), dims.len()));
+            Some(dims.get(start..end.max(start))?.iter().map(|d| d.fixed().map(|x| x as i64)).collect())
+        }
+        Op::Gather(a) if a.axis == 0 => {
+            let (data, idx) = (arg(0)?, known(1)?);
+            let n = data.len() as i64;
+            idx.iter().map(|&i| data.get(usize::try_from(if i < 0 { i + n } else { i }).ok()?).copied()).collect()
+        }
+        Op::Slice => {
+            let data = arg(0)?;
+            let (starts, ends) = (known(1)?, known(2)?);
+            let axes = if node.input(3).is_some() { known(3)? } else { vec![0] };
+            let steps = if node.input(4).is_some() { known(4)? } else { vec![1] };
+            if starts.len() != 1
+                || ends.len() != 1
+                || !matches!(axes[..], [0] | [-1])
+                || !matches!(steps[..], [s] if s > 0)
+            {
+                return None;
+            }
+            let (start, end, step) = (clamp(starts[0], data.len()), clamp(ends[0], data.len()), steps[0] as usize);
+            Some(data.get(start..end.max(start))?.iter().step_by(step).copied().collect())
+        }
+        _ => None,
+    }
 }
 
 fn is_cast(g: &Graph, n: NodeId) -> bool {
@@ -684,6 +772,50 @@ mod tests {
         crate::infer_types(&mut g).unwrap();
         assert_eq!(scalar(&g, scale), Some(0.5));
         assert_eq!(scalar(&g, t), None);
+    }
+
+    /// PyTorch's scaled_dot_product_attention scale, `Sqrt(Div(1, Sqrt(Cast(Slice(Shape(q), -1)))))`,
+    /// from the Shape of the heads' Transpose of a tensor with a symbolic batch: the Shape is read
+    /// off the Transpose's input (`shapes_before_transposes`), only the last dim is taken, and the
+    /// value is known.
+    #[test]
+    fn the_sdpa_scale_is_read_through_slices_of_a_transposed_shape() {
+        let mut g = Graph::new("g");
+        let dims =
+            vec![mpc_ir::Dim::sym("batch"), mpc_ir::Dim::Fixed(8), mpc_ir::Dim::Fixed(3), mpc_ir::Dim::Fixed(16)];
+        let x = g.add_input("x", TypeInfo { dtype: Some(DType::F16), shape: Some(Shape(dims)) });
+        let q = g.add_op("q", Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 1, 3]) }), &[Some(x)], 1).1[0];
+        let shape = g.add_op("shape", Op::Shape(Default::default()), &[Some(q)], 1).1[0];
+        let i64s = |g: &mut Graph, name: &str, v: i64| g.add_initializer(name, mpc_ir::Tensor::from_i64(vec![1], &[v]));
+        let (start, end) = (i64s(&mut g, "start", -1), i64s(&mut g, "end", i64::MAX));
+        let d = g.add_op("d", Op::Slice, &[Some(shape), Some(start), Some(end)], 1).1[0];
+        let df = g.add_op("df", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(d)], 1).1[0];
+        let root = g.add_op("root", Op::Sqrt, &[Some(df)], 1).1[0];
+        let one = g.add_initializer("one", mpc_ir::Tensor::from_f64_as(DType::F32, vec![], &[1.0]));
+        let inv = g.add_op("inv", Op::Div, &[Some(one), Some(root)], 1).1[0];
+        let half = g.add_op("half", Op::Sqrt, &[Some(inv)], 1).1[0];
+        let batch = g.add_op("batch", Op::Gather(Default::default()), &[Some(shape), Some(start)], 1).1[0];
+        g.add_output(half);
+        g.add_output(batch);
+        crate::infer_types(&mut g).unwrap();
+        assert_eq!(scalar(&g, half), Some(0.5));
+        assert!(shapes_before_transposes(&mut g));
+        crate::verify(&g).unwrap();
+        assert_eq!(scalar(&g, half), Some(0.5));
+        // The Transpose is read by nothing now; the Shape reads its input, the dims permuted.
+        assert!(g.value(q).uses().is_empty());
+        assert_eq!(ints(&g, shape_of(&g, d), 4).unwrap(), [None, Some(3), Some(8), Some(16)]);
+        // Where a taken dim is symbolic there is no value.
+        let first = i64s(&mut g, "first", 0);
+        let b = g.add_op("b", Op::Gather(Default::default()), &[Some(shape_of(&g, d)), Some(first)], 1).1[0];
+        crate::infer_types(&mut g).unwrap();
+        assert_eq!(ints(&g, b, 4), Some(vec![None]));
+    }
+
+    /// The Shape value a Slice `d` reads.
+    fn shape_of(g: &Graph, d: ValueId) -> ValueId {
+        let (p, _) = g.value(d).producer().unwrap();
+        g.node(p).input(0).unwrap()
     }
 
     /// A softmax over another axis, a mask that widens the scores, or a learned scale: no fusion.

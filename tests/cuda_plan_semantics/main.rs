@@ -300,19 +300,23 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     let _report = emu::Report;
     use mpc_passes::train::{Loss, TrainOptions};
     use mpc_runtime::program::{lower, LowerOptions};
-    let path = fixture("tiny_gpt_loss");
     let mut kernels = std::collections::BTreeSet::new();
     let mut chains = std::collections::BTreeSet::new();
     let (mut gelu_grads, mut causal) = (0, 0);
-    for (policy, unfused, fused_attention) in [
-        ("fp32", false, false),
-        ("mixed", false, false),
-        ("mixed-bf16", false, false),
-        ("mixed", true, false),
-        ("mixed-bf16", true, false),
-        ("mixed", false, true),
-        ("mixed-bf16", false, true),
+    // The tiny GPT, and the same with F.scaled_dot_product_attention(is_causal) as PyTorch
+    // exports it (its causal mask computed in the graph, folded when the step is lowered).
+    for (model, policy, unfused, fused_attention) in [
+        ("tiny_gpt_loss", "fp32", false, false),
+        ("tiny_gpt_loss", "mixed", false, false),
+        ("tiny_gpt_loss", "mixed-bf16", false, false),
+        ("tiny_gpt_loss", "mixed", true, false),
+        ("tiny_gpt_loss", "mixed-bf16", true, false),
+        ("tiny_gpt_loss", "mixed", false, true),
+        ("tiny_gpt_loss", "mixed-bf16", false, true),
+        ("tiny_gpt_sdpa_loss", "mixed", false, true),
+        ("tiny_gpt_sdpa_loss", "mixed-bf16", false, true),
     ] {
+        let path = fixture(model);
         let mut g = mpc::load(&path).unwrap();
         let t = TrainOptions { loss: Loss::Output("loss".into()), ..TrainOptions::default() };
         let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), fused_attention, ..Default::default() };
@@ -351,14 +355,14 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
             (_, true) => " fused attention",
             _ => "",
         };
-        check_program(&format!("tiny_gpt_loss {policy} train{how}"), &program, &feeds);
+        check_program(&format!("{model} {policy} train{how}"), &program, &feeds);
     }
     for c in ["Fused(Cast+Mul+Add+Softmax+Cast)", "Fused(SoftmaxGrad+Mul+Cast)"] {
         assert!(chains.contains(c), "no {c}: {chains:?}");
     }
     // The fused attention's causal masks, found constant and applied by the kernels: two layers'
-    // forward and backward (two kernels) under both low dtypes.
-    assert_eq!(causal, 12, "the causal masks are read, not applied");
+    // forward and backward (three kernels) under both low dtypes, of both models.
+    assert_eq!(causal, 24, "the causal masks are read, not applied");
     // The fused programs' GELU gradients, one per layer under each policy.
     assert!(gelu_grads >= 3, "{gelu_grads} GELU gradients in products");
     for k in [
