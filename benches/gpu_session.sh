@@ -15,7 +15,9 @@
 #       devices     mpc devices, nvidia-smi, the CUDA libraries found
 #       tests       every device test on the GPU against the CPU (backend_ops, program, train,
 #                   cuda_vs_cpu, runtime_conformance on the ONNX cases, cli, gradients)
-#       variants    both sanitizers over the fused attention's kernels; the program tests and the
+#       attention   the fused attention on the GPU: its kernels at model sizes and the tiny GPTs
+#                   trained fused against the CPU, then racecheck and memcheck over its kernels
+#       variants    the program tests and the
 #                   fixtures again with each switch that changes bits (MPC_FMAD=1,
 #                   MPC_SCRATCH_IN_ARENA=0, MPC_CUBLASLT=0, MPC_WIDE=0, MPC_FUSE=0), and both
 #                   sanitizers over the program tests
@@ -162,13 +164,16 @@ part_tests() {
   step gradients "$BIN/gradients" --nocapture --test-threads=1
 }
 
-part_variants() {  # the bitwise and whole-network tests again under each switch, to tell causes apart
-  # The fused attention's kernels (shared-memory tiles, cp.async, ldmatrix) under both sanitizers
-  # first: their first run on hardware.
+part_attention() {  # the fused attention's first run on hardware
+  step attention "$BIN/cuda_vs_cpu" fused_attention a_gpt_step --nocapture --test-threads=1
+  # Its kernels (shared-memory tiles, cp.async, ldmatrix) under both sanitizers.
   if command -v compute-sanitizer > /dev/null; then
     step racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
     step memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
   fi
+}
+
+part_variants() {  # the bitwise and whole-network tests again under each switch, to tell causes apart
   MPC_FMAD=1 step program_fmad "$BIN/program" cuda:: --nocapture --test-threads=1
   MPC_SCRATCH_IN_ARENA=0 step program_no_scratch_in_arena "$BIN/program" cuda:: --nocapture --test-threads=1
   MPC_CUBLASLT=0 step program_no_cublaslt "$BIN/program" cuda:: --nocapture --test-threads=1
@@ -222,12 +227,13 @@ for p in "${parts[@]}"; do
   case "$p" in
     devices) part_devices ;;
     tests) part_tests ;;
+    attention) part_attention ;;
     sanitizer) part_sanitizer ;;
     variants) part_variants ;;
     sanitizer_all) part_sanitizer_all ;;
     bench) part_bench ;;
-    all) part_devices; part_tests; part_sanitizer; part_bench ;;
-    *) echo "unknown part $p (build, devices, tests, sanitizer, bench, all)"; exit 2 ;;
+    all) part_devices; part_tests; part_attention; part_sanitizer; part_bench ;;
+    *) echo "unknown part $p (build, devices, tests, attention, variants, sanitizer, sanitizer_all, bench, all)"; exit 2 ;;
   esac
 done
 if [ -n "$PACK" ]; then
