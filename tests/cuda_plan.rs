@@ -58,7 +58,8 @@ fn programs() -> Vec<(String, Program)> {
     }
     // A GPT-shaped training step with its loss inside (a tanh GELU's gradient in a product).
     // And with its attention fused (`--fused-attention`): the attention kernels' structs; also
-    // with F.scaled_dot_product_attention as PyTorch exports it.
+    // with F.scaled_dot_product_attention as PyTorch exports it (as its steps, and as one ONNX
+    // Attention node at opset 23).
     for (model, policy, fused) in [
         ("tiny_gpt_loss", "fp32", false),
         ("tiny_gpt_loss", "mixed", false),
@@ -67,6 +68,7 @@ fn programs() -> Vec<(String, Program)> {
         ("tiny_gpt_loss", "mixed-bf16", true),
         ("tiny_gpt_sdpa_loss", "mixed", true),
         ("tiny_gpt_sdpa_loss", "mixed-bf16", true),
+        ("tiny_gpt_attention23_loss", "mixed", true),
     ] {
         let g = common::compiled_with(model, policy, true, fused).unwrap();
         if let Some(p) = lowered(model, &g) {

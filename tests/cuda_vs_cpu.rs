@@ -258,8 +258,8 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         return;
     }
     let steps: u64 = std::env::var("MPC_TRACK_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20).clamp(1, 20);
-    // Also with F.scaled_dot_product_attention as PyTorch exports it, fused (its causal mask
-    // computed in the graph, applied by the kernels).
+    // Also with F.scaled_dot_product_attention as PyTorch exports it (as its steps, and as one ONNX
+    // Attention node at opset 23), fused (its causal mask applied by the kernels).
     for (model, policy, bound, fused) in [
         ("tiny_gpt_loss", "fp32", 1e-3, false),
         ("tiny_gpt_loss", "mixed", 1e-2, false),
@@ -268,6 +268,7 @@ fn a_gpt_step_with_its_gelu_gradients_in_products_tracks_the_cpu() {
         ("tiny_gpt_loss", "mixed-bf16", 2e-2, true),
         ("tiny_gpt_sdpa_loss", "mixed", 1e-2, true),
         ("tiny_gpt_sdpa_loss", "mixed-bf16", 2e-2, true),
+        ("tiny_gpt_attention23_loss", "mixed", 1e-2, true),
     ] {
         let g = common::compiled_with(model, policy, true, fused).unwrap();
         let policy = if fused { format!("{policy} with the fused attention") } else { policy.to_string() };

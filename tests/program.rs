@@ -796,6 +796,27 @@ fn in_place_launches_give_the_reference_bits() {
     }
 }
 
+/// ONNX's Attention operator, expanded by `expand-attention`, computes what PyTorch's legacy
+/// export of the same scaled_dot_product_attention computes: the tiny GPT (the same weights)
+/// exported both ways gives the same fp32 loss on the same inputs.
+#[test]
+fn the_onnx_attention_op_computes_the_exported_chain() {
+    let loss = |model: &str| {
+        let path = fixture(model);
+        let mut g = mpc::load(&path).unwrap();
+        mpc::compile(&mut g, &path, &mpc::Options::default(), &mut |_, _| {}).unwrap();
+        let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+        let inputs = mpc::run::random_inputs(&bound, 3, &dims()).unwrap();
+        let out = mpc::run::run_once(&bound, &inputs, &path).unwrap();
+        (out.into_iter().find(|(n, _)| n == "loss").unwrap().1.f64s()[0], g)
+    };
+    let ((chain, _), (op, g)) = (loss("tiny_gpt_sdpa_loss"), loss("tiny_gpt_attention23_loss"));
+    // Expanded: no Attention node is left opaque.
+    assert!(!g.node_ids().any(|n| matches!(&g.node(n).op, mpc_ir::Op::Opaque(_))));
+    println!("tiny GPT loss: {chain} as the exported chain, {op} as one ONNX Attention node");
+    assert!((chain - op).abs() <= 1e-6 * chain.abs(), "loss {op} where the exported chain gives {chain}");
+}
+
 /// `--fused-attention` trains the GPT-shaped fixtures as their unfused attention chains do: the two
 /// chains become Attention and AttentionGrad launches (no Softmax is left), and a mixed (and a
 /// mixed-bf16) SGD step on the CPU from the same weights and inputs gives the same loss and the
@@ -805,7 +826,8 @@ fn in_place_launches_give_the_reference_bits() {
 fn fused_attention_trains_as_the_unfused_chain() {
     use mpc_passes::train::{Loss, Optimizer, TrainOptions};
     // The tiny GPT with its attention as its steps, and with F.scaled_dot_product_attention
-    // (is_causal) as PyTorch exports it: that chain also rounds Q·√s and Kᵀ·√s to the low dtype
+    // (is_causal) as PyTorch exports it, by the legacy exporter as its steps and by the dynamo
+    // exporter at opset 23 as one ONNX Attention node (expanded by `expand-attention`): that chain also rounds Q·√s and Kᵀ·√s to the low dtype
     // before its product, which the fused node does not, so the two steps' roundings differ more
     // (measured against an fp32 step from the same weights, the fused and unfused mixed steps'
     // updates are within 3.7e-3 and 2.3e-3 of it, mixed-bf16 within 2.3e-2 and 1.6e-2).
@@ -814,6 +836,8 @@ fn fused_attention_trains_as_the_unfused_chain() {
         ("tiny_gpt_loss", "mixed-bf16", 1.5e-2),
         ("tiny_gpt_sdpa_loss", "mixed", 5e-3),
         ("tiny_gpt_sdpa_loss", "mixed-bf16", 5e-2),
+        ("tiny_gpt_attention23_loss", "mixed", 5e-3),
+        ("tiny_gpt_attention23_loss", "mixed-bf16", 5e-2),
     ] {
         let label = format!("{model} {policy}");
         let build = |fused: bool| {

@@ -458,10 +458,16 @@ fn untranspose(g: &mut Graph, kt: ValueId, k_ty: TypeInfo) -> ValueId {
             let mut p: Vec<i64> = perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
             if p.len() == r {
                 p.swap(r - 2, r - 1);
+                let unread = g.value(kt).uses().is_empty() && !g.is_output(kt) && !g.name_is_referenced(kt);
                 if p.iter().enumerate().all(|(i, &a)| a == i as i64) {
+                    // K itself; the Transpose goes when nothing else reads it, so that K's only
+                    // reader may be the attention (which then may read the heads in place).
+                    if unread {
+                        g.remove_nodes(&[t]);
+                    }
                     return src;
                 }
-                if g.value(kt).uses().is_empty() && !g.is_output(kt) && !g.name_is_referenced(kt) {
+                if unread {
                     *g.node_op_mut(t) = Op::Transpose(TransposeAttrs { perm: Some(p) });
                     g.set_ty(kt, k_ty);
                     return kt;

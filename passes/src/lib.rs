@@ -7,6 +7,7 @@
 
 mod cast_cleanup;
 mod dce;
+mod expand_attention;
 mod fuse_attention;
 mod gemm_transpose;
 mod infer;
@@ -18,6 +19,7 @@ pub mod train;
 
 pub use cast_cleanup::CastCleanup;
 pub use dce::Dce;
+pub use expand_attention::ExpandAttention;
 pub use fuse_attention::FuseAttention;
 pub use gemm_transpose::GemmTranspose;
 pub use infer::{infer_types, InferTypes};

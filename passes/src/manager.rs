@@ -3,8 +3,8 @@
 use mpc_ir::{Graph, NodeId};
 
 use crate::{
-    infer, train, CastCleanup, Changed, Context, Dce, Effect, FuseAttention, GemmTranspose, InferTypes, Pass,
-    PassError, Precision, Result, Simplify, UnrollRnn,
+    infer, train, CastCleanup, Changed, Context, Dce, Effect, ExpandAttention, FuseAttention, GemmTranspose,
+    InferTypes, Pass, PassError, Precision, Result, Simplify, UnrollRnn,
 };
 
 /// A named list of passes.
@@ -35,6 +35,7 @@ impl PassManager {
             Pipeline::Inference => PassManager::new(vec![
                 Box::new(InferTypes),
                 Box::new(UnrollRnn),
+                Box::new(ExpandAttention),
                 Box::new(Simplify),
                 Box::new(Precision),
                 Box::new(FuseAttention),
@@ -44,6 +45,7 @@ impl PassManager {
             Pipeline::Training => PassManager::new(vec![
                 Box::new(InferTypes),
                 Box::new(UnrollRnn),
+                Box::new(ExpandAttention),
                 Box::new(Simplify),
                 Box::new(train::AddLoss),
                 Box::new(Precision),

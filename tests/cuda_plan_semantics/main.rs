@@ -304,7 +304,8 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
     let mut chains = std::collections::BTreeSet::new();
     let (mut gelu_grads, mut causal) = (0, 0);
     // The tiny GPT, and the same with F.scaled_dot_product_attention(is_causal) as PyTorch
-    // exports it (its causal mask computed in the graph, folded when the step is lowered).
+    // exports it (its causal mask computed in the graph, folded when the step is lowered), and as
+    // one ONNX Attention node (opset 23, expanded, its causal mask a constant).
     for (model, policy, unfused, fused_attention) in [
         ("tiny_gpt_loss", "fp32", false, false),
         ("tiny_gpt_loss", "mixed", false, false),
@@ -315,6 +316,7 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         ("tiny_gpt_loss", "mixed-bf16", false, true),
         ("tiny_gpt_sdpa_loss", "mixed", false, true),
         ("tiny_gpt_sdpa_loss", "mixed-bf16", false, true),
+        ("tiny_gpt_attention23_loss", "mixed", false, true),
     ] {
         let path = fixture(model);
         let mut g = mpc::load(&path).unwrap();
@@ -361,8 +363,9 @@ fn the_plans_of_a_training_step_with_its_loss_inside_compute_what_the_cpu_comput
         assert!(chains.contains(c), "no {c}: {chains:?}");
     }
     // The fused attention's causal masks, found constant and applied by the kernels: two layers'
-    // forward and backward (three kernels) under both low dtypes, of both models.
-    assert_eq!(causal, 24, "the causal masks are read, not applied");
+    // forward and backward (three kernels) under both low dtypes, of the first two models, and
+    // under mixed of the third.
+    assert_eq!(causal, 30, "the causal masks are read, not applied");
     // The fused programs' GELU gradients, one per layer under each policy.
     assert!(gelu_grads >= 3, "{gelu_grads} GELU gradients in products");
     for k in [
