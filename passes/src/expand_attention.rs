@@ -11,15 +11,18 @@
 //!
 //! Expanded: 3-D and 4-D inputs, grouped-query heads, a boolean or additive mask as wide as the
 //! keys, `is_causal` without a cache (key j seen from query i when j ≤ i), `scale`, `softcap`,
-//! `softmax_precision`, and the outputs `present_key` / `present_value` (K and V themselves
-//! without a cache) and `qk_matmul_output` (each of its four modes). Left as the opaque node,
-//! which no device runs: a KV cache (`past_key`, `past_value`), `nonpad_kv_seqlen`, sliding
-//! windows, unknown attributes, an unknown head size where the scale is not given, and grouped
-//! heads of an unknown size.
+//! `softmax_precision`, a sliding window where both sequence lengths are fixed, and the outputs
+//! `present_key` / `present_value` (K and V themselves without a cache) and `qk_matmul_output`
+//! (each of its four modes; modes 0 and 1 both the soft-capped product, as the onnx package's
+//! reference gives them). Left as the opaque node, which no device runs: a KV cache (`past_key`,
+//! `past_value`), `nonpad_kv_seqlen`, a mask narrower than the keys (which the definition pads),
+//! a sliding window over lengths not fixed, unknown attributes, an unknown head size where the
+//! scale is not given, and grouped heads of an unknown size.
 //!
 //! The rows whose every key is masked are found as the definition's NaN probabilities
 //! (`Where(IsNaN(P), 0, P)`, PyTorch's own export of scaled_dot_product_attention), not from the
-//! bias alone: the two agree unless Q or K holds an infinity or a NaN.
+//! bias alone: the two agree unless a score is infinite or NaN (Q or K holding one, or f16
+//! scores overflowing).
 
 use mpc_ir::attr::Attr;
 use mpc_ir::ops::{CastAttrs, ReshapeAttrs, SoftmaxAttrs, TransposeAttrs, TriluAttrs};
@@ -141,7 +144,7 @@ impl Spec {
         } else {
             (fixed(&qs.dims()[1])?, fixed(&ks.dims()[1])?, None)
         };
-        if q_heads % kv_heads != 0 {
+        if kv_heads <= 0 || q_heads % kv_heads != 0 {
             return None;
         }
         // Head sizes: Q's (for the default scale), K's and V's (for grouped heads).
@@ -180,7 +183,8 @@ impl Spec {
         if let Some(m) = mask {
             let ms = shape(m)?;
             let keys = ms.dims().last()?;
-            if ms.rank() == 0 || ms.rank() > 4 || !(keys == &ks.dims()[rank - 2] || keys.fixed() == Some(1)) {
+            // (A mask one key wide is padded too, not broadcast: only as wide as the keys.)
+            if ms.rank() == 0 || ms.rank() > 4 || !(keys == &ks.dims()[rank - 2] && !matches!(keys, Dim::Unknown)) {
                 return None;
             }
             if !matches!(g.ty(m).dtype, Some(DType::Bool)) && g.ty(m).dtype != Some(dtype) {
@@ -307,12 +311,12 @@ fn expand(g: &mut Graph, n: NodeId, s: &Spec) {
         _ => probs,
     };
     // Each output the graph reads: Y, K and V (the present key and value without a cache), the
-    // scores in the mode asked. A graph output keeps its name, on an Identity of its value (K and
-    // V may be graph inputs).
+    // scores in the mode asked. A value read by name (a graph output, a subgraph's capture) keeps
+    // its name, on an Identity of its value (K and V may be graph inputs).
     let mut renamed = Vec::new();
     for (old, new) in outputs.into_iter().zip([y, k, v, qk_out]) {
         let Some(old) = old else { continue };
-        let new = if b.g.is_output(old) {
+        let new = if b.g.name_is_referenced(old) {
             let id = b.op("output", Op::Identity, &[new]);
             renamed.push((id, b.g.name(old).to_string()));
             id
@@ -407,15 +411,26 @@ mod tests {
         assert!((c - (1.0f64 / 8.0).sqrt().sqrt()).abs() < 1e-7, "{c}");
     }
 
-    /// A KV cache leaves the node as it is.
+    /// A KV cache, a mask narrower than the keys (which the definition pads) or K without heads
+    /// leaves the node as it is.
     #[test]
-    fn a_kv_cache_leaves_the_node_opaque() {
+    fn what_it_cannot_expand_stays_opaque() {
+        let qkv = "input %0 \"q\": f32[2,3,4,8]\n  input %1 \"k\": f32[2,3,5,8]\n  input %2 \"v\": f32[2,3,5,8]\n  ";
+        for body in [
+            "input %3 \"past_k\": f32[2,3,6,8]\n  input %4 \"past_v\": f32[2,3,6,8]\n  \
+             %5 \"y\": f32[2,3,4,8] = ::Attention(%0, %1, %2, _, %3, %4)\n  output %5"
+                .to_string(),
+            "input %3 \"m\": f32[1,1,4,1]\n  %5 \"y\": f32[2,3,4,8] = ::Attention(%0, %1, %2, %3)\n  output %5"
+                .to_string(),
+        ] {
+            let mut g = graph(&format!("{qkv}{body}"));
+            assert_eq!(ExpandAttention.run(&mut g, &Context::default()).unwrap(), Changed::No, "{body}");
+            assert_eq!(ops(&g), ["Attention"]);
+        }
         let mut g = graph(
-            "input %0 \"q\": f32[2,3,4,8]\n  input %1 \"k\": f32[2,3,5,8]\n  input %2 \"v\": f32[2,3,5,8]\n  \
-             input %3 \"past_k\": f32[2,3,6,8]\n  input %4 \"past_v\": f32[2,3,6,8]\n  \
-             %5 \"y\": f32[2,3,4,8] = ::Attention(%0, %1, %2, _, %3, %4)\n  output %5",
+            "input %0 \"q\": f32[2,3,4,8]\n  input %1 \"k\": f32[2,0,5,8]\n  input %2 \"v\": f32[2,0,5,8]\n  \
+             %3 \"y\": f32[2,3,4,8] = ::Attention(%0, %1, %2)\n  output %3",
         );
         assert_eq!(ExpandAttention.run(&mut g, &Context::default()).unwrap(), Changed::No);
-        assert_eq!(ops(&g), ["Attention"]);
     }
 }

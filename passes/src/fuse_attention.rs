@@ -103,8 +103,8 @@ fn shapes_before_transposes(g: &mut Graph) -> bool {
             1,
         );
         g.set_ty(picked[0], TypeInfo::new(DType::I64, Shape::fixed(&[taken.len() as u64])));
-        // A graph output keeps its name.
-        let output = g.is_output(out).then_some(name);
+        // A value read by name (a graph output, a subgraph's capture) keeps its name.
+        let output = g.name_is_referenced(out).then_some(name);
         g.replace_uses(out, picked[0]);
         g.remove_nodes(&[n]);
         if let Some(name) = output {
@@ -195,7 +195,9 @@ fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
 /// positive steps) of such a vector by constant indices. `None` for anything else.
 fn ints(g: &Graph, v: ValueId, depth: usize) -> Option<Vec<Option<i64>>> {
     if let Some(t) = g.constant(v) {
-        return (!t.dtype().is_float()).then(|| t.to_f64_vec().into_iter().map(|x| Some(x as i64)).collect());
+        // (A vector or a scalar: Gather and Slice below take axis 0 of a vector.)
+        let vector = !t.dtype().is_float() && t.shape().len() <= 1;
+        return vector.then(|| t.to_f64_vec().into_iter().map(|x| Some(x as i64)).collect());
     }
     if depth == 0 {
         return None;
@@ -367,6 +369,7 @@ fn down(g: &Graph, probs: ValueId, dead: &mut Vec<NodeId>) -> Option<NodeId> {
     let mut at = probs;
     // The IsNaN outputs seen and not yet consumed by their Where.
     let mut nan_checks: Vec<ValueId> = Vec::new();
+    let mut cast = false;
     loop {
         if g.is_output(at) || g.name_is_referenced(at) {
             return None;
@@ -383,8 +386,10 @@ fn down(g: &Graph, probs: ValueId, dead: &mut Vec<NodeId>) -> Option<NodeId> {
         }
         let (n, slot) = next?;
         let node = g.node(n);
-        match node.op {
-            Op::Cast(_) => {}
+        match &node.op {
+            // One Cast, to a float (the probabilities to the products' dtype): a second, or one
+            // to an integer or an 8-bit float, rounds what the fused node would not.
+            Op::Cast(c) if !cast && matches!(c.to, DType::F16 | DType::BF16 | DType::F32 | DType::F64) => cast = true,
             Op::Where if slot == 2 => {
                 let (cond, zero) = (node.input(0)?, node.input(1)?);
                 let i = nan_checks.iter().position(|&c| c == cond)?;
@@ -752,7 +757,17 @@ mod tests {
             let w = producer(g, "z");
             g.set_input(w, 0, Some(nan));
         };
+        // A second Cast of the probabilities (here to f32 and back): a rounding the fused node
+        // would not make.
+        let recast = |g: &mut Graph| {
+            let w = producer(g, "z");
+            let p16 = g.find("p16").unwrap();
+            let to32 = g.add_op("p32", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[Some(p16)], 1).1[0];
+            let back = g.add_op("p16b", Op::Cast(CastAttrs { saturate: true, to: DType::F16 }), &[Some(to32)], 1).1[0];
+            g.set_input(w, 2, Some(back));
+        };
         for (what, edit) in [
+            ("a second Cast", &recast as &dyn Fn(&mut Graph)),
             ("a Where of 1", &nonzero as &dyn Fn(&mut Graph)),
             ("IsNaN an output", &nan_out),
             ("the mask's IsNaN", &other_nan),
@@ -778,6 +793,12 @@ mod tests {
         crate::infer_types(&mut g).unwrap();
         assert_eq!(scalar(&g, scale), Some(0.5));
         assert_eq!(scalar(&g, t), None);
+        // A constant of rank 2 is no vector to index: [[4, 5, 6]][0] is a row, not 4.
+        let m = g.add_initializer("m", mpc_ir::Tensor::from_i64(vec![1, 3], &[4, 5, 6]));
+        let zero = g.add_initializer("zero", mpc_ir::Tensor::from_i64(vec![], &[0]));
+        let row = g.add_op("row", Op::Gather(Default::default()), &[Some(m), Some(zero)], 1).1[0];
+        crate::infer_types(&mut g).unwrap();
+        assert_eq!((ints(&g, row, 4), scalar(&g, row)), (None, None));
     }
 
     /// PyTorch's scaled_dot_product_attention scale, `Sqrt(Div(1, Sqrt(Cast(Slice(Shape(q), -1)))))`,
