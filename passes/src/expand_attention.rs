@@ -184,7 +184,7 @@ impl Spec {
             let ms = shape(m)?;
             let keys = ms.dims().last()?;
             // (A mask one key wide is padded too, not broadcast: only as wide as the keys.)
-            if ms.rank() == 0 || ms.rank() > 4 || !(keys == &ks.dims()[rank - 2] && !matches!(keys, Dim::Unknown)) {
+            if ms.rank() == 0 || ms.rank() > 4 || keys != &ks.dims()[rank - 2] || matches!(keys, Dim::Unknown) {
                 return None;
             }
             if !matches!(g.ty(m).dtype, Some(DType::Bool)) && g.ty(m).dtype != Some(dtype) {
