@@ -166,10 +166,11 @@ part_tests() {
 
 part_attention() {  # the fused attention's first run on hardware
   step attention "$BIN/cuda_vs_cpu" fused_attention a_gpt_step --nocapture --test-threads=1
-  # Its kernels (shared-memory tiles, cp.async, ldmatrix) under both sanitizers.
+  # Its kernels (shared-memory tiles, cp.async, ldmatrix) under both sanitizers, over a few tiles
+  # (MPC_SMALL_ATTENTION: the sanitizers run each kernel far slower).
   if command -v compute-sanitizer > /dev/null; then
-    step racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
-    step memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
+    MPC_SMALL_ATTENTION=1 step racecheck_attention compute-sanitizer --tool racecheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
+    MPC_SMALL_ATTENTION=1 step memcheck_attention compute-sanitizer --tool memcheck --error-exitcode 9 "$BIN/cuda_vs_cpu" fused_attention --test-threads=1
   fi
 }
 
