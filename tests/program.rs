@@ -871,37 +871,8 @@ fn fused_attention_trains_as_the_unfused_chain() {
                 s.iter_mut().for_each(|x| x.write_state(n, &big).unwrap());
             }
         }
-        let before: Vec<HostTensor> = state.iter().map(|n| s[1].read_state(n).unwrap()).collect();
-        let tol = mpc_runtime::Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2 };
         let inputs = mpc::run::random_inputs(&bound, 11, &dims()).unwrap();
-        let losses: Vec<HostTensor> = s
-            .iter_mut()
-            .map(|x| {
-                x.feed(0, &inputs).unwrap();
-                x.step(0).unwrap();
-                x.read(0, "loss").unwrap()
-            })
-            .collect();
-        tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{label} loss: {e}"));
-        let (mut updated, mut worst) = (0, 0f64);
-        for (n, w0) in state.iter().zip(&before) {
-            let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
-            if x.dtype() != DType::F32 {
-                continue; // the low copies: the masters' updates rounded
-            }
-            let delta = |w: &HostTensor| {
-                let d: Vec<f64> = w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect();
-                HostTensor::from_f64(DType::F64, w.shape.clone(), d)
-            };
-            let (dx, dy) = (delta(&x), delta(&y));
-            if dy.f64s().iter().all(|&d| d == 0.0) {
-                continue;
-            }
-            updated += 1;
-            let e = tol.measure(&dx, &dy).rel_l2;
-            assert!(e <= rel_l2, "{label}: the update of `{n}` differs by {e:.2e} (relative L2)");
-            worst = worst.max(e);
-        }
+        let (updated, worst) = common::training::compare_one_step(&label, &mut s, &state, &inputs, rel_l2);
         assert!(updated >= 20, "{label}: {updated} weights updated");
         println!("{label}: {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's");
     }

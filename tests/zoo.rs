@@ -211,41 +211,7 @@ fn the_fused_attention_takes_every_transformer_export_and_trains_as_its_chains()
             fused_exports += 1;
             let state: Vec<String> = fused.state.iter().map(|s| s.name.clone()).collect();
             let mut s = [fused, plain].map(|p| Session::new(CpuDevice::default(), p).unwrap());
-            let before: Vec<HostTensor> = state.iter().map(|n| s[1].read_state(n).unwrap()).collect();
-            let tol = mpc_runtime::Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2 };
-            let losses: Vec<HostTensor> = s
-                .iter_mut()
-                .map(|x| {
-                    x.feed(0, &inputs).unwrap();
-                    x.step(0).unwrap();
-                    x.read(0, "loss").unwrap()
-                })
-                .collect();
-            tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{stem} loss: {e}"));
-            // Each f32 weight's update under both steps (not the low copies, rounded from them,
-            // nor the loss scale's state).
-            let mut updates = Vec::new();
-            for (n, w0) in state.iter().zip(&before) {
-                let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
-                if x.dtype() == mpc_ir::DType::F32 && x.shape == w0.shape && !x.shape.is_empty() {
-                    let delta =
-                        |w: &HostTensor| -> Vec<f64> { w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect() };
-                    updates.push((n, delta(&x), delta(&y)));
-                }
-            }
-            let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
-            let largest = updates.iter().map(|(_, _, y)| norm(y)).fold(0.0, f64::max);
-            let (mut updated, mut worst) = (0, 0f64);
-            for (n, x, y) in &updates {
-                let diff: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
-                // An update that vanishes in exact arithmetic (the key projection's bias: the
-                // softmax ignores what it adds to a whole row) is rounding under both: against
-                // the largest update.
-                let e = if norm(y) < 1e-3 * largest { norm(&diff) / largest } else { norm(&diff) / norm(y) };
-                assert!(e <= rel_l2, "{stem}: the update of `{n}` differs by {e:.2e} (relative L2)");
-                updated += (norm(y) > 0.0) as usize;
-                worst = worst.max(e);
-            }
+            let (updated, worst) = common::training::compare_one_step(&stem, &mut s, &state, &inputs, rel_l2);
             assert!(updated >= 10, "{stem}: {updated} weights updated");
             println!(
                 "{stem}: {softmaxes} attentions fused; {updated} weights' updates within {worst:.2e} (relative L2) of the unfused step's"

@@ -613,12 +613,18 @@ mod tests {
         Context { policy: Some(policy), ..Context::default() }
     }
 
+    /// The pass with the option on, then dead-code elimination and the full verification.
+    fn fused(g: &mut Graph) -> Changed {
+        let changed = FuseAttention.run(g, &context(true)).unwrap();
+        crate::Dce.run(g, &Context::default()).unwrap();
+        crate::verify(g).unwrap();
+        changed
+    }
+
     #[test]
     fn an_exported_chain_becomes_one_attention_node() {
         let (mut g, pv) = exported(false);
-        assert_eq!(FuseAttention.run(&mut g, &context(true)).unwrap(), Changed::Yes);
-        crate::Dce.run(&mut g, &Context::default()).unwrap();
-        crate::verify(&g).unwrap();
+        assert_eq!(fused(&mut g), Changed::Yes);
         assert_eq!(
             g.node(pv).op,
             Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bhsd, scale: 0.5 }))
@@ -656,9 +662,7 @@ mod tests {
             g.add_op("merged", Op::Transpose(TransposeAttrs { perm: Some(vec![0, 2, 1, 3]) }), &[Some(y[0])], 1);
         g.add_output(merged.1[0]);
         crate::infer_types(&mut g).unwrap();
-        assert_eq!(FuseAttention.run(&mut g, &context(true)).unwrap(), Changed::Yes);
-        crate::Dce.run(&mut g, &Context::default()).unwrap();
-        crate::verify(&g).unwrap();
+        assert_eq!(fused(&mut g), Changed::Yes);
         assert_eq!(
             g.node(pv).op,
             Op::Attention(Box::new(AttentionAttrs { layout: AttentionLayout::Bshd, scale: 0.5 }))
@@ -708,9 +712,7 @@ mod tests {
         g.add_output(merged.1[0]);
         edit(&mut g);
         crate::infer_types(&mut g).unwrap();
-        let changed = FuseAttention.run(&mut g, &context(true)).unwrap();
-        crate::Dce.run(&mut g, &Context::default()).unwrap();
-        crate::verify(&g).unwrap();
+        let changed = fused(&mut g);
         (g, pv, changed)
     }
 

@@ -83,3 +83,49 @@ pub fn update_of<'g>(g: &'g mpc_ir::Graph, name: &str) -> &'g mpc_ir::Node {
         .find(|n| matches!(n.op, Op::AdamUpdate(_) | Op::SgdUpdate(_)) && n.input(0) == Some(p))
         .unwrap_or_else(|| panic!("no update of `{name}`"))
 }
+
+/// One step of each of two sessions (the same program but for what is compared, the same state)
+/// on `inputs`: their losses within `rel_l2`, and each f32 weight's update (not the low copies,
+/// rounded from them, nor scalar state such as the loss scale) within `rel_l2` of the second
+/// session's, relative L2. An update that vanishes in exact arithmetic (the key projection's
+/// bias: the softmax ignores what it adds to a whole row) is rounding on both sides: it is
+/// measured against the largest update. Returns the weights updated and the worst difference;
+/// panics naming `label` and the weight.
+pub fn compare_one_step<D: Device>(
+    label: &str,
+    s: &mut [Session<D>; 2],
+    state: &[String],
+    inputs: &HashMap<String, HostTensor>,
+    rel_l2: f64,
+) -> (usize, f64) {
+    let before: Vec<HostTensor> = state.iter().map(|n| s[1].read_state(n).unwrap()).collect();
+    let losses: Vec<HostTensor> = s
+        .iter_mut()
+        .map(|x| {
+            x.feed(0, inputs).unwrap();
+            x.step(0).unwrap();
+            x.read(0, "loss").unwrap()
+        })
+        .collect();
+    let tol = mpc_runtime::Tolerance { rtol: f64::INFINITY, atol: f64::INFINITY, rel_l2 };
+    tol.check(&losses[0], &losses[1]).unwrap_or_else(|e| panic!("{label} loss: {e}"));
+    let mut updates = Vec::new();
+    for (n, w0) in state.iter().zip(&before) {
+        let [x, y] = [0, 1].map(|i| s[i].read_state(n).unwrap());
+        if x.dtype() == mpc_ir::DType::F32 && x.shape == w0.shape && !x.shape.is_empty() {
+            let delta = |w: &HostTensor| -> Vec<f64> { w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect() };
+            updates.push((n, delta(&x), delta(&y)));
+        }
+    }
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let largest = updates.iter().map(|(_, _, y)| norm(y)).fold(0.0, f64::max);
+    let (mut updated, mut worst) = (0, 0f64);
+    for (n, x, y) in &updates {
+        let diff: Vec<f64> = x.iter().zip(y).map(|(a, b)| a - b).collect();
+        let e = if norm(y) < 1e-3 * largest { norm(&diff) / largest } else { norm(&diff) / norm(y) };
+        assert!(e <= rel_l2, "{label}: the update of `{n}` differs by {e:.2e} (relative L2)");
+        updated += (norm(y) > 0.0) as usize;
+        worst = worst.max(e);
+    }
+    (updated, worst)
+}
