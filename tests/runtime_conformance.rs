@@ -289,3 +289,26 @@ fn onnx_attention_cases() {
     assert!(failed.is_empty(), "{} Attention cases fail", failed.len());
     assert_eq!(passed, 59, "Attention cases passed");
 }
+
+/// ONNX Attention's causal mask over sequence lengths known only when the graph runs (made from
+/// the shapes, not a constant): the outputs of the same inputs with the lengths fixed.
+#[test]
+fn onnx_attention_causal_over_symbolic_lengths() {
+    let run = |len: &str| {
+        let body = format!(
+            "input %0 \"q\": f32[1,2,{len},8]\n  input %1 \"k\": f32[1,2,{len},8]\n  input %2 \"v\": f32[1,2,{len},8]\n  \
+             %3 \"y\": f32[1,2,{len},8] = ::Attention[is_causal=1](%0, %1, %2)\n  output %3"
+        );
+        let text = format!("mpcir 1\nmodel ir_version=8\nopset \"\" 23\ngraph \"t\"\n  {body}\nend\n");
+        let mut g = mpc_ir::text::parse(&text, None).unwrap();
+        let model = Path::new("attention");
+        mpc::compile(&mut g, model, &mpc::Options::default(), &mut |_, _| {}).unwrap();
+        let constant = g.initializers().any(|v| g.name(v).ends_with(".position_mask"));
+        let dims: HashMap<String, u64> = [("s".to_string(), 5)].into();
+        let feeds = mpc::run::random_inputs(&g, 7, &dims).unwrap();
+        (mpc::run::run_once(&g, &feeds, model).unwrap().remove(0).1, constant)
+    };
+    let ((fixed, constant), (symbolic, computed)) = (run("5"), run("s"));
+    assert!(constant && !computed, "the fixed lengths' mask a constant, the symbolic ones' computed");
+    mpc_runtime::Tolerance { rtol: 1e-6, atol: 1e-7, rel_l2: 1e-6 }.check(&symbolic, &fixed).unwrap();
+}
