@@ -4,6 +4,7 @@
     python3 benches/gpu_vs_torch.py [--device cuda|cpu] [--models mlp,gpt,gpt-sdpa,resnet50,digits]
                                     [--steps 20] [--warmup 5] [--tiny] [--mpc PATH] [--out DIR]
                                     [--no-compile] [--compile-modes M,...] [--no-profile] [--no-ab]
+                                    [--export DIR]
     # needs torch, torchvision, onnx, numpy; builds nothing: give --mpc (default target/release/mpc)
 
 Each model is built in PyTorch, exported to ONNX by this script (torch.onnx, the legacy exporter,
@@ -262,9 +263,19 @@ def main():
                     help="skip mpc mixed without each of its speed-ups (the A/B runs of AB_VARIANTS)")
     ap.add_argument("--mpc", default=os.path.join(ROOT, "target", "release", "mpc"))
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--export", metavar="DIR",
+                    help="only write each model's ONNX export as DIR/NAME.onnx (no GPU needed), then stop")
     args = ap.parse_args()
     dev = args.device
     torch.manual_seed(0)
+    if args.export:
+        os.makedirs(args.export, exist_ok=True)
+        for name in args.models.split(","):
+            build, _, make_inputs, _, _ = models(args.tiny)[name]
+            path = os.path.join(args.export, f"{name}.onnx")
+            export(name, build(), make_inputs(2, "cpu"), path)
+            print(path)
+        return
     if dev == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     results = {}

@@ -198,9 +198,13 @@ def main():
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the memory floor")
     ap.add_argument("--f16-rate", type=float, default=757e12, help="f16/bf16 matrix-product FLOP/s")
     ap.add_argument("--f32-rate", type=float, default=51.6e12, help="f32 matrix-product FLOP/s")
+    ap.add_argument("--keep", metavar="DIR", help="write the models as DIR/NAME.onnx and keep them")
     args = ap.parse_args()
     mib = lambda b: b / 2**20
     with tempfile.TemporaryDirectory(prefix="mpc-memory-") as tmp:
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            tmp = args.keep
         for name in args.models.split(","):
             path = os.path.join(tmp, f"{name}.onnx")
             batch, loss = {"gpt": gpt, "mlp": mlp, "resnet50": resnet50}[name](path, args.tiny)
