@@ -817,6 +817,58 @@ fn the_onnx_attention_op_computes_the_exported_chain() {
     assert!((chain - op).abs() <= 1e-6 * chain.abs(), "loss {op} where the exported chain gives {chain}");
 }
 
+/// torch.onnx's dynamo exporter keeps one initializer for equal tensors, so the opset-23 tiny GPT
+/// (freshly initialised: every LayerNorm scale is ones, every shift zeros) has its five LayerNorms
+/// read `blocks.0.ln1.weight` and `blocks.0.ln1.bias`. Imported, they are ten parameters again,
+/// named as in the module, and an fp32 SGD step updates each as the legacy export of the same
+/// weights (which keeps them apart) does; trained as one, the five would take the sum of their
+/// gradients.
+#[test]
+fn merged_parameters_of_a_dynamo_export_train_apart() {
+    use mpc_passes::train::{Loss, Optimizer, TrainOptions};
+    let step = |model: &str| {
+        let path = fixture(model);
+        let mut g = mpc::load(&path).unwrap();
+        mpc::train::free_batch(&mut g);
+        let train = TrainOptions {
+            loss: Loss::Output("loss".into()),
+            optimizer: Optimizer::Sgd,
+            lr: 0.1,
+            ..Default::default()
+        };
+        let opts = mpc::Options { policy: Some("fp32".into()), train: Some(train), ..Default::default() };
+        mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+        let (bound, _) = mpc::summary::bind_inputs(&g, &dims()).unwrap();
+        let caps = mpc_runtime::device::CpuDevice::default().caps();
+        let program = mpc_runtime::program::lower(&bound, caps, Default::default()).unwrap();
+        let names: Vec<String> = program.state.iter().map(|s| s.name.clone()).collect();
+        let mut s = Session::new(mpc_runtime::device::CpuDevice::default(), program).unwrap();
+        let before: Vec<HostTensor> = names.iter().map(|n| s.read_state(n).unwrap()).collect();
+        s.feed(0, &mpc::run::random_inputs(&bound, 5, &dims()).unwrap()).unwrap();
+        s.step(0).unwrap();
+        let mut updates = HashMap::new();
+        for (n, w0) in names.iter().zip(&before) {
+            if w0.shape.len() == 1 {
+                let w = s.read_state(n).unwrap();
+                updates.insert(n.clone(), w.f64s().iter().zip(w0.f64s()).map(|(a, b)| a - b).collect::<Vec<f64>>());
+            }
+        }
+        updates
+    };
+    let (legacy, dynamo) = (step("tiny_gpt_sdpa_loss"), step("tiny_gpt_attention23_loss"));
+    let norms = ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln"];
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    for p in norms.iter().flat_map(|n| [format!("{n}.weight"), format!("{n}.bias")]) {
+        let (a, b) =
+            (&legacy[&p], dynamo.get(&p).unwrap_or_else(|| panic!("the dynamo export has no parameter `{p}`")));
+        let diff: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+        let e = norm(&diff) / norm(a);
+        assert!(norm(a) > 0.0 && e <= 1e-4, "`{p}`'s update differs by {e:.2e} (relative L2) from the legacy export's");
+    }
+    // The biases the exporter kept apart (random, so unequal) are the same parameters too.
+    assert_eq!(dynamo.len(), legacy.len(), "{:?} against {:?}", dynamo.keys(), legacy.keys());
+}
+
 /// `--fused-attention` trains the GPT-shaped fixtures as their unfused attention chains do: the two
 /// chains become Attention and AttentionGrad launches (no Softmax is left), and a mixed (and a
 /// mixed-bf16) SGD step on the CPU from the same weights and inputs gives the same loss and the

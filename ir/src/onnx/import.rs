@@ -15,7 +15,7 @@ use bytes::Bytes;
 use prost::Message;
 
 use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
-use super::{legacy, schema};
+use super::{legacy, schema, untie};
 use crate::error::{invalid, IrError, Result};
 use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
 use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
@@ -113,6 +113,10 @@ impl Importer<'_> {
             known.insert(&vi.name, vi);
         }
         let decode_error = |e: prost::DecodeError| IrError::Decode(e.to_string());
+        // torch.export's parameters, when the exporter wrote them, and the FX call of each node.
+        let params = self.g.meta.graph_metadata_props.iter().find(|(k, _)| k == untie::SIGNATURE_KEY);
+        let params = params.map(|(_, s)| untie::parameters(s)).unwrap_or_default();
+        let mut calls = HashMap::new();
 
         // Declare every node output first (forward references, cycles and duplicates): node i
         // defines `outs[ends[i - 1]..ends[i]]`.
@@ -156,8 +160,22 @@ impl Importer<'_> {
             check_bodies(n.attribute.iter(), &self.g).map_err(|e| invalid(format!("node {node_label}: {e}")))?;
             let attrs = n.attribute.into_iter().map(|a| attr(a, self.external)).collect::<Result<Attrs>>();
             let attrs = attrs.map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            let call = if params.is_empty() {
+                None
+            } else {
+                let fx = n.metadata_props.iter().find(|e| e.key == untie::FX_NODE_KEY);
+                fx.and_then(|e| untie::FxCall::parse(&e.value)).zip(outputs.first().copied())
+            };
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
                 .map_err(|e| invalid(format!("node {node_label}: {e}")))?;
+            if let Some((call, out)) = call {
+                if let Some((node, _)) = self.g.value(out).producer() {
+                    calls.insert(node, call);
+                }
+            }
+        }
+        if !calls.is_empty() {
+            untie::untie(&mut self.g, &params, &calls);
         }
         for vi in &graph.output {
             let v = self.g.find(&vi.name).ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;

@@ -129,6 +129,8 @@ pub struct NodeProto {
     pub attribute: Vec<AttributeProto>,
     #[prost(string, tag = "6")]
     pub doc_string: String,
+    #[prost(message, repeated, tag = "9")]
+    pub metadata_props: Vec<StringStringEntryProto>,
 }
 
 /// `AttributeProto.AttributeType`.
