@@ -817,6 +817,31 @@ fn the_onnx_attention_op_computes_the_exported_chain() {
     assert!((chain - op).abs() <= 1e-6 * chain.abs(), "loss {op} where the exported chain gives {chain}");
 }
 
+/// A value lowering folds that equals one folded before shares its bytes in the constants region:
+/// the scaled_dot_product_attention export builds its causal mask from shapes in every layer, and
+/// the two layers' masks are one constant.
+#[test]
+fn equal_folded_values_are_one_constant() {
+    for (model, policy, train) in [("tiny_gpt_sdpa_loss", "fp32", false), ("tiny_gpt_sdpa_loss", "mixed", true)] {
+        let p = cpu_lowered(model, policy, train, Default::default());
+        let mut seen: Vec<(&TensorRef, &mpc_ir::Tensor)> = Vec::new();
+        for (r, t) in &p.constants {
+            let twin = seen.iter().find(|(s, u)| s.dtype == r.dtype && s.shape == r.shape && u.bytes() == t.bytes());
+            assert!(
+                twin.is_none(),
+                "{model} {policy}: {:?} at {} and {} hold the same bytes",
+                r.shape,
+                r.offset,
+                twin.unwrap().0.offset
+            );
+            seen.push((r, t));
+        }
+        // Both layers read the one causal mask.
+        let masks = p.constants.iter().filter(|(r, _)| r.shape == [16, 16]).count();
+        assert_eq!(masks, 1, "{model} {policy}: {:?}", p.constants.iter().map(|c| &c.0.shape).collect::<Vec<_>>());
+    }
+}
+
 /// torch.onnx's dynamo exporter keeps one initializer for equal tensors, so the opset-23 tiny GPT
 /// (freshly initialised: every LayerNorm scale is ones, every shift zeros) has its five LayerNorms
 /// read `blocks.0.ln1.weight` and `blocks.0.ln1.bias`. Imported, they are ten parameters again,

@@ -119,6 +119,20 @@ impl Tensor {
         }
     }
 
+    /// Whether the two hold the same elements in the same dtype and shape. Two tensors narrowed
+    /// from the same source compare without converting either (two narrowed from different
+    /// sources that round to the same values compare unequal).
+    pub fn same_data(&self, other: &Tensor) -> bool {
+        if self.dtype != other.dtype || self.shape != other.shape {
+            return false;
+        }
+        match (self.narrowed_from(), other.narrowed_from()) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) => self.bytes() == other.bytes(),
+            _ => false,
+        }
+    }
+
     /// The length of [`Tensor::bytes`], without converting a narrowed tensor.
     pub fn byte_len(&self) -> usize {
         match &self.data {

@@ -364,12 +364,22 @@ pub(super) fn lower_in(
         known.keys().copied().filter(|v| device_reads.contains(v) || g.is_output(*v)).collect();
     known_needed.sort_unstable();
     let mut top = nested.as_ref().map_or(0, |n| n.constants_base);
-    let mut constants = Vec::new();
+    let mut constants: Vec<(TensorRef, mpc_ir::Tensor)> = Vec::new();
+    // Equal values are one constant (a causal mask that each layer builds from shapes, the
+    // equal norm scales of a fresh model's inference graph): the earlier constants by dtype
+    // and shape, compared in full.
+    let mut by_type: HashMap<(DType, Vec<usize>), Vec<usize>> = HashMap::new();
     for v in known_needed {
         let (dtype, shape) = ty(v)?;
+        let value = known.constant(&v).ok_or_else(|| internal(g, v, "is known but has no value"))?;
+        let same = by_type.entry((dtype, shape.clone())).or_default();
+        if let Some(&i) = same.iter().find(|&&i| constants[i].1.same_data(&value)) {
+            refs.insert(v, constants[i].0.clone());
+            continue;
+        }
+        same.push(constants.len());
         let r = TensorRef { region: Region::Constants, offset: top, dtype, shape };
         top = align_up(top + r.bytes(), caps.align);
-        let value = known.constant(&v).ok_or_else(|| internal(g, v, "is known but has no value"))?;
         constants.push((r.clone(), value));
         refs.insert(v, r);
     }
