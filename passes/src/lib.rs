@@ -11,6 +11,7 @@ mod expand_attention;
 mod fuse_attention;
 mod gemm_transpose;
 mod infer;
+mod known;
 mod manager;
 pub mod precision;
 mod rnn;
