@@ -119,6 +119,18 @@ impl Tensor {
         }
     }
 
+    /// Whether every element equals the first as a value (NaN equals nothing; +0 and -0 are
+    /// equal): the same bytes throughout, or zeros of either sign. A fresh model's norm scales and
+    /// biases are such tensors.
+    pub fn all_equal(&self) -> bool {
+        let (size, bytes) = (self.dtype().size(), self.bytes());
+        let first = self.values().next();
+        if bytes.chunks_exact(size).all(|e| e == &bytes[..size]) {
+            return first.is_some_and(|x| !x.is_nan());
+        }
+        first == Some(0.0) && self.values().all(|x| x == 0.0)
+    }
+
     /// Whether the two hold the same elements in the same dtype and shape. Two tensors narrowed
     /// from the same source compare without converting either (two narrowed from different
     /// sources that round to the same values compare unequal).

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use prost::Message;
 
 use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
-use super::{legacy, schema, untie};
+use super::{legacy, schema, torch_export};
 use crate::error::{invalid, IrError, Result};
 use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
 use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
@@ -114,8 +114,8 @@ impl Importer<'_> {
         }
         let decode_error = |e: prost::DecodeError| IrError::Decode(e.to_string());
         // torch.export's parameters, when the exporter wrote them, and the FX call of each node.
-        let params = self.g.meta.graph_metadata_props.iter().find(|(k, _)| k == untie::SIGNATURE_KEY);
-        let params = params.map(|(_, s)| untie::parameters(s)).unwrap_or_default();
+        let params = self.g.meta.graph_metadata_props.iter().find(|(k, _)| k == torch_export::SIGNATURE_KEY);
+        let params = params.map(|(_, s)| torch_export::parameters(s)).unwrap_or_default();
         let mut calls = HashMap::new();
 
         // Declare every node output first (forward references, cycles and duplicates): node i
@@ -163,8 +163,8 @@ impl Importer<'_> {
             let call = if params.is_empty() {
                 None
             } else {
-                let fx = n.metadata_props.iter().find(|e| e.key == untie::FX_NODE_KEY);
-                fx.and_then(|e| untie::FxCall::parse(&e.value)).zip(outputs.first().copied())
+                let fx = n.metadata_props.iter().find(|e| e.key == torch_export::FX_NODE_KEY);
+                fx.and_then(|e| torch_export::FxCall::parse(&e.value)).zip(outputs.first().copied())
             };
             self.node(n.name, n.op_type, n.domain, attrs, inputs, outputs)
                 .map_err(|e| invalid(format!("node {node_label}: {e}")))?;
@@ -174,8 +174,10 @@ impl Importer<'_> {
                 }
             }
         }
+        torch_export::untie_identities(&mut self.g);
         if !calls.is_empty() {
-            untie::untie(&mut self.g, &params, &calls);
+            torch_export::untie(&mut self.g, &params, &calls);
+            torch_export::restore_removed(&mut self.g, &params, &calls);
         }
         for vi in &graph.output {
             let v = self.g.find(&vi.name).ok_or_else(|| crate::GraphError::UndefinedOutput(vi.name.clone()))?;

@@ -29,7 +29,7 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
     let mut ties = Vec::new();
     for &v in candidates {
         let Some(t) = g.value(v).initializer().cloned() else { continue };
-        if t.numel() < 2 || all_equal(&t) {
+        if t.numel() < 2 || t.all_equal() {
             continue;
         }
         let find = |key: Option<&Fingerprint>, same: &dyn Fn(&Tensor) -> bool| {
@@ -76,17 +76,6 @@ fn fingerprint(t: &Tensor, transposed: bool) -> Option<Fingerprint> {
         sample.extend_from_slice(&bytes[at(k) * size..][..size]);
     }
     Some((t.dtype(), shape, sample))
-}
-
-/// Whether every element of `t` equals its first as a value (NaN equals nothing; +0 and -0 are
-/// equal): the same bytes throughout, or zeros of either sign.
-fn all_equal(t: &Tensor) -> bool {
-    let (size, bytes) = (t.dtype().size(), t.bytes());
-    let first = t.values().next();
-    if bytes.chunks_exact(size).all(|e| e == &bytes[..size]) {
-        return first.is_some_and(|x| !x.is_nan());
-    }
-    first == Some(0.0) && t.values().all(|x| x == 0.0)
 }
 
 /// Whether `x` is the transpose of the matrix `t`, element for element.
@@ -161,7 +150,7 @@ mod tests {
         let got: Vec<(&str, &str, bool)> =
             ties.iter().map(|t| (t.copy.as_str(), t.kept.as_str(), t.transposed)).collect();
         assert_eq!(got, [("copy", "w", false), ("wt", "w", true)]);
-        assert!(all_equal(&matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 })));
-        assert!(!all_equal(&matrix(3, 4, |_, _| f32::NAN)));
+        assert!(matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 }).all_equal());
+        assert!(!matrix(3, 4, |_, _| f32::NAN).all_equal());
     }
 }

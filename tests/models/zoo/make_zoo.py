@@ -5,7 +5,8 @@
                                                      # onnx, onnxscript, numpy, safetensors
 
 Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
-classifier, a bidirectional GRU classifier) is built with random weights from a tiny config, then exported twice:
+classifier, a bidirectional GRU classifier) is built with random weights from a tiny config (GPT-2
+and BERT also as initialised, `*_fresh`: equal norm scales, zero biases), then exported twice:
 `NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
 `NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
 a training step is deterministic; models are exported in eval mode, as users export them.
@@ -15,8 +16,9 @@ model's first output (cross-entropy, over the last axis for the language models;
 error against `input.targets` for the UNet) and PyTorch autograd's gradient of every parameter in
 training mode, keyed by the name of the ONNX initializer that holds it (`grad.NAME`; an exporter
 that stores a weight transposed, as the legacy one does for a Linear without bias, gets the
-transposed gradient under that initializer's name, `gradT.NAME`). `zoo.json` records the loss and
-the valid range of each integer input. The Rust tests read only the written files.
+transposed gradient under that initializer's name, `gradT.NAME`); a fresh family's gradients are
+also keyed by the module's parameter names. `zoo.json` records the loss, the valid range of each
+integer input and, for a fresh family, how many parameters torch trains. The Rust tests read only the written files.
 """
 
 import json
@@ -178,6 +180,11 @@ FAMILIES = {
     "lstm": (LstmClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B)),
     "gru": (GruClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B)),
 }
+# As initialised, not perturbed: the dynamo exporter keeps one initializer for the equal norm scales
+# and shifts, and drops the zero biases of the projections, which mpc must train apart and give back.
+FAMILIES["gpt2_fresh"] = FAMILIES["gpt2"]
+FAMILIES["bert_fresh"] = FAMILIES["bert"]
+FRESH = {"gpt2_fresh", "bert_fresh"}
 
 
 def export(model, x, in_name, path, dynamo):
@@ -293,10 +300,12 @@ def make(name, meta):
     rng = np.random.default_rng(20261123)
     model = build().eval()
     # Trained-looking weights: no parameter left at a constant initialisation (norm scales of 1,
-    # biases of 0), so that every gradient is checked against values of its own.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    # biases of 0), so that every gradient is checked against values of its own. The fresh
+    # families keep the initialisation, as a model trained from scratch is exported.
+    if name not in FRESH:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
     x = make_input(rng)
     if loss_kind == "mse":
         with torch.no_grad():
@@ -330,6 +339,11 @@ def make(name, meta):
             continue
         for k, v in grads_by_initializer(m, named).items():
             tensors.setdefault(k, v)
+    if name in FRESH:
+        # Also by the module's names: the parameters that the exporter merged or dropped have no
+        # initializer of their own in the file, and mpc gives them those names.
+        for k, p in named.items():
+            tensors.setdefault(f"grad.{k}", p.grad.numpy().astype(np.float32))
     save_file(tensors, os.path.join(HERE, f"{name}.grads.safetensors"))
     ints = {in_name: [0, 64]} if x.dtype == torch.int64 else {}
     meta[name] = {"input": in_name, "loss": {"ce": "cross-entropy", "lm": "cross-entropy:axis=-1",
@@ -337,6 +351,8 @@ def make(name, meta):
                   "labels": "targets" if loss_kind == "mse" else "labels", "int_inputs": ints,
                   "batch_norm_folded": folded,
                   "torch_loss": loss.item()}
+    if name in FRESH:
+        meta[name]["parameters"] = len(named)
 
 
 def main():
