@@ -174,7 +174,9 @@ impl Importer<'_> {
                 }
             }
         }
-        torch_export::untie_identities(&mut self.g);
+        for n in torch_export::untie_identities(&mut self.g) {
+            calls.remove(&n);
+        }
         if !calls.is_empty() {
             torch_export::untie(&mut self.g, &params, &calls);
             torch_export::restore_removed(&mut self.g, &params, &calls);

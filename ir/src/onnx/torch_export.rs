@@ -155,8 +155,9 @@ fn argument_of(function: &str, op: &Op, slot: usize) -> Option<usize> {
 }
 
 /// Makes each `Identity` of an initializer whose elements are all equal an initializer of its own
-/// (see the module's documentation).
-pub(super) fn untie_identities(g: &mut Graph) {
+/// (see the module's documentation). Returns the Identity nodes removed.
+pub(super) fn untie_identities(g: &mut Graph) -> Vec<NodeId> {
+    let mut removed = Vec::new();
     let identities: Vec<NodeId> = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::Identity)).collect();
     for n in identities {
         let (Some(v), [o]) = (g.node(n).input(0), g.node(n).outputs()) else { continue };
@@ -170,7 +171,9 @@ pub(super) fn untie_identities(g: &mut Graph) {
         g.replace_uses(o, copy);
         g.remove_node(n);
         g.rename(copy, &name);
+        removed.push(n);
     }
+    removed
 }
 
 /// Gives back the zero biases the exporter removed (see the module's documentation).
@@ -194,9 +197,6 @@ pub(super) fn restore_removed(g: &mut Graph, params: &HashMap<String, String>, c
             _ => continue,
         };
         let Some(target) = call.args.get(bias).and_then(|p| params.get(p)) else { continue };
-        if g.find(target).is_some() {
-            continue;
-        }
         let of =
             |pick: fn(&Op) -> bool| -> Vec<NodeId> { nodes.iter().copied().filter(|&n| pick(&g.node(n).op)).collect() };
         let gemm = of(|o| matches!(o, Op::Gemm(_)));
@@ -209,33 +209,42 @@ pub(super) fn restore_removed(g: &mut Graph, params: &HashMap<String, String>, c
             ([n], [], [], []) if missing(*n) => {
                 let Op::Gemm(a) = &g.node(*n).op else { unreachable!() };
                 let width = weight_dim(g, *n, if a.transB { 0 } else { 1 });
-                if let Some((dtype, width)) = width {
-                    let c = g.add_initializer(target, Tensor::zeros(dtype, vec![width]));
+                if let Some(c) = width.and_then(|(dtype, w)| zero_bias(g, target, dtype, vec![w])) {
                     g.set_input(*n, 2, Some(c));
                 }
             }
             ([], [n], [], []) if adds.is_empty() => {
-                if let Some((dtype, width)) = weight_dim(g, *n, usize::MAX) {
-                    add_bias(g, *n, target, Tensor::zeros(dtype, vec![width]));
+                let width = weight_dim(g, *n, usize::MAX);
+                if let Some(b) = width.and_then(|(dtype, w)| zero_bias(g, target, dtype, vec![w])) {
+                    add_bias(g, *n, b);
                 }
             }
             ([], [], [n], []) if missing(*n) => {
-                if let Some((dtype, width)) = weight_dim(g, *n, 0) {
-                    let b = g.add_initializer(target, Tensor::zeros(dtype, vec![width]));
+                let width = weight_dim(g, *n, 0);
+                if let Some(b) = width.and_then(|(dtype, w)| zero_bias(g, target, dtype, vec![w])) {
                     g.set_input(*n, 2, Some(b));
                 }
             }
             ([], [], [], [n]) if missing(*n) => {
                 let scale = g.node(*n).input(1).map(|s| g.ty(s).clone());
                 let shape = scale.as_ref().and_then(|t| Some((t.dtype?, t.shape.as_ref()?.as_fixed()?)));
-                if let Some((dtype, shape)) = shape {
-                    let b = g.add_initializer(target, Tensor::zeros(dtype, shape));
+                if let Some(b) = shape.and_then(|(dtype, shape)| zero_bias(g, target, dtype, shape)) {
                     g.set_input(*n, 2, Some(b));
                 }
             }
             _ => {}
         }
     }
+}
+
+/// The zero bias `target` of `dtype` and `shape`: made, or the one made for another call of the
+/// same module (or kept by the exporter where a call kept it); `None` where the name is another
+/// value's.
+fn zero_bias(g: &mut Graph, target: &str, dtype: crate::DType, shape: Vec<u64>) -> Option<ValueId> {
+    let Some(v) = g.find(target) else { return Some(g.add_initializer(target, Tensor::zeros(dtype, shape))) };
+    let t = g.value(v).initializer()?;
+    let zero = t.dtype() == dtype && t.shape() == shape && t.values().all(|x| x == 0.0);
+    zero.then_some(v)
 }
 
 /// The dtype of input 1 of `n` (a weight) and its dim `axis` (`usize::MAX`: the last), when fixed.
@@ -248,14 +257,13 @@ fn weight_dim(g: &Graph, n: NodeId, axis: usize) -> Option<(crate::DType, u64)> 
 
 /// `y = MatMul(..)` becomes `Add(MatMul(..), bias)`: the Add's output takes `y`'s name, readers
 /// and declared type.
-fn add_bias(g: &mut Graph, n: NodeId, target: &str, bias: Tensor) {
+fn add_bias(g: &mut Graph, n: NodeId, b: ValueId) {
     let y = g.node(n).outputs()[0];
     if g.name_is_referenced(y) {
         return;
     }
     let name = g.name(y).to_string();
     g.rename(y, &format!("{name}.unbiased"));
-    let b = g.add_initializer(target, bias);
     let (_, out) = g.add_op(&name, Op::Add, &[Some(y), Some(b)], 1);
     let readers: Vec<Use> = g.value(y).uses().iter().copied().filter(|u| g.node(u.node).outputs() != out).collect();
     g.move_uses(y, out[0], &readers);
@@ -352,6 +360,92 @@ mod tests {
         assert_eq!(readers("a.weight"), ["m1", "m3", "m4", "m5", "y"]);
         assert_eq!(readers("d.weight"), Vec::<String>::new());
         assert!(g.find("c.weight").is_none());
+    }
+
+    /// Zero biases the optimizer dropped: a module called twice (one `addmm` bias, two Gemms
+    /// without C) gets one bias back, read by both; a linear layer's MatMul gets its Add back, which
+    /// takes the MatMul's name (the graph output's).
+    #[test]
+    fn dropped_zero_biases_come_back_for_every_call() {
+        use super::super::proto::{self, ModelProto, NodeProto, StringStringEntryProto, TensorProto};
+        use prost::Message;
+        let entry = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
+        let node = |op: &str, ins: &[&str], out: &str, fx: Option<String>| NodeProto {
+            op_type: op.into(),
+            name: out.into(),
+            input: ins.iter().map(|s| s.to_string()).collect(),
+            output: vec![out.into()],
+            metadata_props: fx.map(|f| vec![entry(FX_NODE_KEY, &f)]).unwrap_or_default(),
+            ..Default::default()
+        };
+        let call = |r: &str, f: &str, args: &str| {
+            format!("%{r} : [num_users=1] = call_function[target=torch.ops.aten.{f}.default](args = ({args}), kwargs = {{}})")
+        };
+        let w = |name: &str| TensorProto {
+            name: name.into(),
+            data_type: 1,
+            dims: vec![3, 4],
+            float_data: (0..12).map(|i| i as f32).collect(),
+            ..Default::default()
+        };
+        let vi = |name: &str, dims: &[i64]| proto::ValueInfoProto {
+            name: name.into(),
+            r#type: Some(proto::TypeProto {
+                value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor {
+                    elem_type: 1,
+                    shape: Some(proto::TensorShapeProto {
+                        dim: dims
+                            .iter()
+                            .map(|&d| proto::tensor_shape_proto::Dimension {
+                                value: Some(proto::tensor_shape_proto::dimension::Value::DimValue(d)),
+                                ..Default::default()
+                            })
+                            .collect(),
+                    }),
+                })),
+                denotation: String::new(),
+            }),
+            doc_string: String::new(),
+        };
+        let nodes = vec![
+            node("Gemm", &["x", "w.weight"], "y1", Some(call("addmm", "addmm", "%p_a_bias, %x, %p_w_weight"))),
+            node("Gemm", &["x", "w.weight"], "y2", Some(call("addmm_1", "addmm", "%p_a_bias, %x, %p_w_weight"))),
+            node("MatMul", &["x", "v.weight"], "y3", Some(call("linear", "linear", "%x, %p_v_weight, %p_v_bias"))),
+            node("Add", &["y1", "y2"], "y", None),
+        ];
+        let signature = ["a.bias", "w.weight", "v.weight", "v.bias"]
+            .map(|t| format!("p_{}: PARAMETER target='{t}'\n", t.replace('.', "_")))
+            .concat();
+        let model = ModelProto {
+            ir_version: 10,
+            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 18 }],
+            graph: Some(proto::GraphProto {
+                name: "dropped".into(),
+                node: nodes,
+                initializer: vec![w("w.weight"), w("v.weight")],
+                input: vec![vi("x", &[2, 3])],
+                output: vec![vi("y", &[2, 4]), vi("y3", &[2, 4])],
+                metadata_props: vec![entry(SIGNATURE_KEY, &signature)],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let g = super::super::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+        let bias = |name: &str| {
+            let v = g.find(name).unwrap_or_else(|| panic!("no `{name}`"));
+            assert_eq!(
+                g.value(v).initializer().map(|t| (t.shape().to_vec(), t.to_f64_vec())),
+                Some((vec![4], vec![0.0; 4]))
+            );
+            g.value(v).uses().iter().map(|u| (g.node(u.node).name.clone(), u.slot)).collect::<Vec<_>>()
+        };
+        assert_eq!(bias("a.bias"), [("y1".to_string(), 2), ("y2".to_string(), 2)]);
+        assert_eq!(bias("v.bias"), [("y3".to_string(), 1)]);
+        let y3 = g.outputs()[1];
+        assert_eq!(g.name(y3), "y3");
+        let (add, _) = g.value(y3).producer().unwrap();
+        assert!(matches!(g.node(add).op, Op::Add));
+        assert!(matches!(g.node(g.value(g.node(add).input(0).unwrap()).producer().unwrap().0).op, Op::MatMul));
     }
 
     /// The legacy exporter's Identity of a merged initializer: of an all-ones scale, its own

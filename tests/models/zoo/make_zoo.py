@@ -5,8 +5,9 @@
                                                      # onnx, onnxscript, numpy, safetensors
 
 Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
-classifier, a bidirectional GRU classifier) is built with random weights from a tiny config (GPT-2
-and BERT also as initialised, `*_fresh`: equal norm scales, zero biases), then exported twice:
+classifier, a bidirectional GRU classifier) is built with random weights from a tiny config (GPT-2,
+BERT, Llama and ViT also as initialised, `*_fresh`: equal norm scales, zero biases), then exported
+twice:
 `NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
 `NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
 a training step is deterministic; models are exported in eval mode, as users export them.
@@ -182,9 +183,9 @@ FAMILIES = {
 }
 # As initialised, not perturbed: the dynamo exporter keeps one initializer for the equal norm scales
 # and shifts, and drops the zero biases of the projections, which mpc must train apart and give back.
-FAMILIES["gpt2_fresh"] = FAMILIES["gpt2"]
-FAMILIES["bert_fresh"] = FAMILIES["bert"]
-FRESH = {"gpt2_fresh", "bert_fresh"}
+FRESH = {"gpt2_fresh", "bert_fresh", "llama_fresh", "vit_fresh"}
+for fresh in FRESH:
+    FAMILIES[fresh] = FAMILIES[fresh.removesuffix("_fresh")]
 
 
 def export(model, x, in_name, path, dynamo):
