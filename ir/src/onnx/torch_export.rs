@@ -44,19 +44,43 @@ use crate::graph::{Graph, NodeId, Use, ValueId};
 use crate::{Op, Tensor};
 
 /// The graph-level metadata key of torch.export's signature.
-pub(super) const SIGNATURE_KEY: &str = "pkg.torch.export.ExportedProgram.graph_signature";
+pub const SIGNATURE_KEY: &str = "pkg.torch.export.ExportedProgram.graph_signature";
 /// The node-level metadata key of the FX call a node came from.
 pub(super) const FX_NODE_KEY: &str = "pkg.torch.onnx.fx_node";
 
-/// The parameters of a signature: placeholder → target (the parameter's name in the module).
-pub(super) fn parameters(signature: &str) -> HashMap<String, String> {
-    let mut out = HashMap::new();
-    for line in signature.lines() {
-        let Some((placeholder, rest)) = line.trim().split_once(": PARAMETER target='") else { continue };
-        let Some((target, _)) = rest.split_once('\'') else { continue };
-        out.insert(placeholder.trim().to_string(), target.to_string());
+/// One input of torch.export's signature: `p_fc_weight: PARAMETER target='fc.weight'`,
+/// `b_mask: BUFFER target='mask' persistent=False`, `tokens: USER_INPUT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SignatureInput {
+    pub placeholder: String,
+    /// `PARAMETER`, `BUFFER`, `CONSTANT_TENSOR`, `USER_INPUT`, ...
+    pub kind: String,
+    /// The name in the module, where the kind has one.
+    pub target: Option<String>,
+}
+
+/// The inputs of the signature the dynamo exporter wrote in the graph's metadata, if it did.
+pub fn signature(g: &Graph) -> Option<Vec<SignatureInput>> {
+    let (_, text) = g.meta.graph_metadata_props.iter().find(|(k, _)| k == SIGNATURE_KEY)?;
+    Some(parse_signature(text))
+}
+
+fn parse_signature(text: &str) -> Vec<SignatureInput> {
+    let mut out = Vec::new();
+    // The inputs are listed before `# outputs`.
+    for line in text.lines().take_while(|l| !l.starts_with("# outputs")) {
+        let Some((placeholder, rest)) = line.trim().split_once(": ") else { continue };
+        let kind = rest.split(' ').next().unwrap_or_default();
+        let target = rest.split_once("target='").and_then(|(_, t)| Some(t.split_once('\'')?.0.to_string()));
+        out.push(SignatureInput { placeholder: placeholder.to_string(), kind: kind.to_string(), target });
     }
     out
+}
+
+/// The parameters of a signature: placeholder → target (the parameter's name in the module).
+pub(super) fn parameters(signature: &str) -> HashMap<String, String> {
+    let entries = parse_signature(signature).into_iter().filter(|e| e.kind == "PARAMETER");
+    entries.filter_map(|e| Some((e.placeholder, e.target?))).collect()
 }
 
 /// An FX call: its result's name, the function and the placeholders named in its arguments, in
@@ -280,6 +304,20 @@ mod tests {
         let p = parameters(sig);
         assert_eq!(p.len(), 1);
         assert_eq!(p["p_tok_weight"], "tok.weight");
+        let entry = |p: &str, k: &str, t: Option<&str>| SignatureInput {
+            placeholder: p.into(),
+            kind: k.into(),
+            target: t.map(String::from),
+        };
+        let all = parse_signature(&format!("{sig}\n# outputs\nloss: USER_OUTPUT\n"));
+        assert_eq!(
+            all,
+            [
+                entry("p_tok_weight", "PARAMETER", Some("tok.weight")),
+                entry("b_mask", "BUFFER", Some("mask")),
+                entry("tokens", "USER_INPUT", None)
+            ]
+        );
         let c = FxCall::parse("%layer_norm_2 : [num_users=1] = call_function[target=torch.ops.aten.layer_norm.default](args = (%add_129, [768], %p_blocks_1_ln1_weight, %p_blocks_1_ln1_bias, 1e-05, False), kwargs = {})").unwrap();
         assert_eq!(c.function, "torch.ops.aten.layer_norm.default");
         assert_eq!(c.args, ["add_129", "p_blocks_1_ln1_weight", "p_blocks_1_ln1_bias"]);

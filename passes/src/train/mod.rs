@@ -227,17 +227,13 @@ pub struct ExportSignature {
 }
 
 impl ExportSignature {
-    const KEY: &'static str = "pkg.torch.export.ExportedProgram.graph_signature";
-
     pub fn of(g: &Graph) -> Option<ExportSignature> {
-        let (_, text) = g.meta.graph_metadata_props.iter().find(|(k, _)| k == Self::KEY)?;
         let mut sig = ExportSignature { params: BTreeSet::new(), buffers: BTreeSet::new(), buffer_folded: false };
-        for line in text.lines() {
-            let target = || Some(line.split("target='").nth(1)?.split('\'').next()?.to_string());
-            if line.contains(": PARAMETER ") {
-                sig.params.extend(target());
-            } else if line.contains(": BUFFER ") || line.contains(": CONSTANT_TENSOR ") {
-                sig.buffers.extend(target());
+        for e in mpc_ir::onnx::torch_export::signature(g)? {
+            match e.kind.as_str() {
+                "PARAMETER" => sig.params.extend(e.target),
+                "BUFFER" | "CONSTANT_TENSOR" => sig.buffers.extend(e.target),
+                _ => {}
             }
         }
         let inits: BTreeSet<&str> = g.initializers().map(|v| g.name(v)).collect();
