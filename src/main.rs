@@ -224,7 +224,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 if let Some(s) = r.loss_scale {
                     line.push_str(&format!(", loss scale {s}"));
                 }
-                line.push_str(&format!(", skipped {}, {:.0} samples/s", r.skipped, r.samples_per_s));
+                line.push_str(&format!(", skipped {}, {} samples/s", r.skipped, mpc::train::rate(r.samples_per_s)));
                 // A closed output does not stop the training (its checkpoints are its results).
                 let _ = write_out(format!("{line}\n"));
             };

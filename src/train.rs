@@ -453,9 +453,9 @@ pub fn train_on<D: Device>(
                 };
                 bar.set_position(iteration as u64);
                 bar.set_message(format!(
-                    "loss {last:.4}{} skipped {skipped_total} {:.0} samples/s",
+                    "loss {last:.4}{} skipped {skipped_total} {} samples/s",
                     s.map_or(String::new(), |s| format!(" scale {s}")),
-                    samples as f64 / t0.elapsed().as_secs_f64().max(1e-9)
+                    rate(samples as f64 / t0.elapsed().as_secs_f64().max(1e-9))
                 ));
             }
         }
@@ -615,4 +615,22 @@ pub fn with_trained_weights(model: &Graph, state: &[(String, HostTensor)], ties:
         }
     }
     g
+}
+
+/// A rate to three significant digits, and no decimals from 100 on: `12400`, `38.2`, `0.271`.
+pub fn rate(x: f64) -> String {
+    let decimals = if x >= 100.0 || x == 0.0 { 0 } else { (2 - x.abs().log10().floor() as i32).clamp(0, 6) as usize };
+    format!("{x:.decimals$}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rates_keep_three_digits() {
+        use super::rate;
+        assert_eq!(
+            [rate(12400.3), rate(138.6), rate(38.23), rate(5.0), rate(0.2712), rate(0.0)],
+            ["12400", "139", "38.2", "5.00", "0.271", "0"]
+        );
+    }
 }
