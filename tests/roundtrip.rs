@@ -191,3 +191,90 @@ fn opset10_scatter_imports_as_scatter_elements() {
     assert_eq!(written.op_type, "ScatterElements");
     assert_eq!(g.node(n).op.attrs(), vec![("axis".to_string(), Attr::Int(1))]);
 }
+
+/// What torch's dynamo exporter writes without its optimizer: `SplitToSequence` read by
+/// `SequenceAt` at constant positions (one negative, one read twice) imports as a Split, and
+/// `CastLike` as a Cast to its second input's dtype (an initializer's, or a Constant node's).
+/// The model runs: y = x's columns [2, 0, 1] + x (f16 there and back) + x's first column again.
+#[test]
+fn unoptimized_dynamo_forms_import_as_split_and_cast() {
+    use common::onnx::{i64_tensor, node, tensor_vi};
+    use mpc_ir::onnx::proto::{self, AttributeProto, ModelProto, TensorProto};
+    use mpc_ir::Op;
+    use prost::Message;
+
+    let int = |name: &str, i: i64| AttributeProto { name: name.into(), r#type: 2, i, ..Default::default() };
+    let mut split = node("SplitToSequence", &["x", "two"], &["seq"]);
+    split.attribute = vec![int("axis", 1), int("keepdims", 1)];
+    let half =
+        TensorProto { name: "half".into(), data_type: 10, dims: vec![], int32_data: vec![0], ..Default::default() };
+    let mut like = node("Constant", &[], &["like32"]);
+    let like_value = TensorProto { data_type: 1, dims: vec![], float_data: vec![0.0], ..Default::default() };
+    like.attribute =
+        vec![AttributeProto { name: "value".into(), r#type: 4, t: Some(like_value), ..Default::default() }];
+    let nodes = vec![
+        split,
+        node("SequenceAt", &["seq", "one"], &["tail"]),
+        node("SequenceAt", &["seq", "minus_two"], &["head"]),
+        node("SequenceAt", &["seq", "zero"], &["head_again"]),
+        node("Concat", &["tail", "head"], &["perm"]),
+        node("CastLike", &["x", "half"], &["x16"]),
+        like,
+        node("CastLike", &["x16", "like32"], &["x32"]),
+        node("Add", &["perm", "x32"], &["sum"]),
+        node("Slice", &["head_again", "zero1", "one1", "one1"], &["first"]),
+        node("Add", &["sum", "first"], &["y"]),
+    ];
+    let mut nodes = nodes;
+    nodes[4].attribute = vec![int("axis", 1)];
+    let scalar = |name: &str, v: i64| TensorProto {
+        name: name.into(),
+        data_type: 7,
+        dims: vec![],
+        int64_data: vec![v],
+        ..Default::default()
+    };
+    let inits = vec![
+        scalar("two", 2),
+        scalar("one", 1),
+        scalar("minus_two", -2),
+        scalar("zero", 0),
+        i64_tensor("zero1", &[0]),
+        i64_tensor("one1", &[1]),
+        half,
+    ];
+    let model = ModelProto {
+        ir_version: 8,
+        opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 18 }],
+        graph: Some(proto::GraphProto {
+            name: "unoptimized".into(),
+            node: nodes,
+            initializer: inits,
+            input: vec![tensor_vi("x", 1, &[2, 3])],
+            output: vec![tensor_vi("y", 1, &[2, 3])],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let g = mpc_ir::onnx::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+    let ops: Vec<&Op> = g.node_ids().map(|n| &g.node(n).op).collect();
+    assert!(!ops.iter().any(|o| matches!(o, Op::Opaque(_))), "{ops:?}");
+    assert_eq!(ops.iter().filter(|o| matches!(o, Op::Split(_))).count(), 1);
+    assert_eq!(ops.iter().filter(|o| matches!(o, Op::Cast(_))).count(), 2);
+    let x: Vec<f32> = vec![1.0, 2.0, 3.0, 0.1, 0.2, 0.3];
+    let inputs =
+        [("x".to_string(), mpc_runtime::HostTensor::from_f32(mpc_ir::DType::F32, vec![2, 3], x.clone()))].into();
+    let out = mpc::run::run_once(&g, &inputs, std::path::Path::new("unoptimized.onnx")).unwrap();
+    let y = out.iter().find(|(n, _)| n == "y").unwrap().1.f64s();
+    let r = |v: f32| half::f16::from_f32(v).to_f32() as f64;
+    let want: Vec<f64> = (0..2)
+        .flat_map(|i| {
+            let row = &x[3 * i..3 * i + 3];
+            let perm = [row[2], row[0], row[1]];
+            (0..3).map(move |j| perm[j] as f64 + r(row[j]) + row[0] as f64).collect::<Vec<_>>()
+        })
+        .collect();
+    for (a, b) in y.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-6, "{y:?} against {want:?}");
+    }
+}

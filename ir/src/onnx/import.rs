@@ -15,7 +15,7 @@ use bytes::Bytes;
 use prost::Message;
 
 use super::proto::{self, attribute_type as at, tensor_proto, type_proto, TensorProto, ValueInfoProto};
-use super::{legacy, schema, torch_export};
+use super::{legacy, schema, sequences, torch_export};
 use crate::error::{invalid, IrError, Result};
 use crate::graph::{Graph, ModelMeta, TypeInfo, ValueId};
 use crate::{Attr, Attrs, DType, Dim, Op, Opaque, Shape, Tensor};
@@ -173,6 +173,10 @@ impl Importer<'_> {
                     calls.insert(node, call);
                 }
             }
+        }
+        // (Nodes these remove leave the FX calls: a node made later may take a removed one's id.)
+        for n in sequences::split_sequences(&mut self.g) {
+            calls.remove(&n);
         }
         for n in torch_export::untie_identities(&mut self.g) {
             calls.remove(&n);

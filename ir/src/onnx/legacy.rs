@@ -3,7 +3,8 @@
 //! The ops whose form changed between opset 9 and 21: attributes that became inputs
 //! (Squeeze/Unsqueeze/Reduce*/Split/Slice/Clip/Pad/Dropout), Softmax/LogSoftmax's 2-D coercion before
 //! opset 13, BatchNormalization's training outputs before 14, Upsample and opset-10 Resize, Scatter
-//! (ScatterElements before opset 11), and Constant's `value_*` shorthands. Inputs made from
+//! (ScatterElements before opset 11), Constant's `value_*` shorthands, and CastLike (a Cast to
+//! its second input's dtype). Inputs made from
 //! attributes become initializers named `{node}.{attribute}`.
 
 use crate::attr::Attrs;
@@ -82,7 +83,7 @@ impl Cx<'_> {
 }
 
 /// Op types of older opsets that import as another op of the closed set.
-pub(crate) const RENAMED: &[&str] = &["Upsample", "Scatter"];
+pub(crate) const RENAMED: &[&str] = &["Upsample", "Scatter", "CastLike"];
 
 fn take(attrs: &mut Attrs, name: &str) -> Option<Attr> {
     let pos = attrs.iter().position(|(n, _)| n == name)?;
@@ -168,6 +169,19 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
                 attrs.push(("value".into(), Attr::Tensor(t)));
             }
             op_type
+        }
+        // CastLike (opset 15; torch's dynamo exporter without its optimizer writes it for every
+        // `.to(x.dtype)`) is a Cast to the second input's dtype, where the import knows it.
+        "CastLike" => {
+            let like = cx.inputs.get(1).copied().flatten();
+            let dtype = |v: ValueId| cx.g.ty(v).dtype.or_else(|| cx.g.constant(v).map(|t| t.dtype()));
+            let Some(to) = like.and_then(dtype) else { return Ok(None) };
+            if matches!(take(&mut attrs, "round_mode"), Some(Attr::String(m)) if m != "up") {
+                return Ok(None);
+            }
+            cx.inputs.truncate(1);
+            attrs.push(("to".into(), Attr::Int(to.onnx_code() as i64)));
+            "Cast"
         }
         // Opset 18-20 GroupNormalization has per-group scale/bias; opset 21 per-channel.
         "GroupNormalization" if v < 21 => return Ok(None),

@@ -5,6 +5,7 @@ mod import;
 mod legacy;
 pub mod proto;
 pub mod schema;
+mod sequences;
 pub mod torch_export;
 
 pub use export::{encode_onnx, export_opset, write_onnx};

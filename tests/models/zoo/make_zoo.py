@@ -6,8 +6,8 @@
 
 Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
 classifier, a bidirectional GRU classifier) is built with random weights from a tiny config (GPT-2,
-BERT, Llama and ViT also as initialised, `*_fresh`: equal norm scales, zero biases), then exported
-twice:
+BERT, Llama and ViT also as initialised, `*_fresh`: equal norm scales, zero biases; GPT-NeoX and
+Gemma only so, exported as for training: no constant folding, no optimizer), then exported twice:
 `NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
 `NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
 a training step is deterministic; models are exported in eval mode, as users export them.
@@ -70,6 +70,22 @@ def tiny_llama():
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
                       use_cache=False, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, use_cache=False,
+                        hidden_dropout=0.0, attention_dropout=0.0)
+    return GPTNeoXForCausalLM(cfg)
+
+
+def tiny_gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+    cfg = GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=16, use_cache=False)
+    return GemmaForCausalLM(cfg)
 
 
 def tiny_vit():
@@ -183,14 +199,35 @@ FAMILIES = {
 }
 # As initialised, not perturbed: the dynamo exporter keeps one initializer for the equal norm scales
 # and shifts, and drops the zero biases of the projections, which mpc must train apart and give back.
-FRESH = {"gpt2_fresh", "bert_fresh", "llama_fresh", "vit_fresh"}
-for fresh in FRESH:
+FRESH = {"gpt2_fresh", "bert_fresh", "llama_fresh", "vit_fresh", "gpt_neox_fresh", "gemma_fresh"}
+for fresh in FRESH - {"gpt_neox_fresh", "gemma_fresh"}:
     FAMILIES[fresh] = FAMILIES[fresh.removesuffix("_fresh")]
+FAMILIES["gpt_neox_fresh"] = (lambda: Logits(tiny_gpt_neox(), mask=True), "input_ids", tokens, "lm",
+                              lambda r: r.integers(0, 64, (B, T)))
+FAMILIES["gemma_fresh"] = (lambda: Logits(tiny_gemma(), mask=True), "input_ids", tokens, "lm",
+                           lambda r: r.integers(0, 64, (B, T)))
+# Exported as torch.onnx documents for training: the legacy exporter without constant folding and
+# the dynamo exporter without its optimizer. Optimised, a fresh model loses parameters that no
+# metadata gives back: the optimizer merges GPT-NeoX's two LayerNorms of one input (its parallel
+# block) into one node, and both exporters fold Gemma's `1 + weight` norms (weight zero) into
+# constants.
+FOR_TRAINING = {"gpt_neox_fresh", "gemma_fresh"}
 
 
-def export(model, x, in_name, path, dynamo):
+def export(model, x, in_name, path, dynamo, for_training=False):
     has_bn = any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    if has_bn and not dynamo:
+    if for_training:
+        if dynamo:
+            batch = torch.export.Dim("batch", min=1, max=1024)
+            prog = torch.onnx.export(model, (x,), dynamo=True, optimize=False, opset_version=OPSET,
+                                     input_names=[in_name], output_names=["logits"],
+                                     dynamic_shapes=({0: batch},), verbose=False)
+            prog.save(path)
+        else:
+            torch.onnx.export(model, (x,), path, dynamo=False, opset_version=OPSET, input_names=[in_name],
+                              output_names=["logits"], dynamic_axes={in_name: {0: "batch"}, "logits": {0: "batch"}},
+                              do_constant_folding=False)
+    elif has_bn and not dynamo:
         # Exported in eval mode, the legacy exporter folds BatchNormalization into the
         # convolutions: a model to train is exported in training mode, as torch.onnx documents.
         torch.onnx.export(model.train(), (x,), path, dynamo=False, opset_version=OPSET, input_names=[in_name],
@@ -320,7 +357,7 @@ def make(name, meta):
     for dynamo in (False, True):
         exporter = "dynamo" if dynamo else "legacy"
         path = os.path.join(HERE, f"{name}.{exporter}.onnx")
-        models[dynamo] = export(model, x, in_name, path, dynamo)
+        models[dynamo] = export(model, x, in_name, path, dynamo, name in FOR_TRAINING)
         print(f"{os.path.basename(path)}: {os.path.getsize(path) // 1024} KB, "
               f"{len(models[dynamo].graph.node)} nodes")
         # The dynamo exporter folds BatchNormalization into the convolutions even from training
