@@ -175,7 +175,8 @@ impl Importer<'_> {
             }
         }
         // (Nodes these remove leave the FX calls: a node made later may take a removed one's id.)
-        for n in sequences::split_sequences(&mut self.g) {
+        let output_names: Vec<&str> = graph.output.iter().map(|o| o.name.as_str()).collect();
+        for n in sequences::split_sequences(&mut self.g, &output_names) {
             calls.remove(&n);
         }
         for n in torch_export::untie_identities(&mut self.g) {

@@ -12,13 +12,14 @@ use crate::graph::{Graph, NodeId};
 use crate::ops::SplitAttrs;
 use crate::{normalize_axis, Op, Tensor};
 
-/// Rewrites every `SplitToSequence` that can be a Split (see the module's documentation).
-/// Returns the nodes removed.
-pub(super) fn split_sequences(g: &mut Graph) -> Vec<NodeId> {
+/// Rewrites every `SplitToSequence` that can be a Split (see the module's documentation); a
+/// sequence named in `outputs` (the graph's outputs, which import attaches by name afterwards)
+/// stays. Returns the nodes removed.
+pub(super) fn split_sequences(g: &mut Graph, outputs: &[&str]) -> Vec<NodeId> {
     let splits: Vec<NodeId> = g.node_ids().filter(|&n| opaque(g, n, "SplitToSequence")).collect();
     let mut removed = Vec::new();
     for n in splits {
-        rewrite(g, n, &mut removed);
+        rewrite(g, n, outputs, &mut removed);
     }
     removed
 }
@@ -36,11 +37,11 @@ fn int_attr(g: &Graph, n: NodeId, name: &str, default: i64) -> Option<i64> {
     }
 }
 
-fn rewrite(g: &mut Graph, n: NodeId, removed: &mut Vec<NodeId>) -> Option<()> {
+fn rewrite(g: &mut Graph, n: NodeId, outputs: &[&str], removed: &mut Vec<NodeId>) -> Option<()> {
     let (axis, keepdims) = (int_attr(g, n, "axis", 0)?, int_attr(g, n, "keepdims", 1)?);
     let node = g.node(n);
     let (x, split, seq) = (node.input(0)?, node.input(1), *node.outputs().first()?);
-    if g.is_output(seq) || g.name_is_referenced(seq) {
+    if outputs.contains(&g.name(seq)) || g.name_is_referenced(seq) {
         return None;
     }
     // The pieces' sizes along the axis.
