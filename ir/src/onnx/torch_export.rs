@@ -296,7 +296,68 @@ fn add_bias(g: &mut Graph, n: NodeId, b: ValueId) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::proto::{self, ModelProto, NodeProto, StringStringEntryProto, TensorProto};
     use super::*;
+    use prost::Message;
+
+    fn entry(k: &str, v: &str) -> StringStringEntryProto {
+        StringStringEntryProto { key: k.into(), value: v.into() }
+    }
+
+    /// A node with one output (its name the node's), and the FX call it came from.
+    fn node(op: &str, ins: &[&str], out: &str, fx: Option<String>) -> NodeProto {
+        NodeProto {
+            op_type: op.into(),
+            name: out.into(),
+            input: ins.iter().map(|s| s.to_string()).collect(),
+            output: vec![out.into()],
+            metadata_props: fx.map(|f| vec![entry(FX_NODE_KEY, &f)]).unwrap_or_default(),
+            ..Default::default()
+        }
+    }
+
+    /// An f32 value of `dims` (`None`: no shape).
+    fn vi(name: &str, dims: Option<&[i64]>) -> proto::ValueInfoProto {
+        let dim = |&d: &i64| proto::tensor_shape_proto::Dimension {
+            value: Some(proto::tensor_shape_proto::dimension::Value::DimValue(d)),
+            ..Default::default()
+        };
+        let shape = dims.map(|d| proto::TensorShapeProto { dim: d.iter().map(dim).collect() });
+        proto::ValueInfoProto {
+            name: name.into(),
+            r#type: Some(proto::TypeProto {
+                value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor { elem_type: 1, shape })),
+                denotation: String::new(),
+            }),
+            doc_string: String::new(),
+        }
+    }
+
+    /// Imports a model of `nodes` whose graph carries `signature`, each target a PARAMETER.
+    fn import(
+        nodes: Vec<NodeProto>,
+        initializer: Vec<TensorProto>,
+        io: (Vec<proto::ValueInfoProto>, Vec<proto::ValueInfoProto>),
+        targets: &[&str],
+    ) -> Graph {
+        let signature =
+            targets.iter().map(|t| format!("p_{}: PARAMETER target='{t}'\n", t.replace('.', "_"))).collect::<String>();
+        let model = ModelProto {
+            ir_version: 10,
+            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 18 }],
+            graph: Some(proto::GraphProto {
+                name: "exported".into(),
+                node: nodes,
+                initializer,
+                input: io.0,
+                output: io.1,
+                metadata_props: vec![entry(SIGNATURE_KEY, &signature)],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        super::super::decode_onnx(model.encode_to_vec().into(), None).unwrap()
+    }
 
     #[test]
     fn reads_the_signature_and_the_calls() {
@@ -328,19 +389,8 @@ mod tests {
     /// other reader names this one reads a copy.
     #[test]
     fn only_readers_that_name_another_parameter_read_a_copy() {
-        use super::super::proto::{self, ModelProto, NodeProto, StringStringEntryProto, TensorProto};
-        use prost::Message;
-        let entry = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
         let call = |f: &str, a: &str, p: &str| {
-            format!("%o : [num_users=1] = call_function[target={f}](args = (%{a}, %{p}), kwargs = {{}})")
-        };
-        let node = |op: &str, a: &str, w: &str, out: &str, fx: Option<String>| NodeProto {
-            op_type: op.into(),
-            name: out.into(),
-            input: vec![a.into(), w.into()],
-            output: vec![out.into()],
-            metadata_props: fx.map(|f| vec![entry(FX_NODE_KEY, &f)]).unwrap_or_default(),
-            ..Default::default()
+            Some(format!("%o : [num_users=1] = call_function[target={f}](args = (%{a}, %{p}), kwargs = {{}})"))
         };
         let ones = |name: &str| TensorProto {
             name: name.into(),
@@ -349,46 +399,26 @@ mod tests {
             float_data: vec![1.0; 3],
             ..Default::default()
         };
-        let vi = |name: &str| proto::ValueInfoProto {
-            name: name.into(),
-            r#type: Some(proto::TypeProto {
-                value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor {
-                    elem_type: 1,
-                    shape: None,
-                })),
-                denotation: String::new(),
-            }),
-            doc_string: String::new(),
-        };
         let nodes = vec![
-            node("Mul", "x", "a.weight", "m1", Some(call("f", "x", "p_a_weight"))),
+            node("Mul", &["x", "a.weight"], "m1", call("f", "x", "p_a_weight")),
             // Merged: reads `b.weight`'s copy.
-            node("Mul", "m1", "a.weight", "m2", Some(call("f", "m1", "p_b_weight"))),
+            node("Mul", &["m1", "a.weight"], "m2", call("f", "m1", "p_b_weight")),
             // Another function, which no reader of `a.weight` says reads it where: kept.
-            node("Add", "m2", "a.weight", "m3", Some(call("g", "m2", "p_c_weight"))),
+            node("Add", &["m2", "a.weight"], "m3", call("g", "m2", "p_c_weight")),
             // No metadata: kept.
-            node("Mul", "m3", "a.weight", "m4", None),
+            node("Mul", &["m3", "a.weight"], "m4", None),
             // The same parameter, read twice (a tied weight): kept.
-            node("Mul", "m4", "a.weight", "m5", Some(call("f", "m4", "p_a_weight"))),
+            node("Mul", &["m4", "a.weight"], "m5", call("f", "m4", "p_a_weight")),
             // A parameter the graph has under its name already: kept.
-            node("Mul", "m5", "a.weight", "y", Some(call("f", "m5", "p_d_weight"))),
+            node("Mul", &["m5", "a.weight"], "y", call("f", "m5", "p_d_weight")),
         ];
-        let signature = ["a", "b", "c", "d"].map(|p| format!("p_{p}_weight: PARAMETER target='{p}.weight'\n")).concat();
-        let model = ModelProto {
-            ir_version: 10,
-            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 18 }],
-            graph: Some(proto::GraphProto {
-                name: "merged".into(),
-                node: nodes,
-                initializer: vec![ones("a.weight"), ones("d.weight")],
-                input: vec![vi("x")],
-                output: vec![vi("y")],
-                metadata_props: vec![entry(SIGNATURE_KEY, &signature)],
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let g = super::super::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+        let io = (vec![vi("x", None)], vec![vi("y", None)]);
+        let g = import(
+            nodes,
+            vec![ones("a.weight"), ones("d.weight")],
+            io,
+            &["a.weight", "b.weight", "c.weight", "d.weight"],
+        );
         let readers = |name: &str| -> Vec<String> {
             let v = g.find(name).unwrap_or_else(|| panic!("no `{name}`"));
             assert!(g.value(v).initializer().is_some());
@@ -405,19 +435,8 @@ mod tests {
     /// takes the MatMul's name (the graph output's).
     #[test]
     fn dropped_zero_biases_come_back_for_every_call() {
-        use super::super::proto::{self, ModelProto, NodeProto, StringStringEntryProto, TensorProto};
-        use prost::Message;
-        let entry = |k: &str, v: &str| StringStringEntryProto { key: k.into(), value: v.into() };
-        let node = |op: &str, ins: &[&str], out: &str, fx: Option<String>| NodeProto {
-            op_type: op.into(),
-            name: out.into(),
-            input: ins.iter().map(|s| s.to_string()).collect(),
-            output: vec![out.into()],
-            metadata_props: fx.map(|f| vec![entry(FX_NODE_KEY, &f)]).unwrap_or_default(),
-            ..Default::default()
-        };
         let call = |r: &str, f: &str, args: &str| {
-            format!("%{r} : [num_users=1] = call_function[target=torch.ops.aten.{f}.default](args = ({args}), kwargs = {{}})")
+            Some(format!("%{r} : [num_users=1] = call_function[target=torch.ops.aten.{f}.default](args = ({args}), kwargs = {{}})"))
         };
         let w = |name: &str| TensorProto {
             name: name.into(),
@@ -426,49 +445,14 @@ mod tests {
             float_data: (0..12).map(|i| i as f32).collect(),
             ..Default::default()
         };
-        let vi = |name: &str, dims: &[i64]| proto::ValueInfoProto {
-            name: name.into(),
-            r#type: Some(proto::TypeProto {
-                value: Some(proto::type_proto::Value::TensorType(proto::type_proto::Tensor {
-                    elem_type: 1,
-                    shape: Some(proto::TensorShapeProto {
-                        dim: dims
-                            .iter()
-                            .map(|&d| proto::tensor_shape_proto::Dimension {
-                                value: Some(proto::tensor_shape_proto::dimension::Value::DimValue(d)),
-                                ..Default::default()
-                            })
-                            .collect(),
-                    }),
-                })),
-                denotation: String::new(),
-            }),
-            doc_string: String::new(),
-        };
         let nodes = vec![
-            node("Gemm", &["x", "w.weight"], "y1", Some(call("addmm", "addmm", "%p_a_bias, %x, %p_w_weight"))),
-            node("Gemm", &["x", "w.weight"], "y2", Some(call("addmm_1", "addmm", "%p_a_bias, %x, %p_w_weight"))),
-            node("MatMul", &["x", "v.weight"], "y3", Some(call("linear", "linear", "%x, %p_v_weight, %p_v_bias"))),
+            node("Gemm", &["x", "w.weight"], "y1", call("addmm", "addmm", "%p_a_bias, %x, %p_w_weight")),
+            node("Gemm", &["x", "w.weight"], "y2", call("addmm_1", "addmm", "%p_a_bias, %x, %p_w_weight")),
+            node("MatMul", &["x", "v.weight"], "y3", call("linear", "linear", "%x, %p_v_weight, %p_v_bias")),
             node("Add", &["y1", "y2"], "y", None),
         ];
-        let signature = ["a.bias", "w.weight", "v.weight", "v.bias"]
-            .map(|t| format!("p_{}: PARAMETER target='{t}'\n", t.replace('.', "_")))
-            .concat();
-        let model = ModelProto {
-            ir_version: 10,
-            opset_import: vec![proto::OperatorSetIdProto { domain: String::new(), version: 18 }],
-            graph: Some(proto::GraphProto {
-                name: "dropped".into(),
-                node: nodes,
-                initializer: vec![w("w.weight"), w("v.weight")],
-                input: vec![vi("x", &[2, 3])],
-                output: vec![vi("y", &[2, 4]), vi("y3", &[2, 4])],
-                metadata_props: vec![entry(SIGNATURE_KEY, &signature)],
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        let g = super::super::decode_onnx(model.encode_to_vec().into(), None).unwrap();
+        let io = (vec![vi("x", Some(&[2, 3]))], vec![vi("y", Some(&[2, 4])), vi("y3", Some(&[2, 4]))]);
+        let g = import(nodes, vec![w("w.weight"), w("v.weight")], io, &["a.bias", "w.weight", "v.weight", "v.bias"]);
         let bias = |name: &str| {
             let v = g.find(name).unwrap_or_else(|| panic!("no `{name}`"));
             assert_eq!(
