@@ -517,12 +517,13 @@ __device__ __forceinline__ float attn_mask_at(const float* mrow, bool ok, int ke
     return ok ? attn_log2(mrow[key]) : 0.0f;
 }
 
-// The row's two mask entries at key, key + 1 (key even) in the log2 domain.
-__device__ __forceinline__ void attn_mask_pair(const float* mrow, bool row_ok, int key, int nkeys, bool vec2,
-                                               float& m0, float& m1) {
+// The row's two mask entries at key, key + 1 (key even) in the log2 domain; 0 where mrow is
+// nullptr (no mask, or a row past sq) or the key is at or past nkeys.
+__device__ __forceinline__ void attn_mask_pair(const float* mrow, int key, int nkeys, bool vec2, float& m0,
+                                               float& m1) {
     m0 = 0.0f;
     m1 = 0.0f;
-    if (mrow == nullptr || !row_ok) return;
+    if (mrow == nullptr) return;
     if (vec2 && key + 1 < nkeys) {
 #ifdef MPC_EMULATED
         float v[2];
@@ -566,6 +567,86 @@ __device__ __forceinline__ int attn_key_limit(int row, int sk, int causal) {
     return causal != 0 ? min(sk - 1, row) + 1 : sk;
 }
 
+// ---- the blocks of query rows (forward and dQ) ----
+
+// A block of the forward or dQ kernel: BM query rows from q0 of head (b, h), which read the key
+// tiles 0..nkt-1 of BK keys (causal skipping as attn_key_tiles says) with K and V double-buffered:
+// two stages of shared memory, each a K tile and then a V tile (pitch DP + 8).
+template <int BM, int BK, int DP> struct AttnQBlock {
+    static constexpr int LDS = DP + 8, KV = BK * LDS, STAGE = 2 * KV;
+    long long bh, b, h;
+    int q0, nkt;
+    int rA, rB;  // the lane's query rows: g and g + 8 of its warp's 16 (either may be >= sq)
+    const u16* kb;
+    const u16* vb;
+    long long kstride, vstride;
+    int sk, d;
+    bool kvec, vvec;
+
+    __device__ __forceinline__ AttnQBlock(const void* k, const void* v, const AttnShape& sh, const AttnStrides& ks,
+                                          const AttnStrides& vs, int causal) {
+        const int sq = (int)sh.sq;
+        sk = (int)sh.sk;
+        d = (int)sh.d;
+        int qt;
+        attn_block((sq + BM - 1) / BM, sh.heads, causal != 0, bh, b, h, qt);
+        q0 = qt * BM;
+        nkt = attn_key_tiles<BM, BK>(sk, sq, q0, causal);
+        rA = q0 + (int)(threadIdx.x >> 5) * 16 + (int)((threadIdx.x & 31) >> 2);
+        rB = rA + 8;
+        kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
+        vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
+        kstride = ks.s;
+        vstride = vs.s;
+        kvec = attn_vec_ok(kb, kstride, d);
+        vvec = attn_vec_ok(vb, vstride, d);
+    }
+
+    // Key tile kt's K and V into the stage at `stage` (cp.async pieces: commit after).
+    __device__ __forceinline__ void load_kv(u16* stage, int kt) const {
+        attn_load_tile<BK, DP>(stage, kb, kstride, kt * BK, sk, d, kvec);
+        attn_load_tile<BK, DP>(stage + KV, vb, vstride, kt * BK, sk, d, vvec);
+    }
+
+    // Before key tile kt's products (tile kt already loading): tile kt + 1 starts into the other
+    // stage, tile kt is waited for. Returns tile kt's stage (K, then V at + KV).
+    __device__ __forceinline__ const u16* next(u16* sm, int kt) const {
+        if (kt + 1 < nkt) load_kv(sm + ((kt + 1) & 1) * STAGE, kt + 1);
+        attn_cp_commit();
+        attn_cp_wait<1>();
+        __syncthreads();
+        return sm + (kt & 1) * STAGE;
+    }
+};
+
+// The mask rows of a lane's query rows rA and rB (nullptr without a mask, or for a row past sq),
+// and whether they can be read two floats at a time.
+__device__ __forceinline__ void attn_mask_rows(const float* mask, const AttnStrides& ms, long long b, long long h,
+                                               int rA, int rB, int sq, const float*& mA, const float*& mB,
+                                               bool& mvec) {
+    mA = nullptr;
+    mB = nullptr;
+    mvec = false;
+    if (mask == nullptr) return;
+    const float* mb = mask + b * ms.b + h * ms.h;
+    mA = rA < sq ? mb + rA * ms.s : nullptr;
+    mB = rB < sq ? mb + rB * ms.s : nullptr;
+    mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
+}
+
+// A warp's 16 x DP accumulators times mul0 (rows g) and mul1 (rows g + 8) as rows row0.. of the
+// [n, d] output at `out` (head b, h), through the shared tile sm (BM rows): called by the whole
+// block once every warp is done reading sm.
+template <typename T, int BM, int DP>
+__device__ __forceinline__ void attn_store_rows(T* out, const AttnStrides& os, long long b, long long h, int row0,
+                                                int n, int d, u16* sm, const float (&acc)[DP / 8][4], float mul0,
+                                                float mul1) {
+    attn_acc_to_smem<T, DP>(sm, (int)(threadIdx.x >> 5) * 16, acc, mul0, mul1);
+    __syncthreads();
+    u16* ob = reinterpret_cast<u16*>(out) + b * os.b + h * os.h;
+    attn_store_tile<BM, DP>(ob, os.s, row0, n, d, attn_vec_ok(ob, os.s, d), sm);
+}
+
 // ---- forward ----
 
 template <typename T, int DP>
@@ -573,31 +654,24 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
                                          const AttnShape& sh, const AttnStrides& qs, const AttnStrides& ks,
                                          const AttnStrides& vs, const AttnStrides& ms, const AttnStrides& os,
                                          float scale, int causal) {
-    constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
-    constexpr int KV = BK * LDS;     // one K or V tile (elements)
-    constexpr int STAGE = 2 * KV;    // K and V tiles of one key tile
+    constexpr int BM = 64, BK = DP == 128 ? 32 : 64;
+    using Block = AttnQBlock<BM, BK, DP>;
+    constexpr int LDS = Block::LDS, STAGE = Block::STAGE;
     static_assert(BM * LDS <= STAGE, "the Q tile is staged in the second stage");
     __shared__ AttnSmem<2 * STAGE * 2> smem;
     u16* sm = reinterpret_cast<u16*>(smem.b);
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
-    long long bh, b, h;
-    int qt;
-    attn_block((sq + BM - 1) / BM, sh.heads, causal != 0, bh, b, h, qt);
-    const int q0 = qt * BM;
-    const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
-    const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
-    const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
-    const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
     // Causal: the key tiles past the block's last row are skipped (key tile 0 is always read).
-    const int nkt = attn_key_tiles<BM, BK>(sk, sq, q0, causal);
+    const Block blk(k, v, sh, ks, vs, causal);
+    const int q0 = blk.q0, rA = blk.rA, rB = blk.rB;
+    const u16* qb = reinterpret_cast<const u16*>(q) + blk.b * qs.b + blk.h * qs.h;
 
     // Q into the second stage, key tile 0 into the first.
     attn_load_tile<BM, DP>(sm + STAGE, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
     attn_cp_commit();
-    attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
-    attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+    blk.load_kv(sm, 0);
     attn_cp_commit();
     attn_cp_wait<1>();
     __syncthreads();
@@ -605,17 +679,10 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     attn_load_a<DP>(qf, sm + STAGE + warp * 16 * LDS);
     __syncthreads();  // every warp has its Q fragments before key tile 1 overwrites them
 
-    // Lane rows: g and g + 8 of the warp's 16 (mask rows only for rows < sq).
-    const int rA = q0 + warp * 16 + g, rB = rA + 8;
-    const float* mA = nullptr;
-    const float* mB = nullptr;
-    bool mvec = false;
-    if (mask != nullptr) {
-        const float* mb = mask + b * ms.b + h * ms.h;
-        mA = rA < sq ? mb + rA * ms.s : nullptr;
-        mB = rB < sq ? mb + rB * ms.s : nullptr;
-        mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
-    }
+    const float* mA;
+    const float* mB;
+    bool mvec;
+    attn_mask_rows(mask, ms, blk.b, blk.h, rA, rB, sq, mA, mB, mvec);
     const float sl2 = scale * ATTN_LOG2E;
     const float ninf = attn_neg_inf();
 
@@ -624,17 +691,9 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float mrow[2] = {ninf, ninf}, lrow[2] = {0.0f, 0.0f};
 
-    for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) {
-            u16* nx = sm + ((kt + 1) & 1) * STAGE;
-            attn_load_tile<BK, DP>(nx, kb, ks.s, (kt + 1) * BK, sk, d, kvec);
-            attn_load_tile<BK, DP>(nx + KV, vb, vs.s, (kt + 1) * BK, sk, d, vvec);
-        }
-        attn_cp_commit();
-        attn_cp_wait<1>();
-        __syncthreads();
-        const u16* Ks = sm + (kt & 1) * STAGE;
-        const u16* Vs = Ks + KV;
+    for (int kt = 0; kt < blk.nkt; ++kt) {
+        const u16* Ks = blk.next(sm, kt);
+        const u16* Vs = Ks + Block::KV;
 
         float s[BK / 8][4];
 #pragma unroll
@@ -647,8 +706,8 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
         for (int j = 0; j < BK / 8; ++j) {
             const int key = kt * BK + 8 * j + 2 * t;
             float a0, a1, b0, b1;
-            attn_mask_pair(mA, true, key, sk, mvec, a0, a1);
-            attn_mask_pair(mB, true, key, sk, mvec, b0, b1);
+            attn_mask_pair(mA, key, sk, mvec, a0, a1);
+            attn_mask_pair(mB, key, sk, mvec, b0, b1);
             s[j][0] = key < sk ? s[j][0] * sl2 + a0 : ninf;
             s[j][1] = key + 1 < sk ? s[j][1] * sl2 + a1 : ninf;
             s[j][2] = key < sk ? s[j][2] * sl2 + b0 : ninf;
@@ -715,14 +774,11 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
         inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
     }
     if (t == 0) {
-        float* lb = lse + bh * sh.sq;
+        float* lb = lse + blk.bh * sh.sq;
         if (rA < sq) lb[rA] = lrow[0] > 0.0f ? mrow[0] * ATTN_LN2 + logf(lrow[0]) : ninf;
         if (rB < sq) lb[rB] = lrow[1] > 0.0f ? mrow[1] * ATTN_LN2 + logf(lrow[1]) : ninf;
     }
-    attn_acc_to_smem<T, DP>(sm, warp * 16, acc, inv[0], inv[1]);
-    __syncthreads();
-    u16* ob = reinterpret_cast<u16*>(o) + b * os.b + h * os.h;
-    attn_store_tile<BM, DP>(ob, os.s, q0, sq, d, attn_vec_ok(ob, os.s, d), sm);
+    attn_store_rows<T, BM, DP>(o, os, blk.b, blk.h, q0, sq, d, sm, acc, inv[0], inv[1]);
 }
 
 // ---- backward: delta ----
@@ -782,8 +838,9 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
                                             const AttnStrides& qs, const AttnStrides& ks, const AttnStrides& vs,
                                             const AttnStrides& ms, const AttnStrides& dos, const AttnStrides& dqs,
                                             float scale, int causal) {
-    constexpr int BM = 64, BK = DP == 128 ? 32 : 64, LDS = DP + 8;
-    constexpr int KV = BK * LDS, STAGE = 2 * KV, QT = BM * LDS;
+    constexpr int BM = 64, BK = DP == 128 ? 32 : 64;
+    using Block = AttnQBlock<BM, BK, DP>;
+    constexpr int LDS = Block::LDS, STAGE = Block::STAGE, QT = BM * LDS;
     // Q and dO staged in the second stage when they fit there (their load then overlaps key
     // tile 0's), else over both stages before key tile 0 is loaded.
     constexpr bool OVERLAP = 2 * QT <= STAGE;
@@ -791,27 +848,20 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     __shared__ AttnSmem<ELEMS * 2> smem;
     u16* sm = reinterpret_cast<u16*>(smem.b);
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
-    long long bh, b, h;
-    int qt;
-    attn_block((sq + BM - 1) / BM, sh.heads, causal != 0, bh, b, h, qt);
-    const int q0 = qt * BM;
-    const u16* qb = reinterpret_cast<const u16*>(q) + b * qs.b + h * qs.h;
-    const u16* dob = reinterpret_cast<const u16*>(dout) + b * dos.b + h * dos.h;
-    const u16* kb = reinterpret_cast<const u16*>(k) + b * ks.b + h * ks.h;
-    const u16* vb = reinterpret_cast<const u16*>(v) + b * vs.b + h * vs.h;
-    const bool kvec = attn_vec_ok(kb, ks.s, d), vvec = attn_vec_ok(vb, vs.s, d);
     // Causal: the key tiles past the block's last row are skipped (as in the forward).
-    const int nkt = attn_key_tiles<BM, BK>(sk, sq, q0, causal);
+    const Block blk(k, v, sh, ks, vs, causal);
+    const int q0 = blk.q0, rA = blk.rA, rB = blk.rB;
+    const u16* qb = reinterpret_cast<const u16*>(q) + blk.b * qs.b + blk.h * qs.h;
+    const u16* dob = reinterpret_cast<const u16*>(dout) + blk.b * dos.b + blk.h * dos.h;
 
     u16* qbuf = OVERLAP ? sm + STAGE : sm;
     attn_load_tile<BM, DP>(qbuf, qb, qs.s, q0, sq, d, attn_vec_ok(qb, qs.s, d));
     attn_load_tile<BM, DP>(qbuf + QT, dob, dos.s, q0, sq, d, attn_vec_ok(dob, dos.s, d));
     attn_cp_commit();
     if constexpr (OVERLAP) {
-        attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
-        attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+        blk.load_kv(sm, 0);
         attn_cp_commit();
         attn_cp_wait<1>();
     } else {
@@ -823,43 +873,28 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     attn_load_a<DP>(df, qbuf + QT + warp * 16 * LDS);
     __syncthreads();
     if constexpr (!OVERLAP) {
-        attn_load_tile<BK, DP>(sm, kb, ks.s, 0, sk, d, kvec);
-        attn_load_tile<BK, DP>(sm + KV, vb, vs.s, 0, sk, d, vvec);
+        blk.load_kv(sm, 0);
         attn_cp_commit();
     }
 
-    const int rA = q0 + warp * 16 + g, rB = rA + 8;
     const int lim[2] = {attn_key_limit(rA, sk, causal), attn_key_limit(rB, sk, causal)};
-    const float* lb = lse + bh * sh.sq;
-    const float* db = delta + bh * sh.sq;
+    const float* lb = lse + blk.bh * sh.sq;
+    const float* db = delta + blk.bh * sh.sq;
     const float l2[2] = {attn_lse2(lb, rA, sq), attn_lse2(lb, rB, sq)};
     const float dl[2] = {rA < sq ? db[rA] : 0.0f, rB < sq ? db[rB] : 0.0f};
-    const float* mA = nullptr;
-    const float* mB = nullptr;
-    bool mvec = false;
-    if (mask != nullptr) {
-        const float* mb = mask + b * ms.b + h * ms.h;
-        mA = mb + rA * ms.s;
-        mB = mb + rB * ms.s;
-        mvec = ((unsigned long long)mb & 7) == 0 && (ms.s & 1) == 0;
-    }
+    const float* mA;
+    const float* mB;
+    bool mvec;
+    attn_mask_rows(mask, ms, blk.b, blk.h, rA, rB, sq, mA, mB, mvec);
     const float sl2 = scale * ATTN_LOG2E;
 
     float acc[DP / 8][4];
 #pragma unroll
     for (int n = 0; n < DP / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-    for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) {
-            u16* nx = sm + ((kt + 1) & 1) * STAGE;
-            attn_load_tile<BK, DP>(nx, kb, ks.s, (kt + 1) * BK, sk, d, kvec);
-            attn_load_tile<BK, DP>(nx + KV, vb, vs.s, (kt + 1) * BK, sk, d, vvec);
-        }
-        attn_cp_commit();
-        attn_cp_wait<1>();
-        __syncthreads();
-        const u16* Ks = sm + (kt & 1) * STAGE;
-        const u16* Vs = Ks + KV;
+    for (int kt = 0; kt < blk.nkt; ++kt) {
+        const u16* Ks = blk.next(sm, kt);
+        const u16* Vs = Ks + Block::KV;
 
         float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
@@ -875,8 +910,8 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
         for (int j = 0; j < BK / 8; ++j) {
             const int key = kt * BK + 8 * j + 2 * t;
             float a0, a1, b0, b1;
-            attn_mask_pair(mA, rA < sq, key, lim[0], mvec, a0, a1);
-            attn_mask_pair(mB, rB < sq, key, lim[1], mvec, b0, b1);
+            attn_mask_pair(mA, key, lim[0], mvec, a0, a1);
+            attn_mask_pair(mB, key, lim[1], mvec, b0, b1);
             const float mk[4] = {a0, a1, b0, b1};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -889,10 +924,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
         __syncthreads();
     }
 
-    attn_acc_to_smem<T, DP>(sm, warp * 16, acc, scale, scale);
-    __syncthreads();
-    u16* qo = reinterpret_cast<u16*>(dq) + b * dqs.b + h * dqs.h;
-    attn_store_tile<BM, DP>(qo, dqs.s, q0, sq, d, attn_vec_ok(qo, dqs.s, d), sm);
+    attn_store_rows<T, BM, DP>(dq, dqs, blk.b, blk.h, q0, sq, d, sm, acc, scale, scale);
 }
 
 // ---- backward: dK and dV ----
@@ -1038,13 +1070,8 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
         __syncthreads();
     }
 
-    attn_acc_to_smem<T, DP>(Kt, warp * 16, ak, scale, scale);
-    attn_acc_to_smem<T, DP>(Vt, warp * 16, av, 1.0f, 1.0f);
-    __syncthreads();
-    u16* kd = reinterpret_cast<u16*>(dk) + b * dks.b + h * dks.h;
-    u16* vd = reinterpret_cast<u16*>(dv) + b * dvs.b + h * dvs.h;
-    attn_store_tile<BN, DP>(kd, dks.s, k0, sk, d, attn_vec_ok(kd, dks.s, d), Kt);
-    attn_store_tile<BN, DP>(vd, dvs.s, k0, sk, d, attn_vec_ok(vd, dvs.s, d), Vt);
+    attn_store_rows<T, BN, DP>(dk, dks, b, h, k0, sk, d, Kt, ak, scale, scale);
+    attn_store_rows<T, BN, DP>(dv, dvs, b, h, k0, sk, d, Vt, av, 1.0f, 1.0f);
 }
 
 // ---- the kernels ----
