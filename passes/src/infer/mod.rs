@@ -15,6 +15,7 @@
 mod indexing;
 mod known;
 mod movement;
+mod nn;
 mod rules;
 
 use mpc_ir::{Dim, Graph, Op, Shape, TypeInfo};
