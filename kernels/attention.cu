@@ -319,11 +319,7 @@ template <typename T> __device__ __forceinline__ u32 attn_pack(float lo, float h
 // when !valid (src is then not read). Completes at the next attn_cp_wait that covers its group.
 __device__ __forceinline__ void attn_cp_async16(u16* dst, const u16* src, bool valid) {
 #ifdef MPC_EMULATED
-    if (valid) {
-        std::memcpy(dst, src, 16);
-    } else {
-        std::memset(dst, 0, 16);
-    }
+    emu::cp_async(dst, valid ? src : nullptr, 16);
 #else
     const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0)
@@ -333,7 +329,9 @@ __device__ __forceinline__ void attn_cp_async16(u16* dst, const u16* src, bool v
 
 // Closes the group of cp.async issued since the last commit (an empty group is fine).
 __device__ __forceinline__ void attn_cp_commit() {
-#ifndef MPC_EMULATED
+#ifdef MPC_EMULATED
+    emu::cp_commit();
+#else
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
@@ -341,7 +339,9 @@ __device__ __forceinline__ void attn_cp_commit() {
 // Waits until at most N of this thread's groups are still in flight (a __syncthreads must follow
 // before other threads read the data).
 template <int N> __device__ __forceinline__ void attn_cp_wait() {
-#ifndef MPC_EMULATED
+#ifdef MPC_EMULATED
+    emu::cp_wait(N);
+#else
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }

@@ -3,7 +3,8 @@
 // it and compare every launch with the CPU device).
 //
 // Each CUDA thread of a block is a fiber (ucontext) on the calling OS thread; the block's fibers
-// run one at a time, each until it finishes or waits, and blocks run one after another. So:
+// run one at a time, each until it finishes or waits, a warp at a time (its lanes until all of
+// them wait at a block barrier or have returned), and blocks run one after another. So:
 // - __syncthreads waits until every thread of the block that has not returned arrives;
 // - __shfl_sync, __shfl_down_sync, __shfl_xor_sync and __syncwarp wait for every lane of the warp:
 //   all 32 must exist and none may have returned (the kernels only shuffle with the full mask);
@@ -50,10 +51,19 @@ namespace emu {
 
 enum class Wait { None, Block, Warp, Done };
 
+// One 16-byte (or shorter) cp.async: its source as read when it was issued, and where it goes.
+struct AsyncCopy {
+    void* dst;
+    size_t n;
+    unsigned char bytes[16];
+};
+
 struct Fiber {
     ucontext_t ctx;
     dim3 idx;
     Wait wait = Wait::None;
+    std::vector<AsyncCopy> open;                 // issued since the last commit
+    std::vector<std::vector<AsyncCopy>> groups;  // committed, not yet waited for (oldest first)
 };
 
 struct WarpSync {
@@ -101,6 +111,34 @@ inline void syncthreads() {
     }
     while (B().bar_gen == gen) yield();
     B().fibers[B().current].wait = Wait::None;
+}
+
+// cp.async as late as the device may complete it: the source is read when the copy is issued,
+// the destination holds a poison pattern (all ones: NaN in f16, bf16 and f32) until a wait that
+// covers the copy's group writes it. So a thread that reads the bytes before its wait and the
+// barrier after it, or a copy issued into bytes other threads still read, gives wrong results
+// here, as it may on the device. cp_async(dst, nullptr, n) is the zero fill of a copy of size 0.
+inline void cp_async(void* dst, const void* src, size_t n) {
+    AsyncCopy c{dst, n, {}};
+    if (src != nullptr) std::memcpy(c.bytes, src, n);
+    std::memset(dst, 0xff, n);
+    B().fibers[B().current].open.push_back(c);
+}
+
+// Closes the group of the copies issued since the last commit (an empty group too).
+inline void cp_commit() {
+    Fiber& f = B().fibers[B().current];
+    f.groups.push_back(std::move(f.open));
+    f.open.clear();
+}
+
+// Completes this thread's oldest committed groups until at most `pending` are left.
+inline void cp_wait(size_t pending) {
+    Fiber& f = B().fibers[B().current];
+    while (f.groups.size() > pending) {
+        for (const AsyncCopy& c : f.groups.front()) std::memcpy(c.dst, c.bytes, c.n);
+        f.groups.erase(f.groups.begin());
+    }
 }
 
 inline int lane_count(const Block& b, int warp) {
@@ -193,6 +231,8 @@ inline std::string run(dim3 grid, dim3 block, void (*body)(void*, void**), void*
                     Fiber& f = b.fibers[t];
                     f.idx = {(unsigned)t % block.x, (unsigned)t / block.x % block.y, (unsigned)t / (block.x * block.y)};
                     f.wait = Wait::None;
+                    f.open.clear();
+                    f.groups.clear();
                     getcontext(&f.ctx);
                     f.ctx.uc_stack.ss_sp = (*stacks)[t].data();
                     f.ctx.uc_stack.ss_size = kStack;
@@ -200,18 +240,29 @@ inline std::string run(dim3 grid, dim3 block, void (*body)(void*, void**), void*
                     makecontext(&f.ctx, fiber_main, 0);
                 }
                 while (b.live > 0) {
-                    b.progress = false;
-                    for (int t = 0; t < n; ++t) {
-                        if (b.fibers[t].wait == Wait::Done) continue;
-                        b.current = t;
-                        swapcontext(&b.scheduler, &b.fibers[t].ctx);
-                        if (!b.error.empty()) {
-                            current_block = saved;
-                            return b.error + " (block " + std::to_string(bx) + "," + std::to_string(by) + "," +
-                                   std::to_string(bz) + ", thread " + std::to_string(t) + ")";
+                    // Each warp in turn runs as far as it can (until each of its lanes waits at a
+                    // block barrier or has returned) before the next one starts: a warp that reads
+                    // what another writes, or writes what another reads, without a barrier between
+                    // them sees the other a whole phase ahead or behind, not in step with it.
+                    bool moved = false;
+                    for (int w0 = 0; w0 < n; w0 += 32) {
+                        for (;;) {
+                            b.progress = false;
+                            for (int t = w0; t < n && t < w0 + 32; ++t) {
+                                if (b.fibers[t].wait == Wait::Done) continue;
+                                b.current = t;
+                                swapcontext(&b.scheduler, &b.fibers[t].ctx);
+                                if (!b.error.empty()) {
+                                    current_block = saved;
+                                    return b.error + " (block " + std::to_string(bx) + "," + std::to_string(by) +
+                                           "," + std::to_string(bz) + ", thread " + std::to_string(t) + ")";
+                                }
+                            }
+                            if (!b.progress) break;
+                            moved = true;
                         }
                     }
-                    if (!b.progress && b.live > 0) {
+                    if (!moved && b.live > 0) {
                         current_block = saved;
                         return "threads wait for a barrier or shuffle that the others never reach (block " +
                                std::to_string(bx) + ")";
