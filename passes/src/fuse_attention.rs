@@ -539,19 +539,23 @@ mod tests {
         assert_eq!(ops, ["Transpose", "Attention"]);
     }
 
+    /// f16 inputs `q4`, `k4` and `v4` of [B 2, S 8, H 3, D 4] and their heads as PyTorch splits
+    /// them: Q and V by a Transpose to [B, H, S, D], Kᵀ by one to [B, H, D, S].
+    fn bshd_heads(g: &mut Graph) -> (ValueId, ValueId, ValueId) {
+        let mut heads = |name: &str, perm: Vec<i64>| {
+            let x = g.add_input(name, TypeInfo::new(DType::F16, Shape::fixed(&[2, 8, 3, 4])));
+            g.add_op(&format!("{name}.t"), Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[Some(x)], 1).1[0]
+        };
+        (heads("q4", vec![0, 2, 1, 3]), heads("k4", vec![0, 2, 3, 1]), heads("v4", vec![0, 2, 1, 3]))
+    }
+
     /// PyTorch's heads: Q and V split from [B, S, H, D] by Transposes, Kᵀ by one more, and the
     /// result merged back by a Transpose: the attention reads and writes [B, S, H, D] itself.
     #[test]
     fn heads_split_and_merged_by_transposes_are_read_and_written_in_place() {
         let mut g = Graph::new("g");
         let f16 = |d: &[u64]| TypeInfo::new(DType::F16, Shape::fixed(d));
-        let heads = |g: &mut Graph, name: &str, perm: Vec<i64>| {
-            let x = g.add_input(name, f16(&[2, 8, 3, 4]));
-            g.add_op(&format!("{name}.t"), Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[Some(x)], 1).1[0]
-        };
-        let q = heads(&mut g, "q4", vec![0, 2, 1, 3]);
-        let kt = heads(&mut g, "k4", vec![0, 2, 3, 1]);
-        let v = heads(&mut g, "v4", vec![0, 2, 1, 3]);
+        let (q, kt, v) = bshd_heads(&mut g);
         let s = g.add_op("s", Op::MatMul, &[Some(q), Some(kt)], 1).1[0];
         let c = g.add_initializer("c", mpc_ir::Tensor::from_f64_as(DType::F16, vec![], &[2.0]));
         let scaled = g.add_op("scaled", Op::Div, &[Some(s), Some(c)], 1).1[0];
@@ -581,18 +585,11 @@ mod tests {
     /// `Where(IsNaN(P), 0, Cast(P))`. `edit` changes it before the pass runs.
     fn sdpa(edit: &dyn Fn(&mut Graph)) -> (Graph, NodeId, Changed) {
         let mut g = Graph::new("g");
-        let f16 = |d: &[u64]| TypeInfo::new(DType::F16, Shape::fixed(d));
         let constant = |g: &mut Graph, name: &str, x: f64, shape: Vec<u64>| {
             let value = mpc_ir::Tensor::from_f64_as(DType::F16, shape, &[x]);
             g.add_op(name, Op::Constant(Box::new(mpc_ir::ops::ConstantAttrs { value })), &[], 1).1[0]
         };
-        let heads = |g: &mut Graph, name: &str, perm: Vec<i64>| {
-            let x = g.add_input(name, f16(&[2, 8, 3, 4]));
-            g.add_op(&format!("{name}.t"), Op::Transpose(TransposeAttrs { perm: Some(perm) }), &[Some(x)], 1).1[0]
-        };
-        let q = heads(&mut g, "q4", vec![0, 2, 1, 3]);
-        let kt = heads(&mut g, "k4", vec![0, 2, 3, 1]);
-        let v = heads(&mut g, "v4", vec![0, 2, 1, 3]);
+        let (q, kt, v) = bshd_heads(&mut g);
         let mask = g.add_input("mask", TypeInfo::new(DType::F32, Shape::fixed(&[2, 1, 8, 8])));
         let (c1, c2) = (constant(&mut g, "c1", 0.5, vec![]), constant(&mut g, "c2", 0.5, vec![]));
         let qs = g.add_op("qs", Op::Mul, &[Some(q), Some(c1)], 1).1[0];
