@@ -139,6 +139,17 @@ template <> struct AttnIsBf16<__nv_bfloat16> {
 // A block's shared memory: raw bytes, 16-byte aligned (the cp.async and ldmatrix rows).
 template <int BYTES> struct alignas(16) AttnSmem {
     unsigned char b[BYTES];
+
+    // The bytes as the block starts. On the device they are whatever was there; the emulation
+    // (blocks one after another, the array static) sets them to NaN bits, so that a read of bytes
+    // this block has not written (a tile's zero fill skipped, the row pitch's padding) shows.
+    __device__ __forceinline__ unsigned char* start() {
+#ifdef MPC_EMULATED
+        if (threadIdx.x == 0) std::memset(b, 0xff, BYTES);
+        __syncthreads();
+#endif
+        return b;
+    }
 };
 
 // ---- the tensor core primitives ----
@@ -659,7 +670,7 @@ __device__ __forceinline__ void attn_fwd(const T* q, const T* k, const T* v, con
     constexpr int LDS = Block::LDS, STAGE = Block::STAGE;
     static_assert(BM * LDS <= STAGE, "the Q tile is staged in the second stage");
     __shared__ AttnSmem<2 * STAGE * 2> smem;
-    u16* sm = reinterpret_cast<u16*>(smem.b);
+    u16* sm = reinterpret_cast<u16*>(smem.start());
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
@@ -846,7 +857,7 @@ __device__ __forceinline__ void attn_bwd_dq(const T* q, const T* k, const T* v, 
     constexpr bool OVERLAP = 2 * QT <= STAGE;
     constexpr int ELEMS = 2 * STAGE > 2 * QT ? 2 * STAGE : 2 * QT;
     __shared__ AttnSmem<ELEMS * 2> smem;
-    u16* sm = reinterpret_cast<u16*>(smem.b);
+    u16* sm = reinterpret_cast<u16*>(smem.start());
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = lane & 3;
     const int sq = (int)sh.sq, sk = (int)sh.sk, d = (int)sh.d;
@@ -945,7 +956,7 @@ __device__ __forceinline__ void attn_bwd_dkdv(const T* q, const T* k, const T* v
     // The K and V fragments stay in registers where they are few enough.
     constexpr bool KVREG = DP <= 64;
     __shared__ AttnSmem<BYTES> smem;
-    u16* sm = reinterpret_cast<u16*>(smem.b);
+    u16* sm = reinterpret_cast<u16*>(smem.start());
     float* fl = reinterpret_cast<float*>(smem.b + ELEMS * 2);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
