@@ -2,7 +2,8 @@
 r"""Compile every kernel family under kernels/ with NVRTC, without a GPU.
 
 Each family file `kernels/<family>.cu` is compiled exactly as the CUDA backend compiles it at run
-time: `#line 1 "common.cuh"\n`, the text of `kernels/common.cuh`, `\n#line 1 "<family>.cu"\n`, then
+time: `#line 1 "common.cuh"\n`, the text of `kernels/common.cuh`, the family's own headers
+(`<family>_*.cuh`, each after its `#line 1`), `#line 1 "<family>.cu"\n`, then
 the family file (the #line directives make messages name the right file and line), as one NVRTC
 program named `<family>.cu`, with the options
 
@@ -233,8 +234,13 @@ def main():
     worst = {}
     for path in files:
         family = os.path.splitext(os.path.basename(path))[0]
+        # A family's own headers (`<family>_*.cuh` beside it, as attention_mma.cuh) come between.
+        source = '#line 1 "common.cuh"\n' + common + "\n"
+        for header in sorted(glob.glob(os.path.join(os.path.dirname(path), f"{family}_*.cuh"))):
+            with open(header) as f:
+                source += f'#line 1 "{os.path.basename(header)}"\n' + f.read()
         with open(path) as f:
-            source = '#line 1 "common.cuh"\n' + common + f'\n#line 1 "{family}.cu"\n' + f.read()
+            source += f'#line 1 "{family}.cu"\n' + f.read()
         for arch in archs:
             opts = [f"--gpu-architecture={arch}", "-std=c++17", "--fmad=false", "--ptxas-options=-v"]
             if include:

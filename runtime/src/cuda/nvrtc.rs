@@ -34,7 +34,17 @@ pub const FAMILIES: [(&str, &str); 12] = [
     ("loss", include_str!("../../../kernels/loss.cu")),
     ("im2col", include_str!("../../../kernels/im2col.cu")),
     ("train", include_str!("../../../kernels/train.cu")),
-    ("attention", include_str!("../../../kernels/attention.cu")),
+    // The attention kernels' warp-level pieces, then the kernels (`#line` keeps NVRTC's
+    // messages pointing at each file's own lines).
+    (
+        "attention",
+        concat!(
+            "#line 1 \"attention_mma.cuh\"\n",
+            include_str!("../../../kernels/attention_mma.cuh"),
+            "#line 1 \"attention.cu\"\n",
+            include_str!("../../../kernels/attention.cu")
+        ),
+    ),
 ];
 
 /// NVRTC's version, or why it cannot be used.
