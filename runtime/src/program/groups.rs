@@ -51,22 +51,9 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
         1 => out.push(run.pop().expect("one launch")),
         n => {
             let first = &run[0];
-            out.push(Launch {
-                node: format!("{} updates: {} .. {}", n, first.node, run[n - 1].node),
-                op: first.op.clone(),
-                inputs: Vec::new(),
-                outputs: Vec::new(),
-                branches: None,
-                chain: None,
-                epilogue: None,
-                epilogue_operand: None,
-                epilogue_then: None,
-                group: std::mem::take(run),
-                sibling: None,
-                relu_mask: None,
-                relu_prologue: None,
-                unread: Vec::new(),
-            });
+            let node = format!("{} updates: {} .. {}", n, first.node, run[n - 1].node);
+            let op = first.op.clone();
+            out.push(Launch { group: std::mem::take(run), ..Launch::new(node, op, Vec::new(), Vec::new()) });
         }
     };
     for l in launches {

@@ -577,27 +577,17 @@ pub(super) fn lower_in(
             if pos(i) == i {
                 let (chain, ins, outs) = &chains[r];
                 let labels: Vec<&str> = chain.steps.iter().map(|s| s.node.as_str()).collect();
+                let inputs = ins
+                    .iter()
+                    .map(|v| match widened.get(v) {
+                        Some(&low) => place(low, &refs).map(Operand::Widened),
+                        None => place(*v, &refs).map(Operand::Device),
+                    })
+                    .collect::<Result<_, _>>()?;
+                let outputs = outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?;
                 launches.push(Launch {
-                    node: labels.join(" + "),
-                    op: fused_marker(),
-                    inputs: ins
-                        .iter()
-                        .map(|v| match widened.get(v) {
-                            Some(&low) => place(low, &refs).map(Operand::Widened),
-                            None => place(*v, &refs).map(Operand::Device),
-                        })
-                        .collect::<Result<_, _>>()?,
-                    outputs: outs.iter().map(|&o| place(o, &refs)).collect::<Result<_, _>>()?,
-                    branches: None,
                     chain: Some(Box::new(chain.clone())),
-                    epilogue: None,
-                    epilogue_operand: None,
-                    epilogue_then: None,
-                    group: Vec::new(),
-                    sibling: None,
-                    relu_mask: None,
-                    relu_prologue: None,
-                    unread: Vec::new(),
+                    ..Launch::new(labels.join(" + "), fused_marker(), inputs, outputs)
                 });
             }
             continue;
