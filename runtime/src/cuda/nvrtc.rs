@@ -35,7 +35,8 @@ pub const FAMILIES: [(&str, &str); 12] = [
     ("im2col", include_str!("../../../kernels/im2col.cu")),
     ("train", include_str!("../../../kernels/train.cu")),
     // The attention kernels' warp-level pieces, then the kernels (`#line` keeps NVRTC's
-    // messages pointing at each file's own lines).
+    // messages pointing at each file's own lines). A family's own header is named
+    // `<family>_*.cuh`: kernels/check_nvrtc.py finds it by that name.
     (
         "attention",
         concat!(
