@@ -366,15 +366,22 @@ WHERE_T(u64, b8)
 
 // ---------------------------------------------------------------- Clip
 
+template <typename T> __device__ __forceinline__ AccT<T> finite_max();
+template <> __device__ __forceinline__ float finite_max<float>() { return 3.40282347e38f; }
+template <> __device__ __forceinline__ float finite_max<__half>() { return 65504.0f; }
+template <> __device__ __forceinline__ float finite_max<__nv_bfloat16>() { return 3.38953139e38f; }
+template <> __device__ __forceinline__ double finite_max<double>() { return 1.7976931348623157e308; }
+
 template <typename T>
 __device__ __forceinline__ void clip_body(const T* __restrict__ x, T* __restrict__ y, long long n, const T* lo,
                                           const T* hi) {
     typedef typename Acc<T>::type C;
-    C l = lo ? (C)ld(lo, 0) : -m_inf(C(0));
-    C h = hi ? (C)ld(hi, 0) : m_inf(C(0));
+    // An absent bound is T's lowest or largest finite value (ONNX's default: an infinity becomes it).
+    C l = lo ? (C)ld(lo, 0) : -finite_max<T>();
+    C h = hi ? (C)ld(hi, 0) : finite_max<T>();
     MPC_GRID_STRIDE(i, n) {
         C v = ld(x, i);
-        st(y, i, m_fmin(m_fmax(v, l), h));
+        st(y, i, m_isnan(v) ? v : m_fmin(m_fmax(v, l), h));  // NaN in, NaN out (fmax would drop it)
     }
 }
 #define CLIP_T(T, tag) \

@@ -125,22 +125,35 @@ __device__ __forceinline__ float pld(const __half* p, long long i) { return __ha
 __device__ __forceinline__ float pld(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ double pld(const double* p, long long i) { return p[i]; }
 
-// Mean and biased variance of `count` elements at(base, k), two passes, every thread of the block.
+// The mean and biased variance of `count` elements at(base, k): two passes, every thread of the
+// block, over the data shifted by its first element K. The sums are of x - K (exact for a constant
+// row, small for a large mean with a small spread), and each element's deviation is taken as
+// (x - K) - Σ(x - K)/count, so it keeps its digits where x - mean, with a plain f32 sum's mean
+// ulps off, does not: an epsilon of 1e-12 (BERT's) turned those ulps into outputs off by up to 1.
+template <typename A> struct Stats {
+    A shift, dmean, var;
+    __device__ __forceinline__ A mean() const { return shift + dmean; }
+    __device__ __forceinline__ A dev(A v) const { return (v - shift) - dmean; }
+};
+
 template <typename T, typename At>
-__device__ __forceinline__ void block_stats(const T* x, long long count, At at, AccT<T>* smem, AccT<T>& mean,
-                                            AccT<T>& var) {
+__device__ __forceinline__ Stats<AccT<T>> block_stats(const T* x, long long count, At at, AccT<T>* smem) {
     typedef AccT<T> A;
+    const A K = count > 0 ? (A)ld(x, at(0)) : A(0);
     A s = A(0);
-    for (long long k = threadIdx.x; k < count; k += blockDim.x) s += ld(x, at(k));
+    for (long long k = threadIdx.x; k < count; k += blockDim.x) s += (A)ld(x, at(k)) - K;
     s = block_reduce(s, OpSum(), smem);
-    mean = s / (A)count;
+    Stats<A> out;
+    out.shift = K;
+    out.dmean = s / (A)count;
     A q = A(0);
     for (long long k = threadIdx.x; k < count; k += blockDim.x) {
-        const A d = ld(x, at(k)) - mean;
+        const A d = out.dev(ld(x, at(k)));
         q += d * d;
     }
     q = block_reduce(q, OpSum(), smem);
-    var = q / (A)count;
+    out.var = q / (A)count;
+    return out;
 }
 
 struct Contig {
@@ -166,12 +179,12 @@ __device__ __forceinline__ void layer_norm_body(const T* x, const P* scale, cons
     __shared__ A smem[32];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const Contig at{row * n};
-        A mean, var;
-        block_stats(x, n, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, n, at, smem);
+        const A mean = stats.mean(), var = stats.var;
         const A r = A(1) / m_sqrt(var + eps);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
             const long long j = index_mod(k, scale_n);
-            A v = (ld(x, at(k)) - mean) * r * pld(scale, j);
+            A v = stats.dev(ld(x, at(k))) * r * pld(scale, j);
             if (bias) v += pld(bias, j);
             st(y, at(k), v);
         }
@@ -190,19 +203,19 @@ __device__ __forceinline__ void layer_norm_grad_body(const D* dy, const T* x, co
     __shared__ A smem[64];
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const Contig at{row * n};
-        A mean, var;
-        block_stats(x, n, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, n, at, smem);
+        const A mean = stats.mean(), var = stats.var;
         const A r = A(1) / m_sqrt(var + eps);
         A s1 = A(0), s2 = A(0);
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
             const A g = ld(dy, at(k)) * pld(scale, index_mod(k, scale_n));
             s1 += g;
-            s2 += g * ((ld(x, at(k)) - mean) * r);
+            s2 += g * (stats.dev(ld(x, at(k))) * r);
         }
         block_reduce2(s1, s2, OpSum(), smem);
         const A nf = (A)n;
         for (long long k = threadIdx.x; k < n; k += blockDim.x) {
-            const A xhat = (ld(x, at(k)) - mean) * r;
+            const A xhat = stats.dev(ld(x, at(k))) * r;
             const A g = ld(dy, at(k)) * pld(scale, index_mod(k, scale_n));
             st(dx, at(k), r / nf * (nf * g - s1 - xhat * s2));
         }
@@ -333,13 +346,13 @@ __device__ __forceinline__ void batch_norm_train_body(const T* x, const P* scale
     const long long count = n * inner;
     for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
         const Channel at{c, inner, ch};
-        A mean, var;
-        block_stats(x, count, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, count, at, smem);
+        const A mean = stats.mean(), var = stats.var;
         const A k = pld(scale, ch) / m_sqrt(var + eps);
         const A b = pld(bias, ch);
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
             const A r = res ? ld(res, at(e)) : A(0);
-            st(y, at(e), bn_res_out<T>((ld(x, at(e)) - mean) * k + b, res, r, relu));
+            st(y, at(e), bn_res_out<T>(stats.dev(ld(x, at(e))) * k + b, res, r, relu));
         }
         if (threadIdx.x == 0) {
             const A rm = pld(rmean, ch), rv = pld(rvar, ch);
@@ -377,19 +390,19 @@ __device__ __forceinline__ void batch_norm_grad_body(const T* dy, const T* ry, c
     const A cnt = (A)count;
     for (long long ch = blockIdx.x; ch < c; ch += gridDim.x) {
         const Channel at{c, inner, ch};
-        A mean, var;
-        block_stats(x, count, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, count, at, smem);
+        const A var = stats.var;
         const A inv = A(1) / m_sqrt(var + eps);
         A sg = A(0), sgx = A(0);
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
             const A g = ld_dy(dy, ry, at(e));
             sg += g;
-            sgx += g * ((ld(x, at(e)) - mean) * inv);
+            sgx += g * (stats.dev(ld(x, at(e))) * inv);
         }
         block_reduce2(sg, sgx, OpSum(), smem);
         const A k = pld(scale, ch) * inv / cnt;
         for (long long e = threadIdx.x; e < count; e += blockDim.x) {
-            const A xhat = (ld(x, at(e)) - mean) * inv;
+            const A xhat = stats.dev(ld(x, at(e))) * inv;
             st(dx, at(e), k * (cnt * ld_dy(dy, ry, at(e)) - sg - xhat * sgx));
         }
         if (threadIdx.x == 0) {
@@ -657,12 +670,12 @@ __device__ __forceinline__ void instance_norm_body(const T* x, const P* scale, c
     __shared__ A smem[32];
     for (long long plane = blockIdx.x; plane < n * c; plane += gridDim.x) {
         const Contig at{plane * inner};
-        A mean, var;
-        block_stats(x, inner, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, inner, at, smem);
+        const A var = stats.var;
         const A sd = m_sqrt(var + eps);
         const long long ch = plane % c;
         const A sc = pld(scale, ch), b = pld(bias, ch);
-        for (long long k = threadIdx.x; k < inner; k += blockDim.x) st(y, at(k), (ld(x, at(k)) - mean) / sd * sc + b);
+        for (long long k = threadIdx.x; k < inner; k += blockDim.x) st(y, at(k), stats.dev(ld(x, at(k))) / sd * sc + b);
     }
 }
 
@@ -675,12 +688,12 @@ __device__ __forceinline__ void group_norm_body(const T* x, const P* scale, cons
     for (long long blk = blockIdx.x; blk < n * groups; blk += gridDim.x) {
         const long long g = blk % groups;
         const Contig at{blk * per};
-        A mean, var;
-        block_stats(x, per, at, smem, mean, var);
+        const Stats<A> stats = block_stats(x, per, at, smem);
+        const A var = stats.var;
         const A sd = m_sqrt(var + eps);
         for (long long k = threadIdx.x; k < per; k += blockDim.x) {
             const long long ch = g * cg + k / inner;
-            st(y, at(k), (ld(x, at(k)) - mean) / sd * pld(scale, ch) + pld(bias, ch));
+            st(y, at(k), stats.dev(ld(x, at(k))) / sd * pld(scale, ch) + pld(bias, ch));
         }
     }
 }

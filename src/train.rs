@@ -348,7 +348,11 @@ pub fn train_on<D: Device>(
     let mut eval_programs: HashMap<usize, ProgramId> = HashMap::new();
     let loss_name = g.name(loss).to_string();
     let skipped_name = g.name(skipped).to_string();
-    let scale_name = scale.map(|s| g.name(s).to_string());
+    // The loss scale: a training state under dynamic scaling, read back as it moves; a constant
+    // of the graph under a static one.
+    let is_state = |v: ValueId| state.iter().any(|&(s, _)| s == v);
+    let scale_name = scale.filter(|&s| is_state(s)).map(|s| g.name(s).to_string());
+    let fixed_scale = scale.filter(|&s| !is_state(s)).and_then(|s| g.constant(s)).map(|t| t.to_f64_vec()[0]);
     let mut iteration = 0usize;
     if cfg.resume {
         let dir = cfg.checkpoint.as_ref().ok_or_else(|| Error::Usage("--resume needs --checkpoint DIR".into()))?;
@@ -449,7 +453,7 @@ pub fn train_on<D: Device>(
                 }
                 let s = match &scale_name {
                     Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
-                    None => None,
+                    None => fixed_scale,
                 };
                 bar.set_position(iteration as u64);
                 bar.set_message(format!(
@@ -476,7 +480,7 @@ pub fn train_on<D: Device>(
         };
         let loss_scale = match &scale_name {
             Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
-            None => None,
+            None => fixed_scale,
         };
         let rep = EpochReport {
             epoch: epoch + 1,

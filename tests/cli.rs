@@ -214,6 +214,35 @@ fn device_cuda_runs_or_says_in_one_line_why_not() {
     assert_eq!(r.status.code(), Some(2));
 }
 
+/// A static loss scale is a constant of the training graph, not a state: training with one runs
+/// under every policy and reports the scale it used.
+#[test]
+fn train_with_a_static_loss_scale() {
+    let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.safetensors");
+    let d = fixture("digits_mlp");
+    for policy in ["mixed", "fp32"] {
+        let r = mpc(&[
+            "train",
+            d.to_str().unwrap(),
+            "--data",
+            data,
+            "--policy",
+            policy,
+            "--epochs",
+            "2",
+            "--loss-scale",
+            "static:128",
+        ]);
+        let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
+        assert!(r.status.success(), "{policy}: {err}");
+        let epochs: Vec<&str> = out.lines().chain(err.lines()).filter(|l| l.starts_with("epoch ")).collect();
+        assert_eq!(epochs.len(), 2, "{policy}: {out}{err}");
+        assert!(epochs.iter().all(|l| l.contains("loss scale 128,")), "{policy}: {epochs:?}");
+        let loss = |l: &str| l.split("loss ").nth(1).and_then(|v| v.split(',').next()).unwrap().parse::<f64>().unwrap();
+        assert!(loss(epochs[1]) < loss(epochs[0]), "{policy}: the loss does not fall: {epochs:?}");
+    }
+}
+
 #[test]
 fn stats_say_what_a_step_costs() {
     let data = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/digits.safetensors");

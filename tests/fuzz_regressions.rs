@@ -33,6 +33,7 @@ const REFUSED: &[(&str, &str, &str)] = &[
         "compile",
         "the slope [3] does not broadcast to the input's shape [] one way",
     ),
+    ("resize_empty_axis_to_nonempty.onnx", "run", "axis 1 of the input is empty and cannot be resized to 3"),
     ("tile_repeats_not_a_vector.mpcir", "compile", "repeats must be 1-D, not of rank 2"),
 ];
 

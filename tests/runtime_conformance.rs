@@ -60,6 +60,15 @@ fn run<D: Device>(
 }
 
 fn run_case<D: Device>(dir: &Path, device: &impl Fn() -> D) -> Outcome {
+    run_case_within(dir, device, close)
+}
+
+/// [`run_case`], each output compared with its expected one by `close`.
+fn run_case_within<D: Device>(
+    dir: &Path,
+    device: &impl Fn() -> D,
+    close: impl Fn(&HostTensor, &HostTensor) -> Result<(), String>,
+) -> Outcome {
     let model = dir.join("model.onnx");
     let mut g = match mpc::load(&model) {
         Ok(g) => g,
@@ -99,7 +108,38 @@ fn run_case<D: Device>(dir: &Path, device: &impl Fn() -> D) -> Outcome {
     Outcome::Pass
 }
 
-common::per_device!(conformance_cases => conformance_cases_on);
+common::per_device!(conformance_cases => conformance_cases_on, differential_cases => differential_cases_on);
+
+/// Floats within a tight bound (fp32's own rounding over a few operations), everything else
+/// exactly: what the differential cases are held to.
+const DIFFERENTIAL: Tolerance = Tolerance { rtol: 1e-5, atol: 1e-5, rel_l2: 1e-5 };
+
+/// The wrong answers differential testing found (tests/models/differential: each class a case, in
+/// the backend tests' layout, expected outputs from onnxruntime or, where a case says so, numpy in
+/// float64): every case runs and matches, none may be skipped.
+fn differential_cases_on<D: Device>(device: impl Fn() -> D) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/differential");
+    let mut cases: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().map(|e| e.path()).collect();
+    cases.sort();
+    let mut failed = Vec::new();
+    let mut passed = 0;
+    for case in cases.iter().filter(|c| c.join("model.onnx").is_file()) {
+        let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
+        match run_case_within(case, &device, |got, want| match want.dtype() {
+            d if d.is_float() => DIFFERENTIAL.check(got, want).map(|_| ()),
+            _ => Tolerance::EXACT.check(got, want).map(|_| ()),
+        }) {
+            Outcome::Pass => passed += 1,
+            Outcome::Skip(why) | Outcome::Fail(why) => failed.push(format!("{name}: {why}")),
+        }
+    }
+    for f in &failed {
+        eprintln!("FAIL {f}");
+    }
+    eprintln!("differential: {passed} passed, {} failed", failed.len());
+    assert!(failed.is_empty(), "{} differential cases fail:\n{}", failed.len(), failed.join("\n"));
+    assert!(passed >= 31, "only {passed} differential cases ran");
+}
 
 fn conformance_cases_on<D: Device>(device: impl Fn() -> D) {
     let Some(root) = std::env::var_os("MPC_ONNX_NODE_TESTS") else {

@@ -55,6 +55,17 @@ impl DType {
         }
     }
 
+    /// The largest finite value of a float dtype (of f64 for the others): what ONNX's
+    /// `numeric_limits::max()` defaults mean.
+    pub fn finite_max(self) -> f64 {
+        match self {
+            DType::F32 => f32::MAX as f64,
+            DType::F16 => half::f16::MAX.to_f64(),
+            DType::BF16 => half::bf16::MAX.to_f64(),
+            _ => f64::MAX,
+        }
+    }
+
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
     }

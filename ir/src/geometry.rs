@@ -232,7 +232,10 @@ pub fn conv_transpose_dim(
     let target = match target {
         Some(t) if t < 0 => return Err(format!("output_shape entry {t} is negative")),
         Some(t) => Some(t as u64),
-        None if spec.auto_pad.is_same() => Some(same as u64),
+        // SAME: `n * stride`, cut from the full result; a kernel extent below the stride makes the
+        // full result shorter than that, and it is kept whole (onnxruntime's output and onnx's
+        // shape inference; the reference evaluator pads it instead).
+        None if spec.auto_pad.is_same() => Some((same as u64).min(full)),
         None => None,
     };
     Ok(match target {
@@ -333,6 +336,12 @@ pub fn resize_plan(
         }
         _ => return Err("Resize needs scales or sizes".into()),
     }
+    if let Some(ax) = (0..rank).find(|&d| shape[d] == 0 && out[d] > 0) {
+        return Err(format!(
+            "axis {ax} of the input is empty and cannot be resized to {} (nothing to sample)",
+            out[ax]
+        ));
+    }
     Ok((out, scale))
 }
 
@@ -364,17 +373,21 @@ pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Ve
 }
 
 /// The start and element count of a slice of a dim of `len` elements (ONNX Slice clamping:
-/// negative indices count from the end; a positive step clamps to `[0, len]`, a negative one to
-/// `[-1, len-1]`).
+/// negative indices count from the end; a positive step clamps start and end to `[0, len]`; a
+/// negative one clamps the start to `[0, len-1]` (a start before the first element is the first
+/// element, as onnxruntime has it) and the end to `[-1, len-1]`).
 pub fn slice_dim(len: i64, start: i64, end: i64, step: i64) -> Result<(i64, u64), String> {
     if step == 0 {
         return Err("slice step is 0".into());
+    }
+    if len == 0 {
+        return Ok((0, 0));
     }
     let norm = |v: i64| if v < 0 { v.saturating_add(len) } else { v };
     let (b, e) = if step > 0 {
         (norm(start).clamp(0, len), norm(end).clamp(0, len))
     } else {
-        (norm(start).clamp(-1, len - 1), norm(end).clamp(-1, len - 1))
+        (norm(start).clamp(0, len - 1), norm(end).clamp(-1, len - 1))
     };
     let span = if step > 0 { e - b } else { b - e };
     Ok((b, (span.max(0) as u64).div_ceil(step.unsigned_abs())))
@@ -491,6 +504,9 @@ mod tests {
         let same = spec(&[3], &[2], &[], AutoPad::SameUpper, false);
         assert_eq!(conv_transpose_dim(&same, 0, 3, 0, None).unwrap().out, 6);
         assert_eq!(conv_transpose_dim(&s, 0, 3, 0, Some(5)).unwrap().out, 5);
+        // Kernel 1 below stride 3: the full 7, not 3 * 3.
+        let short = spec(&[1], &[3], &[], AutoPad::SameLower, false);
+        assert_eq!(conv_transpose_dim(&short, 0, 3, 0, None).unwrap(), WindowDim { out: 7, pad_begin: 0, pad_end: 0 });
     }
 
     #[test]
@@ -501,6 +517,10 @@ mod tests {
         assert_eq!(slice_dim(10, 5, 2, 1).unwrap(), (5, 0));
         assert_eq!(slice_dim(10, 0, 10, 3).unwrap(), (0, 4));
         assert!(slice_dim(10, 0, 10, 0).is_err());
+        // A negative step from before the first element starts at the first element.
+        assert_eq!(slice_dim(10, -15, i64::MIN, -1).unwrap(), (0, 1));
+        assert_eq!(slice_dim(10, -15, -20, -2).unwrap(), (0, 1));
+        assert_eq!(slice_dim(0, -1, i64::MIN, -1).unwrap(), (0, 0));
     }
 
     #[test]

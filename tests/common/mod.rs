@@ -184,8 +184,16 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
         eprintln!("skipped: set MPC_ONNX_NODE_TESTS to the onnx-node-tests folder to run the conformance cases");
         return None;
     };
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(&root).expect("read MPC_ONNX_NODE_TESTS").flatten().map(|e| e.path()).collect();
+    Some(cases_in(Path::new(&root)))
+}
+
+/// The cases in `root` (the backend node tests' layout) that import, compile and have inputs.
+pub fn cases_in(root: &Path) -> Vec<ConformanceCase> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
     dirs.sort();
     let mut out = Vec::new();
     for case in dirs.iter().filter(|c| c.join("model.onnx").is_file()) {
@@ -205,7 +213,7 @@ pub fn conformance_cases() -> Option<Vec<ConformanceCase>> {
         let name = case.file_name().unwrap_or_default().to_string_lossy().to_string();
         out.push(ConformanceCase { name, model, graph, feeds });
     }
-    Some(out)
+    out
 }
 
 /// Single ops at sizes that take the GPU's multi-pass and wide paths (few long columns, LayerNorm's

@@ -726,3 +726,22 @@ fn the_plans_of_the_conformance_cases_compute_what_the_cpu_computes() {
     println!("conformance launches checked against the CPU: {checked} ({skipped} cases skipped)");
     assert!(checked > 500, "only {checked} launches checked");
 }
+
+/// The wrong answers differential testing found (tests/models/differential): every case plans
+/// for CUDA, and each launch computes on its plan what the CPU (which matches onnxruntime there)
+/// does: the norms' statistics, Clip's NaN and bounds, the reductions over no axes.
+#[test]
+fn the_plans_of_the_differential_cases_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/models/differential");
+    let cases = common::cases_in(&root);
+    assert!(cases.len() >= 31, "{} cases", cases.len());
+    let mut checked = std::collections::BTreeSet::new();
+    for common::ConformanceCase { name: label, model, graph: g, feeds } in &cases {
+        let program = mpc::run::lower_for_inputs(g, feeds, CUDA, model).unwrap_or_else(|e| panic!("{label}: {e}"));
+        checked.extend(check_program(label, &program, feeds));
+    }
+    for op in ["LayerNormalization", "InstanceNormalization", "Clip", "ReduceL2", "Slice"] {
+        assert!(checked.contains(op), "no {op} launch checked: {checked:?}");
+    }
+}

@@ -443,11 +443,11 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
     } else if name.starts_with("elementwise_clip_") {
         let d = dtype_of(tag);
         let (x, y, n, lo, hi) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), a[3], a[4]);
-        let lo = if let Arg::Ptr(b) = lo { m.get(b, 0, d) } else { f64::NEG_INFINITY };
-        let hi = if let Arg::Ptr(b) = hi { m.get(b, 0, d) } else { f64::INFINITY };
+        let lo = if let Arg::Ptr(b) = lo { m.get(b, 0, d) } else { -d.finite_max() };
+        let hi = if let Arg::Ptr(b) = hi { m.get(b, 0, d) } else { d.finite_max() };
         for i in 0..n {
-            let v = m.get(x, i, d).max(lo).min(hi);
-            m.set(y, i, d, v);
+            let v = m.get(x, i, d);
+            m.set(y, i, d, if v.is_nan() { v } else { v.max(lo).min(hi) });
         }
     } else if name.starts_with("gather_grad_direct_") {
         let parts: Vec<&str> = name.rsplitn(3, '_').collect();

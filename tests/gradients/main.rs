@@ -519,6 +519,20 @@ fn other_reductions() {
 }
 
 #[test]
+fn reductions_over_no_axes_with_noop_with_empty_axes() {
+    // Nothing reduced, the element-wise part still applied: 2x, sign(x), x/|x| (and dy itself for
+    // the identities). Away from 0, where |x| has no derivative.
+    let values = [0.5, -0.25, 0.75, -1.5, 1.25, 0.3, -0.6, 2.0, -1.1, 0.4, 0.9, -0.8];
+    for op in ["ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceMax", "ReduceSum"] {
+        let mut c = Case::new(&format!("{op}_noop"));
+        let x = c.g.add_initializer("x", Tensor::from_f64_as(DType::F64, vec![3, 4], &values));
+        c.params.push(x);
+        let y = c.op1(op, &[("noop_with_empty_axes", Attr::Int(1))], &[x]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
 fn reductions_at_ties_and_zeros() {
     // Ties split dy (the central difference is the mean of the one-sided slopes); a product with
     // one zero in its row gets the product of the rest there, with two zeros nothing.

@@ -12,6 +12,7 @@ use prost::Message;
 use super::proto::{self, attribute_type as at, AttributeProto, TensorProto};
 use crate::error::{invalid, Result};
 use crate::graph::{Def, Graph, NodeId, TypeInfo, ValueId};
+use crate::ops::SplitAttrs;
 use crate::{Attr, ConvertAhead, Dim, Op, Tensor};
 
 /// The lowest IR version that may carry `opset`.
@@ -313,6 +314,12 @@ fn write_node(
     }
     while let Some((None, rest)) = inputs.split_last() {
         inputs = rest;
+    }
+    // From opset 18 an equal Split (no `split` input) says how many parts it makes.
+    if let Op::Split(SplitAttrs { num_outputs: None, .. }) = &nd.op {
+        if opset >= 18 && inputs.len() < 2 {
+            attrs.push(("num_outputs".into(), Attr::Int(nd.outputs().len() as i64)));
+        }
     }
     // NodeProto: input = 1, output = 2, name = 3, op_type = 4, attribute = 5, domain = 7.
     scratch.clear();

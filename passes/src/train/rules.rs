@@ -355,7 +355,7 @@ pub(super) fn reduced_axes(b: &Builder, node: &Node, a: &ReduceAttrs) -> Result<
 
 /// `v`, reduced over `axes`, at its input's rank again: unsqueezed there unless the dims were kept.
 pub(super) fn keep(b: &mut Builder, v: ValueId, axes: &[usize], keepdims: bool) -> ValueId {
-    if keepdims {
+    if keepdims || axes.is_empty() {
         return v;
     }
     let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
@@ -367,7 +367,12 @@ pub(super) fn keep(b: &mut Builder, v: ValueId, axes: &[usize], keepdims: bool) 
 /// from dY and Y at X's rank, broadcast over the reduced axes.
 pub(super) fn reduce(b: &mut Builder, node: &Node, a: &ReduceAttrs, dy: ValueId) -> Result<ValueId, String> {
     let (x0, y) = (input(node, 0)?, node.outputs()[0]);
-    let Some(axes) = reduced_axes(b, node, a)? else { return Ok(dy) };
+    // No axes with noop_with_empty_axes: the element-wise part (x², |x|) still has its gradient.
+    let axes = match reduced_axes(b, node, a)? {
+        Some(axes) => axes,
+        None if matches!(node.op, Op::ReduceSumSquare(_) | Op::ReduceL1(_) | Op::ReduceL2(_)) => Vec::new(),
+        None => return Ok(dy),
+    };
     let dt = b.dtype(x0)?;
     let (g, yk) = (keep(b, dy, &axes, a.keepdims), keep(b, y, &axes, a.keepdims));
     let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();

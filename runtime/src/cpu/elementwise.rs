@@ -479,8 +479,12 @@ pub(crate) fn clip(x: &HostTensor, lo: Option<&HostTensor>, hi: Option<&HostTens
     let (lo, hi) = (bound(lo, "min")?, bound(hi, "max")?);
     if x.dtype().is_float() {
         let v = x.f64s();
-        let out: Vec<f64> =
-            v.into_iter().map(|a| a.max(lo.unwrap_or(f64::NEG_INFINITY)).min(hi.unwrap_or(f64::INFINITY))).collect();
+        // An absent bound is the dtype's lowest or largest finite value (the spec's default: an
+        // infinity becomes it, as in onnxruntime); NaN in is NaN out (f64::max would return the bound).
+        let big = x.dtype().finite_max();
+        let (lo, hi) = (lo.unwrap_or(-big), hi.unwrap_or(big));
+        let clamp = |a: f64| if a.is_nan() { a } else { a.max(lo).min(hi) };
+        let out: Vec<f64> = v.into_iter().map(clamp).collect();
         Ok(HostTensor::from_f64(x.dtype(), x.shape.clone(), out))
     } else {
         let v = x.i64s().ok_or_else(|| err(format!("Clip on {}", x.dtype())))?;

@@ -414,6 +414,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 _ => "logsumexp",
             };
             match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
+                // No axes with noop_with_empty_axes: nothing is reduced, but the op's element-wise
+                // part still applies (|x|, x², |x|; the identity for the others).
+                None if matches!(kind, "l1" | "l2" | "sumsquare") => one(nn::reduce(t, &[], a.keepdims, kind)?),
                 None => one(t.clone()),
                 Some(axes) => one(nn::reduce(t, &axes, a.keepdims, kind)?),
             }

@@ -92,28 +92,9 @@ pub(crate) fn layer_norm(
     let n: usize = x.shape[axis..].iter().product();
     let mut stat_shape = x.shape[..axis].to_vec();
     stat_shape.extend(std::iter::repeat_n(1, x.shape.len() - axis));
-    // The common case: f32-family data with scale and bias over exactly the normalised dims.
-    let (sv, bv) = (f32_view(scale), bias.map(f32_view));
-    if let (Some(v), Some(sv), true) = (f32_view(x), sv, scale.len() == n && bias.is_none_or(|b| b.len() == n)) {
-        let bv: Option<std::borrow::Cow<[f32]>> = bv.flatten();
-        let mut y = vec![0f32; v.len()];
-        let (mut means, mut inv) = (Vec::with_capacity(outer), Vec::with_capacity(outer));
-        for (row, dst) in v.chunks(n.max(1)).zip(y.chunks_mut(n.max(1))) {
-            let mean = row.iter().sum::<f32>() / n as f32;
-            let var = row.iter().map(|&a| (a - mean) * (a - mean)).sum::<f32>() / n as f32;
-            let r = 1.0 / (var + eps).sqrt();
-            for k in 0..row.len() {
-                dst[k] = (row[k] - mean) * r * sv[k] + bv.as_ref().map_or(0.0, |b| b[k]);
-            }
-            means.push(mean);
-            inv.push(r);
-        }
-        return Ok(vec![
-            HostTensor::from_f32(x.dtype(), x.shape.clone(), y),
-            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
-            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
-        ]);
-    }
+    // Statistics in f64, from deviations of the f64 mean: an f32 running sum misses a row's mean
+    // by an ulp or more, which BERT's epsilon (1e-12) turns into an output off by up to 1 on a
+    // constant row, and a large mean with a small spread loses most of its digits.
     let v = floats(x, "input")?;
     let (sc, bi) = (scale.f64s(), bias.map(|b| b.f64s()));
     let si = super::elementwise::broadcast_index(&scale.shape, &x.shape[axis..]);
@@ -121,43 +102,20 @@ pub(crate) fn layer_norm(
     let mut y = vec![0f64; v.len()];
     let mut means = Vec::with_capacity(outer);
     let mut inv = Vec::with_capacity(outer);
-    if x.dtype() == mpc_ir::DType::F64 {
-        // f64 data: f64 arithmetic throughout (the reference for gradient checks).
-        for o in 0..outer {
-            let row = &v[o * n..(o + 1) * n];
-            let mean = row.iter().sum::<f64>() / n as f64;
-            let var = row.iter().map(|&a| (a - mean) * (a - mean)).sum::<f64>() / n as f64;
-            let r = 1.0 / (var + eps as f64).sqrt();
-            for k in 0..n {
-                let b = match (&bi, &bidx) {
-                    (Some(b), Some(bx)) => b[bx[k]],
-                    _ => 0.0,
-                };
-                y[o * n + k] = (row[k] - mean) * r * sc[si[k]] + b;
-            }
-            means.push(mean as f32);
-            inv.push(r as f32);
-        }
-        return Ok(vec![
-            store(x, x.shape.clone(), y),
-            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape.clone(), means),
-            HostTensor::from_f32(mpc_ir::DType::F32, stat_shape, inv),
-        ]);
-    }
     for o in 0..outer {
         let row = &v[o * n..(o + 1) * n];
-        let mean = row.iter().map(|&a| a as f32).sum::<f32>() / n as f32;
-        let var = row.iter().map(|&a| (a as f32 - mean) * (a as f32 - mean)).sum::<f32>() / n as f32;
-        let r = 1.0 / (var + eps).sqrt();
+        let mean = row.iter().sum::<f64>() / n as f64;
+        let var = row.iter().map(|&a| (a - mean) * (a - mean)).sum::<f64>() / n as f64;
+        let r = 1.0 / (var + eps as f64).sqrt();
         for k in 0..n {
-            let mut t = (row[k] as f32 - mean) * r * sc[si[k]] as f32;
-            if let (Some(b), Some(bx)) = (&bi, &bidx) {
-                t += b[bx[k]] as f32;
-            }
-            y[o * n + k] = t as f64;
+            let b = match (&bi, &bidx) {
+                (Some(b), Some(bx)) => b[bx[k]],
+                _ => 0.0,
+            };
+            y[o * n + k] = (row[k] - mean) * r * sc[si[k]] + b;
         }
-        means.push(mean);
-        inv.push(r);
+        means.push(mean as f32);
+        inv.push(r as f32);
     }
     Ok(vec![
         store(x, x.shape.clone(), y),

@@ -21,6 +21,8 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         | Op::ReduceProd(a) => {
             match mpc_ir::geometry::reduce_axes(p.host_ints(1).as_deref(), r, a.noop_with_empty_axes)? {
                 Some(axes) => axes,
+                // Nothing reduced, the element-wise part still applied: a reduction over no axes.
+                None if matches!(kind, "l1" | "l2" | "sum_square") => Vec::new(),
                 None => {
                     p.copy(buf(x), buf(y), y.bytes());
                     return Ok(());

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Wrong answers that differential testing against onnxruntime found, one case per class, in the
+layout of the ONNX backend node tests:
+
+    NAME/model.onnx
+    NAME/test_data_set_0/input_J.pb, output_J.pb
+
+The expected outputs are onnxruntime's (CPU, graph optimisations off), except where a case says
+its oracle is numpy in float64 (the LayerNormalization precision cases: onnxruntime itself is
+within 3e-5 there, the exact answer within 1e-7). The campaign of fuzz/differential writes the
+cases it minimises in the same layout beside these. `cargo test --test runtime_conformance
+differential` runs them all (tests/runtime_conformance.rs); `tests/interop/check_onnx.py
+conformance tests/models/differential` compiles each with every policy and checks what mpc writes.
+
+    python3 tests/models/differential/make_cases.py   # needs numpy, onnx, onnxruntime
+"""
+
+import os
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NP = {np.float32: T.FLOAT, np.int64: T.INT64, np.float64: T.DOUBLE, np.float16: T.FLOAT16}
+
+
+def model(nodes, inputs, outputs, inits=(), opset=18, results=None):
+    """inputs: [(name, array)]; outputs: names, typed from `results` (arrays) when given. The
+    inputs' shapes and dtypes come from their data."""
+    ins = [h.make_tensor_value_info(n, NP[a.dtype.type], list(a.shape)) for n, a in inputs]
+    if results is None:
+        outs = [h.make_tensor_value_info(n, T.FLOAT, None) for n in outputs]
+    else:
+        outs = [h.make_tensor_value_info(n, NP[r.dtype.type], list(r.shape)) for n, r in zip(outputs, results)]
+    g = h.make_graph(nodes, "case", ins, outs, initializer=[nh.from_array(a, n) for n, a in inits])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", opset)])
+    m.ir_version = 8 if opset <= 18 else 9
+    if results is not None:
+        m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+        onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def onnxruntime(m, inputs):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    s = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return s.run(None, dict(inputs))
+
+
+def write(name, m, inputs, outputs):
+    folder = os.path.join(HERE, name)
+    data = os.path.join(folder, "test_data_set_0")
+    os.makedirs(data)
+    onnx.save(m, os.path.join(folder, "model.onnx"))
+    for kind, values in (("input", [a for _, a in inputs]), ("output", outputs)):
+        for j, a in enumerate(values):
+            with open(os.path.join(data, f"{kind}_{j}.pb"), "wb") as f:
+                f.write(nh.from_array(np.asarray(a)).SerializeToString())
+
+
+def case(name, nodes, inputs, outputs, inits=(), opset=18, oracle=None):
+    first = model(nodes, inputs, outputs, inits, opset)
+    want = oracle(*[a for _, a in inputs]) if oracle else onnxruntime(first, inputs)
+    write(name, model(nodes, inputs, outputs, inits, opset, want), inputs, want)
+
+
+def reductions(rng):
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    empty = np.zeros((0,), np.int64)
+    # noop_with_empty_axes=1: nothing reduced, but |x|, sqrt(x²) and x² still applied.
+    for op in ["ReduceL1", "ReduceL2", "ReduceSumSquare", "ReduceLogSumExp", "ReduceMax", "ReduceProd"]:
+        case(f"{op.lower()}_noop_without_axes", [h.make_node(op, ["x"], ["y"], noop_with_empty_axes=1)],
+             [("x", x)], ["y"])
+        case(f"{op.lower()}_noop_with_empty_axes", [h.make_node(op, ["x", "axes"], ["y"], noop_with_empty_axes=1, keepdims=0)],
+             [("x", x)], ["y"], inits=[("axes", empty)])
+
+
+def slices(rng):
+    x = np.arange(10, dtype=np.float32)
+    big = np.iinfo(np.int64)
+    # A negative step from a start before the first element: the first element alone.
+    for name, s, e, st in [("slice_negative_step_start_below_dim", -15, big.min, -1),
+                           ("slice_negative_step_start_and_end_below_dim", -15, -20, -2),
+                           ("slice_negative_step_start_past_end", 25, -20, -3)]:
+        case(name, [h.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])], [("x", x)], ["y"],
+             inits=[("s", np.array([s])), ("e", np.array([e])), ("a", np.array([0])), ("st", np.array([st]))])
+    x2 = rng.standard_normal((4, 5)).astype(np.float32)
+    case("slice_negative_steps_two_axes", [h.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])], [("x", x2)], ["y"],
+         inits=[("s", np.array([-9, 7])), ("e", np.array([big.min, -9])), ("a", np.array([1, 0])), ("st", np.array([-2, -1]))])
+
+
+def norm_reference(x, scale, bias, axes, eps):
+    x = x.astype(np.float64)
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    return ((x - mean) / np.sqrt(var + eps) * scale + bias).astype(np.float32)
+
+
+def norms(rng):
+    # BERT's epsilon over a constant row of 768: the output is the bias.
+    x = np.stack([np.full(768, 0.3), np.full(768, -1234.5), np.full(768, 7.0)]).astype(np.float32)
+    s = (1 + 0.1 * rng.standard_normal(768)).astype(np.float32)
+    b = rng.standard_normal(768).astype(np.float32)
+    ln = lambda eps: (lambda x, *_: [norm_reference(x, s, b, -1, eps)])
+    case("layer_norm_constant_rows_bert_epsilon",
+         [h.make_node("LayerNormalization", ["x", "s", "b"], ["y"], axis=-1, epsilon=1e-12)],
+         [("x", x)], ["y"], inits=[("s", s), ("b", b)], opset=17, oracle=ln(1e-12))
+    # A large mean and a small spread.
+    x = (1000 + 0.01 * rng.standard_normal((4, 768))).astype(np.float32)
+    case("layer_norm_large_mean_small_spread",
+         [h.make_node("LayerNormalization", ["x", "s", "b"], ["y"], axis=-1, epsilon=1e-12)],
+         [("x", x)], ["y"], inits=[("s", s), ("b", b)], opset=17, oracle=ln(1e-12))
+    # The same rows through the other normalisations of one shared statistics routine.
+    x = (500 + 0.01 * rng.standard_normal((2, 4, 96))).astype(np.float32)
+    x[1, 2] = 3.25
+    sc, bc = np.array([1.0, 0.5, 2.0, 1.5], np.float32), np.array([0.1, -0.2, 0.3, 0.0], np.float32)
+    inst = lambda x: [norm_reference(x, sc[:, None], bc[:, None], -1, 1e-12)]
+    case("instance_norm_large_mean_small_spread",
+         [h.make_node("InstanceNormalization", ["x", "s", "b"], ["y"], epsilon=1e-12)],
+         [("x", x)], ["y"], inits=[("s", sc), ("b", bc)], opset=17, oracle=inst)
+
+    def group(x):
+        g = x.reshape(2, 2, 2 * 96)
+        mean = g.astype(np.float64).mean(-1, keepdims=True)
+        var = ((g - mean) ** 2).mean(-1, keepdims=True)
+        y = ((g - mean) / np.sqrt(var + 1e-12)).reshape(2, 4, 96) * sc[:, None] + bc[:, None]
+        return [y.astype(np.float32)]
+    case("group_norm_large_mean_small_spread",
+         [h.make_node("GroupNormalization", ["x", "s", "b"], ["y"], num_groups=2, epsilon=1e-12)],
+         [("x", x)], ["y"], inits=[("s", sc), ("b", bc)], opset=21, oracle=group)
+
+
+def conv_transposes(rng):
+    x = np.arange(1, 4, dtype=np.float32).reshape(1, 1, 3)
+    for pad in ["SAME_UPPER", "SAME_LOWER"]:
+        for k, stride in [(1, 3), (2, 3), (5, 2)]:
+            w = rng.standard_normal((1, 2, k)).astype(np.float32)
+            case(f"conv_transpose_{pad.lower()}_kernel_{k}_stride_{stride}",
+                 [h.make_node("ConvTranspose", ["x", "w"], ["y"], kernel_shape=[k], strides=[stride], auto_pad=pad)],
+                 [("x", x)], ["y"], inits=[("w", w)])
+
+
+def clips(rng):
+    x = np.array([np.nan, -2.0, 0.5, np.inf, -np.inf, 3.0, np.nan], np.float32)
+    lo, hi = np.array(-1.0, np.float32), np.array(1.0, np.float32)
+    case("clip_nan_both_bounds", [h.make_node("Clip", ["x", "lo", "hi"], ["y"])], [("x", x)], ["y"], inits=[("lo", lo), ("hi", hi)])
+    case("clip_nan_max_only", [h.make_node("Clip", ["x", "", "hi"], ["y"])], [("x", x)], ["y"], inits=[("hi", hi)])
+    case("clip_nan_min_only", [h.make_node("Clip", ["x", "lo"], ["y"])], [("x", x)], ["y"], inits=[("lo", lo)])
+    case("clip_nan_no_bounds", [h.make_node("Clip", ["x"], ["y"])], [("x", x)], ["y"])
+
+
+def opset_raise(rng):
+    # An opset-17 graph whose Split is equal (no `split`): written at opset 18 it must say
+    # num_outputs (a Gelu raises the written opset to 20).
+    x = rng.standard_normal((2, 6)).astype(np.float32)
+    case("split_equal_opset_17_written_later",
+         [h.make_node("Split", ["x"], ["a", "b"], axis=1),
+          h.make_node("ReduceMean", ["a"], ["m"], axes=[1], keepdims=1),
+          h.make_node("Mul", ["b", "m"], ["y0"]),
+          h.make_node("Erf", ["y0"], ["y"])],
+         [("x", x)], ["y"], opset=17)
+
+
+def main():
+    for entry in os.listdir(HERE):
+        if os.path.isdir(os.path.join(HERE, entry)):
+            shutil.rmtree(os.path.join(HERE, entry))
+    rng = np.random.default_rng(38)
+    for make in (reductions, slices, norms, conv_transposes, clips, opset_raise):
+        make(rng)
+    n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
+    print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")
+
+
+if __name__ == "__main__":
+    main()
