@@ -257,6 +257,8 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
         let candidates = mpc_passes::train::trainable(g, &t.freeze);
         ties = mpc_passes::train::tie_weights(g, &candidates);
     }
+    let folded =
+        train.as_ref().and_then(|t| mpc_passes::train::folded_weights(g, &mpc_passes::train::trainable(g, &t.freeze)));
     if let (Some(t), Some(p)) = (&train, policy.as_mut()) {
         // Mixed precision keeps FP32 masters; the naive fp16 policy stores the weights in FP16.
         if !p.everything_low {
@@ -271,7 +273,8 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     if let Some(s) = &opts.stop_after {
         pm = pm.stop_after(s).map_err(perr)?;
     }
-    let cx = Context { dims: opts.dims.clone(), policy, train, ties, calibration, auto_scale, ..Default::default() };
+    let cx =
+        Context { dims: opts.dims.clone(), policy, train, ties, folded, calibration, auto_scale, ..Default::default() };
     pm.run(g, &cx, dump).map_err(perr)?;
     Ok(cx)
 }

@@ -230,6 +230,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let trained = on_device!(kind, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
             report_ties(&trained.ties);
+            report_folded(&trained.folded);
             report_auto_scale(trained.auto_scale.clone());
             if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
                 write_out(format!("test accuracy: {:.2}%\n", acc * 100.0))?;
@@ -265,6 +266,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let t0 = Instant::now();
             let mut g = mpc::load(&common.model)?;
+            // `--dim` sizes symbolic dims for the passes (an RNN over `seq` steps unrolls).
+            if !opts.dims.is_empty() {
+                g = mpc::summary::bind_symbols(&g, &opts.dims)
+                    .map_err(|source| Error::Pass { path: common.model.clone(), source })?;
+            }
             let t1 = Instant::now();
             let peak_after_load = mpc::peak_rss();
             let mut dump = |pass: &str, g: &mpc_ir::Graph| {
@@ -273,6 +279,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             };
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
             report_ties(&cx.ties);
+            report_folded(&cx.folded);
             report_auto_scale(cx.auto_scale.clone());
             let t2 = Instant::now();
             match (output, format) {
@@ -353,15 +360,30 @@ fn run(cli: Cli) -> Result<(), Error> {
         Command::Run { common, inputs, random_inputs, output, device, repeat, stats } => {
             let kind = check_device(&device)?;
             let opts = common.options(Vec::new(), None)?;
-            let mut g = mpc::load(&common.model)?;
+            let model = mpc::load(&common.model)?;
+            let given = inputs.map(|p| mpc::run::read_safetensors(&p)).transpose()?;
+            if given.is_none() && random_inputs.is_none() {
+                return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()));
+            }
+            // The symbolic dims but the batch bound first, from the inputs (or --dim), so that
+            // the passes see them (an RNN over a sequence of `seq` steps unrolls once `seq` is
+            // known); the batch is bound when the program is lowered.
+            let mut dims = match &given {
+                Some(f) => mpc::run::input_sizes(&model, f, &common.model)?,
+                None => opts.dims.clone(),
+            };
+            let batch = mpc::run::batch_symbols(&model);
+            dims.retain(|s, _| !batch.contains(s));
+            let mut g = match dims.is_empty() {
+                true => model,
+                false => mpc::summary::bind_symbols(&model, &dims)
+                    .map_err(|source| Error::Pass { path: common.model.clone(), source })?,
+            };
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
-            let feeds = match (inputs, random_inputs) {
-                (Some(p), _) => mpc::run::read_safetensors(&p)?,
-                (None, Some(seed)) => mpc::run::random_inputs(&g, seed, &opts.dims)
+            let feeds = match (given, random_inputs) {
+                (Some(f), _) => f,
+                (None, seed) => mpc::run::random_inputs(&g, seed.unwrap_or_default(), &opts.dims)
                     .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?,
-                (None, None) => {
-                    return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()))
-                }
             };
             if stats {
                 report_calibration(&cx);
@@ -488,6 +510,18 @@ fn report_ties(ties: &[mpc_passes::train::Tie]) {
     for t in ties {
         let how = if t.transposed { "the transpose of" } else { "a copy of" };
         eprintln!("mpc: `{}` is {how} `{}`: trained as that one parameter (--no-tie keeps them apart)", t.copy, t.kept);
+    }
+}
+
+/// Constants trained in place of parameters the export folded into them.
+fn report_folded(folded: &Option<(Vec<String>, Vec<String>)>) {
+    if let Some((own, lost)) = folded {
+        let list = |v: &[String]| v.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ");
+        eprintln!(
+            "mpc: the export folded the parameters {} into constants: {} train as weights of their own, and the trained model holds them so",
+            list(lost),
+            list(own)
+        );
     }
 }
 

@@ -400,21 +400,25 @@ fn host_valued_inputs(g: &Graph) -> Vec<mpc_ir::ValueId> {
     out
 }
 
-/// Lowers `g` for the inputs about to be fed: the inputs' types become the fed tensors' (binding
-/// every symbolic dim), inputs that set shapes or parameters (Reshape's shape, Slice's starts)
-/// become constants of the fed values, every type is inferred anew, and the graph is lowered for
-/// a device with `caps`. A fed tensor of the wrong dtype or shape is an error naming the input.
-pub fn lower_for_inputs(
-    g: &Graph,
-    inputs: &HashMap<String, HostTensor>,
-    caps: mpc_runtime::program::DeviceCaps,
-    model: &Path,
-) -> Result<mpc_runtime::program::Program> {
+/// The symbols of the graph inputs' leading dims: the batch, which a program binds when it is
+/// lowered (every other symbol may be bound before the passes run).
+pub fn batch_symbols(g: &Graph) -> std::collections::HashSet<String> {
+    g.inputs()
+        .iter()
+        .filter_map(|&v| g.ty(v).shape.as_ref()?.dims().first().cloned())
+        .flat_map(|d| match d {
+            Dim::Sym(e) => e.symbols().into_iter().map(String::from).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// The sizes the fed tensors give the graph's symbolic dims, checked: each input's dtype, rank and
+/// fixed dims; each named dim the same in every input that has it; each dim expression (`8*batch`)
+/// what the sizes make it. A message names the input, the axis, the dim the model declares there
+/// and what the data has, and, where another input bound the dim, that input and its axis.
+pub fn input_dims(g: &Graph, inputs: &HashMap<String, HostTensor>, model: &Path) -> Result<HashMap<String, u64>> {
     let rerr = |source| Error::Run { path: model.to_owned(), source };
-    let mut b = g.clone();
-    let mut dims = HashMap::new();
-    // Input dims that are expressions in named sizes, with the sizes fed.
-    let mut derived = Vec::new();
     for &v in g.inputs() {
         let name = g.name(v);
         let t = inputs.get(name).ok_or_else(|| rerr(mpc_runtime::RuntimeError::MissingInput(name.to_string())))?;
@@ -426,34 +430,94 @@ pub fn lower_for_inputs(
                 got: t.dtype().to_string(),
             }));
         }
-        if let Some(shape) = &ty.shape {
-            let fits = shape.rank() == t.shape.len()
-                && shape.dims().iter().zip(&t.shape).all(|(d, &n)| !matches!(d, Dim::Fixed(f) if *f as usize != n));
-            if !fits {
-                return Err(rerr(mpc_runtime::RuntimeError::WrongShape {
-                    name: name.to_string(),
-                    expected: shape.to_string(),
-                    got: t.shape.clone(),
-                }));
-            }
-            for (d, &n) in shape.dims().iter().zip(&t.shape) {
-                if let Dim::Sym(e) = d {
-                    let Some(s) = e.as_symbol() else {
-                        derived.push((name, e.clone(), n));
-                        continue;
-                    };
-                    if let Some(old) = dims.insert(s.to_string(), n as u64).filter(|&o| o != n as u64) {
-                        return Err(Error::Usage(format!(
-                            "{}: input `{name}` binds `{s}` to {n}, another input bound it to {old}",
-                            model.display()
-                        )));
-                    }
+    }
+    sizes(g, inputs, model, true)
+}
+
+/// [`input_dims`] without its checks of the dtypes and of the fixed dims (left to lowering): the
+/// sizes the inputs given give the symbolic dims (those of inputs not given stay unbound).
+pub fn input_sizes(g: &Graph, inputs: &HashMap<String, HostTensor>, model: &Path) -> Result<HashMap<String, u64>> {
+    sizes(g, inputs, model, false)
+}
+
+/// The sizes of the symbolic dims, checked to agree between inputs; the ranks and fixed dims too
+/// when `strict`.
+fn sizes(g: &Graph, inputs: &HashMap<String, HostTensor>, model: &Path, strict: bool) -> Result<HashMap<String, u64>> {
+    let usage = |m: String| Error::Usage(format!("{}: {m}", model.display()));
+    // Each named dim's size and the input and axis that bound it first.
+    let mut dims: HashMap<String, (u64, &str, usize)> = HashMap::new();
+    let mut derived = Vec::new();
+    for &v in g.inputs() {
+        let name = g.name(v);
+        let Some(t) = inputs.get(name) else { continue };
+        let Some(shape) = &g.ty(v).shape else { continue };
+        if shape.rank() != t.shape.len() && !strict {
+            continue;
+        }
+        if shape.rank() != t.shape.len() {
+            return Err(usage(format!(
+                "input `{name}` has {} axes {:?}, the model declares {} ({shape})",
+                t.shape.len(),
+                t.shape,
+                shape.rank()
+            )));
+        }
+        for (axis, (d, &n)) in shape.dims().iter().zip(&t.shape).enumerate() {
+            match d {
+                Dim::Fixed(f) if *f as usize != n && strict => {
+                    return Err(usage(format!(
+                        "input `{name}` axis {axis} is {n}, the model declares {f} there ({shape}; data {:?})",
+                        t.shape
+                    )))
                 }
+                Dim::Sym(e) => match e.as_symbol() {
+                    None => derived.push((name, axis, e.clone(), n)),
+                    Some(s) => match dims.get(s) {
+                        Some(&(old, by, at)) if old != n as u64 => {
+                            return Err(usage(format!(
+                                "input `{name}` axis {axis} is {n} where the model's `{s}` is {old} (bound by input `{by}` axis {at}); its shape is {shape}, the data's {:?}",
+                                t.shape
+                            )))
+                        }
+                        Some(_) => {}
+                        None => {
+                            dims.insert(s.to_string(), (n as u64, name, axis));
+                        }
+                    },
+                },
+                _ => {}
             }
         }
+    }
+    let sizes: HashMap<String, u64> = dims.iter().map(|(k, &(n, _, _))| (k.clone(), n)).collect();
+    for (name, axis, e, n) in derived {
+        if let Some(want) = e.eval(&|s| sizes.get(s).copied()).filter(|&w| w != n as i64) {
+            return Err(usage(format!(
+                "input `{name}` axis {axis} is {n} where the model's `{e}` is {want} for the sizes the inputs bound"
+            )));
+        }
+    }
+    Ok(sizes)
+}
+
+/// Lowers `g` for the inputs about to be fed: the inputs' types become the fed tensors' (binding
+/// every symbolic dim, [`input_dims`]), inputs that set shapes or parameters (Reshape's shape,
+/// Slice's starts) become constants of the fed values, every type is inferred anew, and the graph
+/// is lowered for a device with `caps`. A fed tensor of the wrong dtype or shape is an error naming
+/// the input.
+pub fn lower_for_inputs(
+    g: &Graph,
+    inputs: &HashMap<String, HostTensor>,
+    caps: mpc_runtime::program::DeviceCaps,
+    model: &Path,
+) -> Result<mpc_runtime::program::Program> {
+    let dims = input_dims(g, inputs, model)?;
+    let mut b = g.clone();
+    for &v in g.inputs() {
+        let t = &inputs[g.name(v)];
         // Named dims stay symbolic (bound below, with the values that carry them); unknown and
-        // missing ones, and expressions (`8*batch`, checked below), take the fed size.
-        let dims_now: Vec<Dim> = match &ty.shape {
+        // missing ones, and expressions (`8*batch`, checked above), take the fed size.
+        let dims_now: Vec<Dim> = match &g.ty(v).shape {
             Some(shape) => shape
                 .dims()
                 .iter()
@@ -466,14 +530,6 @@ pub fn lower_for_inputs(
             None => t.shape.iter().map(|&n| Dim::Fixed(n as u64)).collect(),
         };
         b.set_ty(v, mpc_ir::TypeInfo::new(t.dtype(), mpc_ir::Shape(dims_now)));
-    }
-    for (name, e, n) in derived {
-        if let Some(want) = e.eval(&|s| dims.get(s).copied()).filter(|&w| w != n as i64) {
-            return Err(Error::Usage(format!(
-                "{}: input `{name}` has {n} where its dim `{e}` is {want} for the sizes the inputs bound",
-                model.display()
-            )));
-        }
     }
     for v in host_valued_inputs(&b) {
         let t = &inputs[b.name(v)];

@@ -52,6 +52,27 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
         ty.shape = Some(bound);
         b.set_ty(v, ty);
     }
+    reinfer(&mut b, &used)?;
+    Ok((b, used))
+}
+
+/// `g` with the sizes `dims` given to those symbolic dims of its inputs, and every type inferred
+/// again; the other symbolic dims stay as they are.
+pub fn bind_symbols(g: &Graph, dims: &HashMap<String, u64>) -> Result<Graph, PassError> {
+    let mut b = g.clone();
+    for &v in g.inputs() {
+        let Some(shape) = g.ty(v).shape.as_ref() else { continue };
+        let mut ty = g.ty(v).clone();
+        ty.shape = Some(shape.bind(&|s| dims.get(s).copied()));
+        b.set_ty(v, ty);
+    }
+    reinfer(&mut b, &dims.iter().map(|(k, &v)| (k.clone(), v)).collect())?;
+    Ok(b)
+}
+
+/// Infers every type of `b` from its inputs' again; opaque ops keep their declared types, with
+/// the symbols of `used` bound there too.
+fn reinfer(b: &mut Graph, used: &BTreeMap<String, u64>) -> Result<(), PassError> {
     for n in b.node_ids().collect::<Vec<_>>() {
         if !b.node(n).op.is_opaque() {
             for o in b.node(n).outputs().to_vec() {
@@ -59,8 +80,7 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
             }
         }
     }
-    infer_types(&mut b)?;
-    // Opaque ops keep their declared types; bind the same symbols there too.
+    infer_types(b)?;
     for v in b.value_ids().collect::<Vec<_>>() {
         if let Some(shape) = b.ty(v).shape.clone() {
             if shape
@@ -75,7 +95,7 @@ pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTr
             }
         }
     }
-    Ok((b, used))
+    Ok(())
 }
 
 /// FLOPs of one MatMul, Gemm, Attention (and its gradient), Conv or ConvTranspose node:

@@ -8,7 +8,7 @@
 //! under its graph name (the masters under their initializer names, the rest under `mpc.`) and
 //! `mpc.iteration`, the number of batches done.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -79,6 +79,9 @@ pub struct Trained {
     pub stats: String,
     /// The exported copies of one weight trained as that weight.
     pub ties: Vec<mpc_passes::train::Tie>,
+    /// The constants trained as weights of their own in place of parameters the export folded
+    /// ([`mpc_passes::train::folded_weights`]).
+    pub folded: Option<(Vec<String>, Vec<String>)>,
     /// `--loss-scale auto`'s measurement.
     pub auto_scale: Option<mpc_passes::AutoScale>,
 }
@@ -233,6 +236,53 @@ fn feeds_for(
     Ok(out)
 }
 
+/// `model` with the symbolic dims of its inputs other than the batch (a sequence length, an image
+/// size) bound to what the samples of `batch_of` (its inputs, by name) have, so that the training
+/// step is built for them: the backward pass of a recurrence, and of the shape arithmetic the
+/// exporters write around attention, needs them. The batch (the symbols of the inputs' leading
+/// dims) stays symbolic.
+pub fn bind_sample_dims(model: &Graph, batch_of: &HashMap<String, HostTensor>, path: &Path) -> Result<Graph> {
+    let batch = crate::run::batch_symbols(model);
+    // The shapes only: the fixed dims and dtypes are checked against each batch when it is lowered.
+    let mut dims = crate::run::input_sizes(model, batch_of, path)?;
+    dims.retain(|s, _| !batch.contains(s));
+    if dims.is_empty() {
+        return Ok(model.clone());
+    }
+    crate::summary::bind_symbols(model, &dims).map_err(|source| Error::Pass { path: path.to_owned(), source })
+}
+
+/// What [`bind_sample_dims`] bound in `model` to give `bound`, and where: "the data's `seq` is 16
+/// (input `input_ids` axis 1)", or nothing.
+fn bound_from(model: &Graph, bound: &Graph) -> String {
+    let mut said = Vec::new();
+    for (&v, &b) in model.inputs().iter().zip(bound.inputs()) {
+        let (Some(s), Some(t)) = (model.ty(v).shape.as_ref(), bound.ty(b).shape.as_ref()) else { continue };
+        for (axis, (d, n)) in s.dims().iter().zip(t.dims()).enumerate() {
+            if let (Dim::Sym(e), Dim::Fixed(n)) = (d, n) {
+                let line = format!("the data's `{e}` is {n} (input `{}` axis {axis})", model.name(v));
+                if !said.iter().any(|l: &String| l.starts_with(&format!("the data's `{e}`"))) {
+                    said.push(line);
+                }
+            }
+        }
+    }
+    said.join(", ")
+}
+
+/// The program of a session that runs a batch (by name), lowered for it when it is the first of
+/// its binding.
+type ProgramFor<'a, D> = dyn FnMut(&HashMap<String, HostTensor>, &mut Session<D>) -> Result<ProgramId> + 'a;
+
+/// A binding of the symbolic dims, in order: the key of a lowered program.
+type Dims = BTreeMap<String, u64>;
+
+/// The dims a batch binds in `g` ([`crate::run::input_dims`]: checked, one line naming the input
+/// and axis at fault).
+fn dims_of(g: &Graph, batch: &HashMap<String, HostTensor>, path: &Path) -> Result<Dims> {
+    Ok(crate::run::input_dims(g, batch, path)?.into_iter().collect())
+}
+
 fn batch_feeds(feeds: &[(String, HostTensor, Vec<usize>)], idx: &[usize]) -> HashMap<String, HostTensor> {
     feeds.iter().map(|(n, t, s)| (n.clone(), take_rows(t, idx, Some(s)))).collect()
 }
@@ -283,7 +333,13 @@ pub fn train_on<D: Device>(
     report: &mut dyn FnMut(&EpochReport),
 ) -> Result<Trained> {
     let rerr = |source| Error::Run { path: path.to_owned(), source };
-    let mut fwd = model.clone();
+    let data = crate::run::read_safetensors(&cfg.data)?;
+    let mut fwd = match feeds_for(model, &data, &cfg.data)? {
+        f if f.first().is_some_and(|f| f.1.shape[0] > 0) => bind_sample_dims(model, &batch_feeds(&f, &[0]), path)?,
+        _ => model.clone(),
+    };
+    // Where a bound dim came from, for a batch that does not fit it (labels of another length).
+    let bound_from = bound_from(model, &fwd);
     let export_batch = free_batch(&mut fwd);
     let mut g = fwd.clone();
     // A model whose batch is built into it names the node that holds it.
@@ -302,7 +358,7 @@ pub fn train_on<D: Device>(
         mpc_passes::train::LossScale::Dynamic { attrs, .. } => Some((attrs.min_scale, attrs.max_scale)),
         _ => None,
     });
-    let (ties, auto_scale) = (cx.ties, cx.auto_scale);
+    let (ties, folded, auto_scale) = (cx.ties, cx.folded, cx.auto_scale);
     let eval_g = eval_graph(&fwd, path, opts)?;
     let sig = g.train.clone().unwrap_or_default();
     let state = sig.state;
@@ -314,7 +370,6 @@ pub fn train_on<D: Device>(
     let skipped = sig.skipped.ok_or_else(|| missing("step flag"))?;
     let scale = sig.loss_scale;
 
-    let data = crate::run::read_safetensors(&cfg.data)?;
     let feeds = feeds_for(&g, &data, &cfg.data)?;
     let n = feeds.first().map_or(0, |f| f.1.shape[0]);
     let n_eval =
@@ -329,23 +384,42 @@ pub fn train_on<D: Device>(
     }
     let per_epoch = n_train.div_ceil(cfg.batch);
 
-    // One program per batch size (the last batch of an epoch may be smaller), all over one state.
+    // One program per binding of the symbolic dims (the batch, whose last one in an epoch may be
+    // smaller; a sequence length; an image size), each bound from the batch's own tensors, all
+    // over one state.
     let state_ids: HashSet<ValueId> = state.iter().map(|&(s, _)| s).collect();
     let caps = device.caps();
-    let lower_at = |g: &Graph, batch: usize, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
-        let dims = HashMap::from([("batch".to_string(), batch as u64)]);
+    let lower_at = |g: &Graph, dims: &Dims, layout: Option<&StateLayout>, variables: &HashSet<ValueId>| {
+        let dims: HashMap<String, u64> = dims.iter().map(|(k, &v)| (k.clone(), v)).collect();
         let changing: HashSet<ValueId> = state_ids.union(variables).copied().collect();
         let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, path).map_err(pinned)?;
         crate::run::lower_bound(&bound, caps, layout, Some(variables), path)
     };
-    let main: Program = lower_at(&g, cfg.batch, None, &HashSet::new())?;
+    let first = batch_feeds(&feeds, &(0..cfg.batch.min(n_train)).collect::<Vec<_>>());
+    // The dims a batch binds; where it does not fit, the message names the input and axis, and
+    // where it came from the dim the data bound, or the node of an export that holds its batch.
+    let dims_for = |batch: &HashMap<String, HostTensor>| {
+        dims_of(&g, batch, path).map_err(|e| match e {
+            Error::Usage(_) if export_batch.is_some() => {
+                let sizes = crate::run::input_sizes(&g, batch, path).map(|d| d.into_iter().collect());
+                match sizes.and_then(|d| lower_at(&g, &d, None, &HashSet::new())) {
+                    Err(pinned) => pinned,
+                    Ok(_) => e,
+                }
+            }
+            Error::Usage(m) if !bound_from.is_empty() => Error::Usage(format!("{m}; {bound_from}")),
+            e => e,
+        })
+    };
+    let first_dims = dims_for(&first)?;
+    let main: Program = lower_at(&g, &first_dims, None, &HashSet::new())?;
     let layout = main.state_layout.clone();
     let mut session = Session::new(device, main).map_err(rerr)?;
-    let mut train_programs: HashMap<usize, ProgramId> = HashMap::from([(cfg.batch, 0)]);
+    let mut train_programs: HashMap<Dims, ProgramId> = HashMap::from([(first_dims, 0)]);
     // Evaluation reads the training state in place: its weights are variables at the same slots.
     let eval_vars: HashSet<ValueId> =
         eval_g.initializers().filter(|&v| layout.find(eval_g.name(v)).is_some()).collect();
-    let mut eval_programs: HashMap<usize, ProgramId> = HashMap::new();
+    let mut eval_programs: HashMap<Dims, ProgramId> = HashMap::new();
     let loss_name = g.name(loss).to_string();
     let skipped_name = g.name(skipped).to_string();
     // The loss scale: a training state under dynamic scaling, read back as it moves; a constant
@@ -404,6 +478,7 @@ pub fn train_on<D: Device>(
         state: Vec::new(),
         stats: String::new(),
         ties,
+        folded,
         auto_scale,
     };
     let mut skipped_total = 0usize;
@@ -416,16 +491,18 @@ pub fn train_on<D: Device>(
         while iteration < total && iteration / per_epoch == epoch {
             let k = iteration % per_epoch;
             let idx = &order[k * cfg.batch..((k + 1) * cfg.batch).min(n_train)];
-            let id = match train_programs.get(&idx.len()) {
+            let batch = batch_feeds(&feeds, idx);
+            let dims = dims_for(&batch)?;
+            let id = match train_programs.get(&dims) {
                 Some(&id) => id,
                 None => {
-                    let p = lower_at(&g, idx.len(), Some(&layout), &HashSet::new())?;
+                    let p = lower_at(&g, &dims, Some(&layout), &HashSet::new())?;
                     let id = session.load(p).map_err(rerr)?;
-                    train_programs.insert(idx.len(), id);
+                    train_programs.insert(dims, id);
                     id
                 }
             };
-            session.feed(id, &batch_feeds(&feeds, idx)).map_err(rerr)?;
+            session.feed(id, &batch).map_err(rerr)?;
             session.step(id).map_err(rerr)?;
             // The loss and the flag go to the host without a wait; they are read when printed.
             pending.push((
@@ -466,12 +543,13 @@ pub fn train_on<D: Device>(
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
         let eval = if n_eval > 0 && (iteration % per_epoch == 0 || iteration == total) {
             let rows: Vec<usize> = (n_train..n).collect();
-            let mut programs = |size: usize, session: &mut Session<D>| -> Result<ProgramId> {
-                if let Some(&id) = eval_programs.get(&size) {
+            let mut programs = |feed: &HashMap<String, HostTensor>, session: &mut Session<D>| -> Result<ProgramId> {
+                let dims = dims_of(&eval_g, feed, path)?;
+                if let Some(&id) = eval_programs.get(&dims) {
                     return Ok(id);
                 }
-                let id = session.load(lower_at(&eval_g, size, Some(&layout), &eval_vars)?).map_err(rerr)?;
-                eval_programs.insert(size, id);
+                let id = session.load(lower_at(&eval_g, &dims, Some(&layout), &eval_vars)?).map_err(rerr)?;
+                eval_programs.insert(dims, id);
                 Ok(id)
             };
             Some(evaluate(&mut session, opts, &mut programs, &eval_g, &feeds, &rows, cfg.batch, path)?)
@@ -510,7 +588,7 @@ pub fn train_on<D: Device>(
 fn evaluate<D: Device>(
     session: &mut Session<D>,
     opts: &Options,
-    program: &mut dyn FnMut(usize, &mut Session<D>) -> Result<ProgramId>,
+    program: &mut ProgramFor<'_, D>,
     eval_g: &Graph,
     feeds: &[(String, HostTensor, Vec<usize>)],
     rows: &[usize],
@@ -530,8 +608,8 @@ fn evaluate<D: Device>(
     let labels = ce.and_then(|(_, name)| eval_g.inputs().iter().copied().find(|&v| eval_g.name(v) == name));
     let (mut correct, mut total, mut loss_sum, mut batches) = (0usize, 0usize, 0f64, 0usize);
     for chunk in rows.chunks(batch.max(1)) {
-        let id = program(chunk.len(), session)?;
         let feed = batch_feeds(feeds, chunk);
+        let id = program(&feed, session)?;
         session.feed(id, &feed).map_err(rerr)?;
         session.step(id).map_err(rerr)?;
         if let Some(l) = loss {

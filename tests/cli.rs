@@ -147,7 +147,7 @@ fn run_checks_its_inputs_and_writes_outputs() {
     );
     fails_with(
         &["run", m, "--inputs", &ok("shape", vec![3, 65], mpc_ir::DType::F32)],
-        "input `x` has shape [3, 65], the model expects [batch,64]",
+        "input `x` axis 1 is 65, the model declares 64 there ([batch,64]; data [3, 65])",
     );
     let loss = fixture("mlp_loss");
     fails_with(&["run", loss.to_str().unwrap(), "--inputs", &good], "input `labels` is missing");

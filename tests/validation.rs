@@ -263,6 +263,53 @@ fn a_symbolic_dim_binds_one_size() {
     let r = mpc(&["run", model.to_str().unwrap(), "--inputs", inputs.to_str().unwrap(), "-o", out.to_str().unwrap()]);
     let e = String::from_utf8_lossy(&r.stderr);
     assert_eq!(r.status.code(), Some(2), "{e}");
-    assert!(e.contains("sym.mpcir") && e.contains("binds `b` to") && e.trim().lines().count() == 1, "{e}");
+    let blame = "input `z` axis 0 is 4 where the model's `b` is 2 (bound by input `x` axis 0)";
+    assert!(e.contains("sym.mpcir") && e.contains(blame) && e.trim().lines().count() == 1, "{e}");
     assert!(!out.exists());
+}
+
+/// Data of another sequence length than the model's other input: `run` names both inputs and
+/// axes; `train` of a language model with labels of another length than its tokens names the
+/// labels and the input that bound the length.
+#[test]
+fn a_sequence_length_the_data_disagrees_on_names_both_inputs() {
+    let d = scratch("validation_seq");
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  input %0 \"x\": f32[batch,seq,4]\n  input %1 \"mask\": f32[batch,seq]\n  init %2 \"ax\" = i64[1]{2}\n  %3 \"m\": ? = Unsqueeze(%1, %2) @\"u\"\n  %4 \"y\": ? = Mul(%0, %3) @\"n\"\n  output %4\nend\n";
+    let model = write(&d, "masked.mpcir", text.as_bytes());
+    let t = |shape: Vec<usize>| {
+        let n = shape.iter().product();
+        mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, shape, vec![1.0; n])
+    };
+    let inputs = d.join("in.safetensors");
+    mpc::run::write_safetensors(&inputs, &[("x".into(), t(vec![2, 6, 4])), ("mask".into(), t(vec![2, 5]))]).unwrap();
+    let r = mpc(&["run", model.to_str().unwrap(), "--inputs", inputs.to_str().unwrap()]);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    let blame = "input `mask` axis 1 is 5 where the model's `seq` is 6 (bound by input `x` axis 1)";
+    assert!(e.contains(blame) && e.trim().lines().count() == 1, "{e}");
+
+    let emb: Vec<String> = (0..32).map(|i| format!("{:.2}", (i % 7) as f32 * 0.1 - 0.3)).collect();
+    let w: Vec<String> = (0..32).map(|i| format!("{:.2}", (i % 5) as f32 * 0.1 - 0.2)).collect();
+    let lm = format!(
+        "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"t\"\n  input %0 \"ids\": i64[batch,seq]\n  init %1 \"emb\" = f32[8,4]{{{}}}\n  %2 \"h\": ? = Gather(%1, %0) @\"g\"\n  init %3 \"w\" = f32[4,8]{{{}}}\n  %4 \"logits\": ? = MatMul(%2, %3) @\"mm\"\n  output %4\nend\n",
+        emb.join(", "),
+        w.join(", ")
+    );
+    let model = write(&d, "lm.mpcir", lm.as_bytes());
+    let ids = |shape: Vec<usize>| {
+        let n: usize = shape.iter().product();
+        mpc_runtime::HostTensor::from_i64(mpc_ir::DType::I64, shape, (0..n as i64).map(|i| i % 8).collect())
+    };
+    let data = d.join("lm.safetensors");
+    mpc::run::write_safetensors(&data, &[("ids".into(), ids(vec![4, 6])), ("labels".into(), ids(vec![4, 5]))]).unwrap();
+    let args = ["train", model.to_str().unwrap(), "--data", data.to_str().unwrap(), "--loss", "cross-entropy:axis=-1"];
+    let r = mpc(&[&args[..], &["--epochs", "1", "--batch", "2"]].concat());
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{e}");
+    assert!(e.contains("input `labels` axis 1 is 5") && e.contains("input `ids` axis 1"), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    // Labels of the tokens' length train.
+    mpc::run::write_safetensors(&data, &[("ids".into(), ids(vec![4, 6])), ("labels".into(), ids(vec![4, 6]))]).unwrap();
+    let r = mpc(&[&args[..], &["--epochs", "1", "--batch", "2"]].concat());
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
 }

@@ -52,6 +52,9 @@ pub struct Context {
     pub train: Option<train::TrainOptions>,
     /// The initializers training ties to another (copies and transposes of one parameter).
     pub ties: Vec<train::Tie>,
+    /// Constants a torch.export program folded from parameters it no longer holds, trained as
+    /// weights of their own ([`train::folded_weights`]), and those parameters.
+    pub folded: Option<(Vec<String>, Vec<String>)>,
     /// Calibration, when it ran: its time, the samples it measured, and the values it found the
     /// low dtype breaks.
     pub calibration: Option<(std::time::Duration, usize, usize)>,

@@ -27,19 +27,27 @@ impl Pass for UnrollRnn {
         "unroll-rnn"
     }
 
-    fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
+    /// Training refuses a node it cannot unroll, naming it (its gradient needs the steps); an
+    /// inference compile leaves such a node as it was (a sequence length known only when the dims
+    /// are bound: `run` binds them from its inputs first).
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let nodes: Vec<NodeId> = g
             .node_ids()
             .filter(|&n| matches!(&g.node(n).op, Op::Opaque(o) if o.domain.is_empty() && matches!(o.op_type.as_str(), "LSTM" | "GRU")))
             .collect();
-        if nodes.is_empty() {
-            return Ok(Changed::No);
-        }
+        let mut changed = Changed::No;
         for n in nodes {
-            unroll(g, n).map_err(|msg| PassError::Node { node: g.node_label(n), msg })?;
+            // `unroll` checks everything before it changes the graph.
+            match unroll(g, n) {
+                Ok(()) => changed = Changed::Yes,
+                Err(msg) if cx.train.is_some() => return Err(PassError::Node { node: g.node_label(n), msg }),
+                Err(_) => {}
+            }
         }
-        infer_types(g)?;
-        Ok(Changed::Yes)
+        if changed == Changed::Yes {
+            infer_types(g)?;
+        }
+        Ok(changed)
     }
 }
 
@@ -134,7 +142,11 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
         Dim::Fixed(0) => return Err("a sequence of 0 steps has nothing to unroll".into()),
         Dim::Fixed(s) if *s <= MAX_STEPS => *s as i64,
         Dim::Fixed(s) => return Err(format!("a sequence of {s} steps is more than the {MAX_STEPS} mpc unrolls")),
-        d => return Err(format!("the sequence length is `{d}`: only a fixed length can be unrolled")),
+        d => {
+            return Err(format!(
+                "the sequence length is `{d}`: only a fixed length can be unrolled (`train` binds it from the data; `compile --dim {d}=N` gives it)"
+            ))
+        }
     };
 
     let mut b = Builder::new(g);

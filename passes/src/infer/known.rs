@@ -60,6 +60,9 @@ impl Elem {
                 Op::Div => x.checked_div(y),
                 Op::Max => Some(x.max(y)),
                 Op::Min => Some(x.min(y)),
+                // ONNX Mod: C's remainder with fmod, else the divisor's sign (Python's %).
+                Op::Mod(m) if m.fmod => x.checked_rem(y),
+                Op::Mod(_) => x.checked_rem(y).map(|r| if r != 0 && (r < 0) != (y < 0) { r + y } else { r }),
                 Op::Equal => Some(i64::from(x == y)),
                 Op::Less => Some(i64::from(x < y)),
                 Op::Greater => Some(i64::from(x > y)),
@@ -234,7 +237,7 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let (s, e) = (clamp(starts[0]), clamp(ends[0]));
             Some(Known { scalar: false, elems: x.elems.get(s..e.max(s))?.to_vec() })
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Max | Op::Min | Op::Equal | Op::Less | Op::Greater
+        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Equal | Op::Less | Op::Greater
             if node.inputs().len() == 2 =>
         {
             let (a, b) = (input(0)?, input(1)?);

@@ -3,6 +3,7 @@
 
 use mpc_ir::{normalize_axis, Dim, Op, Shape, SymExpr};
 
+use super::known::Elem;
 use super::rules::{check_eq, t, NodeCx, R};
 
 /// Reshape, including `0` (copy) and `-1` (infer), with symbolic dims cancelled where the same
@@ -188,10 +189,17 @@ pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
             return Err(format!("split sizes {s:?} do not add up to {len} over {n} outputs"));
         }
     }
+    // Sizes the shapes compute (a concatenation's gradient split back by its inputs' symbolic
+    // lengths): each part's dim is its element.
+    let computed = cx.known(1).filter(|k| sizes.is_none() && k.elems.len() == n);
     Ok((0..n)
         .map(|i| {
             let mut s = x.clone();
-            s.0[a] = sizes.as_ref().map_or(Dim::Unknown, |v| Dim::Fixed(v[i]));
+            s.0[a] = match (&sizes, computed) {
+                (Some(v), _) => Dim::Fixed(v[i]),
+                (None, Some(k)) => k.elems[i].dim(),
+                (None, None) => Dim::Unknown,
+            };
             t(d, Some(s))
         })
         .collect())
@@ -200,7 +208,7 @@ pub(super) fn split(cx: &NodeCx, axis: i64, num_outputs: Option<i64>) -> R {
 pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let Some(x) = cx.sh(0) else { return Ok(None) };
     let (Some(starts), Some(ends)) = (cx.ints(1), cx.ints(2)) else {
-        return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+        return Ok(Some(symbolic_slice(cx, x).unwrap_or_else(|| Shape(vec![Dim::Unknown; x.rank()]))));
     };
     let axes: Vec<i64> = if cx.has(3) { cx.ints(3).ok_or("")? } else { (0..starts.len() as i64).collect() };
     let steps: Vec<i64> = if cx.has(4) { cx.ints(4).ok_or("")? } else { vec![1; starts.len()] };
@@ -221,6 +229,36 @@ pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
         };
     }
     Ok(Some(Shape(out)))
+}
+
+/// A slice whose bounds are sizes the shapes compute: `x[:, :seq]` (a position buffer cut to the
+/// sequence, as both torch exporters write `buffer[:, :input.size(1)]`) is `seq - start` long,
+/// taking the bound to lie within the dim, as the model's own code does (lowering, where every
+/// size is known, computes the exact length and checks it against the data).
+fn symbolic_slice(cx: &NodeCx, x: &Shape) -> Option<Shape> {
+    let (starts, ends) = (cx.known(1)?, cx.known(2)?);
+    let n = starts.elems.len();
+    let axes: Vec<i64> = if cx.has(3) { cx.ints(3)? } else { (0..n as i64).collect() };
+    let steps: Vec<i64> = if cx.has(4) { cx.ints(4)? } else { vec![1; n] };
+    if ends.elems.len() != n || axes.len() != n || steps.len() != n {
+        return None;
+    }
+    let mut out = x.0.clone();
+    for i in 0..n {
+        let a = normalize_axis(axes[i], x.rank())?;
+        out[a] = match (&starts.elems[i], &ends.elems[i], steps[i]) {
+            (Elem::Int(s), Elem::Int(e), step) => match x.0[a].fixed() {
+                Some(len) => Dim::Fixed(mpc_ir::geometry::slice_dim(len as i64, *s, *e, step).ok()?.1),
+                None if *s == 0 && *e >= i32::MAX as i64 && step == 1 => x.0[a].clone(),
+                None => Dim::Unknown,
+            },
+            (Elem::Int(s), Elem::Sym(e), 1) if *s >= 0 && e.is_nonnegative() => {
+                Dim::from_expr(e.sub(&SymExpr::constant(*s))?)
+            }
+            _ => Dim::Unknown,
+        };
+    }
+    Some(Shape(out))
 }
 
 pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {

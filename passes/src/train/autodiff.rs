@@ -638,13 +638,30 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::Concat(a) => {
             let r = b.shape(y)?.rank();
             let ax = normalize_axis(a.axis, r).ok_or("bad axis")?;
-            let mut sizes = Vec::new();
-            for v in node.inputs().iter().flatten() {
-                sizes.push(fixed(&b.shape(*v)?.dims()[ax], "each Concat input along the axis")?);
-            }
-            let s = b.ints(&sizes);
+            let parts: Vec<ValueId> = node.inputs().iter().flatten().copied().collect();
+            let fixed_sizes: Option<Vec<i64>> = parts
+                .iter()
+                .map(|&v| Ok(b.shape(v)?.dims()[ax].fixed().map(|d| d as i64)))
+                .collect::<Result<Vec<_>, String>>()?
+                .into_iter()
+                .collect();
+            let s = match fixed_sizes {
+                Some(sizes) => b.ints(&sizes),
+                // Symbolic lengths (a sequence): split by the inputs' own sizes, from their shapes.
+                None => {
+                    let at = b.ints(&[ax as i64]);
+                    let each: Vec<Option<ValueId>> = parts
+                        .iter()
+                        .map(|&v| {
+                            let shape = b.shape_of(v);
+                            Some(b.op("len", Op::Gather(AxisAttrs { axis: 0 }), &[shape, at]))
+                        })
+                        .collect();
+                    b.ops("sizes", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 }), &each, 1)[0]
+                }
+            };
             let split = Op::Split(SplitAttrs { axis: ax as i64, num_outputs: None });
-            b.ops("split", split, &[Some(dy), Some(s)], sizes.len()).into_iter().map(Some).collect()
+            b.ops("split", split, &[Some(dy), Some(s)], parts.len()).into_iter().map(Some).collect()
         }
         // d split = concat of the outputs' gradients (zeros for outputs nothing reads).
         Op::Split(a) => {

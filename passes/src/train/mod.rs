@@ -215,6 +215,20 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
     out.into_iter().collect()
 }
 
+/// The constants that `trained` (the parameters training found) holds where a torch.export
+/// program's signature names parameters that are no initializer of the graph (the exporter folded
+/// them: a class token expanded to a fixed batch, a token-type row looked up for it), and those
+/// parameters: each such constant trains as a weight of its own, not as the parameter it came
+/// from, which the front end reports. `None` where the signature lost no parameter.
+pub fn folded_weights(g: &Graph, trained: &[ValueId]) -> Option<(Vec<String>, Vec<String>)> {
+    let signature = ExportSignature::of(g)?;
+    let inits: BTreeSet<&str> = g.initializers().map(|v| g.name(v)).collect();
+    let lost: Vec<String> = signature.params.iter().filter(|p| !inits.contains(p.as_str())).cloned().collect();
+    let own: Vec<String> =
+        trained.iter().map(|&v| g.name(v).to_string()).filter(|n| !signature.names_parameter(n)).collect();
+    (!lost.is_empty() && !own.is_empty()).then_some((own, lost))
+}
+
 /// The parameters and buffers of a torch `ExportedProgram`, as the dynamo exporter records them in
 /// the graph metadata `pkg.torch.export.ExportedProgram.graph_signature` (lines such as
 /// `p_fc_weight: PARAMETER target='fc.weight'` and `b_rope_inv_freq: BUFFER target='rope.inv_freq'`).
@@ -239,6 +253,11 @@ impl ExportSignature {
         let inits: BTreeSet<&str> = g.initializers().map(|v| g.name(v)).collect();
         sig.buffer_folded = sig.buffers.iter().any(|b| !inits.contains(b.as_str()));
         Some(sig)
+    }
+
+    /// Whether the signature names `name` as a parameter of the module.
+    pub fn names_parameter(&self, name: &str) -> bool {
+        self.params.contains(name)
     }
 
     /// Whether initializer `v` is a parameter: one the signature names so, or a constant the

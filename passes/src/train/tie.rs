@@ -27,6 +27,7 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
     // Earlier candidates by their fingerprint; equality is checked in full.
     let mut seen: HashMap<Fingerprint, Vec<ValueId>> = HashMap::new();
     let mut ties = Vec::new();
+    let signature = super::ExportSignature::of(g);
     for &v in candidates {
         let Some(t) = g.value(v).initializer().cloned() else { continue };
         if t.numel() < 2 || t.all_equal() {
@@ -34,7 +35,11 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
         }
         let find = |key: Option<&Fingerprint>, same: &dyn Fn(&Tensor) -> bool| {
             let earlier = key.and_then(|k| seen.get(k));
-            earlier.into_iter().flatten().copied().find(|&k| g.value(k).initializer().is_some_and(same))
+            earlier
+                .into_iter()
+                .flatten()
+                .copied()
+                .find(|&k| g.value(k).initializer().is_some_and(same) && one_parameter(g, signature.as_ref(), k, v))
         };
         let own = fingerprint(&t, false).expect("a tensor's own fingerprint");
         let (kept, transposed) = match find(Some(&own), &|x| x == &t) {
@@ -51,6 +56,30 @@ pub fn tie_weights(g: &mut Graph, candidates: &[ValueId]) -> Vec<Tie> {
         tie(g, v, kept, transposed);
     }
     ties
+}
+
+/// Whether equal initializers `a` and `b` are one parameter an exporter wrote twice: one is the
+/// model's own parameter and the other a copy the exporter made of it (a tied head written
+/// transposed), which it names itself (`onnx::MatMul_597`, `val_231`). Two parameters of the
+/// model's own, or two constants the exporter folded from two parameters, are equal only by
+/// initialisation (the deep-copied layers of torch's `nn.TransformerEncoder`) and train apart, as
+/// in torch. The model's own: the parameters an export's torch.export signature names, or,
+/// without one, the names no exporter made.
+fn one_parameter(g: &Graph, signature: Option<&super::ExportSignature>, a: ValueId, b: ValueId) -> bool {
+    let own = |v: ValueId| {
+        let name = g.name(v);
+        match signature {
+            Some(s) => s.names_parameter(name),
+            None => !exporter_named(name),
+        }
+    };
+    own(a) != own(b)
+}
+
+/// A name a torch exporter gives a value it made (a folded constant), not a module's parameter.
+fn exporter_named(name: &str) -> bool {
+    let numbered = |rest: &str| !rest.is_empty() && rest.bytes().all(|c| c.is_ascii_digit());
+    name.is_empty() || name.starts_with("onnx::") || name.strip_prefix("val_").is_some_and(numbered)
 }
 
 /// A tensor's dtype, shape and the bytes of 64 of its elements at fixed places of its row-major
@@ -135,7 +164,8 @@ mod tests {
         let odd = |r: u64, c: u64, at: (u64, u64)| matrix(r, c, move |i, j| if (i, j) == at { -1.0 } else { w(i, j) });
         let near = odd(30, 40, (17, 23));
         assert_eq!(fingerprint(&near, false), fingerprint(&matrix(30, 40, w), false), "a miss no sample sees");
-        let names = ["w", "copy", "wt", "near", "near_t", "zeros", "nans"];
+        let names =
+            ["w", "onnx::MatMul_7", "val_12", "near", "near_t", "zeros", "nans", "layers.1.w", "v", "onnx::v", "val_3"];
         let tensors = [
             matrix(30, 40, w),
             matrix(30, 40, w),
@@ -144,12 +174,18 @@ mod tests {
             matrix(40, 30, |i, j| if (j, i) == (5, 7) { 9.0 } else { w(j, i) }),
             matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 }),
             matrix(3, 4, |_, _| f32::NAN),
+            // Another parameter of the model's own, equal by initialisation (a deep-copied layer).
+            matrix(30, 40, w),
+            // Two constants folded from two such parameters, and their own parameter.
+            matrix(5, 6, |i, j| w(i, j) + 1.0),
+            matrix(6, 5, |i, j| w(j, i) + 2.0),
+            matrix(6, 5, |i, j| w(j, i) + 2.0),
         ];
         let ids: Vec<ValueId> = names.iter().zip(tensors).map(|(n, t)| g.add_initializer(n, t)).collect();
         let ties = tie_weights(&mut g, &ids);
         let got: Vec<(&str, &str, bool)> =
             ties.iter().map(|t| (t.copy.as_str(), t.kept.as_str(), t.transposed)).collect();
-        assert_eq!(got, [("copy", "w", false), ("wt", "w", true)]);
+        assert_eq!(got, [("onnx::MatMul_7", "w", false), ("val_12", "w", true)]);
         assert!(matrix(3, 4, |i, j| if (i + j) % 2 == 0 { 0.0 } else { -0.0 }).all_equal());
         assert!(!matrix(3, 4, |_, _| f32::NAN).all_equal());
     }

@@ -5,11 +5,14 @@
                                                      # onnx, onnxscript, numpy, safetensors
 
 Each family (BERT, DistilBERT, GPT-2, Llama, ViT, a MobileNetV3, a UNet, a GroupNorm CNN, an LSTM
-classifier, a bidirectional GRU classifier) is built with random weights from a tiny config (GPT-2,
-BERT, Llama and ViT also as initialised, `*_fresh`: equal norm scales, zero biases; GPT-NeoX and
-Gemma only so, exported as for training: no constant folding, no optimizer), then exported twice:
-`NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic axis) and
-`NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). Dropout probabilities are 0 so that
+classifier, a bidirectional GRU classifier, a classifier on torch's nn.TransformerEncoder batch
+first and not, torchvision's VisionTransformer) is built with random weights from a tiny config
+(GPT-2, BERT, Llama and ViT also as initialised, `*_fresh`: equal norm scales, zero biases;
+GPT-NeoX and Gemma only so, exported as for training: no constant folding, no optimizer), then
+exported twice: `NAME.legacy.onnx` (`torch.onnx.export(..., dynamo=False)`, the batch a dynamic
+axis) and `NAME.dynamo.onnx` (`dynamo=True`, the batch a dynamic dim). BERT, DistilBERT, GPT-2,
+Llama, the LSTM, the GRU (`*_seq`) and the TransformerEncoders are exported with a dynamic sequence
+too (`dynamic_axes={NAME: {0: "batch", 1: "seq"}}`, or a `seq` Dim), as their documentation shows. Dropout probabilities are 0 so that
 a training step is deterministic; models are exported in eval mode, as users export them.
 
 For each family `NAME.grads.safetensors` holds fixed inputs (`input.*`), the loss mpc adds to the
@@ -161,6 +164,33 @@ class GruClassifier(nn.Module):
         return self.fc(h.mean(dim=1))
 
 
+class EncoderClassifier(nn.Module):
+    """torch's nn.TransformerEncoder (nn.MultiheadAttention inside), batch-first or not."""
+
+    def __init__(self, batch_first=True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=batch_first)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.fc = nn.Linear(32, 3)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        h = self.enc(x)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.fc(h.mean(dim=1))
+
+
+def tiny_torchvision_vit():
+    from torchvision.models.vision_transformer import VisionTransformer
+    return VisionTransformer(image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=32,
+                             mlp_dim=64, num_classes=3)
+
+
 def tokens(rng, vocab=64):
     return torch.tensor(rng.integers(0, vocab, (B, T)), dtype=torch.int64)
 
@@ -206,6 +236,18 @@ FAMILIES["gpt_neox_fresh"] = (lambda: Logits(tiny_gpt_neox(), mask=True), "input
                               lambda r: r.integers(0, 64, (B, T)))
 FAMILIES["gemma_fresh"] = (lambda: Logits(tiny_gemma(), mask=True), "input_ids", tokens, "lm",
                            lambda r: r.integers(0, 64, (B, T)))
+FAMILIES["encoder"] = (EncoderClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B))
+FAMILIES["encoder_seq_first"] = (lambda: EncoderClassifier(False), "tokens", tokens, "ce",
+                                 lambda r: r.integers(0, 3, B))
+FAMILIES["tv_vit"] = (tiny_torchvision_vit, "x", lambda r: image(r, 3, 16), "ce", lambda r: r.integers(0, 3, B))
+# The axes each family's exports leave dynamic (the batch when not named here): the sequence too,
+# as the exporters' documentation shows for text models, or none (a fixed batch).
+AXES = {}
+for base in ["bert", "distilbert", "gpt2", "llama", "lstm", "gru"]:
+    FAMILIES[f"{base}_seq"] = FAMILIES[base]
+    AXES[f"{base}_seq"] = "batch+seq"
+for base in ["encoder", "encoder_seq_first"]:
+    AXES[base] = "batch+seq"
 # Exported as torch.onnx documents for training: the legacy exporter without constant folding and
 # the dynamo exporter without its optimizer. Optimised, a fresh model loses parameters that no
 # metadata gives back: the optimizer merges GPT-NeoX's two LayerNorms of one input (its parallel
@@ -214,9 +256,22 @@ FAMILIES["gemma_fresh"] = (lambda: Logits(tiny_gemma(), mask=True), "input_ids",
 FOR_TRAINING = {"gpt_neox_fresh", "gemma_fresh"}
 
 
-def export(model, x, in_name, path, dynamo, for_training=False):
+def export(model, x, in_name, path, dynamo, for_training=False, axes="batch"):
     has_bn = any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    if for_training:
+    if axes != "batch":
+        if dynamo:
+            dims = {}
+            if axes == "batch+seq":
+                dims = {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("seq", min=2, max=16)}
+            prog = torch.onnx.export(model, (x,), dynamo=True, opset_version=OPSET, input_names=[in_name],
+                                     output_names=["logits"], dynamic_shapes=(dims,) if dims else None, verbose=False)
+            prog.optimize()
+            prog.save(path)
+        else:
+            dims = {in_name: {0: "batch", 1: "seq"}, "logits": {0: "batch"}} if axes == "batch+seq" else None
+            torch.onnx.export(model, (x,), path, dynamo=False, opset_version=OPSET, input_names=[in_name],
+                              output_names=["logits"], dynamic_axes=dims)
+    elif for_training:
         if dynamo:
             batch = torch.export.Dim("batch", min=1, max=1024)
             prog = torch.onnx.export(model, (x,), dynamo=True, optimize=False, opset_version=OPSET,
@@ -357,7 +412,7 @@ def make(name, meta):
     for dynamo in (False, True):
         exporter = "dynamo" if dynamo else "legacy"
         path = os.path.join(HERE, f"{name}.{exporter}.onnx")
-        models[dynamo] = export(model, x, in_name, path, dynamo, name in FOR_TRAINING)
+        models[dynamo] = export(model, x, in_name, path, dynamo, name in FOR_TRAINING, AXES.get(name, "batch"))
         print(f"{os.path.basename(path)}: {os.path.getsize(path) // 1024} KB, "
               f"{len(models[dynamo].graph.node)} nodes")
         # The dynamo exporter folds BatchNormalization into the convolutions even from training
@@ -387,7 +442,7 @@ def make(name, meta):
     meta[name] = {"input": in_name, "loss": {"ce": "cross-entropy", "lm": "cross-entropy:axis=-1",
                                              "mse": "mse"}[loss_kind],
                   "labels": "targets" if loss_kind == "mse" else "labels", "int_inputs": ints,
-                  "batch_norm_folded": folded,
+                  "batch_norm_folded": folded, "axes": AXES.get(name, "batch"),
                   "torch_loss": loss.item()}
     if name in FRESH:
         meta[name]["parameters"] = len(named)
