@@ -248,6 +248,11 @@ for base in ["bert", "distilbert", "gpt2", "llama", "lstm", "gru"]:
     AXES[f"{base}_seq"] = "batch+seq"
 for base in ["encoder", "encoder_seq_first"]:
     AXES[base] = "batch+seq"
+# Exported with a fixed batch (no dynamic axes), by the legacy exporter: the batch is built into
+# shape operands and constants, which training frees.
+for base in ["bert", "gpt2", "vit", "lstm"]:
+    FAMILIES[f"{base}_fixed"] = FAMILIES[base]
+    AXES[f"{base}_fixed"] = "none"
 # Exported as torch.onnx documents for training: the legacy exporter without constant folding and
 # the dynamo exporter without its optimizer. Optimised, a fresh model loses parameters that no
 # metadata gives back: the optimizer merges GPT-NeoX's two LayerNorms of one input (its parallel
@@ -409,7 +414,7 @@ def make(name, meta):
             labels[0, :2] = -100  # ignored positions, as a padded batch has
     models = {}
     folded = []
-    for dynamo in (False, True):
+    for dynamo in (False,) if AXES.get(name) == "none" else (False, True):
         exporter = "dynamo" if dynamo else "legacy"
         path = os.path.join(HERE, f"{name}.{exporter}.onnx")
         models[dynamo] = export(model, x, in_name, path, dynamo, name in FOR_TRAINING, AXES.get(name, "batch"))
