@@ -32,20 +32,22 @@ impl Pass for UnrollRnn {
     /// are bound: `run` binds them from its inputs first).
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let nodes: Vec<NodeId> = g
-            .node_ids()
+            .topo_order()?
+            .into_iter()
             .filter(|&n| matches!(&g.node(n).op, Op::Opaque(o) if o.domain.is_empty() && matches!(o.op_type.as_str(), "LSTM" | "GRU")))
             .collect();
         let mut changed = Changed::No;
+        // In order: a stacked layer's input is the unrolled layer before it, typed before it is read.
         for n in nodes {
             // `unroll` checks everything before it changes the graph.
             match unroll(g, n) {
-                Ok(()) => changed = Changed::Yes,
+                Ok(()) => {
+                    changed = Changed::Yes;
+                    infer_types(g)?;
+                }
                 Err(msg) if cx.train.is_some() => return Err(PassError::Node { node: g.node_label(n), msg }),
                 Err(_) => {}
             }
-        }
-        if changed == Changed::Yes {
-            infer_types(g)?;
         }
         Ok(changed)
     }

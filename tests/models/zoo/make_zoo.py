@@ -191,6 +191,20 @@ def tiny_torchvision_vit():
                              mlp_dim=64, num_classes=3)
 
 
+class BiLstmTagger(nn.Module):
+    """Two stacked bidirectional LSTM layers tagging every token (5 tags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.lstm = nn.LSTM(16, 12, num_layers=2, bidirectional=True, batch_first=True)
+        self.fc = nn.Linear(24, 5)
+
+    def forward(self, tokens):
+        h, _ = self.lstm(self.emb(tokens))
+        return self.fc(h)
+
+
 def tokens(rng, vocab=64):
     return torch.tensor(rng.integers(0, vocab, (B, T)), dtype=torch.int64)
 
@@ -248,6 +262,10 @@ for base in ["bert", "distilbert", "gpt2", "llama", "lstm", "gru"]:
     AXES[f"{base}_seq"] = "batch+seq"
 for base in ["encoder", "encoder_seq_first"]:
     AXES[base] = "batch+seq"
+# torch.export cannot export the stacked bidirectional LSTM (its dynamo export fails in torch).
+FAMILIES["bilstm_tagger"] = (BiLstmTagger, "tokens", tokens, "lm", lambda r: r.integers(0, 5, (B, T)))
+AXES["bilstm_tagger"] = "batch+seq"
+LEGACY_ONLY = {"bilstm_tagger"}
 # Exported with a fixed batch (no dynamic axes), by the legacy exporter: the batch is built into
 # shape operands and constants, which training frees.
 for base in ["bert", "gpt2", "vit", "lstm"]:
@@ -376,18 +394,20 @@ def recurrent_forms(named):
 
     out = []
     for name in named:
-        if not name.endswith(".weight_hh_l0"):
+        # Every layer of a stacked RNN (`weight_hh_l0`, `weight_hh_l1`, ...).
+        layer = name.rsplit(".weight_hh_l", 1)
+        if len(layer) != 2 or not layer[1].isdigit():
             continue
-        prefix = name[: -len("weight_hh_l0")]
+        prefix, l = layer[0] + ".", "l" + layer[1]
         hidden = named[name].shape[1]
-        dirs = [""] + (["_reverse"] if prefix + "weight_hh_l0_reverse" in named else [])
+        dirs = [""] + (["_reverse"] if f"{prefix}weight_hh_{l}_reverse" in named else [])
 
         def stacked(kinds, of):
-            parts = [np.concatenate([onnx_order(of(named[f"{prefix}{k}_l0{d}"])) for k in kinds]) for d in dirs]
+            parts = [np.concatenate([onnx_order(of(named[f"{prefix}{k}_{l}{d}"])) for k in kinds]) for d in dirs]
             return np.stack(parts)
 
         for kinds in (["weight_ih"], ["weight_hh"], ["bias_ih", "bias_hh"]):
-            if all(f"{prefix}{k}_l0" in named for k in kinds):
+            if all(f"{prefix}{k}_{l}" in named for k in kinds):
                 out.append((stacked(kinds, lambda p: p.detach().numpy()), stacked(kinds, lambda p: p.grad.numpy())))
     return out
 
@@ -414,7 +434,8 @@ def make(name, meta):
             labels[0, :2] = -100  # ignored positions, as a padded batch has
     models = {}
     folded = []
-    for dynamo in (False,) if AXES.get(name) == "none" else (False, True):
+    legacy_only = AXES.get(name) == "none" or name in LEGACY_ONLY
+    for dynamo in (False,) if legacy_only else (False, True):
         exporter = "dynamo" if dynamo else "legacy"
         path = os.path.join(HERE, f"{name}.{exporter}.onnx")
         models[dynamo] = export(model, x, in_name, path, dynamo, name in FOR_TRAINING, AXES.get(name, "batch"))
@@ -448,6 +469,7 @@ def make(name, meta):
                                              "mse": "mse"}[loss_kind],
                   "labels": "targets" if loss_kind == "mse" else "labels", "int_inputs": ints,
                   "batch_norm_folded": folded, "axes": AXES.get(name, "batch"),
+                  "exporters": ["legacy"] if legacy_only else ["legacy", "dynamo"],
                   "torch_loss": loss.item()}
     if name in FRESH:
         meta[name]["parameters"] = len(named)
