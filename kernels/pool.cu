@@ -21,7 +21,8 @@
 //     indices != nullptr (MaxPool with its second output, i64, same shape as y): the first strict
 //     maximum, NaNs skipped; indices = plane * prod(in) + the tap's offset in its plane (row-major
 //     when storage_order == 0, column-major over the spatial dims when 1); a window with no
-//     non-NaN tap gives -inf and index 0 (the CPU reference's MaxPool with indices).
+//     non-NaN tap gives -inf and the index of its first tap, 0 with none (the CPU reference's
+//     MaxPool with indices).
 // pool_avg_<T>(const T* x, T* y, long long planes, Window3 w, int count_include_pad)
 //     sum of the taps inside the input (in tap order) / divisor; divisor = taps inside, or with
 //     count_include_pad the taps with every coordinate i < in + pad_end (the explicit padding,
@@ -183,11 +184,13 @@ __device__ __forceinline__ void max_body(const T* __restrict__ x, T* __restrict_
             });
             st(y, e, best);
         } else {
-            long long best_i = 0;
+            // The first tap until one is larger: a window of -inf (or NaN) alone has its maximum at
+            // its first element; 0 where no tap is inside.
+            long long best_i = -1;
             for_taps(w, o, [&](int off, int i0, int i1, int i2) {
                 const C a = ld(xp, off);
-                if (a > best) {
-                    best = a;
+                if (best_i < 0 || a > best) {
+                    if (a > best) best = a;
                     // Column-major: the first spatial dim fastest (the leading size-1 dims
                     // that normalise() adds contribute nothing).
                     const long long sp =
@@ -196,7 +199,7 @@ __device__ __forceinline__ void max_body(const T* __restrict__ x, T* __restrict_
                 }
             });
             st(y, e, best);
-            indices[e] = best_i;
+            indices[e] = best_i < 0 ? 0 : best_i;
         }
     }
 }

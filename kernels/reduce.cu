@@ -50,7 +50,8 @@
 //       that a NaN at index 0 gives 0 (the CPU reference's scan); an empty extent gives 0.
 // Semantics as the CPU reference: max/min propagate NaN; an empty extent gives the identity
 // (0, 1 for prod, -inf/+inf for max/min; i32 max/min saturate to INT_MIN/INT_MAX); mean of an
-// empty extent is 0; log_sum_exp = log(sum(exp(x - m))) + m with m the NaN-ignoring max.
+// empty extent is 0; log_sum_exp = log(sum(exp(x - m))) + m with m the NaN-ignoring max (0 where
+// that is infinite).
 // Output dtype = input dtype except argmax/argmin (i64). i32 results saturate to the i32 range.
 
 // ---- per-dtype load/store in the accumulator type ----
@@ -316,6 +317,9 @@ __device__ __forceinline__ void lse_rows_body(const T* __restrict__ x, T* __rest
         C m = -m_inf(C(0));
         for (long long r = threadIdx.x; r < reduced; r += blockDim.x) m = m_fmax(m, ld(x, base + r * inner));
         m = block_reduce(m, OpFmax(), smem);
+        // Shifted by the maximum where it is finite: an infinite one (+inf, or -inf alone) would
+        // make inf - inf a NaN; unshifted the sum gives inf and log(0) = -inf as they should be.
+        m = (m - m == C(0)) ? m : C(0);
         C s = C(0);
         for (long long r = threadIdx.x; r < reduced; r += blockDim.x) s += m_exp(ld(x, base + r * inner) - m);
         s = block_reduce(s, OpSum(), smem);
@@ -341,6 +345,7 @@ __device__ __forceinline__ void lse_cols_body(const T* __restrict__ x, T* __rest
 #pragma unroll
         for (int k = 1; k < 8; ++k) m = m_fmax(m, smem[k][tx]);
         __syncthreads();
+        m = (m - m == C(0)) ? m : C(0);  // an infinite maximum does not shift (as lse_rows_body)
         C s = C(0);
         if (i < inner)
             for (long long r = ty; r < reduced; r += 8) s += m_exp(ld(x, base + r * inner) - m);

@@ -520,7 +520,9 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
                     "l1" => v.iter().map(|e| e.abs()).sum(),
                     "l2" => v.iter().map(|e| e * e).sum::<f64>().sqrt(),
                     "log_sum_exp" => {
+                        // Shifted by a finite maximum only (as the kernels): inf - inf is NaN.
                         let mx = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let mx = if mx.is_finite() { mx } else { 0.0 };
                         v.iter().map(|e| (e - mx).exp()).sum::<f64>().ln() + mx
                     }
                     "argmax" => arg(&|e, b| e > b),

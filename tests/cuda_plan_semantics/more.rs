@@ -174,11 +174,14 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
             for pl in 0..planes {
                 for o in 0..ovol {
                     if let Arg::Ptr(ib) = indices {
-                        // The first strict maximum, NaNs skipped; its flat index into x.
-                        let (mut best, mut at) = (f64::NEG_INFINITY, 0i64);
+                        // The first strict maximum, NaNs skipped; its flat index into x (the first
+                        // tap's for a window of -inf or NaN, 0 with no tap).
+                        let (mut best, mut at, mut first) = (f64::NEG_INFINITY, 0i64, true);
                         for off in taps(&w, o).into_iter().flatten() {
                             let v = m.get(x, pl * ivol + off, d);
-                            if v > best {
+                            if first || v > best {
+                                first = false;
+                                best = best.max(v);
                                 let sp = if col_major {
                                     let nsp = w.nsp as usize;
                                     let (mut r, mut c, mut scale) = (off, vec![0i64; nsp], 1i64);
@@ -195,7 +198,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                                 } else {
                                     off
                                 };
-                                (best, at) = (v, pl * ivol + sp);
+                                at = pl * ivol + sp;
                             }
                         }
                         m.set(y, pl * ovol + o, d, best);

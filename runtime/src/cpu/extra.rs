@@ -161,25 +161,30 @@ pub(crate) fn max_pool_with_indices(
     let ist = super::shape::strides(in_sp);
     let ovol = taps.len();
     let (mut vals, mut idx) = (Vec::with_capacity(nb * c * ovol), Vec::with_capacity(nb * c * ovol));
+    // The flat index of window offset `off` in `plane`, in the storage order asked for.
+    let index = |plane: usize, off: usize| {
+        let spatial = if a.storage_order == 0 {
+            off
+        } else {
+            let (mut s, mut mul) = (0, 1);
+            for d in 0..sp {
+                s += (off / ist[d]) % in_sp[d] * mul;
+                mul *= in_sp[d];
+            }
+            s
+        };
+        (plane * ivol + spatial) as i64
+    };
     for plane in 0..nb * c {
         for offs in &taps {
-            let (mut best, mut best_i) = (f64::NEG_INFINITY, 0i64);
+            // A window of -inf alone has its maximum at its first element.
+            let mut best_i = offs.first().map_or(0, |&off| index(plane, off));
+            let mut best = f64::NEG_INFINITY;
             for &off in offs {
                 let val = v[plane * ivol + off];
                 if val > best {
                     best = val;
-                    let spatial = if a.storage_order == 0 {
-                        off
-                    } else {
-                        let mut s = 0;
-                        let mut mul = 1;
-                        for d in 0..sp {
-                            s += (off / ist[d]) % in_sp[d] * mul;
-                            mul *= in_sp[d];
-                        }
-                        s
-                    };
-                    best_i = (plane * ivol + spatial) as i64;
+                    best_i = index(plane, off);
                 }
             }
             vals.push(best);

@@ -272,8 +272,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let t = x(0)?;
             let r = t.shape.len() as i64;
             let ax = if a.axis < 0 { a.axis + r } else { a.axis } as usize;
-            let outer: usize = t.shape[..ax.min(t.shape.len())].iter().product();
-            one(t.clone().with_shape(vec![outer, t.len() / outer.max(1)]))
+            let ax = ax.min(t.shape.len());
+            // Each side's own product: an empty tensor's inner size is not len / outer.
+            let (outer, inner) = (t.shape[..ax].iter().product(), t.shape[ax..].iter().product());
+            one(t.clone().with_shape(vec![outer, inner]))
         }
         Op::Squeeze => {
             let t = x(0)?;

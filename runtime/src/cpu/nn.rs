@@ -459,6 +459,9 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
             let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
             m[o] = m[o].max(a);
         }
+        // No shift by an infinite maximum: inf - inf would be NaN, unshifted the sum is inf (or 0,
+        // all -inf, whose log is -inf).
+        m.iter_mut().filter(|v| v.is_infinite()).for_each(|v| *v = 0.0);
         m
     });
     for (i, &a) in v.iter().enumerate() {

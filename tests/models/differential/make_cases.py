@@ -167,12 +167,37 @@ def opset_raise(rng):
          [("x", x)], ["y"], opset=17)
 
 
+def found_by_the_campaign(rng):
+    # Infinite maxima in ReduceLogSumExp: +inf gives inf, a row of -inf gives -inf (not NaN).
+    x = np.array([[np.inf, 1.0, 2.0], [-np.inf, -np.inf, -np.inf], [0.5, np.inf, -np.inf]], np.float32)
+    case("reducelogsumexp_infinite_maxima", [h.make_node("ReduceLogSumExp", ["x", "axes"], ["y"], keepdims=0)],
+         [("x", x)], ["y"], inits=[("axes", np.array([1]))])
+    # MaxPool's Indices of a window of -inf: its first element (onnxruntime gives that index, and
+    # -FLT_MAX for the value, which the spec does not: the values here are numpy's).
+    x = np.full((1, 1, 2, 4), -np.inf, np.float32)
+    x[0, 0, 1, 2] = 3.0
+
+    def pooled(x):
+        v = x.reshape(2, 2, 2).max(axis=-1).reshape(1, 1, 2, 2)
+        idx = np.array([0, 2, 4, 6], np.int64).reshape(1, 1, 2, 2)
+        idx[0, 0, 1, 1] = 6
+        return [v, idx]
+    case("maxpool_indices_of_a_window_of_minus_infinity",
+         [h.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[1, 2], strides=[1, 2])],
+         [("x", x)], ["y", "i"], oracle=pooled)
+    # Flatten of an empty tensor folded from constants: [0, 1], not [0, 0].
+    case("flatten_of_an_empty_folded_range",
+         [h.make_node("Range", ["a", "b", "d"], ["r"]), h.make_node("Flatten", ["r"], ["y"])],
+         [("b", np.array(-1.0, np.float32))], ["y"],
+         inits=[("a", np.array(2.0, np.float32)), ("d", np.array(0.75, np.float32))], opset=17)
+
+
 def main():
     for entry in os.listdir(HERE):
         if os.path.isdir(os.path.join(HERE, entry)):
             shutil.rmtree(os.path.join(HERE, entry))
     rng = np.random.default_rng(38)
-    for make in (reductions, slices, norms, conv_transposes, clips, opset_raise):
+    for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign):
         make(rng)
     n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
     print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")
