@@ -210,8 +210,19 @@ pub(super) fn slice(cx: &NodeCx) -> Result<Option<Shape>, String> {
     let (Some(starts), Some(ends)) = (cx.ints(1), cx.ints(2)) else {
         return Ok(Some(symbolic_slice(cx, x).unwrap_or_else(|| Shape(vec![Dim::Unknown; x.rank()]))));
     };
-    let axes: Vec<i64> = if cx.has(3) { cx.ints(3).ok_or("")? } else { (0..starts.len() as i64).collect() };
-    let steps: Vec<i64> = if cx.has(4) { cx.ints(4).ok_or("")? } else { vec![1; starts.len()] };
+    // Axes or steps known only when the graph runs (graph inputs): the dims they may touch are
+    // unknown until lowering binds them.
+    let unknown = || Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+    let axes: Vec<i64> = match (cx.has(3), cx.ints(3)) {
+        (false, _) => (0..starts.len() as i64).collect(),
+        (true, Some(a)) => a,
+        (true, None) => return unknown(),
+    };
+    let steps: Vec<i64> = match (cx.has(4), cx.ints(4)) {
+        (false, _) => vec![1; starts.len()],
+        (true, Some(s)) => s,
+        (true, None) => return unknown(),
+    };
     if axes.len() != starts.len() || ends.len() != starts.len() || steps.len() != starts.len() {
         return Err("starts, ends, axes and steps have different lengths".into());
     }

@@ -185,6 +185,11 @@ def found_by_the_campaign(rng):
     case("maxpool_indices_of_a_window_of_minus_infinity",
          [h.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[1, 2], strides=[1, 2])],
          [("x", x)], ["y", "i"], oracle=pooled)
+    # A Slice whose starts, ends, axes and steps are graph inputs runs (it was refused, with no reason).
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    case("slice_of_bounds_given_as_inputs", [h.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"])],
+         [("x", x), ("s", np.array([5, 3])), ("e", np.array([-7, 0])), ("a", np.array([1, 0])), ("st", np.array([-2, -1]))],
+         ["y"])
     # Flatten of an empty tensor folded from constants: [0, 1], not [0, 0].
     case("flatten_of_an_empty_folded_range",
          [h.make_node("Range", ["a", "b", "d"], ["r"]), h.make_node("Flatten", ["r"], ["y"])],
