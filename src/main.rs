@@ -368,17 +368,11 @@ fn run(cli: Cli) -> Result<(), Error> {
             // The symbolic dims but the batch bound first, from the inputs (or --dim), so that
             // the passes see them (an RNN over a sequence of `seq` steps unrolls once `seq` is
             // known); the batch is bound when the program is lowered.
-            let mut dims = match &given {
+            let dims = match &given {
                 Some(f) => mpc::run::input_sizes(&model, f, &common.model)?,
                 None => opts.dims.clone(),
             };
-            let batch = mpc::run::batch_symbols(&model);
-            dims.retain(|s, _| !batch.contains(s));
-            let mut g = match dims.is_empty() {
-                true => model,
-                false => mpc::summary::bind_symbols(&model, &dims)
-                    .map_err(|source| Error::Pass { path: common.model.clone(), source })?,
-            };
+            let mut g = mpc::run::bind_sample_dims(&model, dims, &common.model)?;
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let feeds = match (given, random_inputs) {
                 (Some(f), _) => f,

@@ -413,6 +413,18 @@ pub fn batch_symbols(g: &Graph) -> std::collections::HashSet<String> {
         .collect()
 }
 
+/// `g` with the sizes `dims` given to its symbolic input dims other than the batch
+/// ([`batch_symbols`]) and its types inferred again, so that the passes see them (an RNN over `seq`
+/// steps unrolls); the batch stays symbolic, bound when a program is lowered.
+pub fn bind_sample_dims(g: &Graph, mut dims: HashMap<String, u64>, model: &Path) -> Result<Graph> {
+    let batch = batch_symbols(g);
+    dims.retain(|s, _| !batch.contains(s));
+    if dims.is_empty() {
+        return Ok(g.clone());
+    }
+    crate::summary::bind_symbols(g, &dims).map_err(|source| Error::Pass { path: model.to_owned(), source })
+}
+
 /// The sizes the fed tensors give the graph's symbolic dims, checked: each input's dtype, rank and
 /// fixed dims; each named dim the same in every input that has it; each dim expression (`8*batch`)
 /// what the sizes make it. A message names the input, the axis, the dim the model declares there
@@ -626,17 +638,20 @@ pub fn fold_and_infer(
             crate::summary::bind_inputs(&g, dims).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
         used.get_or_insert(u);
         g = bound;
-        if fold_constants(&mut g, changing).map_err(|source| Error::Run { path: model.to_owned(), source })? == 0 {
+        let folded = fold_constants(&mut g, changing, &|_| true);
+        if folded.map_err(|source| Error::Run { path: model.to_owned(), source })? == 0 {
             return Ok((g, used.unwrap_or_default()));
         }
     }
 }
 
 /// Replaces every node whose inputs are all constants (or that reads only a fixed shape) by
-/// initializers of its results, computed by the CPU reference. Returns how many nodes it folded.
-fn fold_constants(
+/// initializers of its results, computed by the CPU reference, where `keep` takes the results.
+/// Returns how many nodes it folded.
+pub(crate) fn fold_constants(
     g: &mut Graph,
     changing: &std::collections::HashSet<mpc_ir::ValueId>,
+    keep: &dyn Fn(&[HostTensor]) -> bool,
 ) -> std::result::Result<usize, mpc_runtime::RuntimeError> {
     use mpc_ir::Op;
     let order = g.topo_order().map_err(|e| mpc_runtime::RuntimeError::Graph(e.to_string()))?;
@@ -672,7 +687,7 @@ fn fold_constants(
             continue;
         }
         let outs = match mpc_runtime::program::fold(&node.op, &ins, node.outputs().len()) {
-            Ok(o) if o.len() == node.outputs().len() => o,
+            Ok(o) if o.len() == node.outputs().len() && keep(&o) => o,
             // Left for lowering, which reports it with its node.
             _ => continue,
         };

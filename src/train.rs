@@ -247,43 +247,10 @@ fn freed_operand(g: &mut Graph, n: mpc_ir::NodeId, slot: usize, c: &Tensor, b: u
 
 /// Folds the integer shape arithmetic on constants (`Where(Equal(C, -1), 1, C)` around an Expand's
 /// target): what an export computes from the batch it holds becomes a constant that can be freed.
+/// Integer results only (the types are not inferred yet): float constants stay as written.
 fn fold_shape_arithmetic(g: &mut Graph) {
-    loop {
-        let mut folded = 0;
-        for n in g.topo_order().unwrap_or_default() {
-            let node = g.node(n);
-            if node.op.is_opaque() || node.outputs().is_empty() {
-                continue;
-            }
-            let owned: Option<Vec<Option<HostTensor>>> = node
-                .inputs()
-                .iter()
-                .map(|i| match i {
-                    None => Some(None),
-                    Some(v) => g.constant(*v).map(|t| Some(HostTensor::from(t))),
-                })
-                .collect();
-            let Some(owned) = owned.filter(|v| !v.is_empty() && !matches!(node.op, Op::Constant(_))) else { continue };
-            let values: Vec<Option<mpc_runtime::program::Known>> =
-                owned.iter().map(|o| o.as_ref().map(mpc_runtime::program::Known::Value)).collect();
-            // Integer results only (the types are not inferred yet): float constants stay as written.
-            let outs = match mpc_runtime::program::fold(&node.op, &values, node.outputs().len()) {
-                Ok(outs) if outs.iter().all(|t| !t.dtype().is_float()) => outs,
-                _ => continue,
-            };
-            for (o, t) in node.outputs().to_vec().into_iter().zip(outs) {
-                let name = g.name(o).to_string();
-                g.rename(o, "");
-                let c = g.add_initializer(&name, Tensor::from(&t));
-                g.replace_uses(o, c);
-            }
-            g.remove_node(n);
-            folded += 1;
-        }
-        if folded == 0 {
-            return;
-        }
-    }
+    let ints = |outs: &[HostTensor]| outs.iter().all(|t| !t.dtype().is_float());
+    while crate::run::fold_constants(g, &HashSet::new(), &ints).unwrap_or(0) > 0 {}
 }
 
 /// The first slice of `t` along its leading dim, when that dim is `b` and every slice equals it.
@@ -378,27 +345,20 @@ fn feeds_for(
 /// exporters write around attention, needs them. The batch (the symbols of the inputs' leading
 /// dims) stays symbolic.
 pub fn bind_sample_dims(model: &Graph, batch_of: &HashMap<String, HostTensor>, path: &Path) -> Result<Graph> {
-    let batch = crate::run::batch_symbols(model);
     // The shapes only: the fixed dims and dtypes are checked against each batch when it is lowered.
-    let mut dims = crate::run::input_sizes(model, batch_of, path)?;
-    dims.retain(|s, _| !batch.contains(s));
-    if dims.is_empty() {
-        return Ok(model.clone());
-    }
-    crate::summary::bind_symbols(model, &dims).map_err(|source| Error::Pass { path: path.to_owned(), source })
+    crate::run::bind_sample_dims(model, crate::run::input_sizes(model, batch_of, path)?, path)
 }
 
 /// What [`bind_sample_dims`] bound in `model` to give `bound`, and where: "the data's `seq` is 16
 /// (input `input_ids` axis 1)", or nothing.
 fn bound_from(model: &Graph, bound: &Graph) -> String {
-    let mut said = Vec::new();
+    let (mut said, mut seen) = (Vec::new(), HashSet::new());
     for (&v, &b) in model.inputs().iter().zip(bound.inputs()) {
         let (Some(s), Some(t)) = (model.ty(v).shape.as_ref(), bound.ty(b).shape.as_ref()) else { continue };
         for (axis, (d, n)) in s.dims().iter().zip(t.dims()).enumerate() {
             if let (Dim::Sym(e), Dim::Fixed(n)) = (d, n) {
-                let line = format!("the data's `{e}` is {n} (input `{}` axis {axis})", model.name(v));
-                if !said.iter().any(|l: &String| l.starts_with(&format!("the data's `{e}`"))) {
-                    said.push(line);
+                if seen.insert(e.to_string()) {
+                    said.push(format!("the data's `{e}` is {n} (input `{}` axis {axis})", model.name(v)));
                 }
             }
         }

@@ -236,12 +236,9 @@ def mpc_run(mpc, model_path, feeds, work, policy="fp32", timeout=30):
     phase("mpc run")
     save_file({k: np.require(v, requirements="C") for k, v in feeds.items()}, inp)
     rc, err, _ = run_process([mpc, "run", model_path, "--inputs", inp, "-o", out, "--policy", policy], timeout)
-    if rc is None:
-        return MpcResult("timeout", message=f"mpc run took over {timeout} s")
-    if rc == 2:
-        return MpcResult("refused", rc=rc, message=first_line(err))
-    if rc != 0:
-        return MpcResult("crash", rc=rc, message=err[-3000:])
+    failed = exit_result("run", rc, err, timeout)
+    if failed:
+        return failed
     try:
         outs = load_file(out)
     except Exception as e:
@@ -253,13 +250,19 @@ def mpc_compile(mpc, model_path, out_path, policy="mixed", timeout=30):
     if os.path.exists(out_path):
         os.remove(out_path)
     rc, err, _ = run_process([mpc, "compile", model_path, "--policy", policy, "-o", out_path], timeout)
+    return exit_result("compile", rc, err, timeout) or MpcResult("ok")
+
+
+def exit_result(command, rc, err, timeout):
+    """How an `mpc COMMAND` process ended, unless it succeeded: a timeout, a refusal (exit 2, one
+    line) or a crash (any other exit)."""
     if rc is None:
-        return MpcResult("timeout", message=f"mpc compile took over {timeout} s")
+        return MpcResult("timeout", message=f"mpc {command} took over {timeout} s")
     if rc == 2:
         return MpcResult("refused", rc=rc, message=first_line(err))
     if rc != 0:
         return MpcResult("crash", rc=rc, message=err[-3000:])
-    return MpcResult("ok")
+    return None
 
 
 def normalise(msg):
