@@ -133,6 +133,18 @@ __device__ __forceinline__ float m_sin(float x) { return sinf(x); }
 __device__ __forceinline__ double m_sin(double x) { return sin(x); }
 __device__ __forceinline__ float m_cos(float x) { return cosf(x); }
 __device__ __forceinline__ double m_cos(double x) { return cos(x); }
+#define M_TRIG(name)                                                                   \
+    __device__ __forceinline__ float m_##name(float x) { return name##f(x); }         \
+    __device__ __forceinline__ double m_##name(double x) { return name(x); }
+M_TRIG(tan)
+M_TRIG(sinh)
+M_TRIG(cosh)
+M_TRIG(asin)
+M_TRIG(acos)
+M_TRIG(atan)
+M_TRIG(asinh)
+M_TRIG(acosh)
+M_TRIG(atanh)
 __device__ __forceinline__ float m_floor(float x) { return floorf(x); }
 __device__ __forceinline__ double m_floor(double x) { return floor(x); }
 __device__ __forceinline__ float m_ceil(float x) { return ceilf(x); }
@@ -427,6 +439,17 @@ UOP(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))
 UOP(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))
 UOP(leaky_relu, x < C(0) ? alpha * x : x)
 UOP(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)
+UOP(celu, x > C(0) ? x : alpha * (m_exp(x / alpha) - C(1)))
+// The ops of mpc_ir::ops::Trig, by the names Trig::name gives.
+UOP(tan, m_tan(x))
+UOP(sinh, m_sinh(x))
+UOP(cosh, m_cosh(x))
+UOP(asin, m_asin(x))
+UOP(acos, m_acos(x))
+UOP(atan, m_atan(x))
+UOP(asinh, m_asinh(x))
+UOP(acosh, m_acosh(x))
+UOP(atanh, m_atanh(x))
 UOP(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))
 UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
 

@@ -12,7 +12,8 @@
 //   elementwise_<op>_<T>(const T* x, T* y, long long n, float alpha, float beta)
 //   ops: relu sigmoid tanh exp log sqrt neg abs erf reciprocal floor ceil round (half to even)
 //        sign sin cos softplus softsign hard_swish gelu (erf form) gelu_tanh
-//        leaky_relu (alpha) elu (alpha) selu (alpha, beta = gamma) hard_sigmoid (alpha, beta)
+//        leaky_relu (alpha) elu (alpha) celu (alpha) selu (alpha, beta = gamma) hard_sigmoid (alpha, beta)
+//        tan sinh cosh asin acos atan asinh acosh atanh (mpc_ir::ops::Trig)
 //   alpha/beta are ignored by the ops that take no attribute. y may equal x (in place).
 // Unary integer, tags i64 i32:  elementwise_{neg,abs,relu,sign}_<T>(const T* x, T* y, long long n)
 //   (wrapping neg/abs like the CPU reference).
@@ -90,6 +91,16 @@ UNARY(leaky_relu)
 UNARY(elu)
 UNARY(selu)
 UNARY(hard_sigmoid)
+UNARY(celu)
+UNARY(tan)
+UNARY(sinh)
+UNARY(cosh)
+UNARY(asin)
+UNARY(acos)
+UNARY(atan)
+UNARY(asinh)
+UNARY(acosh)
+UNARY(atanh)
 
 // ---------------------------------------------------------------- unary integer
 

@@ -272,6 +272,60 @@ CUMSUM_T(double, f64)
 CUMSUM_T(long long, i64)
 CUMSUM_T(int, i32)
 
+// ---------------------------------------------------------------- TopK
+//
+// movement_topk_<T>(const T* x, T* values, long long* indices, long long outer, long long n,
+//                   long long inner, long long k, int largest)
+//     T in f32 f16 bf16 f64 i64 i32. Along the middle axis of a contiguous (outer, n, inner)
+//     array, the k first elements of each line in the CPU reference's order (runtime/src/cpu/nn.rs
+//     top_k): larger first (smaller with largest 0), NaN before every number when largest and
+//     after when not, equal values in index order. One thread per line; the j-th pick is the first
+//     element in that order after the (j-1)-th, so no scratch (n * k reads per line: for the small
+//     k of routers and heads). values keeps x's bits; indices are positions along the axis.
+template <typename V> __device__ __forceinline__ bool topk_before(V a, long long ia, V b, long long ib, int largest) {
+    const bool an = a != a, bn = b != b;
+    if (an || bn) return an && bn ? ia < ib : (largest ? an : bn);
+    if (a != b) return largest ? a > b : a < b;
+    return ia < ib;
+}
+template <typename T>
+__device__ __forceinline__ void topk_body(const T* x, T* values, long long* indices, long long outer, long long n,
+                                          long long inner, long long k, int largest) {
+    MPC_GRID_STRIDE(line, outer * inner) {
+        const long long o = line / inner, i = line % inner;
+        const long long base = o * n * inner + i, out = o * k * inner + i;
+        decltype(cs_ld(x, 0)) pv = 0;
+        long long pj = -1;
+        for (long long j = 0; j < k; ++j) {
+            decltype(cs_ld(x, 0)) bv = 0;
+            long long bj = -1;
+            for (long long t = 0; t < n; ++t) {
+                const auto v = cs_ld(x, base + t * inner);
+                if (pj >= 0 && !topk_before(pv, pj, v, t, largest)) continue;
+                if (bj < 0 || topk_before(v, t, bv, bj, largest)) {
+                    bv = v;
+                    bj = t;
+                }
+            }
+            values[out + j * inner] = x[base + bj * inner];
+            indices[out + j * inner] = bj;
+            pv = bv;
+            pj = bj;
+        }
+    }
+}
+#define TOPK_T(T, tag)                                                                                      \
+    MPC_KERNEL movement_topk_##tag(const T* x, T* values, long long* indices, long long outer, long long n, \
+                                   long long inner, long long k, int largest) {                             \
+        topk_body(x, values, indices, outer, n, inner, k, largest);                                         \
+    }
+TOPK_T(float, f32)
+TOPK_T(__half, f16)
+TOPK_T(__nv_bfloat16, bf16)
+TOPK_T(double, f64)
+TOPK_T(long long, i64)
+TOPK_T(int, i32)
+
 // ---------------------------------------------------------------- Resize
 //
 // movement_resize_<T>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Strides8 xs,

@@ -66,9 +66,25 @@ ALLOWLIST = [
                "weight sum of 0 (NaN, as mpc and PyTorch give); onnxruntime returns 0"},
     {"id": "ort-layernorm-inf-mean",
      "ops": {"LayerNormalization"},
-     "when": lambda r: r.get("node_inputs", {}).get("inf") and r.get("reference") == "mpc",
+     "when": lambda r: r.get("node_inputs", {}).get("inf")
+                       and "mpc" in (r.get("reference"), r.get("node_inputs", {}).get("exact")),
      "reason": "for a row holding an Inf, onnxruntime's LayerNormalization gives a Mean output of NaN "
                "where the mean is inf (mpc and the reference evaluator)"},
+    {"id": "ort-logsoftmax-nan",
+     "ops": {"LogSoftmax", "Softmax"},
+     "when": lambda r: r.get("node_inputs", {}).get("nan") and r.get("reference") != "onnxruntime",
+     "reason": "onnxruntime's LogSoftmax of a row holding NaN gives finite values beside the NaN (the row "
+               "[0.946, nan] gives [46.05, nan]: 46.05 is -ln(1e-20), a clamp of its sum); the sum of "
+               "exponentials is NaN, so the whole row is (mpc, the reference evaluator, torch)"},
+    {"id": "ort-layernorm-variance",
+     "ops": {"LayerNormalization"},
+     "when": lambda r: "mpc" in (r.get("reference"), r.get("node_inputs", {}).get("exact"))
+                       and not r.get("node_inputs", {}).get("inf") and not r.get("node_inputs", {}).get("nan"),
+     "reason": "onnxruntime's CPU LayerNormalization takes the variance as mean(x*x) - mean(x)^2 in float32, "
+               "which cancels when the mean is large beside the spread (rows near 16.3 spread by 0.02, epsilon "
+               "0.1: 1.524443 where the exact value from the same inputs is 1.524771, mpc's); mpc takes "
+               "mean((x - mean)^2) with its statistics in float64. The reference evaluator, in float32 too, "
+               "is off as well, so the side asked is the float64 evaluation's (`exact`) where it is not mpc's"},
     {"id": "ort-norm-folded",
      "ops": {"InstanceNormalization", "BatchNormalization"},
      "when": lambda r: r.get("reference") == "mpc",
@@ -107,6 +123,12 @@ INVALID_ALLOWLIST = [
      "reason": "with ceil_mode, onnx shape inference counts a last window that would start past the "
                "input (AveragePool kernel 2 stride 3 on 3 elements: 2 outputs); onnxruntime, the onnx "
                "reference evaluator and mpc drop it (1 output), and mpc's value_info says so"},
+    {"id": "onnx-convtranspose-same-output-padding",
+     "when": lambda msg: re.search(r"op_type:ConvTranspose.*Inferred shape and existing shape differ", msg),
+     "reason": "with auto_pad SAME and an output_padding, onnx shape inference computes the pads without "
+               "the output_padding and then adds it (input [5], kernel 2, stride 3, output_padding 2: 16); "
+               "the spec's SAME output is input * stride (15), which onnxruntime, the onnx reference "
+               "evaluator and mpc give, and mpc's value_info says so"},
 ]
 
 

@@ -200,6 +200,18 @@ def localise(model, feeds, mpc, work):
                 facts["alone"] = one.kind
                 if one.kind == "mismatch":
                     facts["reference"] = one.detail["reference"]
+                    facts["exact"] = hs.exact_opinion(single[0], single[1], one.detail["want"], one.detail["got"],
+                                                      list(one.detail["diffs"]))
+                elif one.kind == "ill_conditioned":
+                    # Jittered inputs move onnxruntime as far, but mpc's inputs were the same bits
+                    # (a constant row whose variance is exactly 0): the reference evaluator still says
+                    # which side the node is on
+                    diffs = hs.compare(one.detail["got"], one.detail["want"])
+                    facts["reference"] = hs.second_opinion(single[0], single[1], one.detail["want"],
+                                                           one.detail["got"], list(diffs)) if diffs else "mpc"
+                    if diffs:
+                        facts["exact"] = hs.exact_opinion(single[0], single[1], one.detail["want"],
+                                                          one.detail["got"], list(diffs))
         except Exception:
             pass
         return i, facts

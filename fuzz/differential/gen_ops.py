@@ -10,8 +10,10 @@ from gen import (BOOL, F16, F32, I32, I64, I64_MAX, I64_MIN, INTS, NP2ONNX, Reje
 
 UNARY_F = ["Gelu", "Abs", "Neg", "Sqrt", "Exp", "Log", "Reciprocal", "Erf", "Tanh", "Sigmoid", "Relu", "Floor",
            "Ceil", "Round", "Sign", "Sin", "Cos", "Softsign", "Softplus", "HardSwish", "Elu", "LeakyRelu",
-           "Selu", "HardSigmoid", "IsNaN", "IsInf", "Identity", "Gelu"]
+           "Selu", "HardSigmoid", "IsNaN", "IsInf", "Identity", "Gelu", "Celu", "Tan", "Sinh", "Cosh", "Asin",
+           "Acos", "Atan", "Asinh", "Acosh", "Atanh"]
 BOUND1 = {"Tanh", "Sigmoid", "Sin", "Cos", "Erf", "Softsign", "Sign"}
+BOUND2 = {"Atan", "Asin", "Acos"}  # |atan| < pi/2, |asin| <= pi/2, acos <= pi (or NaN)
 KEEP_BOUND = {"Abs", "Neg", "Relu", "Floor", "Ceil", "Round", "Identity"}
 POSITIVE = {"Sqrt", "Log", "Reciprocal"}
 
@@ -23,8 +25,12 @@ def op_unary(g):
     if op == "HardSwish" and g.opset < 14:
         op = "HardSigmoid"
     attrs = {}
+    if op == "Celu" and g.opset < 12:
+        op = "Elu"
     if op == "Elu":
         attrs["alpha"] = g.choice([1.0, 0.5, 2.0, 0.0])
+    elif op == "Celu" and g.chance(0.7):
+        attrs["alpha"] = g.choice([1.0, 0.5, 2.0, 1e-3])
     elif op == "LeakyRelu":
         attrs["alpha"] = g.choice([0.01, 0.2, -0.5, 1.5, 0.0])
     elif op == "Selu" and g.chance(0.5):
@@ -41,6 +47,8 @@ def op_unary(g):
         x = g.float_val(positive=op in POSITIVE and g.chance(0.6))
     b = x.bound
     bound = (1.0 if np.isfinite(b) else np.inf) if op in BOUND1 else (b + 1 if op in KEEP_BOUND else np.inf)
+    if op in BOUND2:
+        bound = 4.0
     g.node(op, [x], bound=bound, **attrs)
 
 
@@ -211,6 +219,43 @@ def op_arg(g):
     if g.chance(0.5):
         attrs["select_last_index"] = g.randint(0, 1)
     g.node(op, [x], **attrs)
+
+
+def op_topk(g):
+    x = g.float_val(lo=1) if g.chance(0.85) else (g.pick(lambda v: v.rank >= 1, dts=INTS) or
+                                                  g.fresh(I64, g.shape(lo=1), lo=-3, hi=3))
+    axis = g.randint(-x.rank, x.rank - 1)
+    n = x.shape[axis]
+    k = g.const(np.array([g.randint(0, n)]))
+    attrs = {"axis": axis if g.chance(0.7) else None}
+    if g.opset >= 11 and g.chance(0.5):
+        attrs["largest"] = g.randint(0, 1)
+    if g.opset < 10:
+        g.node("TopK", [x], n_out=2, bound=x.bound, k=int(k.value[0]) if k.value is not None else 1, **attrs)
+    else:
+        g.node("TopK", [x, k], n_out=2, bound=x.bound, **attrs)
+
+
+def op_onehot(g):
+    depth = g.randint(1, 5)
+    idx = g.pick(lambda v: v.rank <= 3, dts=[I64]) or g.fresh(I64, g.shape(hi=3), lo=-depth - 1, hi=depth)
+    values = g.const(np.array(g.choice([[0.0, 1.0], [-1.0, 2.5], [0.5, 0.5]])), F32)
+    r = idx.rank + 1
+    axis = g.randint(-r, r - 1) if g.chance(0.6) else None
+    g.node("OneHot", [idx, g.const(np.array(depth)), values], bound=2.5, axis=axis)
+
+
+def op_depth_space(g):
+    b = g.choice([1, 2, 3], [1, 3, 1])
+    if g.chance(0.5):
+        x = g.pick(lambda v: v.rank == 4 and v.shape[1] % (b * b) == 0) or \
+            g.fresh(g.floats[0], (g.dim(), b * b * g.choice([1, 2]), g.dim(), g.dim()))
+        mode = g.choice(["DCR", "CRD"]) if g.chance(0.7) else None
+        g.node("DepthToSpace", [x], bound=x.bound, blocksize=b, mode=mode)
+    else:
+        x = g.pick(lambda v: v.rank == 4 and v.shape[2] % b == 0 and v.shape[3] % b == 0) or \
+            g.fresh(g.floats[0], (g.dim(), g.dim(), b * g.choice([1, 2]), b * g.choice([1, 2])))
+        g.node("SpaceToDepth", [x], bound=x.bound, blocksize=b)
 
 
 def op_matmul(g):
@@ -837,6 +882,7 @@ OPS = [  # (generator, weight)
     (op_flatten, 1), (op_concat, 3), (op_split, 3), (op_slice, 4), (op_gather, 4), (op_scatter, 2),
     (op_pad, 3), (op_tile, 1), (op_expand, 2), (op_resize, 3), (op_range, 1), (op_shape, 2),
     (op_constant_of_shape, 1), (op_constant, 1), (op_trilu, 1), (op_loss, 1), (op_shape_chain, 1),
+    (op_topk, 2), (op_onehot, 1), (op_depth_space, 1),
 ]
 OP_FUNCS = [f for f, _ in OPS]
 OP_WEIGHTS = np.array([w for _, w in OPS], dtype=np.float64) / sum(w for _, w in OPS)

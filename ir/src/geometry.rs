@@ -91,6 +91,11 @@ pub struct WindowSpec<'a> {
     pub pads: &'a [i64],
     pub auto_pad: AutoPad,
     pub ceil_mode: bool,
+    /// A pooling window: one larger than the padded input is not an error while onnx shape
+    /// inference and onnxruntime give it outputs (their C division, rounding toward zero:
+    /// `(padded - window) / stride + 1`, which is 0, or 1 when the shortfall is below the stride;
+    /// with ceil_mode the quotient rounds up). A window's taps past the input are padding.
+    pub pool: bool,
 }
 
 /// A window resolved for one input: everything a kernel needs, per spatial dim.
@@ -142,13 +147,25 @@ impl WindowSpec<'_> {
             AutoPad::Valid | AutoPad::NotSet => {
                 let (pb, pe) = if self.auto_pad == AutoPad::Valid { (0, 0) } else { (pb as u128, pe as u128) };
                 let padded = n + pb + pe;
-                if padded < ek {
-                    return Err(format!("a window of {ek} does not fit input size {n} with pads {pb}+{pe}"));
-                }
-                let span = padded - ek;
-                let mut out = if self.ceil_mode { span.div_ceil(s) + 1 } else { span / s + 1 };
+                let mut out = if padded >= ek {
+                    let span = padded - ek;
+                    if self.ceil_mode {
+                        span.div_ceil(s) + 1
+                    } else {
+                        span / s + 1
+                    }
+                } else {
+                    // A negative span over the stride, rounded toward zero (ceil_mode's rounding
+                    // up is the same for a negative quotient), plus one: 1 while the window is
+                    // short of the padded input by less than a stride, then 0, then an error.
+                    let short = ek - padded;
+                    if !self.pool || short >= 2 * s {
+                        return Err(format!("a window of {ek} does not fit input size {n} with pads {pb}+{pe}"));
+                    }
+                    1 - short / s
+                };
                 // ceil_mode: the last window must start inside the input or its left padding.
-                if self.ceil_mode && (out - 1) * s >= n + pb {
+                if self.ceil_mode && out > 0 && (out - 1) * s >= n + pb {
                     out -= 1;
                 }
                 (out, pb, pe)
@@ -306,6 +323,15 @@ fn resize_nearest(mode: NearestMode, v: f64) -> f64 {
 }
 
 /// Resize's output size and scale along each axis of an input shaped `shape`: from `sizes` when
+/// A Resize output size from a scale: `floor(n · scale)` with the product in float32, as
+/// onnxruntime and the onnx reference evaluator take it and as torch's `interpolate` sized the
+/// export (30 × 1.3f is 39, where the exact product of 1.2999999523 is 38.99999857); `None` when
+/// it does not fit an i64.
+pub fn scaled_dim(n: u64, scale: f64) -> Option<u64> {
+    let v = ((n as f32) * (scale as f32)).floor() as f64;
+    (v >= 0.0 && v < 2f64.powi(63)).then_some(v as u64)
+}
+
 /// given and not empty, else from `scales` (output `floor(n · scale)`), for the axes the `axes`
 /// attribute names (all by default); the other axes keep their size at scale 1.
 pub fn resize_plan(
@@ -330,7 +356,7 @@ pub fn resize_plan(
         }
         (None, Some(s)) => {
             for (&ax, &f) in axes.iter().zip(s) {
-                out[ax] = (shape[ax] as f64 * f).floor() as usize;
+                out[ax] = scaled_dim(shape[ax] as u64, f).ok_or("a scaled dim overflows")? as usize;
                 scale[ax] = f;
             }
         }
@@ -465,7 +491,7 @@ mod tests {
         auto_pad: AutoPad,
         ceil: bool,
     ) -> WindowSpec<'a> {
-        WindowSpec { kernel, strides, dilations: &[], pads, auto_pad, ceil_mode: ceil }
+        WindowSpec { kernel, strides, dilations: &[], pads, auto_pad, ceil_mode: ceil, pool: true }
     }
 
     #[test]
@@ -493,7 +519,14 @@ mod tests {
     #[test]
     fn zero_strides_and_oversized_windows_are_errors() {
         assert!(spec(&[2], &[0], &[], AutoPad::NotSet, false).resolve(&[4]).unwrap_err().contains("stride 0"));
-        assert!(spec(&[5], &[1], &[], AutoPad::NotSet, false).resolve(&[4]).is_err());
+        // A pool's window past the padded input: onnx shape inference's and onnxruntime's sizes.
+        assert_eq!(spec(&[5], &[1], &[], AutoPad::NotSet, false).resolve(&[4]).unwrap().out, [0]);
+        assert_eq!(spec(&[5], &[2], &[], AutoPad::NotSet, false).resolve(&[4]).unwrap().out, [1]);
+        assert_eq!(spec(&[7], &[2], &[], AutoPad::NotSet, true).resolve(&[4]).unwrap().out, [0]);
+        assert_eq!(spec(&[6], &[3], &[1, 0], AutoPad::NotSet, true).resolve(&[4]).unwrap().out, [1]);
+        assert!(spec(&[6], &[1], &[], AutoPad::NotSet, false).resolve(&[4]).is_err());
+        let conv = WindowSpec { pool: false, ..spec(&[5], &[1], &[], AutoPad::NotSet, false) };
+        assert!(conv.resolve(&[4]).is_err());
         assert!(spec(&[2], &[1], &[-1, 0], AutoPad::NotSet, false).resolve(&[4]).is_err());
     }
 

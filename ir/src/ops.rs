@@ -159,9 +159,89 @@ attr_struct!(ConstantAttrs { value: Tensor[required] });
 attr_struct!(ConstantOfShapeAttrs { value: Tensor[optional] });
 attr_struct!(ShapeAttrs { end: i64[optional], start: i64[default = 0] });
 attr_struct!(EinsumAttrs { equation: String[required] });
+attr_struct!(
+    /// TopK (k is input 1). `sorted = 0` leaves the order to the implementation: mpc sorts anyway.
+    TopKAttrs { axis: i64[default = -1], largest: bool[default = true], sorted: bool[default = true] });
+
+/// The equation with each `...` written as letters, given the operands' shapes (`None` for a dim
+/// of unknown size): an operand's ellipsis stands for its dims that no letter names, aligned
+/// from the right across operands as numpy broadcasts them; the output's ellipsis (or, without
+/// `->`, the output's head) is the longest of them. A dim of size 1 that broadcasts against a
+/// larger one gets a letter of its own, summed over (a sum over one element is that element).
+/// The result has `->` and no ellipsis; an equation without one comes back as it is.
+pub fn einsum_expand(equation: &str, shapes: &[Vec<Option<u64>>]) -> Result<String, String> {
+    let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
+    if !eq.contains("...") {
+        return Ok(eq);
+    }
+    let (lhs, rhs) = match eq.split_once("->") {
+        Some((l, r)) => (l.to_string(), Some(r.to_string())),
+        None => (eq.clone(), None),
+    };
+    let terms: Vec<&str> = lhs.split(',').collect();
+    if terms.len() != shapes.len() {
+        return Err(format!("`{eq}` has {} operands, the node {} inputs", terms.len(), shapes.len()));
+    }
+    let mut free = ('a'..='z').chain('A'..='Z').filter(|c| !eq.contains(*c));
+    // Per operand, the dims its ellipsis covers; the broadcast rank is the longest.
+    let mut covered = Vec::with_capacity(terms.len());
+    for (i, (t, s)) in terms.iter().zip(shapes).enumerate() {
+        let letters = t.replacen("...", "", 1).len();
+        let n = if t.contains("...") {
+            s.len()
+                .checked_sub(letters)
+                .ok_or_else(|| format!("`{eq}`: operand {i} has {letters} labels but rank {}", s.len()))?
+        } else {
+            0
+        };
+        covered.push(n);
+    }
+    let rank = covered.iter().copied().max().unwrap_or(0);
+    // The broadcast size of each ellipsis dim (counted from the right), where it is known.
+    let size = |k: usize| -> Option<u64> {
+        let sizes: Vec<Option<u64>> = terms
+            .iter()
+            .zip(shapes)
+            .zip(&covered)
+            .filter(|((t, _), &n)| t.contains("...") && k < n)
+            .map(|((t, s), &n)| s[t.find("...").unwrap() + n - 1 - k])
+            .collect();
+        sizes.iter().flatten().copied().max()
+    };
+    let shared: Vec<char> = (0..rank).map(|_| free.next()).collect::<Option<_>>().ok_or("too many labels")?;
+    let mut out_terms = Vec::with_capacity(terms.len());
+    for ((t, s), &n) in terms.iter().zip(shapes).zip(&covered) {
+        let Some(at) = t.find("...") else {
+            out_terms.push(t.to_string());
+            continue;
+        };
+        let mut labels = String::new();
+        for j in 0..n {
+            let k = n - 1 - j; // the dim's place from the right
+            if s[at + j] == Some(1) && size(k).is_some_and(|b| b > 1) {
+                labels.push(free.next().ok_or("too many labels")?);
+            } else {
+                labels.push(shared[rank - 1 - k]);
+            }
+        }
+        out_terms.push(t.replacen("...", &labels, 1));
+    }
+    let head: String = shared.iter().collect();
+    let rhs = match rhs {
+        Some(r) => r.replacen("...", &head, 1),
+        None => {
+            let mut once: Vec<char> =
+                lhs.chars().filter(|&c| c.is_ascii_alphabetic() && lhs.matches(c).count() == 1).collect();
+            once.sort_unstable();
+            head + &once.into_iter().collect::<String>()
+        }
+    };
+    Ok(format!("{}->{rhs}", out_terms.join(",")))
+}
 
 /// An Einsum equation's operand terms and output term, whitespace removed; without `->` the
-/// output is the labels that appear once, in alphabetical order. An ellipsis is refused.
+/// output is the labels that appear once, in alphabetical order. An ellipsis is refused
+/// ([`einsum_expand`] writes it out once the operands' shapes are known).
 pub fn einsum_parts(equation: &str) -> Result<(Vec<String>, String), String> {
     let eq: String = equation.chars().filter(|c| !c.is_whitespace()).collect();
     if eq.contains("...") {
@@ -339,10 +419,10 @@ define_ops! {
         PRelu, HardSwish, Softplus, Clip, Max, Min, Sum, Mean, MatMul, GlobalAveragePool,
         GlobalMaxPool, Squeeze, Unsqueeze, Slice, Expand, Tile, Identity, Size, Range, Where, Equal,
         Less, Greater, Not, And, Or, Floor, Ceil, Round, Sign, Sin, Cos, Softsign, IsNaN,
-        GreaterOrEqual, LessOrEqual, Xor,
+        GreaterOrEqual, LessOrEqual, Xor, Tan, Sinh, Cosh, Asin, Acos, Atan, Asinh, Acosh, Atanh,
     }
     typed {
-        Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Gelu(GeluAttrs),
+        Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Celu(EluAttrs), Gelu(GeluAttrs),
         HardSigmoid(HardSigmoidAttrs), Gemm(GemmAttrs), BatchNormalization(BatchNormAttrs),
         LayerNormalization(LayerNormAttrs), InstanceNormalization(EpsilonAttrs),
         GroupNormalization(GroupNormAttrs), LRN(LrnAttrs), Softmax(SoftmaxAttrs),
@@ -355,7 +435,7 @@ define_ops! {
         SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
         Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
         ReduceProd(ReduceAttrs), Trilu(TriluAttrs), GatherND(GatherNdAttrs), ScatterND(ScatterNdAttrs),
-        ScatterElements(ScatterElementsAttrs),
+        ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -373,6 +453,78 @@ define_ops! {
     }
 }
 
+/// The trigonometric and hyperbolic ops beyond Sin and Cos, described once: the CPU kernels
+/// (`Real::trig`), the CUDA kernels (`elementwise_<name>_<dtype>`, `U_<name>` in
+/// kernels/common.cuh), colouring (FP32: their accuracy, and Sinh/Cosh overflow FP16 at 11.8)
+/// and the gradient rule read this, not lists of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Trig {
+    Tan,
+    Sinh,
+    Cosh,
+    Asin,
+    Acos,
+    Atan,
+    Asinh,
+    Acosh,
+    Atanh,
+}
+
+impl Trig {
+    pub const ALL: [Trig; 9] =
+        [Trig::Tan, Trig::Sinh, Trig::Cosh, Trig::Asin, Trig::Acos, Trig::Atan, Trig::Asinh, Trig::Acosh, Trig::Atanh];
+
+    /// The CUDA kernel's name (and the functor's, `U_<name>`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Trig::Tan => "tan",
+            Trig::Sinh => "sinh",
+            Trig::Cosh => "cosh",
+            Trig::Asin => "asin",
+            Trig::Acos => "acos",
+            Trig::Atan => "atan",
+            Trig::Asinh => "asinh",
+            Trig::Acosh => "acosh",
+            Trig::Atanh => "atanh",
+        }
+    }
+}
+
+/// The ops of [`Trig`] as a pattern, for the exhaustive matches that must name them:
+/// `mpc_ir::trig_ops!() => ...`.
+#[macro_export]
+macro_rules! trig_ops {
+    () => {
+        $crate::Op::Tan
+            | $crate::Op::Sinh
+            | $crate::Op::Cosh
+            | $crate::Op::Asin
+            | $crate::Op::Acos
+            | $crate::Op::Atan
+            | $crate::Op::Asinh
+            | $crate::Op::Acosh
+            | $crate::Op::Atanh
+    };
+}
+
+impl Op {
+    /// The op as a [`Trig`], if it is one.
+    pub fn trig(&self) -> Option<Trig> {
+        Some(match self {
+            Op::Tan => Trig::Tan,
+            Op::Sinh => Trig::Sinh,
+            Op::Cosh => Trig::Cosh,
+            Op::Asin => Trig::Asin,
+            Op::Acos => Trig::Acos,
+            Op::Atan => Trig::Atan,
+            Op::Asinh => Trig::Asinh,
+            Op::Acosh => Trig::Acosh,
+            Op::Atanh => Trig::Atanh,
+            _ => return None,
+        })
+    }
+}
+
 /// The domain of mpc's own ops.
 pub const MPC_DOMAIN: &str = "ai.mpc";
 
@@ -383,7 +535,7 @@ impl Op {
     pub fn host_operands(&self) -> &'static [usize] {
         match self {
             Op::Reshape(_) | Op::Expand | Op::Tile | Op::Squeeze | Op::Unsqueeze | Op::Split(_) | Op::CumSum(_) => &[1],
-            Op::Trilu(_) => &[1],
+            Op::Trilu(_) | Op::TopK(_) => &[1],
             Op::ReduceSum(_)
             | Op::ReduceMean(_)
             | Op::ReduceMax(_)
@@ -558,6 +710,7 @@ impl ConvAttrs {
             pads: &self.pads,
             auto_pad: self.auto_pad,
             ceil_mode: false,
+            pool: false,
         }
     }
 }
@@ -572,6 +725,7 @@ impl PoolAttrs {
             pads: &self.pads,
             auto_pad: self.auto_pad,
             ceil_mode: self.ceil_mode,
+            pool: true,
         }
     }
 }
@@ -592,6 +746,25 @@ mod tests {
         let err = Op::from_attrs("Gemm", vec![("alpha".into(), Attr::Int(1))]).unwrap().unwrap_err();
         assert!(err.contains("`alpha` is 1 where float was expected"), "{err}");
         assert!(Op::from_attrs("NoSuchOp", vec![]).is_none());
+    }
+
+    #[test]
+    fn an_einsum_ellipsis_is_written_out_as_numpy_broadcasts_it() {
+        let d = |v: &[u64]| v.iter().map(|&n| Some(n)).collect::<Vec<_>>();
+        // Batched matmul: the ellipsis of both operands and the output is the same two dims.
+        let eq = einsum_expand("...ij,...jk->...ik", &[d(&[2, 3, 4, 5]), d(&[2, 3, 5, 6])]).unwrap();
+        assert_eq!(eq, "abij,abjk->abik");
+        // Right-aligned: the second operand's ellipsis is the first's last dim; no `->`: the
+        // ellipsis dims lead, then the labels seen once in alphabetical order.
+        assert_eq!(einsum_expand("...ij,...j", &[d(&[6, 7, 2, 3]), d(&[7, 3])]).unwrap(), "abij,bj->abi");
+        // A dim of 1 against a larger one is its own label, summed over.
+        let eq = einsum_expand("...i,...i->...i", &[d(&[1, 4, 3]), d(&[5, 4, 3])]).unwrap();
+        assert_eq!(eq, "cbi,abi->abi");
+        // An ellipsis of no dims, an unknown size kept shared, and summation of the ellipsis.
+        assert_eq!(einsum_expand("i...,i->i", &[d(&[3]), d(&[3])]).unwrap(), "i,i->i");
+        assert_eq!(einsum_expand("...k->k", &[vec![None, Some(2)]]).unwrap(), "ak->k");
+        assert!(einsum_expand("...ijk", &[d(&[2, 3])]).unwrap_err().contains("3 labels but rank 2"));
+        assert_eq!(einsum_expand("ij->ji", &[d(&[2, 3])]).unwrap(), "ij->ji");
     }
 
     #[test]

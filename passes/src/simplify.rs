@@ -11,8 +11,9 @@
 //!   it at points from -8 to 8, not by matching one exporter's node order. One launch instead of
 //!   eight forward and more backward, and training saves only x for the gradient. Written out, the
 //!   graph then needs opset 20 (the exporter raises it).
+//! - An Einsum's ellipsis is written out as letters once its operands' shapes are known.
 
-use mpc_ir::ops::{GeluApprox, GeluAttrs, SoftmaxAttrs};
+use mpc_ir::ops::{EinsumAttrs, GeluApprox, GeluAttrs, SoftmaxAttrs};
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
 
 use crate::{Changed, Context, Pass, Result};
@@ -33,11 +34,38 @@ impl Pass for Simplify {
 
     fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
         let mut changed = softmax(g)?;
-        if gelu(g)? == Changed::Yes {
-            changed = Changed::Yes;
+        for step in [gelu, einsum_ellipsis] {
+            if step(g)? == Changed::Yes {
+                changed = Changed::Yes;
+            }
         }
         Ok(changed)
     }
+}
+
+/// An Einsum whose equation has an ellipsis gets it written out as letters
+/// ([`mpc_ir::ops::einsum_expand`]) once its operands' shapes are known, so that the kernels,
+/// the cost model and the gradient rule see only letters.
+fn einsum_ellipsis(g: &mut Graph) -> Result<Changed> {
+    let mut changed = Changed::No;
+    for n in g.topo_order()? {
+        let Op::Einsum(a) = &g.node(n).op else { continue };
+        if !a.equation.contains("...") {
+            continue;
+        }
+        let eq = a.equation.clone();
+        let shapes: Option<Vec<Vec<Option<u64>>>> = g
+            .node(n)
+            .inputs()
+            .iter()
+            .map(|v| v.and_then(|v| g.ty(v).shape.as_ref()).map(|s| s.dims().iter().map(|d| d.fixed()).collect()))
+            .collect();
+        let Some(shapes) = shapes else { continue };
+        let Ok(equation) = mpc_ir::ops::einsum_expand(&eq, &shapes) else { continue };
+        *g.node_op_mut(n) = Op::Einsum(EinsumAttrs { equation });
+        changed = Changed::Yes;
+    }
+    Ok(changed)
 }
 
 /// `Reshape(Softmax(Flatten(x, axis)), Shape(x))` with `axis` the last dim becomes `Softmax(x)`.

@@ -56,6 +56,16 @@ unary! {
     cos: "Cos" [] in -3.0..3.0;
     elu: "Elu" ["alpha" = Attr::Float(0.7)] in -2.0..2.0;
     selu: "Selu" [] in -2.0..2.0;
+    celu: "Celu" ["alpha" = Attr::Float(0.6)] in -2.0..2.0;
+    tan: "Tan" [] in -1.2..1.2;
+    sinh: "Sinh" [] in -2.0..2.0;
+    cosh: "Cosh" [] in -2.0..2.0;
+    asin: "Asin" [] in -0.9..0.9;
+    acos: "Acos" [] in -0.9..0.9;
+    atan: "Atan" [] in -3.0..3.0;
+    asinh: "Asinh" [] in -3.0..3.0;
+    acosh: "Acosh" [] in 1.2..3.0;
+    atanh: "Atanh" [] in -0.9..0.9;
 }
 
 macro_rules! binary {
@@ -601,6 +611,19 @@ fn modulo() {
         let a = c.param_in("a", &[3, 4], -3.0, 3.0);
         let b = c.param_in("b", &[4], 0.7, 1.3);
         let y = c.op1("Mod", &[("fmod", Attr::Int(fmod))], &[a, b]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn top_k() {
+    // The largest 2 of 4 along the middle axis, and the smallest 3 along the last: the gradient
+    // reaches the picked elements only (random values: no ties, so finite differences keep the pick).
+    for (axis, k, largest) in [(1, 2, 1), (-1, 3, 0)] {
+        let mut c = Case::new(&format!("top_k_{k}"));
+        let x = c.param("x", &[2, 4, 5]);
+        let kv = c.ints("k", &[1], &[k]);
+        let y = c.op("TopK", &[("axis", Attr::Int(axis)), ("largest", Attr::Int(largest))], &[Some(x), Some(kv)], 2)[0];
         c.check(y, TOL);
     }
 }

@@ -359,10 +359,7 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
                     return Err(format!("scales has {s}; each must be positive"));
                 }
                 out.0[ax] = match x.0[ax].fixed() {
-                    Some(n) => Dim::Fixed(
-                        Some((n as f64 * s).floor()).filter(|&v| v < 2f64.powi(63)).ok_or("a scaled dim overflows")?
-                            as u64,
-                    ),
+                    Some(n) => Dim::Fixed(mpc_ir::geometry::scaled_dim(n, s).ok_or("a scaled dim overflows")?),
                     None => Dim::Unknown,
                 };
             }
@@ -372,11 +369,12 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
     }
 }
 
-/// Einsum without ellipsis: output dims looked up by letter.
+/// Einsum: output dims looked up by letter (an ellipsis written out as letters first).
 pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Result<Option<Shape>, String> {
-    let eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
+    let mut eq: String = eq.chars().filter(|c| !c.is_whitespace()).collect();
     if eq.contains("...") {
-        return Ok(None);
+        let Some(shapes) = einsum_shapes(cx) else { return Ok(None) };
+        eq = mpc_ir::ops::einsum_expand(&eq, &shapes)?;
     }
     let (lhs, rhs) = match eq.split_once("->") {
         Some((l, r)) => (l.to_string(), r.to_string()),
@@ -412,4 +410,9 @@ pub(super) fn einsum(cx: &NodeCx, eq: &str) -> Result<Option<Shape>, String> {
         }
     }
     Ok(Some(Shape(rhs.chars().map(|c| dims.get(&c).cloned().unwrap_or(Dim::Unknown)).collect())))
+}
+
+/// The operands' dims as [`mpc_ir::ops::einsum_expand`] reads them, once every rank is known.
+fn einsum_shapes(cx: &NodeCx) -> Option<Vec<Vec<Option<u64>>>> {
+    (0..cx.n_inputs()).map(|i| cx.sh(i).map(|s| s.0.iter().map(|d| d.fixed()).collect())).collect()
 }

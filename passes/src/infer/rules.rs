@@ -81,6 +81,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::LeakyRelu(_)
         | Op::Elu(_)
+        | Op::Celu(_)
         | Op::Gelu(_)
         | Op::HardSigmoid(_)
         | Op::HardSwish
@@ -91,6 +92,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         Op::Floor | Op::Ceil | Op::Round | Op::Sign | Op::Sin | Op::Cos | Op::Softsign | Op::Selu(_) => {
             vec![same(cx, 0)]
         }
+        mpc_ir::trig_ops!() => vec![same(cx, 0)],
         Op::Trilu(_) => {
             if let Some(k) = cx.sh(1).filter(|k| k.numel() != Some(1) && k.as_fixed().is_some()) {
                 return Err(format!("k is {k}, not one value"));
@@ -267,6 +269,29 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             }
             let shape = cx.sh(0).map(|s| axis_in(a.axis, s).map(|ax| reduced(s, &[ax], a.keepdims))).transpose()?;
             vec![t(Some(DType::I64), shape)]
+        }
+        Op::TopK(a) => {
+            let k = match cx.ints(1).as_deref() {
+                Some(&[k]) if k >= 0 => Some(k as u64),
+                Some(&[k]) => return Err(format!("k is {k}; it must not be negative")),
+                Some(v) => return Err(format!("k holds {} values, not one", v.len())),
+                None => None,
+            };
+            let shape = match cx.sh(0) {
+                Some(s) => {
+                    let ax = axis_in(a.axis, s)?;
+                    let mut out = s.clone();
+                    if let (Some(k), Some(n)) = (k, s.0[ax].fixed()) {
+                        if k > n {
+                            return Err(format!("k is {k} but axis {} of {s} has {n} elements", a.axis));
+                        }
+                    }
+                    out.0[ax] = k.map_or(Dim::Unknown, Dim::Fixed);
+                    Some(out)
+                }
+                None => None,
+            };
+            vec![t(cx.dt(0), shape.clone()), t(Some(DType::I64), shape)]
         }
         Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero)?)],
         Op::Transpose(a) => {

@@ -75,6 +75,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::ReduceLogSumExp(_)
         | Op::CumSum(_)
         | Op::Sin
+        | mpc_ir::trig_ops!()
         | Op::Cos
         | Op::ReduceL1(_)
         | Op::ReduceProd(_)
@@ -102,6 +103,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Erf
         | Op::Sqrt
         | Op::Elu(_)
+        | Op::Celu(_)
         | Op::LeakyRelu(_)
         | Op::PRelu
         | Op::Softplus
@@ -157,6 +159,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::IsNaN
         | Op::IsInf(_)
         | Op::ArgMin(_)
+        | Op::TopK(_)
         | Op::Trilu(_) => Clear,
         Op::Cast(_)
         | Op::Constant(_)

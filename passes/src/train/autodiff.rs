@@ -9,7 +9,10 @@
 
 use std::collections::BTreeMap;
 
-use mpc_ir::ops::{AxisAttrs, CastAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, SplitAttrs, TransposeAttrs};
+use mpc_ir::ops::{
+    AxisAttrs, CastAttrs, CumSumAttrs, GemmAttrs, PoolAttrs, ReshapeAttrs, ScatterElementsAttrs, SplitAttrs,
+    TransposeAttrs,
+};
 use mpc_ir::{normalize_axis, DType, Graph, NodeId, Op, ValueId};
 
 use super::build::{fixed, Builder};
@@ -376,6 +379,15 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let t = b.op("mul", Op::Mul, &[dy, t]);
             vec![Some(b.op("where", Op::Where, &[m, dy, t]))]
         }
+        // d celu(x) = (x > 0 ? 1 : e^(x/α) = y/α + 1) dx.
+        Op::Celu(a) => {
+            let (zero, one, alpha) = (b.scalar(0.0, dt), b.scalar(1.0, dt), b.scalar(a.alpha as f64, dt));
+            let m = b.op("mask", Op::Greater, &[x(0)?, zero]);
+            let t = b.op("div", Op::Div, &[y, alpha]);
+            let t = b.op("add", Op::Add, &[t, one]);
+            let t = b.op("mul", Op::Mul, &[dy, t]);
+            vec![Some(b.op("where", Op::Where, &[m, dy, t]))]
+        }
         // d selu(x) = (x > 0 ? γ : γ·α·eˣ = y + γ·α) dx.
         Op::Selu(a) => {
             let zero = b.scalar(0.0, dt);
@@ -421,6 +433,7 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let t = b.op("mul", Op::Mul, &[t, t]);
             vec![Some(b.op("div", Op::Div, &[dy, t]))]
         }
+        op if op.trig().is_some() => vec![Some(rules::trig(b, op.trig().unwrap(), x(0)?, y, dy)?)],
         // d sin x = cos x dx.
         Op::Sin => {
             let c = b.op("cos", Op::Cos, &[x(0)?]);
@@ -775,6 +788,13 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         Op::Pad(a) => vec![Some(rules::pad(b, &node, a, dy)?)],
         // dy added at each index's flat position (ai.mpc::GatherGrad over the flattened input).
         Op::GatherElements(a) => vec![Some(rules::gather_elements(b, &node, a, dy)?)],
+        // d topk: dy scattered to the picked positions (distinct within each line), 0 elsewhere.
+        Op::TopK(a) => {
+            let z = b.zeros_like(x(0)?)?;
+            let at = *node.outputs().get(1).ok_or("TopK's indices output is missing")?;
+            let scatter = Op::ScatterElements(ScatterElementsAttrs { axis: a.axis, ..Default::default() });
+            vec![Some(b.ops("topk_grad", scatter, &[Some(z), Some(at), Some(dy)], 1)[0])]
+        }
         Op::GatherND(a) => vec![Some(rules::gather_nd(b, &node, a, dy)?)],
         Op::ScatterND(a) => rules::scatter(b, &node, Op::ScatterND(a.clone()), a.reduction, dy, wants)?,
         Op::ScatterElements(a) => rules::scatter(b, &node, Op::ScatterElements(a.clone()), a.reduction, dy, wants)?,

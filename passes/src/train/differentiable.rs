@@ -34,6 +34,7 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_)
         | Op::GatherElements(_)
+        | Op::TopK(_)
         | Op::GatherND(_) => slot == 0,
         // Data and updates; never the indices.
         Op::ScatterND(_) | Op::ScatterElements(_) => slot == 0 || slot == 2,

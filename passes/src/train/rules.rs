@@ -1,12 +1,12 @@
 //! The gradient rules that take more than a few nodes, one function per op (or family), called
 //! from [`super::autodiff`]'s `rule`: Max and Min, ConvTranspose, the per-channel normalisations,
 //! LRN, Resize, Einsum, the reductions other than sum and mean, Tile, Pad, GatherElements, Slice,
-//! GatherND and the scatters.
+//! GatherND, the scatters and the ops of [`Trig`].
 
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
     AspectPolicy, AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode,
-    ReduceAttrs, ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs,
+    ReduceAttrs, ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Tensor, ValueId};
 
@@ -685,4 +685,71 @@ pub(super) fn scatter(
         _ => None,
     };
     Ok(vec![dx, None, du])
+}
+
+/// The ops of [`Trig`]: dy times the derivative, written with x (or y for tan: 1 + tan²).
+pub(super) fn trig(b: &mut Builder, t: Trig, x: ValueId, y: ValueId, dy: ValueId) -> Result<ValueId, String> {
+    let dt = b.dtype(y)?;
+    let one = b.scalar(1.0, dt);
+    let sq = |b: &mut Builder, v: ValueId| b.op("square", Op::Mul, &[v, v]);
+    // 1 - x², x² + 1, x² - 1: the radicands and denominators of the inverse functions.
+    let one_minus_sq = |b: &mut Builder| {
+        let s = sq(b, x);
+        b.op("sub", Op::Sub, &[one, s])
+    };
+    let sq_plus = |b: &mut Builder, sign: f64| {
+        let s = sq(b, x);
+        let c = b.scalar(sign, dt);
+        b.op("add", Op::Add, &[s, c])
+    };
+    let over = |b: &mut Builder, d: ValueId| b.op("div", Op::Div, &[dy, d]);
+    let over_sqrt = |b: &mut Builder, d: ValueId| {
+        let r = b.op("sqrt", Op::Sqrt, &[d]);
+        b.op("div", Op::Div, &[dy, r])
+    };
+    Ok(match t {
+        // d tan x = (1 + tan² x) dx.
+        Trig::Tan => {
+            let s = sq(b, y);
+            let s = b.op("add", Op::Add, &[s, one]);
+            b.op("mul", Op::Mul, &[dy, s])
+        }
+        // d sinh x = cosh x dx; d cosh x = sinh x dx.
+        Trig::Sinh => {
+            let c = b.op("cosh", Op::Cosh, &[x]);
+            b.op("mul", Op::Mul, &[dy, c])
+        }
+        Trig::Cosh => {
+            let s = b.op("sinh", Op::Sinh, &[x]);
+            b.op("mul", Op::Mul, &[dy, s])
+        }
+        // d asin x = dx / √(1 − x²); d acos x = −dx / √(1 − x²).
+        Trig::Asin => {
+            let d = one_minus_sq(b);
+            over_sqrt(b, d)
+        }
+        Trig::Acos => {
+            let d = one_minus_sq(b);
+            let g = over_sqrt(b, d);
+            b.op("neg", Op::Neg, &[g])
+        }
+        // d atan x = dx / (1 + x²); d atanh x = dx / (1 − x²).
+        Trig::Atan => {
+            let d = sq_plus(b, 1.0);
+            over(b, d)
+        }
+        Trig::Atanh => {
+            let d = one_minus_sq(b);
+            over(b, d)
+        }
+        // d asinh x = dx / √(x² + 1); d acosh x = dx / √(x² − 1).
+        Trig::Asinh => {
+            let d = sq_plus(b, 1.0);
+            over_sqrt(b, d)
+        }
+        Trig::Acosh => {
+            let d = sq_plus(b, -1.0);
+            over_sqrt(b, d)
+        }
+    })
 }

@@ -1,6 +1,7 @@
 //! Element-wise ops with numpy broadcasting. Floats compute in f32 (f32, f16, bf16: rounded on
 //! store) or f64; integer arithmetic in i64, stored back in the input's dtype.
 
+use mpc_ir::ops::Trig;
 use mpc_ir::Op;
 
 use super::{err, Res};
@@ -34,6 +35,8 @@ pub trait Real:
     fn ceil(self) -> Self;
     /// Round half to even (ONNX Round).
     fn round_even(self) -> Self;
+    /// Tan, Sinh, Cosh and the inverse functions, with the standard library's accuracy.
+    fn trig(self, t: Trig) -> Self;
 }
 
 macro_rules! real {
@@ -86,6 +89,19 @@ macro_rules! real {
             }
             fn round_even(self) -> Self {
                 <$t>::round_ties_even(self)
+            }
+            fn trig(self, t: Trig) -> Self {
+                match t {
+                    Trig::Tan => self.tan(),
+                    Trig::Sinh => self.sinh(),
+                    Trig::Cosh => self.cosh(),
+                    Trig::Asin => self.asin(),
+                    Trig::Acos => self.acos(),
+                    Trig::Atan => self.atan(),
+                    Trig::Asinh => self.asinh(),
+                    Trig::Acosh => self.acosh(),
+                    Trig::Atanh => self.atanh(),
+                }
             }
         }
     };
@@ -150,6 +166,15 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x
             }
         }
+        // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
+        Op::Celu(a) => {
+            let alpha = R::of(a.alpha as f64);
+            if x > zero {
+                x
+            } else {
+                alpha * ((x / alpha).exp() - one)
+            }
+        }
         Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => gelu_tanh(x),
         Op::Gelu(_) => gelu_erf(x),
         Op::HardSigmoid(a) => max(zero, min(one, R::of(a.alpha as f64) * x + R::of(a.beta as f64))),
@@ -186,7 +211,7 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
             }
         }
         Op::Identity | Op::Dropout(_) => x,
-        _ => return None,
+        op => x.trig(op.trig()?),
     })
 }
 

@@ -162,6 +162,11 @@ pub(crate) fn permute(x: &HostTensor, perm: &[usize]) -> HostTensor {
 }
 
 /// Runs one op on host tensors. `n_outputs` is how many outputs the node declares.
+fn unary(op: &Op, a: &HostTensor) -> Res<Vec<HostTensor>> {
+    let r = if a.dtype().is_float() { elementwise::unary(op, a) } else { elementwise::unary_int(op, a) };
+    Ok(vec![r.ok_or_else(|| unsupported(format!("{} on {}", op.op_type(), a.dtype())))?])
+}
+
 pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec<HostTensor>> {
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
     let one = |t: HostTensor| Ok(vec![t]);
@@ -190,11 +195,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         | Op::Sin
         | Op::Cos
         | Op::Softsign
-        | Op::Selu(_) => {
-            let a = x(0)?;
-            let r = if a.dtype().is_float() { elementwise::unary(op, a) } else { elementwise::unary_int(op, a) };
-            one(r.ok_or_else(|| unsupported(format!("{} on {}", op.op_type(), a.dtype())))?)
-        }
+        | Op::Celu(_)
+        | Op::Selu(_) => unary(op, x(0)?),
+        mpc_ir::trig_ops!() => unary(op, x(0)?),
         Op::Dropout(_) => {
             if let Some(t) = ins.get(2).copied().flatten() {
                 if t.i64s().is_some_and(|v| v.first() == Some(&1)) {
@@ -427,6 +430,14 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let t = x(0)?;
             let min = matches!(op, Op::ArgMin(_));
             one(nn::argmax(t, axis(a.axis, t.shape.len())?, a.keepdims, a.select_last_index, min)?)
+        }
+        Op::TopK(a) => {
+            let t = x(0)?;
+            let k = match ints(ins.get(1).copied().flatten(), "k")?[..] {
+                [k] if k >= 0 => k as usize,
+                ref v => return Err(err(format!("k must be one value of at least 0, not {v:?}"))),
+            };
+            nn::top_k(t, axis(a.axis, t.shape.len())?, k, a.largest)
         }
         Op::CumSum(a) => {
             let t = x(0)?;

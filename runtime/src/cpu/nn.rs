@@ -538,6 +538,53 @@ pub(crate) fn argmax(x: &HostTensor, axis: usize, keepdims: bool, last: bool, mi
     Ok(HostTensor::from_i64(mpc_ir::DType::I64, shape, out))
 }
 
+/// TopK along `axis`: the `k` first elements of each line in the order "larger first" (or
+/// smaller with `largest` false), NaN before every number when largest and after when not (as
+/// torch.topk), equal values in index order; their values and int64 indices. Integers compare
+/// as i64, floats as f64 (exact for every float dtype). kernels/movement.cu's movement_topk
+/// selects the same elements in the same order.
+pub(crate) fn top_k(x: &HostTensor, axis: usize, k: usize, largest: bool) -> Res<Vec<HostTensor>> {
+    use std::cmp::Ordering;
+    let (outer, n, inner) = split_at(&x.shape, axis);
+    if k > n {
+        return Err(err(format!("k is {k} but axis {axis} has {n} elements")));
+    }
+    let ints = if x.dtype().is_float() { None } else { x.i64s() };
+    let floats = if ints.is_none() { x.f64s() } else { Vec::new() };
+    // The order of two flat positions: the one to pick first is Less.
+    let order = |a: usize, b: usize| -> Ordering {
+        let by_value = match &ints {
+            Some(v) => v[a].cmp(&v[b]),
+            None => {
+                let (p, q) = (floats[a], floats[b]);
+                match (p.is_nan(), q.is_nan()) {
+                    (true, true) => Ordering::Equal,
+                    (true, false) => Ordering::Greater,
+                    (false, true) => Ordering::Less,
+                    _ => p.partial_cmp(&q).unwrap_or(Ordering::Equal),
+                }
+            }
+        };
+        (if largest { by_value.reverse() } else { by_value }).then(a.cmp(&b))
+    };
+    let mut picked = vec![0usize; outer * k * inner];
+    let mut line: Vec<usize> = Vec::with_capacity(n);
+    for o in 0..outer {
+        for i in 0..inner {
+            line.clear();
+            line.extend((0..n).map(|j| (o * n + j) * inner + i));
+            line.sort_by(|&a, &b| order(a, b));
+            for (j, &at) in line.iter().take(k).enumerate() {
+                picked[(o * k + j) * inner + i] = at;
+            }
+        }
+    }
+    let mut shape = x.shape.clone();
+    shape[axis] = k;
+    let index: Vec<i64> = picked.iter().map(|&at| ((at / inner) % n) as i64).collect();
+    Ok(vec![x.pick(shape.clone(), &picked), HostTensor::from_i64(mpc_ir::DType::I64, shape, index)])
+}
+
 pub(crate) fn cumsum(x: &HostTensor, axis: usize, exclusive: bool, reverse: bool) -> Res<HostTensor> {
     let v = x.f64s();
     let (outer, n, inner) = split_at(&x.shape, axis);

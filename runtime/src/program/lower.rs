@@ -32,13 +32,23 @@ fn is_view(op: &Op) -> bool {
     matches!(op, Op::Reshape(_) | Op::Squeeze | Op::Unsqueeze | Op::Flatten(_) | Op::Identity)
 }
 
+/// Standard ops whose output shape is a function of their input's values, not its shape.
+const DATA_SHAPED: &[&str] = &["NonZero", "Unique", "Compress", "NonMaxSuppression", "StringSplit"];
+
 /// Whether the CPU reference (and so every backend) runs this op at all.
 fn runnable(op: &Op) -> Result<(), String> {
     match op {
         Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" && o.attrs.is_empty() => Ok(()),
         Op::Opaque(o) if o.domain.is_empty() && o.op_type == "If" => Ok(()),
+        Op::Opaque(o) if o.domain.is_empty() && DATA_SHAPED.contains(&o.op_type.as_str()) => Err(format!(
+            "{}'s output shape depends on the values of its input: mpc plans every shape before the data \
+             arrives, so it cannot run it",
+            o.op_type
+        )),
         Op::Opaque(o) => Err(format!("opaque op {}::{} cannot run", o.domain, o.op_type)),
-        Op::Einsum(a) if a.equation.contains("...") => Err("Einsum with an ellipsis".into()),
+        Op::Einsum(a) if a.equation.contains("...") => {
+            Err("Einsum with an ellipsis over operands whose ranks are unknown".into())
+        }
         _ => Ok(()),
     }
 }

@@ -26,7 +26,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NP = {np.float32: T.FLOAT, np.int64: T.INT64, np.float64: T.DOUBLE, np.float16: T.FLOAT16}
+NP = {np.float32: T.FLOAT, np.int64: T.INT64, np.longlong: T.INT64, np.float64: T.DOUBLE, np.float16: T.FLOAT16}
 
 
 def model(nodes, inputs, outputs, inits=(), opset=18, results=None):
@@ -34,7 +34,7 @@ def model(nodes, inputs, outputs, inits=(), opset=18, results=None):
     inputs' shapes and dtypes come from their data."""
     ins = [h.make_tensor_value_info(n, NP[a.dtype.type], list(a.shape)) for n, a in inputs]
     if results is None:
-        outs = [h.make_tensor_value_info(n, T.FLOAT, None) for n in outputs]
+        outs = [h.make_empty_tensor_value_info(n) for n in outputs]
     else:
         outs = [h.make_tensor_value_info(n, NP[r.dtype.type], list(r.shape)) for n, r in zip(outputs, results)]
     g = h.make_graph(nodes, "case", ins, outs, initializer=[nh.from_array(a, n) for n, a in inits])
@@ -197,12 +197,73 @@ def found_by_the_campaign(rng):
          inits=[("a", np.array(2.0, np.float32)), ("d", np.array(0.75, np.float32))], opset=17)
 
 
+def refused_forms(rng):
+    # Forms mpc refused that users export (issue: the ops users export that mpc refuses).
+    # Einsum with an ellipsis: batched products, a batch diagonal, broadcasting against a 1.
+    a, b = rng.standard_normal((2, 3, 4, 5)).astype(np.float32), rng.standard_normal((2, 3, 5, 6)).astype(np.float32)
+    case("einsum_ellipsis_batch_matmul", [h.make_node("Einsum", ["a", "b"], ["y"], equation="...ij,...jk->...ik")],
+         [("a", a), ("b", b)], ["y"])
+    d = rng.standard_normal((2, 3, 3)).astype(np.float32)
+    case("einsum_ellipsis_batch_diagonal", [h.make_node("Einsum", ["d"], ["y"], equation="...ii->...i")],
+         [("d", d)], ["y"])
+    p, q = rng.standard_normal((1, 4, 3, 5)).astype(np.float32), rng.standard_normal((2, 1, 5)).astype(np.float32)
+    case("einsum_ellipsis_implicit_broadcast", [h.make_node("Einsum", ["p", "q"], ["y"], equation="...ij,...j")],
+         [("p", p), ("q", q)], ["y"])
+    # Pools whose window is past the padded input: one window of what there is, or none.
+    x = rng.standard_normal((1, 2, 4)).astype(np.float32)
+    case("maxpool_window_past_the_input", [h.make_node("MaxPool", ["x"], ["y"], kernel_shape=[5], strides=[2])],
+         [("x", x)], ["y"])
+    case("averagepool_window_past_the_input_ceil",
+         [h.make_node("AveragePool", ["x"], ["y"], kernel_shape=[6], strides=[3], pads=[1, 0], ceil_mode=1)],
+         [("x", x)], ["y"])
+    case("averagepool_window_past_the_input_empty", [h.make_node("AveragePool", ["x"], ["y"], kernel_shape=[5])],
+         [("x", x)], ["y"])
+    # The trigonometric and hyperbolic ops, and Celu, over their domains (and NaN beyond them).
+    wide = rng.uniform(-3, 3, (3, 4)).astype(np.float32)
+    unit = rng.uniform(-1.2, 1.2, (3, 4)).astype(np.float32)
+    above = rng.uniform(0.5, 4, (3, 4)).astype(np.float32)
+    for op, x in [("Tan", rng.uniform(-1.4, 1.4, (3, 4)).astype(np.float32)), ("Sinh", wide), ("Cosh", wide),
+                  ("Asin", unit), ("Acos", unit), ("Atan", wide), ("Asinh", wide), ("Acosh", above), ("Atanh", unit)]:
+        case(op.lower(), [h.make_node(op, ["x"], ["y"])], [("x", x)], ["y"])
+    case("celu", [h.make_node("Celu", ["x"], ["y"], alpha=0.5)], [("x", wide)], ["y"])
+    # Pixel shuffle both ways, both DepthToSpace modes.
+    x = rng.standard_normal((2, 8, 3, 2)).astype(np.float32)
+    for mode in ("DCR", "CRD"):
+        case(f"depthtospace_{mode.lower()}", [h.make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode=mode)],
+             [("x", x)], ["y"])
+    x = rng.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    case("spacetodepth", [h.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2)], [("x", x)], ["y"])
+    empty = np.zeros((1, 4, 0, 2), np.float32)  # a computed dim of 0 is a size, not Reshape's "copy"
+    case("depthtospace_empty_height", [h.make_node("DepthToSpace", ["x"], ["y"], blocksize=2)], [("x", empty)], ["y"])
+    # OneHot: negative indices counted from depth, out of range ones all off; along axis 1.
+    idx = np.array([[0, 3, -1], [-4, 4, -5]], np.int64)
+    case("onehot_negative_and_out_of_range", [h.make_node("OneHot", ["i", "d", "v"], ["y"])],
+         [("i", idx)], ["y"], inits=[("d", np.array(4, np.int64)), ("v", np.array([0.5, 2.0], np.float32))])
+    # TopK: ties in index order, both directions, along an inner axis, integers; k as the opset-9
+    # attribute. (No NaN here: onnxruntime orders it its own way; mpc puts it first, as torch.)
+    x = np.array([[3, 1, 3, 2, 5], [0, 0, -1, 4, 4], [2, 2, 2, 2, 2]], np.float32)
+    for largest in (1, 0):
+        case(f"topk_ties_largest_{largest}", [h.make_node("TopK", ["x", "k"], ["v", "i"], largest=largest)],
+             [("x", x)], ["v", "i"], inits=[("k", np.array([3], np.int64))])
+    x3 = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    case("topk_middle_axis", [h.make_node("TopK", ["x", "k"], ["v", "i"], axis=1)], [("x", x3)], ["v", "i"],
+         inits=[("k", np.array([2], np.int64))])
+    xi = rng.integers(-50, 50, (3, 6)).astype(np.int64)
+    case("topk_int64", [h.make_node("TopK", ["x", "k"], ["v", "i"])], [("x", xi)], ["v", "i"],
+         inits=[("k", np.array([4], np.int64))])
+    case("topk_opset_9_attribute", [h.make_node("TopK", ["x"], ["v", "i"], k=2)], [("x", x3)], ["v", "i"], opset=9)
+    fidx = np.array([[1.0, 0.0], [2.0, 2.0]], np.float32)
+    case("onehot_float_indices_axis_1", [h.make_node("OneHot", ["i", "d", "v"], ["y"], axis=1)],
+         [("i", fidx)], ["y"], inits=[("d", np.array([3.0], np.float32)), ("v", np.array([-1.0, 7.0], np.float32))])
+
+
 def main():
     for entry in os.listdir(HERE):
         if os.path.isdir(os.path.join(HERE, entry)):
             shutil.rmtree(os.path.join(HERE, entry))
     rng = np.random.default_rng(38)
-    for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign):
+    for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign,
+                 refused_forms):
         make(rng)
     n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
     print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")

@@ -173,10 +173,11 @@ pub(super) fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
         Op::Gelu(_) => ("gelu", 0.0, 0.0),
         Op::LeakyRelu(a) => ("leaky_relu", a.alpha, 0.0),
         Op::Elu(a) => ("elu", a.alpha, 0.0),
+        Op::Celu(a) => ("celu", a.alpha, 0.0),
         Op::Selu(a) => ("selu", a.alpha, a.gamma),
         Op::HardSigmoid(a) => ("hard_sigmoid", a.alpha, a.beta),
         Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" => ("gelu", 0.0, 0.0),
-        _ => return None,
+        op => (op.trig()?.name(), 0.0, 0.0),
     })
 }
 

@@ -620,6 +620,26 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
             let args = vec![Arg::Ptr(s), Arg::Ptr(d), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
             p.flat("movement", format!("movement_range_{}", tag(y.dtype)?), n, args);
         }
+        Op::TopK(a) => {
+            let (x, values, indices) = (p.input(0)?, p.output(0)?, p.output(1)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let t = match x.dtype {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I64 | DType::I32 => tag(x.dtype)?,
+                d => return Err(format!("TopK on {d}: the kernel takes f32, f16, bf16, f64, i64 or i32")),
+            };
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(values)),
+                Arg::Ptr(buf(indices)),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I64(values.shape[ax] as i64),
+                Arg::I32(a.largest as i32),
+            ];
+            p.flat("movement", format!("movement_topk_{t}"), outer * inner, args);
+        }
         Op::CumSum(a) => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("CumSum's axis is not known")?;
