@@ -329,59 +329,64 @@ TOPK_T(int, i32)
 // ---------------------------------------------------------------- Resize
 //
 // movement_resize_<T>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Strides8 xs,
-//                     Dims8 base, const long long* count, const long long* idx, const double* w)
-//     T in f32 f16 bf16 f64. Separable nearest / linear Resize as the CPU reference computes it
-//     (runtime/src/cpu/resize.rs): along axis d, output coordinate o samples count[base_d + o]
-//     (1 or 2) input indices idx[2 (base_d + o) + t] with weights w[2 (base_d + o) + t] (the host
-//     takes them from mpc-ir's geometry::resize_taps). y (contiguous over out_dims, n elements)
-//     is the sum over every combination of one tap per axis of x[sum idx_d * xs_d] times the
-//     product of the weights (multiplied in axis order), the combinations in lexicographic order
-//     with axis 0 most significant, in f64, rounded through f32 on store (f64 stays f64).
+//                     Dims8 base, const long long* first, const long long* idx, const double* w)
+//     T in f32 f16 bf16 f64. Separable Resize (nearest, linear, cubic, antialiased) as the CPU
+//     reference computes it (runtime/src/cpu/resize.rs): along axis d, output coordinate o samples
+//     the taps first[e] .. first[e + 1] (e = base_d + o; first has a last entry past the end):
+//     input indices idx[t] with weights w[t] (the host takes them from mpc-ir's
+//     geometry::resize_taps). y (contiguous over out_dims, n elements) is the sum over every
+//     combination of one tap per axis of x[sum idx_d * xs_d] times the product of the weights
+//     (multiplied in axis order), the combinations in lexicographic order with axis 0 most
+//     significant, in f64, rounded through f32 on store (f64 stays f64).
 template <typename T>
 __device__ __forceinline__ void resize_body(const T* x, T* y, long long n, int rank, const Dims8& out_dims,
-                                            const Strides8& xs, const Dims8& base, const long long* count,
+                                            const Strides8& xs, const Dims8& base, const long long* first,
                                             const long long* idx, const double* w) {
     MPC_GRID_STRIDE(i, n) {
-        long long coord[MPC_MAX_RANK];
-        long long lin = i;
+        long long at[MPC_MAX_RANK], cnt[MPC_MAX_RANK];
+        long long lin = i, combos = 1;
 #pragma unroll
         for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
             if (d < rank) {
                 const long long m = out_dims.d[d];
                 const long long q = lin / m;
-                coord[d] = base.d[d] + (lin - q * m);
+                const long long e = base.d[d] + (lin - q * m);
+                at[d] = first[e];
+                cnt[d] = first[e + 1] - at[d];
+                combos *= cnt[d];
                 lin = q;
             }
         }
         double acc = -0.0;
-        const int combos = 1 << rank;
-        for (int c = 0; c < combos; ++c) {
+        for (long long c = 0; c < combos; ++c) {
+            long long t[MPC_MAX_RANK];
+            long long rem = c;
+#pragma unroll
+            for (int d = MPC_MAX_RANK - 1; d >= 0; --d) {
+                if (d < rank) {
+                    t[d] = at[d] + rem % cnt[d];
+                    rem /= cnt[d];
+                }
+            }
             long long off = 0;
             double weight = 1.0;
-            bool take = true;
 #pragma unroll
             for (int d = 0; d < MPC_MAX_RANK; ++d) {
                 if (d < rank) {
-                    const int t = (c >> (rank - 1 - d)) & 1;
-                    const long long e = coord[d];
-                    if (t >= count[e]) {
-                        take = false;
-                    } else {
-                        off += idx[2 * e + t] * xs.s[d];
-                        weight *= w[2 * e + t];
-                    }
+                    off += idx[t[d]] * xs.s[d];
+                    weight *= w[t[d]];
                 }
             }
-            if (take) acc += cs_ld(x, off) * weight;
+            acc += cs_ld(x, off) * weight;
         }
         cs_st(y, i, acc);
     }
 }
 #define RESIZE_T(T, tag)                                                                                  \
     MPC_KERNEL movement_resize_##tag(const T* x, T* y, long long n, int rank, Dims8 out_dims, Strides8 xs, \
-                                     Dims8 base, const long long* count, const long long* idx,            \
+                                     Dims8 base, const long long* first, const long long* idx,            \
                                      const double* w) {                                                   \
-        resize_body(x, y, n, rank, out_dims, xs, base, count, idx, w);                                    \
+        resize_body(x, y, n, rank, out_dims, xs, base, first, idx, w);                                    \
     }
 RESIZE_T(float, f32)
 RESIZE_T(__half, f16)

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{CoordinateMode, NearestMode, ResizeAttrs, ResizeMode};
+use crate::ops::{AspectPolicy, CoordinateMode, NearestMode, ResizeAttrs, ResizeMode};
 use crate::{Dim, Shape};
 
 pub use crate::shape::normalize_axis;
@@ -348,6 +348,19 @@ pub fn resize_plan(
     };
     let (mut out, mut scale) = (shape.to_vec(), vec![1f64; rank]);
     match (sizes.filter(|s| !s.is_empty()), scales.filter(|s| !s.is_empty())) {
+        (Some(s), _) if a.keep_aspect_ratio_policy != AspectPolicy::Stretch => {
+            // One scale for every named axis, the smallest (not_larger) or the largest
+            // (not_smaller) of sizes / input; each size then round(scale · input), halves up.
+            let ratios = axes.iter().zip(s).map(|(&ax, &m)| m as f64 / shape[ax] as f64);
+            let f = match a.keep_aspect_ratio_policy {
+                AspectPolicy::NotLarger => ratios.fold(f64::INFINITY, f64::min),
+                _ => ratios.fold(f64::NEG_INFINITY, f64::max),
+            };
+            for &ax in &axes {
+                out[ax] = (f * shape[ax] as f64 + 0.5).floor().max(0.0) as usize;
+                scale[ax] = f;
+            }
+        }
         (Some(s), _) => {
             for (&ax, &m) in axes.iter().zip(s) {
                 out[ax] = m.max(0) as usize;
@@ -372,11 +385,12 @@ pub fn resize_plan(
 }
 
 /// Resize's sampling along one axis from `n` inputs to `m` outputs at `scale`: each output's
-/// (input index, weight) taps, one for nearest and two for linear. An axis kept at its size and
-/// scale 1 is the identity. Cubic and tf_crop_and_resize are not implemented.
+/// (input index, weight) taps, one for nearest, two for linear, four for cubic, and as many as
+/// the widened filter covers with antialias ([`filter_taps`]). An axis kept at its size and scale 1
+/// is the identity. tf_crop_and_resize is not implemented.
 pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Vec<Vec<(usize, f64)>>, String> {
-    if a.mode == ResizeMode::Cubic {
-        return Err("Resize mode cubic".into());
+    if a.antialias && a.mode == ResizeMode::Nearest {
+        return Err("Resize with antialias in nearest mode (the spec has it for linear and cubic only)".into());
     }
     let mut per = Vec::with_capacity(m);
     for o in 0..m {
@@ -387,6 +401,8 @@ pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Ve
         let s = resize_source(a.coordinate_transformation_mode, o as f64, scale, n, m)?;
         per.push(if a.mode == ResizeMode::Nearest {
             vec![(resize_nearest(a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
+        } else if a.mode == ResizeMode::Cubic || a.antialias {
+            filter_taps(a, s, n, scale)
         } else {
             let s = s.clamp(0.0, n as f64 - 1.0);
             let i0 = s.floor() as usize;
@@ -396,6 +412,43 @@ pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Ve
         });
     }
     Ok(per)
+}
+
+/// Cubic taps, and linear or cubic with antialias, as the ONNX reference evaluator takes them:
+/// the `2 - 2·start` inputs nearest the source coordinate `s` (those left of it preferred: `base`
+/// is the input left of `s`, `s` itself counting as right of it), `start = floor(-r / c) + 1` for
+/// the kernel's reach r (1 linear, 2 cubic) and c = min(scale, 1) with antialias (1 without);
+/// each weighs kernel(c · (offset − (s − base))) — the triangle, or Keys' cubic with a =
+/// `cubic_coeff_a` — divided by their sum with antialias. An input past either end is the edge
+/// one (or, with `exclude_outside`, weighs 0 and the rest are renormalised).
+fn filter_taps(a: &ResizeAttrs, s: f64, n: usize, scale: f64) -> Vec<(usize, f64)> {
+    let cubic = a.mode == ResizeMode::Cubic;
+    let base = if s.fract() == 0.0 { s - 1.0 } else { s.floor() };
+    let ratio = s - base;
+    let c = if a.antialias { scale.min(1.0) } else { 1.0 };
+    let reach = if cubic { 2.0 } else { 1.0 };
+    let start = (-reach / c).floor() as i64 + 1;
+    let k = f64::from(a.cubic_coeff_a);
+    let kernel = |x: f64| {
+        let x = x.abs();
+        match (cubic, x) {
+            (false, _) => (1.0 - x).max(0.0),
+            (true, x) if x <= 1.0 => ((k + 2.0) * x - (k + 3.0)) * x * x + 1.0,
+            (true, x) if x < 2.0 => ((k * x - 5.0 * k) * x + 8.0 * k) * x - 4.0 * k,
+            _ => 0.0,
+        }
+    };
+    let mut taps: Vec<(i64, f64)> =
+        (start..1 - start + 1).map(|off| (base as i64 + off, kernel(c * (off as f64 - ratio)))).collect();
+    let inside = |i: i64| (0..n as i64).contains(&i);
+    if a.exclude_outside {
+        taps.iter_mut().filter(|t| !inside(t.0)).for_each(|t| t.1 = 0.0);
+    }
+    if a.antialias || a.exclude_outside {
+        let sum: f64 = taps.iter().map(|t| t.1).sum();
+        taps.iter_mut().for_each(|t| t.1 /= sum);
+    }
+    taps.into_iter().map(|(i, w)| (i.clamp(0, n as i64 - 1) as usize, w)).collect()
 }
 
 /// The start and element count of a slice of a dim of `len` elements (ONNX Slice clamping:

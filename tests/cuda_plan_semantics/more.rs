@@ -475,29 +475,32 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
         let d = dtype_of(tag);
         let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
         let (od, xs, base) = (dims(&a[4]), dims(&a[5]), dims(&a[6]));
-        let (count, idx, w) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]));
+        let (first, idx, w) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]));
         for e in 0..n {
+            // Per axis, the output coordinate's taps: first[c] .. first[c + 1].
             let mut lin = e;
-            let mut coord = [0i64; 8];
+            let mut taps = vec![(0i64, 0i64); rank];
             for dd in (0..rank).rev() {
-                coord[dd] = base[dd] + lin % od[dd];
+                let c = base[dd] + lin % od[dd];
+                let start = m.get(first, c, DType::I64) as i64;
+                taps[dd] = (start, m.get(first, c + 1, DType::I64) as i64 - start);
                 lin /= od[dd];
             }
+            let combos: i64 = taps.iter().map(|t| t.1).product();
             let mut acc = 0.0;
-            for c in 0..(1i64 << rank) {
-                let (mut off, mut weight, mut take) = (0i64, 1.0f64, true);
-                for (dd, &at) in coord.iter().enumerate().take(rank) {
-                    let t = (c >> (rank - 1 - dd)) & 1;
-                    if t >= m.get(count, at, DType::I64) as i64 {
-                        take = false;
-                    } else {
-                        off += m.get(idx, 2 * at + t, DType::I64) as i64 * xs[dd];
-                        weight *= m.get(w, 2 * at + t, DType::F64);
-                    }
+            for c in 0..combos {
+                // Lexicographic, axis 0 most significant.
+                let (mut rem, mut pick) = (c, vec![0i64; rank]);
+                for dd in (0..rank).rev() {
+                    pick[dd] = taps[dd].0 + rem % taps[dd].1;
+                    rem /= taps[dd].1;
                 }
-                if take {
-                    acc += m.get(x, off, d) * weight;
+                let (mut off, mut weight) = (0i64, 1.0f64);
+                for (dd, &t) in pick.iter().enumerate() {
+                    off += m.get(idx, t, DType::I64) as i64 * xs[dd];
+                    weight *= m.get(w, t, DType::F64);
                 }
+                acc += m.get(x, off, d) * weight;
             }
             m.set(y, e, d, acc);
         }

@@ -463,7 +463,8 @@ fn resize() {
     // half_pixel with floor, a downscale, blocks along one axis but not the other, linear upscales
     // and a linear downscale.
     type Resize<'a> = (&'a str, Vec<(&'a str, Attr)>, &'a [f32], &'a [i64]);
-    let cases: [Resize; 11] = [
+    let cubic = |extra: &[(&'static str, Attr)]| [vec![("mode", text("cubic"))], extra.to_vec()].concat();
+    let cases: [Resize; 16] = [
         ("asymmetric_floor", modes("asymmetric", "floor"), &[1.0, 1.0, 2.0, 3.0], &[]),
         ("half_pixel_sizes", vec![], &[], &[2, 2, 6, 6]),
         ("half_pixel_symmetric_ceil", modes("half_pixel_symmetric", "round_prefer_ceil"), &[1.0, 1.0, 3.0, 4.0], &[]),
@@ -475,6 +476,29 @@ fn resize() {
         ("linear_pytorch_half_pixel_channels", linear("pytorch_half_pixel"), &[1.0, 2.0, 1.5, 1.0], &[]),
         ("linear_align_corners", linear("align_corners"), &[], &[2, 2, 3, 5]),
         ("linear_downscale", linear("asymmetric"), &[1.0, 1.0, 0.5, 0.7], &[]),
+        // Cubic (four taps, edge inputs repeated or excluded), antialiased downscales (wider
+        // filters) and an aspect-ratio policy: all through the taps' matrices too.
+        ("cubic_half_pixel", cubic(&[]), &[1.0, 1.0, 2.0, 1.5], &[]),
+        (
+            "cubic_exclude_outside",
+            cubic(&[("exclude_outside", Attr::Int(1)), ("cubic_coeff_a", Attr::Float(-0.5))]),
+            &[1.0, 1.0, 1.5, 2.0],
+            &[],
+        ),
+        (
+            "linear_antialias",
+            [linear("half_pixel"), vec![("antialias", Attr::Int(1))]].concat(),
+            &[1.0, 1.0, 0.5, 0.7],
+            &[],
+        ),
+        ("cubic_antialias", cubic(&[("antialias", Attr::Int(1))]), &[1.0, 1.0, 1.0, 0.4], &[]),
+        (
+            "keep_aspect_not_larger",
+            [linear("half_pixel"), vec![("keep_aspect_ratio_policy", text("not_larger")), ("axes", ints(&[2, 3]))]]
+                .concat(),
+            &[],
+            &[4, 4],
+        ),
     ];
     for (name, attrs, scales, sizes) in cases {
         let mut c = Case::new(&format!("resize_{name}"));
@@ -485,19 +509,6 @@ fn resize() {
         let y = c.op("Resize", &attrs, &[Some(x), None, scales, sizes], 1)[0];
         c.check(y, TOL);
     }
-}
-
-#[test]
-fn resize_cubic_is_refused_naming_the_mode() {
-    let mut c = Case::new("resize_cubic");
-    let x = c.param("x", &[1, 1, 2, 2]);
-    let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, 2.0, 2.0]));
-    let y = c.op("Resize", &[("mode", Attr::String("cubic".into()))], &[Some(x), None, Some(scales)], 1)[0];
-    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
-    mpc_passes::infer_types(&mut c.g).unwrap();
-    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
-    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-    assert!(err.contains("Resize mode cubic cannot be differentiated"), "{err}");
 }
 
 #[test]

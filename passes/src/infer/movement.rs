@@ -307,9 +307,9 @@ pub(super) fn pad(cx: &NodeCx) -> Result<Option<Shape>, String> {
                 let (b, e) = (pads[i], pads[i + axes.len()]);
                 let limit = match mode {
                     mpc_ir::ops::PadMode::Constant => i64::MAX,
-                    // Reflection mirrors inside the axis, edge and wrap copy from it: an empty axis
-                    // has nothing to copy, and reflect no more than its size less one.
-                    mpc_ir::ops::PadMode::Reflect => n as i64 - 1,
+                    // Reflection mirrors inside the axis (again and again past its size, as numpy
+                    // and the reference evaluator do; onnxruntime refuses more than the size less
+                    // one), edge and wrap copy from it: an empty axis has nothing to copy.
                     _ if n == 0 => 0,
                     _ => i64::MAX,
                 };
@@ -344,6 +344,18 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
         }
         for (&ax, &s) in axes.iter().zip(&sizes) {
             out.0[ax] = Dim::Fixed(u64::try_from(s).map_err(|_| format!("sizes has {s}; each must be 0 or more"))?);
+        }
+        if let Op::Resize(a) = &cx.g.node(cx.n).op {
+            if a.keep_aspect_ratio_policy != mpc_ir::ops::AspectPolicy::Stretch {
+                // The sizes bound one scale for all the axes: the sizes that come out are known
+                // only with the input's.
+                let Some(dims) = x.as_fixed() else {
+                    return Ok(Some(Shape(vec![Dim::Unknown; x.rank()])));
+                };
+                let dims: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+                let (o, _) = mpc_ir::geometry::resize_plan(a, &dims, None, Some(&sizes))?;
+                return Ok(Some(Shape(o.iter().map(|&d| Dim::Fixed(d as u64)).collect())));
+            }
         }
         return Ok(Some(out));
     }

@@ -5,8 +5,8 @@
 
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
-    AspectPolicy, AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode,
-    ReduceAttrs, ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
+    AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode, ReduceAttrs,
+    ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Tensor, ValueId};
 
@@ -199,9 +199,6 @@ pub(super) fn channel_norm(
 /// An axis that copies each input into a block of s outputs (nearest at an integer upscale) sums
 /// the blocks instead: dY reshaped to [.., n, s, ..] and summed over the s axes.
 pub(super) fn resize(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId) -> Result<ValueId, String> {
-    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch {
-        return Err("Resize with antialias or a keep_aspect_ratio_policy cannot be differentiated".into());
-    }
     let x0 = input(node, 0)?;
     let (xs, dt) = (b.shape(x0)?, b.dtype(x0)?);
     let r = xs.rank();

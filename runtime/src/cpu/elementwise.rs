@@ -98,7 +98,14 @@ macro_rules! real {
                     Trig::Asin => self.asin(),
                     Trig::Acos => self.acos(),
                     Trig::Atan => self.atan(),
+                    // Likewise 2|x| overflows in the standard library's asinh near the largest f32.
+                    Trig::Asinh if self.abs() >= 268435456.0 => {
+                        (self.abs().ln() + std::f64::consts::LN_2 as $t).copysign(self)
+                    }
                     Trig::Asinh => self.asinh(),
+                    // The standard library's ln(x + √(x² − 1)) overflows past half the largest value;
+                    // from 2^28 on, ln(2x) is acosh to the last bit in both widths.
+                    Trig::Acosh if self >= 268435456.0 => self.ln() + std::f64::consts::LN_2 as $t,
                     Trig::Acosh => self.acosh(),
                     Trig::Atanh => self.atanh(),
                 }

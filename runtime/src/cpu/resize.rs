@@ -1,7 +1,8 @@
-//! Resize: nearest and (multi)linear, separable per axis, with ONNX's coordinate transformations.
-//! Cubic, antialiasing, aspect-ratio policies and tf_crop_and_resize are reported as unsupported.
+//! Resize: nearest, (multi)linear and cubic, antialiased or not, separable per axis, with ONNX's
+//! coordinate transformations and aspect-ratio policies. tf_crop_and_resize is reported as
+//! unsupported.
 
-use mpc_ir::ops::{AspectPolicy, ResizeAttrs, ResizeMode};
+use mpc_ir::ops::ResizeAttrs;
 
 use super::{err, unsupported, Res};
 use crate::value::HostTensor;
@@ -12,9 +13,6 @@ pub(crate) fn resize(
     sizes: Option<&HostTensor>,
     a: &ResizeAttrs,
 ) -> Res<HostTensor> {
-    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch || a.mode == ResizeMode::Cubic {
-        return Err(unsupported("Resize with cubic mode, antialias or an aspect-ratio policy"));
-    }
     let rank = x.shape.len();
     let sizes = match sizes.filter(|s| !s.is_empty()) {
         Some(s) => Some(s.i64s().ok_or_else(|| err("sizes must be integers"))?),

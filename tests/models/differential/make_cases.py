@@ -222,8 +222,10 @@ def refused_forms(rng):
     wide = rng.uniform(-3, 3, (3, 4)).astype(np.float32)
     unit = rng.uniform(-1.2, 1.2, (3, 4)).astype(np.float32)
     above = rng.uniform(0.5, 4, (3, 4)).astype(np.float32)
+    huge = np.array([1.0, 2.0, 1e10, 3e19, 1.8e38, np.float32(3.4028235e38)], np.float32)  # acosh past x*x's range
     for op, x in [("Tan", rng.uniform(-1.4, 1.4, (3, 4)).astype(np.float32)), ("Sinh", wide), ("Cosh", wide),
-                  ("Asin", unit), ("Acos", unit), ("Atan", wide), ("Asinh", wide), ("Acosh", above), ("Atanh", unit)]:
+                  ("Asin", unit), ("Acos", unit), ("Atan", wide), ("Asinh", np.concatenate([wide.ravel(), huge])),
+                  ("Acosh", np.concatenate([above.ravel(), huge])), ("Atanh", unit)]:
         case(op.lower(), [h.make_node(op, ["x"], ["y"])], [("x", x)], ["y"])
     case("celu", [h.make_node("Celu", ["x"], ["y"], alpha=0.5)], [("x", wide)], ["y"])
     # Pixel shuffle both ways, both DepthToSpace modes.
@@ -252,6 +254,37 @@ def refused_forms(rng):
     case("topk_int64", [h.make_node("TopK", ["x", "k"], ["v", "i"])], [("x", xi)], ["v", "i"],
          inits=[("k", np.array([4], np.int64))])
     case("topk_opset_9_attribute", [h.make_node("TopK", ["x"], ["v", "i"], k=2)], [("x", x3)], ["v", "i"], opset=9)
+    # Resize: cubic (coordinate modes, cubic_coeff_a, exclude_outside), antialiased downsampling
+    # (linear, cubic), and the aspect-ratio policies.
+    img = rng.standard_normal((1, 2, 6, 7)).astype(np.float32)
+    for name, attrs, scales, sizes, axes in [
+            ("resize_cubic_half_pixel", dict(mode="cubic"), [1, 1, 2, 1.5], None, None),
+            ("resize_cubic_align_corners", dict(mode="cubic", coordinate_transformation_mode="align_corners"),
+             [1, 1, 0.5, 2], None, None),
+            ("resize_cubic_asymmetric_a_half", dict(mode="cubic", coordinate_transformation_mode="asymmetric",
+                                                    cubic_coeff_a=-0.5), [1, 1, 1.7, 0.6], None, None),
+            ("resize_cubic_exclude_outside", dict(mode="cubic", exclude_outside=1), [1, 1, 2, 1.5], None, None),
+            ("resize_cubic_pytorch_sizes", dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"),
+             None, [1, 2, 3, 9], None),
+            ("resize_linear_antialias", dict(mode="linear", antialias=1), [1, 1, 0.5, 0.6], None, None),
+            ("resize_cubic_antialias", dict(mode="cubic", antialias=1), [1, 1, 0.5, 0.4], None, None),
+            ("resize_linear_antialias_up_and_down", dict(mode="linear", antialias=1), [1, 1, 1.5, 0.3], None, None),
+            ("resize_keep_aspect_not_larger", dict(mode="linear", keep_aspect_ratio_policy="not_larger"),
+             None, [4, 4], [2, 3]),
+            ("resize_keep_aspect_not_smaller", dict(mode="nearest", keep_aspect_ratio_policy="not_smaller"),
+             None, [4, 4], [2, 3])]:
+        ins = ["x", "", "s" if scales else ""] + (["z"] if sizes else [])
+        inits = ([("s", np.array(scales, np.float32))] if scales else []) + \
+                ([("z", np.array(sizes, np.int64))] if sizes else [])
+        if axes:
+            attrs = dict(attrs, axes=axes)
+        case(name, [h.make_node("Resize", ins, ["y"], **attrs)], [("x", img)], ["y"], inits=inits, opset=19)
+    # Reflect padding past the axis reflects again (numpy, the reference evaluator; onnxruntime
+    # refuses it): the oracle is numpy.
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    case("pad_reflect_past_the_axis", [h.make_node("Pad", ["x", "p"], ["y"], mode="reflect")], [("x", x)], ["y"],
+         inits=[("p", np.array([0, 4, 1, 5], np.int64))],
+         oracle=lambda x: [np.pad(x, [(0, 1), (4, 5)], mode="reflect")])
     fidx = np.array([[1.0, 0.0], [2.0, 2.0]], np.float32)
     case("onehot_float_indices_axis_1", [h.make_node("OneHot", ["i", "d", "v"], ["y"], axis=1)],
          [("i", fidx)], ["y"], inits=[("d", np.array([3.0], np.float32)), ("v", np.array([-1.0, 7.0], np.float32))])

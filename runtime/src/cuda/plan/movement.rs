@@ -81,11 +81,7 @@ pub(super) fn plan_pad(p: &mut Planner, mode: PadMode) -> Result<(), String> {
 }
 
 pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Result<(), String> {
-    use mpc_ir::ops::{AspectPolicy, ResizeMode};
     let (x, y) = (p.input(0)?, p.output(0)?);
-    if a.antialias || a.keep_aspect_ratio_policy != AspectPolicy::Stretch || a.mode == ResizeMode::Cubic {
-        return Err("Resize with cubic mode, antialias or an aspect-ratio policy".into());
-    }
     let t = float_tag(x.dtype)?;
     let scales = p.host(2).filter(|s| !s.is_empty()).map(|s| s.f64s());
     let sizes = p.host(3).filter(|s| !s.is_empty()).and_then(|s| s.i64s());
@@ -93,23 +89,24 @@ pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Resu
     if out != y.shape {
         return Err(format!("Resize to {out:?} where the graph declares {:?}", y.shape));
     }
-    let (mut count, mut idx, mut w, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Each output coordinate's taps, all axes one after another: first[e] .. first[e + 1].
+    let (mut first, mut idx, mut w, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for d in 0..x.shape.len() {
-        base.push(count.len() as i64);
+        base.push(first.len() as i64);
         for taps in mpc_ir::geometry::resize_taps(a, x.shape[d], out[d], scale[d])? {
-            if taps.is_empty() || taps.len() > 2 {
-                return Err(format!("a Resize output sampling {} inputs", taps.len()));
+            if taps.is_empty() {
+                return Err("a Resize output samples no input".into());
             }
-            count.push(taps.len() as i64);
-            for k in 0..2 {
-                let (i, wt) = taps.get(k).copied().unwrap_or((0, 0.0));
+            first.push(idx.len() as i64);
+            for (i, wt) in taps {
                 idx.push(i as i64);
                 w.push(wt);
             }
         }
     }
+    first.push(idx.len() as i64);
     let le = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let (count, idx) = (p.aux(&le(&count)), p.aux(&le(&idx)));
+    let (first, idx) = (p.aux(&le(&first)), p.aux(&le(&idx)));
     let w = p.aux(&w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>());
     let n = y.numel() as u64;
     let args = vec![
@@ -120,7 +117,7 @@ pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Resu
         Arg::Dims(dims8(&us(&y.shape))?),
         Arg::Dims(dims8(&contiguous(&x.shape))?),
         Arg::Dims(dims8(&base)?),
-        Arg::Ptr(count),
+        Arg::Ptr(first),
         Arg::Ptr(idx),
         Arg::Ptr(w),
     ];
