@@ -451,6 +451,34 @@ fn filter_taps(a: &ResizeAttrs, s: f64, n: usize, scale: f64) -> Vec<(usize, f64
     taps.into_iter().map(|(i, w)| (i.clamp(0, n as i64 - 1) as usize, w)).collect()
 }
 
+/// The element of an axis of `n` that Pad reads for coordinate `c` (the output's less the pad
+/// before it): `c` inside the axis; outside it, reflect mirrors about the ends (again and again, as
+/// numpy), edge repeats the end (reflect too when `n` is 1), wrap goes round; `None` for the constant
+/// (constant mode, or an empty axis).
+pub fn pad_source(c: i64, n: i64, mode: crate::ops::PadMode) -> Option<i64> {
+    use crate::ops::PadMode;
+    if (0..n).contains(&c) {
+        return Some(c);
+    }
+    if n == 0 {
+        return None;
+    }
+    Some(match mode {
+        PadMode::Constant => return None,
+        PadMode::Reflect if n > 1 => {
+            let period = 2 * (n - 1);
+            let m = c.rem_euclid(period);
+            if m >= n {
+                period - m
+            } else {
+                m
+            }
+        }
+        PadMode::Edge | PadMode::Reflect => c.clamp(0, n - 1),
+        PadMode::Wrap => c.rem_euclid(n),
+    })
+}
+
 /// The start and element count of a slice of a dim of `len` elements (ONNX Slice clamping:
 /// negative indices count from the end; a positive step clamps start and end to `[0, len]`; a
 /// negative one clamps the start to `[0, len-1]` (a start before the first element is the first

@@ -603,16 +603,35 @@ fn pad_and_crop() {
 }
 
 #[test]
-fn pad_reflect_is_refused_naming_the_mode() {
-    let mut c = Case::new("pad_reflect");
-    let x = c.param("x", &[3, 4]);
-    let pads = c.ints("pads", &[4], &[1, 1, 1, 1]);
-    let y = c.op1("Pad", &[("mode", Attr::String("reflect".into()))], &[x, pads]);
-    let s = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[y]);
-    mpc_passes::infer_types(&mut c.g).unwrap();
-    let seed = c.g.add_initializer("seed", Tensor::from_f64_as(DType::F64, vec![], &[1.0]));
-    let err = mpc_passes::train::differentiate(&mut c.g, &[x], s, seed).unwrap_err().to_string();
-    assert!(err.contains("Pad in mode reflect"), "{err}");
+fn pad_reflect_edge_and_wrap() {
+    // Each mode past the axis once (reflect twice round on the short axis), a crop at one end,
+    // and on named axes: every output element adds its gradient back to the one it copies.
+    for mode in ["reflect", "edge", "wrap"] {
+        let mut c = Case::new(&format!("pad_{mode}"));
+        let x = c.param("x", &[2, 3, 4]);
+        let pads = c.ints("pads", &[6], &[0, 5, 2, 1, 2, -1]);
+        let p = c.op("Pad", &[("mode", Attr::String(mode.into()))], &[Some(x), Some(pads)], 1)[0];
+        let (two, axes) = (c.ints("two", &[4], &[1, 3, 0, 2]), c.ints("axes", &[2], &[0, -1]));
+        let y = c.op("Pad", &[("mode", Attr::String(mode.into()))], &[Some(p), Some(two), None, Some(axes)], 1)[0];
+        c.check(y, TOL);
+    }
+}
+
+#[test]
+fn slice_with_steps() {
+    // x[::2, ::-1] and x[3:0:-2] on the last axis: strided and reversed slices (torch.flip).
+    let mut c = Case::new("slice_steps");
+    let x = c.param("x", &[5, 3, 4]);
+    let (st, en) = (c.ints("starts", &[2], &[0, -1]), c.ints("ends", &[2], &[i64::MAX, i64::MIN]));
+    let (ax, steps) = (c.ints("axes", &[2], &[0, 1]), c.ints("steps", &[2], &[2, -1]));
+    let a = c.op("Slice", &[], &[Some(x), Some(st), Some(en), Some(ax), Some(steps)], 1)[0];
+    let (st2, en2) = (c.ints("starts2", &[1], &[3]), c.ints("ends2", &[1], &[0]));
+    let (ax2, steps2) = (c.ints("axes2", &[1], &[-1]), c.ints("steps2", &[1], &[-2]));
+    let b = c.op("Slice", &[], &[Some(x), Some(st2), Some(en2), Some(ax2), Some(steps2)], 1)[0];
+    let sa = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[a]);
+    let sb = c.op1("ReduceSum", &[("keepdims", Attr::Int(0))], &[b]);
+    let y = c.op1("Mul", &[], &[sa, sb]);
+    c.check(y, TOL);
 }
 
 #[test]

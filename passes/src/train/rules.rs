@@ -6,9 +6,9 @@
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
     AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode, ReduceAttrs,
-    ReshapeAttrs, ResizeAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
+    ReshapeAttrs, ResizeAttrs, ScatterElementsAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
 };
-use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Tensor, ValueId};
+use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Shape, Tensor, ValueId};
 
 use super::build::{fixed, int_const, Builder};
 
@@ -55,11 +55,28 @@ pub(super) fn extremum(b: &mut Builder, node: &Node, dy: ValueId, wants: &[bool]
 /// Pad in constant mode: dX = Pad(dY, −pads), cropping what was added and zero-filling what was
 /// cut. The other modes fold copies back (a scatter-add) and are refused.
 pub(super) fn pad(b: &mut Builder, node: &Node, a: &PadAttrs, dy: ValueId) -> Result<ValueId, String> {
-    if a.mode != PadMode::Constant {
-        let mode = format!("{:?}", a.mode).to_lowercase();
-        return Err(format!("Pad in mode {mode} cannot be differentiated yet (constant only)"));
-    }
     let pads = int_const(b.g, node.input(1), "Pad pads")?.ok_or("Pad pads are missing")?;
+    if a.mode != PadMode::Constant {
+        // Reflect, edge, wrap: every output element along a padded axis reads one input
+        // element (mpc_ir::geometry::pad_source), so dy adds back to it, one axis at a time.
+        let xs = b.shape(input(node, 0)?)?;
+        let r = xs.rank();
+        let axes = int_const(b.g, node.input(3), "Pad axes")?.unwrap_or_else(|| (0..r as i64).collect());
+        let (mut ys, dt) = (b.shape(node.outputs()[0])?, b.dtype(node.outputs()[0])?);
+        let mut g = dy;
+        for (i, &ax) in axes.iter().enumerate() {
+            let ax = normalize_axis(ax, r).ok_or(format!("Pad axis {ax} is out of range"))?;
+            let (before, after) = (pads[i], pads[i + axes.len()]);
+            if before == 0 && after == 0 {
+                continue;
+            }
+            let n = fixed(&xs.dims()[ax], "a padded axis")?;
+            let at: Option<Vec<i64>> =
+                (0..(n + before + after).max(0)).map(|o| mpc_ir::geometry::pad_source(o - before, n, a.mode)).collect();
+            g = scatter_along(b, g, &mut ys, dt, ax, &at.ok_or("Pad of an empty axis")?, n)?;
+        }
+        return Ok(g);
+    }
     let back: Vec<i64> = pads.iter().map(|p| -p).collect();
     let mut ins = vec![Some(dy), Some(b.ints(&back))];
     if let Some(axes) = node.input(3) {
@@ -578,13 +595,25 @@ pub(super) fn slice(b: &mut Builder, node: &Node, dy: ValueId) -> Result<ValueId
     };
     let axes = int_const(g, node.input(3), "Slice axes")?.unwrap_or_else(|| (0..n_sliced as i64).collect());
     let steps = int_const(g, node.input(4), "Slice steps")?.unwrap_or_else(|| vec![1; n_sliced]);
-    if steps.iter().any(|&s| s != 1) {
-        return Err("Slice with steps other than 1 cannot be differentiated yet".into());
-    }
     let axes: Vec<usize> = axes
         .iter()
         .map(|&a| normalize_axis(a, r).ok_or(format!("Slice axis {a} is out of range")))
         .collect::<Result<_, _>>()?;
+    if steps.iter().any(|&s| s != 1) {
+        // A strided or reversed slice (x[:, ::2], torch.flip): dy goes back to the elements
+        // it read, one sliced axis at a time.
+        let starts = int_const(g, node.input(1), "Slice starts")?.ok_or("Slice starts are missing")?;
+        let ends = int_const(g, node.input(2), "Slice ends")?.ok_or("Slice ends are missing")?;
+        let (mut ys, dt) = (b.shape(node.outputs()[0])?, b.dtype(node.outputs()[0])?);
+        let mut grad = dy;
+        for (i, &ax) in axes.iter().enumerate() {
+            let n = fixed(&xs.dims()[ax], "a sliced axis")?;
+            let (begin, count) = mpc_ir::geometry::slice_dim(n, starts[i], ends[i], steps[i])?;
+            let at: Vec<i64> = (0..count as i64).map(|k| begin + k * steps[i]).collect();
+            grad = scatter_along(b, grad, &mut ys, dt, ax, &at, n)?;
+        }
+        return Ok(grad);
+    }
     let fixed_dims: Option<Vec<i64>> = axes.iter().map(|&a| xs.dims()[a].fixed().map(|d| d as i64)).collect();
     let p = match (consts(1), consts(2), fixed_dims) {
         (Some(starts), Some(ends), Some(dims)) => {
@@ -600,6 +629,48 @@ pub(super) fn slice(b: &mut Builder, node: &Node, dy: ValueId) -> Result<ValueId
         _ => slice_pads(b, input(node, 0)?, input(node, 1)?, input(node, 2)?, &axes, r),
     };
     Ok(b.op("pad", Op::Pad(Default::default()), &[dy, p]))
+}
+
+/// `dy` added along `axis` into zeros with `n` elements there, element k of the axis landing at
+/// `at[k]`: the gradient of an op each of whose outputs along one axis reads one input element
+/// (a strided or reversed Slice; a reflect, edge or wrap Pad). A ScatterElements with reduction
+/// add, its indices `at` broadcast over dy's other dims.
+/// `ys` is dy's shape, which becomes `n` at `axis`.
+fn scatter_along(
+    b: &mut Builder,
+    dy: ValueId,
+    ys: &mut Shape,
+    dt: DType,
+    axis: usize,
+    at: &[i64],
+    n: i64,
+) -> Result<ValueId, String> {
+    let r = ys.rank();
+    let mut along = vec![1u64; r];
+    along[axis] = at.len() as u64;
+    let name = format!("grad.{}.at{axis}", b.base);
+    let idx = b.init(&name, Tensor::from_i64(along, at));
+    let to = match ys.as_fixed() {
+        Some(d) => b.ints(&d.iter().map(|&v| v as i64).collect::<Vec<_>>()),
+        None => b.op("shape", Op::Shape(Default::default()), &[dy]),
+    };
+    let idx = b.op("along", Op::Expand, &[idx, to]);
+    ys.0[axis] = Dim::Fixed(n as u64);
+    let target = match ys.as_fixed() {
+        Some(d) => b.ints(&d.iter().map(|&v| v as i64).collect::<Vec<_>>()),
+        None => {
+            let part = |b: &mut Builder, start: i64, end: Option<i64>| {
+                b.op("dims", Op::Shape(mpc_ir::ops::ShapeAttrs { start, end }), &[dy])
+            };
+            let (head, tail) = (part(b, 0, Some(axis as i64)), part(b, axis as i64 + 1, None));
+            let len = b.ints(&[n]);
+            let cat = Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 });
+            b.ops("shape", cat, &[Some(head), Some(len), Some(tail)], 1)[0]
+        }
+    };
+    let zeros = b.full("zeros", target, 0.0, dt);
+    let add = Op::ScatterElements(ScatterElementsAttrs { axis: axis as i64, reduction: ScatterReduction::Add });
+    Ok(b.ops("scatter", add, &[Some(zeros), Some(idx), Some(dy)], 1)[0])
 }
 
 /// The Pad amounts `[begins..., ends...]` that undo `Slice(x, starts, ends, axes)` with steps of

@@ -197,23 +197,8 @@ pub(crate) fn pad(
             let mut p = 0usize;
             for d in 0..rank {
                 let n = x.shape[d] as i64;
-                let mut c = ((k / ost[d]) % shape[d]) as i64 - before[d];
-                if c < 0 || c >= n {
-                    c = match mode {
-                        PadMode::Reflect if n > 1 => {
-                            let period = 2 * (n - 1);
-                            let m = c.rem_euclid(period);
-                            if m >= n {
-                                period - m
-                            } else {
-                                m
-                            }
-                        }
-                        PadMode::Edge | PadMode::Reflect => c.clamp(0, n - 1),
-                        PadMode::Wrap => c.rem_euclid(n),
-                        PadMode::Constant => return fill,
-                    };
-                }
+                let c = ((k / ost[d]) % shape[d]) as i64 - before[d];
+                let Some(c) = mpc_ir::geometry::pad_source(c, n, mode) else { return fill };
                 p += c as usize * st[d];
             }
             p
