@@ -12,6 +12,7 @@
 //!   eight forward and more backward, and training saves only x for the gradient. Written out, the
 //!   graph then needs opset 20 (the exporter raises it).
 //! - An Einsum's ellipsis is written out as letters once its operands' shapes are known.
+//! - A CastLike whose second input's dtype the import did not know is a Cast once inference does.
 
 use mpc_ir::ops::{EinsumAttrs, GeluApprox, GeluAttrs, SoftmaxAttrs};
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
@@ -39,8 +40,31 @@ impl Pass for Simplify {
                 changed = Changed::Yes;
             }
         }
+        if cast_like(g)? == Changed::Yes {
+            // What reads a CastLike is typed only now.
+            crate::infer_types(g)?;
+            changed = Changed::Yes;
+        }
         Ok(changed)
     }
+}
+
+/// A CastLike the import kept opaque (its second input's dtype was not known there) is the Cast
+/// to that dtype once inference knows it.
+fn cast_like(g: &mut Graph) -> Result<Changed> {
+    let mut changed = Changed::No;
+    for n in g.topo_order()? {
+        let Op::Opaque(o) = &g.node(n).op else { continue };
+        if !o.domain.is_empty() || o.op_type != "CastLike" || o.attrs.iter().any(|(k, _)| k != "saturate") {
+            continue;
+        }
+        let Some(to) = g.node(n).input(1).and_then(|v| g.ty(v).dtype) else { continue };
+        let saturate = !o.attrs.iter().any(|(_, a)| matches!(a, mpc_ir::Attr::Int(0)));
+        *g.node_op_mut(n) = Op::Cast(mpc_ir::ops::CastAttrs { saturate, to });
+        g.truncate_inputs(n, 1);
+        changed = Changed::Yes;
+    }
+    Ok(changed)
 }
 
 /// An Einsum whose equation has an ellipsis gets it written out as letters

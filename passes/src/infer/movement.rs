@@ -338,6 +338,17 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
         _ => (0..x.rank()).collect(),
     };
     let mut out = x.clone();
+    let stretch = matches!(&cx.g.node(cx.n).op, Op::Resize(a) if a.keep_aspect_ratio_policy == mpc_ir::ops::AspectPolicy::Stretch);
+    // Sizes computed from a symbolic shape (`Concat(Shape(x)[:2], [6])`): the dims they name.
+    if let Some(k) = cx.known(3).filter(|k| stretch && !k.elems.is_empty() && k.ints().is_none()) {
+        if k.elems.len() != axes.len() {
+            return Err(format!("{} sizes for {} axes", k.elems.len(), axes.len()));
+        }
+        for (&ax, e) in axes.iter().zip(&k.elems) {
+            out.0[ax] = e.dim();
+        }
+        return Ok(Some(out));
+    }
     if let Some(sizes) = cx.has(3).then(|| cx.ints(3)).flatten().filter(|s| !s.is_empty()) {
         if sizes.len() != axes.len() {
             return Err(format!("{} sizes for {} axes", sizes.len(), axes.len()));

@@ -221,14 +221,27 @@ pub(super) fn resize(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId)
     let r = xs.rank();
     // Unknown dims as 0: they may only be kept as they are (size and scale unchanged).
     let ns: Vec<usize> = xs.dims().iter().map(|d| d.fixed().unwrap_or(0) as usize).collect();
-    let sizes = int_const(b.g, node.input(3), "Resize sizes")?;
+    let y = node.outputs()[0];
+    // Sizes computed from a symbolic shape (the batch's, kept): the output's dims say them, an
+    // axis of unknown size that the output keeps as 0 for 0 (kept below).
+    let sizes = match int_const(b.g, node.input(3), "Resize sizes") {
+        Ok(s) => s,
+        Err(e) => {
+            let ys = b.shape(y)?;
+            let kept = |d: usize| xs.dims()[d].fixed().is_none() && ys.dims()[d] == xs.dims()[d];
+            let out: Option<Vec<i64>> =
+                (0..r).map(|d| if kept(d) { Some(0) } else { ys.dims()[d].fixed().map(|v| v as i64) }).collect();
+            Some(out.ok_or(e)?)
+        }
+    };
     let scales = match node.input(2) {
-        Some(v) => Some(b.g.constant(v).ok_or("Resize scales must be a constant to differentiate")?.to_f64_vec()),
+        Some(v) => Some(float_const(b.g, v).ok_or("Resize scales must be a constant to differentiate")?),
         None => None,
     };
     let (ms, scale) = mpc_ir::geometry::resize_plan(a, &ns, scales.as_deref(), sizes.as_deref())?;
     let (mut blocks, mut spread) = (vec![1i64; r], Vec::new());
-    for d in (0..r).filter(|&d| ms[d] != ns[d] || scale[d] != 1.0) {
+    // Kept: the same size at scale 1 (or an axis of unknown size the output keeps: 0 for 0).
+    for d in (0..r).filter(|&d| ms[d] != ns[d] || (scale[d] != 1.0 && ns[d] != 0)) {
         let n = fixed(&xs.dims()[d], "a resized axis")? as usize;
         let taps = mpc_ir::geometry::resize_taps(a, n, ms[d], scale[d])
             .map_err(|e| format!("{e} cannot be differentiated"))?;
@@ -495,7 +508,12 @@ pub(super) fn gather_elements(b: &mut Builder, node: &Node, a: &AxisAttrs, dy: V
     let known = |b: &Builder, v: ValueId, what: &str| -> Result<Vec<i64>, String> {
         b.shape(v)?.dims().iter().map(|d| fixed(d, what)).collect()
     };
-    let (xd, id) = (known(b, x0, "GatherElements' data")?, known(b, idx, "GatherElements' indices")?);
+    let (Ok(xd), Ok(id)) = (known(b, x0, "GatherElements' data"), known(b, idx, "GatherElements' indices")) else {
+        // A dim of unknown size (a batch): dy added at the indices into zeros shaped like x.
+        let z = b.zeros_like(x0)?;
+        let add = Op::ScatterElements(ScatterElementsAttrs { axis: a.axis, reduction: ScatterReduction::Add });
+        return Ok(b.ops("scatter", add, &[Some(z), Some(idx), Some(dy)], 1)[0]);
+    };
     let r = xd.len();
     let ax = normalize_axis(a.axis, r).ok_or("bad axis")?;
     let mut strides = vec![1i64; r];
@@ -629,6 +647,21 @@ pub(super) fn slice(b: &mut Builder, node: &Node, dy: ValueId) -> Result<ValueId
         _ => slice_pads(b, input(node, 0)?, input(node, 1)?, input(node, 2)?, &axes, r),
     };
     Ok(b.op("pad", Op::Pad(Default::default()), &[dy, p]))
+}
+
+/// A float tensor known before the data: a constant, or a Concat of them (the legacy exporter's
+/// Resize scales).
+fn float_const(g: &Graph, v: ValueId) -> Option<Vec<f64>> {
+    if let Some(t) = g.constant(v) {
+        return Some(t.to_f64_vec());
+    }
+    let (n, _) = g.value(v).producer()?;
+    match &g.node(n).op {
+        Op::Concat(_) => {
+            g.node(n).inputs().iter().map(|p| float_const(g, (*p)?)).collect::<Option<Vec<_>>>().map(|p| p.concat())
+        }
+        _ => None,
+    }
 }
 
 /// `dy` added along `axis` into zeros with `n` elements there, element k of the axis landing at
