@@ -137,10 +137,11 @@ fn kernel_matches(a: &ConvAttrs, w: &Shape) -> Result<(), String> {
     }
 }
 
-/// A Conv's or ConvTranspose's bias (input 2): one value per output channel.
+/// A Conv's or ConvTranspose's bias (input 2): one value per output channel. A symbolic length
+/// (a bias given as a graph input `[c]`) is checked once the data binds it.
 fn bias_of(cx: &NodeCx, channels: Option<u64>) -> Result<(), String> {
     match (cx.sh(2), channels) {
-        (Some(b), Some(m)) if b.dims() != [Dim::Fixed(m)] => {
+        (Some(b), Some(m)) if b.rank() != 1 || b.dims()[0].fixed().is_some_and(|n| n != m) => {
             Err(format!("bias {b} is not [{m}], one per output channel"))
         }
         _ => Ok(()),

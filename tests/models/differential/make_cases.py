@@ -64,10 +64,15 @@ def write(name, m, inputs, outputs):
                 f.write(nh.from_array(np.asarray(a)).SerializeToString())
 
 
-def case(name, nodes, inputs, outputs, inits=(), opset=18, oracle=None):
+def case(name, nodes, inputs, outputs, inits=(), opset=18, oracle=None, symbolic=None):
+    """symbolic: {input: [dim names]}, the input declared with those dims instead of its data's."""
     first = model(nodes, inputs, outputs, inits, opset)
     want = oracle(*[a for _, a in inputs]) if oracle else onnxruntime(first, inputs)
-    write(name, model(nodes, inputs, outputs, inits, opset, want), inputs, want)
+    m = model(nodes, inputs, outputs, inits, opset, want)
+    for vi in m.graph.input:
+        for d, name in zip(vi.type.tensor_type.shape.dim, (symbolic or {}).get(vi.name, [])):
+            d.dim_param = name
+    write(name, m, inputs, want)
 
 
 def reductions(rng):
@@ -285,6 +290,10 @@ def refused_forms(rng):
     case("pad_reflect_past_the_axis", [h.make_node("Pad", ["x", "p"], ["y"], mode="reflect")], [("x", x)], ["y"],
          inits=[("p", np.array([0, 4, 1, 5], np.int64))],
          oracle=lambda x: [np.pad(x, [(0, 1), (4, 5)], mode="reflect")])
+    # A Conv whose bias is a graph input of symbolic length: checked once the data binds it.
+    x, w = rng.standard_normal((1, 2, 5)).astype(np.float32), rng.standard_normal((3, 2, 2)).astype(np.float32)
+    case("conv_bias_of_symbolic_length", [h.make_node("Conv", ["x", "w", "b"], ["y"])],
+         [("x", x), ("b", np.array([0.5, -1.0, 2.0], np.float32))], ["y"], inits=[("w", w)], symbolic={"b": ["c"]})
     fidx = np.array([[1.0, 0.0], [2.0, 2.0]], np.float32)
     case("onehot_float_indices_axis_1", [h.make_node("OneHot", ["i", "d", "v"], ["y"], axis=1)],
          [("i", fidx)], ["y"], inits=[("d", np.array([3.0], np.float32)), ("v", np.array([-1.0, 7.0], np.float32))])
