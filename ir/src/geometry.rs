@@ -322,7 +322,6 @@ fn resize_nearest(mode: NearestMode, v: f64) -> f64 {
     }
 }
 
-/// Resize's output size and scale along each axis of an input shaped `shape`: from `sizes` when
 /// A Resize output size from a scale: `floor(n · scale)` with the product in float32, as
 /// onnxruntime and the onnx reference evaluator take it and as torch's `interpolate` sized the
 /// export (30 × 1.3f is 39, where the exact product of 1.2999999523 is 38.99999857); `None` when
@@ -332,7 +331,9 @@ pub fn scaled_dim(n: u64, scale: f64) -> Option<u64> {
     (v >= 0.0 && v < 2f64.powi(63)).then_some(v as u64)
 }
 
-/// given and not empty, else from `scales` (output `floor(n · scale)`), for the axes the `axes`
+/// Resize's output size and scale along each axis of an input shaped `shape`: from `sizes` when
+/// given and not empty (with `keep_aspect_ratio_policy`, one scale for all the named axes), else from
+/// `scales` (output [`scaled_dim`]), for the axes the `axes`
 /// attribute names (all by default); the other axes keep their size at scale 1.
 pub fn resize_plan(
     a: &ResizeAttrs,

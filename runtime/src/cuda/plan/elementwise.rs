@@ -206,3 +206,22 @@ pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use mpc_ir::ops::Trig;
+
+    /// Every op of `Trig` plans a kernel by its name, and kernels/elementwise.cu defines that kernel
+    /// and its functor.
+    #[test]
+    fn every_trig_op_names_a_kernel_the_source_defines() {
+        let (_, source) = crate::cuda::nvrtc::FAMILIES.iter().find(|(f, _)| *f == "elementwise").unwrap();
+        let common = crate::cuda::nvrtc::COMMON;
+        for t in Trig::ALL {
+            let op = mpc_ir::Op::from_attrs(&format!("{t:?}"), vec![]).unwrap().unwrap();
+            assert_eq!(super::unary_name(&op).map(|u| u.0), Some(t.name()), "{t:?}");
+            assert!(source.contains(&format!("UNARY({})", t.name())), "{t:?}: no UNARY in elementwise.cu");
+            assert!(common.contains(&format!("UOP({},", t.name())), "{t:?}: no UOP in common.cuh");
+        }
+    }
+}
