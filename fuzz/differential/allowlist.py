@@ -16,12 +16,13 @@ import gen
 ALLOWLIST = [
     {"id": "ort-nan-max",
      "ops": {"ReduceMax", "ReduceMin", "ReduceLogSumExp", "MaxPool", "GlobalMaxPool", "ArgMax", "ArgMin",
-             "ScatterElements", "ScatterND"},
+             "ScatterElements", "ScatterND", "Hardmax"},
      "when": lambda r: r.get("node_inputs", {}).get("nan") and (r.get("reference") != "onnxruntime"
                                                                  or r["node"].get("op") == "MaxPool"),
      "reason": "the ONNX spec does not say what a max or min over a NaN is; onnxruntime's CPU kernels "
                "return NaN or skip it by where it lies (ReduceMax([1, nan, 2, 3]) = 2, ReduceMax([nan, 1]) = "
-               "nan; the same in MaxPool, GlobalMaxPool, ReduceLogSumExp's max and a min/max scatter), where "
+               "nan; the same in MaxPool, GlobalMaxPool, ReduceLogSumExp's max, a min/max scatter and Hardmax, "
+               "whose row with a NaN first is all zeros), where "
                "mpc propagates NaN as numpy does. (For MaxPool the reference evaluator skips NaN too, so "
                "its side is not asked.)"},
     {"id": "reduceprod-order-nonfinite",

@@ -34,8 +34,8 @@ FLOATS = (F32, F16, F64)
 INTS = (I64, I32)
 I64_MIN, I64_MAX = -(2 ** 63), 2 ** 63 - 1
 
-OPSETS = [13, 14, 15, 16, 17, 18, 19, 20, 21]
-OPSET_WEIGHTS = [4, 4, 4, 4, 32, 32, 6, 7, 7]
+OPSETS = [13, 14, 15, 16, 17, 18, 19, 20, 21, 23]
+OPSET_WEIGHTS = [4, 4, 4, 4, 32, 32, 6, 7, 7, 4]
 
 
 def ir_version(opset):

@@ -873,6 +873,65 @@ def op_shape_chain(g):
     g.node("Reshape", [x, target], bound=x.bound)
 
 
+def op_shrink(g):
+    x = g.float_val()
+    if g.opset >= 10 and g.chance(0.4):
+        g.node("ThresholdedRelu", [x], bound=x.bound, alpha=g.choice([1.0, 0.0, -0.5, 2.0, None]))
+    else:
+        bias = g.choice([0.0, 0.5, -1.0, None])
+        g.node("Shrink", [x], bound=x.bound + abs(bias or 0.0), lambd=g.choice([0.5, 0.0, 1.0, None]), bias=bias)
+
+
+def op_hardmax(g):
+    x = g.float_val(lo=1, pred=lambda v: all(d > 0 for d in v.shape))
+    attrs = {"axis": g.randint(-x.rank, x.rank - 1)} if g.chance(0.7) else {}
+    g.node("Hardmax", [x], bound=1.0, **attrs)
+
+
+def op_lp_norm(g):
+    x = g.float_val(lo=1)
+    axis = g.randint(-x.rank, x.rank - 1) if g.chance(0.7) else None
+    g.node("LpNormalization", [x], bound=1.0, axis=axis, p=g.choice([1, 2, None]))
+
+
+def op_lp_pool(g):
+    x = spatial_input(g, 3, 4)
+    p = g.choice([1, 2, 3, None], [2, 2, 1, 2])
+    if g.chance(0.3):
+        g.node("GlobalLpPool", [x], p=p)
+        return
+    k, attrs = conv_geometry(g, x.shape[2:], pool=True)
+    attrs["kernel_shape"] = k
+    if g.opset < 18:
+        attrs.pop("dilations", None)
+    elif g.chance(0.3) and not attrs.get("auto_pad", "NOTSET").startswith("SAME"):
+        attrs["ceil_mode"] = 1
+    g.node("LpPool", [x], p=p, **attrs)
+
+
+def op_eye_like(g):
+    x = g.pick(lambda v: v.rank == 2) or g.fresh(g.choice([F32, I64]), (g.dim(), g.dim()))
+    dtype = g.choice([None, NP2ONNX[F32], NP2ONNX[I64], NP2ONNX[I32], NP2ONNX[F16]])
+    g.node("EyeLike", [x], bound=1.0, dtype=dtype, k=g.choice([0, 1, -1, 2, -3, None]))
+
+
+def op_reverse_sequence(g):
+    x = g.pick(lambda v: v.rank >= 2 and v.numel > 0) or g.fresh(g.float_dt(), g.shape(lo=2))
+    time = g.randint(0, 1)
+    steps, batch = x.shape[time], x.shape[1 - time]
+    lens = g.const(np.array([g.randint(0, steps) for _ in range(batch)]))
+    g.node("ReverseSequence", [x, lens], bound=x.bound, time_axis=time, batch_axis=1 - time)
+
+
+def op_rms_norm(g):
+    if g.opset < 23:
+        raise Reject("RMSNormalization needs opset 23")
+    x = g.float_val(lo=1)
+    axis = g.randint(-x.rank, x.rank - 1) if g.chance(0.7) else None
+    scale = g.fresh(x.dt, x.shape[-1 if axis is None else axis:], init_p=0.8, param=True)
+    g.node("RMSNormalization", [x, scale], axis=axis, epsilon=g.choice([1e-5, 1e-6, 0.1, None]))
+
+
 OPS = [  # (generator, weight)
     (op_unary, 14), (op_not, 1), (op_dropout, 1), (op_binary, 14), (op_variadic, 2), (op_compare, 3),
     (op_logical, 1), (op_where, 3), (op_clip, 3), (op_cast, 3), (op_reduce, 8), (op_softmax, 3),
@@ -882,7 +941,8 @@ OPS = [  # (generator, weight)
     (op_flatten, 1), (op_concat, 3), (op_split, 3), (op_slice, 4), (op_gather, 4), (op_scatter, 2),
     (op_pad, 3), (op_tile, 1), (op_expand, 2), (op_resize, 3), (op_range, 1), (op_shape, 2),
     (op_constant_of_shape, 1), (op_constant, 1), (op_trilu, 1), (op_loss, 1), (op_shape_chain, 1),
-    (op_topk, 2), (op_onehot, 1), (op_depth_space, 1),
+    (op_topk, 2), (op_onehot, 1), (op_depth_space, 1), (op_shrink, 2), (op_hardmax, 1), (op_lp_norm, 1),
+    (op_lp_pool, 2), (op_eye_like, 1), (op_reverse_sequence, 1), (op_rms_norm, 2),
 ]
 OP_FUNCS = [f for f, _ in OPS]
 OP_WEIGHTS = np.array([w for _, w in OPS], dtype=np.float64) / sum(w for _, w in OPS)

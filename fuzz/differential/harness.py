@@ -107,12 +107,12 @@ def simulate_f16(model):
 
 
 def explicit_same_pads(model):
-    """The model with MaxPool, AveragePool and Conv nodes whose auto_pad is SAME_UPPER or
+    """The model with MaxPool, AveragePool, LpPool and Conv nodes whose auto_pad is SAME_UPPER or
     SAME_LOWER given the explicit pads the ONNX spec computes for them: onnxruntime's own SAME
     padding is wrong when a dilation is above 1 or a kernel is smaller than its stride (a wrong
     output size, wrong values or a refusal; docs/differential.md), while its explicit pads agree
     with the spec's formula in every case tried. None when no node needs it."""
-    ops = ("MaxPool", "AveragePool", "Conv")
+    ops = ("MaxPool", "AveragePool", "LpPool", "Conv")
     if not any(n.op_type in ops and any(a.name == "auto_pad" and a.s.startswith(b"SAME") for a in n.attribute)
                for n in model.graph.node):
         return None

@@ -6,6 +6,7 @@
 //! (`--stop-after`).
 
 mod cast_cleanup;
+mod composite;
 mod dce;
 mod expand_attention;
 mod fuse_attention;
@@ -19,6 +20,7 @@ mod simplify;
 pub mod train;
 
 pub use cast_cleanup::CastCleanup;
+pub use composite::{expand_composites, COMPOSITE};
 pub use dce::Dce;
 pub use expand_attention::ExpandAttention;
 pub use fuse_attention::FuseAttention;

@@ -13,6 +13,7 @@
 //!   graph then needs opset 20 (the exporter raises it).
 //! - An Einsum's ellipsis is written out as letters once its operands' shapes are known.
 //! - A CastLike whose second input's dtype the import did not know is a Cast once inference does.
+//! - The standard ops of [`crate::composite`] are written out as the ops they are made of.
 
 use mpc_ir::ops::{EinsumAttrs, GeluApprox, GeluAttrs, SoftmaxAttrs};
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
@@ -34,16 +35,27 @@ impl Pass for Simplify {
     }
 
     fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
-        let mut changed = softmax(g)?;
+        // Composite ops first: what they write out may be what the steps below look for.
+        let mut changed = Changed::No;
+        loop {
+            let wrote = crate::expand_composites(g)?;
+            let cast = cast_like(g)?;
+            if cast == Changed::Yes {
+                // What reads a CastLike is typed only now.
+                crate::infer_types(g)?;
+            }
+            if wrote == Changed::No && cast == Changed::No {
+                break;
+            }
+            changed = Changed::Yes;
+        }
+        if softmax(g)? == Changed::Yes {
+            changed = Changed::Yes;
+        }
         for step in [gelu, einsum_ellipsis] {
             if step(g)? == Changed::Yes {
                 changed = Changed::Yes;
             }
-        }
-        if cast_like(g)? == Changed::Yes {
-            // What reads a CastLike is typed only now.
-            crate::infer_types(g)?;
-            changed = Changed::Yes;
         }
         Ok(changed)
     }

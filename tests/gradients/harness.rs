@@ -76,6 +76,22 @@ impl Case {
         self.op(op_type, attrs, &ins, 1)[0]
     }
 
+    /// A standard op that mpc writes out as the ops it is made of (`mpc_passes::COMPOSITE`):
+    /// imported as it comes, opaque, and written out when the case is checked.
+    pub(crate) fn composite(&mut self, op_type: &str, attrs: &[(&str, Attr)], inputs: &[ValueId]) -> ValueId {
+        assert!(mpc_passes::COMPOSITE.contains(&op_type), "{op_type} is not a composite op");
+        let attrs = attrs.iter().map(|(k, a)| (k.to_string(), a.clone())).collect();
+        let opaque = mpc_ir::ops::Opaque {
+            domain: String::new(),
+            op_type: op_type.into(),
+            attrs,
+            explicit_inputs: inputs.len(),
+        };
+        let ins: Vec<Option<ValueId>> = inputs.iter().map(|&v| Some(v)).collect();
+        let name = format!("n{}", self.g.node_count());
+        self.g.add_op(&name, Op::Opaque(Box::new(opaque)), &ins, 1).1[0]
+    }
+
     /// Differentiates `Σ y ⊙ R` and compares every parameter's gradient with finite differences;
     /// first, the same graph must differentiate and run in f16 and f32.
     pub(crate) fn check(mut self, y: ValueId, rtol: f64) {
@@ -83,6 +99,7 @@ impl Case {
         for dtype in [DType::F16, DType::F32] {
             self.runs_in(y, dtype);
         }
+        mpc_passes::expand_composites(&mut self.g).unwrap();
         let loss = if self.g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
             y
         } else {
@@ -188,6 +205,7 @@ impl Case {
             g.set_initializer(v, t);
         }
         mpc_passes::infer_types(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
+        mpc_passes::expand_composites(&mut g).unwrap_or_else(|e| panic!("{name}: {e}"));
         let loss = if g.ty(y).shape.as_ref().is_some_and(|s| s.rank() == 0) {
             y
         } else {

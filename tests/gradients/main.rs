@@ -139,13 +139,59 @@ fn clip() {
 #[test]
 fn piecewise_constant_ops_pass_no_gradient() {
     // y = f(x)·x: only the second factor carries a gradient, d/dx = f(x) away from the jumps.
-    for op in ["Floor", "Ceil", "Round", "Sign"] {
+    for op in ["Floor", "Ceil", "Round", "Sign", "Hardmax"] {
         let mut c = Case::new(op);
         let x = c.param_in("x", &[3, 5], -2.0, 2.0);
-        let f = c.op1(op, &[], &[x]);
+        let f = if op == "Hardmax" { c.composite(op, &[], &[x]) } else { c.op1(op, &[], &[x]) };
         let y = c.op1("Mul", &[], &[f, x]);
         c.check(y, TOL);
     }
+}
+
+#[test]
+fn composite_ops_differentiate_as_the_ops_they_are_made_of() {
+    let f = Attr::Float;
+    let cases: Vec<(&str, Vec<(&str, Attr)>, Vec<u64>)> = vec![
+        ("ThresholdedRelu", vec![("alpha", f(0.2))], vec![3, 5]),
+        ("Shrink", vec![("lambd", f(0.3)), ("bias", f(0.1))], vec![3, 5]),
+        ("LpNormalization", vec![], vec![3, 5]),
+        ("LpNormalization", vec![("axis", Attr::Int(0)), ("p", Attr::Int(1))], vec![3, 5]),
+        ("MeanVarianceNormalization", vec![], vec![2, 3, 2, 2]),
+        ("MeanVarianceNormalization", vec![("axes", ints(&[1]))], vec![2, 3, 4]),
+        ("GlobalLpPool", vec![], vec![2, 2, 3, 3]),
+        ("GlobalLpPool", vec![("p", Attr::Int(3))], vec![2, 2, 3]),
+        ("LpPool", vec![("kernel_shape", ints(&[2, 2])), ("pads", ints(&[1, 0, 0, 1]))], vec![1, 2, 4, 5]),
+        (
+            "LpPool",
+            vec![
+                ("kernel_shape", ints(&[3])),
+                ("strides", ints(&[2])),
+                ("ceil_mode", Attr::Int(1)),
+                ("p", Attr::Int(1)),
+            ],
+            vec![2, 2, 6],
+        ),
+    ];
+    for (op, attrs, shape) in cases {
+        let mut c = Case::new(&format!("{op}{attrs:?}"));
+        let x = c.param("x", &shape);
+        let y = c.composite(op, &attrs, &[x]);
+        c.check(y, TOL);
+    }
+    // RMSNormalization over the last two axes, its scale trained too (stashed in f64: finite
+    // differences need the precision).
+    let mut c = Case::new("rms_normalization");
+    let x = c.param("x", &[2, 3, 4]);
+    let scale = c.param("scale", &[3, 4]);
+    let attrs = [("axis", Attr::Int(1)), ("stash_type", Attr::Int(DType::F64.onnx_code() as i64))];
+    let y = c.composite("RMSNormalization", &attrs, &[x, scale]);
+    c.check(y, TOL);
+    // ReverseSequence, batch-major, lengths from full to empty.
+    let mut c = Case::new("reverse_sequence");
+    let x = c.param("x", &[4, 3, 2]);
+    let lens = c.ints("lens", &[4], &[3, 0, 1, 2]);
+    let y = c.composite("ReverseSequence", &[("time_axis", Attr::Int(1)), ("batch_axis", Attr::Int(0))], &[x, lens]);
+    c.check(y, TOL);
 }
 
 #[test]

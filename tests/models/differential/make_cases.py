@@ -299,13 +299,57 @@ def refused_forms(rng):
          [("i", fidx)], ["y"], inits=[("d", np.array([3.0], np.float32)), ("v", np.array([-1.0, 7.0], np.float32))])
 
 
+def composites(rng):
+    """The standard ops mpc writes out as the ops they are made of (passes/src/composite.rs)."""
+    x = np.concatenate([rng.standard_normal((3, 5)), [[0.5, -0.5, 1.0, 0.0, -2.0]]]).astype(np.float32)
+    case("thresholdedrelu", [h.make_node("ThresholdedRelu", ["x"], ["y"], alpha=0.5)], [("x", x)], ["y"], opset=22)
+    case("shrink_soft", [h.make_node("Shrink", ["x"], ["y"], lambd=0.5, bias=0.5)], [("x", x)], ["y"], opset=9)
+    case("shrink_hard", [h.make_node("Shrink", ["x"], ["y"])], [("x", x)], ["y"])
+    ties = np.array([[1, 3, 3, 2], [0, 0, 0, 0], [-1, -5, -1, 7]], np.float32)
+    x3 = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    case("hardmax_ties", [h.make_node("Hardmax", ["x"], ["y"])], [("x", ties)], ["y"], opset=13)
+    case("hardmax_middle_axis", [h.make_node("Hardmax", ["x"], ["y"], axis=1)], [("x", x3)], ["y"], opset=13)
+    case("hardmax_opset_11_flattened", [h.make_node("Hardmax", ["x"], ["y"], axis=1)], [("x", x3)], ["y"], opset=11)
+    rows = np.concatenate([x3.reshape(6, 4), np.zeros((1, 4), np.float32)])
+    for p in (1, 2):
+        case(f"lpnormalization_p{p}_zero_row", [h.make_node("LpNormalization", ["x"], ["y"], p=p)],
+             [("x", rows)], ["y"], opset=22)
+    case("lpnormalization_axis_0", [h.make_node("LpNormalization", ["x"], ["y"], axis=0)], [("x", x3)], ["y"])
+    img = rng.standard_normal((1, 2, 5, 6)).astype(np.float32)
+    for name, attrs in [("lppool_p2", dict(kernel_shape=[2, 2])),
+                        ("lppool_p1_pads_strides", dict(kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1], p=1)),
+                        ("lppool_p3_same_upper", dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER", p=3)),
+                        ("lppool_ceil_mode", dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1)),
+                        ("lppool_dilations", dict(kernel_shape=[2, 2], dilations=[2, 2]))]:
+        case(name, [h.make_node("LpPool", ["x"], ["y"], **attrs)], [("x", img)], ["y"], opset=18)
+    for p in (1, 2, 3):
+        case(f"globallppool_p{p}", [h.make_node("GlobalLpPool", ["x"], ["y"], p=p)], [("x", img)], ["y"])
+    big = (rng.standard_normal((2, 3, 4, 4)) + 8).astype(np.float32)
+    case("meanvariancenormalization", [h.make_node("MeanVarianceNormalization", ["x"], ["y"])], [("x", big)], ["y"],
+         opset=9)  # onnx's checker fails on the opset-13 function body's Constant
+    case("meanvariancenormalization_last_axes", [h.make_node("MeanVarianceNormalization", ["x"], ["y"], axes=[1, 2])],
+         [("x", x3)], ["y"], opset=9)
+    scale = rng.standard_normal((4,)).astype(np.float32)
+    case("rmsnormalization", [h.make_node("RMSNormalization", ["x", "s"], ["y"])], [("x", x3)], ["y"],
+         inits=[("s", scale)], opset=23)
+    case("rmsnormalization_axis_1_f16", [h.make_node("RMSNormalization", ["x", "s"], ["y"], axis=1, epsilon=1e-3)],
+         [("x", x3.astype(np.float16))], ["y"], inits=[("s", scale.astype(np.float16))], opset=23)
+    case("eyelike_k_minus_1", [h.make_node("EyeLike", ["x"], ["y"], k=-1)], [("x", x)], ["y"])
+    case("eyelike_int64_k_2", [h.make_node("EyeLike", ["x"], ["y"], k=2, dtype=T.INT64)], [("x", x)], ["y"])
+    seq = rng.standard_normal((4, 3, 2)).astype(np.float32)
+    case("reversesequence_time_major", [h.make_node("ReverseSequence", ["x", "l"], ["y"])], [("x", seq)], ["y"],
+         inits=[("l", np.array([4, 2, 1], np.int64))])
+    case("reversesequence_batch_major", [h.make_node("ReverseSequence", ["x", "l"], ["y"], time_axis=1, batch_axis=0)],
+         [("x", seq)], ["y"], inits=[("l", np.array([3, 0, 1, 2], np.int64))])
+
+
 def main():
     for entry in os.listdir(HERE):
         if os.path.isdir(os.path.join(HERE, entry)):
             shutil.rmtree(os.path.join(HERE, entry))
     rng = np.random.default_rng(38)
     for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign,
-                 refused_forms):
+                 refused_forms, composites):
         make(rng)
     n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
     print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")
