@@ -329,7 +329,8 @@ TOPK_T(int, i32)
 // ---------------------------------------------------------------- Resize
 //
 // movement_resize_<T>(const T* x, T* y, long long n, int rank, Dims8 out_dims, Strides8 xs,
-//                     Dims8 base, const long long* first, const long long* idx, const double* w)
+//                     Dims8 base, const long long* first, const long long* idx, const double* w,
+//                     double extrapolation)
 //     T in f32 f16 bf16 f64. Separable Resize (nearest, linear, cubic, antialiased) as the CPU
 //     reference computes it (runtime/src/cpu/resize.rs): along axis d, output coordinate o samples
 //     the taps first[e] .. first[e + 1] (e = base_d + o; first has a last entry past the end):
@@ -337,11 +338,12 @@ TOPK_T(int, i32)
 //     geometry::resize_taps). y (contiguous over out_dims, n elements) is the sum over every
 //     combination of one tap per axis of x[sum idx_d * xs_d] times the product of the weights
 //     (multiplied in axis order), the combinations in lexicographic order with axis 0 most
-//     significant, in f64, rounded through f32 on store (f64 stays f64).
+//     significant, in f64, rounded through f32 on store (f64 stays f64). An output some axis gives
+//     no taps (tf_crop_and_resize outside the input) is `extrapolation`.
 template <typename T>
 __device__ __forceinline__ void resize_body(const T* x, T* y, long long n, int rank, const Dims8& out_dims,
                                             const Strides8& xs, const Dims8& base, const long long* first,
-                                            const long long* idx, const double* w) {
+                                            const long long* idx, const double* w, double extrapolation) {
     MPC_GRID_STRIDE(i, n) {
         long long at[MPC_MAX_RANK], cnt[MPC_MAX_RANK];
         long long lin = i, combos = 1;
@@ -379,14 +381,14 @@ __device__ __forceinline__ void resize_body(const T* x, T* y, long long n, int r
             }
             acc += cs_ld(x, off) * weight;
         }
-        cs_st(y, i, acc);
+        cs_st(y, i, combos == 0 ? extrapolation : acc);
     }
 }
 #define RESIZE_T(T, tag)                                                                                  \
     MPC_KERNEL movement_resize_##tag(const T* x, T* y, long long n, int rank, Dims8 out_dims, Strides8 xs, \
                                      Dims8 base, const long long* first, const long long* idx,            \
-                                     const double* w) {                                                   \
-        resize_body(x, y, n, rank, out_dims, xs, base, first, idx, w);                                    \
+                                     const double* w, double extrapolation) {                             \
+        resize_body(x, y, n, rank, out_dims, xs, base, first, idx, w, extrapolation);                     \
     }
 RESIZE_T(float, f32)
 RESIZE_T(__half, f16)

@@ -163,7 +163,8 @@ def evaluate_mixed(model, feeds, mpc, work):
 def localise(model, feeds, mpc, work):
     """(index, facts) of the first node (in order) whose output mpc gets wrong when every value is
     an output, or (None, {}). The facts: whether that node's float inputs hold NaN or Inf (as
-    onnxruntime computes them), its small integer inputs' values ("ints"), and, when the node
+    onnxruntime computes them), its small integer and 1-D float inputs' values ("ints", "floats"),
+    and, when the node
     alone (fed onnxruntime's values) still mismatches, the reference evaluator's side on it
     ("reference")."""
     try:
@@ -192,6 +193,8 @@ def localise(model, feeds, mpc, work):
         facts = {"nan": bool(any(np.isnan(a).any() for a in fl)), "inf": bool(any(np.isinf(a).any() for a in fl)),
                  "ints": {j: a.tolist() for j, a in enumerate(ins) if a is not None and a.dtype.kind in "iu"
                           and a.size <= 16},
+                 "floats": {j: a.tolist() for j, a in enumerate(ins) if a is not None and a.dtype.kind == "f"
+                            and a.ndim == 1 and a.size <= 16},
                  "inputs_exact": all(same(x) for x in n.input if x)}
         try:
             single = mz.Reduced(model, feeds, values, [i], list(n.output)).build()

@@ -758,8 +758,8 @@ def op_resize(g):
         attrs["axes"] = axes
     roi = None
     if coord == "tf_crop_and_resize":
-        lo = [g.choice([0.0, 0.1, 0.25]) for _ in axes]
-        hi = [g.choice([1.0, 0.9, 0.6]) for _ in axes]
+        lo = [g.choice([0.0, 0.1, 0.25, -0.2]) for _ in axes]  # past the input: extrapolated
+        hi = [g.choice([1.0, 0.9, 0.6, 1.3]) for _ in axes]
         roi = g.const(np.array(lo + hi, F32), F32)
         if g.chance(0.5):
             attrs["extrapolation_value"] = g.choice([0.0, -1.0])

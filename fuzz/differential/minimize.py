@@ -25,7 +25,7 @@ from harness import OracleError, oracle_run
 
 def with_all_values(model):
     """The model with the output of every node that the graph's outputs depend on (typed by
-    shape inference) as a graph output, and the names in order. (A dead node stays dead: mpc
+    shape inference where it can) as a graph output, and the names in order. (A dead node stays dead: mpc
     removes it, and it may be one mpc would refuse.)"""
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {vi.name: vi for vi in list(inferred.graph.value_info) + list(model.graph.output)}
@@ -44,9 +44,11 @@ def with_all_values(model):
         if i not in live:
             continue
         for o in n.output:
-            if o and o in types and o not in names:
+            if o and o not in names:
+                # A value shape inference leaves untyped (after a function op such as
+                # GroupNormalization-21) is an output of unknown type: both sides type it.
                 names.append(o)
-                m.graph.output.append(types[o])
+                m.graph.output.append(types[o] if o in types else onnx.helper.make_empty_tensor_value_info(o))
     return m, names
 
 

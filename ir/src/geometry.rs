@@ -275,9 +275,10 @@ pub fn conv_transpose_dim(
     })
 }
 
-/// The input coordinate of output coordinate `x` along one Resize axis.
-fn resize_source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_len: usize) -> Result<f64, String> {
-    Ok(match mode {
+/// The input coordinate of output coordinate `x` along one Resize axis; `roi` is the axis's
+/// region of interest (start, end), which only tf_crop_and_resize reads.
+fn resize_source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_len: usize, roi: [f64; 2]) -> f64 {
+    match mode {
         CoordinateMode::HalfPixel => (x + 0.5) / scale - 0.5,
         CoordinateMode::HalfPixelSymmetric => {
             let adj = out_len as f64 / (scale * in_len as f64);
@@ -300,10 +301,42 @@ fn resize_source(mode: CoordinateMode, x: f64, scale: f64, in_len: usize, out_le
             }
         }
         CoordinateMode::Asymmetric => x / scale,
+        // In float32, in onnxruntime's order: a coordinate that lands on an end of the input
+        // (where extrapolation starts) lands there as it does in onnxruntime.
         CoordinateMode::TfCropAndResize => {
-            return Err("Resize coordinate_transformation_mode tf_crop_and_resize".into());
+            let (start, end, n, m) = (roi[0] as f32, roi[1] as f32, in_len as f32, out_len as f32);
+            let s = if out_len > 1 {
+                start * (n - 1.0) + (x as f32 * (end - start) * (n - 1.0)) / (m - 1.0)
+            } else {
+                (0.5 * f64::from(start + end) * f64::from(n - 1.0)) as f32
+            };
+            f64::from(s)
         }
-    })
+    }
+}
+
+/// Resize's region of interest per axis of a rank-`rank` input: `[start, end]` from `roi`
+/// (starts then ends, one each for the axes the `axes` attribute names, all by default), `[0, 1]`
+/// for the other axes. Only tf_crop_and_resize reads it (a missing or empty roi is an error
+/// there); every other mode gets `[0, 1]` everywhere.
+pub fn resize_roi(a: &ResizeAttrs, rank: usize, roi: Option<&[f64]>) -> Result<Vec<[f64; 2]>, String> {
+    let mut out = vec![[0.0, 1.0]; rank];
+    if a.coordinate_transformation_mode != CoordinateMode::TfCropAndResize {
+        return Ok(out);
+    }
+    let axes: Vec<usize> = if a.axes.is_empty() {
+        (0..rank).collect()
+    } else {
+        a.axes.iter().map(|&d| normalize_axis(d, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?
+    };
+    let roi = roi.filter(|r| !r.is_empty()).ok_or("tf_crop_and_resize needs the roi input")?;
+    if roi.len() != 2 * axes.len() {
+        return Err(format!("roi has {} values where {} axes need {}", roi.len(), axes.len(), 2 * axes.len()));
+    }
+    for (i, &ax) in axes.iter().enumerate() {
+        out[ax] = [roi[i], roi[axes.len() + i]];
+    }
+    Ok(out)
 }
 
 fn resize_nearest(mode: NearestMode, v: f64) -> f64 {
@@ -385,21 +418,34 @@ pub fn resize_plan(
     Ok((out, scale))
 }
 
-/// Resize's sampling along one axis from `n` inputs to `m` outputs at `scale`: each output's
-/// (input index, weight) taps, one for nearest, two for linear, four for cubic, and as many as
-/// the widened filter covers with antialias ([`filter_taps`]). An axis kept at its size and scale 1
-/// is the identity. tf_crop_and_resize is not implemented.
-pub fn resize_taps(a: &ResizeAttrs, n: usize, m: usize, scale: f64) -> Result<Vec<Vec<(usize, f64)>>, String> {
+/// Resize's sampling along one axis from `n` inputs to `m` outputs at `scale` (and `roi`, see
+/// [`resize_roi`]): each output's (input index, weight) taps, one for nearest, two for linear,
+/// four for cubic, and as many as the widened filter covers with antialias ([`filter_taps`]). An
+/// axis kept at its size and scale 1 (and the whole of its roi) is the identity. With
+/// tf_crop_and_resize, an output whose source lies outside the input has no taps: it is the
+/// `extrapolation_value` (the kernels' rule: an output any axis gives no taps).
+pub fn resize_taps(
+    a: &ResizeAttrs,
+    n: usize,
+    m: usize,
+    scale: f64,
+    roi: [f64; 2],
+) -> Result<Vec<Vec<(usize, f64)>>, String> {
     if a.antialias && a.mode == ResizeMode::Nearest {
         return Err("Resize with antialias in nearest mode (the spec has it for linear and cubic only)".into());
     }
+    let crop = a.coordinate_transformation_mode == CoordinateMode::TfCropAndResize;
     let mut per = Vec::with_capacity(m);
     for o in 0..m {
-        if n == m && scale == 1.0 {
+        if n == m && scale == 1.0 && (!crop || roi == [0.0, 1.0]) {
             per.push(vec![(o, 1.0)]);
             continue;
         }
-        let s = resize_source(a.coordinate_transformation_mode, o as f64, scale, n, m)?;
+        let s = resize_source(a.coordinate_transformation_mode, o as f64, scale, n, m, roi);
+        if crop && !(0.0..=n as f64 - 1.0).contains(&s) {
+            per.push(Vec::new());
+            continue;
+        }
         per.push(if a.mode == ResizeMode::Nearest {
             vec![(resize_nearest(a.nearest_mode, s).clamp(0.0, n as f64 - 1.0) as usize, 1.0)]
         } else if a.mode == ResizeMode::Cubic || a.antialias {

@@ -476,6 +476,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
         let (x, y, n, rank) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]), int(&a[3]) as usize);
         let (od, xs, base) = (dims(&a[4]), dims(&a[5]), dims(&a[6]));
         let (first, idx, w) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]));
+        let Arg::F64(extrapolation) = a[10] else { panic!("{name}: the extrapolation value") };
         for e in 0..n {
             // Per axis, the output coordinate's taps: first[c] .. first[c + 1].
             let mut lin = e;
@@ -502,7 +503,7 @@ pub(crate) fn run_more(m: &mut Memory, k: &Kernel) {
                 }
                 acc += m.get(x, off, d) * weight;
             }
-            m.set(y, e, d, acc);
+            m.set(y, e, d, if combos == 0 { extrapolation } else { acc });
         }
     } else {
         panic!("{name} is not interpreted");

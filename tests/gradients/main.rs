@@ -555,6 +555,22 @@ fn resize() {
         let y = c.op("Resize", &attrs, &[Some(x), None, scales, sizes], 1)[0];
         c.check(y, TOL);
     }
+    // tf_crop_and_resize: a region of interest reaching past the input on the last axis (those
+    // outputs are the extrapolation value, no gradient), linear and cubic.
+    for mode in ["linear", "cubic"] {
+        let mut c = Case::new(&format!("resize_tf_crop_and_resize_{mode}"));
+        let x = c.param("x", &[1, 2, 3, 4]);
+        let attrs = [
+            ("mode", text(mode)),
+            ("coordinate_transformation_mode", text("tf_crop_and_resize")),
+            ("extrapolation_value", Attr::Float(-2.0)),
+        ];
+        let roi = [0.0f32, 0.0, 0.1, -0.4, 1.0, 1.0, 0.8, 1.3];
+        let roi = c.g.add_initializer("roi", Tensor::from_f32(vec![8], &roi));
+        let scales = c.g.add_initializer("scales", Tensor::from_f32(vec![4], &[1.0, 1.0, 2.0, 1.5]));
+        let y = c.op("Resize", &attrs, &[Some(x), Some(roi), Some(scales)], 1)[0];
+        c.check(y, TOL);
+    }
 }
 
 #[test]

@@ -239,11 +239,17 @@ pub(super) fn resize(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId)
         None => None,
     };
     let (ms, scale) = mpc_ir::geometry::resize_plan(a, &ns, scales.as_deref(), sizes.as_deref())?;
+    let crop = a.coordinate_transformation_mode == mpc_ir::ops::CoordinateMode::TfCropAndResize;
+    let roi = match node.input(1).filter(|_| crop) {
+        Some(v) => Some(float_const(b.g, v).ok_or("Resize roi must be a constant to differentiate")?),
+        None => None,
+    };
+    let roi = mpc_ir::geometry::resize_roi(a, r, roi.as_deref())?;
     let (mut blocks, mut spread) = (vec![1i64; r], Vec::new());
     // Kept: the same size at scale 1 (or an axis of unknown size the output keeps: 0 for 0).
     for d in (0..r).filter(|&d| ms[d] != ns[d] || (scale[d] != 1.0 && ns[d] != 0)) {
         let n = fixed(&xs.dims()[d], "a resized axis")? as usize;
-        let taps = mpc_ir::geometry::resize_taps(a, n, ms[d], scale[d])
+        let taps = mpc_ir::geometry::resize_taps(a, n, ms[d], scale[d], roi[d])
             .map_err(|e| format!("{e} cannot be differentiated"))?;
         let s = ms[d] / n.max(1);
         if ms[d] == s * n && taps.iter().enumerate().all(|(o, t)| t[..] == [(o / s, 1.0)]) {

@@ -456,7 +456,10 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let loss = nn::nll_loss(&log_prob, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?;
             Ok(if n_outputs > 1 { vec![loss, log_prob] } else { vec![loss] })
         }
-        Op::Resize(a) => one(resize::resize(x(0)?, ins.get(2).copied().flatten(), ins.get(3).copied().flatten(), a)?),
+        Op::Resize(a) => {
+            let at = |i: usize| ins.get(i).copied().flatten();
+            one(resize::resize(x(0)?, at(1), at(2), at(3), a)?)
+        }
         Op::MaxPool(a) => {
             let t = x(0)?;
             let (out, pads) = window(&t.shape[2..], &a.window())?;

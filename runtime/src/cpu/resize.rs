@@ -1,6 +1,6 @@
 //! Resize: nearest, (multi)linear and cubic, antialiased or not, separable per axis, with ONNX's
-//! coordinate transformations and aspect-ratio policies. tf_crop_and_resize is reported as
-//! unsupported.
+//! coordinate transformations (tf_crop_and_resize's roi and extrapolation too) and aspect-ratio
+//! policies.
 
 use mpc_ir::ops::ResizeAttrs;
 
@@ -9,6 +9,7 @@ use crate::value::HostTensor;
 
 pub(crate) fn resize(
     x: &HostTensor,
+    roi: Option<&HostTensor>,
     scales: Option<&HostTensor>,
     sizes: Option<&HostTensor>,
     a: &ResizeAttrs,
@@ -21,10 +22,11 @@ pub(crate) fn resize(
     let scales = scales.map(|s| s.f64s());
     let (out_shape, scale) =
         mpc_ir::geometry::resize_plan(a, &x.shape, scales.as_deref(), sizes.as_deref()).map_err(err)?;
+    let roi = mpc_ir::geometry::resize_roi(a, rank, roi.map(|r| r.f64s()).as_deref()).map_err(err)?;
     // Per axis and output coordinate: (index, weight) pairs.
     let mut taps: Vec<Vec<Vec<(usize, f64)>>> = Vec::with_capacity(rank);
     for d in 0..rank {
-        taps.push(mpc_ir::geometry::resize_taps(a, x.shape[d], out_shape[d], scale[d]).map_err(unsupported)?);
+        taps.push(mpc_ir::geometry::resize_taps(a, x.shape[d], out_shape[d], scale[d], roi[d]).map_err(unsupported)?);
     }
     let v = x.f64s();
     let ist = super::shape::strides(&x.shape);
@@ -42,7 +44,11 @@ pub(crate) fn resize(
                 .flat_map(|&(p, w)| taps[d][o].iter().map(move |&(i, tw)| (p + i * stride, w * tw)))
                 .collect();
         }
-        out.push(acc.iter().map(|&(p, w)| v[p] * w).sum::<f64>());
+        // No taps on some axis: a tf_crop_and_resize output outside the input.
+        out.push(match acc.is_empty() {
+            true => f64::from(a.extrapolation_value),
+            false => acc.iter().map(|&(p, w)| v[p] * w).sum::<f64>(),
+        });
     }
     Ok(if x.dtype().is_float() {
         if x.dtype() == mpc_ir::DType::F64 {

@@ -343,13 +343,29 @@ def composites(rng):
          [("x", seq)], ["y"], inits=[("l", np.array([3, 0, 1, 2], np.int64))])
 
 
+def crops(rng):
+    # Resize tf_crop_and_resize: a region of interest inside the input on one axis and past it on
+    # the other (the extrapolation value there; one output lands on the input's first element
+    # by float32 rounding as onnxruntime computes it), each mode; on two named axes.
+    x = np.arange(1, 13, dtype=np.float32).reshape(1, 1, 3, 4)
+    roi = np.array([0, 0, 0.2, -0.3, 1, 1, 0.9, 1.2], np.float32)
+    crop = dict(coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=-7.0)
+    for mode in ("nearest", "linear", "cubic"):
+        case(f"resize_tf_crop_and_resize_{mode}", [h.make_node("Resize", ["x", "r", "s"], ["y"], mode=mode, **crop)],
+             [("x", x)], ["y"], inits=[("r", roi), ("s", np.array([1, 1, 2, 1.5], np.float32))], opset=19)
+    case("resize_tf_crop_and_resize_axes_sizes",
+         [h.make_node("Resize", ["x", "r", "", "z"], ["y"], mode="linear", axes=[3, 2], **crop)],
+         [("x", x)], ["y"], inits=[("r", np.array([0.25, -0.5, 0.75, 0.5], np.float32)),
+                                   ("z", np.array([5, 1], np.int64))], opset=19)
+
+
 def main():
     for entry in os.listdir(HERE):
         if os.path.isdir(os.path.join(HERE, entry)):
             shutil.rmtree(os.path.join(HERE, entry))
     rng = np.random.default_rng(38)
     for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign,
-                 refused_forms, composites):
+                 refused_forms, composites, crops):
         make(rng)
     n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
     print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")

@@ -86,6 +86,7 @@ pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Resu
     let scales = p.host(2).filter(|s| !s.is_empty()).map(|s| s.f64s());
     let sizes = p.host(3).filter(|s| !s.is_empty()).and_then(|s| s.i64s());
     let (out, scale) = mpc_ir::geometry::resize_plan(a, &x.shape, scales.as_deref(), sizes.as_deref())?;
+    let roi = mpc_ir::geometry::resize_roi(a, x.shape.len(), p.host(1).map(|r| r.f64s()).as_deref())?;
     if out != y.shape {
         return Err(format!("Resize to {out:?} where the graph declares {:?}", y.shape));
     }
@@ -93,10 +94,7 @@ pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Resu
     let (mut first, mut idx, mut w, mut base) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for d in 0..x.shape.len() {
         base.push(first.len() as i64);
-        for taps in mpc_ir::geometry::resize_taps(a, x.shape[d], out[d], scale[d])? {
-            if taps.is_empty() {
-                return Err("a Resize output samples no input".into());
-            }
+        for taps in mpc_ir::geometry::resize_taps(a, x.shape[d], out[d], scale[d], roi[d])? {
             first.push(idx.len() as i64);
             for (i, wt) in taps {
                 idx.push(i as i64);
@@ -120,6 +118,7 @@ pub(super) fn plan_resize(p: &mut Planner, a: &mpc_ir::ops::ResizeAttrs) -> Resu
         Arg::Ptr(first),
         Arg::Ptr(idx),
         Arg::Ptr(w),
+        Arg::F64(f64::from(a.extrapolation_value)),
     ];
     p.flat("movement", format!("movement_resize_{t}"), n, args);
     Ok(())
