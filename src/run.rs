@@ -624,7 +624,7 @@ fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_ru
 
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded
 /// shape arithmetic (`Shape → Gather → Concat`) gives inference the values that decide the next
-/// shapes. Initializers named in `changing` (training state) are not constants. Also returns the
+/// shapes (and the ranks that composite ops, `mpc_passes::expand_composites`, wait for). Initializers named in `changing` (training state) are not constants. Also returns the
 /// symbolic dims the inputs bound.
 pub fn fold_and_infer(
     mut g: Graph,
@@ -639,7 +639,11 @@ pub fn fold_and_infer(
         used.get_or_insert(u);
         g = bound;
         let folded = fold_constants(&mut g, changing, &|_| true);
-        if folded.map_err(|source| Error::Run { path: model.to_owned(), source })? == 0 {
+        let folded = folded.map_err(|source| Error::Run { path: model.to_owned(), source })?;
+        // A composite op whose input's rank only the bound values give is written out now.
+        let wrote =
+            mpc_passes::expand_composites(&mut g).map_err(|source| Error::Pass { path: model.to_owned(), source })?;
+        if folded == 0 && wrote == mpc_passes::Changed::No {
             return Ok((g, used.unwrap_or_default()));
         }
     }

@@ -932,6 +932,20 @@ def op_rms_norm(g):
     g.node("RMSNormalization", [x, scale], axis=axis, epsilon=g.choice([1e-5, 1e-6, 0.1, None]))
 
 
+def op_grid_sample(g):
+    if g.opset < 16:
+        raise Reject("GridSample needs opset 16")
+    x = spatial_input(g, 4, 5 if g.opset >= 20 else 4)
+    old = g.opset < 20
+    modes = (["bilinear", "nearest"] if old else ["linear", "nearest"]) + \
+        ([("bicubic" if old else "cubic")] if x.rank == 4 else [])
+    mode = g.choice(modes)
+    out = (x.shape[0],) + tuple(g.randint(1, 4) for _ in range(x.rank - 2)) + (x.rank - 2,)
+    grid = g.fresh(x.dt, out)
+    g.node("GridSample", [x, grid], mode=mode if g.chance(0.8) else None,
+           padding_mode=g.choice(["zeros", "border", "reflection", None]), align_corners=g.choice([0, 1, None]))
+
+
 OPS = [  # (generator, weight)
     (op_unary, 14), (op_not, 1), (op_dropout, 1), (op_binary, 14), (op_variadic, 2), (op_compare, 3),
     (op_logical, 1), (op_where, 3), (op_clip, 3), (op_cast, 3), (op_reduce, 8), (op_softmax, 3),
@@ -942,7 +956,7 @@ OPS = [  # (generator, weight)
     (op_pad, 3), (op_tile, 1), (op_expand, 2), (op_resize, 3), (op_range, 1), (op_shape, 2),
     (op_constant_of_shape, 1), (op_constant, 1), (op_trilu, 1), (op_loss, 1), (op_shape_chain, 1),
     (op_topk, 2), (op_onehot, 1), (op_depth_space, 1), (op_shrink, 2), (op_hardmax, 1), (op_lp_norm, 1),
-    (op_lp_pool, 2), (op_eye_like, 1), (op_reverse_sequence, 1), (op_rms_norm, 2),
+    (op_lp_pool, 2), (op_eye_like, 1), (op_reverse_sequence, 1), (op_rms_norm, 2), (op_grid_sample, 2),
 ]
 OP_FUNCS = [f for f, _ in OPS]
 OP_WEIGHTS = np.array([w for _, w in OPS], dtype=np.float64) / sum(w for _, w in OPS)

@@ -195,6 +195,30 @@ fn composite_ops_differentiate_as_the_ops_they_are_made_of() {
 }
 
 #[test]
+fn grid_sample_differentiates_in_the_input_and_the_grid() {
+    let text = |s: &str| Attr::String(s.into());
+    for (mode, padding, align) in [
+        ("bilinear", "zeros", 0),
+        ("bilinear", "border", 1),
+        ("bilinear", "reflection", 0),
+        ("bicubic", "zeros", 0),
+        ("bicubic", "reflection", 1),
+        ("nearest", "zeros", 0),
+    ] {
+        let mut c = Case::new(&format!("grid_sample_{mode}_{padding}_{align}"));
+        let x = c.param("x", &[2, 2, 3, 4]);
+        // Nearest passes the grid no gradient (its taps are piecewise constant in it).
+        let grid = match mode {
+            "nearest" => c.tensor("grid", &[2, 2, 3, 2], -1.3, 1.3),
+            _ => c.param_in("grid", &[2, 2, 3, 2], -1.3, 1.3),
+        };
+        let attrs = [("mode", text(mode)), ("padding_mode", text(padding)), ("align_corners", Attr::Int(align))];
+        let y = c.composite("GridSample", &attrs, &[x, grid]);
+        c.check(y, TOL);
+    }
+}
+
+#[test]
 fn a_parameter_read_only_through_floor_gets_no_gradient_and_no_error() {
     let mut c = Case::new("floor_only");
     let x = c.param("x", &[3, 4]);

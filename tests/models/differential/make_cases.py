@@ -300,7 +300,7 @@ def refused_forms(rng):
 
 
 def composites(rng):
-    """The standard ops mpc writes out as the ops they are made of (passes/src/composite.rs)."""
+    """The standard ops mpc writes out as the ops they are made of (passes/src/composite)."""
     x = np.concatenate([rng.standard_normal((3, 5)), [[0.5, -0.5, 1.0, 0.0, -2.0]]]).astype(np.float32)
     case("thresholdedrelu", [h.make_node("ThresholdedRelu", ["x"], ["y"], alpha=0.5)], [("x", x)], ["y"], opset=22)
     case("shrink_soft", [h.make_node("Shrink", ["x"], ["y"], lambd=0.5, bias=0.5)], [("x", x)], ["y"], opset=9)
@@ -359,13 +359,35 @@ def crops(rng):
                                    ("z", np.array([5, 1], np.int64))], opset=19)
 
 
+
+def grid_samples(rng):
+    """GridSample (passes/src/composite/grid_sample.rs): grids reaching past the input, every mode
+    and padding, both corner alignments; a 3-D volume."""
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    grid = rng.uniform(-1.6, 1.6, (2, 3, 6, 2)).astype(np.float32)
+    grid[0, 0, :4] = [[-1, -1], [1, 1], [0.25, -0.75], [-0.6, 0.2]]  # corners, and nearest's halves
+    for mode, padding, align in [("bilinear", "zeros", 0), ("bilinear", "border", 1), ("bilinear", "reflection", 0),
+                                 ("nearest", "zeros", 0), ("nearest", "reflection", 1), ("nearest", "border", 0),
+                                 ("bicubic", "zeros", 0), ("bicubic", "border", 0), ("bicubic", "reflection", 1),
+                                 ("bilinear", "reflection", 1)]:
+        case(f"gridsample_{mode}_{padding}_align_{align}",
+             [h.make_node("GridSample", ["x", "g"], ["y"], mode=mode, padding_mode=padding, align_corners=align)],
+             [("x", x), ("g", grid)], ["y"], opset=16)
+    vol = rng.standard_normal((1, 2, 3, 4, 5)).astype(np.float32)
+    vgrid = rng.uniform(-1.3, 1.3, (1, 2, 3, 4, 3)).astype(np.float32)
+    for mode, padding in [("linear", "zeros"), ("nearest", "reflection")]:
+        case(f"gridsample_3d_{mode}_{padding}",
+             [h.make_node("GridSample", ["x", "g"], ["y"], mode=mode, padding_mode=padding)],
+             [("x", vol), ("g", vgrid)], ["y"], opset=20)
+
+
 def main():
     for entry in os.listdir(HERE):
         if os.path.isdir(os.path.join(HERE, entry)):
             shutil.rmtree(os.path.join(HERE, entry))
     rng = np.random.default_rng(38)
     for make in (reductions, slices, norms, conv_transposes, clips, opset_raise, found_by_the_campaign,
-                 refused_forms, composites, crops):
+                 refused_forms, composites, crops, grid_samples):
         make(rng)
     n = sum(os.path.isdir(os.path.join(HERE, e)) for e in os.listdir(HERE))
     print(f"{n} cases, onnx {onnx.__version__}, onnxruntime {ort.__version__}")

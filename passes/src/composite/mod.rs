@@ -22,6 +22,8 @@
 //! - `EyeLike(x)` = `Cast(Equal(Range(0, rows) + k, Range(0, cols)))` in `dtype` (x's by default).
 //! - `ReverseSequence(x, lens)` = `GatherElements(x, index, time_axis)`, the index `lens[b] - 1 - t`
 //!   where `t < lens[b]` and `t` elsewhere.
+//! - `GridSample(x, grid)`: gathers of x's flattened spatial dims at each tap's index, weighted and
+//!   summed ([`grid_sample`]).
 //!
 //! The node itself becomes the last op of its expansion, so its outputs keep their names.
 
@@ -31,6 +33,8 @@ use mpc_ir::ops::{ArgAttrs, AxisAttrs, CastAttrs, FlattenAttrs, ReduceAttrs, Sha
 use mpc_ir::{Attr, DType, Graph, NodeId, Op, Tensor, ValueId};
 
 use crate::{Changed, Result};
+
+mod grid_sample;
 
 /// The standard op types written out here.
 pub const COMPOSITE: &[&str] = &[
@@ -44,6 +48,7 @@ pub const COMPOSITE: &[&str] = &[
     "RMSNormalization",
     "EyeLike",
     "ReverseSequence",
+    "GridSample",
 ];
 
 /// Writes out every composite op whose first input's dtype and rank are known, typing what it
@@ -68,7 +73,7 @@ fn expand(g: &mut Graph) -> Result<Changed> {
         let Some(x) = g.node(n).input(0) else { continue };
         let (Some(dtype), Some(rank)) = (g.ty(x).dtype, g.ty(x).shape.as_ref().map(|s| s.rank())) else { continue };
         let base = g.node(n).name.clone();
-        let mut at = At { g, n, base, x, dtype, rank };
+        let mut at = At { g, n, base, x, dtype, rank, scalars: Default::default() };
         if at.expand(&op_type, attrs).is_some() {
             changed = Changed::Yes;
         }
@@ -84,6 +89,8 @@ struct At<'g> {
     x: ValueId,
     dtype: DType,
     rank: usize,
+    /// The scalars made so far, one initializer per (dtype, value).
+    scalars: std::collections::HashMap<(DType, u64), ValueId>,
 }
 
 fn int(attrs: &mut Attrs, name: &str, default: i64) -> Option<i64> {
@@ -109,10 +116,15 @@ impl At<'_> {
         self.g.add_initializer(&name, t)
     }
 
-    /// A scalar of x's dtype.
+    /// A scalar of x's dtype (the same value made once).
     fn scalar(&mut self, what: &str, v: f64) -> ValueId {
-        let dtype = self.dtype;
-        self.konst(what, Tensor::from_f64_as(dtype, vec![], &[v]))
+        let key = (self.dtype, v.to_bits());
+        if let Some(&s) = self.scalars.get(&key) {
+            return s;
+        }
+        let s = self.konst(what, Tensor::from_f64_as(key.0, vec![], &[v]));
+        self.scalars.insert(key, s);
+        s
     }
 
     fn ints(&mut self, what: &str, v: &[i64]) -> ValueId {
@@ -210,6 +222,7 @@ impl At<'_> {
                 self.finish(Op::Div, &[centred, d])
             }
             "RMSNormalization" => self.rms_norm(&mut a),
+            "GridSample" => self.grid_sample(&mut a),
             "EyeLike" => {
                 if self.rank != 2 {
                     return None;
