@@ -29,12 +29,15 @@ ALLOWLIST = [
                "its side is not asked.)"},
     {"id": "reduceprod-order-nonfinite",
      "ops": {"ReduceProd"},
-     "when": lambda r: r.get("node_inputs", {}).get("inf") and r.get("reference") == "mpc",
+     "when": lambda r: (r.get("node_inputs", {}).get("inf") and r.get("reference") == "mpc")
+                       or r.get("node_inputs", {}).get("exact") == "mpc",
      "reason": "a product of an Inf and values whose partial product underflows to 0 is NaN or Inf by "
                "the order of multiplication: onnxruntime multiplies in order (0 * inf = NaN), mpc and "
-               "numpy.prod give inf"},
+               "numpy.prod give inf; and a partial product that overflows float32 before a 0 "
+               "(3.4e38 * 3.4e38 * 0) is NaN in onnxruntime and the reference evaluator, 0 exactly, as "
+               "mpc (which multiplies in float64) and the float64 evaluation give"},
     {"id": "reducel2-f32-overflow",
-     "ops": {"ReduceL2"},
+     "ops": {"ReduceL2", "GlobalLpPool", "LpNormalization"},
      "when": lambda r: any(d.get("want") == "inf" and d.get("got") not in ("inf", "nan")
                            for d in r.get("diffs", {}).values()),
      "reason": "the squares of values near 6e18 overflow float32, so onnxruntime's (and the reference "
@@ -168,6 +171,13 @@ ALLOWLIST = [
                        and r.get("reference") != "onnxruntime",
      "reason": "onnxruntime's LRN spreads an Inf or NaN of one element to others its window does not "
                "cover (size 1: an element of 1.3186 becomes inf); mpc and the formula give 1.3184"},
+    {"id": "ort-lrn-running-sum",
+     "ops": {"LRN"},
+     "when": lambda r: r.get("reference") != "onnxruntime" and r.get("node_inputs", {}).get("largest", 0.0) >= 1e3,
+     "reason": "onnxruntime's LRN keeps the window's sum of squares as a running sum in float32, which keeps "
+               "the rounding of a large square (41246^2) after that channel leaves the window: channel 24 "
+               "(x = -5.468, five after the big one) gives -3.661 where the formula in float64 and "
+               "mpc give -2.0321"},
     {"id": "einsum-order-nonfinite",
      "ops": {"Einsum"},
      "when": lambda r: r.get("node_inputs", {}).get("inf") or r.get("node_inputs", {}).get("nan"),
@@ -197,18 +207,19 @@ def reference_resize_size_differs(r):
     """A Resize by scales whose output size the reference evaluator (n * scale in float64) and the
     spec (the product in float32) round to different integers."""
     node, facts = r["node"], r.get("node_inputs", {})
-    shapes, scales = node.get("input_shapes") or [None], facts.get("floats", {}).get(2)
+    shapes, scales = facts.get("shapes") or node.get("input_shapes") or [None], facts.get("floats", {}).get(2)
     if not shapes[0] or not scales:
         return False
     axes = node.get("attrs", {}).get("axes") or list(range(len(shapes[0])))
-    return any(np.floor(np.float32(shapes[0][a]) * np.float32(s)) != np.floor(float(shapes[0][a]) * float(s))
+    return any(shapes[0][a] is not None
+               and np.floor(np.float32(shapes[0][a]) * np.float32(s)) != np.floor(float(shapes[0][a]) * float(s))
                for a, s in zip(axes, scales))
 
 
 def crop_on_a_kept_axis(r):
     """A tf_crop_and_resize Resize with an axis that keeps its size while its roi is not [0, 1]."""
     node, facts = r["node"], r.get("node_inputs", {})
-    shapes = node.get("input_shapes") or [None]
+    shapes = facts.get("shapes") or node.get("input_shapes") or [None]
     if node.get("attrs", {}).get("coordinate_transformation_mode") != "tf_crop_and_resize" or not shapes[0]:
         return False
     shape, rank = shapes[0], len(shapes[0])
@@ -218,6 +229,8 @@ def crop_on_a_kept_axis(r):
     if not roi or len(roi) != 2 * len(axes):
         return False
     for i, ax in enumerate(axes):
+        if shape[ax] is None:
+            continue
         out = sizes[i] if sizes else (int(np.floor(np.float32(shape[ax]) * np.float32(scales[i]))) if scales else None)
         if out == shape[ax] and (roi[i], roi[len(axes) + i]) != (0.0, 1.0):
             return True
@@ -233,6 +246,11 @@ def invalid_allowlisted(message):
 
 def allowlisted(res):
     for entry in ALLOWLIST:
-        if (entry["ops"] is None or res.get("node", {}).get("op") in entry["ops"]) and entry["when"](res):
-            return entry
+        if entry["ops"] is not None and res.get("node", {}).get("op") not in entry["ops"]:
+            continue
+        try:
+            if entry["when"](res):
+                return entry
+        except (TypeError, KeyError, IndexError, ValueError):
+            continue  # facts this entry needs are missing: it does not match
     return None

@@ -164,7 +164,8 @@ def localise(model, feeds, mpc, work):
     """(index, facts) of the first node (in order) whose output mpc gets wrong when every value is
     an output, or (None, {}). The facts: whether that node's float inputs hold NaN or Inf (as
     onnxruntime computes them), its small integer and 1-D float inputs' values ("ints", "floats"),
-    the largest finite magnitude among its float inputs ("largest"), and, when the node
+    the largest finite magnitude among its float inputs ("largest"), their shapes as computed
+    ("shapes", where shape inference may not know them), and, when the node
     alone (fed onnxruntime's values) still mismatches, the reference evaluator's side on it
     ("reference")."""
     try:
@@ -195,6 +196,7 @@ def localise(model, feeds, mpc, work):
                           and a.size <= 16},
                  "floats": {j: a.tolist() for j, a in enumerate(ins) if a is not None and a.dtype.kind == "f"
                             and a.ndim == 1 and a.size <= 16},
+                 "shapes": [list(a.shape) if a is not None else None for a in ins],
                  "largest": max([float(np.abs(a[np.isfinite(a)]).max()) for a in fl if np.isfinite(a).any()],
                                 default=0.0),
                  "inputs_exact": all(same(x) for x in n.input if x)}

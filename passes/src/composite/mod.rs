@@ -300,14 +300,19 @@ impl At<'_> {
             0 => i64::MAX, // no opset (text IR): the newest form
             v => v,
         };
-        let axis = int(a, "axis", if opset < 13 { 1 } else { -1 })?;
+        let from = self.axis(int(a, "axis", if opset < 13 { 1 } else { -1 })?)?;
         let x = self.x;
+        // An empty row has nothing to pick: the output is as empty as the input.
+        let dims = self.g.ty(x).shape.as_ref().map(|s| s.dims().to_vec()).unwrap_or_default();
+        let row = if opset < 13 { &dims[from..] } else { &dims[from..=from] };
+        if row.iter().any(|d| d.fixed() == Some(0)) {
+            return self.finish(Op::Identity, &[x]);
+        }
         // Before opset 13: over the input flattened to 2-D at `axis`, then shaped back.
         let (flat, axis, rank) = if opset < 13 {
-            let axis = self.axis(axis)? as i64;
-            (self.op("flat", Op::Flatten(FlattenAttrs { axis }), &[x]), 1, 2)
+            (self.op("flat", Op::Flatten(FlattenAttrs { axis: from as i64 }), &[x]), 1, 2)
         } else {
-            (x, self.axis(axis)?, self.rank)
+            (x, from, self.rank)
         };
         let arg = ArgAttrs { axis: axis as i64, keepdims: true, select_last_index: false };
         let first = self.op("argmax", Op::ArgMax(arg), &[flat]);
@@ -393,6 +398,7 @@ impl At<'_> {
 /// padding grown to cover every window (ceil_mode's last window, a window past the input): its
 /// taps there are zeros of the sum. `None` when that does not give the same windows.
 fn explicit_pads(mut a: Attrs, kernel: &[i64], sizes: &[u64]) -> Option<Attrs> {
+    let original = a.clone();
     let ints = |a: &mut Attrs, name: &str| take::<Vec<i64>>(a, name).ok().map(Option::unwrap_or_default);
     let (strides, dilations, pads) = (ints(&mut a, "strides")?, ints(&mut a, "dilations")?, ints(&mut a, "pads")?);
     let auto_pad = match take::<AutoPad>(&mut a, "auto_pad").ok()? {
@@ -408,6 +414,9 @@ fn explicit_pads(mut a: Attrs, kernel: &[i64], sizes: &[u64]) -> Option<Attrs> {
     };
     let sp = kernel.len();
     let want = resolve(&pads, auto_pad, ceil_mode)?;
+    if want.out.contains(&0) {
+        return Some(original); // no window at all: the pool as given, whose output is empty
+    }
     let mut explicit = vec![0i64; 2 * sp];
     for i in 0..sp {
         let extent = (want.kernel[i] - 1) * want.dilations[i] + 1;

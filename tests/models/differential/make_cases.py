@@ -322,6 +322,11 @@ def composites(rng):
                         ("lppool_ceil_mode", dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1)),
                         ("lppool_dilations", dict(kernel_shape=[2, 2], dilations=[2, 2]))]:
         case(name, [h.make_node("LpPool", ["x"], ["y"], **attrs)], [("x", img)], ["y"], opset=18)
+    short = np.arange(16, dtype=np.float32).reshape(2, 4, 2)  # a window of 3 over 2: no output
+    case("lppool_window_past_the_input_empty", [h.make_node("LpPool", ["x"], ["y"], kernel_shape=[2], dilations=[2])],
+         [("x", short)], ["y"], opset=18)
+    case("hardmax_empty_axis", [h.make_node("Hardmax", ["x"], ["y"])], [("x", np.zeros((3, 0), np.float32))], ["y"],
+         opset=13)
     for p in (1, 2, 3):
         case(f"globallppool_p{p}", [h.make_node("GlobalLpPool", ["x"], ["y"], p=p)], [("x", img)], ["y"])
     big = (rng.standard_normal((2, 3, 4, 4)) + 8).astype(np.float32)
