@@ -151,7 +151,8 @@ fn piecewise_constant_ops_pass_no_gradient() {
 #[test]
 fn composite_ops_differentiate_as_the_ops_they_are_made_of() {
     let f = Attr::Float;
-    let cases: Vec<(&str, Vec<(&str, Attr)>, Vec<u64>)> = vec![
+    type Composite<'a> = (&'a str, Vec<(&'a str, Attr)>, Vec<u64>);
+    let cases: Vec<Composite> = vec![
         ("ThresholdedRelu", vec![("alpha", f(0.2))], vec![3, 5]),
         ("Shrink", vec![("lambd", f(0.3)), ("bias", f(0.1))], vec![3, 5]),
         ("LpNormalization", vec![], vec![3, 5]),
