@@ -167,9 +167,9 @@ class GruClassifier(nn.Module):
 class EncoderClassifier(nn.Module):
     """torch's nn.TransformerEncoder (nn.MultiheadAttention inside), batch-first or not."""
 
-    def __init__(self, batch_first=True):
+    def __init__(self, batch_first=True, padded=False):
         super().__init__()
-        self.batch_first = batch_first
+        self.batch_first, self.padded = batch_first, padded
         self.emb = nn.Embedding(64, 32)
         layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=batch_first)
         self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
@@ -179,7 +179,8 @@ class EncoderClassifier(nn.Module):
         x = self.emb(tokens)
         if not self.batch_first:
             x = x.transpose(0, 1)
-        h = self.enc(x)
+        # Token 0 is padding: attention skips it (nn.MultiheadAttention's key padding mask).
+        h = self.enc(x, src_key_padding_mask=tokens == 0) if self.padded else self.enc(x)
         if not self.batch_first:
             h = h.transpose(0, 1)
         return self.fc(h.mean(dim=1))
@@ -253,6 +254,15 @@ FAMILIES["gemma_fresh"] = (lambda: Logits(tiny_gemma(), mask=True), "input_ids",
 FAMILIES["encoder"] = (EncoderClassifier, "tokens", tokens, "ce", lambda r: r.integers(0, 3, B))
 FAMILIES["encoder_seq_first"] = (lambda: EncoderClassifier(False), "tokens", tokens, "ce",
                                  lambda r: r.integers(0, 3, B))
+def padded_tokens(rng):
+    t = tokens(rng)
+    t[t == 0] = 1
+    t[0, -3:] = 0  # the first sequence is 5 tokens long, padded to 8
+    return t
+
+
+FAMILIES["encoder_padded"] = (lambda: EncoderClassifier(padded=True), "tokens", padded_tokens, "ce",
+                              lambda r: r.integers(0, 3, B))
 FAMILIES["tv_vit"] = (tiny_torchvision_vit, "x", lambda r: image(r, 3, 16), "ce", lambda r: r.integers(0, 3, B))
 # The axes each family's exports leave dynamic (the batch when not named here): the sequence too,
 # as the exporters' documentation shows for text models, or none (a fixed batch).
@@ -260,7 +270,7 @@ AXES = {}
 for base in ["bert", "distilbert", "gpt2", "llama", "lstm", "gru"]:
     FAMILIES[f"{base}_seq"] = FAMILIES[base]
     AXES[f"{base}_seq"] = "batch+seq"
-for base in ["encoder", "encoder_seq_first"]:
+for base in ["encoder", "encoder_seq_first", "encoder_padded"]:
     AXES[base] = "batch+seq"
 # torch.export cannot export the stacked bidirectional LSTM (its dynamo export fails in torch).
 FAMILIES["bilstm_tagger"] = (BiLstmTagger, "tokens", tokens, "lm", lambda r: r.integers(0, 5, (B, T)))
