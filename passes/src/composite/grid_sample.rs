@@ -52,8 +52,12 @@ impl At<'_> {
     pub(super) fn grid_sample(&mut self, a: &mut Attrs) -> Option<()> {
         let r = self.rank.checked_sub(2).filter(|&r| r >= 1)?;
         let grid = self.g.node(self.n).input(1)?;
-        let grid_rank = self.g.ty(grid).shape.as_ref()?.rank();
-        if grid_rank != r + 2 || !self.dtype.is_float() || self.g.ty(grid).dtype != Some(self.dtype) {
+        let grid_shape = self.g.ty(grid).shape.as_ref()?;
+        let last = grid_shape.dims().last().and_then(|d| d.fixed());
+        if grid_shape.rank() != r + 2 || last.is_some_and(|l| l != r as u64) {
+            return None;
+        }
+        if !self.dtype.is_float() || self.g.ty(grid).dtype != Some(self.dtype) {
             return None;
         }
         // An empty spatial axis has nothing to sample.

@@ -10,9 +10,9 @@
 //! - `LpNormalization(x)` = `x / n` with `n` = `ReduceL1` or `ReduceL2` over `axis`, and 1 where
 //!   `n` is 0 (onnxruntime gives 0 for a zero row, not NaN).
 //! - `LpPool(x)` = `(sum of |x|^p over the window)^(1/p)`: the sum is `AveragePool` counting the
-//!   padding, times the window's size. Windows that run past the padded input (ceil_mode, or a
-//!   window larger than the input) get explicit end padding first, which needs the input's spatial
-//!   sizes; with symbolic ones such an LpPool stays as it is.
+//!   padding, times the window's size, with the end padding made explicit and grown to cover the
+//!   windows that run past the padded input (ceil_mode, or a window larger than the input); that
+//!   needs the input's spatial sizes, so with symbolic ones an LpPool waits for a binding.
 //! - `GlobalLpPool(x)` = `ReduceL1`, `ReduceL2` or `(ReduceSum |x|^p)^(1/p)` over the spatial axes.
 //! - `MeanVarianceNormalization(x)` = `(x - mean) / (sqrt(mean((x - mean)²)) + 1e-9)` over `axes`
 //!   (the spec's epsilon; the centred variance, as onnxruntime computes it).
@@ -192,18 +192,20 @@ impl At<'_> {
             "LpPool" => self.lp_pool(a),
             "GlobalLpPool" => {
                 let p = int(&mut a, "p", 2)?;
+                if self.rank < 3 || p < 1 {
+                    return None; // no spatial axis (empty axes would reduce them all), or no norm
+                }
                 let axes: Vec<i64> = (2..self.rank as i64).collect();
                 let axes = self.ints("axes", &axes);
                 match p {
                     1 => self.finish(Op::ReduceL1(reduce(true)), &[x, axes]),
                     2 => self.finish(Op::ReduceL2(reduce(true)), &[x, axes]),
-                    p if p > 0 => {
+                    p => {
                         let powered = self.abs_pow(p);
                         let sum = self.op("sum", Op::ReduceSum(reduce(true)), &[powered, axes]);
                         let root = self.scalar("root", 1.0 / p as f64);
                         self.finish(Op::Pow, &[sum, root])
                     }
-                    _ => None,
                 }
             }
             "MeanVarianceNormalization" => {
@@ -211,6 +213,11 @@ impl At<'_> {
                     Some(v) => v,
                     None => vec![0, 2, 3],
                 };
+                // Every axis one of x's, none twice (else left as it is, for the lowering to refuse).
+                let axes: Vec<i64> = axes.iter().map(|&d| self.axis(d).map(|d| d as i64)).collect::<Option<_>>()?;
+                if (1..axes.len()).any(|i| axes[..i].contains(&axes[i])) {
+                    return None;
+                }
                 let axes = self.ints("axes", &axes);
                 let mean = self.op("mean", Op::ReduceMean(reduce(true)), &[x, axes]);
                 let centred = self.op("centred", Op::Sub, &[x, mean]);
@@ -340,12 +347,10 @@ impl At<'_> {
             let s = self.g.ty(self.x).shape.as_ref()?;
             s.dims()[2..].iter().map(|d| d.fixed()).collect()
         };
-        match spatial {
-            Some(sizes) => pool = explicit_pads(pool, &kernel, &sizes)?,
-            // A window past the padded input needs explicit padding, so the input's sizes.
-            None if matches!(take::<i64>(&mut pool.clone(), "ceil_mode"), Ok(Some(1))) => return None,
-            None => {}
-        }
+        // A window that runs past the padded input (ceil_mode, or a kernel larger than the input)
+        // needs explicit end padding, so the input's spatial sizes: with symbolic ones the node
+        // waits for the sizes a binding gives (written out when lowering).
+        pool = explicit_pads(pool, &kernel, &spatial?)?;
         pool.push(("kernel_shape".into(), Attr::Ints(kernel)));
         pool.push(("count_include_pad".into(), Attr::Int(1)));
         let pool = Op::from_attrs("AveragePool", pool)?.ok()?;
@@ -366,8 +371,12 @@ impl At<'_> {
     fn rms_norm(&mut self, a: &mut Attrs) -> Option<()> {
         let axis = self.axis(int(a, "axis", -1)?)?;
         let eps = float(a, "epsilon", 1e-5)? as f64;
-        let stash = DType::from_onnx_code(int(a, "stash_type", 1)? as i32).ok()?;
+        let stash = DType::from_onnx_code(int(a, "stash_type", 1)? as i32).ok().filter(|d| d.is_float())?;
         let scale = self.g.node(self.n).input(1)?;
+        // Opset 23 lets the scale (and so Y) have a dtype of its own: that form stays as it is.
+        if self.g.ty(scale).dtype != Some(self.dtype) {
+            return None;
+        }
         let (x, dtype) = (self.x, self.dtype);
         let xs = if stash == dtype {
             x
@@ -420,7 +429,7 @@ fn explicit_pads(mut a: Attrs, kernel: &[i64], sizes: &[u64]) -> Option<Attrs> {
     let mut explicit = vec![0i64; 2 * sp];
     for i in 0..sp {
         let extent = (want.kernel[i] - 1) * want.dilations[i] + 1;
-        let reach = (want.out[i].max(1) - 1) * want.strides[i] + extent;
+        let reach = (want.out[i] - 1) * want.strides[i] + extent;
         let covered = sizes[i] as usize + want.pads_begin[i];
         explicit[i] = want.pads_begin[i] as i64;
         explicit[sp + i] = reach.saturating_sub(covered) as i64;
