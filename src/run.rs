@@ -624,8 +624,9 @@ fn if_branches(g: &Graph, model: &Path) -> Result<HashMap<mpc_ir::NodeId, mpc_ru
 
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded
 /// shape arithmetic (`Shape → Gather → Concat`) gives inference the values that decide the next
-/// shapes (and the ranks that composite ops, `mpc_passes::expand_composites`, wait for). Initializers named in `changing` (training state) are not constants. Also returns the
-/// symbolic dims the inputs bound.
+/// shapes (and the ranks that composite ops, `mpc_passes::expand_composites`, wait for).
+/// Initializers named in `changing` (training state) are not constants. Also returns the symbolic
+/// dims the inputs bound.
 pub fn fold_and_infer(
     mut g: Graph,
     dims: &HashMap<String, u64>,

@@ -12,9 +12,9 @@
 //! [N, C, grid's spatial dims]. Gradients: x's through the gathers, the grid's through the weights
 //! (the taps' indices are piecewise constant in it, as in torch).
 
-use mpc_ir::attr::Attrs;
+use mpc_ir::attr::{take, Attrs};
 use mpc_ir::ops::{AxisAttrs, CastAttrs, ModAttrs, ShapeAttrs};
-use mpc_ir::{Attr, DType, Op, Tensor, ValueId};
+use mpc_ir::{DType, Op, Tensor, ValueId};
 
 use super::{int, At};
 
@@ -30,14 +30,6 @@ enum Padding {
     Zeros,
     Border,
     Reflection,
-}
-
-fn string(a: &mut Attrs, name: &str) -> Option<Option<String>> {
-    match a.iter().position(|(n, _)| n == name).map(|i| a.remove(i).1) {
-        None => Some(None),
-        Some(Attr::String(s)) => Some(Some(s)),
-        Some(_) => None,
-    }
 }
 
 /// One tap along one axis: its index (int64), its weight (none: 1) and, with zero padding,
@@ -64,13 +56,13 @@ impl At<'_> {
         if self.g.ty(self.x).shape.as_ref()?.dims()[2..].iter().any(|d| d.fixed() == Some(0)) {
             return None;
         }
-        let mode = match string(a, "mode")?.as_deref() {
+        let mode = match take::<String>(a, "mode").ok()?.as_deref() {
             None | Some("bilinear" | "linear") => Mode::Linear,
             Some("nearest") => Mode::Nearest,
             Some("bicubic" | "cubic") if r == 2 => Mode::Cubic,
             _ => return None,
         };
-        let padding = match string(a, "padding_mode")?.as_deref() {
+        let padding = match take::<String>(a, "padding_mode").ok()?.as_deref() {
             None | Some("zeros") => Padding::Zeros,
             Some("border") => Padding::Border,
             Some("reflection") => Padding::Reflection,
@@ -103,10 +95,10 @@ impl At<'_> {
         let l = self.op(&w("len_f"), cast, &[len]);
         let one = self.scalar("one", 1.0);
         let two = self.scalar("two", 2.0);
+        let last = self.op(&w("last"), Op::Sub, &[l, one]);
         let g1 = self.op(&w("g_plus_1"), Op::Add, &[g, one]);
         let u = if align {
             let half = self.op(&w("half"), Op::Div, &[g1, two]);
-            let last = self.op(&w("last"), Op::Sub, &[l, one]);
             self.op(&w("u"), Op::Mul, &[half, last])
         } else {
             let scaled = self.op(&w("scaled"), Op::Mul, &[g1, l]);
@@ -136,7 +128,7 @@ impl At<'_> {
         };
         taps.into_iter()
             .enumerate()
-            .map(|(j, (i, weight))| self.padded(&format!("{k}_{j}"), i, l, padding, align, weight))
+            .map(|(j, (i, weight))| self.padded(&format!("{k}_{j}"), i, (l, last), padding, align, weight))
             .collect()
     }
 
@@ -171,19 +163,19 @@ impl At<'_> {
         [outer(self, 0, t1), inner(self, 1, t), inner(self, 2, one_t), outer(self, 3, two_t)]
     }
 
-    /// Tap index `i` (integral, of x's dtype) padded on an axis of `l` elements, as int64.
+    /// Tap index `i` (integral, of x's dtype) padded on an axis of `l` elements (`last` = l - 1),
+    /// as int64.
     fn padded(
         &mut self,
         k: &str,
         i: ValueId,
-        l: ValueId,
+        (l, last): (ValueId, ValueId),
         padding: Padding,
         align: bool,
         weight: Option<ValueId>,
     ) -> Tap {
         let w = |s: &str| format!("pad{k}_{s}");
-        let (zero, one) = (self.scalar("zero", 0.0), self.scalar("one", 1.0));
-        let last = self.op(&w("last"), Op::Sub, &[l, one]);
+        let zero = self.scalar("zero", 0.0);
         let (i, inside) = match padding {
             Padding::Zeros => {
                 let ge = self.op(&w("from_first"), Op::GreaterOrEqual, &[i, zero]);
@@ -252,6 +244,8 @@ impl At<'_> {
         let counts: Vec<usize> = axes.iter().map(|(t, _)| t.len()).collect();
         let total: usize = counts.iter().product();
         let one_axis = self.ints("channel_axis", &[1]);
+        // Every term's index is [N, 1, P], expanded over the channels: one target for all.
+        let mut target = None;
         let mut sum = None;
         for c in 0..total {
             let (mut rem, mut pick) = (c, vec![0; r]);
@@ -283,7 +277,10 @@ impl At<'_> {
                 };
             }
             let index = self.op(&format!("index{tag}"), Op::Unsqueeze, &[index?, one_axis]);
-            let target = self.gather_shape(flat, index);
+            let target = match target {
+                Some(t) => t,
+                None => *target.insert(self.gather_shape(flat, index)),
+            };
             let index = self.op(&format!("index{tag}_all"), Op::Expand, &[index, target]);
             let mut term = self.op(&format!("sample{tag}"), Op::GatherElements(AxisAttrs { axis: 2 }), &[flat, index]);
             // Zero padding: a tap outside reads 0 (not the clamped element times 0, which is NaN
