@@ -240,7 +240,7 @@ def mpc_bench(mpc, path, loss, batch, steps, warmup, device, profile, policies="
               extra=()):
     cmd = [mpc, "bench", path, "--train", *loss, "--optimizer", "adamw", "--lr", "1e-4", "--device", device,
            "--policies", policies, "--batch", str(batch), "--steps", str(steps),
-           "--warmup", str(warmup), "--json"] + (["--profile"] if profile else []) + list(extra)
+           "--untimed", str(warmup), "--json"] + (["--profile"] if profile else []) + list(extra)
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     if r.returncode != 0:
         return {"error": r.stderr.strip()}

@@ -36,13 +36,16 @@
 // ---- Updates. "Unchanged when not finite": when *finite == 0 every output equals its input bit
 // for bit (copied when the output is another buffer; nothing is written when it is the same).
 // Outputs may alias their inputs (the state's next value written into its own slot).
+// Both read their learning rate from lr_ptr (a device f32 scalar: the op's `lr` input, which a
+// schedule computes or the host writes) when it is non-null, else take the `lr` argument.
 // Both take the gradient in G, widened to the parameter's compute type, and multiplied there by
 // *inv_scale (an f32 scalar: the loss scale's reciprocal) when inv_scale is non-null: the unscale
 // the training compiler folds into the update (the same arithmetic as a Cast and a Mul before it).
 // <T>_<G>: f32_f32 f32_f16 f32_bf16 f16_f16 bf16_bf16 f64_f64.
 // train_sgd_<T>_<G>(const T* param, const G* grad, const float* inv_scale,
 //               const unsigned char* finite, const T* velocity, T* param_out, T* velocity_out,
-//               long long n, float lr, float momentum, float weight_decay, int nesterov)
+//               long long n, float lr, const float* lr_ptr, float momentum, float weight_decay,
+//               int nesterov)
 //     d = grad + wd * param; with velocity (non-null): v' = momentum * v + d, step = nesterov ?
 //     d + momentum * v' : v'; without: step = d. param' = param - lr * step.
 //     Trailing arguments (both updates): void* low_out, const void* low, int low_code: the
@@ -51,7 +54,7 @@
 //     copies low to low_out when they differ.
 // train_adam_<T>_<G>(const T* param, const G* grad, const float* inv_scale, const T* m,
 //                const T* v, const long long* step, const unsigned char* finite, T* param_out,
-//                T* m_out, T* v_out, long long n, float lr, float beta1, float beta2,
+//                T* m_out, T* v_out, long long n, float lr, const float* lr_ptr, float beta1, float beta2,
 //                float epsilon, float weight_decay, int decoupled, low...)
 //     t = max(*step, 1) (the count after this update); Adam: d = grad + wd * param; AdamW
 //     (decoupled != 0): param <- param - lr * wd * param, d = grad. m' = b1 m + (1 - b1) d,
@@ -60,7 +63,7 @@
 // train_adam_multi_<T>(const unsigned long long* ptrs, const long long* sizes, const int* codes,
 //                      const int* chunk_tensor, const long long* chunk_start, long long chunks,
 //                      long long chunk, const float* inv_scale, const long long* step,
-//                      const unsigned char* finite, float lr, float beta1, float beta2,
+//                      const unsigned char* finite, float lr, const float* lr_ptr, float beta1, float beta2,
 //                      float epsilon, float weight_decay, int decoupled)
 //     Many AdamUpdates of T parameters (one attribute set, one step, finite flag and inv_scale)
 //     in one launch. Tensor k: ptrs[9k .. 9k+9) = param, grad, m, v, param', m', v', low, low'
@@ -78,6 +81,12 @@
 //     reaches growth_interval scale' = min(scale * growth, max_scale), good' = 0; not finite:
 //     scale' = max(scale * backoff, min_scale), good' = 0. Outputs may alias inputs. The scale is
 //     f32 (mpc.loss_scale), the count i64 (mpc.good_steps).
+// train_lr_schedule(const long long* step, const float* peak, float* lr, int kind, long long warmup,
+//                   long long total, float min_ratio, float start_ratio, long long step_size,
+//                   float gamma)
+//     One thread (launch <<<1, 1>>>). *lr = the rate after *step applied updates at the peak
+//     rate *peak, computed in f64 and rounded once (runtime/src/cpu/train.rs `scheduled_rate`
+//     gives each curve). kind: 0 constant, 1 linear, 2 cosine, 3 step, 4 one-cycle.
 //
 // ---- SeededDropout (training-mode Dropout with a counter-based mask)
 // train_seeded_dropout_<T>(const T* x, const long long* key, const double* ratio_ptr, T* y,
@@ -440,28 +449,31 @@ __device__ __forceinline__ void adam_multi_body(const unsigned long long* ptrs, 
 #define UPDATE_T(T, tag, G, gtag)                                                                     \
     MPC_KERNEL train_sgd_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale,             \
                                         const unsigned char* finite, const T* velocity, T* param_out,      \
-                                        T* velocity_out, long long n, float lr, float momentum,            \
-                                        float weight_decay, int nesterov, void* low_out, const void* low,  \
-                                        int low_code) {                                                    \
-        sgd_body(param, grad, inv_scale, finite, velocity, param_out, velocity_out, n, lr, momentum,       \
+                                        T* velocity_out, long long n, float lr, const float* lr_ptr,       \
+                                        float momentum, float weight_decay, int nesterov, void* low_out,   \
+                                        const void* low, int low_code) {                                   \
+        sgd_body(param, grad, inv_scale, finite, velocity, param_out, velocity_out, n,                     \
+                 lr_ptr ? *lr_ptr : lr, momentum,                                                          \
                  weight_decay, nesterov, LowCopy{low_out, low, low_code});                                 \
     }                                                                                                      \
     MPC_KERNEL train_adam_##tag##_##gtag(const T* param, const G* grad, const float* inv_scale, const T* m, \
                                          const T* v, const long long* step, const unsigned char* finite,   \
                                          T* param_out, T* m_out, T* v_out, long long n, float lr,          \
-                                         float beta1, float beta2, float epsilon, float weight_decay,      \
-                                         int decoupled, void* low_out, const void* low, int low_code) {    \
-        adam_body(param, grad, inv_scale, m, v, step, finite, param_out, m_out, v_out, n, lr, beta1, beta2, \
+                                         const float* lr_ptr, float beta1, float beta2, float epsilon,     \
+                                         float weight_decay, int decoupled, void* low_out, const void* low, \
+                                         int low_code) {                                                   \
+        adam_body(param, grad, inv_scale, m, v, step, finite, param_out, m_out, v_out, n,                  \
+                  lr_ptr ? *lr_ptr : lr, beta1, beta2,                                                     \
                   epsilon, weight_decay, decoupled, LowCopy{low_out, low, low_code});                      \
     }
 #define ADAM_MULTI_T(T, tag)                                                                               \
     MPC_KERNEL train_adam_multi_##tag(const unsigned long long* ptrs, const long long* sizes, const int* codes, \
                                       const int* chunk_tensor, const long long* chunk_start, long long chunks,  \
                                       long long chunk, const float* inv_scale, const long long* step,           \
-                                      const unsigned char* finite, float lr, float beta1, float beta2,          \
-                                      float epsilon, float weight_decay, int decoupled) {                       \
+                                      const unsigned char* finite, float lr, const float* lr_ptr, float beta1,  \
+                                      float beta2, float epsilon, float weight_decay, int decoupled) {          \
         adam_multi_body<T>(ptrs, sizes, codes, chunk_tensor, chunk_start, chunks, chunk, inv_scale, step,       \
-                           finite, lr, beta1, beta2, epsilon, weight_decay, decoupled);                         \
+                           finite, lr_ptr ? *lr_ptr : lr, beta1, beta2, epsilon, weight_decay, decoupled);      \
     }
 ADAM_MULTI_T(float, f32)
 ADAM_MULTI_T(__half, f16)
@@ -497,6 +509,36 @@ MPC_KERNEL train_loss_scale_update(const float* scale, const long long* good_ste
     }
     *scale_out = __double2float_rn(s);
     *good_steps_out = g;
+}
+
+// ---------------------------------------------------------------- LrSchedule
+
+__device__ __forceinline__ double cosine_between(double from, double to, double pct) {
+    return to + (from - to) / 2.0 * (cos(3.141592653589793 * pct) + 1.0);
+}
+
+MPC_KERNEL train_lr_schedule(const long long* step, const float* peak_ptr, float* lr, int kind, long long warmup,
+                             long long total, float min_ratio, float start_ratio, long long step_size, float gamma) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const double s = (double)(*step > 0 ? *step : 0), w = (double)(warmup > 0 ? warmup : 0);
+    const double t = (double)(total > 0 ? total : 0), peak = (double)*peak_ptr, floor_ratio = (double)min_ratio;
+    double r;
+    if (kind == 4) {
+        const double rise_end = w - 1.0, end = t - 1.0;
+        r = s <= rise_end ? cosine_between(peak * (double)start_ratio, peak, s / rise_end)
+                          : cosine_between(peak, peak * floor_ratio, fmin((s - rise_end) / (end - rise_end), 1.0));
+    } else if (s < w) {
+        r = peak * (s / fmax(w, 1.0));
+    } else if (kind == 0) {
+        r = peak;
+    } else if (kind == 3) {
+        r = peak * pow((double)gamma, floor((s - w) / (double)(step_size > 1 ? step_size : 1)));
+    } else {
+        const double progress = fmin((s - w) / fmax(t - w, 1.0), 1.0);
+        const double f = kind == 1 ? 1.0 - progress : 0.5 * (1.0 + cos(3.141592653589793 * progress));
+        r = peak * (floor_ratio + (1.0 - floor_ratio) * f);
+    }
+    *lr = __double2float_rn(r);
 }
 
 // ---------------------------------------------------------------- SeededDropout

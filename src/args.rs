@@ -125,6 +125,24 @@ pub(crate) struct TrainArgs {
     /// Learning rate [default: 0.001].
     #[arg(long)]
     pub(crate) lr: Option<f32>,
+    /// How the learning rate moves, computed on the device from the count of applied updates:
+    /// constant (the default), linear or cosine (decay to --lr-min at the run's end), step[:size=N,
+    /// gamma=G] (×G every N updates; N 1, G 0.1 by default) or one-cycle[:div=D] (from lr/D up to
+    /// lr over --warmup, then down to --lr-min, by default lr/(D·10⁴); D 25), as PyTorch's and
+    /// Hugging Face's schedulers of those names.
+    #[arg(long, value_name = "CURVE")]
+    pub(crate) schedule: Option<String>,
+    /// Updates of linear warmup from 0 before the schedule (one-cycle: of its rise); below 1, a share
+    /// of the run's updates (rounded up) [default: 0].
+    #[arg(long, value_name = "N")]
+    pub(crate) warmup: Option<f64>,
+    /// The learning rate a linear, cosine or one-cycle schedule ends at [default: 0].
+    #[arg(long, value_name = "LR")]
+    pub(crate) lr_min: Option<f32>,
+    /// The run's length in updates for a schedule (`mpc train` counts it from the data, epochs and
+    /// --max-steps; `mpc compile --train` needs it for a schedule that decays).
+    #[arg(long, value_name = "N")]
+    pub(crate) total_steps: Option<u64>,
     /// Weight decay [default: 0].
     #[arg(long)]
     pub(crate) weight_decay: Option<f32>,
@@ -162,6 +180,10 @@ impl TrainArgs {
             labels: self.labels.clone(),
             optimizer: self.optimizer.clone(),
             lr: self.lr,
+            schedule: self.schedule.clone(),
+            warmup: self.warmup,
+            lr_min: self.lr_min,
+            total_steps: self.total_steps,
             weight_decay: self.weight_decay,
             momentum: self.momentum,
             clip_norm: self.clip_norm,
@@ -324,8 +346,9 @@ pub(crate) enum Command {
         /// Steps timed after the warm-up.
         #[arg(long, default_value_t = 20)]
         steps: usize,
-        #[arg(long, default_value_t = 3)]
-        warmup: usize,
+        /// Steps run before the timed ones (warm-up: first-use costs, caches, clocks).
+        #[arg(long, value_name = "N", default_value_t = 3)]
+        untimed: usize,
         /// The device: cpu, or cuda (the first GPU).
         #[arg(long, default_value = "cpu")]
         device: String,

@@ -38,8 +38,9 @@
 
 use serde::Deserialize;
 
+use mpc_ir::ops::{LrKind, LrScheduleAttrs};
 use mpc_passes::precision::{Class, Policy};
-use mpc_passes::train::{CrossEntropy, Loss, LossScale, Optimizer, TrainOptions};
+use mpc_passes::train::{CrossEntropy, Loss, LossScale, Optimizer, Schedule, TrainOptions};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -115,6 +116,12 @@ pub struct TrainFile {
     pub labels: Option<String>,
     pub optimizer: Option<String>,
     pub lr: Option<f32>,
+    /// constant, linear, cosine, step[:size=N,gamma=G] or one-cycle[:div=D].
+    pub schedule: Option<String>,
+    /// Updates of warmup, or below 1 a share of the run.
+    pub warmup: Option<f64>,
+    pub lr_min: Option<f32>,
+    pub total_steps: Option<u64>,
     pub weight_decay: Option<f32>,
     pub momentum: Option<f32>,
     pub beta1: Option<f32>,
@@ -148,6 +155,10 @@ impl TrainFile {
             labels,
             optimizer,
             lr,
+            schedule,
+            warmup,
+            lr_min,
+            total_steps,
             weight_decay,
             momentum,
             beta1,
@@ -246,7 +257,73 @@ impl TrainFile {
             dynamic_scale: dynamic,
             ..d
         };
-        Ok((opts, scale))
+        let schedule = self.schedule(opts.lr)?;
+        Ok((TrainOptions { schedule, ..opts }, scale))
+    }
+}
+
+impl TrainFile {
+    /// The learning-rate schedule `schedule`, `warmup`, `lr_min` and `total_steps` ask for
+    /// (`None`: a constant rate without warmup); `lr` is the peak rate.
+    fn schedule(&self, lr: f32) -> Result<Option<Schedule>, String> {
+        if self.schedule.is_none() && self.warmup.is_none_or(|w| w == 0.0) {
+            return Ok(None);
+        }
+        let text = self.schedule.as_deref().unwrap_or("constant");
+        let (name, rest) = text.split_once(':').map_or((text, None), |(n, r)| (n, Some(r)));
+        let mut a = LrScheduleAttrs { total: self.total_steps.unwrap_or(0) as i64, ..Default::default() };
+        a.kind = match name {
+            "constant" => LrKind::Constant,
+            "linear" => LrKind::Linear,
+            "cosine" => LrKind::Cosine,
+            "step" => LrKind::Step,
+            "one-cycle" => LrKind::OneCycle,
+            _ => {
+                return Err(format!(
+                    "schedule `{text}`: expected constant, linear, cosine, step[:size=N,gamma=G] or one-cycle[:div=D]"
+                ))
+            }
+        };
+        let mut div = 25.0f32;
+        for item in rest.into_iter().flat_map(|r| r.split(',')) {
+            let bad = || {
+                format!(
+                    "schedule `{text}`: `{item}` is not a setting of {name} (step: size=N, gamma=G; one-cycle: div=D)"
+                )
+            };
+            let (key, value) = item.split_once('=').ok_or_else(bad)?;
+            let number = value.trim().parse::<f64>().ok().filter(|x| *x > 0.0 && x.is_finite());
+            match (a.kind, key.trim(), number) {
+                (LrKind::Step, "size", Some(n)) if n.fract() == 0.0 => a.step_size = n as i64,
+                (LrKind::Step, "gamma", Some(g)) => a.gamma = g as f32,
+                (LrKind::OneCycle, "div", Some(d)) => div = d as f32,
+                _ => return Err(bad()),
+            }
+        }
+        let warmup_share = match self.warmup {
+            Some(w) if !(w >= 0.0 && w.is_finite()) => {
+                return Err(format!("warmup {w}: expected a count of updates or a share below 1"))
+            }
+            Some(w) if w < 1.0 => Some(w),
+            Some(w) if w.fract() != 0.0 => return Err(format!("warmup {w}: a count of updates is a whole number")),
+            Some(w) => {
+                a.warmup = w as i64;
+                None
+            }
+            None => None,
+        };
+        a.start_ratio = 1.0 / div;
+        a.min_ratio = match self.lr_min {
+            Some(m) if !(m >= 0.0 && m <= lr) => return Err(format!("lr_min {m}: expected a rate in [0, lr = {lr}]")),
+            Some(m) => m / lr,
+            None if a.kind == LrKind::OneCycle => a.start_ratio / 1e4,
+            None => 0.0,
+        };
+        if a.kind == LrKind::OneCycle && a.warmup == 0 && warmup_share.is_none() {
+            // OneCycleLR's default: the rise is 30% of the run.
+            return Ok(Some(Schedule { attrs: a, warmup_share: Some(0.3) }));
+        }
+        Ok(Some(Schedule { attrs: a, warmup_share }))
     }
 }
 

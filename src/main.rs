@@ -324,7 +324,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             std::mem::forget(g);
             Ok(())
         }
-        Command::Bench { common, train, train_args, policies, batch, steps, warmup, device, json, profile } => {
+        Command::Bench { common, train, train_args, policies, batch, steps, untimed, device, json, profile } => {
             let kind = check_device(&device)?;
             let mut opts = common.options(Vec::new(), None)?;
             if train {
@@ -337,7 +337,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             if let Some(p) = policies.iter().find(|p| !mpc::POLICIES.contains(&p.as_str())) {
                 return Err(Error::Usage(format!("unknown policy `{p}` (fp32, mixed, mixed-bf16, fp16)")));
             }
-            let cfg = mpc::bench::BenchConfig { policies, batch, warmup, steps, train, profile };
+            let cfg = mpc::bench::BenchConfig { policies, batch, warmup: untimed, steps, train, profile };
             let model = mpc::load(&common.model)?;
             let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {

@@ -404,6 +404,28 @@ fn eval_graph(model: &Graph, path: &Path, opts: &Options) -> Result<Graph> {
     Ok(g)
 }
 
+/// The held-out samples of `n`: `eval_split` as a share when below 1, else as a count.
+fn eval_count(cfg: &TrainConfig, n: usize) -> usize {
+    let n_eval =
+        if cfg.eval_split < 1.0 { ((n as f64) * cfg.eval_split).round() as usize } else { cfg.eval_split as usize };
+    n_eval.min(n)
+}
+
+/// The batches of every epoch over `n` samples: the run a schedule spans (--max-steps stops a
+/// run that may be resumed, and does not shorten its schedule).
+fn run_length(cfg: &TrainConfig, n: usize) -> usize {
+    cfg.epochs * (n - eval_count(cfg, n)).div_ceil(cfg.batch.max(1))
+}
+
+/// `opts` with its learning-rate schedule spanning the run (where it has no length of its own).
+fn with_run_length(opts: &Options, cfg: &TrainConfig, n: usize) -> Options {
+    let mut o = opts.clone();
+    if let Some(s) = o.train.as_mut().and_then(|t| t.schedule.as_mut()) {
+        *s = s.for_run(run_length(cfg, n) as u64);
+    }
+    o
+}
+
 fn checkpoint_file(dir: &Path) -> PathBuf {
     dir.join("checkpoint.safetensors")
 }
@@ -430,7 +452,11 @@ pub fn train_on<D: Device>(
 ) -> Result<Trained> {
     let rerr = |source| Error::Run { path: path.to_owned(), source };
     let data = crate::run::read_safetensors(&cfg.data)?;
-    let mut fwd = match feeds_for(model, &data, &cfg.data)? {
+    let model_feeds = feeds_for(model, &data, &cfg.data)?;
+    // A schedule spans the run: its updates, from the samples and the epochs.
+    let samples = model_feeds.first().map_or(0, |f| f.1.shape[0]);
+    let opts = &with_run_length(opts, cfg, samples);
+    let mut fwd = match model_feeds {
         f if f.first().is_some_and(|f| f.1.shape[0] > 0) => bind_sample_dims(model, &batch_feeds(&f, &[0]), path)?,
         _ => model.clone(),
     };
@@ -468,9 +494,8 @@ pub fn train_on<D: Device>(
 
     let feeds = feeds_for(&g, &data, &cfg.data)?;
     let n = feeds.first().map_or(0, |f| f.1.shape[0]);
-    let n_eval =
-        if cfg.eval_split < 1.0 { ((n as f64) * cfg.eval_split).round() as usize } else { cfg.eval_split as usize };
-    let n_train = n - n_eval.min(n);
+    let n_eval = eval_count(cfg, n);
+    let n_train = n - n_eval;
     if n_train == 0 || cfg.batch == 0 {
         return Err(Error::Usage(format!(
             "{}: no training samples (batch {}, {n} samples)",
@@ -534,6 +559,10 @@ pub fn train_on<D: Device>(
             // A master's low-precision copy that the checkpoint lacks (one written with
             // --no-weight-copies) is its master rounded.
             let copy = low_copy_of(name, &saved, g.ty(s).dtype);
+            // A checkpoint from before the rate was state keeps this run's rate.
+            if name == mpc_passes::train::LR && !saved.contains_key(name) {
+                continue;
+            }
             let t = saved
                 .get(name)
                 .or(copy.as_ref())

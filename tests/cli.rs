@@ -191,7 +191,7 @@ fn device_cuda_runs_or_says_in_one_line_why_not() {
     for cmd in [
         vec!["run", m.to_str().unwrap(), "--random-inputs", "1", "--dim", "batch=4", "--device", "cuda"],
         vec!["train", d.to_str().unwrap(), "--data", data, "--epochs", "1", "--device", "cuda"],
-        vec!["bench", m.to_str().unwrap(), "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cuda"],
+        vec!["bench", m.to_str().unwrap(), "--batch", "4", "--steps", "2", "--untimed", "1", "--device", "cuda"],
         // Checkpoints, a resumed run and the trained model written out, on the GPU.
         [&train[..], &["--epochs", "2", "--max-steps", "30"]].concat(),
         [&train[..], &["--epochs", "2", "--resume", "-o", out]].concat(),
@@ -302,7 +302,7 @@ fn a_closed_output_ends_quietly() {
 #[test]
 fn bench_reports_each_policy() {
     let m = fixture("mlp");
-    let args = ["bench", m.to_str().unwrap(), "--batch", "8", "--steps", "3", "--warmup", "1", "--json"];
+    let args = ["bench", m.to_str().unwrap(), "--batch", "8", "--steps", "3", "--untimed", "1", "--json"];
     let r = mpc(&args);
     let out = String::from_utf8_lossy(&r.stdout);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
@@ -328,7 +328,7 @@ fn bench_reports_each_policy() {
     let d = fixture("digits_mlp");
     let train = |policy: &str, more: &[&str]| {
         let base = ["bench", d.to_str().unwrap(), "--train", "--loss", "cross-entropy", "--policies", policy];
-        mpc(&[&base[..], &["--batch", "16", "--steps", "2", "--warmup", "1"], more].concat())
+        mpc(&[&base[..], &["--batch", "16", "--steps", "2", "--untimed", "1"], more].concat())
     };
     let r = train("fp32", &[]);
     let out = String::from_utf8_lossy(&r.stdout);

@@ -143,19 +143,24 @@ fn weight_copies_written_by_the_update_give_the_same_bits<D: Device>(device: imp
 }
 
 fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
+    // Mid-schedule: a cosine decay after a warmup, both spanning the three epochs.
+    fn scheduled() -> TrainOptions {
+        let file = mpc::config::TrainFile {
+            schedule: Some("cosine".into()),
+            warmup: Some(0.1),
+            lr: Some(3e-3),
+            ..Default::default()
+        };
+        file.resolve().unwrap().0
+    }
     let model = fixture("digits_mlp");
     let dir = scratch(&format!("resume_{}", device().caps().name));
     let (n, m) = (30, 25);
     let base = TrainConfig { epochs: 3, eval_split: 297.0, seed: 3, ..digits_cfg(3) };
-    let straight = run_on(
-        device(),
-        &model,
-        "mixed",
-        TrainOptions::default(),
-        &TrainConfig { max_steps: Some(n + m), ..base.clone() },
-    );
+    let straight =
+        run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
     let ck = TrainConfig { checkpoint: Some(dir.clone()), ..base.clone() };
-    run_on(device(), &model, "mixed", TrainOptions::default(), &TrainConfig { max_steps: Some(n), ..ck.clone() });
+    run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n), ..ck.clone() });
     assert!(dir.join("checkpoint.safetensors").is_file());
     let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
     assert!(saved.contains_key("fc1.weight") && saved.contains_key("mpc.adam_m.fc1.weight"), "{:?}", saved.keys());
@@ -163,17 +168,11 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
         device(),
         &model,
         "mixed",
-        TrainOptions::default(),
+        scheduled(),
         &TrainConfig { max_steps: Some(n + m), resume: true, ..ck.clone() },
     );
     // Two runs give the same bits.
-    let again = run_on(
-        device(),
-        &model,
-        "mixed",
-        TrainOptions::default(),
-        &TrainConfig { max_steps: Some(n + m), ..base.clone() },
-    );
+    let again = run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
     assert_eq!(straight.losses, again.losses, "two runs differ");
     assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming differ");
     assert_eq!(straight.state.len(), resumed.state.len());
@@ -188,17 +187,12 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
     );
     // A checkpoint without the weights' f16 copies (written with --no-weight-copies) resumes a run
     // that keeps them: each copy is its master rounded, and the run goes on as the straight one.
-    let uncopied = TrainOptions { weight_copies: false, ..Default::default() };
+    let uncopied = TrainOptions { weight_copies: false, ..scheduled() };
     run_on(device(), &model, "mixed", uncopied, &TrainConfig { max_steps: Some(n), ..ck.clone() });
     let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
     assert!(!saved.keys().any(|k| k.starts_with("mpc.f16.")), "{:?}", saved.keys());
-    let resumed = run_on(
-        device(),
-        &model,
-        "mixed",
-        TrainOptions::default(),
-        &TrainConfig { max_steps: Some(n + m), resume: true, ..ck },
-    );
+    let resumed =
+        run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), resume: true, ..ck });
     assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming without copies differ");
     assert!(straight.state == resumed.state, "the state after resuming without copies differs");
 }
@@ -419,4 +413,37 @@ fn failure_mode_c_fp16_sum_overflows_f32_accumulation_does_not() {
     println!("mode (c) 4096 x 16.0: FP16 accumulator {naive}, fp16 policy {fp16}, mixed (F32 reduction) {mixed}");
     assert_eq!(mixed, 65536.0);
     assert!(fp16.is_infinite());
+}
+
+/// Each `--schedule` gives the learning rate of the PyTorch or Hugging Face scheduler it is named
+/// after over 1000 steps (tests/data/schedules.json, made by tests/models/make_schedules.py), to
+/// 1e-6 relative, from the same settings a user gives.
+#[test]
+fn schedules_follow_the_torch_and_hugging_face_schedulers() {
+    let text =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/schedules.json")).unwrap();
+    let data: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let peak = data["lr"].as_f64().unwrap() as f32;
+    let cases = data["cases"].as_array().unwrap();
+    assert!(cases.len() >= 9);
+    for case in cases {
+        let (name, s) = (case["name"].as_str().unwrap(), &case["settings"]);
+        let file = mpc::config::TrainFile {
+            lr: Some(peak),
+            schedule: s["schedule"].as_str().map(String::from),
+            warmup: s["warmup"].as_f64(),
+            lr_min: s["lr_min"].as_f64().map(|x| x as f32),
+            total_steps: Some(1000),
+            ..Default::default()
+        };
+        let (opts, _) = file.resolve().unwrap();
+        let attrs = opts.schedule.expect("a schedule").resolved().unwrap();
+        let want = case["rates"].as_array().unwrap();
+        assert_eq!(want.len(), 1000);
+        for (k, w) in want.iter().enumerate() {
+            let w = w.as_f64().unwrap();
+            let got = mpc_runtime::scheduled_rate(&attrs, k as i64, f64::from(peak)) as f32 as f64;
+            assert!((got - w).abs() <= 1e-6 * w.abs(), "{name}: step {k}: {got:e}, torch {w:e}");
+        }
+    }
 }

@@ -232,7 +232,7 @@ fn attribute_and_operand_values_are_checked_before_running() {
         ("pad_edge", x("0,3", "init %1 \"p\" = i64[4]{1,1,1,1}\n  %2 \"y\": ? = Pad[mode=\"edge\"](%0, %1) @\"n\""), "Edge padding of 1 on axis 0 of size 0"),
         ("instancenorm", x("3", "init %1 \"s\" = f32[3]{1,1,1}\n  %2 \"y\": ? = InstanceNormalization(%0, %1, %1) @\"n\""), "the input is [3], not [batch, channels"),
         ("gather_elements", x("2,3", "init %1 \"i\" = i64[2,3]{0,1,2,3,4,5}\n  %2 \"y\": ? = GatherElements[axis=1](%0, %1) @\"n\""), "index 3 is out of range for axis 1"),
-        ("mpc_arity", x("2,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ai.mpc::AdamUpdate[lr=0.1](%0) @\"n\""), "ai.mpc::AdamUpdate takes 6 to 8 inputs, not 1"),
+        ("mpc_arity", x("2,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ai.mpc::AdamUpdate[lr=0.1](%0) @\"n\""), "ai.mpc::AdamUpdate takes 6 to 9 inputs, not 1"),
         ("argmax_empty", x("0,3", "init %1 \"u\" = f32[]{1}\n  %2 \"y\": ? = ArgMax(%0) @\"n\""), "is empty: there is no index"),
     ];
     let cases = cases.map(|(n, body, e)| (n, x("2,3", body), e)).into_iter().chain(ranks);

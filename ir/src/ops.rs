@@ -60,6 +60,10 @@ string_enum!(
     /// [batch, rows, heads, head dim] (the heads as a model's projection writes them).
     AttentionLayout, "one of bhsd, bshd" { Bhsd = "bhsd", Bshd = "bshd" });
 string_enum!(
+    /// `ai.mpc::LrSchedule`'s `kind`: the learning-rate curve after the warmup.
+    LrKind, "one of constant, linear, cosine, step, one_cycle" {
+        Constant = "constant", Linear = "linear", Cosine = "cosine", Step = "step", OneCycle = "one_cycle" });
+string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
@@ -290,6 +294,18 @@ attr_struct!(
     min_scale: f32 [default = 1.0f32],
 });
 attr_struct!(
+    /// `ai.mpc::LrSchedule`: the learning rate of an update as a function of the number of updates
+    /// applied before it (docs/ai-mpc-ops.md gives each curve).
+    LrScheduleAttrs {
+    gamma: f32 [default = 0.1f32],
+    kind: LrKind [default = LrKind::Constant],
+    min_ratio: f32 [default = 0.0f32],
+    start_ratio: f32 [default = 0.04f32],
+    step_size: i64 [default = 1],
+    total: i64 [default = 0],
+    warmup: i64 [default = 0],
+});
+attr_struct!(
     /// `ai.mpc::Attention` and `ai.mpc::AttentionGrad`: the scores are `scale · Q·Kᵀ (+ mask)`.
     AttentionAttrs {
     layout: AttentionLayout [default = AttentionLayout::Bhsd],
@@ -450,6 +466,7 @@ define_ops! {
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
         SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
+        LrSchedule(LrScheduleAttrs),
     }
 }
 

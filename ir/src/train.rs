@@ -19,6 +19,8 @@ pub const LOSS_KEY: &str = "mpc.train.loss";
 pub const SKIPPED_KEY: &str = "mpc.train.skipped";
 /// Metadata key naming the loss-scale state.
 pub const SCALE_KEY: &str = "mpc.train.loss_scale";
+/// Metadata key naming the learning rate a scheduled step applied.
+pub const LR_KEY: &str = "mpc.train.lr";
 
 /// What a training graph promises its runtime, by value id.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -31,6 +33,9 @@ pub struct TrainSignature {
     pub skipped: Option<ValueId>,
     /// The loss-scale state (an initializer), when the step scales its loss.
     pub loss_scale: Option<ValueId>,
+    /// The learning rate the step applied, when a schedule computes it from the step count (the
+    /// rate is otherwise the state `mpc.lr` itself).
+    pub lr: Option<ValueId>,
     /// Each state initializer and the output holding its value after the step.
     pub state: Vec<(ValueId, ValueId)>,
     /// Each parameter and its gradient (between passes only).
@@ -48,7 +53,9 @@ impl TrainSignature {
                 *v = new;
             }
         };
-        for v in [&mut self.loss, &mut self.scaled_loss, &mut self.skipped, &mut self.loss_scale].into_iter().flatten()
+        for v in [&mut self.loss, &mut self.scaled_loss, &mut self.skipped, &mut self.loss_scale, &mut self.lr]
+            .into_iter()
+            .flatten()
         {
             swap(v);
         }
@@ -61,7 +68,9 @@ impl TrainSignature {
     /// The entries a file stores: loss, skipped flag, loss scale and state pairs, by name.
     pub fn to_metadata(&self, g: &Graph) -> Vec<(String, String)> {
         let mut out = Vec::new();
-        for (key, v) in [(LOSS_KEY, self.loss), (SKIPPED_KEY, self.skipped), (SCALE_KEY, self.loss_scale)] {
+        for (key, v) in
+            [(LOSS_KEY, self.loss), (SKIPPED_KEY, self.skipped), (SCALE_KEY, self.loss_scale), (LR_KEY, self.lr)]
+        {
             if let Some(v) = v {
                 out.push((key.to_string(), g.name(v).to_string()));
             }
@@ -77,7 +86,7 @@ impl TrainSignature {
     /// Reads (and removes) the `mpc.train.*` entries of `g`'s metadata; `None` when there are
     /// none. A name the graph does not define is an error naming the key and the name.
     pub fn take_from_metadata(g: &mut Graph) -> Result<Option<TrainSignature>, IrError> {
-        let is_ours = |k: &str| [STATE_KEY, LOSS_KEY, SKIPPED_KEY, SCALE_KEY].contains(&k);
+        let is_ours = |k: &str| [STATE_KEY, LOSS_KEY, SKIPPED_KEY, SCALE_KEY, LR_KEY].contains(&k);
         if !g.meta.metadata_props.iter().any(|(k, _)| is_ours(k)) {
             return Ok(None);
         }
@@ -95,6 +104,7 @@ impl TrainSignature {
                 LOSS_KEY => sig.loss = Some(find(key, value)?),
                 SKIPPED_KEY => sig.skipped = Some(find(key, value)?),
                 SCALE_KEY => sig.loss_scale = Some(find(key, value)?),
+                LR_KEY => sig.lr = Some(find(key, value)?),
                 _ => {
                     for line in value.lines().filter(|l| !l.trim().is_empty()) {
                         let (s, n) = line.split_once(" -> ").ok_or_else(|| {

@@ -51,7 +51,7 @@ pub mod session;
 pub mod tolerance;
 pub mod value;
 
-pub use cpu::KernelError;
+pub use cpu::{scheduled_rate, KernelError};
 pub use tolerance::{Comparison, Tolerance};
 pub use value::{Data, HostTensor};
 

@@ -515,6 +515,30 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
     }
 }
 
+/// Each learning-rate schedule's kernel, run from its source, gives the CPU's rate at steps
+/// across the warmup, the decay, its end and past it.
+#[test]
+fn the_learning_rate_schedules_compute_what_the_cpu_computes() {
+    let _report = emu::Report;
+    for kind in ["constant", "linear", "cosine", "step", "one_cycle"] {
+        let body = format!(
+            "input %0 \"step\": i64[]\n  input %1 \"peak\": f32[]\n  \
+             %2 \"lr\": f32[] = ai.mpc::LrSchedule[kind=\"{kind}\", warmup=30, total=200, min_ratio=0.05, step_size=25, gamma=0.5](%0, %1)\n  output %2"
+        );
+        let g = common::single_op(&body);
+        for step in [0i64, 1, 29, 30, 31, 100, 199, 200, 250] {
+            let feeds: HashMap<String, HostTensor> = [
+                ("step".to_string(), HostTensor::from_i64(mpc_ir::DType::I64, vec![], vec![step])),
+                ("peak".to_string(), HostTensor::from_f32(mpc_ir::DType::F32, vec![], vec![3e-4])),
+            ]
+            .into();
+            let program = mpc::run::lower_for_inputs(&g, &feeds, CUDA, std::path::Path::new("lr")).unwrap();
+            let checked = check_program(kind, &program, &feeds);
+            assert!(checked.iter().any(|c| c == "LrSchedule"), "{kind} at {step}: not checked ({checked:?})");
+        }
+    }
+}
+
 /// Attention and its gradient of `[1, heads, s, d]` operands in `dtype` under a constant `[s, s]`
 /// mask, each launch run from the kernels' source against the CPU; returns how many of the
 /// attention kernel calls apply causality themselves (their last argument).

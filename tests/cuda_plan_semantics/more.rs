@@ -9,7 +9,7 @@ use super::interp::*;
 
 /// Pooling, batch and layer normalisation gradients, softmax gradients, losses and optimizer
 /// kernels ([`run_more`]).
-pub(crate) const MORE: [&str; 31] = [
+pub(crate) const MORE: [&str; 32] = [
     "attention_",
     "elementwise_and_u8",
     "elementwise_or_u8",
@@ -40,6 +40,7 @@ pub(crate) const MORE: [&str; 31] = [
     "train_sgd_",
     "train_adam_",
     "train_loss_scale_update",
+    "train_lr_schedule",
     "train_unscale_",
 ];
 

@@ -27,14 +27,22 @@ pub(crate) struct AdamHyper {
     ok: bool,
 }
 
+/// An update's learning rate: the f32 its `lr_ptr` argument points at, else its `lr` argument.
+fn rate(m: &mut Memory, lr: &Arg, lr_ptr: &Arg) -> f64 {
+    match *lr_ptr {
+        Arg::Ptr(b) => m.get(b, 0, DType::F32),
+        _ => f32_of(lr),
+    }
+}
+
 fn adam_hyper(m: &mut Memory, a: &[Arg], inv: &Arg, step: Buf, finite: Buf) -> AdamHyper {
     AdamHyper {
-        lr: f32_of(&a[0]),
-        b1: f32_of(&a[1]),
-        b2: f32_of(&a[2]),
-        eps: f32_of(&a[3]),
-        wd: f32_of(&a[4]),
-        decoupled: int(&a[5]) != 0,
+        lr: rate(m, &a[0], &a[1]),
+        b1: f32_of(&a[2]),
+        b2: f32_of(&a[3]),
+        eps: f32_of(&a[4]),
+        wd: f32_of(&a[5]),
+        decoupled: int(&a[6]) != 0,
         inv: unscale_of(m, inv),
         t: m.get(step, 0, DType::I64).max(1.0),
         ok: m.get(finite, 0, DType::U8) != 0.0,
@@ -160,9 +168,10 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
         let (d, dg) = update_dtypes(name);
         let (param, grad, finite, vel, po, vo) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), a[4], ptr(&a[5]), a[6]);
         let inv = unscale_of(m, &a[2]);
-        let (n, lr, mom, wd, nesterov) = (int(&a[7]), f32_of(&a[8]), f32_of(&a[9]), f32_of(&a[10]), int(&a[11]) != 0);
+        let (n, lr) = (int(&a[7]), rate(m, &a[8], &a[9]));
+        let (mom, wd, nesterov) = (f32_of(&a[10]), f32_of(&a[11]), int(&a[12]) != 0);
         let ok = m.get(finite, 0, DType::U8) != 0.0;
-        let low = low_copy_of(&a[12..15]);
+        let low = low_copy_of(&a[13..16]);
         for i in 0..n {
             let p = m.get(param, i, d);
             if !ok {
@@ -194,7 +203,7 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
         let Buf::Aux(at) = ptr(&a[0]) else { panic!("the address table is not in aux") };
         let (sizes, codes, ct, cs) = (ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
         let (chunks, chunk) = (int(&a[5]), int(&a[6]));
-        let h = adam_hyper(m, &a[10..16], &a[7], ptr(&a[8]), ptr(&a[9]));
+        let h = adam_hyper(m, &a[10..17], &a[7], ptr(&a[8]), ptr(&a[9]));
         let count = (0..chunks).map(|c| m.get(ct, c, DType::I32) as i64).max().unwrap_or(-1) + 1;
         let mut next = vec![0i64; count as usize];
         for c in 0..chunks {
@@ -228,8 +237,8 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
         let (param, grad, mm, vv, step, finite) =
             (ptr(&a[0]), ptr(&a[1]), ptr(&a[3]), ptr(&a[4]), ptr(&a[5]), ptr(&a[6]));
         let (po, mo, vo, n) = (ptr(&a[7]), ptr(&a[8]), ptr(&a[9]), int(&a[10]));
-        let h = adam_hyper(m, &a[11..17], &a[2], step, finite);
-        adam_tensor(m, &h, [param, grad, mm, vv, po, mo, vo], (d, dg), n, low_copy_of(&a[17..20]));
+        let h = adam_hyper(m, &a[11..18], &a[2], step, finite);
+        adam_tensor(m, &h, [param, grad, mm, vv, po, mo, vo], (d, dg), n, low_copy_of(&a[18..21]));
     } else if ["and", "or", "equal", "less", "greater"].iter().any(|c| name.starts_with(&format!("elementwise_{c}_"))) {
         let op = &name["elementwise_".len()..name.len() - tag.len() - 1];
         let d = if op == "and" || op == "or" { DType::U8 } else { dtype_of(tag) };
@@ -290,6 +299,22 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
                 m.set(mb, i, DType::U8, keep as u8 as f64);
             }
         }
+    } else if name == "train_lr_schedule" {
+        // train_lr_schedule(step, peak, lr, kind, warmup, total, min_ratio, start_ratio,
+        //     step_size, gamma): the CPU's formula, from the arguments.
+        let (step, peak, lr) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]));
+        let kind = mpc_ir::ops::LrKind::NAMES[int(&a[3]) as usize].1;
+        let attrs = mpc_ir::ops::LrScheduleAttrs {
+            kind,
+            warmup: int(&a[4]),
+            total: int(&a[5]),
+            min_ratio: f32_of(&a[6]) as f32,
+            start_ratio: f32_of(&a[7]) as f32,
+            step_size: int(&a[8]),
+            gamma: f32_of(&a[9]) as f32,
+        };
+        let r = mpc_runtime::scheduled_rate(&attrs, m.get(step, 0, DType::I64) as i64, m.get(peak, 0, DType::F32));
+        m.set(lr, 0, DType::F32, r as f32 as f64);
     } else if name == "train_loss_scale_update" {
         let (scale, good, finite, so, go) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]), ptr(&a[3]), ptr(&a[4]));
         let (growth, backoff, interval, lo, hi) =

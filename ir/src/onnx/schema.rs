@@ -390,9 +390,10 @@ fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) ->
         Op::Attention(_) => ((3, 4), (2, 2), &[3]),
         Op::AttentionGrad(_) => ((6, 7), (3, 3), &[6]),
         Op::AllFinite => ((1, usize::MAX), (1, 1), &[]),
-        Op::SgdUpdate(_) => ((3, 6), (1, 3), &[3, 4]),
-        Op::AdamUpdate(_) => ((6, 8), (3, 4), &[6]),
+        Op::SgdUpdate(_) => ((3, 7), (1, 3), &[3, 4, 5]),
+        Op::AdamUpdate(_) => ((6, 9), (3, 4), &[6, 7]),
         Op::LossScaleUpdate(_) => ((3, 3), (2, 2), &[]),
+        Op::LrSchedule(_) => ((2, 2), (1, 1), &[]),
         Op::SeededDropout(_) => ((2, 3), (1, 2), &[1]),
         _ => return Ok(()),
     };

@@ -485,10 +485,32 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         // The next values of the state inputs, in order: the parameter, its velocity or moments,
         // and its low-precision copy (the last input, f16 or bf16, when given).
-        Op::SgdUpdate(_) => update_outputs(cx, &[0, 3], 5)?,
-        Op::AdamUpdate(_) => update_outputs(cx, &[0, 2, 3], 7)?,
+        // An update's last input, when given, is its learning rate (an f32 scalar).
+        Op::SgdUpdate(_) => {
+            scalar_rate(cx, 6)?;
+            update_outputs(cx, &[0, 3], 5)?
+        }
+        Op::AdamUpdate(_) => {
+            scalar_rate(cx, 8)?;
+            update_outputs(cx, &[0, 2, 3], 7)?
+        }
         Op::LossScaleUpdate(_) => vec![same(cx, 0), same(cx, 1)],
+        Op::LrSchedule(_) => {
+            if !matches!(cx.dt(0), Some(DType::I64) | None) {
+                return Err(format!("the step count is {}, not int64", cx.dt(0).map_or("?".into(), |d| d.to_string())));
+            }
+            scalar_rate(cx, 1)?;
+            vec![t(Some(DType::F32), Some(Shape::scalar()))]
+        }
     })
+}
+
+/// Checks that input `i`, when given, is a learning rate: an f32 value.
+fn scalar_rate(cx: &NodeCx, i: usize) -> Result<(), String> {
+    match cx.dt(i) {
+        Some(d) if cx.has(i) && d != DType::F32 => Err(format!("the learning rate (input {i}) is {d}, not float32")),
+        _ => Ok(()),
+    }
 }
 
 /// An optimizer update's outputs: the types of its present `state` inputs, then of its

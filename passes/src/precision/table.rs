@@ -190,6 +190,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)
         | Op::LossScaleUpdate(_)
+        | Op::LrSchedule(_)
         | Op::SeededDropout(_) => return None,
     })
 }

@@ -25,7 +25,7 @@ mod tie;
 
 use std::collections::BTreeSet;
 
-use mpc_ir::ops::{LossAttrs, LossScaleAttrs, ReduceAttrs, SeedAttrs};
+use mpc_ir::ops::{LossAttrs, LossScaleAttrs, LrKind, LrScheduleAttrs, ReduceAttrs, SeedAttrs};
 use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo, ValueId};
 
 pub use autodiff::{differentiate, differentiate_all, Gradients};
@@ -126,6 +126,55 @@ pub struct TrainOptions {
     /// as training state (`optimizer::low_copy`), instead of the next step casting the weight again. The
     /// same bits either way; off only to compare.
     pub weight_copies: bool,
+    /// How the learning rate moves over the run; `None`: it stays `lr` (the state `mpc.lr`, which
+    /// a runtime may rewrite between steps).
+    pub schedule: Option<Schedule>,
+}
+
+/// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
+/// count of applied updates (`mpc.step`) and the peak rate (`mpc.lr`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schedule {
+    /// The curve and its settings. `warmup` counts updates; `total`, the run's updates, may be 0
+    /// until the trainer, which knows the data, fills it in ([`Schedule::for_run`]).
+    pub attrs: LrScheduleAttrs,
+    /// The warmup as a share of the run (`--warmup 0.1`), in place of `attrs.warmup`.
+    pub warmup_share: Option<f64>,
+}
+
+impl Schedule {
+    /// The schedule of a run of `total` updates, where it has no length of its own.
+    pub fn for_run(&self, total: u64) -> Schedule {
+        let mut s = self.clone();
+        if s.attrs.total <= 0 {
+            s.attrs.total = total as i64;
+        }
+        s
+    }
+
+    /// The op's attributes: the warmup share turned into updates (rounded up, as Hugging Face's
+    /// `get_warmup_steps` does). A curve that needs the run's length and has none is an error.
+    pub fn resolved(&self) -> Result<LrScheduleAttrs> {
+        let mut a = self.attrs.clone();
+        let needs_length =
+            matches!(a.kind, LrKind::Linear | LrKind::Cosine | LrKind::OneCycle) || self.warmup_share.is_some();
+        if needs_length && a.total <= 0 {
+            return Err(PassError::Usage(format!(
+                "the {} schedule needs the run's length in updates (total_steps)",
+                LrKind::NAMES.iter().find(|(_, k)| *k == a.kind).map_or("learning-rate", |(n, _)| *n)
+            )));
+        }
+        if let Some(share) = self.warmup_share {
+            a.warmup = (share * a.total as f64).ceil() as i64;
+        }
+        if a.kind == LrKind::OneCycle && a.warmup >= a.total {
+            return Err(PassError::Usage(format!(
+                "the one-cycle schedule's rise ({} updates) must be shorter than the run ({} updates)",
+                a.warmup, a.total
+            )));
+        }
+        Ok(a)
+    }
 }
 
 /// Dynamic loss scaling: where the scale starts and how it moves.
@@ -166,6 +215,7 @@ impl Default for TrainOptions {
             freeze: BTreeSet::new(),
             tie: true,
             weight_copies: true,
+            schedule: None,
         }
     }
 }
@@ -432,6 +482,10 @@ impl Pass for AddLoss {
         Ok(Changed::Yes)
     }
 }
+
+/// Name of the peak learning rate's state: an f32 scalar the step reads and never changes (a
+/// runtime rewrites it to set the rate from the host).
+pub const LR: &str = "mpc.lr";
 
 /// Name of the dropout random stream's state: an i64 key that every step advances.
 pub const RNG: &str = "mpc.rng";

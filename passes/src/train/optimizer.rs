@@ -6,7 +6,7 @@ use mpc_ir::ops::{AdamAttrs, ReduceAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Graph, Op, Tensor, ValueId};
 
 use super::build::Builder;
-use super::{loss_scale_at_least_one, loss_value, opts, signature, LossScale, Optimizer, RNG};
+use super::{loss_scale_at_least_one, loss_value, opts, signature, LossScale, Optimizer, LR, RNG};
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
 
 /// Unscale, all-finite check, clipping, the optimizer update of the masters, the loss-scale
@@ -146,6 +146,20 @@ impl Pass for OptimizerPass {
         let inc = b.cast(finite, DType::I64);
         let step_next = b.op("step_next", Op::Add, &[step, inc]);
         state.push((step, step_next));
+        // The learning rate: the state `mpc.lr` (the peak, which the step never changes), or the
+        // schedule's rate at the count of updates applied before this one.
+        let peak = b.init(LR, Tensor::from_f32(vec![], &[o.lr]));
+        state.push((peak, peak));
+        let lr = match &o.schedule {
+            Some(s) => {
+                let name = b.g.unique_name("mpc.learning_rate");
+                let lr = b.op("lr_schedule", Op::LrSchedule(Box::new(s.resolved()?)), &[step, peak]);
+                b.g.rename(lr, &name);
+                Some(lr)
+            }
+            None => None,
+        };
+        let rate = lr.unwrap_or(peak);
         // 5. The updates.
         for &(p, d) in &gs {
             let pname = b.g.name(p).to_string();
@@ -163,10 +177,7 @@ impl Pass for OptimizerPass {
                     let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
                     let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    let mut ins = vec![Some(p), Some(d), Some(finite), vel, unscale, low];
-                    while ins.last() == Some(&None) {
-                        ins.pop();
-                    }
+                    let ins = [Some(p), Some(d), Some(finite), vel, unscale, low, Some(rate)];
                     let n = 1 + vel.is_some() as usize + low.is_some() as usize;
                     let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
                     for s in [Some(p), vel, low].into_iter().flatten() {
@@ -184,10 +195,8 @@ impl Pass for OptimizerPass {
                     };
                     let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
                     let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
-                    let mut ins = vec![Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite), unscale, low];
-                    while ins.last() == Some(&None) {
-                        ins.pop();
-                    }
+                    let ins =
+                        [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite), unscale, low, Some(rate)];
                     let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
                     for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
                         state.push((s, next));
@@ -221,8 +230,9 @@ impl Pass for OptimizerPass {
         let sname = b.g.unique_name("mpc.step_skipped");
         b.g.rename(skipped, &sname);
         outs.push(skipped);
+        outs.extend(lr);
         outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
-        for &(s, next) in &state {
+        for &(s, next) in state.iter().filter(|(s, next)| s != next) {
             let want = format!("{}.next", b.g.name(s));
             if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
                 b.g.rename(next, &want);
@@ -234,6 +244,7 @@ impl Pass for OptimizerPass {
         b.g.set_outputs(outs);
         let sig = signature(g);
         sig.skipped = Some(skipped);
+        sig.lr = lr;
         sig.state = state;
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)

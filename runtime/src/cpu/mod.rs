@@ -11,10 +11,12 @@ mod nn;
 mod resize;
 mod shape;
 mod train;
+
+pub use train::scheduled_rate;
 pub(crate) mod views;
 
 use mpc_ir::geometry::WindowSpec;
-use mpc_ir::ops::{ConvAttrs, PoolAttrs};
+use mpc_ir::ops::{AdamAttrs, ConvAttrs, PoolAttrs, SgdAttrs};
 use mpc_ir::{normalize_axis, DType, Op, Tensor};
 
 use crate::value::{Data, HostTensor};
@@ -512,15 +514,18 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         }
         Op::SgdUpdate(a) => {
             let g = train::unscaled(x(0)?, x(1)?, ins.get(4).copied().flatten(), "SgdUpdate")?;
-            let outs = train::sgd_update(&[x(0)?, &g, x(2)?], ins.get(3).copied().flatten(), a)?;
+            let a = SgdAttrs { lr: train::rate_of(ins.get(6).copied().flatten(), a.lr)?, ..(**a).clone() };
+            let outs = train::sgd_update(&[x(0)?, &g, x(2)?], ins.get(3).copied().flatten(), &a)?;
             train::with_low_copy(outs, ins.get(5).copied().flatten(), x(2)?)
         }
         Op::AdamUpdate(a) => {
             let g = train::unscaled(x(0)?, x(1)?, ins.get(6).copied().flatten(), "AdamUpdate")?;
-            let outs = train::adam_update(&[x(0)?, &g, x(2)?, x(3)?, x(4)?, x(5)?], a)?;
+            let a = AdamAttrs { lr: train::rate_of(ins.get(8).copied().flatten(), a.lr)?, ..(**a).clone() };
+            let outs = train::adam_update(&[x(0)?, &g, x(2)?, x(3)?, x(4)?, x(5)?], &a)?;
             train::with_low_copy(outs, ins.get(7).copied().flatten(), x(5)?)
         }
         Op::LossScaleUpdate(a) => train::loss_scale_update(x(0)?, x(1)?, x(2)?, a),
+        Op::LrSchedule(a) => train::lr_schedule(x(0)?, x(1)?, a),
         Op::SeededDropout(a) => {
             let (out, mask) = train::seeded_dropout(x(0)?, ins.get(1).copied().flatten(), x(2)?, a.seed)?;
             Ok(if n_outputs > 1 { vec![out, mask] } else { vec![out] })

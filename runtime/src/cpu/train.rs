@@ -3,7 +3,7 @@
 //! storage dtype (f64 stays f64); AdamUpdate on the f32 family computes in f32, as the docs'
 //! rule says and as PyTorch and `kernels/train.cu` do. Their meaning as decompositions into standard ops is in docs/ai-mpc-ops.md.
 
-use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, PoolAttrs, SgdAttrs};
+use mpc_ir::ops::{AdamAttrs, ConvAttrs, LossScaleAttrs, LrKind, LrScheduleAttrs, PoolAttrs, SgdAttrs};
 use mpc_ir::ops::{GeluApprox, Reduction};
 use mpc_ir::DType;
 
@@ -587,6 +587,56 @@ pub(crate) fn with_low_copy(
     let next = if flag(finite)? { p.cast(low.dtype()) } else { low.clone() };
     outs.push(next);
     Ok(outs)
+}
+
+/// The learning rate `LrSchedule` gives after `step` applied updates at the peak rate `peak`, in
+/// f64 (kernels/train.cu's `train_lr_schedule` computes the same): a linear warmup from 0 over
+/// `warmup` updates, then the curve. Each curve is the one of the PyTorch or Hugging Face
+/// scheduler of that name: constant, linear and cosine decay to `min_ratio · peak` at `total`
+/// (`get_{constant,linear,cosine}_schedule_with_warmup`, with `min_lr_rate`), held there after;
+/// step: `gamma^⌊(step − warmup) / step_size⌋` (`StepLR`); one-cycle (`OneCycleLR`, cosine
+/// annealing): from `start_ratio · peak` up to the peak at update `warmup − 1`, then down to
+/// `min_ratio · peak` at update `total − 1`.
+pub fn scheduled_rate(a: &LrScheduleAttrs, step: i64, peak: f64) -> f64 {
+    let (s, w, t) = (step.max(0) as f64, a.warmup.max(0) as f64, a.total.max(0) as f64);
+    let floor = f64::from(a.min_ratio);
+    let cosine = |from: f64, to: f64, pct: f64| to + (from - to) / 2.0 * ((std::f64::consts::PI * pct).cos() + 1.0);
+    if a.kind == LrKind::OneCycle {
+        let (start, low, rise_end, end) = (peak * f64::from(a.start_ratio), peak * floor, w - 1.0, t - 1.0);
+        return if s <= rise_end {
+            cosine(start, peak, s / rise_end)
+        } else {
+            cosine(peak, low, ((s - rise_end) / (end - rise_end)).min(1.0))
+        };
+    }
+    if s < w {
+        return peak * (s / w.max(1.0));
+    }
+    let progress = ((s - w) / (t - w).max(1.0)).min(1.0);
+    let factor = match a.kind {
+        LrKind::Constant | LrKind::OneCycle => return peak,
+        LrKind::Linear => 1.0 - progress,
+        LrKind::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
+        LrKind::Step => return peak * f64::from(a.gamma).powf(((s - w) / a.step_size.max(1) as f64).floor()),
+    };
+    peak * (floor + (1.0 - floor) * factor)
+}
+
+/// LrSchedule(step, peak) → the rate ([`scheduled_rate`]), rounded to f32.
+pub(crate) fn lr_schedule(step: &HostTensor, peak: &HostTensor, a: &LrScheduleAttrs) -> Res<Vec<HostTensor>> {
+    let s = step.i64s().and_then(|s| s.first().copied()).ok_or_else(|| err("the step count must be an integer"))?;
+    let p = peak.f64s().first().copied().ok_or_else(|| err("an empty peak learning rate"))?;
+    Ok(vec![HostTensor::from_f32(DType::F32, vec![], vec![scheduled_rate(a, s, p) as f32])])
+}
+
+/// An update's attributes with the rate its `lr` input gives, when it has one.
+pub(crate) fn rate_of(lr: Option<&HostTensor>, attr: f32) -> Res<f32> {
+    match lr {
+        None => Ok(attr),
+        Some(t) => {
+            t.f32s().and_then(|v| v.first().copied()).ok_or_else(|| err("the learning rate must be an f32 scalar"))
+        }
+    }
 }
 
 /// LossScaleUpdate(scale, good_steps, finite) → (scale', good_steps').

@@ -25,11 +25,12 @@ pub(super) fn group_updates(launches: Vec<Launch>) -> (Vec<Launch>, Vec<usize>) 
             && l.inputs.first().and_then(device).is_some()
     };
     // What members of one group share: the op, the parameter dtype and AdamUpdate's operands
-    // past the per-parameter ones (inputs 4 to 6: the step, finite flag and unscale).
-    const SHARED: std::ops::Range<usize> = 4..7;
+    // past the per-parameter ones (inputs 4 to 6 and 8: the step, finite flag, unscale and
+    // learning rate).
+    const SHARED: [usize; 4] = [4, 5, 6, 8];
     let shared = |l: &Launch| -> (Option<DType>, Vec<Option<TensorRef>>) {
         let dt = l.inputs.first().and_then(device).map(|t| t.dtype);
-        (dt, SHARED.map(|i| l.inputs.get(i).and_then(device)).collect())
+        (dt, SHARED.iter().map(|&i| l.inputs.get(i).and_then(device)).collect())
     };
     // The ranges a member reads of its own (its shared operands are read by every member and
     // written by none) and writes.

@@ -707,6 +707,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)
         | Op::LossScaleUpdate(_)
+        | Op::LrSchedule(_)
         | Op::SeededDropout(_)
         | Op::ReluGrad
         | Op::GeluGrad(_) => plan_train(p)?,

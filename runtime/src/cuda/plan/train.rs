@@ -174,10 +174,21 @@ fn unscale_arg(p: &Planner, i: usize, param: DType) -> Result<Arg, String> {
     }
 }
 
-/// Adam's trailing kernel arguments: lr, beta1, beta2, epsilon, weight_decay, decoupled.
-fn adam_hyper(a: &mpc_ir::ops::AdamAttrs) -> [Arg; 6] {
+/// An update's learning-rate input `i` (an f32 scalar on the device), or null for its attribute.
+fn rate_arg(p: &Planner, i: usize) -> Result<Arg, String> {
+    match p.opt_input(i) {
+        None => Ok(Arg::Null),
+        Some(t) if t.dtype == DType::F32 && t.numel() == 1 => Ok(Arg::Ptr(buf(t))),
+        Some(t) => Err(format!("an update's learning rate must be one f32, not {}{:?}", t.dtype, t.shape)),
+    }
+}
+
+/// Adam's trailing kernel arguments: lr, the learning-rate input `rate`, beta1, beta2, epsilon,
+/// weight_decay, decoupled.
+fn adam_hyper(a: &mpc_ir::ops::AdamAttrs, rate: Arg) -> [Arg; 7] {
     [
         Arg::F32(a.lr),
+        rate,
         Arg::F32(a.beta1),
         Arg::F32(a.beta2),
         Arg::F32(a.epsilon),
@@ -264,7 +275,7 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
     let mut args = vec![Arg::Ptr(table), Arg::Ptr(sizes), Arg::Ptr(codes)];
     args.extend(chunked);
     args.extend([inv, Arg::Ptr(buf(step)), Arg::Ptr(buf(finite))]);
-    args.extend(adam_hyper(&a));
+    args.extend(adam_hyper(&a, rate_arg(&first, 8)?));
     p.kernel("train", format!("train_adam_multi_{}", float_tag(param_dtype)?), grid, [BLOCK, 1, 1], args);
     Ok(())
 }
@@ -325,6 +336,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 p.l.outputs.get(1).map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
                 Arg::I64(n as i64),
                 Arg::F32(a.lr),
+                rate_arg(p, 6)?,
                 Arg::F32(a.momentum),
                 Arg::F32(a.weight_decay),
                 Arg::I32(a.nesterov as i32),
@@ -346,7 +358,7 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 args.push(Arg::Ptr(buf(p.output(i)?)));
             }
             args.push(Arg::I64(n as i64));
-            args.extend(adam_hyper(a));
+            args.extend(adam_hyper(a, rate_arg(p, 8)?));
             args.extend(low_copy_args(p, 7, 3, param)?);
             p.flat("train", format!("train_adam_{tags}"), n, args);
         }
@@ -368,6 +380,26 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
                 Arg::F32(a.max_scale),
             ];
             p.kernel("train", "train_loss_scale_update".into(), [1, 1, 1], [1, 1, 1], args);
+        }
+        Op::LrSchedule(a) => {
+            let (step, peak, lr) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            if step.dtype != DType::I64 || peak.dtype != DType::F32 {
+                return Err(format!("LrSchedule of a {} step and a {} rate", step.dtype, peak.dtype));
+            }
+            let kind = mpc_ir::ops::LrKind::NAMES.iter().position(|(_, k)| *k == a.kind).unwrap_or(0) as i32;
+            let args = vec![
+                Arg::Ptr(buf(step)),
+                Arg::Ptr(buf(peak)),
+                Arg::Ptr(buf(lr)),
+                Arg::I32(kind),
+                Arg::I64(a.warmup),
+                Arg::I64(a.total),
+                Arg::F32(a.min_ratio),
+                Arg::F32(a.start_ratio),
+                Arg::I64(a.step_size),
+                Arg::F32(a.gamma),
+            ];
+            p.kernel("train", "train_lr_schedule".into(), [1, 1, 1], [1, 1, 1], args);
         }
         Op::SeededDropout(a) => {
             let (x, key, y) = (p.input(0)?, p.input(2)?, p.output(0)?);
