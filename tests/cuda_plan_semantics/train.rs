@@ -303,7 +303,9 @@ pub(crate) fn run_train(m: &mut Memory, k: &Kernel) -> bool {
         // train_lr_schedule(step, peak, lr, kind, warmup, total, min_ratio, start_ratio,
         //     step_size, gamma): the CPU's formula, from the arguments.
         let (step, peak, lr) = (ptr(&a[0]), ptr(&a[1]), ptr(&a[2]));
-        let kind = mpc_ir::ops::LrKind::NAMES[int(&a[3]) as usize].1;
+        use mpc_ir::ops::LrKind;
+        let kinds = [LrKind::Constant, LrKind::Linear, LrKind::Cosine, LrKind::Step, LrKind::OneCycle];
+        let kind = kinds[int(&a[3]) as usize];
         let attrs = mpc_ir::ops::LrScheduleAttrs {
             kind,
             warmup: int(&a[4]),

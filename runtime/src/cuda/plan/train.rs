@@ -386,7 +386,15 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
             if step.dtype != DType::I64 || peak.dtype != DType::F32 {
                 return Err(format!("LrSchedule of a {} step and a {} rate", step.dtype, peak.dtype));
             }
-            let kind = mpc_ir::ops::LrKind::NAMES.iter().position(|(_, k)| *k == a.kind).unwrap_or(0) as i32;
+            // The kernel's codes for the curves (kernels/train.cu, train_lr_schedule).
+            use mpc_ir::ops::LrKind;
+            let kind = match a.kind {
+                LrKind::Constant => 0,
+                LrKind::Linear => 1,
+                LrKind::Cosine => 2,
+                LrKind::Step => 3,
+                LrKind::OneCycle => 4,
+            };
             let args = vec![
                 Arg::Ptr(buf(step)),
                 Arg::Ptr(buf(peak)),
