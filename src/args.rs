@@ -248,6 +248,10 @@ pub(crate) enum Command {
         /// Continue from the checkpoint in --checkpoint DIR.
         #[arg(long)]
         resume: bool,
+        /// Write one JSON line per step (step, epoch, loss, lr, loss_scale, skipped,
+        /// samples_per_s) and one per evaluation (step, epoch, eval_loss, eval_accuracy).
+        #[arg(long, value_name = "FILE.jsonl")]
+        log: Option<PathBuf>,
         /// Stop after this many steps in all (a run can be resumed later).
         #[arg(long, value_name = "N")]
         max_steps: Option<usize>,

@@ -190,6 +190,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             eval_split,
             checkpoint,
             resume,
+            log,
             max_steps,
             device,
             output,
@@ -213,6 +214,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 seed: t_seed,
                 checkpoint,
                 resume,
+                log,
                 max_steps,
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
             };

@@ -35,6 +35,8 @@ pub struct TrainConfig {
     pub seed: u64,
     pub checkpoint: Option<PathBuf>,
     pub resume: bool,
+    /// Write a JSON line per step and per evaluation here ([`StepLog`]).
+    pub log: Option<PathBuf>,
     /// Stop after this many batches in all (tests of resuming).
     pub max_steps: Option<usize>,
     /// Draw a progress bar on a terminal.
@@ -51,6 +53,7 @@ impl Default for TrainConfig {
             seed: 0,
             checkpoint: None,
             resume: false,
+            log: None,
             max_steps: None,
             progress: false,
         }
@@ -596,6 +599,9 @@ pub fn train_on<D: Device>(
     } else {
         indicatif::ProgressBar::hidden()
     };
+    // The rate each step applied: the schedule's output, else the state (set from the host).
+    let lr_name = sig.lr.map_or(mpc_passes::train::LR.to_string(), |v| g.name(v).to_string());
+    let mut log = StepLog::open(cfg.log.as_deref(), cfg.resume)?;
     let mut out = Trained {
         epochs: Vec::new(),
         losses: Vec::new(),
@@ -630,18 +636,34 @@ pub fn train_on<D: Device>(
             session.feed(id, &batch).map_err(rerr)?;
             session.step(id).map_err(rerr)?;
             // The loss and the flag go to the host without a wait; they are read when printed.
-            pending.push((
-                session.read_later(id, &loss_name).map_err(rerr)?,
-                session.read_later(id, &skipped_name).map_err(rerr)?,
-            ));
+            // The rate this step applied and the loss scale after it, for the log.
+            let later = |session: &mut Session<D>, name: Option<&str>| {
+                name.filter(|_| log.is_on()).map(|n| session.read_later(id, n)).transpose().map_err(rerr)
+            };
+            pending.push(Pending {
+                step: iteration + 1,
+                loss: session.read_later(id, &loss_name).map_err(rerr)?,
+                skipped: session.read_later(id, &skipped_name).map_err(rerr)?,
+                lr: later(&mut session, Some(&lr_name))?,
+                scale: later(&mut session, scale_name.as_deref())?,
+            });
             samples += idx.len();
             iteration += 1;
             let epoch_ends = iteration == total || iteration / per_epoch != epoch;
             if pending.len() >= PRINT_EVERY || epoch_ends {
                 let mut last = 0.0;
-                for (l, f) in pending.drain(..) {
-                    let l = session.wait(l).map_err(rerr)?.f64s()[0];
-                    let was_skipped = session.wait(f).map_err(rerr)?.f64s()[0] != 0.0;
+                let per_s = samples as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+                for p in pending.drain(..) {
+                    let mut value = |h| session.wait(h).map(|t| t.f64s()[0]).map_err(rerr);
+                    let l = value(p.loss)?;
+                    let was_skipped = value(p.skipped)? != 0.0;
+                    if let Some(lr) = p.lr {
+                        let scale = p.scale.map(&mut value).transpose()?.or(fixed_scale);
+                        log.write(serde_json::json!({
+                            "step": p.step, "epoch": epoch + 1, "loss": l as f32, "lr": value(lr)? as f32,
+                            "loss_scale": scale, "skipped": was_skipped, "samples_per_s": per_s,
+                        }))?;
+                    }
                     out.losses.push(l as f32);
                     out.skipped.push(was_skipped);
                     if was_skipped {
@@ -661,7 +683,7 @@ pub fn train_on<D: Device>(
                 bar.set_message(format!(
                     "loss {last:.4}{} skipped {skipped_total} {} samples/s",
                     s.map_or(String::new(), |s| format!(" scale {s}")),
-                    rate(samples as f64 / t0.elapsed().as_secs_f64().max(1e-9))
+                    rate(per_s)
                 ));
             }
         }
@@ -681,6 +703,11 @@ pub fn train_on<D: Device>(
         } else {
             None
         };
+        if let Some((acc, l)) = eval {
+            log.write(
+                serde_json::json!({"step": iteration, "epoch": epoch + 1, "eval_loss": l, "eval_accuracy": acc}),
+            )?;
+        }
         let loss_scale = match &scale_name {
             Some(n) => Some(session.read_state(n).map_err(rerr)?.f64s()[0]),
             None => fixed_scale,
@@ -700,11 +727,62 @@ pub fn train_on<D: Device>(
         }
     }
     bar.finish_and_clear();
+    log.finish()?;
     for &(s, _) in &state {
         out.state.push((g.name(s).to_string(), session.read_state(g.name(s)).map_err(rerr)?));
     }
     out.stats = crate::run::stats_line(session.program(0).map_err(rerr)?, &session.stats(0));
     Ok(out)
+}
+
+/// A step's numbers on their way to the host.
+struct Pending<S> {
+    /// The count of batches done after it.
+    step: usize,
+    loss: mpc_runtime::session::Pending<S>,
+    skipped: mpc_runtime::session::Pending<S>,
+    /// The rate it applied and the loss scale after it, read when there is a log.
+    lr: Option<mpc_runtime::session::Pending<S>>,
+    scale: Option<mpc_runtime::session::Pending<S>>,
+}
+
+/// `--log FILE.jsonl`: one JSON object per line, written as the steps' numbers reach the host
+/// (every [`PRINT_EVERY`] steps and at the end of an epoch). A step's line holds `step` (the
+/// count of batches done), `epoch`, `loss`, `lr` (the rate the step applied), `loss_scale` (after
+/// the step; null without scaling), `skipped` and `samples_per_s` (the epoch's so far); an
+/// evaluation's line `step`, `epoch`, `eval_loss` and `eval_accuracy`. A resumed run appends.
+pub struct StepLog {
+    out: Option<(PathBuf, std::io::BufWriter<std::fs::File>)>,
+}
+
+impl StepLog {
+    pub fn open(path: Option<&Path>, append: bool) -> Result<Self> {
+        let Some(path) = path else { return Ok(StepLog { out: None }) };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|source| Error::Output { path: path.to_owned(), source })?;
+        Ok(StepLog { out: Some((path.to_owned(), std::io::BufWriter::new(file))) })
+    }
+
+    fn is_on(&self) -> bool {
+        self.out.is_some()
+    }
+
+    pub fn write(&mut self, line: serde_json::Value) -> Result<()> {
+        use std::io::Write;
+        let Some((path, out)) = self.out.as_mut() else { return Ok(()) };
+        writeln!(out, "{line}").map_err(|source| Error::Output { path: path.clone(), source })
+    }
+
+    pub fn finish(&mut self) -> Result<()> {
+        use std::io::Write;
+        let Some((path, out)) = self.out.as_mut() else { return Ok(()) };
+        out.flush().map_err(|source| Error::Output { path: path.clone(), source })
+    }
 }
 
 /// Accuracy (argmax of the first model output against the labels) and mean loss on `rows`, by

@@ -157,9 +157,10 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
     let dir = scratch(&format!("resume_{}", device().caps().name));
     let (n, m) = (30, 25);
     let base = TrainConfig { epochs: 3, eval_split: 297.0, seed: 3, ..digits_cfg(3) };
-    let straight =
-        run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
-    let ck = TrainConfig { checkpoint: Some(dir.clone()), ..base.clone() };
+    let (straight_log, resumed_log) = (dir.join("straight.jsonl"), dir.join("resumed.jsonl"));
+    let logged = TrainConfig { max_steps: Some(n + m), log: Some(straight_log.clone()), ..base.clone() };
+    let straight = run_on(device(), &model, "mixed", scheduled(), &logged);
+    let ck = TrainConfig { checkpoint: Some(dir.clone()), log: Some(resumed_log.clone()), ..base.clone() };
     run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n), ..ck.clone() });
     assert!(dir.join("checkpoint.safetensors").is_file());
     let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
@@ -175,6 +176,7 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
     let again = run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), ..base.clone() });
     assert_eq!(straight.losses, again.losses, "two runs differ");
     assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming differ");
+    check_logs(&straight_log, &resumed_log, &straight.losses, n + m);
     assert_eq!(straight.state.len(), resumed.state.len());
     for ((a, x), (b, y)) in straight.state.iter().zip(&resumed.state) {
         assert_eq!(a, b);
@@ -195,6 +197,42 @@ fn resume_equals_a_straight_run_bit_for_bit<D: Device>(device: impl Fn() -> D) {
         run_on(device(), &model, "mixed", scheduled(), &TrainConfig { max_steps: Some(n + m), resume: true, ..ck });
     assert_eq!(straight.losses[n..], resumed.losses[..], "losses after resuming without copies differ");
     assert!(straight.state == resumed.state, "the state after resuming without copies differs");
+}
+
+/// The step lines of `--log` (without the timing): the straight run's are the stopped run's and
+/// then the resumed run's (appended), with its losses, the warmup-cosine rate and the loss scale.
+fn check_logs(straight: &Path, resumed: &Path, losses: &[f32], steps: usize) {
+    let lines = |p: &Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(p).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let step_lines = |p: &Path| -> Vec<serde_json::Value> {
+        let mut v: Vec<_> = lines(p).into_iter().filter(|l| l.get("loss").is_some()).collect();
+        v.iter_mut()
+            .for_each(|l| assert!(l.as_object_mut().unwrap().remove("samples_per_s").unwrap().as_f64().unwrap() > 0.0));
+        v
+    };
+    let (a, b) = (step_lines(straight), step_lines(resumed));
+    assert_eq!(a.len(), steps);
+    assert_eq!(a, b, "the resumed run's log differs from the straight run's");
+    let evals: Vec<u64> = lines(straight).iter().filter_map(|l| l.get("eval_loss").and(l["step"].as_u64())).collect();
+    assert_eq!(evals, [24, 48, steps as u64], "an evaluation line after each epoch and at the end");
+    for (i, l) in a.iter().enumerate() {
+        assert_eq!(l["step"], i + 1);
+        assert_eq!(l["loss"].as_f64().unwrap() as f32, losses[i]);
+        assert_eq!(l["skipped"], false);
+        assert_eq!(l["loss_scale"], 65536.0);
+        // The schedule: a warmup of 10% of 3 epochs of 24 batches to 3e-3, then a cosine to 0.
+        let (w, total) = (8.0, 72.0);
+        let t = i as f64;
+        let want = if t < w {
+            3e-3 * t / w
+        } else {
+            3e-3 * 0.5 * (1.0 + (std::f64::consts::PI * (t - w) / (total - w)).cos())
+        };
+        let got = l["lr"].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-6 * want.max(1e-9) + 1e-12, "step {}: lr {got}, expected {want}", i + 1);
+    }
 }
 
 /// The digits MLP with training-mode Dropout (ratio 0.2) after each Relu, written to `dir`.
