@@ -156,6 +156,10 @@ pub(crate) struct TrainArgs {
     /// or none (default: dynamic for mixed, none otherwise).
     #[arg(long, value_name = "MODE")]
     pub(crate) loss_scale: Option<String>,
+    /// Train these parameters without weight decay: `biases`, `norms` (normalisation scales and
+    /// biases), or name patterns with `*` (comma-separated or repeated).
+    #[arg(long, value_name = "biases,norms,PATTERN")]
+    pub(crate) no_decay: Vec<String>,
     /// Do not train this initializer (repeatable).
     #[arg(long, value_name = "NAME")]
     pub(crate) freeze: Vec<String>,
@@ -189,6 +193,7 @@ impl TrainArgs {
             clip_norm: self.clip_norm,
             loss_scale: self.loss_scale.clone(),
             freeze: self.freeze.clone(),
+            no_decay: self.no_decay.clone(),
             seed: self.seed,
             tie: self.no_tie.then_some(false),
             weight_copies: self.no_weight_copies.then_some(false),

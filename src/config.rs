@@ -16,6 +16,7 @@
 //! optimizer = "adamw"         # sgd, momentum, adam or adamw
 //! lr = 3e-4
 //! weight_decay = 0.01
+//! no_decay = ["biases", "norms"]  # or name patterns: "*.bias", "ln_*"
 //! momentum = 0.9              # the momentum optimizer's
 //! beta1 = 0.9                 # Adam's
 //! beta2 = 0.999
@@ -40,7 +41,7 @@ use serde::Deserialize;
 
 use mpc_ir::ops::{LrKind, LrScheduleAttrs};
 use mpc_passes::precision::{Class, Policy};
-use mpc_passes::train::{CrossEntropy, Loss, LossScale, Optimizer, Schedule, TrainOptions};
+use mpc_passes::train::{CrossEntropy, Loss, LossScale, NoDecay, Optimizer, Schedule, TrainOptions};
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -142,13 +143,16 @@ pub struct TrainFile {
     pub tie: Option<bool>,
     /// Keep each master's low-precision copy as state the update writes (default true).
     pub weight_copies: Option<bool>,
+    /// Parameters trained without weight decay: `biases`, `norms`, or name patterns (`*.bias`).
+    #[serde(default)]
+    pub no_decay: Vec<String>,
 }
 
 impl TrainFile {
     /// These settings over `base`'s: each one set here wins; frozen names add up.
     pub fn over(&self, base: &TrainFile) -> TrainFile {
         macro_rules! pick {
-            ($($f:ident),*) => { TrainFile { $($f: self.$f.clone().or_else(|| base.$f.clone()),)* freeze: [base.freeze.clone(), self.freeze.clone()].concat() } };
+            ($($f:ident),*) => { TrainFile { $($f: self.$f.clone().or_else(|| base.$f.clone()),)* freeze: [base.freeze.clone(), self.freeze.clone()].concat(), no_decay: [base.no_decay.clone(), self.no_decay.clone()].concat() } };
         }
         pick!(
             loss,
@@ -254,6 +258,7 @@ impl TrainFile {
             seed: self.seed.unwrap_or(d.seed),
             tie: self.tie.unwrap_or(d.tie),
             weight_copies: self.weight_copies.unwrap_or(d.weight_copies),
+            no_decay: self.no_decay.iter().flat_map(|i| i.split(',')).map(|i| NoDecay::parse(i.trim())).collect(),
             dynamic_scale: dynamic,
             ..d
         };

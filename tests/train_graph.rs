@@ -156,6 +156,52 @@ fn ops_without_gradients_and_bad_options_are_one_line_errors() {
     assert!(stderr.contains("no tensor `x`") && stderr.contains("images, labels"), "{stderr}");
 }
 
+/// `--no-decay`: each update's weight decay is 0 for the parameters named (biases and
+/// normalisation parameters, as Hugging Face's Trainer exempts them, or a name pattern), the
+/// option's value for the rest; a pattern that names no parameter is one line naming it.
+#[test]
+fn no_decay_exempts_biases_norms_and_named_parameters() {
+    use mpc_passes::train::{NoDecay, Optimizer};
+    let decays = |model: &str, no_decay: Vec<NoDecay>| -> Vec<(String, usize, f32)> {
+        let t = TrainOptions { optimizer: Optimizer::AdamW, weight_decay: 0.01, no_decay, ..Default::default() };
+        let g = training_graph(&fixture(model), "mixed", t);
+        let mut out: Vec<_> = g
+            .node_ids()
+            .filter_map(|n| match &g.node(n).op {
+                Op::AdamUpdate(a) => {
+                    let p = g.node(n).input(0).unwrap();
+                    let rank = g.ty(p).shape.as_ref().unwrap().dims().len();
+                    Some((g.name(p).to_string(), rank, a.weight_decay))
+                }
+                _ => None,
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    };
+    for model in ["cnn_bn", "transformer"] {
+        let all = decays(model, Vec::new());
+        assert!(all.iter().all(|p| p.2 == 0.01), "{model}: {all:?}");
+        let groups = decays(model, vec![NoDecay::Biases, NoDecay::Norms]);
+        assert!(groups.iter().any(|p| p.1 == 1) && groups.iter().any(|p| p.1 > 1), "{model}: {groups:?}");
+        for (name, rank, decay) in &groups {
+            assert_eq!(*decay, if *rank == 1 { 0.0 } else { 0.01 }, "{model}: `{name}`");
+        }
+        let biases = decays(model, vec![NoDecay::Biases]);
+        let norms = decays(model, vec![NoDecay::Norms]);
+        assert!(biases.iter().chain(&norms).any(|p| p.2 == 0.01 && p.1 == 1), "{model}: one kind only {biases:?}");
+        let named = decays(model, vec![NoDecay::Named("*weight".into())]);
+        for (name, _, decay) in &named {
+            assert_eq!(*decay, if name.ends_with("weight") { 0.0 } else { 0.01 }, "{model}: `{name}`");
+        }
+    }
+    let o = common::mpc(&["compile", "tests/models/mlp.onnx", "--train", "--no-decay", "biases,fc9.*"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no_decay `fc9.*`: no trained parameter's name matches it"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}
+
 #[test]
 fn the_config_file_sets_training_options_and_flags_override_it() {
     let dir = scratch("train_config");

@@ -17,6 +17,7 @@
 
 mod autodiff;
 pub(crate) mod build;
+mod decay;
 mod differentiable;
 mod low;
 mod optimizer;
@@ -30,6 +31,7 @@ use mpc_ir::{DType, Def, Dim, Graph, Op, Shape, Tensor, TrainSignature, TypeInfo
 
 pub use autodiff::{differentiate, differentiate_all, Gradients};
 use build::Builder;
+pub use decay::NoDecay;
 pub use differentiable::differentiable;
 pub use optimizer::OptimizerPass;
 pub use tie::{apply_ties, tie_weights, Tie};
@@ -129,6 +131,8 @@ pub struct TrainOptions {
     /// How the learning rate moves over the run; `None`: it stays `lr` (the state `mpc.lr`, which
     /// a runtime may rewrite between steps).
     pub schedule: Option<Schedule>,
+    /// The parameters trained without weight decay ([`NoDecay`]).
+    pub no_decay: Vec<NoDecay>,
 }
 
 /// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
@@ -216,6 +220,7 @@ impl Default for TrainOptions {
             tie: true,
             weight_copies: true,
             schedule: None,
+            no_decay: Vec::new(),
         }
     }
 }

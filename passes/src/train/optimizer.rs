@@ -53,6 +53,9 @@ impl Pass for OptimizerPass {
                 }
             }
         }
+        let params: Vec<ValueId> = pg.iter().map(|&(p, _)| p).collect();
+        let undecayed = super::decay::exempt(g, &params, &o.no_decay)?;
+        let decay = |p: ValueId| if undecayed.contains(&p) { 0.0 } else { o.weight_decay };
         let mut b = Builder::new(g);
         b.at("optimizer");
         for (i, x, momentum) in variances {
@@ -175,7 +178,7 @@ impl Pass for OptimizerPass {
             match o.optimizer {
                 Optimizer::Sgd | Optimizer::Momentum => {
                     let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
-                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: o.weight_decay };
+                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: decay(p) };
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
                     let ins = [Some(p), Some(d), Some(finite), vel, unscale, low, Some(rate)];
                     let n = 1 + vel.is_some() as usize + low.is_some() as usize;
@@ -191,7 +194,7 @@ impl Pass for OptimizerPass {
                         decoupled: o.optimizer == Optimizer::AdamW,
                         epsilon: o.epsilon,
                         lr: o.lr,
-                        weight_decay: o.weight_decay,
+                        weight_decay: decay(p),
                     };
                     let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
                     let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
