@@ -195,6 +195,29 @@ fn no_decay_exempts_biases_norms_and_named_parameters() {
             assert_eq!(*decay, if name.ends_with("weight") { 0.0 } else { 0.01 }, "{model}: `{name}`");
         }
     }
+    // A bias is found where it is read (Gemm's C, behind the mixed policy's Cast), whatever its name.
+    let model = fixture("mlp");
+    let mut g = mpc::load(&model).unwrap();
+    for v in g.initializers().collect::<Vec<_>>() {
+        let name = g.name(v).replace("bias", "b");
+        g.rename(v, &name);
+    }
+    let t = TrainOptions {
+        optimizer: Optimizer::AdamW,
+        weight_decay: 0.01,
+        no_decay: vec![NoDecay::Biases],
+        ..Default::default()
+    };
+    mpc::compile(&mut g, &model, &options("mixed", t), &mut |_, _| {}).unwrap();
+    let mut exempt = 0;
+    for n in g.node_ids() {
+        if let Op::AdamUpdate(a) = &g.node(n).op {
+            let rank = g.ty(g.node(n).input(0).unwrap()).shape.as_ref().unwrap().dims().len();
+            assert_eq!(a.weight_decay, if rank == 1 { 0.0 } else { 0.01 }, "{}", g.node_label(n));
+            exempt += (rank == 1) as usize;
+        }
+    }
+    assert_eq!(exempt, 3, "the MLP's three Gemm biases");
     let o = common::mpc(&["compile", "tests/models/mlp.onnx", "--train", "--no-decay", "biases,fc9.*"]);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{stderr}");

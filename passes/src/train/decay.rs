@@ -67,9 +67,7 @@ fn readers(g: &Graph, v: ValueId) -> Vec<(&Op, usize)> {
     for u in g.value(v).uses() {
         let node = g.node(u.node);
         match node.op {
-            Op::Cast(_) | Op::Identity => {
-                node.outputs().iter().for_each(|&o| out.extend(readers(g, o).into_iter().map(|(op, _)| (op, u.slot))))
-            }
+            Op::Cast(_) | Op::Identity => node.outputs().iter().for_each(|&o| out.extend(readers(g, o))),
             _ => out.push((&node.op, u.slot)),
         }
     }
