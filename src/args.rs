@@ -160,6 +160,11 @@ pub(crate) struct TrainArgs {
     /// biases), or name patterns with `*` (comma-separated or repeated).
     #[arg(long, value_name = "biases,norms,PATTERN")]
     pub(crate) no_decay: Vec<String>,
+    /// Sum the gradients of N micro-batches (of --batch samples each) in FP32 and update once with
+    /// their mean, as PyTorch's gradient accumulation; a non-finite gradient in any of them skips
+    /// that update [default: 1].
+    #[arg(long, value_name = "N")]
+    pub(crate) accumulate: Option<u32>,
     /// Do not train this initializer (repeatable).
     #[arg(long, value_name = "NAME")]
     pub(crate) freeze: Vec<String>,
@@ -194,6 +199,7 @@ impl TrainArgs {
             loss_scale: self.loss_scale.clone(),
             freeze: self.freeze.clone(),
             no_decay: self.no_decay.clone(),
+            accumulate: self.accumulate,
             seed: self.seed,
             tie: self.no_tie.then_some(false),
             weight_copies: self.no_weight_copies.then_some(false),

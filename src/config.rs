@@ -22,6 +22,7 @@
 //! beta2 = 0.999
 //! epsilon = 1e-8
 //! clip_norm = 1.0
+//! accumulate = 4             # micro-batches per update (gradient accumulation)
 //! loss_scale = "dynamic"      # dynamic, auto, static:S or none (default: dynamic for mixed, else none)
 //! init_scale = 65536.0        # dynamic loss scaling: the start,
 //! growth_factor = 2.0         # ×2 after growth_interval finite steps,
@@ -146,6 +147,8 @@ pub struct TrainFile {
     /// Parameters trained without weight decay: `biases`, `norms`, or name patterns (`*.bias`).
     #[serde(default)]
     pub no_decay: Vec<String>,
+    /// Micro-batches per update (gradient accumulation; default 1).
+    pub accumulate: Option<u32>,
 }
 
 impl TrainFile {
@@ -178,7 +181,8 @@ impl TrainFile {
             max_scale,
             seed,
             tie,
-            weight_copies
+            weight_copies,
+            accumulate
         )
     }
 
@@ -260,6 +264,10 @@ impl TrainFile {
             weight_copies: self.weight_copies.unwrap_or(d.weight_copies),
             no_decay: self.no_decay.iter().flat_map(|i| i.split(',')).map(|i| NoDecay::parse(i.trim())).collect(),
             dynamic_scale: dynamic,
+            accumulate: match self.accumulate {
+                Some(0) => return Err("accumulate 0: expected a positive count of micro-batches".into()),
+                a => a.unwrap_or(d.accumulate),
+            },
             ..d
         };
         let schedule = self.schedule(opts.lr)?;

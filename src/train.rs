@@ -420,11 +420,15 @@ fn run_length(cfg: &TrainConfig, n: usize) -> usize {
     cfg.epochs * (n - eval_count(cfg, n)).div_ceil(cfg.batch.max(1))
 }
 
-/// `opts` with its learning-rate schedule spanning the run (where it has no length of its own).
+/// `opts` with its learning-rate schedule spanning the run's updates (where it has no length of
+/// its own): its batches, or under gradient accumulation its whole groups of micro-batches.
 fn with_run_length(opts: &Options, cfg: &TrainConfig, n: usize) -> Options {
     let mut o = opts.clone();
-    if let Some(s) = o.train.as_mut().and_then(|t| t.schedule.as_mut()) {
-        *s = s.for_run(run_length(cfg, n) as u64);
+    if let Some(t) = o.train.as_mut() {
+        let updates = run_length(cfg, n) / t.accumulate.max(1) as usize;
+        if let Some(s) = t.schedule.as_mut() {
+            *s = s.for_run(updates as u64);
+        }
     }
     o
 }

@@ -268,6 +268,7 @@ fn the_config_file_sets_training_options_and_flags_override_it() {
     for (body, want) in [
         ("[train]\nlr = -1.0\n", "[train]: lr -1: expected a positive number"),
         ("[train]\ngrowth_interval = 0\n", "growth_interval 0"),
+        ("[train]\naccumulate = 0\n", "accumulate 0: expected a positive count of micro-batches"),
         ("[train]\nmin_scale = 8.0\nmax_scale = 2.0\n", "min_scale 8 is above max_scale 2"),
         ("[train]\nlearning_rate = 0.1\n", "unknown field `learning_rate`"),
     ] {

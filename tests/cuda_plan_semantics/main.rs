@@ -712,6 +712,33 @@ fn training_steps_run_from_the_kernels_source_as_on_the_cpu() {
     assert!(runs >= 12, "only {runs} training programs ran");
 }
 
+/// Gradient accumulation's step (the sums, the count of micro-batches, the update and the loss
+/// scale gated on the last one) run from the kernels' source: three micro-batches (an update after
+/// the second, a sum held after the third) reach the CPU's state, under fp32 and mixed.
+#[test]
+fn accumulated_training_steps_run_from_the_kernels_source_as_on_the_cpu() {
+    let _report = emu::Report;
+    for policy in ["fp32", "mixed"] {
+        let path = fixture("digits_mlp");
+        let mut g = mpc::load(&path).unwrap();
+        let t = mpc_passes::train::TrainOptions { accumulate: 2, ..Default::default() };
+        let opts = mpc::Options { policy: Some(policy.into()), train: Some(t), ..Default::default() };
+        mpc::compile(&mut g, &path, &opts, &mut |_, _| {}).unwrap();
+        let dims: HashMap<String, u64> = [("batch".to_string(), 4)].into();
+        let (bound, _) = mpc::summary::bind_inputs(&g, &dims).unwrap();
+        let program = mpc::run::lower_bound(&bound, CUDA, None, None, &path).unwrap();
+        let feeds = mpc::run::random_inputs(&bound, 3, &dims).unwrap();
+        let lr = mpc_passes::train::TrainOptions::default().lr as f64;
+        let results = run_steps(&program, &feeds, 3);
+        let sums = results.iter().filter(|r| r.0.starts_with("mpc.grad_sum.") && r.2 > 0.0).count();
+        assert!(sums >= 4, "{policy}: {sums} sums held after the third micro-batch");
+        for (value, diff, most, _) in results {
+            let bound = (1e-2 * most).max(2.0 * lr + 2f64.powi(-10) * most);
+            assert!(diff <= bound, "{policy}: `{value}` differs by {diff:.3e} (largest magnitude {most:.3e})");
+        }
+    }
+}
+
 /// The single ops `cuda_vs_cpu` runs on a GPU at the sizes of the multi-pass and wide paths:
 /// here their plans' kernels run from their source on the CPU (and are interpreted where this
 /// file can), each launch against the CPU device.

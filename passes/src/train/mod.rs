@@ -133,6 +133,11 @@ pub struct TrainOptions {
     pub schedule: Option<Schedule>,
     /// The parameters trained without weight decay ([`NoDecay`]).
     pub no_decay: Vec<NoDecay>,
+    /// Micro-batches per update (gradient accumulation; 1: an update every step). The step sums
+    /// its gradient into an FP32 accumulator per parameter and applies their mean on every
+    /// `accumulate`-th step (the state `mpc.micro` counts), skipping the update when any of them
+    /// was not finite.
+    pub accumulate: u32,
 }
 
 /// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
@@ -221,6 +226,7 @@ impl Default for TrainOptions {
             weight_copies: true,
             schedule: None,
             no_decay: Vec::new(),
+            accumulate: 1,
         }
     }
 }
@@ -491,6 +497,9 @@ impl Pass for AddLoss {
 /// Name of the peak learning rate's state: an f32 scalar the step reads and never changes (a
 /// runtime rewrites it to set the rate from the host).
 pub const LR: &str = "mpc.lr";
+
+/// Name of gradient accumulation's count of micro-batches since the last update (an i64 state).
+pub const MICRO: &str = "mpc.micro";
 
 /// Name of the dropout random stream's state: an i64 key that every step advances.
 pub const RNG: &str = "mpc.rng";

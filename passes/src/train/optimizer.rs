@@ -6,7 +6,7 @@ use mpc_ir::ops::{AdamAttrs, ReduceAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Graph, Op, Tensor, ValueId};
 
 use super::build::Builder;
-use super::{loss_scale_at_least_one, loss_value, opts, signature, LossScale, Optimizer, LR, RNG};
+use super::{loss_scale_at_least_one, loss_value, opts, signature, LossScale, Optimizer, LR, MICRO, RNG};
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
 
 /// Unscale, all-finite check, clipping, the optimizer update of the masters, the loss-scale
@@ -76,13 +76,26 @@ impl Pass for OptimizerPass {
             state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
         }
         let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
+        // 0. Gradient accumulation: the update reads the sums of the micro-batches' gradients.
+        let acc = (o.accumulate > 1).then(|| accumulate(&mut b, &pg, o.accumulate, &mut state)).transpose()?;
+        let pg = acc.as_ref().map_or(pg, |a| a.grads.clone());
         // 1. Unscale in FP32: g / S (a gradient computed low is widened first). Without clipping,
         // which needs the unscaled values, an FP32 (or FP64) parameter's update widens and
         // unscales its gradient itself (its `inv_scale` input): the same arithmetic as a Cast and
         // a Mul, without writing and reading the FP32 copy. The finite check then reads the
         // gradients as computed: a value is finite widened and divided by a scale of at least 1
         // exactly when it is finite as computed.
-        let inv = scale.map(|s| b.op("inv_scale", Op::Reciprocal, &[s]));
+        // Accumulated, the mean of the micro-batches': 1 / (S·N).
+        let inv = match (scale, &acc) {
+            (Some(s), None) => Some(b.op("inv_scale", Op::Reciprocal, &[s])),
+            (Some(s), Some(_)) => {
+                let n = b.scalar(f64::from(o.accumulate), DType::F32);
+                let sn = b.op("scale_times_micro_batches", Op::Mul, &[s, n]);
+                Some(b.op("inv_scale", Op::Reciprocal, &[sn]))
+            }
+            (None, Some(_)) => Some(b.scalar(1.0 / f64::from(o.accumulate), DType::F32)),
+            (None, None) => None,
+        };
         let fold = o.clip_norm.is_none() && loss_scale_at_least_one(&o.loss_scale);
         let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
         let mut folded: HashSet<ValueId> = HashSet::new();
@@ -120,6 +133,11 @@ impl Pass for OptimizerPass {
         b.at("optimizer");
         let all: Vec<Option<ValueId>> = gs.iter().map(|&(_, d)| Some(d)).collect();
         let finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
+        // Accumulating, an update applies on the last micro-batch when every sum is finite.
+        let apply = match &acc {
+            Some(a) => b.op("apply_update", Op::And, &[finite, a.boundary]),
+            None => finite,
+        };
         // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
         if let Some(c) = o.clip_norm {
             let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
@@ -146,7 +164,7 @@ impl Pass for OptimizerPass {
         }
         // 4. The step counter advances on applied steps only.
         let step = b.init("mpc.step", Tensor::from_i64(vec![], &[0]));
-        let inc = b.cast(finite, DType::I64);
+        let inc = b.cast(apply, DType::I64);
         let step_next = b.op("step_next", Op::Add, &[step, inc]);
         state.push((step, step_next));
         // The learning rate: the state `mpc.lr` (the peak, which the step never changes), or the
@@ -180,7 +198,7 @@ impl Pass for OptimizerPass {
                     let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
                     let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: decay(p) };
                     let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    let ins = [Some(p), Some(d), Some(finite), vel, unscale, low, Some(rate)];
+                    let ins = [Some(p), Some(d), Some(apply), vel, unscale, low, Some(rate)];
                     let n = 1 + vel.is_some() as usize + low.is_some() as usize;
                     let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
                     for s in [Some(p), vel, low].into_iter().flatten() {
@@ -199,7 +217,7 @@ impl Pass for OptimizerPass {
                     let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
                     let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
                     let ins =
-                        [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(finite), unscale, low, Some(rate)];
+                        [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(apply), unscale, low, Some(rate)];
                     let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
                     for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
                         state.push((s, next));
@@ -217,8 +235,16 @@ impl Pass for OptimizerPass {
                 &[Some(s), Some(good), Some(finite)],
                 2,
             );
-            state.push((s, outs[0]));
-            state.push((good, outs[1]));
+            // Accumulating, the scale moves once per update, on its last micro-batch.
+            let gated: Vec<ValueId> = match &acc {
+                Some(a) => [(s, outs[0]), (good, outs[1])]
+                    .iter()
+                    .map(|&(now, next)| b.op("loss_scale_at_update", Op::Where, &[a.boundary, next, now]))
+                    .collect(),
+                None => outs,
+            };
+            state.push((s, gated[0]));
+            state.push((good, gated[1]));
         }
         // 7. The dropout stream moves on every step, applied or skipped: a skipped step's
         // forward pass drew its masks all the same.
@@ -227,7 +253,10 @@ impl Pass for OptimizerPass {
             let next = b.op("rng_next", Op::Add, &[key, one]);
             state.push((key, next));
         }
-        let skipped = b.op("skipped", Op::Not, &[finite]);
+        let mut skipped = b.op("skipped", Op::Not, &[finite]);
+        if let Some(a) = &acc {
+            skipped = b.op("skipped", Op::And, &[skipped, a.boundary]);
+        }
         // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.
         let mut outs = vec![loss];
         let sname = b.g.unique_name("mpc.step_skipped");
@@ -252,6 +281,55 @@ impl Pass for OptimizerPass {
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)
     }
+}
+
+/// Gradient accumulation's part of a step: the sums of the gradients and the flag of the step
+/// that applies them.
+struct Accumulation {
+    /// Each parameter and the sum of its gradients over the micro-batches so far, this one's
+    /// included (FP32, FP64 for an FP64 parameter; still scaled by the loss scale).
+    grads: Vec<(ValueId, ValueId)>,
+    /// True on every `n`-th micro-batch: the update applies the sums, which then start again.
+    boundary: ValueId,
+}
+
+/// The state of accumulating over `n` micro-batches: the count `mpc.micro` of micro-batches
+/// since the last update and an accumulator `mpc.grad_sum.<name>` per parameter, which the
+/// update's step resets to zero (applied or skipped, as `zero_grad` after GradScaler's step).
+fn accumulate(
+    b: &mut Builder,
+    pg: &[(ValueId, ValueId)],
+    n: u32,
+    state: &mut Vec<(ValueId, ValueId)>,
+) -> Result<Accumulation> {
+    b.at("accumulate");
+    let micro = b.init(MICRO, Tensor::from_i64(vec![], &[0]));
+    let one = b.scalar(1.0, DType::I64);
+    let count = b.op("micro_count", Op::Add, &[micro, one]);
+    let every = b.scalar(f64::from(n), DType::I64);
+    let boundary = b.op("update_now", Op::Equal, &[count, every]);
+    let zero = b.scalar(0.0, DType::I64);
+    let next = b.op("micro_next", Op::Where, &[boundary, zero, count]);
+    state.push((micro, next));
+    let mut grads = Vec::new();
+    for &(p, d) in pg {
+        let pname = b.g.name(p).to_string();
+        b.at(&format!("{pname}.accumulate"));
+        let dt = if b.dtype(p).map_err(PassError::Usage)? == DType::F64 { DType::F64 } else { DType::F32 };
+        let shape = b.g.value(p).initializer().map(|t| t.shape().to_vec());
+        let shape = shape.ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
+        let sum = b.init(&format!("mpc.grad_sum.{pname}"), Tensor::zeros(dt, shape.clone()));
+        let d = if b.dtype(d).map_err(PassError::Usage)? == dt { d } else { b.cast(d, dt) };
+        let total = b.op("grad_sum", Op::Add, &[sum, d]);
+        // Typed now: the rest of the pass reads the sums' dtypes (the pass manager types the
+        // nodes a pass adds after it).
+        b.g.set_ty(total, mpc_ir::TypeInfo::new(dt, mpc_ir::Shape::fixed(&shape)));
+        let zero = b.scalar(0.0, dt);
+        let kept = b.op("grad_sum_next", Op::Where, &[boundary, zero, total]);
+        state.push((sum, kept));
+        grads.push((p, total));
+    }
+    Ok(Accumulation { grads, boundary })
 }
 
 /// The forward pass's low-precision copy of the master weight `p`, made training state: the
