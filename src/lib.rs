@@ -12,6 +12,7 @@ pub mod run;
 pub mod summary;
 pub mod synthetic;
 pub mod train;
+pub mod trainer;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

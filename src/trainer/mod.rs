@@ -1,0 +1,549 @@
+//! [`Trainer`]: a model's training step compiled once and kept on a device, its state resident.
+//!
+//! A trainer is made from a forward model, the [`Options`] of a compile with training options,
+//! a device and a first batch (the tensors named after the model's inputs and the labels, the
+//! first dim the sample). It binds the model's sample dims (a sequence length, an image size) to
+//! the batch's, frees an export's fixed batch, runs the training pipeline once (the evaluation
+//! graph is the same compile's graph after the precision pass), and lowers one program per
+//! binding of the symbolic dims it is fed (a short last batch gets its own), all over one state.
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use std::path::Path;
+//! use mpc::trainer::Trainer;
+//! use mpc_runtime::device::CpuDevice;
+//! # fn main() -> mpc::Result<()> {
+//! let path = Path::new("tests/models/digits_mlp.onnx");
+//! let model = mpc::load(path)?;
+//! let opts = mpc::Options {
+//!     policy: Some("mixed".into()),
+//!     train: Some(mpc_passes::train::TrainOptions::default()),
+//!     ..Default::default()
+//! };
+//! let data = mpc::run::read_safetensors(Path::new("tests/data/digits.safetensors"))?;
+//! // Batches of 64: rows of the images (64 pixels each) and of the labels.
+//! let batch = |k: usize| -> HashMap<String, mpc_runtime::HostTensor> {
+//!     let rows: Vec<usize> = (k * 64..(k + 1) * 64).collect();
+//!     HashMap::from([
+//!         ("images".to_string(), mpc::trainer::rows(&data["images"], &rows, None)),
+//!         ("labels".to_string(), mpc::trainer::rows(&data["labels"], &rows, None)),
+//!     ])
+//! };
+//! let mut trainer = Trainer::new(CpuDevice::default(), &model, path, &opts, &batch(0))?;
+//! let mut pending = Vec::new();
+//! for k in 0..20 {
+//!     pending.push(trainer.step(&batch(k))?); // no wait for the device
+//! }
+//! for p in pending {
+//!     let s = trainer.wait(p)?;
+//!     println!("loss {} lr {} skipped {}", s.loss, s.lr, s.skipped);
+//! }
+//! let eval = trainer.evaluate(&batch(21))?;
+//! println!("accuracy {}", eval.correct as f64 / eval.counted as f64);
+//! let dir = std::env::temp_dir().join("mpc-trainer-example");
+//! trainer.save(&dir.join("checkpoint.safetensors"), 20)?; // what --resume reads
+//! trainer.set_lr(1e-4)?; // the next steps' rate
+//! let trained = trainer.export(&model)?; // the model with the trained weights
+//! mpc::save(&trained, &dir.join("trained.onnx"), mpc::Format::Onnx)?;
+//! # Ok(()) }
+//! ```
+
+mod batch;
+pub mod checkpoint;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+pub use batch::free_batch;
+use mpc_ir::{Dim, Graph, Op, ValueId};
+use mpc_passes::train::{CrossEntropy, Loss, LossScale, Tie};
+use mpc_runtime::device::Device;
+use mpc_runtime::program::{DeviceCaps, Program, StateLayout};
+use mpc_runtime::session::{Pending, ProgramId, Session};
+use mpc_runtime::HostTensor;
+
+use crate::{Error, Options, Result};
+
+/// A binding of the symbolic dims, in order: the key of a lowered program.
+type Dims = BTreeMap<String, u64>;
+
+/// A training step compiled for a model and kept on a device: see the [module](self).
+pub struct Trainer<D: Device> {
+    session: Session<D>,
+    step: Lowering,
+    /// The forward graph for evaluation: batch normalisation on its running statistics, no
+    /// dropout, the loss and the masters as in training. Its weights are variables at the
+    /// training state's slots (`eval_vars`), read in place.
+    eval: Graph,
+    eval_vars: HashSet<ValueId>,
+    layout: StateLayout,
+    programs: HashMap<Dims, ProgramId>,
+    eval_programs: HashMap<Dims, ProgramId>,
+    names: Names,
+    /// The bounds of dynamic loss scaling, which a loaded scale must lie within.
+    scale_bounds: Option<(f32, f32)>,
+    /// The class axis and the labels input of a cross-entropy loss: what accuracy is counted on.
+    accuracy: Option<(CrossEntropy, String)>,
+    compiled: Compiled,
+}
+
+/// What the compile found out about the model.
+#[derive(Clone, Debug, Default)]
+pub struct Compiled {
+    /// The exported copies of one weight trained as that weight.
+    pub ties: Vec<Tie>,
+    /// The constants trained as weights of their own in place of parameters the export folded
+    /// ([`mpc_passes::train::folded_weights`]).
+    pub folded: Option<(Vec<String>, Vec<String>)>,
+    /// `--loss-scale auto`'s measurement.
+    pub auto_scale: Option<mpc_passes::AutoScale>,
+}
+
+/// The names of the step's values a trainer reads.
+struct Names {
+    loss: String,
+    skipped: String,
+    /// The rate the step applies: the schedule's output, else the state `mpc.lr`.
+    lr: String,
+    /// The loss scale: a state under dynamic scaling (read as it moves), else a constant.
+    scale: Option<String>,
+    fixed_scale: Option<f64>,
+}
+
+/// A step's numbers on their way to the host ([`Trainer::step`]); [`Trainer::wait`] reads them.
+pub struct StepHandle<S> {
+    loss: Pending<S>,
+    skipped: Pending<S>,
+    lr: Pending<S>,
+    scale: Option<Pending<S>>,
+}
+
+/// What a step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepNumbers {
+    /// The (unscaled) loss of the batch.
+    pub loss: f32,
+    /// Whether the update was skipped (a non-finite gradient under loss scaling).
+    pub skipped: bool,
+    /// The learning rate the step applied.
+    pub lr: f32,
+    /// The loss scale after the step; `None` without loss scaling.
+    pub loss_scale: Option<f64>,
+}
+
+/// One evaluation batch's numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EvalNumbers {
+    /// The batch's mean loss.
+    pub loss: Option<f64>,
+    /// Labels (not ignored) whose class scores highest, and labels counted (cross-entropy only).
+    pub correct: usize,
+    pub counted: usize,
+}
+
+impl<D: Device> Trainer<D> {
+    /// Compiles `model` (loaded from `path`, which messages name) as `opts` says and loads the
+    /// step for `first` (a batch: the graph inputs and the labels by name) on `device`.
+    pub fn new(
+        device: D,
+        model: &Graph,
+        path: &Path,
+        opts: &Options,
+        first: &HashMap<String, HostTensor>,
+    ) -> Result<Self> {
+        let fwd = bind_sample_dims(model, first, path)?;
+        let bound_from = bound_from(model, &fwd);
+        let mut graph = fwd;
+        let export_batch = free_batch(&mut graph);
+        // The evaluation graph is the pipeline's graph after the precision pass.
+        let mut o = opts.clone();
+        o.dump_after.push("precision".into());
+        let mut eval = None;
+        let cx = crate::compile(&mut graph, path, &o, &mut |pass, g| {
+            if pass == "precision" {
+                eval = Some(g.clone());
+            }
+        })
+        .map_err(|e| pinned(e, export_batch))?;
+        let internal = |what: &str| Error::Run {
+            path: path.to_owned(),
+            source: mpc_runtime::RuntimeError::Internal(format!("the training graph has no {what}")),
+        };
+        let eval = eval_graph(eval.ok_or_else(|| internal("precision pass"))?);
+        let sig = graph.train.clone().ok_or_else(|| internal("training signature"))?;
+        let name = |v: Option<ValueId>, what: &str| v.map(|v| graph.name(v).to_string()).ok_or_else(|| internal(what));
+        let is_state = |v: ValueId| sig.state.iter().any(|&(s, _)| s == v);
+        let names = Names {
+            loss: name(sig.loss, "loss")?,
+            skipped: name(sig.skipped, "step flag")?,
+            lr: sig.lr.map_or(mpc_passes::train::LR.to_string(), |v| graph.name(v).to_string()),
+            scale: sig.loss_scale.filter(|&s| is_state(s)).map(|s| graph.name(s).to_string()),
+            fixed_scale: sig
+                .loss_scale
+                .filter(|&s| !is_state(s))
+                .and_then(|s| graph.constant(s))
+                .map(|t| t.to_f64_vec()[0]),
+        };
+        let scale_bounds = cx.train.as_ref().and_then(|t| match &t.loss_scale {
+            LossScale::Dynamic { attrs, .. } => Some((attrs.min_scale, attrs.max_scale)),
+            _ => None,
+        });
+        let accuracy = match opts.train.as_ref().map(|t| (&t.loss, &t.labels)) {
+            Some((Loss::CrossEntropy(ce), labels)) => Some((*ce, labels.clone())),
+            _ => None,
+        };
+        let step = Lowering {
+            state: sig.state.iter().map(|&(s, _)| s).collect(),
+            graph,
+            caps: device.caps(),
+            export_batch,
+            bound_from,
+            path: path.to_owned(),
+        };
+        let dims = step.dims(first)?;
+        let main = step.lower(&step.graph, &dims, None, &HashSet::new())?;
+        let layout = main.state_layout.clone();
+        let session = Session::new(device, main).map_err(|source| step.run_error(source))?;
+        let eval_vars = eval.initializers().filter(|&v| layout.find(eval.name(v)).is_some()).collect();
+        Ok(Trainer {
+            session,
+            step,
+            eval,
+            eval_vars,
+            layout,
+            programs: HashMap::from([(dims, 0)]),
+            eval_programs: HashMap::new(),
+            names,
+            scale_bounds,
+            accuracy,
+            compiled: Compiled { ties: cx.ties, folded: cx.folded, auto_scale: cx.auto_scale },
+        })
+    }
+
+    /// The training step, with its symbolic dims: its inputs are what a batch holds.
+    pub fn graph(&self) -> &Graph {
+        &self.step.graph
+    }
+
+    /// What the compile found out about the model.
+    pub fn compiled(&self) -> &Compiled {
+        &self.compiled
+    }
+
+    /// Runs one training step on `batch` (lowering a program for its dims the first time it
+    /// sees them). The step's numbers are staged to the host without a wait: [`Self::wait`].
+    pub fn step(&mut self, batch: &HashMap<String, HostTensor>) -> Result<StepHandle<D::Staged>> {
+        let dims = self.step.dims(batch)?;
+        let id = match self.programs.get(&dims) {
+            Some(&id) => id,
+            None => {
+                let p = self.step.lower(&self.step.graph, &dims, Some(&self.layout), &HashSet::new())?;
+                let id = self.session.load(p).map_err(|e| self.step.run_error(e))?;
+                self.programs.insert(dims, id);
+                id
+            }
+        };
+        let s = &mut self.session;
+        let staged = (|| {
+            s.feed(id, batch)?;
+            s.step(id)?;
+            Ok(StepHandle {
+                loss: s.read_later(id, &self.names.loss)?,
+                skipped: s.read_later(id, &self.names.skipped)?,
+                lr: s.read_later(id, &self.names.lr)?,
+                scale: self.names.scale.as_deref().map(|n| s.read_later(id, n)).transpose()?,
+            })
+        })();
+        staged.map_err(|e| self.step.run_error(e))
+    }
+
+    /// Waits for a step's numbers.
+    pub fn wait(&mut self, h: StepHandle<D::Staged>) -> Result<StepNumbers> {
+        let s = &mut self.session;
+        let numbers = (|| {
+            let mut value = |p| s.wait(p).map(|t| t.f64s()[0]);
+            Ok(StepNumbers {
+                loss: value(h.loss)? as f32,
+                skipped: value(h.skipped)? != 0.0,
+                lr: value(h.lr)? as f32,
+                loss_scale: h.scale.map(&mut value).transpose()?.or(self.names.fixed_scale),
+            })
+        })();
+        numbers.map_err(|e| self.step.run_error(e))
+    }
+
+    /// The loss scale now; `None` without loss scaling.
+    pub fn loss_scale(&mut self) -> Result<Option<f64>> {
+        match &self.names.scale {
+            Some(n) => Ok(Some(self.session.read_state(n).map_err(|e| self.step.run_error(e))?.f64s()[0])),
+            None => Ok(self.names.fixed_scale),
+        }
+    }
+
+    /// Sets the learning rate of the next steps: the state `mpc.lr`, which is the rate itself,
+    /// or under a schedule the peak the schedule scales.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let t = HostTensor::from_f64(mpc_ir::DType::F32, vec![], vec![f64::from(lr)]);
+        self.session.write_state(mpc_passes::train::LR, &t).map_err(|e| self.step.run_error(e))
+    }
+
+    /// The mean loss and the accuracy counts of `batch` under the evaluation graph, which reads
+    /// the training state in place.
+    pub fn evaluate(&mut self, batch: &HashMap<String, HostTensor>) -> Result<EvalNumbers> {
+        let dims = dims_of(&self.eval, batch, &self.step.path)?;
+        let id = match self.eval_programs.get(&dims) {
+            Some(&id) => id,
+            None => {
+                let p = self.step.lower(&self.eval, &dims, Some(&self.layout), &self.eval_vars)?;
+                let id = self.session.load(p).map_err(|e| self.step.run_error(e))?;
+                self.eval_programs.insert(dims, id);
+                id
+            }
+        };
+        let rerr = |e| Error::Run { path: self.step.path.clone(), source: e };
+        self.session.feed(id, batch).map_err(rerr)?;
+        self.session.step(id).map_err(rerr)?;
+        let mut out = EvalNumbers::default();
+        let loss = mpc_passes::train::loss_value(&self.eval);
+        if let Some(l) = loss {
+            out.loss = Some(self.session.read(id, self.eval.name(l)).map_err(rerr)?.f64s()[0]);
+        }
+        let scores = self
+            .eval
+            .outputs()
+            .iter()
+            .copied()
+            .find(|&v| Some(v) != loss && self.eval.ty(v).dtype.is_some_and(|d| d.is_float()));
+        let Some(((ce, labels), scores)) = self.accuracy.as_ref().zip(scores) else { return Ok(out) };
+        let Some(labels) = batch.get(labels) else { return Ok(out) };
+        let scores = self.session.read(id, self.eval.name(scores)).map_err(rerr)?;
+        (out.correct, out.counted) = count_correct(&scores, labels, ce);
+        Ok(out)
+    }
+
+    /// Every state value by name (the masters under their initializer names, the rest `mpc.`).
+    pub fn state(&mut self) -> Result<Vec<(String, HostTensor)>> {
+        let g = &self.step.graph;
+        let names: Vec<String> = g.train.iter().flat_map(|t| &t.state).map(|&(s, _)| g.name(s).to_string()).collect();
+        names
+            .into_iter()
+            .map(|n| Ok((n.clone(), self.session.read_state(&n).map_err(|e| self.step.run_error(e))?)))
+            .collect()
+    }
+
+    /// Writes a saved state (read from `origin`, which messages name) into the trainer's: every
+    /// state value must be there, finite, counters not negative, the loss scale within its
+    /// bounds. A master's low-precision copy that `saved` lacks is its master rounded; a saved
+    /// state from before the rate was state keeps this trainer's rate.
+    pub fn load_state(&mut self, saved: &HashMap<String, HostTensor>, origin: &Path) -> Result<()> {
+        let bad = |what: String| Error::Usage(format!("{}: {what}", origin.display()));
+        let g = &self.step.graph;
+        let sig = g.train.as_ref().map(|t| t.state.clone()).unwrap_or_default();
+        for (s, _) in sig {
+            let name = g.name(s);
+            let copy = checkpoint::low_copy_of(name, saved, g.ty(s).dtype);
+            if name == mpc_passes::train::LR && !saved.contains_key(name) {
+                continue;
+            }
+            let t = saved
+                .get(name)
+                .or(copy.as_ref())
+                .ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
+            let bounds = (self.names.scale.as_deref() == Some(name)).then_some(self.scale_bounds).flatten();
+            checkpoint::check_state(name, t, bounds).map_err(&bad)?;
+            self.session.write_state(name, t).map_err(|e| Error::Run { path: self.step.path.clone(), source: e })?;
+        }
+        Ok(())
+    }
+
+    /// Writes the state and `iteration` (the batches done) to `file`, atomically.
+    pub fn save(&mut self, file: &Path, iteration: usize) -> Result<()> {
+        if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
+        }
+        let mut tensors = self.state()?;
+        let done = HostTensor::from_i64(mpc_ir::DType::I64, vec![], vec![iteration as i64]);
+        tensors.push((checkpoint::ITERATION.into(), done));
+        crate::run::write_safetensors(file, &tensors)
+    }
+
+    /// Loads a checkpoint [`Self::save`] wrote; returns its count of batches done.
+    pub fn load(&mut self, file: &Path) -> Result<usize> {
+        let saved = crate::run::read_safetensors(file)?;
+        self.load_state(&saved, file)?;
+        checkpoint::iteration(&saved).map_err(|m| Error::Usage(format!("{}: {m}", file.display())))
+    }
+
+    /// The original `model` with its initializers replaced by the trained values of the same
+    /// name (and the copies training tied read from the weight they were tied to).
+    pub fn export(&mut self, model: &Graph) -> Result<Graph> {
+        Ok(with_trained_weights(model, &self.state()?, &self.compiled.ties))
+    }
+
+    /// What the training step costs (`--stats`): its launches, arena and state.
+    pub fn stats(&self) -> Result<String> {
+        let p = self.session.program(0).map_err(|e| self.step.run_error(e))?;
+        Ok(crate::run::stats_line(p, &self.session.stats(0)))
+    }
+}
+
+/// The symbolic training step and how to lower it for a binding of its dims.
+struct Lowering {
+    graph: Graph,
+    /// The state values: not constants, however they start.
+    state: HashSet<ValueId>,
+    caps: DeviceCaps,
+    /// The batch the export held, which a message about a node that still holds it names.
+    export_batch: Option<u64>,
+    /// Where the dims bound from the first batch came from ([`bound_from`]).
+    bound_from: String,
+    path: PathBuf,
+}
+
+impl Lowering {
+    fn run_error(&self, source: mpc_runtime::RuntimeError) -> Error {
+        Error::Run { path: self.path.clone(), source }
+    }
+
+    /// `g` (the step or the evaluation graph) lowered for `dims`, over `layout`'s state and with
+    /// `variables` read in place.
+    fn lower(
+        &self,
+        g: &Graph,
+        dims: &Dims,
+        layout: Option<&StateLayout>,
+        variables: &HashSet<ValueId>,
+    ) -> Result<Program> {
+        let dims: HashMap<String, u64> = dims.iter().map(|(k, &v)| (k.clone(), v)).collect();
+        let changing: HashSet<ValueId> = self.state.union(variables).copied().collect();
+        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, &self.path)
+            .map_err(|e| pinned(e, self.export_batch))?;
+        crate::run::lower_bound(&bound, self.caps, layout, Some(variables), &self.path)
+    }
+
+    /// The dims a batch binds in the step; where it does not fit, the message names the input and
+    /// axis, and where it came from the dim the first batch bound, or the node of an export that
+    /// holds its batch.
+    fn dims(&self, batch: &HashMap<String, HostTensor>) -> Result<Dims> {
+        dims_of(&self.graph, batch, &self.path).map_err(|e| match e {
+            Error::Usage(_) if self.export_batch.is_some() => {
+                let sizes = crate::run::input_sizes(&self.graph, batch, &self.path).map(|d| d.into_iter().collect());
+                match sizes.and_then(|d| self.lower(&self.graph, &d, None, &HashSet::new())) {
+                    Err(pinned) => pinned,
+                    Ok(_) => e,
+                }
+            }
+            Error::Usage(m) if !self.bound_from.is_empty() => Error::Usage(format!("{m}; {}", self.bound_from)),
+            e => e,
+        })
+    }
+}
+
+/// A pass's failure on a model whose batch is built into it, said as that.
+fn pinned(e: Error, export_batch: Option<u64>) -> Error {
+    match (e, export_batch) {
+        (Error::Pass { path, source }, Some(b)) => Error::Usage(format!(
+            "{}: {source} (the model was exported with a fixed batch of {b}, which its graph still holds here: export it with a dynamic batch axis)",
+            path.display()
+        )),
+        (e, _) => e,
+    }
+}
+
+/// The dims a batch binds in `g` ([`crate::run::input_dims`]: checked, one line naming the input
+/// and axis at fault).
+fn dims_of(g: &Graph, batch: &HashMap<String, HostTensor>, path: &Path) -> Result<Dims> {
+    Ok(crate::run::input_dims(g, batch, path)?.into_iter().collect())
+}
+
+/// `model` with the symbolic dims of its inputs other than the batch (a sequence length, an image
+/// size) bound to what the samples of `batch_of` (its inputs, by name) have, so that the training
+/// step is built for them: the backward pass of a recurrence, and of the shape arithmetic the
+/// exporters write around attention, needs them. The batch (the symbols of the inputs' leading
+/// dims) stays symbolic.
+pub fn bind_sample_dims(model: &Graph, batch_of: &HashMap<String, HostTensor>, path: &Path) -> Result<Graph> {
+    // The shapes only: the fixed dims and dtypes are checked against each batch when it is lowered.
+    crate::run::bind_sample_dims(model, crate::run::input_sizes(model, batch_of, path)?, path)
+}
+
+/// What [`bind_sample_dims`] bound in `model` to give `bound`, and where: "the data's `seq` is 16
+/// (input `input_ids` axis 1)", or nothing.
+fn bound_from(model: &Graph, bound: &Graph) -> String {
+    let (mut said, mut seen) = (Vec::new(), HashSet::new());
+    for (&v, &b) in model.inputs().iter().zip(bound.inputs()) {
+        let (Some(s), Some(t)) = (model.ty(v).shape.as_ref(), bound.ty(b).shape.as_ref()) else { continue };
+        for (axis, (d, n)) in s.dims().iter().zip(t.dims()).enumerate() {
+            if let (Dim::Sym(e), Dim::Fixed(n)) = (d, n) {
+                if seen.insert(e.to_string()) {
+                    said.push(format!("the data's `{e}` is {n} (input `{}` axis {axis})", model.name(v)));
+                }
+            }
+        }
+    }
+    said.join(", ")
+}
+
+/// The forward graph for evaluation from the pipeline's graph after the precision pass: batch
+/// normalisation back on its running statistics (its statistics outputs dropped), dropout off.
+fn eval_graph(mut g: Graph) -> Graph {
+    let mut drop = Vec::new();
+    for n in g.node_ids().collect::<Vec<_>>() {
+        if let Op::BatchNormalization(a) = g.node_op_mut(n) {
+            a.training_mode = false;
+            drop.extend(g.node(n).outputs()[1..].iter().copied());
+        }
+        if matches!(g.node(n).op, Op::Dropout(_)) {
+            g.truncate_inputs(n, 2);
+        }
+    }
+    let outs: Vec<ValueId> = g.outputs().iter().copied().filter(|v| !drop.contains(v)).collect();
+    g.set_outputs(outs);
+    g
+}
+
+/// The labels (not ignored) whose class scores highest on cross-entropy's class axis, and the
+/// labels counted.
+fn count_correct(scores: &HostTensor, labels: &HostTensor, ce: &CrossEntropy) -> (usize, usize) {
+    let (v, y) = (scores.f64s(), labels.i64s().unwrap_or_default());
+    let Some(axis) = mpc_ir::normalize_axis(ce.axis, scores.shape.len()) else { return (0, 0) };
+    // Scores [outer, classes, inner]; label `o * inner + j` is scored at (o, k, j).
+    let (c, inner) = (scores.shape[axis], scores.shape[axis + 1..].iter().product::<usize>());
+    let (mut correct, mut counted) = (0, 0);
+    for (i, &label) in y.iter().enumerate() {
+        if Some(label) == ce.ignore_index {
+            continue;
+        }
+        let (o, j) = (i / inner.max(1), i % inner.max(1));
+        let at = |k: usize| v[(o * c + k) * inner + j];
+        let best = (0..c).fold(0, |b, k| if at(k) > at(b) { k } else { b });
+        correct += (best as i64 == label) as usize;
+        counted += 1;
+    }
+    (correct, counted)
+}
+
+/// The original model with its initializers replaced by the trained values of the same name, and
+/// the copies training tied read from the weight they were tied to.
+pub fn with_trained_weights(model: &Graph, state: &[(String, HostTensor)], ties: &[Tie]) -> Graph {
+    let mut g = model.clone();
+    mpc_passes::train::apply_ties(&mut g, ties);
+    for (name, t) in state {
+        if let Some(v) = g.find(name) {
+            let Some(dt) = g.value(v).initializer().map(|i| i.dtype()) else { continue };
+            g.set_initializer(v, mpc_ir::Tensor::from(t).to_dtype(dt));
+        }
+    }
+    g
+}
+
+/// Rows `idx` of `t` (its first dim), each reshaped to `sample` when given (images stored flat).
+pub fn rows(t: &HostTensor, idx: &[usize], sample: Option<&[usize]>) -> HostTensor {
+    let row: usize = t.shape[1..].iter().product();
+    let flat: Vec<usize> = idx.iter().flat_map(|&r| r * row..(r + 1) * row).collect();
+    let mut shape = vec![idx.len()];
+    match sample {
+        Some(s) => shape.extend(s),
+        None => shape.extend(&t.shape[1..]),
+    }
+    t.pick(shape, &flat)
+}
