@@ -556,3 +556,42 @@ fn schedules_follow_the_torch_and_hugging_face_schedulers() {
         }
     }
 }
+
+/// The library's `Trainer` on its own: a step's numbers read after it, `set_lr` setting the
+/// rate the next steps apply (0: the weights stay), evaluation counts, a checkpoint that another
+/// trainer loads into the same state, and the export's weights the trained ones.
+#[test]
+fn the_trainer_steps_sets_the_rate_evaluates_and_round_trips_its_state() {
+    use mpc::trainer::Trainer;
+    let path = fixture("digits_mlp");
+    let model = mpc::load(&path).unwrap();
+    let opts = options("fp32", TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, ..Default::default() });
+    let batch = digits_batch(0, 64);
+    let mut t = Trainer::new(CpuDevice::default(), &model, &path, &opts, &batch).unwrap();
+    let h = t.step(&batch).unwrap();
+    let first = t.wait(h).unwrap();
+    assert_eq!((first.lr, first.skipped, first.loss_scale), (0.1, false, None));
+    let weight = |t: &mut Trainer<CpuDevice>| t.state().unwrap().into_iter().find(|(n, _)| n == "fc1.weight").unwrap().1;
+    let before = weight(&mut t);
+    t.set_lr(0.0).unwrap();
+    let h = t.step(&batch).unwrap();
+    let second = t.wait(h).unwrap();
+    assert_eq!(second.lr, 0.0);
+    assert!(second.loss < first.loss, "the first step did not lower the loss: {} then {}", first.loss, second.loss);
+    assert_eq!(weight(&mut t), before, "a step at rate 0 moved the weights");
+    t.set_lr(0.1).unwrap();
+    let h = t.step(&digits_batch(64, 64)).unwrap();
+    assert_eq!(t.wait(h).unwrap().lr, 0.1);
+    let e = t.evaluate(&digits_batch(1500, 97)).unwrap();
+    assert_eq!(e.counted, 97);
+    assert!(e.correct > 10 && e.loss.is_some_and(|l| l.is_finite()), "{e:?}");
+
+    let file = scratch("trainer_api").join("checkpoint.safetensors");
+    t.save(&file, 3).unwrap();
+    let mut u = Trainer::new(CpuDevice::default(), &model, &path, &opts, &batch).unwrap();
+    assert_eq!(u.load(&file).unwrap(), 3);
+    assert!(u.state().unwrap() == t.state().unwrap(), "the loaded state differs");
+    let trained = t.export(&model).unwrap();
+    let w = trained.value(trained.find("fc1.weight").unwrap()).initializer().unwrap().clone();
+    assert_eq!(HostTensor::from(&w), weight(&mut t));
+}
