@@ -243,9 +243,13 @@ pub(crate) enum Command {
         #[command(flatten)]
         train_args: TrainArgs,
         /// Training data (safetensors): tensors named after the graph inputs and the labels,
-        /// the first dimension being the sample.
+        /// the first dimension being the sample. Several shards: repeat the flag, or a pattern
+        /// (`shards/train-*.safetensors`); each is memory-mapped and read a batch at a time.
+        #[arg(long, value_name = "FILE", required = true)]
+        data: Vec<PathBuf>,
+        /// A separate evaluation set (shards, as --data), evaluated after each epoch.
         #[arg(long, value_name = "FILE")]
-        data: PathBuf,
+        eval_data: Vec<PathBuf>,
         #[arg(long, default_value_t = 1)]
         epochs: usize,
         #[arg(long, default_value_t = 64)]

@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod data;
 pub mod devices;
 pub mod dot;
 pub mod explain;

@@ -185,6 +185,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             common,
             train_args,
             data,
+            eval_data,
             epochs,
             batch,
             eval_split,
@@ -208,6 +209,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             let model = mpc::load(&common.model)?;
             let cfg = mpc::train::TrainConfig {
                 data,
+                eval_data,
                 epochs,
                 batch,
                 eval_split,

@@ -27,7 +27,7 @@ fn st_dtype(d: DType) -> StDtype {
     }
 }
 
-fn from_st(d: StDtype) -> Option<DType> {
+pub(crate) fn from_st(d: StDtype) -> Option<DType> {
     Some(match d {
         StDtype::F32 => DType::F32,
         StDtype::F16 => DType::F16,

@@ -1,8 +1,9 @@
 //! `mpc train`: compile the training step, feed it batches, keep its state resident, evaluate,
 //! checkpoint and resume.
 //!
-//! The data file's tensors are named after the graph inputs (and the labels); the first dimension
-//! is the sample. The last `eval_split` share of the samples is held out for evaluation. Each
+//! The data's tensors ([`Dataset`]: one or more safetensors shards, memory-mapped) are named after
+//! the graph inputs (and the labels); the first dimension is the sample. The evaluation set is
+//! `eval_data`, or the last `eval_split` share of the samples, held out. Each
 //! epoch visits the training samples in an order drawn from `(seed, epoch)`, so a resumed run sees
 //! exactly the batches the uninterrupted run would have seen. Checkpoints hold every state value
 //! under its graph name (the masters under their initializer names, the rest under `mpc.`) and
@@ -17,6 +18,7 @@ use mpc_ir::Graph;
 use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::HostTensor;
 
+use crate::data::Dataset;
 pub use crate::trainer::{bind_sample_dims, free_batch, with_trained_weights};
 use crate::trainer::{StepHandle, Trainer};
 use crate::{Error, Options, Result};
@@ -27,7 +29,10 @@ const PRINT_EVERY: usize = 16;
 /// How to train.
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
-    pub data: PathBuf,
+    /// The training shards (files, or patterns of file names).
+    pub data: Vec<PathBuf>,
+    /// A separate evaluation set (shards); none: `eval_split`.
+    pub eval_data: Vec<PathBuf>,
     pub epochs: usize,
     pub batch: usize,
     /// The samples (the last ones) held out for evaluation: a share when below 1, else a count.
@@ -47,7 +52,8 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
-            data: PathBuf::new(),
+            data: Vec::new(),
+            eval_data: Vec::new(),
             epochs: 1,
             batch: 64,
             eval_split: 0.0,
@@ -90,8 +96,9 @@ pub struct Trained {
     pub auto_scale: Option<mpc_passes::AutoScale>,
 }
 
-/// A permutation of `0..n` drawn from `seed` (Fisher-Yates over xorshift).
-fn permutation(n: usize, seed: u64) -> Vec<usize> {
+/// A permutation of `0..n` drawn from `seed` (Fisher-Yates over xorshift), as 32-bit indices: 4
+/// bytes a sample are all a run keeps of its data that grows with it.
+fn permutation(n: u32, seed: u64) -> Vec<u32> {
     let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) ^ 0x2545f4914f6cdd1d;
     let mut next = move || {
         s ^= s << 13;
@@ -99,73 +106,63 @@ fn permutation(n: usize, seed: u64) -> Vec<usize> {
         s ^= s << 17;
         s
     };
-    let mut p: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
+    let mut p: Vec<u32> = (0..n).collect();
+    for i in (1..n as usize).rev() {
         let j = (next() % (i as u64 + 1)) as usize;
         p.swap(i, j);
     }
     p
 }
 
-/// A data tensor the step reads: its name, the tensor, and the per-sample shape it is fed as.
-type Feed = (String, HostTensor, Vec<usize>);
+/// A data tensor the step reads: its name and the per-sample shape it is fed as.
+type Feed = (String, Vec<usize>);
 
 /// "no tensor `name` for the graph input of that name (the file has: ...)".
-fn no_tensor(name: &str, data: &HashMap<String, HostTensor>, path: &Path) -> Error {
-    let mut have: Vec<&str> = data.keys().map(|k| k.as_str()).collect();
-    have.sort();
+fn no_tensor(name: &str, data: &Dataset) -> Error {
     Error::Usage(format!(
         "{}: no tensor `{name}` for the graph input of that name (the file has: {})",
-        path.display(),
-        have.join(", ")
+        data.describe(),
+        data.names().join(", ")
     ))
 }
 
-/// The data tensors the graph reads, checked against its inputs: (name, tensor, per-sample shape).
-fn feeds_for(g: &Graph, data: &HashMap<String, HostTensor>, path: &Path) -> Result<Vec<Feed>> {
-    let usage = |m: String| Error::Usage(format!("{}: {m}", path.display()));
+/// The data tensors the graph reads, checked against its inputs: (name, per-sample shape).
+fn feeds_for(g: &Graph, data: &Dataset) -> Result<Vec<Feed>> {
+    let usage = |m: String| Error::Usage(format!("{}: {m}", data.describe()));
     let mut out = Vec::new();
-    let mut samples = None;
     for &v in g.inputs() {
         let name = g.name(v);
-        let t = data.get(name).ok_or_else(|| no_tensor(name, data, path))?;
-        let want = g.ty(v).dtype.unwrap_or(t.dtype());
-        if t.dtype() != want {
-            return Err(usage(format!("tensor `{name}` is {}, the graph input is {want}", t.dtype())));
-        }
-        if t.shape.is_empty() {
-            return Err(usage(format!("tensor `{name}` has no sample dimension")));
-        }
-        let n = t.shape[0];
-        if *samples.get_or_insert(n) != n {
-            return Err(usage(format!("tensor `{name}` has {n} samples, others have {}", samples.unwrap_or(0))));
+        let c = data.column(name).ok_or_else(|| no_tensor(name, data))?;
+        let want = g.ty(v).dtype.unwrap_or(c.dtype);
+        if c.dtype != want {
+            return Err(usage(format!("tensor `{name}` is {}, the graph input is {want}", c.dtype)));
         }
         // Per-sample shape: the graph's when fixed and of the same size (images stored flat).
-        let row: usize = t.shape[1..].iter().product();
+        let row: usize = c.sample.iter().product();
         let sample = g
             .ty(v)
             .shape
             .as_ref()
-            .and_then(|s| s.dims()[1..].iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+            .and_then(|s| s.dims().get(1..)?.iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>())
             .filter(|s| s.iter().product::<usize>() == row)
-            .unwrap_or_else(|| t.shape[1..].to_vec());
-        out.push((name.to_string(), t.clone(), sample));
+            .unwrap_or_else(|| c.sample.clone());
+        out.push((name.to_string(), sample));
     }
     Ok(out)
 }
 
-fn batch_feeds(feeds: &[Feed], idx: &[usize]) -> HashMap<String, HostTensor> {
-    feeds.iter().map(|(n, t, s)| (n.clone(), crate::trainer::rows(t, idx, Some(s)))).collect()
+fn batch_feeds(data: &Dataset, feeds: &[Feed], idx: &[usize]) -> HashMap<String, HostTensor> {
+    feeds.iter().map(|(n, s)| (n.clone(), data.rows(n, idx, s))).collect()
 }
 
 /// The feeds of the model's inputs and, where the loss reads labels, of the labels: what the
 /// training step reads, known before it is compiled.
-fn step_feeds(model: &Graph, data: &HashMap<String, HostTensor>, opts: &Options, path: &Path) -> Result<Vec<Feed>> {
-    let mut feeds = feeds_for(model, data, path)?;
+fn step_feeds(model: &Graph, data: &Dataset, opts: &Options) -> Result<Vec<Feed>> {
+    let mut feeds = feeds_for(model, data)?;
     if let Some(t) = opts.train.as_ref().filter(|t| !matches!(t.loss, mpc_passes::train::Loss::Output(_))) {
         if model.find(&t.labels).is_none_or(|v| !model.inputs().contains(&v)) {
-            let labels = data.get(&t.labels).ok_or_else(|| no_tensor(&t.labels, data, path))?;
-            feeds.push((t.labels.clone(), labels.clone(), labels.shape.get(1..).unwrap_or_default().to_vec()));
+            let labels = data.column(&t.labels).ok_or_else(|| no_tensor(&t.labels, data))?;
+            feeds.push((t.labels.clone(), labels.sample.clone()));
         }
     }
     Ok(feeds)
@@ -221,27 +218,39 @@ pub fn train_on<D: Device>(
     cfg: &TrainConfig,
     report: &mut dyn FnMut(&EpochReport),
 ) -> Result<Trained> {
-    let data = crate::run::read_safetensors(&cfg.data)?;
-    let feeds = step_feeds(model, &data, opts, &cfg.data)?;
-    let n = feeds.first().map_or(0, |f| f.1.shape[0]);
-    let n_eval = eval_count(cfg, n);
-    let n_train = n - n_eval;
+    if !cfg.eval_data.is_empty() && cfg.eval_split > 0.0 {
+        return Err(Error::Usage("--eval-data and --eval-split: give one of them".into()));
+    }
+    let data = Dataset::open(&cfg.data)?;
+    let feeds = step_feeds(model, &data, opts)?;
+    let n = data.len();
+    let n_train = n - eval_count(cfg, n);
     if n_train == 0 || cfg.batch == 0 {
         let what = format!("no training samples (batch {}, {n} samples)", cfg.batch);
-        return Err(Error::Usage(format!("{}: {what}", cfg.data.display())));
+        return Err(Error::Usage(format!("{}: {what}", data.describe())));
     }
+    if u32::try_from(n).is_err() {
+        return Err(Error::Usage(format!("{}: {n} samples, more than 2^32", data.describe())));
+    }
+    let eval_data = (!cfg.eval_data.is_empty()).then(|| Dataset::open(&cfg.eval_data)).transpose()?;
     // A schedule spans the run: its updates, from the samples and the epochs.
     let opts = &with_run_length(opts, cfg, n);
-    let first = batch_feeds(&feeds, &(0..cfg.batch.min(n_train)).collect::<Vec<_>>());
+    let first = batch_feeds(&data, &feeds, &(0..cfg.batch.min(n_train)).collect::<Vec<_>>());
     let trainer = Trainer::new(device, model, path, opts, &first)?;
-    // Every input of the step, the labels with the per-sample shape the step gives them.
-    let feeds = feeds_for(trainer.graph(), &data, &cfg.data)?;
-    drop(data);
+    // Every input of the step, the labels with the per-sample shape the step gives them; the
+    // evaluation set's checked before any step.
+    let feeds = feeds_for(trainer.graph(), &data)?;
+    let eval = match eval_data {
+        Some(e) => Some(EvalSet::Separate(feeds_for(trainer.graph(), &e)?, e)),
+        None => (n > n_train).then_some(EvalSet::HeldOut(n_train..n)),
+    };
     let per_epoch = n_train.div_ceil(cfg.batch);
     let mut run = Run {
         total: (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX)),
         trainer,
+        data,
         feeds,
+        eval,
         cfg,
         n_train,
         per_epoch,
@@ -294,10 +303,20 @@ fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
     b
 }
 
+/// The samples evaluated after each epoch.
+enum EvalSet {
+    /// These samples of the training data, which training does not visit.
+    HeldOut(std::ops::Range<usize>),
+    /// Every sample of a dataset of their own (`--eval-data`).
+    Separate(Vec<Feed>, Dataset),
+}
+
 /// A run in progress: the trainer, the data, and what the run has seen so far.
 struct Run<'a, D: Device> {
     trainer: Trainer<D>,
+    data: Dataset,
     feeds: Vec<Feed>,
+    eval: Option<EvalSet>,
     cfg: &'a TrainConfig,
     n_train: usize,
     per_epoch: usize,
@@ -342,14 +361,18 @@ impl<D: Device> Run<'_, D> {
     /// Runs the rest of the current epoch (to the run's end at most), evaluating after it.
     fn epoch(&mut self) -> Result<EpochReport> {
         let epoch = self.iteration / self.per_epoch;
-        let order = permutation(self.n_train, self.cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
+        let order = permutation(self.n_train as u32, self.cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
         let t0 = Instant::now();
         let mut sums = EpochSums::default();
         let mut pending = Vec::with_capacity(PRINT_EVERY);
         while self.iteration < self.total && self.iteration / self.per_epoch == epoch {
             let k = self.iteration % self.per_epoch;
-            let idx = &order[k * self.cfg.batch..((k + 1) * self.cfg.batch).min(self.n_train)];
-            pending.push((self.iteration + 1, self.trainer.step(&batch_feeds(&self.feeds, idx))?));
+            let idx: Vec<usize> = order[k * self.cfg.batch..((k + 1) * self.cfg.batch).min(self.n_train)]
+                .iter()
+                .map(|&i| i as usize)
+                .collect();
+            let idx = idx.as_slice();
+            pending.push((self.iteration + 1, self.trainer.step(&batch_feeds(&self.data, &self.feeds, idx))?));
             sums.samples += idx.len();
             self.iteration += 1;
             let epoch_ends = self.iteration == self.total || self.iteration / self.per_epoch != epoch;
@@ -359,9 +382,8 @@ impl<D: Device> Run<'_, D> {
             }
         }
         let secs = t0.elapsed().as_secs_f64().max(1e-9);
-        let n = self.feeds.first().map_or(0, |f| f.1.shape[0]);
         let ends = self.iteration % self.per_epoch == 0 || self.iteration == self.total;
-        let eval = if n > self.n_train && ends { Some(self.evaluate(self.n_train..n)?) } else { None };
+        let eval = if ends { self.evaluate()? } else { None };
         if let Some((acc, l)) = eval {
             let line =
                 serde_json::json!({"step": self.iteration, "epoch": epoch + 1, "eval_loss": l, "eval_accuracy": acc});
@@ -416,12 +438,17 @@ impl<D: Device> Run<'_, D> {
     }
 
     /// Accuracy (argmax of the first model output against the labels) and mean loss on the
-    /// samples `rows`, in batches of the run's size.
-    fn evaluate(&mut self, rows: std::ops::Range<usize>) -> Result<(f64, f64)> {
+    /// evaluation set, in batches of the run's size; none without one.
+    fn evaluate(&mut self) -> Result<Option<(f64, f64)>> {
+        let (data, feeds, rows) = match &self.eval {
+            None => return Ok(None),
+            Some(EvalSet::HeldOut(rows)) => (&self.data, &self.feeds, rows.clone()),
+            Some(EvalSet::Separate(feeds, data)) => (data, feeds, 0..data.len()),
+        };
         let rows: Vec<usize> = rows.collect();
         let (mut correct, mut counted, mut loss, mut batches) = (0, 0, 0f64, 0usize);
         for chunk in rows.chunks(self.cfg.batch.max(1)) {
-            let e = self.trainer.evaluate(&batch_feeds(&self.feeds, chunk))?;
+            let e = self.trainer.evaluate(&batch_feeds(data, feeds, chunk))?;
             correct += e.correct;
             counted += e.counted;
             if let Some(l) = e.loss {
@@ -429,7 +456,7 @@ impl<D: Device> Run<'_, D> {
                 batches += 1;
             }
         }
-        Ok((correct as f64 / counted.max(1) as f64, loss / batches.max(1) as f64))
+        Ok(Some((correct as f64 / counted.max(1) as f64, loss / batches.max(1) as f64)))
     }
 }
 

@@ -228,7 +228,7 @@ fn the_gradient_histogram_finds_the_scale_that_loses_nothing() {
         calibrate: Some(calibrate),
         ..Default::default()
     };
-    let cfg = mpc::train::TrainConfig { data, epochs: 3, batch: 64, ..Default::default() };
+    let cfg = mpc::train::TrainConfig { data: vec![data], epochs: 3, batch: 64, ..Default::default() };
     let run = mpc::train::train(&mpc::load(&model).unwrap(), &model, &opts, &cfg, &mut |_| {}).unwrap();
     let a = run.auto_scale.expect("auto measured the gradients");
     println!(

@@ -408,7 +408,7 @@ fn failure_mode_a_fp16_weights_stall_while_masters_track_fp32() {
     // weight: an FP16 weight rounds every update away; an FP32 master accumulates them.
     let dir = scratch("mode_a");
     let (model, data) = common::regression(&dir, 1.0, 1.01, 512, None);
-    let cfg = TrainConfig { data, epochs: 20, batch: 64, ..Default::default() };
+    let cfg = TrainConfig { data: vec![data], epochs: 20, batch: 64, ..Default::default() };
     let mut last = HashMap::new();
     for policy in ["fp32", "mixed", "fp16"] {
         let t = run(&model, policy, sgd(0.25), &cfg);
@@ -475,7 +475,7 @@ fn failure_mode_b_underflow_without_loss_scaling() {
     assert!(rel(&dynamic) < 1e-2);
 
     // And the loss curves: dynamic scaling follows fp32, no scaling does not move.
-    let cfg = TrainConfig { data: data.clone(), epochs: 5, batch: 64, ..Default::default() };
+    let cfg = TrainConfig { data: vec![data.clone()], epochs: 5, batch: 64, ..Default::default() };
     let curve = |policy: &str, scale: Option<mpc_passes::train::LossScale>| {
         let g = mpc::load(&model).unwrap();
         let opts = Options { loss_scale: scale, ..options(policy, own_loss()) };
@@ -571,7 +571,8 @@ fn the_trainer_steps_sets_the_rate_evaluates_and_round_trips_its_state() {
     let h = t.step(&batch).unwrap();
     let first = t.wait(h).unwrap();
     assert_eq!((first.lr, first.skipped, first.loss_scale), (0.1, false, None));
-    let weight = |t: &mut Trainer<CpuDevice>| t.state().unwrap().into_iter().find(|(n, _)| n == "fc1.weight").unwrap().1;
+    let weight =
+        |t: &mut Trainer<CpuDevice>| t.state().unwrap().into_iter().find(|(n, _)| n == "fc1.weight").unwrap().1;
     let before = weight(&mut t);
     t.set_lr(0.0).unwrap();
     let h = t.step(&batch).unwrap();
@@ -594,4 +595,112 @@ fn the_trainer_steps_sets_the_rate_evaluates_and_round_trips_its_state() {
     let trained = t.export(&model).unwrap();
     let w = trained.value(trained.find("fc1.weight").unwrap()).initializer().unwrap().clone();
     assert_eq!(HostTensor::from(&w), weight(&mut t));
+}
+
+/// A shard's tensors, by name.
+type ShardTensors = Vec<(String, HostTensor)>;
+
+/// The digits data as shards of `sizes` samples (in order) under `dir`, named `name-K.safetensors`;
+/// `alter` may change a shard's tensors before it is written.
+fn digits_shards(
+    dir: &Path,
+    name: &str,
+    sizes: &[usize],
+    alter: impl Fn(usize, &mut ShardTensors),
+) -> Vec<PathBuf> {
+    let data = mpc::run::read_safetensors(&digits()).unwrap();
+    let mut from = 0;
+    let mut out = Vec::new();
+    for (k, &n) in sizes.iter().enumerate() {
+        let rows: Vec<usize> = (from..from + n).collect();
+        let mut tensors: ShardTensors =
+            ["images", "labels"].iter().map(|&t| (t.to_string(), mpc::trainer::rows(&data[t], &rows, None))).collect();
+        alter(k, &mut tensors);
+        let file = dir.join(format!("{name}-{k}.safetensors"));
+        mpc::run::write_safetensors(&file, &tensors).unwrap();
+        out.push(file);
+        from += n;
+    }
+    out
+}
+
+/// Shards are one dataset: three shards of the digits (matched by a pattern) train as the one file
+/// does, loss for loss; a separate evaluation set (`--eval-data`) of the held-out samples reports
+/// what the held-out split reports; shards that disagree, or both ways of evaluating, are one line
+/// naming the shard and the tensor, exit 2, before any step.
+#[test]
+fn shards_train_as_one_file_and_disagreeing_shards_are_named() {
+    let dir = scratch("shards");
+    let model = fixture("digits_mlp");
+    digits_shards(&dir, "train", &[600, 500, 400], |_, _| {});
+    let eval = digits_shards(&dir, "eval", &[1500, 297], |_, _| {}).pop().unwrap();
+    let one = run(&model, "mixed", TrainOptions::default(), &TrainConfig { eval_split: 297.0, ..digits_cfg(2) });
+    let pattern = dir.join("train-*.safetensors");
+    let cfg =
+        TrainConfig { data: vec![pattern.clone()], eval_data: vec![eval.clone()], eval_split: 0.0, ..digits_cfg(2) };
+    let sharded = run(&model, "mixed", TrainOptions::default(), &cfg);
+    assert_eq!(one.losses, sharded.losses, "the shards trained otherwise");
+    let evals = |t: &mpc::train::Trained| t.epochs.iter().map(|e| e.eval.unwrap()).collect::<Vec<_>>();
+    assert_eq!(evals(&one), evals(&sharded), "the separate evaluation set");
+
+    let bad = |alter: &dyn Fn(usize, &mut ShardTensors), want: &str| {
+        let d = scratch(&format!("shards_bad_{}", want.len()));
+        let files = digits_shards(&d, "s", &[100, 100], alter);
+        let o = common::mpc(&[
+            "train",
+            "tests/models/digits_mlp.onnx",
+            "--data",
+            files[0].to_str().unwrap(),
+            "--data",
+            files[1].to_str().unwrap(),
+            "--checkpoint",
+            d.join("ck").to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{want}: {stderr}");
+        assert!(stderr.contains(&format!("{}: {want}", files[1].display())), "{want}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(!d.join("ck").exists(), "{want}: a step ran");
+    };
+    let second = |k: usize| k == 1;
+    bad(
+        &|k, t| {
+            if second(k) {
+                t[0].1 = t[0].1.cast(DType::F16)
+            }
+        },
+        "tensor `images` is f16, in ",
+    );
+    bad(
+        &|k, t| {
+            if second(k) {
+                t.truncate(1)
+            }
+        },
+        "no tensor `labels`, which ",
+    );
+    bad(
+        &|k, t| {
+            if second(k) {
+                let x = &t[0].1;
+                t[0].1 = x.pick(vec![x.shape[0], 32], &(0..x.shape[0] * 32).collect::<Vec<_>>());
+            }
+        },
+        "tensor `images` has samples of shape [32], in ",
+    );
+    let o = common::mpc(&[
+        "train",
+        "tests/models/digits_mlp.onnx",
+        "--data",
+        pattern.to_str().unwrap(),
+        "--eval-data",
+        eval.to_str().unwrap(),
+        "--eval-split",
+        "0.1",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--eval-data and --eval-split: give one of them"));
+    let o = common::mpc(&["train", "tests/models/digits_mlp.onnx", "--data", dir.join("none-*.st").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("none-*.st: no file matches"));
 }

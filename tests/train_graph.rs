@@ -298,7 +298,7 @@ fn clipping_bounds_the_global_gradient_norm() {
     // cap far below the gradient's norm, the step's length is the cap.
     let dir = scratch("clip");
     let (model, data) = common::regression(&dir, 0.0, 0.5, 64, None);
-    let cfg = TrainConfig { data, epochs: 1, batch: 64, max_steps: Some(1), ..Default::default() };
+    let cfg = TrainConfig { data: vec![data], epochs: 1, batch: 64, max_steps: Some(1), ..Default::default() };
     for (policy, cap) in [("fp32", 1e-3f32), ("mixed", 1e-3), ("fp32", 1e6)] {
         let t = run(&model, policy, TrainOptions { clip_norm: Some(cap), ..sgd(1.0) }, &cfg);
         let w = t.state.iter().find(|(n, _)| n == "w").unwrap().1.f64s();
@@ -444,7 +444,7 @@ end
         ],
     )
     .unwrap();
-    let cfg = TrainConfig { data, epochs: 3, batch: 3, ..Default::default() };
+    let cfg = TrainConfig { data: vec![data], epochs: 3, batch: 3, ..Default::default() };
     let opts = options("fp32", TrainOptions { lr: 0.1, ..Default::default() });
     let path = dir.join("fixed.mpcir");
     // The same bias for every sample: a constant expanded to the export's batch.

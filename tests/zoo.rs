@@ -155,7 +155,7 @@ fn trains(f: &Family, path: &Path, expected: &HashMap<String, HostTensor>) -> Re
     mpc::run::write_safetensors(&file, &data).map_err(|e| e.to_string())?;
     let t = train_options(f, Optimizer::Adam, 3e-3);
     let opts = mpc::Options { policy: Some("mixed".into()), train: Some(t), ..Default::default() };
-    let cfg = TrainConfig { data: file, epochs, batch, ..Default::default() };
+    let cfg = TrainConfig { data: vec![file], epochs, batch, ..Default::default() };
     let run = train(&g, path, &opts, &cfg, &mut |_| {}).map_err(|e| e.to_string())?;
     let losses: Vec<f32> = run.losses.iter().zip(&run.skipped).filter(|(_, &s)| !s).map(|(&l, _)| l).collect();
     let (first, last) = (losses.first().copied().unwrap_or(f32::NAN), losses.last().copied().unwrap_or(f32::NAN));

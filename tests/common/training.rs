@@ -33,7 +33,7 @@ pub fn run_on<D: Device>(device: D, model: &Path, policy: &str, t: TrainOptions,
 
 /// The split of the data's README: the first 1500 samples train, the last 297 test.
 pub fn digits_cfg(epochs: usize) -> TrainConfig {
-    TrainConfig { data: digits(), epochs, batch: 64, eval_split: 297.0, seed: 7, ..Default::default() }
+    TrainConfig { data: vec![digits()], epochs, batch: 64, eval_split: 297.0, seed: 7, ..Default::default() }
 }
 
 pub fn training_graph(model: &Path, policy: &str, t: TrainOptions) -> Graph {
