@@ -267,6 +267,10 @@ pub(crate) enum Command {
         /// samples_per_s) and one per evaluation (step, epoch, eval_loss, eval_accuracy).
         #[arg(long, value_name = "FILE.jsonl")]
         log: Option<PathBuf>,
+        /// Draw the training and evaluation loss and the learning rate against the step (SVG)
+        /// when the run ends.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<PathBuf>,
         /// Stop after this many steps in all (a run can be resumed later).
         #[arg(long, value_name = "N")]
         max_steps: Option<usize>,

@@ -8,6 +8,7 @@ pub mod data;
 pub mod devices;
 pub mod dot;
 pub mod explain;
+pub mod plot;
 pub mod ranges;
 pub mod run;
 pub mod summary;

@@ -192,6 +192,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             checkpoint,
             resume,
             log,
+            plot,
             max_steps,
             device,
             output,
@@ -217,6 +218,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 checkpoint,
                 resume,
                 log,
+                plot,
                 max_steps,
                 progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
             };

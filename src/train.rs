@@ -43,6 +43,8 @@ pub struct TrainConfig {
     pub resume: bool,
     /// Write a JSON line per step and per evaluation here ([`StepLog`]).
     pub log: Option<PathBuf>,
+    /// Draw the losses and the learning rate against the step here when the run ends (SVG).
+    pub plot: Option<PathBuf>,
     /// Stop after this many batches in all (tests of resuming).
     pub max_steps: Option<usize>,
     /// Draw a progress bar on a terminal.
@@ -61,6 +63,7 @@ impl Default for TrainConfig {
             checkpoint: None,
             resume: false,
             log: None,
+            plot: None,
             max_steps: None,
             progress: false,
         }
@@ -258,6 +261,8 @@ pub fn train_on<D: Device>(
         losses: Vec::new(),
         skipped: Vec::new(),
         skipped_total: 0,
+        points: Vec::new(),
+        evals: Vec::new(),
         log: StepLog::off(),
         bar: indicatif::ProgressBar::hidden(),
     };
@@ -266,7 +271,7 @@ pub fn train_on<D: Device>(
     }
     run.log = StepLog::open(cfg.log.as_deref(), cfg.resume.then_some(run.iteration))?;
     if cfg.progress {
-        run.bar = progress_bar(run.total, run.iteration);
+        run.bar = progress_bar();
     }
     let mut epochs = Vec::new();
     while run.iteration < run.total {
@@ -279,6 +284,11 @@ pub fn train_on<D: Device>(
     }
     run.bar.finish_and_clear();
     run.log.finish()?;
+    if let Some(p) = &cfg.plot {
+        let title =
+            format!("mpc train {}", path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()));
+        crate::plot::training_curves(&run.points, &run.evals, &title, p)?;
+    }
     let compiled = run.trainer.compiled().clone();
     Ok(Trained {
         epochs,
@@ -292,14 +302,13 @@ pub fn train_on<D: Device>(
     })
 }
 
-/// A progress bar over `total` batches, `done` of them done.
-fn progress_bar(total: usize, done: usize) -> indicatif::ProgressBar {
-    let b = indicatif::ProgressBar::new(total as u64);
+/// The progress bar of a terminal: an epoch's steps, the loss and the time left in the epoch.
+fn progress_bar() -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new(0);
     b.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+        indicatif::ProgressStyle::with_template("epoch {prefix} {bar:30} {pos}/{len} {msg}, {eta} left")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    b.set_position(done as u64);
     b
 }
 
@@ -326,6 +335,9 @@ struct Run<'a, D: Device> {
     losses: Vec<f32>,
     skipped: Vec<bool>,
     skipped_total: usize,
+    /// Each step's numbers and each evaluation's loss, for `--plot`.
+    points: Vec<crate::plot::StepPoint>,
+    evals: Vec<(usize, f64)>,
     log: StepLog,
     bar: indicatif::ProgressBar,
 }
@@ -365,6 +377,11 @@ impl<D: Device> Run<'_, D> {
         let t0 = Instant::now();
         let mut sums = EpochSums::default();
         let mut pending = Vec::with_capacity(PRINT_EVERY);
+        let in_epoch = |i: usize| i - epoch * self.per_epoch;
+        self.bar.set_prefix(format!("{}/{}", epoch + 1, self.cfg.epochs));
+        self.bar.set_length(in_epoch(self.total.min((epoch + 1) * self.per_epoch)) as u64);
+        self.bar.reset_eta();
+        self.bar.set_position(in_epoch(self.iteration) as u64);
         while self.iteration < self.total && self.iteration / self.per_epoch == epoch {
             let k = self.iteration % self.per_epoch;
             let idx: Vec<usize> = order[k * self.cfg.batch..((k + 1) * self.cfg.batch).min(self.n_train)]
@@ -385,6 +402,7 @@ impl<D: Device> Run<'_, D> {
         let ends = self.iteration % self.per_epoch == 0 || self.iteration == self.total;
         let eval = if ends { self.evaluate()? } else { None };
         if let Some((acc, l)) = eval {
+            self.evals.push((self.iteration, l));
             let line =
                 serde_json::json!({"step": self.iteration, "epoch": epoch + 1, "eval_loss": l, "eval_accuracy": acc});
             self.log.write(line)?;
@@ -416,6 +434,9 @@ impl<D: Device> Run<'_, D> {
                 "loss_scale": s.loss_scale, "skipped": s.skipped, "samples_per_s": per_s,
             }))?;
             self.losses.push(s.loss);
+            if self.cfg.plot.is_some() {
+                self.points.push(crate::plot::StepPoint { step, loss: s.loss, lr: s.lr, skipped: s.skipped });
+            }
             self.skipped.push(s.skipped);
             if s.skipped {
                 sums.skipped += 1;
@@ -427,7 +448,7 @@ impl<D: Device> Run<'_, D> {
             last = s.loss;
         }
         let scale = self.trainer.loss_scale()?;
-        self.bar.set_position(self.iteration as u64);
+        self.bar.set_position((self.iteration - epoch * self.per_epoch) as u64);
         self.bar.set_message(format!(
             "loss {last:.4}{} skipped {} {} samples/s",
             scale.map_or(String::new(), |s| format!(" scale {s}")),

@@ -602,12 +602,7 @@ type ShardTensors = Vec<(String, HostTensor)>;
 
 /// The digits data as shards of `sizes` samples (in order) under `dir`, named `name-K.safetensors`;
 /// `alter` may change a shard's tensors before it is written.
-fn digits_shards(
-    dir: &Path,
-    name: &str,
-    sizes: &[usize],
-    alter: impl Fn(usize, &mut ShardTensors),
-) -> Vec<PathBuf> {
+fn digits_shards(dir: &Path, name: &str, sizes: &[usize], alter: impl Fn(usize, &mut ShardTensors)) -> Vec<PathBuf> {
     let data = mpc::run::read_safetensors(&digits()).unwrap();
     let mut from = 0;
     let mut out = Vec::new();
@@ -703,4 +698,25 @@ fn shards_train_as_one_file_and_disagreeing_shards_are_named() {
     let o = common::mpc(&["train", "tests/models/digits_mlp.onnx", "--data", dir.join("none-*.st").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("none-*.st: no file matches"));
+}
+
+/// `--plot`: the training loss of every step and the rate of every step as lines, the
+/// evaluation loss after each epoch as points, in one SVG.
+#[test]
+fn the_plot_draws_each_step_and_each_evaluation() {
+    let file = scratch("plot").join("curves.svg");
+    let cfg = TrainConfig { eval_split: 297.0, plot: Some(file.clone()), ..digits_cfg(2) };
+    let t = run(&fixture("digits_mlp"), "mixed", TrainOptions::default(), &cfg);
+    let svg = std::fs::read_to_string(&file).unwrap();
+    let lines: Vec<usize> = svg
+        .split("<polyline")
+        .skip(1)
+        .map(|p| p.split("points=\"").nth(1).unwrap().split('"').next().unwrap().split_whitespace().count())
+        .filter(|&n| n > 2)
+        .collect();
+    let steps = t.losses.len();
+    assert_eq!(steps, 48);
+    assert_eq!(lines, [steps, steps], "a line of the losses and one of the rates");
+    // Two evaluations and the legend's mark.
+    assert_eq!(svg.matches("<circle").count(), 3, "{svg}");
 }
