@@ -12,14 +12,14 @@ fn cpu_line() -> String {
 
 /// The lines to print, and the reason no GPU can be used, if none can.
 #[cfg(feature = "cuda")]
-pub fn report() -> (Vec<String>, Option<String>) {
+pub fn report(options: &mpc_runtime::device::DeviceOptions) -> (Vec<String>, Option<String>) {
     let r = mpc_runtime::cuda::probe();
     let mut lines = vec![cpu_line()];
     let v = |x: Option<(i32, i32)>| x.map_or("not found".to_string(), |(a, b)| format!("{a}.{b}"));
     let found = |b: bool| if b { "found" } else { "not found" };
-    let cudnn = mpc_runtime::cuda::dnn::unavailable()
+    let cudnn = mpc_runtime::cuda::dnn::unavailable(options)
         .map_or("found".to_string(), |why| format!("not used ({why}; convolutions run as im2col and GEMMs)"));
-    let lt = mpc_runtime::cuda::lt::unavailable().map_or("found".to_string(), |why| {
+    let lt = mpc_runtime::cuda::lt::unavailable(options).map_or("found".to_string(), |why| {
         format!("not used ({why}; products run a separate bias broadcast and ReLU)")
     });
     lines.push(format!(
@@ -45,7 +45,7 @@ pub fn report() -> (Vec<String>, Option<String>) {
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn report() -> (Vec<String>, Option<String>) {
+pub fn report(_options: &mpc_runtime::device::DeviceOptions) -> (Vec<String>, Option<String>) {
     let lines = vec![cpu_line(), "cuda: driver not looked for (this build has no CUDA support)".to_string()];
     (lines, Some("no GPU to use: this build has no CUDA support (the `cuda` feature is off)".into()))
 }

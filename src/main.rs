@@ -5,7 +5,7 @@
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-use mpc_runtime::device::Device;
+use mpc_runtime::device::{Device, DeviceOptions};
 use std::collections::HashMap;
 use std::io::{ErrorKind, Write};
 use std::path::Path;
@@ -37,27 +37,49 @@ fn check_device(device: &str) -> Result<DeviceKind, Error> {
     }
 }
 
-fn open_cpu() -> Result<mpc_runtime::device::CpuDevice, Error> {
-    Ok(mpc_runtime::device::CpuDevice::default())
+fn open_cpu(options: DeviceOptions) -> Result<mpc_runtime::device::CpuDevice, Error> {
+    Ok(mpc_runtime::device::CpuDevice::with_options(options))
 }
 
 /// The first GPU, or one line saying why there is none (no driver, no GPU, no NVRTC).
 #[cfg(feature = "cuda")]
-fn open_cuda() -> Result<mpc_runtime::cuda::device::CudaDevice, Error> {
-    mpc_runtime::cuda::device::CudaDevice::new(0).map_err(|e| Error::Usage(format!("--device cuda: {e}")))
+fn open_cuda(options: DeviceOptions) -> Result<mpc_runtime::cuda::device::CudaDevice, Error> {
+    mpc_runtime::cuda::device::CudaDevice::with_options(0, options)
+        .map_err(|e| Error::Usage(format!("--device cuda: {e}")))
 }
 
-/// Runs `$body` with `$open` bound to the factory of the device `$kind` names.
+/// How devices behave: `--max-memory`, `--no-cuda-graph`, and the environment's `MPC_*`
+/// overrides (each turns one thing off, to tell one kind of kernel's fault from another's or to
+/// measure what it is worth; `MPC_FMAD=1` turns contraction on), read here, once.
+fn device_options(common: Option<&args::Common>) -> Result<DeviceOptions, Error> {
+    let off = |name: &str| std::env::var(name).is_ok_and(|v| v == "0");
+    let d = DeviceOptions::default();
+    Ok(DeviceOptions {
+        memory_limit: common.and_then(|c| c.max_memory.as_deref()).map(parse_size).transpose()?,
+        capture: !common.is_some_and(|c| c.no_cuda_graph),
+        fuse: d.fuse && !off("MPC_FUSE"),
+        wide: d.wide && !off("MPC_WIDE"),
+        relu_masks: d.relu_masks && !off("MPC_RELU_MASK"),
+        fmad: d.fmad || std::env::var("MPC_FMAD").is_ok_and(|v| v == "1"),
+        cublaslt: d.cublaslt && !off("MPC_CUBLASLT"),
+        cudnn: d.cudnn && !off("MPC_CUDNN"),
+        cudnn_deterministic: d.cudnn_deterministic && !off("MPC_CUDNN_DETERMINISTIC"),
+        scratch_in_arena: d.scratch_in_arena && !off("MPC_SCRATCH_IN_ARENA"),
+    })
+}
+
+/// Runs `$body` with `$open` bound to the factory of the device `$kind` names, opened with
+/// `$options`.
 macro_rules! on_device {
-    ($kind:expr, $open:ident => $body:expr) => {
+    ($kind:expr, $options:expr, $open:ident => $body:expr) => {
         match $kind {
             DeviceKind::Cpu => {
-                let $open = open_cpu;
+                let $open = || open_cpu($options);
                 $body
             }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda => {
-                let $open = open_cuda;
+                let $open = || open_cuda($options);
                 $body
             }
             #[cfg(not(feature = "cuda"))]
@@ -174,12 +196,7 @@ fn run(cli: Cli) -> Result<(), Error> {
         | Command::Bench { common, .. } => Some(common),
         Command::Devices => None,
     };
-    if let Some(size) = common.and_then(|c| c.max_memory.as_deref()) {
-        mpc_runtime::device::set_memory_limit(parse_size(size)?);
-    }
-    if common.is_some_and(|c| c.no_cuda_graph) {
-        mpc_runtime::device::set_capture(false);
-    }
+    let devices = device_options(common)?;
     match cli.command {
         Command::Train {
             common,
@@ -234,7 +251,7 @@ fn run(cli: Cli) -> Result<(), Error> {
                 // A closed output does not stop the training (its checkpoints are its results).
                 let _ = write_out(format!("{line}\n"));
             };
-            let trained = on_device!(kind, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
+            let trained = on_device!(kind, devices, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
             report_ties(&trained.ties);
             report_folded(&trained.folded);
             report_auto_scale(trained.auto_scale.clone());
@@ -345,7 +362,8 @@ fn run(cli: Cli) -> Result<(), Error> {
             }
             let cfg = mpc::bench::BenchConfig { policies, batch, warmup: untimed, steps, train, profile };
             let model = mpc::load(&common.model)?;
-            let report = on_device!(kind, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
+            let report =
+                on_device!(kind, devices, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
             if json {
                 write_out(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n")?;
             } else {
@@ -354,7 +372,7 @@ fn run(cli: Cli) -> Result<(), Error> {
             Ok(())
         }
         Command::Devices => {
-            let (lines, problem) = mpc::devices::report();
+            let (lines, problem) = mpc::devices::report(&devices);
             for l in lines {
                 write_out(format!("{l}\n"))?;
             }
@@ -382,13 +400,15 @@ fn run(cli: Cli) -> Result<(), Error> {
             let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
             let feeds = match (given, random_inputs) {
                 (Some(f), _) => f,
-                (None, seed) => mpc::run::random_inputs(&g, seed.unwrap_or_default(), &opts.dims)
-                    .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?,
+                (None, seed) => {
+                    mpc::run::random_inputs_within(&g, seed.unwrap_or_default(), &opts.dims, devices.memory())
+                        .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?
+                }
             };
             if stats {
                 report_calibration(&cx);
             }
-            let outs = on_device!(kind, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
+            let outs = on_device!(kind, devices, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
             for (name, t) in &outs {
                 write_out(format!("{}\n", mpc::run::summary(name, t)))?;
             }
@@ -478,7 +498,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                     text
                 }
             } else if memory {
-                let (p, used) = mpc::run::memory_plan(&g, &common.model, &opts.dims)?;
+                let caps = mpc_runtime::device::CpuDevice::with_options(devices).caps();
+                let (p, used) = mpc::run::memory_plan_for(&g, &common.model, &opts.dims, caps)?;
                 let mut out = mpc::run::memory_report(&p, &used);
                 if launches {
                     out.push_str(&mpc::run::launch_list(&p));

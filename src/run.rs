@@ -83,6 +83,16 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, HostTensor)]) -> Resul
 /// Deterministic random inputs for every graph input: floats N(0, 1), integers in [0, 2), bools
 /// fair; symbolic dims from `dims` (else 1).
 pub fn random_inputs(g: &Graph, seed: u64, dims: &HashMap<String, u64>) -> Result<HashMap<String, HostTensor>> {
+    random_inputs_within(g, seed, dims, mpc_runtime::device::DeviceOptions::default().memory())
+}
+
+/// [`random_inputs`], each input at most `limit` bytes (a device's memory limit, `--max-memory`).
+pub fn random_inputs_within(
+    g: &Graph,
+    seed: u64,
+    dims: &HashMap<String, u64>,
+    limit: u64,
+) -> Result<HashMap<String, HostTensor>> {
     let mut state = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
     let mut next = move || {
         state ^= state << 13;
@@ -114,12 +124,11 @@ pub fn random_inputs(g: &Graph, seed: u64, dims: &HashMap<String, u64>) -> Resul
         let n = shape
             .iter()
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
-            .filter(|&b| b as u64 <= mpc_runtime::program::MAX_TENSOR_BYTES.min(mpc_runtime::device::memory_limit()))
+            .filter(|&b| b as u64 <= mpc_runtime::program::MAX_TENSOR_BYTES.min(limit))
             .map(|b| b / dtype.size())
             .ok_or_else(|| {
                 Error::Usage(format!(
-                    "input `{name}`: {dtype}{shape:?} is more than the {} bytes a program may hold (--max-memory)",
-                    mpc_runtime::device::memory_limit()
+                    "input `{name}`: {dtype}{shape:?} is more than the {limit} bytes a program may hold (--max-memory)"
                 ))
             })?;
         let t = if dtype.is_float() {
@@ -161,10 +170,20 @@ pub fn memory_plan(
     dims: &HashMap<String, u64>,
 ) -> Result<(mpc_runtime::program::Program, BTreeMap<String, u64>)> {
     use mpc_runtime::device::Device;
+    memory_plan_for(g, model, dims, mpc_runtime::device::CpuDevice::default().caps())
+}
+
+/// [`memory_plan`] for a device of `caps` (its memory limit, whether it fuses).
+pub fn memory_plan_for(
+    g: &Graph,
+    model: &Path,
+    dims: &HashMap<String, u64>,
+    caps: mpc_runtime::program::DeviceCaps,
+) -> Result<(mpc_runtime::program::Program, BTreeMap<String, u64>)> {
     let state: std::collections::HashSet<mpc_ir::ValueId> =
         g.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
     let (bound, used) = fold_and_infer(g.clone(), dims, &state, model)?;
-    let program = lower_bound(&bound, mpc_runtime::device::CpuDevice::default().caps(), None, None, model)?;
+    let program = lower_bound(&bound, caps, None, None, model)?;
     Ok((program, used))
 }
 

@@ -22,7 +22,7 @@ use mpc_runtime::cuda::nvrtc;
 use mpc_runtime::cuda::plan::{check_args, plan, Arg, Buf, Call, DnnOp, Gemm, GradOf, LaunchPlan, LtGemm, LtMask};
 use mpc_runtime::program::{DeviceCaps, Launch, Operand, Program, Region, TensorRef};
 
-const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+const CUDA: DeviceCaps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40, fuse: true };
 
 fn lowered(name: &str, g: &Graph) -> Option<Program> {
     let dims: HashMap<String, u64> = [("batch".to_string(), 4)].into();
@@ -353,9 +353,7 @@ fn every_fixture_launch_plans_into_kernels_that_exist_with_their_declared_parame
         used.len(),
         fused.len()
     );
-    let wide = mpc_runtime::cuda::plan::wide_enabled();
-    assert!(widths.len() == 3 || kernels.is_none() || !wide, "fused chains take {widths:?} elements at a time");
-    assert!(wide || widths.len() == 1, "MPC_WIDE=0, yet chains take {widths:?} elements at a time");
+    assert!(widths.len() == 3 || kernels.is_none(), "fused chains take {widths:?} elements at a time");
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
 }
 

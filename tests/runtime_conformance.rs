@@ -209,7 +209,7 @@ fn cuda_plans_cover_the_conformance_cases() {
             }
         }
     }
-    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40, fuse: true };
     // Each kernel call against the parameters its cubin declares, where NVRTC is present.
     let mut kernels = BTreeMap::new();
     if mpc_runtime::cuda::nvrtc::version().and_then(|_| mpc_runtime::cuda::nvrtc::include_dir()).is_ok() {

@@ -136,37 +136,73 @@ pub trait Device {
     }
 }
 
-/// Whether sessions record a step and replay it where the device can (on by default; `mpc
-/// --no-cuda-graph` turns it off).
-static CAPTURE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Sets whether new sessions record and replay their steps.
-pub fn set_capture(on: bool) {
-    CAPTURE.store(on, std::sync::atomic::Ordering::Relaxed);
+/// How a device behaves: the most memory a program may hold, whether chains of element-wise ops
+/// fuse, whether steps are recorded and replayed, and the CUDA device's switches (each on by
+/// default but `fmad`; turned off one by one, they tell one kind of kernel's fault from another's
+/// or measure what it is worth). The CLI sets them from its flags (`--max-memory`,
+/// `--no-cuda-graph`) and its `MPC_*` environment overrides, read once at its top.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// The most bytes one program may hold; `None`: the machine's memory (on CUDA, within the
+    /// GPU's).
+    pub memory_limit: Option<u64>,
+    /// Lower chains of element-wise ops as one launch (off: to compare with the unfused program).
+    pub fuse: bool,
+    /// Record a step and replay it where the device can (CUDA graphs).
+    pub capture: bool,
+    /// CUDA: kernels move 8 or 16 bytes of a tensor at a time where they can (element-wise
+    /// chains, batch norms, GELU's gradient, strided copies of whole rows); off: one element.
+    pub wide: bool,
+    /// CUDA: a dense layer's ReLU keeps its signs as bits for its gradient's product (cuBLASLt's
+    /// bit-mask epilogue); off: the gradient is the GEMM and the ReluGrad kernel.
+    pub relu_masks: bool,
+    /// CUDA: NVRTC may contract a multiply and an add into a fused multiply-add (off by default:
+    /// each op rounds as written, as the CPU's).
+    pub fmad: bool,
+    /// CUDA: products go through cuBLASLt where it is present.
+    pub cublaslt: bool,
+    /// CUDA: convolutions go through cuDNN where it is present.
+    pub cudnn: bool,
+    /// CUDA: cuDNN's convolutions take deterministic algorithms only (off: its first-ranked, which
+    /// may sum with atomics, as PyTorch's default).
+    pub cudnn_deterministic: bool,
+    /// CUDA: a launch's scratch may lie in the arena bytes free during it (off: in the
+    /// workspace).
+    pub scratch_in_arena: bool,
 }
 
-pub fn capture() -> bool {
-    CAPTURE.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// The process's limit on the bytes one program may hold (0: none set).
-static MEMORY_LIMIT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Sets the most bytes a program may hold on any device this process opens (`--max-memory`).
-pub fn set_memory_limit(bytes: u64) {
-    MEMORY_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// The limit [`set_memory_limit`] set, or else the machine's memory (`MemTotal` of
-/// /proc/meminfo; no limit where that cannot be read).
-pub fn memory_limit() -> u64 {
-    match MEMORY_LIMIT.load(std::sync::atomic::Ordering::Relaxed) {
-        0 => host_memory().unwrap_or(u64::MAX),
-        n => n,
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions {
+            memory_limit: None,
+            fuse: true,
+            capture: true,
+            wide: true,
+            relu_masks: true,
+            fmad: false,
+            cublaslt: true,
+            cudnn: true,
+            cudnn_deterministic: true,
+            scratch_in_arena: true,
+        }
     }
 }
 
-fn host_memory() -> Option<u64> {
+impl DeviceOptions {
+    /// The most bytes one program may hold: the limit set, or else the machine's memory
+    /// (`MemTotal` of /proc/meminfo; no limit where that cannot be read).
+    pub fn memory(&self) -> u64 {
+        self.memory_limit.unwrap_or_else(|| host_memory().unwrap_or(u64::MAX))
+    }
+}
+
+/// The machine's memory, read once.
+pub fn host_memory() -> Option<u64> {
+    static HOST: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *HOST.get_or_init(read_host_memory)
+}
+
+fn read_host_memory() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -216,6 +252,7 @@ impl CpuMemory {
 /// on one of its inputs (in place) is read whole before it is written.
 pub struct CpuDevice {
     counters: DeviceCounters,
+    options: DeviceOptions,
     /// Hand kernels views of their operands and run f32 matrix products in place; else every
     /// operand is a copy.
     in_place: bool,
@@ -223,7 +260,7 @@ pub struct CpuDevice {
 
 impl Default for CpuDevice {
     fn default() -> Self {
-        CpuDevice { counters: DeviceCounters::default(), in_place: true }
+        CpuDevice { counters: DeviceCounters::default(), options: DeviceOptions::default(), in_place: true }
     }
 }
 
@@ -240,6 +277,11 @@ impl CpuDevice {
     /// (tests compare it with the default, which reads operands where they lie).
     pub fn on_copies() -> CpuDevice {
         CpuDevice { in_place: false, ..CpuDevice::default() }
+    }
+
+    /// A device that behaves as `options` say (the memory limit and fusion; the rest is CUDA's).
+    pub fn with_options(options: DeviceOptions) -> CpuDevice {
+        CpuDevice { options, ..CpuDevice::default() }
     }
 
     fn bytes(mem: &CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
@@ -372,7 +414,8 @@ impl CpuDevice {
                         }
                     })
                     .collect();
-                cpu::run_op(&l.op, &refs, l.outputs.len()).map_err(|e| kernel_error(&l.node, e))?
+                cpu::run_op_within(&l.op, &refs, l.outputs.len(), self.options.memory())
+                    .map_err(|e| kernel_error(&l.node, e))?
             }
         };
         self.counters.operand_copies += copies;
@@ -436,7 +479,7 @@ impl Device for CpuDevice {
     type Memory = CpuMemory;
 
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { name: "cpu", align: 64, memory: memory_limit() }
+        DeviceCaps { name: "cpu", align: 64, memory: self.options.memory(), fuse: self.options.fuse }
     }
 
     fn alloc(&mut self, _region: Region, bytes: u64) -> Result<CpuMemory, RuntimeError> {

@@ -64,11 +64,6 @@ pub fn row_wise(op: &Op) -> bool {
     matches!(op, Op::Softmax(_) | Op::LogSoftmax(_) | Op::SoftmaxGrad(_))
 }
 
-/// Whether `MPC_FUSE=0` turns fusion off (to compare a fused program with the unfused one).
-pub fn enabled() -> bool {
-    std::env::var("MPC_FUSE").map_or(true, |v| v != "0")
-}
-
 /// The ops a chain may hold: element-wise, with the same formula on every device (the CUDA
 /// device generates them from the functors of `kernels/common.cuh`).
 pub fn fusable_op(op: &Op) -> bool {

@@ -426,6 +426,8 @@ pub struct DeviceCaps {
     /// The most bytes a program may hold on the device (arena, state and constants together):
     /// a program over it is refused when lowering, before anything is allocated.
     pub memory: u64,
+    /// Chains of element-wise ops are lowered as one launch ([`crate::fuse`]).
+    pub fuse: bool,
 }
 
 /// A lowered graph: the launches of one step over a fixed memory layout.

@@ -145,7 +145,7 @@ impl<D: Device> Session<D> {
             programs: Vec::new(),
             stats: StepStats::default(),
             poison: cfg!(debug_assertions),
-            capture: crate::device::capture(),
+            capture: true,
         };
         s.load(program)?;
         Ok(s)

@@ -245,7 +245,7 @@ fn summed(tol: Tolerance, (most, count): (f64, usize)) -> Tolerance {
 }
 
 const CUDA: mpc_runtime::program::DeviceCaps =
-    mpc_runtime::program::DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    mpc_runtime::program::DeviceCaps { name: "cuda", align: 256, memory: 1 << 40, fuse: true };
 
 #[test]
 fn the_plans_of_the_fixtures_compute_what_the_cpu_computes() {

@@ -511,7 +511,7 @@ pub(crate) fn fused_chains_give_the_unfused_bits<D: Device>(device: impl Fn() ->
 #[test]
 fn no_launch_reads_or_writes_the_bytes_free_during_it() {
     use mpc_runtime::program::{lower, DeviceCaps, LowerOptions, Region};
-    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40 };
+    let caps = DeviceCaps { name: "cuda", align: 256, memory: 1 << 40, fuse: true };
     let mut checked = 0;
     for name in FIXTURES {
         for policy in ["fp32", "mixed", "mixed-bf16"] {
@@ -544,4 +544,31 @@ fn no_launch_reads_or_writes_the_bytes_free_during_it() {
         }
     }
     assert!(checked > 1000, "only {checked} launches checked");
+}
+
+/// Fusion is the device's option (`DeviceOptions::fuse`; the CLI's `MPC_FUSE=0`): a device
+/// without it lowers the unfused program, and the CLI's override reaches the lowering.
+#[test]
+fn a_device_without_fusion_lowers_the_unfused_program() {
+    use mpc_runtime::device::{CpuDevice, DeviceOptions};
+    use mpc_runtime::program::LowerOptions;
+    let (bound, _) = mpc::summary::bind_inputs(&compiled("mlp", "mixed", true), &dims()).unwrap();
+    let ops = |p: &Program| p.launches.iter().map(|l| l.op.op_type().to_string()).collect::<Vec<_>>();
+    let off = CpuDevice::with_options(DeviceOptions { fuse: false, ..Default::default() }).caps();
+    let without = mpc_runtime::program::lower(&bound, off, LowerOptions::default()).unwrap();
+    let unfused = cpu_lowered("mlp", "mixed", true, LowerOptions { unfused: true, ..Default::default() });
+    let fused = cpu_lowered("mlp", "mixed", true, LowerOptions::default());
+    assert_eq!(ops(&without), ops(&unfused));
+    assert!(fused.launches.len() < without.launches.len(), "{} vs {}", fused.launches.len(), without.launches.len());
+    let launches = |fuse: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_mpc"));
+        c.args(["inspect", "tests/models/mlp.onnx", "--train", "--policy", "mixed", "--memory", "--launches"]);
+        if let Some(v) = fuse {
+            c.env("MPC_FUSE", v);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).lines().count()
+    };
+    assert!(launches(Some("0")) > launches(None), "MPC_FUSE=0 did not reach the lowering");
 }

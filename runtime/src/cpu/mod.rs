@@ -34,8 +34,7 @@ pub(crate) type Res<T> = Result<T, KernelError>;
 
 /// An output whose shape comes from data (ConstantOfShape, Range, Expand, Tile, Pad) is
 /// refused before it is allocated when it is more than a program may hold.
-pub(crate) fn fits(shape: &[usize], dtype: mpc_ir::DType) -> Res<()> {
-    let limit = crate::device::memory_limit();
+pub(crate) fn fits(shape: &[usize], dtype: mpc_ir::DType, limit: u64) -> Res<()> {
     match shape.iter().try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d as u64)) {
         Some(b) if b <= limit => Ok(()),
         _ => Err(err(format!("an output of {dtype}{shape:?} is more than the {limit} bytes a program may hold"))),
@@ -169,7 +168,14 @@ fn unary(op: &Op, a: &HostTensor) -> Res<Vec<HostTensor>> {
     Ok(vec![r.ok_or_else(|| unsupported(format!("{} on {}", op.op_type(), a.dtype())))?])
 }
 
+/// [`run_op_within`] the default limit: what mpc addresses, within the machine's memory.
 pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec<HostTensor>> {
+    run_op_within(op, ins, n_outputs, crate::device::DeviceOptions::default().memory())
+}
+
+/// Runs `op` on `ins`; an output whose shape comes from data and would be more than `limit`
+/// bytes is refused before it is allocated.
+pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, limit: u64) -> Res<Vec<HostTensor>> {
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
     let one = |t: HostTensor| Ok(vec![t]);
     match op {
@@ -252,7 +258,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 .as_ref()
                 .map(HostTensor::from)
                 .unwrap_or_else(|| HostTensor::from(&Tensor::from_f32(vec![1], &[0.0])));
-            fits(&shape, value.dtype())?;
+            fits(&shape, value.dtype(), limit)?;
             let n = shape.iter().product();
             one(value.pick(shape, &vec![0; n]))
         }
@@ -358,8 +364,8 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
         Op::GatherND(a) => one(indexing::gather_nd(x(0)?, x(1)?, a.batch_dims)?),
         Op::ScatterND(a) => one(indexing::scatter_nd(x(0)?, x(1)?, x(2)?, a.reduction)?),
         Op::ScatterElements(a) => one(indexing::scatter_elements(x(0)?, x(1)?, x(2)?, a.axis, a.reduction)?),
-        Op::Expand => one(shape::expand(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?)?),
-        Op::Tile => one(shape::tile(x(0)?, &ints(ins.get(1).copied().flatten(), "repeats")?)?),
+        Op::Expand => one(shape::expand(x(0)?, &ints(ins.get(1).copied().flatten(), "shape")?, limit)?),
+        Op::Tile => one(shape::tile(x(0)?, &ints(ins.get(1).copied().flatten(), "repeats")?, limit)?),
         Op::Pad(a) => {
             let t = x(0)?;
             let pads = ints(ins.get(1).copied().flatten(), "pads")?;
@@ -369,9 +375,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
                 }
                 None => (0..t.shape.len()).collect(),
             };
-            one(shape::pad(t, &pads, ins.get(2).copied().flatten(), &axes, a.mode)?)
+            one(shape::pad(t, &pads, ins.get(2).copied().flatten(), &axes, a.mode, limit)?)
         }
-        Op::Range => one(shape::range(x(0)?, x(1)?, x(2)?)?),
+        Op::Range => one(shape::range(x(0)?, x(1)?, x(2)?, limit)?),
         Op::MatMul => one(linalg::matmul(x(0)?, x(1)?)?),
         Op::Gemm(a) => {
             one(linalg::gemm(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.alpha, a.beta, a.transA, a.transB)?)
@@ -383,7 +389,7 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             let t = x(0)?;
             let axes: Vec<usize> = (2..t.shape.len()).collect();
             let kind = if matches!(op, Op::GlobalMaxPool) { "max" } else { "mean" };
-            one(nn::reduce(t, &axes, true, kind)?)
+            one(nn::reduce(t, &axes, true, kind, limit)?)
         }
         Op::Softmax(a) | Op::LogSoftmax(a) => {
             let t = x(0)?;
@@ -423,9 +429,9 @@ pub fn run_op(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize) -> Res<Vec
             match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
                 // No axes with noop_with_empty_axes: nothing is reduced, but the op's element-wise
                 // part still applies (|x|, x², |x|; the identity for the others).
-                None if matches!(kind, "l1" | "l2" | "sumsquare") => one(nn::reduce(t, &[], a.keepdims, kind)?),
+                None if matches!(kind, "l1" | "l2" | "sumsquare") => one(nn::reduce(t, &[], a.keepdims, kind, limit)?),
                 None => one(t.clone()),
-                Some(axes) => one(nn::reduce(t, &axes, a.keepdims, kind)?),
+                Some(axes) => one(nn::reduce(t, &axes, a.keepdims, kind, limit)?),
             }
         }
         Op::ArgMax(a) | Op::ArgMin(a) => {

@@ -342,7 +342,7 @@ fn pool_planes<R: Real>(
 }
 
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
-pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str) -> Res<HostTensor> {
+pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str, limit: u64) -> Res<HostTensor> {
     let rank = x.shape.len();
     // An empty output (an axis kept is 0) has nothing to compute: the loops below would still
     // walk the reduced axes, which an empty input may have of any size.
@@ -443,7 +443,7 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str)
     let ost = super::shape::strides(&out_shape_keep);
     let ist = super::shape::strides(&x.shape);
     // An empty input may still reduce to a huge output (its empty dim reduced away).
-    super::fits(&out_shape_keep, x.dtype())?;
+    super::fits(&out_shape_keep, x.dtype(), limit)?;
     let n_out: usize = out_shape_keep.iter().product();
     let init = match kind {
         "max" => f64::NEG_INFINITY,

@@ -137,16 +137,16 @@ pub(crate) fn gather(x: &HostTensor, indices: &HostTensor, ax: i64) -> Res<HostT
     Ok(gather_runs(&[x], shape, &runs))
 }
 
-pub(crate) fn expand(x: &HostTensor, target: &[i64]) -> Res<HostTensor> {
+pub(crate) fn expand(x: &HostTensor, target: &[i64], limit: u64) -> Res<HostTensor> {
     let t: Vec<usize> = target.iter().map(|&d| d.max(0) as usize).collect();
     let shape = super::elementwise::broadcast_shape(&[&x.shape, &t])
         .ok_or_else(|| err(format!("cannot expand {:?} to {target:?}", x.shape)))?;
-    super::fits(&shape, x.dtype())?;
+    super::fits(&shape, x.dtype(), limit)?;
     let idx = super::elementwise::broadcast_index(&x.shape, &shape);
     Ok(x.pick(shape, &idx))
 }
 
-pub(crate) fn tile(x: &HostTensor, reps: &[i64]) -> Res<HostTensor> {
+pub(crate) fn tile(x: &HostTensor, reps: &[i64], limit: u64) -> Res<HostTensor> {
     if reps.len() != x.shape.len() {
         return Err(err(format!("{} repeats for rank {}", reps.len(), x.shape.len())));
     }
@@ -156,7 +156,7 @@ pub(crate) fn tile(x: &HostTensor, reps: &[i64]) -> Res<HostTensor> {
         .zip(reps)
         .map(|(&d, &r)| d.checked_mul(r.max(0) as usize).ok_or_else(|| err("Tile's output size overflows")))
         .collect::<Res<_>>()?;
-    super::fits(&shape, x.dtype())?;
+    super::fits(&shape, x.dtype(), limit)?;
     let st = strides(&x.shape);
     let total: usize = shape.iter().product();
     let ost = strides(&shape);
@@ -172,6 +172,7 @@ pub(crate) fn pad(
     value: Option<&HostTensor>,
     axes: &[usize],
     mode: PadMode,
+    limit: u64,
 ) -> Res<HostTensor> {
     let rank = x.shape.len();
     if pads.len() != 2 * axes.len() || axes.iter().any(|&a| a >= rank) {
@@ -186,7 +187,7 @@ pub(crate) fn pad(
     let shape: Vec<usize> = (0..rank)
         .map(|d| (x.shape[d] as i64).saturating_add(before[d]).saturating_add(after[d]).max(0) as usize)
         .collect();
-    super::fits(&shape, x.dtype())?;
+    super::fits(&shape, x.dtype(), limit)?;
     let st = strides(&x.shape);
     let ost = strides(&shape);
     let total: usize = shape.iter().product();
@@ -212,13 +213,13 @@ pub(crate) fn pad(
     Ok(joined.pick(shape, &idx))
 }
 
-pub(crate) fn range(start: &HostTensor, limit: &HostTensor, delta: &HostTensor) -> Res<HostTensor> {
-    let (s, l, d) = (start.f64s()[0], limit.f64s()[0], delta.f64s()[0]);
+pub(crate) fn range(start: &HostTensor, end: &HostTensor, delta: &HostTensor, bytes: u64) -> Res<HostTensor> {
+    let (s, l, d) = (start.f64s()[0], end.f64s()[0], delta.f64s()[0]);
     if d == 0.0 {
         return Err(err("Range delta is 0"));
     }
     let n = ((l - s) / d).ceil().max(0.0) as usize;
-    super::fits(&[n], start.dtype())?;
+    super::fits(&[n], start.dtype(), bytes)?;
     let v: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
     Ok(match &start.data {
         Data::F32(_) => HostTensor::from_f32(

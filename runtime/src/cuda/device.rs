@@ -19,7 +19,7 @@ use cudarc::driver::{result as drv, sys as drv_sys};
 
 use super::plan::{self, param_offsets, Buf, Gemm};
 use super::{nvrtc, CudaError, Gpu};
-use crate::device::{memory_limit, Device, DeviceCounters, Regions};
+use crate::device::{Device, DeviceCounters, DeviceOptions, Regions};
 use crate::program::{DeviceCaps, Launch, Program, Region, TensorRef};
 use crate::RuntimeError;
 
@@ -108,6 +108,8 @@ pub struct CudaDevice {
     /// Recorded steps (CUDA graphs), by the handle `end_capture` gave.
     graphs: Vec<drv_sys::CUgraphExec>,
     counters: DeviceCounters,
+    /// How it behaves (the memory limit, capture, the kernels' and libraries' switches).
+    options: DeviceOptions,
 }
 
 /// cuBLAS's workspace: set once, so that no GEMM allocates inside a recorded step.
@@ -124,6 +126,11 @@ fn cuda_error(e: CudaError) -> RuntimeError {
 impl CudaDevice {
     /// The GPU `ordinal`, or why it cannot be used (no driver, no GPU, a driver too old).
     pub fn new(ordinal: usize) -> Result<CudaDevice, CudaError> {
+        CudaDevice::with_options(ordinal, DeviceOptions::default())
+    }
+
+    /// [`CudaDevice::new`], behaving as `options` say.
+    pub fn with_options(ordinal: usize, options: DeviceOptions) -> Result<CudaDevice, CudaError> {
         let (gpus, _) = super::gpus()?;
         let gpu = gpus.get(ordinal).cloned().ok_or(CudaError::NoDevice)?;
         let err = |e: drv::DriverError| CudaError::Driver(format!("{e:?}"));
@@ -142,7 +149,7 @@ impl CudaDevice {
         unsafe { blas::set_stream(blas, stream as _) }.map_err(|e| CudaError::Driver(format!("cuBLAS: {e:?}")))?;
         nvrtc::version()?;
         nvrtc::include_dir()?;
-        let dnn = super::dnn::Dnn::new(stream as *mut c_void);
+        let dnn = super::dnn::Dnn::new(stream as *mut c_void, &options);
         let mut device = CudaDevice {
             gpu,
             dev,
@@ -169,6 +176,7 @@ impl CudaDevice {
             timers: Vec::new(),
             free_timers: Vec::new(),
             counters: DeviceCounters::default(),
+            options,
         };
         // SAFETY: a plain allocation, freed in Drop; cuBLAS uses it for as long as the handle lives.
         let ws = unsafe { drv::malloc_sync(CUBLAS_WORKSPACE) }.map_err(err)?;
@@ -179,7 +187,7 @@ impl CudaDevice {
         unsafe { blas_sys::cublasSetWorkspace_v2(device.blas, ws as *mut c_void, CUBLAS_WORKSPACE) }
             .result()
             .map_err(|e| CudaError::Driver(format!("cuBLAS workspace: {e:?}")))?;
-        device.lt = super::lt::Lt::new(ws, CUBLAS_WORKSPACE);
+        device.lt = super::lt::Lt::new(ws, CUBLAS_WORKSPACE, &options);
         Ok(device)
     }
 
@@ -235,7 +243,8 @@ impl CudaDevice {
                     .map(|(_, s)| *s)
                     .ok_or_else(|| RuntimeError::Internal(format!("no kernel family {family}")))?,
             };
-            let compiled = nvrtc::compile(family, source, &self.gpu.arch(), false).map_err(cuda_error)?;
+            let compiled =
+                nvrtc::compile_with(family, source, &self.gpu.arch(), false, self.options.fmad).map_err(cuda_error)?;
             let params =
                 super::cubin::kernels(&compiled.cubin).map_err(|e| RuntimeError::Internal(format!("{family}: {e}")))?;
             self.params.extend(params);
@@ -357,7 +366,8 @@ impl Device for CudaDevice {
     type Memory = CudaMemory;
 
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { name: "cuda", align: 256, memory: memory_limit().min(self.gpu.memory_bytes) }
+        let memory = self.options.memory().min(self.gpu.memory_bytes);
+        DeviceCaps { name: "cuda", align: 256, memory, fuse: self.options.fuse }
     }
 
     fn prepare(&mut self, program: &Program, regions: &mut Regions<CudaMemory>) -> Result<(), RuntimeError> {
@@ -495,6 +505,9 @@ impl Device for CudaDevice {
     }
 
     fn begin_capture(&mut self) -> Result<bool, RuntimeError> {
+        if !self.options.capture {
+            return Ok(false);
+        }
         self.current()?;
         // SAFETY: the stream is live; what is enqueued on it from here is recorded, not run.
         unsafe {

@@ -16,13 +16,6 @@ use mpc_ir::DType;
 
 use super::plan::{DnnConv, DnnOp};
 
-/// Whether convolutions take deterministic algorithms only: on unless
-/// `MPC_CUDNN_DETERMINISTIC=0`, which lets cuDNN's first-ranked algorithm be one that sums with
-/// atomics (as PyTorch's default does), to measure what determinism costs.
-pub fn deterministic_only() -> bool {
-    std::env::var("MPC_CUDNN_DETERMINISTIC").map_or(true, |v| v != "0")
-}
-
 /// The most scratch one convolution's algorithm may use.
 pub const WORKSPACE_LIMIT: usize = 512 << 20;
 
@@ -45,12 +38,15 @@ pub fn choose(ranked: &[usize], budget: usize) -> Option<usize> {
 /// A cuDNN handle bound to the device's stream.
 pub struct Dnn {
     handle: sys::cudnnHandle_t,
+    /// Convolutions take deterministic algorithms only (off: cuDNN's first-ranked may sum with
+    /// atomics, as PyTorch's default; to measure what determinism costs).
+    deterministic: bool,
 }
 
-/// Why cuDNN is not used.
-pub fn unavailable() -> Option<String> {
-    if std::env::var("MPC_CUDNN").is_ok_and(|v| v == "0") {
-        return Some("turned off by MPC_CUDNN=0".into());
+/// Why cuDNN is not used under `options`.
+pub fn unavailable(options: &crate::device::DeviceOptions) -> Option<String> {
+    if !options.cudnn {
+        return Some("turned off (MPC_CUDNN=0)".into());
     }
     // SAFETY: only tries to open the library.
     if !unsafe { sys::is_culib_present() } {
@@ -69,8 +65,8 @@ fn check(what: &str, s: sys::cudnnStatus_t) -> Result<(), String> {
 
 impl Dnn {
     /// A handle on `stream`, or why not.
-    pub fn new(stream: *mut c_void) -> Result<Dnn, String> {
-        if let Some(why) = unavailable() {
+    pub fn new(stream: *mut c_void, options: &crate::device::DeviceOptions) -> Result<Dnn, String> {
+        if let Some(why) = unavailable(options) {
             return Err(why);
         }
         // SAFETY: the library is present; cudnnGetVersion exists in every version.
@@ -82,7 +78,7 @@ impl Dnn {
         // SAFETY: the library is present (checked above); `handle` receives a new handle, which
         // is destroyed in Drop.
         unsafe { check("create", sys::cudnnCreate(&mut handle))? };
-        let dnn = Dnn { handle };
+        let dnn = Dnn { handle, deterministic: options.cudnn_deterministic };
         // SAFETY: both are live; the stream outlives the handle (the device drops it first).
         unsafe { check("set stream", sys::cudnnSetStream(dnn.handle, stream as _))? };
         Ok(dnn)
@@ -183,7 +179,7 @@ impl Dnn {
     ) -> Result<(Algo, usize), String> {
         const N: usize = 16;
         let det = sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
-        let any = !deterministic_only();
+        let any = !self.deterministic;
         let ok = sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
         let mut count = 0i32;
         // Asks cuDNN's heuristics (`$get` over the descriptors `$descs`) for up to N ranked

@@ -26,10 +26,10 @@ pub struct Lt {
     workspace_bytes: usize,
 }
 
-/// Why cuBLASLt is not used.
-pub fn unavailable() -> Option<String> {
-    if std::env::var("MPC_CUBLASLT").is_ok_and(|v| v == "0") {
-        return Some("turned off by MPC_CUBLASLT=0".into());
+/// Why cuBLASLt is not used under `options`.
+pub fn unavailable(options: &crate::device::DeviceOptions) -> Option<String> {
+    if !options.cublaslt {
+        return Some("turned off (MPC_CUBLASLT=0)".into());
     }
     // SAFETY: only tries to open the library.
     if !unsafe { sys::is_culib_present() } {
@@ -50,8 +50,8 @@ fn alignment(addr: u64) -> u32 {
 
 impl Lt {
     /// A handle whose products use `workspace_bytes` of scratch at `workspace`, or why not.
-    pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Lt, String> {
-        if let Some(why) = unavailable() {
+    pub fn new(workspace: u64, workspace_bytes: usize, options: &crate::device::DeviceOptions) -> Result<Lt, String> {
+        if let Some(why) = unavailable(options) {
             return Err(why);
         }
         let handle = check("create", lt::create_handle())?;

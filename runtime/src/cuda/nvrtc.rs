@@ -90,9 +90,8 @@ pub struct Compiled {
 /// contracted into a fused multiply-add (`--fmad=false`): each operation rounds as written, so a
 /// chain of element-wise ops fused into one kernel computes the bits of the same ops launched one
 /// by one (each rounds its result on store), and the kernels' arithmetic is the CPU's.
-/// `MPC_FMAD=1` lets NVRTC contract them (its default), to measure what that is worth.
-pub fn options(arch: &str, include: &Path, verbose: bool) -> Vec<String> {
-    let fmad = std::env::var("MPC_FMAD").is_ok_and(|v| v == "1");
+/// `fmad` lets NVRTC contract them (its default), to measure what that is worth.
+pub fn options(arch: &str, include: &Path, verbose: bool, fmad: bool) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "-std=c++17".into(),
@@ -138,9 +137,14 @@ fn memory_cache() -> &'static Mutex<HashMap<u64, Arc<Vec<u8>>>> {
 /// register and spill report (in the log; a cached cubin has none, so verbose compiles skip the
 /// cache).
 pub fn compile(family: &str, source: &str, arch: &str, verbose: bool) -> Result<Compiled, CudaError> {
+    compile_with(family, source, arch, verbose, false)
+}
+
+/// [`compile`], with multiplies and adds contracted into fused multiply-adds where `fmad`.
+pub fn compile_with(family: &str, source: &str, arch: &str, verbose: bool, fmad: bool) -> Result<Compiled, CudaError> {
     let nvrtc = version()?;
     let include = include_dir()?;
-    let opts = options(arch, &include, verbose);
+    let opts = options(arch, &include, verbose, fmad);
     let text = program_source(family, source);
     let v = format!("{}.{}", nvrtc.0, nvrtc.1);
     // The include folder's path is left out of the key: the headers are NVRTC's own version's,

@@ -249,7 +249,7 @@ pub(super) fn lower_in(
 
     // 1. What is known when lowering, and what is read inside its readers' launches.
     let Schedule { known, mut steps, view_of, mut folded } = schedule(g, caps, &order, &changing)?;
-    let fuse = !opts.unfused && crate::fuse::enabled();
+    let fuse = !opts.unfused && caps.fuse;
     let library = fuse && !opts.bitwise;
     let InOthers { widened, transposed, permuted, epilogues, operands: epilogue_operands, thens, prologues } =
         read_in_readers(g, caps, &steps, &view_of, fuse, library);

@@ -102,9 +102,9 @@ impl CudaDevice {
         regions: &Regions<CudaMemory>,
     ) -> (u64, Vec<Option<u64>>) {
         self.dnn_pending.clear();
-        // `MPC_SCRATCH_IN_ARENA=0` keeps every launch's scratch in the workspace (to tell a fault
-        // of the placement from another's on a GPU).
-        let in_arena = std::env::var("MPC_SCRATCH_IN_ARENA").map_or(true, |v| v != "0");
+        // Off, every launch's scratch lies in the workspace (to tell a fault of the placement
+        // from another's on a GPU).
+        let in_arena = self.options.scratch_in_arena;
         let step: HashMap<usize, usize> =
             program.launches.iter().enumerate().map(|(i, l)| (l as *const Launch as usize, i)).collect();
         let tensor = |b: Buf| match b {
@@ -173,7 +173,7 @@ impl CudaDevice {
                 self.prepare_launches(&b.else_launches, program, plans)?;
                 continue;
             }
-            let p = plan::plan(l, &constant)
+            let p = plan::plan_with(l, &constant, plan::PlanOptions::from(&self.options))
                 .map_err(|msg| RuntimeError::Unsupported { node: l.node.clone(), msg: format!("on cuda: {msg}") })?;
             plans.push((l as *const Launch as usize, l.node.clone(), p));
         }
@@ -196,7 +196,8 @@ impl CudaDevice {
         if names.is_empty() {
             return Ok(());
         }
-        let compiled = nvrtc::compile("fused", &source, &self.gpu.arch(), false).map_err(cuda_error)?;
+        let compiled =
+            nvrtc::compile_with("fused", &source, &self.gpu.arch(), false, self.options.fmad).map_err(cuda_error)?;
         let params =
             crate::cuda::cubin::kernels(&compiled.cubin).map_err(|e| RuntimeError::Internal(format!("fused: {e}")))?;
         self.params.extend(params);

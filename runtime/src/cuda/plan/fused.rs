@@ -77,7 +77,7 @@ pub(super) fn plan_chain(p: &mut Planner, chain: &Chain) -> Result<(), String> {
         None => {
             let wide: Vec<&TensorRef> =
                 ins.iter().copied().filter(|t| read_whole(t, n)).chain(outs.iter().copied()).collect();
-            g.vector = vector_width(n, &wide);
+            g.vector = vector_width(n, &wide, p.opts.wide);
             (g.elementwise(&outputs)?, grid_for(n / g.vector as u64), [BLOCK, 1, 1])
         }
         Some(r) => {
@@ -120,8 +120,8 @@ pub(super) fn read_whole(t: &TensorRef, n: u64) -> bool {
 /// or writes whole (`wide`: the outputs and the inputs that are not broadcast) is of 2 bytes, else
 /// 4, where the count is a multiple and each such tensor starts on a multiple of that many
 /// elements' bytes (each access then one 8- or 16-byte load or store); else 1.
-pub fn vector_width(n: u64, wide: &[&TensorRef]) -> usize {
-    if !wide_enabled() {
+pub fn vector_width(n: u64, wide: &[&TensorRef], on: bool) -> usize {
+    if !on {
         return 1;
     }
     let widest = wide.iter().map(|t| t.dtype.size()).max().unwrap_or(4);
@@ -426,11 +426,12 @@ mod tests {
     #[test]
     fn chains_take_as_many_elements_at_a_time_as_their_tensors_allow() {
         let (h, f) = (DType::F16, DType::F32);
-        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, h)]), 8);
-        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, f)]), 4);
-        assert_eq!(vector_width(1024, &[&t(8, h), &t(4096, h)]), 4, "8-byte aligned only");
-        assert_eq!(vector_width(1020, &[&t(0, h)]), 4);
-        assert_eq!(vector_width(1022, &[&t(0, h)]), 1);
-        assert_eq!(vector_width(1024, &[&t(0, f), &t(8, f)]), 1, "an f32 tensor off a 16-byte boundary");
+        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, h)], true), 8);
+        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, h)], false), 1, "wide accesses off");
+        assert_eq!(vector_width(1024, &[&t(0, h), &t(4096, f)], true), 4);
+        assert_eq!(vector_width(1024, &[&t(8, h), &t(4096, h)], true), 4, "8-byte aligned only");
+        assert_eq!(vector_width(1020, &[&t(0, h)], true), 4);
+        assert_eq!(vector_width(1022, &[&t(0, h)], true), 1);
+        assert_eq!(vector_width(1024, &[&t(0, f), &t(8, f)], true), 1, "an f32 tensor off a 16-byte boundary");
     }
 }

@@ -384,7 +384,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     };
     // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
     let shape = relu_mask_shape(m as usize, n as usize);
-    let mask = p.l.relu_mask.as_ref().filter(|t| t.shape == shape && relu_masks_enabled());
+    let mask = p.l.relu_mask.as_ref().filter(|t| t.shape == shape && p.opts.relu_masks);
     let mask = mask.map(|t| LtMask { buf: buf(t), ld: 8 * shape[1] as i64 });
     let start = p.out.calls.len();
     let beta = match c {

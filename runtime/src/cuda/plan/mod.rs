@@ -118,6 +118,7 @@ fn scalar_bytes(d: DType, v: f64) -> Vec<u8> {
 /// Builds one launch's plan.
 struct Planner<'a> {
     l: &'a Launch,
+    opts: PlanOptions,
     constant: &'a dyn Fn(&TensorRef) -> Option<HostTensor>,
     out: LaunchPlan,
     /// The launch's sibling is planned (a Gemm's bias gradient folded into its product).
@@ -267,7 +268,13 @@ impl<'a> Planner<'a> {
 
     /// Appends the calls of `s` (the launch's sibling), in this plan's workspace and aux bytes.
     fn plan_sibling(&mut self, s: &Launch) -> Result<(), String> {
-        let mut q = Planner { l: s, constant: self.constant, out: std::mem::take(&mut self.out), sibling_done: true };
+        let mut q = Planner {
+            l: s,
+            opts: self.opts,
+            constant: self.constant,
+            out: std::mem::take(&mut self.out),
+            sibling_done: true,
+        };
         let r = plan_op(&mut q);
         self.out = q.out;
         self.sibling_done = true;
@@ -284,7 +291,44 @@ impl<'a> Planner<'a> {
 /// Plans one launch; `constant` gives the value of a tensor of the program's constants region
 /// (a Pad's constant value, a Dropout's ratio). An error says what the CUDA device cannot run.
 pub fn plan(l: &Launch, constant: &dyn Fn(&TensorRef) -> Option<HostTensor>) -> Result<LaunchPlan, String> {
-    let mut p = Planner { l, constant, out: LaunchPlan::default(), sibling_done: false };
+    plan_with(l, constant, PlanOptions::default())
+}
+
+/// The switches of the device's options that change plans ([`crate::device::DeviceOptions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanOptions {
+    /// Kernels move 8 or 16 bytes of a tensor at a time where they can (element-wise chains and
+    /// lone element-wise launches, batch norms, GELU's gradient, strided copies of whole rows);
+    /// off: one element at a time. (The multi-tensor optimizer update chooses for itself, by its
+    /// tensors' alignment.)
+    pub wide: bool,
+    /// A dense layer's ReLU keeps its signs as bits for its gradient's product
+    /// ([`LtGemm::mask`]); off: the gradient is the GEMM and the ReluGrad kernel over the ReLU's
+    /// output (cuBLASLt's other epilogues kept).
+    pub relu_masks: bool,
+    /// A lone element-wise launch may run as a one-step chain kernel (off with fusion).
+    pub fuse: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions::from(&crate::device::DeviceOptions::default())
+    }
+}
+
+impl From<&crate::device::DeviceOptions> for PlanOptions {
+    fn from(o: &crate::device::DeviceOptions) -> Self {
+        PlanOptions { wide: o.wide, relu_masks: o.relu_masks, fuse: o.fuse }
+    }
+}
+
+/// [`plan`] under `opts`.
+pub fn plan_with(
+    l: &Launch,
+    constant: &dyn Fn(&TensorRef) -> Option<HostTensor>,
+    opts: PlanOptions,
+) -> Result<LaunchPlan, String> {
+    let mut p = Planner { l, opts, constant, out: LaunchPlan::default(), sibling_done: false };
     // Outputs with no elements need no kernel.
     let empty = |l: &Launch| !l.outputs.is_empty() && l.outputs.iter().all(|t| t.numel() == 0);
     if !empty(l) {
@@ -315,7 +359,7 @@ fn reduce_kind(op: &Op) -> Option<&'static str> {
 /// A lone element-wise launch of many elements as a chain of one step, where its tensors let the
 /// generated kernel take 8 or 4 elements at a time ([`fused::vector_width`]) and the hand-written
 /// kernel would take one: the same functor, so the same bits (`MPC_FUSE=0` keeps the kernel).
-fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
+fn lone_chain(l: &Launch, opts: PlanOptions) -> Option<crate::fuse::Chain> {
     use crate::fuse::{Chain, ChainArg, ChainStep};
     let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
     let [y] = l.outputs.as_slice() else { return None };
@@ -328,8 +372,8 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
         && l.group.is_empty()
         && l.branches.is_none();
     if !plain
-        || !crate::fuse::enabled()
-        || !wide_enabled()
+        || !opts.fuse
+        || !opts.wide
         || !crate::fuse::fusable_op(&l.op)
         || (matches!(l.op, Op::Sum) && ins.len() != 2)
         // (A Cast to its own dtype is a copy of the bits; a chain would widen and round them.)
@@ -343,28 +387,12 @@ fn lone_chain(l: &Launch) -> Option<crate::fuse::Chain> {
     }
     let n = y.numel() as u64;
     let whole: Vec<&TensorRef> = ins.iter().copied().filter(|t| fused::read_whole(t, n)).chain([y]).collect();
-    if fused::vector_width(n, &whole) == 1 {
+    if fused::vector_width(n, &whole, true) == 1 {
         return None;
     }
     let args = (0..ins.len()).map(ChainArg::Input).collect();
     let step = ChainStep { node: l.node.clone(), op: l.op.clone(), args, dtype: y.dtype };
     Some(Chain { steps: vec![step], outputs: vec![0] })
-}
-
-/// Whether kernels may move 8 or 16 bytes of a tensor at a time (element-wise chains and lone
-/// element-wise launches, batch norms, GELU's gradient, strided copies of whole rows): on unless
-/// `MPC_WIDE=0`, which plans them one element at a time, to tell such a kernel's fault from
-/// another's. (The multi-tensor optimizer update chooses for itself, by its tensors' alignment.)
-pub fn wide_enabled() -> bool {
-    std::env::var("MPC_WIDE").map_or(true, |v| v != "0")
-}
-
-/// Whether a dense layer's ReLU keeps its signs as bits for its gradient's product
-/// ([`LtGemm::mask`]): on unless `MPC_RELU_MASK=0`, which plans the gradient as the GEMM and the
-/// ReluGrad kernel over the ReLU's output (to tell a fault of cuBLASLt's bit-masks from another's,
-/// keeping its other epilogues).
-pub fn relu_masks_enabled() -> bool {
-    std::env::var("MPC_RELU_MASK").map_or(true, |v| v != "0")
 }
 
 /// The block of a softmax's (or a fused chain's row-wise step's) launch over rows of `len`: one
@@ -409,7 +437,7 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
     if let Some(chain) = &p.l.chain {
         return fused::plan_chain(p, chain);
     }
-    if let Some(chain) = lone_chain(p.l) {
+    if let Some(chain) = lone_chain(p.l, p.opts) {
         return fused::plan_chain(p, &chain);
     }
     let op = &p.l.op;
@@ -763,6 +791,10 @@ fn window3(w: &Window, inp: &[usize]) -> Result<Window3, String> {
 mod tests {
     use super::*;
 
+    fn lone_chain_default(l: &Launch) -> Option<crate::fuse::Chain> {
+        lone_chain(l, PlanOptions::default())
+    }
+
     #[test]
     fn broadcast_walks_are_coalesced() {
         // A bias row over (8, 512, 3072): two dims, the bias's outer stride 0.
@@ -797,11 +829,11 @@ mod tests {
         let add = |a: TensorRef, b: TensorRef| {
             Launch::new("a", Op::Add, vec![Operand::Device(a), Operand::Device(b)], vec![t(1 << 20, &[1, 64, 2048])])
         };
-        assert!(lone_chain(&add(t(0, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_some());
+        assert!(lone_chain_default(&add(t(0, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_some());
         // A bias row is broadcast, read one element at a time wherever it starts.
-        assert!(lone_chain(&add(t(0, &[64, 2048]), t(2, &[2048]))).is_some());
+        assert!(lone_chain_default(&add(t(0, &[64, 2048]), t(2, &[2048]))).is_some());
         // Read whole, but 2 bytes off a 16- or 8-byte boundary: every access one element.
-        assert!(lone_chain(&add(t(2, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_none());
-        assert!(lone_chain(&add(t(0, &[64, 2048]), t(2, &[1, 64, 2048]))).is_none());
+        assert!(lone_chain_default(&add(t(2, &[64, 2048]), t(1 << 19, &[1, 64, 2048]))).is_none());
+        assert!(lone_chain_default(&add(t(0, &[64, 2048]), t(2, &[1, 64, 2048]))).is_none());
     }
 }

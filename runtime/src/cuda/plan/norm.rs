@@ -42,9 +42,9 @@ fn bn_dims(n: u64, c: u64, inner: u64, splits: u64, vec: bool) -> [Arg; 5] {
 
 /// Whether a batch norm's passes move `x`-shaped tensors 16 bytes at a time: each plane a whole
 /// number of 16-byte vectors, and every tensor starting on one.
-fn bn_vec(inner: u64, ts: &[&TensorRef]) -> bool {
+fn bn_vec(wide: bool, inner: u64, ts: &[&TensorRef]) -> bool {
     let v = 16 / ts[0].dtype.size() as u64;
-    wide_enabled() && inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
+    wide && inner % v == 0 && ts.iter().all(|t| t.offset % 16 == 0)
 }
 
 /// The statistics pass (with the gradient's sums where `dy` is given, read through the ReLU's
@@ -245,7 +245,7 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 if let Some(splits) = bn_splits(c, n * inner) {
                     // One pass for the sums, a thread per channel for the statistics (and the
                     // running ones), one element-wise pass for y.
-                    let vec = bn_vec(inner, &[x, y].into_iter().chain(res.as_ref()).collect::<Vec<_>>());
+                    let vec = bn_vec(p.opts.wide, inner, &[x, y].into_iter().chain(res.as_ref()).collect::<Vec<_>>());
                     let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
                     let acc = acc_dtype(x.dtype).size() as u64;
                     let (m, k) = (p.work(c * acc), p.work(c * acc));
@@ -323,7 +323,11 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
                 // One pass over x and dy for the sums, a thread per channel for the parameters'
                 // gradients and dx's coefficients, one element-wise pass for dx.
                 let dx = p.l.outputs.first().cloned();
-                let vec = bn_vec(inner, &[x, dy].into_iter().chain(dx.as_ref()).chain(ry.as_ref()).collect::<Vec<_>>());
+                let vec = bn_vec(
+                    p.opts.wide,
+                    inner,
+                    &[x, dy].into_iter().chain(dx.as_ref()).chain(ry.as_ref()).collect::<Vec<_>>(),
+                );
                 let dims = bn_dims(n, c, inner, splits, vec);
                 let parts = bn_stats(p, Some((dy, ry_arg)), x, dims, c, splits)?;
                 let acc = acc_dtype(x.dtype).size() as u64;

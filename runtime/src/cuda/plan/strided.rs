@@ -136,22 +136,19 @@ impl Planner<'_> {
         let (cd, cs) = coalesce(dims, &[xs, ys]);
         let size = dtype.size() as i64;
         let v = 16 / size;
+        let wide = self.opts.wide;
         let units = |d: &[i64], s: &[Vec<i64>]| -> Option<(Vec<usize>, Vec<i64>, Vec<i64>)> {
             let last = d.len().checked_sub(1)?;
             let fits = |st: &[i64]| st[last] == 1 && st[..last].iter().all(|&x| x % v == 0);
             let aligned = |b: Buf| matches!(b, Buf::Tensor(_, o) | Buf::Work(o) if o % 16 == 0);
-            (wide_enabled()
-                && 16 % size == 0
-                && d[last] % v == 0
-                && s.iter().all(|st| fits(st))
-                && aligned(x)
-                && aligned(y))
-            .then(|| {
-                let mut dims: Vec<usize> = d.iter().map(|&x| x as usize).collect();
-                dims[last] /= v as usize;
-                let per = |st: &[i64]| st.iter().enumerate().map(|(k, &x)| if k == last { 1 } else { x / v }).collect();
-                (dims, per(&s[0]), per(&s[1]))
-            })
+            (wide && 16 % size == 0 && d[last] % v == 0 && s.iter().all(|st| fits(st)) && aligned(x) && aligned(y))
+                .then(|| {
+                    let mut dims: Vec<usize> = d.iter().map(|&x| x as usize).collect();
+                    dims[last] /= v as usize;
+                    let per =
+                        |st: &[i64]| st.iter().enumerate().map(|(k, &x)| if k == last { 1 } else { x / v }).collect();
+                    (dims, per(&s[0]), per(&s[1]))
+                })
         };
         let (name, dims, xs, ys): (String, Vec<usize>, Vec<i64>, Vec<i64>) = match units(&cd, &cs) {
             Some((d, a, b)) if n > 0 => ("movement_copy_b16".into(), d, a, b),

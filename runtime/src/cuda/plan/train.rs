@@ -231,7 +231,7 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
     };
     let a = a.clone();
     let group: &[Launch] = &p.l.group;
-    let member = |l| Planner { l, constant: p.constant, out: LaunchPlan::default(), sibling_done: false };
+    let member = |l| Planner { l, opts: p.opts, constant: p.constant, out: LaunchPlan::default(), sibling_done: false };
     let first = member(&group[0]);
     let (step, finite) = (first.input(4)?, first.input(5)?);
     let param_dtype = first.input(0)?.dtype;
@@ -466,7 +466,7 @@ pub(super) fn gelu_grad(
 ) -> Result<(), String> {
     let n = dx.numel() as u64;
     let v = 16 / dx.dtype.size() as u64;
-    let vec = wide_enabled() && n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
+    let vec = p.opts.wide && n % v == 0 && [dy, x, dx].iter().all(|t| t.offset % 16 == 0);
     let mut args = vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(x)), Arg::Ptr(buf(dx)), Arg::I64(n as i64)];
     args.extend([Arg::I32((approximate == GeluApprox::Tanh) as i32), Arg::I32(vec as i32)]);
     p.flat("train", format!("train_gelu_grad_{}", float_tag(dx.dtype)?), if vec { n / v } else { n }, args);
