@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
 
-use mpc_ir::{DType, Dim, Graph, Op, Shape};
-use mpc_passes::{infer_types, PassError};
+use mpc_ir::{DType, Dim, Graph, Op};
+use mpc_passes::PassError;
 use serde_json::json;
 
 /// Estimated floating-point operations of the matrix products (a multiply-add counts 2).
@@ -22,81 +22,7 @@ impl Flops {
     }
 }
 
-/// Binds every symbolic or unknown input dim (`dims`, else 1) and re-infers shapes.
-/// Returns the bound graph and the bindings used.
-pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> Result<(Graph, BTreeMap<String, u64>), PassError> {
-    let mut b = g.clone();
-    let mut used = BTreeMap::new();
-    for &v in g.inputs() {
-        let Some(shape) = g.ty(v).shape.clone() else {
-            continue;
-        };
-        let bound = Shape(
-            shape
-                .0
-                .iter()
-                .map(|d| match d {
-                    Dim::Sym(e) => {
-                        for s in e.symbols() {
-                            used.insert(s.to_string(), dims.get(s).copied().unwrap_or(1));
-                        }
-                        let n = e.eval(&|s| used.get(s).copied()).and_then(|n| u64::try_from(n).ok());
-                        n.map_or(Dim::Unknown, Dim::Fixed)
-                    }
-                    Dim::Unknown => Dim::Fixed(1),
-                    d => d.clone(),
-                })
-                .collect(),
-        );
-        let mut ty = g.ty(v).clone();
-        ty.shape = Some(bound);
-        b.set_ty(v, ty);
-    }
-    reinfer(&mut b, &used)?;
-    Ok((b, used))
-}
-
-/// `g` with the sizes `dims` given to those symbolic dims of its inputs, and every type inferred
-/// again; the other symbolic dims stay as they are.
-pub fn bind_symbols(g: &Graph, dims: &HashMap<String, u64>) -> Result<Graph, PassError> {
-    let mut b = g.clone();
-    for &v in g.inputs() {
-        let Some(shape) = g.ty(v).shape.as_ref() else { continue };
-        let mut ty = g.ty(v).clone();
-        ty.shape = Some(shape.bind(&|s| dims.get(s).copied()));
-        b.set_ty(v, ty);
-    }
-    reinfer(&mut b, &dims.iter().map(|(k, &v)| (k.clone(), v)).collect())?;
-    Ok(b)
-}
-
-/// Infers every type of `b` from its inputs' again; opaque ops keep their declared types, with
-/// the symbols of `used` bound there too.
-fn reinfer(b: &mut Graph, used: &BTreeMap<String, u64>) -> Result<(), PassError> {
-    for n in b.node_ids().collect::<Vec<_>>() {
-        if !b.node(n).op.is_opaque() {
-            for o in b.node(n).outputs().to_vec() {
-                b.set_ty(o, Default::default());
-            }
-        }
-    }
-    infer_types(b)?;
-    for v in b.value_ids().collect::<Vec<_>>() {
-        if let Some(shape) = b.ty(v).shape.clone() {
-            if shape
-                .dims()
-                .iter()
-                .any(|d| matches!(d, Dim::Sym(e) if e.symbols().iter().any(|s| used.contains_key(*s))))
-            {
-                let bound = shape.bind(&|s| used.get(s).copied());
-                let mut ty = b.ty(v).clone();
-                ty.shape = Some(bound);
-                b.set_ty(v, ty);
-            }
-        }
-    }
-    Ok(())
-}
+pub use mpc_runtime::build::{bind_inputs, bind_symbols};
 
 /// FLOPs of one MatMul, Gemm, Attention (and its gradient), Conv or ConvTranspose node:
 /// `Some((flops, is_conv))`, with

@@ -39,6 +39,7 @@
 //! - [`plan`] holds the placement search the arena uses (`inspect --memory` prints the arena of
 //!   the program it lowers).
 
+pub mod build;
 pub mod cost;
 pub mod cpu;
 #[cfg(feature = "cuda")]
