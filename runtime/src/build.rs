@@ -96,7 +96,10 @@ pub fn random_inputs_within(
 
 /// Binds every symbolic or unknown input dim (`dims`, else 1) and re-infers shapes.
 /// Returns the bound graph and the bindings used.
-pub fn bind_inputs(g: &Graph, dims: &HashMap<String, u64>) -> std::result::Result<(Graph, BTreeMap<String, u64>), PassError> {
+pub fn bind_inputs(
+    g: &Graph,
+    dims: &HashMap<String, u64>,
+) -> std::result::Result<(Graph, BTreeMap<String, u64>), PassError> {
     let mut b = g.clone();
     let mut used = BTreeMap::new();
     for &v in g.inputs() {
@@ -373,13 +376,8 @@ pub fn lower_bound(
     variables: Option<&std::collections::HashSet<mpc_ir::ValueId>>,
 ) -> Result<crate::program::Program> {
     let branches = if_branches(g)?;
-    let opts = crate::program::LowerOptions {
-        layout,
-        variables,
-        branches: Some(&branches),
-        unfused: false,
-        bitwise: false,
-    };
+    let opts =
+        crate::program::LowerOptions { layout, variables, branches: Some(&branches), unfused: false, bitwise: false };
     crate::program::lower(g, caps, opts).map_err(BuildError::Run)
 }
 
@@ -395,8 +393,7 @@ fn if_branches(g: &Graph) -> Result<HashMap<mpc_ir::NodeId, crate::program::Bran
         }
         let captures: Vec<mpc_ir::ValueId> = node.inputs()[o.explicit_inputs..].iter().flatten().copied().collect();
         let branch = |name: &str| -> Result<(Graph, HashMap<mpc_ir::NodeId, crate::program::Branches>)> {
-            let err =
-                |msg: String| BuildError::Data(format!("node {}: {name}: {msg}", g.node_label(n)));
+            let err = |msg: String| BuildError::Data(format!("node {}: {name}: {msg}", g.node_label(n)));
             let raw = o.attrs.iter().find_map(|(k, a)| match a {
                 mpc_ir::Attr::Raw(b) if k == name => Some(b),
                 _ => None,
@@ -426,15 +423,13 @@ pub fn fold_and_infer(
 ) -> Result<(Graph, BTreeMap<String, u64>)> {
     let mut used = None;
     loop {
-        let (bound, u) =
-            bind_inputs(&g, dims)?;
+        let (bound, u) = bind_inputs(&g, dims)?;
         used.get_or_insert(u);
         g = bound;
         let folded = fold_constants(&mut g, changing, &|_| true);
         let folded = folded.map_err(BuildError::Run)?;
         // A composite op whose input's rank only the bound values give is written out now.
-        let wrote =
-            mpc_passes::expand_composites(&mut g).map_err(BuildError::Pass)?;
+        let wrote = mpc_passes::expand_composites(&mut g).map_err(BuildError::Pass)?;
         if folded == 0 && wrote == mpc_passes::Changed::No {
             return Ok((g, used.unwrap_or_default()));
         }
