@@ -213,10 +213,8 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     let mut policy = policy(opts)?;
     let perr = |source| Error::Pass { path: path.to_owned(), source };
     let train = opts.train.clone().map(|mut t| {
-        t.loss_scale = opts.loss_scale.clone().unwrap_or(match &policy {
-            Some(p) if p.low == mpc_ir::DType::F16 && !p.everything_low => t.dynamic_scale.loss_scale(),
-            _ => LossScale::None,
-        });
+        t.loss_scale =
+            opts.loss_scale.clone().unwrap_or_else(|| mpc_passes::train::default_loss_scale(policy.as_ref(), &t));
         t
     });
     let mut train = train;
@@ -263,10 +261,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     let folded =
         train.as_ref().and_then(|t| mpc_passes::train::folded_weights(g, &mpc_passes::train::trainable(g, &t.freeze)));
     if let (Some(t), Some(p)) = (&train, policy.as_mut()) {
-        // Mixed precision keeps FP32 masters; the naive fp16 policy stores the weights in FP16.
-        if !p.everything_low {
-            p.masters = mpc_passes::train::trainable(g, &t.freeze).into_iter().map(|v| g.name(v).to_string()).collect();
-        }
+        p.masters = mpc_passes::train::masters(g, p, &t.freeze);
     }
     let pipeline = if train.is_some() { Pipeline::Training } else { Pipeline::Inference };
     let mut pm = PassManager::pipeline(pipeline);

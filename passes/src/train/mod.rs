@@ -205,6 +205,25 @@ impl DynamicScale {
     }
 }
 
+/// The loss scaling a policy calls for when none is asked for: dynamic (from `t`'s settings)
+/// where the low dtype is FP16 and the weights keep FP32 masters (`mixed`), none otherwise (FP32;
+/// BF16, which has FP32's range; the naive `fp16` policy, which has no masters to unscale into).
+pub fn default_loss_scale(policy: Option<&crate::Policy>, t: &TrainOptions) -> LossScale {
+    match policy {
+        Some(p) if p.low == DType::F16 && !p.everything_low => t.dynamic_scale.loss_scale(),
+        _ => LossScale::None,
+    }
+}
+
+/// The FP32 master weights a policy keeps for training `g`: every trained parameter (not in
+/// `freeze`), by name; none where the policy stores the weights low (the naive `fp16` policy).
+pub fn masters(g: &Graph, policy: &crate::Policy, freeze: &BTreeSet<String>) -> BTreeSet<String> {
+    if policy.everything_low {
+        return BTreeSet::new();
+    }
+    trainable(g, freeze).into_iter().map(|v| g.name(v).to_string()).collect()
+}
+
 impl Default for TrainOptions {
     fn default() -> Self {
         TrainOptions {
