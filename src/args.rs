@@ -237,54 +237,7 @@ pub(crate) enum Command {
         train_args: TrainArgs,
     },
     /// Compile the training step and train on a data file; print per-epoch loss and accuracy.
-    Train {
-        #[command(flatten)]
-        common: Common,
-        #[command(flatten)]
-        train_args: TrainArgs,
-        /// Training data (safetensors): tensors named after the graph inputs and the labels,
-        /// the first dimension being the sample. Several shards: repeat the flag, or a pattern
-        /// (`shards/train-*.safetensors`); each is memory-mapped and read a batch at a time.
-        #[arg(long, value_name = "FILE", required = true)]
-        data: Vec<PathBuf>,
-        /// A separate evaluation set (shards, as --data), evaluated after each epoch.
-        #[arg(long, value_name = "FILE")]
-        eval_data: Vec<PathBuf>,
-        #[arg(long, default_value_t = 1)]
-        epochs: usize,
-        #[arg(long, default_value_t = 64)]
-        batch: usize,
-        /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
-        #[arg(long, value_name = "F|N", default_value_t = 0.0)]
-        eval_split: f64,
-        /// Write DIR/checkpoint.safetensors after each epoch.
-        #[arg(long, value_name = "DIR")]
-        checkpoint: Option<PathBuf>,
-        /// Continue from the checkpoint in --checkpoint DIR.
-        #[arg(long)]
-        resume: bool,
-        /// Write one JSON line per step (step, epoch, loss, lr, loss_scale, skipped,
-        /// samples_per_s) and one per evaluation (step, epoch, eval_loss, eval_accuracy).
-        #[arg(long, value_name = "FILE.jsonl")]
-        log: Option<PathBuf>,
-        /// Draw the training and evaluation loss and the learning rate against the step (SVG)
-        /// when the run ends.
-        #[arg(long, value_name = "FILE.svg")]
-        plot: Option<PathBuf>,
-        /// Stop after this many steps in all (a run can be resumed later).
-        #[arg(long, value_name = "N")]
-        max_steps: Option<usize>,
-        /// The device: cpu, or cuda (the first GPU).
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Write the model with the trained weights (ONNX, ready for inference).
-        #[arg(short, long)]
-        output: Option<PathBuf>,
-        /// Print what the training step costs: arena, state and constants bytes, launches per
-        /// step, allocations inside steps after the first, host reads per step.
-        #[arg(long)]
-        stats: bool,
-    },
+    Train(TrainCmd),
     /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
     Inspect {
         #[command(flatten)]
@@ -384,4 +337,55 @@ pub(crate) enum Command {
     },
     /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
     Devices,
+}
+
+/// `mpc train`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct TrainCmd {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    #[command(flatten)]
+    pub(crate) train_args: TrainArgs,
+    /// Training data (safetensors): tensors named after the graph inputs and the labels,
+    /// the first dimension being the sample. Several shards: repeat the flag, or a pattern
+    /// (`shards/train-*.safetensors`); each is memory-mapped and read a batch at a time.
+    #[arg(long, value_name = "FILE", required = true)]
+    pub(crate) data: Vec<PathBuf>,
+    /// A separate evaluation set (shards, as --data), evaluated after each epoch.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) eval_data: Vec<PathBuf>,
+    #[arg(long, default_value_t = 1)]
+    pub(crate) epochs: usize,
+    #[arg(long, default_value_t = 64)]
+    pub(crate) batch: usize,
+    /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
+    #[arg(long, value_name = "F|N", default_value_t = 0.0)]
+    pub(crate) eval_split: f64,
+    /// Write DIR/checkpoint.safetensors after each epoch.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) checkpoint: Option<PathBuf>,
+    /// Continue from the checkpoint in --checkpoint DIR.
+    #[arg(long)]
+    pub(crate) resume: bool,
+    /// Write one JSON line per step (step, epoch, loss, lr, loss_scale, skipped,
+    /// samples_per_s) and one per evaluation (step, epoch, eval_loss, eval_accuracy).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub(crate) log: Option<PathBuf>,
+    /// Draw the training and evaluation loss and the learning rate against the step (SVG)
+    /// when the run ends.
+    #[arg(long, value_name = "FILE.svg")]
+    pub(crate) plot: Option<PathBuf>,
+    /// Stop after this many steps in all (a run can be resumed later).
+    #[arg(long, value_name = "N")]
+    pub(crate) max_steps: Option<usize>,
+    /// The device: cpu, or cuda (the first GPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Write the model with the trained weights (ONNX, ready for inference).
+    #[arg(short, long)]
+    pub(crate) output: Option<PathBuf>,
+    /// Print what the training step costs: arena, state and constants bytes, launches per
+    /// step, allocations inside steps after the first, host reads per step.
+    #[arg(long)]
+    pub(crate) stats: bool,
 }

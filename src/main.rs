@@ -187,10 +187,82 @@ fn parse_size(text: &str) -> Result<u64, Error> {
         .ok_or_else(|| Error::Usage(format!("--max-memory `{text}`: expected a size such as 512M or 16G")))
 }
 
+/// `mpc train`: the options, the model, the run on its device, the report and the outputs.
+fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
+    let TrainCmd {
+        common,
+        train_args,
+        data,
+        eval_data,
+        epochs,
+        batch,
+        eval_split,
+        checkpoint,
+        resume,
+        log,
+        plot,
+        max_steps,
+        device,
+        output,
+        stats,
+    } = t;
+    let kind = check_device(&device)?;
+    if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
+        return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
+    }
+    let mut opts = common.options(Vec::new(), None)?;
+    let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+    let t_seed = t.seed;
+    opts.train = Some(t);
+    opts.loss_scale = scale;
+    let model = mpc::load(&common.model)?;
+    let cfg = mpc::train::TrainConfig {
+        data,
+        eval_data,
+        epochs,
+        batch,
+        eval_split,
+        seed: t_seed,
+        checkpoint,
+        resume,
+        log,
+        plot,
+        max_steps,
+        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    };
+    let mut report = |r: &mpc::train::EpochReport| {
+        let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
+        if let Some((acc, l)) = r.eval {
+            line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
+        }
+        if let Some(s) = r.loss_scale {
+            line.push_str(&format!(", loss scale {s}"));
+        }
+        line.push_str(&format!(", skipped {}, {} samples/s", r.skipped, mpc::train::rate(r.samples_per_s)));
+        // A closed output does not stop the training (its checkpoints are its results).
+        let _ = write_out(format!("{line}\n"));
+    };
+    let trained = on_device!(kind, devices, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
+    report_ties(&trained.ties);
+    report_folded(&trained.folded);
+    report_auto_scale(trained.auto_scale.clone());
+    if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
+        write_out(format!("test accuracy: {:.2}%\n", acc * 100.0))?;
+    }
+    if stats {
+        eprintln!("mpc: training step: {}", trained.stats);
+    }
+    if let Some(o) = output {
+        let g = mpc::train::with_trained_weights(&model, &trained.state, &trained.ties);
+        mpc::save(&g, &o, Format::Onnx)?;
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<(), Error> {
     let common = match &cli.command {
         Command::Compile { common, .. }
-        | Command::Train { common, .. }
+        | Command::Train(TrainCmd { common, .. })
         | Command::Inspect { common, .. }
         | Command::Run { common, .. }
         | Command::Bench { common, .. } => Some(common),
@@ -198,75 +270,7 @@ fn run(cli: Cli) -> Result<(), Error> {
     };
     let devices = device_options(common)?;
     match cli.command {
-        Command::Train {
-            common,
-            train_args,
-            data,
-            eval_data,
-            epochs,
-            batch,
-            eval_split,
-            checkpoint,
-            resume,
-            log,
-            plot,
-            max_steps,
-            device,
-            output,
-            stats,
-        } => {
-            let kind = check_device(&device)?;
-            if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
-                return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
-            }
-            let mut opts = common.options(Vec::new(), None)?;
-            let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
-            let t_seed = t.seed;
-            opts.train = Some(t);
-            opts.loss_scale = scale;
-            let model = mpc::load(&common.model)?;
-            let cfg = mpc::train::TrainConfig {
-                data,
-                eval_data,
-                epochs,
-                batch,
-                eval_split,
-                seed: t_seed,
-                checkpoint,
-                resume,
-                log,
-                plot,
-                max_steps,
-                progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
-            };
-            let mut report = |r: &mpc::train::EpochReport| {
-                let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
-                if let Some((acc, l)) = r.eval {
-                    line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
-                }
-                if let Some(s) = r.loss_scale {
-                    line.push_str(&format!(", loss scale {s}"));
-                }
-                line.push_str(&format!(", skipped {}, {} samples/s", r.skipped, mpc::train::rate(r.samples_per_s)));
-                // A closed output does not stop the training (its checkpoints are its results).
-                let _ = write_out(format!("{line}\n"));
-            };
-            let trained = on_device!(kind, devices, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
-            report_ties(&trained.ties);
-            report_folded(&trained.folded);
-            report_auto_scale(trained.auto_scale.clone());
-            if let Some((acc, _)) = trained.epochs.last().and_then(|e| e.eval) {
-                write_out(format!("test accuracy: {:.2}%\n", acc * 100.0))?;
-            }
-            if stats {
-                eprintln!("mpc: training step: {}", trained.stats);
-            }
-            if let Some(o) = output {
-                let g = mpc::train::with_trained_weights(&model, &trained.state, &trained.ties);
-                mpc::save(&g, &o, Format::Onnx)?;
-            }
-            Ok(())
-        }
+        Command::Train(t) => train_command(t, devices),
         Command::Compile { common, output, emit, dump_after, stop_after, stats, train, train_args } => {
             let format = match (&emit, &output) {
                 (Some(e), _) => Some(
