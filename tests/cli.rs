@@ -286,13 +286,15 @@ fn a_closed_output_ends_quietly() {
     use std::process::{Command, Stdio};
     let m = fixture("transformer");
     for args in [&["inspect", m.to_str().unwrap()][..], &["devices"][..]] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_mpc"))
+        // The reading end is closed before mpc starts: its first write meets a closed pipe.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let child = Command::new(env!("CARGO_BIN_EXE_mpc"))
             .args(args)
-            .stdout(Stdio::piped())
+            .stdout(Stdio::from(writer))
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        drop(child.stdout.take());
         let r = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&r.stderr);
         assert!(r.status.success() && err.is_empty(), "{args:?}: {:?} {err}", r.status);
