@@ -74,7 +74,8 @@ pub struct BenchRow {
     /// bytes did not hold (cuDNN's among it), and how many launches' the arena held.
     pub workspace_bytes: u64,
     pub scratch_in_arena: u64,
-    /// Compiling the model and lowering the step.
+    /// Compiling the model, lowering the step and loading it on the device (its constants, its
+    /// kernels built or taken from the cache).
     pub compile_ms: f64,
     pub launches_per_step: u64,
     /// The device memory in use after the steps as its driver reports it (GPUs; every process's).
@@ -127,6 +128,65 @@ fn median(mut t: Vec<f64>) -> (f64, f64) {
     (t[t.len() / 2], t[0])
 }
 
+/// What a benchmark steps: a training step loaded by the library's trainer, or an inference
+/// program in a session of its own; and the inputs it is fed.
+struct Stepped<D: Device> {
+    runner: Runner<D>,
+    feeds: HashMap<String, mpc_runtime::HostTensor>,
+}
+
+enum Runner<D: Device> {
+    Train(Box<crate::trainer::Trainer<D>>),
+    Infer(Session<D>),
+}
+
+impl<D: Device> Stepped<D> {
+    fn session(&mut self) -> &mut Session<D> {
+        match &mut self.runner {
+            Runner::Train(t) => t.session_mut(),
+            Runner::Infer(s) => s,
+        }
+    }
+}
+
+/// The step a policy's row measures, on `dev`, and the result read after each step (the loss
+/// when training, else the smallest output). Training goes through [`crate::trainer::TrainingStep`],
+/// as `mpc train` does; `fwd` is the model with its batch freed (inference binds it as is).
+fn open_step<D: Device>(
+    dev: D,
+    model: &Graph,
+    fwd: &Graph,
+    path: &Path,
+    o: &Options,
+    cfg: &BenchConfig,
+) -> Result<(Stepped<D>, String)> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
+    let inputs = |g: &Graph| {
+        let dims = batch_dims(g, cfg.batch, &o.dims);
+        crate::run::random_inputs(g, 1, &dims).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))
+    };
+    if cfg.train {
+        let sizes = batch_dims(fwd, cfg.batch, &o.dims);
+        let step = crate::trainer::TrainingStep::compile(model, path, o, sizes)?;
+        let feeds = inputs(step.graph())?;
+        let trainer = step.on(dev, &feeds)?;
+        let sync = trainer.loss_name().to_string();
+        return Ok((Stepped { runner: Runner::Train(Box::new(trainer)), feeds }, sync));
+    }
+    let mut g = fwd.clone();
+    crate::compile(&mut g, path, o, &mut |_, _| {})?;
+    let feeds = inputs(&g)?;
+    let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
+    let sync = program
+        .outputs
+        .iter()
+        .min_by_key(|(_, r)| r.bytes())
+        .map(|(n, _)| n.clone())
+        .ok_or_else(|| Error::Usage(format!("{}: the model has no output", path.display())))?;
+    let session = Session::new(dev, program).map_err(rerr)?;
+    Ok((Stepped { runner: Runner::Infer(session), feeds }, sync))
+}
+
 /// Measures every policy of `cfg` on devices from `device`, one fresh device per policy.
 pub fn bench<D: Device>(
     device: impl Fn() -> Result<D>,
@@ -156,27 +216,13 @@ pub fn bench<D: Device>(
         let mut o = opts.clone();
         o.policy = Some(policy.clone());
         let t0 = Instant::now();
-        let mut g = fwd.clone();
-        let cx = crate::compile(&mut g, path, &o, &mut |_, _| {})?;
-        let dims = batch_dims(&g, cfg.batch, &opts.dims);
-        let feeds =
-            crate::run::random_inputs(&g, 1, &dims).map_err(|e| Error::Usage(format!("{}: {e}", path.display())))?;
         let dev = device()?;
         let opened = dev.memory_in_use();
         device_name = dev.caps().name;
-        let program = crate::run::lower_for_inputs(&g, &feeds, dev.caps(), path)?;
+        let (mut step, sync) = open_step(dev, model, &fwd, path, &o, cfg)?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        // The result read after each step: the loss when training, else the smallest output.
-        let sync = match g.train.as_ref().and_then(|t| t.loss) {
-            Some(l) if cfg.train => g.name(l).to_string(),
-            _ => program
-                .outputs
-                .iter()
-                .min_by_key(|(_, r)| r.bytes())
-                .map(|(n, _)| n.clone())
-                .ok_or_else(|| Error::Usage(format!("{}: the model has no output", path.display())))?,
-        };
-        let mut session = Session::new(dev, program).map_err(rerr)?;
+        let feeds = std::mem::take(&mut step.feeds);
+        let session = step.session();
         let mut times = Vec::with_capacity(cfg.steps);
         for i in 0..cfg.warmup + cfg.steps {
             // The arena reuses an input's bytes after its last reader: each step is fed.
@@ -212,7 +258,7 @@ pub fn bench<D: Device>(
         let (step_ms_median, step_ms_min) = median(times);
         let stats = session.stats(0);
         let counters = session.counters();
-        let low = cx.policy.as_ref().map_or(DType::F32, |p| p.low);
+        let low = crate::policy(&o)?.as_ref().map_or(DType::F32, |p| p.low);
         let low = if policy == "fp32" { DType::F32 } else { low };
         let peak = match peaks.get(&low) {
             Some(&p) => p,

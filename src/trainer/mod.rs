@@ -141,17 +141,27 @@ pub struct EvalNumbers {
     pub counted: usize,
 }
 
-impl<D: Device> Trainer<D> {
-    /// Compiles `model` (loaded from `path`, which messages name) as `opts` says and loads the
-    /// step for `first` (a batch: the graph inputs and the labels by name) on `device`.
-    pub fn new(
-        device: D,
-        model: &Graph,
-        path: &Path,
-        opts: &Options,
-        first: &HashMap<String, HostTensor>,
-    ) -> Result<Self> {
-        let fwd = bind_sample_dims(model, first, path)?;
+/// A model's training step compiled for a device to load ([`TrainingStep::on`]): what
+/// [`Trainer::new`] does in two halves, for a caller that makes its first batch from the step's
+/// inputs (random data for a benchmark).
+pub struct TrainingStep {
+    graph: Graph,
+    eval: Graph,
+    names: Names,
+    scale_bounds: Option<(f32, f32)>,
+    accuracy: Option<(CrossEntropy, String)>,
+    compiled: Compiled,
+    export_batch: Option<u64>,
+    bound_from: String,
+    path: PathBuf,
+}
+
+impl TrainingStep {
+    /// Compiles `model` (loaded from `path`, which messages name) as `opts` says, its sample dims
+    /// bound to `sizes` (a sequence length, an image size: what a batch's tensors give them,
+    /// [`crate::run::input_sizes`]; the batch stays symbolic), an export's fixed batch freed.
+    pub fn compile(model: &Graph, path: &Path, opts: &Options, sizes: HashMap<String, u64>) -> Result<Self> {
+        let fwd = crate::run::bind_sample_dims(model, sizes, path)?;
         let bound_from = bound_from(model, &fwd);
         let mut graph = fwd;
         let export_batch = free_batch(&mut graph);
@@ -192,14 +202,32 @@ impl<D: Device> Trainer<D> {
             Some((Loss::CrossEntropy(ce), labels)) => Some((*ce, labels.clone())),
             _ => None,
         };
-        let step = Lowering {
-            state: sig.state.iter().map(|&(s, _)| s).collect(),
+        let compiled = Compiled { ties: cx.ties, folded: cx.folded, auto_scale: cx.auto_scale };
+        Ok(TrainingStep {
             graph,
-            caps: device.caps(),
+            eval,
+            names,
+            scale_bounds,
+            accuracy,
+            compiled,
             export_batch,
             bound_from,
             path: path.to_owned(),
-        };
+        })
+    }
+
+    /// The training step, with its symbolic dims: its inputs are what a batch holds.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Loads the step on `device`, lowered for `first` (a batch: the graph inputs and the labels
+    /// by name).
+    pub fn on<D: Device>(self, device: D, first: &HashMap<String, HostTensor>) -> Result<Trainer<D>> {
+        let TrainingStep { graph, eval, names, scale_bounds, accuracy, compiled, export_batch, bound_from, path } =
+            self;
+        let state = graph.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
+        let step = Lowering { state, graph, caps: device.caps(), export_batch, bound_from, path };
         let dims = step.dims(first)?;
         let main = step.lower(&step.graph, &dims, None, &HashSet::new())?;
         let layout = main.state_layout.clone();
@@ -216,8 +244,34 @@ impl<D: Device> Trainer<D> {
             names,
             scale_bounds,
             accuracy,
-            compiled: Compiled { ties: cx.ties, folded: cx.folded, auto_scale: cx.auto_scale },
+            compiled,
         })
+    }
+}
+
+impl<D: Device> Trainer<D> {
+    /// Compiles `model` (loaded from `path`, which messages name) as `opts` says and loads the
+    /// step for `first` (a batch: the graph inputs and the labels by name) on `device`.
+    pub fn new(
+        device: D,
+        model: &Graph,
+        path: &Path,
+        opts: &Options,
+        first: &HashMap<String, HostTensor>,
+    ) -> Result<Self> {
+        let sizes = crate::run::input_sizes(model, first, path)?;
+        TrainingStep::compile(model, path, opts, sizes)?.on(device, first)
+    }
+
+    /// The session the trainer steps, for measurements (device marks, a profiled step, the
+    /// counters): program 0 is the one lowered for the first batch.
+    pub fn session_mut(&mut self) -> &mut Session<D> {
+        &mut self.session
+    }
+
+    /// The training step's outputs' names: its loss.
+    pub fn loss_name(&self) -> &str {
+        &self.names.loss
     }
 
     /// The training step, with its symbolic dims: its inputs are what a batch holds.
