@@ -1,8 +1,10 @@
 //! Training data as safetensors shards, memory-mapped and read a batch at a time.
 //!
-//! A [`Dataset`] is one or more shards whose tensors agree: the same names, and for each the same
-//! dtype and per-sample shape (the first dim is the sample; shards may hold different counts).
-//! Samples are numbered across the shards in order. A batch copies its rows out of the maps; the
+//! A [`Dataset`] is one or more shards whose tensors agree: the same names and, for each, the same
+//! dtype (the first dim is the sample; shards may hold different counts). Samples are numbered
+//! across the shards in order. Shards whose per-sample shapes are the same form a bucket (one
+//! sequence length, one image size): a batch takes its samples from one bucket, and a model with
+//! a symbolic sequence axis trains at each bucket's length. A batch copies its rows out of the maps; the
 //! pages it read are handed back to the kernel every [`RELEASE_EVERY`] bytes, so the process's
 //! resident memory does not grow with the dataset, however large.
 
@@ -38,15 +40,27 @@ impl Column {
 struct Shard {
     path: PathBuf,
     map: memmap2::Mmap,
+    columns: BTreeMap<String, Column>,
+    /// The bucket: the first shard's number among those with these columns.
+    bucket: usize,
     /// Where each tensor's bytes start in the map.
     starts: HashMap<String, usize>,
     samples: usize,
 }
 
+/// Samples of one per-sample shape ([`Dataset::buckets`]).
+pub struct Bucket<'a> {
+    /// Its first shard.
+    pub path: &'a Path,
+    /// Its first sample, where it has one.
+    pub first: Option<usize>,
+    /// Its samples among those counted.
+    pub samples: usize,
+}
+
 /// One or more shards: see the [module](self).
 pub struct Dataset {
     shards: Vec<Shard>,
-    columns: BTreeMap<String, Column>,
     /// The number of the first sample of each shard.
     firsts: Vec<usize>,
     samples: usize,
@@ -65,20 +79,18 @@ impl Dataset {
         if files.is_empty() {
             return Err(Error::Usage("no data: give --data FILE.safetensors".into()));
         }
-        let mut shards = Vec::new();
-        let mut columns: Option<(PathBuf, BTreeMap<String, Column>)> = None;
+        let mut shards: Vec<Shard> = Vec::new();
         for path in files {
-            let (shard, cols) = open_shard(&path)?;
-            match &columns {
-                None => columns = Some((path.clone(), cols)),
-                Some((first, want)) => agree(&path, &cols, first, want)?,
+            let mut shard = open_shard(&path)?;
+            if let Some(first) = shards.first() {
+                agree(&shard.path, &shard.columns, &first.path, &first.columns)?;
             }
+            shard.bucket = shards.iter().position(|s| s.columns == shard.columns).unwrap_or(shards.len());
             shards.push(shard);
         }
-        let columns = columns.map(|c| c.1).unwrap_or_default();
         let firsts: Vec<usize> = shards.iter().scan(0, |n, s| Some(std::mem::replace(n, *n + s.samples))).collect();
         let samples = shards.iter().map(|s| s.samples).sum();
-        Ok(Dataset { shards, columns, firsts, samples, touched: Cell::new(0) })
+        Ok(Dataset { shards, firsts, samples, touched: Cell::new(0) })
     }
 
     /// The samples of all shards.
@@ -90,12 +102,34 @@ impl Dataset {
         self.samples == 0
     }
 
+    /// The first shard's tensor `name` (the dtype is every shard's; the per-sample shape its
+    /// bucket's).
     pub fn column(&self, name: &str) -> Option<&Column> {
-        self.columns.get(name)
+        self.shards.first()?.columns.get(name)
     }
 
     pub fn names(&self) -> Vec<&str> {
-        self.columns.keys().map(|k| k.as_str()).collect()
+        self.shards.first().map_or(Vec::new(), |s| s.columns.keys().map(|k| k.as_str()).collect())
+    }
+
+    /// The bucket of sample `i`: samples of one bucket have the same per-sample shapes.
+    pub fn bucket_of(&self, i: usize) -> usize {
+        self.shards[self.firsts.partition_point(|&f| f <= i) - 1].bucket
+    }
+
+    /// The buckets, in order: for each, its first shard's path, its first sample and its samples
+    /// among the first `n`.
+    pub fn buckets(&self, n: usize) -> Vec<Bucket<'_>> {
+        let mut out: BTreeMap<usize, Bucket<'_>> = BTreeMap::new();
+        for (s, &first) in self.shards.iter().zip(&self.firsts) {
+            let here = (first + s.samples).min(n).saturating_sub(first);
+            let b = out.entry(s.bucket).or_insert(Bucket { path: &s.path, first: None, samples: 0 });
+            b.samples += here;
+            if s.samples > 0 && b.first.is_none() {
+                b.first = Some(first);
+            }
+        }
+        out.into_values().collect()
     }
 
     /// The files, for messages: the one file, or the first and the count.
@@ -107,20 +141,24 @@ impl Dataset {
         }
     }
 
-    /// Samples `idx` (numbered across the shards) of tensor `name`, each shaped `sample` (of the
-    /// column's size: images stored flat feed a `[1, 8, 8]` input).
-    pub fn rows(&self, name: &str, idx: &[usize], sample: &[usize]) -> HostTensor {
-        let col = &self.columns[name];
+    /// Samples `idx` (numbered across the shards, all of one bucket) of tensor `name`, each
+    /// shaped `sample` where given (of the same size: images stored flat feed a `[1, 8, 8]`
+    /// input), else as stored.
+    pub fn rows(&self, name: &str, idx: &[usize], sample: Option<&[usize]>) -> HostTensor {
+        let shard_of = |i: usize| self.firsts.partition_point(|&f| f <= i) - 1;
+        let col =
+            idx.first().map_or_else(|| &self.shards[0].columns[name], |&i| &self.shards[shard_of(i)].columns[name]);
         let row = col.row_bytes();
         let mut bytes = Vec::with_capacity(idx.len() * row);
         for &i in idx {
-            let s = self.firsts.partition_point(|&f| f <= i) - 1;
+            let s = shard_of(i);
             let shard = &self.shards[s];
+            debug_assert_eq!(&shard.columns[name], col, "a batch of samples of two buckets");
             let at = shard.starts[name] + (i - self.firsts[s]) * row;
             bytes.extend_from_slice(&shard.map[at..at + row]);
         }
         self.touch(idx.len() as u64 * (row as u64 + 2 * FAULT_AROUND));
-        let shape = [&[idx.len()], sample].concat();
+        let shape = [&[idx.len()], sample.unwrap_or(&col.sample)].concat();
         HostTensor::from_le_bytes(col.dtype, shape, &bytes)
     }
 
@@ -183,8 +221,8 @@ fn matches(pattern: &str, name: &str) -> bool {
     p[i..].iter().all(|&c| c == '*')
 }
 
-/// Maps one shard and reads its header: the shard and its columns.
-fn open_shard(path: &Path) -> Result<(Shard, BTreeMap<String, Column>)> {
+/// Maps one shard and reads its header.
+fn open_shard(path: &Path) -> Result<Shard> {
     let usage = |m: String| Error::Usage(format!("{}: {m}", path.display()));
     let file = std::fs::File::open(path).map_err(|e| usage(e.to_string()))?;
     // SAFETY: a read-only map; a shard changed or truncated while mpc trains on it would change
@@ -212,11 +250,12 @@ fn open_shard(path: &Path) -> Result<(Shard, BTreeMap<String, Column>)> {
         columns.insert(name, Column { dtype, sample: sample.to_vec() });
     }
     let samples = samples.map_or(0, |s| s.1);
-    Ok((Shard { path: path.to_owned(), map, starts, samples }, columns))
+    Ok(Shard { path: path.to_owned(), map, columns, bucket: 0, starts, samples })
 }
 
-/// Checks that shard `path`'s columns are those of the first shard: one line naming the shard and
-/// the tensor where they are not.
+/// Checks that shard `path`'s columns are those of the first shard (the names, the dtypes, the
+/// ranks of the samples): one line naming the shard and the tensor where they are not. Per-sample
+/// sizes may differ (another bucket); whether they fit the model is the trainer's to say.
 fn agree(path: &Path, cols: &BTreeMap<String, Column>, first: &Path, want: &BTreeMap<String, Column>) -> Result<()> {
     let bad = |m: String| Err(Error::Usage(format!("{}: {m}", path.display())));
     let first = first.display();
@@ -226,7 +265,7 @@ fn agree(path: &Path, cols: &BTreeMap<String, Column>, first: &Path, want: &BTre
             Some(c) if c.dtype != w.dtype => {
                 return bad(format!("tensor `{name}` is {}, in {first} it is {}", c.dtype, w.dtype))
             }
-            Some(c) if c.sample != w.sample => {
+            Some(c) if c.sample.len() != w.sample.len() => {
                 return bad(format!("tensor `{name}` has samples of shape {:?}, in {first} {:?}", c.sample, w.sample))
             }
             Some(_) => {}

@@ -10,7 +10,7 @@
 //! `mpc.iteration`, the number of batches done. The step itself is the library's [`Trainer`]:
 //! this module is the loop over it (data, progress, evaluation, checkpoints, the log).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -117,8 +117,9 @@ fn permutation(n: u32, seed: u64) -> Vec<u32> {
     p
 }
 
-/// A data tensor the step reads: its name and the per-sample shape it is fed as.
-type Feed = (String, Vec<usize>);
+/// A data tensor the step reads: its name, and the per-sample shape it is fed as where the
+/// model fixes one of the stored size (images stored flat); else as stored (a bucket's length).
+type Feed = (String, Option<Vec<usize>>);
 
 /// "no tensor `name` for the graph input of that name (the file has: ...)".
 fn no_tensor(name: &str, data: &Dataset) -> Error {
@@ -147,15 +148,14 @@ fn feeds_for(g: &Graph, data: &Dataset) -> Result<Vec<Feed>> {
             .shape
             .as_ref()
             .and_then(|s| s.dims().get(1..)?.iter().map(|d| d.fixed().map(|x| x as usize)).collect::<Option<Vec<_>>>())
-            .filter(|s| s.iter().product::<usize>() == row)
-            .unwrap_or_else(|| c.sample.clone());
+            .filter(|s| s.iter().product::<usize>() == row && *s != c.sample);
         out.push((name.to_string(), sample));
     }
     Ok(out)
 }
 
 fn batch_feeds(data: &Dataset, feeds: &[Feed], idx: &[usize]) -> HashMap<String, HostTensor> {
-    feeds.iter().map(|(n, s)| (n.clone(), data.rows(n, idx, s))).collect()
+    feeds.iter().map(|(n, s)| (n.clone(), data.rows(n, idx, s.as_deref()))).collect()
 }
 
 /// The feeds of the model's inputs and, where the loss reads labels, of the labels: what the
@@ -164,11 +164,85 @@ fn step_feeds(model: &Graph, data: &Dataset, opts: &Options) -> Result<Vec<Feed>
     let mut feeds = feeds_for(model, data)?;
     if let Some(t) = opts.train.as_ref().filter(|t| !matches!(t.loss, mpc_passes::train::Loss::Output(_))) {
         if model.find(&t.labels).is_none_or(|v| !model.inputs().contains(&v)) {
-            let labels = data.column(&t.labels).ok_or_else(|| no_tensor(&t.labels, data))?;
-            feeds.push((t.labels.clone(), labels.sample.clone()));
+            data.column(&t.labels).ok_or_else(|| no_tensor(&t.labels, data))?;
+            feeds.push((t.labels.clone(), None));
         }
     }
     Ok(feeds)
+}
+
+/// Checks a sample of each bucket (its first shard) against the model's inputs: their dtypes,
+/// ranks and fixed dims, and the symbolic dims they bind agreeing between inputs. One line naming
+/// the shard, the input and the axis, before any step.
+fn fits_the_model(model: &Graph, data: &Dataset) -> Result<()> {
+    let feeds = feeds_for(model, data)?;
+    // Any batch: an export's fixed one is freed when the step is built.
+    let mut model = model.clone();
+    for v in model.inputs().to_vec() {
+        let mut ty = model.ty(v).clone();
+        if let Some(d) = ty.shape.as_mut().and_then(|s| s.0.first_mut()) {
+            *d = mpc_ir::Dim::sym("batch");
+        }
+        model.set_ty(v, ty);
+    }
+    let model = &model;
+    for bucket in data.buckets(data.len()) {
+        let Some(first) = bucket.first else { continue };
+        let batch = batch_feeds(data, &feeds, &[first]);
+        if let Err(mpc_runtime::build::BuildError::Data(m)) = mpc_runtime::build::input_dims(model, &batch) {
+            return Err(Error::Usage(format!("{}: {m}", bucket.path.display())));
+        }
+    }
+    Ok(())
+}
+
+/// The first batch a run feeds: the first `batch` training samples of the first sample's bucket
+/// (the step is compiled for their sample dims).
+fn first_batch(data: &Dataset, n_train: usize, batch: usize) -> Vec<usize> {
+    let b = data.bucket_of(0);
+    (0..n_train).filter(|&i| data.bucket_of(i) == b).take(batch).collect()
+}
+
+/// An epoch's batches: the shuffled order cut into batches, each of one bucket's samples. With
+/// one bucket, the order's consecutive runs of `batch`; with several, each bucket's samples in
+/// the order's order, a batch made as soon as a bucket has `batch` of them (so that the buckets
+/// interleave as the order mixes them), the part-filled ones last.
+struct Batches {
+    order: Vec<u32>,
+    /// Where each batch starts in `order` (with several buckets), and its end.
+    bounds: Option<Vec<usize>>,
+    batch: usize,
+}
+
+impl Batches {
+    fn of(order: Vec<u32>, data: &Dataset, batch: usize) -> Batches {
+        if data.buckets(data.len()).len() < 2 {
+            return Batches { order, bounds: None, batch };
+        }
+        let mut open: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        let (mut arranged, mut bounds) = (Vec::with_capacity(order.len()), vec![0]);
+        for i in order {
+            let b = open.entry(data.bucket_of(i as usize)).or_default();
+            b.push(i);
+            if b.len() == batch {
+                arranged.append(b);
+                bounds.push(arranged.len());
+            }
+        }
+        for (_, mut rest) in open.into_iter().filter(|(_, v)| !v.is_empty()) {
+            arranged.append(&mut rest);
+            bounds.push(arranged.len());
+        }
+        Batches { order: arranged, bounds: Some(bounds), batch }
+    }
+
+    /// Batch `k` of the epoch.
+    fn get(&self, k: usize) -> &[u32] {
+        match &self.bounds {
+            Some(b) => &self.order[b[k]..b[k + 1]],
+            None => &self.order[k * self.batch..((k + 1) * self.batch).min(self.order.len())],
+        }
+    }
 }
 
 /// The held-out samples of `n`: `eval_split` as a share when below 1, else as a count.
@@ -178,18 +252,14 @@ fn eval_count(cfg: &TrainConfig, n: usize) -> usize {
     n_eval.min(n)
 }
 
-/// The batches of every epoch over `n` samples: the run a schedule spans (--max-steps stops a
-/// run that may be resumed, and does not shorten its schedule).
-fn run_length(cfg: &TrainConfig, n: usize) -> usize {
-    cfg.epochs * (n - eval_count(cfg, n)).div_ceil(cfg.batch.max(1))
-}
-
 /// `opts` with its learning-rate schedule spanning the run's updates (where it has no length of
-/// its own): its batches, or under gradient accumulation its whole groups of micro-batches.
-fn with_run_length(opts: &Options, cfg: &TrainConfig, n: usize) -> Options {
+/// its own): its batches (`per_epoch` in every epoch; --max-steps stops a run that may be
+/// resumed, and does not shorten its schedule), or under gradient accumulation its whole groups
+/// of micro-batches.
+fn with_run_length(opts: &Options, cfg: &TrainConfig, per_epoch: usize) -> Options {
     let mut o = opts.clone();
     if let Some(t) = o.train.as_mut() {
-        let updates = run_length(cfg, n) / t.accumulate.max(1) as usize;
+        let updates = cfg.epochs * per_epoch / t.accumulate.max(1) as usize;
         if let Some(s) = t.schedule.as_mut() {
             *s = s.for_run(updates as u64);
         }
@@ -236,9 +306,11 @@ pub fn train_on<D: Device>(
         return Err(Error::Usage(format!("{}: {n} samples, more than 2^32", data.describe())));
     }
     let eval_data = (!cfg.eval_data.is_empty()).then(|| Dataset::open(&cfg.eval_data)).transpose()?;
-    // A schedule spans the run: its updates, from the samples and the epochs.
-    let opts = &with_run_length(opts, cfg, n);
-    let first = batch_feeds(&data, &feeds, &(0..cfg.batch.min(n_train)).collect::<Vec<_>>());
+    // An epoch's batches, each of one bucket; a schedule spans the run's.
+    let per_epoch: usize = data.buckets(n_train).iter().map(|b| b.samples.div_ceil(cfg.batch)).sum();
+    let opts = &with_run_length(opts, cfg, per_epoch);
+    fits_the_model(model, &data)?;
+    let first = batch_feeds(&data, &feeds, &first_batch(&data, n_train, cfg.batch));
     let trainer = Trainer::new(device, model, path, opts, &first)?;
     // Every input of the step, the labels with the per-sample shape the step gives them; the
     // evaluation set's checked before any step.
@@ -247,7 +319,6 @@ pub fn train_on<D: Device>(
         Some(e) => Some(EvalSet::Separate(feeds_for(trainer.graph(), &e)?, e)),
         None => (n > n_train).then_some(EvalSet::HeldOut(n_train..n)),
     };
-    let per_epoch = n_train.div_ceil(cfg.batch);
     let mut run = Run {
         total: (cfg.epochs * per_epoch).min(cfg.max_steps.unwrap_or(usize::MAX)),
         trainer,
@@ -374,6 +445,7 @@ impl<D: Device> Run<'_, D> {
     fn epoch(&mut self) -> Result<EpochReport> {
         let epoch = self.iteration / self.per_epoch;
         let order = permutation(self.n_train as u32, self.cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
+        let batches = Batches::of(order, &self.data, self.cfg.batch);
         let t0 = Instant::now();
         let mut sums = EpochSums::default();
         let mut pending = Vec::with_capacity(PRINT_EVERY);
@@ -383,11 +455,7 @@ impl<D: Device> Run<'_, D> {
         self.bar.reset_eta();
         self.bar.set_position(in_epoch(self.iteration) as u64);
         while self.iteration < self.total && self.iteration / self.per_epoch == epoch {
-            let k = self.iteration % self.per_epoch;
-            let idx: Vec<usize> = order[k * self.cfg.batch..((k + 1) * self.cfg.batch).min(self.n_train)]
-                .iter()
-                .map(|&i| i as usize)
-                .collect();
+            let idx: Vec<usize> = batches.get(self.iteration % self.per_epoch).iter().map(|&i| i as usize).collect();
             let idx = idx.as_slice();
             pending.push((self.iteration + 1, self.trainer.step(&batch_feeds(&self.data, &self.feeds, idx))?));
             sums.samples += idx.len();
@@ -466,9 +534,15 @@ impl<D: Device> Run<'_, D> {
             Some(EvalSet::HeldOut(rows)) => (&self.data, &self.feeds, rows.clone()),
             Some(EvalSet::Separate(feeds, data)) => (data, feeds, 0..data.len()),
         };
-        let rows: Vec<usize> = rows.collect();
+        // In batches of one bucket each, the buckets in order.
+        let mut rows: Vec<usize> = rows.collect();
+        rows.sort_by_key(|&i| data.bucket_of(i));
+        let mut chunks = Vec::new();
+        for run in rows.chunk_by(|&a, &b| data.bucket_of(a) == data.bucket_of(b)) {
+            chunks.extend(run.chunks(self.cfg.batch.max(1)));
+        }
         let (mut correct, mut counted, mut loss, mut batches) = (0, 0, 0f64, 0usize);
-        for chunk in rows.chunks(self.cfg.batch.max(1)) {
+        for chunk in chunks {
             let e = self.trainer.evaluate(&batch_feeds(data, feeds, chunk))?;
             correct += e.correct;
             counted += e.counted;

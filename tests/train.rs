@@ -681,7 +681,7 @@ fn shards_train_as_one_file_and_disagreeing_shards_are_named() {
                 t[0].1 = x.pick(vec![x.shape[0], 32], &(0..x.shape[0] * 32).collect::<Vec<_>>());
             }
         },
-        "tensor `images` has samples of shape [32], in ",
+        "input `images` axis 1 is 32, the model declares 64 there",
     );
     let o = common::mpc(&[
         "train",

@@ -269,3 +269,83 @@ fn the_fused_attention_takes_every_transformer_export_and_trains_as_its_chains()
     // with a fixed batch (legacy).
     assert_eq!(fused_exports, 41);
 }
+
+/// GPT-2 exported with a dynamic sequence axis (both exporters) trains at two sequence lengths in
+/// one run: shards of length 8 and of length 4 are two buckets, each batch of one, the step
+/// compiled for each length over one state. The trainer's steps, alternating lengths, are bit for
+/// bit those of two trainers of one length each that hand the state over at every step; and a
+/// mixed run over both shards lowers its loss.
+#[test]
+fn two_sequence_lengths_train_in_one_run() {
+    use mpc::trainer::Trainer;
+    use mpc_runtime::device::CpuDevice;
+    for export in ["gpt2_seq.legacy.onnx", "gpt2_seq.dynamo.onnx"] {
+        let path = zoo().join(export);
+        let model = mpc::load(&path).unwrap();
+        let expected = mpc::run::read_safetensors(&zoo().join("gpt2_seq.grads.safetensors")).unwrap();
+        // Eight samples of length 8 (the export's two, repeated), and their first 4 tokens.
+        let of_length = |len: usize| -> Vec<(String, HostTensor)> {
+            ["input_ids", "labels"]
+                .iter()
+                .map(|&k| {
+                    let t = &expected[&format!("input.{k}")];
+                    let idx: Vec<usize> = (0..8).flat_map(|i| (0..len).map(move |j| (i % 2) * 8 + j)).collect();
+                    (k.to_string(), t.pick(vec![8, len], &idx))
+                })
+                .collect()
+        };
+        let dir = scratch(&format!("two_lengths_{export}"));
+        let shards = [8, 4].map(|len| {
+            let file = dir.join(format!("len{len}.safetensors"));
+            mpc::run::write_safetensors(&file, &of_length(len)).unwrap();
+            file
+        });
+        let batch = |len: usize, k: usize| -> HashMap<String, HostTensor> {
+            of_length(len).into_iter().map(|(n, t)| (n, mpc::trainer::rows(&t, &[2 * k, 2 * k + 1], None))).collect()
+        };
+        let t = TrainOptions {
+            loss: mpc_passes::train::Loss::CrossEntropy(mpc_passes::train::CrossEntropy {
+                axis: -1,
+                ..Default::default()
+            }),
+            optimizer: Optimizer::Sgd,
+            lr: 0.1,
+            ..Default::default()
+        };
+        let opts = mpc::Options { policy: Some("fp32".into()), train: Some(t), ..Default::default() };
+        let dev = CpuDevice::default;
+        let mut both = Trainer::new(dev(), &model, &path, &opts, &batch(8, 0)).unwrap();
+        let mut long = Trainer::new(dev(), &model, &path, &opts, &batch(8, 0)).unwrap();
+        let mut short = Trainer::new(dev(), &model, &path, &opts, &batch(4, 0)).unwrap();
+        short.load_state(&long.state().unwrap().into_iter().collect(), &path).unwrap();
+        let mut handed = true;
+        for k in 0..4 {
+            let len = if k % 2 == 0 { 8 } else { 4 };
+            let h = both.step(&batch(len, k)).unwrap();
+            let a = both.wait(h).unwrap().loss;
+            let (one, other) = if len == 8 { (&mut long, &mut short) } else { (&mut short, &mut long) };
+            let h = one.step(&batch(len, k)).unwrap();
+            let b = one.wait(h).unwrap().loss;
+            assert_eq!(a, b, "{export}: step {k} (length {len})");
+            other.load_state(&one.state().unwrap().into_iter().collect(), &path).unwrap();
+            handed &= both.state().unwrap() == one.state().unwrap();
+        }
+        assert!(handed, "{export}: the state of the two-length trainer differs");
+
+        let t = train_options_lm();
+        let opts = mpc::Options { policy: Some("mixed".into()), train: Some(t), ..Default::default() };
+        let cfg = TrainConfig { data: shards.to_vec(), epochs: 10, batch: 2, seed: 1, ..Default::default() };
+        let run = train(&model, &path, &opts, &cfg, &mut |_| {}).unwrap();
+        assert_eq!(run.losses.len(), 80, "{export}: 4 batches of each length per epoch");
+        let mean = |l: &[f32]| l.iter().map(|&x| f64::from(x)).sum::<f64>() / l.len() as f64;
+        let (first, last) = (mean(&run.losses[..8]), mean(&run.losses[72..]));
+        assert!(run.losses.iter().all(|l| l.is_finite()) && last < first, "{export}: {first} then {last}");
+        println!("{export}: two lengths in one run, loss {first:.3} -> {last:.3} over 10 epochs (mixed)");
+    }
+}
+
+fn train_options_lm() -> TrainOptions {
+    let cfg =
+        mpc::config::TrainFile { loss: Some("cross-entropy:axis=-1".into()), lr: Some(3e-3), ..Default::default() };
+    cfg.resolve().unwrap().0
+}

@@ -70,15 +70,15 @@ type Dims = BTreeMap<String, u64>;
 /// A training step compiled for a model and kept on a device: see the [module](self).
 pub struct Trainer<D: Device> {
     session: Session<D>,
-    step: Lowering,
-    /// The forward graph for evaluation: batch normalisation on its running statistics, no
-    /// dropout, the loss and the masters as in training. Its weights are variables at the
-    /// training state's slots (`eval_vars`), read in place.
-    eval: Graph,
-    eval_vars: HashSet<ValueId>,
+    /// The step compiled for each binding of the sample dims fed so far (a second sequence
+    /// length is a second compile), all over one state; the first is the first batch's.
+    variants: Vec<Variant>,
+    /// The model and the options, to compile the step for another binding.
+    source: (Graph, Options),
     layout: StateLayout,
-    programs: HashMap<Dims, ProgramId>,
-    eval_programs: HashMap<Dims, ProgramId>,
+    /// The programs loaded: by variant and the binding of every symbolic dim (the batch too).
+    programs: HashMap<(usize, Dims), ProgramId>,
+    eval_programs: HashMap<(usize, Dims), ProgramId>,
     names: Names,
     /// The bounds of dynamic loss scaling, which a loaded scale must lie within.
     scale_bounds: Option<(f32, f32)>,
@@ -99,7 +99,20 @@ pub struct Compiled {
     pub auto_scale: Option<mpc_passes::AutoScale>,
 }
 
+/// The step compiled for one binding of the sample dims.
+struct Variant {
+    /// The sample dims bound (every symbolic input dim but the batch's).
+    sizes: Dims,
+    step: Lowering,
+    /// The forward graph for evaluation: batch normalisation on its running statistics, no
+    /// dropout, the loss and the masters as in training. Its weights are variables at the
+    /// training state's slots (`eval_vars`), read in place.
+    eval: Graph,
+    eval_vars: HashSet<ValueId>,
+}
+
 /// The names of the step's values a trainer reads.
+#[derive(Clone, PartialEq)]
 struct Names {
     loss: String,
     skipped: String,
@@ -145,6 +158,9 @@ pub struct EvalNumbers {
 /// [`Trainer::new`] does in two halves, for a caller that makes its first batch from the step's
 /// inputs (random data for a benchmark).
 pub struct TrainingStep {
+    /// The sample dims bound, and the model and options compiled.
+    sizes: Dims,
+    source: (Graph, Options),
     graph: Graph,
     eval: Graph,
     names: Names,
@@ -160,8 +176,10 @@ impl TrainingStep {
     /// Compiles `model` (loaded from `path`, which messages name) as `opts` says, its sample dims
     /// bound to `sizes` (a sequence length, an image size: what a batch's tensors give them,
     /// [`crate::run::input_sizes`]; the batch stays symbolic), an export's fixed batch freed.
-    pub fn compile(model: &Graph, path: &Path, opts: &Options, sizes: HashMap<String, u64>) -> Result<Self> {
-        let fwd = crate::run::bind_sample_dims(model, sizes, path)?;
+    pub fn compile(model: &Graph, path: &Path, opts: &Options, mut sizes: HashMap<String, u64>) -> Result<Self> {
+        let batch = crate::run::batch_symbols(model);
+        sizes.retain(|s, _| !batch.contains(s));
+        let fwd = crate::run::bind_sample_dims(model, sizes.clone(), path)?;
         let bound_from = bound_from(model, &fwd);
         let mut graph = fwd;
         let export_batch = free_batch(&mut graph);
@@ -204,6 +222,8 @@ impl TrainingStep {
         };
         let compiled = Compiled { ties: cx.ties, folded: cx.folded, auto_scale: cx.auto_scale };
         Ok(TrainingStep {
+            sizes: sizes.into_iter().collect(),
+            source: (model.clone(), opts.clone()),
             graph,
             eval,
             names,
@@ -224,10 +244,10 @@ impl TrainingStep {
     /// Loads the step on `device`, lowered for `first` (a batch: the graph inputs and the labels
     /// by name).
     pub fn on<D: Device>(self, device: D, first: &HashMap<String, HostTensor>) -> Result<Trainer<D>> {
-        let TrainingStep { graph, eval, names, scale_bounds, accuracy, compiled, export_batch, bound_from, path } =
-            self;
-        let state = graph.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
-        let step = Lowering { state, graph, caps: device.caps(), export_batch, bound_from, path };
+        let caps = device.caps();
+        let (source, names, scale_bounds, accuracy, compiled) =
+            (self.source.clone(), self.names.clone(), self.scale_bounds, self.accuracy.clone(), self.compiled.clone());
+        let (sizes, step, eval) = self.into_parts(caps);
         let dims = step.dims(first)?;
         let main = step.lower(&step.graph, &dims, None, &HashSet::new())?;
         let layout = main.state_layout.clone();
@@ -235,17 +255,23 @@ impl TrainingStep {
         let eval_vars = eval.initializers().filter(|&v| layout.find(eval.name(v)).is_some()).collect();
         Ok(Trainer {
             session,
-            step,
-            eval,
-            eval_vars,
+            variants: vec![Variant { sizes, step, eval, eval_vars }],
+            source,
             layout,
-            programs: HashMap::from([(dims, 0)]),
+            programs: HashMap::from([((0, dims), 0)]),
             eval_programs: HashMap::new(),
             names,
             scale_bounds,
             accuracy,
             compiled,
         })
+    }
+
+    /// The sample dims bound, the step to lower for a device of `caps`, and the evaluation graph.
+    fn into_parts(self, caps: DeviceCaps) -> (Dims, Lowering, Graph) {
+        let TrainingStep { sizes, graph, eval, export_batch, bound_from, path, .. } = self;
+        let state = graph.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
+        (sizes, Lowering { state, graph, caps, export_batch, bound_from, path }, eval)
     }
 }
 
@@ -276,7 +302,54 @@ impl<D: Device> Trainer<D> {
 
     /// The training step, with its symbolic dims: its inputs are what a batch holds.
     pub fn graph(&self) -> &Graph {
-        &self.step.graph
+        &self.variants[0].step.graph
+    }
+
+    /// The first variant's step: the state's names, the model's path for messages.
+    fn first(&self) -> &Lowering {
+        &self.variants[0].step
+    }
+
+    /// The variant of the step compiled for `batch`'s sample dims (a sequence length, an image
+    /// size), compiled now when it is the first batch of its binding; its state is the trainer's.
+    fn variant_for(&mut self, batch: &HashMap<String, HostTensor>) -> Result<usize> {
+        let (model, opts) = &self.source;
+        let path = self.first().path.clone();
+        let mut sizes = crate::run::input_sizes(model, batch, &path)?;
+        let batch_dims = crate::run::batch_symbols(model);
+        sizes.retain(|s, _| !batch_dims.contains(s));
+        let key: Dims = sizes.clone().into_iter().collect();
+        if let Some(i) = self.variants.iter().position(|v| v.sizes == key) {
+            return Ok(i);
+        }
+        let step = TrainingStep::compile(model, &path, opts, sizes)?;
+        if step.names != self.names {
+            let what = format!("the step compiled for {key:?} names its results otherwise than the first");
+            return Err(self.first().run_error(mpc_runtime::RuntimeError::Internal(what)));
+        }
+        let (sizes, step, eval) = step.into_parts(self.first().caps);
+        let eval_vars = eval.initializers().filter(|&v| self.layout.find(eval.name(v)).is_some()).collect();
+        self.variants.push(Variant { sizes, step, eval, eval_vars });
+        Ok(self.variants.len() - 1)
+    }
+
+    /// The program of variant `v` (its evaluation graph's where `eval`) for `batch`'s dims,
+    /// lowered over the trainer's state the first time.
+    fn program_for(&mut self, v: usize, eval: bool, batch: &HashMap<String, HostTensor>) -> Result<ProgramId> {
+        let var = &self.variants[v];
+        let dims = if eval { dims_of(&var.eval, batch, &var.step.path)? } else { var.step.dims(batch)? };
+        let loaded = if eval { &self.eval_programs } else { &self.programs };
+        if let Some(&id) = loaded.get(&(v, dims.clone())) {
+            return Ok(id);
+        }
+        let p = match eval {
+            true => var.step.lower(&var.eval, &dims, Some(&self.layout), &var.eval_vars)?,
+            false => var.step.lower(&var.step.graph, &dims, Some(&self.layout), &HashSet::new())?,
+        };
+        let id = self.session.load(p).map_err(|e| self.first().run_error(e))?;
+        let loaded = if eval { &mut self.eval_programs } else { &mut self.programs };
+        loaded.insert((v, dims), id);
+        Ok(id)
     }
 
     /// What the compile found out about the model.
@@ -287,16 +360,8 @@ impl<D: Device> Trainer<D> {
     /// Runs one training step on `batch` (lowering a program for its dims the first time it
     /// sees them). The step's numbers are staged to the host without a wait: [`Self::wait`].
     pub fn step(&mut self, batch: &HashMap<String, HostTensor>) -> Result<StepHandle<D::Staged>> {
-        let dims = self.step.dims(batch)?;
-        let id = match self.programs.get(&dims) {
-            Some(&id) => id,
-            None => {
-                let p = self.step.lower(&self.step.graph, &dims, Some(&self.layout), &HashSet::new())?;
-                let id = self.session.load(p).map_err(|e| self.step.run_error(e))?;
-                self.programs.insert(dims, id);
-                id
-            }
-        };
+        let v = self.variant_for(batch)?;
+        let id = self.program_for(v, false, batch)?;
         let s = &mut self.session;
         let staged = (|| {
             s.feed(id, batch)?;
@@ -308,7 +373,7 @@ impl<D: Device> Trainer<D> {
                 scale: self.names.scale.as_deref().map(|n| s.read_later(id, n)).transpose()?,
             })
         })();
-        staged.map_err(|e| self.step.run_error(e))
+        staged.map_err(|e| self.first().run_error(e))
     }
 
     /// Waits for a step's numbers.
@@ -323,13 +388,13 @@ impl<D: Device> Trainer<D> {
                 loss_scale: h.scale.map(&mut value).transpose()?.or(self.names.fixed_scale),
             })
         })();
-        numbers.map_err(|e| self.step.run_error(e))
+        numbers.map_err(|e| self.first().run_error(e))
     }
 
     /// The loss scale now; `None` without loss scaling.
     pub fn loss_scale(&mut self) -> Result<Option<f64>> {
         match &self.names.scale {
-            Some(n) => Ok(Some(self.session.read_state(n).map_err(|e| self.step.run_error(e))?.f64s()[0])),
+            Some(n) => Ok(Some(self.session.read_state(n).map_err(|e| self.first().run_error(e))?.f64s()[0])),
             None => Ok(self.names.fixed_scale),
         }
     }
@@ -338,50 +403,39 @@ impl<D: Device> Trainer<D> {
     /// or under a schedule the peak the schedule scales.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
         let t = HostTensor::from_f64(mpc_ir::DType::F32, vec![], vec![f64::from(lr)]);
-        self.session.write_state(mpc_passes::train::LR, &t).map_err(|e| self.step.run_error(e))
+        self.session.write_state(mpc_passes::train::LR, &t).map_err(|e| self.first().run_error(e))
     }
 
     /// The mean loss and the accuracy counts of `batch` under the evaluation graph, which reads
     /// the training state in place.
     pub fn evaluate(&mut self, batch: &HashMap<String, HostTensor>) -> Result<EvalNumbers> {
-        let dims = dims_of(&self.eval, batch, &self.step.path)?;
-        let id = match self.eval_programs.get(&dims) {
-            Some(&id) => id,
-            None => {
-                let p = self.step.lower(&self.eval, &dims, Some(&self.layout), &self.eval_vars)?;
-                let id = self.session.load(p).map_err(|e| self.step.run_error(e))?;
-                self.eval_programs.insert(dims, id);
-                id
-            }
-        };
-        let rerr = |e| Error::Run { path: self.step.path.clone(), source: e };
+        let v = self.variant_for(batch)?;
+        let id = self.program_for(v, true, batch)?;
+        let eval = &self.variants[v].eval;
+        let rerr = |e| Error::Run { path: self.variants[0].step.path.clone(), source: e };
         self.session.feed(id, batch).map_err(rerr)?;
         self.session.step(id).map_err(rerr)?;
         let mut out = EvalNumbers::default();
-        let loss = mpc_passes::train::loss_value(&self.eval);
+        let loss = mpc_passes::train::loss_value(eval);
         if let Some(l) = loss {
-            out.loss = Some(self.session.read(id, self.eval.name(l)).map_err(rerr)?.f64s()[0]);
+            out.loss = Some(self.session.read(id, eval.name(l)).map_err(rerr)?.f64s()[0]);
         }
-        let scores = self
-            .eval
-            .outputs()
-            .iter()
-            .copied()
-            .find(|&v| Some(v) != loss && self.eval.ty(v).dtype.is_some_and(|d| d.is_float()));
+        let scores =
+            eval.outputs().iter().copied().find(|&v| Some(v) != loss && eval.ty(v).dtype.is_some_and(|d| d.is_float()));
         let Some(((ce, labels), scores)) = self.accuracy.as_ref().zip(scores) else { return Ok(out) };
         let Some(labels) = batch.get(labels) else { return Ok(out) };
-        let scores = self.session.read(id, self.eval.name(scores)).map_err(rerr)?;
+        let scores = self.session.read(id, eval.name(scores)).map_err(rerr)?;
         (out.correct, out.counted) = count_correct(&scores, labels, ce);
         Ok(out)
     }
 
     /// Every state value by name (the masters under their initializer names, the rest `mpc.`).
     pub fn state(&mut self) -> Result<Vec<(String, HostTensor)>> {
-        let g = &self.step.graph;
+        let g = &self.variants[0].step.graph;
         let names: Vec<String> = g.train.iter().flat_map(|t| &t.state).map(|&(s, _)| g.name(s).to_string()).collect();
         names
             .into_iter()
-            .map(|n| Ok((n.clone(), self.session.read_state(&n).map_err(|e| self.step.run_error(e))?)))
+            .map(|n| Ok((n.clone(), self.session.read_state(&n).map_err(|e| self.first().run_error(e))?)))
             .collect()
     }
 
@@ -391,7 +445,7 @@ impl<D: Device> Trainer<D> {
     /// state from before the rate was state keeps this trainer's rate.
     pub fn load_state(&mut self, saved: &HashMap<String, HostTensor>, origin: &Path) -> Result<()> {
         let bad = |what: String| Error::Usage(format!("{}: {what}", origin.display()));
-        let g = &self.step.graph;
+        let g = &self.variants[0].step.graph;
         let sig = g.train.as_ref().map(|t| t.state.clone()).unwrap_or_default();
         for (s, _) in sig {
             let name = g.name(s);
@@ -405,7 +459,9 @@ impl<D: Device> Trainer<D> {
                 .ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
             let bounds = (self.names.scale.as_deref() == Some(name)).then_some(self.scale_bounds).flatten();
             checkpoint::check_state(name, t, bounds).map_err(&bad)?;
-            self.session.write_state(name, t).map_err(|e| Error::Run { path: self.step.path.clone(), source: e })?;
+            self.session
+                .write_state(name, t)
+                .map_err(|e| Error::Run { path: self.variants[0].step.path.clone(), source: e })?;
         }
         Ok(())
     }
@@ -436,7 +492,7 @@ impl<D: Device> Trainer<D> {
 
     /// What the training step costs (`--stats`): its launches, arena and state.
     pub fn stats(&self) -> Result<String> {
-        let p = self.session.program(0).map_err(|e| self.step.run_error(e))?;
+        let p = self.session.program(0).map_err(|e| self.first().run_error(e))?;
         Ok(crate::run::stats_line(p, &self.session.stats(0)))
     }
 }
