@@ -131,7 +131,7 @@ pub fn memory_plan_for(
 ) -> Result<(mpc_runtime::program::Program, BTreeMap<String, u64>)> {
     let state: std::collections::HashSet<mpc_ir::ValueId> =
         g.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
-    let (bound, used) = fold_and_infer(g.clone(), dims, &state, model)?;
+    let (bound, used) = fold_and_infer(g.clone(), dims, &state, caps, model)?;
     let program = lower_bound(&bound, caps, None, None, model)?;
     Ok((program, used))
 }
@@ -415,14 +415,16 @@ pub fn lower_bound(
     build::lower_bound(g, caps, layout, variables).map_err(at(model))
 }
 
-/// [`build::fold_and_infer`]; messages name `model`.
+/// [`build::fold_and_infer`] for a device of `caps` (its memory bounds what a fold makes);
+/// messages name `model`.
 pub fn fold_and_infer(
     g: Graph,
     dims: &HashMap<String, u64>,
     changing: &std::collections::HashSet<mpc_ir::ValueId>,
+    caps: mpc_runtime::program::DeviceCaps,
     model: &Path,
 ) -> Result<(Graph, BTreeMap<String, u64>)> {
-    build::fold_and_infer(g, dims, changing).map_err(at(model))
+    build::fold_and_infer(g, dims, changing, caps.memory).map_err(at(model))
 }
 
 pub(crate) use build::fold_constants;

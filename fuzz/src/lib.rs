@@ -14,7 +14,7 @@ use std::path::Path;
 use mpc::{Format, Options};
 use mpc_ir::onnx::proto::{self, attribute_type as at, tensor_shape_proto::dimension, type_proto, ModelProto};
 use mpc_ir::Graph;
-use mpc_runtime::device::{CpuDevice, Device};
+use mpc_runtime::device::{CpuDevice, Device, DeviceOptions};
 use prost::Message;
 
 /// The most bytes one lowered program may hold here: small graphs stay fast.
@@ -26,7 +26,6 @@ pub const MAX_FLOPS: u64 = 50_000_000;
 /// result; lowers and runs it. (One policy per input: the input's last byte picks it, so both
 /// get half the executions.)
 pub fn exercise(mut g: Graph, mixed: bool) {
-    mpc_runtime::device::set_memory_limit(MEMORY_LIMIT);
     let path = Path::new("fuzz.onnx");
     let policy = if mixed { "mixed" } else { "fp32" };
     let opts = Options { policy: Some(policy.into()), ..Default::default() };
@@ -79,11 +78,11 @@ fn run(g: &Graph, path: &Path) {
     if mpc::summary::flops(&bound).total() > MAX_FLOPS {
         return;
     }
-    let feeds = match mpc::run::random_inputs(g, 1, &dims) {
+    let feeds = match mpc::run::random_inputs_within(g, 1, &dims, MEMORY_LIMIT) {
         Ok(feeds) => feeds,
         Err(e) => return refused(&e),
     };
-    let device = CpuDevice::default();
+    let device = CpuDevice::with_options(DeviceOptions { memory_limit: Some(MEMORY_LIMIT), ..Default::default() });
     let program = match mpc::run::lower_for_inputs(g, &feeds, device.caps(), path) {
         Ok(program) => program,
         Err(e) => return refused(&e),

@@ -348,7 +348,7 @@ pub fn lower_for_inputs(
     }
     let state: std::collections::HashSet<mpc_ir::ValueId> =
         b.train.iter().flat_map(|t| t.state.iter().map(|&(s, _)| s)).collect();
-    let (bound, _) = fold_and_infer(b, &dims, &state)?;
+    let (bound, _) = fold_and_infer(b, &dims, &state, caps.memory)?;
     lower_bound(&bound, caps, None, None)
 }
 
@@ -375,7 +375,7 @@ pub fn lower_bound(
     layout: Option<&crate::program::StateLayout>,
     variables: Option<&std::collections::HashSet<mpc_ir::ValueId>>,
 ) -> Result<crate::program::Program> {
-    let branches = if_branches(g)?;
+    let branches = if_branches(g, caps.memory)?;
     let opts =
         crate::program::LowerOptions { layout, variables, branches: Some(&branches), unfused: false, bitwise: false };
     crate::program::lower(g, caps, opts).map_err(BuildError::Run)
@@ -383,7 +383,7 @@ pub fn lower_bound(
 
 /// The branches of every `If` of `g` as typed graphs of their own (the outer values they read
 /// are their inputs), and theirs, recursively.
-fn if_branches(g: &Graph) -> Result<HashMap<mpc_ir::NodeId, crate::program::Branches>> {
+fn if_branches(g: &Graph, limit: u64) -> Result<HashMap<mpc_ir::NodeId, crate::program::Branches>> {
     let mut out = HashMap::new();
     for n in g.node_ids() {
         let node = g.node(n);
@@ -400,8 +400,8 @@ fn if_branches(g: &Graph) -> Result<HashMap<mpc_ir::NodeId, crate::program::Bran
             });
             let raw = raw.ok_or_else(|| err("missing".into()))?;
             let sub = mpc_ir::onnx::decode_subgraph(raw, g, &captures).map_err(|e| err(e.to_string()))?;
-            let (typed, _) = fold_and_infer(sub, &HashMap::new(), &Default::default())?;
-            let nested = if_branches(&typed)?;
+            let (typed, _) = fold_and_infer(sub, &HashMap::new(), &Default::default(), limit)?;
+            let nested = if_branches(&typed, limit)?;
             Ok((typed, nested))
         };
         let (then_graph, then_nested) = branch("then_branch")?;
@@ -414,19 +414,21 @@ fn if_branches(g: &Graph) -> Result<HashMap<mpc_ir::NodeId, crate::program::Bran
 /// Binds `dims`, infers every type, and folds what is constant until nothing more folds: folded
 /// shape arithmetic (`Shape → Gather → Concat`) gives inference the values that decide the next
 /// shapes (and the ranks that composite ops, `mpc_passes::expand_composites`, wait for).
-/// Initializers named in `changing` (training state) are not constants. Also returns the symbolic
-/// dims the inputs bound.
+/// Initializers named in `changing` (training state) are not constants; a folded value whose shape
+/// comes from data is refused past `limit` bytes (the memory of the device it is lowered for).
+/// Also returns the symbolic dims the inputs bound.
 pub fn fold_and_infer(
     mut g: Graph,
     dims: &HashMap<String, u64>,
     changing: &std::collections::HashSet<mpc_ir::ValueId>,
+    limit: u64,
 ) -> Result<(Graph, BTreeMap<String, u64>)> {
     let mut used = None;
     loop {
         let (bound, u) = bind_inputs(&g, dims)?;
         used.get_or_insert(u);
         g = bound;
-        let folded = fold_constants(&mut g, changing, &|_| true);
+        let folded = fold_constants(&mut g, changing, &|_| true, limit);
         let folded = folded.map_err(BuildError::Run)?;
         // A composite op whose input's rank only the bound values give is written out now.
         let wrote = mpc_passes::expand_composites(&mut g).map_err(BuildError::Pass)?;
@@ -443,6 +445,7 @@ pub fn fold_constants(
     g: &mut Graph,
     changing: &std::collections::HashSet<mpc_ir::ValueId>,
     keep: &dyn Fn(&[HostTensor]) -> bool,
+    limit: u64,
 ) -> std::result::Result<usize, RuntimeError> {
     use mpc_ir::Op;
     let order = g.topo_order().map_err(|e| crate::RuntimeError::Graph(e.to_string()))?;
@@ -477,7 +480,7 @@ pub fn fold_constants(
         if !complete {
             continue;
         }
-        let outs = match crate::program::fold(&node.op, &ins, node.outputs().len()) {
+        let outs = match crate::program::fold_within(&node.op, &ins, node.outputs().len(), limit) {
             Ok(o) if o.len() == node.outputs().len() && keep(&o) => o,
             // Left for lowering, which reports it with its node.
             _ => continue,

@@ -515,6 +515,16 @@ pub enum Known<'a> {
 /// a caller folds into a graph before inferring its shapes. An input known only by its shape
 /// reaches the kernel as an empty tensor of that shape (all `Shape` reads).
 pub fn fold(op: &Op, ins: &[Option<Known>], n_outputs: usize) -> Result<Vec<HostTensor>, cpu::KernelError> {
+    fold_within(op, ins, n_outputs, crate::device::DeviceOptions::default().memory())
+}
+
+/// [`fold`], an output whose shape comes from data refused past `limit` bytes (a device's memory).
+pub fn fold_within(
+    op: &Op,
+    ins: &[Option<Known>],
+    n_outputs: usize,
+    limit: u64,
+) -> Result<Vec<HostTensor>, cpu::KernelError> {
     for k in ins.iter().flatten() {
         let (d, s) = match k {
             Known::Value(t) => (t.dtype(), &t.shape[..]),
@@ -548,7 +558,7 @@ pub fn fold(op: &Op, ins: &[Option<Known>], n_outputs: usize) -> Result<Vec<Host
             _ => p.as_ref(),
         })
         .collect();
-    cpu::run_op(op, &refs, n_outputs)
+    cpu::run_op_within(op, &refs, n_outputs, limit)
 }
 
 /// The largest tensor lowering accepts (2^48 bytes: more than any device's memory, small enough

@@ -169,7 +169,8 @@ fn freed_operand(g: &mut Graph, n: mpc_ir::NodeId, slot: usize, c: &Tensor, b: u
 /// Integer results only (the types are not inferred yet): float constants stay as written.
 fn fold_shape_arithmetic(g: &mut Graph) {
     let ints = |outs: &[HostTensor]| outs.iter().all(|t| !t.dtype().is_float());
-    while crate::run::fold_constants(g, &HashSet::new(), &ints).unwrap_or(0) > 0 {}
+    let limit = mpc_runtime::device::DeviceOptions::default().memory();
+    while crate::run::fold_constants(g, &HashSet::new(), &ints, limit).unwrap_or(0) > 0 {}
 }
 
 /// The first slice of `t` along its leading dim, when that dim is `b` and every slice equals it.

@@ -526,7 +526,7 @@ impl Lowering {
     ) -> Result<Program> {
         let dims: HashMap<String, u64> = dims.iter().map(|(k, &v)| (k.clone(), v)).collect();
         let changing: HashSet<ValueId> = self.state.union(variables).copied().collect();
-        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, &self.path)
+        let (bound, _) = crate::run::fold_and_infer(g.clone(), &dims, &changing, self.caps, &self.path)
             .map_err(|e| pinned(e, self.export_batch))?;
         crate::run::lower_bound(&bound, self.caps, layout, Some(variables), &self.path)
     }

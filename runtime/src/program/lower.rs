@@ -192,7 +192,8 @@ fn schedule<'g>(
                     (None, None) => None,
                 })
                 .collect();
-            let outs = fold(&node.op, &ins, node.outputs().len()).map_err(|e| kernel_error(g, n, e))?;
+            let outs =
+                fold_within(&node.op, &ins, node.outputs().len(), caps.memory).map_err(|e| kernel_error(g, n, e))?;
             for (&o, t) in node.outputs().iter().zip(outs) {
                 known.insert(o, t);
             }
