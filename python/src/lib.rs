@@ -158,10 +158,12 @@ impl Trainer {
     /// Runs one step on `batch`; returns at once, the numbers staged.
     fn step(slf: Bound<'_, Self>, batch: &Bound<'_, PyDict>) -> PyResult<Step> {
         let batch = batch_of(batch)?;
+        let py = slf.py();
         let handle = {
             let mut t = slf.borrow_mut();
             match &mut t.inner {
-                AnyTrainer::Cpu(t) => AnyHandle::Cpu(t.step(&batch).map_err(raise)?),
+                // Other Python threads run while the CPU computes the step.
+                AnyTrainer::Cpu(t) => AnyHandle::Cpu(py.detach(|| t.step(&batch)).map_err(raise)?),
                 #[cfg(feature = "cuda")]
                 AnyTrainer::Cuda(t) => AnyHandle::Cuda(t.step(&batch).map_err(raise)?),
             }
