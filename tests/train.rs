@@ -720,3 +720,23 @@ fn the_plot_draws_each_step_and_each_evaluation() {
     // Two evaluations and the legend's mark.
     assert_eq!(svg.matches("<circle").count(), 3, "{svg}");
 }
+
+/// Accumulating, a run stopped in the middle of a group (7 micro-batches of groups of 3) and
+/// resumed ends bit for bit where the straight run ends: the sums and the count of micro-batches
+/// are state in the checkpoint.
+#[test]
+fn a_run_stopped_mid_group_resumes_bit_for_bit() {
+    let model = fixture("digits_mlp");
+    let dir = scratch("resume_accumulating");
+    let t = TrainOptions { accumulate: 3, ..Default::default() };
+    let base = TrainConfig { batch: 32, eval_split: 297.0, ..digits_cfg(1) };
+    let straight = run(&model, "mixed", t.clone(), &TrainConfig { max_steps: Some(13), ..base.clone() });
+    let ck = TrainConfig { checkpoint: Some(dir.clone()), ..base.clone() };
+    run(&model, "mixed", t.clone(), &TrainConfig { max_steps: Some(7), ..ck.clone() });
+    let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
+    assert_eq!(saved["mpc.micro"].i64s().unwrap(), vec![1], "7 micro-batches: two groups and one");
+    assert_eq!(saved["mpc.step"].i64s().unwrap(), vec![2]);
+    let resumed = run(&model, "mixed", t, &TrainConfig { max_steps: Some(13), resume: true, ..ck });
+    assert_eq!(straight.losses[7..], resumed.losses[..]);
+    assert!(straight.state == resumed.state, "the state after resuming mid-group differs");
+}
