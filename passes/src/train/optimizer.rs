@@ -26,109 +26,18 @@ impl Pass for OptimizerPass {
         let o = opts(cx)?.clone();
         let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
-        let mut state: Vec<(ValueId, ValueId)> = Vec::new();
-        // Batch-norm running statistics computed in training mode are state too. ONNX updates the
-        // running variance with the batch's biased variance; PyTorch, which users compare with,
-        // with the unbiased one: rv ← m·rv + (1−m)·v·n/(n−1) for n values per channel. From ONNX's
-        // r = m·rv + (1−m)·v that is r + (r − m·rv)/(n − 1).
-        let mut variances = Vec::new();
-        for n in g.node_ids().collect::<Vec<_>>() {
-            let node = g.node(n);
-            if let Op::BatchNormalization(a) = &node.op {
-                if a.training_mode {
-                    for slot in 1..=2 {
-                        if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
-                            if g.value(s).initializer().is_some() {
-                                state.push((s, next));
-                                if slot == 2 {
-                                    variances.push((
-                                        state.len() - 1,
-                                        node.input(0).expect("BatchNormalization reads x"),
-                                        a.momentum,
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        let (mut state, variances) = running_statistics(g);
         let params: Vec<ValueId> = pg.iter().map(|&(p, _)| p).collect();
         let undecayed = super::decay::exempt(g, &params, &o.no_decay)?;
-        let decay = |p: ValueId| if undecayed.contains(&p) { 0.0 } else { o.weight_decay };
         let mut b = Builder::new(g);
         b.at("optimizer");
-        for (i, x, momentum) in variances {
-            let (rv, next) = state[i];
-            let dt = b.dtype(rv).map_err(PassError::Usage)?;
-            let shape = b.op("bn_shape", Op::Shape(Default::default()), &[x]);
-            let size = b.op("bn_size", Op::Size, &[x]);
-            let one = b.ints(&[1]);
-            let channels = b.op("bn_channels", Op::Gather(Default::default()), &[shape, one]);
-            let per_channel = b.op("bn_count", Op::Div, &[size, channels]);
-            let less_one = b.op("bn_count", Op::Sub, &[per_channel, one]);
-            let less_one = b.op("bn_count", Op::Max, &[less_one, one]);
-            let less_one = b.cast(less_one, dt);
-            let m = b.scalar(f64::from(momentum), dt);
-            let kept = b.op("bn_var", Op::Mul, &[rv, m]);
-            let batch_part = b.op("bn_var", Op::Sub, &[next, kept]);
-            let correction = b.op("bn_var", Op::Div, &[batch_part, less_one]);
-            state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
-        }
+        correct_running_variances(&mut b, &mut state, variances)?;
         let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
         // 0. Gradient accumulation: the update reads the sums of the micro-batches' gradients.
         let acc = (o.accumulate > 1).then(|| accumulate(&mut b, &pg, o.accumulate, &mut state)).transpose()?;
         let pg = acc.as_ref().map_or(pg, |a| a.grads.clone());
-        // 1. Unscale in FP32: g / S (a gradient computed low is widened first). Without clipping,
-        // which needs the unscaled values, an FP32 (or FP64) parameter's update widens and
-        // unscales its gradient itself (its `inv_scale` input): the same arithmetic as a Cast and
-        // a Mul, without writing and reading the FP32 copy. The finite check then reads the
-        // gradients as computed: a value is finite widened and divided by a scale of at least 1
-        // exactly when it is finite as computed.
-        // Accumulated, the mean of the micro-batches': 1 / (S·N).
-        let inv = match (scale, &acc) {
-            (Some(s), None) => Some(b.op("inv_scale", Op::Reciprocal, &[s])),
-            (Some(s), Some(_)) => {
-                let n = b.scalar(f64::from(o.accumulate), DType::F32);
-                let sn = b.op("scale_times_micro_batches", Op::Mul, &[s, n]);
-                Some(b.op("inv_scale", Op::Reciprocal, &[sn]))
-            }
-            (None, Some(_)) => Some(b.scalar(1.0 / f64::from(o.accumulate), DType::F32)),
-            (None, None) => None,
-        };
-        let fold = o.clip_norm.is_none() && loss_scale_at_least_one(&o.loss_scale);
-        let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
-        let mut folded: HashSet<ValueId> = HashSet::new();
-        for &(p, d) in &pg {
-            let pname = b.g.name(p).to_string();
-            b.at(&format!("{pname}.update"));
-            let pdt = b.dtype(p).map_err(PassError::Usage)?;
-            let ddt = b.dtype(d).map_err(PassError::Usage)?;
-            let widens =
-                matches!((pdt, ddt), (DType::F32, DType::F32 | DType::F16 | DType::BF16) | (DType::F64, DType::F64));
-            if fold && widens {
-                // A low-precision weight's gradient arrives widened (the gradient of its cast):
-                // the update reads it as computed instead.
-                let low = match b.g.value(d).def() {
-                    Def::Node(n, _) if pdt == DType::F32 && matches!(b.g.node(*n).op, Op::Cast(_)) => {
-                        b.g.node(*n).input(0).filter(|&x| matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16)))
-                    }
-                    _ => None,
-                };
-                gs.push((p, low.unwrap_or(d)));
-                folded.insert(p);
-                continue;
-            }
-            let mut d = d;
-            if b.dtype(d).map_err(PassError::Usage)? != pdt {
-                d = b.cast(d, pdt);
-            }
-            if let Some(inv) = inv {
-                let inv = if pdt == DType::F32 { inv } else { b.cast(inv, pdt) };
-                d = b.op("unscale", Op::Mul, &[d, inv]);
-            }
-            gs.push((p, d));
-        }
+        let inv = inverse_scale(&mut b, &o, scale, acc.is_some());
+        let (mut gs, folded) = unscaled(&mut b, &o, &pg, inv)?;
         // 2. One finite flag for the whole step.
         b.at("optimizer");
         let all: Vec<Option<ValueId>> = gs.iter().map(|&(_, d)| Some(d)).collect();
@@ -140,112 +49,15 @@ impl Pass for OptimizerPass {
         };
         // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
         if let Some(c) = o.clip_norm {
-            let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
-            let mut sq = Vec::new();
-            for &(p, d) in &gs {
-                // The gradients have their parameters' dtypes by now (the nodes added here are
-                // typed after the pass).
-                let d32 = if b.dtype(p).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
-                sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
-            }
-            let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
-            let norm = b.op("grad_norm", Op::Sqrt, &[total]);
-            let eps = b.scalar(1e-6, DType::F32);
-            let den = b.op("add", Op::Add, &[norm, eps]);
-            let cv = b.scalar(c as f64, DType::F32);
-            let ratio = b.op("div", Op::Div, &[cv, den]);
-            let one = b.scalar(1.0, DType::F32);
-            let factor = b.op("clip_factor", Op::Min, &[ratio, one]);
-            for (p, d) in gs.iter_mut() {
-                let pdt = b.dtype(*p).map_err(PassError::Usage)?;
-                let f = if pdt == DType::F32 { factor } else { b.cast(factor, pdt) };
-                *d = b.op("clip", Op::Mul, &[*d, f]);
-            }
+            clip(&mut b, &mut gs, c)?;
         }
-        // 4. The step counter advances on applied steps only.
-        let step = b.init("mpc.step", Tensor::from_i64(vec![], &[0]));
-        let inc = b.cast(apply, DType::I64);
-        let step_next = b.op("step_next", Op::Add, &[step, inc]);
-        state.push((step, step_next));
-        // The learning rate: the state `mpc.lr` (the peak, which the step never changes), or the
-        // schedule's rate at the count of updates applied before this one.
-        let peak = b.init(LR, Tensor::from_f32(vec![], &[o.lr]));
-        state.push((peak, peak));
-        let lr = match &o.schedule {
-            Some(s) => {
-                let name = b.g.unique_name("mpc.learning_rate");
-                let lr = b.op("lr_schedule", Op::LrSchedule(Box::new(s.resolved()?)), &[step, peak]);
-                b.g.rename(lr, &name);
-                Some(lr)
-            }
-            None => None,
-        };
-        let rate = lr.unwrap_or(peak);
+        let (step_next, lr, rate) = counters(&mut b, &o, apply, &mut state)?;
         // 5. The updates.
-        for &(p, d) in &gs {
-            let pname = b.g.name(p).to_string();
-            b.at(&format!("{pname}.update"));
-            let tensor =
-                b.g.value(p)
-                    .initializer()
-                    .cloned()
-                    .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
-            let zeros = || Tensor::zeros(tensor.dtype(), tensor.shape().to_vec());
-            let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
-            let unscale = inv.filter(|_| folded.contains(&p));
-            match o.optimizer {
-                Optimizer::Sgd | Optimizer::Momentum => {
-                    let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
-                    let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: decay(p) };
-                    let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
-                    let ins = [Some(p), Some(d), Some(apply), vel, unscale, low, Some(rate)];
-                    let n = 1 + vel.is_some() as usize + low.is_some() as usize;
-                    let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
-                    for s in [Some(p), vel, low].into_iter().flatten() {
-                        state.push((s, outs.next().expect("one output per state")));
-                    }
-                }
-                Optimizer::Adam | Optimizer::AdamW => {
-                    let attrs = AdamAttrs {
-                        beta1: o.beta1,
-                        beta2: o.beta2,
-                        decoupled: o.optimizer == Optimizer::AdamW,
-                        epsilon: o.epsilon,
-                        lr: o.lr,
-                        weight_decay: decay(p),
-                    };
-                    let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
-                    let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
-                    let ins =
-                        [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(apply), unscale, low, Some(rate)];
-                    let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
-                    for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
-                        state.push((s, next));
-                    }
-                }
-            }
-        }
+        let flags = UpdateInputs { inv, folded: &folded, apply, step_next, rate };
+        updates(&mut b, &o, &gs, &undecayed, &flags, &mut state)?;
         // 6. Dynamic loss scaling.
         b.at("optimizer");
-        if let (LossScale::Dynamic { attrs, .. }, Some(s)) = (&o.loss_scale, scale) {
-            let good = b.init("mpc.good_steps", Tensor::from_i64(vec![], &[0]));
-            let outs = b.ops(
-                "loss_scale",
-                Op::LossScaleUpdate(Box::new(attrs.clone())),
-                &[Some(s), Some(good), Some(finite)],
-                2,
-            );
-            // Accumulating, the scale moves once per update, on its last micro-batch.
-            let gated: Vec<ValueId> = match &acc {
-                Some(a) => [(s, outs[0]), (good, outs[1])]
-                    .iter()
-                    .map(|&(now, next)| b.op("loss_scale_at_update", Op::Where, &[a.boundary, next, now]))
-                    .collect(),
-                None => outs,
-            };
-            state.push((s, gated[0]));
-            state.push((good, gated[1]));
-        }
+        scale_update(&mut b, &o, scale, finite, acc.as_ref(), &mut state);
         // 7. The dropout stream moves on every step, applied or skipped: a skipped step's
         // forward pass drew its masks all the same.
         if let Some(key) = b.g.find(RNG).filter(|&k| matches!(b.g.value(k).def(), Def::Init(_))) {
@@ -257,23 +69,7 @@ impl Pass for OptimizerPass {
         if let Some(a) = &acc {
             skipped = b.op("skipped", Op::And, &[skipped, a.boundary]);
         }
-        // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.
-        let mut outs = vec![loss];
-        let sname = b.g.unique_name("mpc.step_skipped");
-        b.g.rename(skipped, &sname);
-        outs.push(skipped);
-        outs.extend(lr);
-        outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
-        for &(s, next) in state.iter().filter(|(s, next)| s != next) {
-            let want = format!("{}.next", b.g.name(s));
-            if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
-                b.g.rename(next, &want);
-            }
-            if !outs.contains(&next) {
-                outs.push(next);
-            }
-        }
-        b.g.set_outputs(outs);
+        set_outputs(&mut b, loss, skipped, lr, &state);
         let sig = signature(g);
         sig.skipped = Some(skipped);
         sig.lr = lr;
@@ -281,6 +77,311 @@ impl Pass for OptimizerPass {
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)
     }
+}
+
+/// A state value and its next value (or a parameter and its gradient).
+type StatePair = (ValueId, ValueId);
+
+/// The state pairs of the batch normalisations in training mode (their running statistics), and
+/// for each running variance its place among them, the normalised input and the momentum.
+fn running_statistics(g: &Graph) -> (Vec<StatePair>, Vec<(usize, ValueId, f32)>) {
+    let mut state: Vec<(ValueId, ValueId)> = Vec::new();
+    // Batch-norm running statistics computed in training mode are state too. ONNX updates the
+    // running variance with the batch's biased variance; PyTorch, which users compare with,
+    // with the unbiased one: rv ← m·rv + (1−m)·v·n/(n−1) for n values per channel. From ONNX's
+    // r = m·rv + (1−m)·v that is r + (r − m·rv)/(n − 1).
+    let mut variances = Vec::new();
+    for n in g.node_ids().collect::<Vec<_>>() {
+        let node = g.node(n);
+        if let Op::BatchNormalization(a) = &node.op {
+            if a.training_mode {
+                for slot in 1..=2 {
+                    if let (Some(s), Some(&next)) = (node.input(slot + 2), node.outputs().get(slot)) {
+                        if g.value(s).initializer().is_some() {
+                            state.push((s, next));
+                            if slot == 2 {
+                                variances.push((
+                                    state.len() - 1,
+                                    node.input(0).expect("BatchNormalization reads x"),
+                                    a.momentum,
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (state, variances)
+}
+
+/// Each running variance's next value made PyTorch's (see [`running_statistics`]).
+fn correct_running_variances(
+    b: &mut Builder,
+    state: &mut [(ValueId, ValueId)],
+    variances: Vec<(usize, ValueId, f32)>,
+) -> Result<()> {
+    for (i, x, momentum) in variances {
+        let (rv, next) = state[i];
+        let dt = b.dtype(rv).map_err(PassError::Usage)?;
+        let shape = b.op("bn_shape", Op::Shape(Default::default()), &[x]);
+        let size = b.op("bn_size", Op::Size, &[x]);
+        let one = b.ints(&[1]);
+        let channels = b.op("bn_channels", Op::Gather(Default::default()), &[shape, one]);
+        let per_channel = b.op("bn_count", Op::Div, &[size, channels]);
+        let less_one = b.op("bn_count", Op::Sub, &[per_channel, one]);
+        let less_one = b.op("bn_count", Op::Max, &[less_one, one]);
+        let less_one = b.cast(less_one, dt);
+        let m = b.scalar(f64::from(momentum), dt);
+        let kept = b.op("bn_var", Op::Mul, &[rv, m]);
+        let batch_part = b.op("bn_var", Op::Sub, &[next, kept]);
+        let correction = b.op("bn_var", Op::Div, &[batch_part, less_one]);
+        state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
+    }
+    Ok(())
+}
+
+/// What the gradients are multiplied by to unscale them: 1 / S, and accumulating, to average the
+/// micro-batches' sums too, 1 / (S·N); none without a scale or accumulation.
+///
+/// Unscaling is in FP32 (a gradient computed low is widened first). Without clipping, which needs
+/// the unscaled values, an FP32 (or FP64) parameter's update widens and unscales its gradient
+/// itself (its `inv_scale` input): the same arithmetic as a Cast and a Mul, without writing and
+/// reading the FP32 copy. The finite check then reads the gradients as computed: a value is finite
+/// widened and divided by a scale of at least 1 exactly when it is finite as computed.
+fn inverse_scale(
+    b: &mut Builder,
+    o: &super::TrainOptions,
+    scale: Option<ValueId>,
+    accumulating: bool,
+) -> Option<ValueId> {
+    match (scale, accumulating) {
+        (Some(s), false) => Some(b.op("inv_scale", Op::Reciprocal, &[s])),
+        (Some(s), true) => {
+            let n = b.scalar(f64::from(o.accumulate), DType::F32);
+            let sn = b.op("scale_times_micro_batches", Op::Mul, &[s, n]);
+            Some(b.op("inv_scale", Op::Reciprocal, &[sn]))
+        }
+        (None, true) => Some(b.scalar(1.0 / f64::from(o.accumulate), DType::F32)),
+        (None, false) => None,
+    }
+}
+
+/// Each parameter's gradient as its update reads it: widened and unscaled by `inv`, or (without
+/// clipping, an FP32 or FP64 parameter) as computed, the update widening and unscaling it itself;
+/// and the parameters of the second kind.
+fn unscaled(
+    b: &mut Builder,
+    o: &super::TrainOptions,
+    pg: &[(ValueId, ValueId)],
+    inv: Option<ValueId>,
+) -> Result<(Vec<StatePair>, HashSet<ValueId>)> {
+    let fold = o.clip_norm.is_none() && loss_scale_at_least_one(&o.loss_scale);
+    let mut gs: Vec<(ValueId, ValueId)> = Vec::new();
+    let mut folded: HashSet<ValueId> = HashSet::new();
+    for &(p, d) in pg {
+        let pname = b.g.name(p).to_string();
+        b.at(&format!("{pname}.update"));
+        let pdt = b.dtype(p).map_err(PassError::Usage)?;
+        let ddt = b.dtype(d).map_err(PassError::Usage)?;
+        let widens =
+            matches!((pdt, ddt), (DType::F32, DType::F32 | DType::F16 | DType::BF16) | (DType::F64, DType::F64));
+        if fold && widens {
+            // A low-precision weight's gradient arrives widened (the gradient of its cast):
+            // the update reads it as computed instead.
+            let low = match b.g.value(d).def() {
+                Def::Node(n, _) if pdt == DType::F32 && matches!(b.g.node(*n).op, Op::Cast(_)) => {
+                    b.g.node(*n).input(0).filter(|&x| matches!(b.g.ty(x).dtype, Some(DType::F16 | DType::BF16)))
+                }
+                _ => None,
+            };
+            gs.push((p, low.unwrap_or(d)));
+            folded.insert(p);
+            continue;
+        }
+        let mut d = d;
+        if b.dtype(d).map_err(PassError::Usage)? != pdt {
+            d = b.cast(d, pdt);
+        }
+        if let Some(inv) = inv {
+            let inv = if pdt == DType::F32 { inv } else { b.cast(inv, pdt) };
+            d = b.op("unscale", Op::Mul, &[d, inv]);
+        }
+        gs.push((p, d));
+    }
+    Ok((gs, folded))
+}
+
+/// Clips the gradients `gs` (unscaled) to the global norm `c`.
+fn clip(b: &mut Builder, gs: &mut [(ValueId, ValueId)], c: f32) -> Result<()> {
+    let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
+    let mut sq = Vec::new();
+    for &(p, d) in gs.iter() {
+        // The gradients have their parameters' dtypes by now (the nodes added here are
+        // typed after the pass).
+        let d32 = if b.dtype(p).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
+        sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
+    }
+    let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
+    let norm = b.op("grad_norm", Op::Sqrt, &[total]);
+    let eps = b.scalar(1e-6, DType::F32);
+    let den = b.op("add", Op::Add, &[norm, eps]);
+    let cv = b.scalar(c as f64, DType::F32);
+    let ratio = b.op("div", Op::Div, &[cv, den]);
+    let one = b.scalar(1.0, DType::F32);
+    let factor = b.op("clip_factor", Op::Min, &[ratio, one]);
+    for (p, d) in gs.iter_mut() {
+        let pdt = b.dtype(*p).map_err(PassError::Usage)?;
+        let f = if pdt == DType::F32 { factor } else { b.cast(factor, pdt) };
+        *d = b.op("clip", Op::Mul, &[*d, f]);
+    }
+    Ok(())
+}
+
+/// The step counter (advancing on applied updates only) and the learning rate: the next count,
+/// the schedule's rate as an output (none without a schedule), and the rate the updates read.
+fn counters(
+    b: &mut Builder,
+    o: &super::TrainOptions,
+    apply: ValueId,
+    state: &mut Vec<(ValueId, ValueId)>,
+) -> Result<(ValueId, Option<ValueId>, ValueId)> {
+    // 4. The step counter advances on applied steps only.
+    let step = b.init("mpc.step", Tensor::from_i64(vec![], &[0]));
+    let inc = b.cast(apply, DType::I64);
+    let step_next = b.op("step_next", Op::Add, &[step, inc]);
+    state.push((step, step_next));
+    // The learning rate: the state `mpc.lr` (the peak, which the step never changes), or the
+    // schedule's rate at the count of updates applied before this one.
+    let peak = b.init(LR, Tensor::from_f32(vec![], &[o.lr]));
+    state.push((peak, peak));
+    let lr = match &o.schedule {
+        Some(s) => {
+            let name = b.g.unique_name("mpc.learning_rate");
+            let lr = b.op("lr_schedule", Op::LrSchedule(Box::new(s.resolved()?)), &[step, peak]);
+            b.g.rename(lr, &name);
+            Some(lr)
+        }
+        None => None,
+    };
+    let rate = lr.unwrap_or(peak);
+    Ok((step_next, lr, rate))
+}
+
+/// What every update reads besides its parameter and gradient.
+struct UpdateInputs<'a> {
+    /// The reciprocal of the loss scale, which the parameters in `folded` apply themselves.
+    inv: Option<ValueId>,
+    folded: &'a HashSet<ValueId>,
+    /// Whether the update applies, the count of updates after it and the rate.
+    apply: ValueId,
+    step_next: ValueId,
+    rate: ValueId,
+}
+
+/// The optimizer's update of each parameter (and its moments, and its low copy), as state.
+fn updates(
+    b: &mut Builder,
+    o: &super::TrainOptions,
+    gs: &[(ValueId, ValueId)],
+    undecayed: &HashSet<ValueId>,
+    u: &UpdateInputs,
+    state: &mut Vec<(ValueId, ValueId)>,
+) -> Result<()> {
+    let decay = |p: ValueId| if undecayed.contains(&p) { 0.0 } else { o.weight_decay };
+    let UpdateInputs { inv, folded, apply, step_next, rate } = *u;
+    for &(p, d) in gs {
+        let pname = b.g.name(p).to_string();
+        b.at(&format!("{pname}.update"));
+        let tensor =
+            b.g.value(p)
+                .initializer()
+                .cloned()
+                .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
+        let zeros = || Tensor::zeros(tensor.dtype(), tensor.shape().to_vec());
+        let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
+        let unscale = inv.filter(|_| folded.contains(&p));
+        match o.optimizer {
+            Optimizer::Sgd | Optimizer::Momentum => {
+                let momentum = if o.optimizer == Optimizer::Momentum { o.momentum } else { 0.0 };
+                let attrs = SgdAttrs { lr: o.lr, momentum, nesterov: false, weight_decay: decay(p) };
+                let vel = (momentum != 0.0).then(|| b.init(&format!("mpc.velocity.{pname}"), zeros()));
+                let ins = [Some(p), Some(d), Some(apply), vel, unscale, low, Some(rate)];
+                let n = 1 + vel.is_some() as usize + low.is_some() as usize;
+                let mut outs = b.ops("sgd", Op::SgdUpdate(Box::new(attrs)), &ins, n).into_iter();
+                for s in [Some(p), vel, low].into_iter().flatten() {
+                    state.push((s, outs.next().expect("one output per state")));
+                }
+            }
+            Optimizer::Adam | Optimizer::AdamW => {
+                let attrs = AdamAttrs {
+                    beta1: o.beta1,
+                    beta2: o.beta2,
+                    decoupled: o.optimizer == Optimizer::AdamW,
+                    epsilon: o.epsilon,
+                    lr: o.lr,
+                    weight_decay: decay(p),
+                };
+                let m = b.init(&format!("mpc.adam_m.{pname}"), zeros());
+                let v = b.init(&format!("mpc.adam_v.{pname}"), zeros());
+                let ins = [Some(p), Some(d), Some(m), Some(v), Some(step_next), Some(apply), unscale, low, Some(rate)];
+                let outs = b.ops("adam", Op::AdamUpdate(Box::new(attrs)), &ins, 3 + low.is_some() as usize);
+                for (s, next) in [Some(p), Some(m), Some(v), low].into_iter().flatten().zip(outs) {
+                    state.push((s, next));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Dynamic loss scaling's update of the scale and the count of good steps (accumulating, on a
+/// group's last micro-batch only).
+fn scale_update(
+    b: &mut Builder,
+    o: &super::TrainOptions,
+    scale: Option<ValueId>,
+    finite: ValueId,
+    acc: Option<&Accumulation>,
+    state: &mut Vec<(ValueId, ValueId)>,
+) {
+    if let (LossScale::Dynamic { attrs, .. }, Some(s)) = (&o.loss_scale, scale) {
+        let good = b.init("mpc.good_steps", Tensor::from_i64(vec![], &[0]));
+        let outs =
+            b.ops("loss_scale", Op::LossScaleUpdate(Box::new(attrs.clone())), &[Some(s), Some(good), Some(finite)], 2);
+        // Accumulating, the scale moves once per update, on its last micro-batch.
+        let gated: Vec<ValueId> = match acc {
+            Some(a) => [(s, outs[0]), (good, outs[1])]
+                .iter()
+                .map(|&(now, next)| b.op("loss_scale_at_update", Op::Where, &[a.boundary, next, now]))
+                .collect(),
+            None => outs,
+        };
+        state.push((s, gated[0]));
+        state.push((good, gated[1]));
+    }
+}
+
+/// The step's outputs: the loss, the step-skipped flag, the rate, the model's outputs, then every
+/// next state (named `<state>.next`).
+fn set_outputs(b: &mut Builder, loss: ValueId, skipped: ValueId, lr: Option<ValueId>, state: &[(ValueId, ValueId)]) {
+    // Outputs: loss, the step-skipped flag, the model's outputs, then every next state.
+    let mut outs = vec![loss];
+    let sname = b.g.unique_name("mpc.step_skipped");
+    b.g.rename(skipped, &sname);
+    outs.push(skipped);
+    outs.extend(lr);
+    outs.extend(b.g.outputs().iter().copied().filter(|&v| v != loss));
+    for &(s, next) in state.iter().filter(|(s, next)| s != next) {
+        let want = format!("{}.next", b.g.name(s));
+        if !b.g.is_output(next) && b.g.name(next) != want && b.g.find(&want).is_none() {
+            b.g.rename(next, &want);
+        }
+        if !outs.contains(&next) {
+            outs.push(next);
+        }
+    }
+    b.g.set_outputs(outs);
 }
 
 /// Gradient accumulation's part of a step: the sums of the gradients and the flag of the step
