@@ -211,130 +211,16 @@ impl TrainArgs {
 #[derive(Subcommand)]
 pub(crate) enum Command {
     /// Rewrite a model and write it as ONNX, text IR, Graphviz or JSON.
-    Compile {
-        #[command(flatten)]
-        common: Common,
-        /// Output file; the format follows its extension (.onnx, .mpcir, .dot, .json).
-        /// Without it, the text IR goes to stdout.
-        #[arg(short, long)]
-        output: Option<PathBuf>,
-        /// Output format, overriding the extension: onnx, ir, dot, json.
-        #[arg(long)]
-        emit: Option<String>,
-        /// Print the text IR after this pass to stderr (repeatable).
-        #[arg(long, value_name = "PASS")]
-        dump_after: Vec<String>,
-        /// Stop the pipeline after this pass.
-        #[arg(long, value_name = "PASS")]
-        stop_after: Option<String>,
-        /// Print timings and peak memory to stderr.
-        #[arg(long)]
-        stats: bool,
-        /// Build the whole training step: loss, backward graph, optimizer, loss scaling.
-        #[arg(long)]
-        train: bool,
-        #[command(flatten)]
-        train_args: TrainArgs,
-    },
+    Compile(CompileCmd),
     /// Compile the training step and train on a data file; print per-epoch loss and accuracy.
     Train(TrainCmd),
     /// Show a model as text IR with a summary: op counts, parameters, estimated FLOPs.
-    Inspect {
-        #[command(flatten)]
-        common: Common,
-        /// Say, for every node, which precision it got and which rule or neighbour decided it.
-        #[arg(long)]
-        explain: bool,
-        /// Print the graph as Graphviz, coloured by precision, instead of text.
-        #[arg(long)]
-        dot: bool,
-        /// Print the memory plan's peak bytes (weights, activations) for the policy.
-        #[arg(long)]
-        memory: bool,
-        /// With --memory: list every launch of the step in order, with the bytes it moves at the
-        /// least, its matrix-product FLOPs and its outputs.
-        #[arg(long, requires = "memory")]
-        launches: bool,
-        /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
-        #[arg(long)]
-        batch: Option<u64>,
-        /// Run the FP32 model on these sample inputs and report, for every float value, what the
-        /// policy's low dtype (FP16 unless --policy mixed-bf16) would flush or overflow; the values
-        /// at risk first. Batches as --calibrate-batches and --calibrate-batch say.
-        #[arg(long, value_name = "DATA")]
-        ranges: Option<PathBuf>,
-        /// With --ranges: print every value's measurements as JSON.
-        #[arg(long, requires = "ranges")]
-        json: bool,
-        /// With --ranges: measure the training step too (FP32, loss scale 1, the data holding the
-        /// labels) and print the histogram of log2 |activation gradient| with the loss scales that
-        /// lose nothing and overflow nothing. With --memory: the plan of the training step (the
-        /// training options) instead of inference's.
-        #[arg(long)]
-        train: bool,
-        /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
-        #[arg(long, value_name = "FILE.svg", requires_all = ["train", "ranges"])]
-        plot: Option<PathBuf>,
-        #[command(flatten)]
-        train_args: TrainArgs,
-    },
+    Inspect(InspectCmd),
     /// Compile with a policy and run on a backend; print a summary of each output.
-    Run {
-        #[command(flatten)]
-        common: Common,
-        /// Inputs as a safetensors file, tensors named after the graph inputs.
-        #[arg(long, value_name = "FILE", conflicts_with = "random_inputs")]
-        inputs: Option<PathBuf>,
-        /// Random inputs from this seed (floats N(0,1), integers in [0,2)); --dim sizes symbolic dims.
-        #[arg(long, value_name = "SEED")]
-        random_inputs: Option<u64>,
-        /// Where to write the outputs (safetensors, keyed by graph output name).
-        #[arg(short, long)]
-        output: Option<PathBuf>,
-        /// The device: cpu, or cuda (the first GPU).
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Run this many more times after a warm-up run and print the median time per run.
-        #[arg(long, value_name = "N")]
-        repeat: Option<usize>,
-        /// Print what the lowered program costs: arena and persistent bytes, launches per step,
-        /// allocations inside steps after the first, host reads per step.
-        #[arg(long)]
-        stats: bool,
-    },
+    Run(RunCmd),
     /// Time a model's step under each policy on a device: median step time, samples/s, TFLOP/s
     /// and its share of the device's measured matrix-product rate, memory, compile time, launches.
-    Bench {
-        #[command(flatten)]
-        common: Common,
-        /// Time the training step (with the training options) instead of inference.
-        #[arg(long)]
-        train: bool,
-        #[command(flatten)]
-        train_args: TrainArgs,
-        /// The policies to compare, comma-separated (the default: fp32,mixed,mixed-bf16);
-        /// --policy also takes such a list here.
-        #[arg(long, value_name = "P,P,...")]
-        policies: Option<String>,
-        /// Binds the first symbolic dim of each input.
-        #[arg(long, default_value_t = 64)]
-        batch: u64,
-        /// Steps timed after the warm-up.
-        #[arg(long, default_value_t = 20)]
-        steps: usize,
-        /// Steps run before the timed ones (warm-up: first-use costs, caches, clocks).
-        #[arg(long, value_name = "N", default_value_t = 3)]
-        untimed: usize,
-        /// The device: cpu, or cuda (the first GPU).
-        #[arg(long, default_value = "cpu")]
-        device: String,
-        /// Print the report as JSON.
-        #[arg(long)]
-        json: bool,
-        /// After the timed steps, time each launch of one more step and report the time by op.
-        #[arg(long)]
-        profile: bool,
-    },
+    Bench(BenchCmd),
     /// List the CPU and the GPUs mpc can use, with the CUDA libraries it finds, or say why none.
     Devices,
 }
@@ -388,4 +274,134 @@ pub(crate) struct TrainCmd {
     /// step, allocations inside steps after the first, host reads per step.
     #[arg(long)]
     pub(crate) stats: bool,
+}
+
+/// `mpc compile`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct CompileCmd {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Output file; the format follows its extension (.onnx, .mpcir, .dot, .json).
+    /// Without it, the text IR goes to stdout.
+    #[arg(short, long)]
+    pub(crate) output: Option<PathBuf>,
+    /// Output format, overriding the extension: onnx, ir, dot, json.
+    #[arg(long)]
+    pub(crate) emit: Option<String>,
+    /// Print the text IR after this pass to stderr (repeatable).
+    #[arg(long, value_name = "PASS")]
+    pub(crate) dump_after: Vec<String>,
+    /// Stop the pipeline after this pass.
+    #[arg(long, value_name = "PASS")]
+    pub(crate) stop_after: Option<String>,
+    /// Print timings and peak memory to stderr.
+    #[arg(long)]
+    pub(crate) stats: bool,
+    /// Build the whole training step: loss, backward graph, optimizer, loss scaling.
+    #[arg(long)]
+    pub(crate) train: bool,
+    #[command(flatten)]
+    pub(crate) train_args: TrainArgs,
+}
+
+/// `mpc inspect`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct InspectCmd {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Say, for every node, which precision it got and which rule or neighbour decided it.
+    #[arg(long)]
+    pub(crate) explain: bool,
+    /// Print the graph as Graphviz, coloured by precision, instead of text.
+    #[arg(long)]
+    pub(crate) dot: bool,
+    /// Print the memory plan's peak bytes (weights, activations) for the policy.
+    #[arg(long)]
+    pub(crate) memory: bool,
+    /// With --memory: list every launch of the step in order, with the bytes it moves at the
+    /// least, its matrix-product FLOPs and its outputs.
+    #[arg(long, requires = "memory")]
+    pub(crate) launches: bool,
+    /// Batch size for --memory (binds the first symbolic dim of each input; --dim for others).
+    #[arg(long)]
+    pub(crate) batch: Option<u64>,
+    /// Run the FP32 model on these sample inputs and report, for every float value, what the
+    /// policy's low dtype (FP16 unless --policy mixed-bf16) would flush or overflow; the values
+    /// at risk first. Batches as --calibrate-batches and --calibrate-batch say.
+    #[arg(long, value_name = "DATA")]
+    pub(crate) ranges: Option<PathBuf>,
+    /// With --ranges: print every value's measurements as JSON.
+    #[arg(long, requires = "ranges")]
+    pub(crate) json: bool,
+    /// With --ranges: measure the training step too (FP32, loss scale 1, the data holding the
+    /// labels) and print the histogram of log2 |activation gradient| with the loss scales that
+    /// lose nothing and overflow nothing. With --memory: the plan of the training step (the
+    /// training options) instead of inference's.
+    #[arg(long)]
+    pub(crate) train: bool,
+    /// With --ranges --train: draw the activation-gradient histogram to this SVG file.
+    #[arg(long, value_name = "FILE.svg", requires_all = ["train", "ranges"])]
+    pub(crate) plot: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) train_args: TrainArgs,
+}
+
+/// `mpc run`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct RunCmd {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Inputs as a safetensors file, tensors named after the graph inputs.
+    #[arg(long, value_name = "FILE", conflicts_with = "random_inputs")]
+    pub(crate) inputs: Option<PathBuf>,
+    /// Random inputs from this seed (floats N(0,1), integers in [0,2)); --dim sizes symbolic dims.
+    #[arg(long, value_name = "SEED")]
+    pub(crate) random_inputs: Option<u64>,
+    /// Where to write the outputs (safetensors, keyed by graph output name).
+    #[arg(short, long)]
+    pub(crate) output: Option<PathBuf>,
+    /// The device: cpu, or cuda (the first GPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Run this many more times after a warm-up run and print the median time per run.
+    #[arg(long, value_name = "N")]
+    pub(crate) repeat: Option<usize>,
+    /// Print what the lowered program costs: arena and persistent bytes, launches per step,
+    /// allocations inside steps after the first, host reads per step.
+    #[arg(long)]
+    pub(crate) stats: bool,
+}
+
+/// `mpc bench`'s arguments.
+#[derive(clap::Args)]
+pub(crate) struct BenchCmd {
+    #[command(flatten)]
+    pub(crate) common: Common,
+    /// Time the training step (with the training options) instead of inference.
+    #[arg(long)]
+    pub(crate) train: bool,
+    #[command(flatten)]
+    pub(crate) train_args: TrainArgs,
+    /// The policies to compare, comma-separated (the default: fp32,mixed,mixed-bf16);
+    /// --policy also takes such a list here.
+    #[arg(long, value_name = "P,P,...")]
+    pub(crate) policies: Option<String>,
+    /// Binds the first symbolic dim of each input.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) batch: u64,
+    /// Steps timed after the warm-up.
+    #[arg(long, default_value_t = 20)]
+    pub(crate) steps: usize,
+    /// Steps run before the timed ones (warm-up: first-use costs, caches, clocks).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub(crate) untimed: usize,
+    /// The device: cpu, or cuda (the first GPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// After the timed steps, time each launch of one more step and report the time by op.
+    #[arg(long)]
+    pub(crate) profile: bool,
 }

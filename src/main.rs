@@ -259,122 +259,259 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
     Ok(())
 }
 
+/// `mpc compile`.
+fn compile_command(c: CompileCmd) -> Result<(), Error> {
+    let CompileCmd { common, output, emit, dump_after, stop_after, stats, train, train_args } = c;
+    let format = match (&emit, &output) {
+        (Some(e), _) => Some(
+            Format::from_name(e)
+                .ok_or_else(|| Error::Usage(format!("unknown --emit format `{e}` (onnx, ir, dot, json)")))?,
+        ),
+        (None, Some(o)) => Some(Format::from_path(o).ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: cannot tell the format from the extension; use .onnx, .mpcir, .dot, .json or --emit",
+                o.display()
+            ))
+        })?),
+        (None, None) => None,
+    };
+    let mut opts = common.options(dump_after, stop_after)?;
+    if train {
+        let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+        opts.train = Some(t);
+        opts.loss_scale = scale;
+    }
+    let t0 = Instant::now();
+    let mut g = mpc::load(&common.model)?;
+    // `--dim` sizes symbolic dims for the passes (an RNN over `seq` steps unrolls).
+    if !opts.dims.is_empty() {
+        g = mpc::summary::bind_symbols(&g, &opts.dims)
+            .map_err(|source| Error::Pass { path: common.model.clone(), source })?;
+    }
+    let t1 = Instant::now();
+    let peak_after_load = mpc::peak_rss();
+    let mut dump = |pass: &str, g: &mpc_ir::Graph| {
+        let text = text::to_summary(g).unwrap_or_else(|e| format!("(cannot print: {e})\n"));
+        eprint!("# after {pass}\n{text}");
+    };
+    let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
+    report_ties(&cx.ties);
+    report_folded(&cx.folded);
+    report_auto_scale(cx.auto_scale.clone());
+    let t2 = Instant::now();
+    match (output, format) {
+        (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
+        (None, f) => {
+            let bytes = match f {
+                None | Some(Format::Ir) => text::to_summary(&g)
+                    .map_err(|source| Error::Input { path: common.model.clone(), source })?
+                    .into_bytes(),
+                Some(Format::Onnx) => return Err(Error::Usage("ONNX output needs -o FILE".into())),
+                Some(f) => mpc::render(&g, f, Path::new("-"))?.0,
+            };
+            write_out(&bytes)?;
+        }
+        (Some(_), None) => {
+            unreachable!("a format is known whenever there is an output path")
+        }
+    }
+    if stats {
+        let t3 = Instant::now();
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        let mib = |b: Option<u64>| b.map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64));
+        let peak = mib(mpc::peak_rss());
+        eprintln!("mpc:   peak memory after loading: {}", mib(peak_after_load));
+        report_calibration(&cx);
+        for (pass, run, verify) in cx.timings.borrow().iter() {
+            let ms = |d: &std::time::Duration| d.as_secs_f64() * 1e3;
+            eprintln!("mpc:   pass {pass}: {:.1} ms (+ {:.1} ms verifying)", ms(run), ms(verify));
+        }
+        eprintln!(
+            "mpc: load {:.1} ms, passes {:.1} ms, write {:.1} ms, total {:.1} ms, peak memory {peak}",
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, t3),
+            ms(t0, t3)
+        );
+    }
+    // The process ends here: handing the memory back to the system is faster than
+    // freeing every node (a large graph has millions of small allocations).
+    std::mem::forget(g);
+    Ok(())
+}
+
+/// `mpc inspect`.
+fn inspect_command(c: InspectCmd, devices: DeviceOptions) -> Result<(), Error> {
+    let InspectCmd { common, explain, dot, memory, launches, batch, ranges, json, train, plot, train_args } = c;
+    let mut opts = common.options(Vec::new(), None)?;
+    if train && ranges.is_none() {
+        if !memory {
+            return Err(Error::Usage("--train goes with --ranges or --memory".into()));
+        }
+        let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+        opts.train = Some(t);
+        opts.loss_scale = scale;
+    }
+    let before = mpc::load(&common.model)?;
+    let mut g = before.clone();
+    let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+    let perr = |source| Error::Pass { path: common.model.clone(), source };
+    let ierr = |source| Error::Input { path: common.model.clone(), source };
+    if let Some(b) = batch {
+        for &v in g.inputs() {
+            let first_sym =
+                g.ty(v).shape.as_ref().and_then(|s| s.dims().iter().find_map(|d| d.symbol().map(str::to_string)));
+            if let Some(s) = first_sym {
+                opts.dims.entry(s).or_insert(b);
+            }
+        }
+    }
+    let out = if let Some(data) = ranges {
+        let r = if train {
+            let (t, _) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+            let (b, n) = (common.calibrate_batch, common.calibrate_batches);
+            mpc::ranges::measure_training(&before, &common.model, &data, &t, b, n)?
+        } else {
+            mpc::ranges::measure(&before, &common.model, &data, common.calibrate_batch, common.calibrate_batches)?
+        };
+        if let Some(out) = &common.ranges_out {
+            r.write(out)?;
+        }
+        if let (Some(file), Some(h)) = (&plot, r.gradient_histogram()) {
+            let name = common.model.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned());
+            mpc::ranges::plot(&h, &format!("{name}: activation gradients, {} samples", r.samples), file)?;
+        }
+        if json {
+            serde_json::to_string_pretty(&r).map_err(|e| Error::Usage(e.to_string()))? + "\n"
+        } else if dot {
+            // The nodes computing a value at risk, and those calibration pinned.
+            let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
+            let mut marks = dot_marks(&cx);
+            for n in g.node_ids() {
+                for &v in g.node(n).outputs() {
+                    let name = measured_name(g.name(v));
+                    if let Some(why) = r.values.get(name).and_then(|r| r.harm(low)) {
+                        marks.entry(n).or_insert(format!("at risk: {why}"));
+                    }
+                }
+            }
+            mpc::dot::to_dot_marked(&g, &marks).map_err(ierr)?
+        } else {
+            let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
+            // What the policy (without calibration) computes each value in.
+            let mut colours: HashMap<String, &'static str> = HashMap::new();
+            for (&n, (c, _)) in cx.report.borrow().iter().flat_map(|rep| rep.nodes.iter()) {
+                let what = if *c == mpc_passes::precision::Colour::Low { "low" } else { "in f32" };
+                for &v in g.node(n).outputs() {
+                    let name = measured_name(g.name(v));
+                    colours.insert(name.to_string(), what);
+                }
+            }
+            let mut text = mpc::ranges::report(&r, low, &colours);
+            if let Some(h) = r.gradient_histogram() {
+                text.push_str(&h.text());
+            }
+            text
+        }
+    } else if memory {
+        let caps = mpc_runtime::device::CpuDevice::with_options(devices).caps();
+        let (p, used) = mpc::run::memory_plan_for(&g, &common.model, &opts.dims, caps)?;
+        let mut out = mpc::run::memory_report(&p, &used);
+        if launches {
+            out.push_str(&mpc::run::launch_list(&p));
+        }
+        out
+    } else if dot {
+        mpc::dot::to_dot_marked(&g, &dot_marks(&cx)).map_err(ierr)?
+    } else {
+        let mut out = text::to_summary(&g).map_err(ierr)?;
+        out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
+        if explain {
+            let report = cx.report.borrow();
+            out.push_str(&mpc::explain::explain(&before, &g, report.as_ref(), &opts.dims).map_err(perr)?);
+        }
+        out
+    };
+    write_out(&out)
+}
+
+/// `mpc run`.
+fn run_command(c: RunCmd, devices: DeviceOptions) -> Result<(), Error> {
+    let RunCmd { common, inputs, random_inputs, output, device, repeat, stats } = c;
+    let kind = check_device(&device)?;
+    let opts = common.options(Vec::new(), None)?;
+    let model = mpc::load(&common.model)?;
+    let given = inputs.map(|p| mpc::run::read_safetensors(&p)).transpose()?;
+    if given.is_none() && random_inputs.is_none() {
+        return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()));
+    }
+    // The symbolic dims but the batch bound first, from the inputs (or --dim), so that
+    // the passes see them (an RNN over a sequence of `seq` steps unrolls once `seq` is
+    // known); the batch is bound when the program is lowered.
+    let dims = match &given {
+        Some(f) => mpc::run::input_sizes(&model, f, &common.model)?,
+        None => opts.dims.clone(),
+    };
+    let mut g = mpc::run::bind_sample_dims(&model, dims, &common.model)?;
+    let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
+    let feeds = match (given, random_inputs) {
+        (Some(f), _) => f,
+        (None, seed) => mpc::run::random_inputs_within(&g, seed.unwrap_or_default(), &opts.dims, devices.memory())
+            .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?,
+    };
+    if stats {
+        report_calibration(&cx);
+    }
+    let outs = on_device!(kind, devices, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
+    for (name, t) in &outs {
+        write_out(format!("{}\n", mpc::run::summary(name, t)))?;
+    }
+    if let Some(o) = output {
+        mpc::run::write_safetensors(&o, &outs)?;
+    }
+    Ok(())
+}
+
+/// `mpc bench`.
+fn bench_command(c: BenchCmd, devices: DeviceOptions) -> Result<(), Error> {
+    let BenchCmd { common, train, train_args, policies, batch, steps, untimed, device, json, profile } = c;
+    let kind = check_device(&device)?;
+    let mut opts = common.options(Vec::new(), None)?;
+    if train {
+        let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+        opts.train = Some(t);
+        opts.loss_scale = scale;
+    }
+    let list = policies.or(common.policy.clone()).unwrap_or_else(|| "fp32,mixed,mixed-bf16".into());
+    let policies: Vec<String> = list.split(',').map(|p| p.trim().to_string()).collect();
+    if let Some(p) = policies.iter().find(|p| !mpc::POLICIES.contains(&p.as_str())) {
+        return Err(Error::Usage(format!("unknown policy `{p}` (fp32, mixed, mixed-bf16, fp16)")));
+    }
+    let cfg = mpc::bench::BenchConfig { policies, batch, warmup: untimed, steps, train, profile };
+    let model = mpc::load(&common.model)?;
+    let report = on_device!(kind, devices, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
+    if json {
+        write_out(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n")?;
+    } else {
+        write_out(mpc::bench::table(&report))?;
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<(), Error> {
     let common = match &cli.command {
-        Command::Compile { common, .. }
+        Command::Compile(CompileCmd { common, .. })
         | Command::Train(TrainCmd { common, .. })
-        | Command::Inspect { common, .. }
-        | Command::Run { common, .. }
-        | Command::Bench { common, .. } => Some(common),
+        | Command::Inspect(InspectCmd { common, .. })
+        | Command::Run(RunCmd { common, .. })
+        | Command::Bench(BenchCmd { common, .. }) => Some(common),
         Command::Devices => None,
     };
     let devices = device_options(common)?;
     match cli.command {
         Command::Train(t) => train_command(t, devices),
-        Command::Compile { common, output, emit, dump_after, stop_after, stats, train, train_args } => {
-            let format = match (&emit, &output) {
-                (Some(e), _) => Some(
-                    Format::from_name(e)
-                        .ok_or_else(|| Error::Usage(format!("unknown --emit format `{e}` (onnx, ir, dot, json)")))?,
-                ),
-                (None, Some(o)) => Some(Format::from_path(o).ok_or_else(|| {
-                    Error::Usage(format!(
-                        "{}: cannot tell the format from the extension; use .onnx, .mpcir, .dot, .json or --emit",
-                        o.display()
-                    ))
-                })?),
-                (None, None) => None,
-            };
-            let mut opts = common.options(dump_after, stop_after)?;
-            if train {
-                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
-                opts.train = Some(t);
-                opts.loss_scale = scale;
-            }
-            let t0 = Instant::now();
-            let mut g = mpc::load(&common.model)?;
-            // `--dim` sizes symbolic dims for the passes (an RNN over `seq` steps unrolls).
-            if !opts.dims.is_empty() {
-                g = mpc::summary::bind_symbols(&g, &opts.dims)
-                    .map_err(|source| Error::Pass { path: common.model.clone(), source })?;
-            }
-            let t1 = Instant::now();
-            let peak_after_load = mpc::peak_rss();
-            let mut dump = |pass: &str, g: &mpc_ir::Graph| {
-                let text = text::to_summary(g).unwrap_or_else(|e| format!("(cannot print: {e})\n"));
-                eprint!("# after {pass}\n{text}");
-            };
-            let cx = mpc::compile(&mut g, &common.model, &opts, &mut dump)?;
-            report_ties(&cx.ties);
-            report_folded(&cx.folded);
-            report_auto_scale(cx.auto_scale.clone());
-            let t2 = Instant::now();
-            match (output, format) {
-                (Some(out), Some(f)) => mpc::save(&g, &out, f)?,
-                (None, f) => {
-                    let bytes = match f {
-                        None | Some(Format::Ir) => text::to_summary(&g)
-                            .map_err(|source| Error::Input { path: common.model.clone(), source })?
-                            .into_bytes(),
-                        Some(Format::Onnx) => return Err(Error::Usage("ONNX output needs -o FILE".into())),
-                        Some(f) => mpc::render(&g, f, Path::new("-"))?.0,
-                    };
-                    write_out(&bytes)?;
-                }
-                (Some(_), None) => {
-                    unreachable!("a format is known whenever there is an output path")
-                }
-            }
-            if stats {
-                let t3 = Instant::now();
-                let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                let mib = |b: Option<u64>| {
-                    b.map_or("unknown".into(), |b| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64))
-                };
-                let peak = mib(mpc::peak_rss());
-                eprintln!("mpc:   peak memory after loading: {}", mib(peak_after_load));
-                report_calibration(&cx);
-                for (pass, run, verify) in cx.timings.borrow().iter() {
-                    let ms = |d: &std::time::Duration| d.as_secs_f64() * 1e3;
-                    eprintln!("mpc:   pass {pass}: {:.1} ms (+ {:.1} ms verifying)", ms(run), ms(verify));
-                }
-                eprintln!(
-                    "mpc: load {:.1} ms, passes {:.1} ms, write {:.1} ms, total {:.1} ms, peak memory {peak}",
-                    ms(t0, t1),
-                    ms(t1, t2),
-                    ms(t2, t3),
-                    ms(t0, t3)
-                );
-            }
-            // The process ends here: handing the memory back to the system is faster than
-            // freeing every node (a large graph has millions of small allocations).
-            std::mem::forget(g);
-            Ok(())
-        }
-        Command::Bench { common, train, train_args, policies, batch, steps, untimed, device, json, profile } => {
-            let kind = check_device(&device)?;
-            let mut opts = common.options(Vec::new(), None)?;
-            if train {
-                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
-                opts.train = Some(t);
-                opts.loss_scale = scale;
-            }
-            let list = policies.or(common.policy.clone()).unwrap_or_else(|| "fp32,mixed,mixed-bf16".into());
-            let policies: Vec<String> = list.split(',').map(|p| p.trim().to_string()).collect();
-            if let Some(p) = policies.iter().find(|p| !mpc::POLICIES.contains(&p.as_str())) {
-                return Err(Error::Usage(format!("unknown policy `{p}` (fp32, mixed, mixed-bf16, fp16)")));
-            }
-            let cfg = mpc::bench::BenchConfig { policies, batch, warmup: untimed, steps, train, profile };
-            let model = mpc::load(&common.model)?;
-            let report =
-                on_device!(kind, devices, open => mpc::bench::bench(open, &model, &common.model, &opts, &cfg)?);
-            if json {
-                write_out(serde_json::to_string_pretty(&report).map_err(|e| Error::Usage(e.to_string()))? + "\n")?;
-            } else {
-                write_out(mpc::bench::table(&report))?;
-            }
-            Ok(())
-        }
+        Command::Compile(c) => compile_command(c),
+        Command::Bench(c) => bench_command(c, devices),
         Command::Devices => {
             let (lines, problem) = mpc::devices::report(&devices);
             for l in lines {
@@ -385,143 +522,8 @@ fn run(cli: Cli) -> Result<(), Error> {
                 None => Ok(()),
             }
         }
-        Command::Run { common, inputs, random_inputs, output, device, repeat, stats } => {
-            let kind = check_device(&device)?;
-            let opts = common.options(Vec::new(), None)?;
-            let model = mpc::load(&common.model)?;
-            let given = inputs.map(|p| mpc::run::read_safetensors(&p)).transpose()?;
-            if given.is_none() && random_inputs.is_none() {
-                return Err(Error::Usage("give --inputs FILE.safetensors or --random-inputs SEED".into()));
-            }
-            // The symbolic dims but the batch bound first, from the inputs (or --dim), so that
-            // the passes see them (an RNN over a sequence of `seq` steps unrolls once `seq` is
-            // known); the batch is bound when the program is lowered.
-            let dims = match &given {
-                Some(f) => mpc::run::input_sizes(&model, f, &common.model)?,
-                None => opts.dims.clone(),
-            };
-            let mut g = mpc::run::bind_sample_dims(&model, dims, &common.model)?;
-            let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
-            let feeds = match (given, random_inputs) {
-                (Some(f), _) => f,
-                (None, seed) => {
-                    mpc::run::random_inputs_within(&g, seed.unwrap_or_default(), &opts.dims, devices.memory())
-                        .map_err(|e| Error::Usage(format!("{}: {e}", common.model.display())))?
-                }
-            };
-            if stats {
-                report_calibration(&cx);
-            }
-            let outs = on_device!(kind, devices, open => run_on(open()?, &g, &feeds, &common.model, repeat, stats)?);
-            for (name, t) in &outs {
-                write_out(format!("{}\n", mpc::run::summary(name, t)))?;
-            }
-            if let Some(o) = output {
-                mpc::run::write_safetensors(&o, &outs)?;
-            }
-            Ok(())
-        }
-        Command::Inspect { common, explain, dot, memory, launches, batch, ranges, json, train, plot, train_args } => {
-            let mut opts = common.options(Vec::new(), None)?;
-            if train && ranges.is_none() {
-                if !memory {
-                    return Err(Error::Usage("--train goes with --ranges or --memory".into()));
-                }
-                let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
-                opts.train = Some(t);
-                opts.loss_scale = scale;
-            }
-            let before = mpc::load(&common.model)?;
-            let mut g = before.clone();
-            let cx = mpc::compile(&mut g, &common.model, &opts, &mut |_, _| {})?;
-            let perr = |source| Error::Pass { path: common.model.clone(), source };
-            let ierr = |source| Error::Input { path: common.model.clone(), source };
-            if let Some(b) = batch {
-                for &v in g.inputs() {
-                    let first_sym = g
-                        .ty(v)
-                        .shape
-                        .as_ref()
-                        .and_then(|s| s.dims().iter().find_map(|d| d.symbol().map(str::to_string)));
-                    if let Some(s) = first_sym {
-                        opts.dims.entry(s).or_insert(b);
-                    }
-                }
-            }
-            let out = if let Some(data) = ranges {
-                let r = if train {
-                    let (t, _) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
-                    let (b, n) = (common.calibrate_batch, common.calibrate_batches);
-                    mpc::ranges::measure_training(&before, &common.model, &data, &t, b, n)?
-                } else {
-                    mpc::ranges::measure(
-                        &before,
-                        &common.model,
-                        &data,
-                        common.calibrate_batch,
-                        common.calibrate_batches,
-                    )?
-                };
-                if let Some(out) = &common.ranges_out {
-                    r.write(out)?;
-                }
-                if let (Some(file), Some(h)) = (&plot, r.gradient_histogram()) {
-                    let name = common.model.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned());
-                    mpc::ranges::plot(&h, &format!("{name}: activation gradients, {} samples", r.samples), file)?;
-                }
-                if json {
-                    serde_json::to_string_pretty(&r).map_err(|e| Error::Usage(e.to_string()))? + "\n"
-                } else if dot {
-                    // The nodes computing a value at risk, and those calibration pinned.
-                    let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
-                    let mut marks = dot_marks(&cx);
-                    for n in g.node_ids() {
-                        for &v in g.node(n).outputs() {
-                            let name = measured_name(g.name(v));
-                            if let Some(why) = r.values.get(name).and_then(|r| r.harm(low)) {
-                                marks.entry(n).or_insert(format!("at risk: {why}"));
-                            }
-                        }
-                    }
-                    mpc::dot::to_dot_marked(&g, &marks).map_err(ierr)?
-                } else {
-                    let low = cx.policy.as_ref().map_or(mpc_ir::DType::F16, |p| p.low);
-                    // What the policy (without calibration) computes each value in.
-                    let mut colours: HashMap<String, &'static str> = HashMap::new();
-                    for (&n, (c, _)) in cx.report.borrow().iter().flat_map(|rep| rep.nodes.iter()) {
-                        let what = if *c == mpc_passes::precision::Colour::Low { "low" } else { "in f32" };
-                        for &v in g.node(n).outputs() {
-                            let name = measured_name(g.name(v));
-                            colours.insert(name.to_string(), what);
-                        }
-                    }
-                    let mut text = mpc::ranges::report(&r, low, &colours);
-                    if let Some(h) = r.gradient_histogram() {
-                        text.push_str(&h.text());
-                    }
-                    text
-                }
-            } else if memory {
-                let caps = mpc_runtime::device::CpuDevice::with_options(devices).caps();
-                let (p, used) = mpc::run::memory_plan_for(&g, &common.model, &opts.dims, caps)?;
-                let mut out = mpc::run::memory_report(&p, &used);
-                if launches {
-                    out.push_str(&mpc::run::launch_list(&p));
-                }
-                out
-            } else if dot {
-                mpc::dot::to_dot_marked(&g, &dot_marks(&cx)).map_err(ierr)?
-            } else {
-                let mut out = text::to_summary(&g).map_err(ierr)?;
-                out.push_str(&mpc::summary::summarize(&g, &opts.dims).map_err(perr)?);
-                if explain {
-                    let report = cx.report.borrow();
-                    out.push_str(&mpc::explain::explain(&before, &g, report.as_ref(), &opts.dims).map_err(perr)?);
-                }
-                out
-            };
-            write_out(&out)
-        }
+        Command::Run(c) => run_command(c, devices),
+        Command::Inspect(c) => inspect_command(c, devices),
     }
 }
 
