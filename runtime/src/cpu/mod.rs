@@ -388,7 +388,7 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
         Op::GlobalAveragePool | Op::GlobalMaxPool => {
             let t = x(0)?;
             let axes: Vec<usize> = (2..t.shape.len()).collect();
-            let kind = if matches!(op, Op::GlobalMaxPool) { "max" } else { "mean" };
+            let kind = if matches!(op, Op::GlobalMaxPool) { nn::ReduceKind::Max } else { nn::ReduceKind::Mean };
             one(nn::reduce(t, &axes, true, kind, limit)?)
         }
         Op::Softmax(a) | Op::LogSoftmax(a) => {
@@ -415,21 +415,11 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
         | Op::ReduceL1(a)
         | Op::ReduceProd(a) => {
             let t = x(0)?;
-            let kind = match op {
-                Op::ReduceL1(_) => "l1",
-                Op::ReduceProd(_) => "prod",
-                Op::ReduceSum(_) => "sum",
-                Op::ReduceMean(_) => "mean",
-                Op::ReduceMax(_) => "max",
-                Op::ReduceMin(_) => "min",
-                Op::ReduceSumSquare(_) => "sumsquare",
-                Op::ReduceL2(_) => "l2",
-                _ => "logsumexp",
-            };
+            let kind = nn::ReduceKind::of(op).ok_or_else(|| err(format!("{} is not a reduction", op.op_type())))?;
             match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
                 // No axes with noop_with_empty_axes: nothing is reduced, but the op's element-wise
                 // part still applies (|x|, x², |x|; the identity for the others).
-                None if matches!(kind, "l1" | "l2" | "sumsquare") => one(nn::reduce(t, &[], a.keepdims, kind, limit)?),
+                None if kind.applies_elementwise() => one(nn::reduce(t, &[], a.keepdims, kind, limit)?),
                 None => one(t.clone()),
                 Some(axes) => one(nn::reduce(t, &axes, a.keepdims, kind, limit)?),
             }

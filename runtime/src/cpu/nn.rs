@@ -341,8 +341,97 @@ fn pool_planes<R: Real>(
     out
 }
 
+/// A reduction's formula: its identity, how it folds a value in, and what it makes of the fold.
+/// Every reduce op is one ([`ReduceKind::of`]); no op falls into another's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReduceKind {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    Prod,
+    L1,
+    L2,
+    SumSquare,
+    LogSumExp,
+}
+
+impl ReduceKind {
+    /// The reduction an op computes: the Reduce ops and the global pools; `None` for any other.
+    pub(crate) fn of(op: &mpc_ir::Op) -> Option<ReduceKind> {
+        Some(match op {
+            mpc_ir::Op::ReduceSum(_) => ReduceKind::Sum,
+            mpc_ir::Op::ReduceMean(_) | mpc_ir::Op::GlobalAveragePool => ReduceKind::Mean,
+            mpc_ir::Op::ReduceMax(_) | mpc_ir::Op::GlobalMaxPool => ReduceKind::Max,
+            mpc_ir::Op::ReduceMin(_) => ReduceKind::Min,
+            mpc_ir::Op::ReduceProd(_) => ReduceKind::Prod,
+            mpc_ir::Op::ReduceL1(_) => ReduceKind::L1,
+            mpc_ir::Op::ReduceL2(_) => ReduceKind::L2,
+            mpc_ir::Op::ReduceSumSquare(_) => ReduceKind::SumSquare,
+            mpc_ir::Op::ReduceLogSumExp(_) => ReduceKind::LogSumExp,
+            _ => return None,
+        })
+    }
+
+    fn init(self) -> f64 {
+        match self {
+            ReduceKind::Max => f64::NEG_INFINITY,
+            ReduceKind::Min => f64::INFINITY,
+            ReduceKind::Prod => 1.0,
+            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare => 0.0,
+            ReduceKind::LogSumExp => 0.0,
+        }
+    }
+
+    /// `acc` with `a` folded in; `shift` is the log-sum-exp's maximum (0 for the others).
+    fn step(self, acc: f64, a: f64, shift: f64) -> f64 {
+        match self {
+            ReduceKind::Max => {
+                if a.is_nan() || a > acc {
+                    a
+                } else {
+                    acc
+                }
+            }
+            ReduceKind::Min => {
+                if a.is_nan() || a < acc {
+                    a
+                } else {
+                    acc
+                }
+            }
+            ReduceKind::Sum | ReduceKind::Mean => acc + a,
+            ReduceKind::SumSquare | ReduceKind::L2 => acc + a * a,
+            ReduceKind::L1 => acc + a.abs(),
+            ReduceKind::Prod => acc * a,
+            ReduceKind::LogSumExp => acc + (a - shift).exp(),
+        }
+    }
+
+    /// The result of a fold over `count` values.
+    fn finish(self, acc: f64, count: usize, shift: f64) -> f64 {
+        match self {
+            ReduceKind::Mean => acc / count.max(1) as f64,
+            ReduceKind::L2 => acc.sqrt(),
+            ReduceKind::LogSumExp => acc.ln() + shift,
+            ReduceKind::Sum | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod | ReduceKind::L1 => acc,
+            ReduceKind::SumSquare => acc,
+        }
+    }
+
+    /// Whether the fast paths take it: a plain fold in any order the input's runs give.
+    fn simple(self) -> bool {
+        matches!(self, ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min)
+    }
+
+    /// Whether it is more than the identity over no axes (`noop_with_empty_axes`): |x|, x².
+    pub(crate) fn applies_elementwise(self) -> bool {
+        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
+    }
+}
+
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
-pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str, limit: u64) -> Res<HostTensor> {
+pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: ReduceKind, limit: u64) -> Res<HostTensor> {
     let rank = x.shape.len();
     // An empty output (an axis kept is 0) has nothing to compute: the loops below would still
     // walk the reduced axes, which an empty input may have of any size.
@@ -360,17 +449,12 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str,
     // Fast path: the reduced axes are the trailing dims (global pooling, row sums), so each output
     // is one contiguous run of the input.
     let k = axes.len();
-    let trailing = k > 0 && axes.iter().copied().eq(rank - k..rank) && matches!(kind, "sum" | "mean" | "max" | "min");
+    let trailing = k > 0 && axes.iter().copied().eq(rank - k..rank) && kind.simple();
     if trailing && x.dtype() != mpc_ir::DType::Bool {
         let run: usize = x.shape[rank - k..].iter().product();
         let out: Vec<f64> = v
             .chunks(run.max(1))
-            .map(|r| match kind {
-                "max" => r.iter().copied().fold(f64::NEG_INFINITY, |m, a| if a.is_nan() || a > m { a } else { m }),
-                "min" => r.iter().copied().fold(f64::INFINITY, |m, a| if a.is_nan() || a < m { a } else { m }),
-                "mean" => r.iter().sum::<f64>() / run as f64,
-                _ => r.iter().sum(),
-            })
+            .map(|r| kind.finish(r.iter().fold(kind.init(), |m, &a| kind.step(m, a, 0.0)), run, 0.0))
             .collect();
         let mut shape: Vec<usize> = x.shape[..rank - k].to_vec();
         if keepdims {
@@ -390,40 +474,25 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str,
     let mut sorted = axes.to_vec();
     sorted.sort_unstable();
     let contiguous = k > 0 && sorted.windows(2).all(|w| w[1] == w[0] + 1);
-    if contiguous && matches!(kind, "sum" | "mean" | "max" | "min") && x.dtype() != mpc_ir::DType::Bool {
+    if contiguous && kind.simple() && x.dtype() != mpc_ir::DType::Bool {
         let (first, last) = (sorted[0], sorted[k - 1]);
         let outer: usize = x.shape[..first].iter().product();
         let red: usize = x.shape[first..=last].iter().product();
         let inner: usize = x.shape[last + 1..].iter().product();
         if red > 0 {
-            let init = match kind {
-                "max" => f64::NEG_INFINITY,
-                "min" => f64::INFINITY,
-                _ => 0.0,
-            };
-            let mut out = vec![init; outer * inner];
+            let mut out = vec![kind.init(); outer * inner];
             for o in 0..outer {
                 let acc = &mut out[o * inner..(o + 1) * inner];
                 for r in 0..red {
                     let row = &v[(o * red + r) * inner..(o * red + r + 1) * inner];
                     match kind {
-                        "max" => acc.iter_mut().zip(row).for_each(|(m, &a)| {
-                            if a.is_nan() || a > *m {
-                                *m = a
-                            }
-                        }),
-                        "min" => acc.iter_mut().zip(row).for_each(|(m, &a)| {
-                            if a.is_nan() || a < *m {
-                                *m = a
-                            }
-                        }),
-                        _ => acc.iter_mut().zip(row).for_each(|(m, &a)| *m += a),
+                        // The sums without the dispatch in their inner loop.
+                        ReduceKind::Sum | ReduceKind::Mean => acc.iter_mut().zip(row).for_each(|(m, &a)| *m += a),
+                        k => acc.iter_mut().zip(row).for_each(|(m, &a)| *m = k.step(*m, a, 0.0)),
                     }
                 }
             }
-            if kind == "mean" {
-                out.iter_mut().for_each(|m| *m /= red as f64);
-            }
+            out.iter_mut().for_each(|m| *m = kind.finish(*m, red, 0.0));
             let shape: Vec<usize> = (0..rank)
                 .filter_map(|d| match (sorted.contains(&d), keepdims) {
                     (true, true) => Some(1),
@@ -445,15 +514,9 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str,
     // An empty input may still reduce to a huge output (its empty dim reduced away).
     super::fits(&out_shape_keep, x.dtype(), limit)?;
     let n_out: usize = out_shape_keep.iter().product();
-    let init = match kind {
-        "max" => f64::NEG_INFINITY,
-        "min" => f64::INFINITY,
-        "prod" => 1.0,
-        _ => 0.0,
-    };
-    let mut acc = vec![init; n_out];
+    let mut acc = vec![kind.init(); n_out];
     let mut count = vec![0usize; n_out];
-    let lse_max: Option<Vec<f64>> = (kind == "logsumexp").then(|| {
+    let lse_max: Option<Vec<f64>> = (kind == ReduceKind::LogSumExp).then(|| {
         let mut m = vec![f64::NEG_INFINITY; n_out];
         for (i, &a) in v.iter().enumerate() {
             let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
@@ -467,41 +530,16 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: &str,
     for (i, &a) in v.iter().enumerate() {
         let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
         count[o] += 1;
-        acc[o] = match kind {
-            "max" => {
-                if a.is_nan() || a > acc[o] {
-                    a
-                } else {
-                    acc[o]
-                }
-            }
-            "min" => {
-                if a.is_nan() || a < acc[o] {
-                    a
-                } else {
-                    acc[o]
-                }
-            }
-            "sumsquare" | "l2" => acc[o] + a * a,
-            "l1" => acc[o] + a.abs(),
-            "prod" => acc[o] * a,
-            "logsumexp" => acc[o] + (a - lse_max.as_ref().map_or(0.0, |m| m[o])).exp(),
-            _ => acc[o] + a,
-        };
+        acc[o] = kind.step(acc[o], a, lse_max.as_ref().map_or(0.0, |m| m[o]));
     }
     for (o, a) in acc.iter_mut().enumerate() {
-        *a = match kind {
-            "mean" => *a / count[o].max(1) as f64,
-            "l2" => a.sqrt(),
-            "logsumexp" => a.ln() + lse_max.as_ref().map_or(0.0, |m| m[o]),
-            _ => *a,
-        };
+        *a = kind.finish(*a, count[o], lse_max.as_ref().map_or(0.0, |m| m[o]));
     }
     // An empty bool max is false and an empty bool min true (the identities of Or and And).
     if x.dtype() == mpc_ir::DType::Bool {
         for (o, a) in acc.iter_mut().enumerate() {
-            if count[o] == 0 && (kind == "max" || kind == "min") {
-                *a = if kind == "max" { 0.0 } else { 1.0 };
+            if count[o] == 0 && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
+                *a = if kind == ReduceKind::Max { 0.0 } else { 1.0 };
             }
         }
     }
