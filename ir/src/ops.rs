@@ -545,7 +545,98 @@ impl Op {
 /// The domain of mpc's own ops.
 pub const MPC_DOMAIN: &str = "ai.mpc";
 
+/// A reduction's formula: its identity, how it folds a value in, and what it makes of the fold.
+/// Every Reduce op is one ([`Op::reduction`]): the CPU reference and the kernels' interpreter
+/// compute by these formulas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    Prod,
+    L1,
+    L2,
+    SumSquare,
+    LogSumExp,
+}
+
+impl ReduceKind {
+    /// The fold's start.
+    pub fn init(self) -> f64 {
+        match self {
+            ReduceKind::Max => f64::NEG_INFINITY,
+            ReduceKind::Min => f64::INFINITY,
+            ReduceKind::Prod => 1.0,
+            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare => 0.0,
+            ReduceKind::LogSumExp => 0.0,
+        }
+    }
+
+    /// `acc` with `a` folded in; `shift` is the log-sum-exp's maximum (0 for the others).
+    pub fn step(self, acc: f64, a: f64, shift: f64) -> f64 {
+        match self {
+            ReduceKind::Max => {
+                if a.is_nan() || a > acc {
+                    a
+                } else {
+                    acc
+                }
+            }
+            ReduceKind::Min => {
+                if a.is_nan() || a < acc {
+                    a
+                } else {
+                    acc
+                }
+            }
+            ReduceKind::Sum | ReduceKind::Mean => acc + a,
+            ReduceKind::SumSquare | ReduceKind::L2 => acc + a * a,
+            ReduceKind::L1 => acc + a.abs(),
+            ReduceKind::Prod => acc * a,
+            ReduceKind::LogSumExp => acc + (a - shift).exp(),
+        }
+    }
+
+    /// The result of a fold over `count` values.
+    pub fn finish(self, acc: f64, count: usize, shift: f64) -> f64 {
+        match self {
+            ReduceKind::Mean => acc / count.max(1) as f64,
+            ReduceKind::L2 => acc.sqrt(),
+            ReduceKind::LogSumExp => acc.ln() + shift,
+            ReduceKind::Sum | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod | ReduceKind::L1 => acc,
+            ReduceKind::SumSquare => acc,
+        }
+    }
+
+    /// Whether the fast paths take it: a plain fold in any order the input's runs give.
+    pub fn simple(self) -> bool {
+        matches!(self, ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min)
+    }
+
+    /// Whether it is more than the identity over no axes (`noop_with_empty_axes`): |x|, x².
+    pub fn applies_elementwise(self) -> bool {
+        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
+    }
+}
+
 impl Op {
+    /// The reduction a Reduce op computes and its attributes; `None` for any other op.
+    pub fn reduction(&self) -> Option<(ReduceKind, &ReduceAttrs)> {
+        Some(match self {
+            Op::ReduceSum(a) => (ReduceKind::Sum, a),
+            Op::ReduceMean(a) => (ReduceKind::Mean, a),
+            Op::ReduceMax(a) => (ReduceKind::Max, a),
+            Op::ReduceMin(a) => (ReduceKind::Min, a),
+            Op::ReduceProd(a) => (ReduceKind::Prod, a),
+            Op::ReduceL1(a) => (ReduceKind::L1, a),
+            Op::ReduceL2(a) => (ReduceKind::L2, a),
+            Op::ReduceSumSquare(a) => (ReduceKind::SumSquare, a),
+            Op::ReduceLogSumExp(a) => (ReduceKind::LogSumExp, a),
+            _ => return None,
+        })
+    }
+
     /// The input slots whose values decide the output's shape or are read as parameters (shapes,
     /// axes, starts/ends, repeats, pads, scales, ratios): a runtime needs their values when it
     /// lowers the graph, not on the device.
@@ -553,15 +644,8 @@ impl Op {
         match self {
             Op::Reshape(_) | Op::Expand | Op::Tile | Op::Squeeze | Op::Unsqueeze | Op::Split(_) | Op::CumSum(_) => &[1],
             Op::Trilu(_) | Op::TopK(_) => &[1],
-            Op::ReduceSum(_)
-            | Op::ReduceMean(_)
-            | Op::ReduceMax(_)
-            | Op::ReduceMin(_)
-            | Op::ReduceSumSquare(_)
-            | Op::ReduceL2(_)
-            | Op::ReduceLogSumExp(_)
-            | Op::ReduceL1(_)
-            | Op::ReduceProd(_) => &[1],
+            // The axes of a reduction (an input from opset 13, 18 for most).
+            op if op.reduction().is_some() => &[1],
             Op::Slice => &[1, 2, 3, 4],
             Op::Pad(_) => &[1, 3],
             Op::ConstantOfShape(_) => &[0],

@@ -388,7 +388,11 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
         Op::GlobalAveragePool | Op::GlobalMaxPool => {
             let t = x(0)?;
             let axes: Vec<usize> = (2..t.shape.len()).collect();
-            let kind = if matches!(op, Op::GlobalMaxPool) { nn::ReduceKind::Max } else { nn::ReduceKind::Mean };
+            let kind = if matches!(op, Op::GlobalMaxPool) {
+                mpc_ir::ops::ReduceKind::Max
+            } else {
+                mpc_ir::ops::ReduceKind::Mean
+            };
             one(nn::reduce(t, &axes, true, kind, limit)?)
         }
         Op::Softmax(a) | Op::LogSoftmax(a) => {
@@ -405,17 +409,17 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             Ok(out.into_iter().take(n_outputs.max(1)).collect())
         }
         Op::InstanceNormalization(a) => one(nn::instance_norm(x(0)?, x(1)?, x(2)?, a.epsilon)?),
-        Op::ReduceSum(a)
-        | Op::ReduceMean(a)
-        | Op::ReduceMax(a)
-        | Op::ReduceMin(a)
-        | Op::ReduceSumSquare(a)
-        | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a)
-        | Op::ReduceL1(a)
-        | Op::ReduceProd(a) => {
+        Op::ReduceSum(_)
+        | Op::ReduceMean(_)
+        | Op::ReduceMax(_)
+        | Op::ReduceMin(_)
+        | Op::ReduceSumSquare(_)
+        | Op::ReduceL2(_)
+        | Op::ReduceLogSumExp(_)
+        | Op::ReduceL1(_)
+        | Op::ReduceProd(_) => {
+            let (kind, a) = op.reduction().ok_or_else(|| err(format!("{} is not a reduction", op.op_type())))?;
             let t = x(0)?;
-            let kind = nn::ReduceKind::of(op).ok_or_else(|| err(format!("{} is not a reduction", op.op_type())))?;
             match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
                 // No axes with noop_with_empty_axes: nothing is reduced, but the op's element-wise
                 // part still applies (|x|, x², |x|; the identity for the others).

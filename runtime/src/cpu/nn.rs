@@ -341,97 +341,14 @@ fn pool_planes<R: Real>(
     out
 }
 
-/// A reduction's formula: its identity, how it folds a value in, and what it makes of the fold.
-/// Every reduce op is one ([`ReduceKind::of`]); no op falls into another's.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ReduceKind {
-    Sum,
-    Mean,
-    Max,
-    Min,
-    Prod,
-    L1,
-    L2,
-    SumSquare,
-    LogSumExp,
-}
-
-impl ReduceKind {
-    /// The reduction an op computes: the Reduce ops and the global pools; `None` for any other.
-    pub(crate) fn of(op: &mpc_ir::Op) -> Option<ReduceKind> {
-        Some(match op {
-            mpc_ir::Op::ReduceSum(_) => ReduceKind::Sum,
-            mpc_ir::Op::ReduceMean(_) | mpc_ir::Op::GlobalAveragePool => ReduceKind::Mean,
-            mpc_ir::Op::ReduceMax(_) | mpc_ir::Op::GlobalMaxPool => ReduceKind::Max,
-            mpc_ir::Op::ReduceMin(_) => ReduceKind::Min,
-            mpc_ir::Op::ReduceProd(_) => ReduceKind::Prod,
-            mpc_ir::Op::ReduceL1(_) => ReduceKind::L1,
-            mpc_ir::Op::ReduceL2(_) => ReduceKind::L2,
-            mpc_ir::Op::ReduceSumSquare(_) => ReduceKind::SumSquare,
-            mpc_ir::Op::ReduceLogSumExp(_) => ReduceKind::LogSumExp,
-            _ => return None,
-        })
-    }
-
-    fn init(self) -> f64 {
-        match self {
-            ReduceKind::Max => f64::NEG_INFINITY,
-            ReduceKind::Min => f64::INFINITY,
-            ReduceKind::Prod => 1.0,
-            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare => 0.0,
-            ReduceKind::LogSumExp => 0.0,
-        }
-    }
-
-    /// `acc` with `a` folded in; `shift` is the log-sum-exp's maximum (0 for the others).
-    fn step(self, acc: f64, a: f64, shift: f64) -> f64 {
-        match self {
-            ReduceKind::Max => {
-                if a.is_nan() || a > acc {
-                    a
-                } else {
-                    acc
-                }
-            }
-            ReduceKind::Min => {
-                if a.is_nan() || a < acc {
-                    a
-                } else {
-                    acc
-                }
-            }
-            ReduceKind::Sum | ReduceKind::Mean => acc + a,
-            ReduceKind::SumSquare | ReduceKind::L2 => acc + a * a,
-            ReduceKind::L1 => acc + a.abs(),
-            ReduceKind::Prod => acc * a,
-            ReduceKind::LogSumExp => acc + (a - shift).exp(),
-        }
-    }
-
-    /// The result of a fold over `count` values.
-    fn finish(self, acc: f64, count: usize, shift: f64) -> f64 {
-        match self {
-            ReduceKind::Mean => acc / count.max(1) as f64,
-            ReduceKind::L2 => acc.sqrt(),
-            ReduceKind::LogSumExp => acc.ln() + shift,
-            ReduceKind::Sum | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod | ReduceKind::L1 => acc,
-            ReduceKind::SumSquare => acc,
-        }
-    }
-
-    /// Whether the fast paths take it: a plain fold in any order the input's runs give.
-    fn simple(self) -> bool {
-        matches!(self, ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min)
-    }
-
-    /// Whether it is more than the identity over no axes (`noop_with_empty_axes`): |x|, x².
-    pub(crate) fn applies_elementwise(self) -> bool {
-        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
-    }
-}
-
 /// Reductions over `axes` (all when empty), accumulating in f64 and rounding through f32.
-pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: ReduceKind, limit: u64) -> Res<HostTensor> {
+pub(crate) fn reduce(
+    x: &HostTensor,
+    axes: &[usize],
+    keepdims: bool,
+    kind: mpc_ir::ops::ReduceKind,
+    limit: u64,
+) -> Res<HostTensor> {
     let rank = x.shape.len();
     // An empty output (an axis kept is 0) has nothing to compute: the loops below would still
     // walk the reduced axes, which an empty input may have of any size.
@@ -487,7 +404,9 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: Reduc
                     let row = &v[(o * red + r) * inner..(o * red + r + 1) * inner];
                     match kind {
                         // The sums without the dispatch in their inner loop.
-                        ReduceKind::Sum | ReduceKind::Mean => acc.iter_mut().zip(row).for_each(|(m, &a)| *m += a),
+                        mpc_ir::ops::ReduceKind::Sum | mpc_ir::ops::ReduceKind::Mean => {
+                            acc.iter_mut().zip(row).for_each(|(m, &a)| *m += a)
+                        }
                         k => acc.iter_mut().zip(row).for_each(|(m, &a)| *m = k.step(*m, a, 0.0)),
                     }
                 }
@@ -516,7 +435,7 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: Reduc
     let n_out: usize = out_shape_keep.iter().product();
     let mut acc = vec![kind.init(); n_out];
     let mut count = vec![0usize; n_out];
-    let lse_max: Option<Vec<f64>> = (kind == ReduceKind::LogSumExp).then(|| {
+    let lse_max: Option<Vec<f64>> = (kind == mpc_ir::ops::ReduceKind::LogSumExp).then(|| {
         let mut m = vec![f64::NEG_INFINITY; n_out];
         for (i, &a) in v.iter().enumerate() {
             let o: usize = (0..rank).map(|d| if reduced(d) { 0 } else { (i / ist[d]) % x.shape[d] * ost[d] }).sum();
@@ -538,8 +457,8 @@ pub(crate) fn reduce(x: &HostTensor, axes: &[usize], keepdims: bool, kind: Reduc
     // An empty bool max is false and an empty bool min true (the identities of Or and And).
     if x.dtype() == mpc_ir::DType::Bool {
         for (o, a) in acc.iter_mut().enumerate() {
-            if count[o] == 0 && matches!(kind, ReduceKind::Max | ReduceKind::Min) {
-                *a = if kind == ReduceKind::Max { 0.0 } else { 1.0 };
+            if count[o] == 0 && matches!(kind, mpc_ir::ops::ReduceKind::Max | mpc_ir::ops::ReduceKind::Min) {
+                *a = if kind == mpc_ir::ops::ReduceKind::Max { 0.0 } else { 1.0 };
             }
         }
     }
