@@ -29,26 +29,15 @@ fn raise(e: mpc::Error) -> PyErr {
     }
 }
 
-/// numpy's name of a dtype, and back.
+/// The dtype numpy names `name`.
 fn dtype_of(name: &str) -> PyResult<DType> {
-    Ok(match name {
-        "float32" => DType::F32,
-        "float16" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "float64" => DType::F64,
-        "int64" => DType::I64,
-        "int32" => DType::I32,
-        "int16" => DType::I16,
-        "int8" => DType::I8,
-        "uint64" => DType::U64,
-        "uint32" => DType::U32,
-        "uint16" => DType::U16,
-        "uint8" => DType::U8,
-        "bool" => DType::Bool,
-        other => return Err(InputError::new_err(format!("dtype {other} is not one mpc runs"))),
-    })
+    DType::ALL
+        .into_iter()
+        .find(|&d| numpy_name(d) == name)
+        .ok_or_else(|| InputError::new_err(format!("dtype {name} is not one mpc runs")))
 }
 
+/// numpy's name of a dtype.
 fn numpy_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "float32",
@@ -181,9 +170,7 @@ impl Trainer {
     /// The learning rate of the next steps (under a schedule, its peak).
     #[getter]
     fn get_lr(&mut self) -> PyResult<f32> {
-        let state = on!(&mut self.inner, t => t.state()).map_err(raise)?;
-        let lr = state.iter().find(|(n, _)| n == mpc_passes::train::LR).map(|(_, t)| t.f64s()[0] as f32);
-        lr.ok_or_else(|| InternalError::new_err("the training state has no learning rate"))
+        on!(&mut self.inner, t => t.lr()).map_err(raise)
     }
 
     #[setter]

@@ -399,6 +399,12 @@ impl<D: Device> Trainer<D> {
         }
     }
 
+    /// The learning rate of the next steps (the state `mpc.lr`: under a schedule, its peak).
+    pub fn lr(&mut self) -> Result<f32> {
+        let t = self.session.read_state(mpc_passes::train::LR).map_err(|e| self.first().run_error(e))?;
+        Ok(t.f64s()[0] as f32)
+    }
+
     /// Sets the learning rate of the next steps: the state `mpc.lr`, which is the rate itself,
     /// or under a schedule the peak the schedule scales.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {

@@ -447,17 +447,8 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
     match op {
         Op::MatMul => plan_matmul(p)?,
         Op::Gemm(a) => plan_gemm(p, a)?,
-        Op::ReduceSum(_)
-        | Op::ReduceMean(_)
-        | Op::ReduceMax(_)
-        | Op::ReduceMin(_)
-        | Op::ReduceSumSquare(_)
-        | Op::ReduceL2(_)
-        | Op::ReduceLogSumExp(_)
-        | Op::ReduceL1(_)
-        | Op::ReduceProd(_)
-        | Op::GlobalAveragePool
-        | Op::GlobalMaxPool => plan_reduce(p)?,
+        Op::GlobalAveragePool | Op::GlobalMaxPool => plan_reduce(p)?,
+        op if op.reduction().is_some() => plan_reduce(p)?,
         Op::ArgMax(a) | Op::ArgMin(a) => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
