@@ -30,6 +30,10 @@
 //        mod (C remainder) mod_py (numpy) pow ((double)a ^ (double)b, saturated); b = 0 gives 0
 //        for div, mod, mod_py. The same ops for i16 i8 u64 u32 u16 u8 compute in i64 (operands
 //        read as i64, u64's bits reinterpreted; the result truncated on store), as the CPU does.
+//   bit ops (mpc_ir::ops::Bitwise), every integer tag: bitand bitor bitxor, and shl shr (BitShift,
+//        in the operand's type: shr arithmetic on signed tags; a shift by the width or more, or
+//        by a negative amount, leaves the sign's fill: -1 for a negative x shifted right, else 0).
+//   elementwise_bitnot_<T>(const T* x, T* y, long long n), T any integer tag.
 // Comparisons, same broadcasting ABI with `u8* y`:
 //   elementwise_{equal,less,greater,greater_equal,less_equal}_<T>, T in f32 f16 bf16 f64 i64 i32
 //   i16 i8 u64 u32 u16 u8 (integers compared as i64, so u64 past 2^63 as the CPU reference does)
@@ -107,6 +111,12 @@ UNARY(atanh)
 template <typename T> struct Unsigned;
 template <> struct Unsigned<long long> { typedef unsigned long long type; };
 template <> struct Unsigned<int> { typedef unsigned int type; };
+template <> struct Unsigned<short> { typedef unsigned short type; };
+template <> struct Unsigned<signed char> { typedef unsigned char type; };
+template <> struct Unsigned<unsigned long long> { typedef unsigned long long type; };
+template <> struct Unsigned<unsigned int> { typedef unsigned int type; };
+template <> struct Unsigned<unsigned short> { typedef unsigned short type; };
+template <> struct Unsigned<unsigned char> { typedef unsigned char type; };
 
 #define IUNARY_T(name, TT, tag, expr)                                                  \
     MPC_KERNEL elementwise_##name##_##tag(const TT* __restrict__ x, TT* __restrict__ y, long long n) { \
@@ -231,6 +241,18 @@ IBOP(max, x > z ? x : z)
 IBOP(mod, int_rem(x, z))
 IBOP(mod_py, int_mod_py(x, z))
 IBOP(pow, int_pow(x, z))
+IBOP(bitand, x & z)
+IBOP(bitor, x | z)
+IBOP(bitxor, x ^ z)
+// Shifts in the operand's own type (never widened: u64 shifts right logically, i8 arithmetically).
+// What a right shift past the width leaves: the sign's fill (0 for the unsigned types).
+template <typename T> __device__ __forceinline__ T sign_fill(T) { return 0; }
+template <> __device__ __forceinline__ long long sign_fill(long long x) { return x < 0 ? -1 : 0; }
+template <> __device__ __forceinline__ int sign_fill(int x) { return x < 0 ? -1 : 0; }
+template <> __device__ __forceinline__ short sign_fill(short x) { return x < 0 ? -1 : 0; }
+template <> __device__ __forceinline__ signed char sign_fill(signed char x) { return x < 0 ? -1 : 0; }
+IBOP(shl, (unsigned long long)z < 8 * sizeof(T) ? (T)((U)x << z) : (T)0)
+IBOP(shr, (unsigned long long)z < 8 * sizeof(T) ? (T)(x >> z) : sign_fill(x))
 
 #define IBINARY_T(name, T, tag)                                                                       \
     MPC_KERNEL elementwise_##name##_##tag(const T* a, const T* b, T* y, long long n, int rank, Dims8 dims, \
@@ -250,6 +272,9 @@ IBINARY(max)
 IBINARY(mod)
 IBINARY(mod_py)
 IBINARY(pow)
+IBINARY(bitand)
+IBINARY(bitor)
+IBINARY(bitxor)
 
 // The other integer dtypes compute as the CPU reference does: each operand read as i64 (u64's
 // bits reinterpreted), the i64 op, the result truncated to the dtype on store.
@@ -285,6 +310,32 @@ WBINARY(max)
 WBINARY(mod)
 WBINARY(mod_py)
 WBINARY(pow)
+WBINARY(bitand)
+WBINARY(bitor)
+WBINARY(bitxor)
+#define SHIFT(name)                            \
+    IBINARY(name)                              \
+    IBINARY_T(name, short, i16)                \
+    IBINARY_T(name, signed char, i8)           \
+    IBINARY_T(name, unsigned long long, u64)   \
+    IBINARY_T(name, unsigned int, u32)         \
+    IBINARY_T(name, unsigned short, u16)       \
+    IBINARY_T(name, unsigned char, u8)
+SHIFT(shl)
+SHIFT(shr)
+
+#define BITNOT_T(T, tag)                                                                   \
+    MPC_KERNEL elementwise_bitnot_##tag(const T* __restrict__ x, T* __restrict__ y, long long n) { \
+        MPC_GRID_STRIDE(i, n) { y[i] = (T)~x[i]; }                                         \
+    }
+BITNOT_T(long long, i64)
+BITNOT_T(int, i32)
+BITNOT_T(short, i16)
+BITNOT_T(signed char, i8)
+BITNOT_T(unsigned long long, u64)
+BITNOT_T(unsigned int, u32)
+BITNOT_T(unsigned short, u16)
+BITNOT_T(unsigned char, u8)
 
 // ---------------------------------------------------------------- comparisons and logic → u8
 

@@ -137,7 +137,7 @@ fn former_panics_are_one_line_errors() {
     let x: Vec<(String, mpc_runtime::HostTensor)> =
         vec![("x".into(), mpc_runtime::HostTensor::from_f64(mpc_ir::DType::F32, vec![4], vec![1.0; 4]))];
     mpc::run::write_safetensors(&x4, &x).unwrap();
-    let cases: [(&str, &str, &[&str], &str); 4] = [
+    let cases: [(&str, &str, &[&str], &str); 5] = [
         // A Conv or MaxPool whose input has no shape, fed a tensor of the wrong rank.
         (
             "conv",
@@ -164,6 +164,13 @@ fn former_panics_are_one_line_errors() {
             "  input %0 \"x\": f32[4]\n  init %1 \"a\" = i64[0]{}\n  %2 \"y\": f32[4] = CumSum(%0, %1) @\"cumsum\"\n  output %2\n",
             &["--inputs"],
             "`cumsum` (CumSum)",
+        ),
+        // A bit shift of floats.
+        (
+            "bitshift",
+            "  input %0 \"x\": f32[4]\n  %1 \"y\": ? = BitShift[direction=\"LEFT\"](%0, %0) @\"shift\"\n  output %1\n",
+            &["--inputs"],
+            "`shift` (BitShift)",
         ),
     ];
     for (name, body, flags, node) in cases {

@@ -25,13 +25,16 @@ class Reject(Exception):
 NP2ONNX = {
     np.dtype("float32"): TP.FLOAT, np.dtype("float16"): TP.FLOAT16, np.dtype("float64"): TP.DOUBLE,
     np.dtype("int64"): TP.INT64, np.dtype("int32"): TP.INT32, np.dtype("int8"): TP.INT8,
-    np.dtype("uint8"): TP.UINT8, np.dtype("bool"): TP.BOOL,
+    np.dtype("uint8"): TP.UINT8, np.dtype("bool"): TP.BOOL, np.dtype("int16"): TP.INT16,
+    np.dtype("uint16"): TP.UINT16, np.dtype("uint32"): TP.UINT32, np.dtype("uint64"): TP.UINT64,
 }
 ONNX2NP = {v: k for k, v in NP2ONNX.items()}
 F32, F16, F64 = np.dtype("float32"), np.dtype("float16"), np.dtype("float64")
 I64, I32, BOOL = np.dtype("int64"), np.dtype("int32"), np.dtype("bool")
 FLOATS = (F32, F16, F64)
 INTS = (I64, I32)
+UINTS = tuple(np.dtype(t) for t in ("uint8", "uint16", "uint32", "uint64"))
+ALL_INTS = INTS + tuple(np.dtype(t) for t in ("int16", "int8")) + UINTS
 I64_MIN, I64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 OPSETS = [13, 14, 15, 16, 17, 18, 19, 20, 21, 23]
@@ -156,8 +159,8 @@ class Gen:
         with np.errstate(over="ignore"):
             return a.astype(dt)
 
-    def new_input(self, dt, shape, **kw):
-        a = self.data(dt, shape, **kw)
+    def new_input(self, dt, shape, data=None, **kw):
+        a = self.data(dt, shape, **kw) if data is None else np.asarray(data, dtype=dt)
         v = Val(self.name("x"), dt, shape, kind="input", bound=data_bound(a))
         self.inputs.append(v)
         self.feeds[v.name] = a

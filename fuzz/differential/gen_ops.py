@@ -4,8 +4,8 @@ attributes at their edges, and raises Reject when its choices do not fit."""
 import numpy as np
 from onnx import numpy_helper as nh
 
-from gen import (BOOL, F16, F32, I32, I64, I64_MAX, I64_MIN, INTS, NP2ONNX, Reject, Val, broadcastable,
-                 data_bound)
+from gen import (ALL_INTS, BOOL, F16, F32, I32, I64, I64_MAX, I64_MIN, INTS, NP2ONNX, UINTS, Reject, Val,
+                 broadcastable, data_bound)
 
 
 UNARY_F = ["Gelu", "Abs", "Neg", "Sqrt", "Exp", "Log", "Reciprocal", "Erf", "Tanh", "Sigmoid", "Relu", "Floor",
@@ -119,6 +119,40 @@ def op_logical(g):
     a = g.pick(dts=[BOOL]) or g.fresh(BOOL, g.shape())
     b = g.operand_like(g.bcast_shape(a.shape), BOOL)
     g.node(op, [a, b], bound=1.0)
+
+
+def int_edges(g, dt, shape):
+    """Integers of `dt`: small ones, and some at the dtype's edges (its minimum and maximum)."""
+    info = np.iinfo(dt)
+    edges = [int(info.min), int(info.max), int(info.max) // 3, int(info.min) + 1 if info.min else 1]
+    small = g.rng.integers(-5 if info.min else 0, 6, size=int(np.prod(shape, dtype=np.int64)))
+    flat = [g.choice(edges) if g.chance(0.25) else int(v) for v in small]
+    return np.array(flat, dtype=dt).reshape(shape)
+
+
+def op_bitwise(g):
+    shift = g.opset < 18 or g.chance(0.35)
+    op = "BitShift" if shift else g.choice(["BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot"])
+    dts = UINTS if shift else ALL_INTS
+    a = g.pick(lambda v: v.rank <= 4, dts=dts, fresh_p=0.4)
+    if a is None:
+        dt = g.choice(dts)
+        shape = g.shape()
+        a = g.new_input(dt, shape, data=int_edges(g, dt, shape))
+    if op == "BitwiseNot":
+        g.node(op, [a])
+        return
+    bs = g.bcast_shape(a.shape)
+    if shift:
+        bits = np.iinfo(a.dt).bits
+        s = g.rng.choice([0, 1, 2, 3, bits - 1, bits, bits + 1, 64, 100], size=bs).astype(a.dt)
+        b = g.new_init(s, prefix="c") if g.chance(0.5) else g.new_input(a.dt, bs, data=s)
+    else:
+        b = g.pick(lambda v: v.shape == bs and v is not a, dts=[a.dt], fresh_p=0.4)
+        b = b or g.new_input(a.dt, bs, data=int_edges(g, a.dt, bs))
+        if g.chance(0.5):
+            a, b = b, a
+    g.node(op, [a, b], direction=g.choice(["LEFT", "RIGHT"]) if shift else None)
 
 
 def op_where(g):
@@ -957,6 +991,7 @@ OPS = [  # (generator, weight)
     (op_constant_of_shape, 1), (op_constant, 1), (op_trilu, 1), (op_loss, 1), (op_shape_chain, 1),
     (op_topk, 2), (op_onehot, 1), (op_depth_space, 1), (op_shrink, 2), (op_hardmax, 1), (op_lp_norm, 1),
     (op_lp_pool, 2), (op_eye_like, 1), (op_reverse_sequence, 1), (op_rms_norm, 2), (op_grid_sample, 2),
+    (op_bitwise, 2),
 ]
 OP_FUNCS = [f for f, _ in OPS]
 OP_WEIGHTS = np.array([w for _, w in OPS], dtype=np.float64) / sum(w for _, w in OPS)

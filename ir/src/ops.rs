@@ -67,6 +67,14 @@ string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
+string_enum!(
+    /// BitShift's `direction`.
+    ShiftDirection, "one of LEFT, RIGHT" { Left = "LEFT", Right = "RIGHT" });
+impl crate::attr::Placeholder for ShiftDirection {
+    fn placeholder() -> Self {
+        ShiftDirection::Left
+    }
+}
 use crate::geometry::AutoPad;
 use crate::{DType, Tensor};
 
@@ -141,6 +149,7 @@ attr_struct!(ArgAttrs {
     keepdims: bool[default = true],
     select_last_index: bool[default = false]
 });
+attr_struct!(BitShiftAttrs { direction: ShiftDirection[required] });
 attr_struct!(ReshapeAttrs { allowzero: bool[default = false] });
 attr_struct!(TransposeAttrs { perm: Vec<i64> [optional] });
 attr_struct!(FlattenAttrs { axis: i64[default = 1] });
@@ -436,6 +445,7 @@ define_ops! {
         GlobalMaxPool, Squeeze, Unsqueeze, Slice, Expand, Tile, Identity, Size, Range, Where, Equal,
         Less, Greater, Not, And, Or, Floor, Ceil, Round, Sign, Sin, Cos, Softsign, IsNaN,
         GreaterOrEqual, LessOrEqual, Xor, Tan, Sinh, Cosh, Asin, Acos, Atan, Asinh, Acosh, Atanh,
+        BitwiseAnd, BitwiseOr, BitwiseXor, BitwiseNot,
     }
     typed {
         Mod(ModAttrs), LeakyRelu(AlphaAttrs), Elu(EluAttrs), Celu(EluAttrs), Gelu(GeluAttrs),
@@ -451,7 +461,7 @@ define_ops! {
         SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
         Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
         ReduceProd(ReduceAttrs), Trilu(TriluAttrs), GatherND(GatherNdAttrs), ScatterND(ScatterNdAttrs),
-        ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs),
+        ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs), BitShift(BitShiftAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -507,6 +517,18 @@ impl Trig {
     }
 }
 
+/// The ops of [`Bitwise`] as a pattern, for the exhaustive matches that must name them.
+#[macro_export]
+macro_rules! bitwise_ops {
+    () => {
+        $crate::Op::BitwiseAnd
+            | $crate::Op::BitwiseOr
+            | $crate::Op::BitwiseXor
+            | $crate::Op::BitwiseNot
+            | $crate::Op::BitShift(_)
+    };
+}
+
 /// The ops of [`Trig`] as a pattern, for the exhaustive matches that must name them:
 /// `mpc_ir::trig_ops!() => ...`.
 #[macro_export]
@@ -524,7 +546,82 @@ macro_rules! trig_ops {
     };
 }
 
+/// The integer bit operations (BitwiseAnd/Or/Xor/Not, BitShift), described once: the reference
+/// formula ([`Bitwise::eval`], which the CPU kernels and constant folding compute by), the CUDA
+/// kernel's name (`elementwise_<name>_<dtype>`, kernels/elementwise.cu), and the dtypes each
+/// accepts. None is differentiable; colouring leaves them as they are (integers only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bitwise {
+    And,
+    Or,
+    Xor,
+    Not,
+    ShiftLeft,
+    ShiftRight,
+}
+
+impl Bitwise {
+    pub const ALL: [Bitwise; 6] =
+        [Bitwise::And, Bitwise::Or, Bitwise::Xor, Bitwise::Not, Bitwise::ShiftLeft, Bitwise::ShiftRight];
+
+    /// The CUDA kernel's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bitwise::And => "bitand",
+            Bitwise::Or => "bitor",
+            Bitwise::Xor => "bitxor",
+            Bitwise::Not => "bitnot",
+            Bitwise::ShiftLeft => "shl",
+            Bitwise::ShiftRight => "shr",
+        }
+    }
+
+    /// Whether it takes one operand (BitwiseNot) rather than two.
+    pub fn unary(self) -> bool {
+        self == Bitwise::Not
+    }
+
+    /// Whether `d` is a dtype of its operands: every integer dtype (BitShift's signed ones since
+    /// opset 28; the schema check holds the opset's list).
+    pub fn accepts(self, d: DType) -> bool {
+        d.is_int()
+    }
+
+    /// The result for operands of dtype `d` read as i64 (signed dtypes sign-extended, unsigned
+    /// ones zero-extended, u64's bits reinterpreted); the caller truncates it to `d`. Right shifts
+    /// are arithmetic on signed dtypes and logical on unsigned ones; a shift by the width or
+    /// more, or by a negative amount, leaves only the sign's fill (-1 for a negative operand
+    /// shifted right, else 0), as the spec (opset 28), onnxruntime and the reference evaluator do.
+    pub fn eval(self, d: DType, a: i64, b: i64) -> i64 {
+        let (signed, fits) = (d.is_signed_int(), (b as u64) < 64);
+        match self {
+            Bitwise::And => a & b,
+            Bitwise::Or => a | b,
+            Bitwise::Xor => a ^ b,
+            Bitwise::Not => !a,
+            Bitwise::ShiftLeft if fits => ((a as u64) << b) as i64,
+            Bitwise::ShiftRight if fits && signed => a >> b,
+            Bitwise::ShiftRight if fits => ((a as u64) >> b) as i64,
+            Bitwise::ShiftRight if signed && a < 0 => -1,
+            Bitwise::ShiftLeft | Bitwise::ShiftRight => 0,
+        }
+    }
+}
+
 impl Op {
+    /// The op as a [`Bitwise`], if it is one.
+    pub fn bitwise(&self) -> Option<Bitwise> {
+        Some(match self {
+            Op::BitwiseAnd => Bitwise::And,
+            Op::BitwiseOr => Bitwise::Or,
+            Op::BitwiseXor => Bitwise::Xor,
+            Op::BitwiseNot => Bitwise::Not,
+            Op::BitShift(a) if a.direction == ShiftDirection::Left => Bitwise::ShiftLeft,
+            Op::BitShift(_) => Bitwise::ShiftRight,
+            _ => return None,
+        })
+    }
+
     /// The op as a [`Trig`], if it is one.
     pub fn trig(&self) -> Option<Trig> {
         Some(match self {

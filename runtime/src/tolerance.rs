@@ -54,6 +54,13 @@ impl Tolerance {
         }
         let c = self.measure(got, want);
         match c.first_bad {
+            Some(i) if !got.dtype().is_float() && !want.dtype().is_float() => Err(format!(
+                "element {i}: {} where {} was expected ({} of {} elements differ)",
+                got.i64s().map_or(0, |v| v[i]),
+                want.i64s().map_or(0, |v| v[i]),
+                c.outliers,
+                want.len(),
+            )),
             Some(i) => Err(format!(
                 "element {i}: {} where {} was expected ({} of {} elements out of rtol {} / atol {}; max abs error {:.3e})",
                 got.f64s()[i],
@@ -74,10 +81,23 @@ impl Tolerance {
     /// The differences, without judging them.
     pub fn measure(&self, got: &HostTensor, want: &HostTensor) -> Comparison {
         let (g, w) = (got.f64s(), want.f64s());
+        // Integers compare as integers: f64 cannot tell 64-bit values past 2^53 apart.
+        let ints = match (got.dtype().is_float() || want.dtype().is_float(), got.i64s(), want.i64s()) {
+            (false, Some(a), Some(b)) => Some((a, b)),
+            _ => None,
+        };
         let (mut max_abs, mut diff2, mut want2, mut outliers, mut first_bad) = (0f64, 0f64, 0f64, 0usize, None);
         for (i, (&a, &e)) in g.iter().zip(&w).enumerate() {
-            let same = a == e || (a.is_nan() && e.is_nan()) || a.to_bits() == e.to_bits();
-            let d = if same { 0.0 } else { (a - e).abs() };
+            let same = match &ints {
+                Some((x, y)) => x[i] == y[i],
+                None => a == e || (a.is_nan() && e.is_nan()) || a.to_bits() == e.to_bits(),
+            };
+            // Two integers that differ differ by 1 at least, whatever f64 made of them.
+            let d = match (same, &ints) {
+                (true, _) => 0.0,
+                (false, Some(_)) => (a - e).abs().max(1.0),
+                (false, None) => (a - e).abs(),
+            };
             // A NaN difference (a number for a NaN) is out of bounds too.
             let within = d <= self.atol + self.rtol * e.abs();
             let bad = !same && !within;
@@ -117,6 +137,10 @@ mod tests {
         assert!(Tolerance::ONNX.check(&got, &want).is_ok());
         let e = Tolerance::EXACT.check(&got, &want).unwrap_err();
         assert!(e.starts_with("element 1:"), "{e}");
+        // 64-bit integers past 2^53 that f64 rounds to one value still differ.
+        let big = |v: i64| HostTensor::from_i64(DType::I64, vec![1], vec![v]);
+        let e = Tolerance::EXACT.check(&big(i64::MAX - 1), &big(i64::MAX)).unwrap_err();
+        assert!(e.contains("9223372036854775806 where 9223372036854775807"), "{e}");
         let far = t(&[1.0, 3.0, f64::NAN, 4.0]);
         assert!(Tolerance::for_dtype(DType::F32).check(&far, &want).unwrap_err().contains("element 1"));
         let c = Tolerance::ONNX.measure(&far, &want);

@@ -133,6 +133,14 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
         }
+        mpc_ir::bitwise_ops!() => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            let bits = op.bitwise().expect("a bit operation");
+            if let Some(d) = d.filter(|&d| !bits.accepts(d)) {
+                return Err(format!("{} takes integers, not {d}", op.op_type()));
+            }
+            vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
+        }
         Op::PRelu => {
             let d = cx.same_dtype(0..2)?;
             // The slope broadcasts to X one way: the output has X's shape.

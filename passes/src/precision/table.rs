@@ -172,6 +172,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::And
         | Op::Or
         | Op::Xor
+        | mpc_ir::bitwise_ops!()
         | Op::Opaque(_)
         | Op::ConvGrad(_)
         | Op::MaxPoolGrad(_)

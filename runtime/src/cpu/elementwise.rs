@@ -1,7 +1,7 @@
 //! Element-wise ops with numpy broadcasting. Floats compute in f32 (f32, f16, bf16: rounded on
 //! store) or f64; integer arithmetic in i64, stored back in the input's dtype.
 
-use mpc_ir::ops::Trig;
+use mpc_ir::ops::{Bitwise, Trig};
 use mpc_ir::Op;
 
 use super::{err, Res};
@@ -449,6 +449,24 @@ pub(crate) fn binary(op: &Op, a: &HostTensor, b: &HostTensor) -> Option<HostTens
             Some(HostTensor::from_i64(d, shape, out))
         }
     }
+}
+
+/// A [`Bitwise`] op (`b` is `None` for BitwiseNot): the operands read as i64, each element by
+/// the one formula, truncated to `a`'s dtype on store.
+pub(crate) fn bitwise(bits: Bitwise, a: &HostTensor, b: Option<&HostTensor>) -> Option<HostTensor> {
+    let (d, x) = (a.dtype(), a.i64s()?);
+    if !bits.accepts(d) || b.is_some_and(|b| b.dtype() != d) {
+        return None;
+    }
+    let (shape, out) = match b {
+        None => (a.shape.clone(), x.into_iter().map(|v| bits.eval(d, v, 0)).collect()),
+        Some(b) => {
+            let shape = broadcast_shape(&[&a.shape, &b.shape])?;
+            let out = zip_broadcast(&x, &a.shape, &b.i64s()?, &b.shape, &shape, |p, q| bits.eval(d, p, q));
+            (shape, out)
+        }
+    };
+    Some(HostTensor::from_i64(d, shape, out))
 }
 
 /// Equal, Less, Greater, And, Or: bool output.

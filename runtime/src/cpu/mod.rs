@@ -246,6 +246,12 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             one(elementwise::compare(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
         }
         Op::Not => one(elementwise::not(x(0)?).ok_or_else(|| err("Not needs bool input"))?),
+        mpc_ir::bitwise_ops!() => {
+            let bits = op.bitwise().expect("a bit operation");
+            let b = if bits.unary() { None } else { Some(x(1)?) };
+            let what = "operands of one integer dtype that broadcast";
+            one(elementwise::bitwise(bits, x(0)?, b).ok_or_else(|| err(what))?)
+        }
         Op::Where => one(elementwise::where_(x(0)?, x(1)?, x(2)?).ok_or_else(|| err("inputs do not broadcast"))?),
         Op::Clip => one(elementwise::clip(x(0)?, ins.get(1).copied().flatten(), ins.get(2).copied().flatten())?),
         Op::Cast(a) => one(x(0)?.cast(a.to)),

@@ -83,6 +83,24 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
             let name = binary_name(op).expect("a comparison");
             p.binary(name, tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
         }
+        mpc_ir::bitwise_ops!() => {
+            let bits = op.bitwise().expect("a bit operation");
+            let (a, y) = (p.input(0)?, p.output(0)?);
+            if !bits.accepts(a.dtype) {
+                return Err(format!("{} on {}", op.op_type(), a.dtype));
+            }
+            if bits.unary() {
+                let n = a.numel() as u64;
+                let args = vec![Arg::Ptr(buf(a)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+                p.flat("elementwise", format!("elementwise_{}_{}", bits.name(), tag(a.dtype)?), n, args);
+            } else {
+                let b = p.input(1)?;
+                if b.dtype != a.dtype {
+                    return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+                }
+                p.binary(bits.name(), tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
+            }
+        }
         Op::Not => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let n = x.numel() as u64;
@@ -222,6 +240,18 @@ mod tests {
             assert_eq!(super::unary_name(&op).map(|u| u.0), Some(t.name()), "{t:?}");
             assert!(source.contains(&format!("UNARY({})", t.name())), "{t:?}: no UNARY in elementwise.cu");
             assert!(common.contains(&format!("UOP({},", t.name())), "{t:?}: no UOP in common.cuh");
+        }
+    }
+
+    /// Every op of `Bitwise` names a kernel that kernels/elementwise.cu defines.
+    #[test]
+    fn every_bitwise_op_names_a_kernel_the_source_defines() {
+        let (_, source) = crate::cuda::nvrtc::FAMILIES.iter().find(|(f, _)| *f == "elementwise").unwrap();
+        for b in mpc_ir::ops::Bitwise::ALL {
+            let defined = if b.unary() { format!("elementwise_{}_", b.name()) } else { format!("IBOP({},", b.name()) };
+            assert!(source.contains(&defined), "{b:?}: `{defined}` is not in elementwise.cu");
+            let instantiated = [format!("WBINARY({})", b.name()), format!("SHIFT({})", b.name())];
+            assert!(b.unary() || instantiated.iter().any(|i| source.contains(i)), "{b:?}: no kernels");
         }
     }
 }

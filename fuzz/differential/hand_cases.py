@@ -1,0 +1,108 @@
+"""Hand-written differential cases: graphs that pin an op's edges (dtypes, broadcasting, the
+values where implementations differ), written as reproducers under tests/models/differential
+with onnxruntime's outputs as the expected ones (the same layout as minimize.write_repro).
+
+    python3 fuzz/differential/hand_cases.py [NAME ...]   # all cases, or the named ones
+"""
+
+import os
+import sys
+
+import numpy as np
+import onnx
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+from gen import NP2ONNX, ir_version
+from harness import oracle_run
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "models", "differential")
+ONNX_OF = {**NP2ONNX, **{np.dtype(t): getattr(onnx.TensorProto, t.upper())
+                         for t in ("uint16", "uint32", "uint64", "int16")}}
+
+
+def one_node(op, feeds, opset, out_dtype=None, out_shape=None, consts=None, **attrs):
+    """A model of one `op` node over `feeds` (graph inputs) and `consts` (initializers); the
+    output's shape is the feeds' broadcast unless `out_shape` says otherwise."""
+    consts = consts or {}
+    names = list(feeds) + list(consts)
+    first = np.asarray(next(iter(feeds.values())))
+    out = onnx.TensorProto.UNDEFINED if out_dtype is None else ONNX_OF[np.dtype(out_dtype)]
+    out = out or ONNX_OF[first.dtype]
+    graph = h.make_graph(
+        [h.make_node(op, names, ["y"], **attrs)], op.lower(),
+        [h.make_tensor_value_info(k, ONNX_OF[np.asarray(v).dtype], np.asarray(v).shape) for k, v in feeds.items()],
+        [h.make_tensor_value_info("y", out, out_shape or np.broadcast_shapes(*(np.shape(v) for v in feeds.values())))],
+        initializer=[nh.from_array(np.asarray(v), k) for k, v in consts.items()])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=ir_version(opset))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def edges(dt):
+    """Values at an integer dtype's edges: 0, ±1, its minimum and maximum, and a few between."""
+    i = np.iinfo(dt)
+    return np.array([0, 1, i.max, i.min, i.max // 3, 5, 12, i.min + 1 if i.min else 2], dtype=dt)
+
+
+def bitwise_cases():
+    cases = {}
+    for op in ("BitwiseAnd", "BitwiseOr", "BitwiseXor"):
+        for dt in ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8"):
+            a = edges(dt).reshape(2, 4)
+            b = np.roll(edges(dt), 3)[:4]  # broadcast over the rows
+            cases[f"{op.lower()}_{dt}"] = (one_node(op, {"a": a, "b": b}, 18), {"a": a, "b": b})
+    for dt in ("int64", "int32", "int8", "uint64", "uint16", "uint8"):
+        x = edges(dt).reshape(2, 2, 2)
+        cases[f"bitwisenot_{dt}"] = (one_node("BitwiseNot", {"x": x}, 18), {"x": x})
+    for direction in ("LEFT", "RIGHT"):
+        for dt in ("uint64", "uint32", "uint16", "uint8"):
+            bits = np.iinfo(dt).bits
+            x = edges(dt)
+            # Shifts of 0, 1, the width less one, the width, past it, and past 64.
+            s = np.array([0, 1, bits - 1, bits, bits + 1, 3, 64, 200 % (np.iinfo(dt).max + 1)], dtype=dt)
+            cases[f"bitshift_{direction.lower()}_{dt}"] = (
+                one_node("BitShift", {"x": x, "s": s}, 11, direction=direction), {"x": x, "s": s})
+        # Opset 28's signed shifts: arithmetic to the right; negative amounts and amounts of the
+        # width or more leave the sign's fill.
+        for dt in ("int64", "int32", "int16", "int8"):
+            bits = np.iinfo(dt).bits
+            x = edges(dt)
+            s = np.array([0, 1, bits - 1, bits, bits + 1, -1, 3, -100], dtype=dt)
+            cases[f"bitshift_{direction.lower()}_{dt}"] = (
+                one_node("BitShift", {"x": x, "s": s}, 28, direction=direction), {"x": x, "s": s})
+        # A scalar shift broadcast over a matrix.
+        x = edges("uint32").reshape(2, 4)
+        s = np.array(4, np.uint32)
+        cases[f"bitshift_{direction.lower()}_scalar"] = (
+            one_node("BitShift", {"x": x, "s": s}, 11, direction=direction), {"x": x, "s": s})
+    return cases
+
+
+CASES = [bitwise_cases]
+
+
+def write(name, model, feeds):
+    """ROOT/<name>/model.onnx and test_data_set_0/{input,output}_J.pb (outputs: onnxruntime's)."""
+    want = oracle_run(model, feeds)
+    data = os.path.join(ROOT, name, "test_data_set_0")
+    os.makedirs(data, exist_ok=True)
+    onnx.save(model, os.path.join(ROOT, name, "model.onnx"))
+    for j, vi in enumerate(model.graph.input):
+        with open(os.path.join(data, f"input_{j}.pb"), "wb") as f:
+            f.write(nh.from_array(np.asarray(feeds[vi.name]), vi.name).SerializeToString())
+    for j, vi in enumerate(model.graph.output):
+        with open(os.path.join(data, f"output_{j}.pb"), "wb") as f:
+            f.write(nh.from_array(np.asarray(want[vi.name]), vi.name).SerializeToString())
+
+
+def main(names):
+    for make in CASES:
+        for name, (model, feeds) in make().items():
+            if not names or name in names:
+                write(name, model, feeds)
+                print(name)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
