@@ -127,19 +127,42 @@ pub(super) fn conv_transpose(
         pads,
         strides: a.strides.clone(),
     };
-    // The Conv must give X's sizes back: not so for an output_padding of a stride or more, or
-    // an output_shape past the full output.
+    // The Conv gives X's sizes back, or more where an output_padding of a stride or more left
+    // output positions that no input reaches: Conv output i is dX_i for i < n (the rest read only
+    // those positions), so dX is the Conv cropped to n, and dW the ConvGrad of X padded with zeros
+    // to the Conv's size. An output_shape that crops the full output leaves the Conv short.
+    let mut extra = vec![0i64; 2 * (sp + 2)];
     for (d, &(n, out)) in sizes.iter().enumerate() {
-        if conv.window(&kernel).out_dim(d, out)?.out != n {
+        let back = conv.window(&kernel).out_dim(d, out)?.out;
+        if back < n {
             return Err(format!(
                 "ConvTranspose from {n} to {out} along spatial axis {d} is not the adjoint of a Conv \
-                 (output_padding or output_shape too large) and cannot be differentiated"
+                 (its output_shape crops the output) and cannot be differentiated"
             ));
         }
+        extra[sp + 2 + 2 + d] = (back - n) as i64;
     }
-    let dx = if want(wants, 0) { Some(b.op("conv", Op::Conv(Box::new(conv.clone())), &[dy, w])) } else { None };
+    let grown = extra.iter().any(|&e| e != 0);
+    let dx = if want(wants, 0) {
+        let full = b.op("conv", Op::Conv(Box::new(conv.clone())), &[dy, w]);
+        Some(if grown {
+            let crop: Vec<i64> = extra.iter().map(|e| -e).collect();
+            let crop = b.ints(&crop);
+            b.op("crop", Op::Pad(PadAttrs::default()), &[full, crop])
+        } else {
+            full
+        })
+    } else {
+        None
+    };
     let dw = if want(wants, 1) {
-        Some(b.ops("conv", Op::ConvGrad(Box::new(conv)), &[Some(x0), Some(dy), Some(w)], 3)[1])
+        let xz = if grown {
+            let pads = b.ints(&extra);
+            b.op("pad", Op::Pad(PadAttrs::default()), &[x0, pads])
+        } else {
+            x0
+        };
+        Some(b.ops("conv", Op::ConvGrad(Box::new(conv)), &[Some(xz), Some(dy), Some(w)], 3)[1])
     } else {
         None
     };
