@@ -109,3 +109,57 @@ fn opaque_ops_keep_their_dtypes() {
     assert_eq!(g.ty(h).dtype, Some(DType::F32));
     assert!(matches!(g.node(g.value(h).producer().unwrap().0).op, Op::Cast(_)));
 }
+
+/// GridSample's coordinates index pixels: under a low policy none of its arithmetic is coloured
+/// low, even between low ops (its grid and its input made by MatMuls, a MatMul after it).
+#[test]
+fn grid_sample_stays_fp32_between_low_ops() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 17\ngraph \"g\"\n  input %0 \"x\": f32[1,1,4,300]\n  \
+                input %1 \"p\": f32[1,1,5,2]\n  input %2 \"w\": f32[300,300]\n  input %3 \"v\": f32[2,2]\n  input %8 \"u\": f32[5,5]\n  \
+                %4 \"xw\": ? = MatMul(%0, %2)\n  %5 \"grid\": ? = MatMul(%1, %3)\n  \
+                %6 \"s\": ? = ::GridSample[align_corners=0](%4, %5) @\"sample\"\n  %7 \"y\": ? = MatMul(%6, %8)\n  \
+                output %7\nend\n";
+    for policy in ["mixed", "mixed-bf16"] {
+        let mut g = mpc_ir::text::parse(text, None).unwrap();
+        let opts = mpc::Options { policy: Some(policy.into()), ..Default::default() };
+        mpc::compile(&mut g, "grid.mpcir".as_ref(), &opts, &mut |_, _| {}).unwrap();
+        let low: Vec<String> = g
+            .node_ids()
+            .filter(|&n| !matches!(g.node(n).op, Op::MatMul | Op::Cast(_)))
+            .filter(|&n| g.node(n).outputs().iter().any(|&o| matches!(g.ty(o).dtype, Some(DType::F16 | DType::BF16))))
+            .map(|n| format!("{} ({})", g.node(n).name, g.node(n).op.op_type()))
+            .collect();
+        assert!(low.is_empty(), "{policy}: low nodes besides the MatMuls: {low:?}");
+        let matmuls = g.node_ids().filter(|&n| matches!(g.node(n).op, Op::MatMul)).count();
+        assert_eq!(matmuls, 3, "{policy}");
+        assert!(g.node_ids().all(|n| !g.node(n).op.is_opaque()), "{policy}: GridSample was not written out");
+    }
+}
+
+/// A BF16 GridSample on an axis of 600 samples where its coordinates say (computed in FP32): in
+/// BF16 they would be off by up to 4 pixels (the spacing of BF16 past 512).
+#[test]
+fn a_bf16_grid_sample_samples_where_its_grid_points() {
+    let (len, points) = (600usize, 256usize);
+    let text = format!(
+        "mpcir 1\nmodel ir_version=10\nopset \"\" 22\ngraph \"g\"\n  input %0 \"x\": bf16[1,1,1,{len}]\n  \
+         input %1 \"grid\": bf16[1,1,{points},2]\n  %2 \"y\": ? = ::GridSample[align_corners=0](%0, %1)\n  output %2\nend\n"
+    );
+    let g = mpc_ir::text::parse(&text, None).unwrap();
+    let x: Vec<f64> = (0..len).map(|i| (i % 16) as f64).collect();
+    // x in [-1, 1) on a 1/128 grid (exact in BF16), y at the row's centre.
+    let grid: Vec<f64> = (0..points).flat_map(|k| [-1.0 + k as f64 / 128.0, 0.0]).collect();
+    let feeds = std::collections::HashMap::from([
+        ("x".to_string(), mpc_runtime::HostTensor::from_f64(DType::BF16, vec![1, 1, 1, len], x.clone())),
+        ("grid".to_string(), mpc_runtime::HostTensor::from_f64(DType::BF16, vec![1, 1, points, 2], grid.clone())),
+    ]);
+    let out = mpc_runtime::build::run_once(&g, &feeds).unwrap();
+    let got = out[0].1.f64s();
+    for k in 0..points {
+        let u = ((grid[2 * k] + 1.0) * len as f64 - 1.0) / 2.0;
+        let (lo, t) = (u.floor(), u - u.floor());
+        let at = |i: f64| if i >= 0.0 && i < len as f64 { x[i as usize] } else { 0.0 };
+        let want = at(lo) * (1.0 - t) + at(lo + 1.0) * t;
+        assert!((got[k] - want).abs() <= want.abs() / 128.0 + 1e-6, "point {k} (u = {u}): {} where {want}", got[k]);
+    }
+}

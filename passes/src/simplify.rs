@@ -34,11 +34,13 @@ impl Pass for Simplify {
         "simplify"
     }
 
-    fn run(&self, g: &mut Graph, _cx: &Context) -> Result<Changed> {
-        // Composite ops first: what they write out may be what the steps below look for.
+    fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
+        // Composite ops first: what they write out may be what the steps below look for. Under a
+        // precision policy, those that must stay FP32 wait for the precision pass.
+        let hold = if cx.policy.is_some() { crate::composite::HELD_FOR_COLOURING } else { &[] };
         let mut changed = Changed::No;
         loop {
-            let wrote = crate::expand_composites(g)?;
+            let wrote = crate::composite::expand_composites_but(g, hold)?;
             let cast = cast_like(g)?;
             if cast == Changed::Yes {
                 // What reads a CastLike is typed only now.

@@ -73,14 +73,31 @@ impl At<'_> {
         // [N, C, S] and [N, P, r], the sizes computed (not -1: N or C may be 0).
         let flat = self.merged("flat", x, 2, None);
         let points = self.merged("points", grid, 1, Some(r as i64));
+        // The coordinates, the taps and their weights in FP32 for an FP16 or BF16 grid (torch's
+        // opmath; those dtypes misplace taps on long axes), the weights cast back for the sum.
+        let dtype = self.dtype;
+        let wide = matches!(dtype, DType::F16 | DType::BF16);
+        let points = if wide {
+            self.dtype = DType::F32;
+            self.op("points_f32", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[points])
+        } else {
+            points
+        };
         let mut axes: Vec<(Vec<Tap>, ValueId)> = Vec::with_capacity(r);
         for k in 0..r {
             let len = self.dim(&format!("len{k}"), x, 2 + k);
             let component = self.konst(&format!("component{k}"), Tensor::scalar_i64((r - 1 - k) as i64));
             let g = self.op(&format!("g{k}"), Op::Gather(AxisAttrs { axis: 2 }), &[points, component]);
-            let taps = self.axis_taps(k, g, len, mode, padding, align);
+            let mut taps = self.axis_taps(k, g, len, mode, padding, align);
+            if wide {
+                for (j, t) in taps.iter_mut().enumerate() {
+                    let back = Op::Cast(CastAttrs { saturate: true, to: dtype });
+                    t.weight = t.weight.map(|w| self.op(&format!("weight{k}_{j}_low"), back, &[w]));
+                }
+            }
             axes.push((taps, len));
         }
+        self.dtype = dtype;
         let sum = self.combine(flat, &axes)?;
         let head = self.op("batch_channels", Op::Shape(ShapeAttrs { start: 0, end: Some(2) }), &[x]);
         let tail = self.op("grid_dims", Op::Shape(ShapeAttrs { start: 1, end: Some(r as i64 + 1) }), &[grid]);

@@ -51,22 +51,34 @@ pub const COMPOSITE: &[&str] = &[
     "GridSample",
 ];
 
+/// The composite ops whose arithmetic must not be coloured low: GridSample's coordinates index
+/// pixels, which FP16 misplaces on axes past about 2048 and BF16 past about 256 (torch's autocast
+/// runs `grid_sampler` in FP32 for this). Under a precision policy the simplify pass leaves them
+/// whole, the precision pass colours each as the opaque op it still is (FP32, with casts at its
+/// edges) and then writes it out.
+pub const HELD_FOR_COLOURING: &[&str] = &["GridSample"];
+
 /// Writes out every composite op whose first input's dtype and rank are known, typing what it
 /// wrote (a composite op that reads another is written out in the next round).
 pub fn expand_composites(g: &mut Graph) -> Result<Changed> {
+    expand_composites_but(g, &[])
+}
+
+/// [`expand_composites`] but for the op types in `hold`.
+pub fn expand_composites_but(g: &mut Graph, hold: &[&str]) -> Result<Changed> {
     let mut changed = Changed::No;
-    while expand(g)? == Changed::Yes {
+    while expand(g, hold)? == Changed::Yes {
         crate::infer_types(g)?;
         changed = Changed::Yes;
     }
     Ok(changed)
 }
 
-fn expand(g: &mut Graph) -> Result<Changed> {
+fn expand(g: &mut Graph, hold: &[&str]) -> Result<Changed> {
     let mut changed = Changed::No;
     for n in g.topo_order()? {
         let Op::Opaque(o) = &g.node(n).op else { continue };
-        if !o.domain.is_empty() || !COMPOSITE.contains(&o.op_type.as_str()) {
+        if !o.domain.is_empty() || !COMPOSITE.contains(&o.op_type.as_str()) || hold.contains(&o.op_type.as_str()) {
             continue;
         }
         let (op_type, attrs) = (o.op_type.clone(), o.attrs.clone());

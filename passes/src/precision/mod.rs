@@ -108,7 +108,9 @@ impl Pass for Precision {
     fn run(&self, g: &mut Graph, cx: &Context) -> Result<Changed> {
         let Some(policy) = &cx.policy else { return Ok(Changed::No) };
         let report = rewrite(g, policy)?;
-        let changed = !report.nodes.values().all(|(c, _)| *c == Colour::F32) || policy.io_low;
+        // The composites held for colouring, FP32 now, written out.
+        let wrote = crate::expand_composites(g)? == Changed::Yes;
+        let changed = wrote || !report.nodes.values().all(|(c, _)| *c == Colour::F32) || policy.io_low;
         *cx.report.borrow_mut() = Some(report);
         Ok(if changed { Changed::Yes } else { Changed::No })
     }
