@@ -221,7 +221,19 @@ MPC_KERNEL movement_range_i32(const int* start, const int* delta, int* y, long l
     MPC_GRID_STRIDE(i, n) { y[i] = (int)(s + (unsigned int)i * d); }
 }
 
-// ---------------------------------------------------------------- CumSum
+// ---------------------------------------------------------------- CumSum, CumProd
+//
+// movement_{cumsum,cumprod}_<T>(const T* x, T* y, long long outer, long long n, long long inner,
+//                               int exclusive, int reverse)
+//     T in f32 f16 bf16 f64 i64 i32 u64 u32. Along the middle axis of a contiguous (outer, n,
+//     inner) array, one thread per line: floats fold in f64 (rounded through f32 on store, f64
+//     kept), integers in wrapping 64-bit arithmetic (u64's bits as i64), truncated on store.
+// movement_cumprod_grad_<T>(const T* dy, const T* x, T* dx, double* e, long long outer,
+//                           long long n, long long inner, int exclusive, int reverse)
+//     T in f32 f16 bf16 f64: ai.mpc::CumProdGrad (docs/ai-mpc-ops.md), in f64 as the CPU
+//     reference (runtime/src/cpu/nn.rs cumprod_grad): E_j the product before j, S_j by the
+//     backward recurrence, dx_j = E_j * S_j; no division, so zeros in x are exact. e is f64
+//     scratch of x's element count (E, kept unrounded between the two passes).
 
 __device__ __forceinline__ double cs_ld(const float* p, long long i) { return p[i]; }
 __device__ __forceinline__ double cs_ld(const __half* p, long long i) { return __half2float(p[i]); }
@@ -229,6 +241,8 @@ __device__ __forceinline__ double cs_ld(const __nv_bfloat16* p, long long i) { r
 __device__ __forceinline__ double cs_ld(const double* p, long long i) { return p[i]; }
 __device__ __forceinline__ long long cs_ld(const long long* p, long long i) { return p[i]; }
 __device__ __forceinline__ long long cs_ld(const int* p, long long i) { return p[i]; }
+__device__ __forceinline__ long long cs_ld(const unsigned long long* p, long long i) { return (long long)p[i]; }
+__device__ __forceinline__ long long cs_ld(const unsigned int* p, long long i) { return p[i]; }
 // Floats round through f32 on store (the CPU reference's `store`); f64 stays f64.
 __device__ __forceinline__ void cs_st(float* p, long long i, double v) { p[i] = __double2float_rn(v); }
 __device__ __forceinline__ void cs_st(__half* p, long long i, double v) { p[i] = __float2half_rn(__double2float_rn(v)); }
@@ -238,39 +252,90 @@ __device__ __forceinline__ void cs_st(__nv_bfloat16* p, long long i, double v) {
 __device__ __forceinline__ void cs_st(double* p, long long i, double v) { p[i] = v; }
 __device__ __forceinline__ void cs_st(long long* p, long long i, long long v) { p[i] = v; }
 __device__ __forceinline__ void cs_st(int* p, long long i, long long v) { p[i] = (int)(unsigned int)(unsigned long long)v; }
+__device__ __forceinline__ void cs_st(unsigned long long* p, long long i, long long v) { p[i] = (unsigned long long)v; }
+__device__ __forceinline__ void cs_st(unsigned int* p, long long i, long long v) {
+    p[i] = (unsigned int)(unsigned long long)v;
+}
+// The folds: integers wrap (in unsigned arithmetic, where overflow is defined).
+__device__ __forceinline__ double cs_add(double s, double v) { return s + v; }
+__device__ __forceinline__ long long cs_add(long long s, long long v) {
+    return (long long)((unsigned long long)s + (unsigned long long)v);
+}
+__device__ __forceinline__ double cs_mul(double s, double v) { return s * v; }
+__device__ __forceinline__ long long cs_mul(long long s, long long v) {
+    return (long long)((unsigned long long)s * (unsigned long long)v);
+}
 
-template <typename T>
-__device__ __forceinline__ void cumsum_body(const T* x, T* y, long long outer, long long n, long long inner,
-                                            int exclusive, int reverse) {
+template <typename T, bool PRODUCT>
+__device__ __forceinline__ void cumulative_body(const T* x, T* y, long long outer, long long n, long long inner,
+                                                int exclusive, int reverse) {
     MPC_GRID_STRIDE(line, outer * inner) {
         const long long o = line / inner, i = line % inner;
         const long long base = o * n * inner + i;
-        decltype(cs_ld(x, 0)) s = 0;
+        decltype(cs_ld(x, 0)) s = PRODUCT ? 1 : 0;
         for (long long step = 0; step < n; ++step) {
             const long long k = reverse ? n - 1 - step : step;
             const long long at = base + k * inner;
             const auto v = cs_ld(x, at);
-            if (exclusive) {
-                cs_st(y, at, s);
-                s += v;
-            } else {
-                s += v;
-                cs_st(y, at, s);
-            }
+            if (exclusive) cs_st(y, at, s);
+            s = PRODUCT ? cs_mul(s, v) : cs_add(s, v);
+            if (!exclusive) cs_st(y, at, s);
         }
     }
 }
-#define CUMSUM_T(T, tag)                                                                                   \
+#define CUMULATIVE_T(T, tag)                                                                               \
     MPC_KERNEL movement_cumsum_##tag(const T* x, T* y, long long outer, long long n, long long inner,      \
                                      int exclusive, int reverse) {                                         \
-        cumsum_body(x, y, outer, n, inner, exclusive, reverse);                                            \
+        cumulative_body<T, false>(x, y, outer, n, inner, exclusive, reverse);                              \
+    }                                                                                                      \
+    MPC_KERNEL movement_cumprod_##tag(const T* x, T* y, long long outer, long long n, long long inner,     \
+                                      int exclusive, int reverse) {                                        \
+        cumulative_body<T, true>(x, y, outer, n, inner, exclusive, reverse);                               \
     }
-CUMSUM_T(float, f32)
-CUMSUM_T(__half, f16)
-CUMSUM_T(__nv_bfloat16, bf16)
-CUMSUM_T(double, f64)
-CUMSUM_T(long long, i64)
-CUMSUM_T(int, i32)
+CUMULATIVE_T(float, f32)
+CUMULATIVE_T(__half, f16)
+CUMULATIVE_T(__nv_bfloat16, bf16)
+CUMULATIVE_T(double, f64)
+CUMULATIVE_T(long long, i64)
+CUMULATIVE_T(int, i32)
+CUMULATIVE_T(unsigned long long, u64)
+CUMULATIVE_T(unsigned int, u32)
+
+template <typename T>
+__device__ __forceinline__ void cumprod_grad_body(const T* dy, const T* x, T* dx, double* e, long long outer,
+                                                  long long n, long long inner, int exclusive, int reverse) {
+    MPC_GRID_STRIDE(line, outer * inner) {
+        const long long o = line / inner, i = line % inner;
+        const long long base = o * n * inner + i;
+        // The line's element at `step` of the product's order.
+#define MPC_CP_AT(step) (base + (reverse ? n - 1 - (step) : (step)) * inner)
+        double before = 1.0;
+        for (long long step = 0; step < n; ++step) {
+            e[MPC_CP_AT(step)] = before;
+            before *= cs_ld(x, MPC_CP_AT(step));
+        }
+        double s = 0.0;
+        for (long long step = n - 1; step >= 0; --step) {
+            if (step + 1 < n) {
+                const double g = exclusive ? cs_ld(dy, MPC_CP_AT(step + 1)) : cs_ld(dy, MPC_CP_AT(step));
+                s = g + cs_ld(x, MPC_CP_AT(step + 1)) * s;
+            } else {
+                s = exclusive ? 0.0 : cs_ld(dy, MPC_CP_AT(step));
+            }
+            cs_st(dx, MPC_CP_AT(step), e[MPC_CP_AT(step)] * s);
+        }
+#undef MPC_CP_AT
+    }
+}
+#define CUMPROD_GRAD_T(T, tag)                                                                           \
+    MPC_KERNEL movement_cumprod_grad_##tag(const T* dy, const T* x, T* dx, double* e, long long outer,   \
+                                           long long n, long long inner, int exclusive, int reverse) {   \
+        cumprod_grad_body(dy, x, dx, e, outer, n, inner, exclusive, reverse);                            \
+    }
+CUMPROD_GRAD_T(float, f32)
+CUMPROD_GRAD_T(__half, f16)
+CUMPROD_GRAD_T(__nv_bfloat16, bf16)
+CUMPROD_GRAD_T(double, f64)
 
 // ---------------------------------------------------------------- TopK
 //

@@ -692,7 +692,7 @@ def op_gather(g):
 
 def op_scatter(g):
     op = g.choice(["ScatterND", "ScatterElements"])
-    x = g.pick(lambda v: v.rank >= 1 and v.numel > 0) or g.fresh(F32, g.shape(lo=1))
+    x = g.pick(lambda v: v.rank >= 1 and v.numel > 0) or g.fresh(F32, tuple(max(1, d) for d in g.shape(lo=1)))
     r = x.rank
     reds = ["none"] + (["add", "mul"] if g.opset >= 16 else []) + (["max", "min"] if g.opset >= 18 else [])
     red = g.choice(reds)

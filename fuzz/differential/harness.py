@@ -83,6 +83,16 @@ def simulate_f16(model):
         for a in n2.attribute:
             if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F16:
                 a.t.CopyFrom(to32(a.t))
+        if n2.op_type == "Clip" and types.get(n.output[0]) == F16:
+            # An absent bound is float16's largest finite value (an infinity becomes it, as
+            # onnxruntime's float16 Clip and mpc do), not float32's.
+            ins = list(n2.input) + [""] * (3 - len(n2.input))
+            for k, v in ((1, -65504.0), (2, 65504.0)):
+                if not ins[k]:
+                    ins[k] = f"{n2.output[0]}__f16_bound{k}"
+                    g.initializer.append(onnx.numpy_helper.from_array(np.array(v, np.float32), ins[k]))
+            del n2.input[:]
+            n2.input.extend(ins)
         cast16 = n2.op_type == "Cast" and any(a.name == "to" and a.i == F16 for a in n2.attribute)
         tail = []
         for i, o in enumerate(n2.output):

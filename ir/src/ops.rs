@@ -143,7 +143,9 @@ attr_struct!(
 attr_struct!(SeluAttrs { alpha: f32[default = 1.6732632f32], gamma: f32[default = 1.050701f32] });
 attr_struct!(IsInfAttrs { detect_negative: bool[default = true], detect_positive: bool[default = true] });
 attr_struct!(TriluAttrs { upper: bool[default = true] });
-attr_struct!(CumSumAttrs { exclusive: bool[default = false], reverse: bool[default = false] });
+attr_struct!(
+    /// CumSum and CumProd (and ai.mpc::CumProdGrad).
+    CumSumAttrs { exclusive: bool[default = false], reverse: bool[default = false] });
 attr_struct!(ArgAttrs {
     axis: i64[default = 0],
     keepdims: bool[default = true],
@@ -461,7 +463,7 @@ define_ops! {
         SoftmaxCrossEntropyLoss(LossAttrs), NegativeLogLikelihoodLoss(LossAttrs),
         Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
         ReduceProd(ReduceAttrs), Trilu(TriluAttrs), GatherND(GatherNdAttrs), ScatterND(ScatterNdAttrs),
-        ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs), BitShift(BitShiftAttrs),
+        ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs), BitShift(BitShiftAttrs), CumProd(CumSumAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -476,7 +478,7 @@ define_ops! {
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
         SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
-        LrSchedule(LrScheduleAttrs),
+        LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs),
     }
 }
 
@@ -740,6 +742,8 @@ impl Op {
     pub fn host_operands(&self) -> &'static [usize] {
         match self {
             Op::Reshape(_) | Op::Expand | Op::Tile | Op::Squeeze | Op::Unsqueeze | Op::Split(_) | Op::CumSum(_) => &[1],
+            Op::CumProd(_) => &[1],
+            Op::CumProdGrad(_) => &[2],
             Op::Trilu(_) | Op::TopK(_) => &[1],
             // The axes of a reduction (an input from opset 13, 18 for most).
             op if op.reduction().is_some() => &[1],

@@ -54,6 +54,13 @@ impl Case {
         v
     }
 
+    /// A trained f64 input holding `values` (where a rule must be right at particular points).
+    pub(crate) fn param_of(&mut self, name: &str, shape: &[u64], values: &[f64]) -> ValueId {
+        let v = self.g.add_initializer(name, Tensor::from_f64_as(DType::F64, shape.to_vec(), values));
+        self.params.push(v);
+        v
+    }
+
     pub(crate) fn ints(&mut self, name: &str, shape: &[u64], values: &[i64]) -> ValueId {
         self.g.add_initializer(name, Tensor::from_i64(shape.to_vec(), values))
     }

@@ -669,6 +669,32 @@ fn cumsum() {
     }
 }
 
+/// CumProd, also where x holds zeros (one, two in a line, one first or last): a rule that divides
+/// the later products by x_j is NaN or wrong there.
+#[test]
+fn cumprod() {
+    #[rustfmt::skip]
+    let x = [
+        0.9, -0.7, 0.5, 1.2, -0.4,
+        0.8, 0.0, -1.1, 0.6, 0.7,
+        0.0, 0.5, 0.0, -0.9, 1.3,
+        -0.6, 1.1, 0.4, 0.9, 0.0,
+    ];
+    for (exclusive, reverse) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+        let mut c = Case::new(&format!("cumprod_{exclusive}{reverse}"));
+        let x = c.param_of("x", &[4, 5], &x);
+        let ax = c.ints("axis", &[], &[1]);
+        let y = c.op1("CumProd", &[("exclusive", Attr::Int(exclusive)), ("reverse", Attr::Int(reverse))], &[x, ax]);
+        c.check(y, TOL);
+    }
+    // Along the first axis of three (a line of the middle one).
+    let mut c = Case::new("cumprod_axis0");
+    let x = c.param("x", &[3, 2, 2]);
+    let ax = c.ints("axis", &[], &[0]);
+    let y = c.op1("CumProd", &[], &[x, ax]);
+    c.check(y, TOL);
+}
+
 #[test]
 fn tile() {
     let mut c = Case::new("tile");

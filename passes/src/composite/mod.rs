@@ -85,9 +85,22 @@ fn expand(g: &mut Graph, hold: &[&str]) -> Result<Changed> {
         let Some(x) = g.node(n).input(0) else { continue };
         let (Some(dtype), Some(rank)) = (g.ty(x).dtype, g.ty(x).shape.as_ref().map(|s| s.rank())) else { continue };
         let base = g.node(n).name.clone();
-        let mut at = At { g, n, base, x, dtype, rank, scalars: Default::default() };
+        let mut at = At { g, n, base, x, dtype, rank, scalars: Default::default(), round_to: None };
+        // Sums of powers and of squares overflow FP16 (and round in BF16) long before their
+        // result does: these compute in FP32 and round once, as an op on FP16 values should.
+        let widen = matches!(dtype, DType::F16 | DType::BF16) && WIDENED.contains(&op_type.as_str());
+        let cast = widen.then(|| {
+            at.x = at.op("wide", Op::Cast(CastAttrs { saturate: true, to: DType::F32 }), &[x]);
+            // Typed now: the expansions read x's shape.
+            let ty = mpc_ir::TypeInfo { dtype: Some(DType::F32), ..at.g.ty(x).clone() };
+            at.g.set_ty(at.x, ty);
+            (at.dtype, at.round_to) = (DType::F32, Some(dtype));
+            at.g.value(at.x).producer().map(|(p, _)| p)
+        });
         if at.expand(&op_type, attrs).is_some() {
             changed = Changed::Yes;
+        } else if let Some(Some(p)) = cast {
+            g.remove_node(p);
         }
     }
     Ok(changed)
@@ -103,7 +116,14 @@ struct At<'g> {
     rank: usize,
     /// The scalars made so far, one initializer per (dtype, value).
     scalars: std::collections::HashMap<(DType, u64), ValueId>,
+    /// The dtype the result is rounded to, when x was widened to FP32 ([`WIDENED`]).
+    round_to: Option<DType>,
 }
+
+/// The composite ops whose FP16 and BF16 forms compute in FP32 (x cast up, the result rounded
+/// once): their sums of powers (LpPool, GlobalLpPool) and squares (MeanVarianceNormalization,
+/// LpNormalization) overflow FP16 where the result does not (|x| = 48 cubed is past 65504).
+const WIDENED: &[&str] = &["LpNormalization", "LpPool", "GlobalLpPool", "MeanVarianceNormalization"];
 
 fn int(attrs: &mut Attrs, name: &str, default: i64) -> Option<i64> {
     take::<i64>(attrs, name).ok().map(|v| v.unwrap_or(default))
@@ -168,6 +188,11 @@ impl At<'_> {
 
     /// The node becomes `op` of `ins`.
     fn finish(&mut self, op: Op, ins: &[ValueId]) -> Option<()> {
+        let (op, ins) = match self.round_to {
+            Some(d) => (Op::Cast(CastAttrs { saturate: true, to: d }), vec![self.op("result_f32", op, ins)]),
+            None => (op, ins.to_vec()),
+        };
+        let ins = &ins[..];
         *self.g.node_op_mut(self.n) = op;
         for (slot, &v) in ins.iter().enumerate() {
             self.g.set_input(self.n, slot, Some(v));

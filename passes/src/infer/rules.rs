@@ -116,7 +116,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             cx.same_dtype(0..cx.n_inputs())?;
             vec![same(cx, 0)]
         }
-        Op::CumSum(_) => vec![same(cx, 0)],
+        Op::CumSum(_) | Op::CumProd(_) | Op::CumProdGrad(_) => vec![same(cx, 0)],
         Op::Not => vec![same(cx, 0)],
         Op::Dropout(_) | Op::SeededDropout(_) => {
             if matches!(cx.g.node(cx.n).op, Op::Dropout(_)) {

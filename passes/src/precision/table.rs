@@ -74,6 +74,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::ReduceL2(_)
         | Op::ReduceLogSumExp(_)
         | Op::CumSum(_)
+        | Op::CumProd(_)
         | Op::Sin
         | mpc_ir::trig_ops!()
         | Op::Cos
@@ -192,6 +193,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::AdamUpdate(_)
         | Op::LossScaleUpdate(_)
         | Op::LrSchedule(_)
+        | Op::CumProdGrad(_)
         | Op::SeededDropout(_) => return None,
     })
 }

@@ -782,6 +782,9 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             let back = Op::CumSum(CumSumAttrs { exclusive: a.exclusive, reverse: !a.reverse });
             vec![Some(b.op("cumsum", back, &[dy, x(1)?]))]
         }
+        // d cumprod(x): each x_j's share of every later product, without dividing by x_j (which
+        // may be 0): ai.mpc::CumProdGrad (docs/ai-mpc-ops.md).
+        Op::CumProd(a) => vec![Some(b.op("cumprod_grad", Op::CumProdGrad(Box::new(a.clone())), &[dy, x(0)?, x(1)?]))],
         // d tile(x) = the sum of dy's copies.
         Op::Tile => vec![Some(rules::tile(b, &node, dy)?)],
         // d pad(x, p) = pad(dy, −p): what was added is cropped, what was cut comes back as zeros.

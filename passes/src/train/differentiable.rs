@@ -27,6 +27,7 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::ReduceLogSumExp(_)
         | Op::ReduceProd(_)
         | Op::CumSum(_)
+        | Op::CumProd(_)
         | Op::Split(_)
         | Op::Clip
         | Op::Resize(_)

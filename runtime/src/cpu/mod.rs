@@ -447,13 +447,21 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             };
             nn::top_k(t, axis(a.axis, t.shape.len())?, k, a.largest)
         }
-        Op::CumSum(a) => {
+        Op::CumSum(a) | Op::CumProd(a) => {
             let t = x(0)?;
             let ax = match ints(ins.get(1).copied().flatten(), "axis")?[..] {
                 [a] => a,
                 ref v => return Err(err(format!("the axis must hold one value, not {}", v.len()))),
             };
-            one(nn::cumsum(t, axis(ax, t.shape.len())?, a.exclusive, a.reverse)?)
+            one(nn::cumulative(t, axis(ax, t.shape.len())?, a, matches!(op, Op::CumProd(_)))?)
+        }
+        Op::CumProdGrad(a) => {
+            let t = x(1)?;
+            let ax = match ints(ins.get(2).copied().flatten(), "axis")?[..] {
+                [a] => a,
+                ref v => return Err(err(format!("the axis must hold one value, not {}", v.len()))),
+            };
+            one(nn::cumprod_grad(x(0)?, t, axis(ax, t.shape.len())?, a)?)
         }
         Op::NegativeLogLikelihoodLoss(a) => {
             one(nn::nll_loss(x(0)?, x(1)?, ins.get(2).copied().flatten(), a.ignore_index, a.reduction)?)

@@ -4,7 +4,7 @@
 use super::elementwise::Real;
 use super::{err, floats, store, Res};
 use crate::value::{Data, HostTensor};
-use mpc_ir::ops::Reduction;
+use mpc_ir::ops::{CumSumAttrs, Reduction};
 
 /// f32, f16 and bf16 data as f32, borrowed when already f32; `None` for f64 and non-floats.
 fn f32_view(x: &HostTensor) -> Option<std::borrow::Cow<'_, [f32]>> {
@@ -542,31 +542,94 @@ pub(crate) fn top_k(x: &HostTensor, axis: usize, k: usize, largest: bool) -> Res
     Ok(vec![x.pick(shape.clone(), &picked), HostTensor::from_i64(mpc_ir::DType::I64, shape, index)])
 }
 
-pub(crate) fn cumsum(x: &HostTensor, axis: usize, exclusive: bool, reverse: bool) -> Res<HostTensor> {
-    let v = x.f64s();
+/// CumSum (`product` false) or CumProd along `axis`: floats folded in f64 and rounded on store,
+/// integers in wrapping i64 arithmetic (f64 would round past 2^53), truncated to the dtype.
+pub(crate) fn cumulative(x: &HostTensor, axis: usize, a: &CumSumAttrs, product: bool) -> Res<HostTensor> {
+    let (shape, line, (ex, rev)) = (&x.shape, split_at(&x.shape, axis), (a.exclusive, a.reverse));
+    Ok(if x.dtype().is_float() {
+        let v = x.f64s();
+        let out = if product {
+            scan(&v, line, ex, rev, 1.0, |s, v| s * v)
+        } else {
+            scan(&v, line, ex, rev, 0.0, |s, v| s + v)
+        };
+        store(x, shape.clone(), out)
+    } else {
+        let what = if product { "CumProd" } else { "CumSum" };
+        let v = x.i64s().ok_or_else(|| err(format!("{what} on {}", x.dtype())))?;
+        let out = if product {
+            scan(&v, line, ex, rev, 1, i64::wrapping_mul)
+        } else {
+            scan(&v, line, ex, rev, 0, i64::wrapping_add)
+        };
+        HostTensor::from_i64(x.dtype(), shape.clone(), out)
+    })
+}
+
+/// ai.mpc::CumProdGrad: dX of `CumProd(x)` along `axis` for `dy`, without dividing by x (which
+/// may be 0). Along each line, in the order the product runs (`reverse` reverses it): with E_j
+/// the product of the elements before j, dX_j = E_j·S_j, S_j = dY_j + x_{j+1}·S_{j+1} (inclusive,
+/// S_{n-1} = dY_{n-1}) or S_j = dY_{j+1} + x_{j+1}·S_{j+1} (exclusive, S_{n-1} = 0). In f64,
+/// rounded on store.
+pub(crate) fn cumprod_grad(dy: &HostTensor, x: &HostTensor, axis: usize, a: &CumSumAttrs) -> Res<HostTensor> {
+    if dy.shape != x.shape {
+        return Err(err(format!("CumProdGrad: dY {:?} and X {:?} differ", dy.shape, x.shape)));
+    }
+    let (g, v) = (dy.f64s(), x.f64s());
     let (outer, n, inner) = split_at(&x.shape, axis);
     let mut out = vec![0f64; v.len()];
     for o in 0..outer {
         for i in 0..inner {
+            // The line's elements in the product's order.
+            let at = |step: usize| (o * n + if a.reverse { n - 1 - step } else { step }) * inner + i;
+            let mut e = 1.0;
+            for step in 0..n {
+                out[at(step)] = e;
+                e *= v[at(step)];
+            }
             let mut s = 0.0;
+            for step in (0..n).rev() {
+                s = match (step + 1 < n, a.exclusive) {
+                    (true, false) => g[at(step)] + v[at(step + 1)] * s,
+                    (true, true) => g[at(step + 1)] + v[at(step + 1)] * s,
+                    (false, false) => g[at(step)],
+                    (false, true) => 0.0,
+                };
+                out[at(step)] *= s;
+            }
+        }
+    }
+    Ok(store(x, x.shape.clone(), out))
+}
+
+/// A running fold of `v` along the middle axis of `(outer, n, inner)`, from `start`, each output
+/// the fold up to and with its element (`exclusive`: before it), from the end when `reverse`.
+fn scan<T: Copy>(
+    v: &[T],
+    (outer, n, inner): (usize, usize, usize),
+    exclusive: bool,
+    reverse: bool,
+    start: T,
+    f: impl Fn(T, T) -> T,
+) -> Vec<T> {
+    let mut out = vec![start; v.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut s = start;
             for step in 0..n {
                 let k = if reverse { n - 1 - step } else { step };
                 let at = (o * n + k) * inner + i;
                 if exclusive {
                     out[at] = s;
-                    s += v[at];
+                    s = f(s, v[at]);
                 } else {
-                    s += v[at];
+                    s = f(s, v[at]);
                     out[at] = s;
                 }
             }
         }
     }
-    Ok(if x.dtype().is_float() {
-        store(x, x.shape.clone(), out)
-    } else {
-        HostTensor::from_f64(x.dtype(), x.shape.clone(), out)
-    })
+    out
 }
 
 /// InstanceNormalization: per (image, channel) over the spatial dims.

@@ -659,9 +659,9 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
             ];
             p.flat("movement", format!("movement_topk_{t}"), outer * inner, args);
         }
-        Op::CumSum(a) => {
+        Op::CumSum(a) | Op::CumProd(a) => {
             let (x, y) = (p.input(0)?, p.output(0)?);
-            let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("CumSum's axis is not known")?;
+            let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
             let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
             let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
             let args = vec![
@@ -673,7 +673,27 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
                 Arg::I32(a.exclusive as i32),
                 Arg::I32(a.reverse as i32),
             ];
-            p.flat("movement", format!("movement_cumsum_{}", tag(x.dtype)?), outer * inner, args);
+            let kind = if matches!(op, Op::CumProd(_)) { "cumprod" } else { "cumsum" };
+            p.flat("movement", format!("movement_{kind}_{}", tag(x.dtype)?), outer * inner, args);
+        }
+        Op::CumProdGrad(a) => {
+            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = p.host_ints(2).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
+            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let products = p.work(x.numel() as u64 * 8);
+            let args = vec![
+                Arg::Ptr(buf(dy)),
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(dx)),
+                Arg::Ptr(products),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.exclusive as i32),
+                Arg::I32(a.reverse as i32),
+            ];
+            p.flat("movement", format!("movement_cumprod_grad_{}", float_tag(x.dtype)?), outer * inner, args);
         }
         Op::Gather(a) => {
             let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
