@@ -319,3 +319,187 @@ POOL_T(double, f64)
     }
 MAXPOOL_I(unsigned char, u8)
 MAXPOOL_I(signed char, i8)
+
+// ---------------------------------------------------------------- RoiAlign
+//
+// roi_align_<T>(const T* x, const T* rois, const long long* batch, T* y, long long rois_n,
+//               long long channels, long long h, long long w, long long oh, long long ow,
+//               long long ratio, float scale, int half_pixel, int max_mode)
+//     T in f32 f16 bf16 f64. One thread per output element (roi, channel, bin row, bin column):
+//     the bin's grid of bilinear samples as onnxruntime takes them (runtime/src/cpu/roi_align.rs,
+//     the CPU reference, in the same order and dtype: float below f64): ratio per side, or with
+//     ratio 0 ceil(bin extent) samples; avg divides their sum by the count, max takes the largest
+//     weighted corner (the first of equals).
+// roi_align_grad_<T>(const T* dy, const T* x, const T* rois, const long long* batch, A* acc, ...
+//                    the same sizes and attributes)
+//     One thread per dy element: dy times each corner's weight over the count (avg), or times the
+//     picked corner's weight (max), added to acc (A = float, double for f64: dx itself for f32
+//     and f64, a workspace the host casts for f16 and bf16) by atomicAdd, which the host zeroes
+//     first. The order of the additions is the hardware's: not bitwise reproducible.
+
+template <typename C> struct RoiGeom {
+    C x0, y0, bh, bw;
+    long long gh, gw;
+    C count;
+};
+
+template <typename T, typename C = typename Acc<T>::type>
+__device__ __forceinline__ RoiGeom<C> roi_geom(const T* rois, long long r, float scale, int half_pixel, long long oh,
+                                               long long ow, long long ratio) {
+    const C offset = half_pixel ? (C)0.5 : (C)0;
+    const C s = (C)scale;
+    RoiGeom<C> g;
+    g.x0 = ld(rois, r * 4 + 0) * s - offset;
+    g.y0 = ld(rois, r * 4 + 1) * s - offset;
+    const C x1 = ld(rois, r * 4 + 2) * s - offset, y1 = ld(rois, r * 4 + 3) * s - offset;
+    C rw = x1 - g.x0, rh = y1 - g.y0;
+    if (!half_pixel) {
+        rw = rw > (C)1 ? rw : (C)1;
+        rh = rh > (C)1 ? rh : (C)1;
+    }
+    g.bh = rh / (C)oh;
+    g.bw = rw / (C)ow;
+    g.gh = ratio > 0 ? ratio : (long long)ceil(rh / (C)oh);
+    g.gw = ratio > 0 ? ratio : (long long)ceil(rw / (C)ow);
+    const long long n = g.gh * g.gw;
+    g.count = (C)(n > 1 ? n : 1);
+    return g;
+}
+
+// The sample at (y, x) on an h x w plane: its corners' offsets and weights (zero outside).
+template <typename C>
+__device__ __forceinline__ void roi_sample(C y, C x, long long h, long long w, long long pos[4], C wt[4]) {
+    if (y < (C)-1 || y > (C)h || x < (C)-1 || x > (C)w) {
+        for (int k = 0; k < 4; ++k) {
+            pos[k] = 0;
+            wt[k] = (C)0;
+        }
+        return;
+    }
+    y = y > (C)0 ? y : (C)0;
+    x = x > (C)0 ? x : (C)0;
+    long long ylo = (long long)y, xlo = (long long)x, yhi, xhi;
+    if (ylo >= h - 1) {
+        yhi = ylo = h - 1;
+        y = (C)ylo;
+    } else {
+        yhi = ylo + 1;
+    }
+    if (xlo >= w - 1) {
+        xhi = xlo = w - 1;
+        x = (C)xlo;
+    } else {
+        xhi = xlo + 1;
+    }
+    const C ly = y - (C)ylo, lx = x - (C)xlo;
+    const C hy = (C)1 - ly, hx = (C)1 - lx;
+    pos[0] = ylo * w + xlo;
+    pos[1] = ylo * w + xhi;
+    pos[2] = yhi * w + xlo;
+    pos[3] = yhi * w + xhi;
+    wt[0] = hy * hx;
+    wt[1] = hy * lx;
+    wt[2] = ly * hx;
+    wt[3] = ly * lx;
+}
+
+// Walks the samples of output element `i`'s bin: f(plane, pos[4], wt[4]) per sample, in order.
+template <typename T, typename F, typename C = typename Acc<T>::type>
+__device__ __forceinline__ RoiGeom<C> roi_bin(const T* rois, const long long* batch, long long i, long long channels,
+                                              long long h, long long w, long long oh, long long ow, long long ratio,
+                                              float scale, int half_pixel, long long* plane, F f) {
+    const long long pw = i % ow, ph = (i / ow) % oh, c = (i / (ow * oh)) % channels, r = i / (ow * oh * channels);
+    const RoiGeom<C> g = roi_geom<T>(rois, r, scale, half_pixel, oh, ow, ratio);
+    *plane = (batch[r] * channels + c) * h * w;
+    for (long long iy = 0; iy < g.gh; ++iy) {
+        const C y = g.y0 + (C)ph * g.bh + ((C)iy + (C)0.5) * g.bh / (C)g.gh;
+        for (long long ix = 0; ix < g.gw; ++ix) {
+            const C x = g.x0 + (C)pw * g.bw + ((C)ix + (C)0.5) * g.bw / (C)g.gw;
+            long long pos[4];
+            C wt[4];
+            roi_sample(y, x, h, w, pos, wt);
+            f(pos, wt);
+        }
+    }
+    return g;
+}
+
+template <typename T>
+__device__ __forceinline__ void roi_align_body(const T* x, const T* rois, const long long* batch, T* y, long long rois_n,
+                                               long long channels, long long h, long long w, long long oh, long long ow,
+                                               long long ratio, float scale, int half_pixel, int max_mode) {
+    typedef typename Acc<T>::type C;
+    MPC_GRID_STRIDE(i, rois_n * channels * oh * ow) {
+        long long plane = 0;
+        C sum = 0, best = 0;
+        bool any = false;
+        const T* xs = x;
+        const RoiGeom<C> g = roi_bin(rois, batch, i, channels, h, w, oh, ow, ratio, scale, half_pixel, &plane,
+                                     [&](const long long* pos, const C* wt) {
+                                         if (max_mode) {
+                                             for (int k = 0; k < 4; ++k) {
+                                                 const C t = wt[k] * ld(xs, plane + pos[k]);
+                                                 if (!any || t > best) best = t;
+                                                 any = true;
+                                             }
+                                         } else {
+                                             const C t = wt[0] * ld(xs, plane + pos[0]) + wt[1] * ld(xs, plane + pos[1]) +
+                                                         wt[2] * ld(xs, plane + pos[2]) + wt[3] * ld(xs, plane + pos[3]);
+                                             sum = sum + t;
+                                         }
+                                     });
+        st(y, i, max_mode ? best : sum / g.count);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void roi_align_grad_body(const T* dy, const T* x, const T* rois, const long long* batch,
+                                                    typename Acc<T>::type* acc, long long rois_n, long long channels,
+                                                    long long h, long long w, long long oh, long long ow,
+                                                    long long ratio, float scale, int half_pixel, int max_mode) {
+    typedef typename Acc<T>::type C;
+    MPC_GRID_STRIDE(i, rois_n * channels * oh * ow) {
+        const C d = ld(dy, i);
+        long long plane = 0, at = -1;
+        C best = 0, best_w = 0;
+        const T* xs = x;
+        // Max: find the picked corner first. Avg: the count is the geometry's, known up front.
+        const RoiGeom<C> g = roi_bin(rois, batch, i, channels, h, w, oh, ow, ratio, scale, half_pixel, &plane,
+                                     [&](const long long* pos, const C* wt) {
+                                         for (int k = 0; k < 4 && max_mode; ++k) {
+                                             const C t = wt[k] * ld(xs, plane + pos[k]);
+                                             if (at < 0 || t > best) {
+                                                 best = t;
+                                                 at = pos[k];
+                                                 best_w = wt[k];
+                                             }
+                                         }
+                                     });
+        if (max_mode) {
+            if (at >= 0) atomicAdd(acc + plane + at, d * best_w);
+            continue;
+        }
+        roi_bin(rois, batch, i, channels, h, w, oh, ow, ratio, scale, half_pixel, &plane,
+                [&](const long long* pos, const C* wt) {
+                    for (int k = 0; k < 4; ++k) atomicAdd(acc + plane + pos[k], d * wt[k] / g.count);
+                });
+    }
+}
+
+#define ROI_ALIGN_T(T, tag)                                                                                   \
+    MPC_KERNEL roi_align_##tag(const T* x, const T* rois, const long long* batch, T* y, long long rois_n,        \
+                               long long channels, long long h, long long w, long long oh, long long ow,         \
+                               long long ratio, float scale, int half_pixel, int max_mode) {                    \
+        roi_align_body(x, rois, batch, y, rois_n, channels, h, w, oh, ow, ratio, scale, half_pixel, max_mode);   \
+    }                                                                                                         \
+    MPC_KERNEL roi_align_grad_##tag(const T* dy, const T* x, const T* rois, const long long* batch,              \
+                                    Acc<T>::type* acc, long long rois_n, long long channels, long long h,        \
+                                    long long w, long long oh, long long ow, long long ratio, float scale,       \
+                                    int half_pixel, int max_mode) {                                             \
+        roi_align_grad_body(dy, x, rois, batch, acc, rois_n, channels, h, w, oh, ow, ratio, scale, half_pixel,  \
+                            max_mode);                                                                          \
+    }
+ROI_ALIGN_T(float, f32)
+ROI_ALIGN_T(__half, f16)
+ROI_ALIGN_T(__nv_bfloat16, bf16)
+ROI_ALIGN_T(double, f64)

@@ -980,6 +980,24 @@ def op_grid_sample(g):
            padding_mode=g.choice(["zeros", "border", "reflection", None]), align_corners=g.choice([0, 1, None]))
 
 
+def op_roi_align(g):
+    x = spatial_input(g, 4, 4)
+    if x.shape[0] == 0 or 0 in x.shape[2:] or x.dt == F16:
+        raise Reject("RoiAlign of an empty plane or of float16 (onnxruntime has no float16 kernel)")
+    n, h, w = x.shape[0], x.shape[2], x.shape[3]
+    r = g.randint(1, 4)
+    scale = g.choice([1.0, 0.5, 2.0])
+    corners = g.rng.uniform(-2.0, max(h, w) / scale + 2.0, size=(r, 4))
+    if g.chance(0.7):  # mostly well-formed: x1 <= x2, y1 <= y2
+        corners = np.concatenate([np.minimum(corners[:, :2], corners[:, 2:]), np.maximum(corners[:, :2], corners[:, 2:])], 1)
+    rois = g.const(corners.astype(x.dt), x.dt)
+    batch = g.const(g.rng.integers(0, n, size=r), I64)
+    coords = g.choice(["half_pixel", "output_half_pixel", None]) if g.opset >= 16 else None
+    g.node("RoiAlign", [x, rois, batch], mode=g.choice(["avg", "max", None]), output_height=g.randint(1, 4),
+           output_width=g.randint(1, 4), sampling_ratio=g.choice([0, 0, 1, 2, None]),
+           spatial_scale=scale if scale != 1.0 or g.chance(0.5) else None, coordinate_transformation_mode=coords)
+
+
 OPS = [  # (generator, weight)
     (op_unary, 14), (op_not, 1), (op_dropout, 1), (op_binary, 14), (op_variadic, 2), (op_compare, 3),
     (op_logical, 1), (op_where, 3), (op_clip, 3), (op_cast, 3), (op_reduce, 8), (op_softmax, 3),
@@ -991,7 +1009,7 @@ OPS = [  # (generator, weight)
     (op_constant_of_shape, 1), (op_constant, 1), (op_trilu, 1), (op_loss, 1), (op_shape_chain, 1),
     (op_topk, 2), (op_onehot, 1), (op_depth_space, 1), (op_shrink, 2), (op_hardmax, 1), (op_lp_norm, 1),
     (op_lp_pool, 2), (op_eye_like, 1), (op_reverse_sequence, 1), (op_rms_norm, 2), (op_grid_sample, 2),
-    (op_bitwise, 2),
+    (op_bitwise, 2), (op_roi_align, 2),
 ]
 OP_FUNCS = [f for f, _ in OPS]
 OP_WEIGHTS = np.array([w for _, w in OPS], dtype=np.float64) / sum(w for _, w in OPS)

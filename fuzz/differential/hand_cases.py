@@ -115,7 +115,30 @@ def wide_composite_cases():
     }
 
 
-CASES = [bitwise_cases, cumulative_cases, wide_composite_cases]
+def roi_align_cases():
+    """RoiAlign: rois inside, past the edges, malformed (x2 < x1) and smaller than a pixel; both
+    modes; sampling_ratio 0 (adaptive) and 2; both coordinate modes and opset 10's; a scale."""
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal((2, 3, 6, 8)).astype(np.float32)
+    rois = np.array([[0.0, 0.0, 7.0, 5.0], [1.5, 0.5, 4.2, 3.9], [-2.0, 3.0, 9.5, 7.5],
+                     [5.0, 4.0, 2.0, 1.0], [3.3, 2.2, 3.4, 2.3], [0.0, 0.0, 16.0, 12.0]], np.float32)
+    batch = np.array([0, 1, 1, 0, 1, 0], np.int64)
+    feeds = {"x": x, "rois": rois}
+    cases = {}
+    for mode in ("avg", "max"):
+        for ratio in (0, 2):
+            for coords in ("half_pixel", "output_half_pixel"):
+                name = f"roialign_{mode}_{ratio}_{coords}"
+                cases[name] = (one_node("RoiAlign", feeds, 16, out_shape=[6, 3, 3, 2], consts={"batch": batch},
+                                        mode=mode, sampling_ratio=ratio, output_height=3, output_width=2,
+                                        coordinate_transformation_mode=coords), feeds)
+    cases["roialign_opset10_scaled"] = (
+        one_node("RoiAlign", feeds, 10, out_shape=[6, 3, 2, 2], consts={"batch": batch}, output_height=2,
+                 output_width=2, spatial_scale=0.5), feeds)
+    return cases
+
+
+CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases]
 
 
 def write(name, model, feeds):

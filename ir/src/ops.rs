@@ -68,6 +68,13 @@ string_enum!(
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
 string_enum!(
+    /// RoiAlign's `mode`: the samples of a bin averaged, or their largest weighted corner.
+    RoiMode, "one of avg, max" { Avg = "avg", Max = "max" });
+string_enum!(
+    /// RoiAlign's `coordinate_transformation_mode` (opset 16; before it, `output_half_pixel`).
+    RoiCoordinates, "one of half_pixel, output_half_pixel" {
+        HalfPixel = "half_pixel", OutputHalfPixel = "output_half_pixel" });
+string_enum!(
     /// BitShift's `direction`.
     ShiftDirection, "one of LEFT, RIGHT" { Left = "LEFT", Right = "RIGHT" });
 impl crate::attr::Placeholder for ShiftDirection {
@@ -152,6 +159,16 @@ attr_struct!(ArgAttrs {
     select_last_index: bool[default = false]
 });
 attr_struct!(BitShiftAttrs { direction: ShiftDirection[required] });
+attr_struct!(
+    /// RoiAlign (and ai.mpc::RoiAlignGrad).
+    RoiAlignAttrs {
+    coordinate_transformation_mode: RoiCoordinates[default = RoiCoordinates::HalfPixel],
+    mode: RoiMode[default = RoiMode::Avg],
+    output_height: i64[default = 1],
+    output_width: i64[default = 1],
+    sampling_ratio: i64[default = 0],
+    spatial_scale: f32[default = 1.0f32],
+});
 attr_struct!(ReshapeAttrs { allowzero: bool[default = false] });
 attr_struct!(TransposeAttrs { perm: Vec<i64> [optional] });
 attr_struct!(FlattenAttrs { axis: i64[default = 1] });
@@ -464,6 +481,7 @@ define_ops! {
         Selu(SeluAttrs), IsInf(IsInfAttrs), ArgMin(ArgAttrs), ReduceL1(ReduceAttrs),
         ReduceProd(ReduceAttrs), Trilu(TriluAttrs), GatherND(GatherNdAttrs), ScatterND(ScatterNdAttrs),
         ScatterElements(ScatterElementsAttrs), TopK(TopKAttrs), BitShift(BitShiftAttrs), CumProd(CumSumAttrs),
+        RoiAlign(RoiAlignAttrs),
     }
     boxed {
         Conv(ConvAttrs), ConvTranspose(ConvAttrs), MaxPool(PoolAttrs), AveragePool(PoolAttrs),
@@ -478,7 +496,7 @@ define_ops! {
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
         SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
-        LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs),
+        LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs), RoiAlignGrad(RoiAlignAttrs),
     }
 }
 

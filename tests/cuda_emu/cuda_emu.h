@@ -329,6 +329,18 @@ template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask
     return src < (lane & ~(width - 1)) + width ? emu::from_bits<T>(s[src]) : v;
 }
 
+// ---- atomics: one thread runs at a time, so a read-modify-write is atomic as it is ----
+inline float atomicAdd(float* p, float v) {
+    const float old = *p;
+    *p = old + v;
+    return old;
+}
+inline double atomicAdd(double* p, double v) {
+    const double old = *p;
+    *p = old + v;
+    return old;
+}
+
 // ---- bit casts ----
 inline float __int_as_float(int v) { return emu::from_bits<float>((unsigned)v); }
 inline float __uint_as_float(unsigned v) { return emu::from_bits<float>(v); }

@@ -465,6 +465,10 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"dy\": f32[3,7,2]\n  input %1 \"x\": f32[3,7,2]\n  init %2 \"ax\" = i64[]{1}\n  %3 \"dx\": f32[3,7,2] = ai.mpc::CumProdGrad[exclusive=1](%0, %1, %2)\n  output %3", "CumProdGrad"),
         ("input %0 \"dy\": f16[5,4]\n  input %1 \"x\": f16[5,4]\n  init %2 \"ax\" = i64[]{0}\n  %3 \"dx\": f16[5,4] = ai.mpc::CumProdGrad[reverse=1](%0, %1, %2)\n  output %3", "CumProdGrad"),
         ("input %0 \"x\": i64[4,6]\n  init %1 \"ax\" = i64[]{-1}\n  %2 \"y\": i64[4,6] = CumProd(%0, %1)\n  output %2", "CumProd"),
+        // RoiAlign's gradient by atomic additions: into dX (f32, max bins), and into an f32
+        // workspace cast to f16 (averaged bins, adaptive sampling).
+        ("input %0 \"dy\": f32[3,2,2,2]\n  input %1 \"x\": f32[2,2,5,6]\n  init %2 \"r\" = f32[3,4]{0.0, 0.0, 5.0, 4.0, 1.5, 0.5, 4.2, 3.9, -2.0, 3.0, 7.5, 6.5}\n  init %3 \"b\" = i64[3]{0, 1, 1}\n  %4 \"dx\": f32[2,2,5,6] = ai.mpc::RoiAlignGrad[mode=\"max\", output_height=2, output_width=2, sampling_ratio=2](%0, %1, %2, %3)\n  output %4", "RoiAlignGrad"),
+        ("input %0 \"dy\": f16[3,2,3,2]\n  input %1 \"x\": f16[2,2,5,6]\n  init %2 \"r\" = f16[3,4]{0.0, 0.0, 5.0, 4.0, 1.5, 0.5, 4.25, 3.875, -2.0, 3.0, 7.5, 6.5}\n  init %3 \"b\" = i64[3]{1, 0, 1}\n  %4 \"dx\": f16[2,2,5,6] = ai.mpc::RoiAlignGrad[output_height=3, output_width=2](%0, %1, %2, %3)\n  output %4", "RoiAlignGrad"),
         // GELU's gradient 16 bytes at a time, and one element at a time.
         ("input %0 \"dy\": f16[64,96]\n  input %1 \"x\": f16[64,96]\n  %2 \"dx\": f16[64,96] = ai.mpc::GeluGrad[approximate=\"tanh\"](%0, %1)\n  output %2", "GeluGrad"),
         ("input %0 \"dy\": f32[7,9]\n  input %1 \"x\": f32[7,9]\n  %2 \"dx\": f32[7,9] = ai.mpc::GeluGrad(%0, %1)\n  output %2", "GeluGrad"),

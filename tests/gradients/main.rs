@@ -695,6 +695,33 @@ fn cumprod() {
     c.check(y, TOL);
 }
 
+/// RoiAlign's dX: averaged bins (adaptive and fixed sampling, rois past the edges and smaller
+/// than a pixel) and max bins; the rois are positions, not trained.
+#[test]
+fn roi_align() {
+    #[rustfmt::skip]
+    let rois = [
+        0.0, 0.0, 5.0, 4.0,
+        1.5, 0.5, 4.2, 3.9,
+        -2.0, 3.0, 7.5, 6.5,
+        2.3, 2.2, 2.4, 2.3,
+    ];
+    for (mode, ratio) in [("avg", 0), ("avg", 2), ("max", 2)] {
+        let mut c = Case::new(&format!("roi_align_{mode}_{ratio}"));
+        let x = c.param("x", &[2, 2, 5, 6]);
+        let r = c.g.add_initializer("rois", Tensor::from_f64_as(DType::F64, vec![4, 4], &rois));
+        let b = c.ints("batch", &[4], &[0, 1, 1, 0]);
+        let attrs = [
+            ("mode", Attr::String(mode.into())),
+            ("sampling_ratio", Attr::Int(ratio)),
+            ("output_height", Attr::Int(3)),
+            ("output_width", Attr::Int(2)),
+        ];
+        let y = c.op1("RoiAlign", &attrs, &[x, r, b]);
+        c.check(y, TOL);
+    }
+}
+
 #[test]
 fn tile() {
     let mut c = Case::new("tile");

@@ -315,6 +315,18 @@ fn write_node(
     while let Some((None, rest)) = inputs.split_last() {
         inputs = rest;
     }
+    // RoiAlign-10 samples as `output_half_pixel` and has no attribute to say so.
+    if let Op::RoiAlign(a) = &nd.op {
+        if opset < 16 {
+            if a.coordinate_transformation_mode != crate::ops::RoiCoordinates::OutputHalfPixel {
+                return Err(invalid(format!(
+                    "node {}: RoiAlign with half_pixel coordinates needs opset 16; mpc writes opset {opset}",
+                    g.node_label(n)
+                )));
+            }
+            attrs.retain(|(k, _)| k != "coordinate_transformation_mode");
+        }
+    }
     // From opset 18 an equal Split (no `split` input) says how many parts it makes.
     if let Op::Split(SplitAttrs { num_outputs: None, .. }) = &nd.op {
         if opset >= 18 && inputs.len() < 2 {

@@ -162,6 +162,11 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
             op_type
         }
         "DepthToSpace" | "SpaceToDepth" => return pixel_shuffle(cx, op_type, attrs).map(Some),
+        // RoiAlign-10 has no coordinate_transformation_mode: it samples as `output_half_pixel`.
+        "RoiAlign" if v < 16 => {
+            attrs.push(("coordinate_transformation_mode".into(), Attr::String("output_half_pixel".into())));
+            op_type
+        }
         "OneHot" => return one_hot(cx, attrs),
         // Opset 9-10 Scatter is ScatterElements under its old name (same inputs, same `axis`).
         "Scatter" => "ScatterElements",

@@ -117,6 +117,8 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![same(cx, 0)]
         }
         Op::CumSum(_) | Op::CumProd(_) | Op::CumProdGrad(_) => vec![same(cx, 0)],
+        Op::RoiAlign(a) => vec![t(cx.same_dtype(0..2)?, roi_align(cx, a)?)],
+        Op::RoiAlignGrad(_) => vec![same(cx, 1)],
         Op::Not => vec![same(cx, 0)],
         Op::Dropout(_) | Op::SeededDropout(_) => {
             if matches!(cx.g.node(cx.n).op, Op::Dropout(_)) {
@@ -591,6 +593,27 @@ fn attention_operands(
         }
     }
     Ok((Some(q.clone()), Some(lse(q))))
+}
+
+/// RoiAlign's [R, C, output_height, output_width] from X [N, C, H, W], rois [R, 4] and
+/// batch_indices [R].
+fn roi_align(cx: &NodeCx, a: &mpc_ir::ops::RoiAlignAttrs) -> Result<Option<Shape>, String> {
+    if a.output_height < 1 || a.output_width < 1 {
+        return Err(format!("RoiAlign's output is {}x{}: both must be at least 1", a.output_height, a.output_width));
+    }
+    let (Some(x), Some(rois)) = (cx.sh(0), cx.sh(1)) else { return Ok(None) };
+    if x.rank() != 4 || rois.rank() != 2 {
+        return Err(format!("RoiAlign takes X of rank 4 and rois of rank 2, not {x} and {rois}"));
+    }
+    check_eq(&rois.0[1], &Dim::Fixed(4), "the rois' corners (4)")?;
+    if let Some(b) = cx.sh(2) {
+        if b.rank() != 1 {
+            return Err(format!("RoiAlign's batch_indices are {b}, not one per roi"));
+        }
+        check_eq(&b.0[0], &rois.0[0], "the rois and their batch indices")?;
+    }
+    let (h, w) = (Dim::Fixed(a.output_height as u64), Dim::Fixed(a.output_width as u64));
+    Ok(Some(Shape(vec![rois.0[0].clone(), x.0[1].clone(), h, w])))
 }
 
 pub(super) fn check_eq(a: &Dim, b: &Dim, what: &str) -> Result<(), String> {

@@ -75,6 +75,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::ReduceLogSumExp(_)
         | Op::CumSum(_)
         | Op::CumProd(_)
+        | Op::RoiAlign(_)
         | Op::Sin
         | mpc_ir::trig_ops!()
         | Op::Cos
@@ -194,6 +195,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::LossScaleUpdate(_)
         | Op::LrSchedule(_)
         | Op::CumProdGrad(_)
+        | Op::RoiAlignGrad(_)
         | Op::SeededDropout(_) => return None,
     })
 }

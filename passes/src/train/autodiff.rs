@@ -785,6 +785,12 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
         // d cumprod(x): each x_j's share of every later product, without dividing by x_j (which
         // may be 0): ai.mpc::CumProdGrad (docs/ai-mpc-ops.md).
         Op::CumProd(a) => vec![Some(b.op("cumprod_grad", Op::CumProdGrad(Box::new(a.clone())), &[dy, x(0)?, x(1)?]))],
+        // d roi_align(x): each output's dy back to the corners its samples read, by their weights
+        // (ai.mpc::RoiAlignGrad). The rois are positions, not trained (as in torchvision).
+        Op::RoiAlign(a) => {
+            let grad = Op::RoiAlignGrad(Box::new(a.clone()));
+            vec![Some(b.op("roi_align_grad", grad, &[dy, x(0)?, x(1)?, x(2)?]))]
+        }
         // d tile(x) = the sum of dy's copies.
         Op::Tile => vec![Some(rules::tile(b, &node, dy)?)],
         // d pad(x, p) = pad(dy, −p): what was added is cropped, what was cut comes back as zeros.

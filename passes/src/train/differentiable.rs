@@ -28,6 +28,7 @@ pub fn differentiable(op: &Op, slot: usize) -> bool {
         | Op::ReduceProd(_)
         | Op::CumSum(_)
         | Op::CumProd(_)
+        | Op::RoiAlign(_)
         | Op::Split(_)
         | Op::Clip
         | Op::Resize(_)

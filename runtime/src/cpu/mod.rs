@@ -9,6 +9,7 @@ mod indexing;
 mod linalg;
 mod nn;
 mod resize;
+mod roi_align;
 mod shape;
 mod train;
 
@@ -455,6 +456,8 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             };
             one(nn::cumulative(t, axis(ax, t.shape.len())?, a, matches!(op, Op::CumProd(_)))?)
         }
+        Op::RoiAlign(a) => one(roi_align::roi_align(x(0)?, x(1)?, x(2)?, a)?),
+        Op::RoiAlignGrad(a) => one(roi_align::roi_align_grad(x(0)?, x(1)?, x(2)?, x(3)?, a)?),
         Op::CumProdGrad(a) => {
             let t = x(1)?;
             let ax = match ints(ins.get(2).copied().flatten(), "axis")?[..] {

@@ -676,6 +676,8 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
             let kind = if matches!(op, Op::CumProd(_)) { "cumprod" } else { "cumsum" };
             p.flat("movement", format!("movement_{kind}_{}", tag(x.dtype)?), outer * inner, args);
         }
+        Op::RoiAlign(a) => pool::plan_roi_align(p, a, false)?,
+        Op::RoiAlignGrad(a) => pool::plan_roi_align(p, a, true)?,
         Op::CumProdGrad(a) => {
             let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
             let ax = p.host_ints(2).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
