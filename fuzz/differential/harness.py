@@ -12,6 +12,9 @@ from safetensors.numpy import load_file, save_file
 
 try:
     import onnxruntime as ort
+
+    # Kernel constructors log to the default logger (RoiAlign warns of its max mode each time).
+    ort.set_default_logger_severity(3)
 except ImportError:  # pragma: no cover
     ort = None
 
