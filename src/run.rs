@@ -104,6 +104,11 @@ pub fn summary(name: &str, t: &HostTensor) -> String {
     let mean = finite.iter().sum::<f64>() / finite.len().max(1) as f64;
     let (lo, hi) = finite.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     let bad = v.len() - finite.len();
+    if finite.is_empty() {
+        // No finite element (or none at all): no statistics to give.
+        let what = if v.is_empty() { "empty".to_string() } else { format!("{bad} NaN/Inf, no finite element") };
+        return format!("{name}: {}{:?} {what}", t.dtype(), t.shape);
+    }
     let mut s = format!("{name}: {}{:?} mean {mean:.6} min {lo:.6} max {hi:.6}", t.dtype(), t.shape);
     if bad > 0 {
         s.push_str(&format!(" ({bad} NaN/Inf)"));
@@ -428,3 +433,20 @@ pub fn fold_and_infer(
 }
 
 pub(crate) use build::fold_constants;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An output with no finite element says so, rather than printing a minimum of inf.
+    #[test]
+    fn summaries_of_empty_and_non_finite_outputs() {
+        let t = |shape: Vec<usize>, v: Vec<f32>| HostTensor::from_f32(mpc_ir::DType::F32, shape, v);
+        assert_eq!(summary("y", &t(vec![2, 0], vec![])), "y: f32[2, 0] empty");
+        assert_eq!(summary("y", &t(vec![2], vec![f32::NAN, f32::INFINITY])), "y: f32[2] 2 NaN/Inf, no finite element");
+        assert_eq!(
+            summary("y", &t(vec![2], vec![1.0, f32::NAN])),
+            "y: f32[2] mean 1.000000 min 1.000000 max 1.000000 (1 NaN/Inf)"
+        );
+    }
+}
