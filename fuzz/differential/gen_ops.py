@@ -11,7 +11,7 @@ from gen import (ALL_INTS, BOOL, F16, F32, I32, I64, I64_MAX, I64_MIN, INTS, NP2
 UNARY_F = ["Gelu", "Abs", "Neg", "Sqrt", "Exp", "Log", "Reciprocal", "Erf", "Tanh", "Sigmoid", "Relu", "Floor",
            "Ceil", "Round", "Sign", "Sin", "Cos", "Softsign", "Softplus", "HardSwish", "Elu", "LeakyRelu",
            "Selu", "HardSigmoid", "IsNaN", "IsInf", "Identity", "Gelu", "Celu", "Tan", "Sinh", "Cosh", "Asin",
-           "Acos", "Atan", "Asinh", "Acosh", "Atanh"]
+           "Acos", "Atan", "Asinh", "Acosh", "Atanh", "Mish"]
 BOUND1 = {"Tanh", "Sigmoid", "Sin", "Cos", "Erf", "Softsign", "Sign"}
 BOUND2 = {"Atan", "Asin", "Acos"}  # |atan| < pi/2, |asin| <= pi/2, acos <= pi (or NaN)
 KEEP_BOUND = {"Abs", "Neg", "Relu", "Floor", "Ceil", "Round", "Identity"}
@@ -24,6 +24,8 @@ def op_unary(g):
         op = "Erf"
     if op == "HardSwish" and g.opset < 14:
         op = "HardSigmoid"
+    if op == "Mish" and g.opset < 18:
+        op = "Softplus"
     attrs = {}
     if op == "Celu" and g.opset < 12:
         op = "Elu"
@@ -190,7 +192,7 @@ def op_cast(g):
 
 
 REDUCES = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare", "ReduceL1",
-           "ReduceL2", "ReduceLogSumExp"]
+           "ReduceL2", "ReduceLogSumExp", "ReduceLogSum"]
 
 
 def op_reduce(g):

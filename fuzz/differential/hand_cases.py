@@ -138,7 +138,24 @@ def roi_align_cases():
     return cases
 
 
-CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases]
+def mish_log_sum_cases():
+    """Mish (opset 18) over large and small values, and ReduceLogSum in its attribute (opset 13)
+    and input (opset 18) forms, kept and dropped dims, and no axes with and without noop."""
+    x = np.array([[-30.0, -5.0, -1.0, -0.1, 0.0], [0.1, 1.0, 5.0, 20.0, 90.0]], np.float32)
+    p = np.abs(np.random.default_rng(3).standard_normal((2, 3, 4))).astype(np.float32) + 0.1
+    cases = {"mish": (one_node("Mish", {"x": x}, 18), {"x": x})}
+    cases["reducelogsum_attr_axes"] = (one_node("ReduceLogSum", {"x": p}, 13, out_shape=[2, 1, 4], axes=[1]), {"x": p})
+    cases["reducelogsum_input_axes"] = (
+        one_node("ReduceLogSum", {"x": p}, 18, out_shape=[3], consts={"axes": np.array([0, -1], np.int64)},
+                 keepdims=0), {"x": p})
+    cases["reducelogsum_all"] = (one_node("ReduceLogSum", {"x": p}, 18, out_shape=[1, 1, 1]), {"x": p})
+    cases["reducelogsum_noop"] = (
+        one_node("ReduceLogSum", {"x": p}, 18, out_shape=[2, 3, 4], consts={"axes": np.array([], np.int64)},
+                 noop_with_empty_axes=1), {"x": p})
+    return cases
+
+
+CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases, mish_log_sum_cases]
 
 
 def write(name, model, feeds):

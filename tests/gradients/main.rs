@@ -172,11 +172,24 @@ fn composite_ops_differentiate_as_the_ops_they_are_made_of() {
             ],
             vec![2, 2, 6],
         ),
+        ("Mish", vec![], vec![3, 5]),
     ];
     for (op, attrs, shape) in cases {
         let mut c = Case::new(&format!("{op}{attrs:?}"));
         let x = c.param("x", &shape);
         let y = c.composite(op, &attrs, &[x]);
+        c.check(y, TOL);
+    }
+    // ReduceLogSum of positive values, axes as the attribute (before opset 18) and as the input.
+    for axes_input in [false, true] {
+        let mut c = Case::new(&format!("ReduceLogSum{axes_input}"));
+        let x = c.param_in("x", &[2, 3, 4], 0.1, 1.0);
+        let y = if axes_input {
+            let axes = c.ints("axes", &[2], &[0, 2]);
+            c.composite("ReduceLogSum", &[("keepdims", Attr::Int(0))], &[x, axes])
+        } else {
+            c.composite("ReduceLogSum", &[("axes", ints(&[1]))], &[x])
+        };
         c.check(y, TOL);
     }
     // RMSNormalization over the last two axes, its scale trained too (stashed in f64: finite
