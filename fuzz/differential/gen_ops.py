@@ -476,6 +476,8 @@ def op_groupnorm(g):
         raise Reject("GroupNormalization needs opset 21")
     x = g.float_val(lo=3, pred=lambda v: v.shape[1] > 0)
     c = x.shape[1]
+    if c == 0:  # a fresh input (the predicate only filters existing values)
+        raise Reject("GroupNormalization of no channel")
     ng = g.choice([d for d in range(1, c + 1) if c % d == 0])
     ps = (c,) if g.opset >= 21 else (ng,)
     ins = [x, g.fresh(x.dt, ps, init_p=0.8, param=True), g.fresh(x.dt, ps, init_p=0.8, param=True)]
