@@ -155,7 +155,33 @@ def mish_log_sum_cases():
     return cases
 
 
-CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases, mish_log_sum_cases]
+def split_to_sequence_cases():
+    """torch.chunk and torch.split as the legacy exporter writes them: SplitToSequence read by
+    SequenceAt at known positions (negative ones too), with a scalar size (chunks of 3 of 7), a
+    vector of sizes, and none (keepdims 0: each element, the axis squeezed)."""
+    x = np.arange(2 * 7, dtype=np.float32).reshape(2, 7)
+    cases = {}
+    forms = {"scalar": (np.array(3, np.int64), [(0, (2, 3)), (-1, (2, 1)), (1, (2, 3))], {}),
+             "sizes": (np.array([4, 1, 2], np.int64), [(2, (2, 2)), (0, (2, 4))], {}),
+             "none": (None, [(3, (2,)), (-2, (2,))], {"keepdims": 0})}
+    for name, (split, reads, attrs) in forms.items():
+        inits = [] if split is None else [nh.from_array(split, "split")]
+        nodes = [h.make_node("SplitToSequence", ["x"] + ([] if split is None else ["split"]), ["seq"], axis=1, **attrs)]
+        outs = []
+        for j, (k, shape) in enumerate(reads):
+            inits.append(nh.from_array(np.array(k, np.int64), f"k{j}"))
+            nodes.append(h.make_node("SequenceAt", ["seq", f"k{j}"], [f"y{j}"]))
+            outs.append(h.make_tensor_value_info(f"y{j}", onnx.TensorProto.FLOAT, shape))
+        graph = h.make_graph(nodes, "chunks", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, x.shape)], outs,
+                             initializer=inits)
+        model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=ir_version(17))
+        onnx.checker.check_model(model, full_check=True)
+        cases[f"splittosequence_{name}"] = (model, {"x": x})
+    return cases
+
+
+CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases, mish_log_sum_cases,
+         split_to_sequence_cases]
 
 
 def write(name, model, feeds):

@@ -15,6 +15,7 @@
 //! - A CastLike whose second input's dtype the import did not know is a Cast once inference does.
 //! - The standard ops of [`crate::composite`] are written out as the ops they are made of.
 
+use mpc_ir::attr::take;
 use mpc_ir::ops::{EinsumAttrs, GeluApprox, GeluAttrs, SoftmaxAttrs};
 use mpc_ir::{DType, Graph, NodeId, Op, ValueId};
 
@@ -54,7 +55,7 @@ impl Pass for Simplify {
         if softmax(g)? == Changed::Yes {
             changed = Changed::Yes;
         }
-        for step in [gelu, einsum_ellipsis] {
+        for step in [gelu, einsum_ellipsis, split_to_sequence] {
             if step(g)? == Changed::Yes {
                 changed = Changed::Yes;
             }
@@ -76,6 +77,84 @@ fn cast_like(g: &mut Graph) -> Result<Changed> {
         let saturate = !o.attrs.iter().any(|(_, a)| matches!(a, mpc_ir::Attr::Int(0)));
         *g.node_op_mut(n) = Op::Cast(mpc_ir::ops::CastAttrs { saturate, to });
         g.truncate_inputs(n, 1);
+        changed = Changed::Yes;
+    }
+    Ok(changed)
+}
+
+/// A `SplitToSequence` that only `SequenceAt`s at known positions read (torch's chunk and split
+/// in the legacy exporter) is a Split: each SequenceAt becomes an Identity of its part (a Squeeze
+/// of the axis with `keepdims` 0). The parts are as many as the split input has entries, or the
+/// chunks of a scalar size, or the axis's elements without one; the sequence op itself goes.
+fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
+    let mut changed = Changed::No;
+    for n in g.topo_order()? {
+        let Op::Opaque(o) = &g.node(n).op else { continue };
+        if !o.domain.is_empty() || o.op_type != "SplitToSequence" {
+            continue;
+        }
+        let mut attrs = o.attrs.clone();
+        let (Ok(axis), Ok(keep)) = (take::<i64>(&mut attrs, "axis"), take::<i64>(&mut attrs, "keepdims")) else {
+            continue;
+        };
+        let (Some(x), true) = (g.node(n).input(0), attrs.is_empty()) else { continue };
+        let Some(dims) = g.ty(x).shape.as_ref().map(|s| s.dims().to_vec()) else { continue };
+        let Some(axis) = mpc_ir::normalize_axis(axis.unwrap_or(0), dims.len()) else { continue };
+        let split = g.node(n).input(1);
+        let split_rank = split.and_then(|s| g.ty(s).shape.as_ref().map(|sh| sh.rank()));
+        // The parts and the Split's sizes input (none: equal parts of one element).
+        let (count, sizes) = match (split, split_rank) {
+            (None, _) => (dims[axis].fixed().map(|d| d as usize), None),
+            (Some(s), Some(1)) => {
+                (g.ty(s).shape.as_ref().and_then(|sh| sh.dims()[0].fixed()).map(|c| c as usize), Some(s))
+            }
+            (Some(s), Some(0)) => {
+                let (Some(d), Some(k)) =
+                    (dims[axis].fixed(), g.constant(s).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied()))
+                else {
+                    continue;
+                };
+                let k = k.max(1) as u64;
+                let parts: Vec<i64> = (0..d.div_ceil(k)).map(|i| k.min(d - i * k) as i64).collect();
+                let t = mpc_ir::Tensor::from_i64(vec![parts.len() as u64], &parts);
+                let name = g.unique_name(&format!("{}.sizes", g.node(n).name));
+                (Some(parts.len()), Some(g.add_initializer(&name, t)))
+            }
+            _ => continue,
+        };
+        let Some(count) = count.filter(|&c| c > 0) else { continue };
+        let seq = g.node(n).outputs()[0];
+        // Every reader a SequenceAt at a known position inside the sequence.
+        let readers: Option<Vec<(NodeId, usize)>> = g
+            .value(seq)
+            .uses()
+            .iter()
+            .map(|u| {
+                let at = g.node(u.node);
+                let sequence_at = matches!(&at.op, Op::Opaque(o) if o.domain.is_empty() && o.op_type == "SequenceAt");
+                let k = at.input(1).and_then(|i| g.constant(i)).and_then(|t| t.to_i64_vec())?;
+                let k = *k.first()?;
+                let k = if k < 0 { k + count as i64 } else { k };
+                (sequence_at && u.slot == 0 && (0..count as i64).contains(&k)).then_some((u.node, k as usize))
+            })
+            .collect();
+        let Some(readers) = readers.filter(|r| !r.is_empty() && !g.outputs().contains(&seq)) else { continue };
+        let squeeze = keep == Some(0) && split.is_none();
+        let name = g.node(n).name.clone();
+        let op = Op::Split(mpc_ir::ops::SplitAttrs { axis: axis as i64, num_outputs: None });
+        let parts = g.push_op(format!("{name}.split"), op, [Some(x), sizes], count);
+        let outs = g.node(parts).outputs().to_vec();
+        let axes = squeeze.then(|| {
+            let name = g.unique_name(&format!("{name}.axis"));
+            g.add_initializer(&name, mpc_ir::Tensor::from_i64(vec![1], &[axis as i64]))
+        });
+        for (m, k) in readers {
+            *g.node_op_mut(m) = if squeeze { Op::Squeeze } else { Op::Identity };
+            g.set_input(m, 0, Some(outs[k]));
+            g.set_input(m, 1, axes);
+            g.truncate_inputs(m, if squeeze { 2 } else { 1 });
+        }
+        g.remove_node(n);
         changed = Changed::Yes;
     }
     Ok(changed)
