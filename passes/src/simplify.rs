@@ -157,6 +157,10 @@ fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
         g.remove_node(n);
         changed = Changed::Yes;
     }
+    if changed == Changed::Yes {
+        // The parts are new values: typed now, for the passes after this one.
+        crate::infer_types(g)?;
+    }
     Ok(changed)
 }
 
