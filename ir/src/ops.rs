@@ -679,6 +679,27 @@ pub enum ReduceKind {
 }
 
 impl ReduceKind {
+    /// The CUDA kernels' name of the reduction (`reduce_<name>_rows_<dtype>`, kernels/reduce.cu).
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "sum",
+            ReduceKind::Mean => "mean",
+            ReduceKind::Max => "max",
+            ReduceKind::Min => "min",
+            ReduceKind::Prod => "prod",
+            ReduceKind::L1 => "l1",
+            ReduceKind::L2 => "l2",
+            ReduceKind::SumSquare => "sum_square",
+            ReduceKind::LogSumExp => "log_sum_exp",
+        }
+    }
+
+    /// Whether the fold reads each element through a function that a reduction over no axes
+    /// still applies (|x|, x²): L1, L2 and SumSquare.
+    pub fn maps_elements(self) -> bool {
+        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
+    }
+
     /// The fold's start.
     pub fn init(self) -> f64 {
         match self {

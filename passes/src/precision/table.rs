@@ -174,7 +174,6 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::And
         | Op::Or
         | Op::Xor
-        | mpc_ir::bitwise_ops!()
         | Op::Opaque(_)
         | Op::ConvGrad(_)
         | Op::MaxPoolGrad(_)
@@ -196,7 +195,8 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::LrSchedule(_)
         | Op::CumProdGrad(_)
         | Op::RoiAlignGrad(_)
-        | Op::SeededDropout(_) => return None,
+        | Op::SeededDropout(_)
+        | mpc_ir::bitwise_ops!() => return None,
     })
 }
 

@@ -11,7 +11,7 @@
 //! kernel's name and argument layout against the cubins NVRTC builds ([`super::cubin`]).
 
 use mpc_ir::geometry::{broadcast_strides, slice_dim, Window, WindowSpec};
-use mpc_ir::ops::{GeluApprox, PadMode, Reduction};
+use mpc_ir::ops::{GeluApprox, PadMode, ReduceKind, Reduction};
 use mpc_ir::{normalize_axis, DType, Op};
 
 use crate::program::{relu_mask_shape, Launch, Operand, Region, TensorRef};
@@ -341,19 +341,14 @@ pub fn plan_with(
     Ok(p.out)
 }
 
-fn reduce_kind(op: &Op) -> Option<&'static str> {
-    Some(match op {
-        Op::ReduceSum(_) => "sum",
-        Op::ReduceMean(_) | Op::GlobalAveragePool => "mean",
-        Op::ReduceMax(_) | Op::GlobalMaxPool => "max",
-        Op::ReduceMin(_) => "min",
-        Op::ReduceProd(_) => "prod",
-        Op::ReduceSumSquare(_) => "sum_square",
-        Op::ReduceL1(_) => "l1",
-        Op::ReduceL2(_) => "l2",
-        Op::ReduceLogSumExp(_) => "log_sum_exp",
-        _ => return None,
-    })
+/// The reduction a reducing launch computes: a Reduce op's ([`Op::reduction`]), or the global
+/// pools' (a mean or a max over the spatial axes).
+fn reduce_kind(op: &Op) -> Option<ReduceKind> {
+    match op {
+        Op::GlobalAveragePool => Some(ReduceKind::Mean),
+        Op::GlobalMaxPool => Some(ReduceKind::Max),
+        op => op.reduction().map(|(k, _)| k),
+    }
 }
 
 /// A lone element-wise launch of many elements as a chain of one step, where its tensors let the

@@ -8,32 +8,21 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
     let (x, y) = (p.input(0)?, p.output(0)?);
     let kind = reduce_kind(&op).expect("a reduction");
     let r = x.shape.len();
-    let axes: Vec<usize> = match &op {
-        Op::GlobalAveragePool | Op::GlobalMaxPool => (2..r).collect(),
-        Op::ReduceSum(a)
-        | Op::ReduceMean(a)
-        | Op::ReduceMax(a)
-        | Op::ReduceMin(a)
-        | Op::ReduceSumSquare(a)
-        | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a)
-        | Op::ReduceL1(a)
-        | Op::ReduceProd(a) => {
-            match mpc_ir::geometry::reduce_axes(p.host_ints(1).as_deref(), r, a.noop_with_empty_axes)? {
-                Some(axes) => axes,
-                // Nothing reduced, the element-wise part still applied: a reduction over no axes.
-                None if matches!(kind, "l1" | "l2" | "sum_square") => Vec::new(),
-                None => {
-                    p.copy(buf(x), buf(y), y.bytes());
-                    return Ok(());
-                }
+    let axes: Vec<usize> = match op.reduction() {
+        None => (2..r).collect(), // the global pools: the spatial axes
+        Some((_, a)) => match mpc_ir::geometry::reduce_axes(p.host_ints(1).as_deref(), r, a.noop_with_empty_axes)? {
+            Some(axes) => axes,
+            // Nothing reduced, the element-wise part still applied: a reduction over no axes.
+            None if kind.maps_elements() => Vec::new(),
+            None => {
+                p.copy(buf(x), buf(y), y.bytes());
+                return Ok(());
             }
-        }
-        _ => unreachable!("not a reduction"),
+        },
     };
     let t = if x.dtype.is_float() {
         float_tag(x.dtype)?
-    } else if matches!(kind, "sum" | "max" | "min" | "prod") {
+    } else if matches!(kind, ReduceKind::Sum | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod) {
         tag(x.dtype)?
     } else {
         return Err(format!("{} on {}", op.op_type(), x.dtype));
@@ -68,12 +57,12 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
     };
     if x.dtype == DType::Bool && reduced == 0 {
         // An empty extent: max is false and min is true (the u8 kernels would give 0 and 255).
-        let byte = (kind == "min") as u8;
+        let byte = (kind == ReduceKind::Min) as u8;
         p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte });
         return Ok(());
     }
     let shape_args = [Arg::I64(outer as i64), Arg::I64(reduced as i64), Arg::I64(inner as i64)];
-    let splittable = !matches!(kind, "log_sum_exp");
+    let (splittable, kind) = (kind != ReduceKind::LogSumExp, kind.name());
     if inner == 1 && reduced >= 65536 && outer < 64 && splittable {
         // Long rows and few of them: a two-pass reduction.
         let splits = reduced.div_ceil(16384).min(1024);
