@@ -329,7 +329,8 @@ MAXPOOL_I(signed char, i8)
 //     the bin's grid of bilinear samples as onnxruntime takes them (runtime/src/cpu/roi_align.rs,
 //     the CPU reference, in the same order and dtype: float below f64): ratio per side, or with
 //     ratio 0 ceil(bin extent) samples; avg divides their sum by the count, max takes the largest
-//     weighted corner (the first of equals).
+//     weighted corner by onnxruntime's std::max (corners within a sample, then samples; a NaN
+//     first stays, a NaN after is passed over; the first of equals).
 // roi_align_grad_<T>(const T* dy, const T* x, const T* rois, const long long* batch, A* acc, ...
 //                    the same sizes and attributes)
 //     One thread per dy element: dy times each corner's weight over the count (avg), or times the
@@ -437,11 +438,14 @@ __device__ __forceinline__ void roi_align_body(const T* x, const T* rois, const 
         const RoiGeom<C> g = roi_bin(rois, batch, i, channels, h, w, oh, ow, ratio, scale, half_pixel, &plane,
                                      [&](const long long* pos, const C* wt) {
                                          if (max_mode) {
-                                             for (int k = 0; k < 4; ++k) {
+                                             // std::max in onnxruntime's order (the CPU reference's).
+                                             C v = wt[0] * ld(xs, plane + pos[0]);
+                                             for (int k = 1; k < 4; ++k) {
                                                  const C t = wt[k] * ld(xs, plane + pos[k]);
-                                                 if (!any || t > best) best = t;
-                                                 any = true;
+                                                 if (v < t) v = t;
                                              }
+                                             if (!any || best < v) best = v;
+                                             any = true;
                                          } else {
                                              const C t = wt[0] * ld(xs, plane + pos[0]) + wt[1] * ld(xs, plane + pos[1]) +
                                                          wt[2] * ld(xs, plane + pos[2]) + wt[3] * ld(xs, plane + pos[3]);
@@ -466,13 +470,20 @@ __device__ __forceinline__ void roi_align_grad_body(const T* dy, const T* x, con
         // Max: find the picked corner first. Avg: the count is the geometry's, known up front.
         const RoiGeom<C> g = roi_bin(rois, batch, i, channels, h, w, oh, ow, ratio, scale, half_pixel, &plane,
                                      [&](const long long* pos, const C* wt) {
-                                         for (int k = 0; k < 4 && max_mode; ++k) {
+                                         if (!max_mode) return;
+                                         int pick = 0;
+                                         C v = wt[0] * ld(xs, plane + pos[0]);
+                                         for (int k = 1; k < 4; ++k) {
                                              const C t = wt[k] * ld(xs, plane + pos[k]);
-                                             if (at < 0 || t > best) {
-                                                 best = t;
-                                                 at = pos[k];
-                                                 best_w = wt[k];
+                                             if (v < t) {
+                                                 v = t;
+                                                 pick = k;
                                              }
+                                         }
+                                         if (at < 0 || best < v) {
+                                             best = v;
+                                             at = pos[pick];
+                                             best_w = wt[pick];
                                          }
                                      });
         if (max_mode) {

@@ -45,7 +45,11 @@ ALLOWLIST = [
                "holds"},
     {"id": "ort-maxpool-all-neg-inf",
      "ops": {"MaxPool", "GlobalMaxPool"},
-     "when": lambda r: r.get("node_inputs", {}).get("inf") and r.get("reference") == "mpc",
+     # (The reference evaluator fails on some SAME pads: then every difference must be this one.)
+     "when": lambda r: r.get("node_inputs", {}).get("inf") and (
+         r.get("reference") == "mpc"
+         or (r.get("reference") == "failed" and r.get("diffs") and all(
+             d.get("got") == "-inf" and d.get("want") == "-3.4028234663852886e+38" for d in r["diffs"].values()))),
      "reason": "onnxruntime's MaxPool and GlobalMaxPool start their running max at -FLT_MAX, so a window "
                "of -inf gives -3.4028235e38; the max is -inf (mpc, the reference evaluator)"},
     {"id": "cast-float-to-int-out-of-range",

@@ -132,13 +132,19 @@ fn pooled(
             (q(s / count), None)
         }
         RoiMode::Max => {
+            // onnxruntime's std::max, in its order: corners nested within a sample, then samples;
+            // max(a, b) is b only when a < b, so a NaN first stays and a NaN second is passed over.
             let mut best: Option<(f64, (usize, usize))> = None;
             for (i, p) in bin.iter().enumerate() {
-                for k in 0..4 {
+                let mut s = (q(p.w[0] * v[p.pos[0]]), 0);
+                for k in 1..4 {
                     let t = q(p.w[k] * v[p.pos[k]]);
-                    if best.is_none_or(|(b, _)| t > b) {
-                        best = Some((t, (i, k)));
+                    if s.0 < t {
+                        s = (t, k);
                     }
+                }
+                if best.is_none_or(|(b, _)| b < s.0) {
+                    best = Some((s.0, (i, s.1)));
                 }
             }
             best.map_or((0.0, None), |(b, at)| (b, Some(at)))
