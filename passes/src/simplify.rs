@@ -102,11 +102,12 @@ fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
         let Some(axis) = mpc_ir::normalize_axis(axis.unwrap_or(0), dims.len()) else { continue };
         let split = g.node(n).input(1);
         let split_rank = split.and_then(|s| g.ty(s).shape.as_ref().map(|sh| sh.rank()));
-        // The parts and the Split's sizes input (none: equal parts of one element).
+        // The parts and the Split's sizes input (none: equal parts of one element; Err: sizes to
+        // write, once the readers say the rewrite applies).
         let (count, sizes) = match (split, split_rank) {
-            (None, _) => (dims[axis].fixed().map(|d| d as usize), None),
+            (None, _) => (dims[axis].fixed().map(|d| d as usize), Ok(None)),
             (Some(s), Some(1)) => {
-                (g.ty(s).shape.as_ref().and_then(|sh| sh.dims()[0].fixed()).map(|c| c as usize), Some(s))
+                (g.ty(s).shape.as_ref().and_then(|sh| sh.dims()[0].fixed()).map(|c| c as usize), Ok(Some(s)))
             }
             (Some(s), Some(0)) => {
                 let (Some(d), Some(k)) =
@@ -116,9 +117,7 @@ fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
                 };
                 let k = k.max(1) as u64;
                 let parts: Vec<i64> = (0..d.div_ceil(k)).map(|i| k.min(d - i * k) as i64).collect();
-                let t = mpc_ir::Tensor::from_i64(vec![parts.len() as u64], &parts);
-                let name = g.unique_name(&format!("{}.sizes", g.node(n).name));
-                (Some(parts.len()), Some(g.add_initializer(&name, t)))
+                (Some(parts.len()), Err(parts))
             }
             _ => continue,
         };
@@ -141,6 +140,11 @@ fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
         let Some(readers) = readers.filter(|r| !r.is_empty() && !g.outputs().contains(&seq)) else { continue };
         let squeeze = keep == Some(0) && split.is_none();
         let name = g.node(n).name.clone();
+        let sizes = sizes.unwrap_or_else(|parts| {
+            let t = mpc_ir::Tensor::from_i64(vec![parts.len() as u64], &parts);
+            let sizes = g.unique_name(&format!("{name}.sizes"));
+            Some(g.add_initializer(&sizes, t))
+        });
         let op = Op::Split(mpc_ir::ops::SplitAttrs { axis: axis as i64, num_outputs: None });
         let parts = g.push_op(format!("{name}.split"), op, [Some(x), sizes], count);
         let outs = g.node(parts).outputs().to_vec();

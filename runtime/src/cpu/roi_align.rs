@@ -193,16 +193,15 @@ pub(crate) fn roi_align_grad(
             let at = (b * c + ch) * plane;
             for (k, bin) in bins.samples.iter().enumerate() {
                 let d = g[(r * c + ch) * bins_per + k];
-                match pooled(bin, bins.count, a.mode, &v[at..at + plane], q).1 {
-                    Some((s, corner)) => dx[at + bin[s].pos[corner]] += d * bin[s].w[corner],
-                    None if a.mode == RoiMode::Avg => {
-                        for p in bin {
-                            for (pos, wt) in p.pos.iter().zip(p.w) {
-                                dx[at + pos] += d * wt / bins.count;
-                            }
+                if a.mode == RoiMode::Avg {
+                    for p in bin {
+                        for (pos, wt) in p.pos.iter().zip(p.w) {
+                            dx[at + pos] += d * wt / bins.count;
                         }
                     }
-                    None => {}
+                } else if let Some((s, corner)) = pooled(bin, bins.count, a.mode, &v[at..at + plane], q).1 {
+                    // Max: the corner the forward picked (the plane is read only to find it).
+                    dx[at + bin[s].pos[corner]] += d * bin[s].w[corner];
                 }
             }
         }
