@@ -55,6 +55,21 @@ pub(crate) fn scalar(g: &Graph, v: ValueId) -> Option<f64> {
     eval(g, v, 16).filter(|x| x.is_finite())
 }
 
+/// The values of a float vector that constants decide: a constant, or a Concat of such vectors
+/// (the exporters write Resize's scales as `Concat(Constant [1, 1], Constant [2])`).
+pub(crate) fn floats(g: &Graph, v: ValueId) -> Option<Vec<f64>> {
+    if let Some(t) = g.constant(v) {
+        return Some(t.to_f64_vec());
+    }
+    let (n, _) = g.value(v).producer()?;
+    match &g.node(n).op {
+        Op::Concat(_) => {
+            g.node(n).inputs().iter().map(|p| floats(g, (*p)?)).collect::<Option<Vec<_>>>().map(|p| p.concat())
+        }
+        _ => None,
+    }
+}
+
 /// The integers of `v` where they are known without running the graph, entry by entry: a
 /// constant integer tensor (flattened), a Shape's dims (its `start` and `end`; a negative one
 /// counts from the end; a symbolic dim unknown), and a Gather (axis 0) or a Slice (axis 0,

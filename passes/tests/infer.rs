@@ -204,6 +204,13 @@ fn resize_sizes_and_scales_name_the_axes_attribute_gives() {
     let scales = "  input %0 \"x\": f32[n,3,4,5]\n  init %1 \"s\" = f32[2]{2, 3}
   %2 \"y\": ? = Resize[axes=[2, 3]](%0, _, %1)\n  output %2";
     assert_eq!(infer(scales, "y").unwrap(), "f32[n,3,8,15]");
+    // torch.onnx's legacy F.interpolate(scale_factor=2): the scales a Concat of two Constants.
+    let concat = "  input %0 \"x\": f32[n,5,5]
+  %1 \"a\": f32[2] = Constant[value=f32[2]{1, 1}]()
+  %2 \"b\": f32[1] = Constant[value=f32[1]{2}]()
+  %3 \"s\": f32[3] = Concat[axis=0](%1, %2)
+  %4 \"y\": ? = Resize(%0, _, %3)\n  output %4";
+    assert_eq!(infer(concat, "y").unwrap(), "f32[n,5,10]");
 }
 
 #[test]

@@ -370,7 +370,7 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
         }
         return Ok(Some(out));
     }
-    let scales = cx.g.node(cx.n).input(2).and_then(|v| cx.g.constant(v)).map(|t| t.to_f64_vec());
+    let scales = cx.g.node(cx.n).input(2).and_then(|v| crate::known::floats(cx.g, v));
     match scales {
         Some(sc) if sc.is_empty() && !cx.has(3) => Err("neither scales nor sizes is given".into()),
         Some(sc) if !sc.is_empty() && sc.len() != axes.len() => {
@@ -383,6 +383,8 @@ pub(super) fn resize(cx: &NodeCx) -> Result<Option<Shape>, String> {
                 }
                 out.0[ax] = match x.0[ax].fixed() {
                     Some(n) => Dim::Fixed(mpc_ir::geometry::scaled_dim(n, s).ok_or("a scaled dim overflows")?),
+                    // floor(n * 1) is n: a symbolic batch at scale 1 stays itself.
+                    None if s == 1.0 => x.0[ax].clone(),
                     None => Dim::Unknown,
                 };
             }

@@ -258,13 +258,13 @@ pub(super) fn resize(b: &mut Builder, node: &Node, a: &ResizeAttrs, dy: ValueId)
         }
     };
     let scales = match node.input(2) {
-        Some(v) => Some(float_const(b.g, v).ok_or("Resize scales must be a constant to differentiate")?),
+        Some(v) => Some(crate::known::floats(b.g, v).ok_or("Resize scales must be a constant to differentiate")?),
         None => None,
     };
     let (ms, scale) = mpc_ir::geometry::resize_plan(a, &ns, scales.as_deref(), sizes.as_deref())?;
     let crop = a.coordinate_transformation_mode == mpc_ir::ops::CoordinateMode::TfCropAndResize;
     let roi = match node.input(1).filter(|_| crop) {
-        Some(v) => Some(float_const(b.g, v).ok_or("Resize roi must be a constant to differentiate")?),
+        Some(v) => Some(crate::known::floats(b.g, v).ok_or("Resize roi must be a constant to differentiate")?),
         None => None,
     };
     let roi = mpc_ir::geometry::resize_roi(a, r, roi.as_deref())?;
@@ -680,19 +680,6 @@ pub(super) fn slice(b: &mut Builder, node: &Node, dy: ValueId) -> Result<ValueId
 
 /// A float tensor known before the data: a constant, or a Concat of them (the legacy exporter's
 /// Resize scales).
-fn float_const(g: &Graph, v: ValueId) -> Option<Vec<f64>> {
-    if let Some(t) = g.constant(v) {
-        return Some(t.to_f64_vec());
-    }
-    let (n, _) = g.value(v).producer()?;
-    match &g.node(n).op {
-        Op::Concat(_) => {
-            g.node(n).inputs().iter().map(|p| float_const(g, (*p)?)).collect::<Option<Vec<_>>>().map(|p| p.concat())
-        }
-        _ => None,
-    }
-}
-
 /// `dy` added along `axis` into zeros with `n` elements there, element k of the axis landing at
 /// `at[k]`: the gradient of an op each of whose outputs along one axis reads one input element
 /// (a strided or reversed Slice; a reflect, edge or wrap Pad). A ScatterElements with reduction
