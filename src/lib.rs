@@ -255,7 +255,7 @@ pub fn compile(g: &mut Graph, path: &Path, opts: &Options, dump: &mut dyn FnMut(
     }
     let mut ties = Vec::new();
     if let Some(t) = train.as_ref().filter(|t| t.tie) {
-        let candidates = mpc_passes::train::trainable(g, &t.freeze);
+        let candidates = mpc_passes::train::tie_candidates(g, &t.freeze);
         ties = mpc_passes::train::tie_weights(g, &candidates);
     }
     let folded =

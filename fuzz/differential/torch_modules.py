@@ -6,7 +6,7 @@
     python3 fuzz/differential/torch_modules.py --mpc target/release/mpc --module DESC.json --out DIR
     python3 fuzz/differential/torch_modules.py --mpc target/release/mpc --graphs N --seed S \\
         --write-cases tests/models/torch_modules
-    python3 fuzz/differential/torch_modules.py --mpc target/release/mpc --replay tests/models/torch_modules
+    python3 fuzz/differential/torch_modules.py --mpc target/release/mpc --replay tests/models/torch_modules [--promote]
 
 Each module (deterministic from (seed, index)) is a random composition of 2-8 blocks over a
 tracked shape (Linear, convolutions, norms, pools, activations, attention, indexing, ...), from a
@@ -1515,7 +1515,7 @@ def replay(args, mpc):
     with open(os.path.join(folder, "cases.json")) as f:
         meta = json.load(f)
     work = tempfile.mkdtemp(prefix="mpc-torch-modules-")
-    bad, start = 0, time.time()
+    bad, start, promoted = 0, time.time(), []
     try:
         for section in ("cases", "known"):
             for name, case in meta[section].items():
@@ -1532,11 +1532,37 @@ def replay(args, mpc):
                     line, fail = replay_line(section, case, e, r)
                     bad += fail
                     print(f"{name}.{e:7s} {line}", flush=True)
+                    if section == "known" and r["status"] == "match":
+                        promoted.append((name, e, r.get("worst", 0.0)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     n = sum(len(c["exporters"]) for s in ("cases", "known") for c in meta[s].values())
     print(f"{n} exports replayed in {time.time() - start:.0f} s; {bad} failing")
+    if args.promote and promoted:
+        promote(meta, promoted)
+        with open(os.path.join(folder, "cases.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        print(f"promoted {len(promoted)} known failures that now match to cases: "
+              + ", ".join(f"{m}.{e}" for m, e, _ in promoted))
     return bad
+
+
+def promote(meta, promoted):
+    """Moves each (module, exporter) of `promoted` from `known` to `cases`, where a regression of
+    it fails the replay; a module none of whose exporters is left known leaves `known`."""
+    for name, e, worst in promoted:
+        known = meta["known"][name]
+        case = meta["cases"].get(name)
+        if case is None:
+            case = {k: v for k, v in known.items() if k != "exporters"}
+            case["exporters"], case["worst"] = [], {}
+            meta["cases"][name] = case
+        case["exporters"].append(e)
+        case["worst"] = dict(case.get("worst") or {}, **{e: worst})
+        del known["exporters"][e]
+        if not known["exporters"]:
+            del meta["known"][name]
+    meta["cases"] = dict(sorted(meta["cases"].items()))
 
 
 def replay_line(section, case, e, r):
@@ -1570,6 +1596,8 @@ def main():
     ap.add_argument("--cases", type=int, default=36, help="matching modules --write-cases keeps")
     ap.add_argument("--cases-bytes", type=int, default=1_400_000, help="the most bytes --write-cases writes")
     ap.add_argument("--replay", metavar="DIR", help="rerun committed cases (needs no torch)")
+    ap.add_argument("--promote", action="store_true",
+                    help="with --replay: move the known failures that now match to the matching cases")
     ap.add_argument("--singles", type=int, metavar="N", default=0,
                     help="instead of random compositions: each block type alone (with a head) on each input "
                          "kind, N draws each")

@@ -264,8 +264,28 @@ impl LossScale {
 ///
 /// A model from the torch dynamo exporter names its program's parameters and buffers; there,
 /// buffers (rotary tables, masks) are not trained, and a constant the exporter folded (named by
-/// no entry) is a parameter only when read as a weight (see [`ExportSignature`]).
+/// no entry) is a parameter only where the signature lost one (see [`ExportSignature`]).
 pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
+    parameters(g, freeze, Folded::FromLost)
+}
+
+/// The candidates [`tie_weights`] compares: [`trainable`]'s, and every constant a dynamo export
+/// folded whatever its signature lost (a tied head's transpose, folded beside the embedding it
+/// copies, trains as that embedding once tied).
+pub fn tie_candidates(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
+    parameters(g, freeze, Folded::Any)
+}
+
+/// Which constants a dynamo export folded count as parameters.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Folded {
+    /// Those [`ExportSignature::is_parameter`] admits.
+    FromLost,
+    /// Any with varied elements, as a tie's copy.
+    Any,
+}
+
+fn parameters(g: &Graph, freeze: &BTreeSet<String>, folded: Folded) -> Vec<ValueId> {
     let signature = ExportSignature::of(g);
     let mut out = BTreeSet::new();
     // `mpc.` names are training state (the loss scale, moments, counters), `grad.` the passes' constants.
@@ -276,7 +296,10 @@ pub fn trainable(g: &Graph, freeze: &BTreeSet<String>) -> Vec<ValueId> {
             && !name.starts_with("mpc.")
             && !name.starts_with("grad.")
             && !g.value(v).initializer().is_some_and(is_additive_mask)
-            && signature.as_ref().is_none_or(|s| s.is_parameter(g, v))
+            && signature.as_ref().is_none_or(|s| match folded {
+                Folded::FromLost => s.is_parameter(g, v),
+                Folded::Any => s.is_parameter(g, v) || s.may_be_copy(g, v),
+            })
     };
     for n in g.node_ids() {
         let node = g.node(n);
@@ -318,11 +341,19 @@ pub struct ExportSignature {
     /// Some buffer is not an initializer: the exporter folded it into constants (a rotary table
     /// from `inv_freq`), which then cannot be told from folded parameters by name.
     buffer_folded: bool,
+    /// Some parameter is not an initializer: the exporter folded it (a weight transposed, a
+    /// class token expanded). Where none is lost, no folded constant came from a parameter alone.
+    param_folded: bool,
 }
 
 impl ExportSignature {
     pub fn of(g: &Graph) -> Option<ExportSignature> {
-        let mut sig = ExportSignature { params: BTreeSet::new(), buffers: BTreeSet::new(), buffer_folded: false };
+        let mut sig = ExportSignature {
+            params: BTreeSet::new(),
+            buffers: BTreeSet::new(),
+            buffer_folded: false,
+            param_folded: false,
+        };
         for e in mpc_ir::onnx::torch_export::signature(g)? {
             match e.kind.as_str() {
                 "PARAMETER" => sig.params.extend(e.target),
@@ -332,6 +363,7 @@ impl ExportSignature {
         }
         let inits: BTreeSet<&str> = g.initializers().map(|v| g.name(v)).collect();
         sig.buffer_folded = sig.buffers.iter().any(|b| !inits.contains(b.as_str()));
+        sig.param_folded = sig.params.iter().any(|p| !inits.contains(p.as_str()));
         Some(sig)
     }
 
@@ -340,33 +372,96 @@ impl ExportSignature {
         self.params.contains(name)
     }
 
-    /// Whether initializer `v` is a parameter: one the signature names so, or a constant the
-    /// exporter folded (named by no entry: a transposed or reshaped weight, a batch norm folded
-    /// into a convolution, a position-embedding lookup folded for the export's sequence length)
-    /// whose elements are not all equal (a folded ones or zeros tensor is no weight). When a
-    /// buffer was folded too, a folded constant is a parameter only when it is read as a weight
-    /// (by a MatMul, Gemm, Conv or ConvTranspose, as a Gather's table) or added (Add, Sub: a bias,
-    /// an embedding; additive masks are never parameters), directly or through a Transpose,
-    /// Reshape or Cast: a folded table that only multiplies (rotary cos and sin) is a buffer.
+    /// Whether initializer `v` is a parameter: one the signature names so, or, where the signature
+    /// lost a parameter, a constant the exporter folded (named by no entry: a transposed or
+    /// reshaped weight, a batch norm folded into a convolution, a position-embedding lookup
+    /// folded for the export's sequence length) whose elements are not all equal (a folded ones
+    /// or zeros tensor is no weight), or that has one element and is read as a weight or a bias
+    /// (a 1×1 Linear's transposed weight, PReLU's one slope: one read otherwise is as likely a
+    /// constant of a decomposition, GELU's √½ or GroupNorm's unit scale). Where no parameter was
+    /// lost, a folded constant is computed from constants and buffers (the taps of
+    /// F.interpolate, a mask): no parameter. When a buffer was folded too, a folded constant is a
+    /// parameter only when it is read as a weight or a bias ([`weight_or_bias_read`]): a folded
+    /// table that only multiplies (rotary cos and sin) is a buffer. A constant named after an
+    /// arithmetic op of the program ([`computed_name`]: `clamp_2`, the taps F.interpolate
+    /// computes from an `arange`) is computed, not a parameter moved.
     pub fn is_parameter(&self, g: &Graph, v: ValueId) -> bool {
-        let name = g.name(v);
-        if self.params.contains(name) {
+        if self.params.contains(g.name(v)) {
             return true;
         }
-        if self.buffers.contains(name) {
+        if self.buffers.contains(g.name(v)) || !self.param_folded || computed_name(g.name(v)) {
             return false;
         }
         let Some(t) = g.value(v).initializer() else { return false };
-        let first = t.values().next();
-        !t.values().all(|x| Some(x) == first) && (!self.buffer_folded || weight_or_bias_read(g, v, 2))
+        let one = t.numel() == 1;
+        (one || !t.all_equal()) && (!(self.buffer_folded || one) || weight_or_bias_read(g, v, 2))
+    }
+
+    /// Whether initializer `v` may be an exporter's copy of a parameter (named by no entry, its
+    /// elements varied): what [`tie_weights`] then compares with the parameters.
+    fn may_be_copy(&self, g: &Graph, v: ValueId) -> bool {
+        let name = g.name(v);
+        !self.params.contains(name)
+            && !self.buffers.contains(name)
+            && g.value(v).initializer().is_some_and(|t| t.numel() > 1 && !t.all_equal())
     }
 }
 
+/// Whether `name` is a torch.export node name (the aten op's, then `_N`) of arithmetic on
+/// indices and fills: what such a node computes from constants alone is no parameter, and a
+/// parameter folded through it could not train as itself anyway.
+fn computed_name(name: &str) -> bool {
+    const COMPUTED: &[&str] = &[
+        "arange",
+        "linspace",
+        "full",
+        "full_like",
+        "ones",
+        "ones_like",
+        "zeros",
+        "zeros_like",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "floor",
+        "ceil",
+        "round",
+        "trunc",
+        "add",
+        "sub",
+        "rsub",
+        "mul",
+        "div",
+        "floor_divide",
+        "remainder",
+        "pow",
+        "sqrt",
+        "rsqrt",
+        "reciprocal",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "eq",
+        "ne",
+        "where",
+    ];
+    let base = match name.rsplit_once('_') {
+        Some((b, n)) if !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()) => b,
+        _ => name,
+    };
+    COMPUTED.contains(&base)
+}
+
+/// Whether `v` is read as a weight (by a MatMul, Gemm, Conv or ConvTranspose, as a Gather's
+/// table or PRelu's slope) or added (Add, Sub: a bias, an embedding; additive masks are never
+/// parameters), directly or through `depth` Transposes, Reshapes or Casts.
 fn weight_or_bias_read(g: &Graph, v: ValueId, depth: usize) -> bool {
     g.value(v).uses().iter().any(|u| match &g.node(u.node).op {
         Op::MatMul | Op::Add | Op::Sub => true,
         Op::Gemm(_) | Op::Conv(_) | Op::ConvTranspose(_) => true,
         Op::Gather(_) => u.slot == 0,
+        Op::PRelu => u.slot == 1,
         Op::Transpose(_) | Op::Reshape(_) | Op::Cast(_) if depth > 0 => {
             g.node(u.node).outputs().iter().any(|&o| weight_or_bias_read(g, o, depth - 1))
         }
@@ -666,5 +761,41 @@ impl Pass for Autodiff {
         sig.grads = grads.params.into_iter().collect();
         sig.activation_grads = grads.activations;
         Ok(Changed::Yes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dynamo export's folded constants: where the signature lost a parameter, a folded
+    /// weight of one element trains (a 1×1 Linear's transposed weight read by MatMul), while one
+    /// read by a Mul (GELU's √½) and a constant named after arithmetic (F.interpolate's taps,
+    /// `clamp_2`) do not; where none was lost, no folded constant trains, but a varied one is
+    /// still a candidate for a tie.
+    #[test]
+    fn folded_constants_train_only_where_the_signature_lost_a_parameter() {
+        let text = "mpcir 1\ngraph \"g\"\n  input %0 \"x\": f32[2,1]
+  init %1 \"fc.bias\" = f32[1]{0.5}
+  init %2 \"val_4\" = f32[1,1]{0.25}
+  init %3 \"clamp_2\" = f32[2,1]{0.25, 0.75}
+  init %4 \"val_9\" = f32[1,1]{3}
+  %5 \"m\": f32[2,1] = MatMul(%0, %2)
+  %6 \"a\": f32[2,1] = Add(%5, %1)
+  %7 \"t\": f32[2,1] = Mul(%6, %3)
+  %8 \"y\": f32[2,1] = Mul(%7, %4)
+  output %8
+end
+";
+        let names = |lost: bool, f: fn(&Graph, &BTreeSet<String>) -> Vec<ValueId>| {
+            let mut g = mpc_ir::text::parse(text, None).unwrap();
+            let lines = if lost { "p_fc_weight: PARAMETER target='fc.weight'\n" } else { "" };
+            let sig = format!("\n# inputs\n{lines}p_fc_bias: PARAMETER target='fc.bias'\nx: USER_INPUT\n");
+            g.meta.graph_metadata_props.push((mpc_ir::onnx::torch_export::SIGNATURE_KEY.into(), sig));
+            f(&g, &BTreeSet::new()).into_iter().map(|v| g.name(v).to_string()).collect::<Vec<_>>()
+        };
+        assert_eq!(names(true, trainable), ["fc.bias", "val_4"]);
+        assert_eq!(names(false, trainable), ["fc.bias"]);
+        assert_eq!(names(false, tie_candidates), ["fc.bias", "clamp_2"]);
     }
 }
