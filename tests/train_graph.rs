@@ -156,6 +156,54 @@ fn ops_without_gradients_and_bad_options_are_one_line_errors() {
     assert!(stderr.contains("no tensor `x`") && stderr.contains("images, labels"), "{stderr}");
 }
 
+/// An `If` that the shapes decide (nn.MultiheadAttention's `If Shape(x)[k] == 1` around a
+/// Squeeze) is the branch it takes, and trains through it: the control_flow fixture's condition
+/// made `Shape(x)[1] == k` takes the Mul branch for k = 4 (x is [batch, 4]) and the Sub for 3.
+#[test]
+fn an_if_the_shapes_decide_is_the_branch_it_takes() {
+    use mpc_ir::onnx::proto::{ModelProto, NodeProto, TensorProto};
+    use prost::Message;
+    let dir = scratch("known_if");
+    for (k, kept, gone) in [(4, "then_mul", "else_sub"), (3, "else_sub", "then_mul")] {
+        let mut m = ModelProto::decode(std::fs::read(fixture("control_flow")).unwrap().as_slice()).unwrap();
+        let g = m.graph.as_mut().unwrap();
+        g.input.retain(|i| i.name != "cond");
+        let ints = |name: &str, v: i64| TensorProto {
+            name: name.into(),
+            dims: vec![1],
+            data_type: 7,
+            int64_data: vec![v],
+            ..Default::default()
+        };
+        g.initializer.extend([ints("one", 1), ints("k", k)]);
+        let node = |op: &str, ins: &[&str], out: &str| NodeProto {
+            op_type: op.into(),
+            name: out.into(),
+            input: ins.iter().map(|s| s.to_string()).collect(),
+            output: vec![out.into()],
+            ..Default::default()
+        };
+        let cond = [
+            node("Shape", &["x"], "shape"),
+            node("Gather", &["shape", "one"], "dim"),
+            node("Equal", &["dim", "k"], "cond1"),
+        ];
+        g.node.splice(0..0, cond);
+        let at = g.node.iter().position(|n| n.op_type == "If").unwrap();
+        g.node[at].input[0] = "cond1".into();
+        let path = dir.join(format!("if_{k}.onnx"));
+        std::fs::write(&path, m.encode_to_vec()).unwrap();
+        let text = dir.join(format!("if_{k}.mpcir"));
+        let o = common::mpc(&["compile", path.to_str().unwrap(), "--train", "-o", text.to_str().unwrap()]);
+        assert!(o.status.success(), "k = {k}: {}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(&text).unwrap();
+        assert!(
+            text.contains(&format!("branch/{kept}")) && !text.contains(gone) && !text.contains("If["),
+            "k = {k}: {text}"
+        );
+    }
+}
+
 /// `--no-decay`: each update's weight decay is 0 for the parameters named (biases and
 /// normalisation parameters, as Hugging Face's Trainer exempts them, or a name pattern), the
 /// option's value for the rest; a pattern that names no parameter is one line naming it.

@@ -13,6 +13,8 @@
 //!   graph then needs opset 20 (the exporter raises it).
 //! - An Einsum's ellipsis is written out as letters once its operands' shapes are known.
 //! - A CastLike whose second input's dtype the import did not know is a Cast once inference does.
+//! - An `If` whose condition the shapes decide (torch's nn.MultiheadAttention squeezes a dim only
+//!   `If Shape(x)[k] == 1`) is the nodes of the branch it takes.
 //! - The standard ops of [`crate::composite`] are written out as the ops they are made of.
 
 use mpc_ir::attr::take;
@@ -55,7 +57,7 @@ impl Pass for Simplify {
         if softmax(g)? == Changed::Yes {
             changed = Changed::Yes;
         }
-        for step in [gelu, einsum_ellipsis, split_to_sequence] {
+        for step in [gelu, einsum_ellipsis, split_to_sequence, known_if] {
             if step(g)? == Changed::Yes {
                 changed = Changed::Yes;
             }
@@ -166,6 +168,86 @@ fn split_to_sequence(g: &mut Graph) -> Result<Changed> {
         crate::infer_types(g)?;
     }
     Ok(changed)
+}
+
+/// An `If` whose condition constants and known dims decide ([`crate::infer::const_ints`]) is
+/// replaced by the nodes of the branch it takes, which read the outer values the branch reads
+/// (its captures); a graph output the If wrote keeps its name. A branch that does not decode, or
+/// declares inputs of its own, is left to the runtime's `If`.
+fn known_if(g: &mut Graph) -> Result<Changed> {
+    let mut changed = Changed::No;
+    for n in g.topo_order()? {
+        let Op::Opaque(o) = &g.node(n).op else { continue };
+        if !o.domain.is_empty() || o.op_type != "If" {
+            continue;
+        }
+        let Some(&[c]) = g.node(n).input(0).and_then(|v| crate::infer::const_ints(g, v)).as_deref() else { continue };
+        let branch = if c != 0 { "then_branch" } else { "else_branch" };
+        let Some(raw) = o.attrs.iter().find_map(|(k, a)| match a {
+            mpc_ir::Attr::Raw(b) if k == branch => Some(b.clone()),
+            _ => None,
+        }) else {
+            continue;
+        };
+        let captures: Vec<ValueId> = g.node(n).inputs()[o.explicit_inputs..].iter().flatten().copied().collect();
+        let Ok(sub) = mpc_ir::onnx::decode_subgraph(&raw, g, &captures) else { continue };
+        if sub.inputs().len() != captures.len() || sub.outputs().len() != g.node(n).outputs().len() {
+            continue;
+        }
+        let Some(outs) = inline_graph(g, &sub, &captures, &g.node(n).name.clone()) else { continue };
+        let mut named = Vec::new();
+        for (&o, &m) in g.node(n).outputs().to_vec().iter().zip(&outs) {
+            if g.is_output(o) {
+                named.push((m, g.name(o).to_string()));
+            }
+            g.replace_uses(o, m);
+        }
+        g.remove_node(n);
+        for (m, name) in named {
+            if g.value(m).producer().is_some() {
+                g.rename(m, &name);
+            }
+        }
+        changed = Changed::Yes;
+    }
+    if changed == Changed::Yes {
+        crate::infer_types(g)?;
+    }
+    Ok(changed)
+}
+
+/// Copies `sub`'s initializers and nodes into `g`, its inputs read as `inputs`; the values in
+/// `g` of `sub`'s outputs. Value names are kept where free and prefixed by `scope` otherwise,
+/// node names prefixed. `None`, with `g` untouched, for a graph with a cycle.
+fn inline_graph(g: &mut Graph, sub: &Graph, inputs: &[ValueId], scope: &str) -> Option<Vec<ValueId>> {
+    let order = sub.topo_order().ok()?;
+    let mut map: std::collections::HashMap<ValueId, ValueId> =
+        sub.inputs().iter().copied().zip(inputs.iter().copied()).collect();
+    let fresh = |g: &Graph, name: &str| match g.find(name) {
+        Some(_) => g.unique_name(&format!("{scope}/{name}")),
+        None => name.to_string(),
+    };
+    for v in sub.initializers() {
+        let t = sub.value(v).initializer()?.clone();
+        let name = fresh(g, sub.name(v));
+        map.insert(v, g.add_initializer(&name, t));
+    }
+    for m in order {
+        let node = sub.node(m);
+        // An imported graph defines what it reads (its inputs, initializers, earlier outputs).
+        let ins: Vec<Option<ValueId>> = node.inputs().iter().map(|i| i.map(|v| map[&v])).collect();
+        let outs: Vec<ValueId> = node
+            .outputs()
+            .iter()
+            .map(|&o| {
+                let name = fresh(g, sub.name(o));
+                g.new_value(&name, mpc_ir::TypeInfo::default())
+            })
+            .collect();
+        map.extend(node.outputs().iter().copied().zip(outs.iter().copied()));
+        g.add_node(format!("{scope}/{}", node.name), node.op.clone(), ins, outs);
+    }
+    Some(sub.outputs().iter().map(|o| map[o]).collect())
 }
 
 /// An Einsum whose equation has an ellipsis gets it written out as letters
