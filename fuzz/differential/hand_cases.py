@@ -115,6 +115,14 @@ def wide_composite_cases():
     }
 
 
+def lp_pool_pad_cases():
+    """LpPool whose ceil_mode windows, dilated past the kernel, need more end padding than the
+    kernel (2 with a kernel of 2 and a dilation of 2): the pool's zeros come from a Pad."""
+    x = np.linspace(-3, 4, 2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
+    attrs = dict(kernel_shape=[2, 2], dilations=[2, 2], strides=[3, 1], ceil_mode=1, out_shape=[2, 3, 2, 2])
+    return {f"lppool_dilated_ceil_p{p}": (one_node("LpPool", {"x": x}, 18, p=p, **attrs), {"x": x}) for p in (1, 2, 3)}
+
+
 def roi_align_cases():
     """RoiAlign: rois inside, past the edges, malformed (x2 < x1) and smaller than a pixel; both
     modes; sampling_ratio 0 (adaptive) and 2; both coordinate modes and opset 10's; a scale."""
@@ -181,7 +189,7 @@ def split_to_sequence_cases():
 
 
 CASES = [bitwise_cases, cumulative_cases, wide_composite_cases, roi_align_cases, mish_log_sum_cases,
-         split_to_sequence_cases]
+         split_to_sequence_cases, lp_pool_pad_cases]
 
 
 def write(name, model, feeds):

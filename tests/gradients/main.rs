@@ -172,6 +172,17 @@ fn composite_ops_differentiate_as_the_ops_they_are_made_of() {
             ],
             vec![2, 2, 6],
         ),
+        // Dilated ceil_mode windows needing an end pad of 2 past a kernel of 2: a Pad first.
+        (
+            "LpPool",
+            vec![
+                ("kernel_shape", ints(&[2, 2])),
+                ("dilations", ints(&[2, 2])),
+                ("strides", ints(&[3, 1])),
+                ("ceil_mode", Attr::Int(1)),
+            ],
+            vec![1, 2, 4, 4],
+        ),
         ("Mish", vec![], vec![3, 5]),
     ];
     for (op, attrs, shape) in cases {

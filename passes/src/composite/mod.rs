@@ -11,8 +11,9 @@
 //!   `n` is 0 (onnxruntime gives 0 for a zero row, not NaN).
 //! - `LpPool(x)` = `(sum of |x|^p over the window)^(1/p)`: the sum is `AveragePool` counting the
 //!   padding, times the window's size, with the end padding made explicit and grown to cover the
-//!   windows that run past the padded input (ceil_mode, or a window larger than the input); that
-//!   needs the input's spatial sizes, so with symbolic ones an LpPool waits for a binding.
+//!   windows that run past the padded input (ceil_mode, or a window larger than the input; a pad
+//!   the pool cannot take, at least its kernel, is a Pad of zeros before it); that needs the
+//!   input's spatial sizes, so with symbolic ones an LpPool waits for a binding.
 //! - `GlobalLpPool(x)` = `ReduceL1`, `ReduceL2` or `(ReduceSum |x|^p)^(1/p)` over the spatial axes.
 //! - `MeanVarianceNormalization(x)` = `(x - mean) / (sqrt(mean((x - mean)²)) + 1e-9)` over `axes`
 //!   (the spec's epsilon; the centred variance, as onnxruntime computes it).
@@ -411,10 +412,24 @@ impl At<'_> {
         // needs explicit end padding, so the input's spatial sizes: with symbolic ones the node
         // waits for the sizes a binding gives (written out when lowering).
         pool = explicit_pads(pool, &kernel, &spatial?)?;
+        let mut powered = self.abs_pow(p);
+        // A pad the window's dilated extent needs but no pool takes (at least the kernel): the
+        // padding is zeros of the sum, written by a Pad before a pool that pads nothing.
+        let pads = pool.iter().find_map(|(k, v)| match v {
+            Attr::Ints(p) if k == "pads" => Some(p.clone()),
+            _ => None,
+        });
+        if let Some(pads) = pads.filter(|p| p.iter().enumerate().any(|(i, &q)| q >= kernel[i % kernel.len()])) {
+            let sp = kernel.len();
+            let all: Vec<i64> = [&[0, 0][..], &pads[..sp], &[0, 0], &pads[sp..]].concat();
+            let pads = self.ints("pads", &all);
+            let pad = Op::Pad(mpc_ir::ops::PadAttrs { mode: mpc_ir::ops::PadMode::Constant });
+            powered = self.op("padded", pad, &[powered, pads]);
+            pool.retain(|(k, _)| k != "pads");
+        }
         pool.push(("kernel_shape".into(), Attr::Ints(kernel)));
         pool.push(("count_include_pad".into(), Attr::Int(1)));
         let pool = Op::from_attrs("AveragePool", pool)?.ok()?;
-        let powered = self.abs_pow(p);
         let mean = self.op("mean", pool, &[powered]);
         let count = self.scalar("window", size as f64);
         if p == 1 {
