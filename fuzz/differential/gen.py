@@ -37,8 +37,8 @@ UINTS = tuple(np.dtype(t) for t in ("uint8", "uint16", "uint32", "uint64"))
 ALL_INTS = INTS + tuple(np.dtype(t) for t in ("int16", "int8")) + UINTS
 I64_MIN, I64_MAX = -(2 ** 63), 2 ** 63 - 1
 
-OPSETS = [13, 14, 15, 16, 17, 18, 19, 20, 21, 23]
-OPSET_WEIGHTS = [4, 4, 4, 4, 32, 32, 6, 7, 7, 4]
+OPSETS = [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]
+OPSET_WEIGHTS = [4, 4, 4, 4, 32, 32, 6, 7, 7, 3, 4, 3, 3, 3, 2, 4]
 
 
 def ir_version(opset):

@@ -240,7 +240,8 @@ def op_cumsum(g):
         attrs["exclusive"] = g.randint(0, 1)
     if g.chance(0.5):
         attrs["reverse"] = g.randint(0, 1)
-    g.node("CumSum", [x, axis], **attrs)
+    # CumProd is an op since opset 26: the same inputs and attributes.
+    g.node("CumProd" if g.opset >= 26 and g.chance(0.4) else "CumSum", [x, axis], **attrs)
 
 
 def op_arg(g):
