@@ -49,6 +49,21 @@ fn reshape_zero_copies_and_minus_one_infers() {
     let bad =
         "  input %0 \"x\": f32[2,3]\n  init %1 \"s\" = i64[2]{4, -1}\n  %2 \"y\": ? = Reshape(%0, %1)\n  output %2";
     assert!(infer(bad, "y").unwrap_err().contains("cannot reshape"));
+    // A target that holds a traced length (nn.MultiheadAttention's head split, legacy export): at
+    // another length the counts differ by a constant factor, either way round; where the length
+    // is still a symbol they may agree.
+    let held = |x: &str| {
+        format!(
+            "  input %0 \"x\": f32[{x}]\n  input %1 \"b\": f32[batch]\n  %2 \"n\": i64[1] = Shape(%1)
+  init %3 \"l\" = i64[1]{{8}}\n  init %4 \"k\" = i64[1]{{2}}\n  init %5 \"h\" = i64[1]{{16}}
+  %6 \"m\": i64[1] = Mul(%2, %4)\n  %7 \"t\": i64[3] = Concat[axis=0](%3, %6, %5)
+  %8 \"y\": ? = Reshape(%0, %7)\n  output %8"
+        )
+    };
+    let e = infer(&held("4,batch,32"), "y").unwrap_err();
+    assert!(e.contains("cannot reshape [4,batch,32] (128*batch elements) into [8,2*batch,16]"), "{e}");
+    assert!(infer(&held("16,batch,32"), "y").unwrap_err().contains("cannot reshape"));
+    assert_eq!(infer(&held("seq,batch,32"), "y").unwrap(), "f32[8,\"2*batch\",16]");
 }
 
 #[test]

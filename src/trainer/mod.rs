@@ -179,8 +179,9 @@ impl TrainingStep {
     pub fn compile(model: &Graph, path: &Path, opts: &Options, mut sizes: HashMap<String, u64>) -> Result<Self> {
         let batch = crate::run::batch_symbols(model);
         sizes.retain(|s, _| !batch.contains(s));
-        let fwd = crate::run::bind_sample_dims(model, sizes.clone(), path)?;
-        let bound_from = bound_from(model, &fwd);
+        let bound_from = bound_from(model, &sizes);
+        let fwd =
+            crate::run::bind_sample_dims(model, sizes.clone(), path).map_err(|e| bound_by_data(e, &bound_from))?;
         let mut graph = fwd;
         let export_batch = free_batch(&mut graph);
         // The evaluation graph is the pipeline's graph after the precision pass.
@@ -192,7 +193,8 @@ impl TrainingStep {
                 eval = Some(g.clone());
             }
         })
-        .map_err(|e| pinned(e, export_batch))?;
+        .map_err(|e| pinned(e, export_batch))
+        .map_err(|e| bound_by_data(e, &bound_from))?;
         let internal = |what: &str| Error::Run {
             path: path.to_owned(),
             source: mpc_runtime::RuntimeError::Internal(format!("the training graph has no {what}")),
@@ -555,6 +557,20 @@ impl Lowering {
     }
 }
 
+/// A pass's failure on the step built for the dims the data bound, said with them: a shape that
+/// holds another sequence length than the data's (a legacy nn.MultiheadAttention export keeps the
+/// length it was traced at) is blamed on its node and on the input that gave the length.
+fn bound_by_data(e: Error, bound_from: &str) -> Error {
+    match e {
+        Error::Pass { path, source }
+            if !bound_from.is_empty() && !matches!(source, mpc_passes::PassError::Verify { .. }) =>
+        {
+            Error::Usage(format!("{}: {source}; {bound_from}", path.display()))
+        }
+        e => e,
+    }
+}
+
 /// A pass's failure on a model whose batch is built into it, said as that.
 fn pinned(e: Error, export_batch: Option<u64>) -> Error {
     match (e, export_batch) {
@@ -582,17 +598,17 @@ pub fn bind_sample_dims(model: &Graph, batch_of: &HashMap<String, HostTensor>, p
     crate::run::bind_sample_dims(model, crate::run::input_sizes(model, batch_of, path)?, path)
 }
 
-/// What [`bind_sample_dims`] bound in `model` to give `bound`, and where: "the data's `seq` is 16
+/// Where the sizes [`bind_sample_dims`] binds in `model` come from: "the data's `seq` is 16
 /// (input `input_ids` axis 1)", or nothing.
-fn bound_from(model: &Graph, bound: &Graph) -> String {
+fn bound_from(model: &Graph, sizes: &HashMap<String, u64>) -> String {
     let (mut said, mut seen) = (Vec::new(), HashSet::new());
-    for (&v, &b) in model.inputs().iter().zip(bound.inputs()) {
-        let (Some(s), Some(t)) = (model.ty(v).shape.as_ref(), bound.ty(b).shape.as_ref()) else { continue };
-        for (axis, (d, n)) in s.dims().iter().zip(t.dims()).enumerate() {
-            if let (Dim::Sym(e), Dim::Fixed(n)) = (d, n) {
-                if seen.insert(e.to_string()) {
-                    said.push(format!("the data's `{e}` is {n} (input `{}` axis {axis})", model.name(v)));
-                }
+    for &v in model.inputs() {
+        let Some(s) = model.ty(v).shape.as_ref() else { continue };
+        for (axis, d) in s.dims().iter().enumerate() {
+            let Dim::Sym(e) = d else { continue };
+            let name = e.to_string();
+            if let Some(n) = sizes.get(&name).filter(|_| seen.insert(name.clone())) {
+                said.push(format!("the data's `{name}` is {n} (input `{}` axis {axis})", model.name(v)));
             }
         }
     }

@@ -53,7 +53,8 @@ pub(super) fn reshape(cx: &NodeCx, allowzero: bool) -> Result<Option<Shape>, Str
             (Some(_), None) => xn.as_const().is_some() && tn.as_const().is_some(),
             (None, r) => match (xn.as_const(), tn.as_const()) {
                 (Some(a), Some(b)) => a != b,
-                _ => r.as_ref().and_then(SymExpr::as_const).is_some_and(|c| c != 1),
+                // A constant ratio other than 1, either way ([4,batch,32] into [8,2*batch,16]).
+                _ => [r, tn.div_exact(&xn)].iter().flatten().filter_map(SymExpr::as_const).any(|c| c != 1),
             },
         };
         if mismatch {
