@@ -64,6 +64,9 @@ string_enum!(
     LrKind, "one of constant, linear, cosine, step, one_cycle" {
         Constant = "constant", Linear = "linear", Cosine = "cosine", Step = "step", OneCycle = "one_cycle" });
 string_enum!(
+    /// `ai.mpc::AllReduce`'s `reduction`: how the ranks' tensors combine, element by element.
+    CollectiveReduction, "one of mean, sum, max" { Mean = "mean", Sum = "sum", Max = "max" });
+string_enum!(
     /// Pad's `mode`.
     PadMode, "one of constant, reflect, edge, wrap" {
         Constant = "constant", Reflect = "reflect", Edge = "edge", Wrap = "wrap" });
@@ -313,6 +316,9 @@ attr_struct!(
     weight_decay: f32 [default = 0.0f32],
 });
 attr_struct!(
+    /// `ai.mpc::AllReduce`: every rank's tensor combined over the ranks of a data-parallel run.
+    AllReduceAttrs { reduction: CollectiveReduction [default = CollectiveReduction::Mean] });
+attr_struct!(
     /// `ai.mpc::LossScaleUpdate`: dynamic loss scaling.
     LossScaleAttrs {
     backoff_factor: f32 [default = 0.5f32],
@@ -496,7 +502,7 @@ define_ops! {
         SoftmaxCrossEntropyLossGrad(LossAttrs), NegativeLogLikelihoodLossGrad(LossAttrs), GatherGrad(AxisAttrs),
         SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
-        LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs), RoiAlignGrad(RoiAlignAttrs),
+        LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs), RoiAlignGrad(RoiAlignAttrs), AllReduce(AllReduceAttrs),
     }
 }
 

@@ -256,11 +256,18 @@ pub struct CpuDevice {
     /// Hand kernels views of their operands and run f32 matrix products in place; else every
     /// operand is a copy.
     in_place: bool,
+    /// The ranks an `AllReduce` reduces over ([`crate::collective::Solo`]: this one alone).
+    collective: std::sync::Arc<dyn crate::collective::Collective>,
 }
 
 impl Default for CpuDevice {
     fn default() -> Self {
-        CpuDevice { counters: DeviceCounters::default(), options: DeviceOptions::default(), in_place: true }
+        CpuDevice {
+            counters: DeviceCounters::default(),
+            options: DeviceOptions::default(),
+            in_place: true,
+            collective: std::sync::Arc::new(crate::collective::Solo),
+        }
     }
 }
 
@@ -282,6 +289,12 @@ impl CpuDevice {
     /// A device that behaves as `options` say (the memory limit and fusion; the rest is CUDA's).
     pub fn with_options(options: DeviceOptions) -> CpuDevice {
         CpuDevice { options, ..CpuDevice::default() }
+    }
+
+    /// This device as one rank of `collective`: its `AllReduce` launches combine with the other
+    /// ranks'.
+    pub fn with_collective(self, collective: std::sync::Arc<dyn crate::collective::Collective>) -> CpuDevice {
+        CpuDevice { collective, ..self }
     }
 
     fn bytes(mem: &CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
@@ -414,8 +427,13 @@ impl CpuDevice {
                         }
                     })
                     .collect();
-                cpu::run_op_within(&l.op, &refs, l.outputs.len(), self.options.memory())
-                    .map_err(|e| kernel_error(&l.node, e))?
+                match (&l.op, refs.first().copied().flatten()) {
+                    (Op::AllReduce(a), Some(x)) => {
+                        vec![self.collective.all_reduce(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
+                    }
+                    _ => cpu::run_op_within(&l.op, &refs, l.outputs.len(), self.options.memory())
+                        .map_err(|e| kernel_error(&l.node, e))?,
+                }
             }
         };
         self.counters.operand_copies += copies;
@@ -550,6 +568,14 @@ impl Device for CpuDevice {
 
     fn counters(&self) -> DeviceCounters {
         self.counters
+    }
+}
+
+/// A collective's failure (a rank that did not arrive, ranks that disagree) at `node`.
+fn at_node(node: &str, e: RuntimeError) -> RuntimeError {
+    match e {
+        RuntimeError::Graph(msg) => RuntimeError::Node { node: node.to_string(), msg },
+        e => e,
     }
 }
 

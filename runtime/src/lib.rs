@@ -40,6 +40,7 @@
 //!   the program it lowers).
 
 pub mod build;
+pub mod collective;
 pub mod cost;
 pub mod cpu;
 #[cfg(feature = "cuda")]

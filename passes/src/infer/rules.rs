@@ -476,6 +476,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
+        Op::AllReduce(_) => vec![same(cx, 0)],
         // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
         Op::Attention(a) => {
             let d = cx.same_dtype(0..3)?;

@@ -189,6 +189,7 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::AttentionGrad(_)
         | Op::ReluGrad
         | Op::AllFinite
+        | Op::AllReduce(_)
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)
         | Op::LossScaleUpdate(_)

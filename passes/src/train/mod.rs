@@ -138,6 +138,11 @@ pub struct TrainOptions {
     /// `accumulate`-th step (the state `mpc.micro` counts), skipping the update when any of them
     /// was not finite.
     pub accumulate: u32,
+    /// One rank of a data-parallel run: each gradient (and each batch norm's next running
+    /// statistics) is averaged over the ranks by an `ai.mpc::AllReduce`, in FP32, before
+    /// unscaling, so that every rank's finite flag, skip, loss scale and update agree. The program
+    /// holds neither the rank nor the world size: every rank runs the same one.
+    pub data_parallel: bool,
 }
 
 /// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
@@ -246,6 +251,7 @@ impl Default for TrainOptions {
             schedule: None,
             no_decay: Vec::new(),
             accumulate: 1,
+            data_parallel: false,
         }
     }
 }

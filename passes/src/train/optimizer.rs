@@ -27,6 +27,7 @@ impl Pass for OptimizerPass {
         let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
         let (mut state, variances) = running_statistics(g);
+        let running = state.len();
         let params: Vec<ValueId> = pg.iter().map(|&(p, _)| p).collect();
         let undecayed = super::decay::exempt(g, &params, &o.no_decay)?;
         let mut b = Builder::new(g);
@@ -35,7 +36,14 @@ impl Pass for OptimizerPass {
         let scale = b.g.train.as_ref().and_then(|t| t.loss_scale);
         // 0. Gradient accumulation: the update reads the sums of the micro-batches' gradients.
         let acc = (o.accumulate > 1).then(|| accumulate(&mut b, &pg, o.accumulate, &mut state)).transpose()?;
-        let pg = acc.as_ref().map_or(pg, |a| a.grads.clone());
+        let mut pg = acc.as_ref().map_or(pg, |a| a.grads.clone());
+        // 1. Data parallel: the gradients and the running statistics averaged over the ranks.
+        if o.data_parallel {
+            b.at("optimizer");
+            let bn = state.len().min(running);
+            all_reduced(&mut b, &mut pg, false)?;
+            all_reduced(&mut b, &mut state[..bn], true)?;
+        }
         let inv = inverse_scale(&mut b, &o, scale, acc.is_some());
         let (mut gs, folded) = unscaled(&mut b, &o, &pg, inv)?;
         // 2. One finite flag for the whole step.
@@ -137,6 +145,28 @@ fn correct_running_variances(
         let batch_part = b.op("bn_var", Op::Sub, &[next, kept]);
         let correction = b.op("bn_var", Op::Div, &[batch_part, less_one]);
         state[i].1 = b.op("bn_running_var", Op::Add, &[next, correction]);
+    }
+    Ok(())
+}
+
+/// The second value of each pair (a gradient, a running statistic's next value) replaced by its
+/// mean over the ranks, computed in FP32 (a lower-precision value widened first, and narrowed
+/// back where `keep` says its dtype must stay; FP64 as it is).
+fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool) -> Result<()> {
+    for (_, d) in pairs.iter_mut() {
+        let dt = b.dtype(*d).map_err(PassError::Usage)?;
+        let widened = !matches!(dt, DType::F32 | DType::F64);
+        let shape = b.g.ty(*d).shape.clone();
+        let wide = if widened { b.cast(*d, DType::F32) } else { *d };
+        let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Mean };
+        *d = b.op("all_reduce", Op::AllReduce(Box::new(attrs)), &[wide]);
+        // Typed now: the steps after this one read the gradients' dtypes.
+        let wide_dt = if widened { DType::F32 } else { dt };
+        b.g.set_ty(*d, mpc_ir::TypeInfo { dtype: Some(wide_dt), shape: shape.clone() });
+        if keep && widened {
+            *d = b.cast(*d, dt);
+            b.g.set_ty(*d, mpc_ir::TypeInfo { dtype: Some(dt), shape });
+        }
     }
     Ok(())
 }

@@ -525,6 +525,9 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             one(train::softmax_grad(x(0)?, y, axis(a.axis, y.shape.len())?)?)
         }
         Op::Attention(_) | Op::AttentionGrad(_) => attention::run(op, ins),
+        // One rank alone: every reduction of one tensor is that tensor. A device with a group of
+        // ranks runs the op through its collective instead (`CpuDevice::launch_one`).
+        Op::AllReduce(_) => one(x(0)?.clone()),
         Op::AllFinite => {
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(train::all_finite(&parts)?)

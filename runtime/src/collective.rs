@@ -1,0 +1,231 @@
+//! Collectives: what `ai.mpc::AllReduce` does across the ranks of a data-parallel run.
+//!
+//! A device runs an `AllReduce` launch by handing its input to its [`Collective`], which returns
+//! the ranks' tensors combined element by element; every rank gets the same bits. [`Solo`] is one
+//! rank (each reduction is the tensor itself: what every device does without a group), and
+//! [`LocalGroup`] is a group of ranks in one process, one thread each: the reference the
+//! transports of other processes (MPI, NCCL) are checked against. A rank that never arrives ends
+//! the others' wait after the group's timeout with an error naming it: no rank hangs.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use mpc_ir::ops::CollectiveReduction;
+use mpc_ir::DType;
+
+use crate::{HostTensor, RuntimeError};
+
+/// The ranks a device reduces over.
+pub trait Collective: Send + Sync + std::fmt::Debug {
+    /// This rank, from 0.
+    fn rank(&self) -> usize;
+    /// How many ranks reduce together.
+    fn world(&self) -> usize;
+    /// `x` combined with the other ranks' tensors of the same call: the same dtype and shape on
+    /// every rank, which every rank calls in the same order. The result is the same on every rank.
+    fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError>;
+}
+
+/// One rank alone.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Solo;
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_reduce(&self, x: &HostTensor, _: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        Ok(x.clone())
+    }
+}
+
+/// The ranks of one process, a thread each. The reduction is computed once, by the last rank to
+/// arrive, over the ranks in rank order (in f64 for floats, so the mean of f32 tensors is
+/// rounded once), and handed to all.
+#[derive(Debug)]
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<Round>,
+    turn: Condvar,
+}
+
+/// One call of the group: each rank's tensor, then the result until every rank has taken it.
+#[derive(Debug, Default)]
+struct Round {
+    /// Counts the calls finished, so that a rank early for the next call waits for this one.
+    round: u64,
+    parts: Vec<Option<HostTensor>>,
+    result: Option<Result<HostTensor, String>>,
+    taken: usize,
+}
+
+impl LocalGroup {
+    /// `world` ranks, each handle for the thread of its rank; a call waits at most `timeout` for
+    /// the other ranks.
+    pub fn new(world: usize, timeout: Duration) -> Vec<LocalGroup> {
+        let round = Round { parts: vec![None; world], ..Default::default() };
+        let shared = Arc::new(Shared { world, timeout, state: Mutex::new(round), turn: Condvar::new() });
+        (0..world).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
+    }
+}
+
+impl Collective for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        let s = &self.shared;
+        let deadline = Instant::now() + s.timeout;
+        let lost = |st: &Round| -> RuntimeError {
+            let missing: Vec<String> =
+                st.parts.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(r, _)| r.to_string()).collect();
+            RuntimeError::Graph(format!(
+                "all-reduce: rank {} waited {:.0?} for rank {} (call {}), which did not arrive",
+                self.rank,
+                s.timeout,
+                missing.join(", "),
+                st.round + 1
+            ))
+        };
+        let mut st = s.state.lock().map_err(|_| RuntimeError::Internal("a rank panicked in an all-reduce".into()))?;
+        // A result still being taken belongs to the previous call: wait for it to clear.
+        while st.result.is_some() || st.parts[self.rank].is_some() {
+            st = wait(s, st, deadline).map_err(|st| lost(&st))?;
+        }
+        let round = st.round;
+        st.parts[self.rank] = Some(x.clone());
+        if st.parts.iter().all(Option::is_some) {
+            let parts: Vec<HostTensor> = st.parts.iter_mut().map(|p| p.take().expect("every part")).collect();
+            st.result = Some(combine(&parts, how));
+            s.turn.notify_all();
+        }
+        while st.round == round && st.result.is_none() {
+            st = wait(s, st, deadline).map_err(|st| lost(&st))?;
+        }
+        let out = st.result.clone().expect("the round's result");
+        st.taken += 1;
+        if st.taken == s.world {
+            (st.result, st.taken) = (None, 0);
+            st.round += 1;
+            s.turn.notify_all();
+        }
+        out.map_err(RuntimeError::Graph)
+    }
+}
+
+/// Waits on the group's condition until `deadline`; the guard back, or (timed out) in the error.
+fn wait<'a>(
+    s: &'a Shared,
+    st: std::sync::MutexGuard<'a, Round>,
+    deadline: Instant,
+) -> Result<std::sync::MutexGuard<'a, Round>, std::sync::MutexGuard<'a, Round>> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(st);
+    }
+    match s.turn.wait_timeout(st, left) {
+        Ok((st, _)) => Ok(st),
+        Err(poisoned) => Err(poisoned.into_inner().0),
+    }
+}
+
+/// The ranks' tensors combined element by element, in rank order.
+fn combine(parts: &[HostTensor], how: CollectiveReduction) -> Result<HostTensor, String> {
+    let first = &parts[0];
+    if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| p.shape != first.shape || p.dtype() != first.dtype()) {
+        return Err(format!(
+            "all-reduce: rank {r} gives {:?} {:?} where rank 0 gives {:?} {:?} (the ranks run different programs)",
+            p.dtype(),
+            p.shape,
+            first.dtype(),
+            first.shape
+        ));
+    }
+    let dt = first.dtype();
+    if !dt.is_float() {
+        return Err(format!("all-reduce of {dt:?}: only float tensors are reduced"));
+    }
+    let values: Vec<Vec<f64>> = parts.iter().map(HostTensor::f64s).collect();
+    let n = parts.len() as f64;
+    let out: Vec<f64> = (0..values[0].len())
+        .map(|i| {
+            let mut ranks = values.iter().map(|v| v[i]);
+            let start = ranks.next().expect("one rank at least");
+            match how {
+                CollectiveReduction::Sum => ranks.fold(start, |a, b| a + b),
+                CollectiveReduction::Mean => ranks.fold(start, |a, b| a + b) / n,
+                CollectiveReduction::Max => ranks.fold(start, |a, b| if b > a || b.is_nan() { b } else { a }),
+            }
+        })
+        .collect();
+    Ok(match dt {
+        DType::F64 => HostTensor::from_f64(dt, first.shape.clone(), out),
+        _ => HostTensor::from_f32(dt, first.shape.clone(), out.into_iter().map(|v| v as f32).collect()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32]) -> HostTensor {
+        HostTensor::from_f32(DType::F32, vec![v.len()], v.to_vec())
+    }
+
+    /// Three ranks, three calls each: every rank gets the same mean, sum and max, in rank order.
+    #[test]
+    fn every_rank_gets_the_reduction_of_all() {
+        let group = LocalGroup::new(3, Duration::from_secs(30));
+        let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = group
+                .iter()
+                .map(|r| {
+                    s.spawn(move || {
+                        let x = t(&[r.rank() as f32, 1.0, -(r.rank() as f32)]);
+                        [CollectiveReduction::Mean, CollectiveReduction::Sum, CollectiveReduction::Max]
+                            .map(|how| r.all_reduce(&x, how).unwrap().f32s().unwrap())
+                            .to_vec()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for g in &got {
+            assert_eq!(g, &vec![vec![1.0, 1.0, -1.0], vec![3.0, 3.0, -3.0], vec![2.0, 1.0, 0.0]]);
+        }
+    }
+
+    /// A rank that never calls ends the other's wait with an error naming it; ranks that give
+    /// tensors of other shapes are an error on every rank.
+    #[test]
+    fn a_missing_rank_or_a_different_program_is_an_error_not_a_hang() {
+        let group = LocalGroup::new(2, Duration::from_millis(200));
+        let e = group[0].all_reduce(&t(&[1.0]), CollectiveReduction::Mean).unwrap_err().to_string();
+        assert!(e.contains("rank 0 waited") && e.contains("for rank 1"), "{e}");
+        let group = LocalGroup::new(2, Duration::from_secs(30));
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let a = s.spawn(|| group[0].all_reduce(&t(&[1.0]), CollectiveReduction::Sum));
+            let b = s.spawn(|| group[1].all_reduce(&t(&[1.0, 2.0]), CollectiveReduction::Sum));
+            [a, b].map(|h| h.join().unwrap().unwrap_err().to_string()).to_vec()
+        });
+        for e in errs {
+            assert!(e.contains("rank 1 gives") && e.contains("different programs"), "{e}");
+        }
+        assert_eq!(Solo.all_reduce(&t(&[2.5]), CollectiveReduction::Mean).unwrap().f32s().unwrap(), [2.5]);
+    }
+}
