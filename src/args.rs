@@ -274,6 +274,11 @@ pub(crate) struct TrainCmd {
     /// step, allocations inside steps after the first, host reads per step.
     #[arg(long)]
     pub(crate) stats: bool,
+    /// Train data-parallel, one rank per process of `mpiexec -n N mpc train ...` (an mpc built
+    /// with `--features mpi`): --batch is per rank, the gradients are averaged over the ranks,
+    /// rank 0 prints, logs, checkpoints and writes the output.
+    #[arg(long)]
+    pub(crate) distributed: bool,
 }
 
 /// `mpc compile`'s arguments.

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod config;
 pub mod data;
 pub mod devices;
+pub mod distributed;
 pub mod dot;
 pub mod explain;
 pub mod plot;

@@ -205,8 +205,13 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         device,
         output,
         stats,
+        distributed,
     } = t;
     let kind = check_device(&device)?;
+    // Kept to the end: MPI is finalised when it drops.
+    let group = distributed.then(|| mpc::distributed::join(&device)).transpose()?;
+    let shard = group.as_ref().map_or(mpc::train::Shard::ALONE, |g| g.shard());
+    let lead = shard.rank == 0;
     if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
         return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
     }
@@ -225,12 +230,16 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         seed: t_seed,
         checkpoint,
         resume,
-        log,
-        plot,
+        log: log.filter(|_| lead),
+        plot: plot.filter(|_| lead),
         max_steps,
-        progress: std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        progress: lead && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        shard,
     };
     let mut report = |r: &mpc::train::EpochReport| {
+        if !lead {
+            return;
+        }
         let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
         if let Some((acc, l)) = r.eval {
             line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
@@ -242,7 +251,15 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         // A closed output does not stop the training (its checkpoints are its results).
         let _ = write_out(format!("{line}\n"));
     };
-    let trained = on_device!(kind, devices, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?);
+    let trained = match &group {
+        Some(g) => mpc::train::train_on(g.device(), &model, &common.model, &opts, &cfg, &mut report)?,
+        None => {
+            on_device!(kind, devices, open => mpc::train::train_on(open()?, &model, &common.model, &opts, &cfg, &mut report)?)
+        }
+    };
+    if !lead {
+        return Ok(());
+    }
     report_ties(&trained.ties);
     report_folded(&trained.folded);
     report_auto_scale(trained.auto_scale.clone());

@@ -49,6 +49,33 @@ pub struct TrainConfig {
     pub max_steps: Option<usize>,
     /// Draw a progress bar on a terminal.
     pub progress: bool,
+    /// This process's part of a data-parallel run ([`Shard::ALONE`]: the whole run).
+    pub shard: Shard,
+}
+
+/// One rank of a data-parallel run: `batch` is per rank, each global batch of `batch × world`
+/// samples (from the same permutation on every rank, as torch's DistributedSampler draws it) is
+/// cut into `world` parts, and rank `rank` steps on its part, its gradients averaged with the
+/// others' (`TrainOptions::data_parallel`). Rank 0 alone writes checkpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Shard {
+    pub const ALONE: Shard = Shard { rank: 0, world: 1 };
+
+    /// This rank's part of a global batch: the `rank`-th of `world` runs as even as can be; a batch
+    /// with fewer samples than ranks gives each rank one of them (some twice), since every rank
+    /// must step.
+    pub fn part<'a>(&self, global: &'a [u32]) -> std::borrow::Cow<'a, [u32]> {
+        let (n, w, r) = (global.len(), self.world, self.rank);
+        if n < w {
+            return std::borrow::Cow::Owned(vec![global[r % n.max(1)]]);
+        }
+        std::borrow::Cow::Borrowed(&global[r * n / w..(r + 1) * n / w])
+    }
 }
 
 impl Default for TrainConfig {
@@ -66,6 +93,7 @@ impl Default for TrainConfig {
             plot: None,
             max_steps: None,
             progress: false,
+            shard: Shard::ALONE,
         }
     }
 }
@@ -259,6 +287,7 @@ fn eval_count(cfg: &TrainConfig, n: usize) -> usize {
 fn with_run_length(opts: &Options, cfg: &TrainConfig, per_epoch: usize) -> Options {
     let mut o = opts.clone();
     if let Some(t) = o.train.as_mut() {
+        t.data_parallel |= cfg.shard.world > 1;
         let updates = cfg.epochs * per_epoch / t.accumulate.max(1) as usize;
         if let Some(s) = t.schedule.as_mut() {
             *s = s.for_run(updates as u64);
@@ -307,11 +336,13 @@ pub fn train_on<D: Device>(
     }
     let eval_data = (!cfg.eval_data.is_empty()).then(|| Dataset::open(&cfg.eval_data)).transpose()?;
     // An epoch's batches, each of one bucket; a schedule spans the run's.
-    let per_epoch: usize = data.buckets(n_train).iter().map(|b| b.samples.div_ceil(cfg.batch)).sum();
+    let global = cfg.batch * cfg.shard.world;
+    let per_epoch: usize = data.buckets(n_train).iter().map(|b| b.samples.div_ceil(global)).sum();
     let opts = &with_run_length(opts, cfg, per_epoch);
     fits_the_model(model, &data)?;
     let first = batch_feeds(&data, &feeds, &first_batch(&data, n_train, cfg.batch));
-    let trainer = Trainer::new(device, model, path, opts, &first)?;
+    let mut trainer = Trainer::new(device, model, path, opts, &first)?;
+    trainer.own_dropout_stream(cfg.shard)?;
     // Every input of the step, the labels with the per-sample shape the step gives them; the
     // evaluation set's checked before any step.
     let feeds = feeds_for(trainer.graph(), &data)?;
@@ -349,7 +380,7 @@ pub fn train_on<D: Device>(
         let rep = run.epoch()?;
         run.bar.suspend(|| report(&rep));
         epochs.push(rep);
-        if let Some(dir) = &cfg.checkpoint {
+        if let Some(dir) = cfg.checkpoint.as_ref().filter(|_| cfg.shard.rank == 0) {
             run.trainer.save(&checkpoint_file(dir), run.iteration)?;
         }
     }
@@ -445,7 +476,7 @@ impl<D: Device> Run<'_, D> {
     fn epoch(&mut self) -> Result<EpochReport> {
         let epoch = self.iteration / self.per_epoch;
         let order = permutation(self.n_train as u32, self.cfg.seed ^ (epoch as u64).wrapping_mul(0x100000001b3));
-        let batches = Batches::of(order, &self.data, self.cfg.batch);
+        let batches = Batches::of(order, &self.data, self.cfg.batch * self.cfg.shard.world);
         let t0 = Instant::now();
         let mut sums = EpochSums::default();
         let mut pending = Vec::with_capacity(PRINT_EVERY);
@@ -455,7 +486,8 @@ impl<D: Device> Run<'_, D> {
         self.bar.reset_eta();
         self.bar.set_position(in_epoch(self.iteration) as u64);
         while self.iteration < self.total && self.iteration / self.per_epoch == epoch {
-            let idx: Vec<usize> = batches.get(self.iteration % self.per_epoch).iter().map(|&i| i as usize).collect();
+            let part = self.cfg.shard.part(batches.get(self.iteration % self.per_epoch));
+            let idx: Vec<usize> = part.iter().map(|&i| i as usize).collect();
             let idx = idx.as_slice();
             pending.push((self.iteration + 1, self.trainer.step(&batch_feeds(&self.data, &self.feeds, idx))?));
             sums.samples += idx.len();
@@ -541,17 +573,19 @@ impl<D: Device> Run<'_, D> {
         for run in rows.chunk_by(|&a, &b| data.bucket_of(a) == data.bucket_of(b)) {
             chunks.extend(run.chunks(self.cfg.batch.max(1)));
         }
-        let (mut correct, mut counted, mut loss, mut batches) = (0, 0, 0f64, 0usize);
+        // The loss is each batch's mean weighted by its samples: the mean over the set, whatever
+        // the batch size (a short last batch counts for what it holds).
+        let (mut correct, mut counted, mut loss, mut samples) = (0, 0, 0f64, 0usize);
         for chunk in chunks {
             let e = self.trainer.evaluate(&batch_feeds(data, feeds, chunk))?;
             correct += e.correct;
             counted += e.counted;
             if let Some(l) = e.loss {
-                loss += l;
-                batches += 1;
+                loss += l * chunk.len() as f64;
+                samples += chunk.len();
             }
         }
-        Ok(Some((correct as f64 / counted.max(1) as f64, loss / batches.max(1) as f64)))
+        Ok(Some((correct as f64 / counted.max(1) as f64, loss / samples.max(1) as f64)))
     }
 }
 

@@ -378,3 +378,15 @@ fn bench_reports_each_policy() {
     assert_eq!(r.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&r.stderr).contains("unknown policy `fast`"));
 }
+
+/// `train --distributed` is one line and exit 2 where it cannot run: on the CUDA device (no
+/// collectives there yet), and in a build without MPI (the default), which says how to build one.
+#[test]
+fn distributed_training_says_what_it_needs() {
+    let base = ["train", "tests/models/digits_mlp.onnx", "--data", "tests/data/digits.safetensors", "--distributed"];
+    let cuda = [&base[..], &["--device", "cuda"]].concat();
+    fails_with(&cuda, "data-parallel training runs on the CPU device for now");
+    if !cfg!(feature = "mpi") {
+        fails_with(&base, "this mpc was built without MPI; build it with `cargo build --release --features mpi`");
+    }
+}

@@ -447,6 +447,21 @@ impl<D: Device> Trainer<D> {
             .collect()
     }
 
+    /// Moves this rank's dropout stream away from the others' in a data-parallel run: the key
+    /// `mpc.rng` (the seed on every rank) gains `rank · 2⁴⁰`, so that the ranks draw other masks
+    /// for 2⁴⁰ steps. Nothing for rank 0, or a step without dropout.
+    pub fn own_dropout_stream(&mut self, shard: crate::train::Shard) -> Result<()> {
+        if shard.rank == 0 || self.layout.find(mpc_passes::train::RNG).is_none() {
+            return Ok(());
+        }
+        let run = |e| Error::Run { path: self.variants[0].step.path.clone(), source: e };
+        let key = self.session.read_state(mpc_passes::train::RNG).map_err(run)?;
+        let moved: Vec<i64> =
+            key.i64s().unwrap_or_default().iter().map(|k| k.wrapping_add((shard.rank as i64) << 40)).collect();
+        let t = HostTensor::from_i64(key.dtype(), key.shape.clone(), moved);
+        self.session.write_state(mpc_passes::train::RNG, &t).map_err(run)
+    }
+
     /// Writes a saved state (read from `origin`, which messages name) into the trainer's: every
     /// state value must be there, finite, counters not negative, the loss scale within its
     /// bounds. A master's low-precision copy that `saved` lacks is its master rounded; a saved

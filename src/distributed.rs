@@ -1,0 +1,118 @@
+//! Data-parallel training across processes: `mpiexec -n N mpc train ... --distributed`.
+//!
+//! MPI (the `mpi` crate, behind the `mpi` feature: a default build needs no MPI) launches the
+//! ranks and carries the collectives of the CPU device: [`MpiGroup`] is the
+//! [`mpc_runtime::collective::Collective`] each rank's device reduces its gradients through, and
+//! [`join`] starts MPI and says which rank this process is. The CUDA device has no collective yet
+//! (NCCL): a distributed run is on the CPU.
+
+use crate::train::Shard;
+use crate::{Error, Result};
+
+/// This process's place in a data-parallel run, and the device that reduces over its ranks.
+pub struct Group {
+    shard: Shard,
+    collective: std::sync::Arc<dyn mpc_runtime::collective::Collective>,
+    /// MPI stays initialised while this lives.
+    #[cfg(feature = "mpi")]
+    _universe: mpi::environment::Universe,
+}
+
+impl Group {
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// A CPU device that reduces over the group.
+    pub fn device(&self) -> mpc_runtime::device::CpuDevice {
+        mpc_runtime::device::CpuDevice::default().with_collective(self.collective.clone())
+    }
+}
+
+/// Starts MPI and joins its world: the rank and world size `mpiexec` gave this process.
+/// `device` is the `--device` of the run (a distributed run is on the CPU).
+pub fn join(device: &str) -> Result<Group> {
+    if device != "cpu" {
+        return Err(Error::Usage(format!(
+            "--distributed --device {device}: data-parallel training runs on the CPU device for now (the CUDA device has no collectives yet)"
+        )));
+    }
+    join_mpi()
+}
+
+#[cfg(not(feature = "mpi"))]
+fn join_mpi() -> Result<Group> {
+    Err(Error::Usage(
+        "--distributed: this mpc was built without MPI; build it with `cargo build --release --features mpi` (MPICH or Open MPI, and libclang) and launch it with `mpiexec -n N`".into(),
+    ))
+}
+
+#[cfg(feature = "mpi")]
+fn join_mpi() -> Result<Group> {
+    use mpi::traits::Communicator;
+    let universe =
+        mpi::initialize().ok_or_else(|| Error::Usage("--distributed: MPI was initialised already".into()))?;
+    let world = universe.world();
+    let shard = Shard { rank: world.rank() as usize, world: world.size() as usize };
+    Ok(Group { shard, collective: std::sync::Arc::new(MpiGroup { world }), _universe: universe })
+}
+
+/// The ranks of `MPI_COMM_WORLD`, each a process.
+#[cfg(feature = "mpi")]
+pub struct MpiGroup {
+    world: mpi::topology::SimpleCommunicator,
+}
+
+#[cfg(feature = "mpi")]
+impl std::fmt::Debug for MpiGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use mpi::traits::Communicator;
+        write!(f, "MpiGroup(rank {} of {})", self.world.rank(), self.world.size())
+    }
+}
+
+#[cfg(feature = "mpi")]
+impl mpc_runtime::collective::Collective for MpiGroup {
+    fn rank(&self) -> usize {
+        use mpi::traits::Communicator;
+        self.world.rank() as usize
+    }
+
+    fn world(&self) -> usize {
+        use mpi::traits::Communicator;
+        self.world.size() as usize
+    }
+
+    /// In f64 (so the mean of f32 gradients is rounded once), by `MPI_Allreduce`: every rank
+    /// gets the same bits.
+    fn all_reduce(
+        &self,
+        x: &mpc_runtime::HostTensor,
+        how: mpc_ir::ops::CollectiveReduction,
+    ) -> std::result::Result<mpc_runtime::HostTensor, mpc_runtime::RuntimeError> {
+        use mpc_ir::ops::CollectiveReduction;
+        use mpi::collective::SystemOperation;
+        use mpi::traits::CommunicatorCollectives;
+        let dt = x.dtype();
+        if !dt.is_float() {
+            return Err(mpc_runtime::RuntimeError::Graph(format!(
+                "all-reduce of {dt:?}: only float tensors are reduced"
+            )));
+        }
+        let mine = x.f64s();
+        let mut all = vec![0f64; mine.len()];
+        let op = match how {
+            CollectiveReduction::Max => SystemOperation::max(),
+            CollectiveReduction::Sum | CollectiveReduction::Mean => SystemOperation::sum(),
+        };
+        self.world.all_reduce_into(&mine[..], &mut all[..], op);
+        if how == CollectiveReduction::Mean {
+            let n = mpc_runtime::collective::Collective::world(self) as f64;
+            all.iter_mut().for_each(|v| *v /= n);
+        }
+        Ok(match dt {
+            mpc_ir::DType::F64 => mpc_runtime::HostTensor::from_f64(dt, x.shape.clone(), all),
+            _ => mpc_runtime::HostTensor::from_f32(dt, x.shape.clone(), all.into_iter().map(|v| v as f32).collect()),
+        })
+    }
+}
