@@ -342,6 +342,9 @@ pub fn train_on<D: Device>(
     fits_the_model(model, &data)?;
     let first = batch_feeds(&data, &feeds, &first_batch(&data, n_train, cfg.batch));
     let mut trainer = Trainer::new(device, model, path, opts, &first)?;
+    if cfg.shard.world > 1 {
+        trainer.check_same_program()?;
+    }
     trainer.own_dropout_stream(cfg.shard)?;
     // Every input of the step, the labels with the per-sample shape the step gives them; the
     // evaluation set's checked before any step.

@@ -816,4 +816,27 @@ fn two_ranks_train_as_one_batch_of_both() {
     let scale = state.iter().find(|(n, _)| n == "mpc.loss_scale").unwrap().1.f64s()[0];
     assert_eq!(scale, 32768.0, "the scale halved once from 65536");
     println!("mixed: an Inf in rank 1's half skips step 3 on both ranks; both scales {scale}");
+
+    // Ranks that lowered different steps (rank 1 freezes a weight: one all-reduce fewer) are an
+    // error on both, naming the rank, before any step.
+    let frozen = TrainOptions { freeze: ["fc1.bias".to_string()].into(), ..parallel(&sgd) };
+    let graphs = [training_graph(&model, "fp32", parallel(&sgd)), training_graph(&model, "fp32", frozen)];
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+            .into_iter()
+            .zip(&graphs)
+            .map(|(r, g)| {
+                scope.spawn(move || {
+                    let s = program_session(CpuDevice::default(), g, &digits_batch(0, 32));
+                    let program = s.program(0).unwrap();
+                    mpc_runtime::collective::same_program(&r, program).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(e.starts_with(&format!("rank {rank}: the ranks lowered different training steps")), "{e}");
+        assert!(e.contains("all-reduces here, between 5 and 6 on the ranks"), "{e}");
+    }
 }

@@ -26,6 +26,40 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError>;
 }
 
+/// Checks that every rank of `group` runs the same collectives: `program`'s `AllReduce`
+/// launches, in order, with their dtypes and element counts, summed into a fingerprint that the
+/// ranks compare (its largest and smallest over the ranks). Different programs would pair one
+/// rank's gradients with another's, or hang: one line instead, with what differs.
+pub fn same_program(group: &dyn Collective, program: &crate::program::Program) -> Result<(), RuntimeError> {
+    let mut fingerprint = [0f64; 3];
+    for (k, l) in program.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::AllReduce(_))).enumerate() {
+        let elems: u64 = l.outputs.iter().map(|t| t.numel() as u64).sum();
+        fingerprint[0] += 1.0;
+        fingerprint[1] += elems as f64;
+        // A weighted sum of (position, count, dtype): order matters, within f64's exact integers.
+        let code = l.outputs.first().map_or(0, |t| t.dtype.onnx_code()) as u64;
+        fingerprint[2] += (((k as u64 % 1021) + 1) * ((elems % 1_000_003) * 32 + code) % (1 << 40)) as f64;
+    }
+    let mine = HostTensor::from_f64(DType::F64, vec![3], fingerprint.to_vec());
+    let most = group.all_reduce(&mine, CollectiveReduction::Max)?.f64s();
+    let negated = HostTensor::from_f64(DType::F64, vec![3], fingerprint.iter().map(|v| -v).collect());
+    let least: Vec<f64> = group.all_reduce(&negated, CollectiveReduction::Max)?.f64s().iter().map(|v| -v).collect();
+    if most == least {
+        return Ok(());
+    }
+    let what = if most[0] != least[0] {
+        format!("{} all-reduces here, between {} and {} on the ranks", fingerprint[0], least[0], most[0])
+    } else if most[1] != least[1] {
+        format!("all-reduces of {} elements here, between {} and {} on the ranks", fingerprint[1], least[1], most[1])
+    } else {
+        "its all-reduces in another order or of other dtypes".into()
+    };
+    Err(RuntimeError::Graph(format!(
+        "rank {}: the ranks lowered different training steps ({what}): every rank must run the same model, options and data shapes",
+        group.rank()
+    )))
+}
+
 /// One rank alone.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Solo;

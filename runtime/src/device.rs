@@ -77,6 +77,10 @@ pub trait Device {
     type Memory;
 
     fn caps(&self) -> DeviceCaps;
+    /// The ranks this device's `AllReduce` launches reduce over; `None`: this one alone.
+    fn collective(&self) -> Option<&dyn crate::collective::Collective> {
+        None
+    }
     /// Called once a program's constants region holds its contents, before any step.
     fn prepare(&mut self, _program: &Program, _regions: &mut Regions<Self::Memory>) -> Result<(), RuntimeError> {
         Ok(())
@@ -495,6 +499,10 @@ fn then_applied(l: &Launch, applied: Vec<HostTensor>) -> Result<Vec<HostTensor>,
 
 impl Device for CpuDevice {
     type Memory = CpuMemory;
+
+    fn collective(&self) -> Option<&dyn crate::collective::Collective> {
+        Some(self.collective.as_ref())
+    }
 
     fn caps(&self) -> DeviceCaps {
         DeviceCaps { name: "cpu", align: 64, memory: self.options.memory(), fuse: self.options.fuse }

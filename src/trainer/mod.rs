@@ -447,6 +447,17 @@ impl<D: Device> Trainer<D> {
             .collect()
     }
 
+    /// In a data-parallel run, checks that every rank lowered the same step (the same
+    /// collectives, [`mpc_runtime::collective::same_program`]); one line naming this rank where
+    /// they differ. Nothing on a device of one rank.
+    pub fn check_same_program(&mut self) -> Result<()> {
+        let path = self.variants[0].step.path.clone();
+        let run = |e| Error::Run { path: path.clone(), source: e };
+        let Some(group) = self.session.device().collective() else { return Ok(()) };
+        let program = self.session.program(0).map_err(run)?;
+        mpc_runtime::collective::same_program(group, program).map_err(run)
+    }
+
     /// Moves this rank's dropout stream away from the others' in a data-parallel run: the key
     /// `mpc.rng` (the seed on every rank) gains `rank · 2⁴⁰`, so that the ranks draw other masks
     /// for 2⁴⁰ steps. Nothing for rank 0, or a step without dropout.
