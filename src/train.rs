@@ -510,12 +510,15 @@ impl<D: Device> Run<'_, D> {
                 serde_json::json!({"step": self.iteration, "epoch": epoch + 1, "eval_loss": l, "eval_accuracy": acc});
             self.log.write(line)?;
         }
+        // Over the ranks of a data-parallel run: the loss and the samples/s of the whole run.
+        let mean_loss = self.trainer.over_ranks(sums.loss / sums.counted.max(1) as f64, false)?;
+        let samples_per_s = self.trainer.over_ranks(sums.samples as f64 / secs, true)?;
         Ok(EpochReport {
             epoch: epoch + 1,
-            mean_loss: sums.loss / sums.counted.max(1) as f64,
+            mean_loss,
             loss_scale: self.trainer.loss_scale()?,
             skipped: sums.skipped,
-            samples_per_s: sums.samples as f64 / secs,
+            samples_per_s,
             eval,
         })
     }

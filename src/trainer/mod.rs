@@ -458,6 +458,17 @@ impl<D: Device> Trainer<D> {
         mpc_runtime::collective::same_program(group, program).map_err(run)
     }
 
+    /// `x` averaged (or, with `sum`, summed) over the ranks of a data-parallel run; `x` itself on
+    /// a device of one rank. Every rank must call it alike.
+    pub fn over_ranks(&mut self, x: f64, sum: bool) -> Result<f64> {
+        let Some(group) = self.session.device().collective().filter(|g| g.world() > 1) else { return Ok(x) };
+        let how = if sum { mpc_ir::ops::CollectiveReduction::Sum } else { mpc_ir::ops::CollectiveReduction::Mean };
+        let t = HostTensor::from_f64(mpc_ir::DType::F64, vec![1], vec![x]);
+        let path = self.variants[0].step.path.clone();
+        let r = group.all_reduce(&t, how).map_err(|e| Error::Run { path, source: e })?;
+        Ok(r.f64s()[0])
+    }
+
     /// Moves this rank's dropout stream away from the others' in a data-parallel run: the key
     /// `mpc.rng` (the seed on every rank) gains `rank · 2⁴⁰`, so that the ranks draw other masks
     /// for 2⁴⁰ steps. Nothing for rank 0, or a step without dropout.
