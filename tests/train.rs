@@ -840,3 +840,43 @@ fn two_ranks_train_as_one_batch_of_both() {
         assert!(e.contains("all-reduces here, between 5 and 6 on the ranks"), "{e}");
     }
 }
+
+/// `train_on` as one rank of two (threads of one process, `LocalGroup`; what `mpc train
+/// --distributed` runs under mpiexec): each rank trains on its half of each global batch, both
+/// report the same epoch lines and end with the same weights, and each has its own dropout
+/// stream: rank 1's key is rank 0's plus 2⁴⁰ (other masks on the same step).
+#[test]
+fn two_ranks_of_train_on_agree_and_draw_their_own_dropout() {
+    use mpc::train::{train_on, Shard, Trained};
+    use mpc_runtime::collective::LocalGroup;
+    use std::sync::Arc;
+    let model_path = digits_with_dropout(&scratch("ranks_dropout"));
+    let model = mpc::load(&model_path).unwrap();
+    let opts = options("fp32", TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, ..Default::default() });
+    let runs: Vec<(Vec<f64>, Trained)> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+            .into_iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let (model, model_path, opts) = (&model, &model_path, &opts);
+                scope.spawn(move || {
+                    let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(2) };
+                    let mut losses = Vec::new();
+                    let device = CpuDevice::default().with_collective(Arc::new(r));
+                    let t = train_on(device, model, model_path, opts, &cfg, &mut |e| losses.push(e.mean_loss)).unwrap();
+                    (losses, t)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let (a, b) = (&runs[0], &runs[1]);
+    assert_eq!(a.0, b.0, "the epoch losses (means over the ranks)");
+    let state = |t: &Trained| -> HashMap<String, HostTensor> { t.state.iter().cloned().collect() };
+    let (sa, sb) = (state(&a.1), state(&b.1));
+    for (name, x) in sa.iter().filter(|(n, _)| !n.starts_with("mpc.")) {
+        assert_eq!(x, &sb[name], "`{name}` differs between the ranks");
+    }
+    let (ka, kb) = (sa["mpc.rng"].i64s().unwrap()[0], sb["mpc.rng"].i64s().unwrap()[0]);
+    assert_eq!(kb - ka, 1 << 40, "rank 1's dropout key");
+}
