@@ -27,6 +27,7 @@ impl Pass for OptimizerPass {
         let pg = g.train.as_ref().map(|t| t.grads.clone()).unwrap_or_default();
         let loss = loss_value(g).ok_or_else(|| PassError::Usage("no loss: run add-loss first".into()))?;
         let (mut state, variances) = running_statistics(g);
+        // The batch norms' pairs come first in `state`; the accumulators follow.
         let running = state.len();
         let params: Vec<ValueId> = pg.iter().map(|&(p, _)| p).collect();
         let undecayed = super::decay::exempt(g, &params, &o.no_decay)?;
@@ -40,9 +41,8 @@ impl Pass for OptimizerPass {
         // 1. Data parallel: the gradients and the running statistics averaged over the ranks.
         if o.data_parallel {
             b.at("optimizer");
-            let bn = state.len().min(running);
             all_reduced(&mut b, &mut pg, false)?;
-            all_reduced(&mut b, &mut state[..bn], true)?;
+            all_reduced(&mut b, &mut state[..running], true)?;
         }
         let inv = inverse_scale(&mut b, &o, scale, acc.is_some());
         let (mut gs, folded) = unscaled(&mut b, &o, &pg, inv)?;
