@@ -279,6 +279,11 @@ pub(crate) struct TrainCmd {
     /// rank 0 prints, logs, checkpoints and writes the output.
     #[arg(long)]
     pub(crate) distributed: bool,
+    /// Shard the optimizer state over the ranks (ZeRO stage 1): each rank keeps its block of
+    /// every master weight, moment and low-precision copy, the weights gathered at each step's
+    /// start and the gradients reduce-scattered.
+    #[arg(long)]
+    pub(crate) shard_optimizer: bool,
 }
 
 /// `mpc compile`'s arguments.

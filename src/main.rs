@@ -206,6 +206,7 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         output,
         stats,
         distributed,
+        shard_optimizer,
     } = t;
     let kind = check_device(&device)?;
     // Kept to the end: MPI is finalised when it drops.
@@ -218,6 +219,15 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
     let mut opts = common.options(Vec::new(), None)?;
     let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
     let t_seed = t.seed;
+    let mut t = t;
+    if shard_optimizer && device != "cpu" {
+        return Err(Error::Usage(format!(
+            "--shard-optimizer --device {device}: the sharded optimizer state runs on the CPU device for now (the CUDA device has no collectives yet)"
+        )));
+    }
+    if shard_optimizer {
+        t.shard_state = Some(mpc_passes::train::StateShard { rank: shard.rank, world: shard.world });
+    }
     opts.train = Some(t);
     opts.loss_scale = scale;
     let model = mpc::load(&common.model)?;

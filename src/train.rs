@@ -383,7 +383,8 @@ pub fn train_on<D: Device>(
         let rep = run.epoch()?;
         run.bar.suspend(|| report(&rep));
         epochs.push(rep);
-        if let Some(dir) = cfg.checkpoint.as_ref().filter(|_| cfg.shard.rank == 0) {
+        // Every rank takes part (a sharded state is gathered); rank 0 writes.
+        if let Some(dir) = cfg.checkpoint.as_ref() {
             run.trainer.save(&checkpoint_file(dir), run.iteration)?;
         }
     }

@@ -389,4 +389,23 @@ fn distributed_training_says_what_it_needs() {
     if !cfg!(feature = "mpi") {
         fails_with(&base, "this mpc was built without MPI; build it with `cargo build --release --features mpi`");
     }
+    let shard =
+        ["train", "tests/models/digits_mlp.onnx", "--data", "tests/data/digits.safetensors", "--shard-optimizer"];
+    fails_with(
+        &[&shard[..], &["--device", "cuda"]].concat(),
+        "the sharded optimizer state runs on the CPU device for now",
+    );
+    // One process alone: the sharded step is the plain one, and so is the trained model.
+    let dir = scratch("shard_alone");
+    let out = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    let (plain, sharded) = (out("plain.onnx"), out("sharded.onnx"));
+    let run = [&shard[..4], &["--epochs", "1", "--optimizer", "adamw", "-o"]].concat();
+    let a = mpc(&[&run[..], &[plain.as_str()]].concat());
+    let b = mpc(&[&run[..], &[sharded.as_str(), "--shard-optimizer"]].concat());
+    assert!(a.status.success() && b.status.success(), "{}", String::from_utf8_lossy(&b.stderr));
+    assert_eq!(
+        std::fs::read(&plain).unwrap(),
+        std::fs::read(&sharded).unwrap(),
+        "one rank sharded trains another model"
+    );
 }

@@ -837,7 +837,7 @@ fn two_ranks_train_as_one_batch_of_both() {
     });
     for (rank, e) in errors.iter().enumerate() {
         assert!(e.starts_with(&format!("rank {rank}: the ranks lowered different training steps")), "{e}");
-        assert!(e.contains("all-reduces here, between 5 and 6 on the ranks"), "{e}");
+        assert!(e.contains("collectives here, between 5 and 6 on the ranks"), "{e}");
     }
 }
 
@@ -879,4 +879,117 @@ fn two_ranks_of_train_on_agree_and_draw_their_own_dropout() {
     }
     let (ka, kb) = (sa["mpc.rng"].i64s().unwrap()[0], sb["mpc.rng"].i64s().unwrap()[0]);
     assert_eq!(kb - ka, 1 << 40, "rank 1's dropout key");
+}
+
+/// `--shard-optimizer` (ZeRO stage 1) on two ranks of one process: AdamW trained by `train_on`
+/// on each half of every global batch ends with the unsharded two-rank run's weights and
+/// moments, bit for bit (fp32 and mixed); with clipping, whose norm the ranks sum from their
+/// blocks, within 1e-6 (relative L2) under fp32 and at the same accuracy under mixed. Each rank's
+/// training state takes half the bytes (`--stats`, but for the scalars every rank keeps); one
+/// rank sharded is the plain step bit for bit; the sharded run's checkpoint holds every value
+/// whole and resumes on one rank unsharded and on two sharded.
+#[test]
+fn a_sharded_optimizer_state_trains_as_the_whole_in_half_the_bytes() {
+    use mpc::train::{train_on, Shard, Trained};
+    use mpc_passes::train::StateShard;
+    use mpc_runtime::collective::LocalGroup;
+    use std::sync::Arc;
+    let model_path = fixture("digits_mlp");
+    let model = mpc::load(&model_path).unwrap();
+    let adamw = TrainOptions { optimizer: Optimizer::AdamW, lr: 3e-3, weight_decay: 0.01, ..Default::default() };
+    let dir = scratch("sharded_state");
+    // Two ranks, sharded or not, `epochs` in all, checkpointing in `dir` (or resuming from it).
+    let on_two = |policy: &str, t: &TrainOptions, sharded: bool, epochs: usize, resume: bool| -> Vec<Trained> {
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+                .into_iter()
+                .enumerate()
+                .map(|(rank, r)| {
+                    let shard_state = sharded.then_some(StateShard { rank, world: 2 });
+                    let opts = options(policy, TrainOptions { shard_state, ..t.clone() });
+                    let (model, model_path, dir) = (&model, &model_path, &dir);
+                    scope.spawn(move || {
+                        let shard = Shard { rank, world: 2 };
+                        let checkpoint = Some(dir.clone());
+                        let cfg = TrainConfig { shard, batch: 32, checkpoint, resume, ..digits_cfg(epochs) };
+                        let device = CpuDevice::default().with_collective(Arc::new(r));
+                        train_on(device, model, model_path, &opts, &cfg, &mut |_| {}).unwrap()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        })
+    };
+    let state_bytes = |t: &Trained| -> u64 {
+        let at = t.stats.find("state ").unwrap() + 6;
+        t.stats[at..].split(' ').next().unwrap().parse().unwrap()
+    };
+    let accuracy = |t: &Trained| t.epochs.last().unwrap().eval.unwrap().0;
+    for (policy, clip_norm) in [("fp32", None), ("mixed", None), ("fp32", Some(1.0)), ("mixed", Some(1.0))] {
+        let t = TrainOptions { clip_norm, ..adamw.clone() };
+        let whole = on_two(policy, &t, false, 3, false);
+        let sharded = on_two(policy, &t, true, 3, false);
+        let full: HashMap<String, HostTensor> = whole[0].state.iter().cloned().collect();
+        let mut worst = 0f64;
+        for r in &sharded {
+            // Each rank's state: its blocks, and the few scalars (and their alignment) every rank
+            // keeps whole.
+            let (mine, all) = (state_bytes(r), state_bytes(&whole[0]));
+            assert!(mine <= all / 2 + 256, "{policy}: {mine} B of state on a rank, {all} B unsharded");
+            assert_eq!(r.state.len(), whole[0].state.len(), "{policy}: the gathered state's values");
+            for (name, x) in &r.state {
+                let y = &full[name];
+                assert_eq!(x.shape, y.shape, "{policy}: `{name}` gathered");
+                let (a, b) = (y.f64s(), x.f64s());
+                let diff: f64 = a.iter().zip(&b).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+                let rel = diff / a.iter().map(|p| p * p).sum::<f64>().sqrt().max(1e-30);
+                worst = worst.max(rel);
+                let bound = if clip_norm.is_none() {
+                    0.0
+                } else if policy == "fp32" {
+                    1e-6
+                } else {
+                    f64::INFINITY
+                };
+                assert!(
+                    rel <= bound,
+                    "{policy}, clip {clip_norm:?}: `{name}` differs by {rel:e} from the unsharded run"
+                );
+            }
+        }
+        assert_eq!(accuracy(&sharded[0]), accuracy(&sharded[1]), "{policy}: the ranks' accuracy");
+        let (a, b) = (accuracy(&sharded[0]), accuracy(&whole[0]));
+        assert!((a - b).abs() <= 0.01, "{policy}: accuracy {a} sharded, {b} whole");
+        println!(
+            "{policy}, clip {clip_norm:?}: state per rank {} B sharded, {} B whole; state within {worst:.1e} \
+             (relative L2) of the unsharded run after 3 epochs, accuracy {:.2}% and {:.2}%",
+            state_bytes(&sharded[0]),
+            state_bytes(&whole[0]),
+            a * 100.0,
+            b * 100.0
+        );
+    }
+    // One rank: the sharded step is the plain one, bit for bit.
+    for policy in ["fp32", "mixed"] {
+        let solo = TrainOptions { shard_state: Some(StateShard { rank: 0, world: 1 }), ..adamw.clone() };
+        let plain = run(&model_path, policy, adamw.clone(), &digits_cfg(1));
+        assert!(plain.state == run(&model_path, policy, solo, &digits_cfg(1)).state, "{policy}: one rank sharded");
+    }
+    // The checkpoint of the last sharded run above (mixed, clipped) holds every value whole; it
+    // resumes on one rank unsharded (at the same global batch of 64) and on two sharded, each
+    // for the fourth epoch.
+    let clipped = TrainOptions { clip_norm: Some(1.0), ..adamw.clone() };
+    let saved = mpc::run::read_safetensors(&dir.join("checkpoint.safetensors")).unwrap();
+    let w = model.value(model.find("fc1.weight").unwrap()).initializer().unwrap().shape().to_vec();
+    assert_eq!(saved["fc1.weight"].shape, w.iter().map(|&d| d as usize).collect::<Vec<_>>());
+    // One rank resumes a copy: its own checkpoint after the fourth epoch replaces the file.
+    let alone = scratch("sharded_state_alone");
+    std::fs::copy(dir.join("checkpoint.safetensors"), alone.join("checkpoint.safetensors")).unwrap();
+    let cfg = TrainConfig { batch: 64, checkpoint: Some(alone), resume: true, ..digits_cfg(4) };
+    let one = mpc::train::train(&model, &model_path, &options("mixed", clipped.clone()), &cfg, &mut |_| {}).unwrap();
+    assert_eq!(one.epochs.len(), 1, "one rank: one epoch left after the checkpoint's three");
+    let two = on_two("mixed", &clipped, true, 4, true);
+    assert_eq!(two[0].epochs.len(), 1, "two ranks: one epoch left after the checkpoint's three");
+    let (a, b) = (accuracy(&one), accuracy(&two[0]));
+    assert!((a - b).abs() <= 0.01, "resumed: accuracy {a} on one rank, {b} on two");
 }

@@ -319,6 +319,17 @@ attr_struct!(
     /// `ai.mpc::AllReduce`: every rank's tensor combined over the ranks of a data-parallel run.
     AllReduceAttrs { reduction: CollectiveReduction [default = CollectiveReduction::Mean] });
 attr_struct!(
+    /// `ai.mpc::ReduceScatter`: the ranks' 1-D tensors of `world · s` elements combined, and rank
+    /// r given elements `[r·s, (r+1)·s)` of the result.
+    ReduceScatterAttrs {
+    reduction: CollectiveReduction [default = CollectiveReduction::Mean],
+    world: i64 [required],
+});
+attr_struct!(
+    /// `ai.mpc::AllGather`: the ranks' 1-D tensors of `s` elements concatenated in rank order, on
+    /// every rank.
+    AllGatherAttrs { world: i64 [required] });
+attr_struct!(
     /// `ai.mpc::LossScaleUpdate`: dynamic loss scaling.
     LossScaleAttrs {
     backoff_factor: f32 [default = 0.5f32],
@@ -503,6 +514,7 @@ define_ops! {
         SoftmaxGrad(SoftmaxAttrs), Attention(AttentionAttrs), AttentionGrad(AttentionAttrs),
         SgdUpdate(SgdAttrs), AdamUpdate(AdamAttrs), LossScaleUpdate(LossScaleAttrs), SeededDropout(SeedAttrs),
         LrSchedule(LrScheduleAttrs), CumProdGrad(CumSumAttrs), RoiAlignGrad(RoiAlignAttrs), AllReduce(AllReduceAttrs),
+        ReduceScatter(ReduceScatterAttrs), AllGather(AllGatherAttrs),
     }
 }
 

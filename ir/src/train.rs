@@ -43,6 +43,10 @@ pub struct TrainSignature {
     /// Each forward activation on a parameter's path and its gradient (between passes only: what
     /// range measurement histograms).
     pub activation_grads: Vec<(ValueId, ValueId)>,
+    /// Each state value that holds this rank's block of a tensor of the given shape, flattened
+    /// and padded (a sharded optimizer state: masters, moments and low copies). Not written to
+    /// files: a runtime that reads a sharded step from one cannot gather its state.
+    pub sharded: Vec<(ValueId, Vec<u64>)>,
 }
 
 impl TrainSignature {
@@ -62,6 +66,9 @@ impl TrainSignature {
         for (a, b) in self.state.iter_mut().chain(self.grads.iter_mut()).chain(self.activation_grads.iter_mut()) {
             swap(a);
             swap(b);
+        }
+        for (a, _) in &mut self.sharded {
+            swap(a);
         }
     }
 

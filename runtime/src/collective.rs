@@ -24,20 +24,71 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     /// `x` combined with the other ranks' tensors of the same call: the same dtype and shape on
     /// every rank, which every rank calls in the same order. The result is the same on every rank.
     fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError>;
+
+    /// This rank's block of `x` (1-D, `world · s` elements on every rank) combined over the
+    /// ranks: elements `[rank · s, (rank + 1) · s)` of what [`Self::all_reduce`] gives. By
+    /// default that all-reduce, sliced; a transport with a reduce-scatter of its own moves a
+    /// world's share of the bytes.
+    fn reduce_scatter(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        let all = self.all_reduce(x, how)?;
+        Ok(block(&all, self.rank(), self.world()))
+    }
+
+    /// The ranks' `x` (1-D, the same length and dtype on every rank) one after the other in rank
+    /// order, on every rank. By default a sum of each rank's block placed in zeros (exact: one
+    /// value and zeros).
+    fn all_gather(&self, x: &HostTensor) -> Result<HostTensor, RuntimeError> {
+        let (s, w) = (x.len(), self.world());
+        let mut placed = vec![0f64; s * w];
+        placed[self.rank() * s..(self.rank() + 1) * s].copy_from_slice(&x.f64s());
+        let t = floats(x.dtype(), vec![s * w], placed);
+        self.all_reduce(&t, CollectiveReduction::Sum)
+    }
 }
 
-/// Checks that every rank of `group` runs the same collectives: `program`'s `AllReduce`
-/// launches, in order, with their dtypes and element counts, summed into a fingerprint that the
+/// Block `rank` of `world` equal blocks of the 1-D `t`.
+pub fn block(t: &HostTensor, rank: usize, world: usize) -> HostTensor {
+    let s = t.len() / world.max(1);
+    let idx: Vec<usize> = (rank * s..(rank + 1) * s).collect();
+    t.pick(vec![s], &idx)
+}
+
+/// Block `rank` of `t` flattened and padded with zeros to `world` blocks of `⌈n / world⌉`
+/// elements (at least one): what a rank of a sharded optimizer state keeps of it. Floats only.
+pub fn padded_block(t: &HostTensor, rank: usize, world: usize) -> HostTensor {
+    let s = t.len().div_ceil(world.max(1)).max(1);
+    let v = t.f64s();
+    let part: Vec<f64> = (rank * s..(rank + 1) * s).map(|i| v.get(i).copied().unwrap_or(0.0)).collect();
+    floats(t.dtype(), vec![s], part)
+}
+
+/// A float tensor of `dtype` from f64 values (rounded once to `dtype`).
+fn floats(dtype: DType, shape: Vec<usize>, values: Vec<f64>) -> HostTensor {
+    match dtype {
+        DType::F64 => HostTensor::from_f64(dtype, shape, values),
+        _ => HostTensor::from_f32(dtype, shape, values.into_iter().map(|v| v as f32).collect()),
+    }
+}
+
+/// Checks that every rank of `group` runs the same collectives: `program`'s `AllReduce`,
+/// `ReduceScatter` and `AllGather` launches, in order, with their kinds, dtypes and element counts, summed into a fingerprint that the
 /// ranks compare (its largest and smallest over the ranks). Different programs would pair one
 /// rank's gradients with another's, or hang: one line instead, with what differs.
 pub fn same_program(group: &dyn Collective, program: &crate::program::Program) -> Result<(), RuntimeError> {
     let mut fingerprint = [0f64; 3];
-    for (k, l) in program.launches.iter().filter(|l| matches!(l.op, mpc_ir::Op::AllReduce(_))).enumerate() {
+    let kind = |op: &mpc_ir::Op| match op {
+        mpc_ir::Op::AllReduce(_) => Some(0),
+        mpc_ir::Op::ReduceScatter(_) => Some(1),
+        mpc_ir::Op::AllGather(_) => Some(2),
+        _ => None,
+    };
+    for (k, (l, op)) in program.launches.iter().filter_map(|l| kind(&l.op).map(|o| (l, o))).enumerate() {
         let elems: u64 = l.outputs.iter().map(|t| t.numel() as u64).sum();
         fingerprint[0] += 1.0;
         fingerprint[1] += elems as f64;
-        // A weighted sum of (position, count, dtype): order matters, within f64's exact integers.
-        let code = l.outputs.first().map_or(0, |t| t.dtype.onnx_code()) as u64;
+        // A weighted sum of (position, count, dtype, kind): order matters, within f64's exact
+        // integers.
+        let code = l.outputs.first().map_or(0, |t| t.dtype.onnx_code()) as u64 * 3 + op;
         fingerprint[2] += (((k as u64 % 1021) + 1) * ((elems % 1_000_003) * 32 + code) % (1 << 40)) as f64;
     }
     let mine = HostTensor::from_f64(DType::F64, vec![3], fingerprint.to_vec());
@@ -48,11 +99,11 @@ pub fn same_program(group: &dyn Collective, program: &crate::program::Program) -
         return Ok(());
     }
     let what = if most[0] != least[0] {
-        format!("{} all-reduces here, between {} and {} on the ranks", fingerprint[0], least[0], most[0])
+        format!("{} collectives here, between {} and {} on the ranks", fingerprint[0], least[0], most[0])
     } else if most[1] != least[1] {
-        format!("all-reduces of {} elements here, between {} and {} on the ranks", fingerprint[1], least[1], most[1])
+        format!("collectives of {} elements here, between {} and {} on the ranks", fingerprint[1], least[1], most[1])
     } else {
-        "its all-reduces in another order or of other dtypes".into()
+        "its collectives in another order or of other kinds or dtypes".into()
     };
     Err(RuntimeError::Graph(format!(
         "rank {}: the ranks lowered different training steps ({what}): every rank must run the same model, options and data shapes",
@@ -72,6 +123,12 @@ impl Collective for Solo {
         1
     }
     fn all_reduce(&self, x: &HostTensor, _: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        Ok(x.clone())
+    }
+    fn reduce_scatter(&self, x: &HostTensor, _: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        Ok(x.clone())
+    }
+    fn all_gather(&self, x: &HostTensor) -> Result<HostTensor, RuntimeError> {
         Ok(x.clone())
     }
 }
@@ -123,13 +180,35 @@ impl Collective for LocalGroup {
     }
 
     fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        self.round(x, "all-reduce", &|parts| combine(parts, how))
+    }
+
+    fn reduce_scatter(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+        let all = self.round(x, "reduce-scatter", &|parts| combine(parts, how))?;
+        Ok(block(&all, self.rank, self.shared.world))
+    }
+
+    fn all_gather(&self, x: &HostTensor) -> Result<HostTensor, RuntimeError> {
+        self.round(x, "all-gather", &concatenate)
+    }
+}
+
+impl LocalGroup {
+    /// One collective call: every rank's `x` handed to `f` once (by the last rank to arrive, in
+    /// rank order), and its result to every rank.
+    fn round(
+        &self,
+        x: &HostTensor,
+        what: &str,
+        f: &dyn Fn(&[HostTensor]) -> Result<HostTensor, String>,
+    ) -> Result<HostTensor, RuntimeError> {
         let s = &self.shared;
         let deadline = Instant::now() + s.timeout;
         let lost = |st: &Round| -> RuntimeError {
             let missing: Vec<String> =
                 st.parts.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(r, _)| r.to_string()).collect();
             RuntimeError::Graph(format!(
-                "all-reduce: rank {} waited {:.0?} for rank {} (call {}), which did not arrive",
+                "{what}: rank {} waited {:.0?} for rank {} (call {}), which did not arrive",
                 self.rank,
                 s.timeout,
                 missing.join(", "),
@@ -145,7 +224,7 @@ impl Collective for LocalGroup {
         st.parts[self.rank] = Some(x.clone());
         if st.parts.iter().all(Option::is_some) {
             let parts: Vec<HostTensor> = st.parts.iter_mut().map(|p| p.take().expect("every part")).collect();
-            st.result = Some(combine(&parts, how));
+            st.result = Some(same_kind(&parts).and_then(|()| f(&parts)));
             s.turn.notify_all();
         }
         while st.round == round && st.result.is_none() {
@@ -178,12 +257,12 @@ fn wait<'a>(
     }
 }
 
-/// The ranks' tensors combined element by element, in rank order.
-fn combine(parts: &[HostTensor], how: CollectiveReduction) -> Result<HostTensor, String> {
+/// Checks that the ranks gave tensors of one dtype and shape, floats.
+fn same_kind(parts: &[HostTensor]) -> Result<(), String> {
     let first = &parts[0];
     if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| p.shape != first.shape || p.dtype() != first.dtype()) {
         return Err(format!(
-            "all-reduce: rank {r} gives {:?} {:?} where rank 0 gives {:?} {:?} (the ranks run different programs)",
+            "collective: rank {r} gives {:?} {:?} where rank 0 gives {:?} {:?} (the ranks run different programs)",
             p.dtype(),
             p.shape,
             first.dtype(),
@@ -192,8 +271,21 @@ fn combine(parts: &[HostTensor], how: CollectiveReduction) -> Result<HostTensor,
     }
     let dt = first.dtype();
     if !dt.is_float() {
-        return Err(format!("all-reduce of {dt:?}: only float tensors are reduced"));
+        return Err(format!("collective of {dt:?}: only float tensors are reduced or gathered"));
     }
+    Ok(())
+}
+
+/// The ranks' tensors one after the other, in rank order.
+fn concatenate(parts: &[HostTensor]) -> Result<HostTensor, String> {
+    let values: Vec<f64> = parts.iter().flat_map(HostTensor::f64s).collect();
+    Ok(floats(parts[0].dtype(), vec![values.len()], values))
+}
+
+/// The ranks' tensors combined element by element, in rank order.
+fn combine(parts: &[HostTensor], how: CollectiveReduction) -> Result<HostTensor, String> {
+    let first = &parts[0];
+    let dt = first.dtype();
     let values: Vec<Vec<f64>> = parts.iter().map(HostTensor::f64s).collect();
     let n = parts.len() as f64;
     let out: Vec<f64> = (0..values[0].len())
@@ -207,10 +299,7 @@ fn combine(parts: &[HostTensor], how: CollectiveReduction) -> Result<HostTensor,
             }
         })
         .collect();
-    Ok(match dt {
-        DType::F64 => HostTensor::from_f64(dt, first.shape.clone(), out),
-        _ => HostTensor::from_f32(dt, first.shape.clone(), out.into_iter().map(|v| v as f32).collect()),
-    })
+    Ok(floats(dt, first.shape.clone(), out))
 }
 
 #[cfg(test)]
@@ -242,6 +331,65 @@ mod tests {
         for g in &got {
             assert_eq!(g, &vec![vec![1.0, 1.0, -1.0], vec![3.0, 3.0, -3.0], vec![2.0, 1.0, 0.0]]);
         }
+    }
+
+    /// Two ranks: each gets its block of the mean (by default and as the group computes it),
+    /// and every rank gets the blocks in rank order.
+    #[test]
+    fn reduce_scatter_gives_each_rank_its_block_and_all_gather_puts_them_back() {
+        let group = LocalGroup::new(2, Duration::from_secs(30));
+        let got: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = group
+                .iter()
+                .map(|r| {
+                    s.spawn(move || {
+                        let k = r.rank() as f32;
+                        let x = t(&[k, 10.0 + k, 2.0 * k, -k]);
+                        let mine = r.reduce_scatter(&x, CollectiveReduction::Mean).unwrap();
+                        let all = r.all_gather(&mine).unwrap();
+                        (mine.f32s().unwrap(), all.f32s().unwrap())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(got[0].0, [0.5, 10.5]);
+        assert_eq!(got[1].0, [1.0, -0.5]);
+        for (_, all) in &got {
+            assert_eq!(all, &[0.5, 10.5, 1.0, -0.5]);
+        }
+        // The trait's defaults (an all-reduce sliced, a sum of placed blocks) agree.
+        #[derive(Debug)]
+        struct ByAllReduce(LocalGroup);
+        impl Collective for ByAllReduce {
+            fn rank(&self) -> usize {
+                self.0.rank()
+            }
+            fn world(&self) -> usize {
+                self.0.world()
+            }
+            fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
+                self.0.all_reduce(x, how)
+            }
+        }
+        let group: Vec<ByAllReduce> =
+            LocalGroup::new(2, Duration::from_secs(30)).into_iter().map(ByAllReduce).collect();
+        let by_default: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = group
+                .iter()
+                .map(|r| {
+                    s.spawn(move || {
+                        let k = r.rank() as f32;
+                        let x = t(&[k, 10.0 + k, 2.0 * k, -k]);
+                        let mine = r.reduce_scatter(&x, CollectiveReduction::Mean).unwrap();
+                        let all = r.all_gather(&mine).unwrap();
+                        (mine.f32s().unwrap(), all.f32s().unwrap())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(by_default, got);
     }
 
     /// A rank that never calls ends the other's wait with an error naming it; ranks that give

@@ -301,6 +301,19 @@ impl CpuDevice {
         CpuDevice { collective, ..self }
     }
 
+    /// Checks that a sharded collective at `node`, built for `world` ranks, runs in a group of
+    /// that many.
+    fn same_world(&self, node: &str, world: i64) -> Result<(), RuntimeError> {
+        let here = self.collective.world();
+        if world == here as i64 {
+            return Ok(());
+        }
+        Err(RuntimeError::Node {
+            node: node.to_string(),
+            msg: format!("the step was sharded for {world} ranks and runs on {here}: compile it for this run's ranks"),
+        })
+    }
+
     fn bytes(mem: &CpuMemory, offset: u64, len: u64, what: &str) -> Result<Vec<u8>, RuntimeError> {
         let (s, e) = (offset as usize, (offset + len) as usize);
         if e > mem.len {
@@ -434,6 +447,14 @@ impl CpuDevice {
                 match (&l.op, refs.first().copied().flatten()) {
                     (Op::AllReduce(a), Some(x)) => {
                         vec![self.collective.all_reduce(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
+                    }
+                    (Op::ReduceScatter(a), Some(x)) => {
+                        self.same_world(&l.node, a.world)?;
+                        vec![self.collective.reduce_scatter(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
+                    }
+                    (Op::AllGather(a), Some(x)) => {
+                        self.same_world(&l.node, a.world)?;
+                        vec![self.collective.all_gather(x).map_err(|e| at_node(&l.node, e))?]
                     }
                     _ => cpu::run_op_within(&l.op, &refs, l.outputs.len(), self.options.memory())
                         .map_err(|e| kernel_error(&l.node, e))?,

@@ -85,6 +85,15 @@ pub struct Trainer<D: Device> {
     /// The class axis and the labels input of a cross-entropy loss: what accuracy is counted on.
     accuracy: Option<(CrossEntropy, String)>,
     compiled: Compiled,
+    sharding: Option<Sharding>,
+}
+
+/// A state sharded over the ranks (`TrainOptions::shard_state`): this rank's place and, for
+/// each state value that is a block, the shape of the whole.
+#[derive(Clone, Debug)]
+struct Sharding {
+    at: mpc_passes::train::StateShard,
+    shapes: HashMap<String, Vec<usize>>,
 }
 
 /// What the compile found out about the model.
@@ -167,6 +176,7 @@ pub struct TrainingStep {
     scale_bounds: Option<(f32, f32)>,
     accuracy: Option<(CrossEntropy, String)>,
     compiled: Compiled,
+    sharding: Option<Sharding>,
     export_batch: Option<u64>,
     bound_from: String,
     path: PathBuf,
@@ -199,8 +209,23 @@ impl TrainingStep {
             path: path.to_owned(),
             source: mpc_runtime::RuntimeError::Internal(format!("the training graph has no {what}")),
         };
-        let eval = eval_graph(eval.ok_or_else(|| internal("precision pass"))?);
+        let mut eval = eval_graph(eval.ok_or_else(|| internal("precision pass"))?);
         let sig = graph.train.clone().ok_or_else(|| internal("training signature"))?;
+        let sharding = opts.train.as_ref().and_then(|t| t.shard_state).map(|at| Sharding {
+            at,
+            shapes: sig
+                .sharded
+                .iter()
+                .map(|(v, s)| (graph.name(*v).to_string(), s.iter().map(|&d| d as usize).collect()))
+                .collect(),
+        });
+        if let Some(sh) = &sharding {
+            // The evaluation reads the masters: gathered from the ranks' blocks, as the step does.
+            // In the signature's order: every rank's evaluation gathers them in the same order.
+            let masters: Vec<String> = sig.sharded.iter().map(|(v, _)| graph.name(*v).to_string()).collect();
+            mpc_passes::train::shard::read_sharded(&mut eval, &masters, sh.at)
+                .map_err(|source| Error::Pass { path: path.to_owned(), source })?;
+        }
         let name = |v: Option<ValueId>, what: &str| v.map(|v| graph.name(v).to_string()).ok_or_else(|| internal(what));
         let is_state = |v: ValueId| sig.state.iter().any(|&(s, _)| s == v);
         let names = Names {
@@ -232,6 +257,7 @@ impl TrainingStep {
             scale_bounds,
             accuracy,
             compiled,
+            sharding,
             export_batch,
             bound_from,
             path: path.to_owned(),
@@ -249,6 +275,7 @@ impl TrainingStep {
         let caps = device.caps();
         let (source, names, scale_bounds, accuracy, compiled) =
             (self.source.clone(), self.names.clone(), self.scale_bounds, self.accuracy.clone(), self.compiled.clone());
+        let sharding = self.sharding.clone();
         let (sizes, step, eval) = self.into_parts(caps);
         let dims = step.dims(first)?;
         let main = step.lower(&step.graph, &dims, None, &HashSet::new())?;
@@ -266,6 +293,7 @@ impl TrainingStep {
             scale_bounds,
             accuracy,
             compiled,
+            sharding,
         })
     }
 
@@ -438,13 +466,31 @@ impl<D: Device> Trainer<D> {
     }
 
     /// Every state value by name (the masters under their initializer names, the rest `mpc.`).
+    /// A sharded state is gathered from the ranks, each value whole: every rank calls this alike.
     pub fn state(&mut self) -> Result<Vec<(String, HostTensor)>> {
         let g = &self.variants[0].step.graph;
         let names: Vec<String> = g.train.iter().flat_map(|t| &t.state).map(|&(s, _)| g.name(s).to_string()).collect();
-        names
-            .into_iter()
-            .map(|n| Ok((n.clone(), self.session.read_state(&n).map_err(|e| self.first().run_error(e))?)))
-            .collect()
+        let mut out = Vec::with_capacity(names.len());
+        let path = self.first().path.clone();
+        let run = |e| Error::Run { path: path.clone(), source: e };
+        for n in names {
+            let mut t = self.session.read_state(&n).map_err(run)?;
+            if let Some(shape) = self.sharding.as_ref().and_then(|s| s.shapes.get(&n)) {
+                let group = self.session.device().collective().ok_or_else(|| {
+                    run(mpc_runtime::RuntimeError::Internal("a sharded state on a device of no group".into()))
+                })?;
+                let all = group.all_gather(&t).map_err(run)?;
+                let numel = shape.iter().product::<usize>();
+                t = all.pick(shape.clone(), &(0..numel).collect::<Vec<_>>());
+            }
+            out.push((n, t));
+        }
+        Ok(out)
+    }
+
+    /// This rank's place in a data-parallel run (rank 0 of 1 on a device of no group).
+    fn rank(&self) -> usize {
+        self.session.device().collective().map_or(0, |g| g.rank())
     }
 
     /// In a data-parallel run, checks that every rank lowered the same step (the same
@@ -504,19 +550,28 @@ impl<D: Device> Trainer<D> {
                 .ok_or_else(|| bad(format!("no tensor `{name}` (a checkpoint of another model?)")))?;
             let bounds = (self.names.scale.as_deref() == Some(name)).then_some(self.scale_bounds).flatten();
             checkpoint::check_state(name, t, bounds).map_err(&bad)?;
+            let block = self
+                .sharding
+                .as_ref()
+                .filter(|s| s.shapes.contains_key(name))
+                .map(|s| mpc_runtime::collective::padded_block(t, s.at.rank, s.at.world));
             self.session
-                .write_state(name, t)
+                .write_state(name, block.as_ref().unwrap_or(t))
                 .map_err(|e| Error::Run { path: self.variants[0].step.path.clone(), source: e })?;
         }
         Ok(())
     }
 
-    /// Writes the state and `iteration` (the batches done) to `file`, atomically.
+    /// Writes the state and `iteration` (the batches done) to `file`, atomically. In a
+    /// data-parallel run every rank calls it (a sharded state is gathered) and rank 0 writes.
     pub fn save(&mut self, file: &Path, iteration: usize) -> Result<()> {
+        let mut tensors = self.state()?;
+        if self.rank() != 0 {
+            return Ok(());
+        }
         if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
         }
-        let mut tensors = self.state()?;
         let done = HostTensor::from_i64(mpc_ir::DType::I64, vec![], vec![iteration as i64]);
         tensors.push((checkpoint::ITERATION.into(), done));
         crate::run::write_safetensors(file, &tensors)

@@ -477,6 +477,8 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
         Op::AllReduce(_) => vec![same(cx, 0)],
+        Op::ReduceScatter(a) => vec![t(cx.dt(0), collective_shape(cx, a.world, false)?)],
+        Op::AllGather(a) => vec![t(cx.dt(0), collective_shape(cx, a.world, true)?)],
         // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
         Op::Attention(a) => {
             let d = cx.same_dtype(0..3)?;
@@ -695,3 +697,16 @@ pub(super) fn vector_len(cx: &NodeCx, i: usize) -> Option<usize> {
 
 /// The most dims a shape operand is taken to give.
 const MAX_RANK: usize = 4096;
+
+/// The 1-D shape a `ReduceScatter` (its input's length over `world`) or an `AllGather` (`gather`:
+/// times `world`) gives.
+fn collective_shape(cx: &NodeCx, world: i64, gather: bool) -> Result<Option<Shape>, String> {
+    let Some(s) = cx.sh(0) else { return Ok(None) };
+    let [d] = s.dims() else { return Err(format!("a collective of shards reads a 1-D tensor, not rank {}", s.rank())) };
+    let Some(n) = d.fixed() else { return Ok(Some(Shape(vec![Dim::Unknown]))) };
+    if world < 1 || (!gather && n % world as u64 != 0) {
+        return Err(format!("{n} elements do not split into {world} equal shards"));
+    }
+    let out = if gather { n * world as u64 } else { n / world as u64 };
+    Ok(Some(Shape(vec![Dim::Fixed(out)])))
+}

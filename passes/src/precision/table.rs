@@ -190,6 +190,8 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::ReluGrad
         | Op::AllFinite
         | Op::AllReduce(_)
+        | Op::ReduceScatter(_)
+        | Op::AllGather(_)
         | Op::SgdUpdate(_)
         | Op::AdamUpdate(_)
         | Op::LossScaleUpdate(_)

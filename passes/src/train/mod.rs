@@ -22,6 +22,7 @@ mod differentiable;
 mod low;
 mod optimizer;
 mod rules;
+pub mod shard;
 mod tie;
 
 use std::collections::BTreeSet;
@@ -34,6 +35,7 @@ use build::Builder;
 pub use decay::NoDecay;
 pub use differentiable::differentiable;
 pub use optimizer::OptimizerPass;
+pub use shard::StateShard;
 pub use tie::{apply_ties, tie_weights, Tie};
 
 use crate::{Changed, Context, Effect, Pass, PassError, Result};
@@ -143,6 +145,10 @@ pub struct TrainOptions {
     /// unscaling, so that every rank's finite flag, skip, loss scale and update agree. The program
     /// holds neither the rank nor the world size: every rank runs the same one.
     pub data_parallel: bool,
+    /// The optimizer state sharded over the ranks (ZeRO stage 1, [`shard`]): this rank keeps its
+    /// block of every master weight, moment and low-precision copy, gathers the weights at the
+    /// step's start and reduce-scatters the gradients. `None`: every rank keeps all of it.
+    pub shard_state: Option<StateShard>,
 }
 
 /// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
@@ -252,6 +258,7 @@ impl Default for TrainOptions {
             no_decay: Vec::new(),
             accumulate: 1,
             data_parallel: false,
+            shard_state: None,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The optimizer pass: the step's end, from the gradients to the next training state.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use mpc_ir::ops::{AdamAttrs, ReduceAttrs, SgdAttrs};
 use mpc_ir::{DType, Def, Graph, Op, Tensor, ValueId};
@@ -38,18 +38,30 @@ impl Pass for OptimizerPass {
         // 0. Gradient accumulation: the update reads the sums of the micro-batches' gradients.
         let acc = (o.accumulate > 1).then(|| accumulate(&mut b, &pg, o.accumulate, &mut state)).transpose()?;
         let mut pg = acc.as_ref().map_or(pg, |a| a.grads.clone());
-        // 1. Data parallel: the gradients and the running statistics averaged over the ranks.
-        if o.data_parallel {
+        // 1. Data parallel: the gradients and the running statistics averaged over the ranks;
+        // with the state sharded, each rank's block of each gradient, and the blocks of the
+        // masters it updates.
+        if o.data_parallel || o.shard_state.is_some() {
             b.at("optimizer");
-            all_reduced(&mut b, &mut pg, false)?;
+            if o.shard_state.is_none() {
+                all_reduced(&mut b, &mut pg, false)?;
+            }
             all_reduced(&mut b, &mut state[..running], true)?;
         }
+        let mut sharded = o.shard_state.map(|z| shard_parameters(&mut b, z, &mut pg, o.weight_copies)).transpose()?;
+        let undecayed = match &sharded {
+            Some(s) => undecayed.iter().filter_map(|p| s.blocks.get(p).copied()).collect(),
+            None => undecayed,
+        };
         let inv = inverse_scale(&mut b, &o, scale, acc.is_some());
         let (mut gs, folded) = unscaled(&mut b, &o, &pg, inv)?;
         // 2. One finite flag for the whole step.
         b.at("optimizer");
         let all: Vec<Option<ValueId>> = gs.iter().map(|&(_, d)| Some(d)).collect();
-        let finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
+        let mut finite = b.ops("all_finite", Op::AllFinite, &all, 1)[0];
+        if sharded.is_some() {
+            finite = finite_on_every_rank(&mut b, finite);
+        }
         // Accumulating, an update applies on the last micro-batch when every sum is finite.
         let apply = match &acc {
             Some(a) => b.op("apply_update", Op::And, &[finite, a.boundary]),
@@ -57,12 +69,12 @@ impl Pass for OptimizerPass {
         };
         // 3. Global-norm clipping after unscaling: g · min(1, c / (‖g‖ + 1e-6)).
         if let Some(c) = o.clip_norm {
-            clip(&mut b, &mut gs, c)?;
+            clip(&mut b, &mut gs, c, sharded.is_some())?;
         }
         let (step_next, lr, rate) = counters(&mut b, &o, apply, &mut state)?;
         // 5. The updates.
         let flags = UpdateInputs { inv, folded: &folded, apply, step_next, rate };
-        updates(&mut b, &o, &gs, &undecayed, &flags, &mut state)?;
+        updates(&mut b, &o, &gs, &undecayed, &flags, &mut state, sharded.as_mut())?;
         // 6. Dynamic loss scaling.
         b.at("optimizer");
         scale_update(&mut b, &o, scale, finite, acc.as_ref(), &mut state);
@@ -82,6 +94,7 @@ impl Pass for OptimizerPass {
         sig.skipped = Some(skipped);
         sig.lr = lr;
         sig.state = state;
+        sig.sharded = sharded.map(|s| s.state).unwrap_or_default();
         g.meta.set_opset(mpc_ir::ops::MPC_DOMAIN, 1);
         Ok(Changed::Yes)
     }
@@ -242,8 +255,9 @@ fn unscaled(
     Ok((gs, folded))
 }
 
-/// Clips the gradients `gs` (unscaled) to the global norm `c`.
-fn clip(b: &mut Builder, gs: &mut [(ValueId, ValueId)], c: f32) -> Result<()> {
+/// Clips the gradients `gs` (unscaled) to the global norm `c`; with `blocks`, each rank's blocks
+/// of them, whose squares the ranks sum.
+fn clip(b: &mut Builder, gs: &mut [(ValueId, ValueId)], c: f32, blocks: bool) -> Result<()> {
     let attrs = ReduceAttrs { keepdims: false, noop_with_empty_axes: false };
     let mut sq = Vec::new();
     for &(p, d) in gs.iter() {
@@ -252,7 +266,11 @@ fn clip(b: &mut Builder, gs: &mut [(ValueId, ValueId)], c: f32) -> Result<()> {
         let d32 = if b.dtype(p).map_err(PassError::Usage)? == DType::F32 { d } else { b.cast(d, DType::F32) };
         sq.push(Some(b.ops("sumsq", Op::ReduceSumSquare(attrs.clone()), &[Some(d32)], 1)[0]));
     }
-    let total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
+    let mut total = b.ops("sumsq_total", Op::Sum, &sq, 1)[0];
+    if blocks {
+        let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Sum };
+        total = b.op("sumsq_over_ranks", Op::AllReduce(Box::new(attrs)), &[total]);
+    }
     let norm = b.op("grad_norm", Op::Sqrt, &[total]);
     let eps = b.scalar(1e-6, DType::F32);
     let den = b.op("add", Op::Add, &[norm, eps]);
@@ -317,10 +335,12 @@ fn updates(
     undecayed: &HashSet<ValueId>,
     u: &UpdateInputs,
     state: &mut Vec<(ValueId, ValueId)>,
+    mut sharded: Option<&mut Sharded>,
 ) -> Result<()> {
     let decay = |p: ValueId| if undecayed.contains(&p) { 0.0 } else { o.weight_decay };
     let UpdateInputs { inv, folded, apply, step_next, rate } = *u;
     for &(p, d) in gs {
+        let first = state.len();
         let pname = b.g.name(p).to_string();
         b.at(&format!("{pname}.update"));
         let tensor =
@@ -329,7 +349,11 @@ fn updates(
                 .cloned()
                 .ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
         let zeros = || Tensor::zeros(tensor.dtype(), tensor.shape().to_vec());
-        let low = if o.weight_copies { low_copy(b.g, p, &pname, &tensor) } else { None };
+        let low = match sharded.as_deref() {
+            Some(s) => s.lows.get(&p).copied().flatten(),
+            None if o.weight_copies => low_copy(b.g, p, &pname, &tensor, None),
+            None => None,
+        };
         let unscale = inv.filter(|_| folded.contains(&p));
         match o.optimizer {
             Optimizer::Sgd | Optimizer::Momentum => {
@@ -361,8 +385,61 @@ fn updates(
                 }
             }
         }
+        // A sharded master's moments and low copy are blocks like it.
+        if let Some(s) = sharded.as_deref_mut() {
+            let whole = s.shapes.get(&p).cloned().unwrap_or_default();
+            s.state.extend(state[first..].iter().map(|&(v, _)| (v, whole.clone())));
+        }
     }
     Ok(())
+}
+
+/// The parameters sharded over the ranks ([`super::shard`]).
+struct Sharded {
+    /// Each parameter's master block.
+    blocks: HashMap<ValueId, ValueId>,
+    /// Each master block's low-precision copy (a block too; none where no Cast read the master)
+    /// and the master's shape.
+    lows: HashMap<ValueId, Option<ValueId>>,
+    shapes: HashMap<ValueId, Vec<u64>>,
+    /// Each state block and the shape of the tensor it is a block of.
+    state: Vec<(ValueId, Vec<u64>)>,
+}
+
+/// Every parameter of `pg` sharded over the ranks as `z` says: its master (and low copy) held
+/// as this rank's block, read by the step as the blocks gathered, and its gradient replaced by
+/// this rank's block of the ranks' mean; `pg` then pairs the blocks.
+fn shard_parameters(
+    b: &mut Builder,
+    z: super::StateShard,
+    pg: &mut [(ValueId, ValueId)],
+    copies: bool,
+) -> Result<Sharded> {
+    let mut s = Sharded { blocks: HashMap::new(), lows: HashMap::new(), shapes: HashMap::new(), state: Vec::new() };
+    for (p, d) in pg.iter_mut() {
+        let pname = b.g.name(*p).to_string();
+        b.at(&format!("{pname}.shard"));
+        let t = b.g.value(*p).initializer().cloned();
+        let t = t.ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
+        let low = if copies { low_copy(b.g, *p, &pname, &t, Some(z)) } else { None };
+        let block = super::shard::read_gathered(b.g, *p, z)?;
+        *d = super::shard::scattered(b, *d, t.numel(), z)?;
+        s.blocks.insert(*p, block);
+        s.lows.insert(block, low);
+        s.shapes.insert(block, t.shape().to_vec());
+        *p = block;
+    }
+    Ok(s)
+}
+
+/// The finite flag of one rank's gradient blocks made the whole step's: true on every rank when
+/// it is true on all.
+fn finite_on_every_rank(b: &mut Builder, finite: ValueId) -> ValueId {
+    let as_float = b.cast(finite, DType::F32);
+    let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Mean };
+    let mean = b.op("finite_over_ranks", Op::AllReduce(Box::new(attrs)), &[as_float]);
+    let one = b.scalar(1.0, DType::F32);
+    b.op("all_finite_over_ranks", Op::Equal, &[mean, one])
 }
 
 /// Dynamic loss scaling's update of the scale and the count of good steps (accumulating, on a
@@ -468,7 +545,16 @@ fn accumulate(
 /// (the initial weight cast once), which the update writes from the new weight, rounded as the
 /// Cast rounds. The step then neither casts the weight nor keeps the cast in its arena, and its
 /// results are the same bits. None for a parameter no such Cast reads.
-fn low_copy(g: &mut Graph, p: ValueId, pname: &str, init: &Tensor) -> Option<ValueId> {
+///
+/// With `shard`, the copy is this rank's block of it, and the Casts' readers read the blocks
+/// gathered.
+fn low_copy(
+    g: &mut Graph,
+    p: ValueId,
+    pname: &str,
+    init: &Tensor,
+    shard: Option<super::StateShard>,
+) -> Option<ValueId> {
     if init.dtype() != DType::F32 {
         return None;
     }
@@ -490,12 +576,25 @@ fn low_copy(g: &mut Graph, p: ValueId, pname: &str, init: &Tensor) -> Option<Val
     // f32 masters through the narrowing path (converted on all threads when first read, the same
     // round-to-nearest-even bits as `to_dtype`), anything else element by element.
     let copy = init.narrow(to).map_or_else(|| init.to_dtype(to), |(t, _)| t);
-    let low = g.add_initializer(&name, copy);
+    let (low, read) = match shard {
+        None => {
+            let low = g.add_initializer(&name, copy);
+            (low, low)
+        }
+        Some(z) => {
+            let mut b = Builder::new(g);
+            b.at(&format!("{pname}.gather"));
+            let low = b.init(&name, z.block(&copy));
+            let whole = super::shard::gathered(&mut b, low, init.shape(), z);
+            g.set_ty(whole, mpc_ir::TypeInfo::new(to, mpc_ir::Shape::fixed(init.shape())));
+            (low, whole)
+        }
+    };
     // The Casts are left to dead-code elimination: a node removed here would free an index that
     // the next added node takes, and the pass manager types only the nodes added after its start.
     for (n, _) in casts(g, Some(to)) {
         let out = g.node(n).outputs()[0];
-        g.replace_uses(out, low);
+        g.replace_uses(out, read);
     }
     Some(low)
 }

@@ -528,6 +528,10 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
         // One rank alone: every reduction of one tensor is that tensor. A device with a group of
         // ranks runs the op through its collective instead (`CpuDevice::launch_one`).
         Op::AllReduce(_) => one(x(0)?.clone()),
+        Op::ReduceScatter(a) if a.world == 1 => one(x(0)?.clone()),
+        Op::AllGather(a) if a.world == 1 => one(x(0)?.clone()),
+        Op::ReduceScatter(a) => Err(err(format!("a shard of {} ranks on a device of one rank", a.world))),
+        Op::AllGather(a) => Err(err(format!("a gather over {} ranks on a device of one rank", a.world))),
         Op::AllFinite => {
             let parts: Vec<&HostTensor> = ins.iter().flatten().copied().collect();
             one(train::all_finite(&parts)?)
