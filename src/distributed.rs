@@ -110,9 +110,56 @@ impl mpc_runtime::collective::Collective for MpiGroup {
             let n = mpc_runtime::collective::Collective::world(self) as f64;
             all.iter_mut().for_each(|v| *v /= n);
         }
-        Ok(match dt {
-            mpc_ir::DType::F64 => mpc_runtime::HostTensor::from_f64(dt, x.shape.clone(), all),
-            _ => mpc_runtime::HostTensor::from_f32(dt, x.shape.clone(), all.into_iter().map(|v| v as f32).collect()),
-        })
+        Ok(mpc_runtime::collective::floats(dt, x.shape.clone(), all))
     }
+
+    /// By `MPI_Reduce_scatter_block` in f64: each rank receives only its block.
+    fn reduce_scatter(
+        &self,
+        x: &mpc_runtime::HostTensor,
+        how: mpc_ir::ops::CollectiveReduction,
+    ) -> std::result::Result<mpc_runtime::HostTensor, mpc_runtime::RuntimeError> {
+        use mpc_ir::ops::CollectiveReduction;
+        use mpi::collective::SystemOperation;
+        use mpi::traits::CommunicatorCollectives;
+        let dt = floats_only(x, "reduce-scatter")?;
+        let n = mpc_runtime::collective::Collective::world(self);
+        let mine = x.f64s();
+        let mut block = vec![0f64; mine.len() / n];
+        let op = match how {
+            CollectiveReduction::Max => SystemOperation::max(),
+            CollectiveReduction::Sum | CollectiveReduction::Mean => SystemOperation::sum(),
+        };
+        self.world.reduce_scatter_block_into(&mine[..], &mut block[..], op);
+        if how == CollectiveReduction::Mean {
+            block.iter_mut().for_each(|v| *v /= n as f64);
+        }
+        Ok(mpc_runtime::collective::floats(dt, vec![block.len()], block))
+    }
+
+    /// By `MPI_Allgather` (in f64, exact for every float dtype).
+    fn all_gather(
+        &self,
+        x: &mpc_runtime::HostTensor,
+    ) -> std::result::Result<mpc_runtime::HostTensor, mpc_runtime::RuntimeError> {
+        use mpi::traits::CommunicatorCollectives;
+        let dt = floats_only(x, "all-gather")?;
+        let mine = x.f64s();
+        let mut all = vec![0f64; mine.len() * mpc_runtime::collective::Collective::world(self)];
+        self.world.all_gather_into(&mine[..], &mut all[..]);
+        Ok(mpc_runtime::collective::floats(dt, vec![all.len()], all))
+    }
+}
+
+/// `x`'s dtype, which a collective over MPI carries as f64: floats only.
+#[cfg(feature = "mpi")]
+fn floats_only(
+    x: &mpc_runtime::HostTensor,
+    what: &str,
+) -> std::result::Result<mpc_ir::DType, mpc_runtime::RuntimeError> {
+    let dt = x.dtype();
+    if !dt.is_float() {
+        return Err(mpc_runtime::RuntimeError::Graph(format!("{what} of {dt:?}: only float tensors")));
+    }
+    Ok(dt)
 }

@@ -63,7 +63,7 @@ pub fn padded_block(t: &HostTensor, rank: usize, world: usize) -> HostTensor {
 }
 
 /// A float tensor of `dtype` from f64 values (rounded once to `dtype`).
-fn floats(dtype: DType, shape: Vec<usize>, values: Vec<f64>) -> HostTensor {
+pub fn floats(dtype: DType, shape: Vec<usize>, values: Vec<f64>) -> HostTensor {
     match dtype {
         DType::F64 => HostTensor::from_f64(dtype, shape, values),
         _ => HostTensor::from_f32(dtype, shape, values.into_iter().map(|v| v as f32).collect()),

@@ -8,7 +8,10 @@ at `--batch 64` (the same samples in each global batch, the same seed), and comp
 weights rank 0 writes with the single process's: fp32 SGD within 1e-6 relative L2, mixed SGD
 with dynamic loss scaling within 5e-3 (each rank rounds its weight gradients, sums over half the
 batch, to f16, where one process rounds the whole batch's: 2^-11 apart each step; 1.7e-3 after the
-135 steps here); the fp32 epoch lines must agree. Exits 1 on a difference, 2 when mpiexec is missing.
+135 steps here); the fp32 epoch lines must agree. Then `--shard-optimizer` (AdamW, fp32 and mixed)
+on two ranks against the unsharded two: the same weights bit for bit, and each rank's training
+state (`--stats`) half the unsharded one's but for the scalars every rank keeps. Exits 1 on a
+difference, 2 when mpiexec is missing.
 """
 
 import argparse
@@ -29,9 +32,16 @@ DATA = os.path.join(ROOT, "tests", "data", "digits.safetensors")
 
 def train(cmd, out):
     r = subprocess.run(cmd + ["-o", out], capture_output=True, text=True, timeout=600)
+    train.stderr = r.stderr
     if r.returncode != 0:
         raise SystemExit(f"FAIL {' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()}")
     return r.stdout
+
+
+def state_bytes(stderr):
+    """The training state's bytes on rank 0, from `--stats`."""
+    line = next(l for l in stderr.splitlines() if "training step:" in l)
+    return int(line.split("state ", 1)[1].split(" ", 1)[0])
 
 
 def weights(path):
@@ -69,6 +79,21 @@ def main():
                   f"{worst:.2g} (relative L2, at most {tol:g}); epoch lines {'equal' if same_evals else 'differ'}")
             if not same_evals:
                 print("     one process: " + " | ".join(evals(one)) + "\n     two ranks:   " + " | ".join(evals(two)))
+        for policy in ["fp32", "mixed"]:
+            base = [mpiexec, "-n", "2", a.mpc, "train", MODEL, "--data", DATA, "--policy", policy, "--epochs", "3",
+                    "--eval-split", "0.2", "--seed", "7", "--optimizer", "adamw", "--batch", "32", "--distributed",
+                    "--stats"]
+            whole = train(base, os.path.join(tmp, "whole.onnx"))
+            whole_bytes = state_bytes(train.stderr)
+            sharded = train(base + ["--shard-optimizer"], os.path.join(tmp, "sharded.onnx"))
+            sharded_bytes = state_bytes(train.stderr)
+            w1, w2 = weights(os.path.join(tmp, "whole.onnx")), weights(os.path.join(tmp, "sharded.onnx"))
+            same = all(np.array_equal(w1[k], w2[k]) for k in w1)
+            halved = sharded_bytes <= whole_bytes // 2 + 256
+            good = same and halved and evals(whole) == evals(sharded)
+            ok &= good
+            print(f"{'ok  ' if good else 'FAIL'} {policy}: --shard-optimizer on 2 ranks, AdamW, 3 epochs: weights "
+                  f"{'the same bits' if same else 'differ'}; state per rank {sharded_bytes} B of {whole_bytes} B")
     return 0 if ok else 1
 
 
