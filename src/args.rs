@@ -242,8 +242,13 @@ pub(crate) struct TrainCmd {
     pub(crate) eval_data: Vec<PathBuf>,
     #[arg(long, default_value_t = 1)]
     pub(crate) epochs: usize,
+    /// Samples per step (per rank in a data-parallel run).
     #[arg(long, default_value_t = 64)]
     pub(crate) batch: usize,
+    /// Samples per update over all ranks (in place of --batch × ranks): each rank steps on
+    /// N / ranks, so a run resumes at the same global batch on another number of ranks.
+    #[arg(long, value_name = "N")]
+    pub(crate) global_batch: Option<usize>,
     /// Hold out the last samples for evaluation after each epoch: a share (below 1) or a count.
     #[arg(long, value_name = "F|N", default_value_t = 0.0)]
     pub(crate) eval_split: f64,

@@ -19,6 +19,7 @@ use mpc_runtime::device::{CpuDevice, Device};
 use mpc_runtime::HostTensor;
 
 use crate::data::Dataset;
+use crate::trainer::checkpoint::Progress;
 pub use crate::trainer::{bind_sample_dims, free_batch, with_trained_weights};
 use crate::trainer::{StepHandle, Trainer};
 use crate::{Error, Options, Result};
@@ -34,7 +35,11 @@ pub struct TrainConfig {
     /// A separate evaluation set (shards); none: `eval_split`.
     pub eval_data: Vec<PathBuf>,
     pub epochs: usize,
+    /// Samples per step: per rank in a data-parallel run.
     pub batch: usize,
+    /// Samples per update over all ranks, in place of `batch × shard.world` (each rank then
+    /// steps on `global_batch / world`, which must divide).
+    pub global_batch: Option<usize>,
     /// The samples (the last ones) held out for evaluation: a share when below 1, else a count.
     pub eval_split: f64,
     /// Seed of the sample order.
@@ -85,6 +90,7 @@ impl Default for TrainConfig {
             eval_data: Vec::new(),
             epochs: 1,
             batch: 64,
+            global_batch: None,
             eval_split: 0.0,
             seed: 0,
             checkpoint: None,
@@ -296,6 +302,18 @@ fn with_run_length(opts: &Options, cfg: &TrainConfig, per_epoch: usize) -> Optio
     o
 }
 
+/// `cfg` with `batch` the per-rank share of `--global-batch`, where it is given.
+fn per_rank_batch(cfg: &TrainConfig) -> Result<TrainConfig> {
+    let Some(g) = cfg.global_batch else { return Ok(cfg.clone()) };
+    let w = cfg.shard.world;
+    if g == 0 || g % w != 0 {
+        return Err(Error::Usage(format!(
+            "--global-batch {g} over {w} ranks: the global batch must be a positive multiple of the ranks"
+        )));
+    }
+    Ok(TrainConfig { batch: g / w, global_batch: None, ..cfg.clone() })
+}
+
 fn checkpoint_file(dir: &Path) -> PathBuf {
     dir.join("checkpoint.safetensors")
 }
@@ -323,6 +341,7 @@ pub fn train_on<D: Device>(
     if !cfg.eval_data.is_empty() && cfg.eval_split > 0.0 {
         return Err(Error::Usage("--eval-data and --eval-split: give one of them".into()));
     }
+    let cfg = &per_rank_batch(cfg)?;
     let data = Dataset::open(&cfg.data)?;
     let feeds = step_feeds(model, &data, opts)?;
     let n = data.len();
@@ -385,7 +404,8 @@ pub fn train_on<D: Device>(
         epochs.push(rep);
         // Every rank takes part (a sharded state is gathered); rank 0 writes.
         if let Some(dir) = cfg.checkpoint.as_ref() {
-            run.trainer.save(&checkpoint_file(dir), run.iteration)?;
+            let progress = Progress { iteration: run.iteration, global_batch: Some(cfg.batch * cfg.shard.world) };
+            run.trainer.save_progress(&checkpoint_file(dir), progress)?;
         }
     }
     run.bar.finish_and_clear();
@@ -463,7 +483,16 @@ impl<D: Device> Run<'_, D> {
     fn resume(&mut self) -> Result<usize> {
         let dir = self.cfg.checkpoint.as_ref().ok_or_else(|| Error::Usage("--resume needs --checkpoint DIR".into()))?;
         let file = checkpoint_file(dir);
-        let done = self.trainer.load(&file)?;
+        let Progress { iteration: done, global_batch } = self.trainer.load_progress(&file)?;
+        let here = self.cfg.batch * self.cfg.shard.world;
+        if let Some(g) = global_batch.filter(|&g| g != here) {
+            return Err(Error::Usage(format!(
+                "{}: the checkpoint counts batches of {g} samples over all ranks, and this run's are {here} (--batch {} × {} ranks): resume with --global-batch {g}",
+                file.display(),
+                self.cfg.batch,
+                self.cfg.shard.world
+            )));
+        }
         if done >= self.total {
             return Err(Error::Usage(format!(
                 "{}: the checkpoint has done {done} batches, and this run has {} ({} epochs of {}): nothing is left to train; raise --epochs",

@@ -993,3 +993,74 @@ fn a_sharded_optimizer_state_trains_as_the_whole_in_half_the_bytes() {
     let (a, b) = (accuracy(&one), accuracy(&two[0]));
     assert!((a - b).abs() <= 0.01, "resumed: accuracy {a} on one rank, {b} on two");
 }
+
+/// A checkpoint counts batches of its global batch (`mpc.global_batch`): one process at
+/// `--batch 64` resumes on two ranks at `--global-batch 64` (32 each) where the one process
+/// would have gone on (fp32 SGD: the same weights within 1e-6), a resume at another global batch
+/// is one line saying which to give, and a global batch the ranks do not divide is refused.
+#[test]
+fn a_checkpoint_resumes_at_its_global_batch_on_another_number_of_ranks() {
+    use mpc::train::{train_on, Shard};
+    use mpc_runtime::collective::LocalGroup;
+    use std::sync::Arc;
+    let model_path = fixture("digits_mlp");
+    let model = mpc::load(&model_path).unwrap();
+    let opts = options("fp32", TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, ..Default::default() });
+    let dir = scratch("global_batch");
+    let at = |name: &str| {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    };
+    let first = TrainConfig { checkpoint: Some(at("first")), ..digits_cfg(2) };
+    mpc::train::train(&model, &model_path, &opts, &first, &mut |_| {}).unwrap();
+    let copy = |name: &str| {
+        let d = at(name);
+        std::fs::copy(dir.join("first/checkpoint.safetensors"), d.join("checkpoint.safetensors")).unwrap();
+        Some(d)
+    };
+    // One process goes on at batch 64; at batch 32 it is told to give the checkpoint's 64.
+    let on = TrainConfig { checkpoint: copy("one"), resume: true, ..digits_cfg(3) };
+    let one = mpc::train::train(&model, &model_path, &opts, &on, &mut |_| {}).unwrap();
+    let small = TrainConfig { batch: 32, checkpoint: copy("small"), resume: true, ..digits_cfg(3) };
+    let e = mpc::train::train(&model, &model_path, &opts, &small, &mut |_| {}).err().unwrap().to_string();
+    assert!(e.contains("the checkpoint counts batches of 64 samples over all ranks, and this run's are 32"), "{e}");
+    assert!(e.ends_with("resume with --global-batch 64"), "{e}");
+    // Two ranks at --global-batch 64 go on from the same checkpoint.
+    let two_dir = copy("two");
+    let two: Vec<mpc::train::Trained> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+            .into_iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let (model, model_path, opts, two_dir) = (&model, &model_path, &opts, &two_dir);
+                scope.spawn(move || {
+                    let shard = Shard { rank, world: 2 };
+                    let cfg = TrainConfig {
+                        shard,
+                        global_batch: Some(64),
+                        checkpoint: two_dir.clone(),
+                        resume: true,
+                        ..digits_cfg(3)
+                    };
+                    let device = CpuDevice::default().with_collective(Arc::new(r));
+                    train_on(device, model, model_path, opts, &cfg, &mut |_| {}).unwrap()
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert_eq!(two[0].epochs.len(), 1, "the third epoch alone");
+    let mut worst = 0f64;
+    for ((name, a), (_, b)) in one.state.iter().zip(&two[0].state).filter(|((n, _), _)| !n.starts_with("mpc.")) {
+        let (a, b) = (a.f64s(), b.f64s());
+        let diff: f64 = a.iter().zip(&b).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+        let rel = diff / a.iter().map(|p| p * p).sum::<f64>().sqrt();
+        assert!(rel <= 1e-6, "`{name}` differs by {rel:e} (relative L2)");
+        worst = worst.max(rel);
+    }
+    println!("resumed on 2 ranks at --global-batch 64: the one process's weights within {worst:.1e}");
+    let odd = TrainConfig { shard: Shard { rank: 0, world: 2 }, global_batch: Some(63), ..digits_cfg(1) };
+    let e = mpc::train::train(&model, &model_path, &opts, &odd, &mut |_| {}).err().unwrap().to_string();
+    assert_eq!(e, "--global-batch 63 over 2 ranks: the global batch must be a positive multiple of the ranks");
+}

@@ -8,6 +8,16 @@ use mpc_runtime::HostTensor;
 
 /// The name of the count of batches a checkpoint has done.
 pub const ITERATION: &str = "mpc.iteration";
+/// The name of the samples per update (over all ranks) of the run that wrote a checkpoint.
+pub const GLOBAL_BATCH: &str = "mpc.global_batch";
+
+/// How far a checkpointed run got: its batches done, and (where the run said) the samples in
+/// each, over all ranks: what the batches done count in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    pub iteration: usize,
+    pub global_batch: Option<usize>,
+}
 
 /// The state `mpc.<dtype>.<master>` (a master weight's low-precision copy) made from the master
 /// in `saved`, when `name` is such a copy that `saved` does not hold.
@@ -43,11 +53,21 @@ pub(super) fn check_state(
     Ok(())
 }
 
-/// The count of batches `saved` has done (its `mpc.iteration`), or what is wrong with it.
-pub(super) fn iteration(saved: &HashMap<String, HostTensor>) -> std::result::Result<usize, String> {
-    let done = saved.get(ITERATION).ok_or_else(|| format!("no `{ITERATION}`: not a checkpoint mpc wrote"))?;
-    match (done.shape.as_slice(), done.i64s().as_deref()) {
-        ([], Some(&[n])) if n >= 0 => Ok(n as usize),
-        _ => Err(format!("`{ITERATION}` is not a count of batches (a non-negative int64 scalar)")),
-    }
+/// How far `saved` got (its `mpc.iteration` and `mpc.global_batch`), or what is wrong with it.
+pub(super) fn progress(saved: &HashMap<String, HostTensor>) -> std::result::Result<Progress, String> {
+    let count = |name: &str| match saved.get(name).map(|t| (t.shape.as_slice(), t.i64s())) {
+        None => Ok(None),
+        Some(([], Some(v))) if v.first().is_some_and(|&n| n >= 0) => Ok(Some(v[0] as usize)),
+        Some(_) => Err(format!("`{name}` is not a count (a non-negative int64 scalar)")),
+    };
+    let iteration = count(ITERATION)?.ok_or_else(|| format!("no `{ITERATION}`: not a checkpoint mpc wrote"))?;
+    Ok(Progress { iteration, global_batch: count(GLOBAL_BATCH)? })
+}
+
+/// The scalars that say how far a run got, as a checkpoint stores them.
+pub(super) fn progress_tensors(p: Progress) -> Vec<(String, HostTensor)> {
+    let count = |n: usize| HostTensor::from_i64(DType::I64, vec![], vec![n as i64]);
+    let mut out = vec![(ITERATION.to_string(), count(p.iteration))];
+    out.extend(p.global_batch.map(|g| (GLOBAL_BATCH.to_string(), count(g))));
+    out
 }

@@ -565,6 +565,11 @@ impl<D: Device> Trainer<D> {
     /// Writes the state and `iteration` (the batches done) to `file`, atomically. In a
     /// data-parallel run every rank calls it (a sharded state is gathered) and rank 0 writes.
     pub fn save(&mut self, file: &Path, iteration: usize) -> Result<()> {
+        self.save_progress(file, checkpoint::Progress { iteration, global_batch: None })
+    }
+
+    /// [`Self::save`] with the run's global batch too, which [`Self::load_progress`] reads back.
+    pub fn save_progress(&mut self, file: &Path, progress: checkpoint::Progress) -> Result<()> {
         let mut tensors = self.state()?;
         if self.rank() != 0 {
             return Ok(());
@@ -572,16 +577,21 @@ impl<D: Device> Trainer<D> {
         if let Some(dir) = file.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|source| Error::Output { path: dir.to_owned(), source })?;
         }
-        let done = HostTensor::from_i64(mpc_ir::DType::I64, vec![], vec![iteration as i64]);
-        tensors.push((checkpoint::ITERATION.into(), done));
+        tensors.extend(checkpoint::progress_tensors(progress));
         crate::run::write_safetensors(file, &tensors)
     }
 
     /// Loads a checkpoint [`Self::save`] wrote; returns its count of batches done.
     pub fn load(&mut self, file: &Path) -> Result<usize> {
+        Ok(self.load_progress(file)?.iteration)
+    }
+
+    /// Loads a checkpoint; returns how far its run got.
+    pub fn load_progress(&mut self, file: &Path) -> Result<checkpoint::Progress> {
         let saved = crate::run::read_safetensors(file)?;
+        let progress = checkpoint::progress(&saved).map_err(|m| Error::Usage(format!("{}: {m}", file.display())))?;
         self.load_state(&saved, file)?;
-        checkpoint::iteration(&saved).map_err(|m| Error::Usage(format!("{}: {m}", file.display())))
+        Ok(progress)
     }
 
     /// The original `model` with its initializers replaced by the trained values of the same
