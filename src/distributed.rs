@@ -31,36 +31,91 @@ impl Group {
 
 /// Starts MPI and joins its world: the rank and world size `mpiexec` gave this process.
 /// `device` is the `--device` of the run (a distributed run is on the CPU).
-pub fn join(device: &str) -> Result<Group> {
+/// A collective call that waits longer than `timeout` for the other ranks ends this process with
+/// one line naming the rank, the step and the call (exit 2): a rank that died or hangs stops the
+/// run instead of leaving the others waiting.
+pub fn join(device: &str, timeout: std::time::Duration) -> Result<Group> {
     if device != "cpu" {
         return Err(Error::Usage(format!(
             "--distributed --device {device}: data-parallel training runs on the CPU device for now (the CUDA device has no collectives yet)"
         )));
     }
-    join_mpi()
+    join_mpi(timeout)
 }
 
 #[cfg(not(feature = "mpi"))]
-fn join_mpi() -> Result<Group> {
+fn join_mpi(_: std::time::Duration) -> Result<Group> {
     Err(Error::Usage(
         "--distributed: this mpc was built without MPI; build it with `cargo build --release --features mpi` (MPICH or Open MPI, and libclang) and launch it with `mpiexec -n N`".into(),
     ))
 }
 
 #[cfg(feature = "mpi")]
-fn join_mpi() -> Result<Group> {
+fn join_mpi(timeout: std::time::Duration) -> Result<Group> {
     use mpi::traits::Communicator;
     let universe =
         mpi::initialize().ok_or_else(|| Error::Usage("--distributed: MPI was initialised already".into()))?;
     let world = universe.world();
     let shard = Shard { rank: world.rank() as usize, world: world.size() as usize };
-    Ok(Group { shard, collective: std::sync::Arc::new(MpiGroup { world }), _universe: universe })
+    let watch = Watch::start(shard.rank, timeout);
+    Ok(Group { shard, collective: std::sync::Arc::new(MpiGroup { world, watch }), _universe: universe })
 }
 
 /// The ranks of `MPI_COMM_WORLD`, each a process.
 #[cfg(feature = "mpi")]
 pub struct MpiGroup {
     world: mpi::topology::SimpleCommunicator,
+    watch: std::sync::Arc<Watch>,
+}
+
+/// The watch over a rank's collective calls: a thread that ends the process with one line when
+/// a call has waited longer than the timeout (MPI's calls cannot be cancelled, and one whose
+/// peer died may never return).
+#[cfg(feature = "mpi")]
+struct Watch {
+    rank: usize,
+    timeout: std::time::Duration,
+    step: std::sync::atomic::AtomicU64,
+    /// The call in progress: when it started, what it is, and its number among this rank's.
+    call: std::sync::Mutex<(Option<(std::time::Instant, &'static str)>, u64)>,
+}
+
+#[cfg(feature = "mpi")]
+impl Watch {
+    fn start(rank: usize, timeout: std::time::Duration) -> std::sync::Arc<Watch> {
+        let call = std::sync::Mutex::new((None, 0));
+        let watch = std::sync::Arc::new(Watch { rank, timeout, step: Default::default(), call });
+        let w = watch.clone();
+        let every = (timeout / 10).clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
+        std::thread::spawn(move || loop {
+            std::thread::sleep(every);
+            let Ok(c) = w.call.lock() else { continue };
+            if let (Some((since, what)), n) = *c {
+                if since.elapsed() > w.timeout {
+                    let step = w.step.load(std::sync::atomic::Ordering::Relaxed);
+                    eprintln!(
+                        "mpc: rank {}: step {step}: the {what} (this rank's collective call {n}) waited {:?} for the other ranks, which did not arrive: a rank died or hangs (--collective-timeout)",
+                        w.rank, w.timeout
+                    );
+                    std::process::exit(2);
+                }
+            }
+        });
+        watch
+    }
+
+    /// Runs the collective call `f`, watched.
+    fn over<T>(&self, what: &'static str, f: impl FnOnce() -> T) -> T {
+        if let Ok(mut c) = self.call.lock() {
+            c.1 += 1;
+            c.0 = Some((std::time::Instant::now(), what));
+        }
+        let out = f();
+        if let Ok(mut c) = self.call.lock() {
+            c.0 = None;
+        }
+        out
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -81,6 +136,10 @@ impl mpc_runtime::collective::Collective for MpiGroup {
     fn world(&self) -> usize {
         use mpi::traits::Communicator;
         self.world.size() as usize
+    }
+
+    fn at_step(&self, step: u64) {
+        self.watch.step.store(step, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// In f64 (so the mean of f32 gradients is rounded once), by `MPI_Allreduce`: every rank
@@ -105,7 +164,7 @@ impl mpc_runtime::collective::Collective for MpiGroup {
             CollectiveReduction::Max => SystemOperation::max(),
             CollectiveReduction::Sum | CollectiveReduction::Mean => SystemOperation::sum(),
         };
-        self.world.all_reduce_into(&mine[..], &mut all[..], op);
+        self.watch.over("all-reduce", || self.world.all_reduce_into(&mine[..], &mut all[..], op));
         if how == CollectiveReduction::Mean {
             let n = mpc_runtime::collective::Collective::world(self) as f64;
             all.iter_mut().for_each(|v| *v /= n);
@@ -130,7 +189,7 @@ impl mpc_runtime::collective::Collective for MpiGroup {
             CollectiveReduction::Max => SystemOperation::max(),
             CollectiveReduction::Sum | CollectiveReduction::Mean => SystemOperation::sum(),
         };
-        self.world.reduce_scatter_block_into(&mine[..], &mut block[..], op);
+        self.watch.over("reduce-scatter", || self.world.reduce_scatter_block_into(&mine[..], &mut block[..], op));
         if how == CollectiveReduction::Mean {
             block.iter_mut().for_each(|v| *v /= n as f64);
         }
@@ -146,7 +205,7 @@ impl mpc_runtime::collective::Collective for MpiGroup {
         let dt = floats_only(x, "all-gather")?;
         let mine = x.f64s();
         let mut all = vec![0f64; mine.len() * mpc_runtime::collective::Collective::world(self)];
-        self.world.all_gather_into(&mine[..], &mut all[..]);
+        self.watch.over("all-gather", || self.world.all_gather_into(&mine[..], &mut all[..]));
         Ok(mpc_runtime::collective::floats(dt, vec![all.len()], all))
     }
 }

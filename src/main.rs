@@ -208,10 +208,17 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         stats,
         distributed,
         shard_optimizer,
+        collective_timeout,
     } = t;
     let kind = check_device(&device)?;
     // Kept to the end: MPI is finalised when it drops.
-    let group = distributed.then(|| mpc::distributed::join(&device)).transpose()?;
+    if !(collective_timeout > 0.0 && collective_timeout.is_finite()) {
+        return Err(Error::Usage(format!(
+            "--collective-timeout {collective_timeout}: expected a positive number of seconds"
+        )));
+    }
+    let timeout = std::time::Duration::from_secs_f64(collective_timeout);
+    let group = distributed.then(|| mpc::distributed::join(&device, timeout)).transpose()?;
     let shard = group.as_ref().map_or(mpc::train::Shard::ALONE, |g| g.shard());
     let lead = shard.rank == 0;
     if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {

@@ -522,6 +522,7 @@ impl<D: Device> Run<'_, D> {
             let part = self.cfg.shard.part(batches.get(self.iteration % self.per_epoch));
             let idx: Vec<usize> = part.iter().map(|&i| i as usize).collect();
             let idx = idx.as_slice();
+            self.trainer.at_step(self.iteration as u64 + 1);
             pending.push((self.iteration + 1, self.trainer.step(&batch_feeds(&self.data, &self.feeds, idx))?));
             sums.samples += idx.len();
             self.iteration += 1;

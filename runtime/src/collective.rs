@@ -21,6 +21,9 @@ pub trait Collective: Send + Sync + std::fmt::Debug {
     fn rank(&self) -> usize;
     /// How many ranks reduce together.
     fn world(&self) -> usize;
+    /// Says which training step the next calls belong to, for the messages of a group that
+    /// names where it waited (nothing by default).
+    fn at_step(&self, _step: u64) {}
     /// `x` combined with the other ranks' tensors of the same call: the same dtype and shape on
     /// every rank, which every rank calls in the same order. The result is the same on every rank.
     fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError>;

@@ -488,6 +488,14 @@ impl<D: Device> Trainer<D> {
         Ok(out)
     }
 
+    /// Tells the device's group which step of the run the next collectives belong to (what a
+    /// timed-out call names).
+    pub fn at_step(&self, step: u64) {
+        if let Some(g) = self.session.device().collective() {
+            g.at_step(step);
+        }
+    }
+
     /// This rank's place in a data-parallel run (rank 0 of 1 on a device of no group).
     fn rank(&self) -> usize {
         self.session.device().collective().map_or(0, |g| g.rank())

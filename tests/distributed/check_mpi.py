@@ -10,16 +10,20 @@ with dynamic loss scaling within 5e-3 (each rank rounds its weight gradients, su
 batch, to f16, where one process rounds the whole batch's: 2^-11 apart each step; 1.7e-3 after the
 135 steps here); the fp32 epoch lines must agree. Then `--shard-optimizer` (AdamW, fp32 and mixed)
 on two ranks against the unsharded two: the same weights bit for bit, and each rank's training
-state (`--stats`) half the unsharded one's but for the scalars every rank keeps. Exits 1 on a
-difference, 2 when mpiexec is missing.
+state (`--stats`) half the unsharded one's but for the scalars every rank keeps. Last, the faults:
+rank 1 stopped (SIGSTOP) in a long run ends it within 30 s with rank 0's one line naming the rank
+and the step (`--collective-timeout 3`), and rank 1 killed (SIGKILL) ends it within 30 s. Exits 1
+on a difference, 2 when mpiexec is missing.
 """
 
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import onnx
@@ -52,6 +56,51 @@ def evals(stdout):
     """Each epoch line but its samples/s: the training loss (the mean over the ranks), the
     evaluation, the loss scale and the skipped steps."""
     return [line.rsplit(", ", 1)[0] for line in stdout.splitlines() if line.startswith("epoch")]
+
+
+def rank_pid(rank, mpc):
+    """The pid of the mpc process mpiexec started as `rank` (MPICH's PMI_RANK), or None."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in env and cmd and os.path.basename(cmd[0]) == os.path.basename(mpc).encode():
+            return int(pid)
+    return None
+
+
+def fault(mpiexec, mpc, sig):
+    """A long 2-rank run whose rank 1 gets `sig` once training is under way: how long the run
+    took to end after it, its exit code and stderr."""
+    cmd = [mpiexec, "-n", "2", mpc, "train", MODEL, "--data", DATA, "--epochs", "100000", "--batch", "32",
+           "--distributed", "--collective-timeout", "3"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = None
+    for _ in range(200):
+        time.sleep(0.05)
+        pid = pid or rank_pid(1, mpc)
+        if pid and p.stdout.readline().startswith("epoch"):
+            break
+    if pid is None:
+        p.kill()
+        raise SystemExit("FAIL: rank 1's process not found")
+    os.kill(pid, sig)
+    t0 = time.time()
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+    if sig == signal.SIGSTOP:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return time.time() - t0, p.returncode, err
 
 
 def main():
@@ -94,6 +143,16 @@ def main():
             ok &= good
             print(f"{'ok  ' if good else 'FAIL'} {policy}: --shard-optimizer on 2 ranks, AdamW, 3 epochs: weights "
                   f"{'the same bits' if same else 'differ'}; state per rank {sharded_bytes} B of {whole_bytes} B")
+    took, code, err = fault(mpiexec, a.mpc, signal.SIGSTOP)
+    ours = [l for l in err.splitlines() if l.startswith("mpc: rank 0: step ")]
+    good = took <= 30 and code != 0 and len(ours) == 1 and "waited 3s for the other ranks" in ours[0]
+    ok &= good
+    print(f"{'ok  ' if good else 'FAIL'} rank 1 stopped: the run ended {took:.1f} s later, exit {code}: "
+          f"{ours[0] if ours else err.strip()[-300:]}")
+    took, code, err = fault(mpiexec, a.mpc, signal.SIGKILL)
+    good = took <= 30 and code != 0
+    ok &= good
+    print(f"{'ok  ' if good else 'FAIL'} rank 1 killed: the run ended {took:.1f} s later, exit {code}")
     return 0 if ok else 1
 
 
