@@ -838,6 +838,8 @@ fn two_ranks_train_as_one_batch_of_both() {
     for (rank, e) in errors.iter().enumerate() {
         assert!(e.starts_with(&format!("rank {rank}: the ranks lowered different training steps")), "{e}");
         assert!(e.contains("collectives here, between 5 and 6 on the ranks"), "{e}");
+        assert!(e.contains("their collective 2 differs (here the all-reduce of "), "{e}");
+        println!("{e}");
     }
 }
 

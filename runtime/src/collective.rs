@@ -74,44 +74,59 @@ pub fn floats(dtype: DType, shape: Vec<usize>, values: Vec<f64>) -> HostTensor {
 }
 
 /// Checks that every rank of `group` runs the same collectives: `program`'s `AllReduce`,
-/// `ReduceScatter` and `AllGather` launches, in order, with their kinds, dtypes and element counts, summed into a fingerprint that the
-/// ranks compare (its largest and smallest over the ranks). Different programs would pair one
-/// rank's gradients with another's, or hang: one line instead, with what differs.
+/// `ReduceScatter` and `AllGather` launches, in order, each coded by its kind, dtype and element
+/// count; the ranks compare the codes (their largest and smallest over the ranks, position by
+/// position). Different programs would pair one rank's gradients with another's, or hang: one
+/// line instead, naming the first collective that differs and this rank's node there.
 pub fn same_program(group: &dyn Collective, program: &crate::program::Program) -> Result<(), RuntimeError> {
-    let mut fingerprint = [0f64; 3];
     let kind = |op: &mpc_ir::Op| match op {
-        mpc_ir::Op::AllReduce(_) => Some(0),
-        mpc_ir::Op::ReduceScatter(_) => Some(1),
-        mpc_ir::Op::AllGather(_) => Some(2),
+        mpc_ir::Op::AllReduce(_) => Some((0, "all-reduce")),
+        mpc_ir::Op::ReduceScatter(_) => Some((1, "reduce-scatter")),
+        mpc_ir::Op::AllGather(_) => Some((2, "all-gather")),
         _ => None,
     };
-    for (k, (l, op)) in program.launches.iter().filter_map(|l| kind(&l.op).map(|o| (l, o))).enumerate() {
+    let calls: Vec<_> = program.launches.iter().filter_map(|l| kind(&l.op).map(|k| (l, k))).collect();
+    // (elements · 32 + dtype) · 3 + kind: exact in f64 below 2^46 elements.
+    let code = |l: &crate::program::Launch, k: u64| {
         let elems: u64 = l.outputs.iter().map(|t| t.numel() as u64).sum();
-        fingerprint[0] += 1.0;
-        fingerprint[1] += elems as f64;
-        // A weighted sum of (position, count, dtype, kind): order matters, within f64's exact
-        // integers.
-        let code = l.outputs.first().map_or(0, |t| t.dtype.onnx_code()) as u64 * 3 + op;
-        fingerprint[2] += (((k as u64 % 1021) + 1) * ((elems % 1_000_003) * 32 + code) % (1 << 40)) as f64;
-    }
-    let mine = HostTensor::from_f64(DType::F64, vec![3], fingerprint.to_vec());
-    let most = group.all_reduce(&mine, CollectiveReduction::Max)?.f64s();
-    let negated = HostTensor::from_f64(DType::F64, vec![3], fingerprint.iter().map(|v| -v).collect());
-    let least: Vec<f64> = group.all_reduce(&negated, CollectiveReduction::Max)?.f64s().iter().map(|v| -v).collect();
-    if most == least {
+        let dtype = l.outputs.first().map_or(0, |t| t.dtype.onnx_code()) as u64;
+        ((elems * 32 + dtype) * 3 + k) as f64
+    };
+    let (most, least) = extremes(group, &[calls.len() as f64])?;
+    let len = most[0] as usize;
+    if len == 0 {
         return Ok(());
     }
-    let what = if most[0] != least[0] {
-        format!("{} collectives here, between {} and {} on the ranks", fingerprint[0], least[0], most[0])
-    } else if most[1] != least[1] {
-        format!("collectives of {} elements here, between {} and {} on the ranks", fingerprint[1], least[1], most[1])
-    } else {
-        "its collectives in another order or of other kinds or dtypes".into()
+    let mut mine = vec![-1.0; len];
+    for (i, &(l, (k, _))) in calls.iter().enumerate() {
+        mine[i] = code(l, k);
+    }
+    let (hi, lo) = extremes(group, &mine)?;
+    let Some(first) = (0..len).find(|&i| hi[i] != lo[i]) else { return Ok(()) };
+    let here = match calls.get(first) {
+        Some(&(l, (_, what))) => {
+            let elems: usize = l.outputs.iter().map(|t| t.numel()).sum();
+            let dtype = l.outputs.first().map(|t| format!("{:?}", t.dtype)).unwrap_or_default();
+            format!("here the {what} of {elems} {dtype} elements at {}", l.node)
+        }
+        None => "here none".into(),
     };
     Err(RuntimeError::Graph(format!(
-        "rank {}: the ranks lowered different training steps ({what}): every rank must run the same model, options and data shapes",
-        group.rank()
+        "rank {}: the ranks lowered different training steps: their collective {} differs ({here}; {} collectives here, between {} and {} on the ranks): every rank must run the same model, options and data shapes",
+        group.rank(),
+        first + 1,
+        calls.len(),
+        least[0],
+        most[0]
     )))
+}
+
+/// The largest and the smallest of `x` over the ranks, element by element.
+fn extremes(group: &dyn Collective, x: &[f64]) -> Result<(Vec<f64>, Vec<f64>), RuntimeError> {
+    let t = |v: Vec<f64>| HostTensor::from_f64(DType::F64, vec![v.len()], v);
+    let most = group.all_reduce(&t(x.to_vec()), CollectiveReduction::Max)?.f64s();
+    let negated = group.all_reduce(&t(x.iter().map(|v| -v).collect()), CollectiveReduction::Max)?.f64s();
+    Ok((most, negated.iter().map(|v| -v).collect()))
 }
 
 /// One rank alone.

@@ -166,7 +166,10 @@ fn correct_running_variances(
 /// mean over the ranks, computed in FP32 (a lower-precision value widened first, and narrowed
 /// back where `keep` says its dtype must stay; FP64 as it is).
 fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool) -> Result<()> {
-    for (_, d) in pairs.iter_mut() {
+    for (p, d) in pairs.iter_mut() {
+        // Named after the parameter (or statistic): what a check that the ranks differ names.
+        let name = format!("{}.grad", b.g.name(*p));
+        b.at(&name);
         let dt = b.dtype(*d).map_err(PassError::Usage)?;
         let widened = !matches!(dt, DType::F32 | DType::F64);
         let shape = b.g.ty(*d).shape.clone();
