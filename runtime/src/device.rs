@@ -445,12 +445,18 @@ impl CpuDevice {
                     })
                     .collect();
                 match (&l.op, refs.first().copied().flatten()) {
+                    // An `active` input false: this step does not combine (every rank alike).
+                    (Op::AllReduce(_), Some(x)) if !active(&refs) => vec![x.clone()],
                     (Op::AllReduce(a), Some(x)) => {
                         vec![self.collective.all_reduce(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
                     }
                     (Op::ReduceScatter(a), Some(x)) => {
                         self.same_world(&l.node, a.world)?;
-                        vec![self.collective.reduce_scatter(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
+                        let g = &self.collective;
+                        vec![match active(&refs) {
+                            true => g.reduce_scatter(x, a.reduction).map_err(|e| at_node(&l.node, e))?,
+                            false => crate::collective::block(x, g.rank(), g.world()),
+                        }]
                     }
                     (Op::AllGather(a), Some(x)) => {
                         self.same_world(&l.node, a.world)?;
@@ -598,6 +604,11 @@ impl Device for CpuDevice {
     fn counters(&self) -> DeviceCounters {
         self.counters
     }
+}
+
+/// Whether a collective launch combines this step: its `active` input (the second) absent or true.
+fn active(inputs: &[Option<&HostTensor>]) -> bool {
+    inputs.get(1).copied().flatten().is_none_or(|f| f.f64s().first().is_some_and(|&v| v != 0.0))
 }
 
 /// A collective's failure (a rank that did not arrive, ranks that disagree) at `node`.

@@ -390,7 +390,9 @@ fn check_mpc_arity(op: &Op, inputs: &[(bool, Option<DType>)], outputs: usize) ->
         Op::Attention(_) => ((3, 4), (2, 2), &[3]),
         Op::AttentionGrad(_) => ((6, 7), (3, 3), &[6]),
         Op::AllFinite => ((1, usize::MAX), (1, 1), &[]),
-        Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) => ((1, 1), (1, 1), &[]),
+        // The reductions' second input: whether the ranks combine at all this step.
+        Op::AllReduce(_) | Op::ReduceScatter(_) => ((1, 2), (1, 1), &[]),
+        Op::AllGather(_) => ((1, 1), (1, 1), &[]),
         Op::SgdUpdate(_) => ((3, 7), (1, 3), &[3, 4, 5]),
         Op::AdamUpdate(_) => ((6, 9), (3, 4), &[6, 7]),
         Op::LossScaleUpdate(_) => ((3, 3), (2, 2), &[]),

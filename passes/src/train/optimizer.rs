@@ -41,14 +41,17 @@ impl Pass for OptimizerPass {
         // 1. Data parallel: the gradients and the running statistics averaged over the ranks;
         // with the state sharded, each rank's block of each gradient, and the blocks of the
         // masters it updates.
+        // Accumulating, only the micro-batch that applies the sums combines them.
+        let when = acc.as_ref().map(|a| a.boundary);
         if o.data_parallel || o.shard_state.is_some() {
             b.at("optimizer");
             if o.shard_state.is_none() {
-                all_reduced(&mut b, &mut pg, false)?;
+                all_reduced(&mut b, &mut pg, false, when)?;
             }
-            all_reduced(&mut b, &mut state[..running], true)?;
+            all_reduced(&mut b, &mut state[..running], true, None)?;
         }
-        let mut sharded = o.shard_state.map(|z| shard_parameters(&mut b, z, &mut pg, o.weight_copies)).transpose()?;
+        let shard = |z| shard_parameters(&mut b, z, &mut pg, o.weight_copies, when);
+        let mut sharded = o.shard_state.map(shard).transpose()?;
         let undecayed = match &sharded {
             Some(s) => undecayed.iter().filter_map(|p| s.blocks.get(p).copied()).collect(),
             None => undecayed,
@@ -164,8 +167,9 @@ fn correct_running_variances(
 
 /// The second value of each pair (a gradient, a running statistic's next value) replaced by its
 /// mean over the ranks, computed in FP32 (a lower-precision value widened first, and narrowed
-/// back where `keep` says its dtype must stay; FP64 as it is).
-fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool) -> Result<()> {
+/// back where `keep` says its dtype must stay; FP64 as it is); only on the steps where `when` is
+/// true, when given (the others keep their own values).
+fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool, when: Option<ValueId>) -> Result<()> {
     for (p, d) in pairs.iter_mut() {
         // Named after the parameter (or statistic): what a check that the ranks differ names.
         let name = format!("{}.grad", b.g.name(*p));
@@ -175,7 +179,7 @@ fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool) -> Result<(
         let shape = b.g.ty(*d).shape.clone();
         let wide = if widened { b.cast(*d, DType::F32) } else { *d };
         let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Mean };
-        *d = b.op("all_reduce", Op::AllReduce(Box::new(attrs)), &[wide]);
+        *d = b.ops("all_reduce", Op::AllReduce(Box::new(attrs)), &[Some(wide), when], 1)[0];
         // Typed now: the steps after this one read the gradients' dtypes.
         let wide_dt = if widened { DType::F32 } else { dt };
         b.g.set_ty(*d, mpc_ir::TypeInfo { dtype: Some(wide_dt), shape: shape.clone() });
@@ -417,6 +421,7 @@ fn shard_parameters(
     z: super::StateShard,
     pg: &mut [(ValueId, ValueId)],
     copies: bool,
+    when: Option<ValueId>,
 ) -> Result<Sharded> {
     let mut s = Sharded { blocks: HashMap::new(), lows: HashMap::new(), shapes: HashMap::new(), state: Vec::new() };
     for (p, d) in pg.iter_mut() {
@@ -426,7 +431,7 @@ fn shard_parameters(
         let t = t.ok_or_else(|| PassError::Usage(format!("`{pname}` is not an initializer")))?;
         let low = if copies { low_copy(b.g, *p, &pname, &t, Some(z)) } else { None };
         let block = super::shard::read_gathered(b.g, *p, z)?;
-        *d = super::shard::scattered(b, *d, t.numel(), z)?;
+        *d = super::shard::scattered(b, *d, t.numel(), z, when)?;
         s.blocks.insert(*p, block);
         s.lows.insert(block, low);
         s.shapes.insert(block, t.shape().to_vec());

@@ -58,8 +58,15 @@ pub(super) fn gathered(b: &mut Builder, block: ValueId, shape: &[u64], z: StateS
 }
 
 /// This rank's block of the mean over the ranks of the gradient `d` of a parameter of `numel`
-/// elements: widened to FP32 (FP64 stays), flattened, padded, reduce-scattered.
-pub(super) fn scattered(b: &mut Builder, d: ValueId, numel: u64, z: StateShard) -> Result<ValueId> {
+/// elements: widened to FP32 (FP64 stays), flattened, padded, reduce-scattered (only where
+/// `when` is true, when given: else this rank's block of its own).
+pub(super) fn scattered(
+    b: &mut Builder,
+    d: ValueId,
+    numel: u64,
+    z: StateShard,
+    when: Option<ValueId>,
+) -> Result<ValueId> {
     let dt = b.dtype(d).map_err(PassError::Usage)?;
     let wide = if matches!(dt, DType::F32 | DType::F64) { dt } else { DType::F32 };
     let mut x = if wide == dt { d } else { b.cast(d, wide) };
@@ -72,7 +79,7 @@ pub(super) fn scattered(b: &mut Builder, d: ValueId, numel: u64, z: StateShard) 
         x = b.op("pad", Op::Pad(Default::default()), &[x, pads]);
     }
     let attrs = ReduceScatterAttrs { reduction: CollectiveReduction::Mean, world: z.world as i64 };
-    let out = b.op("reduce_scatter", Op::ReduceScatter(Box::new(attrs)), &[x]);
+    let out = b.ops("reduce_scatter", Op::ReduceScatter(Box::new(attrs)), &[Some(x), when], 1)[0];
     // Typed now: the rest of the optimizer pass reads the gradients' dtypes.
     b.g.set_ty(out, TypeInfo::new(wide, mpc_ir::Shape::fixed(&[s])));
     Ok(out)
