@@ -509,7 +509,7 @@ end
 }
 
 /// A tampered checkpoint is refused on `--resume` in one line: no or a bad iteration count,
-/// nothing left to train, a non-finite or out-of-bounds loss scale, a negative counter.
+/// nothing left to train, a bad or another global batch, a non-finite or out-of-bounds loss scale, a negative counter.
 #[test]
 fn resuming_checks_the_checkpoint() {
     let dir = scratch("resume_checks");
@@ -520,7 +520,11 @@ fn resuming_checks_the_checkpoint() {
     let saved = mpc::run::read_safetensors(&file).unwrap();
     let counter = saved
         .iter()
-        .find(|(k, t)| k.starts_with("mpc.") && *k != "mpc.rng" && *k != "mpc.iteration" && t.dtype() == DType::I64)
+        .find(|(k, t)| {
+            k.starts_with("mpc.")
+                && !["mpc.rng", "mpc.iteration", "mpc.global_batch"].contains(&k.as_str())
+                && t.dtype() == DType::I64
+        })
         .map(|(k, _)| k.clone())
         .expect("a step counter");
     let scalar_f32 = |x: f32| HostTensor::from_f32(DType::F32, vec![], vec![x]);
@@ -529,6 +533,8 @@ fn resuming_checks_the_checkpoint() {
         (None, "no `mpc.iteration`"),
         (Some(("mpc.iteration", scalar_i64(-3))), "`mpc.iteration` is not a count of batches"),
         (Some(("mpc.iteration", scalar_i64(1 << 40))), "nothing is left to train"),
+        (Some(("mpc.global_batch", scalar_i64(-64))), "`mpc.global_batch` is not a count of samples"),
+        (Some(("mpc.global_batch", scalar_i64(128))), "resume with --global-batch 128"),
         (Some(("mpc.loss_scale", scalar_f32(f32::INFINITY))), "`mpc.loss_scale` holds inf"),
         (Some(("mpc.loss_scale", scalar_f32(1e-30))), "outside the dynamic scaling's bounds"),
         (Some((counter.as_str(), scalar_i64(-1))), "is -1: counters are never negative"),

@@ -55,13 +55,14 @@ pub(super) fn check_state(
 
 /// How far `saved` got (its `mpc.iteration` and `mpc.global_batch`), or what is wrong with it.
 pub(super) fn progress(saved: &HashMap<String, HostTensor>) -> std::result::Result<Progress, String> {
-    let count = |name: &str| match saved.get(name).map(|t| (t.shape.as_slice(), t.i64s())) {
+    let count = |name: &str, of: &str| match saved.get(name).map(|t| (t.shape.as_slice(), t.i64s())) {
         None => Ok(None),
         Some(([], Some(v))) if v.first().is_some_and(|&n| n >= 0) => Ok(Some(v[0] as usize)),
-        Some(_) => Err(format!("`{name}` is not a count (a non-negative int64 scalar)")),
+        Some(_) => Err(format!("`{name}` is not a count of {of} (a non-negative int64 scalar)")),
     };
-    let iteration = count(ITERATION)?.ok_or_else(|| format!("no `{ITERATION}`: not a checkpoint mpc wrote"))?;
-    Ok(Progress { iteration, global_batch: count(GLOBAL_BATCH)? })
+    let iteration =
+        count(ITERATION, "batches")?.ok_or_else(|| format!("no `{ITERATION}`: not a checkpoint mpc wrote"))?;
+    Ok(Progress { iteration, global_batch: count(GLOBAL_BATCH, "samples")? })
 }
 
 /// The scalars that say how far a run got, as a checkpoint stores them.
