@@ -267,6 +267,9 @@ fn devices_lists_the_cpu_and_each_gpu_or_says_why_none() {
     let (out, err) = (String::from_utf8_lossy(&r.stdout), String::from_utf8_lossy(&r.stderr));
     assert!(out.starts_with("cpu: "), "{out}");
     assert!(out.contains("\ncuda: driver "), "{out}");
+    // Whether data-parallel training can run, and what its CUDA collectives would load.
+    let mpi = if cfg!(feature = "mpi") { "\nmpi: " } else { "\nmpi: not built in" };
+    assert!(out.contains(mpi) && out.contains("\nnccl: "), "{out}");
     if err.contains("no GPU to use") {
         // A machine without a GPU (CI): one line naming what is missing, exit 2.
         assert_eq!(r.status.code(), Some(2));
