@@ -212,22 +212,15 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
     } = t;
     let kind = check_device(&device)?;
     // Kept to the end: MPI is finalised when it drops.
-    if !(collective_timeout > 0.0 && collective_timeout.is_finite()) {
-        return Err(Error::Usage(format!(
-            "--collective-timeout {collective_timeout}: expected a positive number of seconds"
-        )));
-    }
-    let timeout = std::time::Duration::from_secs_f64(collective_timeout);
-    let group = distributed.then(|| mpc::distributed::join(&device, timeout)).transpose()?;
+    let group = distributed.then(|| join_group(&device, collective_timeout)).transpose()?;
     let shard = group.as_ref().map_or(mpc::train::Shard::ALONE, |g| g.shard());
     let lead = shard.rank == 0;
     if !(eval_split >= 0.0 && (eval_split < 1.0 || eval_split.fract() == 0.0)) {
         return Err(Error::Usage(format!("--eval-split {eval_split}: expected a share in [0, 1) or a count")));
     }
     let mut opts = common.options(Vec::new(), None)?;
-    let (t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
+    let (mut t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
     let t_seed = t.seed;
-    let mut t = t;
     if shard_optimizer && device != "cpu" {
         return Err(Error::Usage(format!(
             "--shard-optimizer --device {device}: the sharded optimizer state runs on the CPU device for now (the CUDA device has no collectives yet)"
@@ -256,19 +249,10 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         shard,
     };
     let mut report = |r: &mpc::train::EpochReport| {
-        if !lead {
-            return;
-        }
-        let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
-        if let Some((acc, l)) = r.eval {
-            line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
-        }
-        if let Some(s) = r.loss_scale {
-            line.push_str(&format!(", loss scale {s}"));
-        }
-        line.push_str(&format!(", skipped {}, {} samples/s", r.skipped, mpc::train::rate(r.samples_per_s)));
         // A closed output does not stop the training (its checkpoints are its results).
-        let _ = write_out(format!("{line}\n"));
+        if lead {
+            let _ = write_out(epoch_line(r));
+        }
     };
     let trained = match &group {
         Some(g) => mpc::train::train_on(g.device(), &model, &common.model, &opts, &cfg, &mut report)?,
@@ -293,6 +277,28 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         mpc::save(&g, &o, Format::Onnx)?;
     }
     Ok(())
+}
+
+/// `--distributed`: this process's rank of the MPI run, its collectives timed out after
+/// `timeout` seconds.
+fn join_group(device: &str, timeout: f64) -> Result<mpc::distributed::Group, Error> {
+    if !(timeout > 0.0 && timeout.is_finite()) {
+        return Err(Error::Usage(format!("--collective-timeout {timeout}: expected a positive number of seconds")));
+    }
+    mpc::distributed::join(device, std::time::Duration::from_secs_f64(timeout))
+}
+
+/// The line `mpc train` prints after an epoch.
+fn epoch_line(r: &mpc::train::EpochReport) -> String {
+    let mut line = format!("epoch {}: loss {:.4}", r.epoch, r.mean_loss);
+    if let Some((acc, l)) = r.eval {
+        line.push_str(&format!(", eval loss {l:.4}, accuracy {:.2}%", acc * 100.0));
+    }
+    if let Some(s) = r.loss_scale {
+        line.push_str(&format!(", loss scale {s}"));
+    }
+    line.push_str(&format!(", skipped {}, {} samples/s\n", r.skipped, mpc::train::rate(r.samples_per_s)));
+    line
 }
 
 /// `mpc compile`.
