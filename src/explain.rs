@@ -135,22 +135,12 @@ pub fn explain(
         colour_boundaries(g)
     )
     .ok();
-    let (bound, used) = bind_inputs(g, dims)?;
-    let total = flops(&bound).total();
-    let low_flops: u64 = bound
-        .node_ids()
-        .filter(|&n| matches!(node_dtype(&bound, n), Some(DType::F16 | DType::BF16)))
-        .filter_map(|n| node_flops(&bound, n)?.0)
-        .sum();
-    let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    if total > 0 {
-        writeln!(
-            s,
-            "# low-precision FLOPs: {:.1}% of {total} (at {})",
-            100.0 * low_flops as f64 / total as f64,
-            at.join(", ")
-        )
-        .ok();
+    let bound = bind_inputs(g, dims);
+    match &bound {
+        Ok((bound, used)) => low_flops_line(&mut s, bound, used),
+        Err(e) => {
+            writeln!(s, "{}", crate::summary::not_estimated("low-precision FLOPs", g, dims, e)).ok();
+        }
     }
     let (wb, wa) = (weight_bytes(before), weight_bytes(g));
     writeln!(s, "# weight bytes: {wb} → {wa} ({:.2}x)", wa as f64 / wb.max(1) as f64).ok();
@@ -167,6 +157,7 @@ pub fn explain(
         )
         .ok();
     }
+    let Ok((bound, _)) = bound else { return Ok(s) };
     for n in bound.node_ids() {
         if !matches!(node_dtype(&bound, n), Some(DType::F16 | DType::BF16)) {
             continue;
@@ -180,6 +171,26 @@ pub fn explain(
         }
     }
     Ok(s)
+}
+
+/// The share of the FLOPs of `bound` (its inputs bound as `used` says) computed in f16 or bf16.
+fn low_flops_line(s: &mut String, bound: &Graph, used: &std::collections::BTreeMap<String, u64>) {
+    let total = flops(bound).total();
+    let low_flops: u64 = bound
+        .node_ids()
+        .filter(|&n| matches!(node_dtype(bound, n), Some(DType::F16 | DType::BF16)))
+        .filter_map(|n| node_flops(bound, n)?.0)
+        .sum();
+    let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if total > 0 {
+        writeln!(
+            s,
+            "# low-precision FLOPs: {:.1}% of {total} (at {})",
+            100.0 * low_flops as f64 / total as f64,
+            at.join(", ")
+        )
+        .ok();
+    }
 }
 
 /// The reduction and output dims of a matrix product (K, N; channels for Conv).

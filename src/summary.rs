@@ -146,7 +146,13 @@ pub fn summarize(g: &Graph, dims: &HashMap<String, u64>) -> Result<String, PassE
     }
     let params: Vec<String> = per.iter().map(|(d, (n, b))| format!("{d} {} ({})", human(*n), bytes(*b))).collect();
     writeln!(s, "# initializers: {}", if params.is_empty() { "none".into() } else { params.join(", ") }).ok();
-    let (bound, used) = bind_inputs(g, dims)?;
+    let (bound, used) = match bind_inputs(g, dims) {
+        Ok(b) => b,
+        Err(e) => {
+            writeln!(s, "{}", not_estimated("FLOPs", g, dims, &e)).ok();
+            return Ok(s);
+        }
+    };
     let f = flops(&bound);
     let at: Vec<String> = used.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let at = if at.is_empty() { "the model's own input shapes".to_string() } else { at.join(", ") };
@@ -157,6 +163,24 @@ pub fn summarize(g: &Graph, dims: &HashMap<String, u64>) -> Result<String, PassE
     }
     writeln!(s, "{line}").ok();
     Ok(s)
+}
+
+/// The comment line saying that `what` was not estimated: the shapes do not hold at the input
+/// sizes `dims` gives (1 for the others: a model that keeps its traced sizes in its constants
+/// needs them given).
+pub(crate) fn not_estimated(what: &str, g: &Graph, dims: &HashMap<String, u64>, e: &PassError) -> String {
+    let mut at: BTreeMap<String, u64> = BTreeMap::new();
+    for &v in g.inputs() {
+        for d in g.ty(v).shape.iter().flat_map(|s| s.dims()) {
+            if let Dim::Sym(x) = d {
+                for sym in x.symbols() {
+                    at.insert(sym.to_string(), dims.get(sym).copied().unwrap_or(1));
+                }
+            }
+        }
+    }
+    let at: Vec<String> = at.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("# {what}: not estimated at {}: {e}; give the model's sizes with --dim NAME=N", at.join(", "))
 }
 
 /// The graph as JSON: interface, initializers by dtype and shape, nodes with attributes.

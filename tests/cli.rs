@@ -412,3 +412,23 @@ fn distributed_training_says_what_it_needs() {
         "one rank sharded trains another model"
     );
 }
+
+/// `mpc inspect` of an export whose constants hold the length it was traced at (a legacy
+/// nn.MultiheadAttention encoder, traced at seq 8) prints the graph and says the FLOPs were not
+/// estimated at seq=1, naming the node and the sizes to give; with `--dim seq=8` it counts them.
+#[test]
+fn inspect_says_where_the_default_sizes_do_not_hold() {
+    let m = "tests/models/zoo/encoder.legacy.onnx";
+    let r = mpc(&["inspect", m]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let line = out.lines().find(|l| l.starts_with("# FLOPs")).expect("a FLOPs line");
+    assert!(
+        line.starts_with("# FLOPs: not estimated at batch=1, seq=1: node `/enc/layers.0/self_attn/Reshape_4`"),
+        "{line}"
+    );
+    assert!(line.ends_with("give the model's sizes with --dim NAME=N"), "{line}");
+    let r = mpc(&["inspect", m, "--dim", "seq=8", "--explain"]);
+    let out = String::from_utf8_lossy(&r.stdout);
+    assert!(out.contains("# FLOPs at batch=1, seq=8: 278,720"), "{out}");
+}
