@@ -351,20 +351,7 @@ impl CpuDevice {
             None => None,
         };
         if self.in_place && prologue.is_none() && cpu::views::try_launch(regions, l) {
-            if let (Some(e), Some(place)) = (&l.epilogue, l.outputs.first()) {
-                // The epilogue's reference kernel over the product written in place.
-                let mem = regions.get_mut(place.region);
-                let r = range(place, mem.len)?;
-                let y = HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &mem.bytes()[r.clone()]);
-                let applied = cpu::run_op(e, &[Some(&y), second.as_ref()][..1 + usize::from(second.is_some())], 1)
-                    .map_err(|e| kernel_error(&l.node, e))?;
-                let applied = then_applied(l, applied)?;
-                let t = applied
-                    .first()
-                    .filter(|t| t.dtype() == place.dtype && t.len() == place.numel())
-                    .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
-                t.write_le_bytes(&mut mem.bytes_mut()[r]);
-            }
+            epilogue_in_place(regions, l, second.as_ref())?;
             self.counters.launches += 1;
             self.counters.in_place += 1;
             return Ok(());
@@ -375,61 +362,12 @@ impl CpuDevice {
             self.counters.launches += 1;
             return Ok(());
         }
-        let mut copies = 0;
-        let outs = {
+        let (outs, copies) = {
             let bases = cpu::views::Bases::of(regions);
-            let read: Vec<Option<HostTensor>> = l
-                .inputs
-                .iter()
-                .map(|o| match o {
-                    Operand::Device(t) => {
-                        // SAFETY: each place lies inside its region (checked above) and nothing
-                        // writes the regions until the views are dropped at the end of this block.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        let t = if self.in_place || !view.is_view() { view } else { view.clone() };
-                        copies += u64::from(!t.is_view());
-                        Some(t)
-                    }
-                    Operand::Widened(t) => {
-                        // SAFETY: as above.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        copies += 1;
-                        Some(view.cast(mpc_ir::DType::F32))
-                    }
-                    Operand::Transposed(t) => {
-                        // SAFETY: as above.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        copies += 1;
-                        Some(cpu::swap_last_two(&view))
-                    }
-                    Operand::Permuted(t, perm) => {
-                        // SAFETY: as above.
-                        let view = unsafe { cpu::views::host_view(&bases, t) };
-                        copies += 1;
-                        Some(cpu::permute(&view, perm))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let mut read = read;
-            if let Some(y) = prologue {
-                // Input 0 read through a ReLU's gradient: the ReluGrad's reference kernel first,
-                // the unfused node's bits.
-                // SAFETY: as above.
-                let y = unsafe { cpu::views::host_view(&bases, y) };
-                let dy = read
-                    .first()
-                    .and_then(Option::as_ref)
-                    .ok_or_else(|| RuntimeError::Internal(format!("{}: a ReLU prologue without an input 0", l.node)))?;
-                let masked = cpu::run_op(&Op::ReluGrad, &[Some(dy), Some(&y)], 1)
-                    .map_err(|e| kernel_error(&l.node, e))?
-                    .into_iter()
-                    .next()
-                    .ok_or_else(|| RuntimeError::Internal(format!("{}: no ReluGrad result", l.node)))?;
-                read[0] = Some(masked);
-                copies += 1;
-            }
-            if let Some(chain) = &l.chain {
+            // SAFETY: each place lies inside its region (checked above) and nothing writes the
+            // regions until the views are dropped at the end of this block.
+            let (read, copies) = unsafe { self.operands(&bases, l, prologue)? };
+            let outs = if let Some(chain) = &l.chain {
                 run_chain(l, chain, &read)?
             } else {
                 let refs: Vec<Option<&HostTensor>> = l
@@ -444,28 +382,9 @@ impl CpuDevice {
                         }
                     })
                     .collect();
-                match (&l.op, refs.first().copied().flatten()) {
-                    // An `active` input false: this step does not combine (every rank alike).
-                    (Op::AllReduce(_), Some(x)) if !active(&refs) => vec![x.clone()],
-                    (Op::AllReduce(a), Some(x)) => {
-                        vec![self.collective.all_reduce(x, a.reduction).map_err(|e| at_node(&l.node, e))?]
-                    }
-                    (Op::ReduceScatter(a), Some(x)) => {
-                        self.same_world(&l.node, a.world)?;
-                        let g = &self.collective;
-                        vec![match active(&refs) {
-                            true => g.reduce_scatter(x, a.reduction).map_err(|e| at_node(&l.node, e))?,
-                            false => crate::collective::block(x, g.rank(), g.world()),
-                        }]
-                    }
-                    (Op::AllGather(a), Some(x)) => {
-                        self.same_world(&l.node, a.world)?;
-                        vec![self.collective.all_gather(x).map_err(|e| at_node(&l.node, e))?]
-                    }
-                    _ => cpu::run_op_within(&l.op, &refs, l.outputs.len(), self.options.memory())
-                        .map_err(|e| kernel_error(&l.node, e))?,
-                }
-            }
+                self.kernel(l, &refs)?
+            };
+            (outs, copies)
         };
         self.counters.operand_copies += copies;
         if outs.len() > l.outputs.len() {
@@ -477,42 +396,169 @@ impl CpuDevice {
             )));
         }
         let mut outs = outs;
-        if let (Some(e), Some(first)) = (&l.epilogue, outs.first_mut()) {
-            // The epilogue's reference kernel on the first output: the unfused node's bits (the
-            // output in the epilogue's shape, where an element-wise one reads a reshape of it).
-            let reshaped = |p: &&TensorRef| p.shape != first.shape && p.numel() == first.len();
-            if let Some(place) = l.outputs.first().filter(reshaped).filter(|_| crate::plan::elementwise(e)) {
-                first.shape.clone_from(&place.shape);
-            }
-            let args = [Some(&*first), second.as_ref()];
-            let applied =
-                cpu::run_op(e, &args[..1 + usize::from(second.is_some())], 1).map_err(|e| kernel_error(&l.node, e))?;
-            *first = then_applied(l, applied)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
+        if let Some(first) = outs.first_mut() {
+            epilogue(l, first, second.as_ref())?;
         }
-        for (t, place) in outs.into_iter().zip(&l.outputs) {
-            // Each launch makes exactly what the graph declares: its dtype and shape, and as many
-            // values as the shape holds.
-            if t.dtype() != place.dtype || t.shape != place.shape || t.len() != place.numel() {
-                return Err(RuntimeError::Internal(format!(
-                    "{}: the kernel made {}{:?} ({} values) where the graph declares {}{:?}",
-                    l.node,
-                    t.dtype(),
-                    t.shape,
-                    t.len(),
-                    place.dtype,
-                    place.shape
-                )));
-            }
-            let mem = regions.get_mut(place.region);
-            let r = range(place, mem.len)?;
-            t.write_le_bytes(&mut mem.bytes_mut()[r]);
-        }
+        write_outputs(regions, l, outs)?;
         self.counters.launches += 1;
         Ok(())
     }
+
+    /// The operands of `l` as the host reads them (views of the regions where they can be, a
+    /// widened, transposed or permuted copy where the launch asks; input 0 through a ReLU's
+    /// gradient where it has that prologue), and the count of copies made.
+    ///
+    /// # Safety
+    /// Every place of `l` lies inside its region, and nothing writes the regions while the
+    /// views live.
+    unsafe fn operands(
+        &self,
+        bases: &cpu::views::Bases,
+        l: &Launch,
+        prologue: Option<&TensorRef>,
+    ) -> Result<(Vec<Option<HostTensor>>, u64), RuntimeError> {
+        let mut copies = 0;
+        let read: Vec<Option<HostTensor>> = l
+            .inputs
+            .iter()
+            .map(|o| match o {
+                Operand::Device(t) => {
+                    // SAFETY: each place lies inside its region (checked above) and nothing
+                    // writes the regions until the views are dropped at the end of this block.
+                    let view = unsafe { cpu::views::host_view(bases, t) };
+                    let t = if self.in_place || !view.is_view() { view } else { view.clone() };
+                    copies += u64::from(!t.is_view());
+                    Some(t)
+                }
+                Operand::Widened(t) => {
+                    // SAFETY: as above.
+                    let view = unsafe { cpu::views::host_view(bases, t) };
+                    copies += 1;
+                    Some(view.cast(mpc_ir::DType::F32))
+                }
+                Operand::Transposed(t) => {
+                    // SAFETY: as above.
+                    let view = unsafe { cpu::views::host_view(bases, t) };
+                    copies += 1;
+                    Some(cpu::swap_last_two(&view))
+                }
+                Operand::Permuted(t, perm) => {
+                    // SAFETY: as above.
+                    let view = unsafe { cpu::views::host_view(bases, t) };
+                    copies += 1;
+                    Some(cpu::permute(&view, perm))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut read = read;
+        if let Some(y) = prologue {
+            // Input 0 read through a ReLU's gradient: the ReluGrad's reference kernel first,
+            // the unfused node's bits.
+            // SAFETY: as above.
+            let y = unsafe { cpu::views::host_view(bases, y) };
+            let dy = read
+                .first()
+                .and_then(Option::as_ref)
+                .ok_or_else(|| RuntimeError::Internal(format!("{}: a ReLU prologue without an input 0", l.node)))?;
+            let masked = cpu::run_op(&Op::ReluGrad, &[Some(dy), Some(&y)], 1)
+                .map_err(|e| kernel_error(&l.node, e))?
+                .into_iter()
+                .next()
+                .ok_or_else(|| RuntimeError::Internal(format!("{}: no ReluGrad result", l.node)))?;
+            read[0] = Some(masked);
+            copies += 1;
+        }
+        Ok((read, copies))
+    }
+
+    /// The reference kernel of `l`'s op on its operands `refs`; a collective through the
+    /// device's group.
+    fn kernel(&self, l: &Launch, refs: &[Option<&HostTensor>]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let g = &self.collective;
+        let at = |e| at_node(&l.node, e);
+        Ok(match (&l.op, refs.first().copied().flatten()) {
+            // An `active` input false: this step does not combine (every rank alike).
+            (Op::AllReduce(_), Some(x)) if !active(refs) => vec![x.clone()],
+            (Op::AllReduce(a), Some(x)) => vec![g.all_reduce(x, a.reduction).map_err(at)?],
+            (Op::ReduceScatter(a), Some(x)) => {
+                self.same_world(&l.node, a.world)?;
+                vec![match active(refs) {
+                    true => g.reduce_scatter(x, a.reduction).map_err(at)?,
+                    false => crate::collective::block(x, g.rank(), g.world()),
+                }]
+            }
+            (Op::AllGather(a), Some(x)) => {
+                self.same_world(&l.node, a.world)?;
+                vec![g.all_gather(x).map_err(at)?]
+            }
+            _ => cpu::run_op_within(&l.op, refs, l.outputs.len(), self.options.memory())
+                .map_err(|e| kernel_error(&l.node, e))?,
+        })
+    }
+}
+
+/// Applies `l`'s epilogue (where it has one) to its first output by the epilogue's reference
+/// kernel: the unfused node's bits (the output in the epilogue's shape, where an element-wise
+/// one reads a reshape of it); `second` is its second operand.
+fn epilogue(l: &Launch, first: &mut HostTensor, second: Option<&HostTensor>) -> Result<(), RuntimeError> {
+    let Some(e) = &l.epilogue else { return Ok(()) };
+    let reshaped = |p: &&TensorRef| p.shape != first.shape && p.numel() == first.len();
+    if let Some(place) = l.outputs.first().filter(reshaped).filter(|_| crate::plan::elementwise(e)) {
+        first.shape.clone_from(&place.shape);
+    }
+    let args = [Some(&*first), second];
+    let applied =
+        cpu::run_op(e, &args[..1 + usize::from(second.is_some())], 1).map_err(|e| kernel_error(&l.node, e))?;
+    *first = then_applied(l, applied)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
+    Ok(())
+}
+
+/// The epilogue (where `l` has one) over the product a launch wrote in place.
+fn epilogue_in_place(
+    regions: &mut Regions<CpuMemory>,
+    l: &Launch,
+    second: Option<&HostTensor>,
+) -> Result<(), RuntimeError> {
+    let (Some(e), Some(place)) = (&l.epilogue, l.outputs.first()) else { return Ok(()) };
+    let mem = regions.get_mut(place.region);
+    let r = range(place, mem.len)?;
+    let y = HostTensor::from_le_bytes(place.dtype, place.shape.clone(), &mem.bytes()[r.clone()]);
+    let applied = cpu::run_op(e, &[Some(&y), second][..1 + usize::from(second.is_some())], 1)
+        .map_err(|e| kernel_error(&l.node, e))?;
+    let applied = then_applied(l, applied)?;
+    let t = applied
+        .first()
+        .filter(|t| t.dtype() == place.dtype && t.len() == place.numel())
+        .ok_or_else(|| RuntimeError::Internal(format!("{}: no epilogue result", l.node)))?;
+    t.write_le_bytes(&mut mem.bytes_mut()[r]);
+    Ok(())
+}
+
+/// Writes a launch's results into its output places: exactly what the graph declares for each.
+fn write_outputs(regions: &mut Regions<CpuMemory>, l: &Launch, outs: Vec<HostTensor>) -> Result<(), RuntimeError> {
+    for (t, place) in outs.into_iter().zip(&l.outputs) {
+        // Each launch makes exactly what the graph declares: its dtype and shape, and as many
+        // values as the shape holds.
+        if t.dtype() != place.dtype || t.shape != place.shape || t.len() != place.numel() {
+            return Err(RuntimeError::Internal(format!(
+                "{}: the kernel made {}{:?} ({} values) where the graph declares {}{:?}",
+                l.node,
+                t.dtype(),
+                t.shape,
+                t.len(),
+                place.dtype,
+                place.shape
+            )));
+        }
+        let mem = regions.get_mut(place.region);
+        let r = range(place, mem.len)?;
+        t.write_le_bytes(&mut mem.bytes_mut()[r]);
+    }
+    Ok(())
 }
 
 /// An epilogue's result with the op after it applied ([`Launch::epilogue_then`]), by its
