@@ -25,7 +25,9 @@ per GPU), under mixed with AdamW, it predicts the step at N GPUs with the same b
 Efficiency is t(1) / t(N): the share of N times one GPU's samples per second that N GPUs give.
 These are predictions. mpc's CUDA device has no collectives yet (no NCCL): no multi-GPU step has
 been measured. The model counts bytes only; each collective's fixed latency is left out unless
---latency-us gives one (the step issues one collective per tensor: no buckets yet).
+--latency-us gives one (the step all-reduces the gradients in buckets of at most 25 MiB, as
+TrainOptions::bucket_bytes fills them, each running statistic alone, and under --shard-optimizer
+one collective per tensor).
 
 Without --busbw and --gpus it prints two cases: 8 GPUs of one NVLink node, and 16 GPUs in 2 nodes
 joined by one 400 Gb/s InfiniBand port each. With either, one case (8 GPUs, 400 GB/s by default).
@@ -111,6 +113,21 @@ def resnet50_tensors(blocks, widths, classes):
     return params, stats
 
 
+BUCKET_BYTES = 25 << 20  # TrainOptions::bucket_bytes' default (passes/src/train/mod.rs)
+
+
+def buckets(params):
+    """How many all-reduces the gradients take: filled in reverse order as
+    `all_reduced_in_buckets` (passes/src/train/optimizer.rs) fills them, FP32 bytes each."""
+    filled = []
+    for e, _ in reversed(params):
+        if filled and filled[-1] + F32 * e <= BUCKET_BYTES:
+            filled[-1] += F32 * e
+        else:
+            filled.append(F32 * e)
+    return len(filled)
+
+
 def predict(step_ms, tensors, gpus, busbw_gbps, latency_us, shard):
     params, stats = tensors
     n = gpus
@@ -129,7 +146,7 @@ def predict(step_ms, tensors, gpus, busbw_gbps, latency_us, shard):
     else:
         t_under_bwd = ring * (grad_bytes + stat_bytes) / busbw
         t_before_fwd = 0.0
-        calls_under, calls_before = len(params) + len(stats), 0
+        calls_under, calls_before = buckets(params) + len(stats), 0
     t_under_bwd = t_under_bwd * 1e3 + calls_under * latency_us * 1e-3
     t_before_fwd = t_before_fwd * 1e3 + calls_before * latency_us * 1e-3
     comm = t_under_bwd + t_before_fwd

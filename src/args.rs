@@ -289,6 +289,10 @@ pub(crate) struct TrainCmd {
     /// start and the gradients reduce-scattered.
     #[arg(long)]
     pub(crate) shard_optimizer: bool,
+    /// With --distributed: all-reduce the gradients together in buckets of at most this many
+    /// MiB (0: one all-reduce per gradient).
+    #[arg(long, value_name = "MIB", default_value_t = 25.0)]
+    pub(crate) bucket_mb: f64,
     /// With --distributed: a collective that waits longer than this for the other ranks (one
     /// died, or hangs) ends the run with one line naming the rank and the step.
     #[arg(long, value_name = "SECONDS", default_value_t = 300.0)]

@@ -208,6 +208,7 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
         stats,
         distributed,
         shard_optimizer,
+        bucket_mb,
         collective_timeout,
     } = t;
     let kind = check_device(&device)?;
@@ -221,6 +222,10 @@ fn train_command(t: TrainCmd, devices: DeviceOptions) -> Result<(), Error> {
     let mut opts = common.options(Vec::new(), None)?;
     let (mut t, scale) = mpc::train_options(&train_args.settings(), common.config.as_deref())?;
     let t_seed = t.seed;
+    if !(bucket_mb >= 0.0 && bucket_mb.is_finite()) {
+        return Err(Error::Usage(format!("--bucket-mb {bucket_mb}: expected a size in MiB, 0 or more")));
+    }
+    t.bucket_bytes = (bucket_mb * (1u64 << 20) as f64) as u64;
     if shard_optimizer && device != "cpu" {
         return Err(Error::Usage(format!(
             "--shard-optimizer --device {device}: the sharded optimizer state runs on the CPU device for now (the CUDA device has no collectives yet)"

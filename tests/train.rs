@@ -803,6 +803,15 @@ fn two_ranks_train_as_one_batch_of_both() {
         worst = worst.max(rel);
     }
     println!("fp32 SGD: 2 ranks × 32 == 1 × 64 after 10 updates, weights within {worst:.1e} (relative L2)");
+    // The gradients in one bucket (the default's 25 MiB) or each alone: the same bits, one
+    // all-reduce in place of six.
+    let alone = TrainOptions { bucket_bytes: 0, ..parallel(&sgd) };
+    assert_eq!(on_two(&training_graph(&model, "fp32", alone.clone()), None), halves, "buckets change the step");
+    let reduces = |t: &TrainOptions| {
+        let g = training_graph(&model, "fp32", t.clone());
+        g.node_ids().filter(|&n| matches!(g.node(n).op, mpc_ir::Op::AllReduce(_))).count()
+    };
+    assert_eq!((reduces(&parallel(&sgd)), reduces(&alone)), (1, 6), "all-reduces in buckets and alone");
     // One rank: the data-parallel step is the plain one.
     for policy in ["fp32", "mixed"] {
         let plain = steps(&training_graph(&model, policy, sgd.clone()), Arc::new(Solo), None);
@@ -819,8 +828,10 @@ fn two_ranks_train_as_one_batch_of_both() {
 
     // Ranks that lowered different steps (rank 1 freezes a weight: one all-reduce fewer) are an
     // error on both, naming the rank, before any step.
-    let frozen = TrainOptions { freeze: ["fc1.bias".to_string()].into(), ..parallel(&sgd) };
-    let graphs = [training_graph(&model, "fp32", parallel(&sgd)), training_graph(&model, "fp32", frozen)];
+    // (One all-reduce per gradient here: in buckets, the ranks' one bucket each differs in size.)
+    let each = TrainOptions { bucket_bytes: 0, ..parallel(&sgd) };
+    let frozen = TrainOptions { freeze: ["fc1.bias".to_string()].into(), ..each.clone() };
+    let graphs = [training_graph(&model, "fp32", each.clone()), training_graph(&model, "fp32", frozen)];
     let errors: Vec<String> = std::thread::scope(|scope| {
         let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
             .into_iter()
@@ -838,7 +849,7 @@ fn two_ranks_train_as_one_batch_of_both() {
     for (rank, e) in errors.iter().enumerate() {
         assert!(e.starts_with(&format!("rank {rank}: the ranks lowered different training steps")), "{e}");
         assert!(e.contains("collectives here, between 5 and 6 on the ranks"), "{e}");
-        assert!(e.contains("their collective 2 differs (here the all-reduce of "), "{e}");
+        assert!(e.contains("their collective 5 differs (here the all-reduce of "), "{e}");
         println!("{e}");
     }
 }
@@ -1068,7 +1079,7 @@ fn a_checkpoint_resumes_at_its_global_batch_on_another_number_of_ranks() {
 }
 
 /// Accumulating on two ranks, only the micro-batch that applies the sums reduces them: with
-/// `--accumulate 2` an epoch of 24 global batches all-reduces `fc2.weight`'s gradient 12 times
+/// `--accumulate 2` an epoch of 24 global batches all-reduces the gradients' bucket 12 times
 /// (once per update), and the weights are one process's at twice the batch, accumulating
 /// alike (fp32 SGD, within 1e-6 relative L2); sharded, the same state bit for bit.
 #[test]
@@ -1079,7 +1090,7 @@ fn accumulating_ranks_reduce_only_the_sums_they_apply() {
     use mpc_runtime::RuntimeError;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    /// A rank that counts its all-reduces of `fc2.weight`'s 65536 elements.
+    /// A rank that counts its all-reduces of the gradients' bucket (all of them: 85,002 elements).
     #[derive(Debug)]
     struct Counting(LocalGroup, AtomicUsize);
     impl Collective for Counting {
@@ -1090,7 +1101,7 @@ fn accumulating_ranks_reduce_only_the_sums_they_apply() {
             self.0.world()
         }
         fn all_reduce(&self, x: &HostTensor, how: CollectiveReduction) -> Result<HostTensor, RuntimeError> {
-            if x.len() == 65536 {
+            if x.len() == 85_002 {
                 self.1.fetch_add(1, Ordering::Relaxed);
             }
             self.0.all_reduce(x, how)
@@ -1124,7 +1135,7 @@ fn accumulating_ranks_reduce_only_the_sums_they_apply() {
     // Sharded, the reduce-scatters are gated alike: the same state bit for bit.
     let sharded = on_two(true);
     assert!(sharded[0].1.state == runs[0].1.state, "accumulating, the sharded state differs from the unsharded");
-    assert_eq!(runs[0].0, 12, "all-reduces of fc2.weight's gradient in 24 micro-batches of groups of 2");
+    assert_eq!(runs[0].0, 12, "all-reduces of the gradients in 24 micro-batches of groups of 2");
     let one = run(
         &model_path,
         "fp32",

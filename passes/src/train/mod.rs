@@ -149,6 +149,10 @@ pub struct TrainOptions {
     /// block of every master weight, moment and low-precision copy, gathers the weights at the
     /// step's start and reduce-scatters the gradients. `None`: every rank keeps all of it.
     pub shard_state: Option<StateShard>,
+    /// Data parallel: the gradients all-reduced together in buckets of at most this many bytes
+    /// (as DDP's `bucket_cap_mb`, 25 MiB by default), filled in the order the backward pass
+    /// writes them; a larger gradient alone; 0: one all-reduce per gradient.
+    pub bucket_bytes: u64,
 }
 
 /// A learning-rate schedule: `ai.mpc::LrSchedule`'s settings, computed on the device from the
@@ -259,6 +263,7 @@ impl Default for TrainOptions {
             accumulate: 1,
             data_parallel: false,
             shard_state: None,
+            bucket_bytes: 25 << 20,
         }
     }
 }

@@ -46,7 +46,7 @@ impl Pass for OptimizerPass {
         if o.data_parallel || o.shard_state.is_some() {
             b.at("optimizer");
             if o.shard_state.is_none() {
-                all_reduced(&mut b, &mut pg, false, when)?;
+                all_reduced_in_buckets(&mut b, &mut pg, o.bucket_bytes, when)?;
             }
             all_reduced(&mut b, &mut state[..running], true, None)?;
         }
@@ -189,6 +189,63 @@ fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool, when: Optio
         }
     }
     Ok(())
+}
+
+/// The gradients of `pg` averaged over the ranks in buckets of at most `cap` bytes (a larger
+/// one alone; 0: each alone), filled in the reverse of `pg`'s order (the backward pass writes
+/// the last layers' gradients first): each bucket's gradients widened to FP32 (an FP64 one in a
+/// bucket of FP64s), flattened and concatenated, one `AllReduce` (the same bits as one each:
+/// the mean is element by element), and sliced back into their shapes.
+fn all_reduced_in_buckets(b: &mut Builder, pg: &mut [StatePair], cap: u64, when: Option<ValueId>) -> Result<()> {
+    let mut buckets: Vec<(DType, u64, Vec<usize>)> = Vec::new();
+    for i in (0..pg.len()).rev() {
+        let dt = if b.dtype(pg[i].1).map_err(PassError::Usage)? == DType::F64 { DType::F64 } else { DType::F32 };
+        let bytes = param_shape(b, pg[i].0)?.iter().product::<u64>() * dt.size() as u64;
+        match buckets.iter_mut().rev().find(|(d, _, _)| *d == dt) {
+            Some((_, filled, members)) if *filled + bytes <= cap => {
+                *filled += bytes;
+                members.push(i);
+            }
+            _ => buckets.push((dt, bytes, vec![i])),
+        }
+    }
+    for (dt, _, members) in buckets {
+        if let [i] = members[..] {
+            all_reduced(b, &mut pg[i..=i], false, when)?;
+            continue;
+        }
+        b.at(&format!("{}.grad.bucket", b.g.name(pg[members[0]].0)));
+        let flat = b.ints(&[-1]);
+        let mut parts = Vec::new();
+        for &i in &members {
+            let d = pg[i].1;
+            let d = if b.dtype(d).map_err(PassError::Usage)? == dt { d } else { b.cast(d, dt) };
+            parts.push(Some(b.op("flatten", Op::Reshape(Default::default()), &[d, flat])));
+        }
+        let cat = b.ops("concat", Op::Concat(mpc_ir::ops::ConcatAttrs { axis: 0 }), &parts, 1)[0];
+        let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Mean };
+        let all = b.ops("all_reduce", Op::AllReduce(Box::new(attrs)), &[Some(cat), when], 1)[0];
+        let mut at = 0i64;
+        for &i in &members {
+            let shape = param_shape(b, pg[i].0)?;
+            let n = shape.iter().product::<u64>() as i64;
+            let (start, end, axis) = (b.ints(&[at]), b.ints(&[at + n]), b.ints(&[0]));
+            let piece = b.op("piece", Op::Slice, &[all, start, end, axis]);
+            let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+            let to = b.ints(&dims);
+            pg[i].1 = b.op("unflatten", Op::Reshape(Default::default()), &[piece, to]);
+            // Typed now: the steps after this one read the gradients' dtypes.
+            b.g.set_ty(pg[i].1, mpc_ir::TypeInfo::new(dt, mpc_ir::Shape::fixed(&shape)));
+            at += n;
+        }
+    }
+    Ok(())
+}
+
+/// The shape of the parameter `p` (an initializer).
+fn param_shape(b: &Builder, p: ValueId) -> Result<Vec<u64>> {
+    let t = b.g.value(p).initializer();
+    t.map(|t| t.shape().to_vec()).ok_or_else(|| PassError::Usage(format!("`{}` is not an initializer", b.g.name(p))))
 }
 
 /// What the gradients are multiplied by to unscale them: 1 / S, and accumulating, to average the
