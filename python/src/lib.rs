@@ -121,7 +121,14 @@ impl Trainer {
     /// Compiles the ONNX (or text IR) model at `model` under `policy` with the `[train]`
     /// settings in `settings` (JSON) and loads the step for `first` on `device` (cpu or cuda).
     #[new]
-    fn new(model: PathBuf, first: &Bound<'_, PyDict>, policy: &str, settings: &str, device: &str) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        model: PathBuf,
+        first: &Bound<'_, PyDict>,
+        policy: &str,
+        settings: &str,
+        device: &str,
+    ) -> PyResult<Self> {
         let file: mpc::config::TrainFile =
             serde_json::from_str(settings).map_err(|e| InputError::new_err(format!("training options: {e}")))?;
         let (t, scale) = file.resolve().map_err(|e| InputError::new_err(format!("training options: {e}")))?;
@@ -131,7 +138,10 @@ impl Trainer {
         let graph = mpc::load(&model).map_err(raise)?;
         let open = || -> mpc::Result<AnyTrainer> {
             Ok(match device {
-                "cpu" => AnyTrainer::Cpu(Box::new(Inner::new(CpuDevice::default(), &graph, &model, &opts, &first)?)),
+                // Other Python threads run while the step compiles.
+                "cpu" => AnyTrainer::Cpu(Box::new(
+                    py.detach(|| Inner::new(CpuDevice::default(), &graph, &model, &opts, &first))?,
+                )),
                 #[cfg(feature = "cuda")]
                 "cuda" => {
                     let dev = mpc_runtime::cuda::device::CudaDevice::with_options(0, DeviceOptions::default())
@@ -161,9 +171,14 @@ impl Trainer {
     }
 
     /// The mean loss and the accuracy counts of `batch`: `(loss or None, correct, counted)`.
-    fn evaluate(&mut self, batch: &Bound<'_, PyDict>) -> PyResult<(Option<f64>, usize, usize)> {
+    fn evaluate(&mut self, py: Python<'_>, batch: &Bound<'_, PyDict>) -> PyResult<(Option<f64>, usize, usize)> {
         let batch = batch_of(batch)?;
-        let e = on!(&mut self.inner, t => t.evaluate(&batch)).map_err(raise)?;
+        let e = match &mut self.inner {
+            AnyTrainer::Cpu(t) => py.detach(|| t.evaluate(&batch)),
+            #[cfg(feature = "cuda")]
+            AnyTrainer::Cuda(t) => t.evaluate(&batch),
+        }
+        .map_err(raise)?;
         Ok((e.loss, e.correct, e.counted))
     }
 

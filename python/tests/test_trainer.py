@@ -109,3 +109,41 @@ def test_errors_are_exceptions_with_mpcs_lines(digits, tmp_path):
 def test_devices_names_the_cpu():
     lines = mpc.devices()
     assert lines[0].startswith("cpu:")
+
+
+def test_long_calls_let_other_python_threads_run(digits):
+    """An evaluation of 30 copies of the digits (53,910 samples, some hundred milliseconds) and
+    the first step (which compiles the training step) release the GIL: a Python thread ticking
+    every millisecond ticks while each call runs, where a call holding the GIL would stop it
+    until the call returned."""
+    import threading
+    import time
+
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    images, labels = np.tile(digits[0], (30, 1)), np.tile(digits[1], 30)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        trainer = mpc.compile(MODEL, policy="mixed", optimizer="adam", lr=3e-3)
+        spans = []
+        for call in (lambda: trainer.step(**next(batches(digits))),
+                     lambda: trainer.evaluate(images=images, labels=labels)):
+            t0 = time.perf_counter()
+            call()
+            spans.append((t0, time.perf_counter()))
+    finally:
+        stop.set()
+        ticker.join()
+    (s0, s1), (e0, e1) = spans
+    assert e1 - e0 > 0.05, f"the evaluation took {1e3 * (e1 - e0):.0f} ms: too short to tell"
+    for t0, t1 in spans:
+        middle = [t for t in ticks if t0 + 0.25 * (t1 - t0) < t < t1 - 0.25 * (t1 - t0)]
+        # The first step tells only where it is long against the ticker's period.
+        if t1 - t0 > 0.05:
+            assert middle, f"no tick during a call of {1e3 * (t1 - t0):.0f} ms"
