@@ -14,6 +14,7 @@ pub mod symbolic;
 mod tensor;
 pub mod text;
 pub mod train;
+mod unary;
 
 pub use attr::{Attr, Attrs};
 pub use dtype::DType;

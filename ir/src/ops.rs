@@ -677,6 +677,8 @@ impl Op {
     }
 }
 
+pub use crate::unary::{IntegerUnary, Unary};
+
 /// The domain of mpc's own ops.
 pub const MPC_DOMAIN: &str = "ai.mpc";
 

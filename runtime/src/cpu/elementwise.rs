@@ -1,7 +1,7 @@
 //! Element-wise ops with numpy broadcasting. Floats compute in f32 (f32, f16, bf16: rounded on
 //! store) or f64; integer arithmetic in i64, stored back in the input's dtype.
 
-use mpc_ir::ops::{Bitwise, Trig};
+use mpc_ir::ops::{Bitwise, IntegerUnary, Trig, Unary};
 use mpc_ir::Op;
 
 use super::{err, Res};
@@ -136,20 +136,21 @@ fn min<R: Real>(a: R, b: R) -> R {
     }
 }
 
-/// One unary op, written once for f32 and f64.
-pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
+/// One unary op, written once for f32 and f64: `u` with its parameters `p` ([`Op::unary`]).
+pub(crate) fn unary_fn<R: Real>(u: Unary, p: [f32; 2], x: R) -> R {
     let zero = R::of(0.0);
     let one = R::of(1.0);
-    Some(match op {
-        Op::Sqrt => x.sqrt(),
-        Op::Exp => x.exp(),
-        Op::Log => x.ln(),
-        Op::Neg => -x,
-        Op::Abs => x.abs(),
-        Op::Reciprocal => one / x,
-        Op::Erf => x.erf(),
-        Op::Tanh => x.tanh(),
-        Op::Sigmoid => {
+    let (alpha, beta) = (R::of(p[0] as f64), R::of(p[1] as f64));
+    match u {
+        Unary::Sqrt => x.sqrt(),
+        Unary::Exp => x.exp(),
+        Unary::Log => x.ln(),
+        Unary::Neg => -x,
+        Unary::Abs => x.abs(),
+        Unary::Reciprocal => one / x,
+        Unary::Erf => x.erf(),
+        Unary::Tanh => x.tanh(),
+        Unary::Sigmoid => {
             // Stable for large |x|.
             if x >= zero {
                 one / (one + (-x).exp())
@@ -158,35 +159,34 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 e / (one + e)
             }
         }
-        Op::Relu => max(x, zero),
-        Op::LeakyRelu(a) => {
+        Unary::Relu => max(x, zero),
+        Unary::LeakyRelu => {
             if x < zero {
-                R::of(a.alpha as f64) * x
+                alpha * x
             } else {
                 x
             }
         }
-        Op::Elu(a) => {
+        Unary::Elu => {
             if x < zero {
-                R::of(a.alpha as f64) * (x.exp() - one)
+                alpha * (x.exp() - one)
             } else {
                 x
             }
         }
         // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
-        Op::Celu(a) => {
-            let alpha = R::of(a.alpha as f64);
+        Unary::Celu => {
             if x > zero {
                 x
             } else {
                 alpha * ((x / alpha).exp() - one)
             }
         }
-        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => gelu_tanh(x),
-        Op::Gelu(_) => gelu_erf(x),
-        Op::HardSigmoid(a) => max(zero, min(one, R::of(a.alpha as f64) * x + R::of(a.beta as f64))),
-        Op::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
-        Op::Softplus => {
+        Unary::GeluTanh => gelu_tanh(x),
+        Unary::Gelu => gelu_erf(x),
+        Unary::HardSigmoid => max(zero, min(one, alpha * x + beta)),
+        Unary::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
+        Unary::Softplus => {
             // log(1 + e^x) without overflow.
             if x > zero {
                 x + (-x).exp().ln_1p()
@@ -194,10 +194,10 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x.exp().ln_1p()
             }
         }
-        Op::Floor => x.floor(),
-        Op::Ceil => x.ceil(),
-        Op::Round => x.round_even(),
-        Op::Sign => {
+        Unary::Floor => x.floor(),
+        Unary::Ceil => x.ceil(),
+        Unary::Round => x.round_even(),
+        Unary::Sign => {
             if x > zero {
                 one
             } else if x < zero {
@@ -206,20 +206,19 @@ pub(crate) fn unary_fn<R: Real>(op: &Op, x: R) -> Option<R> {
                 x
             }
         }
-        Op::Sin => x.sin(),
-        Op::Cos => x.cos(),
-        Op::Softsign => x / (one + x.abs()),
-        Op::Selu(a) => {
-            let g = R::of(a.gamma as f64);
+        Unary::Sin => x.sin(),
+        Unary::Cos => x.cos(),
+        Unary::Softsign => x / (one + x.abs()),
+        // beta is gamma.
+        Unary::Selu => {
             if x > zero {
-                g * x
+                beta * x
             } else {
-                g * R::of(a.alpha as f64) * (x.exp() - one)
+                beta * alpha * (x.exp() - one)
             }
         }
-        Op::Identity | Op::Dropout(_) => x,
-        op => x.trig(op.trig()?),
-    })
+        Unary::Trig(t) => x.trig(t),
+    }
 }
 
 fn gelu_erf<R: Real>(x: R) -> R {
@@ -231,46 +230,54 @@ fn gelu_tanh<R: Real>(x: R) -> R {
     R::of(0.5) * x * (R::of(1.0) + (c * (x + R::of(0.044715) * x * x * x)).tanh())
 }
 
-/// `unary_fn` over a slice, with the op resolved once (the common ones get their own loops).
-fn map_unary<R: Real>(op: &Op, v: &[R]) -> Option<Vec<R>> {
+/// `unary_fn` over a slice, with the op resolved once (the common ones get their own loops);
+/// `None` is the identity (Identity, inference Dropout).
+fn map_unary<R: Real>(u: Option<(Unary, [f32; 2])>, v: &[R]) -> Vec<R> {
     let zero = R::of(0.0);
-    Some(match op {
-        Op::Relu => v.iter().map(|&a| max(a, zero)).collect(),
-        Op::Identity | Op::Dropout(_) => v.to_vec(),
-        Op::Neg => v.iter().map(|&a| -a).collect(),
-        Op::Exp => v.iter().map(|&a| a.exp()).collect(),
-        Op::Sqrt => v.iter().map(|&a| a.sqrt()).collect(),
-        Op::Tanh => v.iter().map(|&a| a.tanh()).collect(),
-        Op::Erf => v.iter().map(|&a| a.erf()).collect(),
-        Op::Gelu(a) if a.approximate == mpc_ir::ops::GeluApprox::Tanh => v.iter().map(|&x| gelu_tanh(x)).collect(),
-        Op::Gelu(_) => v.iter().map(|&x| gelu_erf(x)).collect(),
-        _ => {
-            unary_fn(op, zero)?;
-            v.iter().map(|&a| unary_fn(op, a).unwrap_or(a)).collect()
-        }
-    })
+    match u {
+        None => v.to_vec(),
+        Some((Unary::Relu, _)) => v.iter().map(|&a| max(a, zero)).collect(),
+        Some((Unary::Neg, _)) => v.iter().map(|&a| -a).collect(),
+        Some((Unary::Exp, _)) => v.iter().map(|&a| a.exp()).collect(),
+        Some((Unary::Sqrt, _)) => v.iter().map(|&a| a.sqrt()).collect(),
+        Some((Unary::Tanh, _)) => v.iter().map(|&a| a.tanh()).collect(),
+        Some((Unary::Erf, _)) => v.iter().map(|&a| a.erf()).collect(),
+        Some((Unary::GeluTanh, _)) => v.iter().map(|&x| gelu_tanh(x)).collect(),
+        Some((Unary::Gelu, _)) => v.iter().map(|&x| gelu_erf(x)).collect(),
+        Some((u, p)) => v.iter().map(|&a| unary_fn(u, p, a)).collect(),
+    }
+}
+
+/// The op of a unary kernel: its [`Unary`], or `None` for the identity; not one: `Err`.
+fn unary_of(op: &Op) -> Result<Option<(Unary, [f32; 2])>, ()> {
+    match op {
+        Op::Identity | Op::Dropout(_) => Ok(None),
+        op => op.unary().map(Some).ok_or(()),
+    }
 }
 
 /// Applies a float unary op, computing in f32 (or f64) and storing in the input's dtype.
 pub(crate) fn unary(op: &Op, x: &HostTensor) -> Option<HostTensor> {
+    let u = unary_of(op).ok()?;
     let shape = x.shape.clone();
     match &x.data {
-        Data::F32(v) => Some(HostTensor { shape, data: Data::F32(map_unary(op, v)?.into()) }),
-        Data::F64(v) => Some(HostTensor { shape, data: Data::F64(map_unary(op, v)?.into()) }),
-        _ => Some(HostTensor::from_f32(x.dtype(), shape, map_unary(op, &x.f32s()?)?)),
+        Data::F32(v) => Some(HostTensor { shape, data: Data::F32(map_unary(u, v).into()) }),
+        Data::F64(v) => Some(HostTensor { shape, data: Data::F64(map_unary(u, v).into()) }),
+        _ => Some(HostTensor::from_f32(x.dtype(), shape, map_unary(u, &x.f32s()?))),
     }
 }
 
-/// Integer unary ops (Neg, Abs, Relu and the pass-throughs).
+/// Integer unary ops ([`Unary::on_integers`] and the pass-throughs).
 pub(crate) fn unary_int(op: &Op, x: &HostTensor) -> Option<HostTensor> {
     let v = x.i64s()?;
-    let out: Vec<i64> = match op {
-        Op::Neg => v.iter().map(|&a| a.wrapping_neg()).collect(),
-        Op::Abs => v.iter().map(|&a| a.wrapping_abs()).collect(),
-        Op::Relu => v.iter().map(|&a| a.max(0)).collect(),
-        Op::Sign => v.iter().map(|&a| a.signum()).collect(),
-        Op::Identity | Op::Dropout(_) | Op::Floor | Op::Ceil | Op::Round => v,
-        _ => return None,
+    let u = unary_of(op).ok()?;
+    let out: Vec<i64> = match u.map(|(u, _)| (u, u.on_integers())) {
+        None | Some((_, Some(IntegerUnary::Keeps))) => v,
+        Some((Unary::Neg, _)) => v.iter().map(|&a| a.wrapping_neg()).collect(),
+        Some((Unary::Abs, _)) => v.iter().map(|&a| a.wrapping_abs()).collect(),
+        Some((Unary::Relu, _)) => v.iter().map(|&a| a.max(0)).collect(),
+        Some((Unary::Sign, _)) => v.iter().map(|&a| a.signum()).collect(),
+        Some(_) => return None,
     };
     Some(HostTensor::from_i64(x.dtype(), x.shape.clone(), out))
 }

@@ -180,33 +180,7 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| err(format!("missing input {i}")));
     let one = |t: HostTensor| Ok(vec![t]);
     match op {
-        Op::Sqrt
-        | Op::Exp
-        | Op::Log
-        | Op::Reciprocal
-        | Op::Erf
-        | Op::Tanh
-        | Op::Sigmoid
-        | Op::LeakyRelu(_)
-        | Op::Elu(_)
-        | Op::Gelu(_)
-        | Op::HardSigmoid(_)
-        | Op::HardSwish
-        | Op::Softplus
-        | Op::Neg
-        | Op::Abs
-        | Op::Relu
-        | Op::Identity
-        | Op::Floor
-        | Op::Ceil
-        | Op::Round
-        | Op::Sign
-        | Op::Sin
-        | Op::Cos
-        | Op::Softsign
-        | Op::Celu(_)
-        | Op::Selu(_) => unary(op, x(0)?),
-        mpc_ir::trig_ops!() => unary(op, x(0)?),
+        mpc_ir::unary_ops!() | Op::Identity => unary(op, x(0)?),
         Op::Dropout(_) => {
             if let Some(t) = ins.get(2).copied().flatten() {
                 if t.i64s().is_some_and(|v| v.first() == Some(&1)) {

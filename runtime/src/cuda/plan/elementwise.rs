@@ -6,13 +6,14 @@ use super::*;
 /// Plans `p`'s launch when its op is element-wise; `false` when it is not.
 pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
     let op = &p.l.op;
-    if let Some((name, alpha, beta)) = unary_name(op) {
+    if let Some((u, name, [alpha, beta])) = unary_name(op) {
         let (x, y) = (p.input(0)?, p.output(0)?);
         let n = x.numel() as u64;
+        let integer = u.and_then(mpc_ir::ops::Unary::on_integers) == Some(mpc_ir::ops::IntegerUnary::Computes);
         if x.dtype.is_float() {
             let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::F32(alpha), Arg::F32(beta)];
             p.flat("elementwise", format!("elementwise_{name}_{}", float_tag(x.dtype)?), n, args);
-        } else if matches!(op, Op::Neg | Op::Abs | Op::Relu | Op::Sign) && matches!(x.dtype, DType::I64 | DType::I32) {
+        } else if integer && matches!(x.dtype, DType::I64 | DType::I32) {
             let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
             p.flat("elementwise", format!("elementwise_{name}_{}", tag(x.dtype)?), n, args);
         } else {
@@ -166,37 +167,13 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
     Ok(true)
 }
 
-pub(super) fn unary_name(op: &Op) -> Option<(&'static str, f32, f32)> {
-    Some(match op {
-        Op::Relu => ("relu", 0.0, 0.0),
-        Op::Sigmoid => ("sigmoid", 0.0, 0.0),
-        Op::Tanh => ("tanh", 0.0, 0.0),
-        Op::Exp => ("exp", 0.0, 0.0),
-        Op::Log => ("log", 0.0, 0.0),
-        Op::Sqrt => ("sqrt", 0.0, 0.0),
-        Op::Neg => ("neg", 0.0, 0.0),
-        Op::Abs => ("abs", 0.0, 0.0),
-        Op::Erf => ("erf", 0.0, 0.0),
-        Op::Reciprocal => ("reciprocal", 0.0, 0.0),
-        Op::Floor => ("floor", 0.0, 0.0),
-        Op::Ceil => ("ceil", 0.0, 0.0),
-        Op::Round => ("round", 0.0, 0.0),
-        Op::Sign => ("sign", 0.0, 0.0),
-        Op::Sin => ("sin", 0.0, 0.0),
-        Op::Cos => ("cos", 0.0, 0.0),
-        Op::Softplus => ("softplus", 0.0, 0.0),
-        Op::Softsign => ("softsign", 0.0, 0.0),
-        Op::HardSwish => ("hard_swish", 0.0, 0.0),
-        Op::Gelu(a) if a.approximate == GeluApprox::Tanh => ("gelu_tanh", 0.0, 0.0),
-        Op::Gelu(_) => ("gelu", 0.0, 0.0),
-        Op::LeakyRelu(a) => ("leaky_relu", a.alpha, 0.0),
-        Op::Elu(a) => ("elu", a.alpha, 0.0),
-        Op::Celu(a) => ("celu", a.alpha, 0.0),
-        Op::Selu(a) => ("selu", a.alpha, a.gamma),
-        Op::HardSigmoid(a) => ("hard_sigmoid", a.alpha, a.beta),
-        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" => ("gelu", 0.0, 0.0),
-        op => (op.trig()?.name(), 0.0, 0.0),
-    })
+/// The unary kernel of `op` (its [`mpc_ir::ops::Unary`], where it is one), its name and its
+/// parameters; onnxruntime's `com.microsoft::Gelu` is the erf form's kernel.
+pub(super) fn unary_name(op: &Op) -> Option<(Option<mpc_ir::ops::Unary>, &'static str, [f32; 2])> {
+    match op {
+        Op::Opaque(o) if o.domain == "com.microsoft" && o.op_type == "Gelu" => Some((None, "gelu", [0.0, 0.0])),
+        op => op.unary().map(|(u, params)| (Some(u), u.name(), params)),
+    }
 }
 
 pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
@@ -227,19 +204,27 @@ pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use mpc_ir::ops::Trig;
+    use mpc_ir::ops::{Trig, Unary};
 
-    /// Every op of `Trig` plans a kernel by its name, and kernels/elementwise.cu defines that kernel
-    /// and its functor.
+    /// Every op of `Unary` names a kernel that kernels/elementwise.cu defines (`UNARY(name)`)
+    /// with its functor in kernels/common.cuh (`UOP(name, ...)`), and every unary kernel there is
+    /// one of `Unary`'s; every op of `Trig` plans its kernel by its name.
     #[test]
-    fn every_trig_op_names_a_kernel_the_source_defines() {
+    fn every_unary_op_names_a_kernel_the_source_defines() {
         let (_, source) = crate::cuda::nvrtc::FAMILIES.iter().find(|(f, _)| *f == "elementwise").unwrap();
         let common = crate::cuda::nvrtc::COMMON;
+        let names: Vec<&str> = Unary::all().map(Unary::name).collect();
+        for name in &names {
+            assert!(source.contains(&format!("UNARY({name})")), "{name}: no UNARY in elementwise.cu");
+            assert!(common.contains(&format!("UOP({name},")), "{name}: no UOP in common.cuh");
+        }
+        for line in source.lines().filter_map(|l| l.trim().strip_prefix("UNARY(")) {
+            let kernel = line.trim_end_matches(')');
+            assert!(names.contains(&kernel), "elementwise.cu's UNARY({kernel}) is no op of Unary");
+        }
         for t in Trig::ALL {
             let op = mpc_ir::Op::from_attrs(&format!("{t:?}"), vec![]).unwrap().unwrap();
-            assert_eq!(super::unary_name(&op).map(|u| u.0), Some(t.name()), "{t:?}");
-            assert!(source.contains(&format!("UNARY({})", t.name())), "{t:?}: no UNARY in elementwise.cu");
-            assert!(common.contains(&format!("UOP({},", t.name())), "{t:?}: no UOP in common.cuh");
+            assert_eq!(super::unary_name(&op).map(|u| u.1), Some(t.name()), "{t:?}");
         }
     }
 

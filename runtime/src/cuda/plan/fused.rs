@@ -250,7 +250,7 @@ impl Gen<'_> {
         Ok(match (&step.op, args.as_slice()) {
             (Op::Cast(_), [x]) => x.clone(),
             (op, [x]) => {
-                let (name, alpha, beta) = unary_name(op).ok_or_else(|| format!("{}: not fusable", step.node))?;
+                let (_, name, [alpha, beta]) = unary_name(op).ok_or_else(|| format!("{}: not fusable", step.node))?;
                 format!("U_{name}()({x}, {}, {})", float_lit(alpha), float_lit(beta))
             }
             (op, [a, b]) => {
