@@ -677,7 +677,7 @@ impl Op {
     }
 }
 
-pub use crate::unary::{IntegerUnary, Unary};
+pub use crate::unary::{IntegerUnary, Rounding, Unary};
 
 /// The domain of mpc's own ops.
 pub const MPC_DOMAIN: &str = "ai.mpc";

@@ -113,6 +113,15 @@ impl Unary {
         }
     }
 
+    /// What the op makes of a low-precision input ([`Rounding`]).
+    pub fn rounding(self) -> Rounding {
+        match self {
+            Unary::Relu | Unary::Abs | Unary::Neg => Rounding::Exact,
+            Unary::Exp | Unary::Log | Unary::Reciprocal | Unary::Sin | Unary::Cos | Unary::Trig(_) => Rounding::Wide,
+            _ => Rounding::Follows,
+        }
+    }
+
     /// Whether the op has an integer kernel: Neg, Abs, Relu and Sign compute on integers;
     /// Floor, Ceil and Round leave them as they are.
     pub fn on_integers(self) -> Option<IntegerUnary> {
@@ -122,6 +131,19 @@ impl Unary {
             _ => return None,
         })
     }
+}
+
+/// What the op makes of a low-precision input: the default colouring of the precision pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Rounding {
+    /// Its result is one of its input's values or their negation (Relu, Abs, Neg): nothing
+    /// rounds, and it takes whatever precision its input has.
+    Exact,
+    /// As accurate in the low dtype as its input is: it follows its input's precision.
+    Follows,
+    /// Needs FP32, for its range or its accuracy (Exp, Log, Reciprocal, Sin, Cos and the
+    /// [`Trig`] ops).
+    Wide,
 }
 
 /// What a unary op does to an integer tensor ([`Unary::on_integers`]).

@@ -67,32 +67,7 @@ fn same(cx: &NodeCx, i: usize) -> TypeInfo {
 pub(crate) fn infer_node(cx: &NodeCx) -> R {
     let op = &cx.g.node(cx.n).op;
     Ok(match op {
-        Op::Sqrt
-        | Op::Exp
-        | Op::Log
-        | Op::Neg
-        | Op::Abs
-        | Op::Reciprocal
-        | Op::Erf
-        | Op::Tanh
-        | Op::Sigmoid
-        | Op::Relu => {
-            vec![same(cx, 0)]
-        }
-        Op::LeakyRelu(_)
-        | Op::Elu(_)
-        | Op::Celu(_)
-        | Op::Gelu(_)
-        | Op::HardSigmoid(_)
-        | Op::HardSwish
-        | Op::Softplus
-        | Op::Identity => {
-            vec![same(cx, 0)]
-        }
-        Op::Floor | Op::Ceil | Op::Round | Op::Sign | Op::Sin | Op::Cos | Op::Softsign | Op::Selu(_) => {
-            vec![same(cx, 0)]
-        }
-        mpc_ir::trig_ops!() => vec![same(cx, 0)],
+        mpc_ir::unary_ops!() | Op::Identity => vec![same(cx, 0)],
         Op::Trilu(_) => {
             if let Some(k) = cx.sh(1).filter(|k| k.numel() != Some(1) && k.as_fixed().is_some()) {
                 return Err(format!("k is {k}, not one value"));

@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use mpc_ir::ops::ScatterReduction;
+use mpc_ir::ops::{Rounding, ScatterReduction};
 use mpc_ir::{DType, Op};
 use serde::{Deserialize, Serialize};
 
@@ -76,15 +76,9 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::CumSum(_)
         | Op::CumProd(_)
         | Op::RoiAlign(_)
-        | Op::Sin
-        | mpc_ir::trig_ops!()
-        | Op::Cos
         | Op::ReduceL1(_)
         | Op::ReduceProd(_)
-        | Op::Exp
-        | Op::Log
         | Op::Pow
-        | Op::Reciprocal
         | Op::SoftmaxCrossEntropyLoss(_)
         | Op::NegativeLogLikelihoodLoss(_) => F32,
         // BF16 keeps FP32's exponent range, so sums and means cannot overflow in it.
@@ -99,34 +93,19 @@ pub fn default_class(op: &Op, low: DType) -> Option<Class> {
         | Op::Sub
         | Op::Mul
         | Op::Div
-        | Op::Sigmoid
-        | Op::Tanh
-        | Op::Gelu(_)
-        | Op::Erf
-        | Op::Sqrt
-        | Op::Elu(_)
-        | Op::Celu(_)
-        | Op::LeakyRelu(_)
         | Op::PRelu
-        | Op::Softplus
-        | Op::HardSigmoid(_)
-        | Op::HardSwish
         | Op::AveragePool(_)
         | Op::GlobalAveragePool
         | Op::Sum
         | Op::Mean
         | Op::BatchNormalization(_)
-        | Op::Resize(_)
-        | Op::Floor
-        | Op::Ceil
-        | Op::Round
-        | Op::Sign
-        | Op::Selu(_)
-        | Op::Softsign => Follow,
-        Op::Relu
-        | Op::Clip
-        | Op::Abs
-        | Op::Neg
+        | Op::Resize(_) => Follow,
+        mpc_ir::unary_ops!() => match op.unary().map(|(u, _)| u.rounding()) {
+            Some(Rounding::Exact) => Clear,
+            Some(Rounding::Wide) => F32,
+            _ => Follow,
+        },
+        Op::Clip
         | Op::Max
         | Op::Min
         | Op::MaxPool(_)
