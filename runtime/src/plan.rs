@@ -28,22 +28,7 @@ pub(crate) fn elementwise(op: &Op) -> bool {
             | Op::Sub
             | Op::Mul
             | Op::Div
-            | Op::Relu
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Exp
-            | Op::Log
-            | Op::Sqrt
-            | Op::Neg
-            | Op::Abs
-            | Op::Erf
-            | Op::Reciprocal
-            | Op::LeakyRelu(_)
-            | Op::Elu(_)
-            | Op::Gelu(_)
-            | Op::HardSigmoid(_)
-            | Op::HardSwish
-            | Op::Softplus
+            | mpc_ir::unary_ops!()
             | Op::Clip
             | Op::ReluGrad
             | Op::GeluGrad(_)
