@@ -28,12 +28,12 @@ pub(crate) fn elementwise(op: &Op) -> bool {
             | Op::Sub
             | Op::Mul
             | Op::Div
-            | mpc_ir::unary_ops!()
             | Op::Clip
             | Op::ReluGrad
             | Op::GeluGrad(_)
             | Op::SoftmaxGrad(_)
             | Op::SoftmaxCrossEntropyLossGrad(_)
+            | mpc_ir::unary_ops!()
     ) || matches!(op, Op::BatchNormalization(a) if !a.training_mode)
 }
 
