@@ -541,8 +541,8 @@ impl<D: Device> Run<'_, D> {
                 serde_json::json!({"step": self.iteration, "epoch": epoch + 1, "eval_loss": l, "eval_accuracy": acc});
             self.log.write(line)?;
         }
-        // Over the ranks of a data-parallel run: the loss and the samples/s of the whole run.
-        let mean_loss = self.trainer.over_ranks(sums.loss / sums.counted.max(1) as f64, false)?;
+        // The steps' losses are the ranks' means already; the samples/s of the whole run.
+        let mean_loss = sums.loss / sums.counted.max(1) as f64;
         let samples_per_s = self.trainer.over_ranks(sums.samples as f64 / secs, true)?;
         Ok(EpochReport {
             epoch: epoch + 1,
@@ -564,8 +564,18 @@ impl<D: Device> Run<'_, D> {
         sums: &mut EpochSums,
     ) -> Result<()> {
         let mut last = 0.0;
+        let mut numbers = Vec::with_capacity(pending.len());
         for (step, h) in pending.drain(..) {
-            let s = self.trainer.wait(h)?;
+            numbers.push((step, self.trainer.wait(h)?));
+        }
+        // Over the ranks of a data-parallel run (one all-reduce per drain): each step's loss the
+        // mean of the ranks' (the global batch's), the samples/s their sum.
+        let mut local: Vec<f64> = numbers.iter().map(|(_, s)| f64::from(s.loss)).collect();
+        local.push(per_s);
+        let all = self.trainer.over_ranks_each(&local)?;
+        let per_s = all[numbers.len()] * self.cfg.shard.world as f64;
+        for ((step, mut s), loss) in numbers.into_iter().zip(all) {
+            s.loss = loss as f32;
             self.log.write(serde_json::json!({
                 "step": step, "epoch": epoch + 1, "loss": s.loss, "lr": s.lr,
                 "loss_scale": s.loss_scale, "skipped": s.skipped, "samples_per_s": per_s,

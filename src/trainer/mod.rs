@@ -523,6 +523,17 @@ impl<D: Device> Trainer<D> {
         Ok(r.f64s()[0])
     }
 
+    /// Each of `xs` averaged over the ranks of a data-parallel run, in one all-reduce; `xs`
+    /// itself on a device of one rank. Every rank must call it alike.
+    pub fn over_ranks_each(&mut self, xs: &[f64]) -> Result<Vec<f64>> {
+        let Some(group) = self.session.device().collective().filter(|g| g.world() > 1) else { return Ok(xs.to_vec()) };
+        let t = HostTensor::from_f64(mpc_ir::DType::F64, vec![xs.len()], xs.to_vec());
+        let path = self.variants[0].step.path.clone();
+        let r =
+            group.all_reduce(&t, mpc_ir::ops::CollectiveReduction::Mean).map_err(|e| Error::Run { path, source: e })?;
+        Ok(r.f64s())
+    }
+
     /// Moves this rank's dropout stream away from the others' in a data-parallel run: the key
     /// `mpc.rng` (the seed on every rank) gains `rank · 2⁴⁰`, so that the ranks draw other masks
     /// for 2⁴⁰ steps. Nothing for rank 0, or a step without dropout.
