@@ -1185,3 +1185,45 @@ fn a_data_parallel_log_holds_the_global_batch_losses() {
         assert!((a - b).abs() <= 1e-5 * a.abs(), "step {}: {b} on two ranks, {a} on one", k + 1);
     }
 }
+
+/// Each rank draws its own dropout masks: two ranks stepping on the same batch (the digits MLP
+/// with Dropout) compute other losses once rank 1's stream is moved, and the same loss, bit for
+/// bit, while both keys are the seed.
+#[test]
+fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
+    use mpc::train::Shard;
+    use mpc::trainer::Trainer;
+    use mpc_runtime::collective::LocalGroup;
+    use std::sync::Arc;
+    let path = digits_with_dropout(&scratch("ranks_masks"));
+    let model = mpc::load(&path).unwrap();
+    let t = TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, data_parallel: true, ..Default::default() };
+    let opts = options("fp32", t);
+    let batch = digits_batch(0, 32);
+    let first_losses = |moved: bool| -> Vec<f32> {
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+                .into_iter()
+                .enumerate()
+                .map(|(rank, r)| {
+                    let (model, path, opts, batch) = (&model, &path, &opts, &batch);
+                    scope.spawn(move || {
+                        let device = CpuDevice::default().with_collective(Arc::new(r));
+                        let mut trainer = Trainer::new(device, model, path, opts, batch).unwrap();
+                        if moved {
+                            trainer.own_dropout_stream(Shard { rank, world: 2 }).unwrap();
+                        }
+                        let h = trainer.step(batch).unwrap();
+                        trainer.wait(h).unwrap().loss
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        })
+    };
+    let same = first_losses(false);
+    assert_eq!(same[0].to_bits(), same[1].to_bits(), "one key: the same masks, the same loss");
+    let own = first_losses(true);
+    assert_eq!(own[0].to_bits(), same[0].to_bits(), "rank 0 keeps the seed's masks");
+    assert_ne!(own[0], own[1], "rank 1's masks are its own");
+}
