@@ -3,6 +3,7 @@
 //! Passes and the runtime both depend on this crate; it depends on neither.
 
 pub mod attr;
+mod binary;
 mod dtype;
 mod error;
 pub mod geometry;

@@ -677,6 +677,7 @@ impl Op {
     }
 }
 
+pub use crate::binary::{Arith, Compare};
 pub use crate::unary::{IntegerUnary, Rounding, Unary};
 
 /// The domain of mpc's own ops.

@@ -134,7 +134,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(d, cx.sh(0).cloned())]
         }
         Op::Pow => vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)],
-        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
+        mpc_ir::compare_ops!() => {
             cx.same_dtype(0..2)?;
             vec![t(Some(DType::Bool), broadcast_all(cx, 0..2)?)]
         }

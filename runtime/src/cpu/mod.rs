@@ -194,7 +194,7 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             }
             Ok(out)
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Pow | Op::PRelu | Op::Mod(_) => {
+        mpc_ir::arith_ops!() => {
             one(elementwise::binary(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
         }
         Op::Sum | Op::Max | Op::Min | Op::Mean => {
@@ -217,7 +217,7 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             };
             one(shape::trilu(x(0)?, k, a.upper)?)
         }
-        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
+        mpc_ir::compare_ops!() => {
             one(elementwise::compare(op, x(0)?, x(1)?).ok_or_else(|| err("inputs do not broadcast"))?)
         }
         Op::Not => one(elementwise::not(x(0)?).ok_or_else(|| err("Not needs bool input"))?),

@@ -36,7 +36,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
                 p.out.calls.push(Call::Fill { to: buf(mask), bytes: mask.bytes(), byte: 1 });
             }
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Pow | Op::PRelu | Op::Mod(_) => {
+        mpc_ir::arith_ops!() => {
             let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
             let name = binary_name(op).expect("a binary op");
             let t = if a.dtype.is_float() { float_tag(a.dtype)? } else { tag(a.dtype)? };
@@ -76,7 +76,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
                 p.binary("div", t, (acc, &shape), (n, &[]), buf(y), &y.shape)?;
             }
         }
-        Op::Equal | Op::Less | Op::Greater | Op::GreaterOrEqual | Op::LessOrEqual | Op::And | Op::Or | Op::Xor => {
+        mpc_ir::compare_ops!() => {
             let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
             if a.dtype != b.dtype {
                 return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
@@ -177,25 +177,16 @@ pub(super) fn unary_name(op: &Op) -> Option<(Option<mpc_ir::ops::Unary>, &'stati
 }
 
 pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
+    if let Some(a) = op.arith() {
+        return Some(a.name());
+    }
+    if let Some(c) = op.compare() {
+        return Some(c.name());
+    }
     Some(match op {
-        Op::Add | Op::Sum | Op::Mean => "add",
-        Op::Sub => "sub",
-        Op::Mul => "mul",
-        Op::Div => "div",
-        Op::Pow => "pow",
+        Op::Sum | Op::Mean => "add",
         Op::Min => "min",
         Op::Max => "max",
-        Op::PRelu => "prelu",
-        Op::Mod(a) if a.fmod => "mod",
-        Op::Mod(_) => "mod_py",
-        Op::Equal => "equal",
-        Op::Less => "less",
-        Op::Greater => "greater",
-        Op::GreaterOrEqual => "greater_equal",
-        Op::LessOrEqual => "less_equal",
-        Op::And => "and",
-        Op::Or => "or",
-        Op::Xor => "xor",
         // In fused chains only (its own launches are train.cu's kernel, which computes the same).
         Op::ReluGrad => "relu_grad",
         _ => return None,
@@ -225,6 +216,34 @@ mod tests {
         for t in Trig::ALL {
             let op = mpc_ir::Op::from_attrs(&format!("{t:?}"), vec![]).unwrap().unwrap();
             assert_eq!(super::unary_name(&op).map(|u| u.1), Some(t.name()), "{t:?}");
+        }
+    }
+
+    /// Every op of `Arith` names a functor kernels/common.cuh defines (`VOP(name, ...)`), and every
+    /// op of `Compare` a kernel of kernels/elementwise.cu (`CMP(name)`, or the bool kernel
+    /// `elementwise_<name>_u8`).
+    #[test]
+    fn every_binary_op_names_a_kernel_the_source_defines() {
+        use mpc_ir::ops::{Arith, Compare};
+        let (_, source) = crate::cuda::nvrtc::FAMILIES.iter().find(|(f, _)| *f == "elementwise").unwrap();
+        let common = crate::cuda::nvrtc::COMMON;
+        let arith = [Arith::Add, Arith::Sub, Arith::Mul, Arith::Div, Arith::Pow, Arith::PRelu];
+        for a in arith.into_iter().chain([Arith::Mod { fmod: true }, Arith::Mod { fmod: false }]) {
+            assert!(common.contains(&format!("VOP({},", a.name())), "{a:?}: no VOP in common.cuh");
+        }
+        let compare = [
+            Compare::Equal,
+            Compare::Less,
+            Compare::Greater,
+            Compare::GreaterOrEqual,
+            Compare::LessOrEqual,
+            Compare::And,
+            Compare::Or,
+            Compare::Xor,
+        ];
+        for c in compare {
+            let (cmp, logic) = (format!("CMP({})", c.name()), format!("elementwise_{}_u8", c.name()));
+            assert!(source.contains(&cmp) || source.contains(&logic), "{c:?}: no kernel in elementwise.cu");
         }
     }
 
