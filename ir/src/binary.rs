@@ -1,6 +1,7 @@
 //! The element-wise binary ops (broadcasting), each family described once: the arithmetic ops
-//! and the comparisons and logic. The CPU reference kernels, the CUDA plans
-//! (`V_<name>` in kernels/common.cuh) and type inference read these, not lists of their own.
+//! and the comparisons and logic. The CPU reference kernels, the CUDA plans (the functors
+//! `V_<name>` of kernels/common.cuh, the comparison kernels of kernels/elementwise.cu) and type
+//! inference read these, not lists of their own.
 
 use crate::Op;
 
@@ -50,7 +51,7 @@ pub enum Compare {
 }
 
 impl Compare {
-    /// The CUDA functor's name (`V_<name>`).
+    /// The CUDA kernel's name (`elementwise_<name>_<dtype>`; the logic ops' on bool, `_u8`).
     pub fn name(self) -> &'static str {
         match self {
             Compare::Equal => "equal",

@@ -680,6 +680,22 @@ impl Op {
 pub use crate::binary::{Arith, Compare};
 pub use crate::unary::{IntegerUnary, Rounding, Unary};
 
+/// The ops of [`Op::reduction`] as a pattern, for the exhaustive matches that must name them.
+#[macro_export]
+macro_rules! reduce_ops {
+    () => {
+        $crate::Op::ReduceSum(_)
+            | $crate::Op::ReduceMean(_)
+            | $crate::Op::ReduceMax(_)
+            | $crate::Op::ReduceMin(_)
+            | $crate::Op::ReduceProd(_)
+            | $crate::Op::ReduceL1(_)
+            | $crate::Op::ReduceL2(_)
+            | $crate::Op::ReduceSumSquare(_)
+            | $crate::Op::ReduceLogSumExp(_)
+    };
+}
+
 /// The domain of mpc's own ops.
 pub const MPC_DOMAIN: &str = "ai.mpc";
 
@@ -781,6 +797,8 @@ impl ReduceKind {
 
 impl Op {
     /// The reduction a Reduce op computes and its attributes; `None` for any other op.
+    ///
+    /// [`reduce_ops!`](crate::reduce_ops) is the same ops as a pattern.
     pub fn reduction(&self) -> Option<(ReduceKind, &ReduceAttrs)> {
         Some(match self {
             Op::ReduceSum(a) => (ReduceKind::Sum, a),
@@ -869,14 +887,7 @@ impl Op {
     pub fn axes_input_since(&self) -> Option<i64> {
         match self {
             Op::ReduceSum(_) => Some(13),
-            Op::ReduceMean(_)
-            | Op::ReduceMax(_)
-            | Op::ReduceMin(_)
-            | Op::ReduceSumSquare(_)
-            | Op::ReduceL2(_)
-            | Op::ReduceLogSumExp(_)
-            | Op::ReduceL1(_)
-            | Op::ReduceProd(_) => Some(18),
+            op if op.reduction().is_some() => Some(18),
             _ => None,
         }
     }
@@ -994,6 +1005,30 @@ impl PoolAttrs {
 
 #[cfg(test)]
 mod tests {
+
+    /// `reduce_ops!()` is exactly the ops `Op::reduction` knows.
+    #[test]
+    fn the_reduction_pattern_is_the_family() {
+        for name in [
+            "ReduceSum",
+            "ReduceMean",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceProd",
+            "ReduceL1",
+            "ReduceL2",
+            "ReduceSumSquare",
+            "ReduceLogSumExp",
+        ] {
+            let op = Op::default_of(name).unwrap();
+            assert!(op.reduction().is_some() && matches!(op, crate::reduce_ops!()), "{name}");
+        }
+        for name in ["ArgMax", "CumSum", "Softmax", "Sum", "GlobalAveragePool", "ReduceLogSum"] {
+            let Some(op) = Op::default_of(name) else { continue };
+            assert!(op.reduction().is_none() && !matches!(op, crate::reduce_ops!()), "{name}");
+        }
+    }
+
     use super::*;
 
     #[test]

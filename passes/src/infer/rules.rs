@@ -223,15 +223,8 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             });
             vec![t(cx.dt(0), shape)]
         }
-        Op::ReduceSum(a)
-        | Op::ReduceMean(a)
-        | Op::ReduceMax(a)
-        | Op::ReduceMin(a)
-        | Op::ReduceSumSquare(a)
-        | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a)
-        | Op::ReduceL1(a)
-        | Op::ReduceProd(a) => {
+        mpc_ir::reduce_ops!() => {
+            let (_, a) = op.reduction().ok_or("a reduction without its attributes")?;
             // The axes operand: absent, or its values (`None` where they are not known).
             let axes = if cx.has(1) { Some(cx.ints(1)) } else { None };
             let shape = match (cx.sh(0), axes) {

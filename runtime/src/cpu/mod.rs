@@ -390,15 +390,7 @@ pub fn run_op_within(op: &Op, ins: &[Option<&HostTensor>], n_outputs: usize, lim
             Ok(out.into_iter().take(n_outputs.max(1)).collect())
         }
         Op::InstanceNormalization(a) => one(nn::instance_norm(x(0)?, x(1)?, x(2)?, a.epsilon)?),
-        Op::ReduceSum(_)
-        | Op::ReduceMean(_)
-        | Op::ReduceMax(_)
-        | Op::ReduceMin(_)
-        | Op::ReduceSumSquare(_)
-        | Op::ReduceL2(_)
-        | Op::ReduceLogSumExp(_)
-        | Op::ReduceL1(_)
-        | Op::ReduceProd(_) => {
+        mpc_ir::reduce_ops!() => {
             let (kind, a) = op.reduction().ok_or_else(|| err(format!("{} is not a reduction", op.op_type())))?;
             let t = x(0)?;
             match reduce_axes(t, ins.get(1).copied().flatten(), a.noop_with_empty_axes)? {
