@@ -223,27 +223,9 @@ pub fn bench<D: Device>(
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
         let feeds = std::mem::take(&mut step.feeds);
         let session = step.session();
-        let mut times = Vec::with_capacity(cfg.steps);
-        for i in 0..cfg.warmup + cfg.steps {
-            // The arena reuses an input's bytes after its last reader: each step is fed.
-            session.feed(0, &feeds).map_err(rerr)?;
-            let t = Instant::now();
-            let start = session.mark().map_err(rerr)?;
-            session.step(0).map_err(rerr)?;
-            let end = session.mark().map_err(rerr)?;
-            session.read(0, &sync).map_err(rerr)?;
-            // A device that marks its queue (CUDA events) times the step itself; else the host
-            // times enqueue to result.
-            let ms = match (start, end) {
-                (Some(a), Some(b)) => {
-                    timing = "device events";
-                    session.elapsed_ms(a, b).map_err(rerr)?
-                }
-                _ => t.elapsed().as_secs_f64() * 1e3,
-            };
-            if i >= cfg.warmup {
-                times.push(ms);
-            }
+        let (times, events) = time_steps(session, &feeds, &sync, cfg, path)?;
+        if events {
+            timing = "device events";
         }
         let device_memory = session.memory_in_use();
         let device_memory_used = opened.zip(device_memory).map(|(a, b)| b.saturating_sub(a));
@@ -268,32 +250,9 @@ pub fn bench<D: Device>(
                 p
             }
         };
-        let tflops = flops_per_step as f64 / (step_ms_median * 1e-3) / 1e12;
-        rows.push(BenchRow {
-            policy: policy.clone(),
-            step_ms_median,
-            step_ms_min,
-            samples_per_s: cfg.batch as f64 / (step_ms_median * 1e-3),
-            flops_per_step,
-            tflops,
-            peak_tflops: peak,
-            share_of_peak: if peak > 0.0 { tflops / peak } else { 0.0 },
-            arena_bytes: stats.arena_bytes,
-            state_bytes: stats.state_bytes,
-            constants_bytes: stats.constants_bytes,
-            allocated_bytes: counters.allocated_bytes,
-            workspace_bytes: counters.workspace_bytes,
-            scratch_in_arena: counters.scratch_in_arena,
-            compile_ms,
-            launches_per_step: stats.launches_per_step,
-            device_memory_in_use: device_memory,
-            device_memory_used,
-            cudnn_convolutions: counters.dnn_convolutions,
-            cudnn_refused: counters.dnn_fallbacks,
-            cublaslt_gemms: counters.lt_gemms,
-            cublaslt_refused: counters.lt_fallbacks,
-            profile,
-        });
+        let times = (step_ms_median, step_ms_min);
+        let measured = Measured { times, compile_ms, device_memory, device_memory_used, stats, counters, profile };
+        rows.push(row(policy, cfg, flops_per_step, peak, measured));
     }
     Ok(BenchReport {
         model: path.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
@@ -304,6 +263,83 @@ pub fn bench<D: Device>(
         rows,
         process_peak_bytes: crate::peak_rss(),
     })
+}
+
+/// The times (ms) of `cfg.steps` steps of program 0 after `cfg.warmup` untimed ones, each fed
+/// `feeds` (the arena reuses an input's bytes after its last reader) and read back through
+/// `sync`; and whether the device's events timed them (else the host clock, enqueue to result).
+fn time_steps<D: Device>(
+    session: &mut Session<D>,
+    feeds: &HashMap<String, mpc_runtime::HostTensor>,
+    sync: &str,
+    cfg: &BenchConfig,
+    path: &Path,
+) -> Result<(Vec<f64>, bool)> {
+    let rerr = |source| Error::Run { path: path.to_owned(), source };
+    let (mut times, mut events) = (Vec::with_capacity(cfg.steps), false);
+    for i in 0..cfg.warmup + cfg.steps {
+        session.feed(0, feeds).map_err(rerr)?;
+        let t = Instant::now();
+        let start = session.mark().map_err(rerr)?;
+        session.step(0).map_err(rerr)?;
+        let end = session.mark().map_err(rerr)?;
+        session.read(0, sync).map_err(rerr)?;
+        let ms = match (start, end) {
+            (Some(a), Some(b)) => {
+                events = true;
+                session.elapsed_ms(a, b).map_err(rerr)?
+            }
+            _ => t.elapsed().as_secs_f64() * 1e3,
+        };
+        if i >= cfg.warmup {
+            times.push(ms);
+        }
+    }
+    Ok((times, events))
+}
+
+/// What a policy's run measured besides the session's counts.
+struct Measured {
+    /// The median and the least step time (ms).
+    times: (f64, f64),
+    compile_ms: f64,
+    device_memory: Option<u64>,
+    device_memory_used: Option<u64>,
+    stats: mpc_runtime::session::StepStats,
+    counters: mpc_runtime::device::DeviceCounters,
+    profile: Option<Vec<OpTime>>,
+}
+
+/// A policy's row of the report.
+fn row(policy: &str, cfg: &BenchConfig, flops_per_step: u64, peak: f64, m: Measured) -> BenchRow {
+    let (step_ms_median, step_ms_min) = m.times;
+    let (stats, counters) = (&m.stats, &m.counters);
+    let tflops = flops_per_step as f64 / (step_ms_median * 1e-3) / 1e12;
+    BenchRow {
+        policy: policy.to_string(),
+        step_ms_median,
+        step_ms_min,
+        samples_per_s: cfg.batch as f64 / (step_ms_median * 1e-3),
+        flops_per_step,
+        tflops,
+        peak_tflops: peak,
+        share_of_peak: if peak > 0.0 { tflops / peak } else { 0.0 },
+        arena_bytes: stats.arena_bytes,
+        state_bytes: stats.state_bytes,
+        constants_bytes: stats.constants_bytes,
+        allocated_bytes: counters.allocated_bytes,
+        workspace_bytes: counters.workspace_bytes,
+        scratch_in_arena: counters.scratch_in_arena,
+        compile_ms: m.compile_ms,
+        launches_per_step: stats.launches_per_step,
+        device_memory_in_use: m.device_memory,
+        device_memory_used: m.device_memory_used,
+        cudnn_convolutions: counters.dnn_convolutions,
+        cudnn_refused: counters.dnn_fallbacks,
+        cublaslt_gemms: counters.lt_gemms,
+        cublaslt_refused: counters.lt_fallbacks,
+        profile: m.profile,
+    }
 }
 
 /// Launch times summed by op type and output dtype, the longest first.
