@@ -375,6 +375,41 @@ impl<'a> Parser<'a> {
             }
         };
         let attrs = if l.eat('[') { self.attrs(l)? } else { Vec::new() };
+        let (inputs, explicit) = self.node_inputs(l)?;
+        let name = if l.eat('@') { l.string()? } else { String::new() };
+        let op = match domain {
+            Some(domain) if domain == crate::ops::MPC_DOMAIN && Op::MPC_KNOWN.contains(&op_type.as_str()) => {
+                match Op::from_mpc_attrs(&op_type, attrs) {
+                    Some(r) => r.map_err(|e| format!("{domain}::{op_type}: {e}"))?,
+                    None => unreachable!("MPC_KNOWN lists the ai.mpc ops"),
+                }
+            }
+            Some(domain) => {
+                let explicit_inputs = explicit.unwrap_or(inputs.len());
+                Op::Opaque(Box::new(Opaque { domain, op_type, attrs, explicit_inputs }))
+            }
+            None => match Op::from_attrs(&op_type, attrs) {
+                Some(r) => r.map_err(|e| format!("{op_type}: {e}"))?,
+                None => return Err(format!("unknown op `{op_type}` (opaque ops are written `domain::{op_type}`)")),
+            },
+        };
+        self.check_node(&op, &inputs, outs.len()).map_err(|e| match name.is_empty() {
+            true => e,
+            false => format!("node `{name}` ({}): {e}", op.op_type()),
+        })?;
+        let mut out_ids = Vec::with_capacity(outs.len());
+        for (id, vname, ty) in &outs {
+            let v = self.g.new_value(vname, ty.clone());
+            self.define(*id, v, vname)?;
+            out_ids.push(v);
+        }
+        self.g.add_node(name, op, inputs, out_ids);
+        Ok(())
+    }
+
+    /// A node's inputs, `(%1, _, %2 | %3)`: each a value or `_` (absent), and the count before
+    /// `|` where there is one (an opaque op's explicit inputs; after it, what its subgraphs read).
+    fn node_inputs(&mut self, l: &mut Line) -> Result<(Vec<Option<ValueId>>, Option<usize>), String> {
         l.expect('(')?;
         let mut inputs = Vec::new();
         let mut explicit = None;
@@ -401,56 +436,26 @@ impl<'a> Parser<'a> {
                 l.expect(',')?;
             }
         }
-        let name = if l.eat('@') { l.string()? } else { String::new() };
-        let op = match domain {
-            Some(domain) if domain == crate::ops::MPC_DOMAIN && Op::MPC_KNOWN.contains(&op_type.as_str()) => {
-                match Op::from_mpc_attrs(&op_type, attrs) {
-                    Some(r) => r.map_err(|e| format!("{domain}::{op_type}: {e}"))?,
-                    None => unreachable!("MPC_KNOWN lists the ai.mpc ops"),
-                }
-            }
-            Some(domain) => {
-                let explicit_inputs = explicit.unwrap_or(inputs.len());
-                Op::Opaque(Box::new(Opaque { domain, op_type, attrs, explicit_inputs }))
-            }
-            None => match Op::from_attrs(&op_type, attrs) {
-                Some(r) => r.map_err(|e| format!("{op_type}: {e}"))?,
-                None => return Err(format!("unknown op `{op_type}` (opaque ops are written `domain::{op_type}`)")),
-            },
-        };
+        Ok((inputs, explicit))
+    }
+
+    /// Checks a parsed node as the ONNX reader does: its op's arity and operand dtypes, its
+    /// attributes, and an opaque op's subgraphs against the values listed after `|`.
+    fn check_node(&self, op: &Op, inputs: &[Option<ValueId>], outputs: usize) -> Result<(), String> {
         let sig: Vec<(bool, Option<DType>)> =
             inputs.iter().map(|v| (v.is_some(), v.and_then(|v| self.g.ty(v).dtype))).collect();
-        let checked = crate::onnx::schema::check_op(&op, self.g.meta.onnx_opset(), &sig, &vec![true; outs.len()]);
-        let checked = checked.and_then(|()| op.validate(inputs.len()));
-        let checked = checked.and_then(|()| match &op {
-            Op::Opaque(o) => {
-                crate::onnx::check_subgraphs(&o.attrs, &self.g)?;
-                // The values after `|` are the outer values the subgraphs read, no more, no fewer.
-                let listed: Vec<ValueId> =
-                    inputs[o.explicit_inputs.min(inputs.len())..].iter().flatten().copied().collect();
-                let read = crate::onnx::captures(&o.attrs, &self.g);
-                match listed.len() == read.len() && read.iter().all(|v| listed.contains(v)) {
-                    true => Ok(()),
-                    false => {
-                        let names: Vec<&str> = read.iter().map(|&v| self.g.name(v)).collect();
-                        Err(format!("its subgraphs read {}, which must be the values after `|`", names.join(", ")))
-                    }
-                }
-            }
-            _ => Ok(()),
-        });
-        checked.map_err(|e| match name.is_empty() {
-            true => e,
-            false => format!("node `{name}` ({}): {e}", op.op_type()),
-        })?;
-        let mut out_ids = Vec::with_capacity(outs.len());
-        for (id, vname, ty) in &outs {
-            let v = self.g.new_value(vname, ty.clone());
-            self.define(*id, v, vname)?;
-            out_ids.push(v);
+        crate::onnx::schema::check_op(op, self.g.meta.onnx_opset(), &sig, &vec![true; outputs])?;
+        op.validate(inputs.len())?;
+        let Op::Opaque(o) = op else { return Ok(()) };
+        crate::onnx::check_subgraphs(&o.attrs, &self.g)?;
+        // The values after `|` are the outer values the subgraphs read, no more, no fewer.
+        let listed: Vec<ValueId> = inputs[o.explicit_inputs.min(inputs.len())..].iter().flatten().copied().collect();
+        let read = crate::onnx::captures(&o.attrs, &self.g);
+        if listed.len() == read.len() && read.iter().all(|v| listed.contains(v)) {
+            return Ok(());
         }
-        self.g.add_node(name, op, inputs, out_ids);
-        Ok(())
+        let names: Vec<&str> = read.iter().map(|&v| self.g.name(v)).collect();
+        Err(format!("its subgraphs read {}, which must be the values after `|`", names.join(", ")))
     }
 
     fn attrs(&mut self, l: &mut Line) -> Result<Attrs, String> {
