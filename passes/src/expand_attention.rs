@@ -264,24 +264,7 @@ fn expand(g: &mut Graph, n: NodeId, s: &Spec) {
         scores = b.op("softcap_mul", Op::Mul, &[t, cap]);
     }
     let capped = scores;
-    // The bias: the mask (a boolean one as 0 / -inf), and the causal mask added to it.
-    let mut bias = s.mask.map(|m| {
-        if b.g.ty(m).dtype == Some(DType::Bool) {
-            let zero = constant(&mut b, "zero", 0.0, dt);
-            let minus_inf = constant(&mut b, "minus_inf", f64::NEG_INFINITY, dt);
-            b.op("mask_bias", Op::Where, &[m, zero, minus_inf])
-        } else {
-            m
-        }
-    });
-    if s.causal || s.window != (-1, -1) {
-        let causal = position_mask(&mut b, q, kr, s);
-        bias = Some(match bias {
-            Some(m) => b.op("bias", Op::Add, &[m, causal]),
-            None => causal,
-        });
-    }
-    if let Some(bias) = bias {
+    if let Some(bias) = bias(&mut b, s, q, kr) {
         scores = b.op("masked", Op::Add, &[scores, bias]);
     }
     let biased = scores;
@@ -330,6 +313,29 @@ fn expand(g: &mut Graph, n: NodeId, s: &Spec) {
     for (v, name) in renamed {
         g.rename(v, &name);
     }
+}
+
+/// The scores' bias: the mask (a boolean one as 0 / -inf), and the causal (or windowed) mask of
+/// the positions of `q` and `k` added to it; none without either.
+fn bias(b: &mut Builder, s: &Spec, q: ValueId, k: ValueId) -> Option<ValueId> {
+    let dt = s.dtype;
+    let mut bias = s.mask.map(|m| {
+        if b.g.ty(m).dtype == Some(DType::Bool) {
+            let zero = constant(b, "zero", 0.0, dt);
+            let minus_inf = constant(b, "minus_inf", f64::NEG_INFINITY, dt);
+            b.op("mask_bias", Op::Where, &[m, zero, minus_inf])
+        } else {
+            m
+        }
+    });
+    if s.causal || s.window != (-1, -1) {
+        let causal = position_mask(b, q, k, s);
+        bias = Some(match bias {
+            Some(m) => b.op("bias", Op::Add, &[m, causal]),
+            None => causal,
+        });
+    }
+    bias
 }
 
 /// K or V heads repeated `group` times each, in order ([h0, h0, h1, h1, ...]): [B, Hkv, S, D] →
