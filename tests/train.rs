@@ -1227,3 +1227,71 @@ fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
     assert_eq!(own[0].to_bits(), same[0].to_bits(), "rank 0 keeps the seed's masks");
     assert_ne!(own[0], own[1], "rank 1's masks are its own");
 }
+
+/// The sharded step on the fixtures beside the MLP (batch norms and their running statistics, a
+/// residual CNN, a transformer's LayerNorms and embedding), AdamW with weight decay and the
+/// biases and norms exempt: on two ranks, each on batches of its own, every state block is the
+/// unsharded run's value's block, bit for bit, and every value kept whole the same bits.
+#[test]
+fn a_sharded_state_trains_the_fixtures_as_the_whole() {
+    use mpc_passes::train::{NoDecay, StateShard};
+    use mpc_runtime::collective::{padded_block, LocalGroup};
+    use std::sync::Arc;
+    for (name, policy) in [("cnn_bn", "mixed"), ("transformer", "mixed"), ("resblock", "fp32")] {
+        let model = fixture(name);
+        let base = TrainOptions {
+            optimizer: Optimizer::AdamW,
+            lr: 1e-3,
+            weight_decay: 0.01,
+            no_decay: vec![NoDecay::Biases, NoDecay::Norms],
+            data_parallel: true,
+            ..Default::default()
+        };
+        let on_two = |sharded: bool| -> Vec<HashMap<String, HostTensor>> {
+            std::thread::scope(|scope| {
+                let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, r)| {
+                        let shard_state = sharded.then_some(StateShard { rank, world: 2 });
+                        let t = TrainOptions { shard_state, ..base.clone() };
+                        let model = &model;
+                        scope.spawn(move || {
+                            let g = training_graph(model, policy, t);
+                            let dims = HashMap::from([("batch".to_string(), 4u64)]);
+                            let feeds: Vec<_> = (0..3)
+                                .map(|k| {
+                                    mpc::run::random_inputs_within(&g, (rank * 10 + k) as u64, &dims, 1 << 30).unwrap()
+                                })
+                                .collect();
+                            let device = CpuDevice::default().with_collective(Arc::new(r));
+                            let mut s = program_session(device, &g, &feeds[0]);
+                            for f in &feeds {
+                                s.feed(0, f).unwrap();
+                                s.step(0).unwrap();
+                            }
+                            let names: Vec<String> = state_of(&g).iter().map(|&(v, _)| g.name(v).to_string()).collect();
+                            names.into_iter().map(|n| (n.clone(), s.read_state(&n).unwrap())).collect()
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|t| t.join().unwrap()).collect()
+            })
+        };
+        let (whole, sharded) = (on_two(false), on_two(true));
+        for rank in 0..2 {
+            assert_eq!(whole[rank].len(), sharded[rank].len(), "{name}: the state's values");
+            let mut blocks = 0;
+            for (value, block) in &sharded[rank] {
+                let full = &whole[rank][value];
+                if full.shape == block.shape {
+                    assert_eq!(full, block, "{name}: `{value}` (kept whole) on rank {rank}");
+                } else {
+                    assert_eq!(&padded_block(full, rank, 2), block, "{name}: `{value}`'s block on rank {rank}");
+                    blocks += 1;
+                }
+            }
+            assert!(blocks > 0, "{name}: nothing sharded");
+        }
+    }
+}

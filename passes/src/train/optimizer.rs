@@ -174,9 +174,11 @@ fn all_reduced(b: &mut Builder, pairs: &mut [StatePair], keep: bool, when: Optio
         // Named after the parameter (or statistic): what a check that the ranks differ names.
         let name = format!("{}.grad", b.g.name(*p));
         b.at(&name);
-        let dt = b.dtype(*d).map_err(PassError::Usage)?;
+        // A value this pass computed (a running variance made PyTorch's) is typed after it: the
+        // state it is the next value of has its type.
+        let dt = b.dtype(*d).or_else(|_| b.dtype(*p)).map_err(PassError::Usage)?;
         let widened = !matches!(dt, DType::F32 | DType::F64);
-        let shape = b.g.ty(*d).shape.clone();
+        let shape = b.g.ty(*d).shape.clone().or_else(|| b.g.ty(*p).shape.clone());
         let wide = if widened { b.cast(*d, DType::F32) } else { *d };
         let attrs = mpc_ir::ops::AllReduceAttrs { reduction: mpc_ir::ops::CollectiveReduction::Mean };
         *d = b.ops("all_reduce", Op::AllReduce(Box::new(attrs)), &[Some(wide), when], 1)[0];
