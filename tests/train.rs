@@ -1229,23 +1229,31 @@ fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
 }
 
 /// The sharded step on the fixtures beside the MLP (batch norms and their running statistics, a
-/// residual CNN, a transformer's LayerNorms and embedding), AdamW with weight decay and the
-/// biases and norms exempt: on two ranks, each on batches of its own, every state block is the
-/// unsharded run's value's block, bit for bit, and every value kept whole the same bits.
+/// residual CNN, a transformer's LayerNorms and embedding, GPT-2's LM head tied to its token
+/// embedding), AdamW with weight decay and the biases and norms exempt: on two ranks, each on
+/// batches of its own, every state block is the unsharded run's value's block, bit for bit, and
+/// every value kept whole the same bits.
 #[test]
 fn a_sharded_state_trains_the_fixtures_as_the_whole() {
     use mpc_passes::train::{NoDecay, StateShard};
     use mpc_runtime::collective::{padded_block, LocalGroup};
     use std::sync::Arc;
-    for (name, policy) in [("cnn_bn", "mixed"), ("transformer", "mixed"), ("resblock", "fp32")] {
+    let cases = [
+        ("cnn_bn", "mixed", None),
+        ("transformer", "mixed", None),
+        ("resblock", "fp32", None),
+        ("zoo/gpt2.legacy", "mixed", Some("cross-entropy:axis=-1")),
+    ];
+    for (name, policy, loss) in cases {
         let model = fixture(name);
+        let file = mpc::config::TrainFile { loss: loss.map(str::to_string), ..Default::default() };
         let base = TrainOptions {
             optimizer: Optimizer::AdamW,
             lr: 1e-3,
             weight_decay: 0.01,
             no_decay: vec![NoDecay::Biases, NoDecay::Norms],
             data_parallel: true,
-            ..Default::default()
+            ..file.resolve().unwrap().0
         };
         let on_two = |sharded: bool| -> Vec<HashMap<String, HostTensor>> {
             std::thread::scope(|scope| {
