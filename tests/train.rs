@@ -861,27 +861,17 @@ fn two_ranks_train_as_one_batch_of_both() {
 #[test]
 fn two_ranks_of_train_on_agree_and_draw_their_own_dropout() {
     use mpc::train::{train_on, Shard, Trained};
-    use mpc_runtime::collective::LocalGroup;
     use std::sync::Arc;
     let model_path = digits_with_dropout(&scratch("ranks_dropout"));
     let model = mpc::load(&model_path).unwrap();
     let opts = options("fp32", TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, ..Default::default() });
-    let runs: Vec<(Vec<f64>, Trained)> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                let (model, model_path, opts) = (&model, &model_path, &opts);
-                scope.spawn(move || {
-                    let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(2) };
-                    let mut losses = Vec::new();
-                    let device = CpuDevice::default().with_collective(Arc::new(r));
-                    let t = train_on(device, model, model_path, opts, &cfg, &mut |e| losses.push(e.mean_loss)).unwrap();
-                    (losses, t)
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    let runs: Vec<(Vec<f64>, Trained)> = on_ranks(2, |rank, r| {
+        let (model, model_path, opts) = (&model, &model_path, &opts);
+        let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(2) };
+        let mut losses = Vec::new();
+        let device = CpuDevice::default().with_collective(Arc::new(r));
+        let t = train_on(device, model, model_path, opts, &cfg, &mut |e| losses.push(e.mean_loss)).unwrap();
+        (losses, t)
     });
     let (a, b) = (&runs[0], &runs[1]);
     assert_eq!(a.0, b.0, "the epoch losses (means over the ranks)");
@@ -905,7 +895,6 @@ fn two_ranks_of_train_on_agree_and_draw_their_own_dropout() {
 fn a_sharded_optimizer_state_trains_as_the_whole_in_half_the_bytes() {
     use mpc::train::{train_on, Shard, Trained};
     use mpc_passes::train::StateShard;
-    use mpc_runtime::collective::LocalGroup;
     use std::sync::Arc;
     let model_path = fixture("digits_mlp");
     let model = mpc::load(&model_path).unwrap();
@@ -913,24 +902,15 @@ fn a_sharded_optimizer_state_trains_as_the_whole_in_half_the_bytes() {
     let dir = scratch("sharded_state");
     // Two ranks, sharded or not, `epochs` in all, checkpointing in `dir` (or resuming from it).
     let on_two = |policy: &str, t: &TrainOptions, sharded: bool, epochs: usize, resume: bool| -> Vec<Trained> {
-        std::thread::scope(|scope| {
-            let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-                .into_iter()
-                .enumerate()
-                .map(|(rank, r)| {
-                    let shard_state = sharded.then_some(StateShard { rank, world: 2 });
-                    let opts = options(policy, TrainOptions { shard_state, ..t.clone() });
-                    let (model, model_path, dir) = (&model, &model_path, &dir);
-                    scope.spawn(move || {
-                        let shard = Shard { rank, world: 2 };
-                        let checkpoint = Some(dir.clone());
-                        let cfg = TrainConfig { shard, batch: 32, checkpoint, resume, ..digits_cfg(epochs) };
-                        let device = CpuDevice::default().with_collective(Arc::new(r));
-                        train_on(device, model, model_path, &opts, &cfg, &mut |_| {}).unwrap()
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        on_ranks(2, |rank, r| {
+            let shard_state = sharded.then_some(StateShard { rank, world: 2 });
+            let opts = options(policy, TrainOptions { shard_state, ..t.clone() });
+            let (model, model_path, dir) = (&model, &model_path, &dir);
+            let shard = Shard { rank, world: 2 };
+            let checkpoint = Some(dir.clone());
+            let cfg = TrainConfig { shard, batch: 32, checkpoint, resume, ..digits_cfg(epochs) };
+            let device = CpuDevice::default().with_collective(Arc::new(r));
+            train_on(device, model, model_path, &opts, &cfg, &mut |_| {}).unwrap()
         })
     };
     let state_bytes = |t: &Trained| -> u64 {
@@ -1014,7 +994,6 @@ fn a_sharded_optimizer_state_trains_as_the_whole_in_half_the_bytes() {
 #[test]
 fn a_checkpoint_resumes_at_its_global_batch_on_another_number_of_ranks() {
     use mpc::train::{train_on, Shard};
-    use mpc_runtime::collective::LocalGroup;
     use std::sync::Arc;
     let model_path = fixture("digits_mlp");
     let model = mpc::load(&model_path).unwrap();
@@ -1041,27 +1020,13 @@ fn a_checkpoint_resumes_at_its_global_batch_on_another_number_of_ranks() {
     assert!(e.ends_with("resume with --global-batch 64"), "{e}");
     // Two ranks at --global-batch 64 go on from the same checkpoint.
     let two_dir = copy("two");
-    let two: Vec<mpc::train::Trained> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                let (model, model_path, opts, two_dir) = (&model, &model_path, &opts, &two_dir);
-                scope.spawn(move || {
-                    let shard = Shard { rank, world: 2 };
-                    let cfg = TrainConfig {
-                        shard,
-                        global_batch: Some(64),
-                        checkpoint: two_dir.clone(),
-                        resume: true,
-                        ..digits_cfg(3)
-                    };
-                    let device = CpuDevice::default().with_collective(Arc::new(r));
-                    train_on(device, model, model_path, opts, &cfg, &mut |_| {}).unwrap()
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    let two: Vec<mpc::train::Trained> = on_ranks(2, |rank, r| {
+        let (model, model_path, opts, two_dir) = (&model, &model_path, &opts, &two_dir);
+        let shard = Shard { rank, world: 2 };
+        let cfg =
+            TrainConfig { shard, global_batch: Some(64), checkpoint: two_dir.clone(), resume: true, ..digits_cfg(3) };
+        let device = CpuDevice::default().with_collective(Arc::new(r));
+        train_on(device, model, model_path, opts, &cfg, &mut |_| {}).unwrap()
     });
     assert_eq!(two[0].epochs.len(), 1, "the third epoch alone");
     let mut worst = 0f64;
@@ -1111,24 +1076,15 @@ fn accumulating_ranks_reduce_only_the_sums_they_apply() {
     let model = mpc::load(&model_path).unwrap();
     let sgd = TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, accumulate: 2, ..Default::default() };
     let on_two = |sharded: bool| -> Vec<(usize, mpc::train::Trained)> {
-        std::thread::scope(|scope| {
-            let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-                .into_iter()
-                .enumerate()
-                .map(|(rank, r)| {
-                    let shard_state = sharded.then_some(mpc_passes::train::StateShard { rank, world: 2 });
-                    let opts = options("fp32", TrainOptions { shard_state, ..sgd.clone() });
-                    let (model, model_path) = (&model, &model_path);
-                    scope.spawn(move || {
-                        let counting = Arc::new(Counting(r, AtomicUsize::new(0)));
-                        let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(1) };
-                        let device = CpuDevice::default().with_collective(counting.clone());
-                        let t = train_on(device, model, model_path, &opts, &cfg, &mut |_| {}).unwrap();
-                        (counting.1.load(Ordering::Relaxed), t)
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        on_ranks(2, |rank, r| {
+            let shard_state = sharded.then_some(mpc_passes::train::StateShard { rank, world: 2 });
+            let opts = options("fp32", TrainOptions { shard_state, ..sgd.clone() });
+            let (model, model_path) = (&model, &model_path);
+            let counting = Arc::new(Counting(r, AtomicUsize::new(0)));
+            let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(1) };
+            let device = CpuDevice::default().with_collective(counting.clone());
+            let t = train_on(device, model, model_path, &opts, &cfg, &mut |_| {}).unwrap();
+            (counting.1.load(Ordering::Relaxed), t)
         })
     };
     let runs = on_two(false);
@@ -1157,26 +1113,16 @@ fn accumulating_ranks_reduce_only_the_sums_they_apply() {
 #[test]
 fn a_data_parallel_log_holds_the_global_batch_losses() {
     use mpc::train::{train_on, Shard};
-    use mpc_runtime::collective::LocalGroup;
     use std::sync::Arc;
     let model_path = fixture("digits_mlp");
     let model = mpc::load(&model_path).unwrap();
     let sgd = TrainOptions { optimizer: Optimizer::Sgd, lr: 0.1, ..Default::default() };
     let opts = options("fp32", sgd.clone());
-    let two: Vec<mpc::train::Trained> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-            .into_iter()
-            .enumerate()
-            .map(|(rank, r)| {
-                let (model, model_path, opts) = (&model, &model_path, &opts);
-                scope.spawn(move || {
-                    let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(2) };
-                    let device = CpuDevice::default().with_collective(Arc::new(r));
-                    train_on(device, model, model_path, opts, &cfg, &mut |_| {}).unwrap()
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    let two: Vec<mpc::train::Trained> = on_ranks(2, |rank, r| {
+        let (model, model_path, opts) = (&model, &model_path, &opts);
+        let cfg = TrainConfig { shard: Shard { rank, world: 2 }, batch: 32, ..digits_cfg(2) };
+        let device = CpuDevice::default().with_collective(Arc::new(r));
+        train_on(device, model, model_path, opts, &cfg, &mut |_| {}).unwrap()
     });
     let one = run(&model_path, "fp32", sgd, &digits_cfg(2));
     assert_eq!(two[0].losses, two[1].losses, "the ranks' logged losses");
@@ -1193,7 +1139,6 @@ fn a_data_parallel_log_holds_the_global_batch_losses() {
 fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
     use mpc::train::Shard;
     use mpc::trainer::Trainer;
-    use mpc_runtime::collective::LocalGroup;
     use std::sync::Arc;
     let path = digits_with_dropout(&scratch("ranks_masks"));
     let model = mpc::load(&path).unwrap();
@@ -1201,24 +1146,15 @@ fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
     let opts = options("fp32", t);
     let batch = digits_batch(0, 32);
     let first_losses = |moved: bool| -> Vec<f32> {
-        std::thread::scope(|scope| {
-            let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-                .into_iter()
-                .enumerate()
-                .map(|(rank, r)| {
-                    let (model, path, opts, batch) = (&model, &path, &opts, &batch);
-                    scope.spawn(move || {
-                        let device = CpuDevice::default().with_collective(Arc::new(r));
-                        let mut trainer = Trainer::new(device, model, path, opts, batch).unwrap();
-                        if moved {
-                            trainer.own_dropout_stream(Shard { rank, world: 2 }).unwrap();
-                        }
-                        let h = trainer.step(batch).unwrap();
-                        trainer.wait(h).unwrap().loss
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|t| t.join().unwrap()).collect()
+        on_ranks(2, |rank, r| {
+            let (model, path, opts, batch) = (&model, &path, &opts, &batch);
+            let device = CpuDevice::default().with_collective(Arc::new(r));
+            let mut trainer = Trainer::new(device, model, path, opts, batch).unwrap();
+            if moved {
+                trainer.own_dropout_stream(Shard { rank, world: 2 }).unwrap();
+            }
+            let h = trainer.step(batch).unwrap();
+            trainer.wait(h).unwrap().loss
         })
     };
     let same = first_losses(false);
@@ -1236,7 +1172,7 @@ fn the_ranks_draw_other_dropout_masks_on_the_same_batch() {
 #[test]
 fn a_sharded_state_trains_the_fixtures_as_the_whole() {
     use mpc_passes::train::{NoDecay, StateShard};
-    use mpc_runtime::collective::{padded_block, LocalGroup};
+    use mpc_runtime::collective::padded_block;
     use std::sync::Arc;
     let cases = [
         ("cnn_bn", "mixed", None),
@@ -1256,34 +1192,23 @@ fn a_sharded_state_trains_the_fixtures_as_the_whole() {
             ..file.resolve().unwrap().0
         };
         let on_two = |sharded: bool| -> Vec<HashMap<String, HostTensor>> {
-            std::thread::scope(|scope| {
-                let ranks: Vec<_> = LocalGroup::new(2, std::time::Duration::from_secs(60))
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, r)| {
-                        let shard_state = sharded.then_some(StateShard { rank, world: 2 });
-                        let t = TrainOptions { shard_state, ..base.clone() };
-                        let model = &model;
-                        scope.spawn(move || {
-                            let g = training_graph(model, policy, t);
-                            let dims = HashMap::from([("batch".to_string(), 4u64)]);
-                            let feeds: Vec<_> = (0..3)
-                                .map(|k| {
-                                    mpc::run::random_inputs_within(&g, (rank * 10 + k) as u64, &dims, 1 << 30).unwrap()
-                                })
-                                .collect();
-                            let device = CpuDevice::default().with_collective(Arc::new(r));
-                            let mut s = program_session(device, &g, &feeds[0]);
-                            for f in &feeds {
-                                s.feed(0, f).unwrap();
-                                s.step(0).unwrap();
-                            }
-                            let names: Vec<String> = state_of(&g).iter().map(|&(v, _)| g.name(v).to_string()).collect();
-                            names.into_iter().map(|n| (n.clone(), s.read_state(&n).unwrap())).collect()
-                        })
-                    })
+            on_ranks(2, |rank, r| {
+                let shard_state = sharded.then_some(StateShard { rank, world: 2 });
+                let t = TrainOptions { shard_state, ..base.clone() };
+                let model = &model;
+                let g = training_graph(model, policy, t);
+                let dims = HashMap::from([("batch".to_string(), 4u64)]);
+                let feeds: Vec<_> = (0..3)
+                    .map(|k| mpc::run::random_inputs_within(&g, (rank * 10 + k) as u64, &dims, 1 << 30).unwrap())
                     .collect();
-                ranks.into_iter().map(|t| t.join().unwrap()).collect()
+                let device = CpuDevice::default().with_collective(Arc::new(r));
+                let mut s = program_session(device, &g, &feeds[0]);
+                for f in &feeds {
+                    s.feed(0, f).unwrap();
+                    s.step(0).unwrap();
+                }
+                let names: Vec<String> = state_of(&g).iter().map(|&(v, _)| g.name(v).to_string()).collect();
+                names.into_iter().map(|n| (n.clone(), s.read_state(&n).unwrap())).collect()
             })
         };
         let (whole, sharded) = (on_two(false), on_two(true));

@@ -351,12 +351,10 @@ mod tests {
         }
     }
 
-    /// Two ranks: each gets its block of the mean (by default and as the group computes it),
-    /// and every rank gets the blocks in rank order.
-    #[test]
-    fn reduce_scatter_gives_each_rank_its_block_and_all_gather_puts_them_back() {
-        let group = LocalGroup::new(2, Duration::from_secs(30));
-        let got: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+    /// Each rank of `group` (a thread each) reduce-scatters [k, 10 + k, 2k, −k] (k its rank) and
+    /// all-gathers its block: the blocks and the gathers, in rank order.
+    fn scatter_and_gather<C: Collective>(group: &[C]) -> Vec<(Vec<f32>, Vec<f32>)> {
+        std::thread::scope(|s| {
             let ranks: Vec<_> = group
                 .iter()
                 .map(|r| {
@@ -370,7 +368,15 @@ mod tests {
                 })
                 .collect();
             ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        })
+    }
+
+    /// Two ranks: each gets its block of the mean (by default and as the group computes it),
+    /// and every rank gets the blocks in rank order.
+    #[test]
+    fn reduce_scatter_gives_each_rank_its_block_and_all_gather_puts_them_back() {
+        let group = LocalGroup::new(2, Duration::from_secs(30));
+        let got = scatter_and_gather(&group);
         assert_eq!(got[0].0, [0.5, 10.5]);
         assert_eq!(got[1].0, [1.0, -0.5]);
         for (_, all) in &got {
@@ -392,21 +398,7 @@ mod tests {
         }
         let group: Vec<ByAllReduce> =
             LocalGroup::new(2, Duration::from_secs(30)).into_iter().map(ByAllReduce).collect();
-        let by_default: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
-            let ranks: Vec<_> = group
-                .iter()
-                .map(|r| {
-                    s.spawn(move || {
-                        let k = r.rank() as f32;
-                        let x = t(&[k, 10.0 + k, 2.0 * k, -k]);
-                        let mine = r.reduce_scatter(&x, CollectiveReduction::Mean).unwrap();
-                        let all = r.all_gather(&mine).unwrap();
-                        (mine.f32s().unwrap(), all.f32s().unwrap())
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let by_default = scatter_and_gather(&group);
         assert_eq!(by_default, got);
     }
 

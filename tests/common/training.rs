@@ -129,3 +129,14 @@ pub fn compare_one_step<D: Device>(
     }
     (updated, worst)
 }
+
+/// `f` run as each rank of a `LocalGroup` of `world` ranks (what `mpiexec -n world` runs, as
+/// threads of one process), a thread each; the results in rank order.
+pub fn on_ranks<T: Send>(world: usize, f: impl Fn(usize, mpc_runtime::collective::LocalGroup) -> T + Sync) -> Vec<T> {
+    let group = mpc_runtime::collective::LocalGroup::new(world, std::time::Duration::from_secs(60));
+    std::thread::scope(|scope| {
+        let f = &f;
+        let ranks: Vec<_> = group.into_iter().enumerate().map(|(rank, r)| scope.spawn(move || f(rank, r))).collect();
+        ranks.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
