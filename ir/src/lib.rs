@@ -4,6 +4,7 @@
 
 pub mod attr;
 mod binary;
+pub mod classify;
 mod dtype;
 mod error;
 pub mod geometry;
@@ -18,6 +19,7 @@ pub mod train;
 mod unary;
 
 pub use attr::{Attr, Attrs};
+pub use classify::{Class, Kind};
 pub use dtype::DType;
 pub use error::{IrError, Result};
 pub use graph::{Def, Graph, GraphError, ModelMeta, Node, NodeId, TypeInfo, Use, Value, ValueId};

@@ -814,27 +814,6 @@ impl Op {
         })
     }
 
-    /// The input slots whose values decide the output's shape or are read as parameters (shapes,
-    /// axes, starts/ends, repeats, pads, scales, ratios): a runtime needs their values when it
-    /// lowers the graph, not on the device.
-    pub fn host_operands(&self) -> &'static [usize] {
-        match self {
-            Op::Reshape(_) | Op::Expand | Op::Tile | Op::Squeeze | Op::Unsqueeze | Op::Split(_) | Op::CumSum(_) => &[1],
-            Op::CumProd(_) => &[1],
-            Op::CumProdGrad(_) => &[2],
-            Op::Trilu(_) | Op::TopK(_) => &[1],
-            // The axes of a reduction (an input from opset 13, 18 for most).
-            op if op.reduction().is_some() => &[1],
-            Op::Slice => &[1, 2, 3, 4],
-            Op::Pad(_) => &[1, 3],
-            Op::ConstantOfShape(_) => &[0],
-            Op::Range => &[0, 1, 2],
-            Op::Resize(_) => &[1, 2, 3],
-            Op::Dropout(_) => &[1, 2],
-            _ => &[],
-        }
-    }
-
     pub fn is_opaque(&self) -> bool {
         matches!(self, Op::Opaque(_))
     }

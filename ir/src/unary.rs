@@ -122,6 +122,13 @@ impl Unary {
         }
     }
 
+    /// Whether a fused element-wise chain may hold it ([`Op::fusable`]): the chains' generator
+    /// has its functor.
+    pub fn chains(self) -> bool {
+        use Unary::*;
+        matches!(self, Relu | Sigmoid | Tanh | Neg | Exp | Sqrt | Reciprocal | Erf | Gelu | GeluTanh | LeakyRelu)
+    }
+
     /// Whether the op has an integer kernel: Neg, Abs, Relu and Sign compute on integers;
     /// Floor, Ceil and Round leave them as they are.
     pub fn on_integers(self) -> Option<IntegerUnary> {

@@ -64,29 +64,10 @@ pub fn row_wise(op: &Op) -> bool {
     matches!(op, Op::Softmax(_) | Op::LogSoftmax(_) | Op::SoftmaxGrad(_))
 }
 
-/// The ops a chain may hold: element-wise, with the same formula on every device (the CUDA
-/// device generates them from the functors of `kernels/common.cuh`).
+/// The ops a chain may hold: element-wise, with the same formula on every device
+/// ([`Op::fusable`]).
 pub fn fusable_op(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Add
-            | Op::Sub
-            | Op::Mul
-            | Op::Div
-            | Op::Relu
-            | Op::Sigmoid
-            | Op::Tanh
-            | Op::Neg
-            | Op::Exp
-            | Op::Sqrt
-            | Op::Reciprocal
-            | Op::Erf
-            | Op::Gelu(_)
-            | Op::LeakyRelu(_)
-            | Op::Cast(_)
-            | Op::Sum
-            | Op::ReluGrad
-    )
+    op.fusable()
 }
 
 fn chain_dtype(d: Option<DType>) -> bool {

@@ -7,34 +7,10 @@
 
 use mpc_ir::Op;
 
-/// Ops whose output may take over the buffer of an input of the same size that dies with them:
-/// element-wise ops and their gradients (ReluGrad, GeluGrad); the reshapes, whose output is the
-/// input's bytes in the same order; and the row-wise normalisations (Softmax, LayerNormalization,
-/// inference BatchNormalization) and row-wise gradients (SoftmaxGrad, SoftmaxCrossEntropyLossGrad
-/// over its scores), which read a whole row before writing it, each element by the thread that
-/// writes it.
+/// Ops whose output may take over the buffer of an input of the same size that dies with them
+/// ([`Op::in_place`]).
 pub(crate) fn elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Softmax(_)
-            | Op::LogSoftmax(_)
-            | Op::LayerNormalization(_)
-            | Op::Reshape(_)
-            | Op::Flatten(_)
-            | Op::Squeeze
-            | Op::Unsqueeze
-            | Op::Identity
-            | Op::Add
-            | Op::Sub
-            | Op::Mul
-            | Op::Div
-            | Op::Clip
-            | Op::ReluGrad
-            | Op::GeluGrad(_)
-            | Op::SoftmaxGrad(_)
-            | Op::SoftmaxCrossEntropyLossGrad(_)
-            | mpc_ir::unary_ops!()
-    ) || matches!(op, Op::BatchNormalization(a) if !a.training_mode)
+    op.in_place()
 }
 
 /// Places buffers, each `(size, first step, last step)`, in one arena: each at the lowest offset

@@ -2,7 +2,8 @@
 
 use std::collections::HashSet;
 
-use mpc_ir::{Dim, Graph, Op, Shape, Tensor, TypeInfo, ValueId};
+use mpc_ir::ops::Arith;
+use mpc_ir::{Dim, Graph, Kind, Op, Shape, Tensor, TypeInfo, ValueId};
 use mpc_runtime::HostTensor;
 
 /// Gives every graph input a symbolic leading dim `batch`, so that a model exported with a fixed
@@ -109,9 +110,11 @@ fn batch_target(g: &mut Graph, name: &str, dims: &[i64], at: &[usize]) -> ValueI
 /// broadcasts (Expand, the element-wise ops, an RNN's initial state); and a constant of equal
 /// slices along a leading `b` its first slice.
 fn freed_of(g: &mut Graph, n: mpc_ir::NodeId, slot: usize, c: &Tensor, b: u64) -> Option<Freed> {
-    let broadcasts = match &g.node(n).op {
-        Op::Expand | Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Where => true,
-        Op::Opaque(o) => matches!(o.op_type.as_str(), "LSTM" | "GRU") && matches!(slot, 5 | 6),
+    let op = &g.node(n).op;
+    let broadcasts = match op.kind() {
+        Kind::Arith(a) => matches!(a, Arith::Add | Arith::Sub | Arith::Mul | Arith::Div),
+        Kind::Movement | Kind::Select => matches!(op, Op::Expand | Op::Where),
+        Kind::Opaque => matches!(op.op_type(), "LSTM" | "GRU") && matches!(slot, 5 | 6),
         _ => false,
     };
     if broadcasts && c.all_equal() && c.shape().contains(&b) && !(matches!(g.node(n).op, Op::Expand) && slot == 1) {

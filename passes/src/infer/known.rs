@@ -50,24 +50,30 @@ impl Elem {
 
     /// `a op b` for the integer arithmetic and comparisons of shape computations. Division is
     /// exact on symbols and truncating on integers (as ONNX runtimes divide int64).
+    /// The integer formula of a binary op that shape arithmetic folds, or `None` for the ops it
+    /// does not.
+    fn int_formula(op: &Op) -> Option<fn(i64, i64) -> Option<i64>> {
+        let f: fn(i64, i64) -> Option<i64> = match op {
+            Op::Add => |x, y| x.checked_add(y),
+            Op::Sub => |x, y| x.checked_sub(y),
+            Op::Mul => |x, y| x.checked_mul(y),
+            Op::Div => |x, y| x.checked_div(y),
+            Op::Max => |x, y| Some(x.max(y)),
+            Op::Min => |x, y| Some(x.min(y)),
+            // ONNX Mod: C's remainder with fmod, else the divisor's sign (Python's %).
+            Op::Mod(m) if m.fmod => |x, y| x.checked_rem(y),
+            Op::Mod(_) => |x, y| x.checked_rem(y).map(|r| if r != 0 && (r < 0) != (y < 0) { r + y } else { r }),
+            Op::Equal => |x, y| Some(i64::from(x == y)),
+            Op::Less => |x, y| Some(i64::from(x < y)),
+            Op::Greater => |x, y| Some(i64::from(x > y)),
+            _ => return None,
+        };
+        Some(f)
+    }
+
     fn binary(op: &Op, a: &Elem, b: &Elem) -> Elem {
         if let (Elem::Int(x), Elem::Int(y)) = (a, b) {
-            let (x, y) = (*x, *y);
-            let v = match op {
-                Op::Add => x.checked_add(y),
-                Op::Sub => x.checked_sub(y),
-                Op::Mul => x.checked_mul(y),
-                Op::Div => x.checked_div(y),
-                Op::Max => Some(x.max(y)),
-                Op::Min => Some(x.min(y)),
-                // ONNX Mod: C's remainder with fmod, else the divisor's sign (Python's %).
-                Op::Mod(m) if m.fmod => x.checked_rem(y),
-                Op::Mod(_) => x.checked_rem(y).map(|r| if r != 0 && (r < 0) != (y < 0) { r + y } else { r }),
-                Op::Equal => Some(i64::from(x == y)),
-                Op::Less => Some(i64::from(x < y)),
-                Op::Greater => Some(i64::from(x > y)),
-                _ => None,
-            };
+            let v = Elem::int_formula(op).and_then(|f| f(*x, *y));
             return v.map_or(Elem::Unknown, Elem::Int);
         }
         let (Some(x), Some(y)) = (a.expr(), b.expr()) else { return Elem::Unknown };
@@ -237,9 +243,7 @@ pub(crate) fn propagate(g: &Graph, n: NodeId, slot: usize, known: &KnownValues) 
             let (s, e) = (clamp(starts[0]), clamp(ends[0]));
             Some(Known { scalar: false, elems: x.elems.get(s..e.max(s))?.to_vec() })
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Equal | Op::Less | Op::Greater
-            if node.inputs().len() == 2 =>
-        {
+        op if node.inputs().len() == 2 && Elem::int_formula(op).is_some() => {
             let (a, b) = (input(0)?, input(1)?);
             let elems = broadcast_elems(&[a, b], |e| Elem::binary(&node.op, &e[0], &e[1]))?;
             Some(Known { scalar: a.scalar && b.scalar, elems })

@@ -106,10 +106,6 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             }
             out
         }
-        Op::Add | Op::Sub | Op::Mul | Op::Div | Op::Mod(_) | Op::Max | Op::Min | Op::Sum | Op::Mean => {
-            let d = cx.same_dtype(0..cx.n_inputs())?;
-            vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
-        }
         mpc_ir::bitwise_ops!() => {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             let bits = op.bitwise().expect("a bit operation");
@@ -134,6 +130,11 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(d, cx.sh(0).cloned())]
         }
         Op::Pow => vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)],
+        // The other arithmetic and Sum, Mean, Max, Min: operands of one dtype, broadcast.
+        mpc_ir::arith_ops!() | Op::Sum | Op::Mean | Op::Max | Op::Min => {
+            let d = cx.same_dtype(0..cx.n_inputs())?;
+            vec![t(d, broadcast_all(cx, 0..cx.n_inputs())?)]
+        }
         mpc_ir::compare_ops!() => {
             cx.same_dtype(0..2)?;
             vec![t(Some(DType::Bool), broadcast_all(cx, 0..2)?)]

@@ -770,13 +770,10 @@ fn rule(b: &mut Builder, n: NodeId, dys: &[Option<ValueId>], wants: &[bool]) -> 
             vec![Some(b.op("expand", Op::Expand, &[t, s]))]
         }
         // d max, min, Σx², Σ|x|, √Σx², log Σeˣ, Πx: each a function of x, y and dy at x's rank.
-        Op::ReduceMax(a)
-        | Op::ReduceMin(a)
-        | Op::ReduceSumSquare(a)
-        | Op::ReduceL1(a)
-        | Op::ReduceL2(a)
-        | Op::ReduceLogSumExp(a)
-        | Op::ReduceProd(a) => vec![Some(rules::reduce(b, &node, a, dy)?)],
+        op @ (mpc_ir::reduce_ops!()) => {
+            let (_, a) = op.reduction().expect("a reduction");
+            vec![Some(rules::reduce(b, &node, a, dy)?)]
+        }
         // d cumsum(x) = the cumulative sum of dy the other way (exclusive stays exclusive).
         Op::CumSum(a) => {
             let back = Op::CumSum(CumSumAttrs { exclusive: a.exclusive, reverse: !a.reverse });

@@ -29,7 +29,7 @@ fn fused_marker() -> Op {
 
 /// Ops that are views of their first input's bytes.
 fn is_view(op: &Op) -> bool {
-    matches!(op, Op::Reshape(_) | Op::Squeeze | Op::Unsqueeze | Op::Flatten(_) | Op::Identity)
+    op.kind() == mpc_ir::Kind::View
 }
 
 /// Standard ops whose output shape is a function of their input's values, not its shape.

@@ -159,3 +159,96 @@ pub(super) fn plan_gather_grad(p: &mut Planner, axis: i64) -> Result<(), String>
     p.flat("gather", format!("gather_grad_sorted_{t}"), n, args);
     Ok(())
 }
+
+/// The gathers, scatters, top-k, arg-max/min and RoiAlign ([`Kind::Index`](mpc_ir::Kind::Index)).
+pub(super) fn plan_index(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    match op {
+        Op::ArgMax(a) | Op::ArgMin(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
+            let kind = if matches!(op, Op::ArgMin(_)) { "argmin" } else { "argmax" };
+            let t = float_tag(x.dtype)?;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(len as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.select_last_index as i32),
+            ];
+            if inner == 1 {
+                p.kernel("reduce", format!("reduce_{kind}_rows_{t}"), rows_grid(outer), [BLOCK, 1, 1], args);
+            } else {
+                let grid = [inner.div_ceil(32) as u32, outer.clamp(1, MAX_ROWS) as u32, 1];
+                p.kernel("reduce", format!("reduce_{kind}_cols_{t}"), grid, [32, 8, 1], args);
+            }
+        }
+        Op::TopK(a) => {
+            let (x, values, indices) = (p.input(0)?, p.output(0)?, p.output(1)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let t = match x.dtype {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I64 | DType::I32 => tag(x.dtype)?,
+                d => return Err(format!("TopK on {d}: the kernel takes f32, f16, bf16, f64, i64 or i32")),
+            };
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(values)),
+                Arg::Ptr(buf(indices)),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I64(values.shape[ax] as i64),
+                Arg::I32(a.largest as i32),
+            ];
+            p.flat("movement", format!("movement_topk_{t}"), outer * inner, args);
+        }
+        Op::RoiAlign(a) => pool::plan_roi_align(p, a, false)?,
+        Op::RoiAlignGrad(a) => pool::plan_roi_align(p, a, true)?,
+        Op::Gather(a) => {
+            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
+            let count = idx.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(idx)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(len as i64),
+                Arg::I64(count as i64),
+                Arg::I64(inner as i64),
+                Arg::Ptr(Buf::Flag),
+            ];
+            let name = format!("gather_axis_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
+            p.flat("gather", name, y.numel() as u64, args);
+        }
+        Op::GatherElements(a) => {
+            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let n = y.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(idx)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(idx.shape.len() as i32),
+                Arg::Dims(dims8(&us(&idx.shape))?),
+                Arg::Dims(dims8(&contiguous(&x.shape))?),
+                Arg::I32(ax as i32),
+                Arg::I64(x.shape[ax] as i64),
+                Arg::Ptr(Buf::Flag),
+            ];
+            let name = format!("gather_elements_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
+            p.flat("gather", name, n, args);
+        }
+        Op::GatherGrad(a) => plan_gather_grad(p, a.axis)?,
+        Op::GatherND(a) => plan_gather_nd(p, a.batch_dims)?,
+        Op::ScatterND(a) => plan_scatter(p, None, a.reduction)?,
+        Op::ScatterElements(a) => plan_scatter(p, Some(a.axis), a.reduction)?,
+        op => return Err(no_kernel(op)),
+    }
+    Ok(())
+}

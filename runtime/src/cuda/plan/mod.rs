@@ -12,7 +12,7 @@
 
 use mpc_ir::geometry::{broadcast_strides, slice_dim, Window, WindowSpec};
 use mpc_ir::ops::{GeluApprox, PadMode, ReduceKind, Reduction};
-use mpc_ir::{normalize_axis, DType, Op};
+use mpc_ir::{normalize_axis, DType, Kind, Op};
 
 use crate::program::{relu_mask_shape, Launch, Operand, Region, TensorRef};
 use crate::value::HostTensor;
@@ -439,317 +439,41 @@ fn plan_op(p: &mut Planner) -> Result<(), String> {
     if plan_elementwise(p)? {
         return Ok(());
     }
-    match op {
-        Op::MatMul => plan_matmul(p)?,
-        Op::Gemm(a) => plan_gemm(p, a)?,
-        Op::GlobalAveragePool | Op::GlobalMaxPool => plan_reduce(p)?,
-        op if op.reduction().is_some() => plan_reduce(p)?,
-        Op::ArgMax(a) | Op::ArgMin(a) => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
-            let kind = if matches!(op, Op::ArgMin(_)) { "argmin" } else { "argmax" };
-            let t = float_tag(x.dtype)?;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(outer as i64),
-                Arg::I64(len as i64),
-                Arg::I64(inner as i64),
-                Arg::I32(a.select_last_index as i32),
-            ];
-            if inner == 1 {
-                p.kernel("reduce", format!("reduce_{kind}_rows_{t}"), rows_grid(outer), [BLOCK, 1, 1], args);
-            } else {
-                let grid = [inner.div_ceil(32) as u32, outer.clamp(1, MAX_ROWS) as u32, 1];
-                p.kernel("reduce", format!("reduce_{kind}_cols_{t}"), grid, [32, 8, 1], args);
-            }
-        }
-        Op::Softmax(_) | Op::LogSoftmax(_) | Op::SoftmaxGrad(_) => {
-            let a = match op {
-                Op::Softmax(a) | Op::LogSoftmax(a) => a,
-                Op::SoftmaxGrad(a) => &**a,
-                _ => unreachable!(),
-            };
-            let grad = matches!(op, Op::SoftmaxGrad(_));
-            // SoftmaxGrad may read dy and y widened from f16/bf16 into an f32 gradient.
-            let (x, x_wide) = if grad { p.input_or_widened(1)? } else { (p.input(0)?, false) };
-            let (dy, dy_wide) = if grad { p.input_or_widened(0)? } else { (x, false) };
-            let y = p.output(0)?;
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
-            let name = match op {
-                Op::Softmax(_) => "softmax",
-                Op::LogSoftmax(_) => "log_softmax",
-                _ => "softmax_grad",
-            };
-            let mut args = vec![Arg::Ptr(buf(x))];
-            if grad {
-                args.insert(0, Arg::Ptr(buf(dy)));
-            }
-            args.extend([Arg::Ptr(buf(y)), Arg::I64(outer as i64), Arg::I64(n as i64), Arg::I64(inner as i64)]);
-            let block = row_block(n);
-            let kernel = if x_wide || dy_wide {
-                let (dt, xt) = (float_tag(dy.dtype)?, float_tag(x.dtype)?);
-                let low = |d: DType| matches!(d, DType::F16 | DType::BF16);
-                let pair = (dy.dtype == x.dtype || !low(dy.dtype) || !low(x.dtype)) && (low(dy.dtype) || low(x.dtype));
-                if y.dtype != DType::F32 || !pair {
-                    return Err(format!("a {} SoftmaxGrad reading {} dy and {} y", y.dtype, dy.dtype, x.dtype));
-                }
-                format!("softmax_softmax_grad_wide_{dt}_{xt}")
-            } else {
-                format!("softmax_{name}_{}", float_tag(x.dtype)?)
-            };
-            p.kernel("softmax", kernel, rows_grid(outer * inner), [block, 1, 1], args);
-        }
-        Op::LayerNormalization(_)
-        | Op::LayerNormalizationGrad(_)
-        | Op::BatchNormalization(_)
-        | Op::BatchNormalizationGrad(_)
-        | Op::InstanceNormalization(_)
-        | Op::GroupNormalization(_) => plan_norm(p)?,
-        Op::Attention(_) | Op::AttentionGrad(_) => plan_attention(p)?,
-        Op::MaxPool(_) | Op::AveragePool(_) | Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) => plan_pool(p)?,
-        Op::Conv(_) | Op::ConvGrad(_) => plan_conv(p)?,
-        Op::ConvTranspose(a) => plan_conv_transpose(p, a)?,
-        Op::LRN(a) => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            if x.shape.len() < 2 {
-                return Err("LRN of a tensor of rank below 2".into());
-            }
-            let (n, c) = (x.numel() as u64, x.shape[1] as i64);
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(n as i64),
-                Arg::I64(c),
-                Arg::I64(numel(&x.shape[2..]) as i64),
-                Arg::I64(a.size),
-                Arg::F32(a.alpha),
-                Arg::F32(a.beta),
-                Arg::F32(a.bias),
-            ];
-            p.flat("norm", format!("norm_lrn_{}", float_tag(x.dtype)?), n, args);
-        }
-        Op::Transpose(a) => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            let r = x.shape.len();
-            let perm: Vec<usize> = match &a.perm {
-                Some(v) => {
-                    v.iter().map(|&d| normalize_axis(d, r).ok_or("perm out of range")).collect::<Result<_, _>>()?
-                }
-                None => (0..r).rev().collect(),
-            };
-            let xs = contiguous(&x.shape);
-            let xs: Vec<i64> = perm.iter().map(|&d| xs[d]).collect();
-            p.strided_copy(x.dtype, buf(x), buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
-        }
-        Op::Expand => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            p.expand(x.dtype, buf(x), &x.shape, buf(y), &y.shape)?;
-        }
-        Op::Slice => plan_slice(p)?,
-        Op::Concat(a) => {
-            let y = p.output(0)?;
-            let ax = normalize_axis(a.axis, y.shape.len()).ok_or("axis out of range")?;
-            let ys = contiguous(&y.shape);
-            let mut at = 0u64;
-            for i in 0..p.l.inputs.len() {
-                let Some(x) = p.opt_input(i) else { continue };
-                let to = buf(y).at(at * ys[ax] as u64 * y.dtype.size() as u64);
-                p.strided_copy(x.dtype, buf(x), to, &x.shape, &contiguous(&x.shape), &ys)?;
-                at += x.shape[ax] as u64;
-            }
-        }
-        Op::Split(a) => {
-            let x = p.input(0)?;
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let xs = contiguous(&x.shape);
-            let mut at = 0u64;
-            for y in &p.l.outputs {
-                let from = buf(x).at(at * xs[ax] as u64 * x.dtype.size() as u64);
-                p.strided_copy(x.dtype, from, buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
-                at += y.shape[ax] as u64;
-            }
-        }
-        Op::Tile => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            let n = y.numel() as u64;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(n as i64),
-                Arg::I32(y.shape.len() as i32),
-                Arg::Dims(dims8(&us(&y.shape))?),
-                Arg::Dims(dims8(&us(&x.shape))?),
-                Arg::Dims(dims8(&contiguous(&x.shape))?),
-            ];
-            p.flat("movement", format!("movement_tile_{}", size_tag(x.dtype)?), n, args);
-        }
-        Op::Pad(a) => plan_pad(p, a.mode)?,
-        Op::Trilu(a) => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            let k = p.host_ints(1).and_then(|v| v.first().copied()).unwrap_or(0);
-            let r = x.shape.len();
-            if r < 2 {
-                return Err("Trilu of a tensor of rank below 2".into());
-            }
-            let n = x.numel() as u64;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(n as i64),
-                Arg::I64(x.shape[r - 2] as i64),
-                Arg::I64(x.shape[r - 1] as i64),
-                Arg::I64(k),
-                Arg::I32(a.upper as i32),
-            ];
-            p.flat("movement", format!("movement_trilu_{}", size_tag(x.dtype)?), n, args);
-        }
-        Op::ConstantOfShape(a) => {
-            let y = p.output(0)?;
-            let v = a
-                .value
-                .as_ref()
-                .map(HostTensor::from)
-                .unwrap_or_else(|| HostTensor::from_f64(y.dtype, vec![1], vec![0.0]));
-            let mut bits = [0u8; 8];
-            v.write_le_bytes(&mut bits[..v.bytes().min(8)]);
-            let n = y.numel() as u64;
-            let args = vec![Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::U64(u64::from_le_bytes(bits))];
-            p.flat("movement", format!("movement_fill_{}", size_tag(y.dtype)?), n, args);
-        }
-        Op::Range => {
-            let y = p.output(0)?;
-            let value =
-                |p: &Planner, i: usize| p.host(i).cloned().ok_or_else(|| format!("Range's input {i} is not known"));
-            let (start, delta) = (value(p, 0)?, value(p, 2)?);
-            let bytes = |t: &HostTensor| {
-                let mut b = vec![0u8; t.bytes()];
-                t.write_le_bytes(&mut b);
-                b
-            };
-            let (s, d) = (p.aux(&bytes(&start)), p.aux(&bytes(&delta)));
-            let n = y.numel() as u64;
-            let args = vec![Arg::Ptr(s), Arg::Ptr(d), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
-            p.flat("movement", format!("movement_range_{}", tag(y.dtype)?), n, args);
-        }
-        Op::TopK(a) => {
-            let (x, values, indices) = (p.input(0)?, p.output(0)?, p.output(1)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
-            let t = match x.dtype {
-                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I64 | DType::I32 => tag(x.dtype)?,
-                d => return Err(format!("TopK on {d}: the kernel takes f32, f16, bf16, f64, i64 or i32")),
-            };
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(values)),
-                Arg::Ptr(buf(indices)),
-                Arg::I64(outer as i64),
-                Arg::I64(n as i64),
-                Arg::I64(inner as i64),
-                Arg::I64(values.shape[ax] as i64),
-                Arg::I32(a.largest as i32),
-            ];
-            p.flat("movement", format!("movement_topk_{t}"), outer * inner, args);
-        }
-        Op::CumSum(a) | Op::CumProd(a) => {
-            let (x, y) = (p.input(0)?, p.output(0)?);
-            let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
-            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(outer as i64),
-                Arg::I64(n as i64),
-                Arg::I64(inner as i64),
-                Arg::I32(a.exclusive as i32),
-                Arg::I32(a.reverse as i32),
-            ];
-            let kind = if matches!(op, Op::CumProd(_)) { "cumprod" } else { "cumsum" };
-            p.flat("movement", format!("movement_{kind}_{}", tag(x.dtype)?), outer * inner, args);
-        }
-        Op::RoiAlign(a) => pool::plan_roi_align(p, a, false)?,
-        Op::RoiAlignGrad(a) => pool::plan_roi_align(p, a, true)?,
-        Op::CumProdGrad(a) => {
-            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            let ax = p.host_ints(2).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
-            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
-            let products = p.work(x.numel() as u64 * 8);
-            let args = vec![
-                Arg::Ptr(buf(dy)),
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(dx)),
-                Arg::Ptr(products),
-                Arg::I64(outer as i64),
-                Arg::I64(n as i64),
-                Arg::I64(inner as i64),
-                Arg::I32(a.exclusive as i32),
-                Arg::I32(a.reverse as i32),
-            ];
-            p.flat("movement", format!("movement_cumprod_grad_{}", float_tag(x.dtype)?), outer * inner, args);
-        }
-        Op::Gather(a) => {
-            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (outer, len, inner) = split3(&x.shape, ax, ax + 1);
-            let count = idx.numel() as u64;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(idx)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(outer as i64),
-                Arg::I64(len as i64),
-                Arg::I64(count as i64),
-                Arg::I64(inner as i64),
-                Arg::Ptr(Buf::Flag),
-            ];
-            let name = format!("gather_axis_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
-            p.flat("gather", name, y.numel() as u64, args);
-        }
-        Op::GatherElements(a) => {
-            let (x, idx, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let n = y.numel() as u64;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(idx)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(n as i64),
-                Arg::I32(idx.shape.len() as i32),
-                Arg::Dims(dims8(&us(&idx.shape))?),
-                Arg::Dims(dims8(&contiguous(&x.shape))?),
-                Arg::I32(ax as i32),
-                Arg::I64(x.shape[ax] as i64),
-                Arg::Ptr(Buf::Flag),
-            ];
-            let name = format!("gather_elements_{}_{}", size_tag(x.dtype)?, index_tag(idx.dtype)?);
-            p.flat("gather", name, n, args);
-        }
-        Op::GatherGrad(a) => plan_gather_grad(p, a.axis)?,
-        Op::GatherND(a) => plan_gather_nd(p, a.batch_dims)?,
-        Op::ScatterND(a) => plan_scatter(p, None, a.reduction)?,
-        Op::ScatterElements(a) => plan_scatter(p, Some(a.axis), a.reduction)?,
-        Op::Resize(a) => plan_resize(p, a)?,
-        Op::Einsum(a) => plan_einsum(p, &a.equation)?,
-        Op::SoftmaxCrossEntropyLoss(_)
-        | Op::NegativeLogLikelihoodLoss(_)
-        | Op::SoftmaxCrossEntropyLossGrad(_)
-        | Op::NegativeLogLikelihoodLossGrad(_) => plan_loss(p)?,
-        Op::AllFinite
-        | Op::SgdUpdate(_)
-        | Op::AdamUpdate(_)
-        | Op::LossScaleUpdate(_)
-        | Op::LrSchedule(_)
-        | Op::SeededDropout(_)
-        | Op::ReluGrad
-        | Op::GeluGrad(_) => plan_train(p)?,
-        op => return Err(format!("{} has no CUDA kernel yet", op.op_type())),
+    match op.kind() {
+        Kind::MatMul => match op {
+            Op::MatMul => plan_matmul(p)?,
+            Op::Gemm(a) => plan_gemm(p, a)?,
+            Op::Einsum(a) => plan_einsum(p, &a.equation)?,
+            op => return Err(no_kernel(op)),
+        },
+        Kind::Reduce(_) => plan_reduce(p)?,
+        Kind::Pool if matches!(op, Op::GlobalAveragePool | Op::GlobalMaxPool) => plan_reduce(p)?,
+        Kind::Pool => plan_pool(p)?,
+        Kind::RowWise => plan_row_wise(p)?,
+        Kind::Norm => match op {
+            Op::LRN(a) => plan_lrn(p, a)?,
+            _ => plan_norm(p)?,
+        },
+        Kind::Attention => plan_attention(p)?,
+        Kind::Conv => match op {
+            Op::ConvTranspose(a) => plan_conv_transpose(p, a)?,
+            _ => plan_conv(p)?,
+        },
+        Kind::Movement => plan_movement(p)?,
+        Kind::Shape => plan_shape(p)?,
+        Kind::Scan => plan_scan(p)?,
+        Kind::Index => plan_index(p)?,
+        Kind::Loss => plan_loss(p)?,
+        Kind::Train | Kind::ActivationGrad => plan_train(p)?,
+        Kind::Random if matches!(op, Op::SeededDropout(_)) => plan_train(p)?,
+        _ => return Err(no_kernel(op)),
     }
     Ok(())
+}
+
+/// The error for an op the CUDA device has no kernel for.
+fn no_kernel(op: &Op) -> String {
+    format!("{} has no CUDA kernel yet", op.op_type())
 }
 
 /// `(prod(shape[..a]), prod(shape[a..b]), prod(shape[b..]))`.

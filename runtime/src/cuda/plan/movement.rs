@@ -143,3 +143,170 @@ fn pad_from_device(p: &mut Planner, x: &TensorRef, v: &TensorRef, y: &TensorRef,
     let es = x.dtype.size() as u64;
     p.strided_copy(x.dtype, buf(x).at(from as u64 * es), buf(y).at(to as u64 * es), &dims, &xs, &ys)
 }
+
+/// The data-movement family ([`Kind::Movement`](mpc_ir::Kind::Movement)).
+pub(super) fn plan_movement(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    match op {
+        Op::Transpose(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let r = x.shape.len();
+            let perm: Vec<usize> = match &a.perm {
+                Some(v) => {
+                    v.iter().map(|&d| normalize_axis(d, r).ok_or("perm out of range")).collect::<Result<_, _>>()?
+                }
+                None => (0..r).rev().collect(),
+            };
+            let xs = contiguous(&x.shape);
+            let xs: Vec<i64> = perm.iter().map(|&d| xs[d]).collect();
+            p.strided_copy(x.dtype, buf(x), buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
+        }
+        Op::Expand => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            p.expand(x.dtype, buf(x), &x.shape, buf(y), &y.shape)?;
+        }
+        Op::Slice => plan_slice(p)?,
+        Op::Concat(a) => {
+            let y = p.output(0)?;
+            let ax = normalize_axis(a.axis, y.shape.len()).ok_or("axis out of range")?;
+            let ys = contiguous(&y.shape);
+            let mut at = 0u64;
+            for i in 0..p.l.inputs.len() {
+                let Some(x) = p.opt_input(i) else { continue };
+                let to = buf(y).at(at * ys[ax] as u64 * y.dtype.size() as u64);
+                p.strided_copy(x.dtype, buf(x), to, &x.shape, &contiguous(&x.shape), &ys)?;
+                at += x.shape[ax] as u64;
+            }
+        }
+        Op::Split(a) => {
+            let x = p.input(0)?;
+            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+            let xs = contiguous(&x.shape);
+            let mut at = 0u64;
+            for y in &p.l.outputs {
+                let from = buf(x).at(at * xs[ax] as u64 * x.dtype.size() as u64);
+                p.strided_copy(x.dtype, from, buf(y), &y.shape, &xs, &contiguous(&y.shape))?;
+                at += y.shape[ax] as u64;
+            }
+        }
+        Op::Tile => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let n = y.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I32(y.shape.len() as i32),
+                Arg::Dims(dims8(&us(&y.shape))?),
+                Arg::Dims(dims8(&us(&x.shape))?),
+                Arg::Dims(dims8(&contiguous(&x.shape))?),
+            ];
+            p.flat("movement", format!("movement_tile_{}", size_tag(x.dtype)?), n, args);
+        }
+        Op::Pad(a) => plan_pad(p, a.mode)?,
+        Op::Trilu(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let k = p.host_ints(1).and_then(|v| v.first().copied()).unwrap_or(0);
+            let r = x.shape.len();
+            if r < 2 {
+                return Err("Trilu of a tensor of rank below 2".into());
+            }
+            let n = x.numel() as u64;
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(n as i64),
+                Arg::I64(x.shape[r - 2] as i64),
+                Arg::I64(x.shape[r - 1] as i64),
+                Arg::I64(k),
+                Arg::I32(a.upper as i32),
+            ];
+            p.flat("movement", format!("movement_trilu_{}", size_tag(x.dtype)?), n, args);
+        }
+        Op::Resize(a) => plan_resize(p, a)?,
+        op => return Err(no_kernel(op)),
+    }
+    Ok(())
+}
+
+/// Shapes, ranges and constants ([`Kind::Shape`](mpc_ir::Kind::Shape)): the ones with a kernel.
+pub(super) fn plan_shape(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    match op {
+        Op::ConstantOfShape(a) => {
+            let y = p.output(0)?;
+            let v = a
+                .value
+                .as_ref()
+                .map(HostTensor::from)
+                .unwrap_or_else(|| HostTensor::from_f64(y.dtype, vec![1], vec![0.0]));
+            let mut bits = [0u8; 8];
+            v.write_le_bytes(&mut bits[..v.bytes().min(8)]);
+            let n = y.numel() as u64;
+            let args = vec![Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::U64(u64::from_le_bytes(bits))];
+            p.flat("movement", format!("movement_fill_{}", size_tag(y.dtype)?), n, args);
+        }
+        Op::Range => {
+            let y = p.output(0)?;
+            let value =
+                |p: &Planner, i: usize| p.host(i).cloned().ok_or_else(|| format!("Range's input {i} is not known"));
+            let (start, delta) = (value(p, 0)?, value(p, 2)?);
+            let bytes = |t: &HostTensor| {
+                let mut b = vec![0u8; t.bytes()];
+                t.write_le_bytes(&mut b);
+                b
+            };
+            let (s, d) = (p.aux(&bytes(&start)), p.aux(&bytes(&delta)));
+            let n = y.numel() as u64;
+            let args = vec![Arg::Ptr(s), Arg::Ptr(d), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+            p.flat("movement", format!("movement_range_{}", tag(y.dtype)?), n, args);
+        }
+        op => return Err(no_kernel(op)),
+    }
+    Ok(())
+}
+
+/// The scans ([`Kind::Scan`](mpc_ir::Kind::Scan)): CumSum, CumProd and CumProd's gradient.
+pub(super) fn plan_scan(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    match op {
+        Op::CumSum(a) | Op::CumProd(a) => {
+            let (x, y) = (p.input(0)?, p.output(0)?);
+            let ax = p.host_ints(1).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
+            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let args = vec![
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(y)),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.exclusive as i32),
+                Arg::I32(a.reverse as i32),
+            ];
+            let kind = if matches!(op, Op::CumProd(_)) { "cumprod" } else { "cumsum" };
+            p.flat("movement", format!("movement_{kind}_{}", tag(x.dtype)?), outer * inner, args);
+        }
+        Op::CumProdGrad(a) => {
+            let (dy, x, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
+            let ax = p.host_ints(2).and_then(|v| v.first().copied()).ok_or("the axis is not known")?;
+            let ax = normalize_axis(ax, x.shape.len()).ok_or("axis out of range")?;
+            let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+            let products = p.work(x.numel() as u64 * 8);
+            let args = vec![
+                Arg::Ptr(buf(dy)),
+                Arg::Ptr(buf(x)),
+                Arg::Ptr(buf(dx)),
+                Arg::Ptr(products),
+                Arg::I64(outer as i64),
+                Arg::I64(n as i64),
+                Arg::I64(inner as i64),
+                Arg::I32(a.exclusive as i32),
+                Arg::I32(a.reverse as i32),
+            ];
+            p.flat("movement", format!("movement_cumprod_grad_{}", float_tag(x.dtype)?), outer * inner, args);
+        }
+        op => return Err(no_kernel(op)),
+    }
+    Ok(())
+}

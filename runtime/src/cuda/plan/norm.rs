@@ -389,6 +389,27 @@ pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
     Ok(())
 }
 
+pub(super) fn plan_lrn(p: &mut Planner, a: &mpc_ir::ops::LrnAttrs) -> Result<(), String> {
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    if x.shape.len() < 2 {
+        return Err("LRN of a tensor of rank below 2".into());
+    }
+    let (n, c) = (x.numel() as u64, x.shape[1] as i64);
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n as i64),
+        Arg::I64(c),
+        Arg::I64(numel(&x.shape[2..]) as i64),
+        Arg::I64(a.size),
+        Arg::F32(a.alpha),
+        Arg::F32(a.beta),
+        Arg::F32(a.bias),
+    ];
+    p.flat("norm", format!("norm_lrn_{}", float_tag(x.dtype)?), n, args);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::bn_splits;

@@ -114,6 +114,47 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
     Ok(())
 }
 
+/// Softmax, LogSoftmax and the softmax gradient ([`Kind::RowWise`](mpc_ir::Kind::RowWise)).
+pub(super) fn plan_row_wise(p: &mut Planner) -> Result<(), String> {
+    let op = &p.l.op;
+    let a = match op {
+        Op::Softmax(a) | Op::LogSoftmax(a) => a,
+        Op::SoftmaxGrad(a) => &**a,
+        _ => unreachable!(),
+    };
+    let grad = matches!(op, Op::SoftmaxGrad(_));
+    // SoftmaxGrad may read dy and y widened from f16/bf16 into an f32 gradient.
+    let (x, x_wide) = if grad { p.input_or_widened(1)? } else { (p.input(0)?, false) };
+    let (dy, dy_wide) = if grad { p.input_or_widened(0)? } else { (x, false) };
+    let y = p.output(0)?;
+    let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+    let (outer, n, inner) = split3(&x.shape, ax, ax + 1);
+    let name = match op {
+        Op::Softmax(_) => "softmax",
+        Op::LogSoftmax(_) => "log_softmax",
+        _ => "softmax_grad",
+    };
+    let mut args = vec![Arg::Ptr(buf(x))];
+    if grad {
+        args.insert(0, Arg::Ptr(buf(dy)));
+    }
+    args.extend([Arg::Ptr(buf(y)), Arg::I64(outer as i64), Arg::I64(n as i64), Arg::I64(inner as i64)]);
+    let block = row_block(n);
+    let kernel = if x_wide || dy_wide {
+        let (dt, xt) = (float_tag(dy.dtype)?, float_tag(x.dtype)?);
+        let low = |d: DType| matches!(d, DType::F16 | DType::BF16);
+        let pair = (dy.dtype == x.dtype || !low(dy.dtype) || !low(x.dtype)) && (low(dy.dtype) || low(x.dtype));
+        if y.dtype != DType::F32 || !pair {
+            return Err(format!("a {} SoftmaxGrad reading {} dy and {} y", y.dtype, dy.dtype, x.dtype));
+        }
+        format!("softmax_softmax_grad_wide_{dt}_{xt}")
+    } else {
+        format!("softmax_{name}_{}", float_tag(x.dtype)?)
+    };
+    p.kernel("softmax", kernel, rows_grid(outer * inner), [block, 1, 1], args);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
