@@ -1,7 +1,7 @@
 //! Per-op type rules. One exhaustive `match`: a new op does not compile until it has a rule.
 
 use mpc_ir::ops::AttentionLayout;
-use mpc_ir::{normalize_axis, DType, Dim, Graph, NodeId, Op, Shape, TypeInfo};
+use mpc_ir::{normalize_axis, DType, Dim, Graph, Kind, NodeId, Op, Shape, TypeInfo};
 
 use super::known::{Known, KnownValues};
 use super::movement::{concat, einsum, pad, reshape, resize, slice, split, squeeze, unsqueeze};
@@ -64,48 +64,41 @@ fn same(cx: &NodeCx, i: usize) -> TypeInfo {
     cx.ty(i).cloned().unwrap_or_default()
 }
 
+/// The types of node `cx.n`'s outputs, by the rules of its op's family ([`Op::kind`]).
 pub(crate) fn infer_node(cx: &NodeCx) -> R {
+    match cx.g.node(cx.n).op.kind() {
+        Kind::Unary(_)
+        | Kind::Arith(_)
+        | Kind::Compare(_)
+        | Kind::Predicate
+        | Kind::Bitwise
+        | Kind::Variadic
+        | Kind::Select
+        | Kind::Cast
+        | Kind::ActivationGrad
+        | Kind::RowWise => elementwise(cx),
+        Kind::MatMul | Kind::Conv | Kind::Attention => linear(cx),
+        Kind::Norm | Kind::Pool | Kind::Loss => layer(cx),
+        Kind::Reduce(_) | Kind::Index | Kind::Scan => index(cx),
+        Kind::View | Kind::Movement => movement(cx),
+        Kind::Shape | Kind::Random | Kind::Train | Kind::Collective | Kind::Opaque => other(cx),
+    }
+}
+
+/// The element-wise ops, the row-wise softmaxes and the activations' gradients.
+fn elementwise(cx: &NodeCx) -> R {
     let op = &cx.g.node(cx.n).op;
     Ok(match op {
-        mpc_ir::unary_ops!() | Op::Identity => vec![same(cx, 0)],
-        Op::Trilu(_) => {
-            if let Some(k) = cx.sh(1).filter(|k| k.numel() != Some(1) && k.as_fixed().is_some()) {
-                return Err(format!("k is {k}, not one value"));
-            }
-            vec![same(cx, 0)]
-        }
+        mpc_ir::unary_ops!() => vec![same(cx, 0)],
         Op::IsNaN | Op::IsInf(_) => vec![t(Some(DType::Bool), cx.sh(0).cloned())],
         Op::Softmax(_) | Op::LogSoftmax(_) => vec![same(cx, 0)],
-        Op::LRN(_) => {
-            per_channel(cx, 2, &[])?;
-            vec![same(cx, 0)]
-        }
-        Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
-            let min_rank = if matches!(cx.g.node(cx.n).op, Op::GroupNormalization(_)) { 2 } else { 3 };
-            per_channel(cx, min_rank, &[(1, "scale"), (2, "bias")])?;
-            vec![same(cx, 0)]
-        }
         Op::Clip => {
             super::one_value(cx, 1, "min")?;
             super::one_value(cx, 2, "max")?;
             cx.same_dtype(0..cx.n_inputs())?;
             vec![same(cx, 0)]
         }
-        Op::CumSum(_) | Op::CumProd(_) | Op::CumProdGrad(_) => vec![same(cx, 0)],
-        Op::RoiAlign(a) => vec![t(cx.same_dtype(0..2)?, roi_align(cx, a)?)],
-        Op::RoiAlignGrad(_) => vec![same(cx, 1)],
         Op::Not => vec![same(cx, 0)],
-        Op::Dropout(_) | Op::SeededDropout(_) => {
-            if matches!(cx.g.node(cx.n).op, Op::Dropout(_)) {
-                super::one_value(cx, 1, "ratio")?;
-                super::one_value(cx, 2, "training_mode")?;
-            }
-            let mut out = vec![same(cx, 0)];
-            if cx.n_outputs() > 1 {
-                out.push(t(Some(DType::Bool), cx.sh(0).cloned()));
-            }
-            out
-        }
         mpc_ir::bitwise_ops!() => {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             let bits = op.bitwise().expect("a bit operation");
@@ -143,6 +136,20 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let d = cx.same_dtype(1..3)?;
             vec![t(d, broadcast_all(cx, 0..3)?)]
         }
+        Op::Cast(a) => vec![t(Some(a.to), cx.sh(0).cloned())],
+        Op::GeluGrad(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::SoftmaxGrad(_) | Op::ReluGrad => {
+            cx.same_dtype(0..2)?;
+            vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)]
+        }
+        op => unreachable!("{} is not of the families elementwise infers", op.op_type()),
+    })
+}
+
+/// The products: MatMul, Gemm, Einsum, the convolutions and attention (and their gradients).
+fn linear(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
         Op::MatMul => {
             let d = cx.same_dtype(0..2)?;
             vec![t(d, matmul(cx.sh(0), cx.sh(1))?)]
@@ -184,6 +191,42 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             let d = cx.same_dtype(0..cx.n_inputs())?;
             vec![t(d, conv_transpose(cx, a)?)]
         }
+        Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation)?)],
+        // ---- ai.mpc (training graphs): gradients take dY's dtype and their operand's shape ----
+        Op::ConvGrad(_) => {
+            let cout = cx.sh(2).and_then(|s| s.dims().first().cloned()).unwrap_or(Dim::Unknown);
+            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), Some(Shape(vec![cout])))]
+        }
+        // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
+        Op::Attention(a) => {
+            let d = cx.same_dtype(0..3)?;
+            let (q, lse) = attention_operands(cx, 0, a.layout)?;
+            let lse_dt = if d == Some(DType::F64) { DType::F64 } else { DType::F32 };
+            vec![t(d, q), t(Some(lse_dt), lse)]
+        }
+        // (dQ, dK, dV): Q's, K's and V's types.
+        Op::AttentionGrad(a) => {
+            cx.same_dtype(0..5)?;
+            attention_operands(cx, 1, a.layout)?;
+            vec![same(cx, 1), same(cx, 2), same(cx, 3)]
+        }
+        op => unreachable!("{} is not of the families linear infers", op.op_type()),
+    })
+}
+
+/// The normalisations, pools and losses (and their gradients).
+fn layer(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
+        Op::LRN(_) => {
+            per_channel(cx, 2, &[])?;
+            vec![same(cx, 0)]
+        }
+        Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
+            let min_rank = if matches!(cx.g.node(cx.n).op, Op::GroupNormalization(_)) { 2 } else { 3 };
+            per_channel(cx, min_rank, &[(1, "scale"), (2, "bias")])?;
+            vec![same(cx, 0)]
+        }
         Op::BatchNormalization(_) => {
             per_channel(cx, 2, &[(1, "scale"), (2, "bias"), (3, "mean"), (4, "variance")])?;
             let mut out = vec![same(cx, 0)];
@@ -224,6 +267,32 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             });
             vec![t(cx.dt(0), shape)]
         }
+        Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
+            loss_shapes(cx)?;
+            let loss_shape =
+                if a.reduction == mpc_ir::ops::Reduction::None { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
+            let mut out = vec![t(cx.dt(0), loss_shape)];
+            if cx.n_outputs() > 1 {
+                out.push(same(cx, 0));
+            }
+            out
+        }
+        Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::BatchNormalizationGrad(_) | Op::LayerNormalizationGrad(_) => {
+            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), cx.sh(2).cloned())]
+        }
+        Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => vec![same(cx, 1)],
+        op => unreachable!("{} is not of the families layer infers", op.op_type()),
+    })
+}
+
+/// The reductions, scans, gathers, scatters, top-k, arg-max/min and RoiAlign.
+fn index(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
+        Op::CumSum(_) | Op::CumProd(_) | Op::CumProdGrad(_) => vec![same(cx, 0)],
+        Op::RoiAlign(a) => vec![t(cx.same_dtype(0..2)?, roi_align(cx, a)?)],
+        Op::RoiAlignGrad(_) => vec![same(cx, 1)],
         mpc_ir::reduce_ops!() => {
             let (_, a) = op.reduction().ok_or("a reduction without its attributes")?;
             // The axes operand: absent, or its values (`None` where they are not known).
@@ -272,6 +341,42 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             };
             vec![t(cx.dt(0), shape.clone()), t(Some(DType::I64), shape)]
         }
+        Op::Gather(a) => {
+            let shape = match (cx.sh(0), cx.sh(1)) {
+                (Some(d), Some(i)) => {
+                    let axis = normalize_axis(a.axis, d.rank()).ok_or(format!("axis {} out of range", a.axis))?;
+                    let mut s = d.0[..axis].to_vec();
+                    s.extend(i.0.iter().cloned());
+                    s.extend(d.0[axis + 1..].iter().cloned());
+                    Some(Shape(s))
+                }
+                _ => None,
+            };
+            vec![t(cx.dt(0), shape)]
+        }
+        Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
+        Op::GatherND(a) => indexing::gather_nd(cx, a.batch_dims)?,
+        Op::ScatterND(_) => indexing::scatter_nd(cx)?,
+        Op::ScatterElements(a) => indexing::scatter_elements(cx, a.axis)?,
+        Op::GatherGrad(_) => {
+            let shape = cx.known(2).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
+            vec![t(cx.dt(0), shape)]
+        }
+        op => unreachable!("{} is not of the families index infers", op.op_type()),
+    })
+}
+
+/// The views and data movement.
+fn movement(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
+        Op::Identity => vec![same(cx, 0)],
+        Op::Trilu(_) => {
+            if let Some(k) = cx.sh(1).filter(|k| k.numel() != Some(1) && k.as_fixed().is_some()) {
+                return Err(format!("k is {k}, not one value"));
+            }
+            vec![same(cx, 0)]
+        }
         Op::Reshape(a) => vec![t(cx.dt(0), reshape(cx, a.allowzero)?)],
         Op::Transpose(a) => {
             let shape = match cx.sh(0) {
@@ -310,23 +415,6 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
         }
         Op::Split(a) => split(cx, a.axis, a.num_outputs)?,
         Op::Slice => vec![t(cx.dt(0), slice(cx)?)],
-        Op::Gather(a) => {
-            let shape = match (cx.sh(0), cx.sh(1)) {
-                (Some(d), Some(i)) => {
-                    let axis = normalize_axis(a.axis, d.rank()).ok_or(format!("axis {} out of range", a.axis))?;
-                    let mut s = d.0[..axis].to_vec();
-                    s.extend(i.0.iter().cloned());
-                    s.extend(d.0[axis + 1..].iter().cloned());
-                    Some(Shape(s))
-                }
-                _ => None,
-            };
-            vec![t(cx.dt(0), shape)]
-        }
-        Op::GatherElements(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
-        Op::GatherND(a) => indexing::gather_nd(cx, a.batch_dims)?,
-        Op::ScatterND(_) => indexing::scatter_nd(cx)?,
-        Op::ScatterElements(a) => indexing::scatter_elements(cx, a.axis)?,
         Op::Expand => {
             // With the target's values unknown, its length still gives the rank.
             let target = match cx.known(1) {
@@ -372,7 +460,26 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             vec![t(cx.dt(0), shape)]
         }
         Op::Pad(_) => vec![t(cx.dt(0), pad(cx)?)],
-        Op::Cast(a) => vec![t(Some(a.to), cx.sh(0).cloned())],
+        Op::Resize(_) => vec![t(cx.dt(0), resize(cx)?)],
+        op => unreachable!("{} is not of the families movement infers", op.op_type()),
+    })
+}
+
+/// Shapes and constants, dropout, the optimizer's ops, the collectives and opaque ops.
+fn other(cx: &NodeCx) -> R {
+    let op = &cx.g.node(cx.n).op;
+    Ok(match op {
+        Op::Dropout(_) | Op::SeededDropout(_) => {
+            if matches!(cx.g.node(cx.n).op, Op::Dropout(_)) {
+                super::one_value(cx, 1, "ratio")?;
+                super::one_value(cx, 2, "training_mode")?;
+            }
+            let mut out = vec![same(cx, 0)];
+            if cx.n_outputs() > 1 {
+                out.push(t(Some(DType::Bool), cx.sh(0).cloned()));
+            }
+            out
+        }
         Op::Constant(a) => vec![t(Some(a.value.dtype()), Some(Shape::fixed(a.value.shape())))],
         Op::ConstantOfShape(a) => {
             let dtype = a.value.as_ref().map_or(DType::F32, |v| v.dtype());
@@ -417,54 +524,11 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             };
             vec![t(d, Some(Shape(vec![n])))]
         }
-        Op::Einsum(a) => vec![t(cx.same_dtype(0..cx.n_inputs())?, einsum(cx, &a.equation)?)],
-        Op::SoftmaxCrossEntropyLoss(a) | Op::NegativeLogLikelihoodLoss(a) => {
-            loss_shapes(cx)?;
-            let loss_shape =
-                if a.reduction == mpc_ir::ops::Reduction::None { cx.sh(1).cloned() } else { Some(Shape::scalar()) };
-            let mut out = vec![t(cx.dt(0), loss_shape)];
-            if cx.n_outputs() > 1 {
-                out.push(same(cx, 0));
-            }
-            out
-        }
-        Op::Resize(_) => vec![t(cx.dt(0), resize(cx)?)],
         Op::Opaque(_) => return Err("opaque ops keep their declared types".into()),
-        // ---- ai.mpc (training graphs): gradients take dY's dtype and their operand's shape ----
-        Op::ConvGrad(_) => {
-            let cout = cx.sh(2).and_then(|s| s.dims().first().cloned()).unwrap_or(Dim::Unknown);
-            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), Some(Shape(vec![cout])))]
-        }
-        Op::MaxPoolGrad(_) | Op::AveragePoolGrad(_) | Op::GeluGrad(_) => vec![t(cx.dt(0), cx.sh(1).cloned())],
-        Op::BatchNormalizationGrad(_) | Op::LayerNormalizationGrad(_) => {
-            vec![t(cx.dt(0), cx.sh(1).cloned()), t(cx.dt(0), cx.sh(2).cloned()), t(cx.dt(0), cx.sh(2).cloned())]
-        }
-        Op::SoftmaxCrossEntropyLossGrad(_) | Op::NegativeLogLikelihoodLossGrad(_) => vec![same(cx, 1)],
-        Op::GatherGrad(_) => {
-            let shape = cx.known(2).map(|k| Shape(k.elems.iter().map(|e| e.dim()).collect()));
-            vec![t(cx.dt(0), shape)]
-        }
         Op::AllFinite => vec![t(Some(DType::Bool), Some(Shape::scalar()))],
         Op::AllReduce(_) => vec![same(cx, 0)],
         Op::ReduceScatter(a) => vec![t(cx.dt(0), collective_shape(cx, a.world, false)?)],
         Op::AllGather(a) => vec![t(cx.dt(0), collective_shape(cx, a.world, true)?)],
-        // (Y, LSE): Y as Q, LSE over Q's rows in f32 (f64 for f64 operands).
-        Op::Attention(a) => {
-            let d = cx.same_dtype(0..3)?;
-            let (q, lse) = attention_operands(cx, 0, a.layout)?;
-            let lse_dt = if d == Some(DType::F64) { DType::F64 } else { DType::F32 };
-            vec![t(d, q), t(Some(lse_dt), lse)]
-        }
-        // (dQ, dK, dV): Q's, K's and V's types.
-        Op::AttentionGrad(a) => {
-            cx.same_dtype(0..5)?;
-            attention_operands(cx, 1, a.layout)?;
-            vec![same(cx, 1), same(cx, 2), same(cx, 3)]
-        }
-        Op::SoftmaxGrad(_) | Op::ReluGrad => {
-            cx.same_dtype(0..2)?;
-            vec![t(cx.dt(0), broadcast_all(cx, 0..2)?)]
-        }
         // The next values of the state inputs, in order: the parameter, its velocity or moments,
         // and its low-precision copy (the last input, f16 or bf16, when given).
         // An update's last input, when given, is its learning rate (an f32 scalar).
@@ -484,6 +548,7 @@ pub(crate) fn infer_node(cx: &NodeCx) -> R {
             scalar_rate(cx, 1)?;
             vec![t(Some(DType::F32), Some(Shape::scalar()))]
         }
+        op => unreachable!("{} is not of the families other infers", op.op_type()),
     })
 }
 
