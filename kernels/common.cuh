@@ -416,42 +416,46 @@ struct OpFmaxF {
         }                                                                                          \
     };
 
-UOP(relu, m_isnan(x) ? x : (x > C(0) ? x : C(0)))
-UOP(sigmoid, x >= C(0) ? C(1) / (C(1) + m_exp(-x)) : m_exp(x) / (C(1) + m_exp(x)))
-UOP(tanh, m_tanh(x))
-UOP(exp, m_exp(x))
-UOP(log, m_log(x))
-UOP(sqrt, m_sqrt(x))
-UOP(neg, -x)
-UOP(abs, m_abs(x))
-UOP(erf, m_erf(x))
-UOP(reciprocal, C(1) / x)
-UOP(floor, m_floor(x))
-UOP(ceil, m_ceil(x))
-UOP(round, m_rint(x))
-UOP(sign, x > C(0) ? C(1) : (x < C(0) ? C(-1) : x))
-UOP(sin, m_sin(x))
-UOP(cos, m_cos(x))
-UOP(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))
-UOP(softsign, x / (C(1) + m_abs(x)))
-UOP(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))
-UOP(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))
-UOP(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))
-UOP(leaky_relu, x < C(0) ? alpha * x : x)
-UOP(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)
-UOP(celu, x > C(0) ? x : alpha * (m_exp(x / alpha) - C(1)))
-// The ops of mpc_ir::ops::Trig, by the names Trig::name gives.
-UOP(tan, m_tan(x))
-UOP(sinh, m_sinh(x))
-UOP(cosh, m_cosh(x))
-UOP(asin, m_asin(x))
-UOP(acos, m_acos(x))
-UOP(atan, m_atan(x))
-UOP(asinh, m_asinh(x))
-UOP(acosh, m_acosh(x))
-UOP(atanh, m_atanh(x))
-UOP(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))
-UOP(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
+// Every unary op of mpc_ir::ops::Unary, by the name Unary::name gives (the Trig ops' too), with
+// its formula: X(name, expr). Expanded here into the functors U_<name> and in elementwise.cu into
+// the kernels elementwise_<name>_<T>, so an op is added in this one place.
+#define MPC_UNARY_OPS(X)                                                                               \
+    X(relu, m_isnan(x) ? x : (x > C(0) ? x : C(0)))                                                    \
+    X(sigmoid, x >= C(0) ? C(1) / (C(1) + m_exp(-x)) : m_exp(x) / (C(1) + m_exp(x)))                   \
+    X(tanh, m_tanh(x))                                                                                 \
+    X(exp, m_exp(x))                                                                                   \
+    X(log, m_log(x))                                                                                   \
+    X(sqrt, m_sqrt(x))                                                                                 \
+    X(neg, -x)                                                                                         \
+    X(abs, m_abs(x))                                                                                   \
+    X(erf, m_erf(x))                                                                                   \
+    X(reciprocal, C(1) / x)                                                                            \
+    X(floor, m_floor(x))                                                                               \
+    X(ceil, m_ceil(x))                                                                                 \
+    X(round, m_rint(x))                                                                                \
+    X(sign, x > C(0) ? C(1) : (x < C(0) ? C(-1) : x))                                                  \
+    X(sin, m_sin(x))                                                                                   \
+    X(cos, m_cos(x))                                                                                   \
+    X(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))                                 \
+    X(softsign, x / (C(1) + m_abs(x)))                                                                 \
+    X(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))                                  \
+    X(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))                                    \
+    X(gelu_tanh, C(0.5) * x * (C(1) + m_tanh(C(0.7978845608028654) * (x + C(0.044715) * x * x * x))))  \
+    X(leaky_relu, x < C(0) ? alpha * x : x)                                                            \
+    X(elu, x < C(0) ? alpha * (m_exp(x) - C(1)) : x)                                                   \
+    X(celu, x > C(0) ? x : alpha * (m_exp(x / alpha) - C(1)))                                          \
+    X(tan, m_tan(x))                                                                                   \
+    X(sinh, m_sinh(x))                                                                                 \
+    X(cosh, m_cosh(x))                                                                                 \
+    X(asin, m_asin(x))                                                                                 \
+    X(acos, m_acos(x))                                                                                 \
+    X(atan, m_atan(x))                                                                                 \
+    X(asinh, m_asinh(x))                                                                               \
+    X(acosh, m_acosh(x))                                                                               \
+    X(atanh, m_atanh(x))                                                                               \
+    X(selu, x > C(0) ? beta * x : beta * alpha * (m_exp(x) - C(1)))                                    \
+    X(hard_sigmoid, max_nan(C(0), min_nan(C(1), alpha * x + beta)))
+MPC_UNARY_OPS(UOP)
 
 // Binary: V_<op>()(x, z) in the compute type C.
 #define VOP(name, expr)                                                                           \

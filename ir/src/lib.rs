@@ -11,6 +11,7 @@ pub mod geometry;
 pub mod graph;
 pub mod onnx;
 pub mod ops;
+pub mod real;
 mod shape;
 pub mod symbolic;
 mod tensor;

@@ -115,10 +115,12 @@ impl Unary {
 
     /// What the op makes of a low-precision input ([`Rounding`]).
     pub fn rounding(self) -> Rounding {
+        use Unary::*;
         match self {
-            Unary::Relu | Unary::Abs | Unary::Neg => Rounding::Exact,
-            Unary::Exp | Unary::Log | Unary::Reciprocal | Unary::Sin | Unary::Cos | Unary::Trig(_) => Rounding::Wide,
-            _ => Rounding::Follows,
+            Relu | Abs | Neg => Rounding::Exact,
+            Exp | Log | Reciprocal | Sin | Cos | Trig(_) => Rounding::Wide,
+            Sigmoid | Tanh | Sqrt | Erf | Floor | Ceil | Round | Sign | Softplus | Softsign | HardSwish | Gelu
+            | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid => Rounding::Follows,
         }
     }
 
@@ -126,16 +128,22 @@ impl Unary {
     /// has its functor.
     pub fn chains(self) -> bool {
         use Unary::*;
-        matches!(self, Relu | Sigmoid | Tanh | Neg | Exp | Sqrt | Reciprocal | Erf | Gelu | GeluTanh | LeakyRelu)
+        match self {
+            Relu | Sigmoid | Tanh | Neg | Exp | Sqrt | Reciprocal | Erf | Gelu | GeluTanh | LeakyRelu => true,
+            Log | Abs | Floor | Ceil | Round | Sign | Sin | Cos | Softplus | Softsign | HardSwish | Elu | Celu
+            | Selu | HardSigmoid | Trig(_) => false,
+        }
     }
 
     /// Whether the op has an integer kernel: Neg, Abs, Relu and Sign compute on integers;
     /// Floor, Ceil and Round leave them as they are.
     pub fn on_integers(self) -> Option<IntegerUnary> {
+        use Unary::*;
         Some(match self {
-            Unary::Neg | Unary::Abs | Unary::Relu | Unary::Sign => IntegerUnary::Computes,
-            Unary::Floor | Unary::Ceil | Unary::Round => IntegerUnary::Keeps,
-            _ => return None,
+            Neg | Abs | Relu | Sign => IntegerUnary::Computes,
+            Floor | Ceil | Round => IntegerUnary::Keeps,
+            Sigmoid | Tanh | Exp | Log | Sqrt | Erf | Reciprocal | Sin | Cos | Softplus | Softsign | HardSwish
+            | Gelu | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid | Trig(_) => return None,
         })
     }
 }

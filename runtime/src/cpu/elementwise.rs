@@ -1,250 +1,32 @@
 //! Element-wise ops with numpy broadcasting. Floats compute in f32 (f32, f16, bf16: rounded on
 //! store) or f64; integer arithmetic in i64, stored back in the input's dtype.
 
-use mpc_ir::ops::{Bitwise, IntegerUnary, Trig, Unary};
+use mpc_ir::ops::{Bitwise, IntegerUnary, Unary};
+use mpc_ir::real::{max, min};
 use mpc_ir::Op;
 
 use super::{err, Res};
 use crate::value::{Data, HostTensor};
 
-/// The arithmetic the float kernels need, for f32 and f64.
-pub trait Real:
-    Copy
-    + PartialOrd
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
-    + std::ops::Neg<Output = Self>
-{
-    fn of(x: f64) -> Self;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn sqrt(self) -> Self;
-    fn tanh(self) -> Self;
-    fn erf(self) -> Self;
-    fn powf(self, e: Self) -> Self;
-    fn abs(self) -> Self;
-    fn is_nan(self) -> bool;
-    fn ln_1p(self) -> Self;
-    /// Remainder with the dividend's sign (C fmod).
-    fn fmod(self, b: Self) -> Self;
-    fn sin(self) -> Self;
-    fn cos(self) -> Self;
-    fn floor(self) -> Self;
-    fn ceil(self) -> Self;
-    /// Round half to even (ONNX Round).
-    fn round_even(self) -> Self;
-    /// Tan, Sinh, Cosh and the inverse functions, with the standard library's accuracy.
-    fn trig(self, t: Trig) -> Self;
-}
+pub use mpc_ir::real::Real;
 
-macro_rules! real {
-    ($t:ty, $erf:path) => {
-        impl Real for $t {
-            fn of(x: f64) -> Self {
-                x as $t
-            }
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            fn ln(self) -> Self {
-                <$t>::ln(self)
-            }
-            fn sqrt(self) -> Self {
-                <$t>::sqrt(self)
-            }
-            fn tanh(self) -> Self {
-                <$t>::tanh(self)
-            }
-            fn erf(self) -> Self {
-                $erf(self)
-            }
-            fn powf(self, e: Self) -> Self {
-                <$t>::powf(self, e)
-            }
-            fn abs(self) -> Self {
-                <$t>::abs(self)
-            }
-            fn is_nan(self) -> bool {
-                <$t>::is_nan(self)
-            }
-            fn ln_1p(self) -> Self {
-                <$t>::ln_1p(self)
-            }
-            fn fmod(self, b: Self) -> Self {
-                self % b
-            }
-            fn sin(self) -> Self {
-                <$t>::sin(self)
-            }
-            fn cos(self) -> Self {
-                <$t>::cos(self)
-            }
-            fn floor(self) -> Self {
-                <$t>::floor(self)
-            }
-            fn ceil(self) -> Self {
-                <$t>::ceil(self)
-            }
-            fn round_even(self) -> Self {
-                <$t>::round_ties_even(self)
-            }
-            fn trig(self, t: Trig) -> Self {
-                match t {
-                    Trig::Tan => self.tan(),
-                    Trig::Sinh => self.sinh(),
-                    Trig::Cosh => self.cosh(),
-                    Trig::Asin => self.asin(),
-                    Trig::Acos => self.acos(),
-                    Trig::Atan => self.atan(),
-                    // Likewise 2|x| overflows in the standard library's asinh near the largest f32.
-                    Trig::Asinh if self.abs() >= 268435456.0 => {
-                        (self.abs().ln() + std::f64::consts::LN_2 as $t).copysign(self)
-                    }
-                    Trig::Asinh => self.asinh(),
-                    // The standard library's ln(x + √(x² − 1)) overflows past half the largest value;
-                    // from 2^28 on, ln(2x) is acosh to the last bit in both widths.
-                    Trig::Acosh if self >= 268435456.0 => self.ln() + std::f64::consts::LN_2 as $t,
-                    Trig::Acosh => self.acosh(),
-                    Trig::Atanh => self.atanh(),
-                }
-            }
-        }
-    };
-}
-real!(f32, libm::erff);
-real!(f64, libm::erf);
-
-fn max<R: Real>(a: R, b: R) -> R {
-    if a.is_nan() || b.is_nan() {
-        R::of(f64::NAN)
-    } else if a > b {
-        a
-    } else {
-        b
-    }
-}
-
-fn min<R: Real>(a: R, b: R) -> R {
-    if a.is_nan() || b.is_nan() {
-        R::of(f64::NAN)
-    } else if a < b {
-        a
-    } else {
-        b
-    }
-}
-
-/// One unary op, written once for f32 and f64: `u` with its parameters `p` ([`Op::unary`]).
-pub(crate) fn unary_fn<R: Real>(u: Unary, p: [f32; 2], x: R) -> R {
-    let zero = R::of(0.0);
-    let one = R::of(1.0);
-    let (alpha, beta) = (R::of(p[0] as f64), R::of(p[1] as f64));
-    match u {
-        Unary::Sqrt => x.sqrt(),
-        Unary::Exp => x.exp(),
-        Unary::Log => x.ln(),
-        Unary::Neg => -x,
-        Unary::Abs => x.abs(),
-        Unary::Reciprocal => one / x,
-        Unary::Erf => x.erf(),
-        Unary::Tanh => x.tanh(),
-        Unary::Sigmoid => {
-            // Stable for large |x|.
-            if x >= zero {
-                one / (one + (-x).exp())
-            } else {
-                let e = x.exp();
-                e / (one + e)
-            }
-        }
-        Unary::Relu => max(x, zero),
-        Unary::LeakyRelu => {
-            if x < zero {
-                alpha * x
-            } else {
-                x
-            }
-        }
-        Unary::Elu => {
-            if x < zero {
-                alpha * (x.exp() - one)
-            } else {
-                x
-            }
-        }
-        // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
-        Unary::Celu => {
-            if x > zero {
-                x
-            } else {
-                alpha * ((x / alpha).exp() - one)
-            }
-        }
-        Unary::GeluTanh => gelu_tanh(x),
-        Unary::Gelu => gelu_erf(x),
-        Unary::HardSigmoid => max(zero, min(one, alpha * x + beta)),
-        Unary::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
-        Unary::Softplus => {
-            // log(1 + e^x) without overflow.
-            if x > zero {
-                x + (-x).exp().ln_1p()
-            } else {
-                x.exp().ln_1p()
-            }
-        }
-        Unary::Floor => x.floor(),
-        Unary::Ceil => x.ceil(),
-        Unary::Round => x.round_even(),
-        Unary::Sign => {
-            if x > zero {
-                one
-            } else if x < zero {
-                -one
-            } else {
-                x
-            }
-        }
-        Unary::Sin => x.sin(),
-        Unary::Cos => x.cos(),
-        Unary::Softsign => x / (one + x.abs()),
-        // beta is gamma.
-        Unary::Selu => {
-            if x > zero {
-                beta * x
-            } else {
-                beta * alpha * (x.exp() - one)
-            }
-        }
-        Unary::Trig(t) => x.trig(t),
-    }
-}
-
-fn gelu_erf<R: Real>(x: R) -> R {
-    R::of(0.5) * x * (R::of(1.0) + (x / R::of(std::f64::consts::SQRT_2)).erf())
-}
-
-fn gelu_tanh<R: Real>(x: R) -> R {
-    let c = R::of((2.0 / std::f64::consts::PI).sqrt());
-    R::of(0.5) * x * (R::of(1.0) + (c * (x + R::of(0.044715) * x * x * x)).tanh())
-}
-
-/// `unary_fn` over a slice, with the op resolved once (the common ones get their own loops);
-/// `None` is the identity (Identity, inference Dropout).
+/// [`Unary::eval`] over a slice, with the op resolved once (the common ones get loops of their
+/// own, the formula inlined for a constant op); `None` is the identity (Identity, inference
+/// Dropout).
 fn map_unary<R: Real>(u: Option<(Unary, [f32; 2])>, v: &[R]) -> Vec<R> {
-    let zero = R::of(0.0);
+    use Unary::*;
+    let each = |u: Unary, p| v.iter().map(|&a| u.eval(p, a)).collect();
     match u {
         None => v.to_vec(),
-        Some((Unary::Relu, _)) => v.iter().map(|&a| max(a, zero)).collect(),
-        Some((Unary::Neg, _)) => v.iter().map(|&a| -a).collect(),
-        Some((Unary::Exp, _)) => v.iter().map(|&a| a.exp()).collect(),
-        Some((Unary::Sqrt, _)) => v.iter().map(|&a| a.sqrt()).collect(),
-        Some((Unary::Tanh, _)) => v.iter().map(|&a| a.tanh()).collect(),
-        Some((Unary::Erf, _)) => v.iter().map(|&a| a.erf()).collect(),
-        Some((Unary::GeluTanh, _)) => v.iter().map(|&x| gelu_tanh(x)).collect(),
-        Some((Unary::Gelu, _)) => v.iter().map(|&x| gelu_erf(x)).collect(),
-        Some((u, p)) => v.iter().map(|&a| unary_fn(u, p, a)).collect(),
+        Some((Relu, p)) => each(Relu, p),
+        Some((Neg, p)) => each(Neg, p),
+        Some((Exp, p)) => each(Exp, p),
+        Some((Sqrt, p)) => each(Sqrt, p),
+        Some((Tanh, p)) => each(Tanh, p),
+        Some((Erf, p)) => each(Erf, p),
+        Some((GeluTanh, p)) => each(GeluTanh, p),
+        Some((Gelu, p)) => each(Gelu, p),
+        Some((u, p)) => each(u, p),
     }
 }
 

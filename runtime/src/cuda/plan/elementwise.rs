@@ -197,21 +197,27 @@ pub(super) fn binary_name(op: &Op) -> Option<&'static str> {
 mod tests {
     use mpc_ir::ops::{Trig, Unary};
 
-    /// Every op of `Unary` names a kernel that kernels/elementwise.cu defines (`UNARY(name)`)
-    /// with its functor in kernels/common.cuh (`UOP(name, ...)`), and every unary kernel there is
-    /// one of `Unary`'s; every op of `Trig` plans its kernel by its name.
+    /// Every op of `Unary` has its formula in kernels/common.cuh's list (`X(name, ...)` in
+    /// `MPC_UNARY_OPS`), which kernels/elementwise.cu expands into its kernels, and every op of
+    /// that list is one of `Unary`'s; every op of `Trig` plans its kernel by its name.
     #[test]
     fn every_unary_op_names_a_kernel_the_source_defines() {
         let (_, source) = crate::cuda::nvrtc::FAMILIES.iter().find(|(f, _)| *f == "elementwise").unwrap();
         let common = crate::cuda::nvrtc::COMMON;
+        assert!(source.contains("MPC_UNARY_OPS(UNARY_OF)"), "elementwise.cu does not expand the unary list");
+        let list = common.split("#define MPC_UNARY_OPS(X)").nth(1).expect("common.cuh's unary list");
+        let listed: Vec<&str> = list
+            .lines()
+            .skip(1)
+            .map_while(|l| l.trim().strip_prefix("X("))
+            .map(|l| l.split(',').next().unwrap())
+            .collect();
         let names: Vec<&str> = Unary::all().map(Unary::name).collect();
         for name in &names {
-            assert!(source.contains(&format!("UNARY({name})")), "{name}: no UNARY in elementwise.cu");
-            assert!(common.contains(&format!("UOP({name},")), "{name}: no UOP in common.cuh");
+            assert!(listed.contains(name), "{name}: not in common.cuh's MPC_UNARY_OPS");
         }
-        for line in source.lines().filter_map(|l| l.trim().strip_prefix("UNARY(")) {
-            let kernel = line.trim_end_matches(')');
-            assert!(names.contains(&kernel), "elementwise.cu's UNARY({kernel}) is no op of Unary");
+        for name in &listed {
+            assert!(names.contains(name), "common.cuh's X({name}, ...) is no op of Unary");
         }
         for t in Trig::ALL {
             let op = mpc_ir::Op::from_attrs(&format!("{t:?}"), vec![]).unwrap().unwrap();

@@ -1,0 +1,234 @@
+//! The float arithmetic of the reference formulas, written once for f32 and f64 ([`Real`]), and
+//! each unary op's formula ([`Unary::eval`]): the CPU device computes by these.
+
+use crate::ops::{Trig, Unary};
+
+/// The arithmetic the float kernels need, for f32 and f64.
+pub trait Real:
+    Copy
+    + PartialOrd
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+{
+    fn of(x: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn erf(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn abs(self) -> Self;
+    fn is_nan(self) -> bool;
+    fn ln_1p(self) -> Self;
+    /// Remainder with the dividend's sign (C fmod).
+    fn fmod(self, b: Self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn floor(self) -> Self;
+    fn ceil(self) -> Self;
+    /// Round half to even (ONNX Round).
+    fn round_even(self) -> Self;
+    /// Tan, Sinh, Cosh and the inverse functions, with the standard library's accuracy.
+    fn trig(self, t: Trig) -> Self;
+}
+
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            fn of(x: f64) -> Self {
+                x as $t
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
+            }
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+            fn ln_1p(self) -> Self {
+                <$t>::ln_1p(self)
+            }
+            fn fmod(self, b: Self) -> Self {
+                self % b
+            }
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            fn floor(self) -> Self {
+                <$t>::floor(self)
+            }
+            fn ceil(self) -> Self {
+                <$t>::ceil(self)
+            }
+            fn round_even(self) -> Self {
+                <$t>::round_ties_even(self)
+            }
+            fn trig(self, t: Trig) -> Self {
+                match t {
+                    Trig::Tan => self.tan(),
+                    Trig::Sinh => self.sinh(),
+                    Trig::Cosh => self.cosh(),
+                    Trig::Asin => self.asin(),
+                    Trig::Acos => self.acos(),
+                    Trig::Atan => self.atan(),
+                    // Likewise 2|x| overflows in the standard library's asinh near the largest f32.
+                    Trig::Asinh if self.abs() >= 268435456.0 => {
+                        (self.abs().ln() + std::f64::consts::LN_2 as $t).copysign(self)
+                    }
+                    Trig::Asinh => self.asinh(),
+                    // The standard library's ln(x + √(x² − 1)) overflows past half the largest value;
+                    // from 2^28 on, ln(2x) is acosh to the last bit in both widths.
+                    Trig::Acosh if self >= 268435456.0 => self.ln() + std::f64::consts::LN_2 as $t,
+                    Trig::Acosh => self.acosh(),
+                    Trig::Atanh => self.atanh(),
+                }
+            }
+        }
+    };
+}
+real!(f32, libm::erff);
+real!(f64, libm::erf);
+
+/// The larger, NaN if either is (ONNX Max).
+pub fn max<R: Real>(a: R, b: R) -> R {
+    if a.is_nan() || b.is_nan() {
+        R::of(f64::NAN)
+    } else if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// The smaller, NaN if either is (ONNX Min).
+pub fn min<R: Real>(a: R, b: R) -> R {
+    if a.is_nan() || b.is_nan() {
+        R::of(f64::NAN)
+    } else if a < b {
+        a
+    } else {
+        b
+    }
+}
+
+impl Unary {
+    /// The reference formula, written once for f32 and f64: the op with its parameters `p`
+    /// ([`Op::unary`](crate::Op::unary)) at `x`. The CPU device computes by it.
+    pub fn eval<R: Real>(self, p: [f32; 2], x: R) -> R {
+        let zero = R::of(0.0);
+        let one = R::of(1.0);
+        let (alpha, beta) = (R::of(p[0] as f64), R::of(p[1] as f64));
+        match self {
+            Unary::Sqrt => x.sqrt(),
+            Unary::Exp => x.exp(),
+            Unary::Log => x.ln(),
+            Unary::Neg => -x,
+            Unary::Abs => x.abs(),
+            Unary::Reciprocal => one / x,
+            Unary::Erf => x.erf(),
+            Unary::Tanh => x.tanh(),
+            Unary::Sigmoid => {
+                // Stable for large |x|.
+                if x >= zero {
+                    one / (one + (-x).exp())
+                } else {
+                    let e = x.exp();
+                    e / (one + e)
+                }
+            }
+            Unary::Relu => max(x, zero),
+            Unary::LeakyRelu => {
+                if x < zero {
+                    alpha * x
+                } else {
+                    x
+                }
+            }
+            Unary::Elu => {
+                if x < zero {
+                    alpha * (x.exp() - one)
+                } else {
+                    x
+                }
+            }
+            // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
+            Unary::Celu => {
+                if x > zero {
+                    x
+                } else {
+                    alpha * ((x / alpha).exp() - one)
+                }
+            }
+            Unary::GeluTanh => gelu_tanh(x),
+            Unary::Gelu => gelu_erf(x),
+            Unary::HardSigmoid => max(zero, min(one, alpha * x + beta)),
+            Unary::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
+            Unary::Softplus => {
+                // log(1 + e^x) without overflow.
+                if x > zero {
+                    x + (-x).exp().ln_1p()
+                } else {
+                    x.exp().ln_1p()
+                }
+            }
+            Unary::Floor => x.floor(),
+            Unary::Ceil => x.ceil(),
+            Unary::Round => x.round_even(),
+            Unary::Sign => {
+                if x > zero {
+                    one
+                } else if x < zero {
+                    -one
+                } else {
+                    x
+                }
+            }
+            Unary::Sin => x.sin(),
+            Unary::Cos => x.cos(),
+            Unary::Softsign => x / (one + x.abs()),
+            // beta is gamma.
+            Unary::Selu => {
+                if x > zero {
+                    beta * x
+                } else {
+                    beta * alpha * (x.exp() - one)
+                }
+            }
+            Unary::Trig(t) => x.trig(t),
+        }
+    }
+}
+
+/// Gelu, the erf form.
+pub fn gelu_erf<R: Real>(x: R) -> R {
+    R::of(0.5) * x * (R::of(1.0) + (x / R::of(std::f64::consts::SQRT_2)).erf())
+}
+
+/// Gelu, the tanh approximation.
+pub fn gelu_tanh<R: Real>(x: R) -> R {
+    let c = R::of((2.0 / std::f64::consts::PI).sqrt());
+    R::of(0.5) * x * (R::of(1.0) + (c * (x + R::of(0.044715) * x * x * x)).tanh())
+}
