@@ -437,6 +437,7 @@ struct OpFmaxF {
     X(sin, m_sin(x))                                                                                   \
     X(cos, m_cos(x))                                                                                   \
     X(softplus, x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x)))                                 \
+    X(mish, x * m_tanh(x > C(0) ? x + m_log1p(m_exp(-x)) : m_log1p(m_exp(x))))                         \
     X(softsign, x / (C(1) + m_abs(x)))                                                                 \
     X(hard_swish, x* max_nan(C(0), min_nan(C(1), x / C(6) + C(0.5))))                                  \
     X(gelu, C(0.5) * x * (C(1) + m_erf(x / C(1.4142135623730951))))                                    \

@@ -1,5 +1,5 @@
 // kernels/reduce.cu: reductions over one axis extent, deterministic (fixed-order trees, no
-// atomics): sum, mean, max, min, prod, sum_square, l1, l2, log_sum_exp, argmax, argmin; and
+// atomics): sum, mean, max, min, prod, sum_square, l1, l2, log_sum, log_sum_exp, argmax, argmin; and
 // Einsum (at the end of the file).
 //
 // Compiled as `common.cuh` + this file (the host prepends common.cuh; see its header).
@@ -41,7 +41,7 @@
 // kinds and dtypes:
 //   sum, max, min, prod:              f32 f16 bf16 f64 i64 i32 (rows, cols, split, cols_split, finish)
 //   max, min:                         also u8 (bool too: its bytes are 0 and 1), saturating
-//   mean, sum_square, l1, l2:         f32 f16 bf16 f64          (rows, cols, split, cols_split, finish)
+//   mean, sum_square, l1, l2, log_sum: f32 f16 bf16 f64         (rows, cols, split, cols_split, finish)
 //   log_sum_exp:                      f32 f16 bf16 f64          (rows, cols)
 //   argmax, argmin:                   f32 f16 bf16 f64          (rows, cols) with
 //       reduce_arg{max,min}_{rows,cols}_<T>(const T* x, long long* y, long long outer,
@@ -123,6 +123,12 @@ struct K_l2 {
     template <typename C> __device__ static C id() { return C(0); }
     template <typename C> __device__ static C map(C x) { return x * x; }
     template <typename C> __device__ static C fin(C a, long long) { return m_sqrt(a); }
+};
+struct K_log_sum {
+    typedef OpSum Op;
+    template <typename C> __device__ static C id() { return C(0); }
+    template <typename C> __device__ static C map(C x) { return x; }
+    template <typename C> __device__ static C fin(C a, long long) { return m_log(a); }
 };
 struct K_prod {
     typedef OpProd Op;
@@ -298,6 +304,7 @@ REDUCE_F(mean)
 REDUCE_F(sum_square)
 REDUCE_F(l1)
 REDUCE_F(l2)
+REDUCE_F(log_sum)
 
 // ---- log-sum-exp: a NaN-ignoring max, then sum(exp(x - m)) ----
 

@@ -477,7 +477,7 @@ macro_rules! define_ops {
 define_ops! {
     plain {
         Add, Sub, Mul, Div, Pow, Sqrt, Exp, Log, Neg, Abs, Reciprocal, Erf, Tanh, Sigmoid, Relu,
-        PRelu, HardSwish, Softplus, Clip, Max, Min, Sum, Mean, MatMul, GlobalAveragePool,
+        PRelu, HardSwish, Softplus, Mish, Clip, Max, Min, Sum, Mean, MatMul, GlobalAveragePool,
         GlobalMaxPool, Squeeze, Unsqueeze, Slice, Expand, Tile, Identity, Size, Range, Where, Equal,
         Less, Greater, Not, And, Or, Floor, Ceil, Round, Sign, Sin, Cos, Softsign, IsNaN,
         GreaterOrEqual, LessOrEqual, Xor, Tan, Sinh, Cosh, Asin, Acos, Atan, Asinh, Acosh, Atanh,
@@ -490,7 +490,7 @@ define_ops! {
         GroupNormalization(GroupNormAttrs), LRN(LrnAttrs), Softmax(SoftmaxAttrs),
         LogSoftmax(SoftmaxAttrs), ReduceSum(ReduceAttrs), ReduceMean(ReduceAttrs),
         ReduceMax(ReduceAttrs), ReduceMin(ReduceAttrs), ReduceSumSquare(ReduceAttrs),
-        ReduceL2(ReduceAttrs), ReduceLogSumExp(ReduceAttrs), CumSum(CumSumAttrs), ArgMax(ArgAttrs),
+        ReduceL2(ReduceAttrs), ReduceLogSumExp(ReduceAttrs), ReduceLogSum(ReduceAttrs), CumSum(CumSumAttrs), ArgMax(ArgAttrs),
         Reshape(ReshapeAttrs), Transpose(TransposeAttrs), Flatten(FlattenAttrs), Concat(ConcatAttrs),
         Split(SplitAttrs), Gather(AxisAttrs), GatherElements(AxisAttrs), Pad(PadAttrs),
         Dropout(DropoutAttrs), Cast(CastAttrs), Shape(ShapeAttrs), Einsum(EinsumAttrs),
@@ -693,6 +693,7 @@ macro_rules! reduce_ops {
             | $crate::Op::ReduceL2(_)
             | $crate::Op::ReduceSumSquare(_)
             | $crate::Op::ReduceLogSumExp(_)
+            | $crate::Op::ReduceLogSum(_)
     };
 }
 
@@ -713,6 +714,7 @@ pub enum ReduceKind {
     L2,
     SumSquare,
     LogSumExp,
+    LogSum,
 }
 
 impl ReduceKind {
@@ -728,13 +730,8 @@ impl ReduceKind {
             ReduceKind::L2 => "l2",
             ReduceKind::SumSquare => "sum_square",
             ReduceKind::LogSumExp => "log_sum_exp",
+            ReduceKind::LogSum => "log_sum",
         }
-    }
-
-    /// Whether the fold reads each element through a function that a reduction over no axes
-    /// still applies (|x|, x²): L1, L2 and SumSquare.
-    pub fn maps_elements(self) -> bool {
-        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
     }
 
     /// The fold's start.
@@ -744,7 +741,7 @@ impl ReduceKind {
             ReduceKind::Min => f64::INFINITY,
             ReduceKind::Prod => 1.0,
             ReduceKind::Sum | ReduceKind::Mean | ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare => 0.0,
-            ReduceKind::LogSumExp => 0.0,
+            ReduceKind::LogSumExp | ReduceKind::LogSum => 0.0,
         }
     }
 
@@ -765,7 +762,7 @@ impl ReduceKind {
                     acc
                 }
             }
-            ReduceKind::Sum | ReduceKind::Mean => acc + a,
+            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::LogSum => acc + a,
             ReduceKind::SumSquare | ReduceKind::L2 => acc + a * a,
             ReduceKind::L1 => acc + a.abs(),
             ReduceKind::Prod => acc * a,
@@ -779,6 +776,7 @@ impl ReduceKind {
             ReduceKind::Mean => acc / count.max(1) as f64,
             ReduceKind::L2 => acc.sqrt(),
             ReduceKind::LogSumExp => acc.ln() + shift,
+            ReduceKind::LogSum => acc.ln(),
             ReduceKind::Sum | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod | ReduceKind::L1 => acc,
             ReduceKind::SumSquare => acc,
         }
@@ -786,12 +784,20 @@ impl ReduceKind {
 
     /// Whether the fast paths take it: a plain fold in any order the input's runs give.
     pub fn simple(self) -> bool {
-        matches!(self, ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min)
+        match self {
+            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min | ReduceKind::LogSum => true,
+            ReduceKind::Prod | ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare | ReduceKind::LogSumExp => false,
+        }
     }
 
-    /// Whether it is more than the identity over no axes (`noop_with_empty_axes`): |x|, x².
+    /// Whether it is more than the identity over no axes (`noop_with_empty_axes`): |x|, x², log x
+    /// (its fold or its finish maps each element).
     pub fn applies_elementwise(self) -> bool {
-        matches!(self, ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare)
+        match self {
+            ReduceKind::L1 | ReduceKind::L2 | ReduceKind::SumSquare | ReduceKind::LogSum => true,
+            ReduceKind::Sum | ReduceKind::Mean | ReduceKind::Max | ReduceKind::Min | ReduceKind::Prod => false,
+            ReduceKind::LogSumExp => false,
+        }
     }
 }
 
@@ -810,6 +816,7 @@ impl Op {
             Op::ReduceL2(a) => (ReduceKind::L2, a),
             Op::ReduceSumSquare(a) => (ReduceKind::SumSquare, a),
             Op::ReduceLogSumExp(a) => (ReduceKind::LogSumExp, a),
+            Op::ReduceLogSum(a) => (ReduceKind::LogSum, a),
             _ => return None,
         })
     }
@@ -837,6 +844,7 @@ impl Op {
     pub fn min_opset(&self) -> i64 {
         match self {
             Op::Gelu(_) => 20,
+            Op::Mish => 18,
             Op::GroupNormalization(_) => 21,
             Op::Reshape(a) if a.allowzero => 14,
             Op::Split(a) if a.num_outputs.is_some() => 18,
@@ -998,11 +1006,12 @@ mod tests {
             "ReduceL2",
             "ReduceSumSquare",
             "ReduceLogSumExp",
+            "ReduceLogSum",
         ] {
             let op = Op::default_of(name).unwrap();
             assert!(op.reduction().is_some() && matches!(op, crate::reduce_ops!()), "{name}");
         }
-        for name in ["ArgMax", "CumSum", "Softmax", "Sum", "GlobalAveragePool", "ReduceLogSum"] {
+        for name in ["ArgMax", "CumSum", "Softmax", "Sum", "GlobalAveragePool"] {
             let Some(op) = Op::default_of(name) else { continue };
             assert!(op.reduction().is_none() && !matches!(op, crate::reduce_ops!()), "{name}");
         }

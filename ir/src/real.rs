@@ -1,7 +1,7 @@
 //! The float arithmetic of the reference formulas, written once for f32 and f64 ([`Real`]), and
-//! each unary op's formula ([`Unary::eval`]): the CPU device computes by these.
+//! the functions several formulas share. Each unary op's formula is [`Unary::eval`](crate::ops::Unary::eval).
 
-use crate::ops::{Trig, Unary};
+use crate::ops::Trig;
 
 /// The arithmetic the float kernels need, for f32 and f64.
 pub trait Real:
@@ -131,94 +131,6 @@ pub fn min<R: Real>(a: R, b: R) -> R {
         a
     } else {
         b
-    }
-}
-
-impl Unary {
-    /// The reference formula, written once for f32 and f64: the op with its parameters `p`
-    /// ([`Op::unary`](crate::Op::unary)) at `x`. The CPU device computes by it.
-    pub fn eval<R: Real>(self, p: [f32; 2], x: R) -> R {
-        let zero = R::of(0.0);
-        let one = R::of(1.0);
-        let (alpha, beta) = (R::of(p[0] as f64), R::of(p[1] as f64));
-        match self {
-            Unary::Sqrt => x.sqrt(),
-            Unary::Exp => x.exp(),
-            Unary::Log => x.ln(),
-            Unary::Neg => -x,
-            Unary::Abs => x.abs(),
-            Unary::Reciprocal => one / x,
-            Unary::Erf => x.erf(),
-            Unary::Tanh => x.tanh(),
-            Unary::Sigmoid => {
-                // Stable for large |x|.
-                if x >= zero {
-                    one / (one + (-x).exp())
-                } else {
-                    let e = x.exp();
-                    e / (one + e)
-                }
-            }
-            Unary::Relu => max(x, zero),
-            Unary::LeakyRelu => {
-                if x < zero {
-                    alpha * x
-                } else {
-                    x
-                }
-            }
-            Unary::Elu => {
-                if x < zero {
-                    alpha * (x.exp() - one)
-                } else {
-                    x
-                }
-            }
-            // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
-            Unary::Celu => {
-                if x > zero {
-                    x
-                } else {
-                    alpha * ((x / alpha).exp() - one)
-                }
-            }
-            Unary::GeluTanh => gelu_tanh(x),
-            Unary::Gelu => gelu_erf(x),
-            Unary::HardSigmoid => max(zero, min(one, alpha * x + beta)),
-            Unary::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
-            Unary::Softplus => {
-                // log(1 + e^x) without overflow.
-                if x > zero {
-                    x + (-x).exp().ln_1p()
-                } else {
-                    x.exp().ln_1p()
-                }
-            }
-            Unary::Floor => x.floor(),
-            Unary::Ceil => x.ceil(),
-            Unary::Round => x.round_even(),
-            Unary::Sign => {
-                if x > zero {
-                    one
-                } else if x < zero {
-                    -one
-                } else {
-                    x
-                }
-            }
-            Unary::Sin => x.sin(),
-            Unary::Cos => x.cos(),
-            Unary::Softsign => x / (one + x.abs()),
-            // beta is gamma.
-            Unary::Selu => {
-                if x > zero {
-                    beta * x
-                } else {
-                    beta * alpha * (x.exp() - one)
-                }
-            }
-            Unary::Trig(t) => x.trig(t),
-        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! and the kernel-name check read, instead of lists of their own.
 
 use crate::ops::{GeluApprox, Trig};
+use crate::real::{gelu_erf, gelu_tanh, max, min, Real};
 use crate::Op;
 
 /// An element-wise unary float op ([`Op::unary`] gives it with its parameters).
@@ -25,6 +26,8 @@ pub enum Unary {
     Sin,
     Cos,
     Softplus,
+    /// `x · tanh(softplus(x))`.
+    Mish,
     Softsign,
     HardSwish,
     /// Gelu with the erf form.
@@ -46,7 +49,7 @@ pub enum Unary {
 
 impl Unary {
     /// Every member but the [`Trig`] ones ([`Trig::ALL`]).
-    pub const PLAIN: [Unary; 26] = [
+    pub const PLAIN: [Unary; 27] = [
         Unary::Relu,
         Unary::Sigmoid,
         Unary::Tanh,
@@ -64,6 +67,7 @@ impl Unary {
         Unary::Sin,
         Unary::Cos,
         Unary::Softplus,
+        Unary::Mish,
         Unary::Softsign,
         Unary::HardSwish,
         Unary::Gelu,
@@ -100,6 +104,7 @@ impl Unary {
             Unary::Sin => "sin",
             Unary::Cos => "cos",
             Unary::Softplus => "softplus",
+            Unary::Mish => "mish",
             Unary::Softsign => "softsign",
             Unary::HardSwish => "hard_swish",
             Unary::Gelu => "gelu",
@@ -119,8 +124,8 @@ impl Unary {
         match self {
             Relu | Abs | Neg => Rounding::Exact,
             Exp | Log | Reciprocal | Sin | Cos | Trig(_) => Rounding::Wide,
-            Sigmoid | Tanh | Sqrt | Erf | Floor | Ceil | Round | Sign | Softplus | Softsign | HardSwish | Gelu
-            | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid => Rounding::Follows,
+            Sigmoid | Tanh | Sqrt | Erf | Floor | Ceil | Round | Sign | Softplus | Mish | Softsign | HardSwish
+            | Gelu | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid => Rounding::Follows,
         }
     }
 
@@ -129,7 +134,7 @@ impl Unary {
     pub fn chains(self) -> bool {
         use Unary::*;
         match self {
-            Relu | Sigmoid | Tanh | Neg | Exp | Sqrt | Reciprocal | Erf | Gelu | GeluTanh | LeakyRelu => true,
+            Relu | Sigmoid | Tanh | Neg | Exp | Sqrt | Reciprocal | Erf | Gelu | GeluTanh | LeakyRelu | Mish => true,
             Log | Abs | Floor | Ceil | Round | Sign | Sin | Cos | Softplus | Softsign | HardSwish | Elu | Celu
             | Selu | HardSigmoid | Trig(_) => false,
         }
@@ -142,9 +147,98 @@ impl Unary {
         Some(match self {
             Neg | Abs | Relu | Sign => IntegerUnary::Computes,
             Floor | Ceil | Round => IntegerUnary::Keeps,
-            Sigmoid | Tanh | Exp | Log | Sqrt | Erf | Reciprocal | Sin | Cos | Softplus | Softsign | HardSwish
-            | Gelu | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid | Trig(_) => return None,
+            Sigmoid | Tanh | Exp | Log | Sqrt | Erf | Reciprocal | Sin | Cos | Softplus | Mish | Softsign
+            | HardSwish | Gelu | GeluTanh | LeakyRelu | Elu | Celu | Selu | HardSigmoid | Trig(_) => return None,
         })
+    }
+}
+
+impl Unary {
+    /// The reference formula, written once for f32 and f64: the op with its parameters `p`
+    /// ([`Op::unary`](crate::Op::unary)) at `x`. The CPU device computes by it.
+    pub fn eval<R: Real>(self, p: [f32; 2], x: R) -> R {
+        let zero = R::of(0.0);
+        let one = R::of(1.0);
+        let (alpha, beta) = (R::of(p[0] as f64), R::of(p[1] as f64));
+        match self {
+            Unary::Sqrt => x.sqrt(),
+            Unary::Exp => x.exp(),
+            Unary::Log => x.ln(),
+            Unary::Neg => -x,
+            Unary::Abs => x.abs(),
+            Unary::Reciprocal => one / x,
+            Unary::Erf => x.erf(),
+            Unary::Tanh => x.tanh(),
+            Unary::Sigmoid => {
+                // Stable for large |x|.
+                if x >= zero {
+                    one / (one + (-x).exp())
+                } else {
+                    let e = x.exp();
+                    e / (one + e)
+                }
+            }
+            Unary::Relu => max(x, zero),
+            Unary::LeakyRelu => {
+                if x < zero {
+                    alpha * x
+                } else {
+                    x
+                }
+            }
+            Unary::Elu => {
+                if x < zero {
+                    alpha * (x.exp() - one)
+                } else {
+                    x
+                }
+            }
+            // max(0, x) + min(0, α(e^(x/α) − 1)): the two pieces meet at 0.
+            Unary::Celu => {
+                if x > zero {
+                    x
+                } else {
+                    alpha * ((x / alpha).exp() - one)
+                }
+            }
+            Unary::GeluTanh => gelu_tanh(x),
+            Unary::Gelu => gelu_erf(x),
+            Unary::HardSigmoid => max(zero, min(one, alpha * x + beta)),
+            Unary::HardSwish => x * max(zero, min(one, x / R::of(6.0) + R::of(0.5))),
+            Unary::Softplus => {
+                // log(1 + e^x) without overflow.
+                if x > zero {
+                    x + (-x).exp().ln_1p()
+                } else {
+                    x.exp().ln_1p()
+                }
+            }
+            Unary::Mish => x * Unary::Softplus.eval(p, x).tanh(),
+            Unary::Floor => x.floor(),
+            Unary::Ceil => x.ceil(),
+            Unary::Round => x.round_even(),
+            Unary::Sign => {
+                if x > zero {
+                    one
+                } else if x < zero {
+                    -one
+                } else {
+                    x
+                }
+            }
+            Unary::Sin => x.sin(),
+            Unary::Cos => x.cos(),
+            Unary::Softsign => x / (one + x.abs()),
+            // beta is gamma.
+            Unary::Selu => {
+                if x > zero {
+                    beta * x
+                } else {
+                    beta * alpha * (x.exp() - one)
+                }
+            }
+            Unary::Trig(t) => x.trig(t),
+        }
     }
 }
 
@@ -191,6 +285,7 @@ macro_rules! unary_ops {
             | $crate::Op::Sin
             | $crate::Op::Cos
             | $crate::Op::Softplus
+            | $crate::Op::Mish
             | $crate::Op::Softsign
             | $crate::Op::HardSwish
             | $crate::Op::Gelu(_)
@@ -226,6 +321,7 @@ impl Op {
             Op::Sin => plain(Unary::Sin),
             Op::Cos => plain(Unary::Cos),
             Op::Softplus => plain(Unary::Softplus),
+            Op::Mish => plain(Unary::Mish),
             Op::Softsign => plain(Unary::Softsign),
             Op::HardSwish => plain(Unary::HardSwish),
             Op::Gelu(a) if a.approximate == GeluApprox::Tanh => plain(Unary::GeluTanh),
@@ -271,6 +367,6 @@ mod tests {
         let all: Vec<Unary> = Unary::all().collect();
         let names: std::collections::HashSet<&str> = all.iter().map(|u| u.name()).collect();
         assert_eq!(names.len(), all.len());
-        assert_eq!(all.len(), 26 + Trig::ALL.len());
+        assert_eq!(all.len(), 27 + Trig::ALL.len());
     }
 }

@@ -109,3 +109,16 @@ fn a_bias_made_before_its_product_is_the_products_epilogue() {
     assert_eq!(plain.launches.len(), 5);
     same_outputs(&g, fused, plain);
 }
+
+/// Mish is one op of the chains (its functor `U_mish` in kernels/common.cuh): an Add, a Mish and
+/// a Mul on f16 activations are one fused launch, with the unfused program's bits.
+#[test]
+fn mish_fuses_into_a_chain() {
+    let text = "mpcir 1\nmodel ir_version=8\nopset \"\" 18\ngraph \"g\"\n  input %0 \"x\": f16[4,8]\n  \
+                input %1 \"b\": f16[8]\n  %2 \"a\": f16[4,8] = Add(%0, %1)\n  \
+                %3 \"m\": f16[4,8] = Mish(%2)\n  %4 \"y\": f16[4,8] = Mul(%3, %0)\n  output %4\nend\n";
+    let (g, fused, plain) = fused_and_plain(text);
+    assert_eq!((fused.launches.len(), plain.launches.len()), (1, 3));
+    assert_eq!(fused.launches[0].kind(), "Fused(Add+Mish+Mul)");
+    same_outputs(&g, fused, plain);
+}

@@ -456,6 +456,9 @@ fn the_plans_of_awkward_single_ops_compute_what_the_cpu_computes() {
         ("input %0 \"x\": f16[2,600,64]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f16[2,1,64] = ReduceMean(%0, %1)\n  output %2", "ReduceMean"),
         ("input %0 \"x\": f32[700,33]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"y\": f32[1,33] = ReduceMax(%0, %1)\n  output %2", "ReduceMax"),
         ("input %0 \"x\": f32[3,520,40]\n  init %1 \"ax\" = i64[1]{1}\n  %2 \"y\": f32[3,40] = ReduceL2[keepdims=0](%0, %1)\n  output %2", "ReduceL2"),
+        // ReduceLogSum split over many rows (of positive values), and Mish's own kernel.
+        ("input %0 \"x\": f32[1024,40]\n  init %1 \"ax\" = i64[1]{0}\n  %2 \"a\": f32[1024,40] = Abs(%0)\n  %3 \"y\": f32[40] = ReduceLogSum[keepdims=0](%2, %1)\n  output %3", "ReduceLogSum"),
+        ("input %0 \"x\": f16[6,50]\n  %1 \"y\": f16[6,50] = Mish(%0)\n  output %1", "Mish"),
         ("input %0 \"dy\": f32[600,48]\n  input %1 \"x\": f32[600,48]\n  input %2 \"s\": f32[48]\n  %3 \"dx\": f32[600,48], %4 \"ds\": f32[48], %5 \"db\": f32[48] = ai.mpc::LayerNormalizationGrad[axis=-1](%0, %1, %2)\n  output %3\n  output %4\n  output %5", "LayerNormalizationGrad"),
         // Few channels of many elements: batch norm statistics in passes.
         ("input %0 \"x\": f32[4,3,80,80]\n  input %1 \"s\": f32[3]\n  input %2 \"b\": f32[3]\n  input %3 \"m\": f32[3]\n  input %4 \"v\": f32[3]\n  %5 \"y\": f32[4,3,80,80], %6 \"rm\": f32[3], %7 \"rv\": f32[3] = BatchNormalization[training_mode=1](%0, %1, %2, %3, %4)\n  output %5\n  output %6\n  output %7", "BatchNormalization"),

@@ -101,14 +101,7 @@ pub(crate) fn normalize(cx: &mut Cx, op_type: &str, mut attrs: Attrs) -> Result<
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }
-        "ReduceSum" if v < 13 => {
-            cx.ints_to_input(&mut attrs, "axes", 1)?;
-            op_type
-        }
-        "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2" | "ReduceLogSumExp"
-        | "ReduceProd"
-            if v < 18 =>
-        {
+        name if Op::default_of(name).and_then(|op| op.axes_input_since()) > Some(v) => {
             cx.ints_to_input(&mut attrs, "axes", 1)?;
             op_type
         }

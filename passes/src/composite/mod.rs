@@ -23,9 +23,6 @@
 //! - `EyeLike(x)` = `Cast(Equal(Range(0, rows) + k, Range(0, cols)))` in `dtype` (x's by default).
 //! - `ReverseSequence(x, lens)` = `GatherElements(x, index, time_axis)`, the index `lens[b] - 1 - t`
 //!   where `t < lens[b]` and `t` elsewhere.
-//! - `Mish(x)` = `x · Tanh(Softplus(x))`.
-//! - `ReduceLogSum(x, axes)` = `Log(ReduceSum(x, axes))`, axes from the attribute before opset 18
-//!   (float dtypes; with `noop_with_empty_axes` and no axes, `Log(x)`: the op without a reduction).
 //! - `GridSample(x, grid)`: gathers of x's flattened spatial dims at each tap's index, weighted and
 //!   summed ([`grid_sample`]).
 //!
@@ -53,8 +50,6 @@ pub const COMPOSITE: &[&str] = &[
     "EyeLike",
     "ReverseSequence",
     "GridSample",
-    "Mish",
-    "ReduceLogSum",
 ];
 
 /// The composite ops whose arithmetic must not be coloured low: GridSample's coordinates index
@@ -218,24 +213,6 @@ impl At<'_> {
             }
             "Shrink" => self.shrink(&mut a),
             "Hardmax" => self.hardmax(&mut a),
-            "Mish" if self.dtype.is_float() => {
-                let soft = self.op("softplus", Op::Softplus, &[x]);
-                let t = self.op("tanh", Op::Tanh, &[soft]);
-                self.finish(Op::Mul, &[x, t])
-            }
-            "ReduceLogSum" if self.dtype.is_float() => {
-                let axes = match take::<Vec<i64>>(&mut a, "axes").ok()? {
-                    Some(v) => Some(self.ints("axes", &v)),
-                    None => self.g.node(self.n).input(1),
-                };
-                let attrs = ReduceAttrs {
-                    keepdims: int(&mut a, "keepdims", 1)? != 0,
-                    noop_with_empty_axes: int(&mut a, "noop_with_empty_axes", 0)? != 0,
-                };
-                let ins: Vec<ValueId> = std::iter::once(x).chain(axes).collect();
-                let sum = self.op("sum", Op::ReduceSum(attrs), &ins);
-                self.finish(Op::Log, &[sum])
-            }
             "LpNormalization" => {
                 let axis = self.axis(int(&mut a, "axis", -1)?)?;
                 let norm = match int(&mut a, "p", 2)? {

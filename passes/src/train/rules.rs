@@ -6,7 +6,8 @@
 use mpc_ir::geometry::AutoPad;
 use mpc_ir::ops::{
     AxisAttrs, ConvAttrs, EinsumAttrs, GatherNdAttrs, LayerNormAttrs, LrnAttrs, PadAttrs, PadMode, ReduceAttrs,
-    ReshapeAttrs, ResizeAttrs, ScatterElementsAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs, Trig,
+    ReduceKind, ReshapeAttrs, ResizeAttrs, ScatterElementsAttrs, ScatterNdAttrs, ScatterReduction, TransposeAttrs,
+    Trig,
 };
 use mpc_ir::{normalize_axis, DType, Dim, Graph, Node, Op, Shape, Tensor, ValueId};
 
@@ -419,24 +420,26 @@ pub(super) fn keep(b: &mut Builder, v: ValueId, axes: &[usize], keepdims: bool) 
     b.op("unsqueeze", Op::Unsqueeze, &[v, ax])
 }
 
-/// ReduceMax, ReduceMin, ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSumExp and ReduceProd: dX
-/// from dY and Y at X's rank, broadcast over the reduced axes.
+/// ReduceMax, ReduceMin, ReduceSumSquare, ReduceL1, ReduceL2, ReduceLogSumExp, ReduceLogSum and
+/// ReduceProd: dX from dY and Y at X's rank, broadcast over the reduced axes.
 pub(super) fn reduce(b: &mut Builder, node: &Node, a: &ReduceAttrs, dy: ValueId) -> Result<ValueId, String> {
     let (x0, y) = (input(node, 0)?, node.outputs()[0]);
-    // No axes with noop_with_empty_axes: the element-wise part (x², |x|) still has its gradient.
+    let (kind, _) = node.op.reduction().ok_or_else(|| format!("{} is not a reduction", node.op.op_type()))?;
+    // No axes with noop_with_empty_axes: the element-wise part (x², |x|, log x) still has its
+    // gradient.
     let axes = match reduced_axes(b, node, a)? {
         Some(axes) => axes,
-        None if matches!(node.op, Op::ReduceSumSquare(_) | Op::ReduceL1(_) | Op::ReduceL2(_)) => Vec::new(),
+        None if kind.applies_elementwise() => Vec::new(),
         None => return Ok(dy),
     };
     let dt = b.dtype(x0)?;
     let (g, yk) = (keep(b, dy, &axes, a.keepdims), keep(b, y, &axes, a.keepdims));
     let ax: Vec<i64> = axes.iter().map(|&a| a as i64).collect();
     let (zero, one) = (b.scalar(0.0, dt), b.scalar(1.0, dt));
-    Ok(match &node.op {
+    Ok(match kind {
         // dy split equally between the elements equal to the maximum (torch.amax's rule); likewise
         // for the minimum.
-        Op::ReduceMax(_) | Op::ReduceMin(_) => {
+        ReduceKind::Max | ReduceKind::Min => {
             let e = b.op("eq", Op::Equal, &[x0, yk]);
             let m = b.op("mask", Op::Where, &[e, one, zero]);
             let count = b.reduce_sum(m, &ax, true);
@@ -444,32 +447,38 @@ pub(super) fn reduce(b: &mut Builder, node: &Node, a: &ReduceAttrs, dy: ValueId)
             b.op("mul", Op::Mul, &[m, share])
         }
         // d Σx² = 2x dy.
-        Op::ReduceSumSquare(_) => {
+        ReduceKind::SumSquare => {
             let two = b.scalar(2.0, dt);
             let t = b.op("mul", Op::Mul, &[x0, two]);
             b.op("mul", Op::Mul, &[t, g])
         }
         // d Σ|x| = sign(x) dy.
-        Op::ReduceL1(_) => {
+        ReduceKind::L1 => {
             let s = b.op("sign", Op::Sign, &[x0]);
             b.op("mul", Op::Mul, &[s, g])
         }
         // d √Σx² = x/y dy, 0 where y = 0 (torch.norm's rule).
-        Op::ReduceL2(_) => {
+        ReduceKind::L2 => {
             let q = b.op("div", Op::Div, &[g, yk]);
             let z = b.op("zero", Op::Equal, &[yk, zero]);
             let q = b.op("where", Op::Where, &[z, zero, q]);
             b.op("mul", Op::Mul, &[x0, q])
         }
         // d log Σeˣ = e^(x − y) dy.
-        Op::ReduceLogSumExp(_) => {
+        ReduceKind::LogSumExp => {
             let t = b.op("sub", Op::Sub, &[x0, yk]);
+            let t = b.op("exp", Op::Exp, &[t]);
+            b.op("mul", Op::Mul, &[t, g])
+        }
+        // d log Σx = dy / Σx = e^(−y) dy.
+        ReduceKind::LogSum => {
+            let t = b.op("neg", Op::Neg, &[yk]);
             let t = b.op("exp", Op::Exp, &[t]);
             b.op("mul", Op::Mul, &[t, g])
         }
         // d Πx = the product of the others dy: y/x in a group without zeros; in a group with one
         // zero, the product of the rest at the zero and 0 elsewhere; 0 with more zeros.
-        Op::ReduceProd(_) => {
+        ReduceKind::Prod => {
             let z = b.op("zero", Op::Equal, &[x0, zero]);
             let safe = b.op("nonzero", Op::Where, &[z, one, x0]);
             let q = b.op("div", Op::Div, &[yk, safe]);
@@ -483,7 +492,8 @@ pub(super) fn reduce(b: &mut Builder, node: &Node, a: &ReduceAttrs, dy: ValueId)
             let t = b.op("where", Op::Where, &[z, at_zero, q]);
             b.op("mul", Op::Mul, &[t, g])
         }
-        other => return Err(format!("{} is not a reduction", other.op_type())),
+        // Their rule is the broadcast of dy (autodiff's).
+        ReduceKind::Sum | ReduceKind::Mean => return Err(format!("{} has its own rule", node.op.op_type())),
     })
 }
 

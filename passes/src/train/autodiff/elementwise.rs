@@ -140,6 +140,19 @@ pub(super) fn activation(b: &mut Builder, at: &At) -> Rule {
             let s = b.op("sigmoid", Op::Sigmoid, &[x(0)?]);
             vec![Some(b.op("mul", Op::Mul, &[dy, s]))]
         }
+        // d mish(x) = (tanh(sp) + x·σ(x)·(1 − tanh²(sp))) dx with sp = softplus(x).
+        Op::Mish => {
+            let (x0, one) = (x(0)?, b.scalar(1.0, dt));
+            let sp = b.op("softplus", Op::Softplus, &[x0]);
+            let t = b.op("tanh", Op::Tanh, &[sp]);
+            let t2 = b.op("square", Op::Mul, &[t, t]);
+            let sech2 = b.op("sub", Op::Sub, &[one, t2]);
+            let s = b.op("sigmoid", Op::Sigmoid, &[x0]);
+            let u = b.op("mul", Op::Mul, &[x0, s]);
+            let u = b.op("mul", Op::Mul, &[u, sech2]);
+            let d = b.op("add", Op::Add, &[t, u]);
+            vec![Some(b.op("mul", Op::Mul, &[dy, d]))]
+        }
         // d softsign(x) = dx / (1 + |x|)².
         Op::Softsign => {
             let one = b.scalar(1.0, dt);

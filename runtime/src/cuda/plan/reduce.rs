@@ -13,7 +13,7 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         Some((_, a)) => match mpc_ir::geometry::reduce_axes(p.host_ints(1).as_deref(), r, a.noop_with_empty_axes)? {
             Some(axes) => axes,
             // Nothing reduced, the element-wise part still applied: a reduction over no axes.
-            None if kind.maps_elements() => Vec::new(),
+            None if kind.applies_elementwise() => Vec::new(),
             None => {
                 p.copy(buf(x), buf(y), y.bytes());
                 return Ok(());
