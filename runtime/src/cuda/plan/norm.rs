@@ -102,289 +102,303 @@ fn low_suffix(what: &str, x: &TensorRef, t: &TensorRef) -> Result<String, String
 type Stat<'t> = (Arg, Option<(Buf, &'t TensorRef)>);
 
 pub(super) fn plan_norm(p: &mut Planner) -> Result<(), String> {
-    let op = p.l.op.clone();
-    match &op {
-        Op::LayerNormalization(a) => {
-            let (x, scale, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
-            let bias = p.opt_input(2).map_or(Arg::Null, |b| Arg::Ptr(buf(b)));
-            // Mean and InvStdDev come from the kernel in its accumulator dtype; another dtype is
-            // cast into place.
-            let outputs = &p.l.outputs;
-            let acc = acc_dtype(x.dtype);
-            let stat = |p: &mut Planner, i: usize| -> Result<Stat, String> {
-                match outputs.get(i) {
-                    None => Ok((Arg::Null, None)),
-                    Some(t) if t.dtype == acc => Ok((Arg::Ptr(buf(t)), None)),
-                    Some(t) => {
-                        let w = p.work(rows * acc.size() as u64);
-                        Ok((Arg::Ptr(w), Some((w, t))))
-                    }
-                }
-            };
-            let (mean, mean_cast) = stat(p, 1)?;
-            let (inv, inv_cast) = stat(p, 2)?;
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(scale)),
-                bias,
-                Arg::Ptr(buf(y)),
-                mean,
-                inv,
-                Arg::I64(rows as i64),
-                Arg::I64(n as i64),
-                Arg::I64(scale.numel() as i64),
-                Arg::F32(a.epsilon),
-            ];
-            let name = format!("norm_layer_norm_{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("y", x, y)?);
-            p.kernel("norm", name, rows_grid(rows), [BLOCK, 1, 1], args);
-            for (w, t) in [mean_cast, inv_cast].into_iter().flatten() {
-                p.cast(acc, t.dtype, w, buf(t), rows)?;
+    match &p.l.op.clone() {
+        Op::LayerNormalization(a) => plan_layer_norm(p, a),
+        Op::LayerNormalizationGrad(a) => plan_layer_norm_grad(p, a),
+        Op::BatchNormalization(a) => plan_batch_norm(p, a),
+        Op::BatchNormalizationGrad(a) => plan_batch_norm_grad(p, a),
+        op @ (Op::InstanceNormalization(_) | Op::GroupNormalization(_)) => plan_instance_or_group_norm(p, op),
+        _ => unreachable!("not a normalisation"),
+    }
+}
+
+/// LayerNormalization: a row kernel writing y and, in its accumulator dtype, Mean and InvStdDev (cast into place where their dtype differs).
+fn plan_layer_norm(p: &mut Planner, a: &mpc_ir::ops::LayerNormAttrs) -> Result<(), String> {
+    let (x, scale, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+    let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
+    let bias = p.opt_input(2).map_or(Arg::Null, |b| Arg::Ptr(buf(b)));
+    // Mean and InvStdDev come from the kernel in its accumulator dtype; another dtype is
+    // cast into place.
+    let outputs = &p.l.outputs;
+    let acc = acc_dtype(x.dtype);
+    let stat = |p: &mut Planner, i: usize| -> Result<Stat, String> {
+        match outputs.get(i) {
+            None => Ok((Arg::Null, None)),
+            Some(t) if t.dtype == acc => Ok((Arg::Ptr(buf(t)), None)),
+            Some(t) => {
+                let w = p.work(rows * acc.size() as u64);
+                Ok((Arg::Ptr(w), Some((w, t))))
             }
         }
-        Op::LayerNormalizationGrad(a) => {
-            let ((dy, _), x, scale) = (p.input_or_widened(0)?, p.input(1)?, p.input(2)?);
-            let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
-            let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
-            let tags = format!("{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("dy", x, dy)?);
-            let acc = acc_dtype(x.dtype).size() as u64;
-            let (ws_mean, ws_inv) = (p.work(rows * acc), p.work(rows * acc));
-            let dx = p.l.outputs.first().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    };
+    let (mean, mean_cast) = stat(p, 1)?;
+    let (inv, inv_cast) = stat(p, 2)?;
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(scale)),
+        bias,
+        Arg::Ptr(buf(y)),
+        mean,
+        inv,
+        Arg::I64(rows as i64),
+        Arg::I64(n as i64),
+        Arg::I64(scale.numel() as i64),
+        Arg::F32(a.epsilon),
+    ];
+    let name = format!("norm_layer_norm_{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("y", x, y)?);
+    p.kernel("norm", name, rows_grid(rows), [BLOCK, 1, 1], args);
+    for (w, t) in [mean_cast, inv_cast].into_iter().flatten() {
+        p.cast(acc, t.dtype, w, buf(t), rows)?;
+    }
+    Ok(())
+}
+
+/// LayerNormalization's gradient: dx by rows, and the scale's and bias's gradients by feature (split across blocks for few long columns, then summed).
+fn plan_layer_norm_grad(p: &mut Planner, a: &mpc_ir::ops::LayerNormAttrs) -> Result<(), String> {
+    let ((dy, _), x, scale) = (p.input_or_widened(0)?, p.input(1)?, p.input(2)?);
+    let ax = normalize_axis(a.axis, x.shape.len()).ok_or("axis out of range")?;
+    let (rows, n, _) = split3(&x.shape, ax, x.shape.len());
+    let tags = format!("{}{}", norm_tags(x.dtype, scale.dtype)?, low_suffix("dy", x, dy)?);
+    let acc = acc_dtype(x.dtype).size() as u64;
+    let (ws_mean, ws_inv) = (p.work(rows * acc), p.work(rows * acc));
+    let dx = p.l.outputs.first().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    let args = vec![
+        Arg::Ptr(buf(dy)),
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(scale)),
+        dx,
+        Arg::Ptr(ws_mean),
+        Arg::Ptr(ws_inv),
+        Arg::I64(rows as i64),
+        Arg::I64(n as i64),
+        Arg::I64(scale.numel() as i64),
+        Arg::F32(a.epsilon),
+    ];
+    p.kernel("norm", format!("norm_layer_norm_grad_{tags}"), rows_grid(rows), [BLOCK, 1, 1], args);
+    if let Some(ds) = p.l.outputs.get(1) {
+        let db = p.l.outputs.get(2);
+        let sn = scale.numel() as u64;
+        // Few, long columns (768 features over thousands of tokens): the pairs are split
+        // across blocks too, and each feature's partials added in a second pass.
+        let total = rows * (n / sn.max(1));
+        let blocks = sn.div_ceil(32);
+        if blocks < 256 && total >= 512 {
+            let splits = (512 / blocks).clamp(2, total / 128);
+            let part = |p: &mut Planner| p.work(sn * splits * acc);
+            let (ps, pb) = (part(p), db.map(|_| part(p)));
             let args = vec![
                 Arg::Ptr(buf(dy)),
                 Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(scale)),
-                dx,
                 Arg::Ptr(ws_mean),
                 Arg::Ptr(ws_inv),
+                Arg::Ptr(ps),
+                pb.map_or(Arg::Null, Arg::Ptr),
                 Arg::I64(rows as i64),
                 Arg::I64(n as i64),
-                Arg::I64(scale.numel() as i64),
-                Arg::F32(a.epsilon),
+                Arg::I64(sn as i64),
+                Arg::I64(splits as i64),
             ];
-            p.kernel("norm", format!("norm_layer_norm_grad_{tags}"), rows_grid(rows), [BLOCK, 1, 1], args);
-            if let Some(ds) = p.l.outputs.get(1) {
-                let db = p.l.outputs.get(2);
-                let sn = scale.numel() as u64;
-                // Few, long columns (768 features over thousands of tokens): the pairs are split
-                // across blocks too, and each feature's partials added in a second pass.
-                let total = rows * (n / sn.max(1));
-                let blocks = sn.div_ceil(32);
-                if blocks < 256 && total >= 512 {
-                    let splits = (512 / blocks).clamp(2, total / 128);
-                    let part = |p: &mut Planner| p.work(sn * splits * acc);
-                    let (ps, pb) = (part(p), db.map(|_| part(p)));
+            let grid = [blocks as u32, splits.min(MAX_ROWS) as u32, 1];
+            p.kernel("norm", format!("norm_layer_norm_grad_params_split_{tags}"), grid, [32, 8, 1], args);
+            for (part, out) in [(Some(ps), Some(ds)), (pb, db)] {
+                if let (Some(part), Some(out)) = (part, out) {
                     let args = vec![
-                        Arg::Ptr(buf(dy)),
-                        Arg::Ptr(buf(x)),
-                        Arg::Ptr(ws_mean),
-                        Arg::Ptr(ws_inv),
-                        Arg::Ptr(ps),
-                        pb.map_or(Arg::Null, Arg::Ptr),
-                        Arg::I64(rows as i64),
-                        Arg::I64(n as i64),
+                        Arg::Ptr(part),
+                        Arg::Ptr(buf(out)),
                         Arg::I64(sn as i64),
                         Arg::I64(splits as i64),
+                        Arg::I64(total as i64),
                     ];
-                    let grid = [blocks as u32, splits.min(MAX_ROWS) as u32, 1];
-                    p.kernel("norm", format!("norm_layer_norm_grad_params_split_{tags}"), grid, [32, 8, 1], args);
-                    for (part, out) in [(Some(ps), Some(ds)), (pb, db)] {
-                        if let (Some(part), Some(out)) = (part, out) {
-                            let args = vec![
-                                Arg::Ptr(part),
-                                Arg::Ptr(buf(out)),
-                                Arg::I64(sn as i64),
-                                Arg::I64(splits as i64),
-                                Arg::I64(total as i64),
-                            ];
-                            let name = format!("reduce_sum_finish_{}", float_tag(out.dtype)?);
-                            p.kernel("reduce", name, rows_grid(sn), [32, 1, 1], args);
-                        }
-                    }
-                } else {
-                    let args = vec![
-                        Arg::Ptr(buf(dy)),
-                        Arg::Ptr(buf(x)),
-                        Arg::Ptr(ws_mean),
-                        Arg::Ptr(ws_inv),
-                        Arg::Ptr(buf(ds)),
-                        db.map_or(Arg::Null, |t| Arg::Ptr(buf(t))),
-                        Arg::I64(rows as i64),
-                        Arg::I64(n as i64),
-                        Arg::I64(sn as i64),
-                    ];
-                    let grid = [blocks as u32, 1, 1];
-                    p.kernel("norm", format!("norm_layer_norm_grad_params_{tags}"), grid, [32, 8, 1], args);
+                    let name = format!("reduce_sum_finish_{}", float_tag(out.dtype)?);
+                    p.kernel("reduce", name, rows_grid(sn), [32, 1, 1], args);
                 }
             }
-        }
-        Op::BatchNormalization(a) => {
-            let (x, scale, bias, mean, var, y) =
-                (p.input(0)?, p.input(1)?, p.input(2)?, p.input(3)?, p.input(4)?, p.output(0)?);
-            if x.shape.len() < 2 {
-                return Err("BatchNormalization of a tensor of rank below 2".into());
-            }
-            let (n, c, inner) = split3(&x.shape, 1, 2);
-            let tags = norm_tags(x.dtype, scale.dtype)?;
-            let ptr = |t: &TensorRef| Arg::Ptr(buf(t));
-            // A Relu applied as y is written (the launch's epilogue, or after its residual Add),
-            // and the residual added before it.
-            let relu = Arg::I32(
-                matches!((&p.l.epilogue, &p.l.epilogue_then), (Some(Op::Relu), _) | (_, Some(Op::Relu))) as i32,
-            );
-            let add = p.l.epilogue_operand.as_ref().filter(|_| matches!(p.l.epilogue, Some(Op::Add)));
-            let res = operand_like(add, y, "a batch norm's residual")?;
-            let res_arg = res.as_ref().map_or(Arg::Null, ptr);
-            if a.training_mode {
-                let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
-                let rv = p.l.outputs.get(2).map_or(Arg::Null, ptr);
-                if rm == Arg::Null || rv == Arg::Null {
-                    return Err("training-mode BatchNormalization without its running statistics outputs".into());
-                }
-                if let Some(splits) = bn_splits(c, n * inner) {
-                    // One pass for the sums, a thread per channel for the statistics (and the
-                    // running ones), one element-wise pass for y.
-                    let vec = bn_vec(p.opts.wide, inner, &[x, y].into_iter().chain(res.as_ref()).collect::<Vec<_>>());
-                    let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
-                    let acc = acc_dtype(x.dtype).size() as u64;
-                    let (m, k) = (p.work(c * acc), p.work(c * acc));
-                    let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
-                    args.extend([ptr(scale), ptr(mean), ptr(var), Arg::Ptr(m), Arg::Ptr(k), rm, rv]);
-                    args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
-                    args.extend([Arg::F32(a.epsilon), Arg::F32(a.momentum)]);
-                    p.kernel("norm", format!("norm_bn_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
-                    let args = vec![
-                        ptr(x),
-                        Arg::Ptr(m),
-                        Arg::Ptr(k),
-                        ptr(bias),
-                        res_arg,
-                        ptr(y),
-                        Arg::I64(n as i64),
-                        Arg::I64(c as i64),
-                        Arg::I64(inner as i64),
-                        Arg::I32(vec as i32),
-                        relu,
-                    ];
-                    let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
-                    p.flat("norm", format!("norm_bn_apply_{tags}"), units, args);
-                    return Ok(());
-                }
-                let args = vec![
-                    ptr(x),
-                    ptr(scale),
-                    ptr(bias),
-                    ptr(mean),
-                    ptr(var),
-                    res_arg,
-                    ptr(y),
-                    rm,
-                    rv,
-                    Arg::Null,
-                    Arg::Null,
-                    Arg::I64(n as i64),
-                    Arg::I64(c as i64),
-                    Arg::I64(inner as i64),
-                    Arg::F32(a.epsilon),
-                    Arg::F32(a.momentum),
-                    relu,
-                ];
-                p.kernel("norm", format!("norm_batch_norm_train_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
-            } else {
-                let args = vec![
-                    ptr(x),
-                    ptr(scale),
-                    ptr(bias),
-                    ptr(mean),
-                    ptr(var),
-                    res_arg,
-                    ptr(y),
-                    Arg::I64(n as i64),
-                    Arg::I64(c as i64),
-                    Arg::I64(inner as i64),
-                    Arg::F32(a.epsilon),
-                    relu,
-                ];
-                p.flat("norm", format!("norm_batch_norm_infer_{tags}"), x.numel() as u64, args);
-            }
-        }
-        Op::BatchNormalizationGrad(a) => {
-            let (dy, x, scale) = (p.input(0)?, p.input(1)?, p.input(2)?);
-            let tags = norm_tags(x.dtype, scale.dtype)?;
-            let c = x.shape.get(1).copied().unwrap_or(1) as u64;
-            let inner = numel(&x.shape[2.min(x.shape.len())..]);
-            let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
-            let n = x.shape.first().copied().unwrap_or(1) as u64;
-            // dy read through the ReLU's gradient ([`Launch::relu_prologue`]), from its output.
-            let ry = operand_like(p.l.relu_prologue.as_ref(), dy, "a batch norm gradient's ReLU output")?;
-            let ry_arg = ry.as_ref().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
-            if let Some(splits) = bn_splits(c, n * inner) {
-                // One pass over x and dy for the sums, a thread per channel for the parameters'
-                // gradients and dx's coefficients, one element-wise pass for dx.
-                let dx = p.l.outputs.first().cloned();
-                let vec = bn_vec(
-                    p.opts.wide,
-                    inner,
-                    &[x, dy].into_iter().chain(dx.as_ref()).chain(ry.as_ref()).collect::<Vec<_>>(),
-                );
-                let dims = bn_dims(n, c, inner, splits, vec);
-                let parts = bn_stats(p, Some((dy, ry_arg)), x, dims, c, splits)?;
-                let acc = acc_dtype(x.dtype).size() as u64;
-                let coef: Vec<Buf> = (0..4).map(|_| p.work(c * acc)).collect();
-                let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
-                args.push(Arg::Ptr(buf(scale)));
-                args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
-                args.extend([out(1), out(2)]);
-                args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
-                args.push(Arg::F32(a.epsilon));
-                p.kernel("norm", format!("norm_bn_grad_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
-                if let Some(dx) = dx {
-                    let mut args = vec![Arg::Ptr(buf(dy)), ry_arg, Arg::Ptr(buf(x))];
-                    args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
-                    args.extend([Arg::Ptr(buf(&dx)), Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)]);
-                    args.push(Arg::I32(vec as i32));
-                    let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
-                    p.flat("norm", format!("norm_bn_grad_apply_{}", float_tag(x.dtype)?), units, args);
-                }
-                return Ok(());
-            }
+        } else {
             let args = vec![
                 Arg::Ptr(buf(dy)),
-                ry_arg,
                 Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(scale)),
-                out(0),
-                out(1),
-                out(2),
-                Arg::I64(x.shape[0] as i64),
+                Arg::Ptr(ws_mean),
+                Arg::Ptr(ws_inv),
+                Arg::Ptr(buf(ds)),
+                db.map_or(Arg::Null, |t| Arg::Ptr(buf(t))),
+                Arg::I64(rows as i64),
+                Arg::I64(n as i64),
+                Arg::I64(sn as i64),
+            ];
+            let grid = [blocks as u32, 1, 1];
+            p.kernel("norm", format!("norm_layer_norm_grad_params_{tags}"), grid, [32, 8, 1], args);
+        }
+    }
+    Ok(())
+}
+
+/// BatchNormalization, training (statistics in passes over split channels, or a block per channel) or inference (element-wise), with its fused residual Add and Relu.
+fn plan_batch_norm(p: &mut Planner, a: &mpc_ir::ops::BatchNormAttrs) -> Result<(), String> {
+    let (x, scale, bias, mean, var, y) =
+        (p.input(0)?, p.input(1)?, p.input(2)?, p.input(3)?, p.input(4)?, p.output(0)?);
+    if x.shape.len() < 2 {
+        return Err("BatchNormalization of a tensor of rank below 2".into());
+    }
+    let (n, c, inner) = split3(&x.shape, 1, 2);
+    let tags = norm_tags(x.dtype, scale.dtype)?;
+    let ptr = |t: &TensorRef| Arg::Ptr(buf(t));
+    // A Relu applied as y is written (the launch's epilogue, or after its residual Add),
+    // and the residual added before it.
+    let relu =
+        Arg::I32(matches!((&p.l.epilogue, &p.l.epilogue_then), (Some(Op::Relu), _) | (_, Some(Op::Relu))) as i32);
+    let add = p.l.epilogue_operand.as_ref().filter(|_| matches!(p.l.epilogue, Some(Op::Add)));
+    let res = operand_like(add, y, "a batch norm's residual")?;
+    let res_arg = res.as_ref().map_or(Arg::Null, ptr);
+    if a.training_mode {
+        let rm = p.l.outputs.get(1).map_or(Arg::Null, ptr);
+        let rv = p.l.outputs.get(2).map_or(Arg::Null, ptr);
+        if rm == Arg::Null || rv == Arg::Null {
+            return Err("training-mode BatchNormalization without its running statistics outputs".into());
+        }
+        if let Some(splits) = bn_splits(c, n * inner) {
+            // One pass for the sums, a thread per channel for the statistics (and the
+            // running ones), one element-wise pass for y.
+            let vec = bn_vec(p.opts.wide, inner, &[x, y].into_iter().chain(res.as_ref()).collect::<Vec<_>>());
+            let parts = bn_stats(p, None, x, bn_dims(n, c, inner, splits, vec), c, splits)?;
+            let acc = acc_dtype(x.dtype).size() as u64;
+            let (m, k) = (p.work(c * acc), p.work(c * acc));
+            let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
+            args.extend([ptr(scale), ptr(mean), ptr(var), Arg::Ptr(m), Arg::Ptr(k), rm, rv]);
+            args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
+            args.extend([Arg::F32(a.epsilon), Arg::F32(a.momentum)]);
+            p.kernel("norm", format!("norm_bn_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
+            let args = vec![
+                ptr(x),
+                Arg::Ptr(m),
+                Arg::Ptr(k),
+                ptr(bias),
+                res_arg,
+                ptr(y),
+                Arg::I64(n as i64),
                 Arg::I64(c as i64),
                 Arg::I64(inner as i64),
-                Arg::F32(a.epsilon),
+                Arg::I32(vec as i32),
+                relu,
             ];
-            p.kernel("norm", format!("norm_batch_norm_grad_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
+            let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
+            p.flat("norm", format!("norm_bn_apply_{tags}"), units, args);
+            return Ok(());
         }
-        Op::InstanceNormalization(_) | Op::GroupNormalization(_) => {
-            let (x, scale, bias, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
-            let tags = norm_tags(x.dtype, scale.dtype)?;
-            let (n, c) = (x.shape[0] as u64, x.shape.get(1).copied().unwrap_or(1) as u64);
-            let inner = numel(&x.shape[2.min(x.shape.len())..]);
-            let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(scale)), Arg::Ptr(buf(bias)), Arg::Ptr(buf(y))];
-            args.extend([Arg::I64(n as i64), Arg::I64(c as i64)]);
-            match &op {
-                Op::InstanceNormalization(a) => {
-                    args.extend([Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
-                    p.kernel("norm", format!("norm_instance_norm_{tags}"), rows_grid(n * c), [BLOCK, 1, 1], args);
-                }
-                Op::GroupNormalization(a) => {
-                    let groups = a.num_groups as u64;
-                    args.extend([Arg::I64(groups as i64), Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
-                    p.kernel("norm", format!("norm_group_norm_{tags}"), rows_grid(n * groups), [BLOCK, 1, 1], args);
-                }
-                _ => unreachable!(),
-            }
+        let args = vec![
+            ptr(x),
+            ptr(scale),
+            ptr(bias),
+            ptr(mean),
+            ptr(var),
+            res_arg,
+            ptr(y),
+            rm,
+            rv,
+            Arg::Null,
+            Arg::Null,
+            Arg::I64(n as i64),
+            Arg::I64(c as i64),
+            Arg::I64(inner as i64),
+            Arg::F32(a.epsilon),
+            Arg::F32(a.momentum),
+            relu,
+        ];
+        p.kernel("norm", format!("norm_batch_norm_train_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
+    } else {
+        let args = vec![
+            ptr(x),
+            ptr(scale),
+            ptr(bias),
+            ptr(mean),
+            ptr(var),
+            res_arg,
+            ptr(y),
+            Arg::I64(n as i64),
+            Arg::I64(c as i64),
+            Arg::I64(inner as i64),
+            Arg::F32(a.epsilon),
+            relu,
+        ];
+        p.flat("norm", format!("norm_batch_norm_infer_{tags}"), x.numel() as u64, args);
+    }
+    Ok(())
+}
+
+/// BatchNormalization's gradient (dy read through the ReLU's gradient where the launch says), in passes over split channels or a block per channel.
+fn plan_batch_norm_grad(p: &mut Planner, a: &mpc_ir::ops::EpsilonAttrs) -> Result<(), String> {
+    let (dy, x, scale) = (p.input(0)?, p.input(1)?, p.input(2)?);
+    let tags = norm_tags(x.dtype, scale.dtype)?;
+    let c = x.shape.get(1).copied().unwrap_or(1) as u64;
+    let inner = numel(&x.shape[2.min(x.shape.len())..]);
+    let out = |i: usize| p.l.outputs.get(i).map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    let n = x.shape.first().copied().unwrap_or(1) as u64;
+    // dy read through the ReLU's gradient ([`Launch::relu_prologue`]), from its output.
+    let ry = operand_like(p.l.relu_prologue.as_ref(), dy, "a batch norm gradient's ReLU output")?;
+    let ry_arg = ry.as_ref().map_or(Arg::Null, |t| Arg::Ptr(buf(t)));
+    if let Some(splits) = bn_splits(c, n * inner) {
+        // One pass over x and dy for the sums, a thread per channel for the parameters'
+        // gradients and dx's coefficients, one element-wise pass for dx.
+        let dx = p.l.outputs.first().cloned();
+        let vec =
+            bn_vec(p.opts.wide, inner, &[x, dy].into_iter().chain(dx.as_ref()).chain(ry.as_ref()).collect::<Vec<_>>());
+        let dims = bn_dims(n, c, inner, splits, vec);
+        let parts = bn_stats(p, Some((dy, ry_arg)), x, dims, c, splits)?;
+        let acc = acc_dtype(x.dtype).size() as u64;
+        let coef: Vec<Buf> = (0..4).map(|_| p.work(c * acc)).collect();
+        let mut args: Vec<Arg> = parts.iter().map(|&b| Arg::Ptr(b)).collect();
+        args.push(Arg::Ptr(buf(scale)));
+        args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
+        args.extend([out(1), out(2)]);
+        args.extend([Arg::I64(c as i64), Arg::I64(splits as i64)]);
+        args.push(Arg::F32(a.epsilon));
+        p.kernel("norm", format!("norm_bn_grad_finish_{tags}"), channels_grid(c), [BLOCK, 1, 1], args);
+        if let Some(dx) = dx {
+            let mut args = vec![Arg::Ptr(buf(dy)), ry_arg, Arg::Ptr(buf(x))];
+            args.extend(coef.iter().map(|&b| Arg::Ptr(b)));
+            args.extend([Arg::Ptr(buf(&dx)), Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)]);
+            args.push(Arg::I32(vec as i32));
+            let units = x.numel() as u64 / if vec { 16 / x.dtype.size() as u64 } else { 1 };
+            p.flat("norm", format!("norm_bn_grad_apply_{}", float_tag(x.dtype)?), units, args);
         }
-        _ => unreachable!("not a normalisation"),
+        return Ok(());
+    }
+    let args = vec![
+        Arg::Ptr(buf(dy)),
+        ry_arg,
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(scale)),
+        out(0),
+        out(1),
+        out(2),
+        Arg::I64(x.shape[0] as i64),
+        Arg::I64(c as i64),
+        Arg::I64(inner as i64),
+        Arg::F32(a.epsilon),
+    ];
+    p.kernel("norm", format!("norm_batch_norm_grad_{tags}"), rows_grid(c), [BLOCK, 1, 1], args);
+    Ok(())
+}
+
+/// InstanceNormalization and GroupNormalization: a block per (sample, channel or group).
+fn plan_instance_or_group_norm(p: &mut Planner, op: &Op) -> Result<(), String> {
+    let (x, scale, bias, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+    let tags = norm_tags(x.dtype, scale.dtype)?;
+    let (n, c) = (x.shape[0] as u64, x.shape.get(1).copied().unwrap_or(1) as u64);
+    let inner = numel(&x.shape[2.min(x.shape.len())..]);
+    let mut args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(scale)), Arg::Ptr(buf(bias)), Arg::Ptr(buf(y))];
+    args.extend([Arg::I64(n as i64), Arg::I64(c as i64)]);
+    match op {
+        Op::InstanceNormalization(a) => {
+            args.extend([Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
+            p.kernel("norm", format!("norm_instance_norm_{tags}"), rows_grid(n * c), [BLOCK, 1, 1], args);
+        }
+        Op::GroupNormalization(a) => {
+            let groups = a.num_groups as u64;
+            args.extend([Arg::I64(groups as i64), Arg::I64(inner as i64), Arg::F32(a.epsilon)]);
+            p.kernel("norm", format!("norm_group_norm_{tags}"), rows_grid(n * groups), [BLOCK, 1, 1], args);
+        }
+        _ => unreachable!(),
     }
     Ok(())
 }
