@@ -187,10 +187,37 @@ fn constant_tensor(g: &Graph, v: ValueId) -> Option<Tensor> {
 
 fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     let order = g.topo_order()?;
-    let bound = g.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut report = Report::default();
 
-    // 1-2. Candidates, pins and unsafe constants.
+    // 1-2. Candidates, pins and unsafe constants, and the edges along which colours follow.
+    let (cg, mut checked) = colour_graph(g, policy, &order, &mut report)?;
+
+    // 3. Colour.
+    let colours = colour::colour(&cg, policy.everything_low);
+    // In index order, so the map is built in one sweep rather than by a million inserts.
+    report.nodes = colours.iter().enumerate().filter_map(|(i, c)| Some((NodeId::from_index(i), c.clone()?))).collect();
+    let is_low = |n: NodeId| matches!(colours.get(n.index()), Some(Some((Colour::Low, _))));
+
+    // 4. Retype, convert constants, insert casts.
+    let original: Vec<Option<DType>> = g.value_ids().map(|v| g.ty(v).dtype).collect();
+    retype(g, policy, &order, &is_low);
+    let wants = reader_wants(g, &order, &cg.class, &is_low, &original, policy.low);
+    store_low(g, policy, &wants, &original, &mut checked, &mut report);
+    let mut casts = cast_readers(g, wants);
+    keep_interfaces(g, policy, &order, &original, &mut casts);
+    Ok(report)
+}
+
+/// What the colouring reads: each candidate's class, the nodes forced to FP32 (pins, measured
+/// values, constants the low dtype breaks) and the edges between candidates; and the constants
+/// judged on the way.
+fn colour_graph(
+    g: &Graph,
+    policy: &Policy,
+    order: &[NodeId],
+    report: &mut Report,
+) -> Result<(colour::ColourGraph, HashMap<ValueId, Narrowed>)> {
+    let bound = g.node_ids().map(|n| n.index() + 1).max().unwrap_or(0);
     let mut class: Vec<Option<Class>> = vec![None; bound];
     let mut forced: Vec<Option<Reason>> = vec![None; bound];
     let mut pins_found = BTreeSet::new();
@@ -198,7 +225,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     let mut candidates: Vec<NodeId> = Vec::new();
     let mut constants: Vec<(ValueId, Tensor)> = Vec::new();
     let mut seen = HashSet::new();
-    for &n in &order {
+    for &n in order {
         let Some(c) = policy.class(&g.node(n).op) else { continue };
         let (ins, outs) = t_values(g, n);
         if ins.is_empty() && outs.is_empty() || !ins.iter().chain(&outs).all(|&v| is_f32(g, v)) {
@@ -244,9 +271,19 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     {
         return Err(PassError::Usage(format!("--pin-fp32 `{missing}`: no node has that name")));
     }
-    // Edges between candidates along the float values whose type follows the op's.
+    let (succ, pred) = follow_edges(g, order, &class, bound);
+    Ok((colour::ColourGraph { class, succ, pred, forced }, checked))
+}
+
+/// The edges between candidates along the float values whose type follows the op's, both ways.
+fn follow_edges(
+    g: &Graph,
+    order: &[NodeId],
+    class: &[Option<Class>],
+    bound: usize,
+) -> (colour::Adjacency, colour::Adjacency) {
     let mut edges: Vec<(u32, u32)> = Vec::new();
-    for &n in &order {
+    for &n in order {
         if class[n.index()].is_none() {
             continue;
         }
@@ -266,19 +303,13 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
     let succ = colour::Adjacency::new(bound, &edges);
     edges.iter_mut().for_each(|e| *e = (e.1, e.0));
     let pred = colour::Adjacency::new(bound, &edges);
-    drop(edges);
-    let cg = colour::ColourGraph { class, succ, pred, forced };
+    (succ, pred)
+}
 
-    // 3. Colour.
-    let colours = colour::colour(&cg, policy.everything_low);
-    // In index order, so the map is built in one sweep rather than by a million inserts.
-    report.nodes = colours.iter().enumerate().filter_map(|(i, c)| Some((NodeId::from_index(i), c.clone()?))).collect();
-    let is_low = |n: NodeId| matches!(colours.get(n.index()), Some(Some((Colour::Low, _))));
-
-    // 4. Retype, convert constants, insert casts.
-    let original: Vec<Option<DType>> = g.value_ids().map(|v| g.ty(v).dtype).collect();
+/// The low nodes' outputs (and, under `io_low`, the graph's float inputs) take the low dtype.
+fn retype(g: &mut Graph, policy: &Policy, order: &[NodeId], is_low: &dyn Fn(NodeId) -> bool) {
     let low = policy.low;
-    for &n in &order {
+    for &n in order {
         if is_low(n) {
             for v in t_values(g, n).1 {
                 set_dtype(g, v, low);
@@ -292,9 +323,19 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             }
         }
     }
-    // What each reader wants of each float value it reads.
+}
+
+/// What each reader wants of each float value it reads: (reader, slot, value, dtype).
+fn reader_wants(
+    g: &Graph,
+    order: &[NodeId],
+    class: &[Option<Class>],
+    is_low: &dyn Fn(NodeId) -> bool,
+    original: &[Option<DType>],
+    low: DType,
+) -> Vec<(NodeId, usize, ValueId, DType)> {
     let mut wants: Vec<(NodeId, usize, ValueId, DType)> = Vec::new();
-    for &n in &order {
+    for &n in order {
         let node = g.node(n);
         for (s, v) in node.inputs().iter().enumerate() {
             let Some(v) = *v else { continue };
@@ -303,7 +344,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
                 continue; // read by name inside a subgraph: handled with the interfaces below
             }
             let want = match input_role(&node.op, s) {
-                Role::T if cg.class[n.index()].is_some() => {
+                Role::T if class[n.index()].is_some() => {
                     if is_low(n) {
                         low
                     } else {
@@ -316,10 +357,23 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             wants.push((n, s, v, want));
         }
     }
-    // Constants every reader wants low are stored low.
+    wants
+}
+
+/// Constants every reader wants low are stored low (converted once, as judged before where they
+/// were).
+fn store_low(
+    g: &mut Graph,
+    policy: &Policy,
+    wants: &[(NodeId, usize, ValueId, DType)],
+    original: &[Option<DType>],
+    checked: &mut HashMap<ValueId, Narrowed>,
+    report: &mut Report,
+) {
+    let low = policy.low;
     // Per value: read by anyone (bit 0), read by someone who wants it high (bit 1).
     let mut readers = vec![0u8; original.len()];
-    for &(_, _, v, want) in &wants {
+    for &(_, _, v, want) in wants {
         readers[v.index()] |= if want == low { 1 } else { 3 };
     }
     let constants: Vec<ValueId> = g
@@ -347,6 +401,11 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         }
         report.converted.push(g.name(v).to_string());
     }
+}
+
+/// The readers moved to a cast of the value they read where they want another dtype: one cast
+/// per (value, dtype), returned for the interfaces to share.
+fn cast_readers(g: &mut Graph, wants: Vec<(NodeId, usize, ValueId, DType)>) -> HashMap<(ValueId, DType), ValueId> {
     // Readers to redirect, grouped by (value, dtype) so that each value's use list is rewritten once.
     let mut moves: BTreeMap<(ValueId, DType), Vec<mpc_ir::Use>> = BTreeMap::new();
     for (n, s, v, want) in wants {
@@ -361,10 +420,21 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         let c = cast(g, &mut casts, v, want);
         g.move_uses(v, c, &uses);
     }
-    // Interfaces (graph outputs, values that subgraphs read by name) keep their dtypes and
-    // their names: the rewritten value takes a suffix and a cast back takes the name.
+    casts
+}
+
+/// Interfaces (graph outputs, values that subgraphs read by name) keep their dtypes and their
+/// names: the rewritten value takes a suffix and a cast back takes the name.
+fn keep_interfaces(
+    g: &mut Graph,
+    policy: &Policy,
+    order: &[NodeId],
+    original: &[Option<DType>],
+    casts: &mut HashMap<(ValueId, DType), ValueId>,
+) {
+    let low = policy.low;
     let mut interfaces: Vec<ValueId> = g.outputs().to_vec();
-    for &n in &order {
+    for &n in order {
         for (s, v) in g.node(n).inputs().iter().enumerate() {
             if let Some(v) = v.filter(|_| g.is_capture(n, s)) {
                 interfaces.push(v);
@@ -390,7 +460,7 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
         let name = g.name(v).to_string();
         let inner = format!("{name}.{}", g.ty(v).dtype.map_or("v".into(), |d| d.to_string()));
         g.rename(v, &inner);
-        let c = cast(g, &mut casts, v, want);
+        let c = cast(g, casts, v, want);
         g.rename(c, &name);
         renamed.insert(v, c);
     }
@@ -402,14 +472,13 @@ fn rewrite(g: &mut Graph, policy: &Policy) -> Result<Report> {
             t.replace(v, c);
         }
     }
-    for &n in &order {
+    for &n in order {
         for s in 0..g.node(n).inputs().len() {
             if let Some(&c) = g.node(n).input(s).and_then(|v| renamed.get(&v)).filter(|_| g.is_capture(n, s)) {
                 g.set_input(n, s, Some(c));
             }
         }
     }
-    Ok(report)
 }
 
 fn set_dtype(g: &mut Graph, v: ValueId, d: DType) {
