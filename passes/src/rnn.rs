@@ -69,8 +69,28 @@ impl Cell {
     }
 }
 
-fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
-    let Op::Opaque(o) = &g.node(n).op else { unreachable!("selected opaque") };
+/// An LSTM or GRU node, read and checked before anything changes.
+struct Layer {
+    cell: Cell,
+    hidden: i64,
+    layout: i64,
+    /// Each direction: `true` for reverse.
+    directions: Vec<bool>,
+    x: ValueId,
+    w: ValueId,
+    r: ValueId,
+    bias: Option<ValueId>,
+    h0: Option<ValueId>,
+    c0: Option<ValueId>,
+    outputs: Vec<ValueId>,
+    name: String,
+    dtype: DType,
+    steps: i64,
+}
+
+/// The cell, hidden size, layout and directions of an LSTM or GRU, refused where mpc does not
+/// unroll them.
+fn layer_attrs(o: &mpc_ir::ops::Opaque) -> Result<(Cell, i64, i64, Vec<bool>), String> {
     let attr = |k: &str| o.attrs.iter().find(|(name, _)| name == k).map(|(_, a)| a.clone());
     let int = |k: &str, default: i64| match attr(k) {
         Some(Attr::Int(v)) => Ok(v),
@@ -117,6 +137,12 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
     if !(0..=1).contains(&layout) {
         return Err(format!("layout {layout} is not 0 or 1"));
     }
+    Ok((cell, hidden, layout, directions))
+}
+
+fn read_layer(g: &Graph, n: NodeId) -> Result<Layer, String> {
+    let Op::Opaque(o) = &g.node(n).op else { unreachable!("selected opaque") };
+    let (cell, hidden, layout, directions) = layer_attrs(o)?;
     let node = g.node(n);
     let input = |i: usize| node.input(i);
     if input(4).is_some() {
@@ -151,121 +177,22 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
         }
     };
 
+    Ok(Layer { cell, hidden, layout, directions, x, w, r, bias, h0, c0, outputs, name, dtype, steps })
+}
+
+fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
+    let l = read_layer(g, n)?;
+    let (cell, layout, outputs) = (l.cell, l.layout, l.outputs.clone());
     let mut b = Builder::new(g);
-    b.at(&name);
+    b.at(&l.name);
     // Time-major X: [steps, batch, input].
-    let x = if layout == 1 { transpose(&mut b, x, &[1, 0, 2]) } else { x };
-    let h = hidden;
+    let x = if layout == 1 { transpose(&mut b, l.x, &[1, 0, 2]) } else { l.x };
     let (mut ys, mut hs, mut cs) = (Vec::new(), Vec::new(), Vec::new());
-    for (d, &reverse) in directions.iter().enumerate() {
-        let pick = |b: &mut Builder, t: ValueId| {
-            let i = scalar_index(b, d as i64);
-            b.op("dir", Op::Gather(AxisAttrs { axis: 0 }), &[t, i])
-        };
-        let wd = pick(&mut b, w);
-        let rd = pick(&mut b, r);
-        let wt = transpose(&mut b, wd, &[1, 0]);
-        let rt = transpose(&mut b, rd, &[1, 0]);
-        // The input projection of every step at once: [steps, batch, gates·hidden].
-        let mut xw = b.op("x_proj", Op::MatMul, &[x, wt]);
-        let mut rb = None;
-        if let Some(bias) = bias {
-            let bd = pick(&mut b, bias);
-            let parts = b.ops("bias", Op::Split(SplitAttrs { axis: 0, num_outputs: Some(2) }), &[Some(bd)], 2);
-            match cell {
-                // Both biases add before the gates.
-                Cell::Lstm => {
-                    let sum = b.op("bias", Op::Add, &[parts[0], parts[1]]);
-                    xw = b.op("x_proj", Op::Add, &[xw, sum]);
-                }
-                Cell::Gru(_) => {
-                    xw = b.op("x_proj", Op::Add, &[xw, parts[0]]);
-                    rb = Some(parts[1]);
-                }
-            }
-        }
-        let state = |b: &mut Builder, init: Option<ValueId>| match init {
-            Some(v) => pick(b, v),
-            None => zeros(b, x, h, dtype),
-        };
-        let mut hcur = state(&mut b, h0);
-        let mut ccur = if cell == Cell::Lstm { state(&mut b, c0) } else { hcur };
-        let mut step_ys = Vec::with_capacity(steps as usize);
-        let order: Vec<i64> = if reverse { (0..steps).rev().collect() } else { (0..steps).collect() };
-        for t in order {
-            let i = scalar_index(&mut b, t);
-            let xt = b.op("x", Op::Gather(AxisAttrs { axis: 0 }), &[xw, i]);
-            let mut hr = b.op("h_proj", Op::MatMul, &[hcur, rt]);
-            if let Some(rb) = rb {
-                hr = b.op("h_proj", Op::Add, &[hr, rb]);
-            }
-            let split = |b: &mut Builder, v: ValueId| {
-                let k = cell.gates();
-                b.ops("gates", Op::Split(SplitAttrs { axis: 1, num_outputs: Some(k) }), &[Some(v)], k as usize)
-            };
-            match cell {
-                // i, o, f, c = σ, σ, σ, tanh of x·Wᵀ + h·Rᵀ + b; c ← f·c + i·c̃; h ← o·tanh(c).
-                Cell::Lstm => {
-                    let gates = b.op("gates", Op::Add, &[xt, hr]);
-                    let p = split(&mut b, gates);
-                    let (ig, og, fg) = (
-                        b.op("i", Op::Sigmoid, &[p[0]]),
-                        b.op("o", Op::Sigmoid, &[p[1]]),
-                        b.op("f", Op::Sigmoid, &[p[2]]),
-                    );
-                    let cand = b.op("c_new", Op::Tanh, &[p[3]]);
-                    let keep = b.op("c", Op::Mul, &[fg, ccur]);
-                    let write = b.op("c", Op::Mul, &[ig, cand]);
-                    ccur = b.op("c", Op::Add, &[keep, write]);
-                    let tc = b.op("h", Op::Tanh, &[ccur]);
-                    hcur = b.op("h", Op::Mul, &[og, tc]);
-                }
-                // z, r = σ(x·Wᵀ + h·Rᵀ + b); n = tanh(x·W_nᵀ + r·(h·R_nᵀ + Rb_n)) (linear before
-                // reset) or tanh(x·W_nᵀ + (r·h)·R_nᵀ + Rb_n); h ← n + z·(h − n).
-                Cell::Gru(linear_before_reset) => {
-                    let px = split(&mut b, xt);
-                    let ph = split(&mut b, hr);
-                    let zs = b.op("z", Op::Add, &[px[0], ph[0]]);
-                    let rs = b.op("r", Op::Add, &[px[1], ph[1]]);
-                    let (zg, rg) = (b.op("z", Op::Sigmoid, &[zs]), b.op("r", Op::Sigmoid, &[rs]));
-                    let hn = if linear_before_reset {
-                        b.op("n", Op::Mul, &[rg, ph[2]])
-                    } else {
-                        let rh = b.op("n", Op::Mul, &[rg, hcur]);
-                        let starts = b.ints(&[2 * h]);
-                        let ends = b.ints(&[3 * h]);
-                        let axis = b.ints(&[1]);
-                        let rn = b.op("r_n", Op::Slice, &[rt, starts, ends, axis]);
-                        let p = b.op("n", Op::MatMul, &[rh, rn]);
-                        match rb {
-                            Some(rb) => {
-                                let bn = b.op("rb_n", Op::Slice, &[rb, starts, ends]);
-                                b.op("n", Op::Add, &[p, bn])
-                            }
-                            None => p,
-                        }
-                    };
-                    let ns = b.op("n", Op::Add, &[px[2], hn]);
-                    let ng = b.op("n", Op::Tanh, &[ns]);
-                    let diff = b.op("h", Op::Sub, &[hcur, ng]);
-                    let upd = b.op("h", Op::Mul, &[zg, diff]);
-                    hcur = b.op("h", Op::Add, &[ng, upd]);
-                }
-            }
-            step_ys.push(hcur);
-        }
-        if reverse {
-            step_ys.reverse();
-        }
-        // Y of this direction: [steps, 1, batch, hidden].
-        let axes01 = b.ints(&[0, 1]);
-        let axis0 = b.ints(&[0]);
-        let rows: Vec<ValueId> = step_ys.iter().map(|&y| b.op("y", Op::Unsqueeze, &[y, axes01])).collect();
-        ys.push(b.op("y", Op::Concat(ConcatAttrs { axis: 0 }), &rows));
-        hs.push(b.op("y_h", Op::Unsqueeze, &[hcur, axis0]));
-        if cell == Cell::Lstm {
-            cs.push(b.op("y_c", Op::Unsqueeze, &[ccur, axis0]));
-        }
+    for (d, &reverse) in l.directions.iter().enumerate() {
+        let (y, h, c) = direction(&mut b, &l, x, d, reverse);
+        ys.push(y);
+        hs.push(h);
+        cs.extend(c);
     }
     let concat = |b: &mut Builder, what: &str, parts: &[ValueId], axis: i64| match parts {
         [one] => *one,
@@ -289,6 +216,136 @@ fn unroll(g: &mut Graph, n: NodeId) -> Result<(), String> {
     }
     g.remove_node(n);
     Ok(())
+}
+
+/// One direction unrolled over the time-major `x`: its Y as `[steps, 1, batch, hidden]`, its last
+/// hidden state as `[1, batch, hidden]`, and an LSTM's last cell state so.
+fn direction(b: &mut Builder, l: &Layer, x: ValueId, d: usize, reverse: bool) -> (ValueId, ValueId, Option<ValueId>) {
+    let (cell, h, dtype) = (l.cell, l.hidden, l.dtype);
+    let pick = |b: &mut Builder, t: ValueId| {
+        let i = scalar_index(b, d as i64);
+        b.op("dir", Op::Gather(AxisAttrs { axis: 0 }), &[t, i])
+    };
+    let wd = pick(b, l.w);
+    let rd = pick(b, l.r);
+    let wt = transpose(b, wd, &[1, 0]);
+    let rt = transpose(b, rd, &[1, 0]);
+    // The input projection of every step at once: [steps, batch, gates·hidden].
+    let mut xw = b.op("x_proj", Op::MatMul, &[x, wt]);
+    let mut rb = None;
+    if let Some(bias) = l.bias {
+        let bd = pick(b, bias);
+        let parts = b.ops("bias", Op::Split(SplitAttrs { axis: 0, num_outputs: Some(2) }), &[Some(bd)], 2);
+        match cell {
+            // Both biases add before the gates.
+            Cell::Lstm => {
+                let sum = b.op("bias", Op::Add, &[parts[0], parts[1]]);
+                xw = b.op("x_proj", Op::Add, &[xw, sum]);
+            }
+            Cell::Gru(_) => {
+                xw = b.op("x_proj", Op::Add, &[xw, parts[0]]);
+                rb = Some(parts[1]);
+            }
+        }
+    }
+    let state = |b: &mut Builder, init: Option<ValueId>| match init {
+        Some(v) => pick(b, v),
+        None => zeros(b, x, h, dtype),
+    };
+    let mut hcur = state(b, l.h0);
+    let mut ccur = if cell == Cell::Lstm { state(b, l.c0) } else { hcur };
+    let mut step_ys = Vec::with_capacity(l.steps as usize);
+    let order: Vec<i64> = if reverse { (0..l.steps).rev().collect() } else { (0..l.steps).collect() };
+    for t in order {
+        let i = scalar_index(b, t);
+        let xt = b.op("x", Op::Gather(AxisAttrs { axis: 0 }), &[xw, i]);
+        let mut hr = b.op("h_proj", Op::MatMul, &[hcur, rt]);
+        if let Some(rb) = rb {
+            hr = b.op("h_proj", Op::Add, &[hr, rb]);
+        }
+        match cell {
+            Cell::Lstm => (hcur, ccur) = lstm_step(b, xt, hr, ccur),
+            Cell::Gru(linear_before_reset) => hcur = gru_step(b, Gru { xt, hr, hcur, rt, rb, h, linear_before_reset }),
+        }
+        step_ys.push(hcur);
+    }
+    if reverse {
+        step_ys.reverse();
+    }
+    // Y of this direction: [steps, 1, batch, hidden].
+    let axes01 = b.ints(&[0, 1]);
+    let axis0 = b.ints(&[0]);
+    let rows: Vec<ValueId> = step_ys.iter().map(|&y| b.op("y", Op::Unsqueeze, &[y, axes01])).collect();
+    let y = b.op("y", Op::Concat(ConcatAttrs { axis: 0 }), &rows);
+    let yh = b.op("y_h", Op::Unsqueeze, &[hcur, axis0]);
+    let yc = (cell == Cell::Lstm).then(|| b.op("y_c", Op::Unsqueeze, &[ccur, axis0]));
+    (y, yh, yc)
+}
+
+/// The gates split from a `[batch, gates·hidden]` sum.
+fn split_gates(b: &mut Builder, cell: Cell, v: ValueId) -> Vec<ValueId> {
+    let k = cell.gates();
+    b.ops("gates", Op::Split(SplitAttrs { axis: 1, num_outputs: Some(k) }), &[Some(v)], k as usize)
+}
+
+/// An LSTM step from the step's input projection `xt` and hidden projection `hr`: i, o, f, c =
+/// σ, σ, σ, tanh of x·Wᵀ + h·Rᵀ + b; c ← f·c + i·c̃; h ← o·tanh(c). The new (h, c).
+fn lstm_step(b: &mut Builder, xt: ValueId, hr: ValueId, ccur: ValueId) -> (ValueId, ValueId) {
+    let gates = b.op("gates", Op::Add, &[xt, hr]);
+    let p = split_gates(b, Cell::Lstm, gates);
+    let (ig, og, fg) =
+        (b.op("i", Op::Sigmoid, &[p[0]]), b.op("o", Op::Sigmoid, &[p[1]]), b.op("f", Op::Sigmoid, &[p[2]]));
+    let cand = b.op("c_new", Op::Tanh, &[p[3]]);
+    let keep = b.op("c", Op::Mul, &[fg, ccur]);
+    let write = b.op("c", Op::Mul, &[ig, cand]);
+    let ccur = b.op("c", Op::Add, &[keep, write]);
+    let tc = b.op("h", Op::Tanh, &[ccur]);
+    (b.op("h", Op::Mul, &[og, tc]), ccur)
+}
+
+/// What a GRU step reads: the step's input and hidden projections, the hidden state, Rᵀ and the
+/// recurrent bias, the hidden size, and which way the reset gate applies.
+struct Gru {
+    xt: ValueId,
+    hr: ValueId,
+    hcur: ValueId,
+    rt: ValueId,
+    rb: Option<ValueId>,
+    h: i64,
+    linear_before_reset: bool,
+}
+
+/// A GRU step: z, r = σ(x·Wᵀ + h·Rᵀ + b); n = tanh(x·W_nᵀ + r·(h·R_nᵀ + Rb_n)) (linear before
+/// reset) or tanh(x·W_nᵀ + (r·h)·R_nᵀ + Rb_n); h ← n + z·(h − n). The new h.
+fn gru_step(b: &mut Builder, s: Gru) -> ValueId {
+    let Gru { xt, hr, hcur, rt, rb, h, linear_before_reset } = s;
+    let px = split_gates(b, Cell::Gru(linear_before_reset), xt);
+    let ph = split_gates(b, Cell::Gru(linear_before_reset), hr);
+    let zs = b.op("z", Op::Add, &[px[0], ph[0]]);
+    let rs = b.op("r", Op::Add, &[px[1], ph[1]]);
+    let (zg, rg) = (b.op("z", Op::Sigmoid, &[zs]), b.op("r", Op::Sigmoid, &[rs]));
+    let hn = if linear_before_reset {
+        b.op("n", Op::Mul, &[rg, ph[2]])
+    } else {
+        let rh = b.op("n", Op::Mul, &[rg, hcur]);
+        let starts = b.ints(&[2 * h]);
+        let ends = b.ints(&[3 * h]);
+        let axis = b.ints(&[1]);
+        let rn = b.op("r_n", Op::Slice, &[rt, starts, ends, axis]);
+        let p = b.op("n", Op::MatMul, &[rh, rn]);
+        match rb {
+            Some(rb) => {
+                let bn = b.op("rb_n", Op::Slice, &[rb, starts, ends]);
+                b.op("n", Op::Add, &[p, bn])
+            }
+            None => p,
+        }
+    };
+    let ns = b.op("n", Op::Add, &[px[2], hn]);
+    let ng = b.op("n", Op::Tanh, &[ns]);
+    let diff = b.op("h", Op::Sub, &[hcur, ng]);
+    let upd = b.op("h", Op::Mul, &[zg, diff]);
+    b.op("h", Op::Add, &[ng, upd])
 }
 
 fn transpose(b: &mut Builder, x: ValueId, perm: &[i64]) -> ValueId {

@@ -15,33 +15,78 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
     let spec: WindowSpec = a.window(&kernel);
     let w = spec.resolve(&x.shape[2..])?;
     let win = window3(&w, &x.shape[2..])?;
-    let t = float_tag(x.dtype)?;
-    let es = x.dtype.size() as u64;
     let (n, c, m) = (x.shape[0] as u64, x.shape[1] as u64, wt.shape[0] as u64);
     let g = a.group.max(1) as u64;
-    let (cg, mg) = (c / g, m / g);
-    let ivol = numel(&x.shape[2..]);
-    let ovol = numel(&w.out);
     let kvol = numel(&w.kernel);
-    let rows = cg * kvol;
-    let im2col_args = |x: Buf, col: Buf, col_ld: u64, col_img: u64| {
+    let cs = ConvShape {
+        x,
+        wt,
+        t: float_tag(x.dtype)?,
+        es: x.dtype.size() as u64,
+        n,
+        c,
+        m,
+        g,
+        cg: c / g,
+        mg: m / g,
+        ivol: numel(&x.shape[2..]),
+        ovol: numel(&w.out),
+        rows: c / g * kvol,
+        pointwise: kvol == 1 && w.strides.iter().all(|&s| s == 1) && w.pads_begin.iter().all(|&q| q == 0),
+        w,
+        win,
+        start: p.out.calls.len(),
+        work_start: p.out.workspace,
+    };
+    if grad {
+        conv_grad(p, &cs)
+    } else {
+        conv_forward(p, &cs)
+    }
+}
+
+/// A convolution's operands and sizes (per group: `cg` input and `mg` output channels; `rows`
+/// the columns' rows, `cg` times the kernel's volume), and where its calls and scratch start
+/// (for cuDNN to stand in for them).
+struct ConvShape<'a> {
+    x: &'a TensorRef,
+    wt: &'a TensorRef,
+    w: Window,
+    win: Window3,
+    t: &'static str,
+    es: u64,
+    n: u64,
+    c: u64,
+    m: u64,
+    g: u64,
+    cg: u64,
+    mg: u64,
+    ivol: u64,
+    ovol: u64,
+    rows: u64,
+    pointwise: bool,
+    start: usize,
+    work_start: u64,
+}
+
+impl ConvShape<'_> {
+    fn im2col_args(&self, x: Buf, col: Buf, col_ld: u64, col_img: u64) -> Vec<Arg> {
         vec![
             Arg::Ptr(x),
             Arg::Ptr(col),
-            Arg::I64(n as i64),
-            Arg::I64(cg as i64),
-            Arg::I64((c * ivol) as i64),
-            Arg::I64(ivol as i64),
-            Arg::Window(win),
+            Arg::I64(self.n as i64),
+            Arg::I64(self.cg as i64),
+            Arg::I64((self.c * self.ivol) as i64),
+            Arg::I64(self.ivol as i64),
+            Arg::Window(self.win),
             Arg::I64(col_ld as i64),
             Arg::I64(col_img as i64),
         ]
-    };
-    let pointwise = kvol == 1 && w.strides.iter().all(|&s| s == 1) && w.pads_begin.iter().all(|&q| q == 0);
-    // What cuDNN would compute instead of the calls from `start` on (2-D, symmetric pads), whose
-    // scratch starts at `work_start`.
-    let (start, work_start) = (p.out.calls.len(), p.out.workspace);
-    let dnn = |ops: Vec<DnnOp>, y: &[usize]| -> Option<DnnConv> {
+    }
+
+    /// What cuDNN would compute instead of the calls from `start` on (2-D, symmetric pads).
+    fn dnn(&self, ops: Vec<DnnOp>, y: &[usize]) -> Option<DnnConv> {
+        let (x, w) = (self.x, &self.w);
         let four = |s: &[usize]| -> Option<[i64; 4]> { (s.len() == 4).then(|| [0, 1, 2, 3].map(|i| s[i] as i64)) };
         let two = |v: &[usize]| -> Option<[i64; 2]> { (v.len() == 2).then(|| [v[0] as i64, v[1] as i64]) };
         let float = matches!(x.dtype, DType::F32 | DType::F16 | DType::BF16);
@@ -49,78 +94,92 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
         Some(DnnConv {
             dtype: x.dtype,
             x: four(&x.shape)?,
-            w: four(&wt.shape)?,
+            w: four(&self.wt.shape)?,
             y: four(y)?,
             pads: two(&w.pads_begin)?,
             strides: two(&w.strides)?,
             dilations: two(&w.dilations)?,
-            groups: g as i64,
+            groups: self.g as i64,
             ops,
             fallback: Vec::new(),
             fallback_workspace: 0,
         })
-    };
-    // The fallback's scratch (the columns) is dead once it has run: the calls after it may take
-    // the same bytes, and a device running cuDNN instead needs none of it.
-    let wrap = |p: &mut Planner, conv: Option<DnnConv>| {
+    }
+
+    /// The calls from `start` on as cuDNN's fallback. Its scratch (the columns) is dead once it
+    /// has run: the calls after it may take the same bytes, and a device running cuDNN instead
+    /// needs none of it.
+    fn wrap(&self, p: &mut Planner, conv: Option<DnnConv>) {
         if let Some(mut conv) = conv {
-            conv.fallback = p.out.calls.split_off(start);
+            conv.fallback = p.out.calls.split_off(self.start);
             conv.fallback_workspace = p.out.workspace;
-            p.out.workspace = work_start;
+            p.out.workspace = self.work_start;
             p.out.calls.push(Call::Conv(Box::new(conv)));
         }
-    };
-    if !grad {
-        let y = p.output(0)?;
-        let conv = dnn(vec![DnnOp::Forward { x: buf(x), w: buf(wt), y: buf(y) }], &y.shape);
-        let col = if pointwise { None } else { Some(p.work(n * rows * ovol * es)) };
-        for gi in 0..g {
-            let xg = buf(x).at(gi * cg * ivol * es);
-            // Per image: Y[i, group] (mg × ovol) = W_g (mg × rows) · col_i (rows × ovol).
-            let (src, stride) = match col {
-                None => (xg, (c * ivol) as i64),
-                Some(col) => {
-                    p.flat(
-                        "im2col",
-                        format!("im2col_im2col_{t}"),
-                        n * rows * ovol,
-                        im2col_args(xg, col, ovol, rows * ovol),
-                    );
-                    (col, (rows * ovol) as i64)
-                }
-            };
-            p.gemm(Gemm {
-                dtype: y.dtype,
-                c_dtype: y.dtype,
-                trans_a: false,
-                trans_b: false,
-                m: ovol as i64,
-                n: mg as i64,
-                k: rows as i64,
-                alpha: 1.0,
-                beta: 0.0,
-                a: src,
-                lda: ovol as i64,
-                stride_a: stride,
-                b: buf(wt).at(gi * mg * rows * es),
-                ldb: rows as i64,
-                stride_b: 0,
-                c: buf(y).at(gi * mg * ovol * es),
-                ldc: ovol as i64,
-                stride_c: (m * ovol) as i64,
-                batch: n as i64,
-                pointers: None,
-            });
-        }
-        wrap(p, conv);
-        if let Some(b) = p.opt_input(2) {
-            let dims = [n as usize, m as usize, ovol as usize];
-            p.binary("add", t, (buf(y), &dims), (buf(b), &[m as usize, 1]), buf(y), &dims)?;
-        }
-        return Ok(());
     }
-    // ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
-    // Outputs nothing reads are not computed (a first convolution's dX).
+}
+
+/// Conv: per group, im2col (unless the kernel is pointwise) and one batched GEMM over the
+/// images, then the bias.
+fn conv_forward(p: &mut Planner, cs: &ConvShape) -> Result<(), String> {
+    let (x, wt, pointwise) = (cs.x, cs.wt, cs.pointwise);
+    let (n, c, m, g, cg, mg, ivol, ovol, rows, es, t) =
+        (cs.n, cs.c, cs.m, cs.g, cs.cg, cs.mg, cs.ivol, cs.ovol, cs.rows, cs.es, cs.t);
+    let y = p.output(0)?;
+    let conv = cs.dnn(vec![DnnOp::Forward { x: buf(x), w: buf(wt), y: buf(y) }], &y.shape);
+    let col = if pointwise { None } else { Some(p.work(n * rows * ovol * es)) };
+    for gi in 0..g {
+        let xg = buf(x).at(gi * cg * ivol * es);
+        // Per image: Y[i, group] (mg × ovol) = W_g (mg × rows) · col_i (rows × ovol).
+        let (src, stride) = match col {
+            None => (xg, (c * ivol) as i64),
+            Some(col) => {
+                p.flat(
+                    "im2col",
+                    format!("im2col_im2col_{t}"),
+                    n * rows * ovol,
+                    cs.im2col_args(xg, col, ovol, rows * ovol),
+                );
+                (col, (rows * ovol) as i64)
+            }
+        };
+        p.gemm(Gemm {
+            dtype: y.dtype,
+            c_dtype: y.dtype,
+            trans_a: false,
+            trans_b: false,
+            m: ovol as i64,
+            n: mg as i64,
+            k: rows as i64,
+            alpha: 1.0,
+            beta: 0.0,
+            a: src,
+            lda: ovol as i64,
+            stride_a: stride,
+            b: buf(wt).at(gi * mg * rows * es),
+            ldb: rows as i64,
+            stride_b: 0,
+            c: buf(y).at(gi * mg * ovol * es),
+            ldc: ovol as i64,
+            stride_c: (m * ovol) as i64,
+            batch: n as i64,
+            pointers: None,
+        });
+    }
+    cs.wrap(p, conv);
+    if let Some(b) = p.opt_input(2) {
+        let dims = [n as usize, m as usize, ovol as usize];
+        p.binary("add", t, (buf(y), &dims), (buf(b), &[m as usize, 1]), buf(y), &dims)?;
+    }
+    Ok(())
+}
+
+/// ConvGrad: dY (n, m, ovol) moved to (m, n·ovol) so that one GEMM per group sums the images.
+/// Outputs nothing reads are not computed (a first convolution's dX).
+fn conv_grad(p: &mut Planner, cs: &ConvShape) -> Result<(), String> {
+    let (x, wt) = (cs.x, cs.wt);
+    let (n, m, g, cg, mg, ivol, ovol, rows, es, t) =
+        (cs.n, cs.m, cs.g, cs.cg, cs.mg, cs.ivol, cs.ovol, cs.rows, cs.es, cs.t);
     let dy = p.input(0)?;
     let l = p.l;
     let wanted = |k: usize| l.outputs.get(k).filter(|_| !l.unread.contains(&k));
@@ -132,7 +191,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
     if let Some(dx) = dx {
         ops.push(DnnOp::BackwardData { w: buf(wt), dy: buf(dy), dx: buf(dx) });
     }
-    let conv = dnn(ops, &dy.shape);
+    let conv = cs.dnn(ops, &dy.shape);
     let k2 = n * ovol;
     let dyt = channels_first(p, dy, n, m, ovol)?;
     // The columns: x's for dW, then dX's, which stay f32 for a low-precision convolution so
@@ -144,7 +203,7 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
         let dyt_g = dyt.at(gi * mg * k2 * es);
         if let Some(dw) = dw {
             // dW_g (mg × rows) = dYᵗ_g (mg × k2) · colᵀ; column-major: dW_gᵀ = col · dYᵗ_gᵀ.
-            p.flat("im2col", format!("im2col_im2col_{t}"), n * rows * ovol, im2col_args(xg, col, k2, ovol));
+            p.flat("im2col", format!("im2col_im2col_{t}"), n * rows * ovol, cs.im2col_args(xg, col, k2, ovol));
             p.gemm(Gemm {
                 dtype: dw.dtype,
                 c_dtype: dw.dtype,
@@ -172,10 +231,10 @@ pub(super) fn plan_conv(p: &mut Planner) -> Result<(), String> {
             let (dtype, w_g) = (dx.dtype, buf(wt).at(gi * mg * rows * es));
             p.gemm(columns_of_a_transposed_conv(dtype, col_dtype, dyt_g, w_g, col, k2, rows, mg));
             let dxg = buf(dx).at(gi * cg * ivol * es);
-            p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, im2col_args(col, dxg, k2, ovol));
+            p.flat("im2col", format!("im2col_col2im_{wide}{t}"), n * cg * ivol, cs.im2col_args(col, dxg, k2, ovol));
         }
     }
-    wrap(p, conv);
+    cs.wrap(p, conv);
     if let Some(db) = db {
         let args =
             vec![Arg::Ptr(buf(dy)), Arg::Ptr(buf(db)), Arg::I64(n as i64), Arg::I64(m as i64), Arg::I64(ovol as i64)];

@@ -6,19 +6,8 @@ use super::*;
 /// Plans `p`'s launch when its op is element-wise; `false` when it is not.
 pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
     let op = &p.l.op;
-    if let Some((u, name, [alpha, beta])) = unary_name(op) {
-        let (x, y) = (p.input(0)?, p.output(0)?);
-        let n = x.numel() as u64;
-        let integer = u.and_then(mpc_ir::ops::Unary::on_integers) == Some(mpc_ir::ops::IntegerUnary::Computes);
-        if x.dtype.is_float() {
-            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::F32(alpha), Arg::F32(beta)];
-            p.flat("elementwise", format!("elementwise_{name}_{}", float_tag(x.dtype)?), n, args);
-        } else if integer && matches!(x.dtype, DType::I64 | DType::I32) {
-            let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
-            p.flat("elementwise", format!("elementwise_{name}_{}", tag(x.dtype)?), n, args);
-        } else {
-            return Err(format!("{} on {}", op.op_type(), x.dtype));
-        }
+    if let Some((u, name, params)) = unary_name(op) {
+        plan_unary(p, op, u, name, params)?;
         return Ok(true);
     }
     match op {
@@ -52,30 +41,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
             }
             p.binary(name, t, (buf(a), &a.shape), (bb, &b.shape), buf(y), &y.shape)?;
         }
-        Op::Sum | Op::Max | Op::Min | Op::Mean => {
-            let y = p.output(0)?;
-            let ins: Vec<&TensorRef> = (0..p.l.inputs.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
-            let name = binary_name(op).expect("a variadic op");
-            let t = if y.dtype.is_float() { float_tag(y.dtype)? } else { tag(y.dtype)? };
-            let mean = matches!(op, Op::Mean);
-            if ins.len() == 1 && !mean {
-                p.copy(buf(ins[0]), buf(y), y.bytes());
-                return Ok(true);
-            }
-            // Left to right, as the CPU reference: each partial result in its own broadcast shape.
-            let (mut acc, mut shape) = (buf(ins[0]), ins[0].shape.clone());
-            for (i, x) in ins.iter().enumerate().skip(1) {
-                let out = mpc_ir::geometry::broadcast_shape(&[&shape, &x.shape]).ok_or("inputs do not broadcast")?;
-                let last = i == ins.len() - 1 && !mean;
-                let dst = if last { buf(y) } else { p.work(numel(&out) * y.dtype.size() as u64) };
-                p.binary(name, t, (acc, &shape), (buf(x), &x.shape), dst, &out)?;
-                (acc, shape) = (dst, out);
-            }
-            if mean {
-                let n = p.aux(&scalar_bytes(y.dtype, ins.len() as f64));
-                p.binary("div", t, (acc, &shape), (n, &[]), buf(y), &y.shape)?;
-            }
-        }
+        Op::Sum | Op::Max | Op::Min | Op::Mean => plan_variadic(p, op)?,
         mpc_ir::compare_ops!() => {
             let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
             if a.dtype != b.dtype {
@@ -112,31 +78,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
                 vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)],
             );
         }
-        Op::Where => {
-            let (c, a, b, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
-            let n = y.numel() as u64;
-            let out = &y.shape;
-            let same = c.shape == *out && a.shape == *out && b.shape == *out;
-            let st = |s: &[usize]| us(&broadcast_strides(s, out));
-            let (rank, dims, [sc, sa, sb]) = if same {
-                (0, [0; 8], [[0; 8]; 3])
-            } else {
-                strided_args(out, [&st(&c.shape), &st(&a.shape), &st(&b.shape)])?
-            };
-            let args = vec![
-                Arg::Ptr(buf(c)),
-                Arg::Ptr(buf(a)),
-                Arg::Ptr(buf(b)),
-                Arg::Ptr(buf(y)),
-                Arg::I64(n as i64),
-                Arg::I32(rank),
-                Arg::Dims(dims),
-                Arg::Dims(sc),
-                Arg::Dims(sa),
-                Arg::Dims(sb),
-            ];
-            p.flat("elementwise", format!("elementwise_where_{}", size_tag(y.dtype)?), n, args);
-        }
+        Op::Where => plan_where(p)?,
         Op::Clip => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let n = x.numel() as u64;
@@ -165,6 +107,81 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
         _ => return Ok(false),
     }
     Ok(true)
+}
+
+/// A unary op: its float kernel, or its integer one where it computes on integers.
+fn plan_unary(
+    p: &mut Planner,
+    op: &Op,
+    u: Option<mpc_ir::ops::Unary>,
+    name: &str,
+    [alpha, beta]: [f32; 2],
+) -> Result<(), String> {
+    let (x, y) = (p.input(0)?, p.output(0)?);
+    let n = x.numel() as u64;
+    let integer = u.and_then(mpc_ir::ops::Unary::on_integers) == Some(mpc_ir::ops::IntegerUnary::Computes);
+    if x.dtype.is_float() {
+        let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64), Arg::F32(alpha), Arg::F32(beta)];
+        p.flat("elementwise", format!("elementwise_{name}_{}", float_tag(x.dtype)?), n, args);
+    } else if integer && matches!(x.dtype, DType::I64 | DType::I32) {
+        let args = vec![Arg::Ptr(buf(x)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+        p.flat("elementwise", format!("elementwise_{name}_{}", tag(x.dtype)?), n, args);
+    } else {
+        return Err(format!("{} on {}", op.op_type(), x.dtype));
+    }
+    Ok(())
+}
+
+/// Sum, Max, Min and Mean of any number of inputs, left to right as the CPU reference.
+fn plan_variadic(p: &mut Planner, op: &Op) -> Result<(), String> {
+    let y = p.output(0)?;
+    let ins: Vec<&TensorRef> = (0..p.l.inputs.len()).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+    let name = binary_name(op).expect("a variadic op");
+    let t = if y.dtype.is_float() { float_tag(y.dtype)? } else { tag(y.dtype)? };
+    let mean = matches!(op, Op::Mean);
+    if ins.len() == 1 && !mean {
+        p.copy(buf(ins[0]), buf(y), y.bytes());
+        return Ok(());
+    }
+    // Left to right, as the CPU reference: each partial result in its own broadcast shape.
+    let (mut acc, mut shape) = (buf(ins[0]), ins[0].shape.clone());
+    for (i, x) in ins.iter().enumerate().skip(1) {
+        let out = mpc_ir::geometry::broadcast_shape(&[&shape, &x.shape]).ok_or("inputs do not broadcast")?;
+        let last = i == ins.len() - 1 && !mean;
+        let dst = if last { buf(y) } else { p.work(numel(&out) * y.dtype.size() as u64) };
+        p.binary(name, t, (acc, &shape), (buf(x), &x.shape), dst, &out)?;
+        (acc, shape) = (dst, out);
+    }
+    if mean {
+        let n = p.aux(&scalar_bytes(y.dtype, ins.len() as f64));
+        p.binary("div", t, (acc, &shape), (n, &[]), buf(y), &y.shape)?;
+    }
+    Ok(())
+}
+
+/// Where, broadcasting its three operands.
+fn plan_where(p: &mut Planner) -> Result<(), String> {
+    let (c, a, b, y) = (p.input(0)?, p.input(1)?, p.input(2)?, p.output(0)?);
+    let n = y.numel() as u64;
+    let out = &y.shape;
+    let same = c.shape == *out && a.shape == *out && b.shape == *out;
+    let st = |s: &[usize]| us(&broadcast_strides(s, out));
+    let (rank, dims, [sc, sa, sb]) =
+        if same { (0, [0; 8], [[0; 8]; 3]) } else { strided_args(out, [&st(&c.shape), &st(&a.shape), &st(&b.shape)])? };
+    let args = vec![
+        Arg::Ptr(buf(c)),
+        Arg::Ptr(buf(a)),
+        Arg::Ptr(buf(b)),
+        Arg::Ptr(buf(y)),
+        Arg::I64(n as i64),
+        Arg::I32(rank),
+        Arg::Dims(dims),
+        Arg::Dims(sc),
+        Arg::Dims(sa),
+        Arg::Dims(sb),
+    ];
+    p.flat("elementwise", format!("elementwise_where_{}", size_tag(y.dtype)?), n, args);
+    Ok(())
 }
 
 /// The unary kernel of `op` (its [`mpc_ir::ops::Unary`], where it is one), its name and its
