@@ -25,22 +25,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
                 p.out.calls.push(Call::Fill { to: buf(mask), bytes: mask.bytes(), byte: 1 });
             }
         }
-        mpc_ir::arith_ops!() => {
-            let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            let name = binary_name(op).expect("a binary op");
-            let t = if a.dtype.is_float() { float_tag(a.dtype)? } else { tag(a.dtype)? };
-            let mut bb = buf(b);
-            if b.dtype != a.dtype {
-                // Pow's exponent takes the base's dtype first.
-                if !matches!(op, Op::Pow) {
-                    return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
-                }
-                let w = p.work(b.numel() as u64 * a.dtype.size() as u64);
-                p.cast(b.dtype, a.dtype, bb, w, b.numel() as u64)?;
-                bb = w;
-            }
-            p.binary(name, t, (buf(a), &a.shape), (bb, &b.shape), buf(y), &y.shape)?;
-        }
+        mpc_ir::arith_ops!() => plan_arith(p, op)?,
         Op::Sum | Op::Max | Op::Min | Op::Mean => plan_variadic(p, op)?,
         mpc_ir::compare_ops!() => {
             let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
@@ -50,24 +35,7 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
             let name = binary_name(op).expect("a comparison");
             p.binary(name, tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
         }
-        mpc_ir::bitwise_ops!() => {
-            let bits = op.bitwise().expect("a bit operation");
-            let (a, y) = (p.input(0)?, p.output(0)?);
-            if !bits.accepts(a.dtype) {
-                return Err(format!("{} on {}", op.op_type(), a.dtype));
-            }
-            if bits.unary() {
-                let n = a.numel() as u64;
-                let args = vec![Arg::Ptr(buf(a)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
-                p.flat("elementwise", format!("elementwise_{}_{}", bits.name(), tag(a.dtype)?), n, args);
-            } else {
-                let b = p.input(1)?;
-                if b.dtype != a.dtype {
-                    return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
-                }
-                p.binary(bits.name(), tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
-            }
-        }
+        mpc_ir::bitwise_ops!() => plan_bitwise(p, op)?,
         Op::Not => {
             let (x, y) = (p.input(0)?, p.output(0)?);
             let n = x.numel() as u64;
@@ -107,6 +75,46 @@ pub(super) fn plan_elementwise(p: &mut Planner) -> Result<bool, String> {
         _ => return Ok(false),
     }
     Ok(true)
+}
+
+/// A binary arithmetic op, broadcasting; Pow's exponent is cast to the base's dtype.
+fn plan_arith(p: &mut Planner, op: &Op) -> Result<(), String> {
+    let (a, b, y) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    let name = binary_name(op).expect("a binary op");
+    let t = if a.dtype.is_float() { float_tag(a.dtype)? } else { tag(a.dtype)? };
+    let mut bb = buf(b);
+    if b.dtype != a.dtype {
+        // Pow's exponent takes the base's dtype first.
+        if !matches!(op, Op::Pow) {
+            return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+        }
+        let w = p.work(b.numel() as u64 * a.dtype.size() as u64);
+        p.cast(b.dtype, a.dtype, bb, w, b.numel() as u64)?;
+        bb = w;
+    }
+    p.binary(name, t, (buf(a), &a.shape), (bb, &b.shape), buf(y), &y.shape)?;
+    Ok(())
+}
+
+/// A bit operation: unary (Not-like) or binary, broadcasting.
+fn plan_bitwise(p: &mut Planner, op: &Op) -> Result<(), String> {
+    let bits = op.bitwise().expect("a bit operation");
+    let (a, y) = (p.input(0)?, p.output(0)?);
+    if !bits.accepts(a.dtype) {
+        return Err(format!("{} on {}", op.op_type(), a.dtype));
+    }
+    if bits.unary() {
+        let n = a.numel() as u64;
+        let args = vec![Arg::Ptr(buf(a)), Arg::Ptr(buf(y)), Arg::I64(n as i64)];
+        p.flat("elementwise", format!("elementwise_{}_{}", bits.name(), tag(a.dtype)?), n, args);
+    } else {
+        let b = p.input(1)?;
+        if b.dtype != a.dtype {
+            return Err(format!("{} of {} and {}", op.op_type(), a.dtype, b.dtype));
+        }
+        p.binary(bits.name(), tag(a.dtype)?, (buf(a), &a.shape), (buf(b), &b.shape), buf(y), &y.shape)?;
+    }
+    Ok(())
 }
 
 /// A unary op: its float kernel, or its integer one where it computes on integers.

@@ -24,25 +24,8 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
     let batch_shape =
         mpc_ir::geometry::broadcast_shape(&[&sa[..ra - 2], &sb[..rb - 2]]).ok_or("batch dims do not broadcast")?;
     let batch = numel(&batch_shape);
-    // An operand's batch stride: its own when its batch dims are the output's, 0 when it has one
-    // matrix, else it is expanded to the output's batch dims first.
-    let operand = |p: &mut Planner, t: &TensorRef, s: &[usize]| -> Result<(Buf, i64), String> {
-        let own = &s[..s.len() - 2];
-        let mat = numel(&s[s.len() - 2..]) as i64;
-        if numel(own) == 1 {
-            Ok((buf(t), 0))
-        } else if own == batch_shape.as_slice() {
-            Ok((buf(t), mat))
-        } else {
-            let mut full = batch_shape.clone();
-            full.extend_from_slice(&s[s.len() - 2..]);
-            let w = p.work(numel(&full) * t.dtype.size() as u64);
-            p.expand(t.dtype, buf(t), s, w, &full)?;
-            Ok((w, mat))
-        }
-    };
-    let (pa, stride_a) = operand(p, a, &sa)?;
-    let (pb, stride_b) = operand(p, b, &sb)?;
+    let (pa, stride_a) = batched_operand(p, a, &sa, &batch_shape)?;
+    let (pb, stride_b) = batched_operand(p, b, &sb, &batch_shape)?;
     // Batched rows against one matrix (a Linear on a sequence: [batch, tokens, features] times a
     // weight) are one product of all the rows: `m` grows instead of the batch count.
     let (m, batch) =
@@ -93,22 +76,46 @@ pub(super) fn plan_matmul(p: &mut Planner) -> Result<(), String> {
         return Ok(());
     }
     p.gemm(gemm.clone());
-    // cuBLASLt adds the bias as it writes the product: one pass over Y instead of three.
     if let Some(c) = bias.filter(|_| matches!(y.dtype, DType::F32 | DType::F16 | DType::BF16) && m * n > 0) {
-        let fallback = p.out.calls.split_off(start);
-        let gemm = Gemm { beta: 0.0, ..gemm };
-        p.out.calls.push(Call::Lt(Box::new(LtGemm {
-            gemm,
-            bias: Some(buf(&c)),
-            relu: false,
-            relu_grad: false,
-            mask: None,
-            gelu_grad: None,
-            bgrad: None,
-            fallback,
-        })));
+        bias_epilogue(p, start, gemm, &c);
     }
     Ok(())
+}
+
+/// A MatMul operand's buffer and batch stride: its own when its batch dims are the output's
+/// (`batch_shape`), 0 when it has one matrix, else it is expanded to the output's batch dims
+/// first. `s` is the operand's stored shape.
+fn batched_operand(p: &mut Planner, t: &TensorRef, s: &[usize], batch_shape: &[usize]) -> Result<(Buf, i64), String> {
+    let own = &s[..s.len() - 2];
+    let mat = numel(&s[s.len() - 2..]) as i64;
+    if numel(own) == 1 {
+        Ok((buf(t), 0))
+    } else if own == batch_shape {
+        Ok((buf(t), mat))
+    } else {
+        let mut full = batch_shape.to_vec();
+        full.extend_from_slice(&s[s.len() - 2..]);
+        let w = p.work(numel(&full) * t.dtype.size() as u64);
+        p.expand(t.dtype, buf(t), s, w, &full)?;
+        Ok((w, mat))
+    }
+}
+
+/// cuBLASLt adds the bias `c` as it writes the product: one pass over Y instead of three. The
+/// plain calls from `start` (the bias broadcast, then the product) become its fallback.
+fn bias_epilogue(p: &mut Planner, start: usize, gemm: Gemm, c: &TensorRef) {
+    let fallback = p.out.calls.split_off(start);
+    let gemm = Gemm { beta: 0.0, ..gemm };
+    p.out.calls.push(Call::Lt(Box::new(LtGemm {
+        gemm,
+        bias: Some(buf(c)),
+        relu: false,
+        relu_grad: false,
+        mask: None,
+        gelu_grad: None,
+        bgrad: None,
+        fallback,
+    })));
 }
 
 /// A matrix, or a batch of them, where it lies: the tensor, the shape the product sees and each
@@ -360,28 +367,9 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
     let bias = c.filter(|c| {
         a.beta == 1.0 && c.shape.last() == Some(&(n as usize)) && c.shape.iter().rev().skip(1).all(|&d| d == 1)
     });
-    // A ReLU the launch applies as it writes y (its epilogue), or a ReLU's gradient: y where the
-    // ReLU's output (the epilogue's operand) is above 0, else 0.
+    // A ReLU the launch applies as it writes y (its epilogue), or a ReLU's or GELU's gradient.
     let relu = matches!(p.l.epilogue, Some(Op::Relu));
-    let relu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
-        (Some(Op::ReluGrad), Some(Operand::Device(r)))
-            if r.dtype == y.dtype && r.numel() == y.numel() && c.is_none() =>
-        {
-            Some(r.clone())
-        }
-        (Some(Op::ReluGrad), _) => return Err("a ReluGrad epilogue on a Gemm with C, or of another shape".into()),
-        _ => None,
-    };
-    // The tanh GELU's gradient: y's at the GELU's input (the epilogue's operand).
-    let gelu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
-        (Some(Op::GeluGrad(g)), Some(Operand::Device(h)))
-            if g.approximate == GeluApprox::Tanh && h.dtype == y.dtype && h.numel() == y.numel() && c.is_none() =>
-        {
-            Some(h.clone())
-        }
-        (Some(Op::GeluGrad(_)), _) => return Err("a GeluGrad epilogue on a Gemm with C, or of another shape".into()),
-        _ => None,
-    };
+    let (relu_grad_of, gelu_grad_of) = gemm_epilogue_grads(p, y, c.is_some())?;
     // Where the ReLU's signs are kept as bits (cuBLASLt's layout over column-major D, m x n).
     let shape = relu_mask_shape(m as usize, n as usize);
     let mask = p.l.relu_mask.as_ref().filter(|t| t.shape == shape && p.opts.relu_masks);
@@ -418,22 +406,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         pointers: None,
     };
     p.gemm(gemm.clone());
-    if relu && m * n > 0 {
-        let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(m * n), Arg::F32(0.0), Arg::F32(0.0)];
-        p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), (m * n) as u64, args);
-    }
-    if let Some(r) = &relu_grad_of {
-        if m * n > 0 {
-            let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(r)), Arg::Ptr(buf(y)), Arg::I64(m * n)];
-            p.flat("train", format!("train_relu_grad_{}", float_tag(y.dtype)?), (m * n) as u64, args);
-        }
-    }
-    if let Some(h) = &gelu_grad_of {
-        if m * n > 0 {
-            // The GELU's gradient kernel over the product, in place.
-            super::train::gelu_grad(p, y, h, y, GeluApprox::Tanh)?;
-        }
-    }
+    gemm_plain_epilogue(p, y, relu, relu_grad_of.as_ref(), gelu_grad_of.as_ref())?;
     // A weight gradient's sibling, the bias gradient: the column sums of dY, which is X (cuBLAS's
     // B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype. Its own
     // calls follow the product's.
@@ -447,24 +420,7 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
                 && relu_grad_of.is_none()
                 && gelu_grad_of.is_none() =>
         {
-            let (dy, db) = (s.inputs.first(), s.outputs.first());
-            let reads =
-                |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
-            let of = match () {
-                _ if reads(x) => Some((GradOf::B, m)),
-                _ if reads(w) => Some((GradOf::A, n)),
-                _ => None,
-            };
-            let bgrad = match (of, db) {
-                (Some((of, len)), Some(db))
-                    if matches!(s.op, Op::ReduceSum(_)) && db.dtype == y.dtype && db.numel() == len as usize =>
-                {
-                    Some((buf(db), of))
-                }
-                _ => None,
-            };
-            p.plan_sibling(s)?;
-            bgrad
+            gemm_bias_grad(p, s, (x, w, y), (m, n))?
         }
         _ => None,
     };
@@ -487,4 +443,87 @@ pub(super) fn plan_gemm(p: &mut Planner, a: &mpc_ir::ops::GemmAttrs) -> Result<(
         p.out.calls.push(Call::Lt(Box::new(lt)));
     }
     Ok(())
+}
+
+/// A Gemm's gradient epilogue and its operand: a ReLU's gradient (y where the ReLU's output is
+/// above 0, else 0) or the tanh GELU's (y's at the GELU's input). Neither goes with a C.
+fn gemm_epilogue_grads(
+    p: &Planner,
+    y: &TensorRef,
+    has_c: bool,
+) -> Result<(Option<TensorRef>, Option<TensorRef>), String> {
+    let relu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
+        (Some(Op::ReluGrad), Some(Operand::Device(r))) if r.dtype == y.dtype && r.numel() == y.numel() && !has_c => {
+            Some(r.clone())
+        }
+        (Some(Op::ReluGrad), _) => return Err("a ReluGrad epilogue on a Gemm with C, or of another shape".into()),
+        _ => None,
+    };
+    let gelu_grad_of = match (&p.l.epilogue, &p.l.epilogue_operand) {
+        (Some(Op::GeluGrad(g)), Some(Operand::Device(h)))
+            if g.approximate == GeluApprox::Tanh && h.dtype == y.dtype && h.numel() == y.numel() && !has_c =>
+        {
+            Some(h.clone())
+        }
+        (Some(Op::GeluGrad(_)), _) => return Err("a GeluGrad epilogue on a Gemm with C, or of another shape".into()),
+        _ => None,
+    };
+    Ok((relu_grad_of, gelu_grad_of))
+}
+
+/// A Gemm's ReLU, ReLU gradient or GELU gradient (of `relu_grad_of`, `gelu_grad_of`) applied
+/// to y in place after the product: what cuBLASLt would do as it writes, where it does not.
+fn gemm_plain_epilogue(
+    p: &mut Planner,
+    y: &TensorRef,
+    relu: bool,
+    relu_grad_of: Option<&TensorRef>,
+    gelu_grad_of: Option<&TensorRef>,
+) -> Result<(), String> {
+    let n_out = y.numel() as u64;
+    if relu && n_out > 0 {
+        let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(y)), Arg::I64(n_out as i64), Arg::F32(0.0), Arg::F32(0.0)];
+        p.flat("elementwise", format!("elementwise_relu_{}", float_tag(y.dtype)?), n_out, args);
+    }
+    if let Some(r) = relu_grad_of {
+        if n_out > 0 {
+            let args = vec![Arg::Ptr(buf(y)), Arg::Ptr(buf(r)), Arg::Ptr(buf(y)), Arg::I64(n_out as i64)];
+            p.flat("train", format!("train_relu_grad_{}", float_tag(y.dtype)?), n_out, args);
+        }
+    }
+    if let Some(h) = gelu_grad_of {
+        if n_out > 0 {
+            // The GELU's gradient kernel over the product, in place.
+            super::train::gelu_grad(p, y, h, y, GeluApprox::Tanh)?;
+        }
+    }
+    Ok(())
+}
+
+/// The bias gradient sibling `s` of a weight gradient: the column sums of dY, which is X
+/// (cuBLAS's B, read transposed: `m` values) or W (cuBLAS's A: `n` values), of y's dtype, for
+/// cuBLASLt to sum as it reads; its own plain calls follow the product's.
+fn gemm_bias_grad(
+    p: &mut Planner,
+    s: &Launch,
+    (x, w, y): (&TensorRef, &TensorRef, &TensorRef),
+    (m, n): (i64, i64),
+) -> Result<Option<(Buf, GradOf)>, String> {
+    let (dy, db) = (s.inputs.first(), s.outputs.first());
+    let reads = |t: &TensorRef| matches!(dy, Some(Operand::Device(d)) if buf(d) == buf(t) && d.numel() == t.numel());
+    let of = match () {
+        _ if reads(x) => Some((GradOf::B, m)),
+        _ if reads(w) => Some((GradOf::A, n)),
+        _ => None,
+    };
+    let bgrad = match (of, db) {
+        (Some((of, len)), Some(db))
+            if matches!(s.op, Op::ReduceSum(_)) && db.dtype == y.dtype && db.numel() == len as usize =>
+        {
+            Some((buf(db), of))
+        }
+        _ => None,
+    };
+    p.plan_sibling(s)?;
+    Ok(bgrad)
 }

@@ -27,6 +27,22 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
     } else {
         return Err(format!("{} on {}", op.op_type(), x.dtype));
     };
+    let (src, outer, reduced, inner) = reduce_layout(p, x, &axes)?;
+    if x.dtype == DType::Bool && reduced == 0 {
+        // An empty extent: max is false and min is true (the u8 kernels would give 0 and 255).
+        let byte = (kind == ReduceKind::Min) as u8;
+        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte });
+        return Ok(());
+    }
+    reduce_launches(p, x, y, kind, t, src, [outer, reduced, inner]);
+    Ok(())
+}
+
+/// `x` as `(outer, reduced, inner)` for a reduction over `axes`: as it lies where the reduced
+/// dims are one block of the dims that are not 1, else a transposed copy with the kept dims in
+/// front.
+fn reduce_layout(p: &mut Planner, x: &TensorRef, axes: &[usize]) -> Result<(Buf, u64, u64, u64), String> {
+    let r = x.shape.len();
     // The reduced dims must be one block of the dims that are not 1: then x is (outer, reduced,
     // inner) as it lies; otherwise the kept dims are moved in front first.
     let big: Vec<usize> = (0..r).filter(|&d| x.shape[d] != 1).collect();
@@ -37,7 +53,7 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         (Some(f), Some(l)) => marks[f..=l].iter().all(|&m| m),
         _ => true,
     };
-    let (src, outer, reduced, inner) = if block {
+    Ok(if block {
         let reduced: u64 = axes.iter().map(|&d| x.shape[d] as u64).product();
         let (outer, inner) = match first {
             Some(f) => (numel(&x.shape[..big[f]]), numel(&x.shape[big[last.unwrap_or(f)] + 1..])),
@@ -46,7 +62,7 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         (buf(x), outer, reduced, inner)
     } else {
         let kept: Vec<usize> = (0..r).filter(|d| !axes.contains(d)).collect();
-        let perm: Vec<usize> = kept.iter().chain(&axes).copied().collect();
+        let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
         let dims: Vec<usize> = perm.iter().map(|&d| x.shape[d]).collect();
         let xs = contiguous(&x.shape);
         let xs: Vec<i64> = perm.iter().map(|&d| xs[d]).collect();
@@ -54,13 +70,20 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         p.strided_copy(x.dtype, buf(x), w, &dims, &xs, &contiguous(&dims))?;
         let outer = numel(&dims[..kept.len()]);
         (w, outer, numel(&dims[kept.len()..]), 1)
-    };
-    if x.dtype == DType::Bool && reduced == 0 {
-        // An empty extent: max is false and min is true (the u8 kernels would give 0 and 255).
-        let byte = (kind == ReduceKind::Min) as u8;
-        p.out.calls.push(Call::Fill { to: buf(y), bytes: y.bytes(), byte });
-        return Ok(());
-    }
+    })
+}
+
+/// The launches of a reduction of `src`, `(outer, reduced, inner)` as it lies, into `y`: one
+/// pass, or two for long rows or few long columns.
+fn reduce_launches(
+    p: &mut Planner,
+    x: &TensorRef,
+    y: &TensorRef,
+    kind: ReduceKind,
+    t: &str,
+    src: Buf,
+    [outer, reduced, inner]: [u64; 3],
+) {
     let shape_args = [Arg::I64(outer as i64), Arg::I64(reduced as i64), Arg::I64(inner as i64)];
     let (splittable, kind) = (kind != ReduceKind::LogSumExp, kind.name());
     if inner == 1 && reduced >= 65536 && outer < 64 && splittable {
@@ -111,7 +134,6 @@ pub(super) fn plan_reduce(p: &mut Planner) -> Result<(), String> {
         args.extend(shape_args);
         p.kernel("reduce", format!("reduce_{kind}_rows_{t}"), rows_grid(outer * inner), [BLOCK, 1, 1], args);
     }
-    Ok(())
 }
 
 /// Softmax, LogSoftmax and the softmax gradient ([`Kind::RowWise`](mpc_ir::Kind::RowWise)).

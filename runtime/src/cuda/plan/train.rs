@@ -42,6 +42,30 @@ fn float_code(d: DType) -> Result<i32, String> {
     }
 }
 
+/// What a loss and its gradient share: the scores (read widened or not), labels, optional class
+/// weights, the `(n, c, inner)` split of the scores and the kernels' common arguments.
+struct LossShape<'a> {
+    scores: &'a TensorRef,
+    widened: bool,
+    labels: &'a TensorRef,
+    weights: Arg,
+    softmax: bool,
+    /// The index of the scores among the inputs (1 in a gradient, after dloss).
+    base: usize,
+    c: u64,
+    positions: u64,
+    /// The scores' and the labels' dtype tags.
+    t: &'static str,
+    it: &'static str,
+    /// 0 none, 1 sum, 2 mean (kernels/loss.cu).
+    reduction: i32,
+    ignore: [Arg; 2],
+    dims: [Arg; 3],
+    block: u32,
+    /// The size of one accumulator element.
+    acc: u64,
+}
+
 pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
     let op = p.l.op.clone();
     let a = match &op {
@@ -63,62 +87,85 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
         return Err("loss scores of rank below 2".into());
     }
     let (n, c, inner) = split3(&scores.shape, 1, 2);
-    let positions = n * inner;
     let t = match scores.dtype {
         DType::F32 | DType::F16 | DType::BF16 | DType::F64 => tag(scores.dtype)?,
         d => return Err(format!("a loss on {d} scores")),
     };
-    let it = index_tag(labels.dtype)?;
     let reduction = match a.reduction {
         Reduction::None => 0,
         Reduction::Sum => 1,
         Reduction::Mean => 2,
     };
-    let ignore = [Arg::I32(a.ignore_index.is_some() as i32), Arg::I64(a.ignore_index.unwrap_or(0))];
-    let dims = [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)];
-    let block = if c <= 128 { 32 } else { BLOCK };
-    let acc = acc_dtype(scores.dtype).size() as u64;
-    if !grad {
-        let loss = p.output(0)?;
-        if widened {
-            if !softmax || !matches!(scores.dtype, DType::F16 | DType::BF16) || loss.dtype != DType::F32 {
-                return Err(format!("a loss of {} reading {} scores widened", loss.dtype, scores.dtype));
-            }
-            if p.opt_input(2).is_some_and(|w| w.dtype != DType::F32) {
-                return Err("a widened loss with weights other than f32".into());
-            }
-        }
-        let (ws_loss, ws_weight, none) = if reduction == 0 {
-            (Arg::Null, Arg::Null, Arg::Ptr(buf(loss)))
-        } else {
-            (Arg::Ptr(p.work(positions * acc)), Arg::Ptr(p.work(positions * acc)), Arg::Null)
-        };
-        let mut args = vec![Arg::Ptr(buf(scores)), Arg::Ptr(buf(labels)), weights];
-        if softmax {
-            args.push(p.l.outputs.get(1).map_or(Arg::Null, |t| Arg::Ptr(buf(t))));
-        }
-        args.extend([ws_loss, ws_weight, none]);
-        args.extend(dims);
-        args.extend(ignore);
-        if softmax {
-            let name =
-                if widened { format!("loss_softmax_ce_wide_{t}_{it}") } else { format!("loss_softmax_ce_{t}_{it}") };
-            p.kernel("loss", name, rows_grid(positions), [block, 1, 1], args);
-        } else {
-            p.flat("loss", format!("loss_nll_{t}_{it}"), positions, args);
-        }
-        if reduction != 0 {
-            let args = vec![ws_loss, ws_weight, Arg::Ptr(buf(loss)), Arg::I64(positions as i64), Arg::I32(reduction)];
-            let lt = if widened { "f32" } else { t };
-            p.kernel("loss", format!("loss_reduce_{lt}"), [1, 1, 1], [BLOCK, 1, 1], args);
-        }
-        return Ok(());
+    let shape = LossShape {
+        scores,
+        widened,
+        labels,
+        weights,
+        softmax,
+        base,
+        c,
+        positions: n * inner,
+        t,
+        it: index_tag(labels.dtype)?,
+        reduction,
+        ignore: [Arg::I32(a.ignore_index.is_some() as i32), Arg::I64(a.ignore_index.unwrap_or(0))],
+        dims: [Arg::I64(n as i64), Arg::I64(c as i64), Arg::I64(inner as i64)],
+        block: if c <= 128 { 32 } else { BLOCK },
+        acc: acc_dtype(scores.dtype).size() as u64,
+    };
+    if grad {
+        plan_loss_grad(p, &shape)
+    } else {
+        plan_loss_forward(p, &shape)
     }
+}
+
+/// A loss: per-position losses (and log-probabilities), then their reduction.
+fn plan_loss_forward(p: &mut Planner, s: &LossShape) -> Result<(), String> {
+    let (scores, widened, t, it) = (s.scores, s.widened, s.t, s.it);
+    let loss = p.output(0)?;
+    if widened {
+        if !s.softmax || !matches!(scores.dtype, DType::F16 | DType::BF16) || loss.dtype != DType::F32 {
+            return Err(format!("a loss of {} reading {} scores widened", loss.dtype, scores.dtype));
+        }
+        if p.opt_input(2).is_some_and(|w| w.dtype != DType::F32) {
+            return Err("a widened loss with weights other than f32".into());
+        }
+    }
+    let (ws_loss, ws_weight, none) = if s.reduction == 0 {
+        (Arg::Null, Arg::Null, Arg::Ptr(buf(loss)))
+    } else {
+        (Arg::Ptr(p.work(s.positions * s.acc)), Arg::Ptr(p.work(s.positions * s.acc)), Arg::Null)
+    };
+    let mut args = vec![Arg::Ptr(buf(scores)), Arg::Ptr(buf(s.labels)), s.weights];
+    if s.softmax {
+        args.push(p.l.outputs.get(1).map_or(Arg::Null, |t| Arg::Ptr(buf(t))));
+    }
+    args.extend([ws_loss, ws_weight, none]);
+    args.extend(s.dims);
+    args.extend(s.ignore);
+    if s.softmax {
+        let name = if widened { format!("loss_softmax_ce_wide_{t}_{it}") } else { format!("loss_softmax_ce_{t}_{it}") };
+        p.kernel("loss", name, rows_grid(s.positions), [s.block, 1, 1], args);
+    } else {
+        p.flat("loss", format!("loss_nll_{t}_{it}"), s.positions, args);
+    }
+    if s.reduction != 0 {
+        let args = vec![ws_loss, ws_weight, Arg::Ptr(buf(loss)), Arg::I64(s.positions as i64), Arg::I32(s.reduction)];
+        let lt = if widened { "f32" } else { t };
+        p.kernel("loss", format!("loss_reduce_{lt}"), [1, 1, 1], [BLOCK, 1, 1], args);
+    }
+    Ok(())
+}
+
+/// A loss's gradient: the weight total of a mean, then the gradient of the scores.
+fn plan_loss_grad(p: &mut Planner, s: &LossShape) -> Result<(), String> {
+    let (scores, t, it) = (s.scores, s.t, s.it);
     let (dloss, d) = (p.input(0)?, p.output(0)?);
     // An f32 loss's gradient over f16/bf16 scores (the training compiler's narrowed loss
     // gradient): dloss and the class weights are f32.
-    let wide = softmax && matches!(scores.dtype, DType::F16 | DType::BF16) && dloss.dtype == DType::F32;
-    let weights_dtype = p.opt_input(base + 2).map(|w| w.dtype);
+    let wide = s.softmax && matches!(scores.dtype, DType::F16 | DType::BF16) && dloss.dtype == DType::F32;
+    let weights_dtype = p.opt_input(s.base + 2).map(|w| w.dtype);
     if (!wide && dloss.dtype != scores.dtype) || weights_dtype.is_some_and(|w| w != dloss.dtype) {
         return Err(format!(
             "a loss gradient with {} scores, a {} dloss and {} weights",
@@ -127,11 +174,16 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
             weights_dtype.map_or("no".to_string(), |w| w.to_string())
         ));
     }
-    let total = if reduction == 2 {
-        let total = p.work(acc);
-        let mut args =
-            vec![Arg::Ptr(buf(labels)), weights, Arg::Ptr(total), Arg::I64(positions as i64), Arg::I64(c as i64)];
-        args.extend(ignore);
+    let total = if s.reduction == 2 {
+        let total = p.work(s.acc);
+        let mut args = vec![
+            Arg::Ptr(buf(s.labels)),
+            s.weights,
+            Arg::Ptr(total),
+            Arg::I64(s.positions as i64),
+            Arg::I64(s.c as i64),
+        ];
+        args.extend(s.ignore);
         let wt = if wide { "f32" } else { t };
         p.kernel("loss", format!("loss_weight_total_{wt}_{it}"), [1, 1, 1], [BLOCK, 1, 1], args);
         Arg::Ptr(total)
@@ -139,14 +191,14 @@ pub(super) fn plan_loss(p: &mut Planner) -> Result<(), String> {
         Arg::Null
     };
     let mut args =
-        vec![Arg::Ptr(buf(dloss)), Arg::Ptr(buf(scores)), Arg::Ptr(buf(labels)), weights, total, Arg::Ptr(buf(d))];
-    args.extend(dims);
-    args.extend(ignore);
-    args.push(Arg::I32(reduction));
-    if softmax {
+        vec![Arg::Ptr(buf(dloss)), Arg::Ptr(buf(scores)), Arg::Ptr(buf(s.labels)), s.weights, total, Arg::Ptr(buf(d))];
+    args.extend(s.dims);
+    args.extend(s.ignore);
+    args.push(Arg::I32(s.reduction));
+    if s.softmax {
         let name =
             if wide { format!("loss_softmax_ce_grad_wide_{t}_{it}") } else { format!("loss_softmax_ce_grad_{t}_{it}") };
-        p.kernel("loss", name, rows_grid(positions), [block, 1, 1], args);
+        p.kernel("loss", name, rows_grid(s.positions), [s.block, 1, 1], args);
     } else {
         p.flat("loss", format!("loss_nll_grad_{t}_{it}"), d.numel() as u64, args);
     }
@@ -283,163 +335,12 @@ pub(super) fn plan_update_group(p: &mut Planner) -> Result<(), String> {
 pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
     let op = p.l.op.clone();
     match &op {
-        Op::AllFinite => {
-            let f = p.output(0)?;
-            p.kernel("train", "train_all_finite_init".into(), [1, 1, 1], [1, 1, 1], vec![Arg::Ptr(buf(f))]);
-            let floats: Vec<&TensorRef> = (0..p.l.inputs.len())
-                .filter_map(|i| p.opt_input(i))
-                .filter(|x| x.dtype.is_float() && x.numel() > 0)
-                .collect();
-            if let [x] = floats[..] {
-                let n = x.numel() as u64;
-                let args = vec![Arg::Ptr(buf(x)), Arg::I64(n as i64), Arg::Ptr(buf(f))];
-                p.flat("train", format!("train_all_finite_{}", float_tag(x.dtype)?), n, args);
-            } else if !floats.is_empty() {
-                // Every gradient in one launch: arrays of addresses, sizes and dtype codes.
-                let ptrs = p.aux(&vec![0u8; 8 * floats.len()]);
-                let Buf::Aux(at) = ptrs else { unreachable!("aux bytes") };
-                for (k, x) in floats.iter().enumerate() {
-                    p.out.addresses.push((at + 8 * k as u64, buf(x)));
-                }
-                let sizes: Vec<u8> = floats.iter().flat_map(|x| (x.numel() as i64).to_le_bytes()).collect();
-                let codes: Vec<u8> = floats
-                    .iter()
-                    .map(|x| float_code(x.dtype).map(i32::to_le_bytes))
-                    .collect::<Result<Vec<_>, _>>()?
-                    .concat();
-                // Cut into chunks, one block each, so that every tensor, large or small, keeps
-                // the device busy (one block row per tensor left the largest few to a few blocks
-                // each).
-                let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
-                let numels: Vec<u64> = floats.iter().map(|x| x.numel() as u64).collect();
-                let (chunked, grid) = chunks(p, &numels);
-                let mut args = vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes)];
-                args.extend(chunked);
-                args.push(Arg::Ptr(buf(f)));
-                p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
-            }
-        }
-        Op::SgdUpdate(a) => {
-            let (param, grad, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
-            let vel = p.opt_input(3);
-            let out = p.output(0)?;
-            let n = param.numel() as u64;
-            let tags = update_tags("SgdUpdate", param.dtype, grad.dtype)?;
-            let inv = unscale_arg(p, 4, param.dtype)?;
-            let mut args = vec![
-                Arg::Ptr(buf(param)),
-                Arg::Ptr(buf(grad)),
-                inv,
-                Arg::Ptr(buf(finite)),
-                vel.map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
-                Arg::Ptr(buf(out)),
-                p.l.outputs.get(1).map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
-                Arg::I64(n as i64),
-                Arg::F32(a.lr),
-                rate_arg(p, 6)?,
-                Arg::F32(a.momentum),
-                Arg::F32(a.weight_decay),
-                Arg::I32(a.nesterov as i32),
-            ];
-            args.extend(low_copy_args(p, 5, 1 + vel.is_some() as usize, param)?);
-            p.flat("train", format!("train_sgd_{tags}"), n, args);
-        }
-        Op::AdamUpdate(a) => {
-            let ins: Vec<&TensorRef> = (0..6).map(|i| p.input(i)).collect::<Result<_, _>>()?;
-            let (param, grad, step) = (ins[0], ins[1], ins[4]);
-            if step.dtype != DType::I64 {
-                return Err(format!("AdamUpdate with a {} step", step.dtype));
-            }
-            let tags = update_tags("AdamUpdate", param.dtype, grad.dtype)?;
-            let n = param.numel() as u64;
-            let mut args = vec![Arg::Ptr(buf(param)), Arg::Ptr(buf(grad)), unscale_arg(p, 6, param.dtype)?];
-            args.extend(ins[2..].iter().map(|t| Arg::Ptr(buf(t))));
-            for i in 0..3 {
-                args.push(Arg::Ptr(buf(p.output(i)?)));
-            }
-            args.push(Arg::I64(n as i64));
-            args.extend(adam_hyper(a, rate_arg(p, 8)?));
-            args.extend(low_copy_args(p, 7, 3, param)?);
-            p.flat("train", format!("train_adam_{tags}"), n, args);
-        }
-        Op::LossScaleUpdate(a) => {
-            let (scale, good, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
-            if scale.dtype != DType::F32 || good.dtype != DType::I64 {
-                return Err(format!("LossScaleUpdate of a {} scale and {} count", scale.dtype, good.dtype));
-            }
-            let args = vec![
-                Arg::Ptr(buf(scale)),
-                Arg::Ptr(buf(good)),
-                Arg::Ptr(buf(finite)),
-                Arg::Ptr(buf(p.output(0)?)),
-                Arg::Ptr(buf(p.output(1)?)),
-                Arg::F32(a.growth_factor),
-                Arg::F32(a.backoff_factor),
-                Arg::I64(a.growth_interval),
-                Arg::F32(a.min_scale),
-                Arg::F32(a.max_scale),
-            ];
-            p.kernel("train", "train_loss_scale_update".into(), [1, 1, 1], [1, 1, 1], args);
-        }
-        Op::LrSchedule(a) => {
-            let (step, peak, lr) = (p.input(0)?, p.input(1)?, p.output(0)?);
-            if step.dtype != DType::I64 || peak.dtype != DType::F32 {
-                return Err(format!("LrSchedule of a {} step and a {} rate", step.dtype, peak.dtype));
-            }
-            // The kernel's codes for the curves (kernels/train.cu, train_lr_schedule).
-            use mpc_ir::ops::LrKind;
-            let kind = match a.kind {
-                LrKind::Constant => 0,
-                LrKind::Linear => 1,
-                LrKind::Cosine => 2,
-                LrKind::Step => 3,
-                LrKind::OneCycle => 4,
-            };
-            let args = vec![
-                Arg::Ptr(buf(step)),
-                Arg::Ptr(buf(peak)),
-                Arg::Ptr(buf(lr)),
-                Arg::I32(kind),
-                Arg::I64(a.warmup),
-                Arg::I64(a.total),
-                Arg::F32(a.min_ratio),
-                Arg::F32(a.start_ratio),
-                Arg::I64(a.step_size),
-                Arg::F32(a.gamma),
-            ];
-            p.kernel("train", "train_lr_schedule".into(), [1, 1, 1], [1, 1, 1], args);
-        }
-        Op::SeededDropout(a) => {
-            let (x, key, y) = (p.input(0)?, p.input(2)?, p.output(0)?);
-            let n = x.numel() as u64;
-            let (ratio_ptr, ratio) = match (p.opt_input(1), p.host(1)) {
-                (Some(r), _) => match (p.constant)(r) {
-                    Some(v) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
-                    None if r.dtype == DType::F64 => (Arg::Ptr(buf(r)), 0.5),
-                    None => {
-                        let w = p.work(8);
-                        p.cast(r.dtype, DType::F64, buf(r), w, 1)?;
-                        (Arg::Ptr(w), 0.5)
-                    }
-                },
-                (None, Some(v)) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
-                _ => (Arg::Null, 0.5),
-            };
-            if !(0.0..1.0).contains(&ratio) {
-                return Err(format!("a dropout ratio of {ratio}, outside [0, 1)"));
-            }
-            let args = vec![
-                Arg::Ptr(buf(x)),
-                Arg::Ptr(buf(key)),
-                ratio_ptr,
-                Arg::Ptr(buf(y)),
-                p.l.outputs.get(1).map_or(Arg::Null, |m| Arg::Ptr(buf(m))),
-                Arg::I64(n as i64),
-                Arg::I64(a.seed),
-                Arg::F64(ratio),
-            ];
-            p.flat("train", format!("train_seeded_dropout_{}", float_tag(x.dtype)?), n, args);
-        }
+        Op::AllFinite => plan_all_finite(p)?,
+        Op::SgdUpdate(a) => plan_sgd(p, a)?,
+        Op::AdamUpdate(a) => plan_adam(p, a)?,
+        Op::LossScaleUpdate(a) => plan_loss_scale_update(p, a)?,
+        Op::LrSchedule(a) => plan_lr_schedule(p, a)?,
+        Op::SeededDropout(a) => plan_seeded_dropout(p, a)?,
         Op::ReluGrad => {
             let (dy, y, dx) = (p.input(0)?, p.input(1)?, p.output(0)?);
             let n = dx.numel() as u64;
@@ -452,6 +353,177 @@ pub(super) fn plan_train(p: &mut Planner) -> Result<(), String> {
         }
         _ => unreachable!("not a training op"),
     }
+    Ok(())
+}
+
+/// Whether every float input is finite: one launch for one tensor, or one over chunks of all of them.
+fn plan_all_finite(p: &mut Planner) -> Result<(), String> {
+    let f = p.output(0)?;
+    p.kernel("train", "train_all_finite_init".into(), [1, 1, 1], [1, 1, 1], vec![Arg::Ptr(buf(f))]);
+    let floats: Vec<&TensorRef> =
+        (0..p.l.inputs.len()).filter_map(|i| p.opt_input(i)).filter(|x| x.dtype.is_float() && x.numel() > 0).collect();
+    if let [x] = floats[..] {
+        let n = x.numel() as u64;
+        let args = vec![Arg::Ptr(buf(x)), Arg::I64(n as i64), Arg::Ptr(buf(f))];
+        p.flat("train", format!("train_all_finite_{}", float_tag(x.dtype)?), n, args);
+    } else if !floats.is_empty() {
+        // Every gradient in one launch: arrays of addresses, sizes and dtype codes.
+        let ptrs = p.aux(&vec![0u8; 8 * floats.len()]);
+        let Buf::Aux(at) = ptrs else { unreachable!("aux bytes") };
+        for (k, x) in floats.iter().enumerate() {
+            p.out.addresses.push((at + 8 * k as u64, buf(x)));
+        }
+        let sizes: Vec<u8> = floats.iter().flat_map(|x| (x.numel() as i64).to_le_bytes()).collect();
+        let codes: Vec<u8> =
+            floats.iter().map(|x| float_code(x.dtype).map(i32::to_le_bytes)).collect::<Result<Vec<_>, _>>()?.concat();
+        // Cut into chunks, one block each, so that every tensor, large or small, keeps
+        // the device busy (one block row per tensor left the largest few to a few blocks
+        // each).
+        let (sizes, codes) = (p.aux(&sizes), p.aux(&codes));
+        let numels: Vec<u64> = floats.iter().map(|x| x.numel() as u64).collect();
+        let (chunked, grid) = chunks(p, &numels);
+        let mut args = vec![Arg::Ptr(ptrs), Arg::Ptr(sizes), Arg::Ptr(codes)];
+        args.extend(chunked);
+        args.push(Arg::Ptr(buf(f)));
+        p.kernel("train", "train_all_finite_multi".into(), grid, [BLOCK, 1, 1], args);
+    }
+    Ok(())
+}
+
+/// One parameter's SGD step, with its velocity and, where given, its low-precision copy.
+fn plan_sgd(p: &mut Planner, a: &mpc_ir::ops::SgdAttrs) -> Result<(), String> {
+    let (param, grad, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
+    let vel = p.opt_input(3);
+    let out = p.output(0)?;
+    let n = param.numel() as u64;
+    let tags = update_tags("SgdUpdate", param.dtype, grad.dtype)?;
+    let inv = unscale_arg(p, 4, param.dtype)?;
+    let mut args = vec![
+        Arg::Ptr(buf(param)),
+        Arg::Ptr(buf(grad)),
+        inv,
+        Arg::Ptr(buf(finite)),
+        vel.map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
+        Arg::Ptr(buf(out)),
+        p.l.outputs.get(1).map_or(Arg::Null, |v| Arg::Ptr(buf(v))),
+        Arg::I64(n as i64),
+        Arg::F32(a.lr),
+        rate_arg(p, 6)?,
+        Arg::F32(a.momentum),
+        Arg::F32(a.weight_decay),
+        Arg::I32(a.nesterov as i32),
+    ];
+    args.extend(low_copy_args(p, 5, 1 + vel.is_some() as usize, param)?);
+    p.flat("train", format!("train_sgd_{tags}"), n, args);
+    Ok(())
+}
+
+/// One parameter's Adam(W) step, with its moments and, where given, its low-precision copy.
+fn plan_adam(p: &mut Planner, a: &mpc_ir::ops::AdamAttrs) -> Result<(), String> {
+    let ins: Vec<&TensorRef> = (0..6).map(|i| p.input(i)).collect::<Result<_, _>>()?;
+    let (param, grad, step) = (ins[0], ins[1], ins[4]);
+    if step.dtype != DType::I64 {
+        return Err(format!("AdamUpdate with a {} step", step.dtype));
+    }
+    let tags = update_tags("AdamUpdate", param.dtype, grad.dtype)?;
+    let n = param.numel() as u64;
+    let mut args = vec![Arg::Ptr(buf(param)), Arg::Ptr(buf(grad)), unscale_arg(p, 6, param.dtype)?];
+    args.extend(ins[2..].iter().map(|t| Arg::Ptr(buf(t))));
+    for i in 0..3 {
+        args.push(Arg::Ptr(buf(p.output(i)?)));
+    }
+    args.push(Arg::I64(n as i64));
+    args.extend(adam_hyper(a, rate_arg(p, 8)?));
+    args.extend(low_copy_args(p, 7, 3, param)?);
+    p.flat("train", format!("train_adam_{tags}"), n, args);
+    Ok(())
+}
+
+/// The dynamic loss scale: grown after `growth_interval` finite steps, backed off after one that is not.
+fn plan_loss_scale_update(p: &mut Planner, a: &mpc_ir::ops::LossScaleAttrs) -> Result<(), String> {
+    let (scale, good, finite) = (p.input(0)?, p.input(1)?, p.input(2)?);
+    if scale.dtype != DType::F32 || good.dtype != DType::I64 {
+        return Err(format!("LossScaleUpdate of a {} scale and {} count", scale.dtype, good.dtype));
+    }
+    let args = vec![
+        Arg::Ptr(buf(scale)),
+        Arg::Ptr(buf(good)),
+        Arg::Ptr(buf(finite)),
+        Arg::Ptr(buf(p.output(0)?)),
+        Arg::Ptr(buf(p.output(1)?)),
+        Arg::F32(a.growth_factor),
+        Arg::F32(a.backoff_factor),
+        Arg::I64(a.growth_interval),
+        Arg::F32(a.min_scale),
+        Arg::F32(a.max_scale),
+    ];
+    p.kernel("train", "train_loss_scale_update".into(), [1, 1, 1], [1, 1, 1], args);
+    Ok(())
+}
+
+/// The learning rate of the step, one thread computing the schedule's curve.
+fn plan_lr_schedule(p: &mut Planner, a: &mpc_ir::ops::LrScheduleAttrs) -> Result<(), String> {
+    let (step, peak, lr) = (p.input(0)?, p.input(1)?, p.output(0)?);
+    if step.dtype != DType::I64 || peak.dtype != DType::F32 {
+        return Err(format!("LrSchedule of a {} step and a {} rate", step.dtype, peak.dtype));
+    }
+    // The kernel's codes for the curves (kernels/train.cu, train_lr_schedule).
+    use mpc_ir::ops::LrKind;
+    let kind = match a.kind {
+        LrKind::Constant => 0,
+        LrKind::Linear => 1,
+        LrKind::Cosine => 2,
+        LrKind::Step => 3,
+        LrKind::OneCycle => 4,
+    };
+    let args = vec![
+        Arg::Ptr(buf(step)),
+        Arg::Ptr(buf(peak)),
+        Arg::Ptr(buf(lr)),
+        Arg::I32(kind),
+        Arg::I64(a.warmup),
+        Arg::I64(a.total),
+        Arg::F32(a.min_ratio),
+        Arg::F32(a.start_ratio),
+        Arg::I64(a.step_size),
+        Arg::F32(a.gamma),
+    ];
+    p.kernel("train", "train_lr_schedule".into(), [1, 1, 1], [1, 1, 1], args);
+    Ok(())
+}
+
+/// Dropout by a counter-based mask of `seed` and the step key, the ratio a constant, a host value or
+/// a device scalar (cast to f64 where it is not one).
+fn plan_seeded_dropout(p: &mut Planner, a: &mpc_ir::ops::SeedAttrs) -> Result<(), String> {
+    let (x, key, y) = (p.input(0)?, p.input(2)?, p.output(0)?);
+    let n = x.numel() as u64;
+    let (ratio_ptr, ratio) = match (p.opt_input(1), p.host(1)) {
+        (Some(r), _) => match (p.constant)(r) {
+            Some(v) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
+            None if r.dtype == DType::F64 => (Arg::Ptr(buf(r)), 0.5),
+            None => {
+                let w = p.work(8);
+                p.cast(r.dtype, DType::F64, buf(r), w, 1)?;
+                (Arg::Ptr(w), 0.5)
+            }
+        },
+        (None, Some(v)) => (Arg::Null, v.f64s().first().copied().unwrap_or(0.5)),
+        _ => (Arg::Null, 0.5),
+    };
+    if !(0.0..1.0).contains(&ratio) {
+        return Err(format!("a dropout ratio of {ratio}, outside [0, 1)"));
+    }
+    let args = vec![
+        Arg::Ptr(buf(x)),
+        Arg::Ptr(buf(key)),
+        ratio_ptr,
+        Arg::Ptr(buf(y)),
+        p.l.outputs.get(1).map_or(Arg::Null, |m| Arg::Ptr(buf(m))),
+        Arg::I64(n as i64),
+        Arg::I64(a.seed),
+        Arg::F64(ratio),
+    ];
+    p.flat("train", format!("train_seeded_dropout_{}", float_tag(x.dtype)?), n, args);
     Ok(())
 }
 
