@@ -22,6 +22,70 @@ fn training_graph_snapshots() {
     }
 }
 
+/// What each pass of the training pipeline does to the CNN and the transformer, as a diff of the
+/// graph before and after it: the precision pass's colouring, the loss scale, the backward graph,
+/// the optimizer and each cleanup, one snapshot per pass that changes the graph (the CNN's casts
+/// need no cleanup).
+#[test]
+fn each_training_pass_as_a_diff() {
+    let passes = mpc_passes::PassManager::pipeline(mpc_passes::Pipeline::Training).pass_names();
+    for name in ["cnn_bn", "transformer"] {
+        let path = fixture(name);
+        let mut g = mpc::load(&path).unwrap();
+        let mut before = by_name(&mpc_ir::text::to_summary(&g).unwrap());
+        let opts = Options {
+            dump_after: passes.iter().map(|p| p.to_string()).collect(),
+            ..options("mixed", TrainOptions::default())
+        };
+        let mut diffs = Vec::new();
+        mpc::compile(&mut g, &path, &opts, &mut |pass, g| {
+            let after = by_name(&mpc_ir::text::to_summary(g).unwrap());
+            if after != before {
+                let diff = similar::TextDiff::from_lines(&before, &after);
+                diffs.push((pass.to_string(), diff.unified_diff().context_radius(1).to_string()));
+                before = after;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let changed: Vec<&str> = diffs.iter().map(|(p, _)| p.as_str()).collect();
+        for pass in ["precision", "loss-scale", "autodiff", "optimizer"] {
+            assert!(changed.contains(&pass), "{name}: {pass} changed nothing ({changed:?})");
+        }
+        for (i, (pass, diff)) in diffs.iter().enumerate() {
+            settings().bind(|| insta::assert_snapshot!(format!("pass-{name}__{i:02}-{pass}"), diff));
+        }
+    }
+}
+
+/// A summary whose values are called by their names (`%conv1_out`) instead of their numbers,
+/// which every added value shifts: a pass's diff shows the lines it changed, not a renumbering.
+fn by_name(summary: &str) -> String {
+    // `%12 "name"` declares; `%12` refers.
+    let number = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let mut names = std::collections::HashMap::new();
+    for part in summary.split('%').skip(1) {
+        let n = number(part);
+        if let Some(rest) = part[n..].strip_prefix(" \"") {
+            let name = &rest[..rest.find('"').unwrap_or(rest.len())];
+            names.insert(&part[..n], name);
+        }
+    }
+    let mut parts = summary.split('%');
+    let mut out = parts.next().unwrap_or_default().to_string();
+    for part in parts {
+        let n = number(part);
+        match names.get(&part[..n]) {
+            Some(name) => {
+                let rest = &part[n..];
+                let rest = rest.strip_prefix(&format!(" \"{name}\"")).unwrap_or(rest);
+                out += &format!("%{name}{rest}");
+            }
+            None => out += &format!("%{part}"),
+        }
+    }
+    out
+}
+
 /// A convolution's gradient computes its bias's only where the convolution has one: ConvGrad
 /// has two outputs (dX, dW) for a Conv without a bias (a ResNet's, before each batch norm), no
 /// sum over dY that nothing reads, and three where the bias trains.
