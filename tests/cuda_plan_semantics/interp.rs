@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use mpc_ir::ops::Unary;
 use mpc_ir::DType;
 use mpc_runtime::cuda::plan::{Arg, Buf, Call, Kernel, LaunchPlan, Window3};
 use mpc_runtime::program::Region;
@@ -145,7 +146,7 @@ pub(crate) fn interpretable(k: &Kernel) -> bool {
         .iter()
         .any(|r| k.name.starts_with(&format!("reduce_{r}_rows_")) || k.name.starts_with(&format!("reduce_{r}_cols_")))
         || split_reduce(&k.name).is_some();
-    let unary = UNARY.contains(&elementwise_op(&k.name)) && k.args.len() == 5;
+    let unary = unary_kernel(k).is_some();
     let binary = BINARY.contains(&elementwise_op(&k.name)) && k.args.len() == 8;
     reduce
         || unary
@@ -180,20 +181,13 @@ pub(crate) fn elementwise_op(name: &str) -> &str {
     }
 }
 
-pub(crate) const UNARY: [&str; 12] = [
-    "relu",
-    "exp",
-    "neg",
-    "sqrt",
-    "tanh",
-    "sigmoid",
-    "reciprocal",
-    "erf",
-    "gelu",
-    "gelu_tanh",
-    "hard_swish",
-    "hard_sigmoid",
-];
+/// The unary op of an `elementwise_<op>_<tag>` kernel of five arguments (x, y, n and the two
+/// parameters), as mpc-ir describes it.
+pub(crate) fn unary_kernel(k: &Kernel) -> Option<Unary> {
+    let op = elementwise_op(&k.name);
+    Unary::all().find(|u| u.name() == op).filter(|_| k.args.len() == 5)
+}
+
 pub(crate) const BINARY: [&str; 7] = ["add", "sub", "mul", "div", "max", "min", "pow"];
 
 /// A fused chain's kernel: each input read at the offsets its strides give, the steps run with
@@ -401,28 +395,13 @@ pub(crate) fn run_kernel(m: &mut Memory, k: &Kernel) {
             }
             m.set(db, ch, d, s);
         }
-    } else if let Some(op) = UNARY.iter().find(|&&u| u == elementwise_op(&k.name) && k.args.len() == 5) {
+    } else if let Some(u) = unary_kernel(k) {
         let d = dtype_of(tag);
         let (x, y, n) = (ptr(&a[0]), ptr(&a[1]), int(&a[2]));
+        let params = [f32_of(&a[3]) as f32, f32_of(&a[4]) as f32];
         for i in 0..n {
             let v = m.get(x, i, d);
-            let r = match *op {
-                "relu" => v.max(0.0),
-                "exp" => v.exp(),
-                "neg" => -v,
-                "sqrt" => v.sqrt(),
-                "tanh" => v.tanh(),
-                "reciprocal" => 1.0 / v,
-                "erf" => erf(v),
-                "gelu" => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
-                "gelu_tanh" => {
-                    0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
-                }
-                "hard_swish" => v * (v / 6.0 + 0.5).clamp(0.0, 1.0),
-                "hard_sigmoid" => (f32_of(&a[3]) * v + f32_of(&a[4])).clamp(0.0, 1.0),
-                _ => 1.0 / (1.0 + (-v).exp()),
-            };
-            m.set(y, i, d, r);
+            m.set(y, i, d, u.eval(params, v));
         }
     } else if k.name.starts_with("casts_") {
         let (from, to) = k.name["casts_".len()..].split_once("_to_").unwrap();
